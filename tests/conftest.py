@@ -1,0 +1,40 @@
+"""Shared fixtures. AWS is always moto over real HTTP on 127.0.0.1, never hand-written stubs."""
+
+import os
+import socket
+
+import pytest
+
+# No test may reach a real AWS endpoint or pick up a developer's credentials.
+os.environ.update(
+    AWS_ACCESS_KEY_ID="testing",
+    AWS_SECRET_ACCESS_KEY="testing",
+    AWS_SESSION_TOKEN="testing",
+    AWS_DEFAULT_REGION="us-east-1",
+    AWS_REGION="us-east-1",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """A plain moto server (S3 and friends) over HTTP; separate processes reach it too."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    previous = os.environ.get("AWS_ENDPOINT_URL")
+    os.environ["AWS_ENDPOINT_URL"] = url
+    yield url
+    server.stop()
+    if previous is None:
+        os.environ.pop("AWS_ENDPOINT_URL", None)
+    else:
+        os.environ["AWS_ENDPOINT_URL"] = previous
