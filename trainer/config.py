@@ -1,0 +1,323 @@
+"""The trainer's one config object.
+
+Precedence: command line > config file (TOML or YAML) > the defaults below.
+
+    config = load_config(["--config", "trainer/configs/small.toml", "--parallel.pp=2", "--training.steps", "50"])
+
+Every field has a docstring; `JobConfig.validate()` refuses combinations that cannot run, naming
+the field, before any process group work. `check_world_size()` checks the launch against the layout.
+"""
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from trainer import tokenizer
+from trainer.parallel_dims import SCHEDULES, schedule_problem
+
+
+class ConfigError(ValueError):
+    """A config value or combination that cannot run; the message names the field."""
+
+
+@dataclass
+class ModelConfig:
+    n_layers: int = 8
+    """Transformer blocks."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_heads: int = 4
+    """Attention heads; must divide d_model."""
+    vocab_size: int = tokenizer.VOCAB_SIZE
+    """Embedding rows; at least the tokenizer's vocabulary (257 for bytes + end of document)."""
+    seq_len: int = 128
+    """Tokens per training sequence (and rows of the position embedding)."""
+    mlp_ratio: int = 4
+    """Hidden width of the MLP as a multiple of d_model."""
+    tie_embeddings: bool = False
+    """Use the token embedding as the output head. Needs the embedding and the head in one process (pp=1)."""
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1
+    """Pipeline-parallel degree (ranks per pipeline)."""
+    dp: int = 1
+    """Data-parallel degree (pipeline replicas); world size must be pp * dp."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: one of trainer.parallel_dims.SCHEDULES (gpipe, 1f1b, interleaved-1f1b, ...)."""
+    microbatches: int = 4
+    """Microbatches per step per replica; must divide the replica's batch."""
+    stages_per_rank: int = 0
+    """Stages (virtual stages) each pipeline rank holds; 0 = what the schedule needs (1 or 2)."""
+    layers_per_stage: list[int] = field(default_factory=list)
+    """Layers of each stage in order, overriding the split balanced by parameter count; empty = balanced."""
+    timeout_s: float = 300.0
+    """Process-group timeout: a hung peer fails the job after this long instead of the 30-minute default."""
+
+    def resolved_stages_per_rank(self) -> int:
+        return self.stages_per_rank or SCHEDULES[self.schedule].stages_per_rank
+
+    def n_stages(self) -> int:
+        return self.pp * self.resolved_stages_per_rank() if self.pp > 1 else 1
+
+
+@dataclass
+class DataConfig:
+    shards: str = "runs/data/stdlib-bytes"
+    """Where the token shards live: a local directory or s3://bucket/prefix. Built there from the corpus if absent."""
+    cache_dir: str = "runs/data/cache"
+    """Local directory that S3 shards are downloaded into."""
+    corpus_bytes: int = 4_000_000
+    """Bytes of text taken from the corpus (the Python standard library's own source, in a fixed order)."""
+    shard_tokens: int = 1_000_000
+    """Tokens per shard file (uint16 each)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate of AdamW, reached at the end of warmup."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = 10
+    """Steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not to biases, norms or embeddings)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over all stages) to this; 0 disables clipping."""
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100
+    """Optimizer steps to train."""
+    batch_size: int = 16
+    """Sequences per step over all data-parallel replicas (the global batch)."""
+    seed: int = 0
+    """Seeds weight init, the data order and the RNGs; the same seed gives the same run at any pp x dp."""
+    device: str = "auto"
+    """cpu, cuda or auto (cuda when available). Compute is bf16 on CUDA, fp32 on CPU."""
+    threads: int = 0
+    """CPU threads per rank for intra-op work; 0 leaves torch's default."""
+    metrics_file: str = "runs/metrics.jsonl"
+    """One JSON line per step is appended here (written by global rank 0)."""
+
+
+@dataclass
+class CheckpointConfig:
+    uri: str = ""
+    """Where checkpoints go: a local directory or s3://bucket/prefix; empty = no checkpoints."""
+    interval: int = 100
+    """Steps between saves."""
+    keep_last: int = 3
+    """Committed checkpoints kept; older ones are deleted."""
+    resume: str = "none"
+    """none, latest, or a step number to resume from."""
+    async_save: bool = True
+    """Save in the background so training is not stalled by storage."""
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The network."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Pipeline and data parallel layout."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus and token shards."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Steps, batch, seed, device, logging."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming the training state."""
+
+    def validate(self) -> "JobConfig":
+        """Raise ConfigError naming the first field that cannot work; return self."""
+        for problem in _problems(self):
+            raise ConfigError(problem)
+        return self
+
+
+def _problems(c: JobConfig):
+    """Yield one message per invalid value or combination, in the order a reader meets them."""
+    m, p, t, o, k = c.model, c.parallel, c.training, c.optim, c.checkpoint
+    for section in (m, p, c.data, t):
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if f.type is int and f.name not in ("seed", "threads", "stages_per_rank") and value < 1:
+                yield f"{_name(section)}.{f.name} must be >= 1, got {value}"
+    if t.threads < 0 or p.stages_per_rank < 0:
+        yield f"training.threads and parallel.stages_per_rank must be >= 0, got {t.threads}, {p.stages_per_rank}"
+    if m.d_model % m.n_heads:
+        yield f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}"
+    if m.vocab_size < tokenizer.VOCAB_SIZE:
+        yield f"model.vocab_size={m.vocab_size} is below the tokenizer's vocabulary ({tokenizer.VOCAB_SIZE})"
+    if p.schedule not in SCHEDULES:
+        yield f"parallel.schedule={p.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}"
+        return
+    if p.timeout_s <= 0:
+        yield f"parallel.timeout_s must be > 0, got {p.timeout_s}"
+    n_stages = p.n_stages()
+    if n_stages > m.n_layers:
+        yield (f"{n_stages} pipeline stages (parallel.pp={p.pp} x {p.resolved_stages_per_rank()} per rank) "
+               f"need at least as many layers, but model.n_layers={m.n_layers}")
+    if p.layers_per_stage and (len(p.layers_per_stage) != n_stages or sum(p.layers_per_stage) != m.n_layers
+                               or min(p.layers_per_stage) < 1):
+        yield (f"parallel.layers_per_stage={p.layers_per_stage} must list {n_stages} stages of >= 1 layer "
+               f"adding up to model.n_layers={m.n_layers}")
+    if t.batch_size % p.dp:
+        yield f"training.batch_size={t.batch_size} must be divisible by parallel.dp={p.dp}"
+    elif (t.batch_size // p.dp) % p.microbatches:
+        yield (f"parallel.microbatches={p.microbatches} must divide the per-replica batch "
+               f"(training.batch_size / parallel.dp = {t.batch_size // p.dp})")
+    if p.pp > 1:
+        problem = schedule_problem(p.schedule, p.pp, p.resolved_stages_per_rank(), p.microbatches)
+        if problem:
+            yield problem
+        if m.tie_embeddings:
+            yield "model.tie_embeddings=true needs the embedding and the head in one process: use parallel.pp=1"
+    if t.device not in ("auto", "cpu", "cuda"):
+        yield f"training.device={t.device!r} must be auto, cpu or cuda"
+    if o.lr <= 0 or not 0 <= o.min_lr_ratio <= 1:
+        yield f"optim.lr must be > 0 and optim.min_lr_ratio in [0, 1], got {o.lr}, {o.min_lr_ratio}"
+    if not 0 <= o.warmup_steps <= t.steps:
+        yield f"optim.warmup_steps={o.warmup_steps} must be between 0 and training.steps={t.steps}"
+    if o.grad_clip < 0 or o.weight_decay < 0:
+        yield f"optim.grad_clip and optim.weight_decay must be >= 0, got {o.grad_clip}, {o.weight_decay}"
+    if k.interval < 1 or k.keep_last < 1:
+        yield f"checkpoint.interval and checkpoint.keep_last must be >= 1, got {k.interval}, {k.keep_last}"
+    if k.resume not in ("none", "latest") and not k.resume.isdigit():
+        yield f"checkpoint.resume={k.resume!r} must be none, latest or a step number"
+    if k.uri.startswith("s3://") and not k.uri[len("s3://"):].split("/")[0]:
+        yield f"checkpoint.uri={k.uri!r} names no bucket"
+    if k.resume != "none" and not k.uri:
+        yield f"checkpoint.resume={k.resume!r} needs checkpoint.uri"
+    if k.async_save and k.keep_last == 1:
+        # The only committed checkpoint would be pruned while the next one may still be saving.
+        yield "checkpoint.keep_last=1 with checkpoint.async_save=true could leave no complete checkpoint; keep 2+"
+
+
+def check_world_size(config: JobConfig, world_size: int) -> None:
+    """The launch must have exactly one process per (pp, dp) position."""
+    p = config.parallel
+    if world_size != p.pp * p.dp:
+        raise ConfigError(f"world size {world_size} != parallel.pp x parallel.dp = {p.pp} x {p.dp} = {p.pp * p.dp}; "
+                          f"launch {p.pp * p.dp} processes or change the layout")
+
+
+def _name(section) -> str:
+    for f in dataclasses.fields(JobConfig):
+        if isinstance(section, f.type):
+            return f.name
+    raise TypeError(section)
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """Defaults, then `--config FILE` (.toml, .yaml, .yml), then `--section.field=value` overrides; validated."""
+    args = list(argv)
+    file_path = _pop_option(args, "config")
+    config = JobConfig()
+    if file_path:
+        _apply(config, _read_file(Path(file_path)), source=file_path)
+    _apply(config, _parse_overrides(args), source="command line")
+    return config.validate()
+
+
+def _pop_option(args: list[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == f"--{name}":
+            if i + 1 == len(args):
+                raise ConfigError(f"--{name} needs a value")
+            value = args[i + 1]
+            del args[i:i + 2]
+            return value
+        if arg.startswith(f"--{name}="):
+            del args[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _read_file(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    if path.suffix == ".toml":
+        data = tomllib.loads(text)
+    elif path.suffix in (".yaml", ".yml"):
+        data = yaml.safe_load(text) or {}
+    else:
+        raise ConfigError(f"config file {path} must end in .toml, .yaml or .yml")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold sections of fields")
+    return data
+
+
+def _parse_overrides(args: list[str]) -> dict:
+    """["--a.b=1", "--c.d", "2"] -> {"a": {"b": "1"}, "c": {"d": "2"}}; values stay strings until typed."""
+    nested: dict[str, dict] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.field=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        elif i + 1 < len(args):
+            key, value = arg[2:], args[i + 1]
+            i += 2
+        else:
+            raise ConfigError(f"{arg} needs a value")
+        section, name = key.split(".", 1)
+        nested.setdefault(section, {})[name] = value
+    return nested
+
+
+def _apply(config: JobConfig, values: dict, source: str) -> None:
+    sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    for section_name, fields_ in values.items():
+        if section_name not in sections or not isinstance(fields_, dict):
+            raise ConfigError(f"{source}: unknown config section {section_name!r}; known: {sorted(sections)}")
+        section = sections[section_name]
+        known = {f.name: f for f in dataclasses.fields(section)}
+        for name, raw in fields_.items():
+            if name not in known:
+                raise ConfigError(f"{source}: unknown field {section_name}.{name}; known: {sorted(known)}")
+            setattr(section, name, _coerce(raw, known[name].type, f"{section_name}.{name}", source))
+
+
+def _coerce(raw, annotation, field_name: str, source: str):
+    """A file value or command-line string as the field's type, or a ConfigError naming the field."""
+    try:
+        if typing.get_origin(annotation) is list:
+            (item_type,) = typing.get_args(annotation)
+            items = [s for s in raw.split(",") if s.strip()] if isinstance(raw, str) else raw
+            return [_coerce(item, item_type, field_name, source) for item in items]
+        if annotation is bool:
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("true", "1", "yes"):
+                return True
+            if str(raw).lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if isinstance(raw, bool) or (annotation is int and isinstance(raw, float)):
+            raise ValueError
+        if annotation is str:
+            return str(raw)
+        return annotation(raw)
+    except (ValueError, TypeError, AttributeError):
+        type_name = getattr(annotation, "__name__", str(annotation))
+        raise ConfigError(f"{source}: {field_name}={raw!r} is not a valid {type_name}") from None

@@ -1,0 +1,112 @@
+"""A GPT-style decoder LM, buildable whole or as one pipeline stage.
+
+Layers live in a ModuleDict keyed by their global index and parts a stage lacks are None, so a
+stage's parameter names are exactly the full model's (`layers.5.attn.qkv.weight`), which is what
+lets a checkpoint saved at one pipeline split load into another.
+"""
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ModelConfig
+
+INIT_STD = 0.02
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)  # each (B, T, C)
+        q, k, v = (t.view(batch, seq, self.n_heads, width // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp_norm = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """The whole model by default; with `layers`, `first` and `last`, one pipeline stage of it.
+
+    The first stage takes token ids (B, T) and embeds them; the others take the residual stream
+    (B, T, C). The last stage returns logits (B, T, vocab); the others the residual stream.
+    """
+
+    def __init__(self, cfg: ModelConfig, layers: range | None = None, first: bool = True, last: bool = True):
+        super().__init__()
+        layers = range(cfg.n_layers) if layers is None else layers
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model) if first else None
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if first else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in layers})
+        self.norm = nn.LayerNorm(cfg.d_model) if last else None
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if last and not cfg.tie_embeddings else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Mixed precision on CUDA (bf16 matmuls, fp32 weights and norms); plain fp32 on CPU.
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
+            if self.tok_emb is not None:
+                positions = torch.arange(x.shape[1], device=x.device)
+                x = self.tok_emb(x) + self.pos_emb(positions)  # (B, T, C)
+            for layer in self.layers.values():
+                x = layer(x)
+            if self.norm is None:
+                return x
+            x = self.norm(x)
+            weight = self.head.weight if self.head is not None else self.tok_emb.weight
+            return F.linear(x, weight)  # (B, T, vocab)
+
+
+def init_weights(model: nn.Module, seed: int, n_layers: int) -> None:
+    """Initialise every parameter from a generator seeded by (seed, its full name).
+
+    A parameter gets the same values whichever stage, rank or split it lands in, so a pipeline
+    run starts from exactly the single-process model without any rank building the whole of it.
+    Output projections are scaled down by depth (GPT-2's residual scaling).
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if name.endswith("norm.weight"):
+                values = torch.ones(param.shape)
+            elif name.endswith("bias"):
+                values = torch.zeros(param.shape)
+            else:
+                std = INIT_STD / (2 * n_layers) ** 0.5 if name.endswith("proj.weight") else INIT_STD
+                values = torch.randn(param.shape, generator=generator) * std
+            param.copy_(values)
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss over all positions; logits (B, T, vocab), targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

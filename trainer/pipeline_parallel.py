@@ -1,0 +1,107 @@
+"""Pipeline parallelism: this rank's stages of the GPT and the schedule that drives them.
+
+Each rank builds only its own stages (a contiguous layer range each; the embedding on stage 0,
+norm + head + loss on the last) straight from the config, and hands them to a
+torch.distributed.pipelining schedule chosen by name. With pp=1 the same interface runs the
+microbatches one after another in one process, which is the reference the pipeline must match.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from trainer.config import JobConfig, ModelConfig
+from trainer.model import GPT, cross_entropy_loss, init_weights
+from trainer.parallel_dims import SCHEDULES, layer_ranges, schedule_class, split_layers, stage_ids
+
+__all__ = ["Pipeline", "build_pipeline"]
+
+
+@dataclass
+class Pipeline:
+    """This rank's model parts and how to run forward + backward over one batch."""
+
+    model_parts: list[nn.Module]
+    """The stages this rank holds, in stage order (the whole model when pp=1)."""
+    stage_ids: list[int]
+    """Global index of each part's stage."""
+    n_stages: int
+    """Stages in the whole pipeline."""
+    microbatches: int
+    """Microbatches per step."""
+    schedule: object | None
+    """The torch.distributed.pipelining schedule; None when pp=1."""
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Accumulate gradients of the mean loss over the batch; return that loss where this rank computes it.
+
+        Gradients come out as those of the batch mean: each microbatch's mean loss contributes 1/m.
+        """
+        if self.schedule is None:
+            return self._accumulate_locally(inputs, targets)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first_stage else ()
+        if self.has_last_stage:
+            self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+            return torch.stack(losses).mean().detach()
+        self.schedule.step(*args, return_outputs=False)
+        return None
+
+    def _accumulate_locally(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        (model,) = self.model_parts
+        losses = []
+        for x, y in zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches)):
+            loss = cross_entropy_loss(model(x), y)
+            (loss / self.microbatches).backward()
+            losses.append(loss.detach())
+        return torch.stack(losses).mean()
+
+
+def _layers_per_stage(cfg: ModelConfig, n_stages: int, override: list[int]) -> list[int]:
+    if override:
+        return override
+    block_params = sum(p.numel() for p in GPT(cfg, range(1), first=False, last=False).parameters())
+    embed_params = (cfg.vocab_size + cfg.seq_len) * cfg.d_model
+    head_params = 2 * cfg.d_model + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    return split_layers(block_params, cfg.n_layers, embed_params, head_params, n_stages)
+
+
+def _build_part(cfg: JobConfig, layers: range, first: bool, last: bool, device: torch.device) -> nn.Module:
+    # Built on the meta device and materialised in place, so no rank ever allocates layers it does not own.
+    with torch.device("meta"):
+        part = GPT(cfg.model, layers, first=first, last=last)
+    part.to_empty(device=device)
+    init_weights(part, cfg.training.seed, cfg.model.n_layers)
+    return part
+
+
+def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0,
+                   pp_group: dist.ProcessGroup | None = None) -> Pipeline:
+    """This rank's stages and schedule for cfg.parallel (the whole model, unscheduled, when pp=1)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        model = _build_part(cfg, range(cfg.model.n_layers), True, True, device)
+        return Pipeline([model], [0], 1, p.microbatches, schedule=None)
+
+    spec = SCHEDULES[p.schedule]
+    n_stages = p.n_stages()
+    ranges = layer_ranges(_layers_per_stage(cfg.model, n_stages, p.layers_per_stage))
+    ids = stage_ids(pp_rank, p.pp, p.resolved_stages_per_rank(), spec.placement)
+    parts = [_build_part(cfg, ranges[s], s == 0, s == n_stages - 1, device) for s in ids]
+    stages = [PipelineStage(part, s, n_stages, device, group=pp_group) for part, s in zip(parts, ids)]
+    if spec.placement == "single":
+        schedule = schedule_class(p.schedule)(stages[0], p.microbatches, loss_fn=cross_entropy_loss)
+    else:
+        schedule = schedule_class(p.schedule)(stages, p.microbatches, loss_fn=cross_entropy_loss)
+    return Pipeline(parts, ids, n_stages, p.microbatches, schedule)

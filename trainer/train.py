@@ -1,0 +1,293 @@
+"""Train the GPT with pipeline x data parallelism.
+
+    python -m trainer.train --config trainer/configs/small.toml                     # one process
+    torchrun --nproc-per-node 2 -m trainer.train --config trainer/configs/small.toml --parallel.pp=2
+    torchrun --nproc-per-node 4 -m trainer.train --config trainer/configs/small.toml \\
+        --parallel.pp=2 --parallel.dp=2 --parallel.schedule=interleaved-1f1b
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m trainer.train --config FILE --parallel.pp=8 --parallel.dp=2
+
+Precedence: command line > config file > defaults (trainer/config.py). Use `--section.field=value`
+for overrides: a bare prefix of a torchrun option (e.g. `--d`) is taken by torchrun.
+"""
+
+import contextlib
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import init_device_mesh
+from torch.optim.lr_scheduler import LambdaLR
+
+from trainer.config import ConfigError, JobConfig, OptimConfig, check_world_size, load_config
+from trainer.data import DataLoader, load_tokens
+from trainer.parallel_dims import RankPosition
+from trainer.pipeline_parallel import Pipeline, build_pipeline
+
+_STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; training stops rather than corrupt the weights further."""
+
+
+@dataclass
+class DistributedEnv:
+    """This process's place in the job and the groups it talks over (None when alone)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    position: RankPosition
+    pp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+
+
+class TrainState(Stateful):
+    """Everything a resumed run needs, as a state dict keyed by the full model's parameter names.
+
+    model:        {"layers.3.mlp.fc.weight": tensor, ...} for the parts this rank holds
+    optimizer:    flattened AdamW state, {"state.layers.3.mlp.fc.weight.exp_avg": tensor,
+                  "param_groups.layers.3.mlp.fc.weight.lr": 0.003, ...}
+    lr_scheduler, sampler, step: identical on every rank, so any world size can load them
+    rng:          the torch RNG state; every rank seeds and draws alike, so it too is identical
+    With these names torch.distributed.checkpoint saves at one pp x dp and loads at another.
+    """
+
+    def __init__(self, pipeline: Pipeline, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[LambdaLR],
+                 loader: DataLoader):
+        self.pipeline, self.optimizers, self.lr_schedulers, self.loader = pipeline, optimizers, lr_schedulers, loader
+        self.step = 0
+        """Optimizer steps taken so far."""
+
+    def state_dict(self) -> dict:
+        model, optimizer = {}, {}
+        for part, opt in zip(self.pipeline.model_parts, self.optimizers):
+            part_model, part_optimizer = get_state_dict(part, opt, options=_STATE_DICT_OPTIONS)
+            model.update(part_model)
+            optimizer.update(part_optimizer)
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return {"model": model, "optimizer": optimizer, "lr_scheduler": self.lr_schedulers[0].state_dict(),
+                "sampler": self.loader.sampler.state_dict(), "rng": rng, "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        for part, opt in zip(self.pipeline.model_parts, self.optimizers):
+            own_keys = get_model_state_dict(part).keys()
+            set_model_state_dict(part, {k: state["model"][k] for k in own_keys}, options=_STATE_DICT_OPTIONS)
+            # Entries of other parts are ignored: the optimizer looks up its own parameters by name.
+            set_optimizer_state_dict(part, opt, state["optimizer"], options=_STATE_DICT_OPTIONS)
+        for scheduler in self.lr_schedulers:
+            scheduler.load_state_dict(state["lr_scheduler"])
+        self.loader.sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["rng"]["cuda"])
+        self.step = int(state["step"])
+
+
+def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Multiplier of optim.lr at a 0-based step: linear warmup to 1, then cosine down to min_lr_ratio."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_optimizer(part: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    # Matrices decay; biases, norms and embeddings do not (embeddings are lookups, not projections).
+    decay = [p for n, p in part.named_parameters() if p.dim() >= 2 and "emb" not in n]
+    no_decay = [p for n, p in part.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             eps=cfg.eps)
+
+
+@contextlib.contextmanager
+def distributed(cfg: JobConfig):
+    """Start the process group for a torchrun launch (none for one process) and tear it down after."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world_size(cfg, world_size)
+    device = _device(cfg)
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    try:
+        yield environment(cfg, device)
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
+
+
+def _device(cfg: JobConfig) -> torch.device:
+    wanted = cfg.training.device
+    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def environment(cfg: JobConfig, device: torch.device) -> DistributedEnv:
+    """Groups for cfg's layout over the already started process group (or none for one process)."""
+    if not dist.is_initialized():
+        return DistributedEnv(0, 1, device, RankPosition(0, 0), None, None)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    check_world_size(cfg, world_size)
+    mesh = init_device_mesh(device.type, (cfg.parallel.dp, cfg.parallel.pp), mesh_dim_names=("dp", "pp"))
+    return DistributedEnv(rank, world_size, device, RankPosition.of(rank, cfg.parallel.pp),
+                          mesh.get_group("pp"), mesh.get_group("dp"))
+
+
+def average_gradients_over_replicas(parts: list[torch.nn.Module], dp_group: dist.ProcessGroup, dp: int) -> None:
+    """One all-reduce per part over its flattened gradients, after the whole schedule ran.
+
+    Done here rather than by DDP inside the stages so that it is the same for every schedule,
+    including the zero-bubble ones that split backward into input and weight halves.
+    """
+    for part in parts:
+        grads = [p.grad for p in part.parameters()]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, group=dp_group)
+        flat /= dp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def clip_gradients(parts: list[torch.nn.Module], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
+    """Scale all gradients so their global norm over every stage is at most max_norm; return the norm before."""
+    grads = [p.grad for part in parts for p in part.parameters()]
+    squares = torch.stack([g.pow(2).sum() for g in grads]).sum()
+    if pp_group is not None:
+        dist.all_reduce(squares, group=pp_group)
+    norm = squares.sqrt()
+    if max_norm > 0:
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm.item()
+
+
+@dataclass
+class Run:
+    """What one rank trains with."""
+
+    config: JobConfig
+    env: DistributedEnv
+    pipeline: Pipeline
+    state: TrainState
+
+    def log(self, metrics: dict) -> None:
+        if self.env.rank != 0:
+            return
+        print(f"step {metrics['step']:5d} | loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:8.0f} tok/s | "
+              f"{metrics['step_time_s']:.3f} s/step | lr {metrics['lr']:.2e}", flush=True)
+        path = Path(self.config.training.metrics_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as out:
+            out.write(json.dumps(metrics) + "\n")
+
+
+def build(cfg: JobConfig, env: DistributedEnv) -> Run:
+    torch.manual_seed(cfg.training.seed)
+    if cfg.training.threads:
+        torch.set_num_threads(cfg.training.threads)
+    pipeline = build_pipeline(cfg, env.device, env.position.pp_index, env.pp_group)
+    optimizers = [build_optimizer(part, cfg.optim) for part in pipeline.model_parts]
+    schedulers = [LambdaLR(opt, lambda step: lr_factor(step, cfg.optim, cfg.training.steps)) for opt in optimizers]
+    loader = DataLoader(load_tokens(cfg.data), cfg.model.seq_len, cfg.training.batch_size, cfg.parallel.dp,
+                        env.position.dp_index, cfg.training.seed)
+    return Run(cfg, env, pipeline, TrainState(pipeline, optimizers, schedulers, loader))
+
+
+def train_step(run: Run) -> dict:
+    """One optimizer step over one global batch; every rank returns the same metrics."""
+    cfg, env, state = run.config, run.env, run.state
+    started = time.perf_counter()
+    inputs, targets = (t.to(env.device) for t in state.loader.next_batch())
+    for opt in state.optimizers:
+        opt.zero_grad()
+    loss = run.pipeline.forward_backward(inputs, targets)
+    if cfg.parallel.dp > 1:
+        average_gradients_over_replicas(run.pipeline.model_parts, env.dp_group, cfg.parallel.dp)
+    grad_norm = clip_gradients(run.pipeline.model_parts, cfg.optim.grad_clip, env.pp_group)
+    loss = _mean_loss_everywhere(loss, env, cfg.parallel.dp)
+    if not math.isfinite(loss):
+        raise NonFiniteLossError(f"step {state.step + 1}: loss is {loss} (grad norm {grad_norm}); stopping "
+                                 f"before the optimizer applies it. Lower optim.lr or check the data.")
+    lr = state.lr_schedulers[0].get_last_lr()[0]
+    for opt, scheduler in zip(state.optimizers, state.lr_schedulers):
+        opt.step()
+        scheduler.step()
+    state.step += 1
+    step_time = time.perf_counter() - started
+    tokens = cfg.training.batch_size * cfg.model.seq_len
+    return {"step": state.step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time_s": step_time,
+            "tokens_per_s": tokens / step_time}
+
+
+def _mean_loss_everywhere(loss: torch.Tensor | None, env: DistributedEnv, dp: int) -> float:
+    """The batch loss, on every rank: from the last stage of each replica, averaged over replicas."""
+    if env.world_size == 1:
+        return loss.item()
+    total = loss.to(torch.float32) if loss is not None else torch.zeros((), device=env.device)
+    dist.all_reduce(total)
+    return total.item() / dp
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
+
+
+def train(cfg: JobConfig, env: DistributedEnv) -> list[dict]:
+    """Build, train cfg.training.steps steps, return each step's metrics."""
+    run = build(cfg, env)
+    # Checkpointing hooks in here: resume the state before the loop,
+    # offer each finished step for saving, close (wait for pending saves) at the end.
+    history = []
+    while run.state.step < cfg.training.steps:
+        metrics = train_step(run)
+        run.log(metrics)
+        history.append(metrics)
+    _report_peak_memory(run)
+    return history
+
+
+def _report_peak_memory(run: Run) -> None:
+    peak = peak_memory_mib(run.env.device)
+    peaks = [peak]
+    if run.env.world_size > 1:
+        peaks = [None] * run.env.world_size
+        dist.all_gather_object(peaks, peak)
+    if run.env.rank == 0:
+        print("peak memory per rank (MiB): " + ", ".join(f"{r}: {m:.0f}" for r, m in enumerate(peaks)), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(sys.argv[1:] if argv is None else argv)
+        check_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    with distributed(cfg) as env:
+        train(cfg, env)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
