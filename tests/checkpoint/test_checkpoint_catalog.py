@@ -1,0 +1,140 @@
+"""The commit protocol without torch: markers, verification, discovery, retention."""
+
+import subprocess
+import sys
+
+import pytest
+
+from trainer import checkpoint_catalog as catalog
+from trainer.checkpoint_catalog import CheckpointInvalid, CommitConflict, Manifest, StoredFile
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return catalog.open_store(str(tmp_path / "checkpoints"))
+    run_uri = request.getfixturevalue("run_uri")
+    return catalog.open_store(run_uri)
+
+
+def save_fake_checkpoint(store, step: int, shard: bytes = b"x" * 100, commit: bool = True) -> None:
+    """A step folder with two objects written the way DCP would, and optionally its marker."""
+    step_dir = catalog.step_dir_name(step)
+    store.create(step_dir, "__0_0.distcp", shard)
+    store.create(step_dir, ".metadata", b"meta")
+    if commit:
+        files = tuple(store.files(step_dir).values())
+        store.create(step_dir, catalog.MARKER_NAME, Manifest(step=step, layout={"pp": 2}, files=files).to_json())
+
+
+def test_marker_is_written_once_and_never_overwritten(store):
+    save_fake_checkpoint(store, 7)
+    original = store.read(catalog.step_dir_name(7), catalog.MARKER_NAME)
+
+    with pytest.raises(CommitConflict, match="commit.json already exists"):
+        store.create(catalog.step_dir_name(7), catalog.MARKER_NAME, b"{}")
+
+    assert store.read(catalog.step_dir_name(7), catalog.MARKER_NAME) == original
+
+
+def test_latest_is_the_newest_committed_and_whole_checkpoint(store):
+    assert catalog.latest_committed(store) is None
+    save_fake_checkpoint(store, 100)
+    save_fake_checkpoint(store, 200)
+    save_fake_checkpoint(store, 300, commit=False)  # a save in flight, or one that died
+
+    latest = catalog.latest_committed(store)
+
+    assert latest.step == 200
+    assert latest.layout == {"pp": 2}
+    assert {f.name for f in latest.files} == {"__0_0.distcp", ".metadata"}
+
+
+def test_a_truncated_shard_is_refused_by_name_and_discovery_falls_back(store, caplog):
+    save_fake_checkpoint(store, 100)
+    step_dir = catalog.step_dir_name(200)
+    store.create(step_dir, "__0_0.distcp", b"x" * 60)
+    store.create(step_dir, ".metadata", b"meta")
+    files = (StoredFile("__0_0.distcp", 100), StoredFile(".metadata", 4))
+    store.create(step_dir, catalog.MARKER_NAME, Manifest(step=200, layout={}, files=files).to_json())
+
+    with pytest.raises(CheckpointInvalid, match=r"step-000000200: file __0_0.distcp has 60 bytes, manifest says 100"):
+        catalog.verified_manifest(store, 200)
+    assert catalog.latest_committed(store).step == 100
+    assert "__0_0.distcp has 60 bytes" in caplog.text
+
+
+def test_a_missing_shard_is_refused_by_name(store):
+    step_dir = catalog.step_dir_name(5)
+    store.create(step_dir, ".metadata", b"meta")
+    files = (StoredFile("__1_0.distcp", 10), StoredFile(".metadata", 4))
+    store.create(step_dir, catalog.MARKER_NAME, Manifest(step=5, layout={}, files=files).to_json())
+
+    with pytest.raises(CheckpointInvalid, match="file __1_0.distcp is missing"):
+        catalog.verified_manifest(store, 5)
+    assert catalog.latest_committed(store) is None
+
+
+def test_an_unreadable_marker_is_refused(store):
+    store.create(catalog.step_dir_name(3), catalog.MARKER_NAME, b'{"step": 3}')
+
+    with pytest.raises(CheckpointInvalid, match=r"step-000000003: unreadable commit marker: KeyError\('format_version'\)"):
+        catalog.verified_manifest(store, 3)
+
+
+def test_deleting_a_step_removes_the_marker_and_every_file(store):
+    save_fake_checkpoint(store, 1)
+    save_fake_checkpoint(store, 2)
+
+    store.delete_step(catalog.step_dir_name(1))
+
+    assert catalog.saved_steps(store) == [2]
+
+
+def test_s3_etag_change_is_refused(run_uri, s3, bucket):
+    store = catalog.open_store(run_uri)
+    save_fake_checkpoint(store, 4)
+    key = f"runs/test-run/checkpoints/{catalog.step_dir_name(4)}/__0_0.distcp"
+    s3.put_object(Bucket=bucket, Key=key, Body=b"y" * 100)  # same size, other content
+
+    with pytest.raises(CheckpointInvalid, match="file __0_0.distcp has ETag"):
+        catalog.verified_manifest(store, 4)
+
+
+@pytest.mark.parametrize(
+    "committed, keep_last, protected, victims",
+    [
+        ({10: True, 20: True, 30: True}, 2, (), [10]),
+        ({10: True, 20: True, 30: True}, 0, (), []),
+        ({10: True, 20: True, 30: True}, 1, (10,), [20]),
+        # A dead save below the newest commit goes; one above it may be in flight and stays.
+        ({10: True, 15: False, 20: True, 25: False}, 2, (), [15]),
+        ({10: False, 20: False}, 1, (), []),
+    ],
+)
+def test_retention(committed, keep_last, protected, victims):
+    assert catalog.retention_victims(committed, keep_last, protected) == victims
+
+
+@pytest.mark.parametrize(
+    "uri, message",
+    [
+        ("", "checkpoint uri is empty"),
+        ("gs://bucket/x", "only s3:// and local paths"),
+        ("s3:///prefix", "names no bucket"),
+    ],
+)
+def test_bad_uris_are_named(uri, message):
+    with pytest.raises(ValueError, match=message):
+        catalog.open_store(uri)
+
+
+def test_the_catalog_imports_no_torch():
+    code = "import sys, trainer.checkpoint_catalog; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_config_hash_is_stable_and_order_free():
+    assert catalog.config_hash({"a": 1, "b": [2]}) == catalog.config_hash({"b": [2], "a": 1})
+    assert catalog.config_hash({"a": 1}) != catalog.config_hash({"a": 2})

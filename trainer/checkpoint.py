@@ -1,0 +1,379 @@
+"""Sharded, asynchronous, atomically committed checkpoints of the training state.
+
+Every rank writes its own shards of `state.state_dict()` with torch.distributed.checkpoint (DCP)
+to `<uri>/step-00000000N/`, keyed by the full model's parameter names, so that a checkpoint loads
+into any other pp x dp split. When every rank has finished, rank 0 writes the commit marker
+(trainer/checkpoint_catalog.py); only then does the checkpoint exist for resume.
+
+Training is blocked only while the state is copied to CPU memory (and that copy overlaps the next
+forward and backward: the wait is at the next optimizer step). The upload and the commit run in
+the background; at most one save is in flight; a failed save raises CheckpointError on every rank
+at the next `maybe_save` or at `close`.
+
+    checkpointer = Checkpointer(cfg.checkpoint, layout={"pp": 4, "dp": 2})
+    start = checkpointer.resume(state) or 0
+    for step in range(start + 1, total_steps + 1):
+        ...train one step...
+        checkpointer.maybe_save(step, state)
+    checkpointer.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from trainer import checkpoint_catalog as catalog
+
+__all__ = ["Checkpointer", "CheckpointError", "resume_target", "storage_writer", "storage_reader"]
+
+log = logging.getLogger(__name__)
+
+_DCP_METADATA_FILE = ".metadata"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved, committed or loaded."""
+
+
+def resume_target(resume: str) -> str | int:
+    """`"none"`, `"latest"`, or a step number, from the `resume` setting."""
+    value = str(resume).strip()
+    if value in ("none", "latest"):
+        return value
+    if value.isdigit():
+        return int(value)
+    raise ValueError(f"checkpoint resume={resume!r}: expected 'none', 'latest' or a step number")
+
+
+def _check_config(cfg: Any) -> None:
+    if not cfg.uri:
+        raise ValueError("checkpoint uri is empty: no checkpoints are configured")
+    if cfg.interval < 0:
+        raise ValueError(f"checkpoint interval={cfg.interval}: must be >= 0 (0 saves only on demand)")
+    if cfg.keep_last < 0:
+        raise ValueError(f"checkpoint keep_last={cfg.keep_last}: must be >= 0 (0 keeps all)")
+    resume_target(cfg.resume)
+
+
+def _s3_client_config():
+    from s3torchconnector import S3ClientConfig
+
+    # Path-style addressing is what S3-compatible endpoints (MinIO, moto) serve; virtual-hosted
+    # style is AWS's default and needs DNS for every bucket.
+    return S3ClientConfig(force_path_style=bool(os.environ.get("AWS_ENDPOINT_URL")))
+
+
+def _region() -> str:
+    return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+
+
+def storage_writer(step_uri: str) -> dcp.StorageWriter:
+    """The DCP writer for one step folder: s3torchconnector on S3, the stock one on a filesystem."""
+    if step_uri.startswith("s3://"):
+        from s3torchconnector.dcp import S3StorageWriter
+
+        return S3StorageWriter(_region(), step_uri, s3client_config=_s3_client_config())
+    return dcp.FileSystemWriter(step_uri, sync_files=True)
+
+
+def storage_reader(step_uri: str) -> dcp.StorageReader:
+    """The DCP reader for one step folder (see `storage_writer`)."""
+    if step_uri.startswith("s3://"):
+        from s3torchconnector.dcp import S3StorageReader
+
+        return S3StorageReader(_region(), step_uri, s3client_config=_s3_client_config())
+    return dcp.FileSystemReader(step_uri)
+
+
+def manifest_files(metadata: Metadata, present: Mapping[str, catalog.StoredFile], where: str) -> tuple[catalog.StoredFile, ...]:
+    """The files a DCP checkpoint consists of, as stored; CheckpointError if one is short or absent.
+
+    The DCP metadata says which file holds each item and at which offset and length, so a file
+    shorter than its last item is caught here, before the checkpoint is committed.
+    """
+    needed_bytes = {_DCP_METADATA_FILE: 1}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        needed_bytes[info.relative_path] = max(needed_bytes.get(info.relative_path, 0), end)
+    files = []
+    for name, needed in sorted(needed_bytes.items()):
+        stored = present.get(name)
+        if stored is None or stored.size < needed:
+            found = "missing" if stored is None else f"{stored.size} bytes"
+            raise CheckpointError(f"{where}: file {name} should hold {needed} bytes, found {found}")
+        files.append(stored)
+    return tuple(files)
+
+
+class _SaveRequests:
+    """'Checkpoint now' requests: a signal, or a flag file that the node agent touches."""
+
+    def __init__(self, request_file: str | os.PathLike | None, request_signal: int | None):
+        self._file = Path(request_file) if request_file else None
+        self._honoured_mtime = self._file_mtime()
+        self._signalled = threading.Event()
+        self._signal = request_signal
+        self._previous_handler = None
+        if request_signal is not None and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(request_signal, lambda *_: self._signalled.set())
+
+    def _file_mtime(self) -> int | None:
+        try:
+            return self._file.stat().st_mtime_ns if self._file else None
+        except FileNotFoundError:
+            return None
+
+    def pending(self) -> bool:
+        """A signal arrived or the flag file was created or touched since the last save."""
+        return self._signalled.is_set() or self._file_mtime() not in (None, self._honoured_mtime)
+
+    def honoured(self) -> None:
+        self._signalled.clear()
+        self._honoured_mtime = self._file_mtime()
+
+    def close(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(self._signal, self._previous_handler)
+
+
+class Checkpointer:
+    """Saves and restores a Stateful training state to one checkpoint location.
+
+    Every rank constructs it with the same arguments, in the same order with respect to other
+    process-group creation (it creates two gloo groups of its own when torch.distributed is up).
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        layout: Mapping[str, int] | None = None,
+        config_hash: str = "",
+        request_file: str | os.PathLike | None = None,
+        request_signal: int | None = signal.SIGUSR1,
+    ):
+        """
+        cfg: a CheckpointConfig (uri, interval, keep_last, resume, async_save).
+        layout: the parallel layout recorded in the manifest, e.g. {"pp": 4, "dp": 2}.
+        config_hash: fingerprint of the trainer config (checkpoint_catalog.config_hash); a resume
+            from a checkpoint with another one is allowed and logged.
+        request_file: a path whose creation or touch asks for a checkpoint now.
+        request_signal: a signal that asks for a checkpoint now (None: none).
+        """
+        _check_config(cfg)
+        self.cfg = cfg
+        self.store = catalog.open_store(cfg.uri)
+        self.layout = dict(layout or {})
+        self.config_hash = config_hash
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._distributed else 0
+        # DCP's collectives run in the background save thread; on a group of their own they never
+        # interleave with the training loop's, nor with the per-step agreement below.
+        self._save_group = dist.new_group(backend="gloo") if self._distributed else None
+        self._control_group = dist.new_group(backend="gloo") if self._distributed else None
+        self._requests = _SaveRequests(request_file, request_signal)
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(),
+                use_shared_memory=False,
+                use_async_staging=True,
+                use_non_blocking_copy=torch.cuda.is_available(),
+            )
+        )
+        self._staging: Future | None = None
+        self._staging_hook = register_optimizer_step_pre_hook(
+            self._before_optimizer_step
+        )
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+        self._in_flight: Future | None = None
+        self._in_flight_step: int | None = None
+        self._last_saved_step: int | None = None
+        self.blocked_seconds = 0.0
+        """Total time the training loop has waited on checkpointing (staging and previous saves)."""
+
+    # ---- resume -------------------------------------------------------------------------------
+
+    def resume(self, state: Stateful) -> int | None:
+        """Load the checkpoint `cfg.resume` asks for into `state`; its step, or None if none.
+
+        "latest" takes the newest committed checkpoint whose files match its manifest, skipping
+        (and logging) broken ones; a step number takes that step or fails. Step folders newer than
+        the one loaded belong to an abandoned timeline and are deleted, so that this run's saves
+        never mix with them.
+        """
+        decision = self._on_rank0_for_all(self._choose_resume_step)
+        if decision is None:
+            return None
+        state_dict = state.state_dict()
+        step_uri = self.store.step_uri(catalog.step_dir_name(decision))
+        dcp.load(state_dict, storage_reader=storage_reader(step_uri), process_group=self._save_group)
+        state.load_state_dict(state_dict)
+        self._last_saved_step = decision
+        log.info("resumed from checkpoint %s", step_uri)
+        return decision
+
+    def _choose_resume_step(self) -> int | None:
+        target = resume_target(self.cfg.resume)
+        if target == "none":
+            committed = catalog.committed_steps(self.store)
+            if committed:
+                raise CheckpointError(
+                    f"checkpoint uri {self.store.uri} already holds committed step {committed[0]}; "
+                    "resume from it (resume=latest) or use an empty location"
+                )
+            manifest = None
+        elif target == "latest":
+            manifest = catalog.latest_committed(self.store)
+        else:
+            try:
+                manifest = catalog.verified_manifest(self.store, target)
+            except catalog.CheckpointInvalid as exc:
+                raise CheckpointError(f"cannot resume from step {target}: {exc}") from exc
+        resumed = manifest.step if manifest else None
+        if manifest and self.config_hash and manifest.config_hash != self.config_hash:
+            log.warning("resuming step %d saved with another trainer config (hash %s, now %s)",
+                        manifest.step, manifest.config_hash, self.config_hash)
+        for step in catalog.saved_steps(self.store):
+            if resumed is None or step > resumed:
+                log.warning("deleting %s/%s: newer than the resume point", self.store.uri, catalog.step_dir_name(step))
+                self.store.delete_step(catalog.step_dir_name(step))
+        return resumed
+
+    def _on_rank0_for_all(self, decide):
+        """Run `decide` on rank 0 and give every rank its result, or its error as CheckpointError."""
+        outcome: list[Any] = [None]
+        error: Exception | None = None
+        if self.rank == 0:
+            try:
+                outcome = [("ok", decide())]
+            except Exception as exc:  # every rank must learn it, or the others would wait for ever
+                message = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+                outcome, error = [("error", message)], exc
+        if self._distributed:
+            dist.broadcast_object_list(outcome, src=0, group=self._control_group)
+        kind, value = outcome[0]
+        if kind == "error":
+            raise CheckpointError(value) from error
+        return value
+
+    # ---- save ---------------------------------------------------------------------------------
+
+    def maybe_save(self, step: int, state: Stateful, force: bool = False) -> bool:
+        """Save if `step` is on the interval, or if asked to; True if a save was started.
+
+        Call it on every rank after every step. A save on request (force, signal, flag file)
+        returns only once the checkpoint is committed: the node may be about to go away.
+        """
+        requested = self._agree(failed=self._finished_with_error(), requested=force or self._requests.pending())
+        due = requested or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
+        if not due or step == self._last_saved_step:
+            return False
+        started = time.perf_counter()
+        self._wait_in_flight()
+        self._wait_for_staging()
+        self._requests.honoured()
+        step_uri = self.store.step_uri(catalog.step_dir_name(step))
+        state_dict = state.state_dict()
+        if self.cfg.async_save:
+            response = dcp.async_save(
+                state_dict,
+                storage_writer=storage_writer(step_uri),
+                process_group=self._save_group,
+                async_stager=self._stager,
+            )
+            self._staging = response.staging_completion
+            uploaded = response.upload_completion
+        else:
+            uploaded = Future()
+            uploaded.set_result(dcp.save(state_dict, storage_writer=storage_writer(step_uri), process_group=self._save_group))
+        self._in_flight = self._committer.submit(self._commit_when_uploaded, step, uploaded)
+        self._in_flight_step = step
+        self._last_saved_step = step
+        self.blocked_seconds += time.perf_counter() - started
+        if requested or not self.cfg.async_save:
+            started = time.perf_counter()
+            self._wait_in_flight()
+            self.blocked_seconds += time.perf_counter() - started
+        return True
+
+    def _commit_when_uploaded(self, step: int, uploaded: Future) -> None:
+        metadata: Metadata = uploaded.result()
+        if self.rank != 0:
+            return
+        step_dir = catalog.step_dir_name(step)
+        where = f"{self.store.uri}/{step_dir}"
+        files = manifest_files(metadata, self.store.files(step_dir), where)
+        manifest = catalog.Manifest(step=step, layout=self.layout, files=files, config_hash=self.config_hash)
+        self.store.create(step_dir, catalog.MARKER_NAME, manifest.to_json())
+        log.info("checkpoint committed: %s (%d files, %d bytes)", where, len(files), sum(f.size for f in files))
+        self._prune()
+
+    def _prune(self) -> None:
+        saved = {step: catalog.is_committed(self.store, step) for step in catalog.saved_steps(self.store)}
+        for step in catalog.retention_victims(saved, self.cfg.keep_last):
+            log.info("retention: deleting %s/%s", self.store.uri, catalog.step_dir_name(step))
+            self.store.delete_step(catalog.step_dir_name(step))
+
+    def _agree(self, failed: bool, requested: bool) -> bool:
+        """Tell every rank whether any rank's save failed (then raise) or asked for a save."""
+        flags = torch.tensor([int(failed), int(requested)])
+        if self._distributed:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group)
+        any_failed, any_requested = bool(flags[0]), bool(flags[1])
+        if any_failed:
+            self._wait_in_flight()  # raises this rank's own error, if it has one
+            raise CheckpointError(f"checkpoint of step {self._in_flight_step} failed on another rank")
+        return any_requested
+
+    def _finished_with_error(self) -> bool:
+        return self._in_flight is not None and self._in_flight.done() and self._in_flight.exception() is not None
+
+    def _wait_in_flight(self) -> None:
+        """Block until the save in flight is committed; raise CheckpointError if it failed."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        try:
+            in_flight.result()
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint of step {self._in_flight_step} failed: {exc}") from exc
+
+    def _wait_for_staging(self) -> None:
+        """Block until the CPU copy of the state being saved is complete."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.result()
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        # The optimizer step changes parameters and optimizer state in place, so the copy being
+        # staged must be complete first; forward and backward ran while it was being made.
+        if self._staging is not None:
+            started = time.perf_counter()
+            self._wait_for_staging()
+            self.blocked_seconds += time.perf_counter() - started
+
+    def close(self) -> None:
+        """Wait for the save in flight and release resources; raises CheckpointError if it failed."""
+        try:
+            self._wait_for_staging()
+            self._wait_in_flight()
+        finally:
+            self._staging_hook.remove()
+            self._requests.close()
+            self._committer.shutdown(wait=True)
+            self._stager.close()

@@ -1,0 +1,365 @@
+"""Which checkpoints exist: the commit protocol, readable without torch.
+
+A checkpoint of step N lives under `<uri>/step-00000000N/` (uri: a local directory or
+`s3://bucket/prefix`). Every rank writes its DCP shards there; when all of them have finished,
+rank 0 writes `commit.json` last, with a conditional write so that it is never overwritten.
+The marker is the manifest: step, parallel layout, every file's name, size and (on S3) ETag,
+the trainer config hash and the commit time. A step folder without a marker, or whose files do
+not match its manifest, does not exist for resume.
+
+Only boto3 and the standard library are imported here, so the control plane (a Lambda) can find
+the resume point with `latest_committed(uri)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Protocol
+
+__all__ = [
+    "MARKER_NAME",
+    "CheckpointInvalid",
+    "CommitConflict",
+    "Manifest",
+    "StoredFile",
+    "Store",
+    "open_store",
+    "step_dir_name",
+    "config_hash",
+    "check_files",
+    "saved_steps",
+    "is_committed",
+    "committed_steps",
+    "verified_manifest",
+    "latest_committed",
+    "retention_victims",
+]
+
+log = logging.getLogger(__name__)
+
+MARKER_NAME = "commit.json"
+FORMAT_VERSION = 1
+_STEP_DIR_PREFIX = "step-"
+
+
+class CheckpointInvalid(Exception):
+    """A step folder that has a marker but cannot be trusted (names the step and the file)."""
+
+
+class CommitConflict(Exception):
+    """The marker already exists: a checkpoint is committed once and never overwritten."""
+
+
+def step_dir_name(step: int) -> str:
+    """`step-000001200`: zero padded so that names sort like steps."""
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    return f"{_STEP_DIR_PREFIX}{step:09d}"
+
+
+def _parse_step_dir(name: str) -> int | None:
+    digits = name.removeprefix(_STEP_DIR_PREFIX)
+    if name.startswith(_STEP_DIR_PREFIX) and digits.isdigit():
+        return int(digits)
+    return None
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    """A stable fingerprint of a config (canonical JSON, SHA-256), recorded in the manifest."""
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """One object of a checkpoint as the store reports it."""
+
+    name: str
+    """Path relative to the step folder, e.g. `__0_0.distcp` or `.metadata`."""
+    size: int
+    """Size in bytes."""
+    etag: str | None = None
+    """S3 ETag (an MD5 for single-part uploads); None on the local filesystem."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The content of a commit marker."""
+
+    step: int
+    """Training step the checkpoint was taken after."""
+    layout: dict[str, int]
+    """Parallel layout of the saving run, e.g. {"pp": 4, "dp": 2}; informative, loads reshard."""
+    files: tuple[StoredFile, ...]
+    """Every object the checkpoint consists of; resume refuses the step if one differs."""
+    config_hash: str = ""
+    """Fingerprint of the trainer config that saved it (see `config_hash`)."""
+    committed_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
+    """UTC time of the commit, ISO 8601."""
+    format_version: int = FORMAT_VERSION
+    """Version of this manifest format."""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str) -> Manifest:
+        try:
+            doc = json.loads(raw)
+            if doc["format_version"] != FORMAT_VERSION:
+                raise ValueError(f"format_version {doc['format_version']!r} is not {FORMAT_VERSION}")
+            return cls(
+                step=int(doc["step"]),
+                layout={str(k): int(v) for k, v in doc["layout"].items()},
+                files=tuple(StoredFile(**entry) for entry in doc["files"]),
+                config_hash=str(doc["config_hash"]),
+                committed_at=str(doc["committed_at"]),
+                format_version=FORMAT_VERSION,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointInvalid(f"{where}: unreadable commit marker: {exc!r}") from exc
+
+
+class Store(Protocol):
+    """The few operations the protocol needs from a checkpoint location."""
+
+    uri: str
+
+    def step_dirs(self) -> list[str]:
+        """Names of the step folders directly under the location (one listing, no recursion)."""
+
+    def files(self, step_dir: str) -> dict[str, StoredFile]:
+        """Every object under one step folder, keyed by its name relative to the folder."""
+
+    def read(self, step_dir: str, name: str) -> bytes | None:
+        """The object's bytes, or None when it does not exist."""
+
+    def create(self, step_dir: str, name: str, data: bytes) -> None:
+        """Write an object that must not exist yet; raise CommitConflict if it does."""
+
+    def delete_step(self, step_dir: str) -> None:
+        """Delete a step folder, its marker first so that it is never seen half deleted."""
+
+    def step_uri(self, step_dir: str) -> str:
+        """Where the DCP writer and reader of that step point."""
+
+
+class LocalStore:
+    """A checkpoint location on a local (or network) filesystem."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.uri = str(self.root)
+
+    def step_dirs(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return [entry.name for entry in self.root.iterdir() if entry.is_dir()]
+
+    def files(self, step_dir: str) -> dict[str, StoredFile]:
+        folder = self.root / step_dir
+        return {
+            path.relative_to(folder).as_posix(): StoredFile(
+                path.relative_to(folder).as_posix(), path.stat().st_size
+            )
+            for path in folder.rglob("*")
+            if path.is_file()
+        }
+
+    def read(self, step_dir: str, name: str) -> bytes | None:
+        try:
+            return (self.root / step_dir / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def create(self, step_dir: str, name: str, data: bytes) -> None:
+        folder = self.root / step_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        # Write aside, then hard-link into place: the link is atomic and fails if the name
+        # exists, so readers see either no marker or a whole one, and never a replaced one.
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{name}.", delete=False) as tmp:
+            tmp.write(data)
+            tmp.flush()
+            os.fchmod(tmp.fileno(), 0o644)
+            os.fsync(tmp.fileno())
+        try:
+            os.link(tmp.name, folder / name)
+        except FileExistsError as exc:
+            raise CommitConflict(f"{folder / name} already exists") from exc
+        finally:
+            os.unlink(tmp.name)
+
+    def delete_step(self, step_dir: str) -> None:
+        folder = self.root / step_dir
+        (folder / MARKER_NAME).unlink(missing_ok=True)
+        for path in sorted(folder.rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        folder.rmdir()
+
+    def step_uri(self, step_dir: str) -> str:
+        return str(self.root / step_dir)
+
+
+class S3Store:
+    """A checkpoint location `s3://bucket/prefix` on any S3-compatible endpoint.
+
+    The endpoint comes from boto3's own configuration (AWS_ENDPOINT_URL and friends).
+    """
+
+    def __init__(self, uri: str, client: Any = None):
+        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+        if not bucket:
+            raise ValueError(f"checkpoint uri {uri!r} names no bucket (expected s3://BUCKET/PREFIX)")
+        self.uri = uri.rstrip("/")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        if client is None:
+            import boto3
+
+            client = boto3.client("s3")
+        self.client = client
+
+    def _objects(self, prefix: str, **extra: Any) -> Iterable[dict[str, Any]]:
+        """Pages of a ListObjectsV2 of `prefix`."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        return paginator.paginate(Bucket=self.bucket, Prefix=prefix, **extra)
+
+    def step_dirs(self) -> list[str]:
+        return [
+            common["Prefix"][len(self.prefix) :].rstrip("/")
+            for page in self._objects(self.prefix, Delimiter="/")
+            for common in page.get("CommonPrefixes", [])
+        ]
+
+    def files(self, step_dir: str) -> dict[str, StoredFile]:
+        folder = f"{self.prefix}{step_dir}/"
+        found = {}
+        for page in self._objects(folder):
+            for obj in page.get("Contents", []):
+                name = obj["Key"][len(folder) :]
+                found[name] = StoredFile(name, obj["Size"], obj["ETag"].strip('"'))
+        return found
+
+    def read(self, step_dir: str, name: str) -> bytes | None:
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=f"{self.prefix}{step_dir}/{name}")
+        except self.client.exceptions.NoSuchKey:
+            return None
+        return response["Body"].read()
+
+    def create(self, step_dir: str, name: str, data: bytes) -> None:
+        key = f"{self.prefix}{step_dir}/{name}"
+        try:
+            # If-None-Match: * makes S3 refuse the write when the key exists (412).
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*")
+        except self.client.exceptions.ClientError as exc:
+            if exc.response["Error"]["Code"] in ("PreconditionFailed", "ConditionalRequestConflict"):
+                raise CommitConflict(f"s3://{self.bucket}/{key} already exists") from exc
+            raise
+
+    def delete_step(self, step_dir: str) -> None:
+        folder = f"{self.prefix}{step_dir}/"
+        self.client.delete_object(Bucket=self.bucket, Key=folder + MARKER_NAME)
+        keys = [obj["Key"] for page in self._objects(folder) for obj in page.get("Contents", [])]
+        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = [{"Key": key} for key in keys[start : start + 1000]]
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+
+    def step_uri(self, step_dir: str) -> str:
+        return f"s3://{self.bucket}/{self.prefix}{step_dir}"
+
+
+def open_store(uri: str, s3_client: Any = None) -> Store:
+    """The store behind a checkpoint uri: `s3://bucket/prefix` or a local directory."""
+    if not uri:
+        raise ValueError("checkpoint uri is empty")
+    if uri.startswith("s3://"):
+        return S3Store(uri, s3_client)
+    if "://" in uri:
+        raise ValueError(f"checkpoint uri {uri!r}: only s3:// and local paths are supported")
+    return LocalStore(uri)
+
+
+def check_files(manifest: Manifest, present: Mapping[str, StoredFile], where: str) -> None:
+    """Raise CheckpointInvalid naming the first file that is missing or differs from the manifest."""
+    for expected in manifest.files:
+        found = present.get(expected.name)
+        if found is None:
+            raise CheckpointInvalid(f"{where}: file {expected.name} is missing")
+        if found.size != expected.size:
+            raise CheckpointInvalid(
+                f"{where}: file {expected.name} has {found.size} bytes, manifest says {expected.size}"
+            )
+        if expected.etag and found.etag and found.etag != expected.etag:
+            raise CheckpointInvalid(
+                f"{where}: file {expected.name} has ETag {found.etag}, manifest says {expected.etag}"
+            )
+
+
+def saved_steps(store: Store) -> list[int]:
+    """Steps that have a folder, committed or not, newest first."""
+    return sorted(
+        (step for step in map(_parse_step_dir, store.step_dirs()) if step is not None), reverse=True
+    )
+
+
+def is_committed(store: Store, step: int) -> bool:
+    """Whether the step folder holds a marker (its files are not checked)."""
+    return store.read(step_dir_name(step), MARKER_NAME) is not None
+
+
+def committed_steps(store: Store) -> list[int]:
+    """Steps whose folder holds a marker, newest first (files not checked)."""
+    return [step for step in saved_steps(store) if is_committed(store, step)]
+
+
+def verified_manifest(store: Store, step: int) -> Manifest:
+    """The manifest of a committed step whose files all match it, else CheckpointInvalid."""
+    step_dir = step_dir_name(step)
+    where = f"{store.uri}/{step_dir}"
+    raw = store.read(step_dir, MARKER_NAME)
+    if raw is None:
+        raise CheckpointInvalid(f"{where}: no commit marker (never committed, or deleted)")
+    manifest = Manifest.from_json(raw, where)
+    if manifest.step != step:
+        raise CheckpointInvalid(f"{where}: marker is for step {manifest.step}")
+    check_files(manifest, store.files(step_dir), where)
+    return manifest
+
+
+def latest_committed(uri: str | Store, s3_client: Any = None) -> Manifest | None:
+    """The newest checkpoint that is committed and whole, or None.
+
+    Costs one delimited listing of the checkpoint prefix, then one marker read and one listing of
+    each step folder tried, newest first. Refused checkpoints are logged with the reason.
+    """
+    store = uri if not isinstance(uri, str) else open_store(uri, s3_client)
+    for step in committed_steps(store):
+        try:
+            return verified_manifest(store, step)
+        except CheckpointInvalid as refused:
+            log.warning("skipping checkpoint: %s", refused)
+    return None
+
+
+def retention_victims(
+    committed: Mapping[int, bool], keep_last: int, protected: Iterable[int] = ()
+) -> list[int]:
+    """Step folders to delete, given {step: has a marker}.
+
+    Committed steps beyond the `keep_last` newest go (0 keeps all), and so do uncommitted folders
+    older than the newest commit: leftovers of a save that died, which nothing will finish.
+    Nothing newer than the newest commit is touched (it may be a save in flight), nor `protected`.
+    """
+    newest_first = sorted((step for step, done in committed.items() if done), reverse=True)
+    if not newest_first:
+        return []
+    kept = set(protected) | set(newest_first[:keep_last] if keep_last > 0 else newest_first)
+    return sorted(step for step in committed if step < newest_first[0] and step not in kept)
