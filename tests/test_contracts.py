@@ -1,0 +1,240 @@
+"""The contracts: the example RunSpec, bad input naming its field, state diagrams, event shapes."""
+
+import copy
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from trainfleet import contracts as c
+
+EXAMPLE = json.loads((Path(__file__).parents[1] / "events" / "example-run.json").read_text())
+
+
+def spec_with(**changes) -> dict:
+    """The example RunSpec with dotted-path changes, e.g. {"capacity.kind": "spot"}."""
+    doc = copy.deepcopy(EXAMPLE)
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        target = doc
+        for key in parents:
+            target = target[key]
+        if value is _DELETE:
+            del target[leaf]
+        else:
+            target[leaf] = value
+    return doc
+
+
+_DELETE = object()
+
+
+def test_example_run_spec_is_valid_and_round_trips():
+    spec = c.RunSpec.model_validate(EXAMPLE)
+    assert spec.facts.accelerator_count == 8
+    assert c.RunSpec.model_validate_json(spec.model_dump_json()) == spec
+    # Sections the control plane does not type reach the trainer untouched.
+    assert spec.trainer.model_dump(mode="json")["optim"] == EXAMPLE["trainer"]["optim"]
+    assert spec.trainer.model.model_dump()["d_model"] == 2048
+
+
+@pytest.mark.parametrize("changes, field, words", [
+    ({"run_name": "Bad_Name"}, "run_name", "lower-case"),
+    ({"instance_type": "p9.96xlarge"}, "instance_type", "not in the catalogue"),
+    ({"node_count": 0}, "node_count", "greater than or equal to 1"),
+    ({"min_nodes": 5}, "(input)", "min_nodes=5 exceeds node_count=4"),
+    ({"capacity.subnet_ids": []}, "capacity.subnet_ids", "at least 1"),
+    ({"capacity.subnet_ids": ["subnet-nothex"]}, "capacity.subnet_ids", "'subnet-nothex' is not a subnet"),
+    ({"capacity.security_group_ids": ["sg-0123456789abcdef0", "sg-0123456789abcdef0"]},
+     "capacity.security_group_ids", "must not repeat"),
+    ({"capacity.kind": "capacity-block"}, "capacity", "needs capacity.reservation_id"),
+    ({"capacity.reservation_id": "cr-0123456789abcdef0"}, "capacity", "only used with"),
+    ({"capacity.kind": "capacity-reservation", "capacity.reservation_id": "r-1"}, "capacity", "not a cr-"),
+    ({"capacity.kind": "reserved"}, "capacity.kind", "on-demand"),
+    ({"image_id": "ubuntu"}, "image_id", "neither an ami"),
+    ({"checkpoint.s3_uri": "/tmp/ckpt"}, "checkpoint.s3_uri", "s3://BUCKET/PREFIX"),
+    ({"checkpoint.keep_last": 1}, "checkpoint.keep_last", "greater than or equal to 2"),
+    ({"recovery.backoff_max_seconds": 1}, "recovery", "below recovery.backoff_base_seconds"),
+    ({"recovery.max_restart": 3}, "recovery.max_restart", "Extra inputs"),
+    ({"trainer.parallel.dp": 4}, "(input)", "32"),
+    ({"trainer.parallel.schedule": "zigzag"}, "trainer.parallel.schedule", "unknown"),
+    ({"trainer.parallel.pp": 32, "trainer.parallel.dp": 1}, "trainer", "model.n_layers=24"),
+    ({"trainer.training.batch_size": 500}, "trainer", "divisible by parallel.dp=8"),
+    ({"trainer.parallel.microbatches": 5}, "trainer", "parallel.microbatches=5"),
+    ({"trainer.checkpoint": {"uri": "s3://b/x"}}, "trainer", "RunSpec.checkpoint"),
+    ({"trainer.model": _DELETE}, "trainer.model", "Field required"),
+    ({"tags": {"trainfleet:run": "x"}}, "tags", "reserved"),
+    ({"cost_ceiling_usd": 0}, "cost_ceiling_usd", "greater than 0"),
+])
+def test_bad_run_spec_names_the_field(changes, field, words):
+    with pytest.raises(ValidationError) as caught:
+        c.RunSpec.model_validate(spec_with(**changes))
+    message = c.validation_message(caught.value)
+    assert message.startswith(f"{field}: "), message
+    assert words in message, message
+
+
+def _trainer_config(pp, dp, schedule, microbatches, stages_per_rank, n_layers, batch_size, tie=False):
+    return {"model": {"n_layers": n_layers, "tie_embeddings": tie},
+            "parallel": {"pp": pp, "dp": dp, "schedule": schedule, "microbatches": microbatches,
+                         "stages_per_rank": stages_per_rank},
+            "training": {"batch_size": batch_size}}
+
+
+def _accepted(trainer_config: dict) -> bool:
+    try:
+        c.TrainerConfig.model_validate(trainer_config)
+    except ValidationError:
+        return False
+    return True
+
+
+def test_layout_rules_agree_with_the_trainer():
+    """The torch-free mirror refuses exactly the layouts trainer/config.py refuses."""
+    cases = [dict(pp=pp, dp=dp, schedule=schedule, microbatches=mb, stages_per_rank=spr,
+                  n_layers=layers, batch_size=batch, tie=tie)
+             for pp, dp, schedule, mb, spr, layers, batch, tie in itertools.product(
+                 (1, 2, 3, 4), (1, 2, 3), sorted(c.SCHEDULES), (1, 2, 4, 6), (0, 1, 2),
+                 (4, 8), (12, 16), (False, True))]
+    verdicts = [_accepted(_trainer_config(**case)) for case in cases]
+    # The trainer imports torch: ask it in a child process so this process stays torch-free.
+    script = (
+        "import json, sys\n"
+        "from trainer.config import JobConfig, ConfigError, _apply\n"
+        "out = []\n"
+        "for case in json.load(sys.stdin):\n"
+        "    config = JobConfig()\n"
+        "    _apply(config, {'model': {'n_layers': case['n_layers'], 'tie_embeddings': case['tie']},\n"
+        "                    'parallel': {k: case[k] for k in ('pp', 'dp', 'schedule', 'microbatches', 'stages_per_rank')},\n"
+        "                    'training': {'batch_size': case['batch_size']}}, 'test')\n"
+        "    try:\n"
+        "        config.validate(); out.append(True)\n"
+        "    except ConfigError:\n"
+        "        out.append(False)\n"
+        "print(json.dumps(out))\n")
+    done = subprocess.run([sys.executable, "-c", script], input=json.dumps(cases), capture_output=True,
+                          text=True, timeout=120, check=True)
+    trainer_verdicts = json.loads(done.stdout)
+    disagreements = [case for case, ours, theirs in zip(cases, verdicts, trainer_verdicts) if ours != theirs]
+    assert not disagreements, disagreements[:5]
+    assert 0 < sum(verdicts) < len(verdicts)  # the grid holds both kinds
+
+
+def test_contracts_import_neither_torch_nor_boto3():
+    script = "import sys, trainfleet.contracts; print(sorted({'torch', 'boto3'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_run_transitions_follow_the_diagram():
+    c.check_run_transition(c.RunState.TRAINING, c.RunState.RECOVERING)
+    for state in c.RunState:
+        if not state.is_final and state is not c.RunState.TEARING_DOWN:
+            c.check_run_transition(state, c.RunState.TEARING_DOWN)
+    with pytest.raises(c.InvalidTransition, match="SUCCEEDED -> TRAINING"):
+        c.check_run_transition(c.RunState.SUCCEEDED, c.RunState.TRAINING)
+    with pytest.raises(c.InvalidTransition, match="REQUESTED -> TRAINING"):
+        c.check_run_transition(c.RunState.REQUESTED, c.RunState.TRAINING)
+
+
+def test_node_transitions_follow_the_diagram():
+    c.check_node_transition(c.NodeState.LAUNCHED, c.NodeState.REGISTERED)
+    c.check_node_transition(c.NodeState.READY, c.NodeState.TERMINATED)
+    with pytest.raises(c.InvalidTransition, match="TERMINATED -> READY"):
+        c.check_node_transition(c.NodeState.TERMINATED, c.NodeState.READY)
+    with pytest.raises(c.InvalidTransition, match="UNHEALTHY -> READY"):
+        c.check_node_transition(c.NodeState.UNHEALTHY, c.NodeState.READY)
+
+
+def test_parallel_plan_and_launch_spec_check_their_numbers():
+    plan = c.ParallelPlan(nodes=2, ranks_per_node=8, pp=4, dp=4)
+    assert plan.world_size == 16
+    with pytest.raises(ValidationError, match="does not fill"):
+        c.ParallelPlan(nodes=2, ranks_per_node=8, pp=4, dp=3)
+    base = dict(run_name="r", attempt=1, plan=plan, rendezvous_host="10.0.0.1", rendezvous_id="r-1",
+                trainer_config={})
+    c.LaunchSpec(node_ranks={"i-1": 0, "i-2": 1}, **base)
+    with pytest.raises(ValidationError, match="node_ranks must number"):
+        c.LaunchSpec(node_ranks={"i-1": 0, "i-2": 2}, **base)
+
+
+# Sample events in the shapes the AWS documentation gives (EC2 and Health user guides).
+AWS_SAMPLES = {
+    c.Ec2InstanceStateChange: {
+        "version": "0", "id": "7bf73129-1428-4cd3-a780-95db273d1602",
+        "detail-type": "EC2 Instance State-change Notification", "source": "aws.ec2",
+        "account": "123456789012", "time": "2021-11-11T21:29:54Z", "region": "us-east-1",
+        "resources": ["arn:aws:ec2:us-east-1:123456789012:instance/i-abcd1111"],
+        "detail": {"instance-id": "i-abcd1111", "state": "terminated"}},
+    c.Ec2SpotInterruptionWarning: {
+        "version": "0", "id": "12345678-1234-1234-1234-123456789012",
+        "detail-type": "EC2 Spot Instance Interruption Warning", "source": "aws.ec2",
+        "account": "123456789012", "time": "2021-02-11T14:26:17Z", "region": "us-east-2",
+        "resources": ["arn:aws:ec2:us-east-2a:instance/i-1234567890abcdef0"],
+        "detail": {"instance-id": "i-1234567890abcdef0", "instance-action": "terminate"}},
+    c.Ec2RebalanceRecommendation: {
+        "version": "0", "id": "12345678-1234-1234-1234-123456789012",
+        "detail-type": "EC2 Instance Rebalance Recommendation", "source": "aws.ec2",
+        "account": "123456789012", "time": "2021-02-11T14:26:17Z", "region": "us-east-2",
+        "resources": ["arn:aws:ec2:us-east-2:123456789012:instance/i-1234567890abcdef0"],
+        "detail": {"instance-id": "i-1234567890abcdef0"}},
+    c.HealthEvent: {
+        "version": "0", "id": "121345678-1234-1234-1234-123456789012",
+        "detail-type": "AWS Health Event", "source": "aws.health", "account": "123456789012",
+        "time": "2016-06-05T06:27:57Z", "region": "us-west-2", "resources": ["i-abcd1111"],
+        "detail": {
+            "eventArn": "arn:aws:health:us-west-2::event/EC2/AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED/AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED_ABC123",
+            "service": "EC2", "eventTypeCode": "AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED",
+            "eventTypeCategory": "scheduledChange", "startTime": "Sat, 05 Jun 2016 15:10:09 GMT",
+            "eventDescription": [{"language": "en_US", "latestDescription": "A description of the event"}],
+            "affectedEntities": [{"entityValue": "i-abcd1111", "tags": {"stage": "prod"}}]}},
+}
+
+
+@pytest.mark.parametrize("model", list(AWS_SAMPLES), ids=lambda m: m.__name__)
+def test_aws_sample_events_parse(model):
+    event = c.parse_event(AWS_SAMPLES[model])
+    assert isinstance(event.detail, model)
+    assert event.detail.model_extra is not None  # unknown AWS fields are kept, not refused
+    if model is c.HealthEvent:
+        assert event.detail.instance_ids == ["i-abcd1111"]
+    else:
+        assert event.detail.instance_id.startswith("i-")
+
+
+AGENT_SAMPLES = [
+    c.NodeRegistered(run_name="r", attempt=0, instance_id="i-1", private_ip="10.0.0.5"),
+    c.NodeReady(run_name="r", attempt=0, instance_id="i-1",
+                checks=[c.HealthCheckResult(name="gpu_count", passed=True, measured=8, expected=8)]),
+    c.NodeUnhealthy(run_name="r", attempt=0, instance_id="i-1", reason="efa_devices: 3 of 4"),
+    c.CheckpointCommitted(run_name="r", attempt=2, step=1200, uri="s3://b/runs/r/step-000001200"),
+    c.TrainerFailed(run_name="r", attempt=2, instance_id="i-1", kind=c.TrainerFailureKind.NAN_LOSS),
+    c.TrainerHung(run_name="r", attempt=2, last_step=10, seconds_since_progress=930.0),
+    c.TrainingCompleted(run_name="r", attempt=3, final_step=20000),
+    c.TrainingProgress(run_name="r", attempt=3, step=100, loss=2.5, tokens_per_second=1e6, step_seconds=1.2),
+]
+
+
+@pytest.mark.parametrize("detail", AGENT_SAMPLES, ids=lambda d: type(d).__name__)
+def test_agent_events_round_trip_through_put_events(detail):
+    entry = c.put_events_entry(detail, event_bus_name="trainfleet")
+    assert entry["Source"] == "trainfleet" and entry["DetailType"] == type(detail).__name__
+    # What a rule target receives: EventBridge's envelope around the entry.
+    delivered = {"version": "0", "id": "e-1", "source": entry["Source"], "detail-type": entry["DetailType"],
+                 "time": "2026-01-01T00:00:00Z", "resources": entry["Resources"],
+                 "detail": json.loads(entry["Detail"])}
+    assert c.parse_event(delivered).detail == detail
+
+
+def test_unknown_event_and_bad_detail_are_refused_with_the_field():
+    with pytest.raises(ValidationError, match="no handler for source='aws.ec2' detail-type='EC2 Fleet Error'"):
+        c.parse_event({**AWS_SAMPLES[c.Ec2RebalanceRecommendation], "detail-type": "EC2 Fleet Error"})
+    bad = {**AWS_SAMPLES[c.Ec2InstanceStateChange], "detail": {"instance-id": "i-1", "state": "exploded"}}
+    with pytest.raises(ValidationError, match="state"):
+        c.parse_event(bad)
+    with pytest.raises(ValidationError, match="kind"):
+        c.TrainerFailed.model_validate({"run_name": "r", "attempt": 0, "kind": "meh"})

@@ -1,0 +1,119 @@
+"""Instance catalogue: the facts about each supported EC2 instance type that the control plane needs.
+
+Offers:
+    InstanceFacts            one type's facts (accelerators, EFA layout, bandwidth, price)
+    CATALOGUE                every supported type, keyed by API name
+    instance_facts(name)     look one up; an unknown name raises UnknownInstanceType naming it
+    UnknownInstanceType      ValueError subclass, lists the supported names
+
+Sources: the Amazon EC2 "Accelerated computing" instance specifications and the EFA user guide
+("Maximize network bandwidth on instances with multiple network cards"); prices are us-east-1
+Linux on-demand list prices per hour. AWS changes prices (it cut P4d/P4de/P5/P5en prices in
+mid-2025); a figure flagged `price_is_estimate` is not a published on-demand list price
+(p5e is sold mostly as Capacity Blocks) and only feeds the cost ceiling, never a decision that
+must be exact. The all-reduce bus-bandwidth floors are this project's acceptance thresholds for
+the preflight all-reduce test (nccl-tests "busbw" between two nodes), set at roughly 60 % of the
+EFA line rate: a healthy pair of nodes clears them easily, a node with a dead EFA card does not.
+"""
+
+from types import MappingProxyType
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["InstanceFacts", "CATALOGUE", "instance_facts", "UnknownInstanceType"]
+
+
+class InstanceFacts(BaseModel):
+    """What the lifecycle and the fleet adapter need to know about one instance type."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    """EC2 API name, e.g. "p5.48xlarge"."""
+    accelerator: Literal["A100", "H100", "H200", "Trainium", "none"]
+    """Accelerator model; "none" for the small CPU types used by local runs."""
+    accelerator_count: int = Field(ge=0)
+    """Accelerators per instance (GPUs, or Trainium chips)."""
+    accelerator_memory_gib: int = Field(ge=0)
+    """Memory of one accelerator in GiB."""
+    ranks_per_node: int = Field(ge=1)
+    """Trainer processes per instance: one per GPU, one per NeuronCore (2 per Trainium chip),
+    one per physical core on CPU types."""
+    vcpus: int = Field(ge=1)
+    """vCPUs per instance."""
+    network_cards: int = Field(ge=1)
+    """Network cards; the launch template attaches one EFA interface to each."""
+    efa_supported: bool
+    """Whether the type takes EFA interfaces at all (the CPU types do not)."""
+    efa_bandwidth_gbps: int = Field(ge=0)
+    """Aggregate EFA network bandwidth in Gbit/s (0 when EFA is not supported)."""
+    busbw_floor_gbytes_per_s: float = Field(gt=0)
+    """Minimum two-node all-reduce bus bandwidth (GB/s) a healthy pair must reach in preflight."""
+    on_demand_usd_per_hour: float = Field(gt=0)
+    """us-east-1 Linux on-demand price per instance-hour."""
+    price_is_estimate: bool = False
+    """True when the price is not a published on-demand list price (see module docstring)."""
+
+    @property
+    def efa_interface_count(self) -> int:
+        """EFA interfaces to attach: one per network card, none on types without EFA."""
+        return self.network_cards if self.efa_supported else 0
+
+
+def _gpu(name: str, accelerator: str, count: int, memory_gib: int, cards: int, efa_gbps: int,
+         busbw_floor: float, price: float, *, estimate: bool = False, vcpus: int = 96) -> InstanceFacts:
+    return InstanceFacts(name=name, accelerator=accelerator, accelerator_count=count,
+                         accelerator_memory_gib=memory_gib, ranks_per_node=count, vcpus=vcpus,
+                         network_cards=cards, efa_supported=True, efa_bandwidth_gbps=efa_gbps,
+                         busbw_floor_gbytes_per_s=busbw_floor, on_demand_usd_per_hour=price,
+                         price_is_estimate=estimate)
+
+
+def _cpu(name: str, vcpus: int, price: float) -> InstanceFacts:
+    # The CPU types stand in for GPU nodes in local runs: gloo over loopback, one rank per core.
+    return InstanceFacts(name=name, accelerator="none", accelerator_count=0, accelerator_memory_gib=0,
+                         ranks_per_node=max(1, vcpus // 2), vcpus=vcpus, network_cards=1,
+                         efa_supported=False, efa_bandwidth_gbps=0, busbw_floor_gbytes_per_s=0.01,
+                         on_demand_usd_per_hour=price)
+
+
+CATALOGUE: MappingProxyType[str, InstanceFacts] = MappingProxyType({
+    facts.name: facts for facts in (
+        # 8x A100 40 GB, 4 network cards, 400 Gbps EFA.
+        _gpu("p4d.24xlarge", "A100", 8, 40, 4, 400, 25.0, 21.96),
+        # 8x A100 80 GB, same network as p4d.
+        _gpu("p4de.24xlarge", "A100", 8, 80, 4, 400, 25.0, 27.45, estimate=True),
+        # 8x H100 80 GB, 32 network cards, 3200 Gbps EFA (v2).
+        _gpu("p5.48xlarge", "H100", 8, 80, 32, 3200, 200.0, 55.04, vcpus=192),
+        # 8x H200 141 GB, 32 network cards, 3200 Gbps EFA (v2).
+        _gpu("p5e.48xlarge", "H200", 8, 141, 32, 3200, 200.0, 60.00, estimate=True, vcpus=192),
+        # 8x H200 141 GB, 16 network cards, 3200 Gbps EFA (v3).
+        _gpu("p5en.48xlarge", "H200", 8, 141, 16, 3200, 200.0, 63.30, estimate=True, vcpus=192),
+        # 16 Trainium chips (32 NeuronCores) with 32 GB each, 8 network cards, 800 Gbps EFA.
+        InstanceFacts(name="trn1.32xlarge", accelerator="Trainium", accelerator_count=16,
+                      accelerator_memory_gib=32, ranks_per_node=32, vcpus=128, network_cards=8,
+                      efa_supported=True, efa_bandwidth_gbps=800, busbw_floor_gbytes_per_s=50.0,
+                      on_demand_usd_per_hour=21.50),
+        _cpu("c5.large", 2, 0.085),
+        _cpu("c5.xlarge", 4, 0.17),
+        _cpu("c5.2xlarge", 8, 0.34),
+    )
+})
+
+
+class UnknownInstanceType(ValueError):
+    """An instance type the catalogue has no facts for."""
+
+    def __init__(self, name: str):
+        super().__init__(f"instance type {name!r} is not in the catalogue; "
+                         f"supported: {', '.join(sorted(CATALOGUE))}")
+        self.name = name
+
+
+def instance_facts(name: str) -> InstanceFacts:
+    """The facts for `name`, or UnknownInstanceType."""
+    try:
+        return CATALOGUE[name]
+    except KeyError:
+        raise UnknownInstanceType(name) from None

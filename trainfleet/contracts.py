@@ -1,0 +1,972 @@
+"""Contracts: every data shape that crosses a boundary of the control plane, as pydantic v2 models.
+
+The Lambda handlers, the state machine's payloads and the node agent all speak these shapes. The
+module imports pydantic and the instance catalogue only (no boto3, no torch), so the agent on an
+instance and a Lambda import the same definitions.
+
+Offers:
+    RunSpec                      what a user starts a run with (the Step Functions input)
+      CapacitySpec, CheckpointPolicy, RecoveryPolicy, TrainerConfig (+ TrainerParallel,
+      TrainerModel, TrainerTraining)
+    RunState, NodeState, NodeRole, CapacityKind, FailureClass, TrainerFailureKind   enums
+    RUN_TRANSITIONS, NODE_TRANSITIONS, check_run_transition, check_node_transition,
+      InvalidTransition         the allowed state changes
+    RunRecord, NodeRecord, TaskWait, FailureRecord, CheckpointRef, GoodputLedger   stored records
+    ParallelPlan, RecoveryAction, RecoveryDecision   what the lifecycle decides
+    LaunchSpec                  what every node agent reads to start the trainer
+    RunRef                      the small reference Step Functions states carry
+    Event details: Ec2InstanceStateChange, Ec2SpotInterruptionWarning,
+      Ec2RebalanceRecommendation, HealthEvent (AWS shapes); NodeRegistered, NodeReady,
+      NodeUnhealthy, CheckpointCommitted, TrainerFailed, TrainerHung, TrainingCompleted,
+      TrainingProgress (source "trainfleet")
+    DetailType, EVENT_SOURCE, EventEnvelope, parse_event, put_events_entry
+    validation_message(error)   a ValidationError as "field.path: problem" lines, for people
+    SCHEDULES, schedule_problem  the pipeline schedules and their rules (torch-free)
+
+Bad input raises pydantic.ValidationError; every message names the field (`loc`) and the value.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, ClassVar, Literal, NamedTuple
+
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
+
+from trainfleet.catalogue import UnknownInstanceType, instance_facts
+
+EVENT_SOURCE = "trainfleet"
+"""EventBridge `source` of every event the node agents send."""
+
+RENDEZVOUS_PORT = 29400
+"""torchrun's default c10d rendezvous port, opened on node 0."""
+
+
+class _Strict(BaseModel):
+    """Our own shapes: unknown fields are an error (a typo must not be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid", use_enum_values=False)
+
+
+class _Open(BaseModel):
+    """Shapes owned by others (AWS, the trainer): they add fields over time, so unknown ones are
+    kept and passed on, never refused."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+def validation_message(error: ValidationError) -> str:
+    """One line per problem, `field.path: message (got value)`, for an execution's error cause."""
+    lines = []
+    for problem in error.errors(include_url=False):
+        where = ".".join(str(part) for part in problem["loc"]) or "(input)"
+        message = problem["msg"].removeprefix("Value error, ")
+        got = problem.get("input")
+        shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+        lines.append(f"{where}: {message}{shown}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline schedules. The trainer's trainer/parallel_dims.py holds the same rules but imports
+# torch; this torch-free mirror lets the control plane validate and re-plan a layout.
+# tests/test_contracts.py checks that both agree.
+
+class ScheduleRule(NamedTuple):
+    placement: Literal["single", "loop", "v"]
+    """single: one stage per rank; loop: stage s on rank s % pp; v: rank r holds r and 2pp-1-r."""
+    stages_per_rank: int
+    """Stages per rank when the config leaves parallel.stages_per_rank at 0."""
+    needs_microbatches_ge_stages: bool
+    """Fewer microbatches than stages starve the warm-up."""
+    needs_whole_rounds: bool
+    """Looped schedules run microbatches in rounds of pp."""
+
+
+SCHEDULES: dict[str, ScheduleRule] = {
+    "gpipe": ScheduleRule("single", 1, False, False),
+    "1f1b": ScheduleRule("single", 1, True, False),
+    "interleaved-1f1b": ScheduleRule("loop", 2, False, True),
+    "looped-bfs": ScheduleRule("loop", 2, False, False),
+    "interleaved-zero-bubble": ScheduleRule("loop", 2, False, True),
+    "zbv-zero-bubble": ScheduleRule("v", 2, True, False),
+    "dualpipev": ScheduleRule("v", 2, True, False),
+}
+
+
+def schedule_problem(name: str, pp: int, stages_per_rank: int, microbatches: int) -> str | None:
+    """Why `name` cannot run pp ranks x stages_per_rank (0 = the schedule's default), else None."""
+    rule = SCHEDULES[name]
+    per_rank = stages_per_rank or rule.stages_per_rank
+    stages = pp * per_rank
+    if rule.placement == "single" and per_rank != 1:
+        return f"schedule {name!r} runs exactly one stage per rank, got parallel.stages_per_rank={per_rank}"
+    if rule.placement == "v" and per_rank != 2:
+        return f"schedule {name!r} needs two stages per rank (a V), got parallel.stages_per_rank={per_rank}"
+    if rule.needs_microbatches_ge_stages and microbatches < stages:
+        return f"schedule {name!r} needs parallel.microbatches >= stages ({stages}), got {microbatches}"
+    rounds = max(1, microbatches // pp)
+    if rule.needs_whole_rounds and microbatches % rounds != 0:
+        return (f"schedule {name!r} runs microbatches in rounds of parallel.pp={pp}: "
+                f"parallel.microbatches={microbatches} must be below pp or a multiple of it")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# RunSpec
+
+class CapacityKind(StrEnum):
+    """Where instances come from."""
+
+    ON_DEMAND = "on-demand"
+    SPOT = "spot"
+    CAPACITY_RESERVATION = "capacity-reservation"
+    """An On-Demand Capacity Reservation (ODCR) named by id."""
+    CAPACITY_BLOCK = "capacity-block"
+    """An EC2 Capacity Block for ML (a reservation id, used as market type capacity-block)."""
+
+
+_SUBNET = re.compile(r"^subnet-[0-9a-f]{8,17}$")
+_SECURITY_GROUP = re.compile(r"^sg-[0-9a-f]{8,17}$")
+_RESERVATION = re.compile(r"^cr-[0-9a-f]{8,17}$")
+_IMAGE = re.compile(r"^(ami-[0-9a-f]{8,17}|resolve:ssm:/?[A-Za-z0-9_./-]+(:[0-9]+)?)$")
+_RUN_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,47}$")
+_S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
+
+
+def _check_all(values: list[str], pattern: re.Pattern, what: str) -> list[str]:
+    for value in values:
+        if not pattern.match(value):
+            raise ValueError(f"{value!r} is not a {what} id")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{what} ids must not repeat, got {values}")
+    return values
+
+
+class CapacitySpec(_Strict):
+    """Where and how to get instances."""
+
+    kind: CapacityKind = CapacityKind.ON_DEMAND
+    """on-demand, spot, capacity-reservation (ODCR) or capacity-block (Capacity Block for ML)."""
+    reservation_id: str | None = None
+    """cr-... id; required for capacity-reservation and capacity-block, refused otherwise."""
+    subnet_ids: list[str] = Field(min_length=1)
+    """Subnets in order of preference, one per Availability Zone to try; the whole fleet lands in
+    one of them (a cluster placement group cannot span zones). A reservation lives in one zone,
+    so give the subnet of that zone."""
+    security_group_ids: list[str] = Field(min_length=1)
+    """Security groups of every interface; one must allow all traffic to and from itself (EFA)."""
+
+    @field_validator("subnet_ids")
+    @classmethod
+    def _subnets(cls, value: list[str]) -> list[str]:
+        return _check_all(value, _SUBNET, "subnet")
+
+    @field_validator("security_group_ids")
+    @classmethod
+    def _groups(cls, value: list[str]) -> list[str]:
+        return _check_all(value, _SECURITY_GROUP, "security group")
+
+    @model_validator(mode="after")
+    def _reservation_matches_kind(self) -> CapacitySpec:
+        reserved = self.kind in (CapacityKind.CAPACITY_RESERVATION, CapacityKind.CAPACITY_BLOCK)
+        if reserved and self.reservation_id is None:
+            raise ValueError(f"capacity.kind={self.kind.value} needs capacity.reservation_id")
+        if not reserved and self.reservation_id is not None:
+            raise ValueError(f"capacity.reservation_id is only used with capacity-reservation or "
+                             f"capacity-block, not capacity.kind={self.kind.value}")
+        if self.reservation_id is not None and not _RESERVATION.match(self.reservation_id):
+            raise ValueError(f"capacity.reservation_id={self.reservation_id!r} is not a cr-... id")
+        return self
+
+
+class CheckpointPolicy(_Strict):
+    """Where and how often the trainer checkpoints (fills the trainer's checkpoint section)."""
+
+    s3_uri: str
+    """s3://BUCKET/PREFIX under which `step-NNNNNNNNN/` folders are written."""
+    interval_steps: int = Field(default=100, ge=1)
+    """Steps between checkpoints."""
+    keep_last: int = Field(default=3, ge=2)
+    """Committed checkpoints kept. At least 2: with asynchronous saves the only committed
+    checkpoint could otherwise be pruned while the next one is still being written."""
+
+    @field_validator("s3_uri")
+    @classmethod
+    def _s3(cls, value: str) -> str:
+        if not _S3_URI.match(value):
+            raise ValueError(f"{value!r} is not an s3://BUCKET/PREFIX uri")
+        return value.rstrip("/")
+
+
+class RecoveryPolicy(_Strict):
+    """How hard the run tries before it gives up."""
+
+    max_restarts: int = Field(default=10, ge=0)
+    """Recoveries allowed over the whole run; one more failure gives up."""
+    crash_loop_repeats: int = Field(default=3, ge=2)
+    """Give up after this many failures of the same class in a row with no checkpoint committed
+    in between (announced AWS events, e.g. Spot interruptions, never count as a loop)."""
+    backoff_base_seconds: float = Field(default=30.0, ge=0)
+    """Wait before the first retry of a failure streak."""
+    backoff_multiplier: float = Field(default=2.0, ge=1)
+    """Growth of the wait with each further failure in the same streak."""
+    backoff_max_seconds: float = Field(default=900.0, ge=0)
+    """Upper bound of any wait."""
+    backoff_jitter: float = Field(default=0.2, ge=0, le=1)
+    """Fraction of the wait drawn at random, so that many runs do not retry in lockstep."""
+    hang_timeout_seconds: int = Field(default=900, ge=60)
+    """No training progress for this long means hung (the Train task's HeartbeatSeconds)."""
+    boot_timeout_seconds: int = Field(default=1800, ge=60)
+    """Longest wait for the nodes to boot and pass preflight (the AwaitNodes task's timeout)."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RecoveryPolicy:
+        if self.backoff_max_seconds < self.backoff_base_seconds:
+            raise ValueError(f"recovery.backoff_max_seconds={self.backoff_max_seconds} is below "
+                             f"recovery.backoff_base_seconds={self.backoff_base_seconds}")
+        return self
+
+
+class TrainerParallel(_Open):
+    """The trainer's `parallel` section; these fields are typed, others pass through."""
+
+    pp: int = Field(ge=1)
+    """Pipeline-parallel degree."""
+    dp: int = Field(ge=1)
+    """Data-parallel degree; pp x dp = nodes x ranks per node."""
+    schedule: str
+    """Pipeline schedule, one of SCHEDULES."""
+    microbatches: int = Field(ge=1)
+    """Microbatches per step per replica."""
+    stages_per_rank: int = Field(default=0, ge=0)
+    """Stages per pipeline rank; 0 = what the schedule needs."""
+    layers_per_stage: list[int] = Field(default_factory=list)
+    """Explicit layer split; pins the number of stages, so a re-plan keeps pp."""
+
+    @field_validator("schedule")
+    @classmethod
+    def _known_schedule(cls, value: str) -> str:
+        if value not in SCHEDULES:
+            raise ValueError(f"schedule {value!r} is unknown; choose one of {sorted(SCHEDULES)}")
+        return value
+
+
+class TrainerModel(_Open):
+    """The trainer's `model` section; these fields are typed, others pass through."""
+
+    n_layers: int = Field(ge=1)
+    """Transformer blocks; every pipeline stage needs at least one."""
+    tie_embeddings: bool = False
+    """A tied embedding and head need pp = 1."""
+
+
+class TrainerTraining(_Open):
+    """The trainer's `training` section; these fields are typed, others pass through."""
+
+    batch_size: int = Field(ge=1)
+    """Global batch in sequences; kept fixed by a re-plan, so it must divide by dp."""
+
+
+class TrainerConfig(_Open):
+    """The trainer's config (trainer/config.py JobConfig) as a mapping of sections.
+
+    The control plane types what it plans with (model.n_layers, parallel.*, training.batch_size)
+    and carries every other section to the trainer untouched. The `checkpoint` section is filled
+    from RunSpec.checkpoint, so setting it here is an error.
+    """
+
+    model: TrainerModel
+    parallel: TrainerParallel
+    training: TrainerTraining
+
+    @model_validator(mode="after")
+    def _layout_runs(self) -> TrainerConfig:
+        if "checkpoint" in (self.model_extra or {}):
+            raise ValueError("trainer.checkpoint is filled from RunSpec.checkpoint; set it there")
+        problem = layout_problem(self, self.parallel.pp, self.parallel.dp)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def as_trainer_mapping(self, pp: int, dp: int, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The full config for the trainer, with the planned layout and checkpoint section."""
+        doc = self.model_dump(mode="json")
+        doc["parallel"].update(pp=pp, dp=dp)
+        doc["checkpoint"] = checkpoint
+        return doc
+
+
+def layout_problem(config: TrainerConfig, pp: int, dp: int) -> str | None:
+    """Why the trainer cannot run `config` at pp x dp, else None (the rules of JobConfig.validate)."""
+    par, model, batch = config.parallel, config.model, config.training.batch_size
+    per_rank = par.stages_per_rank or SCHEDULES[par.schedule].stages_per_rank
+    stages = pp * per_rank if pp > 1 else 1
+    if stages > model.n_layers:
+        return f"{stages} pipeline stages need at least as many layers, but model.n_layers={model.n_layers}"
+    if par.layers_per_stage and len(par.layers_per_stage) != stages:
+        return f"parallel.layers_per_stage lists {len(par.layers_per_stage)} stages, the layout has {stages}"
+    if batch % dp:
+        return f"training.batch_size={batch} must be divisible by parallel.dp={dp}"
+    if (batch // dp) % par.microbatches:
+        return (f"parallel.microbatches={par.microbatches} must divide the per-replica batch "
+                f"(training.batch_size / parallel.dp = {batch // dp})")
+    if pp > 1 and model.tie_embeddings:
+        return "model.tie_embeddings=true needs parallel.pp=1"
+    if pp > 1:
+        return schedule_problem(par.schedule, pp, par.stages_per_rank, par.microbatches)
+    return None
+
+
+class RunSpec(_Strict):
+    """A training run as the user asks for it: the input of a Step Functions execution."""
+
+    run_name: str
+    """Lower-case letters, digits and dashes, at most 48; names the run everywhere (S3, tags)."""
+    instance_type: str
+    """An EC2 instance type from the catalogue (trainfleet.catalogue.CATALOGUE)."""
+    node_count: int = Field(ge=1)
+    """Nodes the training world needs."""
+    spare_count: int = Field(default=0, ge=0)
+    """Extra nodes kept booted and healthy, swapped in when a node fails."""
+    min_nodes: int | None = Field(default=None, ge=1)
+    """Fewest nodes the run may shrink to (re-planning pp x dp); None = never shrink."""
+    capacity: CapacitySpec
+    """Where instances come from and which subnets to try."""
+    image_id: str
+    """AMI id (ami-...) or an SSM parameter as `resolve:ssm:/path` (resolved at launch)."""
+    trainer: TrainerConfig
+    """The trainer's config; parallel.pp x parallel.dp must fill node_count nodes."""
+    checkpoint: CheckpointPolicy
+    """Checkpoint location and cadence."""
+    recovery: RecoveryPolicy = Field(default_factory=RecoveryPolicy)
+    """Restart budget, crash-loop rule, backoff, hang and boot timeouts."""
+    cost_ceiling_usd: float | None = Field(default=None, gt=0)
+    """Stop the run once its instance cost reaches this; None = no ceiling."""
+    tags: dict[str, str] = Field(default_factory=dict)
+    """Extra tags on every instance (besides the trainfleet ones)."""
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_name(cls, value: str) -> str:
+        if not _RUN_NAME.match(value):
+            raise ValueError(f"{value!r} must be 1-48 lower-case letters, digits or dashes, "
+                             "starting with a letter or digit")
+        return value
+
+    @field_validator("instance_type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        try:
+            instance_facts(value)
+        except UnknownInstanceType as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("image_id")
+    @classmethod
+    def _image(cls, value: str) -> str:
+        if not _IMAGE.match(value):
+            raise ValueError(f"{value!r} is neither an ami-... id nor resolve:ssm:/parameter")
+        return value
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, value: dict[str, str]) -> dict[str, str]:
+        reserved = [key for key in value if key.lower().startswith(("trainfleet:", "aws:"))]
+        if reserved:
+            raise ValueError(f"tag keys {reserved} are reserved (trainfleet:, aws:)")
+        return value
+
+    @model_validator(mode="after")
+    def _fits(self) -> RunSpec:
+        if self.min_nodes is not None and self.min_nodes > self.node_count:
+            raise ValueError(f"min_nodes={self.min_nodes} exceeds node_count={self.node_count}")
+        ranks = self.node_count * self.facts.ranks_per_node
+        par = self.trainer.parallel
+        if par.pp * par.dp != ranks:
+            raise ValueError(
+                f"trainer.parallel.pp x dp = {par.pp} x {par.dp} = {par.pp * par.dp} ranks, but "
+                f"node_count={self.node_count} x {self.facts.ranks_per_node} ranks per "
+                f"{self.instance_type} = {ranks}")
+        return self
+
+    @property
+    def facts(self):
+        """The catalogue entry of the instance type."""
+        return instance_facts(self.instance_type)
+
+    @property
+    def shrink_floor(self) -> int:
+        """Fewest nodes the run may continue with."""
+        return self.min_nodes or self.node_count
+
+
+# ---------------------------------------------------------------------------------------------
+# States
+
+class InvalidTransition(ValueError):
+    """A state change the diagram does not allow (names both states)."""
+
+
+class RunState(StrEnum):
+    """Where a run is. Every change is a conditional write on the previous state.
+
+        REQUESTED ─▶ ALLOCATING ─▶ AWAITING_NODES ─▶ TRAINING ─▶ TEARING_DOWN ─▶ SUCCEEDED
+                         ▲               │              │             ▲        └─▶ FAILED
+                         │               ▼              ▼             │
+                         └────────── RECOVERING ◀───────┘             │
+           (any state that is not final) ─────────────────────────────┘
+
+    RECOVERING goes back to ALLOCATING (replacements) or straight to AWAITING_NODES (spares
+    or a shrink cover it). TEARING_DOWN is on every path: no instance outlives its run.
+    """
+
+    REQUESTED = "REQUESTED"
+    ALLOCATING = "ALLOCATING"
+    AWAITING_NODES = "AWAITING_NODES"
+    TRAINING = "TRAINING"
+    RECOVERING = "RECOVERING"
+    TEARING_DOWN = "TEARING_DOWN"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (RunState.SUCCEEDED, RunState.FAILED)
+
+
+_R = RunState
+# TEARING_DOWN is reachable from every state before it: it is the state machine's Catch-all.
+RUN_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
+    _R.REQUESTED: frozenset({_R.ALLOCATING, _R.TEARING_DOWN}),
+    _R.ALLOCATING: frozenset({_R.AWAITING_NODES, _R.RECOVERING, _R.TEARING_DOWN}),
+    _R.AWAITING_NODES: frozenset({_R.TRAINING, _R.RECOVERING, _R.TEARING_DOWN}),
+    _R.TRAINING: frozenset({_R.RECOVERING, _R.TEARING_DOWN}),
+    _R.RECOVERING: frozenset({_R.ALLOCATING, _R.AWAITING_NODES, _R.TEARING_DOWN}),
+    _R.TEARING_DOWN: frozenset({_R.SUCCEEDED, _R.FAILED}),
+    _R.SUCCEEDED: frozenset(),
+    _R.FAILED: frozenset(),
+}
+
+
+class NodeRole(StrEnum):
+    """What a node is for."""
+
+    WORKER = "WORKER"
+    """Part of the training world."""
+    SPARE = "SPARE"
+    """Booted and checked, waiting to replace a worker."""
+
+
+class NodeState(StrEnum):
+    """Where a node (one instance) is.
+
+        LAUNCHED ─▶ REGISTERED ─▶ READY
+            │            │          │
+            └────────────┴──────────┴─▶ UNHEALTHY ─▶ TERMINATING ─▶ TERMINATED
+            (any state that is not final) ────────────▲                  ▲
+            (an instance AWS ended on its own) ──────────────────────────┘
+
+    LAUNCHED: CreateFleet returned its id. REGISTERED: its agent reported in. READY: preflight
+    passed. UNHEALTHY: a failure was attributed to it. TERMINATING is recorded before the
+    TerminateInstances call, TERMINATED when EC2 reports the instance gone.
+    """
+
+    LAUNCHED = "LAUNCHED"
+    REGISTERED = "REGISTERED"
+    READY = "READY"
+    UNHEALTHY = "UNHEALTHY"
+    TERMINATING = "TERMINATING"
+    TERMINATED = "TERMINATED"
+
+    @property
+    def is_final(self) -> bool:
+        return self is NodeState.TERMINATED
+
+
+_N = NodeState
+NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
+    _N.LAUNCHED: frozenset({_N.REGISTERED, _N.UNHEALTHY, _N.TERMINATING, _N.TERMINATED}),
+    _N.REGISTERED: frozenset({_N.READY, _N.UNHEALTHY, _N.TERMINATING, _N.TERMINATED}),
+    _N.READY: frozenset({_N.UNHEALTHY, _N.TERMINATING, _N.TERMINATED}),
+    _N.UNHEALTHY: frozenset({_N.TERMINATING, _N.TERMINATED}),
+    _N.TERMINATING: frozenset({_N.TERMINATED}),
+    _N.TERMINATED: frozenset(),
+}
+
+
+def check_run_transition(old: RunState, new: RunState) -> None:
+    """Raise InvalidTransition unless the run diagram allows old -> new."""
+    if new not in RUN_TRANSITIONS[old]:
+        raise InvalidTransition(f"run state {old.value} -> {new.value} is not allowed")
+
+
+def check_node_transition(old: NodeState, new: NodeState) -> None:
+    """Raise InvalidTransition unless the node diagram allows old -> new."""
+    if new not in NODE_TRANSITIONS[old]:
+        raise InvalidTransition(f"node state {old.value} -> {new.value} is not allowed")
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures and decisions
+
+class FailureClass(StrEnum):
+    """What went wrong, as the recovery decision sees it."""
+
+    INSTANCE_LOST = "INSTANCE_LOST"
+    """EC2 reports the instance stopping, stopped, shutting down or terminated."""
+    SPOT_INTERRUPTION = "SPOT_INTERRUPTION"
+    """A two-minute Spot interruption warning."""
+    SPOT_REBALANCE = "SPOT_REBALANCE"
+    """A rebalance recommendation: elevated risk of interruption, replace proactively."""
+    HEALTH_EVENT = "HEALTH_EVENT"
+    """An AWS Health event for the instance (scheduled retirement, hardware degradation)."""
+    NODE_UNHEALTHY = "NODE_UNHEALTHY"
+    """The agent's own checks failed (preflight, GPU errors, EFA devices, bandwidth)."""
+    PROCESS_CRASH = "PROCESS_CRASH"
+    """The trainer exited with an error on healthy nodes."""
+    HANG = "HANG"
+    """No progress for the hang timeout (heartbeat timeout or the agent's watchdog)."""
+    NUMERICAL = "NUMERICAL"
+    """The loss became NaN or infinite."""
+    CONFIG_ERROR = "CONFIG_ERROR"
+    """The trainer refused its config: retrying cannot help."""
+    CAPACITY = "CAPACITY"
+    """Not enough instances could be allocated."""
+    UNKNOWN = "UNKNOWN"
+    """Anything else (e.g. a States.* error without detail)."""
+
+
+class TrainerFailureKind(StrEnum):
+    """Why the agent says the trainer failed (TrainerFailed.kind)."""
+
+    CRASH = "crash"
+    NAN_LOSS = "nan_loss"
+    CONFIG = "config"
+
+
+class ParallelPlan(_Strict):
+    """A world layout: nodes x ranks per node = pp x dp."""
+
+    nodes: int = Field(ge=1)
+    """Worker nodes in the world."""
+    ranks_per_node: int = Field(ge=1)
+    """Trainer processes per node (torchrun --nproc-per-node)."""
+    pp: int = Field(ge=1)
+    """Pipeline-parallel degree."""
+    dp: int = Field(ge=1)
+    """Data-parallel degree."""
+
+    @model_validator(mode="after")
+    def _fills_world(self) -> ParallelPlan:
+        if self.pp * self.dp != self.nodes * self.ranks_per_node:
+            raise ValueError(f"pp x dp = {self.pp} x {self.dp} does not fill "
+                             f"{self.nodes} nodes x {self.ranks_per_node} ranks")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+
+class RecoveryAction(StrEnum):
+    """What the Recover state does next (the state machine's Choice branches on it)."""
+
+    RESTART = "restart"
+    """Same nodes, resume from the latest committed checkpoint."""
+    REPLACE = "replace"
+    """Swap the bad nodes for spares and/or new instances, same layout."""
+    SHRINK = "shrink"
+    """Continue on fewer nodes with a re-planned pp x dp."""
+    GIVE_UP = "give_up"
+    """Stop: the run fails (after teardown)."""
+
+
+class RecoveryDecision(_Strict):
+    """The outcome of lifecycle.decide_recovery; small enough for a Step Functions payload."""
+
+    action: RecoveryAction
+    """What to do."""
+    failure_class: FailureClass
+    """The classified failure that led here."""
+    reason: str
+    """One sentence for people (execution history, run report)."""
+    terminate_instance_ids: list[str] = Field(default_factory=list)
+    """Nodes to terminate (the bad ones; all of them when giving up is left to Teardown)."""
+    promote_spare_ids: list[str] = Field(default_factory=list)
+    """Spares that become workers."""
+    allocate_count: int = Field(default=0, ge=0)
+    """New instances to request (workers still missing plus spares to refill)."""
+    plan: ParallelPlan | None = None
+    """The layout to resume with; None when giving up."""
+    backoff_seconds: float = Field(default=0.0, ge=0)
+    """Wait before acting (a Wait state reads it)."""
+
+
+class FailureRecord(_Strict):
+    """One handled failure, for the restart budget and the crash-loop rule."""
+
+    failure_class: FailureClass
+    resume_step: int | None
+    """Latest committed step when it happened: equal steps in a row mean no progress."""
+    at: datetime
+
+
+class CheckpointRef(_Strict):
+    """A committed checkpoint as the control plane knows it."""
+
+    step: int = Field(ge=0)
+    uri: str
+    """s3://.../step-NNNNNNNNN (the folder the trainer resumes from)."""
+    committed_at: datetime | None = None
+
+
+class GoodputLedger(_Strict):
+    """Where the run's wall-clock and money went (lifecycle.settle_attempt keeps it)."""
+
+    productive_seconds: float = 0.0
+    """Training time whose progress survived (reached a committed checkpoint or the end)."""
+    lost_seconds: float = 0.0
+    """Start-up, recovery downtime and training redone after a failure."""
+    node_seconds: float = 0.0
+    """Instance time paid for (all nodes, spares included)."""
+    cost_usd: float = 0.0
+    """node_seconds priced at the catalogue's on-demand rate."""
+
+    @property
+    def goodput(self) -> float:
+        """Productive share of the run's wall-clock, 0..1 (1.0 before anything happened)."""
+        total = self.productive_seconds + self.lost_seconds
+        return self.productive_seconds / total if total else 1.0
+
+
+class TaskWait(_Strict):
+    """A Step Functions task token the run is parked on (AwaitNodes or Train)."""
+
+    purpose: Literal["await_nodes", "train"]
+    attempt: int = Field(ge=0)
+    token: str = Field(min_length=1)
+
+
+class RunRecord(_Strict):
+    """The run's row in DynamoDB. `version` increments on every write (optimistic locking)."""
+
+    run_name: str
+    spec: RunSpec
+    state: RunState = RunState.REQUESTED
+    attempt: int = Field(default=0, ge=0)
+    """Incremented by every recovery; events of older attempts are ignored."""
+    restarts: int = Field(default=0, ge=0)
+    """Recoveries so far (the restart budget counts these)."""
+    failures: list[FailureRecord] = Field(default_factory=list)
+    """Handled failures, oldest first."""
+    plan: ParallelPlan | None = None
+    """Current world layout."""
+    execution_arn: str | None = None
+    availability_zone: str | None = None
+    """Zone the fleet landed in; replacements go there (one cluster placement group)."""
+    subnet_id: str | None = None
+    placement_group: str | None = None
+    launch_template_id: str | None = None
+    latest_checkpoint: CheckpointRef | None = None
+    waiting: TaskWait | None = None
+    """The token to answer when the awaited event comes; cleared when answered."""
+    attempt_started_at: datetime | None = None
+    first_step_at: datetime | None = None
+    """First training step of the current attempt (ends its start-up time)."""
+    last_step: int | None = None
+    last_progress_at: datetime | None = None
+    ledger: GoodputLedger = Field(default_factory=GoodputLedger)
+    error: str | None = None
+    """Why the run failed (set before TEARING_DOWN on the failure path)."""
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    version: int = Field(default=0, ge=0)
+
+
+class NodeRecord(_Strict):
+    """One instance of a run, a DynamoDB item beside the run's."""
+
+    run_name: str
+    instance_id: str
+    state: NodeState = NodeState.LAUNCHED
+    role: NodeRole = NodeRole.WORKER
+    attempt: int = Field(default=0, ge=0)
+    """Attempt in which the node was launched."""
+    node_rank: int | None = None
+    """Rank in the current launch spec; None for spares and unassigned nodes."""
+    availability_zone: str | None = None
+    subnet_id: str | None = None
+    private_ip: str | None = None
+    market: CapacityKind = CapacityKind.ON_DEMAND
+    failure_class: FailureClass | None = None
+    reason: str | None = None
+    launched_at: datetime | None = None
+    updated_at: datetime | None = None
+    version: int = Field(default=0, ge=0)
+
+
+class LaunchSpec(_Strict):
+    """What every node agent of an attempt reads to start torchrun."""
+
+    run_name: str
+    attempt: int = Field(ge=0)
+    plan: ParallelPlan
+    node_ranks: dict[str, int]
+    """instance id -> torchrun node rank; node rank 0 hosts the rendezvous."""
+    rendezvous_host: str
+    """Private IP of node rank 0."""
+    rendezvous_port: int = RENDEZVOUS_PORT
+    rendezvous_id: str
+    """Unique per attempt, so a restarted world never joins a stale rendezvous."""
+    trainer_config: dict[str, Any]
+    """The trainer's full config (pp, dp and the checkpoint section filled in)."""
+    resume_step: int | None = None
+    """Committed step to resume from; None starts from scratch."""
+    heartbeat_task_token: str | None = None
+    """Token rank 0's agent sends SendTaskHeartbeat / success with as training advances."""
+
+    @model_validator(mode="after")
+    def _ranks(self) -> LaunchSpec:
+        if sorted(self.node_ranks.values()) != list(range(self.plan.nodes)):
+            raise ValueError(f"node_ranks must number the plan's {self.plan.nodes} nodes "
+                             f"0..{self.plan.nodes - 1}, got {sorted(self.node_ranks.values())}")
+        return self
+
+
+class RunRef(_Strict):
+    """What Step Functions states pass along: a reference, the fleet lives in DynamoDB."""
+
+    run_name: str
+    attempt: int = Field(default=0, ge=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Events
+
+class DetailType(StrEnum):
+    """EventBridge detail-type of every event the control plane handles."""
+
+    EC2_STATE_CHANGE = "EC2 Instance State-change Notification"
+    EC2_SPOT_INTERRUPTION = "EC2 Spot Instance Interruption Warning"
+    EC2_REBALANCE = "EC2 Instance Rebalance Recommendation"
+    HEALTH = "AWS Health Event"
+    NODE_REGISTERED = "NodeRegistered"
+    NODE_READY = "NodeReady"
+    NODE_UNHEALTHY = "NodeUnhealthy"
+    CHECKPOINT_COMMITTED = "CheckpointCommitted"
+    TRAINER_FAILED = "TrainerFailed"
+    TRAINER_HUNG = "TrainerHung"
+    TRAINING_COMPLETED = "TrainingCompleted"
+    TRAINING_PROGRESS = "TrainingProgress"
+
+
+class Ec2InstanceStateChange(_Open):
+    """aws.ec2 "EC2 Instance State-change Notification" detail."""
+
+    SOURCE: ClassVar[str] = "aws.ec2"
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.EC2_STATE_CHANGE
+
+    instance_id: str = Field(alias="instance-id")
+    state: Literal["pending", "running", "stopping", "stopped", "shutting-down", "terminated"]
+
+
+class Ec2SpotInterruptionWarning(_Open):
+    """aws.ec2 "EC2 Spot Instance Interruption Warning" detail (two minutes ahead)."""
+
+    SOURCE: ClassVar[str] = "aws.ec2"
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.EC2_SPOT_INTERRUPTION
+
+    instance_id: str = Field(alias="instance-id")
+    instance_action: Literal["terminate", "stop", "hibernate"] = Field(alias="instance-action")
+
+
+class Ec2RebalanceRecommendation(_Open):
+    """aws.ec2 "EC2 Instance Rebalance Recommendation" detail."""
+
+    SOURCE: ClassVar[str] = "aws.ec2"
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.EC2_REBALANCE
+
+    instance_id: str = Field(alias="instance-id")
+
+
+class HealthEventDescription(_Open):
+    language: str
+    latest_description: str = Field(alias="latestDescription")
+
+
+class HealthAffectedEntity(_Open):
+    entity_value: str = Field(alias="entityValue")
+    """For EC2 events, an instance id."""
+
+
+class HealthEvent(_Open):
+    """aws.health "AWS Health Event" detail (only service EC2 concerns a run)."""
+
+    SOURCE: ClassVar[str] = "aws.health"
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.HEALTH
+
+    event_arn: str = Field(alias="eventArn")
+    service: str
+    event_type_code: str = Field(alias="eventTypeCode")
+    """e.g. AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED."""
+    event_type_category: str = Field(alias="eventTypeCategory")
+    """issue, accountNotification, scheduledChange or investigation."""
+    start_time: str | None = Field(default=None, alias="startTime")
+    end_time: str | None = Field(default=None, alias="endTime")
+    event_description: list[HealthEventDescription] = Field(default_factory=list, alias="eventDescription")
+    affected_entities: list[HealthAffectedEntity] = Field(default_factory=list, alias="affectedEntities")
+
+    @property
+    def instance_ids(self) -> list[str]:
+        return [entity.entity_value for entity in self.affected_entities
+                if entity.entity_value.startswith("i-")]
+
+
+class AgentEvent(_Strict):
+    """Common part of every event a node agent sends (source "trainfleet")."""
+
+    SOURCE: ClassVar[str] = EVENT_SOURCE
+    DETAIL_TYPE: ClassVar[DetailType]
+
+    run_name: str
+    attempt: int = Field(ge=0)
+    """The attempt the sender belongs to: events of an older attempt are ignored."""
+    instance_id: str | None = None
+    """Sending instance; None for run-wide events sent on behalf of the world."""
+
+
+class HealthCheckResult(_Strict):
+    """One preflight or runtime check on a node."""
+
+    name: str
+    """e.g. gpu_count, efa_devices, gpu_errors, allreduce_busbw."""
+    passed: bool
+    measured: float | None = None
+    """The figure checked (count, GB/s), when there is one."""
+    expected: float | None = None
+    detail: str = ""
+
+
+class NodeRegistered(AgentEvent):
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.NODE_REGISTERED
+
+    instance_id: str
+    private_ip: str
+    availability_zone: str | None = None
+
+
+class NodeReady(AgentEvent):
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.NODE_READY
+
+    instance_id: str
+    checks: list[HealthCheckResult] = Field(default_factory=list)
+
+
+class NodeUnhealthy(AgentEvent):
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.NODE_UNHEALTHY
+
+    instance_id: str
+    reason: str
+    checks: list[HealthCheckResult] = Field(default_factory=list)
+
+
+class CheckpointCommitted(AgentEvent):
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.CHECKPOINT_COMMITTED
+
+    step: int = Field(ge=0)
+    uri: str
+    """The step folder, s3://.../step-NNNNNNNNN."""
+    stall_seconds: float = Field(default=0.0, ge=0)
+    """How long training was blocked by the save."""
+
+
+class TrainerFailed(AgentEvent):
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.TRAINER_FAILED
+
+    kind: TrainerFailureKind
+    exit_code: int | None = None
+    message: str = ""
+    last_step: int | None = None
+
+
+class TrainerHung(AgentEvent):
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.TRAINER_HUNG
+
+    last_step: int | None = None
+    seconds_since_progress: float = Field(ge=0)
+
+
+class TrainingCompleted(AgentEvent):
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.TRAINING_COMPLETED
+
+    final_step: int = Field(ge=0)
+    checkpoint_uri: str | None = None
+
+
+class TrainingProgress(AgentEvent):
+    """Sampled progress from global rank 0's agent."""
+
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.TRAINING_PROGRESS
+
+    step: int = Field(ge=0)
+    loss: float
+    tokens_per_second: float = Field(ge=0)
+    step_seconds: float = Field(ge=0)
+
+
+AnyDetail = (Ec2InstanceStateChange | Ec2SpotInterruptionWarning | Ec2RebalanceRecommendation
+             | HealthEvent | NodeRegistered | NodeReady | NodeUnhealthy | CheckpointCommitted
+             | TrainerFailed | TrainerHung | TrainingCompleted | TrainingProgress)
+
+DETAIL_MODELS: dict[tuple[str, DetailType], type[BaseModel]] = {
+    (model.SOURCE, model.DETAIL_TYPE): model
+    for model in (Ec2InstanceStateChange, Ec2SpotInterruptionWarning, Ec2RebalanceRecommendation,
+                  HealthEvent, NodeRegistered, NodeReady, NodeUnhealthy, CheckpointCommitted,
+                  TrainerFailed, TrainerHung, TrainingCompleted, TrainingProgress)
+}
+
+
+class EventEnvelope(_Open):
+    """An EventBridge event as a rule target receives it, its detail parsed by (source, type)."""
+
+    id: str
+    source: str
+    detail_type: DetailType = Field(alias="detail-type")
+    time: datetime
+    region: str | None = None
+    account: str | None = None
+    resources: list[str] = Field(default_factory=list)
+    detail: AnyDetail
+
+    @model_validator(mode="before")
+    @classmethod
+    def _detail_by_type(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        key = (raw.get("source"), raw.get("detail-type"))
+        model = DETAIL_MODELS.get(key)  # type: ignore[arg-type]
+        if model is None:
+            raise ValueError(f"no handler for source={key[0]!r} detail-type={key[1]!r}")
+        return {**raw, "detail": model.model_validate(raw.get("detail", {}))}
+
+
+def parse_event(raw: dict[str, Any]) -> EventEnvelope:
+    """An EventBridge event with its detail as the right model; ValidationError names the field."""
+    return EventEnvelope.model_validate(raw)
+
+
+def put_events_entry(detail: AgentEvent, event_bus_name: str) -> dict[str, Any]:
+    """One PutEvents entry for an agent event (the agent's boto3 call takes a list of these)."""
+    resources = [detail.instance_id] if detail.instance_id else []
+    return {
+        "Source": detail.SOURCE,
+        "DetailType": detail.DETAIL_TYPE.value,
+        "Detail": detail.model_dump_json(),
+        "EventBusName": event_bus_name,
+        "Resources": resources,
+    }
