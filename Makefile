@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test demo clean
+.PHONY: install test demo clean sam-tools validate
 
 install: $(VENV)/.installed
 
@@ -13,11 +13,40 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[trainer,local,dev]'
 	touch $@
 
-test: install
+test: install sam-tools
 	$(PY) -m pytest
 
 demo: install
 	$(PY) -m trainfleet.cli demo
+
+# aws-sam-cli pins its own boto3, so the deployment judges get a virtualenv of their own.
+SAM_VENV := .venv-sam
+SAM_TOOLS := aws-sam-cli==1.170.0 cfn-lint==1.58.0 statelint==3.1.0
+
+sam-tools: $(SAM_VENV)/.installed
+
+$(SAM_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(SAM_VENV)
+	$(SAM_VENV)/bin/pip install -q $(SAM_TOOLS)
+	touch $@
+
+validate: install sam-tools
+	$(PY) -m trainfleet.cli validate
+
+# `sam build` (BuildMethod: makefile, build_in_source in samconfig.toml) calls these with
+# ARTIFACTS_DIR set. The layer gets the project's runtime dependencies as Lambda's Linux
+# wheels; each function gets only the control-plane packages.
+LAMBDA_WHEELS := --platform manylinux2014_x86_64 --implementation cp --python-version 3.11 --only-binary=:all:
+
+build-LambdaDependencies:
+	$(PYTHON) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > $(ARTIFACTS_DIR)/requirements.txt
+	$(PYTHON) -m pip install -q --target $(ARTIFACTS_DIR)/python $(LAMBDA_WHEELS) -r $(ARTIFACTS_DIR)/requirements.txt
+	rm $(ARTIFACTS_DIR)/requirements.txt
+
+build-%Function:
+	mkdir -p $(ARTIFACTS_DIR)
+	cp -r functions trainfleet $(ARTIFACTS_DIR)/
+	find $(ARTIFACTS_DIR) -name __pycache__ -prune -exec rm -rf {} +
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
