@@ -1,6 +1,7 @@
 """The `trainfleet` command.
 
     trainfleet demo            the main job on this machine (see README)
+    trainfleet validate        sam validate --lint and statelint on what users deploy
 """
 
 import argparse
@@ -13,6 +14,12 @@ def _demo(args: argparse.Namespace) -> int:
     return trainer_demo(args.rest)
 
 
+def _validate(args: argparse.Namespace) -> int:
+    from trainfleet.validate import validate
+
+    return validate()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainfleet", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -20,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="run the demo on this machine")
     demo.add_argument("rest", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_demo)
+    validate = commands.add_parser("validate", help="check template.yaml and the state machine")
+    validate.set_defaults(func=_validate)
     return parser
 
 
