@@ -1,0 +1,143 @@
+"""The state machine definition: every error name real, no path that skips Teardown, waits
+driven by task tokens, and moto's ASL parser accepts it."""
+
+import importlib
+import inspect
+import json
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import functions
+import trainfleet
+from trainfleet.validate import substituted_definitions
+
+REPO = Path(__file__).resolve().parent.parent
+ASL_PATH = REPO / "statemachine" / "training_run.asl.json"
+
+# Error names AWS defines: the States.* names of the Step Functions developer guide ("Error
+# names"), and the Lambda service errors the lambda:invoke integration raises, which AWS
+# recommends retrying.
+AWS_STATES_ERRORS = {
+    "States.ALL", "States.DataLimitExceeded", "States.ExceedToleratedFailureThreshold",
+    "States.HeartbeatTimeout", "States.Http.Socket", "States.IntrinsicFailure",
+    "States.ItemReaderFailed", "States.NoChoiceMatched", "States.ParameterPathFailure",
+    "States.Permissions", "States.ResultPathMatchFailure", "States.ResultWriterFailed",
+    "States.Runtime", "States.TaskFailed", "States.Timeout", "States.QueryEvaluationError",
+}
+AWS_LAMBDA_ERRORS = {
+    "Lambda.ServiceException", "Lambda.AWSLambdaException", "Lambda.SdkClientException",
+    "Lambda.TooManyRequestsException", "Lambda.Unknown",
+}
+
+
+@pytest.fixture(scope="module")
+def asl() -> dict:
+    return json.loads(ASL_PATH.read_text())
+
+
+def _exception_classes() -> dict[str, type]:
+    """Every exception class defined in functions/ and trainfleet/, by name."""
+    found = {}
+    for package in (functions, trainfleet):
+        for module_info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            module = importlib.import_module(module_info.name)
+            for name, value in vars(module).items():
+                if (inspect.isclass(value) and issubclass(value, BaseException)
+                        and value.__module__ == module.__name__):
+                    found[name] = value
+    return found
+
+
+def _error_names(asl: dict) -> set[str]:
+    names = set()
+    for state in asl["States"].values():
+        for rule in state.get("Retry", []) + state.get("Catch", []):
+            names.update(rule["ErrorEquals"])
+    return names
+
+
+def test_every_error_name_is_one_aws_defines_or_a_class_the_code_raises(asl):
+    exceptions = _exception_classes()
+    unknown = sorted(name for name in _error_names(asl)
+                     if name not in AWS_STATES_ERRORS | AWS_LAMBDA_ERRORS
+                     and name not in exceptions)
+    assert not unknown, f"ErrorEquals names nothing defines: {unknown}"
+
+
+def test_the_error_name_check_catches_a_misspelt_name(asl):
+    misspelt = json.loads(json.dumps(asl))
+    misspelt["States"]["Train"]["Catch"][0]["ErrorEquals"].append("States.TaskFailedId")
+    exceptions = _exception_classes()
+    assert "States.TaskFailedId" in {name for name in _error_names(misspelt)
+                                     if name not in AWS_STATES_ERRORS | AWS_LAMBDA_ERRORS
+                                     and name not in exceptions}
+
+
+def _successors(state: dict) -> list[str]:
+    following = [state["Next"]] if "Next" in state else []
+    following += [rule["Next"] for rule in state.get("Catch", [])]
+    following += [choice["Next"] for choice in state.get("Choices", [])]
+    following += [state["Default"]] if "Default" in state else []
+    return following
+
+
+def test_no_path_after_validate_ends_without_teardown(asl):
+    """Walk every edge (Next, Catch, Choice) from Allocate without passing Teardown: no end
+    state may be reachable, so every way out of the run goes through Teardown."""
+    states, seen, frontier = asl["States"], set(), ["Allocate"]
+    while frontier:
+        name = frontier.pop()
+        if name in seen or name == "Teardown":
+            continue
+        seen.add(name)
+        state = states[name]
+        assert state["Type"] not in ("Succeed", "Fail") and not state.get("End"), (
+            f"{name} ends the execution without Teardown")
+        frontier.extend(_successors(state))
+    assert {"Allocate", "AwaitNodes", "Train", "Recover"} <= seen
+
+
+def test_every_task_after_validate_catches_everything_into_teardown(asl):
+    for name, state in asl["States"].items():
+        if state["Type"] != "Task" or name in ("Validate", "Teardown", "Report"):
+            continue
+        catch_all = [rule for rule in state.get("Catch", []) if rule["ErrorEquals"] == ["States.ALL"]]
+        assert catch_all and catch_all[0]["Next"] == "Teardown", name
+        assert state["Catch"][-1] is catch_all[0], f"{name}: States.ALL must be the last catcher"
+        assert catch_all[0]["ResultPath"] == "$.failure", f"{name}: the run reference must survive"
+
+
+def test_waits_are_task_tokens_bounded_by_timeouts(asl):
+    states = asl["States"]
+    assert not [name for name, state in states.items() if state["Type"] == "Wait"
+                and state["Next"] != "AwaitNodes"], "only the recovery backoff may wait"
+    for name in ("AwaitNodes", "Train"):
+        assert states[name]["Resource"].endswith(".waitForTaskToken")
+        assert states[name]["Parameters"]["Payload"]["task_token.$"] == "$$.Task.Token"
+    assert states["AwaitNodes"]["TimeoutSecondsPath"] == "$.timeouts.boot_seconds"
+    assert states["Train"]["HeartbeatSecondsPath"] == "$.timeouts.heartbeat_seconds"
+    # A hang surfaces as States.HeartbeatTimeout (also matched by States.Timeout): recover it.
+    recover_names = states["Train"]["Catch"][0]["ErrorEquals"]
+    assert states["Train"]["Catch"][0]["Next"] == "Recover"
+    assert {"States.HeartbeatTimeout", "States.Timeout", "RunInterrupted"} <= set(recover_names)
+
+
+def test_payloads_are_references_not_fleets(asl):
+    """Every task passes the small state on, or a named part of it; none builds a payload
+    from anything that could grow with the fleet."""
+    for name, state in asl["States"].items():
+        if state["Type"] != "Task":
+            continue
+        payload = state["Parameters"].get("Payload.$") or state["Parameters"]["Payload"]
+        assert payload in ("$",) or set(payload) <= {"run.$", "task_token.$", "run_spec.$",
+                                                     "execution_arn.$"}, name
+
+
+def test_moto_parses_the_definition():
+    from moto.stepfunctions.parser.asl.parse.asl_parser import AmazonStateLanguageParser
+
+    (definition,) = substituted_definitions(REPO / "template.yaml").values()
+    program, _ = AmazonStateLanguageParser.parse(definition)
+    assert program is not None

@@ -1,0 +1,164 @@
+"""template.yaml: real AWS sample events match exactly their rules, EC2 mutations are
+tag-scoped, the bucket is locked down, and the independent judges pass."""
+
+import json
+from pathlib import Path
+
+import pytest
+from moto.events.models import EventPattern
+
+from trainfleet.validate import ValidationSetup, load_template, substituted_definitions, validate
+
+REPO = Path(__file__).resolve().parent.parent
+AWS_EVENTS = REPO / "events" / "aws"
+STACK = "trainfleet-test"
+
+# Each sample (copied in shape from the AWS documentation) and the one rule it must reach.
+SAMPLE_RULES = {
+    "ec2-instance-state-change-terminated.json": "InstanceStateChange",
+    "ec2-spot-instance-interruption-warning.json": "SpotInterruptionWarning",
+    "ec2-instance-rebalance-recommendation.json": "RebalanceRecommendation",
+    "aws-health-ec2-instance-retirement.json": "HealthEvent",
+}
+
+
+@pytest.fixture(scope="module")
+def template() -> dict:
+    return load_template((REPO / "template.yaml").read_text())
+
+
+def _resolve_stack_name(node):
+    if node == {"Ref": "AWS::StackName"}:
+        return STACK
+    if isinstance(node, dict):
+        return {key: _resolve_stack_name(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_resolve_stack_name(value) for value in node]
+    return node
+
+
+@pytest.fixture(scope="module")
+def rules(template) -> dict[str, EventPattern]:
+    events = template["Resources"]["EventsFunction"]["Properties"]["Events"]
+    return {name: EventPattern.load(json.dumps(_resolve_stack_name(event["Properties"]["Pattern"])))
+            for name, event in events.items() if event["Type"] == "EventBridgeRule"}
+
+
+def _matching(rules: dict[str, EventPattern], event: dict) -> list[str]:
+    return sorted(name for name, pattern in rules.items() if pattern.matches_event(event))
+
+
+@pytest.mark.parametrize("sample, rule", sorted(SAMPLE_RULES.items()))
+def test_aws_sample_event_matches_exactly_its_rule(rules, sample, rule):
+    event = json.loads((AWS_EVENTS / sample).read_text())
+    assert _matching(rules, event) == [rule]
+
+
+def test_every_sample_event_file_is_checked():
+    assert sorted(path.name for path in AWS_EVENTS.glob("*.json")) == sorted(SAMPLE_RULES)
+
+
+def test_events_that_do_not_concern_a_run_match_no_rule(rules):
+    running = json.loads((AWS_EVENTS / "ec2-instance-state-change-terminated.json").read_text())
+    running["detail"]["state"] = "running"
+    rds_health = json.loads((AWS_EVENTS / "aws-health-ec2-instance-retirement.json").read_text())
+    rds_health["detail"]["service"] = "RDS"
+    notice = json.loads((AWS_EVENTS / "aws-health-ec2-instance-retirement.json").read_text())
+    notice["detail"]["eventTypeCategory"] = "accountNotification"
+    for event in (running, rds_health, notice):
+        assert _matching(rules, event) == [], event["detail"]
+
+
+def test_every_agent_event_type_reaches_the_handler_on_the_stacks_own_bus(template, rules):
+    from trainfleet.contracts import DETAIL_MODELS, EVENT_SOURCE, NodeReady, put_events_entry
+
+    agent_event = template["Resources"]["EventsFunction"]["Properties"]["Events"]["AgentEvent"]
+    assert agent_event["Properties"]["EventBusName"] == {"Ref": "AgentEventBus"}
+    detail = NodeReady(run_name="demo", attempt=0, instance_id="i-0123456789abcdef0")
+    entry = put_events_entry(detail, "trainfleet-test-agents")
+    for source, detail_type in DETAIL_MODELS:
+        if source != EVENT_SOURCE:
+            continue
+        event = {"version": "0", "id": "5f4e3d2c-0000-4000-8000-000000000001",
+                 "source": entry["Source"], "detail-type": detail_type.value,
+                 "account": "123456789012", "time": "2026-01-01T00:00:00Z",
+                 "region": "us-east-1", "resources": entry["Resources"],
+                 "detail": json.loads(entry["Detail"])}
+        assert _matching(rules, event) == ["AgentEvent"], detail_type
+
+
+def _statements(template) -> list[tuple[str, dict]]:
+    found = []
+    for name, resource in template["Resources"].items():
+        properties = resource.get("Properties", {})
+        for policy in properties.get("Policies", []):
+            if isinstance(policy, dict) and "Statement" in policy:
+                found += [(name, statement) for statement in policy["Statement"]]
+            if isinstance(policy, dict) and "PolicyDocument" in policy:
+                found += [(name, statement) for statement in policy["PolicyDocument"]["Statement"]]
+    return found
+
+
+def test_ec2_mutations_are_limited_to_this_stacks_tag(template):
+    destructive = {"ec2:TerminateInstances", "ec2:DeleteLaunchTemplate", "ec2:DeletePlacementGroup",
+                   "ec2:StopInstances", "ec2:RebootInstances"}
+    for name, statement in _statements(template):
+        actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+        if destructive & set(actions):
+            condition = statement.get("Condition", {}).get("StringEquals", {})
+            assert condition.get("aws:ResourceTag/trainfleet:stack") == {"Ref": "AWS::StackName"}, name
+        if "ec2:CreateTags" in actions:
+            assert "ec2:CreateAction" in statement["Condition"]["StringEquals"], name
+        assert "*" not in actions and "ec2:*" not in actions, name
+
+
+def test_new_instances_must_carry_the_stack_tag(template):
+    for name, statement in _statements(template):
+        resources = statement.get("Resource", [])
+        resources = resources if isinstance(resources, list) else [resources]
+        creates_instances = "ec2:CreateFleet" in statement.get("Action", []) and any(
+            "instance/*" in json.dumps(resource) for resource in resources)
+        if creates_instances:
+            condition = statement["Condition"]["StringEquals"]
+            assert condition["aws:RequestTag/trainfleet:stack"] == {"Ref": "AWS::StackName"}, name
+
+
+def test_checkpoint_bucket_blocks_public_access_requires_tls_and_encrypts(template):
+    resources = template["Resources"]
+    bucket = resources["CheckpointBucket"]["Properties"]
+    assert all(bucket["PublicAccessBlockConfiguration"].values())
+    assert len(bucket["PublicAccessBlockConfiguration"]) == 4
+    assert bucket["BucketEncryption"]["ServerSideEncryptionConfiguration"][0][
+        "ServerSideEncryptionByDefault"]["SSEAlgorithm"] in ("aws:kms", "AES256")
+    (deny,) = resources["CheckpointBucketPolicy"]["Properties"]["PolicyDocument"]["Statement"]
+    assert deny["Effect"] == "Deny" and deny["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+
+
+def test_every_function_handler_is_a_module_in_functions(template):
+    for name, resource in template["Resources"].items():
+        if resource["Type"] == "AWS::Serverless::Function":
+            module, _, function = resource["Properties"]["Handler"].rpartition(".")
+            assert (REPO / (module.replace(".", "/") + ".py")).exists(), name
+            assert function == "handler", name
+
+
+def test_a_placeholder_without_substitution_is_named(tmp_path):
+    (tmp_path / "machine.asl.json").write_text('{"Comment": "${Missing} ${Known}"}')
+    (tmp_path / "template.yaml").write_text(
+        "Resources:\n  Machine:\n    Type: AWS::Serverless::StateMachine\n    Properties:\n"
+        "      DefinitionUri: machine.asl.json\n      DefinitionSubstitutions:\n        Known: x\n")
+    with pytest.raises(ValueError, match=r"placeholders without a substitution: \['Missing'\]"):
+        substituted_definitions(tmp_path / "template.yaml")
+
+
+def test_missing_tools_are_named(tmp_path, capsys):
+    assert validate(ValidationSetup(tools_venv=tmp_path / "absent")) == 1
+    assert "make sam-tools" in capsys.readouterr().err
+
+
+def test_sam_validate_lint_and_statelint_pass(capsys):
+    """The judges themselves (make test installs them in .venv-sam first)."""
+    status = validate()
+    output = capsys.readouterr().out
+    assert status == 0, output
+    assert "is a valid SAM Template" in output
