@@ -1,0 +1,35 @@
+"""The embedded local cloud: the AWS side of trainfleet on one machine, no account, no Docker.
+
+moto (pinned exactly) serves the AWS APIs over real HTTP on 127.0.0.1, so separate processes
+(node agents, the trainer, the CLI) reach it through AWS_ENDPOINT_URL. The `glue` package
+patches in what moto lacks, one module per service; `fleet` turns EC2 instances into local
+processes.
+
+    from localcloud import LocalCloud
+
+    with LocalCloud(time_scale=0.01) as cloud:       # Wait/Retry/boot/Spot notice 100x faster
+        sfn = cloud.client("stepfunctions")           # or boto3 with cloud.env() in a child
+        cloud.fleet.boot = lambda instance: ["python", "-m", "trainer.agent"]
+        ...
+        cloud.fleet.kill(instance_id)                 # the instance goes `terminated`
+        cloud.inject_spot_interruption(instance_id)  # warning now, interruption after notice
+
+Public surface (everything else is internal):
+
+LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
+  .start() / .stop() / with-statement     one LocalCloud per process at a time
+  .endpoint, .port, .region, .account_id
+  .env()                                  AWS_ENDPOINT_URL, region and fake credentials
+  .client(service)                        a boto3 client on the endpoint
+  .fleet                                  LocalFleet (see localcloud.fleet)
+  .put_event(AwsEvent)                    emit an AWS-service event on the default bus
+  .inject_spot_interruption(id, action)   Spot warning, then the interruption
+  .inject_rebalance(id)                   EC2 Instance Rebalance Recommendation
+  .inject_health_event(ids, code, ...)    AWS Health Event for EC2
+  .delivery_failures                      EventBridge targets that could not be reached
+  .scaled(seconds), .wait_until(...)      scaled time and a bounded poll for tests
+"""
+
+from localcloud.cloud import LocalCloud, LocalCloudConfig
+
+__all__ = ["LocalCloud", "LocalCloudConfig"]

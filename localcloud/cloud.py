@@ -1,0 +1,289 @@
+"""LocalCloud: moto's HTTP server plus the glue, started and stopped as one object."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import boto3
+from botocore.config import Config
+
+from localcloud import aws_events, glue
+
+log = logging.getLogger(__name__)
+
+ACCOUNT_ID = "123456789012"
+"""moto's default account: every request with the fake credentials lands in it."""
+
+FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                    "AWS_SESSION_TOKEN": "testing"}
+
+
+@dataclass(frozen=True)
+class LocalCloudConfig:
+    """How a LocalCloud runs. Every field has a default that suits tests and the demo."""
+
+    region: str = "us-east-1"
+    """The one region served (clients of other regions work too, with separate state)."""
+    host: str = "127.0.0.1"
+    """Address the HTTP endpoint binds; loopback only, never a public interface."""
+    port: int = 0
+    """Port of the endpoint; 0 picks a free one."""
+    time_scale: float = 1.0
+    """Real seconds per nominal second for Wait states, Retry intervals, instance boot and the
+    Spot notice period: 0.01 makes a 120 s notice last 1.2 s. Timeouts and heartbeats of
+    tasks stay real: they bound real work."""
+    workdir: Path | None = None
+    """Where instances' working folders and unpacked Lambda code go; a temporary folder that
+    is removed on stop when None."""
+    boot_seconds: float = 2.0
+    """Nominal seconds an instance stays `pending` before it is `running` and boots."""
+    shutdown_grace_seconds: float = 5.0
+    """Real seconds a terminated instance's processes get after SIGTERM before SIGKILL."""
+    spot_notice_seconds: float = 120.0
+    """Nominal seconds between an injected Spot interruption warning and the interruption
+    (AWS gives two minutes)."""
+    delivery_workers: int = 8
+    """Threads that deliver EventBridge events to targets and run the fleet's transitions."""
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535, got {self.port}")
+        for name in ("boot_seconds", "shutdown_grace_seconds", "spot_notice_seconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.delivery_workers < 1:
+            raise ValueError(f"delivery_workers must be >= 1, got {self.delivery_workers}")
+        if self.host not in {"127.0.0.1", "localhost", "::1"}:
+            raise ValueError(f"host must be a loopback address, got {self.host!r}")
+
+
+@dataclass
+class DeliveryFailure:
+    """A target that could not be reached, kept so tests can assert none happened."""
+
+    target_arn: str
+    error: str
+    event: Any = field(repr=False)
+
+
+class LocalCloud:
+    """See the package docstring for the whole surface."""
+
+    def __init__(self, config: LocalCloudConfig | None = None, **overrides: Any):
+        self.config = replace(config or LocalCloudConfig(), **overrides)
+        self._server: Any = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._owns_workdir = self.config.workdir is None
+        self.workdir = Path(self.config.workdir or tempfile.mkdtemp(prefix="localcloud-"))
+        self.delivery_failures: list[DeliveryFailure] = []
+        self._saved_moto_settings: dict[str, Any] = {}
+        from localcloud.fleet import LocalFleet
+
+        self.fleet = LocalFleet(self)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> LocalCloud:
+        from moto.server import ThreadedMotoServer
+
+        glue.apply_all()
+        glue.activate(self)
+        # One line per request on stderr drowns everything else out.
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+        try:
+            self._configure_moto()
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            self._executor = ThreadPoolExecutor(self.config.delivery_workers,
+                                                thread_name_prefix="localcloud")
+            self._server = ThreadedMotoServer(ip_address=self.config.host,
+                                              port=self.config.port, verbose=False)
+            self._server.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Terminate the fleet's processes, stop the server, undo the process-wide settings."""
+        self.fleet.shutdown()
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        self._restore_moto()
+        glue.deactivate(self)
+        if self._owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCloud:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _configure_moto(self) -> None:
+        from moto import settings
+        from moto.core.config import default_user_config
+
+        self._saved_moto_settings = {
+            "execute_state_machine": default_user_config["stepfunctions"]["execute_state_machine"],
+            "instance_type_validation": settings.EC2_ENABLE_INSTANCE_TYPE_VALIDATION,
+        }
+        default_user_config["stepfunctions"]["execute_state_machine"] = True
+        settings.EC2_ENABLE_INSTANCE_TYPE_VALIDATION = True
+
+    def _restore_moto(self) -> None:
+        from moto import settings
+        from moto.core.config import default_user_config
+
+        if self._saved_moto_settings:
+            default_user_config["stepfunctions"]["execute_state_machine"] = (
+                self._saved_moto_settings["execute_state_machine"])
+            settings.EC2_ENABLE_INSTANCE_TYPE_VALIDATION = (
+                self._saved_moto_settings["instance_type_validation"])
+            self._saved_moto_settings = {}
+
+    # --- addresses -----------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("LocalCloud is not started")
+        return self._server.get_host_and_port()[1]
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def region(self) -> str:
+        return self.config.region
+
+    @property
+    def account_id(self) -> str:
+        return ACCOUNT_ID
+
+    def env(self) -> dict[str, str]:
+        """Environment that points an AWS SDK in another process (or a handler) here."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": self.region,
+                "AWS_DEFAULT_REGION": self.region, **FAKE_CREDENTIALS}
+
+    def client(self, service: str, **kwargs: Any) -> Any:
+        """A boto3 client for this endpoint (no retries: a failure shows at once)."""
+        kwargs.setdefault("config", Config(retries={"max_attempts": 1},
+                                           connect_timeout=5, read_timeout=120))
+        return boto3.client(service, endpoint_url=self.endpoint, region_name=self.region,
+                            aws_access_key_id="testing", aws_secret_access_key="testing",
+                            aws_session_token="testing", **kwargs)
+
+    # --- time and background work --------------------------------------------------------
+
+    def scaled(self, nominal_seconds: float) -> float:
+        """Real seconds for a nominal duration (see LocalCloudConfig.time_scale)."""
+        return nominal_seconds * self.config.time_scale
+
+    def submit(self, description: str, work: Callable[[], Any]) -> Future | None:
+        """Run `work` in the background; its failure is logged, never lost silently."""
+        if self._executor is None:
+            return None
+
+        def run() -> Any:
+            try:
+                return work()
+            except Exception:
+                log.exception("background work failed: %s", description)
+                raise
+
+        try:
+            return self._executor.submit(run)
+        except RuntimeError:  # shutting down: the work no longer has anyone to serve
+            return None
+
+    def submit_later(self, description: str, nominal_delay_s: float,
+                     work: Callable[[], Any]) -> threading.Timer:
+        """Run `work` after a nominal delay (scaled), in the background."""
+        timer = threading.Timer(self.scaled(nominal_delay_s),
+                                lambda: self.submit(description, work))
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    # --- events --------------------------------------------------------------------------
+
+    def put_event(self, event: aws_events.AwsEvent) -> str:
+        """Put an AWS-service event on the default bus, as the service itself would."""
+        from moto.events.models import events_backends
+
+        backend = events_backends[self.account_id][self.region]
+        entries = backend.put_events([{
+            "Source": event.source, "DetailType": event.detail_type,
+            "Detail": json.dumps(event.detail), "Resources": list(event.resources),
+            "Time": event.time,
+        }])
+        if "EventId" not in entries[0]:
+            raise ValueError(f"event rejected: {entries[0]}")
+        return entries[0]["EventId"]
+
+    def inject_spot_interruption(self, instance_id: str, action: str = "terminate") -> str:
+        """Send the two-minute Spot warning; the instance is interrupted when it runs out.
+
+        The notice is also kept for the instance (`fleet.get(id).spot_action`), which is what
+        its instance metadata's spot/instance-action document serves."""
+        if action not in aws_events.SPOT_ACTIONS:
+            raise ValueError(f"action must be one of {sorted(aws_events.SPOT_ACTIONS)}, "
+                             f"got {action!r}")
+        instance = self.fleet.get(instance_id)
+        notice_s = self.config.spot_notice_seconds
+        instance.spot_action = aws_events.spot_instance_action(action, notice_s)
+        event_id = self.put_event(aws_events.spot_interruption_warning(
+            self.region, self.account_id, instance_id, action))
+        self.submit_later(f"spot interruption of {instance_id}", notice_s,
+                          lambda: self.fleet.interrupt(instance_id, action))
+        return event_id
+
+    def inject_rebalance(self, instance_id: str) -> str:
+        """Send an EC2 Instance Rebalance Recommendation for a running instance."""
+        self.fleet.get(instance_id)
+        return self.put_event(aws_events.rebalance_recommendation(
+            self.region, self.account_id, instance_id))
+
+    def inject_health_event(self, instance_ids: list[str],
+                            event_type_code: str = "AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED",
+                            category: str = "scheduledChange",
+                            description: str = "The instance is scheduled for retirement.") -> str:
+        """Send an AWS Health Event (service EC2) naming these instances."""
+        if not instance_ids:
+            raise ValueError("instance_ids must name at least one instance")
+        for instance_id in instance_ids:
+            self.fleet.get(instance_id)
+        return self.put_event(aws_events.health_event(
+            self.region, self.account_id, instance_ids, event_type_code, category,
+            description, event_id=uuid.uuid4().hex))
+
+    def wait_until(self, predicate: Callable[[], bool], timeout_s: float,
+                   what: str, poll_s: float = 0.05) -> None:
+        """Poll `predicate` until true; a TimeoutError names `what` it was waiting for."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+            time.sleep(poll_s)

@@ -1,0 +1,318 @@
+"""The local fleet: each EC2 instance of the local cloud is a process group on this machine.
+
+On EC2, an instance boots and its user data starts the node agent. Here, when an instance
+reaches `running`, the fleet asks its `boot` callable what to run for it and starts that as
+a new process group, in the instance's own working folder, with its own private address and
+environment. By default a user-data shell script ("#!...") is what runs, as cloud-init
+would run it; set `fleet.boot` to decide per instance (by launch template, tags, ...).
+
+Each instance gets a loopback address of its own (127.77.x.y; Linux routes all of 127/8 to
+the loopback interface) and moto records it as the instance's PrivateIpAddress, so peers
+can reach a node at the address DescribeInstances reports. Its environment is this process's,
+plus `LocalCloud.env()` (endpoint, region, fake credentials), plus LOCALCLOUD_INSTANCE_ID,
+LOCALCLOUD_PRIVATE_IP and LOCALCLOUD_INSTANCE_TYPE, plus whatever `env_hooks` add (the
+instance metadata server adds its endpoint there). Output goes to `console.log` in the
+instance's folder, like EC2's console output.
+
+Lifecycle, as EC2 reports it with state-change events on the default bus:
+
+    RunInstances/CreateFleet -> pending --boot_seconds--> running (process starts)
+    TerminateInstances       -> shutting-down (SIGTERM, grace, SIGKILL) -> terminated
+    StopInstances            -> stopping (process stopped the same way)  -> stopped
+    StartInstances           -> pending --boot_seconds--> running (process starts again)
+    process exits by itself  -> shutting-down -> terminated (instance-initiated shutdown)
+
+Fault injection: kill (SIGKILL the process group: the instance dies), hang (SIGSTOP: the
+instance stays `running` but does nothing, as a wedged host does), resume (SIGCONT), and the
+Spot interruption (`LocalCloud.inject_spot_interruption`) which ends in `interrupt`.
+A network cut between two nodes is not provided: it needs packet filtering (root) on the
+shared loopback interface.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import ipaddress
+import logging
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from localcloud import aws_events
+
+if TYPE_CHECKING:
+    from localcloud.cloud import LocalCloud
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LocalFleet", "LocalInstance", "BootCommand", "boot_user_data"]
+
+LOOPBACK_POOL = ipaddress.ip_network("127.77.0.0/16")
+"""Where instances' private addresses come from."""
+
+
+@dataclass
+class LocalInstance:
+    """One instance as the fleet sees it."""
+
+    instance_id: str
+    """The EC2 instance id moto gave it."""
+    instance_type: str
+    """p4d.24xlarge, ... as requested."""
+    private_ip: str
+    """Its loopback address, also its PrivateIpAddress in EC2."""
+    workdir: Path
+    """Its own folder: the process's working directory, user data, console.log."""
+    user_data: str
+    """Decoded user data (empty when none was given)."""
+    launch_template_id: str | None
+    """The launch template it came from, if any (tag aws:ec2launchtemplate:id)."""
+    tags: dict[str, str]
+    """Its tags at launch."""
+    state: str = "pending"
+    """Last state the fleet reported: pending, running, stopping, stopped, shutting-down,
+    terminated."""
+    spot_action: dict[str, str] | None = None
+    """The spot/instance-action metadata document once an interruption was injected."""
+    process: subprocess.Popen | None = field(default=None, repr=False)
+    """The running boot process group's leader, if any."""
+    hung: bool = False
+    """True while SIGSTOPped by `hang`."""
+    _ending: bool = field(default=False, repr=False)
+    """Set when the fleet itself ends the process, so its exit is not a crash."""
+
+    @property
+    def console_log(self) -> Path:
+        return self.workdir / "console.log"
+
+
+BootCommand = Callable[[LocalInstance], Sequence[str] | None]
+"""Given an instance that just reached `running`, the argv to start for it, or None."""
+
+
+def boot_user_data(instance: LocalInstance) -> Sequence[str] | None:
+    """What cloud-init would run: a user-data script that starts with '#!'."""
+    if not instance.user_data.startswith("#!"):
+        return None
+    script = instance.workdir / "user-data"
+    script.write_text(instance.user_data)
+    script.chmod(0o755)
+    return [str(script)]
+
+
+def decode_user_data(raw: Any) -> str:
+    """moto keeps user data base64-encoded (as the API carries it); text here."""
+    if not raw:
+        return ""
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    try:
+        return base64.b64decode(text, validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return text
+
+
+class LocalFleet:
+    def __init__(self, cloud: LocalCloud):
+        self.cloud = cloud
+        self.boot: BootCommand = boot_user_data
+        self.env_hooks: list[Callable[[LocalInstance], dict[str, str]]] = []
+        self._instances: dict[str, LocalInstance] = {}
+        self._lock = threading.RLock()
+        self._next_address = int(LOOPBACK_POOL.network_address) + 10
+
+    # --- queries -------------------------------------------------------------------------
+
+    def get(self, instance_id: str) -> LocalInstance:
+        with self._lock:
+            instance = self._instances.get(instance_id)
+        if instance is None:
+            raise KeyError(f"no instance {instance_id!r} in the local fleet "
+                           f"(known: {sorted(self._instances)})")
+        return instance
+
+    def instances(self) -> list[LocalInstance]:
+        with self._lock:
+            return list(self._instances.values())
+
+    def wait_for_state(self, instance_id: str, state: str, timeout_s: float = 30.0) -> None:
+        self.cloud.wait_until(lambda: self.get(instance_id).state == state, timeout_s,
+                              f"{instance_id} to be {state}")
+
+    # --- fault injection -----------------------------------------------------------------
+
+    def kill(self, instance_id: str) -> None:
+        """SIGKILL the instance's processes; the instance then terminates on its own."""
+        self._signal(instance_id, signal.SIGKILL)
+
+    def hang(self, instance_id: str) -> None:
+        """SIGSTOP the instance's processes: alive, `running`, and doing nothing."""
+        self._signal(instance_id, signal.SIGSTOP)
+        self.get(instance_id).hung = True
+
+    def resume(self, instance_id: str) -> None:
+        self._signal(instance_id, signal.SIGCONT)
+        self.get(instance_id).hung = False
+
+    def _signal(self, instance_id: str, signum: signal.Signals) -> None:
+        instance = self.get(instance_id)
+        if instance.process is None or instance.process.poll() is not None:
+            raise RuntimeError(f"instance {instance_id} ({instance.state}) has no running "
+                               f"process to send {signum.name} to")
+        os.killpg(instance.process.pid, signum)
+
+    def interrupt(self, instance_id: str, action: str) -> None:
+        """Carry out a Spot interruption: terminate, or stop (hibernate stops too)."""
+        from localcloud.glue.ec2 import ec2_backend
+
+        instance = self.get(instance_id)
+        if instance.state not in {"pending", "running"}:
+            return  # already gone, as a Spot instance can be before its notice runs out
+        backend = ec2_backend(self.cloud)
+        if action == "terminate":
+            backend.terminate_instances([instance_id])
+            _set_reason(backend, instance_id, "Server.SpotInstanceTermination",
+                        "Server.SpotInstanceTermination: Spot instance termination")
+        else:
+            backend.stop_instances([instance_id])
+            _set_reason(backend, instance_id, "Server.SpotInstanceShutdown",
+                        "Server.SpotInstanceShutdown: Spot instance shutdown")
+
+    # --- lifecycle, driven by the EC2 glue -----------------------------------------------
+
+    def launched(self, moto_instance: Any) -> None:
+        """A new instance exists in moto: give it an address and a folder, report pending."""
+        from localcloud.glue.ec2 import set_private_ip
+
+        with self._lock:
+            private_ip = self._allocate_address()
+        set_private_ip(self.cloud, moto_instance.id, private_ip)
+        workdir = self.cloud.workdir / "instances" / moto_instance.id
+        workdir.mkdir(parents=True, exist_ok=True)
+        tags = {tag["key"]: tag["value"] for tag in moto_instance.get_tags()}
+        instance = LocalInstance(
+            instance_id=moto_instance.id, instance_type=moto_instance.instance_type,
+            private_ip=private_ip, workdir=workdir,
+            user_data=decode_user_data(moto_instance.user_data),
+            launch_template_id=tags.get("aws:ec2launchtemplate:id"), tags=tags)
+        with self._lock:
+            self._instances[instance.instance_id] = instance
+        self._report(instance, "pending")
+        self._start_booting(instance)
+
+    def started(self, instance_id: str) -> None:
+        instance = self.get(instance_id)
+        self._report(instance, "pending")
+        self._start_booting(instance)
+
+    def ending(self, instance_id: str, final_state: str) -> None:
+        """Terminate (final_state 'terminated') or stop ('stopped') an instance."""
+        instance = self.get(instance_id)
+        passing = "shutting-down" if final_state == "terminated" else "stopping"
+        self._report(instance, passing)
+        instance._ending = True
+
+        def finish() -> None:
+            self._end_process(instance)
+            self._report(instance, final_state)
+
+        self.cloud.submit(f"{passing} {instance_id}", finish)
+
+    def shutdown(self) -> None:
+        """End every process (the cloud is stopping); no events any more."""
+        for instance in self.instances():
+            instance._ending = True
+            self._end_process(instance)
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _allocate_address(self) -> str:
+        address = ipaddress.ip_address(self._next_address)
+        if address not in LOOPBACK_POOL or address == LOOPBACK_POOL.broadcast_address:
+            raise RuntimeError(f"local fleet ran out of addresses in {LOOPBACK_POOL}")
+        self._next_address += 1
+        return str(address)
+
+    def _report(self, instance: LocalInstance, state: str) -> None:
+        """Record the state in moto and the fleet, then emit the state-change event."""
+        from localcloud.glue.ec2 import set_moto_state
+
+        set_moto_state(self.cloud, instance.instance_id, state)
+        instance.state = state
+        self.cloud.put_event(aws_events.instance_state_change(
+            self.cloud.region, self.cloud.account_id, instance.instance_id, state))
+
+    def _start_booting(self, instance: LocalInstance) -> None:
+        def boot() -> None:
+            if instance.state != "pending":  # terminated or stopped while pending
+                return
+            self._report(instance, "running")
+            instance._ending = False
+            self._start_process(instance)
+
+        self.cloud.submit_later(f"boot {instance.instance_id}", self.cloud.config.boot_seconds, boot)
+
+    def _start_process(self, instance: LocalInstance) -> None:
+        argv = self.boot(instance)
+        if not argv:
+            return
+        env = dict(os.environ) | self.cloud.env() | {
+            "LOCALCLOUD_INSTANCE_ID": instance.instance_id,
+            "LOCALCLOUD_PRIVATE_IP": instance.private_ip,
+            "LOCALCLOUD_INSTANCE_TYPE": instance.instance_type,
+        }
+        for hook in self.env_hooks:
+            env |= hook(instance)
+        with open(instance.console_log, "ab") as console:
+            instance.process = subprocess.Popen(
+                list(argv), cwd=instance.workdir, env=env, stdin=subprocess.DEVNULL,
+                stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+        threading.Thread(target=self._watch, args=(instance, instance.process),
+                         name=f"watch-{instance.instance_id}", daemon=True).start()
+
+    def _watch(self, instance: LocalInstance, process: subprocess.Popen) -> None:
+        """A process that ends by itself takes its instance down, as a dead host does."""
+        exit_code = process.wait()
+        if instance._ending or instance.process is not process:
+            return
+        log.info("instance %s: process exited with %s; terminating it",
+                 instance.instance_id, exit_code)
+        from localcloud.glue.ec2 import ec2_backend
+
+        backend = ec2_backend(self.cloud)
+        backend.terminate_instances([instance.instance_id])
+        _set_reason(backend, instance.instance_id, "Client.InstanceInitiatedShutdown",
+                    f"Client.InstanceInitiatedShutdown: process exited with {exit_code}")
+
+    def _end_process(self, instance: LocalInstance) -> None:
+        """SIGTERM the whole process group, SIGKILL what is left after the grace period."""
+        process = instance.process
+        if process is None:
+            return
+        _signal_group(process.pid, signal.SIGCONT)  # a stopped group cannot act on SIGTERM
+        _signal_group(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=self.cloud.config.shutdown_grace_seconds)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(process.pid, signal.SIGKILL)  # children that outlived their leader
+        process.wait(timeout=10)
+        instance.hung = False
+
+
+def _signal_group(pgid: int, signum: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _set_reason(backend: Any, instance_id: str, code: str, message: str) -> None:
+    from moto.ec2.models.instances import StateReason
+
+    backend.get_instance(instance_id).state_reason = StateReason(message, code)

@@ -1,0 +1,367 @@
+"""EC2 glue: instance lifecycle events, the local fleet, placement groups and EFA interfaces.
+
+Patches to moto, each replacing something it lacks or drops:
+
+- `EC2Backend.run_instances` (RunInstances, CreateFleet, Spot requests all go through it):
+  instances now start `pending` and reach `running` after the boot delay, with "EC2 Instance
+  State-change Notification" events, and become local fleet instances; their network
+  interfaces keep InterfaceType and NetworkCardIndex (moto dropped both, and keyed interfaces
+  by DeviceIndex alone, so the DeviceIndex-1 interfaces of several network cards overwrote one
+  another); the launch template's NetworkInterfaces and Placement.GroupName apply (moto
+  ignored them), also for CreateFleet, which did not pass the template on at all.
+- `terminate_instances` / `stop_instances` / `start_instances`: shutting-down then terminated,
+  stopping then stopped, pending then running, with events, ending or restarting processes.
+- Placement groups: Create/Describe/DeletePlacementGroup did not exist (NotImplementedError);
+  they now keep name, strategy, partition count, spread level and tags; RunInstances into an
+  unknown group fails with InvalidPlacementGroup.Unknown, as on AWS.
+- `Attachment.network_card_index` was always 0; it is now the interface's card.
+
+Instance types are checked against moto's catalogue (LocalCloud turns on moto's own
+validation), and EFA requests against the type's network cards.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from moto.ec2.exceptions import EC2ClientError, InvalidInstanceTypeError
+from moto.ec2.models import EC2Backend, ec2_backends
+from moto.ec2.models.elastic_network_interfaces import Attachment
+from moto.ec2.models.fleets import Fleet
+from moto.ec2.models.instance_types import INSTANCE_TYPES
+from moto.ec2.responses import EC2Response
+from moto.ec2.responses.instances import InstanceResponse
+from moto.core.responses import ActionResult
+
+from localcloud.glue import active_cloud
+
+if TYPE_CHECKING:
+    from localcloud.cloud import LocalCloud
+
+STATE_CODES = {"pending": 0, "running": 16, "shutting-down": 32, "terminated": 48,
+               "stopping": 64, "stopped": 80}
+"""EC2's numeric state codes."""
+
+PLACEMENT_STRATEGIES = ("cluster", "spread", "partition")
+
+
+def ec2_backend(cloud: LocalCloud) -> Any:
+    return ec2_backends[cloud.account_id][cloud.region]
+
+
+def set_moto_state(cloud: LocalCloud, instance_id: str, state: str) -> None:
+    instance = ec2_backend(cloud).get_instance(instance_id)
+    instance._state.name = state
+    instance._state.code = STATE_CODES[state]
+
+
+def set_private_ip(cloud: LocalCloud, instance_id: str, address: str) -> None:
+    """Make `address` the primary private IPv4 address of the instance's primary interface."""
+    primary = ec2_backend(cloud).get_instance(instance_id).nics[0]
+    primary.private_ip_address = address
+    primary.private_ip_addresses = [{"Primary": True, "PrivateIpAddress": address}]
+
+
+# --- network interfaces ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InterfaceRequest:
+    """One network interface asked for in RunInstances or a launch template."""
+
+    network_card_index: int
+    """Which network card it sits on (p4d.24xlarge has 4, p5.48xlarge 32)."""
+    device_index: int
+    """Its device index on the instance; 0 is the primary interface."""
+    interface_type: str
+    """"interface" (ENA), "efa" or "efa-only"."""
+
+
+def interface_requests(instance_type: str, specs: list[dict[str, Any]]) -> list[InterfaceRequest]:
+    """Check NetworkInterfaces entries against the instance type's network cards.
+
+    Raises ValueError naming the entry and field at fault."""
+    catalogue = INSTANCE_TYPES.get(instance_type)
+    if catalogue is None:
+        raise ValueError(f"InstanceType: unknown instance type {instance_type!r}")
+    cards = {card["NetworkCardIndex"]: card for card in catalogue["NetworkInfo"]["NetworkCards"]}
+    requests: list[InterfaceRequest] = []
+    for position, spec in enumerate(specs):
+        where = f"NetworkInterfaces[{position}]"
+        try:
+            card_index = int(spec.get("NetworkCardIndex", 0))
+            device_index = int(spec.get("DeviceIndex", 0))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: NetworkCardIndex and DeviceIndex must be integers: {exc}") from exc
+        interface_type = spec.get("InterfaceType", "interface")
+        if card_index not in cards:
+            raise ValueError(f"{where}.NetworkCardIndex: {card_index} is out of range for "
+                             f"{instance_type} ({len(cards)} network card(s))")
+        if interface_type not in cards[card_index]["InterfaceTypes"]:
+            raise ValueError(f"{where}.InterfaceType: {interface_type!r} is not supported by "
+                             f"{instance_type} network card {card_index} "
+                             f"(supports {cards[card_index]['InterfaceTypes']})")
+        request = InterfaceRequest(card_index, device_index, interface_type)
+        if any((r.network_card_index, r.device_index) == (card_index, device_index) for r in requests):
+            raise ValueError(f"{where}: NetworkCardIndex {card_index} with DeviceIndex "
+                             f"{device_index} is requested twice")
+        requests.append(request)
+    if requests and not any(r.network_card_index == 0 and r.device_index == 0 for r in requests):
+        raise ValueError("NetworkInterfaces: the primary interface (NetworkCardIndex 0, "
+                         "DeviceIndex 0) is missing")
+    return requests
+
+
+def _attach_interfaces(backend: Any, instance: Any, requests: list[InterfaceRequest]) -> None:
+    """Give the instance the interfaces asked for (moto made only the card-0 ones)."""
+    for request in requests:
+        if request.network_card_index == 0 and request.device_index in instance.nics:
+            eni = instance.nics[request.device_index]
+        else:
+            eni = backend.create_network_interface(
+                instance.nics[0].subnet, None, device_index=request.device_index,
+                delete_on_termination=True,
+                description=f"network card {request.network_card_index}")
+            instance.attach_eni(eni, request.device_index)
+            # moto keys interfaces by DeviceIndex; other cards reuse DeviceIndex 1, so key
+            # those by (card, device) to keep them all.
+            instance.nics.pop(request.device_index)
+            instance.nics[(request.network_card_index, request.device_index)] = eni
+        eni.interface_type = request.interface_type
+        eni.network_card_index = request.network_card_index
+
+
+_attachment_init = Attachment.__init__
+
+
+def _attachment_init_with_card(self: Attachment, eni: Any) -> None:
+    _attachment_init(self, eni)
+    self.network_card_index = getattr(eni, "network_card_index", 0)
+
+
+# --- placement groups --------------------------------------------------------------------
+
+@dataclass
+class PlacementGroup:
+    """A placement group as DescribePlacementGroups reports it."""
+
+    group_name: str
+    strategy: str
+    partition_count: int | None
+    spread_level: str | None
+    region: str
+    account_id: str
+    tags: dict[str, str] = field(default_factory=dict)
+    group_id: str = field(default_factory=lambda: "pg-" + uuid.uuid4().hex[:17])
+    state: str = "available"
+
+    def describe(self) -> dict[str, Any]:
+        described = {
+            "GroupName": self.group_name, "GroupId": self.group_id, "State": self.state,
+            "Strategy": self.strategy,
+            "GroupArn": f"arn:aws:ec2:{self.region}:{self.account_id}:placement-group/{self.group_name}",
+            "Tags": [{"Key": key, "Value": value} for key, value in self.tags.items()],
+        }
+        if self.partition_count is not None:
+            described["PartitionCount"] = self.partition_count
+        if self.spread_level is not None:
+            described["SpreadLevel"] = self.spread_level
+        return described
+
+
+def placement_groups(backend: Any) -> dict[str, PlacementGroup]:
+    if not hasattr(backend, "localcloud_placement_groups"):
+        backend.localcloud_placement_groups = {}
+    return backend.localcloud_placement_groups
+
+
+def _unknown_group(name: str) -> EC2ClientError:
+    return EC2ClientError("InvalidPlacementGroup.Unknown", f"The Placement Group '{name}' is unknown.")
+
+
+def create_placement_group(self: EC2Response) -> ActionResult:
+    name = self._get_param("GroupName")
+    strategy = self._get_param("Strategy")
+    partition_count = self._get_int_param("PartitionCount")
+    spread_level = self._get_param("SpreadLevel")
+    if not name:
+        raise EC2ClientError("MissingParameter", "The request must contain the parameter GroupName")
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise EC2ClientError("InvalidParameterValue",
+                             f"Strategy: {strategy!r} is not one of {', '.join(PLACEMENT_STRATEGIES)}")
+    if partition_count is not None and strategy != "partition":
+        raise EC2ClientError("InvalidParameterCombination",
+                             "PartitionCount is only valid with the partition strategy")
+    groups = placement_groups(self.ec2_backend)
+    if name in groups:
+        raise EC2ClientError("InvalidPlacementGroup.Duplicate",
+                             f"The Placement Group '{name}' already exists.")
+    tags = self._parse_tag_specification().get("placement-group", {})
+    self.error_on_dryrun()
+    group = PlacementGroup(name, strategy, partition_count, spread_level, self.region,
+                           self.current_account, tags)
+    groups[name] = group
+    return ActionResult({"PlacementGroup": group.describe()})
+
+
+def describe_placement_groups(self: EC2Response) -> ActionResult:
+    groups = placement_groups(self.ec2_backend)
+    names = self._get_param("GroupNames", [])
+    ids = self._get_param("GroupIds", [])
+    for name in names:
+        if name not in groups:
+            raise _unknown_group(name)
+    selected = [group for group in groups.values()
+                if (not names or group.group_name in names) and (not ids or group.group_id in ids)]
+    return ActionResult({"PlacementGroups": [group.describe() for group in selected]})
+
+
+def delete_placement_group(self: EC2Response) -> ActionResult:
+    name = self._get_param("GroupName")
+    groups = placement_groups(self.ec2_backend)
+    if name not in groups:
+        raise _unknown_group(name)
+    in_use = [instance.id for instance in self.ec2_backend.all_instances()
+              if instance.placement.group_name == name and instance.state != "terminated"]
+    if in_use:
+        raise EC2ClientError("InvalidPlacementGroup.InUse",
+                             f"The Placement Group '{name}' is in use by {', '.join(in_use)}.")
+    self.error_on_dryrun()
+    del groups[name]
+    return ActionResult({})
+
+
+# --- instance lifecycle ------------------------------------------------------------------
+
+_request = threading.local()
+"""What the RunInstances request or the CreateFleet under way said that moto drops."""
+
+_moto_run_instances_response = InstanceResponse.run_instances
+_moto_run_instances = EC2Backend.run_instances
+_moto_terminate = EC2Backend.terminate_instances
+_moto_stop = EC2Backend.stop_instances
+_moto_start = EC2Backend.start_instances
+_moto_fleet_init = Fleet.__init__
+
+
+def _run_instances_response(self: InstanceResponse) -> ActionResult:
+    _request.placement_group = self._get_param("Placement.GroupName")
+    try:
+        return _moto_run_instances_response(self)
+    finally:
+        _request.placement_group = None
+
+
+def _fleet_init(self: Fleet, *args: Any, **kwargs: Any) -> None:
+    _request.fleet = self
+    try:
+        _moto_fleet_init(self, *args, **kwargs)
+    finally:
+        _request.fleet = None
+
+
+def _fleet_launch_template(backend: Any, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(launch template spec, template data merged with overrides) of the fleet spec that
+    this run_instances call serves, found by instance type and subnet."""
+    fleet = getattr(_request, "fleet", None)
+    if fleet is None:
+        return {}, {}
+    for spec in fleet.launch_specs:
+        if spec.instance_type == kwargs.get("instance_type") and spec.subnet_id == kwargs.get("subnet_id"):
+            template_spec = spec.launch_template_spec
+            data = dict(backend._get_template_from_args(template_spec).data)
+            data.update(spec.overrides or {})
+            return template_spec, data
+    return {}, {}
+
+
+def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
+                   security_group_names: list[str], **kwargs: Any) -> Any:
+    cloud = active_cloud()
+    if cloud is None:
+        return _moto_run_instances(self, image_id, count, user_data, security_group_names, **kwargs)
+    template_spec, template = _fleet_launch_template(self, kwargs)
+    if kwargs.get("launch_template"):
+        template_spec = kwargs["launch_template"]
+        template = self._get_template_from_args(template_spec).data
+    group = (getattr(_request, "placement_group", None)
+             or (template.get("Placement") or {}).get("GroupName"))
+    if group and group not in placement_groups(self):
+        raise _unknown_group(group)
+    instance_type = kwargs.get("instance_type")
+    if kwargs.get("is_instance_type_default") and template.get("InstanceType"):
+        instance_type = template["InstanceType"]
+    instance_type = instance_type or "m1.small"
+    if instance_type not in INSTANCE_TYPES:
+        raise InvalidInstanceTypeError(instance_type)
+    specs = kwargs.get("nics") or template.get("NetworkInterfaces") or []
+    try:
+        requests = interface_requests(instance_type, specs)
+    except ValueError as exc:
+        raise EC2ClientError("InvalidParameterValue", str(exc)) from exc
+    if kwargs.get("nics"):  # moto builds card-0 interfaces; the glue adds the other cards
+        kwargs["nics"] = [spec for spec in kwargs["nics"] if int(spec.get("NetworkCardIndex", 0)) == 0]
+    reservation = _moto_run_instances(self, image_id, count, user_data, security_group_names, **kwargs)
+    for instance in reservation.instances:
+        _attach_interfaces(self, instance, requests)
+        instance.placement.group_name = group or ""
+        if template_spec and not kwargs.get("launch_template"):
+            template_version = self._get_template_from_args(template_spec)
+            instance.add_tags({"aws:ec2launchtemplate:id": template_version.template.id,
+                               "aws:ec2launchtemplate:version": str(template_version.number)})
+        cloud.fleet.launched(instance)
+    return reservation
+
+
+def _known(cloud: LocalCloud, instance_id: str) -> bool:
+    try:
+        cloud.fleet.get(instance_id)
+    except KeyError:
+        return False
+    return True
+
+
+def _terminate_instances(self: Any, instance_ids: list[str]) -> Any:
+    cloud = active_cloud()
+    ended = _moto_terminate(self, instance_ids)
+    if cloud is not None:
+        for instance, previous in ended:
+            if previous.name not in {"shutting-down", "terminated"} and _known(cloud, instance.id):
+                cloud.fleet.ending(instance.id, "terminated")
+    return ended
+
+
+def _stop_instances(self: Any, instance_ids: list[str]) -> Any:
+    cloud = active_cloud()
+    stopped = _moto_stop(self, instance_ids)
+    if cloud is not None:
+        for instance, previous in stopped:
+            if previous.name in {"pending", "running"} and _known(cloud, instance.id):
+                cloud.fleet.ending(instance.id, "stopped")
+    return stopped
+
+
+def _start_instances(self: Any, instance_ids: list[str]) -> Any:
+    cloud = active_cloud()
+    started = _moto_start(self, instance_ids)
+    if cloud is not None:
+        for instance, previous in started:
+            if previous.name == "stopped" and _known(cloud, instance.id):
+                cloud.fleet.started(instance.id)
+    return started
+
+
+def apply() -> None:
+    EC2Response.create_placement_group = create_placement_group
+    EC2Response.describe_placement_groups = describe_placement_groups
+    EC2Response.delete_placement_group = delete_placement_group
+    InstanceResponse.run_instances = _run_instances_response
+    EC2Response.run_instances = _run_instances_response
+    Fleet.__init__ = _fleet_init
+    EC2Backend.run_instances = _run_instances
+    EC2Backend.terminate_instances = _terminate_instances
+    EC2Backend.stop_instances = _stop_instances
+    EC2Backend.start_instances = _start_instances
+    Attachment.__init__ = _attachment_init_with_card

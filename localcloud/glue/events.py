@@ -1,0 +1,137 @@
+"""EventBridge glue: deliver matched events to Lambda and Step Functions targets.
+
+Replaces `moto.events.models.Rule.send_to_targets`, which raises NotImplementedError for
+Lambda and Step Functions targets and ignores InputPath and Input. Now, as EventBridge does:
+
+- a DISABLED rule delivers nothing; a rule matches only through its event pattern;
+- each target gets the event (ISO time, no moto-internal fields) or its Input, InputPath or
+  InputTransformer result (`localcloud.event_delivery`);
+- Lambda targets are invoked asynchronously (Event invocation) with the in-process runtime;
+  Step Functions targets start an execution with a generated name; SQS targets and
+  CloudWatch Logs targets get the payload as a message / log event;
+- other targets (event buses, archives, API destinations) keep moto's own delivery.
+
+Delivery runs on the LocalCloud's worker threads, so PutEvents (and the EC2 call that emitted
+a state-change event) returns before the targets run, as on AWS. A target that cannot be
+reached is recorded in `LocalCloud.delivery_failures` and logged.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from moto.events.models import Rule
+
+from localcloud.event_delivery import bus_event, target_input
+from localcloud.glue import active_cloud
+
+log = logging.getLogger(__name__)
+
+_moto_send_to_targets = Rule.send_to_targets
+
+
+def _arn_parts(arn: str) -> tuple[str, str, str, str]:
+    """(service, region, account, resource) of an ARN."""
+    parts = arn.split(":", 5)
+    if len(parts) != 6 or parts[0] != "arn":
+        raise ValueError(f"target Arn is not an ARN: {arn!r}")
+    return parts[2], parts[3], parts[4], parts[5]
+
+
+def _deliver_to_lambda(arn: str, payload: Any) -> None:
+    from moto.awslambda.models import lambda_backends
+
+    from localcloud.glue.awslambda import invoke_function
+
+    _, region, account, resource = _arn_parts(arn)
+    _, name, *qualifier = resource.split(":")
+    function = lambda_backends[account][region].get_function(name, qualifier[0] if qualifier else None)
+    result = invoke_function(function, payload)
+    if result.errored:  # the event was delivered; the function failed, as its logs show
+        log.warning("Lambda %s failed on an EventBridge event: %s", name, result.payload)
+
+
+def _deliver_to_state_machine(arn: str, payload: Any) -> None:
+    from moto.stepfunctions.responses import get_backend
+
+    _, region, account, _ = _arn_parts(arn)
+    get_backend(account, region).start_execution(
+        arn, name=f"events-{uuid.uuid4().hex}", execution_input=json.dumps(payload))
+
+
+def _deliver_to_queue(arn: str, payload: Any, target: dict[str, Any]) -> None:
+    from moto.sqs.models import sqs_backends
+
+    _, region, account, queue_name = _arn_parts(arn)
+    group_id = (target.get("SqsParameters") or {}).get("MessageGroupId")
+    body = payload if isinstance(payload, str) else json.dumps(payload)
+    sqs_backends[account][region].send_message(queue_name=queue_name, message_body=body,
+                                               group_id=group_id)
+
+
+def _deliver_to_log_group(arn: str, payload: Any) -> None:
+    from moto.logs.models import logs_backends
+
+    _, region, account, resource = _arn_parts(arn)
+    group_name = resource.split(":", 1)[1].removesuffix(":*")
+    backend = logs_backends[account][region]
+    stream = str(uuid.uuid4())
+    backend.create_log_stream(group_name, stream)
+    message = payload if isinstance(payload, str) else json.dumps(payload)
+    backend.put_log_events(group_name, stream, [{"timestamp": int(time.time() * 1000),
+                                                 "message": message}])
+
+
+def _deliver(rule: Rule, target: dict[str, Any], event: dict[str, Any]) -> None:
+    cloud = active_cloud()
+    arn = target["Arn"]
+    try:
+        payload = target_input(target, event, rule.name, rule.arn)
+        service = _arn_parts(arn)[0]
+        if service == "lambda":
+            _deliver_to_lambda(arn, payload)
+        elif service == "states":
+            _deliver_to_state_machine(arn, payload)
+        elif service == "sqs":
+            _deliver_to_queue(arn, payload, target)
+        else:
+            _deliver_to_log_group(arn, payload)
+    except Exception as exc:
+        log.warning("EventBridge rule %s could not deliver to %s: %s", rule.name, arn, exc)
+        if cloud is not None:
+            from localcloud.cloud import DeliveryFailure
+
+            cloud.delivery_failures.append(DeliveryFailure(arn, f"{type(exc).__name__}: {exc}", event))
+
+
+_DELIVERED_HERE = {"lambda", "states", "sqs", "logs"}
+
+
+def _send_to_targets(self: Rule, original_event: dict[str, Any], transform_input: bool = True) -> None:
+    cloud = active_cloud()
+    if cloud is None:
+        return _moto_send_to_targets(self, original_event, transform_input)
+    if self.state != "ENABLED" or not self.event_pattern.get_pattern():
+        return None
+    if not self.event_pattern.matches_event(original_event):
+        return None
+    event = bus_event(original_event)
+    for target in list(self.targets):
+        service = target["Arn"].split(":")[2] if target["Arn"].count(":") >= 2 else ""
+        if service in _DELIVERED_HERE:
+            cloud.submit(f"deliver {event.get('detail-type')} to {target['Arn']}",
+                         lambda target=target: _deliver(self, target, event))
+        else:
+            single = copy.copy(self)
+            single.targets = [target]
+            _moto_send_to_targets(single, original_event, transform_input)
+    return None
+
+
+def apply() -> None:
+    Rule.send_to_targets = _send_to_targets

@@ -1,0 +1,142 @@
+"""Step Functions glue: what moto's ASL interpreter (ported from LocalStack) lacks here.
+
+moto executes state machines when its config says `execute_state_machine`; LocalCloud sets
+that. These patches fill the gaps:
+
+- JSONata: the interpreter evaluates JSONata (and JSONPath `Assign` variables, which it also
+  compiles to JSONata) through a Java bridge it does not ship; `_eval_jsonata` is left None.
+  It now evaluates with the `jsonata-python` package.
+- JSONata variable values: strings are spliced into expressions as '"' + value + '"', which
+  breaks on a quote, backslash or newline in the value; they are now encoded as JSON.
+- Service integrations (lambda:invoke, sqs, events, aws-sdk ...) call `localhost` on
+  MOTO_PORT (default 5000), not the server that runs the execution; they now reach this
+  LocalCloud's port.
+- States.HeartbeatTimeout: a missed heartbeat was reported as States.Timeout, so ASL that
+  catches States.HeartbeatTimeout never matched. AWS reports States.HeartbeatTimeout, and
+  documents that States.Timeout also matches it; both now match, as does States.ALL.
+- Scaled time: Wait states and Retry intervals sleep `time_scale` times their nominal
+  length (TimeoutSeconds and HeartbeatSeconds stay in real time: they bound real work).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import jsonata
+from moto.stepfunctions.parser.api import HistoryEventType, TaskTimedOutEventDetails
+from moto.stepfunctions.parser.asl.component.common.error_name.failure_event import (
+    FailureEvent,
+)
+from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name import (
+    StatesErrorName,
+)
+from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name_type import (
+    StatesErrorNameType,
+)
+from moto.stepfunctions.parser.asl.component.common.retry import retrier_decl
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.state_task import StateTask
+from moto.stepfunctions.parser.asl.component.state.wait.wait_function.wait_function import (
+    WaitFunction,
+)
+from moto.stepfunctions.parser.asl.eval import states as eval_states
+from moto.stepfunctions.parser.asl.eval import variable_store
+from moto.stepfunctions.parser.asl.eval.callback.callback import HeartbeatTimeoutError
+from moto.stepfunctions.parser.asl.eval.environment import Environment
+from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
+from moto.stepfunctions.parser.asl.jsonata import jsonata as moto_jsonata
+from moto.stepfunctions.parser.asl.utils import boto_client
+
+from localcloud.glue import active_cloud
+
+
+# --- JSONata -----------------------------------------------------------------------------
+
+def evaluate_jsonata(expression: str) -> Any:
+    try:
+        return jsonata.Jsonata(expression).evaluate(None)
+    except Exception as exc:  # jsonata-python raises its own JException and plain errors
+        raise moto_jsonata.JSONataException("UNKNOWN", str(exc)) from exc
+
+
+def encode_variable_declarations(bindings: dict[str, Any]) -> str:
+    """`$name:=<json>;` for each binding, the form the interpreter prepends to expressions."""
+    return "".join(f"{name}:={json.dumps(value, separators=(',', ':'))};"
+                   for name, value in bindings.items())
+
+
+# --- endpoint of service integrations ----------------------------------------------------
+
+_moto_server_port = boto_client.moto_server_port
+
+
+def _integration_port() -> str:
+    cloud = active_cloud()
+    return str(cloud.port) if cloud is not None else _moto_server_port()
+
+
+# --- States.HeartbeatTimeout -------------------------------------------------------------
+
+class HeartbeatTimeoutErrorName(StatesErrorName):
+    """States.HeartbeatTimeout, which a retrier or catcher on States.Timeout matches too."""
+
+    _MATCHED_BY = {"States.HeartbeatTimeout", "States.Timeout"}
+
+    def __init__(self) -> None:
+        super().__init__(typ=StatesErrorNameType.StatesHeartbeatTimeout)
+
+    def matches(self, error_name: str | None) -> bool:
+        return error_name in self._MATCHED_BY
+
+
+_task_from_error = StateTask._from_error
+
+
+def _task_from_error_with_heartbeat(self: StateTask, env: Environment, ex: Exception) -> FailureEvent:
+    if not isinstance(ex, HeartbeatTimeoutError):
+        return _task_from_error(self, env, ex)
+    error = StatesErrorNameType.StatesHeartbeatTimeout.to_name()
+    details = TaskTimedOutEventDetails(error=error)
+    resource = getattr(self, "_get_sfn_resource", None)
+    if resource is not None:
+        details = TaskTimedOutEventDetails(error=error, resource=resource(),
+                                           resourceType=self._get_sfn_resource_type())
+    return FailureEvent(env=env, error_name=HeartbeatTimeoutErrorName(),
+                        event_type=HistoryEventType.TaskTimedOut,
+                        event_details=EventDetails(taskTimedOutEventDetails=details))
+
+
+# --- scaled time -------------------------------------------------------------------------
+
+def time_scale() -> float:
+    cloud = active_cloud()
+    return cloud.config.time_scale if cloud is not None else 1.0
+
+
+def _scaled_wait_interval(self: WaitFunction, env: Environment, wait_seconds: int) -> None:
+    """Wait `wait_seconds` nominal seconds, or until the execution stops running."""
+    deadline = time.monotonic() + max(0.0, wait_seconds) * time_scale()
+    while env.is_running():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        env.program_state_event.wait(remaining)
+
+
+class _ScaledSleepTime:
+    """Stands in for the `time` module inside the retrier, which only calls time.sleep."""
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        time.sleep(seconds * time_scale())
+
+
+def apply() -> None:
+    moto_jsonata._eval_jsonata = evaluate_jsonata
+    eval_states.encode_jsonata_variable_declarations = encode_variable_declarations
+    variable_store.encode_jsonata_variable_declarations = encode_variable_declarations
+    boto_client.moto_server_port = _integration_port
+    StateTask._from_error = _task_from_error_with_heartbeat
+    WaitFunction._wait_interval = _scaled_wait_interval
+    retrier_decl.time = _ScaledSleepTime

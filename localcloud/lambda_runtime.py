@@ -1,0 +1,275 @@
+"""Run a Lambda function's Python handler in this process, as the Lambda Python runtime would.
+
+moto runs Lambda code in Docker, which this machine does not have. Here the handler named by
+the function's `Handler` string ("package.module.function") is imported from the function's
+deployment package and called in a thread of its own, with:
+
+- a context object carrying what the real runtime's does (function_name, function_version,
+  invoked_function_arn, memory_limit_in_mb, aws_request_id, log_group_name, log_stream_name,
+  get_remaining_time_in_millis());
+- the function's configured environment variables, visible to that thread only (several
+  functions with different variables run at the same time in one process);
+- the function's timeout: a handler still running when it expires is reported as AWS reports
+  it (`Sandbox.Timedout`); its thread cannot be killed, so it is left to finish and its result
+  is dropped;
+- error payloads shaped like the runtime's (`errorType` = exception class name,
+  `errorMessage`, `stackTrace`), which is what Step Functions Retry/Catch match on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import io
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+import uuid
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FunctionSpec", "InvocationResult", "LambdaContext", "invoke_handler",
+           "unpack_code", "install_thread_environ"]
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    """What the runtime needs to know about one function (copied from its configuration)."""
+
+    function_name: str
+    """The function's name."""
+    function_arn: str
+    """The unqualified function ARN, given to the handler as `invoked_function_arn`."""
+    version: str
+    """Published version, "$LATEST" for the unpublished one."""
+    handler: str
+    """The Handler string: module path, a dot, then the function's name in that module."""
+    timeout_s: float
+    """Configured timeout in seconds (Lambda's default is 3)."""
+    memory_mb: int
+    """Configured memory, reported through the context only."""
+    environment: dict[str, str] = field(default_factory=dict)
+    """Environment variables of the function plus those the runtime itself sets."""
+    code_dir: Path | None = None
+    """Where the deployment package is unpacked; searched before this process's own path."""
+
+
+@dataclass(frozen=True)
+class InvocationResult:
+    """The outcome of one invocation, in the form the Invoke API returns it."""
+
+    payload: str
+    """JSON text: the handler's return value, or the runtime's error object."""
+    errored: bool
+    """True when the payload is an error object (Invoke's X-Amz-Function-Error is set)."""
+    log_lines: list[str]
+    """The START / END / REPORT lines (and the trace of an error) for CloudWatch Logs."""
+
+
+class LambdaContext:
+    """The context object handed to a handler: the attributes the Python runtime documents."""
+
+    def __init__(self, spec: FunctionSpec, request_id: str, deadline: float):
+        self.function_name = spec.function_name
+        self.function_version = spec.version
+        self.invoked_function_arn = spec.function_arn
+        self.memory_limit_in_mb = spec.memory_mb
+        self.aws_request_id = request_id
+        self.log_group_name = f"/aws/lambda/{spec.function_name}"
+        self.log_stream_name = f"{time.strftime('%Y/%m/%d')}/[{spec.version}]{request_id[:32]}"
+        self.identity = None
+        self.client_context = None
+        self._deadline = deadline
+
+    def get_remaining_time_in_millis(self) -> int:
+        return max(0, int((self._deadline - time.monotonic()) * 1000))
+
+
+# --- per-thread environment ---------------------------------------------------------------
+
+_thread_overlay = threading.local()
+
+
+class _ThreadEnviron(os._Environ):  # type: ignore[name-defined,misc]
+    """os.environ with a per-thread overlay: a handler sees its function's variables while
+    other threads (other functions, the server itself) keep seeing the process environment.
+    Inside a handler thread, writes go to the overlay; elsewhere to the real environment."""
+
+    @staticmethod
+    def _overlay() -> dict[str, str] | None:
+        return getattr(_thread_overlay, "variables", None)
+
+    @staticmethod
+    def set_overlay(variables: dict[str, str] | None) -> None:
+        _thread_overlay.variables = variables
+
+    def __getitem__(self, key: str) -> str:
+        overlay = self._overlay()
+        if overlay is not None and key in overlay:
+            return overlay[key]
+        return super().__getitem__(key)
+
+    def __setitem__(self, key: str, value: str) -> None:
+        overlay = self._overlay()
+        if overlay is not None:
+            overlay[key] = value
+        else:
+            super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        overlay = self._overlay()
+        if overlay is not None and key in overlay:
+            del overlay[key]
+        else:
+            super().__delitem__(key)
+
+    def __iter__(self) -> Iterator[str]:
+        overlay = self._overlay() or {}
+        yield from overlay
+        yield from (key for key in super().__iter__() if key not in overlay)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def copy(self) -> dict[str, str]:
+        return dict(self)
+
+
+def install_thread_environ() -> _ThreadEnviron:
+    """Give os.environ its per-thread view, once per process.
+
+    The object itself changes class rather than being replaced: botocore and others keep a
+    reference to os.environ taken when their session was created."""
+    if not isinstance(os.environ, _ThreadEnviron):
+        os.environ.__class__ = _ThreadEnviron
+    return os.environ  # type: ignore[return-value]
+
+
+# --- code ---------------------------------------------------------------------------------
+
+_import_lock = threading.Lock()
+
+
+def unpack_code(code_zip: bytes, cache_root: Path) -> Path | None:
+    """Unpack a deployment package once (keyed by content) and return its folder.
+
+    An empty or non-zip package (moto accepts any bytes) gives None: the handler is then
+    imported from this process's own path, which is how a function whose code is this
+    project itself runs."""
+    if not code_zip:
+        return None
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(code_zip))
+    except zipfile.BadZipFile:
+        return None
+    folder = cache_root / hashlib.sha256(code_zip).hexdigest()[:16]
+    with _import_lock:
+        if not folder.exists():
+            staging = folder.with_suffix(".partial")
+            archive.extractall(staging)
+            staging.rename(folder)
+    return folder
+
+
+class HandlerImportError(Exception):
+    """The Handler string does not name an importable function (errorType from the runtime)."""
+
+    def __init__(self, error_type: str, message: str):
+        super().__init__(message)
+        self.error_type = error_type
+
+
+def load_handler(handler: str, code_dir: Path | None) -> Callable[[Any, LambdaContext], Any]:
+    module_name, _, function_name = handler.rpartition(".")
+    if not module_name or not function_name:
+        raise HandlerImportError("Runtime.MalformedHandlerName",
+                                 f"Bad handler '{handler}': expected 'module.function'")
+    with _import_lock:
+        if code_dir is not None and str(code_dir) not in sys.path:
+            sys.path.insert(0, str(code_dir))
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise HandlerImportError("Runtime.ImportModuleError",
+                                     f"Unable to import module '{module_name}': {exc}") from exc
+    if code_dir is not None:
+        _refuse_foreign_module(module, module_name, code_dir)
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise HandlerImportError("Runtime.HandlerNotFound",
+                                 f"Handler '{function_name}' missing on module '{module_name}'")
+    return function
+
+
+def _refuse_foreign_module(module: Any, module_name: str, code_dir: Path) -> None:
+    """Two packages with different code under one module name cannot share a process."""
+    own_file = code_dir.joinpath(*module_name.split("."))
+    candidates = [own_file.with_suffix(".py"), own_file / "__init__.py"]
+    loaded_from = Path(getattr(module, "__file__", "") or "")
+    if any(path.exists() for path in candidates) and loaded_from not in candidates:
+        raise HandlerImportError(
+            "Runtime.ImportModuleError",
+            f"Module '{module_name}' is already loaded from {loaded_from}; this function's "
+            f"package has its own copy in {code_dir} (give it a distinct module name)")
+
+
+# --- invocation ---------------------------------------------------------------------------
+
+def _error_object(error_type: str, message: str, request_id: str,
+                  stack: list[str] | None = None) -> dict[str, Any]:
+    return {"errorMessage": message, "errorType": error_type, "requestId": request_id,
+            "stackTrace": stack or []}
+
+
+def invoke_handler(spec: FunctionSpec, event: Any) -> InvocationResult:
+    """Call the function's handler with `event`; never raises for the handler's own faults."""
+    environ = install_thread_environ()
+    request_id = str(uuid.uuid4())
+    started = time.monotonic()
+    deadline = started + spec.timeout_s
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        environ.set_overlay(dict(spec.environment))
+        try:
+            handler = load_handler(spec.handler, spec.code_dir)
+            result = handler(event, LambdaContext(spec, request_id, deadline))
+            try:
+                outcome["payload"] = json.dumps(result)
+            except (TypeError, ValueError) as exc:
+                outcome["error"] = _error_object(
+                    "Runtime.MarshalError", f"Unable to marshal response: {exc}", request_id)
+        except HandlerImportError as exc:
+            outcome["error"] = _error_object(exc.error_type, str(exc), request_id)
+        except Exception as exc:  # the runtime reports any exception the handler raises
+            stack = traceback.format_list(traceback.extract_tb(exc.__traceback__))
+            outcome["error"] = _error_object(type(exc).__name__, str(exc), request_id, stack)
+        finally:
+            environ.set_overlay(None)
+
+    worker = threading.Thread(target=run, name=f"lambda-{spec.function_name}", daemon=True)
+    worker.start()
+    worker.join(timeout=spec.timeout_s)
+    elapsed_ms = (time.monotonic() - started) * 1000
+    if worker.is_alive():
+        outcome = {"error": _error_object(
+            "Sandbox.Timedout",
+            f"RequestId: {request_id} Error: Task timed out after {spec.timeout_s:.2f} seconds",
+            request_id)}
+    logs = [f"START RequestId: {request_id} Version: {spec.version}"]
+    if "error" in outcome:
+        error = outcome["error"]
+        logs.append(f"[ERROR] {error['errorType']}: {error['errorMessage']}")
+        logs.extend(line.rstrip() for line in error["stackTrace"])
+    logs += [f"END RequestId: {request_id}",
+             f"REPORT RequestId: {request_id}\tDuration: {elapsed_ms:.2f} ms\t"
+             f"Memory Size: {spec.memory_mb} MB"]
+    if "error" in outcome:
+        return InvocationResult(json.dumps(outcome["error"]), True, logs)
+    return InvocationResult(outcome["payload"], False, logs)
