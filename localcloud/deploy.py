@@ -1,0 +1,383 @@
+"""Deploy a SAM (or plain CloudFormation) template into the local cloud, as `sam deploy` would.
+
+    from localcloud.deploy import DeployRequest, deploy
+    stack = deploy(DeployRequest(template=Path("template.yaml"), endpoint=cloud.endpoint))
+    stack.resources["TrainingRun"].physical_id     # the state machine's ARN
+    stack.outputs["StateMachineArn"]
+
+    trainfleet local deploy --template template.yaml --endpoint http://127.0.0.1:PORT --param Key=Value
+
+The steps, in the order `sam deploy` and CloudFormation take them:
+
+1. load the template (YAML with the short intrinsic tags, or JSON);
+2. package: upload every local CodeUri / DefinitionUri to an artifact bucket in the local S3
+   and point the template at the S3 copy (what `sam package` does); a function's code is then
+   a real deployment package that the local Lambda runtime unpacks;
+3. transform with the real SAM translator, offline: managed policy names are looked up in the
+   map bundled with the translator instead of calling IAM;
+4. plan: parameter values, Conditions, every resource type and property checked against what
+   the local deploy can create (everything refused is listed before anything is created),
+   resources ordered by their references and DependsOn;
+5. create each resource through the local endpoint's AWS APIs (`localcloud.deploy_resources`),
+   resolving Ref / Fn::GetAtt / Fn::Sub / ... against what was created before it;
+6. resolve the Outputs.
+
+There is no rollback: a failure stops the deploy and names the resource, the cause and what had
+already been created (the local cloud is thrown away between runs anyway).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import json
+import subprocess
+import uuid
+import zipfile
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3
+import yaml
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+from botocore.parsers import ResponseParserError
+
+from localcloud.deploy_intrinsics import (
+    Resolver,
+    TemplateError,
+    creation_order,
+    evaluate_conditions,
+    parameter_values,
+)
+from localcloud.deploy_resources import RESOURCE_TYPES, Context
+
+__all__ = ["DeployRequest", "DeployedResource", "DeployedStack", "DeployError", "TemplateError",
+           "UnsupportedResourcesError", "ResourceCreateError", "deploy", "load_template", "transform_sam"]
+
+SAM_TRANSFORM = "AWS::Serverless-2016-10-31"
+# Resource attributes that change nothing at create time, so they need no local counterpart.
+_INERT_RESOURCE_KEYS = {"Type", "Properties", "Condition", "DependsOn", "Metadata", "DeletionPolicy",
+                        "UpdateReplacePolicy"}
+
+
+class DeployError(Exception):
+    """A deploy that could not complete; the message says which resource or field and why."""
+
+
+class UnsupportedResourcesError(DeployError):
+    """Resource types or properties the local deploy cannot create; nothing was created."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("the local deploy cannot create these (nothing was created):\n  "
+                         + "\n  ".join(problems))
+
+
+class ResourceCreateError(DeployError):
+    """Creating one resource failed; those created before it are left in place."""
+
+    def __init__(self, logical_id: str, resource_type: str, cause: str, created: list[str]):
+        self.logical_id = logical_id
+        self.created = created
+        super().__init__(f"creating {logical_id} ({resource_type}) failed: {cause}\n"
+                         f"already created: {created or 'nothing'}")
+
+
+@dataclass(frozen=True)
+class DeployRequest:
+    """What to deploy, and where."""
+
+    template: Path
+    """The SAM or CloudFormation template (YAML or JSON); relative CodeUri/DefinitionUri paths are
+    taken from its folder."""
+    endpoint: str
+    """The local cloud's endpoint URL, e.g. http://127.0.0.1:5000."""
+    stack_name: str = "trainfleet"
+    """AWS::StackName; also the first part of generated physical names."""
+    region: str = "us-east-1"
+    """AWS::Region of every resource."""
+    parameters: Mapping[str, str] = field(default_factory=dict)
+    """Parameter overrides (name -> value); the others take their Default."""
+    artifact_bucket: str | None = None
+    """Local S3 bucket for packaged code and definitions; by default one named after the account
+    and region, created on first use."""
+
+
+@dataclass(frozen=True)
+class DeployedResource:
+    """One resource as created."""
+
+    resource_type: str
+    """Its CloudFormation type, e.g. AWS::Lambda::Function."""
+    physical_id: str
+    """What Ref returns for it (a name, an id or an ARN, depending on the type)."""
+    arn: str | None
+    """Its ARN, where the type has one."""
+
+
+@dataclass(frozen=True)
+class DeployedStack:
+    """The result of a deploy."""
+
+    stack_name: str
+    """The stack's name."""
+    region: str
+    """The region it was deployed to."""
+    account_id: str
+    """The local cloud's account id."""
+    resources: dict[str, DeployedResource]
+    """Every created resource by logical id (SAM resources appear under the logical ids the
+    translator gives the resources it generates; the main one keeps the SAM resource's id)."""
+    skipped: dict[str, str]
+    """Logical ids not created because their Condition is false, with the condition's name."""
+    outputs: dict[str, Any]
+    """The stack Outputs by name (those whose Condition holds)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_template(path: Path) -> dict[str, Any]:
+    """A template file as plain data; YAML short tags (!Ref, !Sub, !GetAtt a.b, ...) become their
+    long forms."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise TemplateError(f"cannot read template {path}: {error.strerror}") from error
+    try:
+        document = yaml.load(text, Loader=_TemplateLoader)  # JSON is YAML too
+    except yaml.YAMLError as error:
+        raise TemplateError(f"template {path} is not valid YAML/JSON: {error}") from error
+    if not isinstance(document, dict) or not isinstance(document.get("Resources"), dict):
+        raise TemplateError(f"template {path} has no Resources mapping")
+    return document
+
+
+class _TemplateLoader(yaml.SafeLoader):
+    """SafeLoader plus CloudFormation's short intrinsic tags, without touching yaml.SafeLoader."""
+
+
+def _add_intrinsic_tags() -> None:
+    from samtranslator.yaml_helper import intrinsics_multi_constructor
+
+    _TemplateLoader.add_multi_constructor("!", intrinsics_multi_constructor)
+
+
+_add_intrinsic_tags()
+
+
+def transform_sam(template: Mapping[str, Any], parameters: Mapping[str, Any], region: str) -> dict[str, Any]:
+    """The CloudFormation template that the AWS::Serverless transform makes of `template`
+    (a copy of it when it does not use the transform). Makes no AWS call."""
+    transforms = template.get("Transform", [])
+    if SAM_TRANSFORM not in ([transforms] if isinstance(transforms, str) else transforms):
+        return copy.deepcopy(dict(template))
+    from samtranslator.model.exceptions import InvalidDocumentException
+    from samtranslator.parser.parser import Parser
+    from samtranslator.translator.translator import Translator
+
+    # With a session that carries the region, the translator needs no credentials; AWS managed
+    # policy names resolve through the map bundled with it.
+    translator = Translator(managed_policy_map=None, sam_parser=Parser(),
+                            boto_session=boto3.session.Session(region_name=region))
+    try:
+        return translator.translate(copy.deepcopy(dict(template)), parameter_values=dict(parameters))
+    except InvalidDocumentException as error:
+        causes = "\n  ".join(cause.message for cause in error.causes)
+        raise TemplateError(f"SAM transform refused the template:\n  {causes}") from error
+
+
+def deploy(request: DeployRequest) -> DeployedStack:
+    """Deploy `request.template` into the local cloud and return what was created."""
+    session = _session(request.region)
+
+    def client(service: str) -> Any:
+        # A local endpoint either answers or is broken: retrying only delays the error.
+        return session.client(service, endpoint_url=request.endpoint, config=Config(retries={"max_attempts": 1}))
+
+    try:
+        account_id = client("sts").get_caller_identity()["Account"]
+    except (BotoCoreError, ClientError) as error:
+        raise DeployError(f"cannot reach the local cloud at {request.endpoint}: {error}") from error
+
+    template = load_template(request.template)
+    bucket = request.artifact_bucket or f"trainfleet-local-artifacts-{account_id}-{request.region}"
+    _package(template, request.template.parent, client("s3"), bucket, request.region)
+
+    parameters = {**_pseudo_parameters(request, account_id),
+                  **parameter_values(template.get("Parameters", {}), request.parameters)}
+    template = transform_sam(template, parameters, request.region)
+    resolver = Resolver(parameters, mappings=template.get("Mappings", {}))
+    resolver.conditions = evaluate_conditions(template.get("Conditions", {}), resolver)
+
+    resources = template["Resources"]
+    skipped = {logical_id: resource["Condition"] for logical_id, resource in resources.items()
+               if "Condition" in resource and not _condition(resolver, resource["Condition"], logical_id)}
+    to_create = {logical_id: resource for logical_id, resource in resources.items() if logical_id not in skipped}
+    _check_supported(to_create)
+
+    created: dict[str, DeployedResource] = {}
+    for logical_id in creation_order(to_create):
+        resource = to_create[logical_id]
+        created[logical_id] = _create(resource, logical_id, resolver, client, request, account_id, list(created))
+
+    outputs = {name: _output_value(resolver, name, output)
+               for name, output in template.get("Outputs", {}).items()
+               if "Condition" not in output or _condition(resolver, output["Condition"], f"Outputs.{name}")}
+    return DeployedStack(request.stack_name, request.region, account_id, created, skipped, outputs)
+
+
+def _session(region: str) -> boto3.session.Session:
+    session = boto3.session.Session(region_name=region)
+    if session.get_credentials() is None:
+        # The local endpoint accepts any key; never fall through to a real account's.
+        session = boto3.session.Session(region_name=region, aws_access_key_id="local",
+                                        aws_secret_access_key="local")
+    return session
+
+
+def _pseudo_parameters(request: DeployRequest, account_id: str) -> dict[str, Any]:
+    stack_id = uuid.uuid5(uuid.NAMESPACE_URL, f"{request.endpoint}/{request.stack_name}")
+    return {
+        "AWS::Region": request.region,
+        "AWS::AccountId": account_id,
+        "AWS::StackName": request.stack_name,
+        "AWS::StackId": f"arn:aws:cloudformation:{request.region}:{account_id}:stack/{request.stack_name}/{stack_id}",
+        "AWS::Partition": "aws",
+        "AWS::URLSuffix": "amazonaws.com",
+        "AWS::NotificationARNs": [],
+    }
+
+
+def _condition(resolver: Resolver, name: str, where: str) -> bool:
+    if name not in resolver.conditions:
+        raise TemplateError(f"{where}: Condition {name!r} is not declared in Conditions")
+    return resolver.conditions[name]
+
+
+def _check_supported(resources: Mapping[str, Mapping[str, Any]]) -> None:
+    problems = []
+    for logical_id, resource in resources.items():
+        resource_type = resource.get("Type")
+        if resource_type not in RESOURCE_TYPES:
+            problems.append(f"{logical_id}: resource type {resource_type!r} is not supported "
+                            f"(supported: {', '.join(sorted(RESOURCE_TYPES))})")
+            continue
+        unknown_keys = sorted(set(resource) - _INERT_RESOURCE_KEYS)
+        if unknown_keys:
+            problems.append(f"{logical_id}: resource attribute(s) {unknown_keys} are not supported")
+        unknown_properties = sorted(set(resource.get("Properties", {})) - RESOURCE_TYPES[resource_type].properties)
+        if unknown_properties:
+            problems.append(f"{logical_id} ({resource_type}): propert(y/ies) {unknown_properties} not supported")
+    if problems:
+        raise UnsupportedResourcesError(problems)
+
+
+def _create(resource: Mapping[str, Any], logical_id: str, resolver: Resolver, client: Any,
+            request: DeployRequest, account_id: str, created_so_far: list[str]) -> DeployedResource:
+    resource_type = resource["Type"]
+    properties = resolver.resolve(resource.get("Properties", {}), f"Resources.{logical_id}.Properties")
+    context = Context(client, request.region, account_id, request.stack_name, logical_id)
+    try:
+        result = RESOURCE_TYPES[resource_type].create(context, properties)
+    except KeyError as missing:
+        raise ResourceCreateError(logical_id, resource_type, f"missing required property {missing}",
+                                  created_so_far) from missing
+    except (ClientError, BotoCoreError, ResponseParserError, ValueError, RuntimeError) as error:
+        raise ResourceCreateError(logical_id, resource_type, str(error), created_so_far) from error
+    resolver.ref_of[logical_id] = result.physical_id
+    resolver.attributes_of[logical_id] = result.attributes
+    return DeployedResource(resource_type, result.physical_id, result.arn)
+
+
+def _output_value(resolver: Resolver, name: str, output: Mapping[str, Any]) -> Any:
+    if "Value" not in output:
+        raise TemplateError(f"Outputs.{name} has no Value")
+    return resolver.resolve(output["Value"], f"Outputs.{name}.Value")
+
+
+# --- packaging ------------------------------------------------------------------------------
+
+# (resource type, property) that name a local artifact, and how the S3 copy is written back.
+_ARTIFACT_PROPERTIES = {
+    ("AWS::Serverless::Function", "CodeUri"): lambda bucket, key: f"s3://{bucket}/{key}",
+    ("AWS::Serverless::StateMachine", "DefinitionUri"): lambda bucket, key: f"s3://{bucket}/{key}",
+    ("AWS::Serverless::LayerVersion", "ContentUri"): lambda bucket, key: f"s3://{bucket}/{key}",
+    ("AWS::Lambda::Function", "Code"): lambda bucket, key: {"S3Bucket": bucket, "S3Key": key},
+    ("AWS::StepFunctions::StateMachine", "DefinitionS3Location"): lambda bucket, key: {"Bucket": bucket, "Key": key},
+}
+_ZIPPED_PROPERTIES = {"CodeUri", "Code", "ContentUri"}
+
+
+def _package(template: dict[str, Any], base: Path, s3: Any, bucket: str, region: str) -> None:
+    """Upload local artifact paths to `bucket` and rewrite the template to point at them."""
+    targets = [(resource.get("Type"), resource.get("Properties", {}))
+               for resource in template["Resources"].values() if isinstance(resource, dict)]
+    global_function = template.get("Globals", {}).get("Function")
+    if global_function:
+        targets.append(("AWS::Serverless::Function", global_function))
+    zips: dict[Path, bytes] = {}  # several functions often share one CodeUri
+    bucket_ready = False
+    for resource_type, properties in targets:
+        for (artifact_type, name), to_reference in _ARTIFACT_PROPERTIES.items():
+            local = properties.get(name) if artifact_type == resource_type else None
+            if not isinstance(local, str) or local.startswith("s3://"):
+                continue
+            path = (base / local).resolve()
+            if not path.exists():
+                raise TemplateError(f"{resource_type} {name}={local!r}: no such file or folder under {base}")
+            if name in _ZIPPED_PROPERTIES and path.is_dir():
+                body = zips[path] = zips.get(path) or _zip_folder(path)
+            else:
+                body = path.read_bytes()
+            key = f"{hashlib.sha256(body).hexdigest()}{'.zip' if name in _ZIPPED_PROPERTIES else path.suffix}"
+            if not bucket_ready:
+                _ensure_bucket(s3, bucket, region)
+                bucket_ready = True
+            s3.put_object(Bucket=bucket, Key=key, Body=body)
+            properties[name] = to_reference(bucket, key)
+
+
+def _zip_folder(folder: Path) -> bytes:
+    """The folder's source files as a zip with fixed timestamps (same code, same key)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for relative in _source_files(folder):
+            info = zipfile.ZipInfo(str(relative), date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            archive.writestr(info, (folder / relative).read_bytes(), zipfile.ZIP_DEFLATED)
+    return buffer.getvalue()
+
+
+def _source_files(folder: Path) -> list[Path]:
+    """Files under `folder` that belong in a package: inside a git work tree, those git does not
+    ignore (so `CodeUri: .` never packs a virtualenv or run outputs); elsewhere every file but
+    hidden ones and bytecode."""
+    try:
+        listing = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "."],
+                                 cwd=folder, capture_output=True, timeout=30, check=True).stdout
+        files = [Path(name) for name in listing.decode().split("\0") if name]
+        return sorted(name for name in files if (folder / name).is_file())
+    except (OSError, subprocess.SubprocessError):
+        return sorted(path.relative_to(folder) for path in folder.rglob("*")
+                      if path.is_file() and path.suffix != ".pyc"
+                      and not any(part.startswith(".") or part == "__pycache__"
+                                  for part in path.relative_to(folder).parts))
+
+
+def _ensure_bucket(s3: Any, bucket: str, region: str) -> None:
+    location = {} if region == "us-east-1" else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+    try:
+        s3.create_bucket(Bucket=bucket, **location)
+    except ClientError as error:
+        if error.response["Error"]["Code"] != "BucketAlreadyOwnedByYou":
+            raise
+
+
+def format_stack(stack: DeployedStack) -> str:
+    """The deploy result as indented JSON, for the command line."""
+    return json.dumps(stack.as_dict(), indent=2, sort_keys=False, default=str)
