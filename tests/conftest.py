@@ -13,6 +13,9 @@ os.environ.update(
     AWS_DEFAULT_REGION="us-east-1",
     AWS_REGION="us-east-1",
 )
+# Real IAM knows AWS's managed policies (SAM roles attach them); moto only when asked, and it
+# reads this when its IAM first starts, so it must be set before any test touches IAM.
+os.environ.setdefault("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")
 
 
 def free_port() -> int:
