@@ -12,6 +12,7 @@ Offers:
     RUN_TRANSITIONS, NODE_TRANSITIONS, check_run_transition, check_node_transition,
       InvalidTransition         the allowed state changes
     RunRecord, NodeRecord, TaskWait, FailureRecord, CheckpointRef, GoodputLedger   stored records
+    FailureReport, FAILURE_ERROR   a classified failure and the task-failure error name carrying it
     ParallelPlan, RecoveryAction, RecoveryDecision   what the lifecycle decides
     LaunchSpec                  what every node agent reads to start the trainer
     RunRef                      the small reference Step Functions states carry
@@ -549,6 +550,22 @@ class TrainerFailureKind(StrEnum):
     CONFIG = "config"
 
 
+FAILURE_ERROR = "trainfleet.Failure"
+"""Error name of SendTaskFailure for a classified failure; the cause is a FailureReport as JSON."""
+
+
+class FailureReport(_Strict):
+    """A classified failure: what the event handler sends with SendTaskFailure (as the cause)."""
+
+    failure_class: FailureClass
+    attempt: int = Field(ge=0)
+    """The attempt it happened in."""
+    instance_ids: list[str] = Field(default_factory=list)
+    """Nodes blamed; empty when the nodes are fine (crash, hang, NaN)."""
+    message: str = ""
+    """For people: the event or error it came from."""
+
+
 class ParallelPlan(_Strict):
     """A world layout: nodes x ranks per node = pp x dp."""
 
@@ -599,8 +616,10 @@ class RecoveryDecision(_Strict):
     """Nodes to terminate (the bad ones; all of them when giving up is left to Teardown)."""
     promote_spare_ids: list[str] = Field(default_factory=list)
     """Spares that become workers."""
-    allocate_count: int = Field(default=0, ge=0)
-    """New instances to request (workers still missing plus spares to refill)."""
+    allocate_workers: int = Field(default=0, ge=0)
+    """New instances the next attempt waits for (workers no spare could cover)."""
+    allocate_spares: int = Field(default=0, ge=0)
+    """New instances that refill the spare pool; the next attempt does not wait for them."""
     plan: ParallelPlan | None = None
     """The layout to resume with; None when giving up."""
     backoff_seconds: float = Field(default=0.0, ge=0)

@@ -1,0 +1,348 @@
+"""The lifecycle core: every branch of classification, re-planning, recovery, backoff and goodput."""
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from trainfleet import lifecycle as lc
+from trainfleet.contracts import (FAILURE_ERROR, CheckpointCommitted, CheckpointRef,
+                                  Ec2InstanceStateChange, Ec2RebalanceRecommendation,
+                                  Ec2SpotInterruptionWarning, FailureClass, FailureRecord,
+                                  FailureReport, GoodputLedger, HealthEvent, NodeReady, NodeRecord,
+                                  NodeRole, NodeState, NodeUnhealthy, ParallelPlan, RecoveryAction,
+                                  RecoveryPolicy, RunRecord, RunSpec, TaskWait, TrainerConfig,
+                                  TrainerFailed, TrainerHung, TrainingProgress)
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def make_spec(**overrides) -> RunSpec:
+    doc = {
+        "run_name": "r1", "instance_type": "c5.large", "node_count": 4, "spare_count": 1, "min_nodes": 2,
+        "capacity": {"subnet_ids": ["subnet-0123456789abcdef0"], "security_group_ids": ["sg-0123456789abcdef0"]},
+        "image_id": "ami-0123456789abcdef0",
+        "trainer": {"model": {"n_layers": 8}, "training": {"batch_size": 16},
+                    "parallel": {"pp": 2, "dp": 2, "schedule": "1f1b", "microbatches": 4}},
+        "checkpoint": {"s3_uri": "s3://bucket/runs/r1/checkpoints", "interval_steps": 10},
+        "recovery": {"max_restarts": 5, "crash_loop_repeats": 3, "backoff_base_seconds": 10,
+                     "backoff_max_seconds": 100, "backoff_jitter": 0.0},
+    }
+    doc.update(overrides)
+    return RunSpec.model_validate(doc)
+
+
+def make_run(spec: RunSpec | None = None, **fields) -> RunRecord:
+    spec = spec or make_spec()
+    fields.setdefault("plan", ParallelPlan(nodes=spec.node_count, ranks_per_node=1, pp=2, dp=2))
+    return RunRecord(run_name=spec.run_name, spec=spec, attempt=1, **fields)
+
+
+def node(instance_id: str, role=NodeRole.WORKER, state=NodeState.READY, **fields) -> NodeRecord:
+    return NodeRecord(run_name="r1", instance_id=instance_id, role=role, state=state,
+                      private_ip=f"10.0.0.{instance_id[-1]}", **fields)
+
+
+WORKERS = [node(f"i-{n}") for n in range(1, 5)]
+SPARE = node("i-9", role=NodeRole.SPARE)
+
+
+def report(failure_class, *instance_ids, attempt=1) -> FailureReport:
+    return FailureReport(failure_class=failure_class, attempt=attempt, instance_ids=list(instance_ids),
+                         message="test")
+
+
+# --- classification -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("detail, expected, blamed", [
+    (Ec2InstanceStateChange(instance_id="i-1", state="terminated"), FailureClass.INSTANCE_LOST, ["i-1"]),
+    (Ec2InstanceStateChange(instance_id="i-1", state="stopping"), FailureClass.INSTANCE_LOST, ["i-1"]),
+    (Ec2SpotInterruptionWarning(instance_id="i-2", instance_action="terminate"), FailureClass.SPOT_INTERRUPTION, ["i-2"]),
+    (Ec2RebalanceRecommendation(instance_id="i-3"), FailureClass.SPOT_REBALANCE, ["i-3"]),
+    (HealthEvent(eventArn="arn", service="EC2", eventTypeCode="AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED",
+                 eventTypeCategory="scheduledChange", affectedEntities=[{"entityValue": "i-4"}]),
+     FailureClass.HEALTH_EVENT, ["i-4"]),
+    (NodeUnhealthy(run_name="r1", attempt=1, instance_id="i-1", reason="efa"), FailureClass.NODE_UNHEALTHY, ["i-1"]),
+    (TrainerFailed(run_name="r1", attempt=1, instance_id="i-1", kind="crash"), FailureClass.PROCESS_CRASH, []),
+    (TrainerFailed(run_name="r1", attempt=1, kind="nan_loss"), FailureClass.NUMERICAL, []),
+    (TrainerFailed(run_name="r1", attempt=1, kind="config"), FailureClass.CONFIG_ERROR, []),
+    (TrainerHung(run_name="r1", attempt=1, seconds_since_progress=901), FailureClass.HANG, []),
+])
+def test_failure_events_are_classified(detail, expected, blamed):
+    failure = lc.classify_event(detail, attempt=1)
+    assert (failure.failure_class, failure.instance_ids, failure.attempt) == (expected, blamed, 1)
+
+
+@pytest.mark.parametrize("detail", [
+    Ec2InstanceStateChange(instance_id="i-1", state="running"),
+    HealthEvent(eventArn="arn", service="EC2", eventTypeCode="AWS_EC2_OPERATIONAL_NOTIFICATION",
+                eventTypeCategory="accountNotification", affectedEntities=[{"entityValue": "i-1"}]),
+    HealthEvent(eventArn="arn", service="S3", eventTypeCode="AWS_S3_OPERATIONAL_ISSUE",
+                eventTypeCategory="issue", affectedEntities=[{"entityValue": "i-1"}]),
+    NodeReady(run_name="r1", attempt=1, instance_id="i-1"),
+    CheckpointCommitted(run_name="r1", attempt=1, step=10, uri="s3://b/step-000000010"),
+    TrainingProgress(run_name="r1", attempt=1, step=1, loss=1.0, tokens_per_second=1, step_seconds=1),
+])
+def test_events_that_are_not_failures(detail):
+    assert lc.classify_event(detail, attempt=1) is None
+
+
+def test_stale_agent_events_and_aws_events():
+    assert lc.is_stale(TrainerHung(run_name="r1", attempt=0, seconds_since_progress=1), current_attempt=1)
+    assert not lc.is_stale(TrainerHung(run_name="r1", attempt=1, seconds_since_progress=1), current_attempt=1)
+    assert not lc.is_stale(Ec2RebalanceRecommendation(instance_id="i-1"), current_attempt=5)
+
+
+def test_task_errors_are_classified():
+    train = TaskWait(purpose="train", attempt=2, token="t")
+    boot = TaskWait(purpose="await_nodes", attempt=2, token="t")
+    sent = report(FailureClass.SPOT_INTERRUPTION, "i-3", attempt=2)
+    assert lc.classify_task_error(FAILURE_ERROR, sent.model_dump_json(), train) == sent
+    for error in ("States.HeartbeatTimeout", "States.Timeout"):
+        assert lc.classify_task_error(error, None, train).failure_class is FailureClass.HANG
+    timed_out = lc.classify_task_error("States.Timeout", None, boot, not_ready_instance_ids=["i-2"])
+    assert (timed_out.failure_class, timed_out.instance_ids) == (FailureClass.NODE_UNHEALTHY, ["i-2"])
+    unknown = lc.classify_task_error("Lambda.ServiceException", "boom", train)
+    assert (unknown.failure_class, unknown.attempt) == (FailureClass.UNKNOWN, 2)
+    assert "boom" in unknown.message
+
+
+# --- re-planning ----------------------------------------------------------------------------
+
+def trainer(**parallel) -> TrainerConfig:
+    base = {"pp": 2, "dp": 2, "schedule": "1f1b", "microbatches": 4}
+    return TrainerConfig.model_validate({"model": {"n_layers": 8}, "training": {"batch_size": 16},
+                                         "parallel": {**base, **parallel}})
+
+
+def test_plan_keeps_pp_and_shrinks_dp():
+    assert lc.plan_layout(trainer(), 1, available_nodes=4, min_nodes=1, preferred_pp=2) == \
+        ParallelPlan(nodes=4, ranks_per_node=1, pp=2, dp=2)
+    assert lc.plan_layout(trainer(), 8, available_nodes=1, min_nodes=1, preferred_pp=2) == \
+        ParallelPlan(nodes=1, ranks_per_node=8, pp=2, dp=4)
+
+
+def test_plan_moves_pp_when_dp_cannot_divide_the_batch():
+    # 3 ranks: pp=1 x dp=3 cannot split a batch of 16; pp=3 x dp=1 can (1f1b: 4 microbatches >= 3 stages).
+    assert lc.plan_layout(trainer(), 1, available_nodes=3, min_nodes=1, preferred_pp=2) == \
+        ParallelPlan(nodes=3, ranks_per_node=1, pp=3, dp=1)
+
+
+def test_plan_prefers_larger_pp_to_smaller():
+    # Preferred pp=3 does not divide 4 ranks: pp=4 (above) wins over pp=2 (below).
+    assert lc.plan_layout(trainer(), 1, 4, 1, preferred_pp=3).pp == 4
+
+
+def test_plan_drops_nodes_when_no_layout_runs_on_all_of_them():
+    # 5 ranks: pp=5 starves 1f1b (4 microbatches < 5 stages), dp=5 does not divide a batch of 16.
+    plan = lc.plan_layout(trainer(), 1, available_nodes=5, min_nodes=2, preferred_pp=2)
+    assert plan == ParallelPlan(nodes=4, ranks_per_node=1, pp=2, dp=2)
+
+
+def test_plan_none_below_min_nodes_or_when_pinned():
+    assert lc.plan_layout(trainer(), 1, available_nodes=1, min_nodes=2, preferred_pp=2) is None
+    pinned = trainer(layers_per_stage=[4, 4])
+    assert lc.plan_layout(pinned, 1, available_nodes=3, min_nodes=2, preferred_pp=2) == \
+        ParallelPlan(nodes=2, ranks_per_node=1, pp=2, dp=1)
+
+
+# --- recovery decisions ---------------------------------------------------------------------
+
+def test_config_error_gives_up_at_once():
+    decision = lc.decide_recovery(make_run(), WORKERS, report(FailureClass.CONFIG_ERROR), 0.0)
+    assert decision.action is RecoveryAction.GIVE_UP and "config" in decision.reason
+
+
+def test_cost_ceiling_gives_up():
+    run = make_run(make_spec(cost_ceiling_usd=10), ledger=GoodputLedger(cost_usd=10.5))
+    decision = lc.decide_recovery(run, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0)
+    assert decision.action is RecoveryAction.GIVE_UP and "ceiling" in decision.reason
+
+
+def test_restart_budget_gives_up():
+    decision = lc.decide_recovery(make_run(restarts=5), WORKERS, report(FailureClass.PROCESS_CRASH), 0.0)
+    assert decision.action is RecoveryAction.GIVE_UP and "budget" in decision.reason
+
+
+def history(failure_class, count, step):
+    return [FailureRecord(failure_class=failure_class, resume_step=step, at=T0)] * count
+
+
+def test_crash_loop_gives_up():
+    run = make_run(failures=history(FailureClass.PROCESS_CRASH, 2, step=100),
+                   latest_checkpoint=CheckpointRef(step=100, uri="s3://b/step-000000100"))
+    decision = lc.decide_recovery(run, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0)
+    assert decision.action is RecoveryAction.GIVE_UP and "crash loop" in decision.reason
+
+
+def test_progress_or_another_class_breaks_the_streak():
+    ckpt = CheckpointRef(step=200, uri="s3://b/step-000000200")
+    progressed = make_run(failures=history(FailureClass.PROCESS_CRASH, 2, step=100), latest_checkpoint=ckpt)
+    assert lc.decide_recovery(progressed, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0).action \
+        is RecoveryAction.RESTART
+    mixed = make_run(failures=history(FailureClass.HANG, 2, step=None))
+    assert lc.decide_recovery(mixed, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0).action \
+        is RecoveryAction.RESTART
+
+
+def test_announced_aws_events_never_make_a_crash_loop():
+    run = make_run(failures=history(FailureClass.SPOT_INTERRUPTION, 4, step=None))
+    decision = lc.decide_recovery(run, [*WORKERS, SPARE], report(FailureClass.SPOT_INTERRUPTION, "i-2"), 0.0)
+    assert decision.action is RecoveryAction.REPLACE
+
+
+def test_crash_on_healthy_nodes_restarts_them():
+    decision = lc.decide_recovery(make_run(), WORKERS, report(FailureClass.PROCESS_CRASH), 0.0)
+    assert decision.action is RecoveryAction.RESTART
+    assert decision.terminate_instance_ids == [] and decision.plan == make_run().plan
+    assert decision.backoff_seconds == 10
+
+
+def test_lost_worker_is_replaced_by_a_spare_and_the_spare_refilled():
+    decision = lc.decide_recovery(make_run(), [*WORKERS, SPARE], report(FailureClass.INSTANCE_LOST, "i-3"), 0.0)
+    assert decision.action is RecoveryAction.REPLACE
+    assert decision.terminate_instance_ids == ["i-3"] and decision.promote_spare_ids == ["i-9"]
+    assert (decision.allocate_workers, decision.allocate_spares) == (0, 1)
+
+
+def test_lost_worker_without_spare_is_allocated_anew():
+    booting_spare = node("i-8", role=NodeRole.SPARE, state=NodeState.REGISTERED)
+    decision = lc.decide_recovery(make_run(), [*WORKERS, booting_spare],
+                                  report(FailureClass.NODE_UNHEALTHY, "i-1", "i-2"), 0.0)
+    assert decision.action is RecoveryAction.REPLACE
+    assert decision.terminate_instance_ids == ["i-1", "i-2"] and decision.promote_spare_ids == []
+    assert (decision.allocate_workers, decision.allocate_spares) == (2, 0)
+
+
+def test_bad_spare_is_terminated_and_refilled_without_touching_workers():
+    decision = lc.decide_recovery(make_run(), [*WORKERS, SPARE], report(FailureClass.HEALTH_EVENT, "i-9"), 0.0)
+    assert decision.action is RecoveryAction.REPLACE
+    assert decision.terminate_instance_ids == ["i-9"] and decision.promote_spare_ids == []
+    assert (decision.allocate_workers, decision.allocate_spares) == (0, 1)
+
+
+def test_worker_already_gone_counts_as_missing():
+    gone = [*WORKERS[:3], node("i-4", state=NodeState.TERMINATED)]
+    decision = lc.decide_recovery(make_run(), gone, report(FailureClass.INSTANCE_LOST, "i-4"), 0.0)
+    assert decision.action is RecoveryAction.REPLACE
+    assert decision.terminate_instance_ids == [] and decision.allocate_workers == 1
+
+
+def test_capacity_short_shrinks_when_allowed():
+    three = WORKERS[:3]
+    decision = lc.decide_recovery(make_run(), three, report(FailureClass.CAPACITY), 0.0)
+    assert decision.action is RecoveryAction.SHRINK
+    assert decision.plan == ParallelPlan(nodes=3, ranks_per_node=1, pp=3, dp=1)
+    assert decision.allocate_workers == 0 and decision.allocate_spares == 0
+
+
+def test_capacity_short_uses_spares_before_shrinking_further():
+    two_and_spare = [*WORKERS[:2], SPARE]
+    decision = lc.decide_recovery(make_run(), two_and_spare, report(FailureClass.CAPACITY), 0.0)
+    assert decision.action is RecoveryAction.SHRINK
+    assert decision.plan.nodes == 3 and decision.promote_spare_ids == ["i-9"]
+
+
+def test_capacity_short_without_shrink_retries_allocation():
+    run = make_run(make_spec(min_nodes=None))
+    decision = lc.decide_recovery(run, WORKERS[:3], report(FailureClass.CAPACITY), 0.0)
+    assert decision.action is RecoveryAction.REPLACE
+    assert (decision.allocate_workers, decision.allocate_spares) == (1, 0)
+
+
+def test_capacity_short_below_min_nodes_gives_up():
+    decision = lc.decide_recovery(make_run(), WORKERS[:1], report(FailureClass.CAPACITY), 0.0)
+    assert decision.action is RecoveryAction.GIVE_UP and "no layout" in decision.reason
+
+
+# --- backoff and bookkeeping -----------------------------------------------------------------
+
+def test_backoff_grows_caps_and_jitters():
+    policy = RecoveryPolicy(backoff_base_seconds=10, backoff_multiplier=3, backoff_max_seconds=50,
+                            backoff_jitter=0.5)
+    assert [lc.backoff_seconds(policy, streak, 0.0) for streak in (1, 2, 3)] == [10, 30, 50]
+    assert lc.backoff_seconds(policy, 1, 0.5) == 7.5
+    with pytest.raises(ValueError, match="jitter_draw"):
+        lc.backoff_seconds(policy, 1, 1.0)
+
+
+def test_backoff_grows_along_a_streak_in_decisions():
+    run = make_run(failures=history(FailureClass.HANG, 1, step=None))
+    assert lc.decide_recovery(run, WORKERS, report(FailureClass.HANG), 0.0).backoff_seconds == 20
+
+
+def test_apply_decision_opens_a_new_attempt():
+    run = make_run(latest_checkpoint=CheckpointRef(step=30, uri="s3://b/step-000000030"))
+    failure = report(FailureClass.INSTANCE_LOST, "i-3")
+    decision = lc.decide_recovery(run, [*WORKERS, SPARE], failure, 0.0)
+    after = lc.apply_decision(run, failure, decision, now=T0)
+    assert (after.attempt, after.restarts, after.attempt_started_at) == (2, 1, T0)
+    assert after.failures[-1] == FailureRecord(failure_class=FailureClass.INSTANCE_LOST, resume_step=30, at=T0)
+    gave_up = lc.apply_decision(run, report(FailureClass.CONFIG_ERROR),
+                                lc.decide_recovery(run, WORKERS, report(FailureClass.CONFIG_ERROR), 0.0), T0)
+    assert (gave_up.attempt, gave_up.restarts) == (1, 0) and "config" in gave_up.error
+
+
+def minutes(m):
+    return T0 + timedelta(minutes=m)
+
+
+def test_goodput_of_a_failed_attempt_counts_redone_work_as_lost():
+    ledger = lc.settle_attempt(GoodputLedger(), started_at=T0, first_step_at=minutes(5),
+                               last_checkpoint_at=minutes(45), ended_at=minutes(55), completed=False)
+    assert (ledger.productive_seconds, ledger.lost_seconds) == (40 * 60, 15 * 60)
+    assert ledger.goodput == pytest.approx(40 / 55)
+
+
+def test_goodput_of_a_completed_attempt_and_of_attempts_without_progress():
+    done = lc.settle_attempt(GoodputLedger(), T0, minutes(5), None, minutes(65), completed=True)
+    assert (done.productive_seconds, done.lost_seconds) == (3600, 300)
+    no_ckpt = lc.settle_attempt(GoodputLedger(), T0, minutes(5), None, minutes(20), completed=False)
+    assert (no_ckpt.productive_seconds, no_ckpt.lost_seconds) == (0, 1200)
+    never_started = lc.settle_attempt(done, T0, None, None, minutes(10), completed=False)
+    assert never_started.lost_seconds == 300 + 600
+    with pytest.raises(ValueError, match="before it starts"):
+        lc.settle_attempt(GoodputLedger(), minutes(1), None, None, T0, completed=False)
+    assert GoodputLedger().goodput == 1.0
+
+
+def test_cost_accrues_and_meets_the_ceiling():
+    ledger = lc.accrue_cost(GoodputLedger(), node_count=5, usd_per_hour=55.04, seconds=1800)
+    assert ledger.node_seconds == 9000 and ledger.cost_usd == pytest.approx(137.6)
+    assert lc.over_cost_ceiling(make_spec(cost_ceiling_usd=137.6), ledger)
+    assert not lc.over_cost_ceiling(make_spec(cost_ceiling_usd=200), ledger)
+    assert not lc.over_cost_ceiling(make_spec(), ledger)
+    with pytest.raises(ValueError, match="node_count"):
+        lc.accrue_cost(ledger, node_count=-1, usd_per_hour=1, seconds=1)
+
+
+# --- launch -----------------------------------------------------------------------------------
+
+def test_ranks_keep_survivors_first_and_need_enough_ready_nodes():
+    nodes = [node("i-5"), node("i-2", node_rank=1), node("i-3", node_rank=0), node("i-4"),
+             node("i-6", state=NodeState.REGISTERED), SPARE]
+    plan = ParallelPlan(nodes=4, ranks_per_node=1, pp=2, dp=2)
+    assert lc.world_complete(nodes, plan)
+    assert lc.assign_ranks(nodes, plan) == {"i-3": 0, "i-2": 1, "i-4": 2, "i-5": 3}
+    assert not lc.world_complete(nodes[:3], plan)
+    with pytest.raises(ValueError, match="needs 4 ready workers, 3 are ready"):
+        lc.assign_ranks(nodes[:3], plan)
+
+
+def test_launch_spec_carries_layout_resume_point_and_token():
+    run = make_run(latest_checkpoint=CheckpointRef(step=40, uri="s3://bucket/runs/r1/checkpoints/step-000000040"))
+    spec = lc.build_launch_spec(run, WORKERS, heartbeat_task_token="tok")
+    assert spec.rendezvous_host == "10.0.0.1" and spec.rendezvous_id == "r1-1"
+    assert spec.resume_step == 40 and spec.heartbeat_task_token == "tok"
+    config = spec.trainer_config
+    assert (config["parallel"]["pp"], config["parallel"]["dp"]) == (2, 2)
+    assert config["checkpoint"] == {"uri": "s3://bucket/runs/r1/checkpoints", "interval": 10,
+                                    "keep_last": 3, "resume": "40"}
+    assert lc.build_launch_spec(make_run(), WORKERS, None).trainer_config["checkpoint"]["resume"] == "none"
+
+
+def test_launch_spec_refuses_what_it_cannot_build():
+    with pytest.raises(ValueError, match="no parallel plan"):
+        lc.build_launch_spec(make_run(plan=None), WORKERS, None)
+    no_ip = [NodeRecord(run_name="r1", instance_id="i-1", state=NodeState.READY), *WORKERS[1:]]
+    with pytest.raises(ValueError, match="private IP"):
+        lc.build_launch_spec(make_run(), no_ip, None)

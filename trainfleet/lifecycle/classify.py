@@ -1,0 +1,80 @@
+"""Turn what happened (an event, a task error) into a FailureReport, or None when it is no failure."""
+
+from trainfleet.contracts import (FAILURE_ERROR, AgentEvent, AnyDetail, Ec2InstanceStateChange,
+                                  Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning,
+                                  FailureClass, FailureReport, HealthEvent, NodeUnhealthy,
+                                  TaskWait, TrainerFailed, TrainerFailureKind, TrainerHung)
+
+# States in which an instance is leaving for good (or at least leaving the world).
+_LOST_STATES = {"stopping", "stopped", "shutting-down", "terminated"}
+
+# Health categories that announce trouble for the instance itself (accountNotification does not).
+_HEALTH_CATEGORIES = {"issue", "scheduledChange", "investigation"}
+
+_TRAINER_FAILURES = {
+    TrainerFailureKind.CRASH: FailureClass.PROCESS_CRASH,
+    TrainerFailureKind.NAN_LOSS: FailureClass.NUMERICAL,
+    TrainerFailureKind.CONFIG: FailureClass.CONFIG_ERROR,
+}
+
+# Step Functions names a task that outlived its timeout States.Timeout, one whose heartbeat
+# stopped States.HeartbeatTimeout (moto reports both as States.Timeout).
+_TIMEOUT_ERRORS = {"States.Timeout", "States.HeartbeatTimeout"}
+
+
+def is_stale(detail: AnyDetail, current_attempt: int) -> bool:
+    """An agent event from an attempt before the current one: it must change nothing."""
+    return isinstance(detail, AgentEvent) and detail.attempt < current_attempt
+
+
+def classify_event(detail: AnyDetail, attempt: int) -> FailureReport | None:
+    """The failure an event reports for the run's current `attempt`, or None if it reports none.
+
+    Whether an AWS event's instance belongs to the run is the caller's look-up; agent events of
+    older attempts should be dropped with is_stale() first.
+    """
+    match detail:
+        case Ec2InstanceStateChange(state=state) if state in _LOST_STATES:
+            return _report(FailureClass.INSTANCE_LOST, attempt, [detail.instance_id],
+                           f"EC2 reports instance {detail.instance_id} {state}")
+        case Ec2SpotInterruptionWarning():
+            return _report(FailureClass.SPOT_INTERRUPTION, attempt, [detail.instance_id],
+                           f"Spot interruption warning ({detail.instance_action}) for {detail.instance_id}")
+        case Ec2RebalanceRecommendation():
+            return _report(FailureClass.SPOT_REBALANCE, attempt, [detail.instance_id],
+                           f"rebalance recommendation for {detail.instance_id}")
+        case HealthEvent() if (detail.service == "EC2" and detail.instance_ids
+                               and detail.event_type_category in _HEALTH_CATEGORIES):
+            return _report(FailureClass.HEALTH_EVENT, attempt, detail.instance_ids,
+                           f"AWS Health {detail.event_type_code}")
+        case NodeUnhealthy():
+            return _report(FailureClass.NODE_UNHEALTHY, attempt, [detail.instance_id], detail.reason)
+        case TrainerFailed():
+            # A crashed trainer does not blame its node: a sick node reports NodeUnhealthy.
+            return _report(_TRAINER_FAILURES[detail.kind], attempt, [],
+                           f"trainer {detail.kind.value} on {detail.instance_id or 'the world'}: {detail.message}")
+        case TrainerHung():
+            return _report(FailureClass.HANG, attempt, [],
+                           f"no progress for {detail.seconds_since_progress:.0f} s after step {detail.last_step}")
+    return None
+
+
+def classify_task_error(error: str, cause: str | None, waiting: TaskWait,
+                        not_ready_instance_ids: list[str] = ()) -> FailureReport:
+    """The failure behind a failed AwaitNodes or Train task (its Catch gives error and cause).
+
+    not_ready_instance_ids: nodes that had not passed preflight when AwaitNodes timed out.
+    """
+    if error == FAILURE_ERROR and cause:
+        return FailureReport.model_validate_json(cause)
+    if error in _TIMEOUT_ERRORS and waiting.purpose == "train":
+        return _report(FailureClass.HANG, waiting.attempt, [], f"{error}: no heartbeat from training")
+    if error in _TIMEOUT_ERRORS:
+        return _report(FailureClass.NODE_UNHEALTHY, waiting.attempt, list(not_ready_instance_ids),
+                       f"{error}: nodes not ready within the boot timeout")
+    return _report(FailureClass.UNKNOWN, waiting.attempt, [], f"{error}: {cause or 'no cause given'}")
+
+
+def _report(failure_class: FailureClass, attempt: int, instance_ids: list[str], message: str) -> FailureReport:
+    return FailureReport(failure_class=failure_class, attempt=attempt, instance_ids=instance_ids,
+                         message=message)

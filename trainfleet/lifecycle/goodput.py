@@ -1,0 +1,52 @@
+"""Goodput and cost: where the run's time and money went."""
+
+from datetime import datetime
+
+from trainfleet.contracts import GoodputLedger, RunSpec
+
+
+def settle_attempt(ledger: GoodputLedger, started_at: datetime, first_step_at: datetime | None,
+                   last_checkpoint_at: datetime | None, ended_at: datetime, completed: bool) -> GoodputLedger:
+    """Book one attempt, from its start (allocation or restart) to its end.
+
+    Start-up until the first step is lost time. Training is productive up to the last checkpoint
+    committed in the attempt, or to the end when the attempt completed the run; what came after
+    the checkpoint of a failed attempt is redone by the next one, so it is lost.
+    """
+    if ended_at < started_at:
+        raise ValueError(f"attempt ends ({ended_at}) before it starts ({started_at})")
+    if first_step_at is None:
+        return ledger.model_copy(update={"lost_seconds": ledger.lost_seconds + _seconds(started_at, ended_at)})
+    startup = _seconds(started_at, first_step_at)
+    if completed:
+        kept_until = ended_at
+    elif last_checkpoint_at is not None and last_checkpoint_at > first_step_at:
+        kept_until = min(last_checkpoint_at, ended_at)
+    else:
+        kept_until = first_step_at
+    productive = _seconds(first_step_at, kept_until)
+    redone = _seconds(kept_until, ended_at)
+    return ledger.model_copy(update={
+        "productive_seconds": ledger.productive_seconds + productive,
+        "lost_seconds": ledger.lost_seconds + startup + redone,
+    })
+
+
+def accrue_cost(ledger: GoodputLedger, node_count: int, usd_per_hour: float, seconds: float) -> GoodputLedger:
+    """Book `node_count` instances (spares included) running for `seconds`."""
+    if node_count < 0 or seconds < 0:
+        raise ValueError(f"node_count and seconds must be >= 0, got {node_count}, {seconds}")
+    node_seconds = node_count * seconds
+    return ledger.model_copy(update={
+        "node_seconds": ledger.node_seconds + node_seconds,
+        "cost_usd": ledger.cost_usd + node_seconds / 3600 * usd_per_hour,
+    })
+
+
+def over_cost_ceiling(spec: RunSpec, ledger: GoodputLedger) -> bool:
+    """Whether the run has spent its cost ceiling (never, without one)."""
+    return spec.cost_ceiling_usd is not None and ledger.cost_usd >= spec.cost_ceiling_usd
+
+
+def _seconds(start: datetime, end: datetime) -> float:
+    return max(0.0, (end - start).total_seconds())

@@ -1,0 +1,51 @@
+"""From ready nodes to a launch spec: is the world complete, who gets which node rank."""
+
+from trainfleet.contracts import (LaunchSpec, NodeRecord, NodeRole, NodeState, ParallelPlan,
+                                  RunRecord)
+
+
+def ready_workers(nodes: list[NodeRecord]) -> list[NodeRecord]:
+    """Workers that passed preflight, those with a rank from an earlier attempt first.
+
+    Keeping earlier ranks keeps node rank 0 (the rendezvous host) where it was when it survived.
+    """
+    ready = [node for node in nodes if node.role is NodeRole.WORKER and node.state is NodeState.READY]
+    return sorted(ready, key=lambda node: (node.node_rank is None, node.node_rank or 0, node.instance_id))
+
+
+def world_complete(nodes: list[NodeRecord], plan: ParallelPlan) -> bool:
+    """Whether enough workers are ready to start the plan (AwaitNodes may succeed)."""
+    return len(ready_workers(nodes)) >= plan.nodes
+
+
+def assign_ranks(nodes: list[NodeRecord], plan: ParallelPlan) -> dict[str, int]:
+    """instance id -> node rank for the plan's nodes; ValueError when too few are ready."""
+    chosen = ready_workers(nodes)[:plan.nodes]
+    if len(chosen) < plan.nodes:
+        raise ValueError(f"the plan needs {plan.nodes} ready workers, {len(chosen)} are ready")
+    return {node.instance_id: rank for rank, node in enumerate(chosen)}
+
+
+def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_token: str | None) -> LaunchSpec:
+    """The launch spec of the run's current attempt; the run must have a plan."""
+    if run.plan is None:
+        raise ValueError(f"run {run.run_name} has no parallel plan yet")
+    ranks = assign_ranks(nodes, run.plan)
+    by_id = {node.instance_id: node for node in nodes}
+    host = next(instance for instance, rank in ranks.items() if rank == 0)
+    if by_id[host].private_ip is None:
+        raise ValueError(f"node rank 0 ({host}) has not reported its private IP")
+    policy = run.spec.checkpoint
+    checkpoint = {"uri": policy.s3_uri, "interval": policy.interval_steps, "keep_last": policy.keep_last,
+                  "resume": str(run.latest_checkpoint.step) if run.latest_checkpoint else "none"}
+    return LaunchSpec(
+        run_name=run.run_name,
+        attempt=run.attempt,
+        plan=run.plan,
+        node_ranks=ranks,
+        rendezvous_host=by_id[host].private_ip,
+        rendezvous_id=f"{run.run_name}-{run.attempt}",
+        trainer_config=run.spec.trainer.as_trainer_mapping(run.plan.pp, run.plan.dp, checkpoint),
+        resume_step=run.latest_checkpoint.step if run.latest_checkpoint else None,
+        heartbeat_task_token=heartbeat_task_token,
+    )

@@ -1,0 +1,130 @@
+"""The recovery decision: restart, replace, shrink or give up; the budget, the crash loop, backoff.
+
+decide_recovery() works in numbered steps, each a rule a person can check:
+    1. a config error never heals: give up;
+    2. the cost ceiling is reached: give up;
+    3. the restart budget is spent: give up;
+    4. a crash loop (the same failure K times in a row, no checkpoint in between): give up;
+    5. no node is blamed: restart on the same nodes;
+    6. blamed workers are covered by healthy spares and/or new instances: replace;
+    7. capacity ran out and the run may shrink: re-plan pp x dp on the nodes left, or give up.
+"""
+
+from datetime import datetime
+
+from trainfleet.contracts import (FailureClass, FailureRecord, FailureReport, NodeRecord, NodeRole,
+                                  NodeState, RecoveryAction, RecoveryDecision, RecoveryPolicy,
+                                  RunRecord)
+from trainfleet.lifecycle.goodput import over_cost_ceiling
+from trainfleet.lifecycle.replan import plan_layout
+
+# AWS announces these; they say nothing about the job, so they never make a crash loop.
+ANNOUNCED_BY_AWS = frozenset({FailureClass.SPOT_INTERRUPTION, FailureClass.SPOT_REBALANCE,
+                              FailureClass.HEALTH_EVENT})
+
+_GONE = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
+
+
+def failure_streak(history: list[FailureRecord], failure_class: FailureClass, resume_step: int | None) -> int:
+    """How many failures in a row, counting this one, share its class and made no progress."""
+    streak = 1
+    for past in reversed(history):
+        if past.failure_class != failure_class or past.resume_step != resume_step:
+            break
+        streak += 1
+    return streak
+
+
+def backoff_seconds(policy: RecoveryPolicy, streak: int, jitter_draw: float) -> float:
+    """Wait before retry number `streak` (1 = first) of a streak; jitter_draw in [0, 1) from the caller.
+
+    Exponential, capped, and shortened by up to `backoff_jitter` of itself so that many runs
+    hit by the same outage do not retry in lockstep.
+    """
+    if not 0 <= jitter_draw < 1:
+        raise ValueError(f"jitter_draw must be in [0, 1), got {jitter_draw}")
+    wait = min(policy.backoff_max_seconds,
+               policy.backoff_base_seconds * policy.backoff_multiplier ** (streak - 1))
+    return wait * (1 - policy.backoff_jitter * jitter_draw)
+
+
+def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport,
+                    jitter_draw: float) -> RecoveryDecision:
+    """What to do about `failure` (classified for the run's current attempt)."""
+    spec, policy = run.spec, run.spec.recovery
+    resume_step = run.latest_checkpoint.step if run.latest_checkpoint else None
+
+    def give_up(reason: str) -> RecoveryDecision:
+        return RecoveryDecision(action=RecoveryAction.GIVE_UP, failure_class=failure.failure_class,
+                                reason=reason)
+
+    # 1-4: the reasons to stop.
+    if failure.failure_class is FailureClass.CONFIG_ERROR:
+        return give_up(f"the trainer refused its config: {failure.message}")
+    if over_cost_ceiling(spec, run.ledger):
+        return give_up(f"cost ${run.ledger.cost_usd:,.2f} reached the ceiling ${spec.cost_ceiling_usd:,.2f}")
+    if run.restarts >= policy.max_restarts:
+        return give_up(f"restart budget spent ({run.restarts} of {policy.max_restarts}); last: {failure.message}")
+    streak = failure_streak(run.failures, failure.failure_class, resume_step)
+    if failure.failure_class not in ANNOUNCED_BY_AWS and streak >= policy.crash_loop_repeats:
+        return give_up(f"crash loop: {failure.failure_class.value} {streak} times in a row without a "
+                       f"new checkpoint; last: {failure.message}")
+
+    blamed = set(failure.instance_ids)
+    live = [node for node in nodes if node.state not in _GONE]
+    workers = [node for node in live if node.role is NodeRole.WORKER and node.instance_id not in blamed]
+    spare_pool = [node for node in live if node.role is NodeRole.SPARE and node.instance_id not in blamed]
+    spares = [node for node in spare_pool if node.state is NodeState.READY]  # only these can step in now
+    terminate = sorted(node.instance_id for node in live if node.instance_id in blamed)
+    plan = run.plan
+    needed = plan.nodes if plan else spec.node_count
+    missing = max(0, needed - len(workers))
+    promote = sorted(node.instance_id for node in spares)[:missing]
+    uncovered = missing - len(promote)
+    common = dict(failure_class=failure.failure_class, terminate_instance_ids=terminate,
+                  promote_spare_ids=promote, backoff_seconds=backoff_seconds(policy, streak, jitter_draw))
+
+    # 5: nothing to swap.
+    if not terminate and missing == 0:
+        return RecoveryDecision(action=RecoveryAction.RESTART, plan=plan, **common,
+                                reason=f"{failure.failure_class.value} on healthy nodes: restart them; {failure.message}")
+
+    # 7: allocation already came up short; shrink onto what is there, if allowed.
+    if failure.failure_class is FailureClass.CAPACITY and uncovered and spec.min_nodes is not None:
+        available = len(workers) + len(spares)
+        shrunk = plan_layout(spec.trainer, spec.facts.ranks_per_node, available, spec.min_nodes,
+                             preferred_pp=plan.pp if plan else spec.trainer.parallel.pp)
+        if shrunk is None:
+            return give_up(f"only {available} nodes available and no layout runs on "
+                           f"{spec.min_nodes}..{available} of them")
+        promote = sorted(node.instance_id for node in spares)[:max(0, shrunk.nodes - len(workers))]
+        return RecoveryDecision(action=RecoveryAction.SHRINK, plan=shrunk,
+                                **{**common, "promote_spare_ids": promote},
+                                reason=f"capacity short: continue on {shrunk.nodes} nodes at pp={shrunk.pp} "
+                                       f"x dp={shrunk.dp}")
+
+    # 6: replace the blamed nodes; spares first, new instances for the rest.
+    spares_left = len(spare_pool) - len(promote)
+    refill = 0 if failure.failure_class is FailureClass.CAPACITY else max(0, spec.spare_count - spares_left)
+    return RecoveryDecision(action=RecoveryAction.REPLACE, plan=plan, allocate_workers=uncovered,
+                            allocate_spares=refill, **common,
+                            reason=f"{failure.failure_class.value}: replace {len(terminate)} node(s), "
+                                   f"{len(promote)} from spares, {uncovered} new; {failure.message}")
+
+
+def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDecision,
+                   now: datetime) -> RunRecord:
+    """The run record after acting on a decision: a new attempt, the failure on the books."""
+    history = [*run.failures, FailureRecord(failure_class=failure.failure_class, at=now,
+                                            resume_step=run.latest_checkpoint.step if run.latest_checkpoint else None)]
+    if decision.action is RecoveryAction.GIVE_UP:
+        return run.model_copy(update={"failures": history, "error": decision.reason})
+    return run.model_copy(update={
+        "failures": history,
+        "attempt": run.attempt + 1,
+        "restarts": run.restarts + 1,
+        "plan": decision.plan,
+        "waiting": None,
+        "attempt_started_at": now,
+        "first_step_at": None,
+    })

@@ -1,0 +1,26 @@
+"""Re-plan pp x dp for the nodes at hand, within what the trainer can run."""
+
+from trainfleet.contracts import ParallelPlan, TrainerConfig, layout_problem
+
+
+def plan_layout(config: TrainerConfig, ranks_per_node: int, available_nodes: int, min_nodes: int,
+                preferred_pp: int) -> ParallelPlan | None:
+    """The best layout on at most `available_nodes` and at least `min_nodes` nodes, or None.
+
+    Most nodes first (idle nodes are paid for nothing). Among layouts on as many nodes, the
+    pp nearest to `preferred_pp` from above: a larger pp keeps fewer layers per rank, so a model
+    that fitted in memory still fits, while a smaller pp could run out of it.
+    The global batch and the microbatch count stay as configured, so the run trains on the same
+    batches (the trainer's checkpoints reshard to any layout).
+    """
+    for nodes in range(available_nodes, min_nodes - 1, -1):
+        ranks = nodes * ranks_per_node
+        runnable = [pp for pp in _divisors(ranks) if layout_problem(config, pp, ranks // pp) is None]
+        if runnable:
+            pp = min(runnable, key=lambda pp: (pp < preferred_pp, abs(pp - preferred_pp)))
+            return ParallelPlan(nodes=nodes, ranks_per_node=ranks_per_node, pp=pp, dp=ranks // pp)
+    return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
