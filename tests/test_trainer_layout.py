@@ -1,0 +1,62 @@
+"""Stage placement and the layer split: pure functions, checked against torch's own mapping."""
+
+import pytest
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+from trainer.config import load_config
+from trainer.model import GPT
+from trainer.parallel_dims import SCHEDULES, layer_ranges, split_layers, stage_ids
+from trainer.pipeline_parallel import _layers_per_stage
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("pp", [2, 4])
+def test_each_stage_sits_where_the_schedule_expects_it(name, pp):
+    spec = SCHEDULES[name]
+    n_stages = pp * spec.stages_per_rank
+    placed = {s: rank for rank in range(pp) for s in stage_ids(rank, pp, spec.stages_per_rank, spec.placement)}
+    assert sorted(placed) == list(range(n_stages))
+    if spec.placement != "single":
+        assert placed == generate_stage_to_rank_mapping(pp, n_stages, style=spec.placement)
+
+
+def test_all_seven_schedules_of_this_torch_are_offered():
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble",
+                              "zbv-zero-bubble", "dualpipev"}
+
+
+def test_equal_layers_split_evenly():
+    assert split_layers(100, 8, 0, 0, 4) == [2, 2, 2, 2]
+
+
+def test_heavy_embedding_and_head_get_fewer_layers():
+    # Embedding and head each weigh two layers: 2+L0 ~ L1 ~ L2 ~ L3+2 with 12 layers.
+    assert split_layers(100, 12, 200, 200, 4) == [2, 4, 4, 2]
+
+
+def test_every_stage_keeps_a_layer_even_when_the_ends_are_huge():
+    assert split_layers(1, 4, 1000, 1000, 4) == [1, 1, 1, 1]
+
+
+def test_split_balances_real_parameter_counts():
+    cfg = load_config(["--model.n_layers=10", "--model.d_model=64", "--model.vocab_size=4096"])
+    counts = _layers_per_stage(cfg.model, 2, [])
+    stage_params = [sum(p.numel() for p in GPT(cfg.model, r, first=i == 0, last=i == 1).parameters())
+                    for i, r in enumerate(layer_ranges(counts))]
+    block = sum(p.numel() for p in GPT(cfg.model, range(1), first=False, last=False).parameters())
+    assert abs(stage_params[0] - stage_params[1]) <= block
+    assert sum(counts) == 10 and counts == [5, 5]
+
+
+def test_layer_ranges_are_contiguous_global_indices():
+    assert layer_ranges([3, 1, 2]) == [range(0, 3), range(3, 4), range(4, 6)]
+
+
+def test_a_stage_keeps_the_full_models_parameter_names():
+    cfg = load_config(["--model.n_layers=4", "--model.d_model=32", "--model.n_heads=2"]).model
+    whole = set(dict(GPT(cfg).named_parameters()))
+    parts = [GPT(cfg, range(0, 1), first=True, last=False), GPT(cfg, range(1, 3), first=False, last=False),
+             GPT(cfg, range(3, 4), first=False, last=True)]
+    names = [set(dict(p.named_parameters())) for p in parts]
+    assert set.union(*names) == whole and sum(len(n) for n in names) == len(whole)
+    assert "layers.2.mlp.fc.weight" in names[1] and "head.weight" in names[2] and "tok_emb.weight" in names[0]

@@ -1,0 +1,74 @@
+"""The training loop in one process: LR schedule, non-finite loss, the state dict's names, the CLI."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from trainer.config import OptimConfig, load_config
+from trainer.model import GPT
+from trainer.train import NonFiniteLossError, build, environment, lr_factor, main, train_step
+
+
+def tiny_args(tmp_path) -> list[str]:
+    return ["--model.n_layers=2", "--model.d_model=32", "--model.n_heads=2", "--model.seq_len=16",
+            "--training.batch_size=4", "--parallel.microbatches=2", "--training.steps=4", "--optim.warmup_steps=2",
+            f"--data.shards={tmp_path}/shards", "--data.corpus_bytes=20000",
+            f"--training.metrics_file={tmp_path}/metrics.jsonl"]
+
+
+def tiny(tmp_path):
+    return load_config(tiny_args(tmp_path))
+
+
+def test_lr_warms_up_linearly_then_follows_a_cosine_to_the_floor():
+    cfg = OptimConfig(warmup_steps=4, min_lr_ratio=0.1)
+    assert [lr_factor(s, cfg, 12) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(8, cfg, 12) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(12, cfg, 12) == pytest.approx(0.1)
+    assert all(lr_factor(s, cfg, 12) >= lr_factor(s + 1, cfg, 12) for s in range(4, 12))
+
+
+def test_non_finite_loss_stops_with_a_clear_error(tmp_path):
+    cfg = tiny(tmp_path)
+    run = build(cfg, environment(cfg, torch.device("cpu")))
+    train_step(run)
+    before = run.pipeline.model_parts[0].layers["1"].mlp.fc.weight.detach().clone()
+    with torch.no_grad():
+        run.pipeline.model_parts[0].layers["0"].mlp.fc.weight[0, 0] = math.nan
+    with pytest.raises(NonFiniteLossError, match=r"step 2: loss is nan"):
+        train_step(run)
+    assert torch.equal(run.pipeline.model_parts[0].layers["1"].mlp.fc.weight, before)  # no update applied
+
+
+def test_train_state_is_keyed_by_the_full_models_names(tmp_path):
+    cfg = tiny(tmp_path)
+    run = build(cfg, environment(cfg, torch.device("cpu")))
+    train_step(run)
+    state = run.state.state_dict()
+    full_names = set(dict(GPT(cfg.model).named_parameters()))
+    assert set(state["model"]) == full_names
+    assert {k.split(".", 1)[1].rsplit(".", 1)[0] for k in state["optimizer"] if k.startswith("state.")} == full_names
+    assert state["step"] == 1 and state["sampler"] == {"sequences_drawn": 4, "seed": 0}
+
+
+def test_loading_a_state_replays_the_same_step(tmp_path):
+    cfg = tiny(tmp_path)
+    run = build(cfg, environment(cfg, torch.device("cpu")))
+    train_step(run)
+    saved = copy.deepcopy(run.state.state_dict())
+    expected = train_step(run)["loss"]
+    run.state.load_state_dict(saved)
+    assert run.state.step == 1
+    assert train_step(run)["loss"] == expected
+
+
+def test_cli_logs_each_step_and_writes_jsonl(tmp_path, capsys):
+    assert main([*tiny_args(tmp_path), "--training.steps=3"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert len(lines) == 3 and "tok/s" in lines[0] and "s/step" in lines[0]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert {"loss", "tokens_per_s", "step_time_s", "lr", "grad_norm"} <= set(records[0])
