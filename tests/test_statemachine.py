@@ -11,6 +11,7 @@ import pytest
 
 import functions
 import trainfleet
+from trainfleet.contracts import FAILURE_ERROR
 from trainfleet.validate import substituted_definitions
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,21 +59,29 @@ def _error_names(asl: dict) -> set[str]:
     return names
 
 
-def test_every_error_name_is_one_aws_defines_or_a_class_the_code_raises(asl):
-    exceptions = _exception_classes()
-    unknown = sorted(name for name in _error_names(asl)
-                     if name not in AWS_STATES_ERRORS | AWS_LAMBDA_ERRORS
-                     and name not in exceptions)
-    assert not unknown, f"ErrorEquals names nothing defines: {unknown}"
+def _undefined_error_names(asl: dict) -> list[str]:
+    # What the code can really raise: a handler's exception (named by its class) or the error
+    # the event handler sends with SendTaskFailure.
+    raised = set(_exception_classes()) | {FAILURE_ERROR}
+    return sorted(name for name in _error_names(asl)
+                  if name not in AWS_STATES_ERRORS | AWS_LAMBDA_ERRORS | raised)
+
+
+def test_every_error_name_is_one_aws_defines_or_one_the_code_raises(asl):
+    assert not _undefined_error_names(asl), "ErrorEquals names nothing defines"
 
 
 def test_the_error_name_check_catches_a_misspelt_name(asl):
     misspelt = json.loads(json.dumps(asl))
     misspelt["States"]["Train"]["Catch"][0]["ErrorEquals"].append("States.TaskFailedId")
-    exceptions = _exception_classes()
-    assert "States.TaskFailedId" in {name for name in _error_names(misspelt)
-                                     if name not in AWS_STATES_ERRORS | AWS_LAMBDA_ERRORS
-                                     and name not in exceptions}
+    misspelt["States"]["Allocate"]["Retry"][1]["ErrorEquals"].append("CapacityUnavailabel")
+    assert _undefined_error_names(misspelt) == ["CapacityUnavailabel", "States.TaskFailedId"]
+
+
+def test_the_event_handler_reports_failures_under_the_name_the_asl_catches(asl):
+    for name in ("AwaitNodes", "Train"):
+        assert FAILURE_ERROR in asl["States"][name]["Catch"][0]["ErrorEquals"]
+        assert asl["States"][name]["Catch"][0]["Next"] == "Recover"
 
 
 def _successors(state: dict) -> list[str]:
@@ -121,7 +130,7 @@ def test_waits_are_task_tokens_bounded_by_timeouts(asl):
     # A hang surfaces as States.HeartbeatTimeout (also matched by States.Timeout): recover it.
     recover_names = states["Train"]["Catch"][0]["ErrorEquals"]
     assert states["Train"]["Catch"][0]["Next"] == "Recover"
-    assert {"States.HeartbeatTimeout", "States.Timeout", "RunInterrupted"} <= set(recover_names)
+    assert {"States.HeartbeatTimeout", "States.Timeout", FAILURE_ERROR} <= set(recover_names)
 
 
 def test_payloads_are_references_not_fleets(asl):
