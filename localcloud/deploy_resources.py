@@ -322,7 +322,10 @@ def _rule(ctx: Context, props: dict[str, Any]) -> Created:
         result = events.put_targets(Rule=name, Targets=props["Targets"], **_pick(props, "EventBusName"))
         if result["FailedEntryCount"]:
             raise ValueError(f"targets refused: {result['FailedEntries']}")
-    return Created(name, rule["RuleArn"], {"Arn": rule["RuleArn"]})
+    # CloudFormation's Ref of a rule on another bus than the default is "bus|rule".
+    on_bus = props.get("EventBusName", "default")
+    physical_id = name if on_bus == "default" else f"{on_bus}|{name}"
+    return Created(physical_id, rule["RuleArn"], {"Arn": rule["RuleArn"]})
 
 
 # --- Storage --------------------------------------------------------------------------------
