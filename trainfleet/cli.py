@@ -2,10 +2,13 @@
 
     trainfleet demo            the main job on this machine (see README)
     trainfleet validate        sam validate --lint and statelint on what users deploy
+    trainfleet local deploy    deploy template.yaml into a running local cloud, as `sam deploy` would
 """
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -20,6 +23,43 @@ def _validate(args: argparse.Namespace) -> int:
     return validate()
 
 
+def _local_deploy(args: argparse.Namespace) -> int:
+    from localcloud.deploy import DeployError, DeployRequest, TemplateError, deploy, format_stack
+
+    if not args.endpoint:
+        print("trainfleet local deploy: no endpoint: pass --endpoint URL or set AWS_ENDPOINT_URL", file=sys.stderr)
+        return 2
+    request = DeployRequest(template=args.template, endpoint=args.endpoint, stack_name=args.stack_name,
+                            region=args.region, parameters=dict(args.param))
+    try:
+        stack = deploy(request)
+    except (DeployError, TemplateError) as error:
+        print(f"trainfleet local deploy: {error}", file=sys.stderr)
+        return 1
+    print(format_stack(stack))
+    return 0
+
+
+def _parameter(text: str) -> tuple[str, str]:
+    name, equals, value = text.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"expected Name=Value, got {text!r}")
+    return name, value
+
+
+def _add_local_deploy(local_commands: argparse._SubParsersAction) -> None:
+    deploy = local_commands.add_parser("deploy", help="deploy a SAM template into a running local cloud")
+    deploy.add_argument("--template", type=Path, default=Path("template.yaml"), help="default: template.yaml")
+    deploy.add_argument("--endpoint", default=os.environ.get("AWS_ENDPOINT_URL"),
+                        help="the local cloud's URL (default: $AWS_ENDPOINT_URL)")
+    deploy.add_argument("--param", type=_parameter, action="append", default=[], metavar="NAME=VALUE",
+                        help="parameter override; repeat for several")
+    deploy.add_argument("--stack-name", default="trainfleet", help="default: trainfleet")
+    deploy.add_argument("--region", default=os.environ.get("AWS_REGION", "us-east-1"),
+                        help="default: $AWS_REGION or us-east-1")
+    deploy.set_defaults(func=_local_deploy)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainfleet", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -29,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
     validate = commands.add_parser("validate", help="check template.yaml and the state machine")
     validate.set_defaults(func=_validate)
+    local = commands.add_parser("local", help="the embedded local cloud")
+    local_commands = local.add_subparsers(dest="local_command", required=True)
+    _add_local_deploy(local_commands)
     return parser
 
 
