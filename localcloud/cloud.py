@@ -44,7 +44,7 @@ class LocalCloudConfig:
     Spot notice period: 0.01 makes a 120 s notice last 1.2 s. Timeouts and heartbeats of
     tasks stay real: they bound real work."""
     workdir: Path | None = None
-    """Where instances' working folders and unpacked Lambda code go; a temporary folder that
+    """Where instances get their working folders; a temporary folder that
     is removed on stop when None."""
     boot_seconds: float = 2.0
     """Nominal seconds an instance stays `pending` before it is `running` and boots."""

@@ -18,12 +18,15 @@ deployment package and called in a thread of its own, with:
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib
 import io
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -156,7 +159,20 @@ def install_thread_environ() -> _ThreadEnviron:
 _import_lock = threading.Lock()
 
 
-def unpack_code(code_zip: bytes, cache_root: Path) -> Path | None:
+_code_cache: Path | None = None
+
+
+def _code_cache_root() -> Path:
+    """One folder per process for unpacked packages, removed at exit. It outlives any one
+    LocalCloud because an imported handler module stays imported for the process's life."""
+    global _code_cache
+    if _code_cache is None:
+        _code_cache = Path(tempfile.mkdtemp(prefix="localcloud-lambda-code-"))
+        atexit.register(shutil.rmtree, _code_cache, True)
+    return _code_cache
+
+
+def unpack_code(code_zip: bytes) -> Path | None:
     """Unpack a deployment package once (keyed by content) and return its folder.
 
     An empty or non-zip package (moto accepts any bytes) gives None: the handler is then
@@ -168,8 +184,8 @@ def unpack_code(code_zip: bytes, cache_root: Path) -> Path | None:
         archive = zipfile.ZipFile(io.BytesIO(code_zip))
     except zipfile.BadZipFile:
         return None
-    folder = cache_root / hashlib.sha256(code_zip).hexdigest()[:16]
     with _import_lock:
+        folder = _code_cache_root() / hashlib.sha256(code_zip).hexdigest()[:16]
         if not folder.exists():
             staging = folder.with_suffix(".partial")
             archive.extractall(staging)

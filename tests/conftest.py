@@ -41,3 +41,16 @@ def moto_endpoint():
         os.environ.pop("AWS_ENDPOINT_URL", None)
     else:
         os.environ["AWS_ENDPOINT_URL"] = previous
+
+
+@pytest.fixture
+def local_cloud(monkeypatch):
+    """A started LocalCloud (localcloud package) with time scaled 50x down, and
+    AWS_ENDPOINT_URL pointing at it for the test. moto's state is per process and outlives
+    the cloud: give resources unique names."""
+    from localcloud import LocalCloud
+
+    with LocalCloud(time_scale=0.02) as cloud:
+        for name, value in cloud.env().items():
+            monkeypatch.setenv(name, value)
+        yield cloud

@@ -42,7 +42,7 @@ def function_spec(function: LambdaFunction) -> FunctionSpec:
         timeout_s=float(function.timeout),
         memory_mb=int(function.memory_size),
         environment=environment,
-        code_dir=unpack_code(function.code_bytes, cloud.workdir / "lambda-code"),
+        code_dir=unpack_code(function.code_bytes),
     )
 
 

@@ -14,6 +14,8 @@ that. These patches fill the gaps:
 - States.HeartbeatTimeout: a missed heartbeat was reported as States.Timeout, so ASL that
   catches States.HeartbeatTimeout never matched. AWS reports States.HeartbeatTimeout, and
   documents that States.Timeout also matches it; both now match, as does States.ALL.
+- SendTaskFailure: the API layer dropped `cause`, so a catcher's Cause was null; it is
+  now passed on.
 - Scaled time: Wait states and Retry intervals sleep `time_scale` times their nominal
   length (TimeoutSeconds and HeartbeatSeconds stay in real time: they bound real work).
 """
@@ -47,6 +49,9 @@ from moto.stepfunctions.parser.asl.eval.environment import Environment
 from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
 from moto.stepfunctions.parser.asl.jsonata import jsonata as moto_jsonata
 from moto.stepfunctions.parser.asl.utils import boto_client
+
+from moto.core.responses import EmptyResult
+from moto.stepfunctions.responses import StepFunctionResponse
 
 from localcloud.glue import active_cloud
 
@@ -107,6 +112,14 @@ def _task_from_error_with_heartbeat(self: StateTask, env: Environment, ex: Excep
                         event_details=EventDetails(taskTimedOutEventDetails=details))
 
 
+# --- SendTaskFailure --------------------------------------------------------------------
+
+def _send_task_failure(self: StepFunctionResponse) -> EmptyResult:
+    self.stepfunction_backend.send_task_failure(
+        self._get_param("taskToken"), error=self._get_param("error"), cause=self._get_param("cause"))
+    return EmptyResult()
+
+
 # --- scaled time -------------------------------------------------------------------------
 
 def time_scale() -> float:
@@ -138,5 +151,6 @@ def apply() -> None:
     variable_store.encode_jsonata_variable_declarations = encode_variable_declarations
     boto_client.moto_server_port = _integration_port
     StateTask._from_error = _task_from_error_with_heartbeat
+    StepFunctionResponse.send_task_failure = _send_task_failure
     WaitFunction._wait_interval = _scaled_wait_interval
     retrier_decl.time = _ScaledSleepTime

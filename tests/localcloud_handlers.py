@@ -1,0 +1,65 @@
+"""Lambda handlers the local-cloud tests deploy (zipped as module `localcloud_test_handlers`).
+
+Each records what it was given to the file named by its function's RECORD_FILE variable,
+so a test sees both the event and that the function's own environment reached it."""
+
+import json
+import os
+import time
+
+import boto3
+
+
+class CapacityError(Exception):
+    """Raised on purpose so Retry/Catch can match a Python exception name."""
+
+
+def _record(entry):
+    with open(os.environ["RECORD_FILE"], "a") as record:
+        record.write(json.dumps(entry) + "\n")
+
+
+def echo(event, context):
+    _record({"event": event, "function_name": context.function_name,
+             "request_id": context.aws_request_id, "arn": context.invoked_function_arn,
+             "remaining_ms": context.get_remaining_time_in_millis(),
+             "color": os.environ.get("COLOR")})
+    return event
+
+
+def double(event, context):
+    return {"value": event["value"] * 2}
+
+
+def fail_until(event, context):
+    """Fails with CapacityError until it has been called `succeed_on` times."""
+    _record({"attempt": True})
+    with open(os.environ["RECORD_FILE"]) as record:
+        attempts = sum(1 for _ in record)
+    if attempts < event["succeed_on"]:
+        raise CapacityError(f"attempt {attempts}: no capacity")
+    return {"attempts": attempts}
+
+
+def always_fail(event, context):
+    raise CapacityError("never any capacity")
+
+
+def sleep(event, context):
+    time.sleep(event["seconds"])
+    return "woke"
+
+
+def list_queues(event, context):
+    """Calls the local endpoint from inside a handler."""
+    return boto3.client("sqs").list_queues(QueueNamePrefix=event["prefix"]).get("QueueUrls", [])
+
+
+def store_token(event, context):
+    """What a .waitForTaskToken task's function does: park the token somewhere."""
+    _record({"token": event["token"]})
+    return {}
+
+
+def unserializable(event, context):
+    return {1, 2}

@@ -1,0 +1,82 @@
+"""Helpers shared by the local-cloud tests: deploy test handlers, run and await executions."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import uuid
+import zipfile
+from pathlib import Path
+from typing import Any
+
+HANDLERS_FILE = Path(__file__).with_name("localcloud_handlers.py")
+HANDLERS_MODULE = "localcloud_test_handlers"
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def handlers_zip() -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.write(HANDLERS_FILE, f"{HANDLERS_MODULE}.py")
+    return buffer.getvalue()
+
+
+def lambda_role(cloud) -> str:
+    iam = cloud.client("iam")
+    try:
+        return iam.get_role(RoleName="localcloud-tests")["Role"]["Arn"]
+    except iam.exceptions.NoSuchEntityException:
+        return iam.create_role(RoleName="localcloud-tests",
+                               AssumeRolePolicyDocument=json.dumps({"Version": "2012-10-17"}))["Role"]["Arn"]
+
+
+def deploy_function(cloud, handler: str, record_file: Path | None = None,
+                    timeout: int = 10, **variables: str) -> str:
+    """Create a function running `handler` from localcloud_handlers; returns its ARN."""
+    if record_file is not None:
+        variables["RECORD_FILE"] = str(record_file)
+    response = cloud.client("lambda").create_function(
+        FunctionName=unique(handler.replace("_", "-")), Runtime="python3.11",
+        Role=lambda_role(cloud), Handler=f"{HANDLERS_MODULE}.{handler}",
+        Code={"ZipFile": handlers_zip()}, Timeout=timeout,
+        Environment={"Variables": variables})
+    return response["FunctionArn"]
+
+
+def records(record_file: Path) -> list[dict[str, Any]]:
+    if not record_file.exists():
+        return []
+    return [json.loads(line) for line in record_file.read_text().splitlines()]
+
+
+def create_state_machine(cloud, definition: dict[str, Any]) -> str:
+    return cloud.client("stepfunctions").create_state_machine(
+        name=unique("sm"), definition=json.dumps(definition),
+        roleArn=lambda_role(cloud))["stateMachineArn"]
+
+
+def wait_for_execution(cloud, execution_arn: str, timeout_s: float = 30) -> dict[str, Any]:
+    sfn = cloud.client("stepfunctions")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        described = sfn.describe_execution(executionArn=execution_arn)
+        if described["status"] != "RUNNING":
+            return described
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"execution {execution_arn} still RUNNING after {timeout_s}s")
+        time.sleep(0.05)
+
+
+def run_execution(cloud, state_machine_arn: str, payload: Any, timeout_s: float = 30) -> dict[str, Any]:
+    execution_arn = cloud.client("stepfunctions").start_execution(
+        stateMachineArn=state_machine_arn, name=unique("run"), input=json.dumps(payload))["executionArn"]
+    return wait_for_execution(cloud, execution_arn, timeout_s)
+
+
+def history(cloud, execution_arn: str) -> list[dict[str, Any]]:
+    return cloud.client("stepfunctions").get_execution_history(
+        executionArn=execution_arn, maxResults=1000)["events"]

@@ -1,0 +1,88 @@
+"""Lambda in the local cloud: handlers run in-process, reached through the HTTP endpoint."""
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+from localcloud_helpers import deploy_function, records, unique
+
+
+def invoke(cloud, function_arn, payload):
+    response = cloud.client("lambda").invoke(FunctionName=function_arn, Payload=json.dumps(payload))
+    return response.get("FunctionError"), json.loads(response["Payload"].read())
+
+
+def test_handler_gets_event_context_and_its_own_environment(local_cloud, tmp_path):
+    record_file = tmp_path / "echo.jsonl"
+    arn = deploy_function(local_cloud, "echo", record_file, timeout=7, COLOR="teal")
+
+    error, payload = invoke(local_cloud, arn, {"step": 1})
+
+    assert error is None and payload == {"step": 1}
+    [seen] = records(record_file)
+    assert seen["event"] == {"step": 1}
+    assert seen["function_name"] == arn.rsplit(":", 1)[1]
+    assert seen["arn"] == arn
+    assert seen["color"] == "teal"
+    assert 0 < seen["remaining_ms"] <= 7000
+    assert len(seen["request_id"]) == 36
+
+
+def test_concurrent_functions_see_only_their_own_variables(local_cloud, tmp_path):
+    functions = {color: deploy_function(local_cloud, "echo", tmp_path / f"{color}.jsonl", COLOR=color)
+                 for color in ("red", "green", "blue")}
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda item: invoke(local_cloud, item[1], {}),
+                      list(functions.items()) * 2))
+    for color in functions:
+        assert [entry["color"] for entry in records(tmp_path / f"{color}.jsonl")] == [color, color]
+
+
+def test_exception_becomes_error_payload_named_by_its_class(local_cloud, tmp_path):
+    arn = deploy_function(local_cloud, "always_fail")
+
+    error, payload = invoke(local_cloud, arn, {})
+
+    assert error == "Handled"
+    assert payload["errorType"] == "CapacityError"
+    assert payload["errorMessage"] == "never any capacity"
+    assert any("always_fail" in line for line in payload["stackTrace"])
+
+
+def test_timeout_is_reported_as_lambda_reports_it(local_cloud):
+    arn = deploy_function(local_cloud, "sleep", timeout=1)
+
+    error, payload = invoke(local_cloud, arn, {"seconds": 3})
+
+    assert error == "Handled"
+    assert payload["errorType"] == "Sandbox.Timedout"
+    assert "Task timed out after 1.00 seconds" in payload["errorMessage"]
+
+
+def test_handler_can_call_the_local_endpoint(local_cloud):
+    prefix = unique("from-handler")
+    local_cloud.client("sqs").create_queue(QueueName=f"{prefix}-q")
+    arn = deploy_function(local_cloud, "list_queues")
+
+    error, payload = invoke(local_cloud, arn, {"prefix": prefix})
+
+    assert error is None
+    assert [url.rsplit("/", 1)[1] for url in payload] == [f"{prefix}-q"]
+
+
+def test_bad_handlers_fail_with_the_runtime_error_types(local_cloud):
+    arn = deploy_function(local_cloud, "unserializable")
+    assert invoke(local_cloud, arn, {})[1]["errorType"] == "Runtime.MarshalError"
+
+    arn = deploy_function(local_cloud, "no_such_handler")
+    assert invoke(local_cloud, arn, {})[1]["errorType"] == "Runtime.HandlerNotFound"
+
+
+def test_invocations_are_logged_to_cloudwatch(local_cloud):
+    arn = deploy_function(local_cloud, "double")
+    invoke(local_cloud, arn, {"value": 2})
+
+    logs = local_cloud.client("logs")
+    group = f"/aws/lambda/{arn.rsplit(':', 1)[1]}"
+    messages = [event["message"] for event in logs.filter_log_events(logGroupName=group)["events"]]
+    assert any(message.startswith("START RequestId") for message in messages)
+    assert any(message.startswith("REPORT RequestId") for message in messages)

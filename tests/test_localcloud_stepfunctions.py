@@ -1,0 +1,176 @@
+"""Step Functions in the local cloud: moto's interpreter with in-process Lambda and the glue."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from localcloud import LocalCloud
+from localcloud_helpers import (create_state_machine, deploy_function, history, records,
+                                run_execution, unique, wait_for_execution)
+
+TASK_CLIENT = Path(__file__).with_name("localcloud_task_client.py")
+
+
+def test_lambda_tasks_choice_map_retry_and_catch(local_cloud, tmp_path):
+    double = deploy_function(local_cloud, "double")
+    flaky = deploy_function(local_cloud, "fail_until", tmp_path / "flaky.jsonl")
+    broken = deploy_function(local_cloud, "always_fail")
+    definition = {
+        "StartAt": "Double",
+        "States": {
+            "Double": {"Type": "Task", "Resource": "arn:aws:states:::lambda:invoke",
+                       "Parameters": {"FunctionName": double, "Payload": {"value.$": "$.value"}},
+                       "ResultSelector": {"value.$": "$.Payload.value"},
+                       "ResultPath": "$.first", "Next": "Big?"},
+            "Big?": {"Type": "Choice",
+                     "Choices": [{"Variable": "$.first.value", "NumericGreaterThan": 5, "Next": "EachItem"}],
+                     "Default": "Small"},
+            "Small": {"Type": "Fail", "Error": "TooSmall"},
+            "EachItem": {"Type": "Map", "ItemsPath": "$.items", "ResultPath": "$.doubled",
+                         "Parameters": {"value.$": "$$.Map.Item.Value"},
+                         "Iterator": {"StartAt": "DoubleItem", "States": {
+                             "DoubleItem": {"Type": "Task", "Resource": double, "End": True}}},
+                         "Next": "Flaky"},
+            "Flaky": {"Type": "Task", "Resource": flaky, "Parameters": {"succeed_on": 3},
+                      "ResultPath": "$.flaky",
+                      "Retry": [{"ErrorEquals": ["CapacityError"], "MaxAttempts": 3,
+                                 "IntervalSeconds": 5, "BackoffRate": 2}],
+                      "Next": "Broken"},
+            "Broken": {"Type": "Task", "Resource": broken,
+                       "Catch": [{"ErrorEquals": ["CapacityError"], "ResultPath": "$.caught",
+                                  "Next": "Done"}],
+                       "End": True},
+            "Done": {"Type": "Succeed"},
+        },
+    }
+    machine = create_state_machine(local_cloud, definition)
+
+    done = run_execution(local_cloud, machine, {"value": 3, "items": [1, 2]})
+
+    assert done["status"] == "SUCCEEDED", done
+    output = json.loads(done["output"])
+    assert output["first"] == {"value": 6}
+    assert output["doubled"] == [{"value": 2}, {"value": 4}]
+    assert output["flaky"] == {"attempts": 3}
+    assert len(records(tmp_path / "flaky.jsonl")) == 3
+    assert output["caught"]["Error"] == "CapacityError"
+    assert json.loads(output["caught"]["Cause"])["errorMessage"] == "never any capacity"
+
+    small = run_execution(local_cloud, machine, {"value": 1, "items": []})
+    assert small["status"] == "FAILED" and small["error"] == "TooSmall"
+
+
+def test_jsonata_and_jsonpath_assign_variables(local_cloud):
+    definition = {
+        "StartAt": "Remember",
+        "States": {
+            "Remember": {"Type": "Pass", "Assign": {"run.$": "$.run", "nodes.$": "$.nodes"},
+                         "Next": "Compute"},
+            "Compute": {"Type": "Pass", "QueryLanguage": "JSONata",
+                        "Assign": {"total": "{% $sum($nodes) %}"},
+                        "Output": {"label": "{% $run & ' has ' & $string($count($nodes)) & ' nodes' %}",
+                                   "quoted": "{% $run %}"},
+                        "Next": "Report"},
+            "Report": {"Type": "Pass", "Parameters": {"total.$": "$total", "label.$": "$.label",
+                                                      "quoted.$": "$.quoted"},
+                       "End": True},
+        },
+    }
+    machine = create_state_machine(local_cloud, definition)
+
+    done = run_execution(local_cloud, machine, {"run": 'say "hi"\n', "nodes": [4, 5, 6]})
+
+    assert done["status"] == "SUCCEEDED", done
+    assert json.loads(done["output"]) == {"total": 15, "label": 'say "hi"\n has 3 nodes',
+                                          "quoted": 'say "hi"\n'}
+
+
+def wait_for_token(record_file: Path, timeout_s: float = 20) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not records(record_file):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the task never handed out its token")
+        time.sleep(0.05)
+    return records(record_file)[0]["token"]
+
+
+def answer(cloud, token: str, action: str, error: str = "") -> None:
+    """Answer a task token from a separate process, through the HTTP endpoint."""
+    subprocess.run([sys.executable, str(TASK_CLIENT), token, action, error],
+                   env=cloud.env() | {"PATH": "/usr/bin:/bin"}, check=True, timeout=60)
+
+
+def callback_machine(cloud, record_file: Path, heartbeat_s: int | None, catch: list[str]) -> str:
+    task = {"Type": "Task", "Resource": "arn:aws:states:::lambda:invoke.waitForTaskToken",
+            "Parameters": {"FunctionName": deploy_function(cloud, "store_token", record_file),
+                           "Payload": {"token.$": "$$.Task.Token"}},
+            "TimeoutSeconds": 60, "ResultPath": "$.answer", "End": True}
+    if heartbeat_s is not None:
+        task["HeartbeatSeconds"] = heartbeat_s
+    if catch:
+        task["Catch"] = [{"ErrorEquals": catch, "ResultPath": "$.caught", "Next": "Recovered"}]
+    return create_state_machine(cloud, {"StartAt": "AwaitAgent", "States": {
+        "AwaitAgent": task, "Recovered": {"Type": "Pass", "End": True}}})
+
+
+def start(cloud, machine: str) -> str:
+    return cloud.client("stepfunctions").start_execution(
+        stateMachineArn=machine, name=unique("run"), input="{}")["executionArn"]
+
+
+@pytest.mark.slow
+def test_task_token_answered_from_another_process(local_cloud, tmp_path):
+    machine = callback_machine(local_cloud, tmp_path / "ok.jsonl", heartbeat_s=5, catch=["AgentFailed"])
+    succeeding = start(local_cloud, machine)
+    token = wait_for_token(tmp_path / "ok.jsonl")
+    answer(local_cloud, token, "heartbeat")
+    answer(local_cloud, token, "success")
+    done = wait_for_execution(local_cloud, succeeding)
+    assert done["status"] == "SUCCEEDED", done
+    assert json.loads(done["output"])["answer"] == {"answered_by": "agent"}
+
+    machine = callback_machine(local_cloud, tmp_path / "fail.jsonl", heartbeat_s=5, catch=["AgentFailed"])
+    failing = start(local_cloud, machine)
+    answer(local_cloud, wait_for_token(tmp_path / "fail.jsonl"), "failure", "AgentFailed")
+    done = wait_for_execution(local_cloud, failing)
+    assert done["status"] == "SUCCEEDED", done
+    assert json.loads(done["output"])["caught"] == {"Error": "AgentFailed",
+                                                    "Cause": "reported by the agent"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("catch", [["States.HeartbeatTimeout"], ["States.Timeout"], []])
+def test_missed_heartbeat_is_states_heartbeat_timeout(local_cloud, tmp_path, catch):
+    record_file = tmp_path / "token.jsonl"
+    execution = start(local_cloud, callback_machine(local_cloud, record_file, heartbeat_s=1, catch=catch))
+    answer(local_cloud, wait_for_token(record_file), "heartbeat")  # one beat, then silence
+
+    done = wait_for_execution(local_cloud, execution)
+
+    if catch:
+        assert done["status"] == "SUCCEEDED", done
+        assert json.loads(done["output"])["caught"]["Error"] == "States.HeartbeatTimeout"
+    else:
+        assert done["status"] == "FAILED" and done["error"] == "States.HeartbeatTimeout"
+    timed_out = [event for event in history(local_cloud, execution) if event["type"] == "TaskTimedOut"]
+    assert timed_out[0]["taskTimedOutEventDetails"]["error"] == "States.HeartbeatTimeout"
+
+
+def test_wait_and_retry_run_on_scaled_time():
+    """An hour of Wait and a ten-minute Retry interval take seconds at time_scale 0.0005."""
+    with LocalCloud(time_scale=0.0005) as cloud:
+        broken = deploy_function(cloud, "always_fail")
+        machine = create_state_machine(cloud, {"StartAt": "Nap", "States": {
+            "Nap": {"Type": "Wait", "Seconds": 3600, "Next": "Try"},
+            "Try": {"Type": "Task", "Resource": broken,
+                    "Retry": [{"ErrorEquals": ["States.ALL"], "MaxAttempts": 1, "IntervalSeconds": 600}],
+                    "End": True}}})
+        execution = start(cloud, machine)
+        done = wait_for_execution(cloud, execution, timeout_s=30)
+        attempts = [event for event in history(cloud, execution) if event["type"] == "LambdaFunctionFailed"]
+    assert done["status"] == "FAILED" and done["error"] == "CapacityError"
+    assert len(attempts) == 2
