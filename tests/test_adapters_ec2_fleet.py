@@ -1,0 +1,221 @@
+"""EC2 fleet adapter: the requests it builds, how it reads CreateFleet answers, and what the
+local cloud (moto plus placement groups and EFA interfaces) holds after allocate and teardown."""
+
+import base64
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from localcloud import LocalCloud
+from trainfleet.adapters import ec2_fleet as fleet
+from trainfleet.catalogue import CATALOGUE, instance_facts
+from trainfleet.contracts import RunSpec
+from trainfleet.settings import Settings
+
+EXAMPLE = json.loads((Path(__file__).parents[1] / "events" / "example-run.json").read_text())
+SETTINGS = Settings(run_table="runs", bucket="bucket", event_bus="agents", stack_name="trainfleet",
+                    node_instance_profile_arn="arn:aws:iam::123456789012:instance-profile/trainfleet-node")
+
+
+def make_spec(instance_type="p4d.24xlarge", node_count=2, subnet_ids=("subnet-0123456789abcdef0",),
+              security_group_ids=("sg-0123456789abcdef0",), run_name="r1", **capacity) -> RunSpec:
+    doc = copy.deepcopy(EXAMPLE)
+    ranks = node_count * instance_facts(instance_type).ranks_per_node
+    doc.update(run_name=run_name, instance_type=instance_type, node_count=node_count, min_nodes=1)
+    doc["trainer"]["parallel"].update(pp=2, dp=ranks // 2)
+    doc["trainer"]["training"]["batch_size"] = 8 * ranks
+    doc["trainer"]["parallel"]["microbatches"] = 8
+    doc["capacity"] = {"subnet_ids": list(subnet_ids), "security_group_ids": list(security_group_ids), **capacity}
+    return RunSpec.model_validate(doc)
+
+
+# --- pure builders --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("instance_type, cards", [
+    ("p4d.24xlarge", 4), ("p4de.24xlarge", 4), ("p5.48xlarge", 32), ("p5e.48xlarge", 32),
+    ("p5en.48xlarge", 16), ("trn1.32xlarge", 8)])
+def test_one_efa_interface_per_network_card(instance_type, cards):
+    interfaces = fleet.efa_network_interfaces(CATALOGUE[instance_type], ["sg-1"])
+    assert [(i["NetworkCardIndex"], i["DeviceIndex"], i["InterfaceType"]) for i in interfaces] == \
+        [(0, 0, "efa")] + [(card, 1, "efa-only") for card in range(1, cards)]
+    assert all(i["AssociatePublicIpAddress"] is False and i["Groups"] == ["sg-1"] for i in interfaces)
+
+
+def test_cpu_types_get_one_plain_interface():
+    assert fleet.efa_network_interfaces(CATALOGUE["c5.large"], ["sg-1"]) == [
+        {"NetworkCardIndex": 0, "DeviceIndex": 0, "InterfaceType": "interface", "Groups": ["sg-1"],
+         "DeleteOnTermination": True, "AssociatePublicIpAddress": False}]
+
+
+def test_launch_template_requires_imdsv2_and_tags_everything():
+    spec = make_spec()
+    data = fleet.launch_template_data(spec, spec.facts, "#!/bin/bash\n", SETTINGS.node_instance_profile_arn)
+    assert data["MetadataOptions"]["HttpTokens"] == "required"
+    assert data["IamInstanceProfile"] == {"Arn": SETTINGS.node_instance_profile_arn}
+    assert {tags["ResourceType"] for tags in data["TagSpecifications"]} == {"instance", "volume", "network-interface"}
+    assert {"Key": fleet.TAG_RUN, "Value": "r1"} in data["TagSpecifications"][0]["Tags"]
+    assert "InstanceMarketOptions" not in data and "CapacityReservationSpecification" not in data
+
+
+def test_capacity_block_and_reservation_go_into_the_template():
+    block = make_spec(kind="capacity-block", reservation_id="cr-0123456789abcdef0")
+    data = fleet.launch_template_data(block, block.facts, "", "arn")
+    assert data["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
+    assert data["CapacityReservationSpecification"]["CapacityReservationTarget"] == \
+        {"CapacityReservationId": "cr-0123456789abcdef0"}
+    odcr = make_spec(kind="capacity-reservation", reservation_id="cr-0123456789abcdef0")
+    data = fleet.launch_template_data(odcr, odcr.facts, "", "arn")
+    assert "InstanceMarketOptions" not in data and "CapacityReservationSpecification" in data
+
+
+def test_user_data_installs_and_starts_the_agent():
+    script = fleet.node_user_data("r1", SETTINGS)
+    assert script.startswith("#!/bin/bash\n")
+    assert "TRAINFLEET_RUN_NAME=r1" in script and "TRAINFLEET_EVENT_BUS=agents" in script
+    assert "aws s3 cp --recursive s3://bucket/artifacts/" in script
+    assert "systemd-run --unit trainfleet-agent" in script and f"-m {fleet.AGENT_MODULE}" in script
+
+
+def test_fleet_request_per_capacity_kind():
+    on_demand = fleet.create_fleet_request(make_spec(), "lt-1", "subnet-1", "pg", target=5, minimum=4, client_token="t")
+    assert on_demand["Type"] == "instant" and on_demand["ClientToken"] == "t"
+    assert on_demand["LaunchTemplateConfigs"][0]["Overrides"] == [
+        {"InstanceType": "p4d.24xlarge", "SubnetId": "subnet-1", "Placement": {"GroupName": "pg"}}]
+    assert on_demand["TargetCapacitySpecification"] == {"TotalTargetCapacity": 5, "OnDemandTargetCapacity": 5,
+                                                        "DefaultTargetCapacityType": "on-demand"}
+    assert on_demand["OnDemandOptions"] == {"SingleInstanceType": True, "SingleAvailabilityZone": True,
+                                            "MinTargetCapacity": 4}
+    spot = fleet.create_fleet_request(make_spec(kind="spot"), "lt-1", "subnet-1", "pg", 5, 1, "t")
+    assert spot["TargetCapacitySpecification"]["DefaultTargetCapacityType"] == "spot"
+    assert spot["SpotOptions"]["MinTargetCapacity"] == 1 and "OnDemandOptions" not in spot
+    odcr = fleet.create_fleet_request(make_spec(kind="capacity-reservation", reservation_id="cr-0123456789abcdef0"),
+                                      "lt-1", "subnet-1", "pg", 5, 5, "t")
+    assert odcr["OnDemandOptions"]["CapacityReservationOptions"] == {"UsageStrategy": "use-capacity-reservations-first"}
+    block = fleet.create_fleet_request(make_spec(kind="capacity-block", reservation_id="cr-0123456789abcdef0"),
+                                       "lt-1", "subnet-1", "pg", 5, 2, "t")
+    # Capacity Blocks take neither OnDemand/Spot target capacities nor CapacityReservationOptions.
+    assert block["TargetCapacitySpecification"] == {"TotalTargetCapacity": 5, "DefaultTargetCapacityType": "capacity-block"}
+    assert "OnDemandOptions" not in block and "SpotOptions" not in block
+    with pytest.raises(ValueError, match="minimum=6, target=5"):
+        fleet.create_fleet_request(make_spec(), "lt-1", "subnet-1", "pg", 5, 6, "t")
+
+
+# CreateFleet (instant) answers in the shape of the EC2 API reference (CreateFleetInstance,
+# CreateFleetError); moto always fulfils, so shortfalls are fed to the interpreter directly.
+OVERRIDES = {"LaunchTemplateSpecification": {"LaunchTemplateId": "lt-1", "Version": "1"},
+             "Overrides": {"InstanceType": "p5.48xlarge", "SubnetId": "subnet-1"}}
+
+
+def fleet_answer(instance_ids, *errors):
+    instances = [{"LaunchTemplateAndOverrides": OVERRIDES, "Lifecycle": "on-demand", "InstanceIds": instance_ids,
+                  "InstanceType": "p5.48xlarge"}] if instance_ids else []
+    return {"FleetId": "fleet-1", "Instances": instances,
+            "Errors": [{"LaunchTemplateAndOverrides": OVERRIDES, "Lifecycle": "on-demand", "ErrorCode": code,
+                        "ErrorMessage": message} for code, message in errors]}
+
+
+ICE = ("InsufficientInstanceCapacity",
+       "We currently do not have sufficient p5.48xlarge capacity in the Availability Zone you requested (us-east-1a).")
+
+
+def test_insufficient_capacity_moves_to_the_next_zone():
+    outcome = fleet.interpret_fleet_response(fleet_answer([], ICE))
+    assert outcome.instance_ids == [] and outcome.capacity_errors[0].startswith("InsufficientInstanceCapacity: ")
+    assert fleet.zone_verdict(outcome, minimum=2) == "next_zone"
+
+
+def test_partial_fulfilment_is_kept_when_it_meets_the_minimum():
+    outcome = fleet.interpret_fleet_response(fleet_answer(["i-1", "i-2", "i-3"], ICE))
+    assert (outcome.instance_ids, outcome.market) == (["i-1", "i-2", "i-3"], "on-demand")
+    assert fleet.zone_verdict(outcome, minimum=3) == "accept"
+    assert fleet.zone_verdict(outcome, minimum=4) == "next_zone"
+
+
+def test_errors_no_zone_can_cure_stop_the_allocation():
+    outcome = fleet.interpret_fleet_response(
+        fleet_answer([], ("VcpuLimitExceeded", "You have requested more vCPU capacity than your current vCPU limit")))
+    assert outcome.hard_errors and not outcome.capacity_errors
+    assert fleet.zone_verdict(outcome, minimum=1) == "fail"
+
+
+# --- against the local cloud ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cloud():
+    with LocalCloud(time_scale=0.01, boot_seconds=0.05, shutdown_grace_seconds=0.1) as local:
+        local.fleet.boot = lambda instance: None  # EC2 semantics only; no agent processes here
+        yield local
+
+
+@pytest.fixture(scope="module")
+def network(cloud):
+    ec2 = cloud.client("ec2")
+    vpc = ec2.create_vpc(CidrBlock="10.20.0.0/16")["Vpc"]["VpcId"]
+    subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.20.{n}.0/24", AvailabilityZone=zone)["Subnet"]["SubnetId"]
+               for n, zone in enumerate(("us-east-1a", "us-east-1b"))]
+    group = ec2.create_security_group(GroupName="efa", Description="EFA to itself", VpcId=vpc)["GroupId"]
+    return subnets, group
+
+
+def test_allocate_builds_an_efa_fleet_in_a_cluster_placement_group(cloud, network):
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    spec = make_spec(run_name="alloc", subnet_ids=subnets, security_group_ids=[group])
+    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    assert fleet.ensure_launch_template(ec2, spec, SETTINGS) == template_id  # a retry reuses it
+
+    allocation = fleet.allocate(ec2, spec, template_id, subnets, target=3, minimum=2, token_prefix="alloc-0")
+    assert len(allocation.instance_ids) == 3 and allocation.shortfall == 0
+    assert (allocation.subnet_id, allocation.availability_zone) == (subnets[0], "us-east-1a")
+    assert allocation.placement_group == "trainfleet-alloc-us-east-1a"
+    groups = ec2.describe_placement_groups(GroupNames=[allocation.placement_group])["PlacementGroups"]
+    assert groups[0]["Strategy"] == "cluster"
+
+    described = [instance for reservation in ec2.describe_instances(InstanceIds=allocation.instance_ids)["Reservations"]
+                 for instance in reservation["Instances"]]
+    for instance in described:
+        assert instance["Placement"]["GroupName"] == allocation.placement_group
+        assert instance["SubnetId"] == subnets[0] and "PublicIpAddress" not in instance
+        assert {"Key": fleet.TAG_RUN, "Value": "alloc"} in instance["Tags"]
+        layout = sorted((nic["Attachment"]["NetworkCardIndex"], nic["Attachment"]["DeviceIndex"], nic["InterfaceType"])
+                        for nic in instance["NetworkInterfaces"])
+        assert layout == [(0, 0, "efa"), (1, 1, "efa-only"), (2, 1, "efa-only"), (3, 1, "efa-only")]
+
+    # What EC2 applies at launch is the template: IMDSv2 required, the agent's user data.
+    version = ec2.describe_launch_template_versions(LaunchTemplateId=template_id)["LaunchTemplateVersions"][0]
+    data = version["LaunchTemplateData"]
+    assert data["MetadataOptions"]["HttpTokens"] == "required"
+    assert f"-m {fleet.AGENT_MODULE}" in base64.b64decode(data["UserData"]).decode()
+    assert len(data["NetworkInterfaces"]) == 4
+
+
+def test_teardown_terminates_everything_of_the_run_and_nothing_else(cloud, network):
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    mine = make_spec(run_name="doomed", subnet_ids=subnets, security_group_ids=[group])
+    other = make_spec(run_name="bystander", subnet_ids=subnets, security_group_ids=[group])
+    launched = {}
+    for spec in (mine, other):
+        template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+        launched[spec.run_name] = fleet.allocate(ec2, spec, template, subnets, 2, 2, f"{spec.run_name}-0").instance_ids
+    assert fleet.run_instance_ids(ec2, "doomed") == sorted(launched["doomed"])
+
+    first = fleet.teardown(ec2, "doomed")
+    assert sorted(first.terminated) == sorted(launched["doomed"])
+    assert fleet.run_instance_ids(ec2, "doomed") == []
+    cloud.wait_until(lambda: _states(ec2, launched["doomed"]) == {"terminated"}, timeout_s=30,
+                     what="the run's instances to be terminated")
+    second = fleet.teardown(ec2, "doomed")  # repeatable; the group goes once its instances are gone
+    assert second.terminated == [] and second.placement_groups_in_use == []
+    names = [g["GroupName"] for g in ec2.describe_placement_groups()["PlacementGroups"]]
+    assert "trainfleet-doomed-us-east-1a" not in names and "trainfleet-bystander-us-east-1a" in names
+    assert not ec2.describe_launch_templates(
+        Filters=[{"Name": "launch-template-name", "Values": ["trainfleet-doomed"]}])["LaunchTemplates"]
+    assert _states(ec2, launched["bystander"]) <= {"pending", "running"}
+
+
+def _states(ec2, instance_ids):
+    return {instance["State"]["Name"] for reservation in ec2.describe_instances(InstanceIds=instance_ids)["Reservations"]
+            for instance in reservation["Instances"]}

@@ -1,0 +1,7 @@
+"""Adapters: the only place the control plane talks to AWS (boto3 clients are passed in).
+
+    ec2_fleet     launch template with EFA, cluster placement group, CreateFleet, teardown
+    run_store     DynamoDB run and node records, conditional state changes, task tokens
+    checkpoints   the latest committed checkpoint in S3 (the trainer's commit protocol)
+    metrics       CloudWatch metrics as embedded metric format (EMF) log lines
+"""

@@ -1,0 +1,349 @@
+"""EC2 fleet adapter: launch template, cluster placement group, CreateFleet (instant), teardown.
+
+Pure builders (tested on their output, no AWS):
+    efa_network_interfaces(facts, security_group_ids)    one EFA interface per network card
+    launch_template_data(spec, facts, user_data, instance_profile_arn)
+    node_user_data(run_name, settings)                   installs and starts the node agent
+    create_fleet_request(spec, launch_template_id, subnet_id, placement_group, target, minimum, token)
+    interpret_fleet_response(response) -> FleetOutcome   instances, capacity shortfall, hard errors
+    zone_verdict(outcome, minimum) -> "accept" | "next_zone" | "fail"
+    placement_group_name(run_name, availability_zone)
+
+Calls (boto3 EC2 client passed in):
+    ensure_launch_template(ec2, spec, settings) -> launch template id
+    ensure_placement_group(ec2, name, run_name)
+    allocate(ec2, spec, launch_template_id, subnet_ids, target, minimum, token_prefix) -> Allocation
+    run_instance_ids(ec2, run_name) -> ids of the run's instances that are not terminated
+    terminate(ec2, instance_ids), teardown(ec2, run_name) -> Teardown
+
+Zones: a cluster placement group lives in one Availability Zone, so a run's fleet is in one
+zone. allocate() tries the subnets in order (one group per zone); once a run has landed, its
+replacements go to the same subnet only.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from trainfleet.catalogue import InstanceFacts
+from trainfleet.contracts import CapacityKind, RunSpec
+from trainfleet.settings import Settings
+
+__all__ = [
+    "TAG_RUN", "AGENT_MODULE", "CAPACITY_ERROR_CODES", "FleetError", "FleetOutcome", "Allocation",
+    "Teardown", "efa_network_interfaces", "launch_template_data", "node_user_data",
+    "create_fleet_request", "interpret_fleet_response", "zone_verdict", "placement_group_name",
+    "ensure_launch_template", "ensure_placement_group", "allocate", "run_instance_ids",
+    "terminate", "teardown",
+]
+
+TAG_RUN = "trainfleet:run"
+"""Tag on every instance, launch template and placement group of a run: teardown finds them by it."""
+
+AGENT_MODULE = "trainer.agent"
+"""The node agent's entry point (python -m), started by the user data."""
+
+# Errors that mean "not here, not now": another zone or a later retry may succeed.
+CAPACITY_ERROR_CODES = frozenset({
+    "InsufficientInstanceCapacity", "InsufficientHostCapacity", "InsufficientCapacity",
+    "InsufficientReservedInstanceCapacity", "ReservationCapacityExceeded", "UnfulfillableCapacity",
+    "InsufficientFreeAddressesInSubnet", "SpotMaxPriceTooLow", "MaxSpotInstanceCountExceeded",
+})
+
+
+class FleetError(RuntimeError):
+    """EC2 refused the request for a reason retrying elsewhere cannot fix (bad parameter, quota)."""
+
+
+def placement_group_name(run_name: str, availability_zone: str) -> str:
+    """One cluster placement group per run and zone."""
+    return f"trainfleet-{run_name}-{availability_zone}"
+
+
+def efa_network_interfaces(facts: InstanceFacts, security_group_ids: list[str]) -> list[dict[str, Any]]:
+    """NetworkInterfaces of the launch template: one EFA interface per network card.
+
+    The primary interface (card 0, device 0) is EFA with ENA: it carries the node's one private IP.
+    Every other card gets an EFA-only interface at device index 1 (AWS's layout for P5: full EFA
+    bandwidth without an IP address per card). No interface gets a public IP. Types without EFA
+    get a single ENA interface.
+    """
+    common = {"Groups": list(security_group_ids), "DeleteOnTermination": True,
+              "AssociatePublicIpAddress": False}
+    if not facts.efa_supported:
+        return [{"NetworkCardIndex": 0, "DeviceIndex": 0, "InterfaceType": "interface", **common}]
+    interfaces = [{"NetworkCardIndex": 0, "DeviceIndex": 0, "InterfaceType": "efa", **common}]
+    interfaces += [{"NetworkCardIndex": card, "DeviceIndex": 1, "InterfaceType": "efa-only", **common}
+                   for card in range(1, facts.efa_interface_count)]
+    return interfaces
+
+
+def node_user_data(run_name: str, settings: Settings) -> str:
+    """Cloud-init script: write the agent's settings, install the agent, start it under systemd.
+
+    The agent wheel is published to s3://BUCKET/artifacts/ by the deployment; the AMI (a Deep
+    Learning AMI) brings Python, the AWS CLI, the GPU driver and the EFA software.
+    """
+    env = {
+        "TRAINFLEET_RUN_NAME": run_name,
+        "TRAINFLEET_RUN_TABLE": settings.run_table,
+        "TRAINFLEET_BUCKET": settings.bucket,
+        "TRAINFLEET_EVENT_BUS": settings.event_bus,
+        "TRAINFLEET_STACK": settings.stack_name,
+    }
+    env_lines = "\n".join(f"{key}={shlex.quote(value)}" for key, value in env.items())
+    artifacts = shlex.quote(f"s3://{settings.bucket}/artifacts/")
+    return f"""#!/bin/bash
+# trainfleet node bootstrap: settings, agent install, agent start.
+set -euo pipefail
+cat > /etc/trainfleet.env <<'ENV'
+{env_lines}
+ENV
+mkdir -p /opt/trainfleet/wheels
+aws s3 cp --recursive {artifacts} /opt/trainfleet/wheels/
+python3 -m venv /opt/trainfleet/venv
+/opt/trainfleet/venv/bin/pip install --quiet --no-index --find-links /opt/trainfleet/wheels 'trainfleet[trainer]'
+systemd-run --unit trainfleet-agent --property=EnvironmentFile=/etc/trainfleet.env \\
+    --property=Restart=on-failure /opt/trainfleet/venv/bin/python -m {AGENT_MODULE}
+"""
+
+
+def _tags(spec: RunSpec) -> list[dict[str, str]]:
+    tags = {**spec.tags, TAG_RUN: spec.run_name, "Name": f"trainfleet-{spec.run_name}"}
+    return [{"Key": key, "Value": value} for key, value in tags.items()]
+
+
+def launch_template_data(spec: RunSpec, facts: InstanceFacts, user_data: str,
+                         instance_profile_arn: str) -> dict[str, Any]:
+    """LaunchTemplateData for the run: EFA interfaces, IMDSv2 only, capacity market, tags."""
+    data: dict[str, Any] = {
+        "ImageId": spec.image_id,
+        "InstanceType": spec.instance_type,
+        "IamInstanceProfile": {"Arn": instance_profile_arn},
+        "UserData": base64.b64encode(user_data.encode()).decode(),
+        "NetworkInterfaces": efa_network_interfaces(facts, spec.capacity.security_group_ids),
+        # IMDSv2 only (session tokens); tags readable from IMDS so the agent learns its run.
+        "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled",
+                            "HttpPutResponseHopLimit": 1, "InstanceMetadataTags": "enabled"},
+        "TagSpecifications": [{"ResourceType": kind, "Tags": _tags(spec)}
+                              for kind in ("instance", "volume", "network-interface")],
+    }
+    capacity = spec.capacity
+    if capacity.kind is CapacityKind.CAPACITY_BLOCK:
+        data["InstanceMarketOptions"] = {"MarketType": "capacity-block"}
+    if capacity.kind in (CapacityKind.CAPACITY_BLOCK, CapacityKind.CAPACITY_RESERVATION):
+        data["CapacityReservationSpecification"] = {
+            "CapacityReservationTarget": {"CapacityReservationId": capacity.reservation_id}}
+    return data
+
+
+def create_fleet_request(spec: RunSpec, launch_template_id: str, subnet_id: str, placement_group: str,
+                         target: int, minimum: int, client_token: str) -> dict[str, Any]:
+    """CreateFleet arguments: Type=instant, one instance type, one subnet, the placement group.
+
+    `minimum` is the fewest instances worth having: on-demand and Spot fleets are told
+    MinTargetCapacity so that EC2 launches nothing rather than too few. Capacity Blocks take
+    no such option: EC2 fills what the block holds and interpret_fleet_response reports the rest.
+    """
+    if not 1 <= minimum <= target:
+        raise ValueError(f"need 1 <= minimum <= target, got minimum={minimum}, target={target}")
+    kind = spec.capacity.kind
+    override = {"InstanceType": spec.instance_type, "SubnetId": subnet_id,
+                "Placement": {"GroupName": placement_group}}
+    request: dict[str, Any] = {
+        "Type": "instant",
+        "ClientToken": client_token,
+        "LaunchTemplateConfigs": [{
+            "LaunchTemplateSpecification": {"LaunchTemplateId": launch_template_id, "Version": "$Latest"},
+            "Overrides": [override],
+        }],
+        "TagSpecifications": [{"ResourceType": "fleet", "Tags": _tags(spec)}],
+    }
+    all_in_one_zone = {"SingleInstanceType": True, "SingleAvailabilityZone": True, "MinTargetCapacity": minimum}
+    if kind is CapacityKind.CAPACITY_BLOCK:
+        request["TargetCapacitySpecification"] = {"TotalTargetCapacity": target,
+                                                  "DefaultTargetCapacityType": "capacity-block"}
+    elif kind is CapacityKind.SPOT:
+        request["TargetCapacitySpecification"] = {"TotalTargetCapacity": target, "SpotTargetCapacity": target,
+                                                  "DefaultTargetCapacityType": "spot"}
+        request["SpotOptions"] = {"AllocationStrategy": "capacity-optimized", **all_in_one_zone}
+    else:
+        request["TargetCapacitySpecification"] = {"TotalTargetCapacity": target, "OnDemandTargetCapacity": target,
+                                                  "DefaultTargetCapacityType": "on-demand"}
+        request["OnDemandOptions"] = dict(all_in_one_zone)
+        if kind is CapacityKind.CAPACITY_RESERVATION:
+            request["OnDemandOptions"]["CapacityReservationOptions"] = {
+                "UsageStrategy": "use-capacity-reservations-first"}
+    return request
+
+
+@dataclass(frozen=True)
+class FleetOutcome:
+    """What an instant fleet did."""
+
+    instance_ids: list[str]
+    """Instances launched (pending)."""
+    market: str | None
+    """Lifecycle EC2 reports for them: on-demand, spot, capacity-block; None when none launched."""
+    capacity_errors: list[str] = field(default_factory=list)
+    """"Code: message" of every shortfall another zone or a retry may cure."""
+    hard_errors: list[str] = field(default_factory=list)
+    """"Code: message" of every error retrying cannot fix."""
+
+
+def interpret_fleet_response(response: dict[str, Any]) -> FleetOutcome:
+    """Read a CreateFleet (instant) response: its Instances and Errors lists."""
+    instance_ids = [instance_id for group in response.get("Instances", [])
+                    for instance_id in group.get("InstanceIds", [])]
+    markets = {group.get("Lifecycle") for group in response.get("Instances", []) if group.get("InstanceIds")}
+    capacity, hard = [], []
+    for error in response.get("Errors", []):
+        line = f"{error.get('ErrorCode')}: {error.get('ErrorMessage', '')}".strip()
+        (capacity if error.get("ErrorCode") in CAPACITY_ERROR_CODES else hard).append(line)
+    return FleetOutcome(instance_ids=instance_ids, market=next(iter(markets), None) if markets else None,
+                        capacity_errors=capacity, hard_errors=hard)
+
+
+def zone_verdict(outcome: FleetOutcome, minimum: int) -> Literal["accept", "next_zone", "fail"]:
+    """Keep what a zone gave, move on to the next zone, or stop.
+
+    Hard errors stop (a bad parameter or a quota is the same in every zone). At least `minimum`
+    instances are kept, short of the target or not (partial fulfilment). Fewer than that, with a
+    capacity error or none at all, mean this zone cannot hold the fleet now.
+    """
+    if outcome.hard_errors:
+        return "fail"
+    if len(outcome.instance_ids) >= minimum:
+        return "accept"
+    return "next_zone"
+
+
+# --- calls --------------------------------------------------------------------------------
+
+def ensure_launch_template(ec2: Any, spec: RunSpec, settings: Settings) -> str:
+    """Create the run's launch template (or reuse it: the name is the run's); its id."""
+    name = f"trainfleet-{spec.run_name}"
+    existing = ec2.describe_launch_templates(Filters=[{"Name": "launch-template-name", "Values": [name]}])
+    if existing["LaunchTemplates"]:
+        return existing["LaunchTemplates"][0]["LaunchTemplateId"]
+    data = launch_template_data(spec, spec.facts, node_user_data(spec.run_name, settings),
+                                settings.node_instance_profile_arn)
+    created = ec2.create_launch_template(
+        LaunchTemplateName=name, LaunchTemplateData=data,
+        TagSpecifications=[{"ResourceType": "launch-template", "Tags": _tags(spec)}])
+    return created["LaunchTemplate"]["LaunchTemplateId"]
+
+
+def ensure_placement_group(ec2: Any, name: str, run_name: str) -> None:
+    """Create the cluster placement group unless it exists."""
+    try:
+        ec2.describe_placement_groups(GroupNames=[name])
+        return
+    except ec2.exceptions.ClientError as exc:
+        if exc.response["Error"]["Code"] != "InvalidPlacementGroup.Unknown":
+            raise
+    ec2.create_placement_group(GroupName=name, Strategy="cluster", TagSpecifications=[
+        {"ResourceType": "placement-group", "Tags": [{"Key": TAG_RUN, "Value": run_name}]}])
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Where a run's instances landed, and what could not be had."""
+
+    instance_ids: list[str]
+    subnet_id: str | None
+    availability_zone: str | None
+    placement_group: str | None
+    market: str | None
+    shortfall: int
+    """Instances asked for and not launched."""
+    errors: list[str]
+    """Capacity errors met on the way, zone by zone."""
+
+
+def allocate(ec2: Any, spec: RunSpec, launch_template_id: str, subnet_ids: list[str], target: int,
+             minimum: int, token_prefix: str) -> Allocation:
+    """Launch `target` instances (at least `minimum`) in the first subnet that has them.
+
+    Zone by zone: a zone that cannot give `minimum` launches nothing (MinTargetCapacity), or, for
+    Capacity Blocks, what it gave is terminated; then the next subnet is tried. The result may hold
+    fewer than `target` (partial fulfilment) or none (shortfall == target); the caller decides.
+    Raises FleetError on errors no zone can cure. `token_prefix` (run and attempt) makes the
+    call idempotent per subnet: a retried Lambda does not launch a second fleet.
+    """
+    zones = {subnet["SubnetId"]: subnet["AvailabilityZone"]
+             for subnet in ec2.describe_subnets(SubnetIds=subnet_ids)["Subnets"]}
+    errors: list[str] = []
+    for subnet_id in subnet_ids:
+        zone = zones[subnet_id]
+        group = placement_group_name(spec.run_name, zone)
+        ensure_placement_group(ec2, group, spec.run_name)
+        # ClientToken takes at most 64 characters; a digest keeps it unique and short.
+        token = hashlib.sha256(f"{token_prefix}/{subnet_id}".encode()).hexdigest()[:40]
+        request = create_fleet_request(spec, launch_template_id, subnet_id, group, target, minimum, token)
+        outcome = interpret_fleet_response(ec2.create_fleet(**request))
+        errors += [f"{zone}: {line}" for line in outcome.capacity_errors]
+        verdict = zone_verdict(outcome, minimum)
+        if verdict == "accept":
+            return Allocation(instance_ids=outcome.instance_ids, subnet_id=subnet_id, availability_zone=zone,
+                              placement_group=group, market=outcome.market,
+                              shortfall=target - len(outcome.instance_ids), errors=errors)
+        terminate(ec2, outcome.instance_ids)  # too few to be of use here
+        if verdict == "fail":
+            raise FleetError(f"CreateFleet in {subnet_id}: {'; '.join(outcome.hard_errors)}")
+        if outcome.instance_ids:
+            errors.append(f"{zone}: only {len(outcome.instance_ids)} of the {minimum} needed")
+    return Allocation(instance_ids=[], subnet_id=None, availability_zone=None, placement_group=None,
+                      market=None, shortfall=target, errors=errors)
+
+
+def run_instance_ids(ec2: Any, run_name: str) -> list[str]:
+    """The run's instances that are not terminated yet (found by tag, so none is forgotten)."""
+    paginator = ec2.get_paginator("describe_instances")
+    pages = paginator.paginate(Filters=[
+        {"Name": f"tag:{TAG_RUN}", "Values": [run_name]},
+        {"Name": "instance-state-name", "Values": ["pending", "running", "stopping", "stopped"]}])
+    return sorted(instance["InstanceId"] for page in pages for reservation in page["Reservations"]
+                  for instance in reservation["Instances"])
+
+
+def terminate(ec2: Any, instance_ids: list[str]) -> None:
+    """Terminate instances (no call for none); TerminateInstances takes up to 1000 ids at once."""
+    for start in range(0, len(instance_ids), 1000):
+        ec2.terminate_instances(InstanceIds=instance_ids[start:start + 1000])
+
+
+@dataclass(frozen=True)
+class Teardown:
+    terminated: list[str]
+    """Instances terminated by this call."""
+    placement_groups_in_use: list[str]
+    """Groups not deleted yet: their instances are still shutting down; call teardown again."""
+
+
+def teardown(ec2: Any, run_name: str) -> Teardown:
+    """Terminate every instance of the run, delete its launch template and placement groups.
+
+    Safe to repeat (the state machine's Teardown retries until nothing is left in use).
+    """
+    instance_ids = run_instance_ids(ec2, run_name)
+    terminate(ec2, instance_ids)
+    templates = ec2.describe_launch_templates(
+        Filters=[{"Name": f"tag:{TAG_RUN}", "Values": [run_name]}])["LaunchTemplates"]
+    for template in templates:
+        ec2.delete_launch_template(LaunchTemplateId=template["LaunchTemplateId"])
+    groups = [group for group in ec2.describe_placement_groups()["PlacementGroups"]
+              if {"Key": TAG_RUN, "Value": run_name} in group.get("Tags", [])]
+    in_use = []
+    for group in groups:
+        try:
+            ec2.delete_placement_group(GroupName=group["GroupName"])
+        except ec2.exceptions.ClientError as exc:
+            if exc.response["Error"]["Code"] != "InvalidPlacementGroup.InUse":
+                raise
+            in_use.append(group["GroupName"])
+    return Teardown(terminated=instance_ids, placement_groups_in_use=in_use)

@@ -1,0 +1,59 @@
+"""Typed settings of the control plane, read once from the environment (template.yaml sets them).
+
+    SETTINGS = Settings.from_environ()     # at module level in a handler: fails at cold start
+
+A missing or empty variable raises MissingSetting naming it, instead of a default that would
+send writes to the wrong table.
+"""
+
+import os
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["Settings", "MissingSetting"]
+
+
+class MissingSetting(RuntimeError):
+    """A required environment variable is not set."""
+
+
+class Settings(BaseModel):
+    """Where the control plane's resources are."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_table: str
+    """DynamoDB table of run and node records (TRAINFLEET_RUN_TABLE)."""
+    bucket: str
+    """S3 bucket of checkpoints, run reports and agent artifacts (TRAINFLEET_BUCKET)."""
+    event_bus: str
+    """EventBridge bus the node agents send to (TRAINFLEET_EVENT_BUS)."""
+    node_instance_profile_arn: str
+    """Instance profile every node gets (TRAINFLEET_NODE_INSTANCE_PROFILE_ARN)."""
+    stack_name: str
+    """The stack, prefix of resource names (TRAINFLEET_STACK)."""
+    metrics_namespace: str = "Trainfleet"
+    """CloudWatch namespace of the run metrics (POWERTOOLS_METRICS_NAMESPACE)."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
+        values = {}
+        for field, variable in _REQUIRED.items():
+            value = environ.get(variable, "").strip()
+            if not value:
+                raise MissingSetting(f"environment variable {variable} ({field}) is not set")
+            values[field] = value
+        namespace = environ.get("POWERTOOLS_METRICS_NAMESPACE", "").strip()
+        if namespace:
+            values["metrics_namespace"] = namespace
+        return cls(**values)
+
+
+_REQUIRED = {
+    "run_table": "TRAINFLEET_RUN_TABLE",
+    "bucket": "TRAINFLEET_BUCKET",
+    "event_bus": "TRAINFLEET_EVENT_BUS",
+    "node_instance_profile_arn": "TRAINFLEET_NODE_INSTANCE_PROFILE_ARN",
+    "stack_name": "TRAINFLEET_STACK",
+}
