@@ -368,3 +368,27 @@ def test_project_template_deploys_and_every_resource_is_accounted_for(cloud):
         assert value and "${" not in str(value), name
     machine = cloud.client("stepfunctions").describe_state_machine(stateMachineArn=stack.outputs["StateMachineArn"])
     assert "${" not in machine["definition"]
+
+
+# --- the command ----------------------------------------------------------------------------
+
+def test_local_deploy_command_prints_resources_and_outputs(cloud, capsys):
+    from trainfleet.cli import main
+
+    code = main(["local", "deploy", "--template", str(TEST_TEMPLATE), "--endpoint", cloud.endpoint,
+                 "--stack-name", "cli-stack", "--param", "Stage=prod"])
+    printed = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert printed["stack_name"] == "cli-stack"
+    assert printed["resources"]["TrainingRun"]["resource_type"] == "AWS::StepFunctions::StateMachine"
+    assert printed["outputs"]["StateMachineArn"] == printed["resources"]["TrainingRun"]["arn"]
+    assert printed["skipped"] == {}
+
+
+def test_local_deploy_command_names_a_bad_parameter(cloud, capsys):
+    from trainfleet.cli import main
+
+    code = main(["local", "deploy", "--template", str(TEST_TEMPLATE), "--endpoint", cloud.endpoint,
+                 "--param", "Stage=staging"])
+    assert code == 1
+    assert "'Stage'='staging' is not one of AllowedValues ['dev', 'prod']" in capsys.readouterr().err
