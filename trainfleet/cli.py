@@ -2,6 +2,7 @@
 
     trainfleet demo            the main job on this machine (see README)
     trainfleet validate        sam validate --lint and statelint on what users deploy
+    trainfleet local up        run the embedded local cloud in the foreground (Ctrl-C stops it)
     trainfleet local deploy    deploy template.yaml into a running local cloud, as `sam deploy` would
 """
 
@@ -21,6 +22,42 @@ def _validate(args: argparse.Namespace) -> int:
     from trainfleet.validate import validate
 
     return validate()
+
+
+def _local_up(args: argparse.Namespace) -> int:
+    import signal
+
+    from localcloud import LocalCloud
+
+    def stop_on_sigterm(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    cloud = LocalCloud(port=args.port, region=args.region, time_scale=args.time_scale)
+    cloud.start()
+    try:
+        print(f"local cloud running at {cloud.endpoint}", flush=True)
+        print("  " + " ".join(f"{name}={value}" for name, value in cloud.env().items()), flush=True)
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        # A second Ctrl-C must not cut the shutdown short and orphan instance processes.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        cloud.stop()
+    print("local cloud stopped", flush=True)
+    return 0
+
+
+def _add_local_up(local_commands: argparse._SubParsersAction) -> None:
+    up = local_commands.add_parser("up", help="run the local cloud in the foreground until Ctrl-C")
+    up.add_argument("--port", type=int, default=4566, help="0 picks a free port (default: 4566)")
+    up.add_argument("--region", default=os.environ.get("AWS_REGION", "us-east-1"),
+                    help="default: $AWS_REGION or us-east-1")
+    up.add_argument("--time-scale", type=float, default=1.0,
+                    help="real seconds per nominal second for waits, retries, boot (default: 1)")
+    up.set_defaults(func=_local_up)
 
 
 def _local_deploy(args: argparse.Namespace) -> int:
@@ -71,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.set_defaults(func=_validate)
     local = commands.add_parser("local", help="the embedded local cloud")
     local_commands = local.add_subparsers(dest="local_command", required=True)
+    _add_local_up(local_commands)
     _add_local_deploy(local_commands)
     return parser
 
