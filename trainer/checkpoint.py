@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -58,16 +59,6 @@ def resume_target(resume: str) -> str | int:
     if value.isdigit():
         return int(value)
     raise ValueError(f"checkpoint resume={resume!r}: expected 'none', 'latest' or a step number")
-
-
-def _check_config(cfg: Any) -> None:
-    if not cfg.uri:
-        raise ValueError("checkpoint uri is empty: no checkpoints are configured")
-    if cfg.interval < 0:
-        raise ValueError(f"checkpoint interval={cfg.interval}: must be >= 0 (0 saves only on demand)")
-    if cfg.keep_last < 0:
-        raise ValueError(f"checkpoint keep_last={cfg.keep_last}: must be >= 0 (0 keeps all)")
-    resume_target(cfg.resume)
 
 
 def _s3_client_config():
@@ -166,6 +157,7 @@ class Checkpointer:
         config_hash: str = "",
         request_file: str | os.PathLike | None = None,
         request_signal: int | None = signal.SIGUSR1,
+        timeout: timedelta = timedelta(minutes=10),
     ):
         """
         cfg: a CheckpointConfig (uri, interval, keep_last, resume, async_save).
@@ -174,18 +166,19 @@ class Checkpointer:
             from a checkpoint with another one is allowed and logged.
         request_file: a path whose creation or touch asks for a checkpoint now.
         request_signal: a signal that asks for a checkpoint now (None: none).
+        timeout: how long a checkpoint collective waits for a peer before failing.
         """
-        _check_config(cfg)
         self.cfg = cfg
         self.store = catalog.open_store(cfg.uri)
+        self._resume_target = resume_target(cfg.resume)
         self.layout = dict(layout or {})
         self.config_hash = config_hash
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
         # DCP's collectives run in the background save thread; on a group of their own they never
         # interleave with the training loop's, nor with the per-step agreement below.
-        self._save_group = dist.new_group(backend="gloo") if self._distributed else None
-        self._control_group = dist.new_group(backend="gloo") if self._distributed else None
+        self._save_group = dist.new_group(backend="gloo", timeout=timeout) if self._distributed else None
+        self._control_group = dist.new_group(backend="gloo", timeout=timeout) if self._distributed else None
         self._requests = _SaveRequests(request_file, request_signal)
         self._stager = DefaultStager(
             StagingOptions(
@@ -228,7 +221,7 @@ class Checkpointer:
         return decision
 
     def _choose_resume_step(self) -> int | None:
-        target = resume_target(self.cfg.resume)
+        target = self._resume_target
         if target == "none":
             committed = catalog.committed_steps(self.store)
             if committed:

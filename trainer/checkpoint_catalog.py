@@ -3,8 +3,8 @@
 A checkpoint of step N lives under `<uri>/step-00000000N/` (uri: a local directory or
 `s3://bucket/prefix`). Every rank writes its DCP shards there; when all of them have finished,
 rank 0 writes `commit.json` last, with a conditional write so that it is never overwritten.
-The marker is the manifest: step, parallel layout, every file's name, size and (on S3) ETag,
-the trainer config hash and the commit time. A step folder without a marker, or whose files do
+The marker is the manifest: step, parallel layout, every file's name and size, the trainer
+config hash and the commit time. A step folder without a marker, or whose files do
 not match its manifest, does not exist for resume.
 
 Only boto3 and the standard library are imported here, so the control plane (a Lambda) can find
@@ -25,6 +25,7 @@ from typing import Any, Iterable, Mapping, Protocol
 
 __all__ = [
     "MARKER_NAME",
+    "REQUEST_FILE_ENV",
     "CheckpointInvalid",
     "CommitConflict",
     "Manifest",
@@ -45,6 +46,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MARKER_NAME = "commit.json"
+REQUEST_FILE_ENV = "TRAINFLEET_CHECKPOINT_REQUEST_FILE"
+"""Environment variable naming the file whose creation asks the trainer for a checkpoint now."""
 FORMAT_VERSION = 1
 _STEP_DIR_PREFIX = "step-"
 
@@ -85,8 +88,6 @@ class StoredFile:
     """Path relative to the step folder, e.g. `__0_0.distcp` or `.metadata`."""
     size: int
     """Size in bytes."""
-    etag: str | None = None
-    """S3 ETag (an MD5 for single-part uploads); None on the local filesystem."""
 
 
 @dataclass(frozen=True)
@@ -244,7 +245,7 @@ class S3Store:
         for page in self._objects(folder):
             for obj in page.get("Contents", []):
                 name = obj["Key"][len(folder) :]
-                found[name] = StoredFile(name, obj["Size"], obj["ETag"].strip('"'))
+                found[name] = StoredFile(name, obj["Size"])
         return found
 
     def read(self, step_dir: str, name: str) -> bytes | None:
@@ -296,10 +297,6 @@ def check_files(manifest: Manifest, present: Mapping[str, StoredFile], where: st
         if found.size != expected.size:
             raise CheckpointInvalid(
                 f"{where}: file {expected.name} has {found.size} bytes, manifest says {expected.size}"
-            )
-        if expected.etag and found.etag and found.etag != expected.etag:
-            raise CheckpointInvalid(
-                f"{where}: file {expected.name} has ETag {found.etag}, manifest says {expected.etag}"
             )
 
 

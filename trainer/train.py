@@ -18,7 +18,7 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.optim.lr_scheduler import LambdaLR
 
+from trainer import checkpoint_catalog
+from trainer.checkpoint import Checkpointer
 from trainer.config import ConfigError, JobConfig, OptimConfig, check_world_size, load_config
 from trainer.data import DataLoader, load_tokens
 from trainer.parallel_dims import RankPosition
@@ -256,15 +258,29 @@ def peak_memory_mib(device: torch.device) -> float:
 def train(cfg: JobConfig, env: DistributedEnv) -> list[dict]:
     """Build, train cfg.training.steps steps, return each step's metrics."""
     run = build(cfg, env)
-    # Checkpointing hooks in here: resume the state before the loop,
-    # offer each finished step for saving, close (wait for pending saves) at the end.
+    checkpointer = _checkpointer(cfg) if cfg.checkpoint.uri else None
+    if checkpointer:
+        checkpointer.resume(run.state)
     history = []
     while run.state.step < cfg.training.steps:
         metrics = train_step(run)
         run.log(metrics)
         history.append(metrics)
+        if checkpointer:
+            checkpointer.maybe_save(run.state.step, run.state)
+    if checkpointer:
+        checkpointer.close()
     _report_peak_memory(run)
     return history
+
+
+def _checkpointer(cfg: JobConfig) -> Checkpointer:
+    # The layout may change between save and resume (checkpoints reshard), so it is not hashed.
+    hashed = {k: v for k, v in asdict(cfg).items() if k not in ("parallel", "checkpoint")}
+    return Checkpointer(cfg.checkpoint, layout={"pp": cfg.parallel.pp, "dp": cfg.parallel.dp},
+                        config_hash=checkpoint_catalog.config_hash(hashed),
+                        request_file=os.environ.get(checkpoint_catalog.REQUEST_FILE_ENV),
+                        timeout=timedelta(seconds=cfg.parallel.timeout_s))
 
 
 def _report_peak_memory(run: Run) -> None:

@@ -1,13 +1,9 @@
-"""Fixtures for the checkpoint tests: a fresh bucket per test and the toy run's processes."""
+"""Fixtures for the checkpoint tests (imported by name: a conftest here would shadow tests/conftest.py)."""
 
-import sys
 import uuid
-from pathlib import Path
 
 import boto3
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture

@@ -1,0 +1,214 @@
+"""Checkpoints of the real trainer, end to end: every rank a process, S3 a moto server over HTTP.
+
+Each run is launched the way torchrun starts ranks (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the
+environment) through trainer_rank.py, whose hooks pause or block a run at a chosen point so that
+the kills land where they are meant to, without sleeps.
+"""
+
+import json
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import boto3
+import pytest
+import torch
+
+from checkpoint_fixtures import bucket, processes, s3  # noqa: F401 (fixtures)
+
+from conftest import free_port
+from trainer import checkpoint_catalog as catalog
+from trainer.config import load_config
+from trainer.model import GPT
+from trainer_rank import launch
+
+pytestmark = pytest.mark.slow
+
+STEPS = 20
+TIMEOUT_S = 120
+
+
+def trainer_args(tmp_path: Path, uri: str, metrics: str, *overrides: str) -> list[str]:
+    return [
+        "--model.n_layers=4", "--model.d_model=32", "--model.n_heads=2", "--model.seq_len=32",
+        "--training.batch_size=8", "--parallel.microbatches=4", f"--training.steps={STEPS}",
+        "--optim.warmup_steps=2", "--training.threads=1", "--training.device=cpu",
+        "--parallel.timeout_s=30", f"--training.metrics_file={tmp_path / metrics}",
+        f"--data.shards={tmp_path / 'shards'}", "--data.corpus_bytes=40000",
+        f"--checkpoint.uri={uri}", "--checkpoint.interval=5", "--checkpoint.keep_last=2", *overrides,
+    ]
+
+
+def run_to_end(procs, log_dir: Path) -> None:
+    for rank, proc in enumerate(procs):
+        code = proc.wait(timeout=TIMEOUT_S)
+        assert code == 0, f"rank {rank} exited {code}:\n{(log_dir / f'rank{rank}.log').read_text()[-3000:]}"
+
+
+def wait_for(condition, what: str, procs=()) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        dead = [p.args for p in procs if p.poll() is not None]
+        assert not dead, f"a rank exited while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def losses(tmp_path: Path, metrics: str) -> dict[int, float]:
+    lines = (tmp_path / metrics).read_text().splitlines()
+    return {m["step"]: m["loss"] for m in map(json.loads, lines)}
+
+
+def train(tmp_path, processes, uri, metrics, world=1, hooks=(), layout=(), resume="none", name=None):
+    log_dir = tmp_path / (name or metrics.removesuffix(".jsonl"))
+    log_dir.mkdir()
+    args = trainer_args(tmp_path, uri, metrics, f"--checkpoint.resume={resume}", *layout)
+    procs = launch(world, free_port(), args, log_dir, list(hooks))
+    processes.extend(procs)
+    return procs, log_dir
+
+
+@dataclass
+class Straight:
+    losses: dict[int, float]
+    uri: str
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, moto_endpoint):
+    """20 uninterrupted steps at pp=2, checkpointed every 5 (15 and 20 are kept): the reference."""
+    tmp_path = tmp_path_factory.mktemp("straight")
+    bucket = f"straight-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    started = []
+    try:
+        procs, log_dir = train(tmp_path, started, f"s3://{bucket}/runs/straight/checkpoints", "straight.jsonl",
+                               world=2, layout=["--parallel.pp=2"])
+        run_to_end(procs, log_dir)
+    finally:
+        for proc in started:
+            proc.kill()
+    return Straight(losses(tmp_path, "straight.jsonl"), f"s3://{bucket}/runs/straight/checkpoints")
+
+
+def kill(procs) -> None:
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def train_until(step: int, tmp_path, processes, uri, metrics, world, layout, resume) -> None:
+    """Train with a checkpoint committed at `step`, then kill -9 every rank."""
+    procs, log_dir = train(tmp_path, processes, uri, metrics, world=world, layout=layout, resume=resume,
+                           hooks=["--hang-after", str(step)])
+    wait_for(lambda: all((log_dir / f"reached.{r}").exists() for r in range(world)), f"step {step} committed", procs)
+    kill(procs)
+    assert catalog.latest_committed(uri).step == step
+
+
+def test_kill_every_rank_then_resume_gives_identical_losses(tmp_path, processes, bucket, straight):
+    uri = f"s3://{bucket}/runs/interrupted/checkpoints"
+    train_until(10, tmp_path, processes, uri, "interrupted.jsonl", 2, ["--parallel.pp=2"], "none")
+
+    procs, log_dir = train(tmp_path, processes, uri, "resumed.jsonl", world=2, layout=["--parallel.pp=2"],
+                           resume="latest")
+    run_to_end(procs, log_dir)
+
+    assert losses(tmp_path, "interrupted.jsonl") == {s: straight.losses[s] for s in range(1, 11)}
+    assert losses(tmp_path, "resumed.jsonl") == {s: straight.losses[s] for s in range(11, STEPS + 1)}
+
+
+def test_a_rank_killed_while_writing_leaves_no_checkpoint_and_nothing_hangs(tmp_path, processes, bucket, straight):
+    uri = f"s3://{bucket}/runs/killed-mid-write/checkpoints"
+    procs, log_dir = train(tmp_path, processes, uri, "first.jsonl", world=2, layout=["--parallel.pp=2"],
+                           hooks=["--block-write", "10", "1"])
+    wait_for(lambda: (log_dir / "writing").exists(), "rank 1 writing step 10", procs)
+
+    procs[1].send_signal(signal.SIGKILL)
+
+    assert procs[0].wait(timeout=TIMEOUT_S) != 0, "rank 0 must fail, not finish, when its peer dies"
+    store = catalog.open_store(uri)
+    assert not catalog.is_committed(store, 10)
+    assert catalog.latest_committed(uri).step == 5
+
+    procs, log_dir = train(tmp_path, processes, uri, "resumed.jsonl", world=2, layout=["--parallel.pp=2"],
+                           resume="latest")
+    run_to_end(procs, log_dir)
+    assert losses(tmp_path, "resumed.jsonl") == {s: straight.losses[s] for s in range(6, STEPS + 1)}
+    assert catalog.latest_committed(uri).step == 20
+
+
+def assert_close(got: dict[int, float], expected: dict[int, float]) -> None:
+    assert got.keys() == expected.keys()
+    for step, loss in got.items():
+        assert loss == pytest.approx(expected[step], rel=1e-4), f"step {step}"
+
+
+def test_reshard_pp4_to_pp2_to_pp2xdp2_to_one_process(tmp_path, processes, bucket, straight):
+    uri = f"s3://{bucket}/runs/reshard/checkpoints"
+    segments = [(5, 4, ["--parallel.pp=4"]), (10, 2, ["--parallel.pp=2"]),
+                (15, 4, ["--parallel.pp=2", "--parallel.dp=2"])]
+    resume = "none"
+    for until, world, layout in segments:
+        train_until(until, tmp_path, processes, uri, f"until-{until}.jsonl", world, layout, resume)
+        resume = "latest"
+    procs, log_dir = train(tmp_path, processes, uri, "one-process.jsonl", resume="latest")
+    run_to_end(procs, log_dir)
+
+    assert_close(losses(tmp_path, "until-5.jsonl"), {s: straight.losses[s] for s in range(1, 6)})
+    assert_close(losses(tmp_path, "until-10.jsonl"), {s: straight.losses[s] for s in range(6, 11)})
+    assert_close(losses(tmp_path, "until-15.jsonl"), {s: straight.losses[s] for s in range(11, 16)})
+    assert_close(losses(tmp_path, "one-process.jsonl"), {s: straight.losses[s] for s in range(16, 21)})
+
+
+def copy_checkpoints(s3, source_uri: str, target_uri: str) -> None:
+    source_bucket, _, source_prefix = source_uri.removeprefix("s3://").partition("/")
+    target_bucket, _, target_prefix = target_uri.removeprefix("s3://").partition("/")
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=source_bucket, Prefix=source_prefix):
+        for obj in page.get("Contents", []):
+            s3.copy_object(Bucket=target_bucket, Key=target_prefix + obj["Key"][len(source_prefix):],
+                           CopySource={"Bucket": source_bucket, "Key": obj["Key"]})
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_shard_is_refused_by_name_and_resume_falls_back(tmp_path, processes, s3, bucket, straight, damage):
+    uri = f"s3://{bucket}/runs/damaged/checkpoints"
+    copy_checkpoints(s3, straight.uri, uri)
+    shard_key = f"runs/damaged/checkpoints/{catalog.step_dir_name(20)}/__1_0.distcp"
+    if damage == "truncated":
+        body = s3.get_object(Bucket=bucket, Key=shard_key)["Body"].read()
+        s3.put_object(Bucket=bucket, Key=shard_key, Body=body[: len(body) // 2])
+    else:
+        s3.delete_object(Bucket=bucket, Key=shard_key)
+
+    procs, log_dir = train(tmp_path, processes, uri, "refused.jsonl", resume="20")
+    assert procs[0].wait(timeout=TIMEOUT_S) != 0
+    assert "cannot resume from step 20" in (log_dir / "rank0.log").read_text()
+    assert "file __1_0.distcp" in (log_dir / "rank0.log").read_text()
+
+    procs, log_dir = train(tmp_path, processes, uri, "fallback.jsonl", resume="latest")
+    run_to_end(procs, log_dir)
+    assert "skipping checkpoint" in (log_dir / "rank0.log").read_text()
+    assert_close(losses(tmp_path, "fallback.jsonl"), {s: straight.losses[s] for s in range(16, 21)})
+
+
+def test_stock_dcp_reads_our_checkpoint(tmp_path, s3, straight):
+    """Plain DCP plus a marker: torch's own converter turns a downloaded step into a torch.save file."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    bucket, _, prefix = straight.uri.removeprefix("s3://").partition("/")
+    step_prefix = f"{prefix}/{catalog.step_dir_name(20)}/"
+    local = tmp_path / "step-20"
+    local.mkdir()
+    for obj in s3.list_objects_v2(Bucket=bucket, Prefix=step_prefix)["Contents"]:
+        s3.download_file(bucket, obj["Key"], str(local / obj["Key"][len(step_prefix):]))
+
+    dcp_to_torch_save(local, tmp_path / "step-20.pt")
+    saved = torch.load(tmp_path / "step-20.pt", weights_only=False)
+
+    cfg = load_config(trainer_args(tmp_path, "", "unused.jsonl"))
+    full_model = GPT(cfg.model)
+    assert saved["step"] == 20
+    assert {k: v.shape for k, v in saved["model"].items()} == {k: v.shape for k, v in full_model.state_dict().items()}

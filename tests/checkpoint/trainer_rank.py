@@ -1,0 +1,83 @@
+"""One rank of trainer.train, as torchrun would start it, with hooks for the checkpoint tests.
+
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
+        python tests/checkpoint/trainer_rank.py [--hang-after STEP] [--block-write STEP RANK] -- TRAINER ARGS
+
+--hang-after STEP: save STEP as if asked to (returns once committed), touch <signals>/reached.<rank>,
+    then wait to be killed.
+--block-write STEP RANK: RANK's shard write of STEP touches <signals>/writing and never finishes.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import logging  # noqa: E402
+
+from trainer import checkpoint, train  # noqa: E402
+
+
+def hang_after(step: int, signals: Path) -> None:
+    real_maybe_save = checkpoint.Checkpointer.maybe_save
+
+    def maybe_save(self, at_step, state, force=False):
+        if at_step != step:
+            return real_maybe_save(self, at_step, state, force)
+        real_maybe_save(self, at_step, state, force=True)
+        (signals / f"reached.{self.rank}").touch()
+        threading.Event().wait()
+
+    checkpoint.Checkpointer.maybe_save = maybe_save
+
+
+def block_write(step: int, rank: int, signals: Path) -> None:
+    real_writer = checkpoint.storage_writer
+
+    def writer(step_uri: str):
+        inner = real_writer(step_uri)
+        if step_uri.endswith(f"step-{step:09d}") and int(os.environ["RANK"]) == rank:
+            def write_data(plan, planner):
+                (signals / "writing").touch()
+                threading.Event().wait()
+
+            inner.write_data = write_data
+        return inner
+
+    checkpoint.storage_writer = writer
+
+
+def launch(world: int, port: int, trainer_args: list[str], log_dir: Path, hooks: list[str] = ()) -> list[subprocess.Popen]:
+    """Start `world` ranks; rank r's output goes to log_dir/rank{r}.log."""
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        with (log_dir / f"rank{rank}.log").open("w") as log:
+            procs.append(subprocess.Popen([sys.executable, __file__, "--signals", str(log_dir), *hooks, "--",
+                                           *trainer_args], env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--signals", type=Path, required=True)
+    parser.add_argument("--hang-after", type=int)
+    parser.add_argument("--block-write", type=int, nargs=2, metavar=("STEP", "RANK"))
+    parser.add_argument("trainer_args", nargs="*")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format=f"rank{os.environ['RANK']} %(levelname)s %(name)s: %(message)s")
+    if args.hang_after:
+        hang_after(args.hang_after, args.signals)
+    if args.block_write:
+        block_write(*args.block_write, args.signals)
+    return train.main(args.trainer_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
