@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from localcloud import LocalCloud
 from trainfleet.adapters import ec2_fleet as fleet
 from trainfleet.catalogue import CATALOGUE, instance_facts
 from trainfleet.contracts import RunSpec
@@ -142,14 +141,14 @@ def test_errors_no_zone_can_cure_stop_the_allocation():
 
 # --- against the local cloud ----------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def cloud():
-    with LocalCloud(time_scale=0.01, boot_seconds=0.05, shutdown_grace_seconds=0.1) as local:
-        local.fleet.boot = lambda instance: None  # EC2 semantics only; no agent processes here
-        yield local
+@pytest.fixture
+def cloud(local_cloud):
+    # EC2 semantics only: instances boot no process (the user data would run the agent).
+    local_cloud.fleet.boot = lambda instance: None
+    return local_cloud
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def network(cloud):
     ec2 = cloud.client("ec2")
     vpc = ec2.create_vpc(CidrBlock="10.20.0.0/16")["Vpc"]["VpcId"]

@@ -1,0 +1,134 @@
+"""DynamoDB run store on moto, with the table exactly as template.yaml declares it."""
+
+import threading
+import uuid
+from pathlib import Path
+
+import boto3
+import pytest
+
+from localcloud.deploy import load_template
+from trainfleet.adapters.run_store import (NodeNotFound, RunExists, RunNotFound, RunStore,
+                                           StaleAttempt, StaleRecord)
+from trainfleet.contracts import (InvalidTransition, NodeRecord, NodeRole, NodeState, RunRecord,
+                                  RunSpec, RunState, TaskWait)
+
+TEMPLATE = Path(__file__).parents[1] / "template.yaml"
+
+
+@pytest.fixture(scope="module")
+def store(moto_endpoint):
+    client = boto3.client("dynamodb", endpoint_url=moto_endpoint)
+    props = load_template(TEMPLATE)["Resources"]["RunTable"]["Properties"]
+    name = f"runs-{uuid.uuid4().hex[:8]}"
+    client.create_table(TableName=name, BillingMode=props["BillingMode"], KeySchema=props["KeySchema"],
+                        AttributeDefinitions=props["AttributeDefinitions"],
+                        GlobalSecondaryIndexes=props["GlobalSecondaryIndexes"])
+    return RunStore(client, name)
+
+
+def spec(run_name: str) -> RunSpec:
+    return RunSpec.model_validate({
+        "run_name": run_name, "instance_type": "c5.large", "node_count": 2,
+        "capacity": {"subnet_ids": ["subnet-0123456789abcdef0"], "security_group_ids": ["sg-0123456789abcdef0"]},
+        "image_id": "ami-0123456789abcdef0",
+        "trainer": {"model": {"n_layers": 4}, "training": {"batch_size": 8},
+                    "parallel": {"pp": 2, "dp": 1, "schedule": "gpipe", "microbatches": 2}},
+        "checkpoint": {"s3_uri": f"s3://bucket/runs/{run_name}"}})
+
+
+def new_run(store: RunStore) -> str:
+    name = f"run-{uuid.uuid4().hex[:8]}"
+    store.create_run(RunRecord(run_name=name, spec=spec(name)))
+    return name
+
+
+def test_runs_are_created_once_and_read_back(store):
+    name = new_run(store)
+    record = store.run(name)
+    assert (record.state, record.version, record.spec.run_name) == (RunState.REQUESTED, 1, name)
+    assert record.created_at is not None
+    with pytest.raises(RunExists, match=name):
+        store.create_run(RunRecord(run_name=name, spec=spec(name)))
+    with pytest.raises(RunNotFound, match="nope"):
+        store.run("nope")
+
+
+def test_transitions_follow_the_diagram_and_bump_the_version(store):
+    name = new_run(store)
+    moved = store.transition_run(name, RunState.ALLOCATING, availability_zone="us-east-1a")
+    assert (moved.state, moved.version, moved.availability_zone) == (RunState.ALLOCATING, 2, "us-east-1a")
+    assert store.run(name) == moved
+    with pytest.raises(InvalidTransition, match="ALLOCATING -> SUCCEEDED"):
+        store.transition_run(name, RunState.SUCCEEDED)
+    assert store.run(name).version == 2  # the refused change wrote nothing
+
+
+def test_a_write_that_lost_a_race_is_retried_on_the_fresh_record(store):
+    name = new_run(store)
+    raced = []
+
+    def change(run: RunRecord) -> RunRecord:
+        if not raced:  # another handler writes between our read and our write, once
+            raced.append(store.modify_run(name, lambda r: r.model_copy(update={"restarts": 7})))
+        return run.model_copy(update={"last_step": 42})
+
+    result = store.modify_run(name, change)
+    assert (result.restarts, result.last_step, result.version) == (7, 42, 3)
+
+
+def test_a_record_that_keeps_changing_gives_up(store):
+    name = new_run(store)
+
+    def always_raced(run: RunRecord) -> RunRecord:
+        store.modify_run(name, lambda r: r.model_copy(update={"restarts": r.restarts + 1}))
+        return run.model_copy(update={"last_step": 1})
+
+    with pytest.raises(StaleRecord, match="lost a race"):
+        store.modify_run(name, always_raced)
+
+
+def test_task_token_goes_to_exactly_one_of_many_racing_handlers(store):
+    name = new_run(store)
+    store.park_task(name, TaskWait(purpose="train", attempt=0, token="token-0"))
+    assert store.take_task_token(name, "await_nodes", 0) is None  # another purpose
+    assert store.take_task_token(name, "train", 1) is None  # another attempt
+    got, barrier = [], threading.Barrier(6)
+
+    def handler():
+        barrier.wait(timeout=10)
+        got.append(store.take_task_token(name, "train", 0))
+
+    threads = [threading.Thread(target=handler) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert (got.count("token-0"), got.count(None)) == (1, 5)
+    assert store.run(name).waiting is None
+
+
+def test_a_token_of_an_old_attempt_is_refused(store):
+    name = new_run(store)
+    store.modify_run(name, lambda run: run.model_copy(update={"attempt": 3}))
+    with pytest.raises(StaleAttempt, match="attempt 3, not 2"):
+        store.park_task(name, TaskWait(purpose="await_nodes", attempt=2, token="old"))
+
+
+def test_nodes_are_recorded_listed_found_by_instance_and_moved(store):
+    name = new_run(store)
+    for instance_id, role in (("i-0a", NodeRole.WORKER), ("i-0b", NodeRole.SPARE)):
+        store.add_node(NodeRecord(run_name=name, instance_id=f"{instance_id}-{name}", role=role))
+    worker = f"i-0a-{name}"
+    assert store.add_node(NodeRecord(run_name=name, instance_id=worker, role=NodeRole.SPARE)).role \
+        is NodeRole.WORKER  # a second add changes nothing
+    assert [node.role for node in store.nodes(name)] == [NodeRole.WORKER, NodeRole.SPARE]
+    assert store.node_by_instance(worker).run_name == name
+    assert store.node_by_instance("i-unknown") is None
+
+    registered = store.transition_node(name, worker, NodeState.REGISTERED, private_ip="10.0.0.7")
+    assert (registered.state, registered.private_ip, registered.version) == (NodeState.REGISTERED, "10.0.0.7", 2)
+    with pytest.raises(InvalidTransition, match="REGISTERED -> LAUNCHED"):
+        store.transition_node(name, worker, NodeState.LAUNCHED)
+    with pytest.raises(NodeNotFound):
+        store.node(name, "i-missing")
