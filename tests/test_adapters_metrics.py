@@ -1,0 +1,65 @@
+"""EMF documents: the structure CloudWatch needs to extract metrics from a log line."""
+
+import io
+import json
+
+from trainfleet.adapters import metrics
+from pathlib import Path
+
+import pytest
+
+from trainfleet.contracts import CheckpointCommitted, GoodputLedger, RunRecord, RunSpec, TrainingProgress
+
+EXAMPLE_SPEC = RunSpec.model_validate_json((Path(__file__).parents[1] / "events" / "example-run.json").read_text())
+
+
+def assert_valid_emf(document):
+    """The EMF specification's rules for one document."""
+    directive = document["_aws"]
+    assert isinstance(directive["Timestamp"], int)
+    for block in directive["CloudWatchMetrics"]:
+        for dimension_set in block["Dimensions"]:
+            assert len(dimension_set) <= 30
+            assert all(isinstance(document[name], str) for name in dimension_set)
+        assert len(block["Metrics"]) <= 100
+        for metric in block["Metrics"]:
+            assert isinstance(document[metric["Name"]], (int, float)) and metric["Unit"] in metrics.UNITS
+
+
+def test_progress_becomes_one_emf_line():
+    detail = TrainingProgress(run_name="r1", attempt=2, step=120, loss=2.75, tokens_per_second=5.5e5, step_seconds=0.9)
+    stream = io.StringIO()
+    metrics.emit(metrics.progress_metrics(detail, "Trainfleet", timestamp_ms=1_700_000_000_000), stream)
+    line = stream.getvalue()
+    assert line.count("\n") == 1
+    document = json.loads(line)
+    assert_valid_emf(document)
+    assert document["_aws"]["CloudWatchMetrics"][0]["Namespace"] == "Trainfleet"
+    assert document["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["RunName"]]
+    assert (document["RunName"], document["Loss"], document["StepTime"]) == ("r1", 2.75, 0.9)
+
+
+def test_non_finite_values_are_dropped_not_sent():
+    detail = TrainingProgress(run_name="r1", attempt=0, step=5, loss=float("nan"), tokens_per_second=1.0, step_seconds=1.0)
+    document = metrics.progress_metrics(detail, "Trainfleet", 0)
+    assert "Loss" not in document
+    assert "Loss" not in [m["Name"] for m in document["_aws"]["CloudWatchMetrics"][0]["Metrics"]]
+    assert_valid_emf(document)
+
+
+def test_checkpoint_and_run_metrics():
+    stall = metrics.checkpoint_metrics(CheckpointCommitted(run_name="r1", attempt=0, step=200, uri="s3://b/x",
+                                                           stall_seconds=0.08), "Trainfleet", 0)
+    assert_valid_emf(stall) and stall["CheckpointStall"] == 0.08
+    run = RunRecord(run_name="r1", spec=EXAMPLE_SPEC, restarts=2,
+                    ledger=GoodputLedger(productive_seconds=900, lost_seconds=100, cost_usd=12.5))
+    document = metrics.run_metrics(run, "Trainfleet", 0)
+    assert_valid_emf(document)
+    assert (document["Goodput"], document["CostUSD"], document["Restarts"]) == (90.0, 12.5, 2)
+
+
+def test_bad_units_and_clashing_names_are_refused():
+    with pytest.raises(ValueError, match="unit 'Furlongs'"):
+        metrics.emf_document("N", {"RunName": "r"}, {"Distance": (1.0, "Furlongs")})
+    with pytest.raises(ValueError, match="RunName clashes"):
+        metrics.emf_document("N", {"RunName": "r"}, {"RunName": (1.0, "Count")})

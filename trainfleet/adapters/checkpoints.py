@@ -1,0 +1,34 @@
+"""S3 checkpoint catalogue for the control plane: the resume point, by the trainer's own protocol.
+
+The commit protocol (step-NNNNNNNNN/ folders, commit.json written last, files checked against it)
+is defined once, in trainer/checkpoint_catalog.py, which imports only boto3 and the standard
+library; this module turns its answers into the contracts' CheckpointRef.
+
+    latest_checkpoint(s3, "s3://bucket/runs/r1/checkpoints") -> CheckpointRef | None
+    verify_checkpoint(s3, uri, step) -> CheckpointRef        (CheckpointInvalid if not whole)
+"""
+
+from datetime import datetime
+from typing import Any
+
+from trainer.checkpoint_catalog import (CheckpointInvalid, Manifest, latest_committed, open_store,
+                                        step_dir_name, verified_manifest)
+from trainfleet.contracts import CheckpointRef
+
+__all__ = ["latest_checkpoint", "verify_checkpoint", "CheckpointInvalid"]
+
+
+def _ref(uri: str, manifest: Manifest) -> CheckpointRef:
+    return CheckpointRef(step=manifest.step, uri=f"{uri.rstrip('/')}/{step_dir_name(manifest.step)}",
+                         committed_at=datetime.fromisoformat(manifest.committed_at))
+
+
+def latest_checkpoint(s3: Any, checkpoint_uri: str) -> CheckpointRef | None:
+    """The newest committed, whole checkpoint under `checkpoint_uri`, or None (start fresh)."""
+    manifest = latest_committed(checkpoint_uri, s3)
+    return _ref(checkpoint_uri, manifest) if manifest else None
+
+
+def verify_checkpoint(s3: Any, checkpoint_uri: str, step: int) -> CheckpointRef:
+    """Check an agent's CheckpointCommitted claim against S3 before the run records it."""
+    return _ref(checkpoint_uri, verified_manifest(open_store(checkpoint_uri, s3), step))

@@ -1,0 +1,83 @@
+"""CloudWatch metrics as embedded metric format (EMF): one JSON log line per data point set.
+
+In Lambda, a line printed to stdout reaches CloudWatch Logs, which extracts the metrics; no
+PutMetricData call, no extra latency. The event handler turns agent events into metrics:
+
+    emit(progress_metrics(detail, namespace))      Loss, TokensPerSecond, StepTime
+    emit(checkpoint_metrics(detail, namespace))    CheckpointStep, CheckpointStall
+    emit(run_metrics(run, namespace))              Goodput, LostTime, CostUSD, Restarts
+
+Every metric carries the dimension RunName. Pure builders return the EMF document (a dict);
+emit() writes it as one line.
+"""
+
+import json
+import math
+import sys
+import time
+from typing import IO, Any
+
+from trainfleet.contracts import CheckpointCommitted, RunRecord, TrainingProgress
+
+__all__ = ["emf_document", "progress_metrics", "checkpoint_metrics", "run_metrics", "emit"]
+
+UNITS = frozenset({"Seconds", "Milliseconds", "Count", "Count/Second", "Percent", "None", "Bytes"})
+"""CloudWatch standard units used here."""
+
+
+def emf_document(namespace: str, dimensions: dict[str, str], metrics: dict[str, tuple[float, str]],
+                 timestamp_ms: int | None = None) -> dict[str, Any]:
+    """An EMF document: `metrics` maps name -> (value, unit); values must be finite numbers.
+
+    A NaN loss is dropped rather than sent: CloudWatch rejects non-finite values, and the
+    divergence itself is reported as a TrainerFailed event."""
+    finite = {name: (value, unit) for name, (value, unit) in metrics.items() if math.isfinite(value)}
+    for name, (_, unit) in finite.items():
+        if unit not in UNITS:
+            raise ValueError(f"metric {name}: unit {unit!r} is not one of {sorted(UNITS)}")
+        if name in dimensions or name == "_aws":
+            raise ValueError(f"metric {name} clashes with a dimension or the _aws key")
+    return {
+        "_aws": {
+            "Timestamp": timestamp_ms if timestamp_ms is not None else int(time.time() * 1000),
+            "CloudWatchMetrics": [{
+                "Namespace": namespace,
+                "Dimensions": [sorted(dimensions)],
+                "Metrics": [{"Name": name, "Unit": unit} for name, (_, unit) in finite.items()],
+            }],
+        },
+        **dimensions,
+        **{name: value for name, (value, _) in finite.items()},
+    }
+
+
+def progress_metrics(detail: TrainingProgress, namespace: str, timestamp_ms: int | None = None) -> dict[str, Any]:
+    return emf_document(namespace, {"RunName": detail.run_name}, {
+        "Loss": (detail.loss, "None"),
+        "TokensPerSecond": (detail.tokens_per_second, "Count/Second"),
+        "StepTime": (detail.step_seconds, "Seconds"),
+        "Step": (detail.step, "Count"),
+    }, timestamp_ms)
+
+
+def checkpoint_metrics(detail: CheckpointCommitted, namespace: str, timestamp_ms: int | None = None) -> dict[str, Any]:
+    return emf_document(namespace, {"RunName": detail.run_name}, {
+        "CheckpointStep": (detail.step, "Count"),
+        "CheckpointStall": (detail.stall_seconds, "Seconds"),
+    }, timestamp_ms)
+
+
+def run_metrics(run: RunRecord, namespace: str, timestamp_ms: int | None = None) -> dict[str, Any]:
+    ledger = run.ledger
+    return emf_document(namespace, {"RunName": run.run_name}, {
+        "Goodput": (100 * ledger.goodput, "Percent"),
+        "LostTime": (ledger.lost_seconds, "Seconds"),
+        "CostUSD": (ledger.cost_usd, "None"),
+        "Restarts": (run.restarts, "Count"),
+    }, timestamp_ms)
+
+
+def emit(document: dict[str, Any], stream: IO[str] = sys.stdout) -> None:
+    """Write the document as one line (CloudWatch Logs treats each line as one event)."""
+    stream.write(json.dumps(document, separators=(",", ":")) + "\n")
+    stream.flush()
