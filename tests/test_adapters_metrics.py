@@ -2,12 +2,11 @@
 
 import io
 import json
-
-from trainfleet.adapters import metrics
 from pathlib import Path
 
 import pytest
 
+from trainfleet.adapters import metrics
 from trainfleet.contracts import CheckpointCommitted, GoodputLedger, RunRecord, RunSpec, TrainingProgress
 
 EXAMPLE_SPEC = RunSpec.model_validate_json((Path(__file__).parents[1] / "events" / "example-run.json").read_text())
