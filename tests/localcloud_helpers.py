@@ -80,3 +80,30 @@ def run_execution(cloud, state_machine_arn: str, payload: Any, timeout_s: float 
 def history(cloud, execution_arn: str) -> list[dict[str, Any]]:
     return cloud.client("stepfunctions").get_execution_history(
         executionArn=execution_arn, maxResults=1000)["events"]
+
+
+def event_sink(cloud, pattern: dict[str, Any], **target: Any) -> str:
+    """An EventBridge rule on the default bus sending matches to a new SQS queue; its URL."""
+    sqs, events = cloud.client("sqs"), cloud.client("events")
+    name = unique("sink")
+    queue_url = sqs.create_queue(QueueName=name)["QueueUrl"]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    events.put_rule(Name=name, EventPattern=json.dumps(pattern))
+    events.put_targets(Rule=name, Targets=[{"Id": "sink", "Arn": queue_arn, **target}])
+    return queue_url
+
+
+def receive(cloud, queue_url: str, count: int, timeout_s: float = 20) -> list[Any]:
+    """Exactly `count` JSON messages from the queue (fails on fewer within the timeout)."""
+    sqs = cloud.client("sqs")
+    bodies: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while len(bodies) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"got {len(bodies)} of {count} messages: {bodies}")
+        for message in sqs.receive_message(QueueUrl=queue_url, MaxNumberOfMessages=10,
+                                           WaitTimeSeconds=0).get("Messages", []):
+            bodies.append(json.loads(message["Body"]))
+            sqs.delete_message(QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"])
+        time.sleep(0.05)
+    return bodies

@@ -1,0 +1,243 @@
+"""EC2 in the local cloud: state-change events, the process fleet, placement groups, EFA."""
+
+import base64
+import json
+import sys
+import time
+from pathlib import Path
+
+import botocore.exceptions
+import pytest
+
+from localcloud.glue.ec2 import interface_requests
+from localcloud_helpers import (create_state_machine, deploy_function, event_sink, receive,
+                                records, unique, wait_for_execution)
+
+IMAGE = "ami-12c6146b"
+NODE_SCRIPT = ("import json, os, pathlib, time\n"
+               "keys = ['LOCALCLOUD_INSTANCE_ID', 'LOCALCLOUD_PRIVATE_IP', 'AWS_ENDPOINT_URL']\n"
+               "pathlib.Path('booted.json').write_text(json.dumps({k: os.environ[k] for k in keys}))\n"
+               "time.sleep(120)\n")
+
+
+def efa_interfaces(cards: int) -> list[dict]:
+    return [{"NetworkCardIndex": card, "DeviceIndex": 0 if card == 0 else 1, "InterfaceType": "efa"}
+            for card in range(cards)]
+
+
+def state_changes(cloud) -> str:
+    return event_sink(cloud, {"source": ["aws.ec2"], "detail-type": ["EC2 Instance State-change Notification"]},
+                      InputPath="$.detail")
+
+
+def states_of(events: list[dict], instance_id: str) -> list[str]:
+    return [event["state"] for event in events if event["instance-id"] == instance_id]
+
+
+def boot_node_script(cloud):
+    cloud.fleet.boot = lambda instance: [sys.executable, "-c", NODE_SCRIPT]
+
+
+def launch(cloud, **request) -> str:
+    request = {"ImageId": IMAGE, "InstanceType": "t3.micro", **request}
+    return cloud.client("ec2").run_instances(MinCount=1, MaxCount=1, **request)["Instances"][0]["InstanceId"]
+
+
+def describe(cloud, instance_id: str) -> dict:
+    return cloud.client("ec2").describe_instances(InstanceIds=[instance_id])["Reservations"][0]["Instances"][0]
+
+
+@pytest.mark.slow
+def test_instance_boots_a_process_and_dies_with_it(local_cloud):
+    boot_node_script(local_cloud)
+    queue = state_changes(local_cloud)
+    instance_id = launch(local_cloud)
+    local_cloud.fleet.wait_for_state(instance_id, "running")
+    instance = local_cloud.fleet.get(instance_id)
+    booted = instance.workdir / "booted.json"
+    local_cloud.wait_until(booted.exists, 20, "the node process to boot")
+
+    assert json.loads(booted.read_text()) == {"LOCALCLOUD_INSTANCE_ID": instance_id,
+                                              "LOCALCLOUD_PRIVATE_IP": instance.private_ip,
+                                              "AWS_ENDPOINT_URL": local_cloud.endpoint}
+    assert describe(local_cloud, instance_id)["PrivateIpAddress"] == instance.private_ip
+
+    local_cloud.fleet.kill(instance_id)
+    local_cloud.fleet.wait_for_state(instance_id, "terminated")
+
+    assert states_of(receive(local_cloud, queue, 4), instance_id) == \
+        ["pending", "running", "shutting-down", "terminated"]
+    described = describe(local_cloud, instance_id)
+    assert described["State"]["Name"] == "terminated"
+    assert described["StateReason"]["Code"] == "Client.InstanceInitiatedShutdown"
+
+
+@pytest.mark.slow
+def test_terminate_hung_instance_and_stop_start(local_cloud):
+    boot_node_script(local_cloud)
+    queue = state_changes(local_cloud)
+    ec2 = local_cloud.client("ec2")
+    hung, stopped = launch(local_cloud), launch(local_cloud)
+    for instance_id in (hung, stopped):
+        local_cloud.fleet.wait_for_state(instance_id, "running")
+        local_cloud.wait_until((local_cloud.fleet.get(instance_id).workdir / "booted.json").exists, 20, "boot")
+
+    process = local_cloud.fleet.get(hung).process
+    local_cloud.fleet.hang(hung)
+    local_cloud.wait_until(lambda: Path(f"/proc/{process.pid}/stat").read_text().split()[2] == "T",
+                           5, "the process to stop")
+    assert describe(local_cloud, hung)["State"]["Name"] == "running"
+    assert ec2.terminate_instances(InstanceIds=[hung])["TerminatingInstances"][0]["CurrentState"]["Name"] \
+        == "shutting-down"
+    local_cloud.fleet.wait_for_state(hung, "terminated")
+    assert process.poll() is not None
+
+    first_process = local_cloud.fleet.get(stopped).process
+    ec2.stop_instances(InstanceIds=[stopped])
+    local_cloud.fleet.wait_for_state(stopped, "stopped")
+    assert first_process.poll() is not None
+    ec2.start_instances(InstanceIds=[stopped])
+    local_cloud.fleet.wait_for_state(stopped, "running")
+    local_cloud.wait_until(lambda: local_cloud.fleet.get(stopped).process is not first_process, 10,
+                           "the process to start again")
+
+    events = receive(local_cloud, queue, 10)
+    assert states_of(events, hung) == ["pending", "running", "shutting-down", "terminated"]
+    assert states_of(events, stopped) == ["pending", "running", "stopping", "stopped", "pending", "running"]
+
+
+@pytest.mark.slow
+def test_terminate_event_reaches_a_lambda_and_a_state_machine(local_cloud, tmp_path):
+    """The end-to-end path the event handler relies on: TerminateInstances -> rule -> targets."""
+    record_file = tmp_path / "handler.jsonl"
+    function_arn = deploy_function(local_cloud, "echo", record_file)
+    machine_arn = create_state_machine(local_cloud, {"StartAt": "Seen", "States": {
+        "Seen": {"Type": "Pass", "Parameters": {"lost.$": "$.detail.instance-id"}, "End": True}}})
+    events = local_cloud.client("events")
+    rule = unique("terminated")
+    events.put_rule(Name=rule, EventPattern=json.dumps({
+        "source": ["aws.ec2"], "detail-type": ["EC2 Instance State-change Notification"],
+        "detail": {"state": ["terminated"]}}))
+    events.put_targets(Rule=rule, Targets=[{"Id": "fn", "Arn": function_arn},
+                                           {"Id": "sm", "Arn": machine_arn}])
+    instance_id = launch(local_cloud)
+    local_cloud.fleet.wait_for_state(instance_id, "running")
+
+    local_cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
+
+    local_cloud.wait_until(lambda: records(record_file), 20, "the Lambda target")
+    [delivered] = [entry["event"] for entry in records(record_file)
+                   if entry["event"]["detail"]["instance-id"] == instance_id]
+    assert delivered["source"] == "aws.ec2"
+    assert delivered["resources"] == [f"arn:aws:ec2:us-east-1:123456789012:instance/{instance_id}"]
+    assert set(delivered) == {"version", "id", "detail-type", "source", "account", "time",
+                              "region", "resources", "detail"}
+    sfn = local_cloud.client("stepfunctions")
+    local_cloud.wait_until(lambda: sfn.list_executions(stateMachineArn=machine_arn)["executions"],
+                           20, "the state machine target")
+    outputs = [json.loads(wait_for_execution(local_cloud, execution["executionArn"])["output"])
+               for execution in sfn.list_executions(stateMachineArn=machine_arn)["executions"]]
+    assert {"lost": instance_id} in outputs
+
+
+@pytest.mark.slow
+def test_spot_interruption_rebalance_and_health_events(local_cloud):
+    queue = event_sink(local_cloud, {"source": ["aws.ec2", "aws.health"],
+                                     "detail-type": ["EC2 Spot Instance Interruption Warning",
+                                                     "EC2 Instance Rebalance Recommendation",
+                                                     "AWS Health Event"]})
+    instance_id = launch(local_cloud)
+    local_cloud.fleet.wait_for_state(instance_id, "running")
+
+    local_cloud.inject_rebalance(instance_id)
+    local_cloud.inject_health_event([instance_id])
+    local_cloud.inject_spot_interruption(instance_id)
+
+    assert local_cloud.fleet.get(instance_id).spot_action["action"] == "terminate"
+    by_type = {event["detail-type"]: event for event in receive(local_cloud, queue, 3)}
+    assert by_type["EC2 Spot Instance Interruption Warning"]["detail"] == \
+        {"instance-id": instance_id, "instance-action": "terminate"}
+    assert by_type["EC2 Instance Rebalance Recommendation"]["detail"] == {"instance-id": instance_id}
+    health = by_type["AWS Health Event"]
+    assert health["source"] == "aws.health" and health["resources"] == [instance_id]
+    assert health["detail"]["service"] == "EC2"
+    assert health["detail"]["affectedEntities"] == [{"entityValue": instance_id}]
+    local_cloud.fleet.wait_for_state(instance_id, "terminated", timeout_s=30)
+    assert describe(local_cloud, instance_id)["StateReason"]["Code"] == "Server.SpotInstanceTermination"
+
+
+def test_placement_groups_are_kept(local_cloud):
+    ec2 = local_cloud.client("ec2")
+    name = unique("pg")
+    created = ec2.create_placement_group(GroupName=name, Strategy="cluster",
+                                         TagSpecifications=[{"ResourceType": "placement-group",
+                                                             "Tags": [{"Key": "run", "Value": "r1"}]}])
+    [described] = ec2.describe_placement_groups(GroupNames=[name])["PlacementGroups"]
+    assert described["Strategy"] == "cluster" and described["State"] == "available"
+    assert described["Tags"] == [{"Key": "run", "Value": "r1"}]
+    assert ec2.describe_placement_groups(GroupIds=[described["GroupId"]])["PlacementGroups"] == [described]
+    assert created["PlacementGroup"]["GroupId"] == described["GroupId"]
+
+    with pytest.raises(botocore.exceptions.ClientError, match="InvalidPlacementGroup.Duplicate"):
+        ec2.create_placement_group(GroupName=name, Strategy="cluster")
+    with pytest.raises(botocore.exceptions.ClientError, match="Strategy"):
+        ec2.create_placement_group(GroupName=unique("pg"), Strategy="huddle")
+
+    instance_id = launch(local_cloud, Placement={"GroupName": name})
+    assert describe(local_cloud, instance_id)["Placement"]["GroupName"] == name
+    with pytest.raises(botocore.exceptions.ClientError, match="InvalidPlacementGroup.InUse"):
+        ec2.delete_placement_group(GroupName=name)
+    ec2.terminate_instances(InstanceIds=[instance_id])
+    local_cloud.fleet.wait_for_state(instance_id, "terminated")
+    ec2.delete_placement_group(GroupName=name)
+    with pytest.raises(botocore.exceptions.ClientError, match="InvalidPlacementGroup.Unknown"):
+        ec2.describe_placement_groups(GroupNames=[name])
+    with pytest.raises(botocore.exceptions.ClientError, match="InvalidPlacementGroup.Unknown"):
+        launch(local_cloud, Placement={"GroupName": name})
+
+
+def test_efa_interfaces_from_a_launch_template_via_run_instances_and_create_fleet(local_cloud):
+    ec2 = local_cloud.client("ec2")
+    group = unique("pg")
+    ec2.create_placement_group(GroupName=group, Strategy="cluster")
+    template = unique("lt")
+    user_data = base64.b64encode(b"#!/bin/sh\nsleep 60\n").decode()
+    ec2.create_launch_template(LaunchTemplateName=template, LaunchTemplateData={
+        "ImageId": IMAGE, "InstanceType": "p4d.24xlarge", "UserData": user_data,
+        "NetworkInterfaces": efa_interfaces(4), "Placement": {"GroupName": group}})
+
+    single = ec2.run_instances(MinCount=1, MaxCount=1,
+                               LaunchTemplate={"LaunchTemplateName": template})["Instances"][0]["InstanceId"]
+    fleet = ec2.create_fleet(Type="instant", LaunchTemplateConfigs=[
+        {"LaunchTemplateSpecification": {"LaunchTemplateName": template, "Version": "$Latest"}}],
+        TargetCapacitySpecification={"TotalTargetCapacity": 2, "DefaultTargetCapacityType": "on-demand"})
+    fleet_ids = [instance_id for entry in fleet["Instances"] for instance_id in entry["InstanceIds"]]
+
+    assert len(fleet_ids) == 2
+    for instance_id in [single, *fleet_ids]:
+        described = describe(local_cloud, instance_id)
+        assert described["InstanceType"] == "p4d.24xlarge"
+        assert described["Placement"]["GroupName"] == group
+        interfaces = sorted((nic["Attachment"]["NetworkCardIndex"], nic["Attachment"]["DeviceIndex"],
+                             nic["InterfaceType"]) for nic in described["NetworkInterfaces"])
+        assert interfaces == [(0, 0, "efa"), (1, 1, "efa"), (2, 1, "efa"), (3, 1, "efa")]
+        assert local_cloud.fleet.get(instance_id).user_data == "#!/bin/sh\nsleep 60\n"
+
+
+def test_instance_types_and_interfaces_are_checked(local_cloud):
+    ec2 = local_cloud.client("ec2")
+    with pytest.raises(botocore.exceptions.ClientError, match="InvalidInstanceType"):
+        launch(local_cloud, InstanceType="p9.huge")
+    with pytest.raises(botocore.exceptions.ClientError, match=r"InterfaceType: 'efa' is not supported by t3.micro"):
+        ec2.run_instances(MinCount=1, MaxCount=1, ImageId=IMAGE, InstanceType="t3.micro",
+                          NetworkInterfaces=[{"DeviceIndex": 0, "InterfaceType": "efa"}])
+
+
+def test_interface_requests_name_the_faulty_entry():
+    assert len(interface_requests("p5.48xlarge", efa_interfaces(32))) == 32
+    with pytest.raises(ValueError, match=r"NetworkInterfaces\[4\].NetworkCardIndex: 4 is out of range"):
+        interface_requests("p4d.24xlarge", efa_interfaces(5))
+    with pytest.raises(ValueError, match="requested twice"):
+        interface_requests("p4d.24xlarge", efa_interfaces(2) + efa_interfaces(2)[1:])
+    with pytest.raises(ValueError, match="primary interface"):
+        interface_requests("p4d.24xlarge", efa_interfaces(2)[1:])
