@@ -6,14 +6,18 @@ Offers:
     instance_facts(name)     look one up; an unknown name raises UnknownInstanceType naming it
     UnknownInstanceType      ValueError subclass, lists the supported names
 
-Sources: the Amazon EC2 "Accelerated computing" instance specifications and the EFA user guide
-("Maximize network bandwidth on instances with multiple network cards"); prices are us-east-1
-Linux on-demand list prices per hour. AWS changes prices (it cut P4d/P4de/P5/P5en prices in
-mid-2025); a figure flagged `price_is_estimate` is not a published on-demand list price
-(p5e is sold mostly as Capacity Blocks) and only feeds the cost ceiling, never a decision that
-must be exact. The all-reduce bus-bandwidth floors are this project's acceptance thresholds for
-the preflight all-reduce test (nccl-tests "busbw" between two nodes), set at roughly 60 % of the
-EFA line rate: a healthy pair of nodes clears them easily, a node with a dead EFA card does not.
+Sources: the Amazon EC2 accelerated computing instance specifications and the EFA user guide
+("Maximize network bandwidth on instances with multiple network cards"); the hardware figures
+agree with EC2's DescribeInstanceTypes data (tests/test_catalogue.py checks them against the
+copy moto ships). Prices are us-east-1 Linux on-demand per instance-hour. trn1 and c5 are
+published list prices. The P-type prices are estimates (`price_is_estimate`): AWS cut P4d,
+P4de, P5 and P5en on-demand prices by up to 45 % in June 2025, the current list could not be
+checked here, and p5e is sold mainly as Capacity Blocks. Prices feed only the cost ledger and the
+cost ceiling; check the pricing page before relying on a ceiling.
+The all-reduce bus-bandwidth floors are this project's acceptance thresholds for the preflight
+all-reduce test (nccl-tests "busbw" between two nodes), set at roughly half the EFA line rate
+in bytes: a healthy pair of nodes clears them, a node with a dead EFA card does not. They are
+estimates to tune on real hardware.
 """
 
 from types import MappingProxyType
@@ -81,11 +85,11 @@ def _cpu(name: str, vcpus: int, price: float) -> InstanceFacts:
 CATALOGUE: MappingProxyType[str, InstanceFacts] = MappingProxyType({
     facts.name: facts for facts in (
         # 8x A100 40 GB, 4 network cards, 400 Gbps EFA.
-        _gpu("p4d.24xlarge", "A100", 8, 40, 4, 400, 25.0, 21.96),
+        _gpu("p4d.24xlarge", "A100", 8, 40, 4, 400, 25.0, 21.96, estimate=True),
         # 8x A100 80 GB, same network as p4d.
         _gpu("p4de.24xlarge", "A100", 8, 80, 4, 400, 25.0, 27.45, estimate=True),
         # 8x H100 80 GB, 32 network cards, 3200 Gbps EFA (v2).
-        _gpu("p5.48xlarge", "H100", 8, 80, 32, 3200, 200.0, 55.04, vcpus=192),
+        _gpu("p5.48xlarge", "H100", 8, 80, 32, 3200, 200.0, 55.04, estimate=True, vcpus=192),
         # 8x H200 141 GB, 32 network cards, 3200 Gbps EFA (v2).
         _gpu("p5e.48xlarge", "H200", 8, 141, 32, 3200, 200.0, 60.00, estimate=True, vcpus=192),
         # 8x H200 141 GB, 16 network cards, 3200 Gbps EFA (v3).
