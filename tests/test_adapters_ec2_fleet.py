@@ -50,22 +50,26 @@ def test_cpu_types_get_one_plain_interface():
 
 def test_launch_template_requires_imdsv2_and_tags_everything():
     spec = make_spec()
-    data = fleet.launch_template_data(spec, spec.facts, "#!/bin/bash\n", SETTINGS.node_instance_profile_arn)
+    data = fleet.launch_template_data(spec, SETTINGS)
     assert data["MetadataOptions"]["HttpTokens"] == "required"
     assert data["IamInstanceProfile"] == {"Arn": SETTINGS.node_instance_profile_arn}
+    assert base64.b64decode(data["UserData"]).decode() == fleet.node_user_data("r1", SETTINGS)
     assert {tags["ResourceType"] for tags in data["TagSpecifications"]} == {"instance", "volume", "network-interface"}
-    assert {"Key": fleet.TAG_RUN, "Value": "r1"} in data["TagSpecifications"][0]["Tags"]
+    for tags in data["TagSpecifications"]:
+        assert {"Key": fleet.TAG_RUN, "Value": "r1"} in tags["Tags"]
+        assert {"Key": fleet.TAG_STACK, "Value": "trainfleet"} in tags["Tags"]
+        assert {"Key": "team", "Value": "pretraining"} in tags["Tags"]
     assert "InstanceMarketOptions" not in data and "CapacityReservationSpecification" not in data
 
 
 def test_capacity_block_and_reservation_go_into_the_template():
     block = make_spec(kind="capacity-block", reservation_id="cr-0123456789abcdef0")
-    data = fleet.launch_template_data(block, block.facts, "", "arn")
+    data = fleet.launch_template_data(block, SETTINGS)
     assert data["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
     assert data["CapacityReservationSpecification"]["CapacityReservationTarget"] == \
         {"CapacityReservationId": "cr-0123456789abcdef0"}
     odcr = make_spec(kind="capacity-reservation", reservation_id="cr-0123456789abcdef0")
-    data = fleet.launch_template_data(odcr, odcr.facts, "", "arn")
+    data = fleet.launch_template_data(odcr, SETTINGS)
     assert "InstanceMarketOptions" not in data and "CapacityReservationSpecification" in data
 
 
@@ -78,27 +82,28 @@ def test_user_data_installs_and_starts_the_agent():
 
 
 def test_fleet_request_per_capacity_kind():
-    on_demand = fleet.create_fleet_request(make_spec(), "lt-1", "subnet-1", "pg", target=5, minimum=4, client_token="t")
+    on_demand = fleet.create_fleet_request(make_spec(), "stk", "lt-1", "subnet-1", "pg", target=5, minimum=4, client_token="t")
     assert on_demand["Type"] == "instant" and on_demand["ClientToken"] == "t"
+    assert {"Key": fleet.TAG_STACK, "Value": "stk"} in on_demand["TagSpecifications"][0]["Tags"]
     assert on_demand["LaunchTemplateConfigs"][0]["Overrides"] == [
         {"InstanceType": "p4d.24xlarge", "SubnetId": "subnet-1", "Placement": {"GroupName": "pg"}}]
     assert on_demand["TargetCapacitySpecification"] == {"TotalTargetCapacity": 5, "OnDemandTargetCapacity": 5,
                                                         "DefaultTargetCapacityType": "on-demand"}
     assert on_demand["OnDemandOptions"] == {"SingleInstanceType": True, "SingleAvailabilityZone": True,
                                             "MinTargetCapacity": 4}
-    spot = fleet.create_fleet_request(make_spec(kind="spot"), "lt-1", "subnet-1", "pg", 5, 1, "t")
+    spot = fleet.create_fleet_request(make_spec(kind="spot"), "stk", "lt-1", "subnet-1", "pg", 5, 1, "t")
     assert spot["TargetCapacitySpecification"]["DefaultTargetCapacityType"] == "spot"
     assert spot["SpotOptions"]["MinTargetCapacity"] == 1 and "OnDemandOptions" not in spot
     odcr = fleet.create_fleet_request(make_spec(kind="capacity-reservation", reservation_id="cr-0123456789abcdef0"),
-                                      "lt-1", "subnet-1", "pg", 5, 5, "t")
+                                      "stk", "lt-1", "subnet-1", "pg", 5, 5, "t")
     assert odcr["OnDemandOptions"]["CapacityReservationOptions"] == {"UsageStrategy": "use-capacity-reservations-first"}
     block = fleet.create_fleet_request(make_spec(kind="capacity-block", reservation_id="cr-0123456789abcdef0"),
-                                       "lt-1", "subnet-1", "pg", 5, 2, "t")
+                                       "stk", "lt-1", "subnet-1", "pg", 5, 2, "t")
     # Capacity Blocks take neither OnDemand/Spot target capacities nor CapacityReservationOptions.
     assert block["TargetCapacitySpecification"] == {"TotalTargetCapacity": 5, "DefaultTargetCapacityType": "capacity-block"}
     assert "OnDemandOptions" not in block and "SpotOptions" not in block
     with pytest.raises(ValueError, match="minimum=6, target=5"):
-        fleet.create_fleet_request(make_spec(), "lt-1", "subnet-1", "pg", 5, 6, "t")
+        fleet.create_fleet_request(make_spec(), "stk", "lt-1", "subnet-1", "pg", 5, 6, "t")
 
 
 # CreateFleet (instant) answers in the shape of the EC2 API reference (CreateFleetInstance,
@@ -165,12 +170,14 @@ def test_allocate_builds_an_efa_fleet_in_a_cluster_placement_group(cloud, networ
     template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS)
     assert fleet.ensure_launch_template(ec2, spec, SETTINGS) == template_id  # a retry reuses it
 
-    allocation = fleet.allocate(ec2, spec, template_id, subnets, target=3, minimum=2, token_prefix="alloc-0")
+    allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template_id, subnets, target=3, minimum=2,
+                                token_prefix="alloc-0")
     assert len(allocation.instance_ids) == 3 and allocation.shortfall == 0
     assert (allocation.subnet_id, allocation.availability_zone) == (subnets[0], "us-east-1a")
     assert allocation.placement_group == "trainfleet-alloc-us-east-1a"
     groups = ec2.describe_placement_groups(GroupNames=[allocation.placement_group])["PlacementGroups"]
     assert groups[0]["Strategy"] == "cluster"
+    assert {"Key": fleet.TAG_RUN, "Value": "alloc"} in groups[0]["Tags"]
 
     described = [instance for reservation in ec2.describe_instances(InstanceIds=allocation.instance_ids)["Reservations"]
                  for instance in reservation["Instances"]]
@@ -178,6 +185,7 @@ def test_allocate_builds_an_efa_fleet_in_a_cluster_placement_group(cloud, networ
         assert instance["Placement"]["GroupName"] == allocation.placement_group
         assert instance["SubnetId"] == subnets[0] and "PublicIpAddress" not in instance
         assert {"Key": fleet.TAG_RUN, "Value": "alloc"} in instance["Tags"]
+        assert {"Key": fleet.TAG_STACK, "Value": SETTINGS.stack_name} in instance["Tags"]
         layout = sorted((nic["Attachment"]["NetworkCardIndex"], nic["Attachment"]["DeviceIndex"], nic["InterfaceType"])
                         for nic in instance["NetworkInterfaces"])
         assert layout == [(0, 0, "efa"), (1, 1, "efa-only"), (2, 1, "efa-only"), (3, 1, "efa-only")]
@@ -198,15 +206,17 @@ def test_teardown_terminates_everything_of_the_run_and_nothing_else(cloud, netwo
     launched = {}
     for spec in (mine, other):
         template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
-        launched[spec.run_name] = fleet.allocate(ec2, spec, template, subnets, 2, 2, f"{spec.run_name}-0").instance_ids
-    assert fleet.run_instance_ids(ec2, "doomed") == sorted(launched["doomed"])
+        launched[spec.run_name] = fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 2, 2,
+                                                 f"{spec.run_name}-0").instance_ids
+    assert fleet.run_instance_ids(ec2, "doomed", SETTINGS.stack_name) == sorted(launched["doomed"])
+    assert fleet.teardown(ec2, "doomed", "another-stack").terminated == []  # not that stack's run
 
-    first = fleet.teardown(ec2, "doomed")
+    first = fleet.teardown(ec2, "doomed", SETTINGS.stack_name)
     assert sorted(first.terminated) == sorted(launched["doomed"])
-    assert fleet.run_instance_ids(ec2, "doomed") == []
+    assert fleet.run_instance_ids(ec2, "doomed", SETTINGS.stack_name) == []
     cloud.wait_until(lambda: _states(ec2, launched["doomed"]) == {"terminated"}, timeout_s=30,
                      what="the run's instances to be terminated")
-    second = fleet.teardown(ec2, "doomed")  # repeatable; the group goes once its instances are gone
+    second = fleet.teardown(ec2, "doomed", SETTINGS.stack_name)  # repeatable; the group goes once its instances are gone
     assert second.terminated == [] and second.placement_groups_in_use == []
     names = [g["GroupName"] for g in ec2.describe_placement_groups()["PlacementGroups"]]
     assert "trainfleet-doomed-us-east-1a" not in names and "trainfleet-bystander-us-east-1a" in names

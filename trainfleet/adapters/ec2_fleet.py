@@ -2,19 +2,21 @@
 
 Pure builders (tested on their output, no AWS):
     efa_network_interfaces(facts, security_group_ids)    one EFA interface per network card
-    launch_template_data(spec, facts, user_data, instance_profile_arn)
+    launch_template_data(spec, settings)                 EFA, IMDSv2, market, tags, user data
     node_user_data(run_name, settings)                   installs and starts the node agent
-    create_fleet_request(spec, launch_template_id, subnet_id, placement_group, target, minimum, token)
+    create_fleet_request(spec, stack_name, launch_template_id, subnet_id, placement_group, target,
+                         minimum, client_token)
     interpret_fleet_response(response) -> FleetOutcome   instances, capacity shortfall, hard errors
     zone_verdict(outcome, minimum) -> "accept" | "next_zone" | "fail"
     placement_group_name(run_name, availability_zone)
 
 Calls (boto3 EC2 client passed in):
     ensure_launch_template(ec2, spec, settings) -> launch template id
-    ensure_placement_group(ec2, name, run_name)
-    allocate(ec2, spec, launch_template_id, subnet_ids, target, minimum, token_prefix) -> Allocation
-    run_instance_ids(ec2, run_name) -> ids of the run's instances that are not terminated
-    terminate(ec2, instance_ids), teardown(ec2, run_name) -> Teardown
+    ensure_placement_group(ec2, name, run_name, stack_name)
+    allocate(ec2, spec, stack_name, launch_template_id, subnet_ids, target, minimum, token_prefix)
+        -> Allocation
+    run_instance_ids(ec2, run_name, stack_name) -> the run's instances that are not terminated
+    terminate(ec2, instance_ids), teardown(ec2, run_name, stack_name) -> Teardown
 
 Zones: a cluster placement group lives in one Availability Zone, so a run's fleet is in one
 zone. allocate() tries the subnets in order (one group per zone); once a run has landed, its
@@ -34,7 +36,7 @@ from trainfleet.contracts import CapacityKind, RunSpec
 from trainfleet.settings import Settings
 
 __all__ = [
-    "TAG_RUN", "AGENT_MODULE", "CAPACITY_ERROR_CODES", "FleetError", "FleetOutcome", "Allocation",
+    "TAG_RUN", "TAG_STACK", "AGENT_MODULE", "CAPACITY_ERROR_CODES", "FleetError", "FleetOutcome", "Allocation",
     "Teardown", "efa_network_interfaces", "launch_template_data", "node_user_data",
     "create_fleet_request", "interpret_fleet_response", "zone_verdict", "placement_group_name",
     "ensure_launch_template", "ensure_placement_group", "allocate", "run_instance_ids",
@@ -43,6 +45,9 @@ __all__ = [
 
 TAG_RUN = "trainfleet:run"
 """Tag on every instance, launch template and placement group of a run: teardown finds them by it."""
+
+TAG_STACK = "trainfleet:stack"
+"""The deploying stack, beside the run tag: two stacks in one account never touch each other's runs."""
 
 AGENT_MODULE = "trainer.agent"
 """The node agent's entry point (python -m), started by the user data."""
@@ -112,24 +117,32 @@ systemd-run --unit trainfleet-agent --property=EnvironmentFile=/etc/trainfleet.e
 """
 
 
-def _tags(spec: RunSpec) -> list[dict[str, str]]:
-    tags = {**spec.tags, TAG_RUN: spec.run_name, "Name": f"trainfleet-{spec.run_name}"}
-    return [{"Key": key, "Value": value} for key, value in tags.items()]
+def _owner_tags(run_name: str, stack_name: str) -> list[dict[str, str]]:
+    return [{"Key": TAG_RUN, "Value": run_name}, {"Key": TAG_STACK, "Value": stack_name}]
 
 
-def launch_template_data(spec: RunSpec, facts: InstanceFacts, user_data: str,
-                         instance_profile_arn: str) -> dict[str, Any]:
+def _tags(spec: RunSpec, stack_name: str) -> list[dict[str, str]]:
+    extra = {**spec.tags, "Name": f"trainfleet-{spec.run_name}"}
+    return _owner_tags(spec.run_name, stack_name) + [{"Key": key, "Value": value} for key, value in extra.items()]
+
+
+def _owned(resource: dict[str, Any], run_name: str, stack_name: str) -> bool:
+    tags = resource.get("Tags", [])
+    return all(tag in tags for tag in _owner_tags(run_name, stack_name))
+
+
+def launch_template_data(spec: RunSpec, settings: Settings) -> dict[str, Any]:
     """LaunchTemplateData for the run: EFA interfaces, IMDSv2 only, capacity market, tags."""
     data: dict[str, Any] = {
         "ImageId": spec.image_id,
         "InstanceType": spec.instance_type,
-        "IamInstanceProfile": {"Arn": instance_profile_arn},
-        "UserData": base64.b64encode(user_data.encode()).decode(),
-        "NetworkInterfaces": efa_network_interfaces(facts, spec.capacity.security_group_ids),
+        "IamInstanceProfile": {"Arn": settings.node_instance_profile_arn},
+        "UserData": base64.b64encode(node_user_data(spec.run_name, settings).encode()).decode(),
+        "NetworkInterfaces": efa_network_interfaces(spec.facts, spec.capacity.security_group_ids),
         # IMDSv2 only (session tokens); tags readable from IMDS so the agent learns its run.
         "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled",
                             "HttpPutResponseHopLimit": 1, "InstanceMetadataTags": "enabled"},
-        "TagSpecifications": [{"ResourceType": kind, "Tags": _tags(spec)}
+        "TagSpecifications": [{"ResourceType": kind, "Tags": _tags(spec, settings.stack_name)}
                               for kind in ("instance", "volume", "network-interface")],
     }
     capacity = spec.capacity
@@ -141,8 +154,8 @@ def launch_template_data(spec: RunSpec, facts: InstanceFacts, user_data: str,
     return data
 
 
-def create_fleet_request(spec: RunSpec, launch_template_id: str, subnet_id: str, placement_group: str,
-                         target: int, minimum: int, client_token: str) -> dict[str, Any]:
+def create_fleet_request(spec: RunSpec, stack_name: str, launch_template_id: str, subnet_id: str,
+                         placement_group: str, target: int, minimum: int, client_token: str) -> dict[str, Any]:
     """CreateFleet arguments: Type=instant, one instance type, one subnet, the placement group.
 
     `minimum` is the fewest instances worth having: on-demand and Spot fleets are told
@@ -161,7 +174,7 @@ def create_fleet_request(spec: RunSpec, launch_template_id: str, subnet_id: str,
             "LaunchTemplateSpecification": {"LaunchTemplateId": launch_template_id, "Version": "$Latest"},
             "Overrides": [override],
         }],
-        "TagSpecifications": [{"ResourceType": "fleet", "Tags": _tags(spec)}],
+        "TagSpecifications": [{"ResourceType": "fleet", "Tags": _tags(spec, stack_name)}],
     }
     all_in_one_zone = {"SingleInstanceType": True, "SingleAvailabilityZone": True, "MinTargetCapacity": minimum}
     if kind is CapacityKind.CAPACITY_BLOCK:
@@ -230,15 +243,13 @@ def ensure_launch_template(ec2: Any, spec: RunSpec, settings: Settings) -> str:
     existing = ec2.describe_launch_templates(Filters=[{"Name": "launch-template-name", "Values": [name]}])
     if existing["LaunchTemplates"]:
         return existing["LaunchTemplates"][0]["LaunchTemplateId"]
-    data = launch_template_data(spec, spec.facts, node_user_data(spec.run_name, settings),
-                                settings.node_instance_profile_arn)
     created = ec2.create_launch_template(
-        LaunchTemplateName=name, LaunchTemplateData=data,
-        TagSpecifications=[{"ResourceType": "launch-template", "Tags": _tags(spec)}])
+        LaunchTemplateName=name, LaunchTemplateData=launch_template_data(spec, settings),
+        TagSpecifications=[{"ResourceType": "launch-template", "Tags": _tags(spec, settings.stack_name)}])
     return created["LaunchTemplate"]["LaunchTemplateId"]
 
 
-def ensure_placement_group(ec2: Any, name: str, run_name: str) -> None:
+def ensure_placement_group(ec2: Any, name: str, run_name: str, stack_name: str) -> None:
     """Create the cluster placement group unless it exists."""
     try:
         ec2.describe_placement_groups(GroupNames=[name])
@@ -247,7 +258,7 @@ def ensure_placement_group(ec2: Any, name: str, run_name: str) -> None:
         if exc.response["Error"]["Code"] != "InvalidPlacementGroup.Unknown":
             raise
     ec2.create_placement_group(GroupName=name, Strategy="cluster", TagSpecifications=[
-        {"ResourceType": "placement-group", "Tags": [{"Key": TAG_RUN, "Value": run_name}]}])
+        {"ResourceType": "placement-group", "Tags": _owner_tags(run_name, stack_name)}])
 
 
 @dataclass(frozen=True)
@@ -265,8 +276,8 @@ class Allocation:
     """Capacity errors met on the way, zone by zone."""
 
 
-def allocate(ec2: Any, spec: RunSpec, launch_template_id: str, subnet_ids: list[str], target: int,
-             minimum: int, token_prefix: str) -> Allocation:
+def allocate(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, subnet_ids: list[str],
+             target: int, minimum: int, token_prefix: str) -> Allocation:
     """Launch `target` instances (at least `minimum`) in the first subnet that has them.
 
     Zone by zone: a zone that cannot give `minimum` launches nothing (MinTargetCapacity), or, for
@@ -281,10 +292,11 @@ def allocate(ec2: Any, spec: RunSpec, launch_template_id: str, subnet_ids: list[
     for subnet_id in subnet_ids:
         zone = zones[subnet_id]
         group = placement_group_name(spec.run_name, zone)
-        ensure_placement_group(ec2, group, spec.run_name)
+        ensure_placement_group(ec2, group, spec.run_name, stack_name)
         # ClientToken takes at most 64 characters; a digest keeps it unique and short.
         token = hashlib.sha256(f"{token_prefix}/{subnet_id}".encode()).hexdigest()[:40]
-        request = create_fleet_request(spec, launch_template_id, subnet_id, group, target, minimum, token)
+        request = create_fleet_request(spec, stack_name, launch_template_id, subnet_id, group, target,
+                                       minimum, token)
         outcome = interpret_fleet_response(ec2.create_fleet(**request))
         errors += [f"{zone}: {line}" for line in outcome.capacity_errors]
         verdict = zone_verdict(outcome, minimum)
@@ -301,14 +313,15 @@ def allocate(ec2: Any, spec: RunSpec, launch_template_id: str, subnet_ids: list[
                       market=None, shortfall=target, errors=errors)
 
 
-def run_instance_ids(ec2: Any, run_name: str) -> list[str]:
+def run_instance_ids(ec2: Any, run_name: str, stack_name: str) -> list[str]:
     """The run's instances that are not terminated yet (found by tag, so none is forgotten)."""
     paginator = ec2.get_paginator("describe_instances")
     pages = paginator.paginate(Filters=[
         {"Name": f"tag:{TAG_RUN}", "Values": [run_name]},
+        {"Name": f"tag:{TAG_STACK}", "Values": [stack_name]},
         {"Name": "instance-state-name", "Values": ["pending", "running", "stopping", "stopped"]}])
     return sorted(instance["InstanceId"] for page in pages for reservation in page["Reservations"]
-                  for instance in reservation["Instances"])
+                  for instance in reservation["Instances"] if _owned(instance, run_name, stack_name))
 
 
 def terminate(ec2: Any, instance_ids: list[str]) -> None:
@@ -325,19 +338,22 @@ class Teardown:
     """Groups not deleted yet: their instances are still shutting down; call teardown again."""
 
 
-def teardown(ec2: Any, run_name: str) -> Teardown:
+def teardown(ec2: Any, run_name: str, stack_name: str) -> Teardown:
     """Terminate every instance of the run, delete its launch template and placement groups.
 
     Safe to repeat (the state machine's Teardown retries until nothing is left in use).
+    Resources are matched on both tags client-side as well, so a filter an endpoint ignores
+    can never widen the deletion to another run.
     """
-    instance_ids = run_instance_ids(ec2, run_name)
+    instance_ids = run_instance_ids(ec2, run_name, stack_name)
     terminate(ec2, instance_ids)
     templates = ec2.describe_launch_templates(
         Filters=[{"Name": f"tag:{TAG_RUN}", "Values": [run_name]}])["LaunchTemplates"]
     for template in templates:
-        ec2.delete_launch_template(LaunchTemplateId=template["LaunchTemplateId"])
+        if _owned(template, run_name, stack_name):
+            ec2.delete_launch_template(LaunchTemplateId=template["LaunchTemplateId"])
     groups = [group for group in ec2.describe_placement_groups()["PlacementGroups"]
-              if {"Key": TAG_RUN, "Value": run_name} in group.get("Tags", [])]
+              if _owned(group, run_name, stack_name)]
     in_use = []
     for group in groups:
         try:
