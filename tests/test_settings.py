@@ -1,0 +1,30 @@
+"""Typed settings: read from the environment the template gives every function."""
+
+from pathlib import Path
+
+import pytest
+
+from localcloud.deploy import load_template
+from trainfleet.settings import MissingSetting, Settings
+
+ENV = {"TRAINFLEET_RUN_TABLE": "runs", "TRAINFLEET_BUCKET": "bucket", "TRAINFLEET_EVENT_BUS": "agents",
+       "TRAINFLEET_NODE_INSTANCE_PROFILE_ARN": "arn:aws:iam::123456789012:instance-profile/node",
+       "TRAINFLEET_STACK": "trainfleet"}
+
+
+def test_settings_come_from_the_environment():
+    settings = Settings.from_environ({**ENV, "POWERTOOLS_METRICS_NAMESPACE": "Custom"})
+    assert (settings.run_table, settings.stack_name, settings.metrics_namespace) == ("runs", "trainfleet", "Custom")
+    assert Settings.from_environ(ENV).metrics_namespace == "Trainfleet"
+
+
+@pytest.mark.parametrize("variable", sorted(ENV))
+def test_a_missing_setting_is_named(variable):
+    with pytest.raises(MissingSetting, match=f"{variable} .* is not set"):
+        Settings.from_environ({**ENV, variable: " "})
+
+
+def test_the_template_sets_every_variable_the_settings_read():
+    template = load_template(Path(__file__).parents[1] / "template.yaml")
+    variables = template["Globals"]["Function"]["Environment"]["Variables"]
+    assert set(ENV) <= set(variables)
