@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
-from trainfleet.catalogue import UnknownInstanceType, instance_facts
+from trainfleet.catalogue import InstanceFacts, UnknownInstanceType, instance_facts
 
 EVENT_SOURCE = "trainfleet"
 """EventBridge `source` of every event the node agents send."""
@@ -49,7 +49,7 @@ RENDEZVOUS_PORT = 29400
 class _Strict(BaseModel):
     """Our own shapes: unknown fields are an error (a typo must not be silently ignored)."""
 
-    model_config = ConfigDict(extra="forbid", use_enum_values=False)
+    model_config = ConfigDict(extra="forbid")
 
 
 class _Open(BaseModel):
@@ -396,7 +396,7 @@ class RunSpec(_Strict):
         return self
 
     @property
-    def facts(self):
+    def facts(self) -> InstanceFacts:
         """The catalogue entry of the instance type."""
         return instance_facts(self.instance_type)
 
