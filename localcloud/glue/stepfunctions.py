@@ -10,7 +10,9 @@ that. These patches fill the gaps:
   breaks on a quote, backslash or newline in the value; they are now encoded as JSON.
 - Service integrations (lambda:invoke, sqs, events, aws-sdk ...) call `localhost` on
   MOTO_PORT (default 5000), not the server that runs the execution; they now reach this
-  LocalCloud's port.
+  LocalCloud's port. They also built a new boto3 client for every task (about 10 ms of CPU
+  each); clients are now made once per service and region and shared (boto3 clients are
+  thread-safe once made).
 - States.HeartbeatTimeout: a missed heartbeat was reported as States.Timeout, so ASL that
   catches States.HeartbeatTimeout never matched. AWS reports States.HeartbeatTimeout, and
   documents that States.Timeout also matches it; both now match, as does States.ALL.
@@ -22,7 +24,11 @@ that. These patches fill the gaps:
 
 from __future__ import annotations
 
+import importlib
 import json
+import pkgutil
+import sys
+import threading
 import time
 from typing import Any
 
@@ -74,11 +80,39 @@ def encode_variable_declarations(bindings: dict[str, Any]) -> str:
 # --- endpoint of service integrations ----------------------------------------------------
 
 _moto_server_port = boto_client.moto_server_port
+_moto_boto_client_for = boto_client.boto_client_for
+_clients: dict[tuple[str, str, str], Any] = {}
+_clients_lock = threading.Lock()
 
 
 def _integration_port() -> str:
     cloud = active_cloud()
     return str(cloud.port) if cloud is not None else _moto_server_port()
+
+
+def _shared_boto_client_for(region: str, service: str, state_credentials: Any = None) -> Any:
+    """moto's client for an integration (it ignores state_credentials too), made once."""
+    key = (_integration_port(), region, service)
+    with _clients_lock:
+        if key not in _clients:
+            _clients[key] = _moto_boto_client_for(region, service, state_credentials)
+        return _clients[key]
+
+
+def _import_all_integrations() -> None:
+    """Load every state implementation now, so none binds boto_client_for after the rebind."""
+    import moto.stepfunctions.parser.asl.component.state.exec as states
+
+    for module in pkgutil.walk_packages(states.__path__, states.__name__ + "."):
+        importlib.import_module(module.name)
+
+
+def _share_integration_clients() -> None:
+    """Every interpreter module imported boto_client_for by name: rebind it in each."""
+    prefix = "moto.stepfunctions.parser.asl."
+    for name, module in list(sys.modules.items()):
+        if name.startswith(prefix) and getattr(module, "boto_client_for", None) is _moto_boto_client_for:
+            module.boto_client_for = _shared_boto_client_for
 
 
 # --- States.HeartbeatTimeout -------------------------------------------------------------
@@ -150,6 +184,8 @@ def apply() -> None:
     eval_states.encode_jsonata_variable_declarations = encode_variable_declarations
     variable_store.encode_jsonata_variable_declarations = encode_variable_declarations
     boto_client.moto_server_port = _integration_port
+    _import_all_integrations()
+    _share_integration_clients()
     StateTask._from_error = _task_from_error_with_heartbeat
     StepFunctionResponse.send_task_failure = _send_task_failure
     WaitFunction._wait_interval = _scaled_wait_interval
