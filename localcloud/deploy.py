@@ -205,11 +205,10 @@ def deploy(request: DeployRequest) -> DeployedStack:
         raise DeployError(f"cannot reach the local cloud at {request.endpoint}: {error}") from error
 
     template = load_template(request.template)
-    bucket = request.artifact_bucket or f"trainfleet-local-artifacts-{account_id}-{request.region}"
-    _package(template, request.template.parent, client("s3"), bucket, request.region)
-
     parameters = {**_pseudo_parameters(request, account_id),
                   **parameter_values(template.get("Parameters", {}), request.parameters)}
+    bucket = request.artifact_bucket or f"trainfleet-local-artifacts-{account_id}-{request.region}"
+    _package(template, request.template.parent, client("s3"), bucket, request.region)
     template = transform_sam(template, parameters, request.region)
     resolver = Resolver(parameters, mappings=template.get("Mappings", {}))
     resolver.conditions = evaluate_conditions(template.get("Conditions", {}), resolver)
@@ -222,8 +221,8 @@ def deploy(request: DeployRequest) -> DeployedStack:
 
     created: dict[str, DeployedResource] = {}
     for logical_id in creation_order(to_create):
-        resource = to_create[logical_id]
-        created[logical_id] = _create(resource, logical_id, resolver, client, request, account_id, list(created))
+        context = Context(client, request.region, account_id, request.stack_name, logical_id)
+        created[logical_id] = _create(to_create[logical_id], context, resolver, list(created))
 
     outputs = {name: _output_value(resolver, name, output)
                for name, output in template.get("Outputs", {}).items()
@@ -270,22 +269,25 @@ def _check_supported(resources: Mapping[str, Mapping[str, Any]]) -> None:
         unknown_keys = sorted(set(resource) - _INERT_RESOURCE_KEYS)
         if unknown_keys:
             problems.append(f"{logical_id}: resource attribute(s) {unknown_keys} are not supported")
-        unknown_properties = sorted(set(resource.get("Properties", {})) - RESOURCE_TYPES[resource_type].properties)
+        given = set(resource.get("Properties", {}))
+        unknown_properties = sorted(given - RESOURCE_TYPES[resource_type].properties)
         if unknown_properties:
             problems.append(f"{logical_id} ({resource_type}): propert(y/ies) {unknown_properties} not supported")
+        missing = sorted(RESOURCE_TYPES[resource_type].required - given)
+        if missing:
+            problems.append(f"{logical_id} ({resource_type}): required propert(y/ies) {missing} missing")
     if problems:
         raise UnsupportedResourcesError(problems)
 
 
-def _create(resource: Mapping[str, Any], logical_id: str, resolver: Resolver, client: Any,
-            request: DeployRequest, account_id: str, created_so_far: list[str]) -> DeployedResource:
-    resource_type = resource["Type"]
+def _create(resource: Mapping[str, Any], context: Context, resolver: Resolver,
+            created_so_far: list[str]) -> DeployedResource:
+    logical_id, resource_type = context.logical_id, resource["Type"]
     properties = resolver.resolve(resource.get("Properties", {}), f"Resources.{logical_id}.Properties")
-    context = Context(client, request.region, account_id, request.stack_name, logical_id)
     try:
         result = RESOURCE_TYPES[resource_type].create(context, properties)
-    except KeyError as missing:
-        raise ResourceCreateError(logical_id, resource_type, f"missing required property {missing}",
+    except KeyError as missing:  # top-level required properties were checked: this is a nested one
+        raise ResourceCreateError(logical_id, resource_type, f"missing required key {missing} in its properties",
                                   created_so_far) from missing
     except (ClientError, BotoCoreError, ResponseParserError, ValueError, RuntimeError) as error:
         raise ResourceCreateError(logical_id, resource_type, str(error), created_so_far) from error

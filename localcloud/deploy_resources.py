@@ -67,6 +67,8 @@ class ResourceType:
     """Creates the resource from its resolved properties."""
     properties: frozenset[str]
     """Properties this function honours; any other is refused before anything is created."""
+    required: frozenset[str]
+    """Properties without which the resource cannot be created (checked before anything is)."""
 
 
 RESOURCE_TYPES: dict[str, ResourceType] = {}
@@ -83,9 +85,9 @@ def physical_name(stack_name: str, logical_id: str, max_length: int, lowercase: 
     return name.lower() if lowercase else name
 
 
-def _resource(type_name: str, *properties: str) -> Callable:
+def _resource(type_name: str, *properties: str, required: tuple[str, ...] = ()) -> Callable:
     def register(create: Callable[[Context, dict[str, Any]], Created]) -> Callable:
-        RESOURCE_TYPES[type_name] = ResourceType(create, frozenset(properties))
+        RESOURCE_TYPES[type_name] = ResourceType(create, frozenset(properties) | set(required), frozenset(required))
         return create
 
     return register
@@ -123,7 +125,8 @@ def _pick(props: Mapping[str, Any], *names: str) -> dict[str, Any]:
 # --- IAM ------------------------------------------------------------------------------------
 
 @_resource("AWS::IAM::Role", "RoleName", "AssumeRolePolicyDocument", "Description", "ManagedPolicyArns",
-           "MaxSessionDuration", "Path", "PermissionsBoundary", "Policies", "Tags")
+           "MaxSessionDuration", "Path", "PermissionsBoundary", "Policies", "Tags",
+           required=("AssumeRolePolicyDocument",))
 def _role(ctx: Context, props: dict[str, Any]) -> Created:
     iam = ctx.client("iam")
     name = props.get("RoleName") or ctx.name(64)
@@ -149,7 +152,8 @@ def _attach_managed_policy(attach: Callable[..., Any], **request: str) -> None:
         raise
 
 
-@_resource("AWS::IAM::Policy", "PolicyName", "PolicyDocument", "Roles", "Users", "Groups")
+@_resource("AWS::IAM::Policy", "PolicyName", "PolicyDocument", "Roles", "Users", "Groups",
+           required=("PolicyName", "PolicyDocument"))
 def _inline_policy(ctx: Context, props: dict[str, Any]) -> Created:
     iam = ctx.client("iam")
     document = _iam_policy_json(props["PolicyDocument"])
@@ -164,7 +168,7 @@ def _inline_policy(ctx: Context, props: dict[str, Any]) -> Created:
 
 
 @_resource("AWS::IAM::ManagedPolicy", "ManagedPolicyName", "PolicyDocument", "Description", "Path",
-           "Roles", "Users", "Groups")
+           "Roles", "Users", "Groups", required=("PolicyDocument",))
 def _managed_policy(ctx: Context, props: dict[str, Any]) -> Created:
     iam = ctx.client("iam")
     policy = iam.create_policy(PolicyName=props.get("ManagedPolicyName") or ctx.name(128),
@@ -180,7 +184,7 @@ def _managed_policy(ctx: Context, props: dict[str, Any]) -> Created:
     return Created(arn, arn, {"PolicyArn": arn, "PolicyId": policy["PolicyId"]})
 
 
-@_resource("AWS::IAM::InstanceProfile", "InstanceProfileName", "Path", "Roles")
+@_resource("AWS::IAM::InstanceProfile", "InstanceProfileName", "Path", "Roles", required=("Roles",))
 def _instance_profile(ctx: Context, props: dict[str, Any]) -> Created:
     iam = ctx.client("iam")
     name = props.get("InstanceProfileName") or ctx.name(128)
@@ -195,7 +199,7 @@ def _instance_profile(ctx: Context, props: dict[str, Any]) -> Created:
 @_resource("AWS::Lambda::Function", "FunctionName", "Handler", "Runtime", "Role", "Code", "Timeout",
            "MemorySize", "Environment", "Description", "Tags", "Architectures", "TracingConfig", "Layers",
            "EphemeralStorage", "LoggingConfig", "PackageType", "DeadLetterConfig", "KmsKeyArn", "VpcConfig",
-           "ReservedConcurrentExecutions")
+           "ReservedConcurrentExecutions", required=("Code", "Role"))
 def _function(ctx: Context, props: dict[str, Any]) -> Created:
     lam = ctx.client("lambda")
     code = dict(props["Code"])
@@ -221,7 +225,7 @@ def _inline_zip(source: str, runtime: str) -> bytes:
 
 
 @_resource("AWS::Lambda::LayerVersion", "LayerName", "Content", "Description", "CompatibleRuntimes",
-           "CompatibleArchitectures", "LicenseInfo")
+           "CompatibleArchitectures", "LicenseInfo", required=("Content",))
 def _layer_version(ctx: Context, props: dict[str, Any]) -> Created:
     layer = ctx.client("lambda").publish_layer_version(
         LayerName=props.get("LayerName") or ctx.name(64), Content=props["Content"],
@@ -231,7 +235,8 @@ def _layer_version(ctx: Context, props: dict[str, Any]) -> Created:
 
 
 @_resource("AWS::Lambda::Permission", "FunctionName", "Action", "Principal", "SourceArn", "SourceAccount",
-           "EventSourceToken", "PrincipalOrgID", "FunctionUrlAuthType")
+           "EventSourceToken", "PrincipalOrgID", "FunctionUrlAuthType",
+           required=("Action", "FunctionName", "Principal"))
 def _permission(ctx: Context, props: dict[str, Any]) -> Created:
     statement_id = ctx.name(100)
     ctx.client("lambda").add_permission(StatementId=statement_id, **props)
@@ -242,7 +247,7 @@ def _permission(ctx: Context, props: dict[str, Any]) -> Created:
 
 @_resource("AWS::StepFunctions::StateMachine", "StateMachineName", "StateMachineType", "RoleArn", "Definition",
            "DefinitionString", "DefinitionS3Location", "DefinitionSubstitutions", "LoggingConfiguration",
-           "TracingConfiguration", "Tags")
+           "TracingConfiguration", "Tags", required=("RoleArn",))
 def _state_machine(ctx: Context, props: dict[str, Any]) -> Created:
     definition = substitute_definition(_state_machine_definition(ctx, props),
                                        props.get("DefinitionSubstitutions", {}))
@@ -302,7 +307,7 @@ def _placeholders(definition: str) -> list[str]:
 
 # --- EventBridge ----------------------------------------------------------------------------
 
-@_resource("AWS::Events::EventBus", "Name", "Tags")
+@_resource("AWS::Events::EventBus", "Name", "Tags", required=("Name",))
 def _event_bus(ctx: Context, props: dict[str, Any]) -> Created:
     bus = ctx.client("events").create_event_bus(Name=props["Name"], Tags=_tag_list(props.get("Tags")))
     return Created(props["Name"], bus["EventBusArn"], {"Arn": bus["EventBusArn"], "Name": props["Name"]})
@@ -333,7 +338,7 @@ def _rule(ctx: Context, props: dict[str, Any]) -> Created:
 @_resource("AWS::DynamoDB::Table", "TableName", "KeySchema", "AttributeDefinitions", "BillingMode",
            "ProvisionedThroughput", "GlobalSecondaryIndexes", "LocalSecondaryIndexes", "StreamSpecification",
            "SSESpecification", "TimeToLiveSpecification", "PointInTimeRecoverySpecification", "Tags",
-           "TableClass", "DeletionProtectionEnabled")
+           "TableClass", "DeletionProtectionEnabled", required=("KeySchema",))
 def _table(ctx: Context, props: dict[str, Any]) -> Created:
     dynamodb = ctx.client("dynamodb")
     request = _pick(props, "KeySchema", "AttributeDefinitions", "BillingMode", "ProvisionedThroughput",
@@ -427,7 +432,7 @@ def bucket_notifications(notification: Mapping[str, Any]) -> dict[str, Any]:
     return {"EventBridgeConfiguration": {}} if enabled else {}
 
 
-@_resource("AWS::S3::BucketPolicy", "Bucket", "PolicyDocument")
+@_resource("AWS::S3::BucketPolicy", "Bucket", "PolicyDocument", required=("Bucket", "PolicyDocument"))
 def _bucket_policy(ctx: Context, props: dict[str, Any]) -> Created:
     ctx.client("s3").put_bucket_policy(Bucket=props["Bucket"], Policy=_as_json(props["PolicyDocument"]))
     return Created(props["Bucket"], None, {})
@@ -452,7 +457,7 @@ def _queue_attribute(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-@_resource("AWS::SQS::QueuePolicy", "Queues", "PolicyDocument")
+@_resource("AWS::SQS::QueuePolicy", "Queues", "PolicyDocument", required=("Queues", "PolicyDocument"))
 def _queue_policy(ctx: Context, props: dict[str, Any]) -> Created:
     sqs = ctx.client("sqs")
     for queue_url in props["Queues"]:
@@ -489,7 +494,8 @@ _ALARM_PROPERTIES = ("AlarmDescription", "ActionsEnabled", "OKActions", "AlarmAc
                      "EvaluateLowSampleCountPercentile", "Metrics", "ThresholdMetricId")
 
 
-@_resource("AWS::CloudWatch::Alarm", "AlarmName", "Tags", *_ALARM_PROPERTIES)
+@_resource("AWS::CloudWatch::Alarm", "AlarmName", "Tags", *_ALARM_PROPERTIES,
+           required=("ComparisonOperator", "EvaluationPeriods"))
 def _alarm(ctx: Context, props: dict[str, Any]) -> Created:
     name = props.get("AlarmName") or ctx.name(255)
     request = _pick(props, *_ALARM_PROPERTIES)
@@ -503,7 +509,7 @@ def _alarm(ctx: Context, props: dict[str, Any]) -> Created:
     return Created(name, arn, {"Arn": arn})
 
 
-@_resource("AWS::CloudWatch::Dashboard", "DashboardName", "DashboardBody")
+@_resource("AWS::CloudWatch::Dashboard", "DashboardName", "DashboardBody", required=("DashboardBody",))
 def _dashboard(ctx: Context, props: dict[str, Any]) -> Created:
     name = props.get("DashboardName") or ctx.name(255)
     result = ctx.client("cloudwatch").put_dashboard(DashboardName=name, DashboardBody=_as_json(props["DashboardBody"]))
@@ -515,7 +521,7 @@ def _dashboard(ctx: Context, props: dict[str, Any]) -> Created:
 # --- EC2 ------------------------------------------------------------------------------------
 
 @_resource("AWS::EC2::LaunchTemplate", "LaunchTemplateName", "LaunchTemplateData", "TagSpecifications",
-           "VersionDescription")
+           "VersionDescription", required=("LaunchTemplateData",))
 def _launch_template(ctx: Context, props: dict[str, Any]) -> Created:
     template = ctx.client("ec2").create_launch_template(
         LaunchTemplateName=props.get("LaunchTemplateName") or ctx.name(128),
@@ -539,7 +545,7 @@ def _placement_group(ctx: Context, props: dict[str, Any]) -> Created:
 
 
 @_resource("AWS::EC2::SecurityGroup", "GroupName", "GroupDescription", "VpcId", "SecurityGroupIngress",
-           "SecurityGroupEgress", "Tags")
+           "SecurityGroupEgress", "Tags", required=("GroupDescription",))
 def _security_group(ctx: Context, props: dict[str, Any]) -> Created:
     ec2 = ctx.client("ec2")
     tags = [{"ResourceType": "security-group", "Tags": _tag_list(props["Tags"])}] if props.get("Tags") else []
@@ -602,5 +608,7 @@ def _security_group_rule(direction: str) -> Callable[[Context, dict[str, Any]], 
     return create
 
 
-_resource("AWS::EC2::SecurityGroupIngress", "GroupId", *_RULE_KEYS)(_security_group_rule("ingress"))
-_resource("AWS::EC2::SecurityGroupEgress", "GroupId", *_RULE_KEYS)(_security_group_rule("egress"))
+_resource("AWS::EC2::SecurityGroupIngress", "GroupId", *_RULE_KEYS,
+          required=("GroupId", "IpProtocol"))(_security_group_rule("ingress"))
+_resource("AWS::EC2::SecurityGroupEgress", "GroupId", *_RULE_KEYS,
+          required=("GroupId", "IpProtocol"))(_security_group_rule("egress"))

@@ -318,12 +318,17 @@ Resources:
   Table:
     Type: AWS::DynamoDB::Table
     Properties: {KinesisStreamSpecification: {StreamArn: x}}
+  Alarm:
+    Type: AWS::CloudWatch::Alarm
+    Properties: {EvaluationPeriods: 1}
 """)
     with pytest.raises(UnsupportedResourcesError) as raised:
         deploy(DeployRequest(template, cloud.endpoint))
     assert raised.value.problems[0].startswith("Queue: resource type 'AWS::Batch::JobQueue' is not supported")
-    assert raised.value.problems[1] == (
-        "Table (AWS::DynamoDB::Table): propert(y/ies) ['KinesisStreamSpecification'] not supported")
+    assert raised.value.problems[1:] == [
+        "Table (AWS::DynamoDB::Table): propert(y/ies) ['KinesisStreamSpecification'] not supported",
+        "Table (AWS::DynamoDB::Table): required propert(y/ies) ['KeySchema'] missing",
+        "Alarm (AWS::CloudWatch::Alarm): required propert(y/ies) ['ComparisonOperator'] missing"]
     buckets = [b["Name"] for b in cloud.client("s3").list_buckets()["Buckets"]]
     assert "never-created-bucket" not in buckets
 
