@@ -558,6 +558,7 @@ class FailureReport(_Strict):
     """A classified failure: what the event handler sends with SendTaskFailure (as the cause)."""
 
     failure_class: FailureClass
+    """What went wrong."""
     attempt: int = Field(ge=0)
     """The attempt it happened in."""
     instance_ids: list[str] = Field(default_factory=list)
@@ -630,18 +631,22 @@ class FailureRecord(_Strict):
     """One handled failure, for the restart budget and the crash-loop rule."""
 
     failure_class: FailureClass
+    """What went wrong."""
     resume_step: int | None
     """Latest committed step when it happened: equal steps in a row mean no progress."""
     at: datetime
+    """When the recovery decision was taken."""
 
 
 class CheckpointRef(_Strict):
     """A committed checkpoint as the control plane knows it."""
 
     step: int = Field(ge=0)
+    """Training step the checkpoint was taken after."""
     uri: str
     """s3://.../step-NNNNNNNNN (the folder the trainer resumes from)."""
     committed_at: datetime | None = None
+    """Commit time from the marker."""
 
 
 class GoodputLedger(_Strict):
@@ -667,16 +672,22 @@ class TaskWait(_Strict):
     """A Step Functions task token the run is parked on (AwaitNodes or Train)."""
 
     purpose: Literal["await_nodes", "train"]
+    """Which task waits: AwaitNodes (all workers ready) or Train (completion, heartbeats)."""
     attempt: int = Field(ge=0)
+    """The attempt the task belongs to; events of other attempts must not answer it."""
     token: str = Field(min_length=1)
+    """The Step Functions task token."""
 
 
 class RunRecord(_Strict):
     """The run's row in DynamoDB. `version` increments on every write (optimistic locking)."""
 
     run_name: str
+    """Key of the run (RunSpec.run_name)."""
     spec: RunSpec
+    """The validated input, as started."""
     state: RunState = RunState.REQUESTED
+    """Where the run is (see RunState's diagram)."""
     attempt: int = Field(default=0, ge=0)
     """Incremented by every recovery; events of older attempts are ignored."""
     restarts: int = Field(default=0, ge=0)
@@ -686,60 +697,89 @@ class RunRecord(_Strict):
     plan: ParallelPlan | None = None
     """Current world layout."""
     execution_arn: str | None = None
+    """The Step Functions execution driving the run."""
     availability_zone: str | None = None
     """Zone the fleet landed in; replacements go there (one cluster placement group)."""
     subnet_id: str | None = None
+    """Subnet of that zone, the only one replacements are requested in."""
     placement_group: str | None = None
+    """Cluster placement group of the fleet."""
     launch_template_id: str | None = None
+    """The run's launch template."""
     latest_checkpoint: CheckpointRef | None = None
+    """Newest committed checkpoint known: where the next attempt resumes."""
     waiting: TaskWait | None = None
     """The token to answer when the awaited event comes; cleared when answered."""
     attempt_started_at: datetime | None = None
+    """When the current attempt began (allocation or recovery)."""
     first_step_at: datetime | None = None
     """First training step of the current attempt (ends its start-up time)."""
     last_step: int | None = None
+    """Latest step reported by progress events."""
     last_progress_at: datetime | None = None
+    """When that step was reported."""
     ledger: GoodputLedger = Field(default_factory=GoodputLedger)
+    """Productive and lost time, node time and cost so far."""
     error: str | None = None
     """Why the run failed (set before TEARING_DOWN on the failure path)."""
     created_at: datetime | None = None
+    """Set by the run store on creation."""
     updated_at: datetime | None = None
+    """Set by the run store on every write."""
     version: int = Field(default=0, ge=0)
+    """Optimistic lock: every write is conditioned on the version it read."""
 
 
 class NodeRecord(_Strict):
     """One instance of a run, a DynamoDB item beside the run's."""
 
     run_name: str
+    """The run it belongs to."""
     instance_id: str
+    """EC2 instance id (the by-instance index key)."""
     state: NodeState = NodeState.LAUNCHED
+    """Where the node is (see NodeState's diagram)."""
     role: NodeRole = NodeRole.WORKER
+    """Worker in the world, or spare."""
     attempt: int = Field(default=0, ge=0)
     """Attempt in which the node was launched."""
     node_rank: int | None = None
     """Rank in the current launch spec; None for spares and unassigned nodes."""
     availability_zone: str | None = None
+    """Zone it runs in."""
     subnet_id: str | None = None
+    """Subnet of its primary interface."""
     private_ip: str | None = None
+    """Its private IP, from NodeRegistered (node rank 0's is the rendezvous host)."""
     market: CapacityKind = CapacityKind.ON_DEMAND
+    """How it was bought: a Spot node can get interruption warnings."""
     failure_class: FailureClass | None = None
+    """Why it was marked UNHEALTHY."""
     reason: str | None = None
+    """For people: the event or check that marked it."""
     launched_at: datetime | None = None
+    """Set by the run store when first recorded."""
     updated_at: datetime | None = None
+    """Set by the run store on every write."""
     version: int = Field(default=0, ge=0)
+    """Optimistic lock, as on RunRecord."""
 
 
 class LaunchSpec(_Strict):
     """What every node agent of an attempt reads to start torchrun."""
 
     run_name: str
+    """The run."""
     attempt: int = Field(ge=0)
+    """The attempt this world belongs to; an agent of another attempt must not join."""
     plan: ParallelPlan
+    """Nodes, ranks per node, pp and dp."""
     node_ranks: dict[str, int]
     """instance id -> torchrun node rank; node rank 0 hosts the rendezvous."""
     rendezvous_host: str
     """Private IP of node rank 0."""
     rendezvous_port: int = RENDEZVOUS_PORT
+    """c10d rendezvous port on node rank 0."""
     rendezvous_id: str
     """Unique per attempt, so a restarted world never joins a stale rendezvous."""
     trainer_config: dict[str, Any]
@@ -761,7 +801,9 @@ class RunRef(_Strict):
     """What Step Functions states pass along: a reference, the fleet lives in DynamoDB."""
 
     run_name: str
+    """The run."""
     attempt: int = Field(default=0, ge=0)
+    """Its current attempt."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -853,6 +895,7 @@ class AgentEvent(_Strict):
     DETAIL_TYPE: ClassVar[DetailType]
 
     run_name: str
+    """The run the sender belongs to."""
     attempt: int = Field(ge=0)
     """The attempt the sender belongs to: events of an older attempt are ignored."""
     instance_id: str | None = None
@@ -865,39 +908,59 @@ class HealthCheckResult(_Strict):
     name: str
     """e.g. gpu_count, efa_devices, gpu_errors, allreduce_busbw."""
     passed: bool
+    """Whether the node may train."""
     measured: float | None = None
     """The figure checked (count, GB/s), when there is one."""
     expected: float | None = None
+    """The figure required (the catalogue's, e.g. busbw_floor_gbytes_per_s)."""
     detail: str = ""
+    """For people: what was seen."""
 
 
 class NodeRegistered(AgentEvent):
+    """The agent is up on its instance."""
+
     DETAIL_TYPE: ClassVar[DetailType] = DetailType.NODE_REGISTERED
 
     instance_id: str
+    """The instance (from IMDSv2)."""
     private_ip: str
+    """Its private IP, where node rank 0 hosts the rendezvous."""
     availability_zone: str | None = None
+    """Its zone (from IMDSv2)."""
 
 
 class NodeReady(AgentEvent):
+    """Preflight passed: the node may join the world."""
+
     DETAIL_TYPE: ClassVar[DetailType] = DetailType.NODE_READY
 
     instance_id: str
+    """The instance."""
     checks: list[HealthCheckResult] = Field(default_factory=list)
+    """The checks run, all passed."""
 
 
 class NodeUnhealthy(AgentEvent):
+    """A check failed, in preflight or while training: replace this node."""
+
     DETAIL_TYPE: ClassVar[DetailType] = DetailType.NODE_UNHEALTHY
 
     instance_id: str
+    """The instance."""
     reason: str
+    """For people: which check failed and how."""
     checks: list[HealthCheckResult] = Field(default_factory=list)
+    """The checks run, the failed ones among them."""
 
 
 class CheckpointCommitted(AgentEvent):
+    """Rank 0 wrote the commit marker of a checkpoint."""
+
     DETAIL_TYPE: ClassVar[DetailType] = DetailType.CHECKPOINT_COMMITTED
 
     step: int = Field(ge=0)
+    """Training step of the checkpoint."""
     uri: str
     """The step folder, s3://.../step-NNNNNNNNN."""
     stall_seconds: float = Field(default=0.0, ge=0)
@@ -905,26 +968,40 @@ class CheckpointCommitted(AgentEvent):
 
 
 class TrainerFailed(AgentEvent):
+    """The trainer exited with an error or diverged."""
+
     DETAIL_TYPE: ClassVar[DetailType] = DetailType.TRAINER_FAILED
 
     kind: TrainerFailureKind
+    """crash, nan_loss or config (config errors are not retried)."""
     exit_code: int | None = None
+    """torchrun's exit code, when it exited."""
     message: str = ""
+    """For people: the end of the error output."""
     last_step: int | None = None
+    """Last step completed."""
 
 
 class TrainerHung(AgentEvent):
+    """The agent's watchdog saw no step for too long."""
+
     DETAIL_TYPE: ClassVar[DetailType] = DetailType.TRAINER_HUNG
 
     last_step: int | None = None
+    """Last step completed."""
     seconds_since_progress: float = Field(ge=0)
+    """How long since it completed."""
 
 
 class TrainingCompleted(AgentEvent):
+    """The trainer ran all its steps."""
+
     DETAIL_TYPE: ClassVar[DetailType] = DetailType.TRAINING_COMPLETED
 
     final_step: int = Field(ge=0)
+    """The last step."""
     checkpoint_uri: str | None = None
+    """The final checkpoint's folder, if one was saved."""
 
 
 class TrainingProgress(AgentEvent):
@@ -933,9 +1010,13 @@ class TrainingProgress(AgentEvent):
     DETAIL_TYPE: ClassVar[DetailType] = DetailType.TRAINING_PROGRESS
 
     step: int = Field(ge=0)
+    """Step just completed."""
     loss: float
+    """Its training loss (may be NaN: that is reported, not refused)."""
     tokens_per_second: float = Field(ge=0)
+    """Throughput of the whole world."""
     step_seconds: float = Field(ge=0)
+    """Wall-clock time of the step."""
 
 
 AnyDetail = (Ec2InstanceStateChange | Ec2SpotInterruptionWarning | Ec2RebalanceRecommendation
