@@ -5,7 +5,7 @@ statemachine/training_run.asl.json matches on these. (Failures the event handler
 through SendTaskFailure use trainfleet.contracts.FAILURE_ERROR.)
 """
 
-__all__ = ["InvalidRunSpec", "RecoveryGaveUp"]
+__all__ = ["InvalidRunSpec", "RecoveryGaveUp", "CapacityUnavailable", "TeardownIncomplete"]
 
 
 class InvalidRunSpec(ValueError):
@@ -16,3 +16,13 @@ class InvalidRunSpec(ValueError):
 class RecoveryGaveUp(RuntimeError):
     """Recover decided to stop (restart budget spent, crash loop, unrecoverable failure); the
     message is the decision's reason."""
+
+
+class CapacityUnavailable(RuntimeError):
+    """No subnet could launch the instances needed now (InsufficientInstanceCapacity and
+    kin); the state machine retries with backoff. The message lists each zone's errors."""
+
+
+class TeardownIncomplete(RuntimeError):
+    """Something of the run is still in use (a placement group whose instances are still
+    shutting down); Teardown is retried until nothing is left."""

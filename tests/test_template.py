@@ -162,3 +162,21 @@ def test_sam_validate_lint_and_statelint_pass(capsys):
     output = capsys.readouterr().out
     assert status == 0, output
     assert "is a valid SAM Template" in output
+
+
+def test_dashboard_body_is_json_and_charts_the_metrics_the_code_emits(template):
+    import re
+
+    from trainfleet.adapters.metrics import checkpoint_metrics, progress_metrics
+    from trainfleet.contracts import CheckpointCommitted, TrainingProgress
+
+    body = template["Resources"]["Dashboard"]["Properties"]["DashboardBody"]["Fn::Sub"]
+    widgets = json.loads(re.sub(r"\$\{[^}]+\}", "x", body))["widgets"]
+    charted = json.dumps(widgets)
+    progress = progress_metrics(TrainingProgress(run_name="r", attempt=0, step=1, loss=2.0,
+                                                 tokens_per_second=1.0, step_seconds=1.0), "Trainfleet")
+    stall = checkpoint_metrics(CheckpointCommitted(run_name="r", attempt=0, step=1, uri="s3://b/k"),
+                               "Trainfleet")
+    for name in ("Loss", "TokensPerSecond", "StepTime", "CheckpointStall"):
+        assert name in progress or name in stall, name
+        assert f'MetricName=\\"{name}\\"' in charted, name

@@ -1,0 +1,59 @@
+"""Allocate: launch template, cluster placement group, CreateFleet; record the nodes and the plan.
+
+Workers first, then spares. Fewer instances than node_count are accepted only down to the
+RunSpec's min_nodes, with pp x dp re-planned for what came; none at all raises
+CapacityUnavailable, which the state machine retries with backoff.
+"""
+
+from typing import Any
+
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.parser import event_parser
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from functions.common import RunPayload, aws, logger, metrics, tracer
+from functions.errors import CapacityUnavailable
+from trainfleet.adapters.ec2_fleet import Allocation, allocate, ensure_launch_template
+from trainfleet.contracts import CapacityKind, NodeRecord, NodeRole, RunState
+from trainfleet.lifecycle import plan_layout
+
+
+def record_nodes(run_name: str, attempt: int, allocation: Allocation, workers: int,
+                 market: CapacityKind) -> None:
+    """One node record per instance: the first `workers` are workers, the rest spares."""
+    for index, instance_id in enumerate(allocation.instance_ids):
+        aws().store.add_node(NodeRecord(
+            run_name=run_name, instance_id=instance_id, attempt=attempt,
+            role=NodeRole.WORKER if index < workers else NodeRole.SPARE,
+            availability_zone=allocation.availability_zone, subnet_id=allocation.subnet_id, market=market))
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@metrics.log_metrics
+@event_parser(model=RunPayload)
+def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
+    cloud, name = aws(), event.run.run_name
+    run = cloud.store.transition_run(name, RunState.ALLOCATING)
+    spec = run.spec
+    template_id = ensure_launch_template(cloud.ec2, spec, cloud.settings)
+    allocation = allocate(cloud.ec2, spec, template_id, spec.capacity.subnet_ids,
+                          target=spec.node_count + spec.spare_count, minimum=spec.shrink_floor,
+                          token_prefix=f"{name}/{run.attempt}")
+    if not allocation.instance_ids:
+        raise CapacityUnavailable("; ".join(allocation.errors) or "no subnet launched any instance")
+    workers = min(len(allocation.instance_ids), spec.node_count)
+    plan = plan_layout(spec.trainer, spec.facts.ranks_per_node, available_nodes=workers,
+                       min_nodes=spec.shrink_floor, preferred_pp=spec.trainer.parallel.pp)
+    if plan is None:
+        raise CapacityUnavailable(f"{workers} nodes launched and no layout of the trainer runs on "
+                                  f"{spec.shrink_floor}..{workers} of them")
+    record_nodes(name, run.attempt, allocation, plan.nodes, spec.capacity.kind)
+    cloud.store.modify_run(name, lambda current: current.model_copy(update={
+        "plan": plan, "subnet_id": allocation.subnet_id, "availability_zone": allocation.availability_zone,
+        "placement_group": allocation.placement_group, "launch_template_id": template_id}))
+    metrics.add_metric(name="InstancesLaunched", unit=MetricUnit.Count, value=len(allocation.instance_ids))
+    logger.info("fleet allocated", run_name=name, instances=len(allocation.instance_ids),
+                zone=allocation.availability_zone, shortfall=allocation.shortfall, plan=plan.model_dump())
+    return {"instances": len(allocation.instance_ids), "workers": plan.nodes,
+            "availability_zone": allocation.availability_zone}

@@ -1,0 +1,23 @@
+"""AwaitNodes: park the task token on the run; the event handler answers it when the world is
+ready. Nodes that were ready before the token was parked are answered for here."""
+
+from typing import Any
+
+from aws_lambda_powertools.utilities.parser import event_parser
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from functions.common import TaskPayload, answer_if_world_complete, aws, logger, metrics, tracer
+from trainfleet.contracts import RunState, TaskWait
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@metrics.log_metrics
+@event_parser(model=TaskPayload)
+def handler(event: TaskPayload, context: LambdaContext) -> dict[str, Any]:
+    store, ref = aws().store, event.run.run
+    store.transition_run(ref.run_name, RunState.AWAITING_NODES)
+    store.park_task(ref.run_name, TaskWait(purpose="await_nodes", attempt=ref.attempt, token=event.task_token))
+    answered = answer_if_world_complete(ref.run_name)
+    logger.info("waiting for nodes", run_name=ref.run_name, attempt=ref.attempt, answered_now=answered)
+    return {"answered_now": answered}

@@ -1,0 +1,176 @@
+"""What every handler shares: Powertools, the settings and AWS clients, the state payloads.
+
+Logger, Tracer and Metrics are module-level, as Powertools recommends. The settings and the
+clients are built by `aws()` on a function's first invocation and kept for the life of the
+execution environment, so a missing setting fails that cold start with the variable's name.
+They are not built at import because the local cloud runs every function of a deployment, and
+its tests several deployments, in one process: `aws.cache_clear()` starts over.
+
+The payload models are the shapes statemachine/training_run.asl.json passes between states:
+references only (the run's name and attempt), never the fleet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Literal
+
+import boto3
+from aws_lambda_powertools import Logger, Metrics, Tracer
+from aws_lambda_powertools.metrics import MetricUnit
+from pydantic import BaseModel, ConfigDict
+
+from trainfleet.adapters.run_store import RunStore
+from trainfleet.contracts import FAILURE_ERROR, FailureReport, RecoveryAction, RunRef, RunSpec
+from trainfleet.lifecycle import ready_workers, world_complete
+from trainfleet.settings import MissingSetting, Settings
+
+__all__ = ["logger", "tracer", "metrics", "Aws", "aws", "answer_task", "answer_if_world_complete",
+           "Timeouts", "CaughtError", "RecoveryStep", "RunPayload", "TaskPayload", "launch_spec_key",
+           "report_key"]
+
+IDEMPOTENCY_TABLE_VARIABLE = "TRAINFLEET_IDEMPOTENCY_TABLE"
+
+logger = Logger()
+tracer = Tracer()
+metrics = Metrics()
+
+
+@dataclass(frozen=True)
+class Aws:
+    """The settings and one client per service, shared by every invocation."""
+
+    settings: Settings
+    idempotency_table: str
+    """DynamoDB table of the event handler's idempotency records (TRAINFLEET_IDEMPOTENCY_TABLE)."""
+    store: RunStore
+    ec2: Any
+    s3: Any
+    sfn: Any
+    dynamodb: Any
+
+
+@cache
+def aws() -> Aws:
+    settings = Settings.from_environ()
+    idempotency_table = os.environ.get(IDEMPOTENCY_TABLE_VARIABLE, "").strip()
+    if not idempotency_table:
+        raise MissingSetting(f"environment variable {IDEMPOTENCY_TABLE_VARIABLE} is not set")
+    dynamodb = boto3.client("dynamodb")
+    return Aws(settings=settings, idempotency_table=idempotency_table,
+               store=RunStore(dynamodb, settings.run_table), ec2=boto3.client("ec2"),
+               s3=boto3.client("s3"), sfn=boto3.client("stepfunctions"), dynamodb=dynamodb)
+
+
+def answer_task(run_name: str, purpose: Literal["await_nodes", "train"], attempt: int, *,
+                output: dict[str, Any] | None = None, failure: FailureReport | None = None) -> bool:
+    """Answer the task token parked for (purpose, attempt): success with `output`, or failure
+    with `failure` as the cause. The store hands the token to one caller only, so of many
+    handlers racing on duplicate or concurrent events exactly one answers. True if this one did.
+    """
+    cloud = aws()
+    token = cloud.store.take_task_token(run_name, purpose, attempt)
+    if token is None:
+        return False
+    try:
+        if failure is None:
+            cloud.sfn.send_task_success(taskToken=token, output=json.dumps(output or {}))
+        else:
+            cloud.sfn.send_task_failure(taskToken=token, error=FAILURE_ERROR, cause=failure.model_dump_json())
+    except (cloud.sfn.exceptions.TaskTimedOut, cloud.sfn.exceptions.InvalidToken,
+            cloud.sfn.exceptions.TaskDoesNotExist) as exc:
+        # The task ended on its own first (its timeout); the state machine has moved on.
+        logger.warning("task token no longer answerable", run_name=run_name, purpose=purpose, error=str(exc))
+        return False
+    metrics.add_metric(name="TaskTokensAnswered", unit=MetricUnit.Count, value=1)
+    logger.info("task answered", run_name=run_name, purpose=purpose, attempt=attempt,
+                failed=failure is not None)
+    return True
+
+
+def answer_if_world_complete(run_name: str) -> bool:
+    """Succeed AwaitNodes once enough workers passed preflight for the run's plan."""
+    store = aws().store
+    run = store.run(run_name)
+    if run.plan is None or run.waiting is None or run.waiting.purpose != "await_nodes":
+        return False
+    nodes = store.nodes(run_name)
+    if not world_complete(nodes, run.plan):
+        return False
+    return answer_task(run_name, "await_nodes", run.attempt,
+                       output={"ready_workers": len(ready_workers(nodes))})
+
+
+def launch_spec_key(run_name: str) -> str:
+    """S3 key (in the stack's bucket) of the run's current launch spec; agents poll it and act
+    on an attempt newer than the one they run."""
+    return f"runs/{run_name}/launch-spec.json"
+
+
+def report_key(run_name: str) -> str:
+    """S3 key of the run report."""
+    return f"runs/{run_name}/report.json"
+
+
+class _Payload(BaseModel):
+    # A field the state machine does not send is a drift between the ASL and the code.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def to_state(self) -> dict[str, Any]:
+        """As JSON for the next state. Absent fields are left out, never null: the Outcome
+        state tests `$.failure` with IsPresent."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class Timeouts(_Payload):
+    """Task timeouts the state machine reads by path (TimeoutSecondsPath, HeartbeatSecondsPath)."""
+
+    boot_seconds: int
+    """AwaitNodes' timeout: RunSpec.recovery.boot_timeout_seconds."""
+    heartbeat_seconds: int
+    """Train's HeartbeatSeconds: RunSpec.recovery.hang_timeout_seconds."""
+
+    @classmethod
+    def of(cls, spec: RunSpec) -> Timeouts:
+        return cls(boot_seconds=spec.recovery.boot_timeout_seconds,
+                   heartbeat_seconds=spec.recovery.hang_timeout_seconds)
+
+
+class CaughtError(BaseModel):
+    """What a Catch with ResultPath $.failure adds: Step Functions' own field names."""
+
+    model_config = ConfigDict(frozen=True)
+
+    Error: str
+    Cause: str | None = None
+
+
+class RecoveryStep(_Payload):
+    """What Recover decided, for the execution history and the backoff Wait state."""
+
+    action: RecoveryAction | None = None
+    """None when this invocation carried on a recovery an interrupted one had decided."""
+    reason: str
+    backoff_seconds: int
+    """The RecoveryBackoff state's SecondsPath (whole seconds)."""
+
+
+class RunPayload(_Payload):
+    """The state every task after Validate receives and (unless its ResultPath is null) returns."""
+
+    run: RunRef
+    timeouts: Timeouts
+    failure: CaughtError | None = None
+    """Set by a Catch; its presence makes the run end as failed."""
+    recovery: RecoveryStep | None = None
+    """Set by Recover for the backoff that follows it."""
+
+
+class TaskPayload(_Payload):
+    """Input of the .waitForTaskToken tasks (AwaitNodes, Train)."""
+
+    run: RunPayload
+    task_token: str

@@ -1,0 +1,204 @@
+"""One handler for every EventBridge event: EC2 state changes, Spot warnings, rebalance
+recommendations, AWS Health events, and the node agents' own events.
+
+Idempotent on the event id (Powertools, DynamoDB): a redelivered event is answered from the
+idempotency table and acts once. Beyond that, what an event may change is decided from the
+records: an agent event of an attempt already replaced is ignored (lifecycle.is_stale), and an
+AWS event about a node the run has already retired only records that the instance is gone.
+A failure answers the parked task token with trainfleet.Failure only when it concerns the
+run's current world: a lost spare is recorded, not fought over.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from functools import cache
+from typing import Any, Callable
+
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.idempotency import (DynamoDBPersistenceLayer, IdempotencyConfig,
+                                                          idempotent_function)
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from functions.common import Aws, answer_if_world_complete, answer_task, aws, logger, metrics, tracer
+from trainfleet.adapters.checkpoints import CheckpointInvalid, verify_checkpoint
+from trainfleet.adapters.metrics import checkpoint_metrics, emit, progress_metrics
+from trainfleet.adapters.run_store import RunNotFound
+from trainfleet.contracts import (AgentEvent, CheckpointCommitted, Ec2InstanceStateChange,
+                                  FailureReport, HealthEvent, NodeReady, NodeRecord, NodeRegistered,
+                                  NodeRole, NodeState, RunRecord, TrainingCompleted,
+                                  TrainingProgress, parse_event)
+from trainfleet.lifecycle import classify_event, is_stale
+
+_RETIRED = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+# --- agent events that move a node or the run forward --------------------------------------
+
+def node_registered(run: RunRecord, detail: NodeRegistered) -> str:
+    store = aws().store
+    node = store.node(run.run_name, detail.instance_id)
+    update = {"private_ip": detail.private_ip,
+              "availability_zone": detail.availability_zone or node.availability_zone}
+    # NodeReady may have overtaken this event (EventBridge keeps no order): then only the
+    # address is recorded.
+    if node.state is NodeState.LAUNCHED:
+        store.transition_node(run.run_name, detail.instance_id, NodeState.REGISTERED, **update)
+    else:
+        store.modify_node(run.run_name, detail.instance_id, lambda current: current.model_copy(update=update))
+    return "node registered"
+
+
+def node_ready(run: RunRecord, detail: NodeReady) -> str:
+    store = aws().store
+    node = store.node(run.run_name, detail.instance_id)
+    if node.state in _RETIRED:
+        return "ignored: node already retired"
+    if node.state is NodeState.LAUNCHED:
+        store.transition_node(run.run_name, detail.instance_id, NodeState.REGISTERED)
+    if node.state is not NodeState.READY:
+        store.transition_node(run.run_name, detail.instance_id, NodeState.READY)
+    answered = answer_if_world_complete(run.run_name)
+    return "node ready, world complete" if answered else "node ready"
+
+
+def checkpoint_committed(run: RunRecord, detail: CheckpointCommitted) -> str:
+    cloud = aws()
+    try:
+        # An agent's claim is checked against S3 (marker and every file) before it counts.
+        checkpoint = verify_checkpoint(cloud.s3, run.spec.checkpoint.s3_uri, detail.step)
+    except CheckpointInvalid as exc:
+        logger.warning("checkpoint claim rejected", run_name=run.run_name, step=detail.step, error=str(exc))
+        return "ignored: checkpoint not whole"
+    cloud.store.modify_run(run.run_name, lambda current: current if (
+        current.latest_checkpoint and current.latest_checkpoint.step >= checkpoint.step)
+        else current.model_copy(update={"latest_checkpoint": checkpoint}))
+    emit(checkpoint_metrics(detail, cloud.settings.metrics_namespace))
+    return f"checkpoint step {checkpoint.step} recorded"
+
+
+def training_progress(run: RunRecord, detail: TrainingProgress) -> str:
+    cloud, now = aws(), _now()
+    cloud.store.modify_run(run.run_name, lambda current: current.model_copy(update={
+        "last_step": detail.step, "last_progress_at": now,
+        "first_step_at": current.first_step_at or now}))
+    emit(progress_metrics(detail, cloud.settings.metrics_namespace))
+    return f"progress at step {detail.step}"
+
+
+def training_completed(run: RunRecord, detail: TrainingCompleted) -> str:
+    answered = answer_task(run.run_name, "train", run.attempt, output={"final_step": detail.final_step})
+    return "training completed" if answered else "ignored: training was not waiting"
+
+
+# --- failures -----------------------------------------------------------------------------
+
+def failure(run: RunRecord, nodes: list[NodeRecord], report: FailureReport) -> str:
+    """Retire the blamed nodes, then fail the parked task if the failure touches the world."""
+    store = aws().store
+    blamed = [node for node in nodes if node.instance_id in report.instance_ids]
+    for node in blamed:
+        store.transition_node(run.run_name, node.instance_id, NodeState.UNHEALTHY,
+                              failure_class=report.failure_class, reason=report.message)
+    world_hit = not report.instance_ids or any(node.role is NodeRole.WORKER for node in blamed)
+    if run.waiting is None or not world_hit:
+        return f"{report.failure_class.value} recorded"
+    answered = answer_task(run.run_name, run.waiting.purpose, run.attempt, failure=report)
+    return f"{report.failure_class.value}: task failed" if answered else f"{report.failure_class.value} recorded"
+
+
+def instance_gone(run: RunRecord, node: NodeRecord, detail: Ec2InstanceStateChange) -> str:
+    """EC2 news about a node the run already retired: only the record follows."""
+    if detail.state == "terminated" and node.state is not NodeState.TERMINATED:
+        aws().store.transition_node(run.run_name, node.instance_id, NodeState.TERMINATED)
+        return "node terminated"
+    return "ignored: node already retired"
+
+
+# --- routing ------------------------------------------------------------------------------
+
+_AGENT_STEPS: dict[type, Callable[[RunRecord, Any], str]] = {
+    NodeRegistered: node_registered,
+    NodeReady: node_ready,
+    CheckpointCommitted: checkpoint_committed,
+    TrainingProgress: training_progress,
+    TrainingCompleted: training_completed,
+}
+
+
+def _aws_event_nodes(detail: Any) -> list[NodeRecord]:
+    """The run nodes an AWS event names; instances of no run are not ours."""
+    instance_ids = detail.instance_ids if isinstance(detail, HealthEvent) else [detail.instance_id]
+    found = (aws().store.node_by_instance(instance_id) for instance_id in instance_ids)
+    return [node for node in found if node is not None]
+
+
+def handle_agent_event(detail: AgentEvent) -> str:
+    try:
+        run = aws().store.run(detail.run_name)
+    except RunNotFound:
+        return "ignored: unknown run"
+    if run.state.is_final:
+        return "ignored: run finished"
+    if is_stale(detail, run.attempt):
+        return f"ignored: attempt {detail.attempt} was replaced by {run.attempt}"
+    step = _AGENT_STEPS.get(type(detail))
+    if step is not None:
+        return step(run, detail)
+    report = classify_event(detail, run.attempt)
+    return failure(run, aws().store.nodes(run.run_name), report) if report else "ignored: no failure"
+
+
+def handle_aws_event(detail: Any) -> str:
+    outcomes = []
+    by_run: dict[str, list[NodeRecord]] = {}
+    for node in _aws_event_nodes(detail):
+        by_run.setdefault(node.run_name, []).append(node)
+    for run_name, named in by_run.items():
+        run = aws().store.run(run_name)
+        live = [node for node in named if node.state not in _RETIRED]
+        if run.state.is_final or not live:
+            outcomes += [instance_gone(run, node, detail) if isinstance(detail, Ec2InstanceStateChange)
+                         else "ignored: node already retired" for node in named]
+            continue
+        report = classify_event(detail, run.attempt)
+        if report is None:
+            outcomes.append("ignored: no failure")
+            continue
+        # Only the run's own, still live nodes are blamed (a Health event may name others too).
+        live_ids = {node.instance_id for node in live}
+        report = report.model_copy(update={"instance_ids": [i for i in report.instance_ids if i in live_ids]})
+        outcomes.append(failure(run, live, report))
+    return "; ".join(outcomes) or "ignored: no instance of a run"
+
+
+def process_event(event: dict[str, Any]) -> dict[str, str]:
+    """Act on one EventBridge event; the outcome says what it changed (or why nothing)."""
+    envelope = parse_event(event)
+    detail = envelope.detail
+    outcome = handle_agent_event(detail) if isinstance(detail, AgentEvent) else handle_aws_event(detail)
+    if outcome.startswith("ignored"):
+        metrics.add_metric(name="EventsIgnored", unit=MetricUnit.Count, value=1)
+    logger.info("event handled", event_id=envelope.id, detail_type=envelope.detail_type.value, outcome=outcome)
+    return {"event_id": envelope.id, "outcome": outcome}
+
+
+@cache
+def _idempotent_process(cloud: Aws) -> tuple[IdempotencyConfig, Callable[..., dict[str, str]]]:
+    config = IdempotencyConfig(event_key_jmespath="id", expires_after_seconds=24 * 3600)
+    persistence = DynamoDBPersistenceLayer(table_name=cloud.idempotency_table, boto3_client=cloud.dynamodb)
+    return config, idempotent_function(data_keyword_argument="event", config=config,
+                                       persistence_store=persistence)(process_event)
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@metrics.log_metrics
+def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, str]:
+    config, process = _idempotent_process(aws())
+    config.register_lambda_context(context)
+    return process(event=event)

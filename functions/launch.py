@@ -1,0 +1,40 @@
+"""Train: write the launch spec (world layout, rendezvous, resume point) and park the task token.
+
+The resume point is read from S3 by the trainer's commit protocol, not taken from events: the
+newest step with a commit marker whose files are all there.
+"""
+
+from typing import Any
+
+from aws_lambda_powertools.utilities.parser import event_parser
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from functions.common import TaskPayload, aws, launch_spec_key, logger, tracer
+from trainfleet.adapters.checkpoints import latest_checkpoint
+from trainfleet.contracts import RunState, TaskWait
+from trainfleet.lifecycle import build_launch_spec
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@event_parser(model=TaskPayload)
+def handler(event: TaskPayload, context: LambdaContext) -> dict[str, Any]:
+    cloud, ref = aws(), event.run.run
+    store = cloud.store
+    run = store.run(ref.run_name)
+    resume_from = latest_checkpoint(cloud.s3, run.spec.checkpoint.s3_uri)
+    run = store.transition_run(ref.run_name, RunState.TRAINING, latest_checkpoint=resume_from)
+    nodes = store.nodes(ref.run_name)
+    launch_spec = build_launch_spec(run, nodes, heartbeat_task_token=event.task_token)
+    ranks_before = {node.instance_id: node.node_rank for node in nodes}
+    for instance_id, rank in launch_spec.node_ranks.items():
+        if ranks_before[instance_id] != rank:
+            store.modify_node(ref.run_name, instance_id,
+                              lambda node, rank=rank: node.model_copy(update={"node_rank": rank}))
+    # Park first: an agent may finish (and the event handler answer) right after the spec lands.
+    store.park_task(ref.run_name, TaskWait(purpose="train", attempt=ref.attempt, token=event.task_token))
+    cloud.s3.put_object(Bucket=cloud.settings.bucket, Key=launch_spec_key(ref.run_name),
+                        Body=launch_spec.model_dump_json().encode(), ContentType="application/json")
+    logger.info("launch spec written", run_name=ref.run_name, attempt=ref.attempt,
+                resume_step=launch_spec.resume_step, plan=launch_spec.plan.model_dump())
+    return {"attempt": ref.attempt, "resume_step": launch_spec.resume_step}

@@ -1,0 +1,105 @@
+"""Recover: classify the failure, decide restart / replace / shrink / give up, act on it.
+
+1. Classify what the Catch caught: a FailureReport sent by the event handler, or a task timeout
+   (boot or heartbeat, told apart by what the run was waiting for).
+2. Decide, and record the decision before acting on it: a new attempt, the failure on the
+   books, the blamed nodes TERMINATING, promoted spares made workers. Giving up raises
+   RecoveryGaveUp, which the state machine sends to Teardown.
+3. Act on the records, not on the decision, so a retried invocation (which finds the attempt
+   already advanced and skips step 2) does the same: terminate the nodes marked TERMINATING,
+   launch what the plan and the spare count still miss, in the run's zone and placement group.
+4. Hand the backoff to the state machine's Wait.
+"""
+
+import math
+import random
+from datetime import datetime, timezone
+from typing import Any
+
+from aws_lambda_powertools.metrics import MetricUnit
+from aws_lambda_powertools.utilities.parser import event_parser
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from functions.common import CaughtError, RecoveryStep, RunPayload, aws, logger, metrics, tracer
+from functions.errors import CapacityUnavailable, RecoveryGaveUp
+from trainfleet.adapters.ec2_fleet import allocate, terminate
+from trainfleet.contracts import (FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
+                                  RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
+from trainfleet.lifecycle import apply_decision, classify_task_error, decide_recovery
+
+_GONE = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
+_NOT_READY = frozenset({NodeState.LAUNCHED, NodeState.REGISTERED})
+
+
+def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError) -> FailureReport:
+    """Step 1. A timeout leaves the token parked, so `waiting` says which wait timed out."""
+    waiting = run.waiting or TaskWait(purpose="train" if run.state is RunState.TRAINING else "await_nodes",
+                                      attempt=run.attempt, token="(answered)")
+    not_ready = [node.instance_id for node in nodes if node.state in _NOT_READY]
+    return classify_task_error(caught.Error, caught.Cause, waiting, not_ready)
+
+
+def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport) -> RecoveryDecision:
+    """Step 2."""
+    store, name = aws().store, run.run_name
+    decision = decide_recovery(run, nodes, failure, jitter_draw=random.random())
+    now = datetime.now(timezone.utc)
+    store.modify_run(name, lambda current: apply_decision(current, failure, decision, now).model_copy(
+        update={"state": RunState.RECOVERING}))
+    logger.info("recovery decided", run_name=name, decision=decision.model_dump(mode="json"))
+    if decision.action is RecoveryAction.GIVE_UP:
+        raise RecoveryGaveUp(decision.reason)
+    for instance_id in decision.terminate_instance_ids:
+        store.transition_node(name, instance_id, NodeState.TERMINATING,
+                              failure_class=failure.failure_class, reason=failure.message)
+    for instance_id in decision.promote_spare_ids:
+        store.modify_node(name, instance_id, lambda node: node.model_copy(update={"role": NodeRole.WORKER}))
+    return decision
+
+
+def act(run: RunRecord) -> int:
+    """Step 3; the number of instances launched."""
+    cloud, name, spec = aws(), run.run_name, run.spec
+    nodes = cloud.store.nodes(name)
+    terminate(cloud.ec2, [node.instance_id for node in nodes if node.state is NodeState.TERMINATING])
+    live = [node for node in nodes if node.state not in _GONE]
+    missing_workers = max(0, run.plan.nodes - sum(node.role is NodeRole.WORKER for node in live))
+    missing_spares = max(0, spec.spare_count - sum(node.role is NodeRole.SPARE for node in live))
+    if missing_workers + missing_spares == 0:
+        return 0
+    allocation = allocate(cloud.ec2, spec, run.launch_template_id, [run.subnet_id],
+                          target=missing_workers + missing_spares, minimum=max(1, missing_workers),
+                          token_prefix=f"{name}/{run.attempt}")
+    if len(allocation.instance_ids) < missing_workers:
+        raise CapacityUnavailable(f"{missing_workers} replacement(s) needed in {run.subnet_id}: "
+                                  + ("; ".join(allocation.errors) or "none launched"))
+    for index, instance_id in enumerate(allocation.instance_ids):
+        cloud.store.add_node(NodeRecord(
+            run_name=name, instance_id=instance_id, attempt=run.attempt,
+            role=NodeRole.WORKER if index < missing_workers else NodeRole.SPARE,
+            availability_zone=run.availability_zone, subnet_id=run.subnet_id, market=spec.capacity.kind))
+    return len(allocation.instance_ids)
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@metrics.log_metrics
+@event_parser(model=RunPayload)
+def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
+    store, name = aws().store, event.run.run_name
+    if event.failure is None:
+        raise ValueError("Recover needs the caught error in $.failure")
+    run, nodes = store.run(name), store.nodes(name)
+    failure = classify(run, nodes, event.failure)
+    if failure.attempt == run.attempt:
+        decision = decide_and_record(run, nodes, failure)
+        step = RecoveryStep(action=decision.action, reason=decision.reason,
+                            backoff_seconds=math.ceil(decision.backoff_seconds))
+    else:
+        step = RecoveryStep(reason=f"continuing the recovery into attempt {run.attempt}", backoff_seconds=0)
+    launched = act(store.run(name))
+    metrics.add_metric(name="Recoveries", unit=MetricUnit.Count, value=1)
+    metrics.add_metric(name="InstancesLaunched", unit=MetricUnit.Count, value=launched)
+    attempt = store.run(name).attempt
+    return RunPayload(run=RunRef(run_name=name, attempt=attempt), timeouts=event.timeouts,
+                      recovery=step).to_state()

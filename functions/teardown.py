@@ -1,0 +1,39 @@
+"""Teardown: on every path out of a run, terminate its instances and delete what it created.
+
+Instances are found by their run tag in EC2, not only in the run's records, so one launched by
+an interrupted Allocate is not forgotten. The outcome is recorded last.
+"""
+
+from typing import Any
+
+from aws_lambda_powertools.utilities.parser import event_parser
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from functions.common import RunPayload, aws, logger, tracer
+from functions.errors import TeardownIncomplete
+from trainfleet.adapters.ec2_fleet import teardown
+from trainfleet.contracts import NodeState, RunState
+
+_LEFT = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@event_parser(model=RunPayload)
+def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
+    cloud, name = aws(), event.run.run_name
+    store = cloud.store
+    run = store.run(name)
+    if not run.state.is_final:
+        error = run.error or (f"{event.failure.Error}: {event.failure.Cause}" if event.failure else None)
+        store.transition_run(name, RunState.TEARING_DOWN, error=error)
+    for node in store.nodes(name):
+        if node.state not in _LEFT:
+            store.transition_node(name, node.instance_id, NodeState.TERMINATING)
+    result = teardown(cloud.ec2, name)
+    logger.info("run torn down", run_name=name, terminated=len(result.terminated))
+    if result.placement_groups_in_use:
+        raise TeardownIncomplete(f"placement groups still in use: {result.placement_groups_in_use}")
+    if not run.state.is_final:
+        store.transition_run(name, RunState.FAILED if event.failure else RunState.SUCCEEDED)
+    return {"terminated": len(result.terminated)}

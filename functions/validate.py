@@ -1,0 +1,48 @@
+"""Validate: parse the RunSpec, record the run. A bad RunSpec fails here, before any allocation."""
+
+from typing import Any
+
+from aws_lambda_powertools.utilities.parser import event_parser
+from aws_lambda_powertools.utilities.typing import LambdaContext
+from pydantic import BaseModel, ValidationError
+
+from functions.common import RunPayload, Timeouts, aws, logger, tracer
+from functions.errors import InvalidRunSpec
+from trainfleet.adapters.run_store import RunExists
+from trainfleet.contracts import RunRecord, RunRef, RunSpec, validation_message
+
+
+class ValidateInput(BaseModel):
+    run_spec: Any
+    """The execution input, exactly as the user gave it."""
+    execution_arn: str
+
+
+def parse_run_spec(raw: Any, bucket: str) -> RunSpec:
+    """The RunSpec, or InvalidRunSpec with one `field: problem` line per problem."""
+    try:
+        spec = RunSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidRunSpec(validation_message(exc)) from exc
+    # The functions and the nodes may only touch the stack's own bucket.
+    if not spec.checkpoint.s3_uri.startswith(f"s3://{bucket}/"):
+        raise InvalidRunSpec(f"checkpoint.s3_uri: must be under s3://{bucket}/ (this stack's "
+                             f"checkpoint bucket) (got {spec.checkpoint.s3_uri!r})")
+    return spec
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@event_parser(model=ValidateInput)
+def handler(event: ValidateInput, context: LambdaContext) -> dict[str, Any]:
+    spec = parse_run_spec(event.run_spec, aws().settings.bucket)
+    record = RunRecord(run_name=spec.run_name, spec=spec, execution_arn=event.execution_arn)
+    try:
+        aws().store.create_run(record)
+    except RunExists:
+        # A retried invocation of this same execution finds its own record; another
+        # execution may not reuse the name (its S3 prefix and tags would mix with this one).
+        if aws().store.run(spec.run_name).execution_arn != event.execution_arn:
+            raise InvalidRunSpec(f"run_name: a run named {spec.run_name!r} exists already") from None
+    logger.info("run recorded", run_name=spec.run_name, nodes=spec.node_count, spares=spec.spare_count)
+    return RunPayload(run=RunRef(run_name=spec.run_name), timeouts=Timeouts.of(spec)).to_state()
