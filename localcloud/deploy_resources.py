@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from botocore.exceptions import ClientError
+
 __all__ = ["Created", "ResourceType", "RESOURCE_TYPES", "physical_name"]
 
 
@@ -130,25 +132,26 @@ def _pick(props: Mapping[str, Any], *names: str) -> dict[str, Any]:
 def _role(ctx: Context, props: dict[str, Any]) -> Created:
     iam = ctx.client("iam")
     name = props.get("RoleName") or ctx.name(64)
-    role = iam.create_role(RoleName=name, AssumeRolePolicyDocument=_iam_policy_json(props["AssumeRolePolicyDocument"]),
-                           Tags=_tag_list(props.get("Tags")),
-                           **_pick(props, "Description", "MaxSessionDuration", "Path", "PermissionsBoundary"))["Role"]
+    role = iam.create_role(
+        RoleName=name, AssumeRolePolicyDocument=_iam_policy_json(props["AssumeRolePolicyDocument"]),
+        Tags=_tag_list(props.get("Tags")),
+        **_pick(props, "Description", "MaxSessionDuration", "Path", "PermissionsBoundary"))["Role"]
     for policy_arn in props.get("ManagedPolicyArns", []):
-        _attach_managed_policy(iam.attach_role_policy, RoleName=name, PolicyArn=policy_arn)
+        _attach_role_policy(iam, name, policy_arn)
     for policy in props.get("Policies", []):
         iam.put_role_policy(RoleName=name, PolicyName=policy["PolicyName"],
                             PolicyDocument=_iam_policy_json(policy["PolicyDocument"]))
     return Created(name, role["Arn"], {"Arn": role["Arn"], "RoleId": role["RoleId"]})
 
 
-def _attach_managed_policy(attach: Callable[..., Any], **request: str) -> None:
+def _attach_role_policy(iam: Any, role_name: str, policy_arn: str) -> None:
     try:
-        attach(**request)
-    except Exception as error:
-        if "NoSuchEntity" in str(error) and request["PolicyArn"].startswith("arn:aws:iam::aws:policy/"):
+        iam.attach_role_policy(RoleName=role_name, PolicyArn=policy_arn)
+    except ClientError as error:
+        if error.response["Error"]["Code"] == "NoSuchEntity" and policy_arn.startswith("arn:aws:iam::aws:policy/"):
             raise RuntimeError(
-                f"AWS managed policy {request['PolicyArn']} is unknown to the local IAM: start the local "
-                f"cloud with MOTO_IAM_LOAD_MANAGED_POLICIES=true so it knows AWS's managed policies") from error
+                f"AWS managed policy {policy_arn} is unknown to the local IAM: start the local cloud with "
+                f"MOTO_IAM_LOAD_MANAGED_POLICIES=true so that it knows AWS's managed policies") from error
         raise
 
 
@@ -289,8 +292,9 @@ def _state_machine_definition(ctx: Context, props: dict[str, Any]) -> str:
 
 
 def substitute_definition(definition: str, substitutions: Mapping[str, Any]) -> str:
-    """Replace `${Name}` for each DefinitionSubstitutions key, as CloudFormation does; a
-    `${Name}` left without a substitution is refused, since Step Functions would reject it."""
+    """Replace `${Name}` for each DefinitionSubstitutions key, as CloudFormation does.
+    CloudFormation leaves a `${Name}` without a substitution in place, and the state machine
+    then fails only when it reaches that state; here it is refused at deploy time instead."""
     for key, value in substitutions.items():
         text = json.dumps(value) if isinstance(value, bool) else str(value)
         definition = definition.replace("${" + key + "}", text)
