@@ -211,6 +211,7 @@ def _read_back(cloud, resource):
     return readers[resource.resource_type]()
 
 
+@pytest.mark.slow
 def test_every_resource_type_deploys_and_reads_back(cloud):
     stack = deploy(DeployRequest(TEST_TEMPLATE, cloud.endpoint, stack_name="deploy-test"))
     read = {logical_id: _read_back(cloud, resource) for logical_id, resource in stack.resources.items()}
@@ -295,6 +296,7 @@ def test_every_resource_type_deploys_and_reads_back(cloud):
         "RunTableName": table, "DevNote": f"deploy-test in us-east-1 ({cloud.account_id})"}
 
 
+@pytest.mark.slow
 def test_conditions_follow_parameter_overrides(cloud):
     stack = deploy(DeployRequest(TEST_TEMPLATE, cloud.endpoint, stack_name="deploy-prod",
                                  parameters={"Stage": "prod", "RetentionDays": "14"}))
@@ -357,7 +359,7 @@ Resources:
 PROJECT_TEMPLATE = REPO / "template.yaml"
 
 
-@pytest.mark.skipif(not PROJECT_TEMPLATE.exists(), reason="template.yaml not in this checkout")
+@pytest.mark.slow
 def test_project_template_deploys_and_every_resource_is_accounted_for(cloud):
     stack = deploy(DeployRequest(PROJECT_TEMPLATE, cloud.endpoint, stack_name="trainfleet-project"))
     declared = load_template(PROJECT_TEMPLATE)["Resources"]
@@ -377,6 +379,7 @@ def test_project_template_deploys_and_every_resource_is_accounted_for(cloud):
 
 # --- the command ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_local_deploy_command_prints_resources_and_outputs(cloud, capsys):
     from trainfleet.cli import main
 
