@@ -37,7 +37,7 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
     run = cloud.store.transition_run(name, RunState.ALLOCATING)
     spec = run.spec
     template_id = ensure_launch_template(cloud.ec2, spec, cloud.settings)
-    allocation = allocate(cloud.ec2, spec, template_id, spec.capacity.subnet_ids,
+    allocation = allocate(cloud.ec2, spec, cloud.settings.stack_name, template_id, spec.capacity.subnet_ids,
                           target=spec.node_count + spec.spare_count, minimum=spec.shrink_floor,
                           token_prefix=f"{name}/{run.attempt}")
     if not allocation.instance_ids:

@@ -67,7 +67,7 @@ def act(run: RunRecord) -> int:
     missing_spares = max(0, spec.spare_count - sum(node.role is NodeRole.SPARE for node in live))
     if missing_workers + missing_spares == 0:
         return 0
-    allocation = allocate(cloud.ec2, spec, run.launch_template_id, [run.subnet_id],
+    allocation = allocate(cloud.ec2, spec, cloud.settings.stack_name, run.launch_template_id, [run.subnet_id],
                           target=missing_workers + missing_spares, minimum=max(1, missing_workers),
                           token_prefix=f"{name}/{run.attempt}")
     if len(allocation.instance_ids) < missing_workers:

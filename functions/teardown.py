@@ -30,7 +30,7 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
     for node in store.nodes(name):
         if node.state not in _LEFT:
             store.transition_node(name, node.instance_id, NodeState.TERMINATING)
-    result = teardown(cloud.ec2, name)
+    result = teardown(cloud.ec2, name, cloud.settings.stack_name)
     logger.info("run torn down", run_name=name, terminated=len(result.terminated))
     if result.placement_groups_in_use:
         raise TeardownIncomplete(f"placement groups still in use: {result.placement_groups_in_use}")

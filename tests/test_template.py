@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from moto.events.models import EventPattern
 
-from trainfleet.adapters.ec2_fleet import TAG_RUN
+from trainfleet.adapters.ec2_fleet import TAG_STACK
 from trainfleet.validate import ValidationSetup, load_template, substituted_definitions, validate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,27 +100,28 @@ def _statements(template) -> list[tuple[str, dict]]:
     return found
 
 
-def test_ec2_mutations_are_limited_to_resources_with_the_run_tag(template):
+def test_ec2_mutations_are_limited_to_this_stacks_resources(template):
     destructive = {"ec2:TerminateInstances", "ec2:DeleteLaunchTemplate", "ec2:DeletePlacementGroup",
                    "ec2:StopInstances", "ec2:RebootInstances"}
     for name, statement in _statements(template):
         actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
         if destructive & set(actions):
-            condition = statement.get("Condition", {}).get("Null", {})
-            assert condition.get(f"aws:ResourceTag/{TAG_RUN}") == "false", name
+            condition = statement.get("Condition", {}).get("StringEquals", {})
+            assert condition.get(f"aws:ResourceTag/{TAG_STACK}") == {"Ref": "AWS::StackName"}, name
         if "ec2:CreateTags" in actions:
             assert "ec2:CreateAction" in statement["Condition"]["StringEquals"], name
         assert "*" not in actions and "ec2:*" not in actions, name
 
 
-def test_new_instances_must_carry_the_run_tag(template):
+def test_new_instances_must_carry_this_stacks_tag(template):
     for name, statement in _statements(template):
         resources = statement.get("Resource", [])
         resources = resources if isinstance(resources, list) else [resources]
         creates_instances = "ec2:CreateFleet" in statement.get("Action", []) and any(
             "instance/*" in json.dumps(resource) for resource in resources)
         if creates_instances:
-            assert statement["Condition"]["Null"][f"aws:RequestTag/{TAG_RUN}"] == "false", name
+            condition = statement["Condition"]["StringEquals"]
+            assert condition[f"aws:RequestTag/{TAG_STACK}"] == {"Ref": "AWS::StackName"}, name
 
 
 def test_checkpoint_bucket_blocks_public_access_requires_tls_and_encrypts(template):
