@@ -170,16 +170,10 @@ def average_gradients_over_replicas(parts: list[torch.nn.Module], dp_group: dist
             offset += g.numel()
 
 
-def clip_gradients(parts: list[torch.nn.Module], max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
-    """Scale all gradients so their global norm over every stage is at most max_norm; return the norm before."""
-    grads = [p.grad for part in parts for p in part.parameters()]
-    squares = torch.stack([g.pow(2).sum() for g in grads]).sum()
-    if pp_group is not None:
-        dist.all_reduce(squares, group=pp_group)
-    norm = squares.sqrt()
-    if max_norm > 0:
-        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm.item()
+def clip_gradients(parts: list[torch.nn.Module], max_norm: float, norm: float) -> None:
+    """Scale all gradients so that their global norm (given, over every stage) is at most max_norm."""
+    if max_norm > 0 and norm > max_norm:
+        torch._foreach_mul_([p.grad for part in parts for p in part.parameters()], max_norm / (norm + 1e-6))
 
 
 @dataclass
@@ -224,8 +218,8 @@ def train_step(run: Run) -> dict:
     loss = run.pipeline.forward_backward(inputs, targets)
     if cfg.parallel.dp > 1:
         average_gradients_over_replicas(run.pipeline.model_parts, env.dp_group, cfg.parallel.dp)
-    grad_norm = clip_gradients(run.pipeline.model_parts, cfg.optim.grad_clip, env.pp_group)
-    loss = _mean_loss_everywhere(loss, env, cfg.parallel.dp)
+    loss, grad_norm = _loss_and_grad_norm(loss, run.pipeline.model_parts, env, cfg.parallel.dp)
+    clip_gradients(run.pipeline.model_parts, cfg.optim.grad_clip, grad_norm)
     if not math.isfinite(loss):
         raise NonFiniteLossError(f"step {state.step + 1}: loss is {loss} (grad norm {grad_norm}); stopping "
                                  f"before the optimizer applies it. Lower optim.lr or check the data.")
@@ -240,13 +234,21 @@ def train_step(run: Run) -> dict:
             "tokens_per_s": tokens / step_time}
 
 
-def _mean_loss_everywhere(loss: torch.Tensor | None, env: DistributedEnv, dp: int) -> float:
-    """The batch loss, on every rank: from the last stage of each replica, averaged over replicas."""
-    if env.world_size == 1:
-        return loss.item()
-    total = loss.to(torch.float32) if loss is not None else torch.zeros((), device=env.device)
-    dist.all_reduce(total)
-    return total.item() / dp
+def _loss_and_grad_norm(loss: torch.Tensor | None, parts: list[torch.nn.Module], env: DistributedEnv,
+                        dp: int) -> tuple[float, float]:
+    """The batch loss and the global gradient norm, the same on every rank, from one all-reduce.
+
+    Last stages contribute their replica's loss, every stage its squared gradient norm. Replicas
+    hold the same (averaged) gradients but their own losses, so both sums over all ranks are
+    divided by dp. One collective per step instead of one for each: it is on the critical path.
+    """
+    squared_norm = torch.stack([p.grad.pow(2).sum() for part in parts for p in part.parameters()]).sum()
+    own_loss = loss.to(torch.float32) if loss is not None else torch.zeros((), device=env.device)
+    scalars = torch.stack([own_loss, squared_norm.to(torch.float32)])
+    if env.world_size > 1:
+        dist.all_reduce(scalars)
+    mean_loss, squared_norm = (scalars / dp).tolist()
+    return mean_loss, squared_norm ** 0.5
 
 
 def peak_memory_mib(device: torch.device) -> float:
