@@ -138,6 +138,13 @@ def test_plan_drops_nodes_when_no_layout_runs_on_all_of_them():
     assert plan == ParallelPlan(nodes=4, ranks_per_node=1, pp=2, dp=2)
 
 
+def test_initial_plan_is_the_specs_own_or_the_best_on_what_came():
+    spec = make_spec()
+    assert lc.initial_plan(spec, allocated_nodes=5) == ParallelPlan(nodes=4, ranks_per_node=1, pp=2, dp=2)
+    assert lc.initial_plan(spec, allocated_nodes=3) == ParallelPlan(nodes=3, ranks_per_node=1, pp=3, dp=1)
+    assert lc.initial_plan(spec, allocated_nodes=1) is None  # below min_nodes=2
+
+
 def test_plan_none_below_min_nodes_or_when_pinned():
     assert lc.plan_layout(trainer(), 1, available_nodes=1, min_nodes=2, preferred_pp=2) is None
     pinned = trainer(layers_per_stage=[4, 4])
@@ -316,6 +323,22 @@ def test_cost_accrues_and_meets_the_ceiling():
 
 
 # --- launch -----------------------------------------------------------------------------------
+
+def test_new_nodes_fill_the_workers_first_then_the_spares():
+    records = lc.new_node_records(make_spec(capacity={"kind": "spot", "subnet_ids": ["subnet-0123456789abcdef0"],
+                                                      "security_group_ids": ["sg-0123456789abcdef0"]}),
+                                  attempt=2, instance_ids=["i-b", "i-a", "i-c"], workers_wanted=2,
+                                  availability_zone="us-east-1a", subnet_id="subnet-0123456789abcdef0")
+    assert [(r.instance_id, r.role) for r in records] == [("i-b", NodeRole.WORKER), ("i-a", NodeRole.WORKER),
+                                                          ("i-c", NodeRole.SPARE)]
+    assert {(r.attempt, r.state, r.market.value) for r in records} == {(2, NodeState.LAUNCHED, "spot")}
+
+
+def test_unready_workers_are_those_still_booting():
+    nodes = [node("i-1", state=NodeState.LAUNCHED), node("i-2", state=NodeState.REGISTERED), node("i-3"),
+             node("i-4", state=NodeState.TERMINATED), node("i-8", role=NodeRole.SPARE, state=NodeState.LAUNCHED)]
+    assert lc.unready_workers(nodes) == ["i-1", "i-2"]
+
 
 def test_ranks_keep_survivors_first_and_need_enough_ready_nodes():
     nodes = [node("i-5"), node("i-2", node_rank=1), node("i-3", node_rank=0), node("i-4"),

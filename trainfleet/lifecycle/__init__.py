@@ -3,30 +3,34 @@
 Offers:
     classify:  is_stale(detail, attempt), classify_event(detail, attempt) -> FailureReport | None,
                classify_task_error(error, cause, waiting, not_ready_instance_ids) -> FailureReport
-    replan:    plan_layout(trainer_config, ranks_per_node, available_nodes, min_nodes, preferred_pp)
+    replan:    plan_layout(trainer_config, ranks_per_node, available_nodes, min_nodes, preferred_pp),
+               initial_plan(spec, allocated_nodes)
     recovery:  decide_recovery(run, nodes, failure, jitter_draw) -> RecoveryDecision,
                apply_decision(run, failure, decision, now) -> RunRecord,
                failure_streak(history, failure_class, resume_step), backoff_seconds(policy, streak, draw),
                ANNOUNCED_BY_AWS
     goodput:   settle_attempt(ledger, started_at, first_step_at, last_checkpoint_at, ended_at, completed),
                accrue_cost(ledger, node_count, usd_per_hour, seconds), over_cost_ceiling(spec, ledger)
-    launch:    ready_workers(nodes), world_complete(nodes, plan), assign_ranks(nodes, plan),
-               build_launch_spec(run, nodes, heartbeat_task_token) -> LaunchSpec
+    launch:    new_node_records(spec, attempt, instance_ids, workers_wanted, zone, subnet_id),
+               ready_workers(nodes), unready_workers(nodes), world_complete(nodes, plan),
+               assign_ranks(nodes, plan), build_launch_spec(run, nodes, heartbeat_task_token) -> LaunchSpec
 
 Randomness (backoff jitter) and time come in as arguments, so every decision is reproducible.
 """
 
 from trainfleet.lifecycle.classify import classify_event, classify_task_error, is_stale
 from trainfleet.lifecycle.goodput import accrue_cost, over_cost_ceiling, settle_attempt
-from trainfleet.lifecycle.launch import assign_ranks, build_launch_spec, ready_workers, world_complete
+from trainfleet.lifecycle.launch import (assign_ranks, build_launch_spec, new_node_records, ready_workers,
+                                        unready_workers, world_complete)
 from trainfleet.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, backoff_seconds,
                                            decide_recovery, failure_streak)
-from trainfleet.lifecycle.replan import plan_layout
+from trainfleet.lifecycle.replan import initial_plan, plan_layout
 
 __all__ = [
     "classify_event", "classify_task_error", "is_stale",
-    "plan_layout",
+    "plan_layout", "initial_plan",
     "decide_recovery", "apply_decision", "failure_streak", "backoff_seconds", "ANNOUNCED_BY_AWS",
     "settle_attempt", "accrue_cost", "over_cost_ceiling",
-    "ready_workers", "world_complete", "assign_ranks", "build_launch_spec",
+    "new_node_records", "ready_workers", "unready_workers", "world_complete", "assign_ranks",
+    "build_launch_spec",
 ]

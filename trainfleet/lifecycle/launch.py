@@ -1,7 +1,22 @@
-"""From ready nodes to a launch spec: is the world complete, who gets which node rank."""
+"""From launched instances to a launch spec: roles, readiness, node ranks."""
 
 from trainfleet.contracts import (LaunchSpec, NodeRecord, NodeRole, NodeState, ParallelPlan,
-                                  RunRecord)
+                                  RunRecord, RunSpec)
+
+
+def new_node_records(spec: RunSpec, attempt: int, instance_ids: list[str], workers_wanted: int,
+                     availability_zone: str, subnet_id: str) -> list[NodeRecord]:
+    """Records for freshly launched instances: the first `workers_wanted` work, the rest are spares."""
+    return [NodeRecord(run_name=spec.run_name, instance_id=instance_id, attempt=attempt,
+                       role=NodeRole.WORKER if index < workers_wanted else NodeRole.SPARE,
+                       availability_zone=availability_zone, subnet_id=subnet_id, market=spec.capacity.kind)
+            for index, instance_id in enumerate(instance_ids)]
+
+
+def unready_workers(nodes: list[NodeRecord]) -> list[str]:
+    """Workers still booting or in preflight: the ones to blame when AwaitNodes times out."""
+    return sorted(node.instance_id for node in nodes
+                  if node.role is NodeRole.WORKER and node.state in (NodeState.LAUNCHED, NodeState.REGISTERED))
 
 
 def ready_workers(nodes: list[NodeRecord]) -> list[NodeRecord]:

@@ -1,6 +1,15 @@
 """Re-plan pp x dp for the nodes at hand, within what the trainer can run."""
 
-from trainfleet.contracts import ParallelPlan, TrainerConfig, layout_problem
+from trainfleet.contracts import ParallelPlan, RunSpec, TrainerConfig, layout_problem
+
+
+def initial_plan(spec: RunSpec, allocated_nodes: int) -> ParallelPlan | None:
+    """The first layout: the RunSpec's own when all its nodes came, else the best on what came
+    (never below min_nodes; None when nothing runs on them)."""
+    par = spec.trainer.parallel
+    if allocated_nodes >= spec.node_count:
+        return ParallelPlan(nodes=spec.node_count, ranks_per_node=spec.facts.ranks_per_node, pp=par.pp, dp=par.dp)
+    return plan_layout(spec.trainer, spec.facts.ranks_per_node, allocated_nodes, spec.shrink_floor, par.pp)
 
 
 def plan_layout(config: TrainerConfig, ranks_per_node: int, available_nodes: int, min_nodes: int,
