@@ -52,6 +52,7 @@ from localcloud.deploy_intrinsics import (
     creation_order,
     evaluate_conditions,
     parameter_values,
+    references,
 )
 from localcloud.deploy_resources import RESOURCE_TYPES, Context
 
@@ -218,6 +219,7 @@ def deploy(request: DeployRequest) -> DeployedStack:
                if "Condition" in resource and not _condition(resolver, resource["Condition"], logical_id)}
     to_create = {logical_id: resource for logical_id, resource in resources.items() if logical_id not in skipped}
     _check_supported(to_create)
+    _check_aws_managed_policies(to_create, resolver, client("iam"))
 
     created: dict[str, DeployedResource] = {}
     for logical_id in creation_order(to_create):
@@ -278,6 +280,26 @@ def _check_supported(resources: Mapping[str, Mapping[str, Any]]) -> None:
             problems.append(f"{logical_id} ({resource_type}): required propert(y/ies) {missing} missing")
     if problems:
         raise UnsupportedResourcesError(problems)
+
+
+def _check_aws_managed_policies(resources: Mapping[str, Mapping[str, Any]], resolver: Resolver, iam: Any) -> None:
+    """Refuse, before anything is created, roles that attach AWS managed policies the local IAM
+    does not have (moto loads them only when asked to)."""
+    unknown = []
+    for logical_id, resource in resources.items():
+        for index, policy in enumerate(resource.get("Properties", {}).get("ManagedPolicyArns", [])):
+            if references(policy) & set(resources):
+                continue  # a policy of this stack: it will exist once created
+            arn = resolver.resolve(policy, f"Resources.{logical_id}.Properties.ManagedPolicyArns[{index}]")
+            if not arn.startswith("arn:aws:iam::aws:policy/"):
+                continue
+            try:
+                iam.get_policy(PolicyArn=arn)
+            except iam.exceptions.NoSuchEntityException:
+                unknown.append(f"{logical_id}: {arn}")
+    if unknown:
+        raise DeployError("the local IAM does not know these AWS managed policies (nothing was created); start "
+                          "the local cloud with MOTO_IAM_LOAD_MANAGED_POLICIES=true:\n  " + "\n  ".join(unknown))
 
 
 def _create(resource: Mapping[str, Any], context: Context, resolver: Resolver,

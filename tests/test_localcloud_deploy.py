@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from localcloud.deploy import (
+    DeployError,
     DeployRequest,
     ResourceCreateError,
     UnsupportedResourcesError,
@@ -333,6 +334,26 @@ Resources:
         "Alarm (AWS::CloudWatch::Alarm): required propert(y/ies) ['ComparisonOperator'] missing"]
     buckets = [b["Name"] for b in cloud.client("s3").list_buckets()["Buckets"]]
     assert "never-created-bucket" not in buckets
+
+
+def test_unknown_aws_managed_policies_are_refused_before_anything_is_created(cloud, tmp_path):
+    template = tmp_path / "template.yaml"
+    template.write_text("""
+Resources:
+  Logs:
+    Type: AWS::Logs::LogGroup
+    Properties: {LogGroupName: never-created-logs}
+  Role:
+    Type: AWS::IAM::Role
+    Properties:
+      AssumeRolePolicyDocument: {Version: "2012-10-17", Statement: []}
+      ManagedPolicyArns:
+        - !Sub "arn:${AWS::Partition}:iam::aws:policy/service-role/AWSLambdaBasicExecutionRole"
+        - arn:aws:iam::aws:policy/NoSuchPolicyAnywhere
+""")
+    with pytest.raises(DeployError, match=r"(?s)nothing was created.*Role: arn:aws:iam::aws:policy/NoSuchPolicyAnywhere$"):
+        deploy(DeployRequest(template, cloud.endpoint, stack_name="unknown-policy"))
+    assert cloud.client("logs").describe_log_groups(logGroupNamePrefix="never-created-logs")["logGroups"] == []
 
 
 def test_a_failed_create_names_the_resource_and_what_came_before(cloud, tmp_path):
