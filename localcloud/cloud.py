@@ -261,8 +261,8 @@ class LocalCloud:
         return event_id
 
     def inject_rebalance(self, instance_id: str) -> str:
-        """Send an EC2 Instance Rebalance Recommendation for a running instance."""
-        self.fleet.get(instance_id)
+        """Send an EC2 Instance Rebalance Recommendation; the instance's metadata shows it too."""
+        self.fleet.get(instance_id).rebalance_notice = {"noticeTime": aws_events.iso_time(time.time())}
         return self.put_event(aws_events.rebalance_recommendation(
             self.region, self.account_id, instance_id))
 

@@ -80,6 +80,9 @@ class LocalInstance:
     terminated."""
     spot_action: dict[str, str] | None = None
     """The spot/instance-action metadata document once an interruption was injected."""
+    rebalance_notice: dict[str, str] | None = None
+    """The events/recommendations/rebalance metadata document once a recommendation was
+    injected: {"noticeTime": ...}."""
     process: subprocess.Popen | None = field(default=None, repr=False)
     """The running boot process group's leader, if any."""
     hung: bool = False

@@ -154,6 +154,7 @@ def test_spot_interruption_rebalance_and_health_events(local_cloud):
     local_cloud.inject_spot_interruption(instance_id)
 
     assert local_cloud.fleet.get(instance_id).spot_action["action"] == "terminate"
+    assert local_cloud.fleet.get(instance_id).rebalance_notice["noticeTime"].endswith("Z")
     by_type = {event["detail-type"]: event for event in receive(local_cloud, queue, 3)}
     assert by_type["EC2 Spot Instance Interruption Warning"]["detail"] == \
         {"instance-id": instance_id, "instance-action": "terminate"}

@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+from datetime import datetime
 import sys
 import time
 from pathlib import Path
@@ -174,3 +175,37 @@ def test_wait_and_retry_run_on_scaled_time():
         attempts = [event for event in history(cloud, execution) if event["type"] == "LambdaFunctionFailed"]
     assert done["status"] == "FAILED" and done["error"] == "CapacityError"
     assert len(attempts) == 2
+
+
+def test_service_integrations_start_executions_and_return_timestamps(local_cloud):
+    child = create_state_machine(local_cloud, {"StartAt": "Answer", "States": {
+        "Answer": {"Type": "Pass", "Result": {"child": "done"}, "End": True}}})
+    queue_url = local_cloud.client("sqs").create_queue(QueueName=unique("integration"))["QueueUrl"]
+    instance = local_cloud.client("ec2").run_instances(
+        MinCount=1, MaxCount=1, ImageId="ami-12c6146b", InstanceType="t3.micro")["Instances"][0]
+    machine = create_state_machine(local_cloud, {"StartAt": "Child", "States": {
+        "Child": {"Type": "Task", "Resource": "arn:aws:states:::states:startExecution.sync:2",
+                  "Parameters": {"StateMachineArn": child, "Input": {"from": "parent"}},
+                  "ResultSelector": {"output.$": "$.Output", "status.$": "$.Status"},
+                  "ResultPath": "$.child", "Next": "FireAndForget"},
+        "FireAndForget": {"Type": "Task", "Resource": "arn:aws:states:::states:startExecution",
+                          "Parameters": {"StateMachineArn": child}, "ResultPath": "$.started",
+                          "Next": "Notify"},
+        "Notify": {"Type": "Task", "Resource": "arn:aws:states:::sqs:sendMessage",
+                   "Parameters": {"QueueUrl": queue_url, "MessageBody": {"done": True}},
+                   "ResultPath": "$.sent", "Next": "Describe"},
+        "Describe": {"Type": "Task", "Resource": "arn:aws:states:::aws-sdk:ec2:describeInstances",
+                     "Parameters": {"InstanceIds": [instance["InstanceId"]]},
+                     "ResultSelector": {"reservations.$": "$.Reservations"},
+                     "ResultPath": "$.described", "End": True}}})
+
+    done = run_execution(local_cloud, machine, {})
+
+    assert done["status"] == "SUCCEEDED", done
+    output = json.loads(done["output"])
+    assert output["child"] == {"output": {"child": "done"}, "status": "SUCCEEDED"}
+    assert output["started"]["ExecutionArn"].startswith(child.replace(":stateMachine:", ":execution:"))
+    assert "MessageId" in output["sent"]
+    [described] = output["described"]["reservations"][0]["Instances"]
+    assert described["InstanceId"] == instance["InstanceId"]
+    assert datetime.fromisoformat(described["LaunchTime"]).year >= 2024

@@ -16,6 +16,14 @@ that. These patches fill the gaps:
 - States.HeartbeatTimeout: a missed heartbeat was reported as States.Timeout, so ASL that
   catches States.HeartbeatTimeout never matched. AWS reports States.HeartbeatTimeout, and
   documents that States.Timeout also matches it; both now match, as does States.ALL.
+- Request and response shapes of service integrations: the port left
+  `StateTaskService._normalise_parameters` / `_normalise_response` empty, so parameters went
+  to boto3 in the ASL's casing (`states:startExecution` failed: boto3 knows
+  `stateMachineArn`, not `StateMachineArn`) and results came back in boto3's. Both now go
+  through the interpreter's own converters with botocore's shapes, as on AWS, and timestamps
+  in results become ISO-8601 text (a datetime in a result broke DescribeExecution).
+- StartExecution without a name: named the execution "None" (so a second one clashed);
+  AWS generates a unique name, and so does the glue.
 - SendTaskFailure: the API layer dropped `cause`, so a catcher's Cause was null; it is
   now passed on.
 - Scaled time: Wait states and Retry intervals sleep `time_scale` times their nominal
@@ -24,15 +32,20 @@ that. These patches fill the gaps:
 
 from __future__ import annotations
 
+import datetime
+import functools
 import importlib
 import json
 import pkgutil
 import sys
 import threading
 import time
+import uuid
 from typing import Any
 
+import botocore.session
 import jsonata
+from botocore import xform_name
 from moto.stepfunctions.parser.api import HistoryEventType, TaskTimedOutEventDetails
 from moto.stepfunctions.parser.asl.component.common.error_name.failure_event import (
     FailureEvent,
@@ -44,6 +57,9 @@ from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name
     StatesErrorNameType,
 )
 from moto.stepfunctions.parser.asl.component.common.retry import retrier_decl
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state_task_service import (
+    StateTaskService,
+)
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.state_task import StateTask
 from moto.stepfunctions.parser.asl.component.state.wait.wait_function.wait_function import (
     WaitFunction,
@@ -57,6 +73,7 @@ from moto.stepfunctions.parser.asl.jsonata import jsonata as moto_jsonata
 from moto.stepfunctions.parser.asl.utils import boto_client
 
 from moto.core.responses import EmptyResult
+from moto.stepfunctions.parser.models import StepFunctionsParserBackend
 from moto.stepfunctions.responses import StepFunctionResponse
 
 from localcloud.glue import active_cloud
@@ -146,6 +163,54 @@ def _task_from_error_with_heartbeat(self: StateTask, env: Environment, ex: Excep
                         event_details=EventDetails(taskTimedOutEventDetails=details))
 
 
+# --- request and response shapes of integrations ---------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _operation_model(service: str, action: str) -> Any:
+    """botocore's model of an operation named in snake_case (start_execution)."""
+    model = botocore.session.get_session().get_service_model(service)
+    for name in model.operation_names:
+        if xform_name(name) == action:
+            return model.operation_model(name)
+    raise ValueError(f"{service} has no operation {action!r}")
+
+
+def _normalise_parameters(self: StateTaskService, parameters: dict, boto_service_name: str | None = None,
+                          service_action_name: str | None = None) -> None:
+    operation = _operation_model(self._get_boto_service_name(boto_service_name),
+                                 self._get_boto_service_action(service_action_name))
+    if operation.input_shape is not None:
+        self._to_boto_request(parameters, operation.input_shape)
+
+
+def _normalise_response(self: StateTaskService, response: Any, boto_service_name: str | None = None,
+                        service_action_name: str | None = None) -> None:
+    operation = _operation_model(self._get_boto_service_name(boto_service_name),
+                                 self._get_boto_service_action(service_action_name))
+    if operation.output_shape is not None:
+        self._from_boto_response(response, operation.output_shape)
+
+
+_moto_response_value = StateTaskService._from_boto_response_value
+
+
+def _response_value(response_value: Any) -> Any:
+    if isinstance(response_value, datetime.datetime):
+        return response_value.isoformat()
+    return _moto_response_value(response_value)
+
+
+# --- StartExecution without a name -------------------------------------------------------
+
+_moto_start_execution = StepFunctionsParserBackend.start_execution
+
+
+def _start_execution(self: StepFunctionsParserBackend, state_machine_arn: str, name: str | None = None,
+                     execution_input: Any = None, trace_header: Any = None) -> Any:
+    return _moto_start_execution(self, state_machine_arn, name=name or str(uuid.uuid4()),
+                                 execution_input=execution_input, trace_header=trace_header)
+
+
 # --- SendTaskFailure --------------------------------------------------------------------
 
 def _send_task_failure(self: StepFunctionResponse) -> EmptyResult:
@@ -188,5 +253,9 @@ def apply() -> None:
     _share_integration_clients()
     StateTask._from_error = _task_from_error_with_heartbeat
     StepFunctionResponse.send_task_failure = _send_task_failure
+    StepFunctionsParserBackend.start_execution = _start_execution
+    StateTaskService._normalise_parameters = _normalise_parameters
+    StateTaskService._normalise_response = _normalise_response
+    StateTaskService._from_boto_response_value = staticmethod(_response_value)
     WaitFunction._wait_interval = _scaled_wait_interval
     retrier_decl.time = _ScaledSleepTime
