@@ -67,6 +67,8 @@ def test_example_run_spec_is_valid_and_round_trips():
     ({"trainer.parallel.microbatches": 5}, "trainer", "parallel.microbatches=5"),
     ({"trainer.checkpoint": {"uri": "s3://b/x"}}, "trainer", "RunSpec.checkpoint"),
     ({"trainer.model": _DELETE}, "trainer.model", "Field required"),
+    ({"trainer.optim.learning_rate": 0.1}, "trainer", "trainer.optim.learning_rate is not a field"),
+    ({"trainer.modle": {}}, "trainer", "trainer.modle is not a section"),
     ({"tags": {"trainfleet:run": "x"}}, "tags", "reserved"),
     ({"cost_ceiling_usd": 0}, "cost_ceiling_usd", "greater than 0"),
 ])
@@ -93,35 +95,53 @@ def _accepted(trainer_config: dict) -> bool:
     return True
 
 
-def test_layout_rules_agree_with_the_trainer():
+LAYOUT_CASES = [dict(pp=pp, dp=dp, schedule=schedule, microbatches=mb, stages_per_rank=spr,
+                     n_layers=layers, batch_size=batch, tie=tie)
+                for pp, dp, schedule, mb, spr, layers, batch, tie in itertools.product(
+                    (1, 2, 3, 4), (1, 2, 3), sorted(c.SCHEDULES), (1, 2, 4, 6), (0, 1, 2),
+                    (4, 8), (12, 16), (False, True))]
+
+# The trainer imports torch: ask it in a child process so this process stays torch-free.
+TRAINER_SIDE = """
+import dataclasses, json, sys
+from trainer.config import ConfigError, JobConfig, _apply
+verdicts = []
+for case in json.load(sys.stdin):
+    config = JobConfig()
+    _apply(config, {"model": {"n_layers": case["n_layers"], "tie_embeddings": case["tie"]},
+                    "parallel": {k: case[k] for k in ("pp", "dp", "schedule", "microbatches", "stages_per_rank")},
+                    "training": {"batch_size": case["batch_size"]}}, "test")
+    try:
+        config.validate()
+        verdicts.append(True)
+    except ConfigError:
+        verdicts.append(False)
+fields = {f.name: sorted(g.name for g in dataclasses.fields(f.default_factory()))
+          for f in dataclasses.fields(JobConfig)}
+print(json.dumps({"verdicts": verdicts, "fields": fields}))
+"""
+
+
+@pytest.fixture(scope="module")
+def trainer_side() -> dict:
+    done = subprocess.run([sys.executable, "-c", TRAINER_SIDE], input=json.dumps(LAYOUT_CASES),
+                          capture_output=True, text=True, timeout=180, check=True)
+    return json.loads(done.stdout)
+
+
+def test_layout_rules_agree_with_the_trainer(trainer_side):
     """The torch-free mirror refuses exactly the layouts trainer/config.py refuses."""
-    cases = [dict(pp=pp, dp=dp, schedule=schedule, microbatches=mb, stages_per_rank=spr,
-                  n_layers=layers, batch_size=batch, tie=tie)
-             for pp, dp, schedule, mb, spr, layers, batch, tie in itertools.product(
-                 (1, 2, 3, 4), (1, 2, 3), sorted(c.SCHEDULES), (1, 2, 4, 6), (0, 1, 2),
-                 (4, 8), (12, 16), (False, True))]
-    verdicts = [_accepted(_trainer_config(**case)) for case in cases]
-    # The trainer imports torch: ask it in a child process so this process stays torch-free.
-    script = (
-        "import json, sys\n"
-        "from trainer.config import JobConfig, ConfigError, _apply\n"
-        "out = []\n"
-        "for case in json.load(sys.stdin):\n"
-        "    config = JobConfig()\n"
-        "    _apply(config, {'model': {'n_layers': case['n_layers'], 'tie_embeddings': case['tie']},\n"
-        "                    'parallel': {k: case[k] for k in ('pp', 'dp', 'schedule', 'microbatches', 'stages_per_rank')},\n"
-        "                    'training': {'batch_size': case['batch_size']}}, 'test')\n"
-        "    try:\n"
-        "        config.validate(); out.append(True)\n"
-        "    except ConfigError:\n"
-        "        out.append(False)\n"
-        "print(json.dumps(out))\n")
-    done = subprocess.run([sys.executable, "-c", script], input=json.dumps(cases), capture_output=True,
-                          text=True, timeout=120, check=True)
-    trainer_verdicts = json.loads(done.stdout)
-    disagreements = [case for case, ours, theirs in zip(cases, verdicts, trainer_verdicts) if ours != theirs]
+    verdicts = [_accepted(_trainer_config(**case)) for case in LAYOUT_CASES]
+    disagreements = [case for case, ours, theirs in zip(LAYOUT_CASES, verdicts, trainer_side["verdicts"])
+                     if ours != theirs]
     assert not disagreements, disagreements[:5]
     assert 0 < sum(verdicts) < len(verdicts)  # the grid holds both kinds
+
+
+def test_trainer_field_names_match_the_trainers_config(trainer_side):
+    fields = dict(trainer_side["fields"])
+    assert fields.pop("checkpoint")  # filled from RunSpec.checkpoint
+    assert {section: sorted(names) for section, names in c.TRAINER_FIELDS.items()} == fields
 
 
 def test_contracts_import_neither_torch_nor_boto3():

@@ -272,22 +272,56 @@ class TrainerTraining(_Open):
     """Global batch in sequences; kept fixed by a re-plan, so it must divide by dp."""
 
 
+# The sections and fields of trainer/config.py's JobConfig that a RunSpec may set (the
+# checkpoint section is the control plane's). A misspelt field is refused here, before any
+# instance is paid for, instead of by the trainer on the nodes. tests/test_contracts.py checks
+# this list against JobConfig.
+TRAINER_FIELDS: dict[str, frozenset[str]] = {
+    "model": frozenset({"n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "mlp_ratio",
+                        "tie_embeddings"}),
+    "parallel": frozenset({"pp", "dp", "schedule", "microbatches", "stages_per_rank",
+                           "layers_per_stage", "timeout_s"}),
+    "data": frozenset({"shards", "cache_dir", "corpus_bytes", "shard_tokens"}),
+    "optim": frozenset({"lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
+                        "grad_clip"}),
+    "training": frozenset({"steps", "batch_size", "seed", "device", "threads", "metrics_file"}),
+}
+
+
 class TrainerConfig(_Open):
     """The trainer's config (trainer/config.py JobConfig) as a mapping of sections.
 
     The control plane types what it plans with (model.n_layers, parallel.*, training.batch_size)
-    and carries every other section to the trainer untouched. The `checkpoint` section is filled
-    from RunSpec.checkpoint, so setting it here is an error.
+    and carries the other fields to the trainer as given; their names are checked against
+    TRAINER_FIELDS, their values by the trainer. The `checkpoint` section is filled from
+    RunSpec.checkpoint, so setting it here is an error.
     """
 
     model: TrainerModel
     parallel: TrainerParallel
     training: TrainerTraining
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        for section, fields in raw.items():
+            if section == "checkpoint":
+                raise ValueError("trainer.checkpoint is filled from RunSpec.checkpoint; set it there")
+            if section not in TRAINER_FIELDS:
+                raise ValueError(f"trainer.{section} is not a section of the trainer config; "
+                                 f"known: {', '.join(sorted(TRAINER_FIELDS))}")
+            if not isinstance(fields, dict):
+                raise ValueError(f"trainer.{section} must be a mapping of fields, got {fields!r}")
+            unknown = sorted(set(fields) - TRAINER_FIELDS[section])
+            if unknown:
+                raise ValueError(f"trainer.{section}.{unknown[0]} is not a field of the trainer config; "
+                                 f"known: {', '.join(sorted(TRAINER_FIELDS[section]))}")
+        return raw
+
     @model_validator(mode="after")
     def _layout_runs(self) -> TrainerConfig:
-        if "checkpoint" in (self.model_extra or {}):
-            raise ValueError("trainer.checkpoint is filled from RunSpec.checkpoint; set it there")
         problem = layout_problem(self, self.parallel.pp, self.parallel.dp)
         if problem:
             raise ValueError(problem)
