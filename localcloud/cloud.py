@@ -90,6 +90,7 @@ class LocalCloud:
         self.workdir = Path(self.config.workdir or tempfile.mkdtemp(prefix="localcloud-"))
         self.delivery_failures: list[DeliveryFailure] = []
         self._saved_moto_settings: dict[str, Any] = {}
+        self._timers: list[threading.Timer] = []
         from localcloud.fleet import LocalFleet
 
         self.fleet = LocalFleet(self)
@@ -118,6 +119,9 @@ class LocalCloud:
 
     def stop(self) -> None:
         """Terminate the fleet's processes, stop the server, undo the process-wide settings."""
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
         self.fleet.shutdown()
         if self._server is not None:
             self._server.stop()
@@ -224,6 +228,7 @@ class LocalCloud:
         timer = threading.Timer(self.scaled(nominal_delay_s),
                                 lambda: self.submit(description, work))
         timer.daemon = True
+        self._timers = [pending for pending in self._timers if pending.is_alive()] + [timer]
         timer.start()
         return timer
 

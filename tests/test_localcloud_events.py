@@ -104,3 +104,19 @@ def test_unreachable_target_is_recorded(local_cloud):
 
     local_cloud.wait_until(lambda: local_cloud.delivery_failures, 10, "the failed delivery")
     assert local_cloud.delivery_failures[0].target_arn == missing
+
+
+@pytest.mark.slow
+def test_failed_lambda_target_is_retried_twice(local_cloud, tmp_path):
+    record_file = tmp_path / "attempts.jsonl"
+    function_arn = deploy_function(local_cloud, "fail_until", record_file)
+    events = local_cloud.client("events")
+    source, rule = unique("test.retry"), unique("rule")
+    events.put_rule(Name=rule, EventPattern=json.dumps({"source": [source]}))
+    events.put_targets(Rule=rule, Targets=[{"Id": "fn", "Arn": function_arn,
+                                            "Input": json.dumps({"succeed_on": 3})}])
+
+    events.put_events(Entries=[{"Source": source, "DetailType": "X", "Detail": "{}"}])
+
+    local_cloud.wait_until(lambda: len(records(record_file)) == 3, 20, "two retries")
+    assert local_cloud.delivery_failures == []

@@ -24,6 +24,7 @@ def function_spec(function: LambdaFunction) -> FunctionSpec:
     """The runtime's view of a moto function, with the variables Lambda itself sets."""
     cloud = active_cloud()
     assert cloud is not None, "function_spec needs a running LocalCloud"
+    code_dir = unpack_code(function.code_bytes)
     environment = cloud.env() | {
         "_HANDLER": function.handler or "",
         "AWS_EXECUTION_ENV": f"AWS_Lambda_{function.run_time}",
@@ -31,18 +32,18 @@ def function_spec(function: LambdaFunction) -> FunctionSpec:
         "AWS_LAMBDA_FUNCTION_VERSION": str(function.version),
         "AWS_LAMBDA_FUNCTION_MEMORY_SIZE": str(function.memory_size),
         "AWS_LAMBDA_LOG_GROUP_NAME": function.logs_group_name,
-        "LAMBDA_TASK_ROOT": os.getcwd(),
+        "LAMBDA_TASK_ROOT": str(code_dir or os.getcwd()),
     }
     environment.update({key: str(value) for key, value in function.environment_vars.items()})
     return FunctionSpec(
         function_name=function.function_name,
         function_arn=function.function_arn,
-        version="$LATEST" if str(function.version) in {"1", "$LATEST"} else str(function.version),
+        version=str(function.version),
         handler=function.handler or "",
         timeout_s=float(function.timeout),
         memory_mb=int(function.memory_size),
         environment=environment,
-        code_dir=unpack_code(function.code_bytes),
+        code_dir=code_dir,
     )
 
 
