@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -79,6 +80,18 @@ class DeliveryFailure:
     event: Any = field(repr=False)
 
 
+def _check_port_free(host: str, port: int) -> None:
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise OSError(f"port {port} on {host} is not free ({exc.strerror}): "
+                          f"pick another with port=..., or 0 for any free one") from exc
+
+
 class LocalCloud:
     """See the package docstring for the whole surface."""
 
@@ -100,6 +113,10 @@ class LocalCloud:
     def start(self) -> LocalCloud:
         from moto.server import ThreadedMotoServer
 
+        if self.running:
+            raise RuntimeError(f"LocalCloud already running at {self.endpoint}")
+        # moto's server thread dies silently on a taken port and start() then waits for ever.
+        _check_port_free(self.config.host, self.config.port)
         glue.apply_all()
         glue.activate(self)
         # One line per request on stderr drowns everything else out.
