@@ -28,7 +28,10 @@ Behaviour follows EC2's instance metadata service:
 - spot/instance-action and events/recommendations/rebalance are 404 until a notice exists,
   then the JSON documents EC2 serves; tags/instance exists only when the instance allows tags
   in metadata (InstanceMetadataTags=enabled);
-- dynamic/instance-identity/document is the instance identity document (JSON).
+- dynamic/instance-identity/document is the instance identity document (JSON);
+- an instance launched with an instance profile has iam/info and
+  iam/security-credentials/<role> (temporary credentials, renewed before they expire; the
+  local endpoint accepts any key, so these serve SDKs that look for them, not access control).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -47,7 +50,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from localcloud.cloud import LocalCloud
 
-__all__ = ["InstanceMetadata", "InstanceMetadataServer", "MetadataReply", "metadata_reply", "serve_fleet",
+__all__ = ["InstanceMetadata", "InstanceMetadataServer", "MetadataReply", "RoleCredentials", "metadata_reply",
+           "serve_fleet",
            "ENDPOINT_VARIABLE", "MAX_TOKEN_TTL_S"]
 
 ENDPOINT_VARIABLE = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
@@ -94,6 +98,29 @@ class InstanceMetadata:
     rebalance_notice: Mapping[str, str] | None = None
     """The events/recommendations/rebalance document ({"noticeTime": ...}) once a rebalance
     recommendation was given."""
+    instance_profile_arn: str | None = None
+    """The instance profile it was launched with; None serves no iam/ folder, as on EC2."""
+    instance_profile_id: str = ""
+    """That profile's id (AIPA...), for iam/info."""
+    role_name: str | None = None
+    """The profile's role, under which iam/security-credentials/ serves credentials."""
+
+
+@dataclass(frozen=True)
+class RoleCredentials:
+    """Temporary credentials served for an instance's role (the local endpoint accepts any)."""
+
+    access_key_id: str
+    secret_access_key: str
+    token: str
+    issued: datetime
+    expiration: datetime
+
+    def document(self) -> dict[str, str]:
+        """The iam/security-credentials/<role> JSON document."""
+        return {"Code": "Success", "LastUpdated": _iso(self.issued), "Type": "AWS-HMAC",
+                "AccessKeyId": self.access_key_id, "SecretAccessKey": self.secret_access_key,
+                "Token": self.token, "Expiration": _iso(self.expiration)}
 
 
 RecordProvider = Callable[[str], InstanceMetadata | None]
@@ -120,8 +147,9 @@ def _iso(moment: datetime) -> str:
     return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def metadata_tree(record: InstanceMetadata) -> dict[str, Any]:
-    """Every path the service answers for `record`, as nested folders of text leaves."""
+def metadata_tree(record: InstanceMetadata, credentials: RoleCredentials | None = None) -> dict[str, Any]:
+    """Every path the service answers for `record`, as nested folders of text leaves;
+    `credentials` are those of its role, if it has one."""
     hostname = f"ip-{record.local_ipv4.replace('.', '-')}.ec2.internal"
     meta_data: dict[str, Any] = {
         "ami-id": record.image_id,
@@ -134,6 +162,13 @@ def metadata_tree(record: InstanceMetadata) -> dict[str, Any]:
     }
     if record.tags_in_metadata:
         meta_data["tags"] = {"instance": dict(record.tags)}
+    if record.instance_profile_arn is not None:
+        info = {"Code": "Success", "LastUpdated": _iso(record.launch_time),
+                "InstanceProfileArn": record.instance_profile_arn, "InstanceProfileId": record.instance_profile_id}
+        meta_data["iam"] = {"info": _Document(json.dumps(info, indent=2)), "security-credentials": {}}
+        if record.role_name is not None and credentials is not None:
+            meta_data["iam"]["security-credentials"][record.role_name] = _Document(
+                json.dumps(credentials.document(), indent=2))
     if record.spot_action is not None:
         meta_data["spot"] = {"instance-action": _Document(json.dumps(dict(record.spot_action)))}
     if record.rebalance_notice is not None:
@@ -159,9 +194,9 @@ def metadata_tree(record: InstanceMetadata) -> dict[str, Any]:
             "dynamic": {"instance-identity": {"document": _Document(json.dumps(identity, indent=2))}}}
 
 
-def metadata_reply(record: InstanceMetadata, path: str) -> MetadataReply:
+def metadata_reply(record: InstanceMetadata, path: str, credentials: RoleCredentials | None = None) -> MetadataReply:
     """The answer to GET latest/<path> (path relative to latest/, e.g. "meta-data/instance-id")."""
-    node: Any = metadata_tree(record)
+    node: Any = metadata_tree(record, credentials)
     for part in [part for part in path.split("/") if part]:
         if not isinstance(node, dict) or part not in node:
             return MetadataReply(HTTPStatus.NOT_FOUND, "Not Found")
@@ -194,6 +229,29 @@ class _Tokens:
         return held is not None and held[0] == instance_id and held[1] > self._clock()
 
 
+class _RoleCredentialsCache:
+    """One set of credentials per instance role, renewed an hour before it expires, as EC2
+    rotates them."""
+
+    LIFETIME = timedelta(hours=6)
+    RENEW_BEFORE = timedelta(hours=1)
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, str], RoleCredentials] = {}
+        self._lock = threading.Lock()
+
+    def for_role(self, instance_id: str, role_name: str) -> RoleCredentials:
+        now = datetime.now(timezone.utc)
+        with self._lock:
+            held = self._held.get((instance_id, role_name))
+            if held is None or held.expiration - now < self.RENEW_BEFORE:
+                held = self._held[(instance_id, role_name)] = RoleCredentials(
+                    access_key_id="ASIA" + secrets.token_hex(8).upper(),
+                    secret_access_key=secrets.token_urlsafe(30), token=secrets.token_urlsafe(60),
+                    issued=now, expiration=now + self.LIFETIME)
+            return held
+
+
 class InstanceMetadataServer:
     """One metadata service for every local instance, on 127.0.0.1."""
 
@@ -202,6 +260,7 @@ class InstanceMetadataServer:
         times token expiry."""
         self._records = records
         self._tokens = _Tokens(clock)
+        self._credentials = _RoleCredentialsCache()
         self._server = ThreadingHTTPServer(("127.0.0.1", port), _handler_for(self))
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -265,7 +324,8 @@ class InstanceMetadataServer:
             authorized = self._tokens.valid(token, instance_id)
         if not authorized:
             return MetadataReply(HTTPStatus.UNAUTHORIZED, "Unauthorized")
-        return metadata_reply(record, path)
+        credentials = self._credentials.for_role(instance_id, record.role_name) if record.role_name else None
+        return metadata_reply(record, path, credentials)
 
 
 def _token_ttl(raw: str | None) -> int | None:
@@ -332,8 +392,9 @@ def _handler_for(service: InstanceMetadataServer) -> type[BaseHTTPRequestHandler
 
 def fleet_records(cloud: LocalCloud) -> RecordProvider:
     """Instance records from the local cloud: EC2's own description of each instance (type,
-    image, zone, tags, metadata options) plus the fleet's notices (Spot interruption)."""
-    ec2 = cloud.client("ec2")
+    image, zone, tags, metadata options, instance profile) plus the fleet's notices (Spot
+    interruption, rebalance recommendation)."""
+    ec2, iam = cloud.client("ec2"), cloud.client("iam")
 
     def lookup(instance_id: str) -> InstanceMetadata | None:
         try:
@@ -343,6 +404,7 @@ def fleet_records(cloud: LocalCloud) -> RecordProvider:
         reservations = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
         described = reservations[0]["Instances"][0]
         options = described.get("MetadataOptions", {})
+        profile = described.get("IamInstanceProfile", {})
         return InstanceMetadata(
             instance_id=instance_id,
             instance_type=described["InstanceType"],
@@ -358,9 +420,19 @@ def fleet_records(cloud: LocalCloud) -> RecordProvider:
             tokens_required=options.get("HttpTokens", "optional") == "required",
             endpoint_enabled=options.get("HttpEndpoint", "enabled") == "enabled",
             spot_action=local.spot_action,
+            rebalance_notice=local.rebalance_notice,
+            instance_profile_arn=profile.get("Arn"),
+            instance_profile_id=profile.get("Id", ""),
+            role_name=_role_of(iam, profile["Arn"]) if profile else None,
         )
 
     return lookup
+
+
+def _role_of(iam: Any, instance_profile_arn: str) -> str | None:
+    profile_name = instance_profile_arn.rsplit("/", 1)[1]
+    roles = iam.get_instance_profile(InstanceProfileName=profile_name)["InstanceProfile"]["Roles"]
+    return roles[0]["RoleName"] if roles else None
 
 
 def serve_fleet(cloud: LocalCloud) -> InstanceMetadataServer:

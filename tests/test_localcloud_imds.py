@@ -6,11 +6,12 @@ import json
 import sys
 import urllib.error
 import urllib.request
+import uuid
 from datetime import datetime, timezone
 
 import botocore.session
 import pytest
-from botocore.utils import IMDSFetcher, IMDSRegionProvider
+from botocore.utils import IMDSFetcher, IMDSRegionProvider, InstanceMetadataFetcher
 
 from localcloud.imds import InstanceMetadata, InstanceMetadataServer, serve_fleet
 
@@ -159,6 +160,20 @@ def test_spot_and_rebalance_notices_appear_when_given(server, records):
         "noticeTime": "2026-11-29T20:58:00Z"}
 
 
+def test_instance_profile_credentials_only_with_a_profile(server, records):
+    token = _token(server)
+    assert _get(server, "meta-data/iam/info", token)[0] == 404
+    records[NODE.instance_id] = dataclasses.replace(
+        NODE, instance_profile_arn="arn:aws:iam::123456789012:instance-profile/nodes",
+        instance_profile_id="AIPAEXAMPLE", role_name="node-role")
+    assert json.loads(_get(server, "meta-data/iam/info", token)[1])["InstanceProfileArn"] == (
+        "arn:aws:iam::123456789012:instance-profile/nodes")
+    assert _get(server, "meta-data/iam/security-credentials/", token) == (200, "node-role")
+    first = json.loads(_get(server, "meta-data/iam/security-credentials/node-role", token)[1])
+    again = json.loads(_get(server, "meta-data/iam/security-credentials/node-role", token)[1])
+    assert first == again and first["Code"] == "Success" and first["AccessKeyId"].startswith("ASIA")
+
+
 # --- botocore's own client ------------------------------------------------------------------
 
 class MetadataReader(IMDSFetcher):
@@ -167,6 +182,18 @@ class MetadataReader(IMDSFetcher):
     def read(self, path):
         token = self._fetch_metadata_token()
         return self._get_request(path, None, token).text
+
+
+def test_botocore_credential_fetcher_gets_the_role_credentials(server, records):
+    records[NODE.instance_id] = dataclasses.replace(
+        NODE, instance_profile_arn="arn:aws:iam::123456789012:instance-profile/nodes", role_name="node-role")
+    fetcher = InstanceMetadataFetcher(
+        timeout=2, num_attempts=1, config={"ec2_metadata_service_endpoint": server.endpoint_for(NODE.instance_id)})
+    credentials = fetcher.retrieve_iam_role_credentials()
+    assert credentials["role_name"] == "node-role"
+    assert credentials["access_key"].startswith("ASIA") and credentials["token"]
+    expiry = datetime.strptime(credentials["expiry_time"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    assert expiry > datetime.now(timezone.utc)
 
 
 def test_botocore_reads_through_the_endpoint_variable(server, monkeypatch):
@@ -196,15 +223,20 @@ class Reader(IMDSFetcher):
 # The session reads AWS_EC2_METADATA_SERVICE_ENDPOINT, as boto3's does on an instance.
 endpoint = botocore.session.Session().get_config_variable("ec2_metadata_service_endpoint")
 reader = Reader(timeout=2, num_attempts=2, config={"ec2_metadata_service_endpoint": endpoint})
-for path in ("instance-id", "instance-type", "placement/availability-zone", "tags/instance/run"):
+for path in ("instance-id", "instance-type", "placement/availability-zone", "iam/security-credentials/",
+             "tags/instance/run"):
     print(path, reader.read("latest/meta-data/" + path), flush=True)
-deadline = time.monotonic() + 30
-while time.monotonic() < deadline:
-    try:
-        print("spot", reader.read("latest/meta-data/spot/instance-action"), flush=True)
-        break
-    except Exception:  # 404 until the notice is given
-        time.sleep(0.1)
+
+def wait_for(path):
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            return reader.read("latest/meta-data/" + path)
+        except Exception:  # 404 until the notice is given
+            time.sleep(0.1)
+
+print("rebalance", wait_for("events/recommendations/rebalance"), flush=True)
+print("spot", wait_for("spot/instance-action"), flush=True)
 time.sleep(60)  # the interruption ends this process
 """
 
@@ -217,8 +249,16 @@ def test_a_fleet_instance_reads_its_metadata_and_its_spot_notice(tmp_path):
         imds = serve_fleet(cloud)
         try:
             cloud.fleet.boot = lambda instance: [sys.executable, "-c", AGENT]
+            iam = cloud.client("iam")
+            role, profile = f"imds-node-{uuid.uuid4().hex[:8]}", f"imds-nodes-{uuid.uuid4().hex[:8]}"
+            iam.create_role(RoleName=role, AssumeRolePolicyDocument=json.dumps(
+                {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+                                                         "Principal": {"Service": "ec2.amazonaws.com"}}]}))
+            iam.create_instance_profile(InstanceProfileName=profile)
+            iam.add_role_to_instance_profile(InstanceProfileName=profile, RoleName=role)
             launched = cloud.client("ec2").run_instances(
                 ImageId="ami-12c6146b", InstanceType="p4d.24xlarge", MinCount=1, MaxCount=1,
+                IamInstanceProfile={"Name": profile},
                 MetadataOptions={"HttpTokens": "required", "InstanceMetadataTags": "enabled"},
                 TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": "run", "Value": "r-7"}]}])
             instance_id = launched["Instances"][0]["InstanceId"]
@@ -233,7 +273,11 @@ def test_a_fleet_instance_reads_its_metadata_and_its_spot_notice(tmp_path):
             assert lines["instance-type"] == "p4d.24xlarge"
             assert lines["placement/availability-zone"].startswith(cloud.region)
             assert lines["tags/instance/run"] == "r-7"
+            assert lines["iam/security-credentials/"] == role
 
+            cloud.inject_rebalance(instance_id)
+            cloud.wait_until(lambda: "rebalance " in console(), 30, "the instance to see its rebalance notice")
+            assert json.loads(console().split("rebalance ", 1)[1].splitlines()[0]) == instance.rebalance_notice
             cloud.inject_spot_interruption(instance_id)
             cloud.wait_until(lambda: "spot " in console(), 30, "the instance to see its Spot notice")
             notice = json.loads(console().split("spot ", 1)[1].splitlines()[0])
