@@ -33,7 +33,9 @@ def make_spec(**overrides) -> RunSpec:
 
 def make_run(spec: RunSpec | None = None, **fields) -> RunRecord:
     spec = spec or make_spec()
-    fields.setdefault("plan", ParallelPlan(nodes=spec.node_count, ranks_per_node=1, pp=2, dp=2))
+    if "plan" not in fields:
+        par = spec.trainer.parallel
+        fields["plan"] = ParallelPlan(nodes=spec.node_count, ranks_per_node=1, pp=par.pp, dp=par.dp)
     return RunRecord(run_name=spec.run_name, spec=spec, attempt=1, **fields)
 
 
@@ -247,6 +249,20 @@ def test_capacity_short_uses_spares_before_shrinking_further():
     decision = lc.decide_recovery(make_run(), two_and_spare, report(FailureClass.CAPACITY), 0.0)
     assert decision.action is RecoveryAction.SHRINK
     assert decision.plan.nodes == 3 and decision.promote_spare_ids == ["i-9"]
+
+
+def test_workers_a_smaller_layout_leaves_out_become_spares():
+    # 6 workers at pp=2 x dp=3 (batch 24); after one is lost, 5 ranks have no runnable layout
+    # (dp=5 does not divide 24, pp=5 starves 1f1b with 4 microbatches), so the run goes to 4.
+    spec = make_spec(node_count=6, spare_count=0, min_nodes=2,
+                     trainer={"model": {"n_layers": 8}, "training": {"batch_size": 24},
+                              "parallel": {"pp": 2, "dp": 3, "schedule": "1f1b", "microbatches": 4}})
+    run = make_run(spec)
+    six = [node(f"i-{n}", node_rank=n - 1) for n in range(1, 7)]
+    decision = lc.decide_recovery(run, six, report(FailureClass.CAPACITY, "i-2"), 0.0)
+    assert decision.action is RecoveryAction.SHRINK
+    assert decision.plan == ParallelPlan(nodes=4, ranks_per_node=1, pp=2, dp=2)
+    assert decision.terminate_instance_ids == ["i-2"] and decision.demote_worker_ids == ["i-6"]
 
 
 def test_capacity_short_without_shrink_retries_allocation():

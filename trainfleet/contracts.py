@@ -651,6 +651,8 @@ class RecoveryDecision(_Strict):
     """Nodes to terminate (the bad ones; all of them when giving up is left to Teardown)."""
     promote_spare_ids: list[str] = Field(default_factory=list)
     """Spares that become workers."""
+    demote_worker_ids: list[str] = Field(default_factory=list)
+    """Workers a smaller layout leaves out; they become spares."""
     allocate_workers: int = Field(default=0, ge=0)
     """New instances the next attempt waits for (workers no spare could cover)."""
     allocate_spares: int = Field(default=0, ge=0)

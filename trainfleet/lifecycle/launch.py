@@ -19,13 +19,18 @@ def unready_workers(nodes: list[NodeRecord]) -> list[str]:
                   if node.role is NodeRole.WORKER and node.state in (NodeState.LAUNCHED, NodeState.REGISTERED))
 
 
-def ready_workers(nodes: list[NodeRecord]) -> list[NodeRecord]:
-    """Workers that passed preflight, those with a rank from an earlier attempt first.
+def rank_order(node: NodeRecord) -> tuple[bool, int, str]:
+    """Sort key: nodes with a rank from an earlier attempt first, in rank order, then by id.
 
     Keeping earlier ranks keeps node rank 0 (the rendezvous host) where it was when it survived.
     """
+    return node.node_rank is None, node.node_rank or 0, node.instance_id
+
+
+def ready_workers(nodes: list[NodeRecord]) -> list[NodeRecord]:
+    """Workers that passed preflight, in rank_order."""
     ready = [node for node in nodes if node.role is NodeRole.WORKER and node.state is NodeState.READY]
-    return sorted(ready, key=lambda node: (node.node_rank is None, node.node_rank or 0, node.instance_id))
+    return sorted(ready, key=rank_order)
 
 
 def world_complete(nodes: list[NodeRecord], plan: ParallelPlan) -> bool:

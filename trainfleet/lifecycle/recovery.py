@@ -16,6 +16,7 @@ from trainfleet.contracts import (FailureClass, FailureRecord, FailureReport, No
                                   NodeState, RecoveryAction, RecoveryDecision, RecoveryPolicy,
                                   RunRecord)
 from trainfleet.lifecycle.goodput import over_cost_ceiling
+from trainfleet.lifecycle.launch import rank_order
 from trainfleet.lifecycle.replan import plan_layout
 
 # AWS announces these; they say nothing about the job, so they never make a crash loop.
@@ -98,7 +99,8 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
             return give_up(f"only {available} nodes available and no layout runs on "
                            f"{spec.min_nodes}..{available} of them")
         promote = sorted(node.instance_id for node in spares)[:max(0, shrunk.nodes - len(workers))]
-        return RecoveryDecision(action=RecoveryAction.SHRINK, plan=shrunk,
+        demote = [node.instance_id for node in sorted(workers, key=rank_order)[shrunk.nodes:]]
+        return RecoveryDecision(action=RecoveryAction.SHRINK, plan=shrunk, demote_worker_ids=demote,
                                 **{**common, "promote_spare_ids": promote},
                                 reason=f"capacity short: continue on {shrunk.nodes} nodes at pp={shrunk.pp} "
                                        f"x dp={shrunk.dp}")
