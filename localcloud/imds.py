@@ -47,12 +47,13 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+from botocore.exceptions import ClientError
+
 if TYPE_CHECKING:
     from localcloud.cloud import LocalCloud
 
 __all__ = ["InstanceMetadata", "InstanceMetadataServer", "MetadataReply", "RoleCredentials", "metadata_reply",
-           "serve_fleet",
-           "ENDPOINT_VARIABLE", "MAX_TOKEN_TTL_S"]
+           "serve_fleet", "ENDPOINT_VARIABLE", "MAX_TOKEN_TTL_S"]
 
 ENDPOINT_VARIABLE = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
 """The variable botocore reads the metadata endpoint from."""
@@ -401,7 +402,12 @@ def fleet_records(cloud: LocalCloud) -> RecordProvider:
             local = cloud.fleet.get(instance_id)
         except KeyError:
             return None
-        reservations = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
+        try:
+            reservations = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
+        except ClientError as error:
+            if error.response["Error"]["Code"] == "InvalidInstanceID.NotFound":
+                return None
+            raise
         described = reservations[0]["Instances"][0]
         options = described.get("MetadataOptions", {})
         profile = described.get("IamInstanceProfile", {})
