@@ -4,6 +4,7 @@ local cloud (moto plus placement groups and EFA interfaces) holds after allocate
 import base64
 import copy
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -77,8 +78,15 @@ def test_user_data_installs_and_starts_the_agent():
     script = fleet.node_user_data("r1", SETTINGS)
     assert script.startswith("#!/bin/bash\n")
     assert "TRAINFLEET_RUN_NAME=r1" in script and "TRAINFLEET_EVENT_BUS=agents" in script
+    assert '-H "X-aws-ec2-metadata-token: $token"' in script  # IMDSv2 only, like the template
     assert "aws s3 cp --recursive s3://bucket/artifacts/" in script
     assert "systemd-run --unit trainfleet-agent" in script and f"-m {fleet.AGENT_MODULE}" in script
+
+
+def test_user_data_is_a_valid_bash_script(tmp_path):
+    script = tmp_path / "user-data.sh"
+    script.write_text(fleet.node_user_data("r1", SETTINGS))
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=10)  # parse only, runs nothing
 
 
 def test_fleet_request_per_capacity_kind():

@@ -90,8 +90,10 @@ def efa_network_interfaces(facts: InstanceFacts, security_group_ids: list[str]) 
 def node_user_data(run_name: str, settings: Settings) -> str:
     """Cloud-init script: write the agent's settings, install the agent, start it under systemd.
 
-    The agent wheel is published to s3://BUCKET/artifacts/ by the deployment; the AMI (a Deep
-    Learning AMI) brings Python, the AWS CLI, the GPU driver and the EFA software.
+    The deployment publishes a wheelhouse to s3://BUCKET/artifacts/ (trainfleet and the trainer
+    dependencies the AMI lacks); the AMI (a Deep Learning AMI) brings Python, the AWS CLI, the GPU
+    driver, the EFA software and its own CUDA build of torch, which the venv sees. The region comes
+    from the instance metadata, asked with an IMDSv2 session token (the only kind the template allows).
     """
     env = {
         "TRAINFLEET_RUN_NAME": run_name,
@@ -105,13 +107,18 @@ def node_user_data(run_name: str, settings: Settings) -> str:
     return f"""#!/bin/bash
 # trainfleet node bootstrap: settings, agent install, agent start.
 set -euo pipefail
+imds=http://169.254.169.254/latest
+token=$(curl -sf -X PUT "$imds/api/token" -H "X-aws-ec2-metadata-token-ttl-seconds: 300")
+region=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/meta-data/placement/region")
 cat > /etc/trainfleet.env <<'ENV'
 {env_lines}
 ENV
+echo "AWS_DEFAULT_REGION=$region" >> /etc/trainfleet.env
+export AWS_DEFAULT_REGION=$region
 mkdir -p /opt/trainfleet/wheels
 aws s3 cp --recursive {artifacts} /opt/trainfleet/wheels/
-python3 -m venv /opt/trainfleet/venv
-/opt/trainfleet/venv/bin/pip install --quiet --no-index --find-links /opt/trainfleet/wheels 'trainfleet[trainer]'
+python3 -m venv --system-site-packages /opt/trainfleet/venv
+/opt/trainfleet/venv/bin/pip install --quiet --no-index --find-links /opt/trainfleet/wheels trainfleet
 systemd-run --unit trainfleet-agent --property=EnvironmentFile=/etc/trainfleet.env \\
     --property=Restart=on-failure /opt/trainfleet/venv/bin/python -m {AGENT_MODULE}
 """
