@@ -39,6 +39,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,10 +165,13 @@ class LocalFleet:
 
     def _signal(self, instance_id: str, signum: signal.Signals) -> None:
         instance = self.get(instance_id)
-        if instance.process is None or instance.process.poll() is not None:
+        if instance.process is None or instance.state != "running":
             raise RuntimeError(f"instance {instance_id} ({instance.state}) has no running "
                                f"process to send {signum.name} to")
-        os.killpg(instance.process.pid, signum)
+        try:
+            os.killpg(instance.process.pid, signum)
+        except ProcessLookupError as exc:
+            raise RuntimeError(f"instance {instance_id}: its processes are already gone") from exc
 
     def interrupt(self, instance_id: str, action: str) -> None:
         """Carry out a Spot interruption: terminate, or stop (hibernate stops too)."""
@@ -217,8 +221,8 @@ class LocalFleet:
         """Terminate (final_state 'terminated') or stop ('stopped') an instance."""
         instance = self.get(instance_id)
         passing = "shutting-down" if final_state == "terminated" else "stopping"
-        self._report(instance, passing)
         instance._ending = True
+        self._report(instance, passing)
 
         def finish() -> None:
             self._end_process(instance)
@@ -228,8 +232,12 @@ class LocalFleet:
 
     def shutdown(self) -> None:
         """End every process (the cloud is stopping); no events any more."""
-        for instance in self.instances():
+        instances = self.instances()
+        for instance in instances:  # all get SIGTERM first, so the grace periods overlap
             instance._ending = True
+            if instance.process is not None:
+                _signal_group(instance.process.pid, signal.SIGTERM)
+        for instance in instances:
             self._end_process(instance)
 
     # --- internals -----------------------------------------------------------------------
@@ -279,32 +287,37 @@ class LocalFleet:
                          name=f"watch-{instance.instance_id}", daemon=True).start()
 
     def _watch(self, instance: LocalInstance, process: subprocess.Popen) -> None:
-        """A process that ends by itself takes its instance down, as a dead host does."""
-        exit_code = process.wait()
+        """A process that ends by itself takes its instance down, as a dead host does.
+
+        The exit is observed without reaping (WNOWAIT): until `_end_process` reaps it, the
+        leader's pid, which is also its group's id, cannot be reused by an unrelated process
+        group, so signalling the group is always safe."""
+        exit_status = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT).si_status
         if instance._ending or instance.process is not process:
             return
         log.info("instance %s: process exited with %s; terminating it",
-                 instance.instance_id, exit_code)
+                 instance.instance_id, exit_status)
         from localcloud.glue.ec2 import ec2_backend
 
         backend = ec2_backend(self.cloud)
         backend.terminate_instances([instance.instance_id])
         _set_reason(backend, instance.instance_id, "Client.InstanceInitiatedShutdown",
-                    f"Client.InstanceInitiatedShutdown: process exited with {exit_code}")
+                    f"Client.InstanceInitiatedShutdown: process exited with {exit_status}")
 
     def _end_process(self, instance: LocalInstance) -> None:
-        """SIGTERM the whole process group, SIGKILL what is left after the grace period."""
+        """SIGTERM the whole process group, SIGKILL what is left after the grace period,
+        then reap the leader (see `_watch`) and forget the process."""
         process = instance.process
         if process is None:
             return
         _signal_group(process.pid, signal.SIGCONT)  # a stopped group cannot act on SIGTERM
         _signal_group(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=self.cloud.config.shutdown_grace_seconds)
-        except subprocess.TimeoutExpired:
-            pass
+        deadline = time.monotonic() + self.cloud.config.shutdown_grace_seconds
+        while _group_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         _signal_group(process.pid, signal.SIGKILL)  # children that outlived their leader
         process.wait(timeout=10)
+        instance.process = None
         instance.hung = False
 
 
@@ -313,6 +326,19 @@ def _signal_group(pgid: int, signum: signal.Signals) -> None:
         os.killpg(pgid, signum)
     except ProcessLookupError:
         pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether the group still has a live (not zombie) member, its leader included."""
+    members = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members += 1
+    return members > 0
 
 
 def _set_reason(backend: Any, instance_id: str, code: str, message: str) -> None:
