@@ -8,10 +8,11 @@ microbatches (T_single). Then for each pp it starts pp ranks of one thread each 
 schedule, and finally times the single process again. The bubble alone allows
 T_bound = T_single / pp * (m + pp - 1) / m; the figure of merit is pp_bound_ratio = T_bound / T_pp
 (1.0 = no overhead beyond the bubble). Each time is the fastest of the timed steps (each a full
-training step: forward, backward, gradient clipping, AdamW), and T_single the faster of its two
-measurements: on a machine shared with other work the least disturbed step is the truest, and both
-sides are measured the same way. `busy` is CPU time / wall time, averaged over ranks: the bubble
-allows m / (m + pp - 1); a single process below 1.0 means other work took the core.
+training step: forward, backward, gradient clipping, AdamW), over --rounds repetitions, and
+T_single the fastest of its measurements before, between and after: on a machine shared with
+other work the least disturbed step is the truest, and both sides are measured the same way.
+`busy` is CPU time / wall time, averaged over ranks: the bubble allows m / (m + pp - 1); a
+single process below 1.0 means other work took the core.
 All figures come from this one run, side by side. The last line is the 1F1B, pp=2, m=8 ratio.
 pp ranks beyond the machine's cores share them, which the bound does not allow for.
 """
@@ -108,6 +109,8 @@ def main() -> int:
     parser.add_argument("--schedules", nargs="+", default=sorted(SCHEDULES), choices=sorted(SCHEDULES))
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the whole measurement and keep each figure's best round (for a busy machine)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     workdir = tempfile.mkdtemp(prefix="bench-pipeline-")
@@ -116,16 +119,19 @@ def main() -> int:
         return {m: time_steps(bench_config(workdir, 1, "1f1b", m), args.warmup, args.steps)
                 for m in args.microbatches}
 
-    single_before = time_single()
-    measured_by_pp = {pp: sweep(workdir, pp, args) for pp in args.pp}
-    single_after = time_single()
-    single = {m: min(single_before[m][0], single_after[m][0]) for m in args.microbatches}
+    singles, sweeps = [], []
+    for _ in range(args.rounds):
+        singles.append(time_single())
+        sweeps.append({pp: sweep(workdir, pp, args) for pp in args.pp})
+    singles.append(time_single())
+    single = {m: min(s[m][0] for s in singles) for m in args.microbatches}
+    measured_by_pp = {pp: best_of([s[pp] for s in sweeps]) for pp in args.pp}
 
     tokens = 16 * 128
     print(f"model {' '.join(MODEL[:4])}; {tokens} tokens per step; {os.cpu_count()} CPU cores; one thread per rank")
     for m in args.microbatches:
         print(f"single process, m={m:2d}: {single[m] * 1e3:7.1f} ms/step  {tokens / single[m]:8.0f} tokens/s  "
-              f"busy {single_before[m][1]:.2f} before, {single_after[m][1]:.2f} after")
+              f"busy " + ", ".join(f"{s[m][1]:.2f}" for s in singles) + " (each measurement)")
     ratios = {}
     print(f"{'pp':>2} {'schedule':<24} {'m':>3} {'tokens/s':>9} {'single':>9} {'T_pp ms':>8} {'T_bound ms':>10} "
           f"{'busy':>5} {'pp_bound_ratio':>14}")
@@ -145,6 +151,14 @@ def main() -> int:
     headline = ratios.get((2, "1f1b", 8))
     print(f"pp_bound_ratio={headline:.3f}" if headline is not None else "pp_bound_ratio=n/a (1f1b pp=2 m=8 not run)")
     return 0
+
+
+def best_of(rounds: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """Per layout, the round with the fastest step (and that round's busy figure)."""
+    measured, skipped = rounds[0]
+    times = {key: min((r[0]["times"][key] for r in rounds), key=lambda t: t[0]) for key in measured["times"]}
+    peaks = [max(r[0]["peak_mib"][rank] for r in rounds) for rank in range(len(measured["peak_mib"]))]
+    return {"times": times, "peak_mib": peaks}, skipped
 
 
 def sweep(workdir: str, pp: int, args) -> tuple[dict, dict]:
