@@ -127,7 +127,8 @@ def main() -> int:
     single = {m: min(s[m][0] for s in singles) for m in args.microbatches}
     measured_by_pp = {pp: best_of([s[pp] for s in sweeps]) for pp in args.pp}
 
-    tokens = 16 * 128
+    shape = bench_config(workdir, 1, "1f1b", args.microbatches[0])
+    tokens = shape.training.batch_size * shape.model.seq_len
     print(f"model {' '.join(MODEL[:4])}; {tokens} tokens per step; {os.cpu_count()} CPU cores; one thread per rank")
     for m in args.microbatches:
         print(f"single process, m={m:2d}: {single[m] * 1e3:7.1f} ms/step  {tokens / single[m]:8.0f} tokens/s  "

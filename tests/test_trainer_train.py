@@ -72,3 +72,12 @@ def test_cli_logs_each_step_and_writes_jsonl(tmp_path, capsys):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert {"loss", "tokens_per_s", "step_time_s", "lr", "grad_norm"} <= set(records[0])
+
+
+def test_a_tied_head_reads_the_token_embedding(tmp_path):
+    cfg = load_config([*tiny_args(tmp_path), "--model.tie_embeddings=true"])
+    run = build(cfg, environment(cfg, torch.device("cpu")))
+    (model,) = run.pipeline.model_parts
+    assert model.head is None and "head.weight" not in run.state.state_dict()["model"]
+    losses = [train_step(run)["loss"] for _ in range(4)]
+    assert losses[-1] < losses[0] and model.tok_emb.weight.grad is not None

@@ -150,16 +150,18 @@ class JobConfig:
         return self
 
 
+# Integer fields where 0 means something (a seed, "torch's default", "what the schedule needs").
+_ZERO_ALLOWED = {"seed", "threads", "stages_per_rank"}
+
+
 def _problems(c: JobConfig):
     """Yield one message per invalid value or combination, in the order a reader meets them."""
     m, p, t, o, k = c.model, c.parallel, c.training, c.optim, c.checkpoint
     for section in (m, p, c.data, t):
         for f in dataclasses.fields(section):
-            value = getattr(section, f.name)
-            if f.type is int and f.name not in ("seed", "threads", "stages_per_rank") and value < 1:
-                yield f"{_name(section)}.{f.name} must be >= 1, got {value}"
-    if t.threads < 0 or p.stages_per_rank < 0:
-        yield f"training.threads and parallel.stages_per_rank must be >= 0, got {t.threads}, {p.stages_per_rank}"
+            value, lowest = getattr(section, f.name), 0 if f.name in _ZERO_ALLOWED else 1
+            if f.type is int and value < lowest:
+                yield f"{_name(section)}.{f.name} must be >= {lowest}, got {value}"
     if m.d_model % m.n_heads:
         yield f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}"
     if m.vocab_size < tokenizer.VOCAB_SIZE:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from trainer.config import JobConfig, ModelConfig
 from trainer.model import GPT, cross_entropy_loss, init_weights
@@ -32,7 +33,7 @@ class Pipeline:
     """Stages in the whole pipeline."""
     microbatches: int
     """Microbatches per step."""
-    schedule: object | None
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti | None
     """The torch.distributed.pipelining schedule; None when pp=1."""
 
     @property
