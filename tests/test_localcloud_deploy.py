@@ -164,12 +164,30 @@ def test_sam_transform_errors_name_the_resource():
 
 # --- whole deploys --------------------------------------------------------------------------
 
+STACKS = "deploy-test-"
+"""Every stack this module deploys is named with this prefix."""
+
+
 @pytest.fixture(scope="module")
 def cloud():
+    """A local cloud for this module's deploys. moto's state outlives it in this process, so
+    the EventBridge rules deployed here are removed at the end: left in place they would keep
+    routing other tests' EC2 events to this module's functions and state machines."""
     from localcloud import LocalCloud
 
     with LocalCloud() as running:
         yield running
+        _remove_rules(running.client("events"), STACKS)
+
+
+def _remove_rules(events, name_prefix):
+    for bus in events.list_event_buses()["EventBuses"]:
+        for rule in events.list_rules(EventBusName=bus["Name"], NamePrefix=name_prefix)["Rules"]:
+            targets = events.list_targets_by_rule(Rule=rule["Name"], EventBusName=bus["Name"])["Targets"]
+            if targets:
+                events.remove_targets(Rule=rule["Name"], EventBusName=bus["Name"],
+                                      Ids=[target["Id"] for target in targets])
+            events.delete_rule(Name=rule["Name"], EventBusName=bus["Name"])
 
 
 def _read_back(cloud, resource):
@@ -214,7 +232,7 @@ def _read_back(cloud, resource):
 
 @pytest.mark.slow
 def test_every_resource_type_deploys_and_reads_back(cloud):
-    stack = deploy(DeployRequest(TEST_TEMPLATE, cloud.endpoint, stack_name="deploy-test"))
+    stack = deploy(DeployRequest(TEST_TEMPLATE, cloud.endpoint, stack_name=f"{STACKS}dev"))
     read = {logical_id: _read_back(cloud, resource) for logical_id, resource in stack.resources.items()}
     deployed_types = {resource.resource_type for resource in stack.resources.values()}
     assert deployed_types >= {
@@ -276,7 +294,7 @@ def test_every_resource_type_deploys_and_reads_back(cloud):
     # Observability.
     assert read["EchoFunctionLogs"]["logGroupName"] == f"/aws/lambda/{function.physical_id}"
     assert read["EchoFunctionLogs"]["retentionInDays"] == 7
-    assert read["StateMachineLogs"]["logGroupName"] == "/aws/vendedlogs/states/deploy-test/run"
+    assert read["StateMachineLogs"]["logGroupName"] == f"/aws/vendedlogs/states/{STACKS}dev/run"
     assert read["FailedRunsAlarm"]["Threshold"] == 1.0  # from Mappings, for the dev stage
     assert read["FailedRunsAlarm"]["Dimensions"] == [{"Name": "StateMachineArn", "Value": stack.outputs[
         "StateMachineArn"]}]
@@ -294,12 +312,12 @@ def test_every_resource_type_deploys_and_reads_back(cloud):
 
     assert stack.outputs == {
         "StateMachineArn": stack.resources["TrainingRun"].arn, "CheckpointBucketName": bucket,
-        "RunTableName": table, "DevNote": f"deploy-test in us-east-1 ({cloud.account_id})"}
+        "RunTableName": table, "DevNote": f"{STACKS}dev in us-east-1 ({cloud.account_id})"}
 
 
 @pytest.mark.slow
 def test_conditions_follow_parameter_overrides(cloud):
-    stack = deploy(DeployRequest(TEST_TEMPLATE, cloud.endpoint, stack_name="deploy-prod",
+    stack = deploy(DeployRequest(TEST_TEMPLATE, cloud.endpoint, stack_name=f"{STACKS}prod",
                                  parameters={"Stage": "prod", "RetentionDays": "14"}))
     assert stack.skipped == {}
     alarm = _read_back(cloud, stack.resources["ProdOnlyAlarm"])
@@ -352,7 +370,7 @@ Resources:
         - arn:aws:iam::aws:policy/NoSuchPolicyAnywhere
 """)
     with pytest.raises(DeployError, match=r"(?s)nothing was created.*Role: arn:aws:iam::aws:policy/NoSuchPolicyAnywhere$"):
-        deploy(DeployRequest(template, cloud.endpoint, stack_name="unknown-policy"))
+        deploy(DeployRequest(template, cloud.endpoint, stack_name=f"{STACKS}unknown-policy"))
     assert cloud.client("logs").describe_log_groups(logGroupNamePrefix="never-created-logs")["logGroups"] == []
 
 
@@ -371,7 +389,7 @@ Resources:
       KeySchema: [{AttributeName: run, KeyType: HASH}]
 """)
     with pytest.raises(ResourceCreateError, match=r"creating Table \(AWS::DynamoDB::Table\) failed: .*run") as raised:
-        deploy(DeployRequest(template, cloud.endpoint, stack_name="bad-rule"))
+        deploy(DeployRequest(template, cloud.endpoint, stack_name=f"{STACKS}bad-table"))
     assert raised.value.created == ["Logs"]
 
 
@@ -382,7 +400,7 @@ PROJECT_TEMPLATE = REPO / "template.yaml"
 
 @pytest.mark.slow
 def test_project_template_deploys_and_every_resource_is_accounted_for(cloud):
-    stack = deploy(DeployRequest(PROJECT_TEMPLATE, cloud.endpoint, stack_name="trainfleet-project"))
+    stack = deploy(DeployRequest(PROJECT_TEMPLATE, cloud.endpoint, stack_name=f"{STACKS}project"))
     declared = load_template(PROJECT_TEMPLATE)["Resources"]
     accounted = set(stack.resources) | set(stack.skipped)
     # Each declared resource is there under its own logical id; SAM appends a 10-digit hash to
@@ -405,10 +423,10 @@ def test_local_deploy_command_prints_resources_and_outputs(cloud, capsys):
     from trainfleet.cli import main
 
     code = main(["local", "deploy", "--template", str(TEST_TEMPLATE), "--endpoint", cloud.endpoint,
-                 "--stack-name", "cli-stack", "--param", "Stage=prod"])
+                 "--stack-name", f"{STACKS}cli", "--param", "Stage=prod"])
     printed = json.loads(capsys.readouterr().out)
     assert code == 0
-    assert printed["stack_name"] == "cli-stack"
+    assert printed["stack_name"] == f"{STACKS}cli"
     assert printed["resources"]["TrainingRun"]["resource_type"] == "AWS::StepFunctions::StateMachine"
     assert printed["outputs"]["StateMachineArn"] == printed["resources"]["TrainingRun"]["arn"]
     assert printed["skipped"] == {}
