@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from botocore.awsrequest import AWSResponse
 
 from trainfleet.adapters import ec2_fleet as fleet
 from trainfleet.catalogue import CATALOGUE, instance_facts
@@ -231,6 +232,69 @@ def test_teardown_terminates_everything_of_the_run_and_nothing_else(cloud, netwo
     assert not ec2.describe_launch_templates(
         Filters=[{"Name": "launch-template-name", "Values": ["trainfleet-doomed"]}])["LaunchTemplates"]
     assert _states(ec2, launched["bystander"]) <= {"pending", "running"}
+
+
+def answer_create_fleet(ec2, answers: dict[str, dict]) -> None:
+    """Let EC2 answer CreateFleet in the given subnets with the given (documented) answer.
+
+    moto always has capacity; real EC2 often does not. The answer replaces only the HTTP
+    exchange of CreateFleet in those subnets, at the SDK's own hook; every other call, and
+    CreateFleet in other subnets, goes to the local cloud.
+    """
+    def before_call(params, **kwargs):
+        subnets = [value for key, value in params["body"].items() if key.endswith(".SubnetId")]
+        for subnet in subnets:
+            if subnet in answers:
+                return AWSResponse(url="", status_code=200, headers={}, raw=None), answers[subnet]
+        return None
+
+    ec2.meta.events.register("before-call.ec2.CreateFleet", before_call)
+
+
+def test_insufficient_capacity_in_the_first_zone_lands_the_fleet_in_the_next(cloud, network):
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    spec = make_spec(run_name="ice", subnet_ids=subnets, security_group_ids=[group])
+    template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    answer_create_fleet(ec2, {subnets[0]: fleet_answer([], ICE)})
+
+    allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 2, 2, "ice-0")
+    assert (allocation.subnet_id, allocation.availability_zone) == (subnets[1], "us-east-1b")
+    assert allocation.placement_group == "trainfleet-ice-us-east-1b" and len(allocation.instance_ids) == 2
+    assert allocation.errors == [f"us-east-1a: {ICE[0]}: {ICE[1]}"]
+    described = ec2.describe_instances(InstanceIds=allocation.instance_ids)["Reservations"]
+    assert {i["Placement"]["AvailabilityZone"] for r in described for i in r["Instances"]} == {"us-east-1b"}
+
+    fleet.teardown(ec2, "ice", SETTINGS.stack_name)
+    cloud.wait_until(lambda: _states(ec2, allocation.instance_ids) == {"terminated"}, timeout_s=30,
+                     what="the run's instances to be terminated")
+    assert fleet.teardown(ec2, "ice", SETTINGS.stack_name).placement_groups_in_use == []
+    names = [g["GroupName"] for g in ec2.describe_placement_groups()["PlacementGroups"]]
+    assert not [name for name in names if name.startswith("trainfleet-ice-")]  # both zones' groups
+
+
+def test_no_zone_with_capacity_launches_nothing_and_says_why(cloud, network):
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    spec = make_spec(run_name="dry", subnet_ids=subnets, security_group_ids=[group])
+    template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    answer_create_fleet(ec2, {subnet: fleet_answer([], ICE) for subnet in subnets})
+    allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 3, 2, "dry-0")
+    assert (allocation.instance_ids, allocation.shortfall, allocation.subnet_id) == ([], 3, None)
+    assert [line.split(":")[0] for line in allocation.errors] == ["us-east-1a", "us-east-1b"]
+    assert fleet.run_instance_ids(ec2, "dry", SETTINGS.stack_name) == []
+
+
+def test_an_error_no_zone_can_cure_stops_at_once(cloud, network):
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    spec = make_spec(run_name="quota", subnet_ids=subnets, security_group_ids=[group])
+    template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    quota = fleet_answer([], ("VcpuLimitExceeded", "You have requested more vCPU capacity than your current vCPU limit"))
+    answer_create_fleet(ec2, {subnets[0]: quota})
+    with pytest.raises(fleet.FleetError, match="VcpuLimitExceeded"):
+        fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 2, 2, "quota-0")
+    assert fleet.run_instance_ids(ec2, "quota", SETTINGS.stack_name) == []  # the next zone was not tried
 
 
 def _states(ec2, instance_ids):
