@@ -137,6 +137,8 @@ class DeployedStack:
     """Logical ids not created because their Condition is false, with the condition's name."""
     outputs: dict[str, Any]
     """The stack Outputs by name (those whose Condition holds)."""
+    packaged: dict[str, str]
+    """Each local CodeUri/ContentUri/DefinitionUri path and the s3:// URI it was uploaded to."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -209,7 +211,7 @@ def deploy(request: DeployRequest) -> DeployedStack:
     parameters = {**_pseudo_parameters(request, account_id),
                   **parameter_values(template.get("Parameters", {}), request.parameters)}
     bucket = request.artifact_bucket or f"trainfleet-local-artifacts-{account_id}-{request.region}"
-    _package(template, request.template.parent, client("s3"), bucket, request.region)
+    packaged = _package(template, request.template.parent, client("s3"), bucket, request.region)
     template = transform_sam(template, parameters, request.region)
     resolver = Resolver(parameters, mappings=template.get("Mappings", {}))
     resolver.conditions = evaluate_conditions(template.get("Conditions", {}), resolver)
@@ -229,7 +231,7 @@ def deploy(request: DeployRequest) -> DeployedStack:
     outputs = {name: _output_value(resolver, name, output)
                for name, output in template.get("Outputs", {}).items()
                if "Condition" not in output or _condition(resolver, output["Condition"], f"Outputs.{name}")}
-    return DeployedStack(request.stack_name, request.region, account_id, created, skipped, outputs)
+    return DeployedStack(request.stack_name, request.region, account_id, created, skipped, outputs, packaged)
 
 
 def _session(region: str) -> boto3.session.Session:
@@ -337,15 +339,15 @@ _ARTIFACT_PROPERTIES = {
 _ZIPPED_PROPERTIES = {"CodeUri", "Code", "ContentUri"}
 
 
-def _package(template: dict[str, Any], base: Path, s3: Any, bucket: str, region: str) -> None:
-    """Upload local artifact paths to `bucket` and rewrite the template to point at them."""
+def _package(template: dict[str, Any], base: Path, s3: Any, bucket: str, region: str) -> dict[str, str]:
+    """Upload local artifact paths to `bucket`, rewrite the template to point at them, and
+    return where each went (local path -> s3:// URI)."""
     targets = [(resource.get("Type"), resource.get("Properties", {}))
                for resource in template["Resources"].values() if isinstance(resource, dict)]
     global_function = template.get("Globals", {}).get("Function")
     if global_function:
         targets.append(("AWS::Serverless::Function", global_function))
-    zips: dict[Path, bytes] = {}  # several functions often share one CodeUri
-    bucket_ready = False
+    uploaded: dict[Path, str] = {}  # local path -> key; functions often share one CodeUri
     for resource_type, properties in targets:
         for (artifact_type, name), to_reference in _ARTIFACT_PROPERTIES.items():
             local = properties.get(name) if artifact_type == resource_type else None
@@ -354,16 +356,15 @@ def _package(template: dict[str, Any], base: Path, s3: Any, bucket: str, region:
             path = (base / local).resolve()
             if not path.exists():
                 raise TemplateError(f"{resource_type} {name}={local!r}: no such file or folder under {base}")
-            if name in _ZIPPED_PROPERTIES and path.is_dir():
-                body = zips[path] = zips.get(path) or _zip_folder(path)
-            else:
-                body = path.read_bytes()
-            key = f"{hashlib.sha256(body).hexdigest()}{'.zip' if name in _ZIPPED_PROPERTIES else path.suffix}"
-            if not bucket_ready:
-                _ensure_bucket(s3, bucket, region)
-                bucket_ready = True
-            s3.put_object(Bucket=bucket, Key=key, Body=body)
-            properties[name] = to_reference(bucket, key)
+            if path not in uploaded:
+                if not uploaded:
+                    _ensure_bucket(s3, bucket, region)
+                zipped = name in _ZIPPED_PROPERTIES and path.is_dir()
+                body = _zip_folder(path) if zipped else path.read_bytes()
+                uploaded[path] = f"{hashlib.sha256(body).hexdigest()}{'.zip' if zipped else path.suffix}"
+                s3.put_object(Bucket=bucket, Key=uploaded[path], Body=body)
+            properties[name] = to_reference(bucket, uploaded[path])
+    return {str(path): f"s3://{bucket}/{key}" for path, key in uploaded.items()}
 
 
 def _zip_folder(folder: Path) -> bytes:

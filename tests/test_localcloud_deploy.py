@@ -1,8 +1,10 @@
 """Deploying SAM templates into the local cloud: template semantics (pure), then whole deploys
 read back through boto3, then the project's own template.yaml."""
 
+import io
 import json
 import re
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -255,6 +257,8 @@ def test_every_resource_type_deploys_and_reads_back(cloud):
         stack.resources["EchoFunctionNodeEventsPermission"].physical_id}
 
     # State machine: DefinitionUri uploaded, DefinitionSubstitutions applied.
+    assert sorted(stack.packaged) == [str(TEST_TEMPLATE.parent / "functions"),
+                                      str(TEST_TEMPLATE.parent / "statemachine" / "run.asl.json")]
     definition = json.loads(read["TrainingRun"]["definition"])
     assert definition["States"]["Echo"]["Resource"] == function.arn
     assert definition["States"]["Record"]["Parameters"]["TableName"] == table
@@ -414,6 +418,16 @@ def test_project_template_deploys_and_every_resource_is_accounted_for(cloud):
         assert value and "${" not in str(value), name
     machine = cloud.client("stepfunctions").describe_state_machine(stateMachineArn=stack.outputs["StateMachineArn"])
     assert "${" not in machine["definition"]
+
+    # `CodeUri: .` packed the repository's sources, not its virtualenv, and the handlers import.
+    bucket, key = stack.packaged[str(REPO)].removeprefix("s3://").split("/", 1)
+    package = cloud.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+    names = zipfile.ZipFile(io.BytesIO(package)).namelist()
+    assert "functions/validate.py" in names and "template.yaml" in names
+    assert not [name for name in names if name.startswith((".venv/", ".git/")) or "__pycache__" in name]
+    reply = cloud.client("lambda").invoke(FunctionName=stack.resources["ValidateFunction"].physical_id, Payload=b"{}")
+    error = json.loads(reply["Payload"].read())
+    assert not error.get("errorType", "").startswith("Runtime."), error
 
 
 # --- the command ----------------------------------------------------------------------------
