@@ -9,14 +9,15 @@
 
 The steps, in the order `sam deploy` and CloudFormation take them:
 
-1. load the template (YAML with the short intrinsic tags, or JSON);
-2. package: upload every local CodeUri / DefinitionUri to an artifact bucket in the local S3
-   and point the template at the S3 copy (what `sam package` does); a function's code is then
-   a real deployment package that the local Lambda runtime unpacks;
+1. load the template (YAML with the short intrinsic tags, or JSON) and check the parameter
+   values (overrides, Defaults, AllowedValues);
+2. package: upload every local CodeUri / ContentUri / DefinitionUri to an artifact bucket in
+   the local S3 and point the template at the S3 copy (what `sam package` does); a function's
+   code is then a real deployment package that the local Lambda runtime unpacks;
 3. transform with the real SAM translator, offline: managed policy names are looked up in the
    map bundled with the translator instead of calling IAM;
-4. plan: parameter values, Conditions, every resource type and property checked against what
-   the local deploy can create (everything refused is listed before anything is created),
+4. plan: Conditions; every resource type, property and AWS managed policy checked against what
+   the local cloud can create (everything refused is listed before anything is created);
    resources ordered by their references and DependsOn;
 5. create each resource through the local endpoint's AWS APIs (`localcloud.deploy_resources`),
    resolving Ref / Fn::GetAtt / Fn::Sub / ... against what was created before it;
@@ -57,7 +58,8 @@ from localcloud.deploy_intrinsics import (
 from localcloud.deploy_resources import RESOURCE_TYPES, Context
 
 __all__ = ["DeployRequest", "DeployedResource", "DeployedStack", "DeployError", "TemplateError",
-           "UnsupportedResourcesError", "ResourceCreateError", "deploy", "load_template", "transform_sam"]
+           "UnsupportedResourcesError", "ResourceCreateError", "deploy", "format_stack", "load_template",
+           "transform_sam"]
 
 SAM_TRANSFORM = "AWS::Serverless-2016-10-31"
 # Resource attributes that change nothing at create time, so they need no local counterpart.
