@@ -173,6 +173,9 @@ def handle_aws_event(detail: Any) -> str:
         live_ids = {node.instance_id for node in live}
         report = report.model_copy(update={"instance_ids": [i for i in report.instance_ids if i in live_ids]})
         outcomes.append(failure(run, live, report))
+        if isinstance(detail, Ec2InstanceStateChange) and detail.state == "terminated":
+            for node in live:
+                aws().store.transition_node(run.run_name, node.instance_id, NodeState.TERMINATED)
     return "; ".join(outcomes) or "ignored: no instance of a run"
 
 

@@ -6,8 +6,9 @@
    books, the blamed nodes TERMINATING, promoted spares made workers. Giving up raises
    RecoveryGaveUp, which the state machine sends to Teardown.
 3. Act on the records, not on the decision, so a retried invocation (which finds the attempt
-   already advanced and skips step 2) does the same: terminate the nodes marked TERMINATING,
-   launch what the plan and the spare count still miss, in the run's zone and placement group.
+   already advanced and skips step 2) does the same: terminate the nodes the event handler
+   marked UNHEALTHY and those marked TERMINATING (recorded first), launch what the plan and the
+   spare count still miss, in the run's zone and placement group.
 4. Hand the backoff to the state machine's Wait.
 """
 
@@ -60,6 +61,9 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
 def act(run: RunRecord) -> int:
     """Step 3; the number of instances launched."""
     cloud, name, spec = aws(), run.run_name, run.spec
+    for node in cloud.store.nodes(name):
+        if node.state is NodeState.UNHEALTHY:
+            cloud.store.transition_node(name, node.instance_id, NodeState.TERMINATING)
     nodes = cloud.store.nodes(name)
     terminate(cloud.ec2, [node.instance_id for node in nodes if node.state is NodeState.TERMINATING])
     live = [node for node in nodes if node.state not in _GONE]

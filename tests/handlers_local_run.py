@@ -1,0 +1,174 @@
+"""Whole training runs through the deployed state machine, on the local cloud, with simulated
+agents (tests/handlers_sim_agent.py) as the instances' processes.
+
+1. a good RunSpec on 2 nodes: allocate, nodes ready, train; once a checkpoint is committed,
+   the node of rank 1 is killed (EC2 reports it terminated); only it is replaced, training
+   resumes from the latest committed checkpoint, completes, and teardown ends every instance;
+2. a bad RunSpec: the execution fails at Validate naming the field, no instance is created.
+
+It runs in a process of its own (tests/test_handlers_local_run.py starts it) because the local
+cloud imports the deployed handlers from their package: a test process that imported
+`functions` itself would hold a second copy. It prints one JSON summary as its last line.
+
+    python tests/handlers_local_run.py
+"""
+
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+# The SAM roles attach AWS managed policies; moto knows them only when asked before it starts.
+os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"
+
+from localcloud import LocalCloud  # noqa: E402
+from localcloud.deploy import DeployRequest, deploy  # noqa: E402
+from trainfleet.adapters.ec2_fleet import TAG_RUN  # noqa: E402
+from trainfleet.adapters.run_store import RunNotFound, RunStore  # noqa: E402
+
+AGENT = REPO / "tests" / "handlers_sim_agent.py"
+EXECUTION_TIMEOUT_S = 120
+
+
+def network(ec2) -> tuple[str, str]:
+    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.1.0/24", AvailabilityZone="us-east-1a")
+    group = ec2.create_security_group(GroupName=f"efa-{uuid.uuid4().hex[:6]}", Description="run", VpcId=vpc)
+    return subnet["Subnet"]["SubnetId"], group["GroupId"]
+
+
+def run_spec(run_name: str, bucket: str, subnet: str, group: str) -> dict:
+    return {
+        "run_name": run_name,
+        "instance_type": "c5.large",
+        "node_count": 2,
+        "capacity": {"kind": "on-demand", "subnet_ids": [subnet], "security_group_ids": [group]},
+        "image_id": "ami-0123456789abcdef0",
+        "trainer": {"model": {"n_layers": 2},
+                    "parallel": {"pp": 2, "dp": 1, "schedule": "gpipe", "microbatches": 2},
+                    "training": {"batch_size": 2}},
+        "checkpoint": {"s3_uri": f"s3://{bucket}/runs/{run_name}/checkpoints", "interval_steps": 10},
+        "recovery": {"backoff_base_seconds": 0, "backoff_max_seconds": 0,
+                     "hang_timeout_seconds": 60, "boot_timeout_seconds": 60},
+    }
+
+
+def wait(what: str, probe, timeout_s: float = EXECUTION_TIMEOUT_S):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = probe()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def checkpointed(store: RunStore, run_name: str) -> bool:
+    try:
+        run = store.run(run_name)
+    except RunNotFound:
+        return False
+    return run.latest_checkpoint is not None and run.attempt == 0
+
+
+def execute(sfn, machine: str, name: str, document: dict) -> dict:
+    arn = sfn.start_execution(stateMachineArn=machine, name=name, input=json.dumps(document))["executionArn"]
+    wait(f"execution {name}", lambda: sfn.describe_execution(executionArn=arn)["status"] != "RUNNING")
+    return sfn.describe_execution(executionArn=arn)
+
+
+def states_entered(sfn, execution_arn: str) -> list[str]:
+    history = sfn.get_execution_history(executionArn=execution_arn, maxResults=1000)["events"]
+    return [event["stateEnteredEventDetails"]["name"] for event in history
+            if "stateEnteredEventDetails" in event]
+
+
+def instances_of(ec2, run_name: str) -> dict[str, str]:
+    reservations = ec2.describe_instances(Filters=[{"Name": f"tag:{TAG_RUN}", "Values": [run_name]}])
+    return {instance["InstanceId"]: instance["State"]["Name"]
+            for reservation in reservations["Reservations"] for instance in reservation["Instances"]}
+
+
+def console_lines(cloud, instance_id: str) -> list[dict]:
+    log = cloud.fleet.get(instance_id).console_log
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def main() -> None:
+    stack_name = f"tf-{uuid.uuid4().hex[:8]}"
+    with LocalCloud(time_scale=0.02) as cloud:
+        clients = {name: cloud.client(name) for name in ("ec2", "stepfunctions", "s3", "dynamodb")}
+        ec2, sfn, s3 = clients["ec2"], clients["stepfunctions"], clients["s3"]
+        stack = deploy(DeployRequest(template=REPO / "template.yaml", endpoint=cloud.endpoint,
+                                     stack_name=stack_name))
+        outputs = stack.outputs
+        # moto ignores the conditions of bucket policy statements, so the TLS-only Deny would
+        # deny every request to the local (plain HTTP) endpoint; test_template.py checks it.
+        s3.delete_bucket_policy(Bucket=outputs["CheckpointBucketName"])
+        store = RunStore(clients["dynamodb"], outputs["RunTableName"])
+
+        def agent_environment(instance) -> dict[str, str]:
+            return {"PYTHONPATH": str(REPO), "TRAINFLEET_RUN_NAME": instance.tags[TAG_RUN],
+                    "TRAINFLEET_RUN_TABLE": outputs["RunTableName"],
+                    "TRAINFLEET_BUCKET": outputs["CheckpointBucketName"],
+                    "TRAINFLEET_EVENT_BUS": outputs["AgentEventBusName"]}
+
+        cloud.fleet.boot = lambda instance: [sys.executable, str(AGENT)]
+        cloud.fleet.env_hooks.append(agent_environment)
+        subnet, group = network(ec2)
+        machine = outputs["StateMachineArn"]
+
+        # 1. A run with one node lost mid-training.
+        run_name = f"run-{uuid.uuid4().hex[:6]}"
+        spec = run_spec(run_name, outputs["CheckpointBucketName"], subnet, group)
+        arn = sfn.start_execution(stateMachineArn=machine, name=run_name, input=json.dumps(spec))["executionArn"]
+        wait("the first committed checkpoint", lambda: checkpointed(store, run_name))
+        first_nodes = {node.instance_id: node.node_rank for node in store.nodes(run_name)}
+        killed = next(instance_id for instance_id, rank in first_nodes.items() if rank == 1)
+        survivor = next(instance_id for instance_id, rank in first_nodes.items() if rank == 0)
+        cloud.fleet.kill(killed)
+        wait("the run to end", lambda: sfn.describe_execution(executionArn=arn)["status"] != "RUNNING")
+        execution = sfn.describe_execution(executionArn=arn)
+        run = store.run(run_name)
+        report = json.loads(s3.get_object(Bucket=outputs["CheckpointBucketName"],
+                                          Key=f"runs/{run_name}/report.json")["Body"].read())
+        committed = sorted(int(prefix["Prefix"].rstrip("/").rsplit("-", 1)[1]) for prefix in s3.list_objects_v2(
+            Bucket=outputs["CheckpointBucketName"], Prefix=f"runs/{run_name}/checkpoints/",
+            Delimiter="/").get("CommonPrefixes", []))
+        recovered = {
+            "status": execution["status"],
+            "states": states_entered(sfn, arn),
+            "first_nodes": first_nodes,
+            "killed": killed,
+            "survivor": survivor,
+            "nodes": {node.instance_id: {"state": node.state.value, "attempt": node.attempt,
+                                         "rank": node.node_rank, "failure": node.failure_class}
+                      for node in store.nodes(run_name)},
+            "instances": instances_of(ec2, run_name),
+            "survivor_launches": [line for line in console_lines(cloud, survivor) if "node_rank" in line],
+            "survivor_commits": [line for line in console_lines(cloud, survivor) if "committed_step" in line],
+            "run": {"state": run.state.value, "attempt": run.attempt, "restarts": run.restarts,
+                    "latest_checkpoint": run.latest_checkpoint.step if run.latest_checkpoint else None},
+            "committed_steps": committed,
+            "report": {"state": report["state"], "restarts": report["restarts"]},
+        }
+
+        # 2. A bad RunSpec.
+        bad_name = f"bad-{uuid.uuid4().hex[:6]}"
+        bad_spec = run_spec(bad_name, outputs["CheckpointBucketName"], subnet, group)
+        bad_spec["node_count"] = 3  # pp x dp = 2 ranks cannot fill 3 nodes
+        before = len(instances_of(ec2, bad_name))
+        rejected = execute(sfn, machine, bad_name, bad_spec)
+        invalid = {"status": rejected["status"], "error": rejected.get("error"), "cause": rejected.get("cause"),
+                   "states": states_entered(sfn, rejected["executionArn"]),
+                   "instances_before": before, "instances_after": len(instances_of(ec2, bad_name))}
+    print(json.dumps({"recovered": recovered, "invalid": invalid}, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The deployed app end to end on the local cloud (tests/handlers_local_run.py does the runs in
+a process of its own; see its docstring for why)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCENARIO_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def outcome() -> dict:
+    completed = subprocess.run([sys.executable, str(REPO / "tests" / "handlers_local_run.py")],
+                               cwd=REPO, capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S)
+    assert completed.returncode == 0, completed.stderr[-6000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_replaced_alone_and_training_resumes_from_the_latest_checkpoint(outcome):
+    run = outcome["recovered"]
+    assert run["status"] == "SUCCEEDED"
+    assert run["states"] == ["Validate", "Allocate", "AwaitNodes", "Train", "Recover", "RecoveryBackoff",
+                             "AwaitNodes", "Train", "Teardown", "Report", "Outcome", "RunSucceeded"]
+    killed, survivor = run["killed"], run["survivor"]
+    replacements = set(run["nodes"]) - set(run["first_nodes"])
+    assert len(replacements) == 1, "exactly one new instance, for the lost one"
+    (replacement,) = replacements
+    assert run["nodes"][killed]["failure"] == "INSTANCE_LOST"
+    assert run["nodes"][replacement] | {"state": None} == {"state": None, "attempt": 1, "rank": 1, "failure": None}
+    assert run["nodes"][survivor]["failure"] is None and run["nodes"][survivor]["rank"] == 0
+    # The survivor was launched twice: from scratch, then from the newest checkpoint the first
+    # attempt committed to S3.
+    first, second = run["survivor_launches"]
+    assert (first["attempt"], first["resume_step"]) == (0, None)
+    first_attempt_commits = [line["committed_step"] for line in run["survivor_commits"] if line["attempt"] == 0]
+    assert second["attempt"] == 1 and second["resume_step"] == max(first_attempt_commits)
+    assert [line["committed_step"] for line in run["survivor_commits"] if line["attempt"] == 1] == list(
+        range(second["resume_step"] + 10, 61, 10))
+    assert run["committed_steps"] == list(range(10, 61, 10))
+    assert run["run"] == {"state": "SUCCEEDED", "attempt": 1, "restarts": 1, "latest_checkpoint": 60}
+    assert run["report"] == {"state": "SUCCEEDED", "restarts": 1}
+
+
+@pytest.mark.slow
+def test_teardown_leaves_no_instance_running(outcome):
+    run = outcome["recovered"]
+    assert set(run["instances"].values()) <= {"shutting-down", "terminated"}, run["instances"]
+    assert len(run["instances"]) == 3
+    assert {node["state"] for node in run["nodes"].values()} <= {"TERMINATING", "TERMINATED"}
+
+
+@pytest.mark.slow
+def test_a_bad_run_spec_fails_at_validate_naming_the_field_and_creates_nothing(outcome):
+    rejected = outcome["invalid"]
+    assert rejected["status"] == "FAILED"
+    assert rejected["error"] == "InvalidRunSpec"
+    assert rejected["states"] == ["Validate"]
+    message = json.loads(rejected["cause"])["errorMessage"]
+    assert "node_count=3" in message and "trainer.parallel.pp x dp" in message
+    assert rejected["instances_after"] == rejected["instances_before"] == 0
