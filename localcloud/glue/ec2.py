@@ -358,7 +358,6 @@ def apply() -> None:
     EC2Response.describe_placement_groups = describe_placement_groups
     EC2Response.delete_placement_group = delete_placement_group
     InstanceResponse.run_instances = _run_instances_response
-    EC2Response.run_instances = _run_instances_response
     Fleet.__init__ = _fleet_init
     EC2Backend.run_instances = _run_instances
     EC2Backend.terminate_instances = _terminate_instances
