@@ -33,6 +33,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
@@ -45,6 +46,8 @@ __all__ = ["Checkpointer", "CheckpointError", "resume_target", "storage_writer",
 log = logging.getLogger(__name__)
 
 _DCP_METADATA_FILE = ".metadata"
+# DCP reports a failure on any rank as CheckpointException, which derives from BaseException.
+_SAVE_FAILURES = (Exception, CheckpointException)
 
 
 class CheckpointError(RuntimeError):
@@ -281,20 +284,11 @@ class Checkpointer:
         self._wait_for_staging()
         self._requests.honoured()
         step_uri = self.store.step_uri(catalog.step_dir_name(step))
-        state_dict = state.state_dict()
-        if self.cfg.async_save:
-            response = dcp.async_save(
-                state_dict,
-                storage_writer=storage_writer(step_uri),
-                process_group=self._save_group,
-                async_stager=self._stager,
-            )
-            self._staging = response.staging_completion
-            uploaded = response.upload_completion
-        else:
-            uploaded = Future()
-            uploaded.set_result(dcp.save(state_dict, storage_writer=storage_writer(step_uri), process_group=self._save_group))
+        uploaded = self._start_upload(step_uri, state.state_dict())
         self._in_flight = self._committer.submit(self._commit_when_uploaded, step, uploaded)
+        if self.rank == 0:
+            # Queued behind the commit on the same thread; the save counts as done without it.
+            self._committer.submit(self._prune)
         self._in_flight_step = step
         self._last_saved_step = step
         self.blocked_seconds += time.perf_counter() - started
@@ -303,6 +297,21 @@ class Checkpointer:
             self._wait_in_flight()
             self.blocked_seconds += time.perf_counter() - started
         return True
+
+    def _start_upload(self, step_uri: str, state_dict: dict[str, Any]) -> Future:
+        """Start writing the shards; a future of DCP's metadata, failed if anything went wrong."""
+        uploaded: Future = Future()
+        try:
+            if self.cfg.async_save:
+                response = dcp.async_save(state_dict, storage_writer=storage_writer(step_uri),
+                                          process_group=self._save_group, async_stager=self._stager)
+                self._staging = response.staging_completion
+                return response.upload_completion
+            uploaded.set_result(dcp.save(state_dict, storage_writer=storage_writer(step_uri),
+                                         process_group=self._save_group))
+        except _SAVE_FAILURES as exc:  # raised as CheckpointError by _wait_in_flight, like a failed upload
+            uploaded.set_exception(exc)
+        return uploaded
 
     def _commit_when_uploaded(self, step: int, uploaded: Future) -> None:
         metadata: Metadata = uploaded.result()
@@ -314,13 +323,16 @@ class Checkpointer:
         manifest = catalog.Manifest(step=step, layout=self.layout, files=files, config_hash=self.config_hash)
         self.store.create(step_dir, catalog.MARKER_NAME, manifest.to_json())
         log.info("checkpoint committed: %s (%d files, %d bytes)", where, len(files), sum(f.size for f in files))
-        self._prune()
 
     def _prune(self) -> None:
-        saved = {step: catalog.is_committed(self.store, step) for step in catalog.saved_steps(self.store)}
-        for step in catalog.retention_victims(saved, self.cfg.keep_last):
-            log.info("retention: deleting %s/%s", self.store.uri, catalog.step_dir_name(step))
-            self.store.delete_step(catalog.step_dir_name(step))
+        """Apply retention; a failure is logged, not raised: the next commit prunes again."""
+        try:
+            saved = {step: catalog.is_committed(self.store, step) for step in catalog.saved_steps(self.store)}
+            for step in catalog.retention_victims(saved, self.cfg.keep_last):
+                log.info("retention: deleting %s/%s", self.store.uri, catalog.step_dir_name(step))
+                self.store.delete_step(catalog.step_dir_name(step))
+        except Exception:
+            log.warning("retention failed in %s", self.store.uri, exc_info=True)
 
     def _agree(self, failed: bool, requested: bool) -> bool:
         """Tell every rank whether any rank's save failed (then raise) or asked for a save."""
@@ -343,7 +355,7 @@ class Checkpointer:
             return
         try:
             in_flight.result()
-        except Exception as exc:
+        except _SAVE_FAILURES as exc:
             raise CheckpointError(f"checkpoint of step {self._in_flight_step} failed: {exc}") from exc
 
     def _wait_for_staging(self) -> None:
@@ -360,11 +372,15 @@ class Checkpointer:
             self._wait_for_staging()
             self.blocked_seconds += time.perf_counter() - started
 
+    def wait(self) -> None:
+        """Block until the save in flight, if any, is committed; CheckpointError if it failed."""
+        self._wait_for_staging()
+        self._wait_in_flight()
+
     def close(self) -> None:
         """Wait for the save in flight and release resources; raises CheckpointError if it failed."""
         try:
-            self._wait_for_staging()
-            self._wait_in_flight()
+            self.wait()
         finally:
             self._staging_hook.remove()
             self._requests.close()

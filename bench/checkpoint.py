@@ -1,0 +1,208 @@
+"""Checkpoint save/load speed and the training stall, against an S3 endpoint.
+
+    .venv/bin/python bench/checkpoint.py                 # a moto server on 127.0.0.1, 256 MiB of state
+    .venv/bin/python bench/checkpoint.py --state-mib 64
+    AWS_ENDPOINT_URL=http://host:9000 .venv/bin/python bench/checkpoint.py --bucket mybucket
+
+One process, fp32 on CPU: an MLP and its AdamW state (parameters x 3). Figures, side by side:
+- sync save: maybe_save with async_save=false, until committed;
+- async stall: the time the training loop is blocked by an async save (starting it, plus waiting
+  for the CPU copy at the next optimizer step), as the Checkpointer measures it; and the step time
+  of the step that saved next to a plain step;
+- save and load throughput, and the raw S3 PUT throughput of the same files to the same endpoint
+  (boto3 put_object, one thread per file, as DCP writes one file per rank).
+The last line is `async_stall_ratio=<stall / sync save time>`.
+"""
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import boto3
+import botocore.exceptions
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer import checkpoint_catalog as catalog  # noqa: E402
+from trainer.checkpoint import Checkpointer  # noqa: E402
+
+WIDTH = 1024
+
+
+@dataclass
+class Settings:
+    uri: str
+    interval: int = 1
+    keep_last: int = 2
+    resume: str = "none"
+    async_save: bool = True
+
+
+class State:
+    """A model, its optimizer and a step: what a trainer's TrainState holds, minus the data."""
+
+    def __init__(self, state_mib: int):
+        layers = max(1, state_mib * 2**20 // (3 * 4 * WIDTH * WIDTH))  # params + exp_avg + exp_avg_sq, fp32
+        self.model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.step = 0
+        train_step(self)  # AdamW allocates its state on the first step
+
+    def state_dict(self):
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer, "step": self.step}
+
+    def load_state_dict(self, state):
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.step = state["step"]
+
+
+def train_step(state: State) -> float:
+    started = time.perf_counter()
+    loss = state.model(torch.randn(64, WIDTH)).square().mean()
+    loss.backward()
+    state.optimizer.step()  # the Checkpointer's pre-hook waits here for the CPU copy
+    state.optimizer.zero_grad()
+    state.step += 1
+    return time.perf_counter() - started
+
+
+def state_bytes(state: State) -> int:
+    tensors = [t for t in state.model.parameters()]
+    tensors += [v for s in state.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def raw_put_seconds(uri: str, step: int) -> float:
+    """PUT the files of a saved step again, as plain objects, to the same endpoint."""
+    store = catalog.open_store(uri)
+    step_dir = catalog.step_dir_name(step)
+    bodies = {name: store.read(step_dir, name) for name in store.files(step_dir) if name != catalog.MARKER_NAME}
+    s3 = boto3.client("s3")
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+        list(pool.map(lambda item: s3.put_object(Bucket=store.bucket, Key=f"{store.prefix}raw-put/{item[0]}",
+                                                 Body=item[1]), bodies.items()))
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--state-mib", type=int, default=256, help="approximate size of the training state")
+    parser.add_argument("--bucket", help="an existing bucket at AWS_ENDPOINT_URL (default: a local moto server)")
+    parser.add_argument("--repeats", type=int, default=3, help="saves of each kind; the median is reported")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    if args.bucket:
+        report(args, args.bucket)
+        return
+    # moto in a process of its own, as S3 would be: in this one it would compete for the GIL.
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        s3 = boto3.client("s3")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                s3.create_bucket(Bucket=bucket)
+                break
+            except botocore.exceptions.EndpointConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        report(args, bucket)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def report(args, bucket: str) -> None:
+    state = State(args.state_mib)
+    size = state_bytes(state)
+    mib = size / 2**20
+    layout = {"pp": 1, "dp": 1}
+    print(f"endpoint: {os.environ['AWS_ENDPOINT_URL']}")
+    print(f"state size: {mib:.0f} MiB ({sum(p.numel() for p in state.model.parameters()) / 1e6:.1f} M parameters)")
+
+    sync_uri = f"s3://{bucket}/bench/sync/checkpoints"
+    sync = Checkpointer(Settings(sync_uri, async_save=False), layout=layout, request_signal=None)
+    sync_times = []
+    for _ in range(args.repeats):
+        train_step(state)
+        started = time.perf_counter()
+        sync.maybe_save(state.step, state)
+        sync_times.append(time.perf_counter() - started)
+    sync.close()
+    sync_s = median(sync_times)
+    put_s = raw_put_seconds(sync_uri, state.step)
+
+    plain_step_s = median([train_step(state) for _ in range(5)])
+    async_uri = f"s3://{bucket}/bench/async/checkpoints"
+    checkpointer = Checkpointer(Settings(async_uri), layout=layout, request_signal=None)
+    stalls, saving_steps, to_commit = [], [], []
+    for _ in range(args.repeats):
+        train_step(state)
+        saved_params = [p.detach().clone() for p in state.model.parameters()]
+        blocked_before = checkpointer.blocked_seconds
+        started = time.perf_counter()
+        checkpointer.maybe_save(state.step, state)
+        train_step(state)  # runs while the copy and the upload proceed
+        saving_steps.append(time.perf_counter() - started)
+        stalls.append(checkpointer.blocked_seconds - blocked_before)
+        overlapped = 0
+        while not checkpointer._in_flight.done():
+            train_step(state)
+            overlapped += 1
+        print("overlapped steps", overlapped, "in", time.perf_counter() - started - saving_steps[-1])
+        checkpointer.wait()
+        to_commit.append(time.perf_counter() - started)
+    checkpointer.close()
+    stall_s = median(stalls)
+
+    fresh = State(args.state_mib)
+    loader = Checkpointer(Settings(async_uri, resume="latest"), layout=layout, request_signal=None)
+    started = time.perf_counter()
+    loader.resume(fresh)
+    load_s = time.perf_counter() - started
+    loader.close()
+    # The async copy is of the state at the save, not of what the next optimizer step made of it.
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), saved_params))
+
+    print(f"sync save (until committed): {sync_s:.3f} s  ({mib / sync_s:.0f} MiB/s)")
+    print(f"raw S3 PUT of the same files: {put_s:.3f} s  ({mib / put_s:.0f} MiB/s)")
+    print(f"save throughput / raw PUT throughput: {put_s / sync_s:.2f}")
+    print(f"async save, training blocked: {stall_s:.4f} s  (runs: {', '.join(f'{s:.4f}' for s in stalls)})")
+    print(f"step time: plain {plain_step_s:.3f} s, with an async save starting {median(saving_steps):.3f} s")
+    print(f"async save until committed: {median(to_commit):.3f} s")
+    print(f"load (resume latest): {load_s:.3f} s  ({mib / load_s:.0f} MiB/s)")
+    print(f"async_stall_ratio={stall_s / sync_s:.4f}")
+
+
+if __name__ == "__main__":
+    main()

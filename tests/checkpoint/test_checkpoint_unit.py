@@ -1,0 +1,194 @@
+"""The Checkpointer in one process with the real trainer's state: resume, requests, errors, async copy."""
+
+import os
+import signal
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.staging import DefaultStager
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from checkpoint_fixtures import bucket, run_uri, s3  # noqa: F401 (fixtures)
+from trainer import checkpoint_catalog as catalog
+from trainer.checkpoint import CheckpointError, Checkpointer, manifest_files
+from trainer.config import load_config
+from trainer.train import build, environment, train_step
+
+
+@pytest.fixture
+def config(tmp_path):
+    return load_config([
+        "--model.n_layers=2", "--model.d_model=16", "--model.n_heads=2", "--model.seq_len=16",
+        "--training.batch_size=4", "--parallel.microbatches=1", "--training.steps=12",
+        "--optim.warmup_steps=2", "--training.device=cpu", f"--training.metrics_file={tmp_path}/metrics.jsonl",
+        f"--data.shards={tmp_path}/shards", "--data.corpus_bytes=20000",
+        "--checkpoint.interval=4", "--checkpoint.keep_last=2",
+    ])
+
+
+def new_run(config):
+    return build(config, environment(config, torch.device("cpu")))
+
+
+def settings(config, uri: str, **changes):
+    return replace(config.checkpoint, uri=uri, **changes)
+
+
+def train(run, checkpointer, until: int) -> dict[int, float]:
+    losses = {}
+    while run.state.step < until:
+        metrics = train_step(run)
+        losses[metrics["step"]] = metrics["loss"]
+        checkpointer.maybe_save(run.state.step, run.state)
+    return losses
+
+
+@pytest.fixture(params=["s3", "local"])
+def uri(request, tmp_path):
+    return request.getfixturevalue("run_uri") if request.param == "s3" else str(tmp_path / "checkpoints")
+
+
+def test_resume_from_a_step_continues_bit_for_bit(config, uri):
+    first = Checkpointer(settings(config, uri), request_signal=None)
+    straight = train(new_run(config), first, 12)
+    first.close()
+    assert catalog.committed_steps(catalog.open_store(uri)) == [12, 8]  # keep_last=2 pruned step 4
+
+    again = Checkpointer(settings(config, uri, resume="8"), request_signal=None)
+    run = new_run(config)
+    assert again.resume(run.state) == 8
+    assert catalog.saved_steps(catalog.open_store(uri)) == [8]  # 12 was of the abandoned timeline
+    resumed = train(run, again, 12)
+    again.close()
+
+    assert resumed == {step: straight[step] for step in range(9, 13)}
+    assert catalog.latest_committed(uri).step == 12
+
+
+def test_a_fresh_run_refuses_a_location_with_checkpoints(config, run_uri):
+    first = Checkpointer(settings(config, run_uri), request_signal=None)
+    train(new_run(config), first, 4)
+    first.close()
+
+    fresh = Checkpointer(settings(config, run_uri), request_signal=None)
+    with pytest.raises(CheckpointError, match="already holds committed step 4"):
+        fresh.resume(new_run(config).state)
+    fresh.close()
+
+
+def test_resuming_a_step_that_is_not_there_names_it(config, run_uri):
+    checkpointer = Checkpointer(settings(config, run_uri, resume="7"), request_signal=None)
+    with pytest.raises(CheckpointError, match=r"cannot resume from step 7: .*step-000000007: no commit marker"):
+        checkpointer.resume(new_run(config).state)
+    checkpointer.close()
+
+
+def test_resume_latest_with_nothing_saved_starts_fresh(config, run_uri):
+    checkpointer = Checkpointer(settings(config, run_uri, resume="latest"), request_signal=None)
+    assert checkpointer.resume(new_run(config).state) is None
+    checkpointer.close()
+
+
+def test_a_bad_resume_value_is_named(config, run_uri):
+    with pytest.raises(ValueError, match="resume='yesterday'"):
+        Checkpointer(settings(config, run_uri, resume="yesterday"), request_signal=None)
+
+
+def test_the_request_file_asks_for_a_committed_checkpoint(config, run_uri, tmp_path):
+    flag = tmp_path / "checkpoint-now"
+    checkpointer = Checkpointer(settings(config, run_uri, interval=100), request_file=flag, request_signal=None)
+    run = new_run(config)
+    train(run, checkpointer, 1)
+    assert catalog.latest_committed(run_uri) is None
+
+    flag.touch()
+    train_step(run)
+    assert checkpointer.maybe_save(2, run.state)
+    assert catalog.latest_committed(run_uri).step == 2  # committed before maybe_save returned
+    train_step(run)
+    assert not checkpointer.maybe_save(3, run.state)  # that request was served
+
+    os.utime(flag, ns=(time.time_ns() + 10**9,) * 2)  # the agent touches it again
+    train_step(run)
+    assert checkpointer.maybe_save(4, run.state)
+    checkpointer.close()
+
+
+def test_sigusr1_asks_for_a_checkpoint_and_the_handler_is_restored(config, run_uri):
+    before = signal.getsignal(signal.SIGUSR1)
+    checkpointer = Checkpointer(settings(config, run_uri, interval=100))
+    run = new_run(config)
+    train_step(run)
+
+    os.kill(os.getpid(), signal.SIGUSR1)
+
+    assert checkpointer.maybe_save(1, run.state)
+    assert catalog.latest_committed(run_uri).step == 1
+    checkpointer.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_failed_save_raises_at_the_next_save(config, moto_endpoint, async_save):
+    checkpointer = Checkpointer(settings(config, "s3://no-such-bucket/run", async_save=async_save),
+                                request_signal=None)
+    run = new_run(config)
+    with pytest.raises(CheckpointError, match="checkpoint of step 4 failed"):
+        train(run, checkpointer, 8)
+    # Sync: at once. Async: at the first maybe_save after the upload failed, step 8 at the latest.
+    assert run.state.step == 4 if not async_save else 4 < run.state.step <= 8
+    checkpointer.close()
+
+
+def test_a_failed_save_raises_at_close(config, moto_endpoint):
+    checkpointer = Checkpointer(settings(config, "s3://no-such-bucket/run"), request_signal=None)
+    train(new_run(config), checkpointer, 4)
+    with pytest.raises(CheckpointError, match="checkpoint of step 4 failed"):
+        checkpointer.close()
+
+
+def test_the_optimizer_step_waits_for_the_copy_being_saved(config, run_uri, monkeypatch):
+    copy_may_start = threading.Event()
+    real_stage = DefaultStager._stage
+
+    def slow_stage(self, state_dict, **kwargs):
+        copy_may_start.wait(timeout=60)
+        return real_stage(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "_stage", slow_stage)
+    checkpointer = Checkpointer(settings(config, run_uri), request_signal=None)
+    run = new_run(config)
+    train(run, checkpointer, 3)
+    train_step(run)
+    at_save = {k: v.clone() for k, v in run.pipeline.model_parts[0].state_dict().items()}
+    checkpointer.maybe_save(4, run.state)  # returns while the copy has not even started
+
+    next_step = threading.Thread(target=train_step, args=(run,))
+    next_step.start()
+    next_step.join(timeout=1)
+    assert next_step.is_alive(), "the optimizer stepped while the state was being copied"
+    copy_may_start.set()
+    next_step.join(timeout=60)
+    checkpointer.close()
+
+    loaded = new_run(config)
+    reader = Checkpointer(settings(config, run_uri, resume="4"), request_signal=None)
+    reader.resume(loaded.state)
+    reader.close()
+    for name, tensor in loaded.pipeline.model_parts[0].state_dict().items():
+        assert torch.equal(tensor, at_save[name]), name
+
+
+def test_a_short_shard_is_never_committed():
+    metadata = Metadata(state_dict_metadata={}, storage_data={
+        MetadataIndex("model.w"): _StorageInfo("__0_0.distcp", offset=0, length=100),
+        MetadataIndex("model.b"): _StorageInfo("__0_0.distcp", offset=100, length=20),
+    })
+    stored = {".metadata": catalog.StoredFile(".metadata", 9), "__0_0.distcp": catalog.StoredFile("__0_0.distcp", 110)}
+
+    with pytest.raises(CheckpointError, match="file __0_0.distcp should hold 120 bytes, found 110 bytes"):
+        manifest_files(metadata, stored, "s3://b/step-000000004")
