@@ -215,7 +215,8 @@ def deploy(request: DeployRequest) -> DeployedStack:
     bucket = request.artifact_bucket or f"trainfleet-local-artifacts-{account_id}-{request.region}"
     packaged = _package(template, request.template.parent, client("s3"), bucket, request.region)
     template = transform_sam(template, parameters, request.region)
-    resolver = Resolver(parameters, mappings=template.get("Mappings", {}))
+    resolver = Resolver(parameters, mappings=template.get("Mappings", {}),
+                        availability_zones=lambda region: _availability_zones(session, request.endpoint, region))
     resolver.conditions = evaluate_conditions(template.get("Conditions", {}), resolver)
 
     resources = template["Resources"]
@@ -243,6 +244,11 @@ def _session(region: str) -> boto3.session.Session:
         session = boto3.session.Session(region_name=region, aws_access_key_id="local",
                                         aws_secret_access_key="local")
     return session
+
+
+def _availability_zones(session: boto3.session.Session, endpoint: str, region: str) -> list[str]:
+    ec2 = session.client("ec2", region_name=region, endpoint_url=endpoint)
+    return sorted(zone["ZoneName"] for zone in ec2.describe_availability_zones()["AvailabilityZones"])
 
 
 def _pseudo_parameters(request: DeployRequest, account_id: str) -> dict[str, Any]:

@@ -169,7 +169,7 @@ class Resolver:
     attributes_of: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     """What Fn::GetAtt can return for each created resource, by attribute name."""
     availability_zones: Callable[[str], list[str]] = lambda region: [f"{region}{z}" for z in "abc"]
-    """Fn::GetAZs: the zones of a region."""
+    """Fn::GetAZs: the zones of a region (`deploy` asks EC2; this default serves pure use)."""
 
     def resolve(self, value: Any, where: str) -> Any:
         """`value` with every intrinsic function evaluated and AWS::NoValue properties removed."""

@@ -281,6 +281,7 @@ def test_every_resource_type_deploys_and_reads_back(cloud):
         "ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
     assert s3.get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"]["BlockPublicPolicy"]
     assert s3.get_bucket_versioning(Bucket=bucket)["Status"] == "Enabled"
+    assert {"Key": "zones", "Value": "us-east-1a us-east-1b"} in s3.get_bucket_tagging(Bucket=bucket)["TagSet"]
     assert s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"][0]["Expiration"] == {"Days": 7}
     assert read["CheckpointBucketPolicy"]["Statement"][0]["Resource"] == [
         f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]
@@ -309,6 +310,7 @@ def test_every_resource_type_deploys_and_reads_back(cloud):
     launch = read["NodeLaunchTemplate"]
     assert launch["Placement"]["GroupName"] == stack.resources["NodePlacementGroup"].physical_id
     assert launch["MetadataOptions"]["HttpTokens"] == "required"
+    assert launch["Placement"]["AvailabilityZone"] == "us-east-1b"  # Fn::GetAZs, asked of EC2
     assert launch["IamInstanceProfile"]["Arn"] == stack.resources["NodeInstanceProfile"].arn
     assert launch["NetworkInterfaces"][0]["Groups"] == [group_id]
     assert read["NodePlacementGroup"]["Strategy"] == "cluster"
