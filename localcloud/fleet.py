@@ -221,8 +221,9 @@ class LocalFleet:
         """Terminate (final_state 'terminated') or stop ('stopped') an instance."""
         instance = self.get(instance_id)
         passing = "shutting-down" if final_state == "terminated" else "stopping"
-        instance._ending = True
-        self._report(instance, passing)
+        with self._lock:  # not between a boot's check of `pending` and its process start
+            instance._ending = True
+            self._report(instance, passing)
 
         def finish() -> None:
             self._end_process(instance)
@@ -260,11 +261,12 @@ class LocalFleet:
 
     def _start_booting(self, instance: LocalInstance) -> None:
         def boot() -> None:
-            if instance.state != "pending":  # terminated or stopped while pending
-                return
-            self._report(instance, "running")
-            instance._ending = False
-            self._start_process(instance)
+            with self._lock:
+                if instance.state != "pending":  # terminated or stopped while pending
+                    return
+                self._report(instance, "running")
+                instance._ending = False
+                self._start_process(instance)
 
         self.cloud.submit_later(f"boot {instance.instance_id}", self.cloud.config.boot_seconds, boot)
 
