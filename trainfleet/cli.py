@@ -28,6 +28,7 @@ def _local_up(args: argparse.Namespace) -> int:
     import signal
 
     from localcloud import LocalCloud
+    from localcloud.imds import serve_fleet
 
     def stop_on_sigterm(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -35,9 +36,12 @@ def _local_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop_on_sigterm)
     cloud = LocalCloud(port=args.port, region=args.region, time_scale=args.time_scale)
     cloud.start()
+    metadata = serve_fleet(cloud)  # instances booted here find their IMDSv2, as on EC2
     try:
         print(f"local cloud running at {cloud.endpoint}", flush=True)
         print("  " + " ".join(f"{name}={value}" for name, value in cloud.env().items()), flush=True)
+        print(f"  instance metadata on port {metadata.port}; instance folders in {cloud.workdir}",
+              flush=True)
         signal.pause()
     except KeyboardInterrupt:
         pass
@@ -46,6 +50,7 @@ def _local_up(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         cloud.stop()
+        metadata.stop()
     print("local cloud stopped", flush=True)
     return 0
 
