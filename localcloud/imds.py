@@ -341,6 +341,9 @@ def _handler_for(service: InstanceMetadataServer) -> type[BaseHTTPRequestHandler
     class Handler(BaseHTTPRequestHandler):
         server_version = "EC2ws"
         protocol_version = "HTTP/1.1"
+        # Headers and body go out in two writes; with Nagle's algorithm on, a kept-alive client
+        # waits for its delayed ACK before the body comes (about 40 ms a request).
+        disable_nagle_algorithm = True
 
         def _route(self) -> tuple[str, str] | None:
             """(instance id, path under latest/) from /<instance-id>/latest/<path>."""
