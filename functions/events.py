@@ -184,8 +184,8 @@ def process_event(event: dict[str, Any]) -> dict[str, str]:
     envelope = parse_event(event)
     detail = envelope.detail
     outcome = handle_agent_event(detail) if isinstance(detail, AgentEvent) else handle_aws_event(detail)
-    if outcome.startswith("ignored"):
-        metrics.add_metric(name="EventsIgnored", unit=MetricUnit.Count, value=1)
+    metrics.add_metric(name="EventsIgnored" if outcome.startswith("ignored") else "EventsActedOn",
+                       unit=MetricUnit.Count, value=1)
     logger.info("event handled", event_id=envelope.id, detail_type=envelope.detail_type.value, outcome=outcome)
     return {"event_id": envelope.id, "outcome": outcome}
 

@@ -5,11 +5,11 @@ import importlib
 import inspect
 import json
 import pkgutil
+import sys
 from pathlib import Path
 
 import pytest
 
-import functions
 import trainfleet
 from trainfleet.contracts import FAILURE_ERROR
 from trainfleet.validate import substituted_definitions
@@ -38,8 +38,13 @@ def asl() -> dict:
     return json.loads(ASL_PATH.read_text())
 
 
-def _exception_classes() -> dict[str, type]:
-    """Every exception class defined in functions/ and trainfleet/, by name."""
+@pytest.fixture(scope="module")
+def exception_classes() -> dict[str, type]:
+    """Every exception class defined in functions/ and trainfleet/, by name. The functions
+    package is dropped from sys.modules afterwards, so that the local cloud can later import
+    the deployed copy of it."""
+    import functions
+
     found = {}
     for package in (functions, trainfleet):
         for module_info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
@@ -48,7 +53,9 @@ def _exception_classes() -> dict[str, type]:
                 if (inspect.isclass(value) and issubclass(value, BaseException)
                         and value.__module__ == module.__name__):
                     found[name] = value
-    return found
+    yield found
+    for module in [name for name in sys.modules if name == "functions" or name.startswith("functions.")]:
+        del sys.modules[module]
 
 
 def _error_names(asl: dict) -> set[str]:
@@ -59,23 +66,23 @@ def _error_names(asl: dict) -> set[str]:
     return names
 
 
-def _undefined_error_names(asl: dict) -> list[str]:
+def _undefined_error_names(asl: dict, exception_classes: dict[str, type]) -> list[str]:
     # What the code can really raise: a handler's exception (named by its class) or the error
     # the event handler sends with SendTaskFailure.
-    raised = set(_exception_classes()) | {FAILURE_ERROR}
+    raised = set(exception_classes) | {FAILURE_ERROR}
     return sorted(name for name in _error_names(asl)
                   if name not in AWS_STATES_ERRORS | AWS_LAMBDA_ERRORS | raised)
 
 
-def test_every_error_name_is_one_aws_defines_or_one_the_code_raises(asl):
-    assert not _undefined_error_names(asl), "ErrorEquals names nothing defines"
+def test_every_error_name_is_one_aws_defines_or_one_the_code_raises(asl, exception_classes):
+    assert not _undefined_error_names(asl, exception_classes), "ErrorEquals names nothing defines"
 
 
-def test_the_error_name_check_catches_a_misspelt_name(asl):
+def test_the_error_name_check_catches_a_misspelt_name(asl, exception_classes):
     misspelt = json.loads(json.dumps(asl))
     misspelt["States"]["Train"]["Catch"][0]["ErrorEquals"].append("States.TaskFailedId")
     misspelt["States"]["Allocate"]["Retry"][1]["ErrorEquals"].append("CapacityUnavailabel")
-    assert _undefined_error_names(misspelt) == ["CapacityUnavailabel", "States.TaskFailedId"]
+    assert _undefined_error_names(misspelt, exception_classes) == ["CapacityUnavailabel", "States.TaskFailedId"]
 
 
 def test_the_event_handler_reports_failures_under_the_name_the_asl_catches(asl):

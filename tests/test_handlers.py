@@ -1,0 +1,245 @@
+"""The handlers one at a time, against the local cloud: bad input named, duplicate and late
+events acting once or not at all, task tokens answered exactly once with what the state
+machine catches.
+
+Task tokens are real: a one-state machine waits on `sqs:sendMessage.waitForTaskToken` and the
+test reads the token from the queue, so success and failure are seen by Step Functions itself.
+"""
+
+import json
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from trainfleet.adapters.run_store import RunStore
+from trainfleet.contracts import (FAILURE_ERROR, FailureClass, NodeRecord, NodeRole, NodeState,
+                                  ParallelPlan, RunRecord, RunSpec, TaskWait)
+from trainfleet.validate import load_template
+
+REPO = Path(__file__).resolve().parent.parent
+STACK = "handlers-test"
+
+
+@pytest.fixture(scope="module")
+def cloud():
+    from localcloud import LocalCloud
+
+    with LocalCloud(time_scale=0.02) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def resources(cloud):
+    """The run table, idempotency table and bucket, created from template.yaml's own properties."""
+    template = load_template((REPO / "template.yaml").read_text())["Resources"]
+    dynamodb = cloud.client("dynamodb")
+    names = {"RunTable": f"runs-{uuid.uuid4().hex[:6]}", "IdempotencyTable": f"idem-{uuid.uuid4().hex[:6]}"}
+    for logical_id, table_name in names.items():
+        properties = template[logical_id]["Properties"]
+        dynamodb.create_table(TableName=table_name, BillingMode="PAY_PER_REQUEST",
+                              KeySchema=properties["KeySchema"],
+                              AttributeDefinitions=properties["AttributeDefinitions"],
+                              **{key: properties[key] for key in ("GlobalSecondaryIndexes",) if key in properties})
+    bucket = f"checkpoints-{uuid.uuid4().hex[:8]}"
+    cloud.client("s3").create_bucket(Bucket=bucket)
+    return {"run_table": names["RunTable"], "idempotency_table": names["IdempotencyTable"], "bucket": bucket}
+
+
+@pytest.fixture
+def handlers(cloud, resources, monkeypatch):
+    """The functions package with the settings template.yaml gives every function; dropped from
+    sys.modules afterwards, so that the local cloud can later import the deployed copy."""
+    for name, value in {**cloud.env(), "TRAINFLEET_STACK": STACK, "TRAINFLEET_RUN_TABLE": resources["run_table"],
+                        "TRAINFLEET_IDEMPOTENCY_TABLE": resources["idempotency_table"],
+                        "TRAINFLEET_BUCKET": resources["bucket"], "TRAINFLEET_EVENT_BUS": f"{STACK}-agents",
+                        "TRAINFLEET_NODE_INSTANCE_PROFILE_ARN": "arn:aws:iam::123456789012:instance-profile/node",
+                        "POWERTOOLS_TRACE_DISABLED": "true", "POWERTOOLS_METRICS_NAMESPACE": "Trainfleet"}.items():
+        monkeypatch.setenv(name, value)
+    import functions.events
+    import functions.validate
+
+    yield functions
+    for module in [name for name in sys.modules if name == "functions" or name.startswith("functions.")]:
+        del sys.modules[module]
+
+
+class Context:
+    """The attributes of Lambda's context object the handlers and Powertools read."""
+
+    function_name = "test"
+    memory_limit_in_mb = 512
+    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:test"
+    aws_request_id = "00000000-0000-4000-8000-000000000000"
+
+    @staticmethod
+    def get_remaining_time_in_millis() -> int:
+        return 60_000
+
+
+def spec_document(bucket: str, run_name: str, **changes) -> dict:
+    document = json.loads((REPO / "events" / "example-run.json").read_text())
+    document.update(run_name=run_name, checkpoint={"s3_uri": f"s3://{bucket}/runs/{run_name}/checkpoints"},
+                    **changes)
+    return document
+
+
+def recorded_run(cloud, resources, workers: int = 2, spares: int = 0) -> tuple[RunStore, RunRecord, list[str]]:
+    """A run recorded in TRAINING at attempt 0 with its nodes READY."""
+    store = RunStore(cloud.client("dynamodb"), resources["run_table"])
+    name = f"run-{uuid.uuid4().hex[:6]}"
+    spec = RunSpec.model_validate(spec_document(
+        resources["bucket"], name, instance_type="c5.large", node_count=workers, spare_count=spares,
+        min_nodes=None, trainer={"model": {"n_layers": 2}, "training": {"batch_size": 2},
+                                 "parallel": {"pp": workers, "dp": 1, "schedule": "gpipe", "microbatches": 2}}))
+    store.create_run(RunRecord(run_name=name, spec=spec,
+                               plan=ParallelPlan(nodes=workers, ranks_per_node=1, pp=workers, dp=1)))
+    ids = [f"i-{uuid.uuid4().hex[:17]}" for _ in range(workers + spares)]
+    for index, instance_id in enumerate(ids):
+        store.add_node(NodeRecord(run_name=name, instance_id=instance_id, private_ip=f"10.0.0.{index + 1}",
+                                  role=NodeRole.WORKER if index < workers else NodeRole.SPARE))
+        store.transition_node(name, instance_id, NodeState.REGISTERED)
+    return store, store.run(name), ids
+
+
+def parked_token(cloud) -> tuple[str, str]:
+    """Start a one-state execution waiting on a task token; (execution arn, token)."""
+    sqs, sfn = cloud.client("sqs"), cloud.client("stepfunctions")
+    queue = sqs.create_queue(QueueName=f"tokens-{uuid.uuid4().hex[:6]}")["QueueUrl"]
+    definition = {"StartAt": "Wait", "States": {"Wait": {
+        "Type": "Task", "Resource": "arn:aws:states:::sqs:sendMessage.waitForTaskToken", "End": True,
+        "Parameters": {"QueueUrl": queue, "MessageBody": {"token.$": "$$.Task.Token"}}}}}
+    machine = sfn.create_state_machine(name=f"wait-{uuid.uuid4().hex[:6]}", definition=json.dumps(definition),
+                                       roleArn="arn:aws:iam::123456789012:role/sfn")["stateMachineArn"]
+    execution = sfn.start_execution(stateMachineArn=machine, name=uuid.uuid4().hex)["executionArn"]
+    messages = []
+    cloud.wait_until(lambda: messages.extend(sqs.receive_message(QueueUrl=queue).get("Messages", [])) or messages,
+                     10, "the task token")
+    return execution, json.loads(messages[0]["Body"])["token"]
+
+
+def finished(cloud, execution: str) -> dict:
+    sfn = cloud.client("stepfunctions")
+    cloud.wait_until(lambda: sfn.describe_execution(executionArn=execution)["status"] != "RUNNING", 10,
+                     "the execution to end")
+    return sfn.describe_execution(executionArn=execution)
+
+
+def agent_event(detail_type: str, detail: dict) -> dict:
+    return {"version": "0", "id": str(uuid.uuid4()), "source": "trainfleet", "detail-type": detail_type,
+            "account": "123456789012", "time": "2026-01-01T00:00:00Z", "region": "us-east-1",
+            "resources": [], "detail": detail}
+
+
+def state_change(instance_id: str, state: str) -> dict:
+    event = json.loads((REPO / "events" / "aws" / "ec2-instance-state-change-terminated.json").read_text())
+    event.update(id=str(uuid.uuid4()))
+    event["detail"].update({"instance-id": instance_id, "state": state})
+    return event
+
+
+# --- Validate -------------------------------------------------------------------------------
+
+def test_a_bad_run_spec_is_refused_naming_the_field_and_nothing_is_recorded(handlers, resources, cloud):
+    document = spec_document(resources["bucket"], "bad-spec", node_count=0)
+    with pytest.raises(handlers.errors.InvalidRunSpec, match=r"node_count: Input should be greater than or equal to 1"):
+        handlers.validate.handler({"run_spec": document, "execution_arn": "arn:x"}, Context())
+    with pytest.raises(handlers.errors.InvalidRunSpec, match=r"^checkpoint\.s3_uri: must be under s3://"):
+        handlers.validate.handler({"run_spec": spec_document("another-bucket", "elsewhere"),
+                                   "execution_arn": "arn:x"}, Context())
+    items = cloud.client("dynamodb").scan(TableName=resources["run_table"])["Items"]
+    assert not [item for item in items if item["pk"]["S"] in ("RUN#bad-spec", "RUN#elsewhere")]
+
+
+def test_validate_records_the_run_and_passes_on_a_reference_of_constant_size(handlers, resources):
+    small = spec_document(resources["bucket"], "small-run")
+    large = spec_document(resources["bucket"], "large-run", node_count=512, spare_count=16,
+                          trainer={**small["trainer"], "parallel": {**small["trainer"]["parallel"], "dp": 1024},
+                                   "training": {**small["trainer"]["training"], "batch_size": 8192}})
+    outputs = [handlers.validate.handler({"run_spec": document, "execution_arn": f"arn:{document['run_name']}"},
+                                         Context()) for document in (small, large)]
+    assert outputs[1] == {"run": {"run_name": "large-run", "attempt": 0},
+                          "timeouts": {"boot_seconds": 2400, "heartbeat_seconds": 900}}
+    assert len(json.dumps(outputs[1])) < 200  # 512 nodes or 4: the fleet stays in DynamoDB
+    # A retry of the same execution is fine; another execution may not take the name.
+    assert handlers.validate.handler({"run_spec": small, "execution_arn": "arn:small-run"}, Context()) == outputs[0]
+    with pytest.raises(handlers.errors.InvalidRunSpec, match="run_name: a run named 'small-run' exists already"):
+        handlers.validate.handler({"run_spec": small, "execution_arn": "arn:other"}, Context())
+
+
+# --- events ---------------------------------------------------------------------------------
+
+def test_the_last_ready_worker_succeeds_await_nodes_once(handlers, cloud, resources):
+    store, run, (first, second) = recorded_run(cloud, resources)
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="await_nodes", attempt=0, token=token))
+    ready = [agent_event("NodeReady", {"run_name": run.run_name, "attempt": 0, "instance_id": instance_id})
+             for instance_id in (first, second)]
+    outcomes = [handlers.events.handler(event, Context())["outcome"] for event in ready]
+    assert outcomes == ["node ready", "node ready, world complete"]
+    assert handlers.events.handler(ready[1], Context())["outcome"] == "node ready, world complete"  # redelivery
+    result = finished(cloud, execution)
+    assert result["status"] == "SUCCEEDED" and json.loads(result["output"]) == {"ready_workers": 2}
+    assert store.run(run.run_name).waiting is None
+
+
+def test_a_duplicate_event_acts_once(handlers, cloud, resources):
+    store, run, (lost, _) = recorded_run(cloud, resources)
+    event = state_change(lost, "shutting-down")
+    first = handlers.events.handler(event, Context())
+    version = store.node(run.run_name, lost).version
+    assert handlers.events.handler(event, Context()) == first
+    assert store.node(run.run_name, lost).version == version, "the redelivery changed the record"
+    record = cloud.client("dynamodb").scan(TableName=resources["idempotency_table"])["Items"]
+    assert any(item["status"]["S"] == "COMPLETED" for item in record)
+
+
+def test_a_lost_worker_fails_the_train_task_with_a_failure_report(handlers, cloud, resources):
+    store, run, (lost, survivor) = recorded_run(cloud, resources)
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token=token))
+    outcome = handlers.events.handler(state_change(lost, "shutting-down"), Context())["outcome"]
+    assert outcome == "INSTANCE_LOST: task failed"
+    result = finished(cloud, execution)
+    assert result["status"] == "FAILED" and result["error"] == FAILURE_ERROR
+    report = json.loads(result["cause"])
+    assert report["failure_class"] == FailureClass.INSTANCE_LOST.value and report["instance_ids"] == [lost]
+    assert store.node(run.run_name, lost).state is NodeState.UNHEALTHY
+    assert store.node(run.run_name, survivor).state is NodeState.REGISTERED
+    # The 'terminated' that follows is news about a node already retired.
+    later = handlers.events.handler(state_change(lost, "terminated"), Context())["outcome"]
+    assert later == "node terminated" and store.node(run.run_name, lost).state is NodeState.TERMINATED
+
+
+def test_a_lost_spare_is_recorded_without_failing_training(handlers, cloud, resources):
+    store, run, (_, _, spare) = recorded_run(cloud, resources, spares=1)
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token="token-of-a-live-task"))
+    outcome = handlers.events.handler(state_change(spare, "terminated"), Context())["outcome"]
+    assert outcome == "INSTANCE_LOST recorded"
+    assert store.run(run.run_name).waiting is not None, "training must go on"
+    assert store.node(run.run_name, spare).state is NodeState.TERMINATED
+
+
+def test_an_agent_event_of_a_replaced_attempt_changes_nothing(handlers, cloud, resources):
+    store, run, (worker, _) = recorded_run(cloud, resources)
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={"attempt": 1}))
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=1, token="token-of-attempt-1"))
+    failed = agent_event("TrainerFailed", {"run_name": run.run_name, "attempt": 0, "instance_id": worker,
+                                           "kind": "crash", "message": "peer gone"})
+    assert handlers.events.handler(failed, Context())["outcome"] == "ignored: attempt 0 was replaced by 1"
+    assert store.run(run.run_name).waiting.token == "token-of-attempt-1"
+
+
+def test_an_instance_of_no_run_is_ignored(handlers):
+    outcome = handlers.events.handler(state_change("i-0123456789abcdef0", "terminated"), Context())["outcome"]
+    assert outcome == "ignored: no instance of a run"
+
+
+def test_a_checkpoint_claim_is_checked_against_s3(handlers, cloud, resources):
+    store, run, (worker, _) = recorded_run(cloud, resources)
+    claim = agent_event("CheckpointCommitted", {
+        "run_name": run.run_name, "attempt": 0, "instance_id": worker, "step": 100,
+        "uri": f"{run.spec.checkpoint.s3_uri}/step-000000100"})
+    assert handlers.events.handler(claim, Context())["outcome"] == "ignored: checkpoint not whole"
+    assert store.run(run.run_name).latest_checkpoint is None
