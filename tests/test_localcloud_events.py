@@ -50,9 +50,12 @@ def test_rule_delivers_to_lambda_state_machine_and_queue(local_cloud, tmp_path):
     function_arn = deploy_function(local_cloud, "echo", record_file)
     machine_arn = create_state_machine(local_cloud, {"StartAt": "Done", "States": {
         "Done": {"Type": "Pass", "End": True}}})
+    log_group = f"/aws/events/{unique('log')}"
+    local_cloud.client("logs").create_log_group(logGroupName=log_group)
     rule = unique("rule")
     events.put_rule(Name=rule, EventPattern=json.dumps({"source": [source], "detail": {"rank": [3]}}))
     events.put_targets(Rule=rule, Targets=[
+        {"Id": "log", "Arn": f"arn:aws:logs:us-east-1:123456789012:log-group:{log_group}"},
         {"Id": "fn", "Arn": function_arn,
          "InputTransformer": {"InputPathsMap": {"node": "$.detail.node"},
                               "InputTemplate": '{"node": <node>}'}},
@@ -75,6 +78,13 @@ def test_rule_delivers_to_lambda_state_machine_and_queue(local_cloud, tmp_path):
     [execution] = sfn.list_executions(stateMachineArn=machine_arn)["executions"]
     done = wait_for_execution(local_cloud, execution["executionArn"])
     assert json.loads(done["input"]) == {"node": "i-7", "rank": 3}
+    logs = local_cloud.client("logs")
+
+    def logged():
+        return logs.filter_log_events(logGroupName=log_group)["events"]
+
+    local_cloud.wait_until(logged, 10, "the log group target")
+    assert json.loads(logged()[0]["message"])["detail"] == {"node": "i-7", "rank": 3}
     assert local_cloud.delivery_failures == []
 
 

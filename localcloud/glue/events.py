@@ -111,8 +111,10 @@ def _deliver(rule: Rule, target: dict[str, Any], event: dict[str, Any]) -> None:
             _deliver_to_state_machine(arn, payload)
         elif service == "sqs":
             _deliver_to_queue(arn, payload, target)
-        else:
+        elif service == "logs":
             _deliver_to_log_group(arn, payload)
+        else:
+            raise ValueError(f"no delivery to {service} targets here")
     except Exception as exc:
         log.warning("EventBridge rule %s could not deliver to %s: %s", rule.name, arn, exc)
         if cloud is not None:
@@ -134,8 +136,8 @@ def _send_to_targets(self: Rule, original_event: dict[str, Any], transform_input
         return None
     event = bus_event(original_event)
     for target in list(self.targets):
-        service = target["Arn"].split(":")[2] if target["Arn"].count(":") >= 2 else ""
-        if service in _DELIVERED_HERE:
+        service = target["Arn"].split(":")[2:3]
+        if service and service[0] in _DELIVERED_HERE:
             cloud.submit(f"deliver {event.get('detail-type')} to {target['Arn']}",
                          lambda target=target: _deliver(self, target, event))
         else:
