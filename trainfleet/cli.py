@@ -34,6 +34,9 @@ def _local_up(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop_on_sigterm)
+    # `trainfleet local deploy` attaches AWS managed policies to SAM's roles, as IAM has them;
+    # moto's IAM knows them only when this is set before it starts.
+    os.environ.setdefault("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")
     cloud = LocalCloud(port=args.port, region=args.region, time_scale=args.time_scale)
     cloud.start()
     metadata = serve_fleet(cloud)  # instances booted here find their IMDSv2, as on EC2
