@@ -172,24 +172,34 @@ def _code_cache_root() -> Path:
     return _code_cache
 
 
-def unpack_code(code_zip: bytes) -> Path | None:
-    """Unpack a deployment package once (keyed by content) and return its folder.
+_unpacked: dict[str, Path | None] = {}
+
+
+def unpack_code(code_zip: bytes, digest: str) -> Path | None:
+    """Unpack a deployment package once and return its folder; `digest` (the function's
+    CodeSha256) names it, so an invocation does not rehash the package.
 
     An empty or non-zip package (moto accepts any bytes) gives None: the handler is then
     imported from this process's own path, which is how a function whose code is this
     project itself runs."""
+    with _import_lock:
+        if digest not in _unpacked:
+            _unpacked[digest] = _extract(code_zip)
+        return _unpacked[digest]
+
+
+def _extract(code_zip: bytes) -> Path | None:
     if not code_zip:
         return None
     try:
         archive = zipfile.ZipFile(io.BytesIO(code_zip))
     except zipfile.BadZipFile:
         return None
-    with _import_lock:
-        folder = _code_cache_root() / hashlib.sha256(code_zip).hexdigest()[:16]
-        if not folder.exists():
-            staging = folder.with_suffix(".partial")
-            archive.extractall(staging)
-            staging.rename(folder)
+    folder = _code_cache_root() / hashlib.sha256(code_zip).hexdigest()[:16]
+    if not folder.exists():
+        staging = folder.with_suffix(".partial")
+        archive.extractall(staging)
+        staging.rename(folder)
     return folder
 
 
@@ -224,15 +234,20 @@ def load_handler(handler: str, code_dir: Path | None) -> Callable[[Any, LambdaCo
 
 
 def _refuse_foreign_module(module: Any, module_name: str, code_dir: Path) -> None:
-    """Two packages with different code under one module name cannot share a process."""
+    """Two packages with different code under one module name cannot share a process; the
+    same code loaded from elsewhere (this project's own tree, an identical package) can."""
     own_file = code_dir.joinpath(*module_name.split("."))
-    candidates = [own_file.with_suffix(".py"), own_file / "__init__.py"]
+    packaged = next((path for path in (own_file.with_suffix(".py"), own_file / "__init__.py")
+                     if path.exists()), None)
     loaded_from = Path(getattr(module, "__file__", "") or "")
-    if any(path.exists() for path in candidates) and loaded_from not in candidates:
-        raise HandlerImportError(
-            "Runtime.ImportModuleError",
-            f"Module '{module_name}' is already loaded from {loaded_from}; this function's "
-            f"package has its own copy in {code_dir} (give it a distinct module name)")
+    if packaged is None or loaded_from == packaged:
+        return
+    if loaded_from.is_file() and loaded_from.read_bytes() == packaged.read_bytes():
+        return
+    raise HandlerImportError(
+        "Runtime.ImportModuleError",
+        f"Module '{module_name}' is already loaded from {loaded_from}; this function's "
+        f"package has different code in {packaged} (give it a distinct module name)")
 
 
 # --- invocation ---------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Lambda in the local cloud: handlers run in-process, reached through the HTTP endpoint."""
 
+import io
 import json
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
-from localcloud_helpers import deploy_function, records, unique
+from localcloud_helpers import HANDLERS_MODULE, deploy_function, lambda_role, records, unique
 
 
 def invoke(cloud, function_arn, payload):
@@ -86,3 +88,19 @@ def test_invocations_are_logged_to_cloudwatch(local_cloud):
     messages = [event["message"] for event in logs.filter_log_events(logGroupName=group)["events"]]
     assert any(message.startswith("START RequestId") for message in messages)
     assert any(message.startswith("REPORT RequestId") for message in messages)
+
+
+def test_different_code_under_a_loaded_module_name_is_refused(local_cloud):
+    invoke(local_cloud, deploy_function(local_cloud, "double"), {"value": 1})  # loads the module
+    package = io.BytesIO()
+    with zipfile.ZipFile(package, "w") as archive:
+        archive.writestr(f"{HANDLERS_MODULE}.py", "def double(event, context):\n    return 0\n")
+    impostor = local_cloud.client("lambda").create_function(
+        FunctionName=unique("impostor"), Runtime="python3.11", Role=lambda_role(local_cloud),
+        Handler=f"{HANDLERS_MODULE}.double", Code={"ZipFile": package.getvalue()})["FunctionArn"]
+
+    error, payload = invoke(local_cloud, impostor, {"value": 1})
+
+    assert error == "Handled"
+    assert payload["errorType"] == "Runtime.ImportModuleError"
+    assert "different code" in payload["errorMessage"]

@@ -24,7 +24,7 @@ def function_spec(function: LambdaFunction) -> FunctionSpec:
     """The runtime's view of a moto function, with the variables Lambda itself sets."""
     cloud = active_cloud()
     assert cloud is not None, "function_spec needs a running LocalCloud"
-    code_dir = unpack_code(function.code_bytes)
+    code_dir = unpack_code(function.code_bytes, getattr(function, "code_sha_256", ""))
     environment = cloud.env() | {
         "_HANDLER": function.handler or "",
         "AWS_EXECUTION_ENV": f"AWS_Lambda_{function.run_time}",
