@@ -3,7 +3,11 @@ read back through boto3, then the project's own template.yaml."""
 
 import io
 import json
+import os
 import re
+import select
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -455,3 +459,31 @@ def test_local_deploy_command_names_a_bad_parameter(cloud, capsys):
                  "--param", "Stage=staging"])
     assert code == 1
     assert "'Stage'='staging' is not one of AllowedValues ['dev', 'prod']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_local_deploy_into_a_local_up_of_another_process(capsys):
+    # The server process gets no help from this test's environment: `local up` alone must make
+    # the local IAM know the AWS managed policies that SAM's roles attach.
+    environment = {name: value for name, value in os.environ.items() if name != "MOTO_IAM_LOAD_MANAGED_POLICIES"}
+    server = subprocess.Popen([sys.executable, "-m", "trainfleet.cli", "local", "up", "--port", "0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+    try:
+        ready, _, _ = select.select([server.stdout], [], [], 120)
+        first_line = server.stdout.readline() if ready else ""
+        assert first_line.startswith("local cloud running at "), first_line
+        endpoint = first_line.split(" at ")[1].strip()
+        from trainfleet.cli import main
+
+        code = main(["local", "deploy", "--template", str(PROJECT_TEMPLATE), "--endpoint", endpoint,
+                     "--stack-name", f"{STACKS}from-cli"])
+        printed = capsys.readouterr()
+        assert code == 0, printed.err
+        assert json.loads(printed.out)["outputs"]["StateMachineArn"].endswith(f":{STACKS}from-cli-training-run")
+    finally:
+        server.terminate()
+        try:
+            server.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.communicate(timeout=10)
