@@ -5,7 +5,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from trainfleet import lifecycle as lc
-from trainfleet.contracts import (FAILURE_ERROR, CheckpointCommitted, CheckpointRef,
+from trainfleet.contracts import (CAPACITY_ERROR, FAILURE_ERROR, CheckpointCommitted, CheckpointRef,
                                   Ec2InstanceStateChange, Ec2RebalanceRecommendation,
                                   Ec2SpotInterruptionWarning, FailureClass, FailureRecord,
                                   FailureReport, GoodputLedger, HealthEvent, NodeReady, NodeRecord,
@@ -103,9 +103,17 @@ def test_task_errors_are_classified():
         assert lc.classify_task_error(error, None, train).failure_class is FailureClass.HANG
     timed_out = lc.classify_task_error("States.Timeout", None, boot, not_ready_instance_ids=["i-2"])
     assert (timed_out.failure_class, timed_out.instance_ids) == (FailureClass.NODE_UNHEALTHY, ["i-2"])
+    short = lc.classify_task_error("CapacityUnavailable", "us-east-1a: InsufficientInstanceCapacity", boot)
+    assert (short.failure_class, short.instance_ids) == (FailureClass.CAPACITY, [])
     unknown = lc.classify_task_error("Lambda.ServiceException", "boom", train)
     assert (unknown.failure_class, unknown.attempt) == (FailureClass.UNKNOWN, 2)
     assert "boom" in unknown.message
+
+
+def test_the_capacity_error_name_is_the_one_the_handlers_raise():
+    from functions.errors import CapacityUnavailable
+
+    assert CapacityUnavailable.__name__ == CAPACITY_ERROR
 
 
 # --- re-planning ----------------------------------------------------------------------------

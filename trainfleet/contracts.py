@@ -13,6 +13,7 @@ Offers:
       InvalidTransition         the allowed state changes
     RunRecord, NodeRecord, TaskWait, FailureRecord, CheckpointRef, GoodputLedger   stored records
     FailureReport, FAILURE_ERROR   a classified failure and the task-failure error name carrying it
+    CAPACITY_ERROR              the error name of a task short of instances
     ParallelPlan, RecoveryAction, RecoveryDecision   what the lifecycle decides
     LaunchSpec                  what every node agent reads to start the trainer
     RunRef                      the small reference Step Functions states carry
@@ -586,6 +587,9 @@ class TrainerFailureKind(StrEnum):
 
 FAILURE_ERROR = "trainfleet.Failure"
 """Error name of SendTaskFailure for a classified failure; the cause is a FailureReport as JSON."""
+
+CAPACITY_ERROR = "CapacityUnavailable"
+"""Error name of a task that could not get the instances it needed (functions.errors raises it)."""
 
 
 class FailureReport(_Strict):

@@ -1,6 +1,6 @@
 """Turn what happened (an event, a task error) into a FailureReport, or None when it is no failure."""
 
-from trainfleet.contracts import (FAILURE_ERROR, AgentEvent, AnyDetail, Ec2InstanceStateChange,
+from trainfleet.contracts import (CAPACITY_ERROR, FAILURE_ERROR, AgentEvent, AnyDetail, Ec2InstanceStateChange,
                                   Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning,
                                   FailureClass, FailureReport, HealthEvent, NodeUnhealthy,
                                   TaskWait, TrainerFailed, TrainerFailureKind, TrainerHung)
@@ -61,12 +61,14 @@ def classify_event(detail: AnyDetail, attempt: int) -> FailureReport | None:
 
 def classify_task_error(error: str, cause: str | None, waiting: TaskWait,
                         not_ready_instance_ids: list[str] = ()) -> FailureReport:
-    """The failure behind a failed AwaitNodes or Train task (its Catch gives error and cause).
+    """The failure behind a failed task (its Catch gives error and cause).
 
     not_ready_instance_ids: nodes that had not passed preflight when AwaitNodes timed out.
     """
     if error == FAILURE_ERROR and cause:
         return FailureReport.model_validate_json(cause)
+    if error == CAPACITY_ERROR:
+        return _report(FailureClass.CAPACITY, waiting.attempt, [], cause or "not enough instances")
     if error in _TIMEOUT_ERRORS and waiting.purpose == "train":
         return _report(FailureClass.HANG, waiting.attempt, [], f"{error}: no heartbeat from training")
     if error in _TIMEOUT_ERRORS:
