@@ -104,3 +104,16 @@ def test_different_code_under_a_loaded_module_name_is_refused(local_cloud):
     assert error == "Handled"
     assert payload["errorType"] == "Runtime.ImportModuleError"
     assert "different code" in payload["errorMessage"]
+
+
+def test_event_invocation_is_queued_and_dry_run_runs_nothing(local_cloud, tmp_path):
+    record_file = tmp_path / "async.jsonl"
+    arn = deploy_function(local_cloud, "echo", record_file)
+    lambda_client = local_cloud.client("lambda")
+
+    dry = lambda_client.invoke(FunctionName=arn, InvocationType="DryRun", Payload=b'{"dry": 1}')
+    queued = lambda_client.invoke(FunctionName=arn, InvocationType="Event", Payload=b'{"queued": 1}')
+
+    assert dry["StatusCode"] == 204 and queued["StatusCode"] == 202
+    local_cloud.wait_until(lambda: records(record_file), 10, "the queued invocation")
+    assert [entry["event"] for entry in records(record_file)] == [{"queued": 1}]

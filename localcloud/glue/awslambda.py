@@ -1,14 +1,21 @@
 """Lambda glue: handlers run in this process instead of in Docker.
 
-Replaces `moto.awslambda.models.LambdaFunction._invoke_lambda`, which starts the function in
-a Docker container (there is no Docker here), with `localcloud.lambda_runtime`: the handler
-named by the function's Handler string runs in a thread of the server, with a Lambda-like
-context, the function's environment and timeout, and the runtime's error payloads. Because the
-server is multi-threaded, a handler can itself call the local endpoint with boto3.
+- Replaces `moto.awslambda.models.LambdaFunction._invoke_lambda`, which starts the function
+  in a Docker container (there is no Docker here), with `localcloud.lambda_runtime`: the
+  handler named by the function's Handler string runs in a thread of the server, with a
+  Lambda-like context, the function's environment and timeout, and the runtime's error
+  payloads. Because the server is multi-threaded, a handler can itself call the local
+  endpoint with boto3.
+- `LambdaFunction.invoke` ran Event (asynchronous) invocations to completion before replying,
+  and ran DryRun ones. Now an Event invocation is queued and answered at once (202), and a
+  function error is retried twice, one and then two (scaled) minutes later, as Lambda does;
+  EventBridge targets are invoked the same way. DryRun checks the function exists only.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from typing import Any
 
@@ -17,7 +24,13 @@ from moto.awslambda.models import LambdaFunction
 from localcloud.glue import active_cloud
 from localcloud.lambda_runtime import FunctionSpec, InvocationResult, invoke_handler, unpack_code
 
+log = logging.getLogger(__name__)
+
 _invoke_in_docker = LambdaFunction._invoke_lambda
+_moto_invoke = LambdaFunction.invoke
+
+ASYNC_RETRY_DELAYS_S = (60.0, 120.0)
+"""Nominal delays before Lambda retries a failed asynchronous invocation (two retries)."""
 
 
 def function_spec(function: LambdaFunction) -> FunctionSpec:
@@ -55,6 +68,30 @@ def invoke_function(function: LambdaFunction, event: Any) -> InvocationResult:
     return result
 
 
+def invoke_event(function: LambdaFunction, event: Any, attempt: int = 0) -> None:
+    """One asynchronous invocation, run in the calling thread; a failure is retried later."""
+    result = invoke_function(function, event)
+    if not result.errored:
+        return
+    log.warning("Lambda %s failed an asynchronous invocation (attempt %d): %s",
+                function.function_name, attempt + 1, result.payload)
+    cloud = active_cloud()
+    if cloud is not None and attempt < len(ASYNC_RETRY_DELAYS_S):
+        cloud.submit_later(f"retry {function.function_name}", ASYNC_RETRY_DELAYS_S[attempt],
+                           lambda: invoke_event(function, event, attempt + 1))
+
+
+def _invoke(self: LambdaFunction, body: str, request_headers: Any, response_headers: Any) -> str | bytes:
+    cloud = active_cloud()
+    invocation_type = request_headers.get("x-amz-invocation-type", "RequestResponse")
+    if cloud is None or invocation_type == "RequestResponse":
+        return _moto_invoke(self, body, request_headers, response_headers)
+    if invocation_type == "Event":
+        event = json.loads(body) if body else {}
+        cloud.submit(f"invoke {self.function_name}", lambda: invoke_event(self, event))
+    return b""
+
+
 def _invoke_in_process(self: LambdaFunction, event: Any = None) -> tuple[str, bool, str]:
     if active_cloud() is None:
         return _invoke_in_docker(self, event)
@@ -64,3 +101,4 @@ def _invoke_in_process(self: LambdaFunction, event: Any = None) -> tuple[str, bo
 
 def apply() -> None:
     LambdaFunction._invoke_lambda = _invoke_in_process
+    LambdaFunction.invoke = _invoke

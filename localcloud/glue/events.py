@@ -6,9 +6,8 @@ Lambda and Step Functions targets and ignores InputPath and Input. Now, as Event
 - a DISABLED rule delivers nothing; a rule matches only through its event pattern;
 - each target gets the event (ISO time, no moto-internal fields) or its Input, InputPath or
   InputTransformer result (`localcloud.event_delivery`);
-- Lambda targets are invoked asynchronously (Event invocation) with the in-process runtime;
-  a function error is retried twice, one and then two (scaled) minutes later, as Lambda
-  does for asynchronous invocations;
+- Lambda targets get an asynchronous (Event) invocation, retried on a function error as
+  Lambda retries those (`glue.awslambda.invoke_event`);
   Step Functions targets start an execution with a generated name; SQS targets and
   CloudWatch Logs targets get the payload as a message / log event;
 - other targets (event buses, archives, API destinations) keep moto's own delivery.
@@ -45,27 +44,15 @@ def _arn_parts(arn: str) -> tuple[str, str, str, str]:
     return parts[2], parts[3], parts[4], parts[5]
 
 
-ASYNC_RETRY_DELAYS_S = (60.0, 120.0)
-"""Nominal delays before Lambda retries a failed asynchronous invocation (two retries)."""
-
-
-def _deliver_to_lambda(arn: str, payload: Any, attempt: int = 0) -> None:
+def _deliver_to_lambda(arn: str, payload: Any) -> None:
     from moto.awslambda.models import lambda_backends
 
-    from localcloud.glue.awslambda import invoke_function
+    from localcloud.glue.awslambda import invoke_event
 
     _, region, account, resource = _arn_parts(arn)
     _, name, *qualifier = resource.split(":")
     function = lambda_backends[account][region].get_function(name, qualifier[0] if qualifier else None)
-    result = invoke_function(function, payload)
-    if not result.errored:
-        return
-    # The event was delivered; the function failed, as its logs show.
-    log.warning("Lambda %s failed on an EventBridge event (attempt %d): %s", name, attempt + 1, result.payload)
-    cloud = active_cloud()
-    if cloud is not None and attempt < len(ASYNC_RETRY_DELAYS_S):
-        cloud.submit_later(f"retry {name}", ASYNC_RETRY_DELAYS_S[attempt],
-                           lambda: _deliver_to_lambda(arn, payload, attempt + 1))
+    invoke_event(function, payload)
 
 
 def _deliver_to_state_machine(arn: str, payload: Any) -> None:
