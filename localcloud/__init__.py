@@ -21,7 +21,13 @@ LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
   .endpoint, .port, .region, .account_id
   .env()                                  AWS_ENDPOINT_URL, region and fake credentials
   .client(service)                        a boto3 client on the endpoint
-  .fleet                                  LocalFleet (see localcloud.fleet)
+  .fleet                                  LocalFleet (see localcloud.fleet):
+      .boot = fn(LocalInstance) -> argv | None   what an instance runs once `running`
+      .env_hooks.append(fn(LocalInstance) -> dict)  extra environment per instance
+      .get(id) -> LocalInstance               private_ip, workdir, state, process,
+                                              spot_action, rebalance_notice, console_log
+      .kill(id) / .hang(id) / .resume(id)     SIGKILL / SIGSTOP / SIGCONT its process group
+      .wait_for_state(id, state, timeout_s)
   .put_event(AwsEvent)                    emit an AWS-service event on the default bus
   .inject_spot_interruption(id, action)   Spot warning, then the interruption
   .inject_rebalance(id)                   EC2 Instance Rebalance Recommendation
