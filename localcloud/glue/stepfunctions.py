@@ -15,7 +15,8 @@ that. These patches fill the gaps:
   thread-safe once made).
 - States.HeartbeatTimeout: a missed heartbeat was reported as States.Timeout, so ASL that
   catches States.HeartbeatTimeout never matched. AWS reports States.HeartbeatTimeout, and
-  documents that States.Timeout also matches it; both now match, as does States.ALL.
+  documents that States.Timeout also matches it; both now match, as does States.ALL
+  (Task states; activity tasks keep moto's reporting, trainfleet uses none).
 - Request and response shapes of service integrations: the port left
   `StateTaskService._normalise_parameters` / `_normalise_response` empty, so parameters went
   to boto3 in the ASL's casing (`states:startExecution` failed: boto3 knows
