@@ -3,7 +3,6 @@
 import base64
 import json
 import sys
-import time
 from pathlib import Path
 
 import botocore.exceptions
