@@ -15,7 +15,7 @@ import pytest
 
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.contracts import (FAILURE_ERROR, FailureClass, NodeRecord, NodeRole, NodeState,
-                                  ParallelPlan, RunRecord, RunSpec, TaskWait)
+                                  ParallelPlan, RunRecord, RunSpec, RunState, TaskWait)
 from trainfleet.validate import load_template
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,6 +58,7 @@ def handlers(cloud, resources, monkeypatch):
                         "POWERTOOLS_TRACE_DISABLED": "true", "POWERTOOLS_METRICS_NAMESPACE": "Trainfleet"}.items():
         monkeypatch.setenv(name, value)
     import functions.events
+    import functions.recover
     import functions.validate
 
     yield functions
@@ -86,7 +87,7 @@ def spec_document(bucket: str, run_name: str, **changes) -> dict:
 
 
 def recorded_run(cloud, resources, workers: int = 2, spares: int = 0) -> tuple[RunStore, RunRecord, list[str]]:
-    """A run recorded in TRAINING at attempt 0 with its nodes READY."""
+    """A run recorded in TRAINING at attempt 0 with its nodes REGISTERED."""
     store = RunStore(cloud.client("dynamodb"), resources["run_table"])
     name = f"run-{uuid.uuid4().hex[:6]}"
     spec = RunSpec.model_validate(spec_document(
@@ -95,6 +96,8 @@ def recorded_run(cloud, resources, workers: int = 2, spares: int = 0) -> tuple[R
                                  "parallel": {"pp": workers, "dp": 1, "schedule": "gpipe", "microbatches": 2}}))
     store.create_run(RunRecord(run_name=name, spec=spec,
                                plan=ParallelPlan(nodes=workers, ranks_per_node=1, pp=workers, dp=1)))
+    for state in (RunState.ALLOCATING, RunState.AWAITING_NODES, RunState.TRAINING):
+        store.transition_run(name, state)
     ids = [f"i-{uuid.uuid4().hex[:17]}" for _ in range(workers + spares)]
     for index, instance_id in enumerate(ids):
         store.add_node(NodeRecord(run_name=name, instance_id=instance_id, private_ip=f"10.0.0.{index + 1}",
@@ -243,3 +246,40 @@ def test_a_checkpoint_claim_is_checked_against_s3(handlers, cloud, resources):
         "uri": f"{run.spec.checkpoint.s3_uri}/step-000000100"})
     assert handlers.events.handler(claim, Context())["outcome"] == "ignored: checkpoint not whole"
     assert store.run(run.run_name).latest_checkpoint is None
+
+
+@pytest.mark.parametrize("sample, failure_class", [
+    ("ec2-spot-instance-interruption-warning.json", FailureClass.SPOT_INTERRUPTION),
+    ("aws-health-ec2-instance-retirement.json", FailureClass.HEALTH_EVENT),
+])
+def test_aws_warnings_about_a_worker_fail_the_train_task(handlers, cloud, resources, sample, failure_class):
+    store, run, (worker, _) = recorded_run(cloud, resources)
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token=token))
+    event = json.loads((REPO / "events" / "aws" / sample).read_text())
+    event["id"] = str(uuid.uuid4())
+    # The documented samples name i-1234567890abcdef0: point them at this run's worker, and
+    # keep a second, foreign instance in the Health event (it must be ignored).
+    if "affectedEntities" in event["detail"]:
+        event["detail"]["affectedEntities"] = [{"entityValue": worker}, {"entityValue": "i-0fedcba9876543210"}]
+    else:
+        event["detail"]["instance-id"] = worker
+    assert handlers.events.handler(event, Context())["outcome"] == f"{failure_class.value}: task failed"
+    report = json.loads(finished(cloud, execution)["cause"])
+    assert report["failure_class"] == failure_class.value and report["instance_ids"] == [worker]
+
+
+def test_recover_gives_up_when_the_restart_budget_is_spent(handlers, cloud, resources):
+    store, run, (worker, _) = recorded_run(cloud, resources)
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={
+        "spec": current.spec.model_copy(update={"recovery": current.spec.recovery.model_copy(
+            update={"max_restarts": 0})})}))
+    report = {"failure_class": "INSTANCE_LOST", "attempt": 0, "instance_ids": [worker], "message": "lost"}
+    payload = {"run": {"run_name": run.run_name, "attempt": 0},
+               "timeouts": {"boot_seconds": 60, "heartbeat_seconds": 60},
+               "failure": {"Error": FAILURE_ERROR, "Cause": json.dumps(report)}}
+    with pytest.raises(handlers.errors.RecoveryGaveUp, match=r"restart budget spent \(0 of 0\)"):
+        handlers.recover.handler(payload, Context())
+    after = store.run(run.run_name)
+    assert after.error.startswith("restart budget spent") and [f.failure_class for f in after.failures] == [
+        FailureClass.INSTANCE_LOST]
