@@ -37,8 +37,11 @@ def _local_up(args: argparse.Namespace) -> int:
     # `trainfleet local deploy` attaches AWS managed policies to SAM's roles, as IAM has them;
     # moto's IAM knows them only when this is set before it starts.
     os.environ.setdefault("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")
-    cloud = LocalCloud(port=args.port, region=args.region, time_scale=args.time_scale)
-    cloud.start()
+    try:
+        cloud = LocalCloud(port=args.port, region=args.region, time_scale=args.time_scale).start()
+    except (ValueError, OSError) as error:
+        print(f"trainfleet local up: {error}", file=sys.stderr)
+        return 2
     metadata = serve_fleet(cloud)  # instances booted here find their IMDSv2, as on EC2
     try:
         print(f"local cloud running at {cloud.endpoint}", flush=True)
