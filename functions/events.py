@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from functools import cache
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.idempotency import (DynamoDBPersistenceLayer, IdempotencyConfig,
@@ -150,7 +151,13 @@ def handle_agent_event(detail: AgentEvent) -> str:
     if step is not None:
         return step(run, detail)
     report = classify_event(detail, run.attempt)
-    return failure(run, aws().store.nodes(run.run_name), report) if report else "ignored: no failure"
+    if report is None:
+        return "ignored: no failure"
+    nodes = aws().store.nodes(run.run_name)
+    retired = {node.instance_id for node in nodes if node.state in _RETIRED}
+    if report.instance_ids and set(report.instance_ids) <= retired:
+        return "ignored: node already retired"
+    return failure(run, [node for node in nodes if node.instance_id not in retired], report)
 
 
 def handle_aws_event(detail: Any) -> str:

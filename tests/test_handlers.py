@@ -283,3 +283,13 @@ def test_recover_gives_up_when_the_restart_budget_is_spent(handlers, cloud, reso
     after = store.run(run.run_name)
     assert after.error.startswith("restart budget spent") and [f.failure_class for f in after.failures] == [
         FailureClass.INSTANCE_LOST]
+
+
+def test_a_report_about_a_node_already_retired_changes_nothing(handlers, cloud, resources):
+    store, run, (worker, _) = recorded_run(cloud, resources)
+    store.transition_node(run.run_name, worker, NodeState.UNHEALTHY)  # as a first report left it
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token="token-of-a-live-task"))
+    unhealthy = {"run_name": run.run_name, "attempt": 0, "instance_id": worker, "reason": "2 of 8 GPUs"}
+    outcome = handlers.events.handler(agent_event("NodeUnhealthy", unhealthy), Context())["outcome"]
+    assert outcome == "ignored: node already retired"
+    assert store.run(run.run_name).waiting is not None
