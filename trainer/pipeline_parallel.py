@@ -69,6 +69,59 @@ class Pipeline:
         return torch.stack(losses).mean()
 
 
+class _EagerRecvStage(PipelineStage):
+    """A PipelineStage that posts all of a step's receives as soon as the schedule asks for the first.
+
+    A gloo send completes only once the receiver has posted the matching receive, and the stock
+    schedules post each receive just before the data is needed: every hand-off between ranks then
+    puts a whole transfer on the critical path, once per microbatch and direction. Posted early,
+    the data lands in its microbatch's buffer (each microbatch has its own) while this rank is
+    still computing, and the consumer only waits for what has not arrived yet.
+
+    Receives match sends in posting order per pair of ranks, so this is only right where each
+    pair carries one stream in microbatch order: one stage per rank (GPipe, 1F1B). The looped
+    and V schedules send activations and gradients of several stages over the same pair.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pending: dict[tuple[str, int], list[dist.Work]] = {}
+        self._posted: set[str] = set()
+
+    def clear_runtime_states(self) -> None:
+        super().clear_runtime_states()
+        self._posted.clear()
+
+    def _post_all(self, direction: str, recv_infos: dict) -> None:
+        if direction in self._posted:
+            return
+        self._posted.add(direction)
+        for chunk, infos in recv_infos.items():
+            self._pending[(direction, chunk)] = [
+                dist.irecv(op.tensor, group=op.group, group_src=op.group_peer) for op in self._get_recv_ops(infos)]
+
+    def _wait(self, direction: str, chunk: int) -> None:
+        for work in self._pending.pop((direction, chunk), []):
+            work.wait()
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        self._post_all("forward", self.args_recv_info)
+        return []
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        if self.has_backward and not self.is_last:
+            self._post_all("backward", self.grad_recv_info)
+        return []
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        self._wait("forward", fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        self._wait("backward", bwd_chunk_id)
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
 def _layers_per_stage(cfg: ModelConfig, n_stages: int, override: list[int]) -> list[int]:
     if override:
         return override
@@ -100,7 +153,8 @@ def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0,
     ranges = layer_ranges(_layers_per_stage(cfg.model, n_stages, p.layers_per_stage))
     ids = stage_ids(pp_rank, p.pp, p.resolved_stages_per_rank(), spec.placement)
     parts = [_build_part(cfg, ranges[s], s == 0, s == n_stages - 1, device) for s in ids]
-    stages = [PipelineStage(part, s, n_stages, device, group=pp_group) for part, s in zip(parts, ids)]
+    stage_class = _EagerRecvStage if spec.placement == "single" else PipelineStage
+    stages = [stage_class(part, s, n_stages, device, group=pp_group) for part, s in zip(parts, ids)]
     if spec.placement == "single":
         schedule = schedule_class(p.schedule)(stages[0], p.microbatches, loss_fn=cross_entropy_loss)
     else:
