@@ -13,7 +13,10 @@ deployment package and called in a thread of its own, with:
   it (`Sandbox.Timedout`); its thread cannot be killed, so it is left to finish and its result
   is dropped;
 - error payloads shaped like the runtime's (`errorType` = exception class name,
-  `errorMessage`, `stackTrace`), which is what Step Functions Retry/Catch match on.
+  `errorMessage`, `stackTrace`), which is what Step Functions Retry/Catch match on;
+- what the handler's thread prints (print, logging to stdout/stderr, Powertools' JSON logs
+  and EMF metrics) captured into the invocation's log lines, as Lambda sends a function's
+  output to CloudWatch Logs; threads the handler starts itself are not captured.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class InvocationResult:
     errored: bool
     """True when the payload is an error object (Invoke's X-Amz-Function-Error is set)."""
     log_lines: list[str]
-    """The START / END / REPORT lines (and the trace of an error) for CloudWatch Logs."""
+    """What CloudWatch Logs gets: START, the handler's output, the error if any, END, REPORT."""
 
 
 class LambdaContext:
@@ -96,7 +99,7 @@ class LambdaContext:
 
 # --- per-thread environment ---------------------------------------------------------------
 
-_thread_overlay = threading.local()
+_handler_thread = threading.local()
 
 
 class _ThreadEnviron(os._Environ):  # type: ignore[name-defined,misc]
@@ -106,11 +109,11 @@ class _ThreadEnviron(os._Environ):  # type: ignore[name-defined,misc]
 
     @staticmethod
     def _overlay() -> dict[str, str] | None:
-        return getattr(_thread_overlay, "variables", None)
+        return getattr(_handler_thread, "variables", None)
 
     @staticmethod
     def set_overlay(variables: dict[str, str] | None) -> None:
-        _thread_overlay.variables = variables
+        _handler_thread.variables = variables
 
     def __getitem__(self, key: str) -> str:
         overlay = self._overlay()
@@ -152,6 +155,38 @@ def install_thread_environ() -> _ThreadEnviron:
     if not isinstance(os.environ, _ThreadEnviron):
         os.environ.__class__ = _ThreadEnviron
     return os.environ  # type: ignore[return-value]
+
+
+# --- per-thread output --------------------------------------------------------------------
+
+class _ThreadCapture(io.TextIOBase):
+    """sys.stdout / sys.stderr that hands a handler thread's writes to its invocation's
+    buffer and everything else to the stream it replaced."""
+
+    def __init__(self, replaced: Any):
+        self.replaced = replaced
+
+    def write(self, text: str) -> int:
+        buffer = getattr(_handler_thread, "output", None)
+        if buffer is None:
+            return self.replaced.write(text)
+        buffer.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if getattr(_handler_thread, "output", None) is None:
+            self.replaced.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def install_thread_output() -> None:
+    """Put the capturing streams in place (again, if something swapped sys.stdout since)."""
+    if not isinstance(sys.stdout, _ThreadCapture):
+        sys.stdout = _ThreadCapture(sys.stdout)
+    if not isinstance(sys.stderr, _ThreadCapture):
+        sys.stderr = _ThreadCapture(sys.stderr)
 
 
 # --- code ---------------------------------------------------------------------------------
@@ -261,13 +296,16 @@ def _error_object(error_type: str, message: str, request_id: str,
 def invoke_handler(spec: FunctionSpec, event: Any) -> InvocationResult:
     """Call the function's handler with `event`; never raises for the handler's own faults."""
     environ = install_thread_environ()
+    install_thread_output()
     request_id = str(uuid.uuid4())
     started = time.monotonic()
     deadline = started + spec.timeout_s
     outcome: dict[str, Any] = {}
+    output: list[str] = []
 
     def run() -> None:
         environ.set_overlay(dict(spec.environment))
+        _handler_thread.output = output
         try:
             handler = load_handler(spec.handler, spec.code_dir)
             result = handler(event, LambdaContext(spec, request_id, deadline))
@@ -283,6 +321,7 @@ def invoke_handler(spec: FunctionSpec, event: Any) -> InvocationResult:
             outcome["error"] = _error_object(type(exc).__name__, str(exc), request_id, stack)
         finally:
             environ.set_overlay(None)
+            _handler_thread.output = None
 
     worker = threading.Thread(target=run, name=f"lambda-{spec.function_name}", daemon=True)
     worker.start()
@@ -294,6 +333,7 @@ def invoke_handler(spec: FunctionSpec, event: Any) -> InvocationResult:
             f"RequestId: {request_id} Error: Task timed out after {spec.timeout_s:.2f} seconds",
             request_id)}
     logs = [f"START RequestId: {request_id} Version: {spec.version}"]
+    logs += "".join(output).splitlines()
     if "error" in outcome:
         error = outcome["error"]
         logs.append(f"[ERROR] {error['errorType']}: {error['errorMessage']}")

@@ -63,3 +63,14 @@ def store_token(event, context):
 
 def unserializable(event, context):
     return {1, 2}
+
+
+def report_progress(event, context):
+    """Prints a plain line and an EMF document, as a Powertools-instrumented handler does."""
+    print(f"step {event['step']} done")
+    print(json.dumps({
+        "_aws": {"Timestamp": int(time.time() * 1000), "CloudWatchMetrics": [{
+            "Namespace": event["namespace"], "Dimensions": [["RunName"]],
+            "Metrics": [{"Name": "Loss", "Unit": "None"}]}]},
+        "RunName": "run-1", "Loss": event["loss"]}))
+    return {}

@@ -4,6 +4,7 @@ import io
 import json
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
 
 from localcloud_helpers import HANDLERS_MODULE, deploy_function, lambda_role, records, unique
 
@@ -117,3 +118,26 @@ def test_event_invocation_is_queued_and_dry_run_runs_nothing(local_cloud, tmp_pa
     assert dry["StatusCode"] == 204 and queued["StatusCode"] == 202
     local_cloud.wait_until(lambda: records(record_file), 10, "the queued invocation")
     assert [entry["event"] for entry in records(record_file)] == [{"queued": 1}]
+
+
+def test_output_goes_to_the_log_group_and_emf_lines_become_metrics(local_cloud):
+    arn = deploy_function(local_cloud, "report_progress")
+    namespace = unique("trainfleet-test")
+
+    error, _ = invoke(local_cloud, arn, {"step": 7, "loss": 2.5, "namespace": namespace})
+
+    assert error is None
+    group = f"/aws/lambda/{arn.rsplit(':', 1)[1]}"
+    messages = [event["message"] for event in
+                local_cloud.client("logs").filter_log_events(logGroupName=group)["events"]]
+    assert "step 7 done" in messages
+    cloudwatch = local_cloud.client("cloudwatch")
+    [metric] = cloudwatch.list_metrics(Namespace=namespace)["Metrics"]
+    assert metric["MetricName"] == "Loss"
+    assert metric["Dimensions"] == [{"Name": "RunName", "Value": "run-1"}]
+    points = cloudwatch.get_metric_statistics(
+        Namespace=namespace, MetricName="Loss", Dimensions=metric["Dimensions"],
+        StartTime=datetime.now(timezone.utc) - timedelta(minutes=5),
+        EndTime=datetime.now(timezone.utc) + timedelta(minutes=1), Period=60,
+        Statistics=["Maximum"])["Datapoints"]
+    assert [point["Maximum"] for point in points] == [2.5]

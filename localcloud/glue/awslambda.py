@@ -5,7 +5,9 @@
   handler named by the function's Handler string runs in a thread of the server, with a
   Lambda-like context, the function's environment and timeout, and the runtime's error
   payloads. Because the server is multi-threaded, a handler can itself call the local
-  endpoint with boto3.
+  endpoint with boto3. What the handler prints goes to the function's log group, and EMF
+  metric lines in it become CloudWatch metrics (`localcloud.emf`), as CloudWatch Logs
+  extracts them from a Lambda function's output.
 - `LambdaFunction.invoke` ran Event (asynchronous) invocations to completion before replying,
   and ran DryRun ones. Now an Event invocation is queued and answered at once (202), and a
   function error is retried twice, one and then two (scaled) minutes later, as Lambda does;
@@ -17,10 +19,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+from datetime import timezone
 from typing import Any
 
 from moto.awslambda.models import LambdaFunction
 
+from localcloud.emf import metric_data
 from localcloud.glue import active_cloud
 from localcloud.lambda_runtime import FunctionSpec, InvocationResult, invoke_handler, unpack_code
 
@@ -61,10 +65,19 @@ def function_spec(function: LambdaFunction) -> FunctionSpec:
 
 
 def invoke_function(function: LambdaFunction, event: Any) -> InvocationResult:
-    """Run one invocation and write its log lines to the function's CloudWatch log group."""
+    """Run one invocation; its log lines go to the function's CloudWatch log group and the
+    EMF metrics in them to CloudWatch."""
+    from moto.cloudwatch.models import cloudwatch_backends
+
     result = invoke_handler(function_spec(function), event)
     function.logs_backend.ensure_log_group(function.logs_group_name)
     function.save_logs("\n".join(result.log_lines))
+    cloudwatch = cloudwatch_backends[function.account_id][function.region]
+    for line in result.log_lines:
+        for namespace, entries in metric_data(line):
+            for entry in entries:  # moto's CloudWatch compares naive UTC datetimes
+                entry["Timestamp"] = entry["Timestamp"].astimezone(timezone.utc).replace(tzinfo=None)
+            cloudwatch.put_metric_data(namespace, entries)
     return result
 
 
