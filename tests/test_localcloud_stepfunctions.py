@@ -125,7 +125,7 @@ def start(cloud, machine: str) -> str:
 
 @pytest.mark.slow
 def test_task_token_answered_from_another_process(local_cloud, tmp_path):
-    machine = callback_machine(local_cloud, tmp_path / "ok.jsonl", heartbeat_s=5, catch=["AgentFailed"])
+    machine = callback_machine(local_cloud, tmp_path / "ok.jsonl", heartbeat_s=30, catch=["AgentFailed"])
     succeeding = start(local_cloud, machine)
     token = wait_for_token(tmp_path / "ok.jsonl")
     answer(local_cloud, token, "heartbeat")
@@ -134,7 +134,7 @@ def test_task_token_answered_from_another_process(local_cloud, tmp_path):
     assert done["status"] == "SUCCEEDED", done
     assert json.loads(done["output"])["answer"] == {"answered_by": "agent"}
 
-    machine = callback_machine(local_cloud, tmp_path / "fail.jsonl", heartbeat_s=5, catch=["AgentFailed"])
+    machine = callback_machine(local_cloud, tmp_path / "fail.jsonl", heartbeat_s=30, catch=["AgentFailed"])
     failing = start(local_cloud, machine)
     answer(local_cloud, wait_for_token(tmp_path / "fail.jsonl"), "failure", "AgentFailed")
     done = wait_for_execution(local_cloud, failing)
