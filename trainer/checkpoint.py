@@ -372,6 +372,10 @@ class Checkpointer:
             self._wait_for_staging()
             self.blocked_seconds += time.perf_counter() - started
 
+    def save_done(self) -> bool:
+        """Whether no save is in flight (the last one committed or failed)."""
+        return self._in_flight is None or self._in_flight.done()
+
     def wait(self) -> None:
         """Block until the save in flight, if any, is committed; CheckpointError if it failed."""
         self._wait_for_staging()
