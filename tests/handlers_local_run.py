@@ -99,74 +99,93 @@ def console_lines(cloud, instance_id: str) -> list[dict]:
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 
+def report_failure(cloud, sfn) -> None:
+    """What a failed scenario leaves to read: every instance's console and each execution."""
+    for instance in cloud.fleet.instances():
+        log = instance.console_log.read_text()[-3000:] if instance.console_log.exists() else "(none)"
+        print(f"--- {instance.instance_id} ({instance.state}) console:\n{log}", file=sys.stderr)
+    for machine in sfn.list_state_machines()["stateMachines"]:
+        for execution in sfn.list_executions(stateMachineArn=machine["stateMachineArn"])["executions"]:
+            print(f"--- {execution['name']}: {execution['status']} "
+                  f"{states_entered(sfn, execution['executionArn'])}", file=sys.stderr)
+
+
 def main() -> None:
     stack_name = f"tf-{uuid.uuid4().hex[:8]}"
     with LocalCloud(time_scale=0.02) as cloud:
-        clients = {name: cloud.client(name) for name in ("ec2", "stepfunctions", "s3", "dynamodb")}
-        ec2, sfn, s3 = clients["ec2"], clients["stepfunctions"], clients["s3"]
-        stack = deploy(DeployRequest(template=REPO / "template.yaml", endpoint=cloud.endpoint,
-                                     stack_name=stack_name))
-        outputs = stack.outputs
-        # moto ignores the conditions of bucket policy statements, so the TLS-only Deny would
-        # deny every request to the local (plain HTTP) endpoint; test_template.py checks it.
-        s3.delete_bucket_policy(Bucket=outputs["CheckpointBucketName"])
-        store = RunStore(clients["dynamodb"], outputs["RunTableName"])
+        try:
+            scenarios(cloud, stack_name)
+        except Exception:
+            report_failure(cloud, cloud.client("stepfunctions"))
+            raise
 
-        def agent_environment(instance) -> dict[str, str]:
-            return {"PYTHONPATH": str(REPO), "TRAINFLEET_RUN_NAME": instance.tags[TAG_RUN],
-                    "TRAINFLEET_RUN_TABLE": outputs["RunTableName"],
-                    "TRAINFLEET_BUCKET": outputs["CheckpointBucketName"],
-                    "TRAINFLEET_EVENT_BUS": outputs["AgentEventBusName"]}
 
-        cloud.fleet.boot = lambda instance: [sys.executable, str(AGENT)]
-        cloud.fleet.env_hooks.append(agent_environment)
-        subnet, group = network(ec2)
-        machine = outputs["StateMachineArn"]
+def scenarios(cloud, stack_name: str) -> None:
+    clients = {name: cloud.client(name) for name in ("ec2", "stepfunctions", "s3", "dynamodb")}
+    ec2, sfn, s3 = clients["ec2"], clients["stepfunctions"], clients["s3"]
+    stack = deploy(DeployRequest(template=REPO / "template.yaml", endpoint=cloud.endpoint,
+                                 stack_name=stack_name))
+    outputs = stack.outputs
+    # moto ignores the conditions of bucket policy statements, so the TLS-only Deny would
+    # deny every request to the local (plain HTTP) endpoint; test_template.py checks it.
+    s3.delete_bucket_policy(Bucket=outputs["CheckpointBucketName"])
+    store = RunStore(clients["dynamodb"], outputs["RunTableName"])
 
-        # 1. A run with one node lost mid-training.
-        run_name = f"run-{uuid.uuid4().hex[:6]}"
-        spec = run_spec(run_name, outputs["CheckpointBucketName"], subnet, group)
-        arn = sfn.start_execution(stateMachineArn=machine, name=run_name, input=json.dumps(spec))["executionArn"]
-        wait("the first committed checkpoint", lambda: checkpointed(store, run_name))
-        first_nodes = {node.instance_id: node.node_rank for node in store.nodes(run_name)}
-        killed = next(instance_id for instance_id, rank in first_nodes.items() if rank == 1)
-        survivor = next(instance_id for instance_id, rank in first_nodes.items() if rank == 0)
-        cloud.fleet.kill(killed)
-        wait("the run to end", lambda: sfn.describe_execution(executionArn=arn)["status"] != "RUNNING")
-        execution = sfn.describe_execution(executionArn=arn)
-        run = store.run(run_name)
-        report = json.loads(s3.get_object(Bucket=outputs["CheckpointBucketName"],
-                                          Key=f"runs/{run_name}/report.json")["Body"].read())
-        committed = sorted(int(prefix["Prefix"].rstrip("/").rsplit("-", 1)[1]) for prefix in s3.list_objects_v2(
-            Bucket=outputs["CheckpointBucketName"], Prefix=f"runs/{run_name}/checkpoints/",
-            Delimiter="/").get("CommonPrefixes", []))
-        recovered = {
-            "status": execution["status"],
-            "states": states_entered(sfn, arn),
-            "first_nodes": first_nodes,
-            "killed": killed,
-            "survivor": survivor,
-            "nodes": {node.instance_id: {"state": node.state.value, "attempt": node.attempt,
-                                         "rank": node.node_rank, "failure": node.failure_class}
-                      for node in store.nodes(run_name)},
-            "instances": instances_of(ec2, run_name),
-            "survivor_launches": [line for line in console_lines(cloud, survivor) if "node_rank" in line],
-            "survivor_commits": [line for line in console_lines(cloud, survivor) if "committed_step" in line],
-            "run": {"state": run.state.value, "attempt": run.attempt, "restarts": run.restarts,
-                    "latest_checkpoint": run.latest_checkpoint.step if run.latest_checkpoint else None},
-            "committed_steps": committed,
-            "report": {"state": report["state"], "restarts": report["restarts"]},
-        }
+    def agent_environment(instance) -> dict[str, str]:
+        return {"PYTHONPATH": str(REPO), "TRAINFLEET_RUN_NAME": instance.tags[TAG_RUN],
+                "TRAINFLEET_RUN_TABLE": outputs["RunTableName"],
+                "TRAINFLEET_BUCKET": outputs["CheckpointBucketName"],
+                "TRAINFLEET_EVENT_BUS": outputs["AgentEventBusName"]}
 
-        # 2. A bad RunSpec.
-        bad_name = f"bad-{uuid.uuid4().hex[:6]}"
-        bad_spec = run_spec(bad_name, outputs["CheckpointBucketName"], subnet, group)
-        bad_spec["node_count"] = 3  # pp x dp = 2 ranks cannot fill 3 nodes
-        before = len(instances_of(ec2, bad_name))
-        rejected = execute(sfn, machine, bad_name, bad_spec)
-        invalid = {"status": rejected["status"], "error": rejected.get("error"), "cause": rejected.get("cause"),
-                   "states": states_entered(sfn, rejected["executionArn"]),
-                   "instances_before": before, "instances_after": len(instances_of(ec2, bad_name))}
+    cloud.fleet.boot = lambda instance: [sys.executable, str(AGENT)]
+    cloud.fleet.env_hooks.append(agent_environment)
+    subnet, group = network(ec2)
+    machine = outputs["StateMachineArn"]
+
+    # 1. A run with one node lost mid-training.
+    run_name = f"run-{uuid.uuid4().hex[:6]}"
+    spec = run_spec(run_name, outputs["CheckpointBucketName"], subnet, group)
+    arn = sfn.start_execution(stateMachineArn=machine, name=run_name, input=json.dumps(spec))["executionArn"]
+    wait("the first committed checkpoint", lambda: checkpointed(store, run_name))
+    first_nodes = {node.instance_id: node.node_rank for node in store.nodes(run_name)}
+    killed = next(instance_id for instance_id, rank in first_nodes.items() if rank == 1)
+    survivor = next(instance_id for instance_id, rank in first_nodes.items() if rank == 0)
+    cloud.fleet.kill(killed)
+    wait("the run to end", lambda: sfn.describe_execution(executionArn=arn)["status"] != "RUNNING")
+    execution = sfn.describe_execution(executionArn=arn)
+    run = store.run(run_name)
+    report = json.loads(s3.get_object(Bucket=outputs["CheckpointBucketName"],
+                                      Key=f"runs/{run_name}/report.json")["Body"].read())
+    committed = sorted(int(prefix["Prefix"].rstrip("/").rsplit("-", 1)[1]) for prefix in s3.list_objects_v2(
+        Bucket=outputs["CheckpointBucketName"], Prefix=f"runs/{run_name}/checkpoints/",
+        Delimiter="/").get("CommonPrefixes", []))
+    recovered = {
+        "status": execution["status"],
+        "states": states_entered(sfn, arn),
+        "first_nodes": first_nodes,
+        "killed": killed,
+        "survivor": survivor,
+        "nodes": {node.instance_id: {"state": node.state.value, "attempt": node.attempt,
+                                     "rank": node.node_rank, "failure": node.failure_class}
+                  for node in store.nodes(run_name)},
+        "instances": instances_of(ec2, run_name),
+        "survivor_launches": [line for line in console_lines(cloud, survivor) if "node_rank" in line],
+        "survivor_commits": [line for line in console_lines(cloud, survivor) if "committed_step" in line],
+        "run": {"state": run.state.value, "attempt": run.attempt, "restarts": run.restarts,
+                "latest_checkpoint": run.latest_checkpoint.step if run.latest_checkpoint else None},
+        "committed_steps": committed,
+        "report": {"state": report["state"], "restarts": report["restarts"]},
+    }
+
+    # 2. A bad RunSpec.
+    bad_name = f"bad-{uuid.uuid4().hex[:6]}"
+    bad_spec = run_spec(bad_name, outputs["CheckpointBucketName"], subnet, group)
+    bad_spec["node_count"] = 3  # pp x dp = 2 ranks cannot fill 3 nodes
+    before = len(instances_of(ec2, bad_name))
+    rejected = execute(sfn, machine, bad_name, bad_spec)
+    invalid = {"status": rejected["status"], "error": rejected.get("error"), "cause": rejected.get("cause"),
+               "states": states_entered(sfn, rejected["executionArn"]),
+               "instances_before": before, "instances_after": len(instances_of(ec2, bad_name))}
     print(json.dumps({"recovered": recovered, "invalid": invalid}, default=str))
 
 
