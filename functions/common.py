@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import boto3
 from aws_lambda_powertools import Logger, Metrics, Tracer
+from botocore.config import Config
 from aws_lambda_powertools.metrics import MetricUnit
 from pydantic import BaseModel, ConfigDict
 
@@ -53,16 +54,23 @@ class Aws:
     dynamodb: Any
 
 
+# Throttling and 5xx answers of EC2, DynamoDB, S3 and Step Functions are retried in the client
+# with backoff ("standard" mode); what outlasts that fails the invocation, where the state
+# machine's Retry and Catch take over.
+_CLIENT_CONFIG = Config(retries={"mode": "standard", "max_attempts": 8})
+
+
 @cache
 def aws() -> Aws:
     settings = Settings.from_environ()
     idempotency_table = os.environ.get(IDEMPOTENCY_TABLE_VARIABLE, "").strip()
     if not idempotency_table:
         raise MissingSetting(f"environment variable {IDEMPOTENCY_TABLE_VARIABLE} is not set")
-    dynamodb = boto3.client("dynamodb")
+    dynamodb = boto3.client("dynamodb", config=_CLIENT_CONFIG)
     return Aws(settings=settings, idempotency_table=idempotency_table,
-               store=RunStore(dynamodb, settings.run_table), ec2=boto3.client("ec2"),
-               s3=boto3.client("s3"), sfn=boto3.client("stepfunctions"), dynamodb=dynamodb)
+               store=RunStore(dynamodb, settings.run_table), ec2=boto3.client("ec2", config=_CLIENT_CONFIG),
+               s3=boto3.client("s3", config=_CLIENT_CONFIG),
+               sfn=boto3.client("stepfunctions", config=_CLIENT_CONFIG), dynamodb=dynamodb)
 
 
 def answer_task(run_name: str, purpose: Literal["await_nodes", "train"], attempt: int, *,
