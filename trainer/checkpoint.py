@@ -25,10 +25,11 @@ import os
 import signal
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -94,7 +95,9 @@ def storage_reader(step_uri: str) -> dcp.StorageReader:
     return dcp.FileSystemReader(step_uri)
 
 
-def manifest_files(metadata: Metadata, present: Mapping[str, catalog.StoredFile], where: str) -> tuple[catalog.StoredFile, ...]:
+def manifest_files(
+    metadata: Metadata, present: Mapping[str, catalog.StoredFile], where: str
+) -> tuple[catalog.StoredFile, ...]:
     """The files a DCP checkpoint consists of, as stored; CheckpointError if one is short or absent.
 
     The DCP metadata says which file holds each item and at which offset and length, so a file
@@ -137,6 +140,7 @@ class _SaveRequests:
         return self._signalled.is_set() or self._file_mtime() not in (None, self._honoured_mtime)
 
     def honoured(self) -> None:
+        """The pending request is being served."""
         self._signalled.clear()
         self._honoured_mtime = self._file_mtime()
 
@@ -192,9 +196,7 @@ class Checkpointer:
             )
         )
         self._staging: Future | None = None
-        self._staging_hook = register_optimizer_step_pre_hook(
-            self._before_optimizer_step
-        )
+        self._staging_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
         self._in_flight: Future | None = None
         self._in_flight_step: int | None = None
@@ -246,11 +248,12 @@ class Checkpointer:
                         manifest.step, manifest.config_hash, self.config_hash)
         for step in catalog.saved_steps(self.store):
             if resumed is None or step > resumed:
-                log.warning("deleting %s/%s: newer than the resume point", self.store.uri, catalog.step_dir_name(step))
+                log.warning("deleting %s/%s: newer than the resume point", self.store.uri,
+                            catalog.step_dir_name(step))
                 self.store.delete_step(catalog.step_dir_name(step))
         return resumed
 
-    def _on_rank0_for_all(self, decide):
+    def _on_rank0_for_all(self, decide: Callable[[], Any]) -> Any:
         """Run `decide` on rank 0 and give every rank its result, or its error as CheckpointError."""
         outcome: list[Any] = [None]
         error: Exception | None = None
@@ -359,10 +362,12 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint of step {self._in_flight_step} failed: {exc}") from exc
 
     def _wait_for_staging(self) -> None:
-        """Block until the CPU copy of the state being saved is complete."""
+        """Block until the CPU copy of the state being saved is complete (or has failed)."""
         staging, self._staging = self._staging, None
         if staging is not None:
-            staging.result()
+            # A failed copy fails the upload future with the same error, which every rank raises
+            # as CheckpointError at its next maybe_save; raising it here would stop one rank alone.
+            futures.wait([staging])
 
     def _before_optimizer_step(self, *_: Any) -> None:
         # The optimizer step changes parameters and optimizer state in place, so the copy being

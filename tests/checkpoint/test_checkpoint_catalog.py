@@ -80,7 +80,8 @@ def test_a_missing_shard_is_refused_by_name(store):
 def test_an_unreadable_marker_is_refused(store):
     store.create(catalog.step_dir_name(3), catalog.MARKER_NAME, b'{"step": 3}')
 
-    with pytest.raises(CheckpointInvalid, match=r"step-000000003: unreadable commit marker: KeyError\('format_version'\)"):
+    unreadable = r"step-000000003: unreadable commit marker: KeyError\('format_version'\)"
+    with pytest.raises(CheckpointInvalid, match=unreadable):
         catalog.verified_manifest(store, 3)
 
 

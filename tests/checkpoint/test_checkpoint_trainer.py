@@ -80,17 +80,16 @@ class Straight:
 def straight(tmp_path_factory, moto_endpoint):
     """20 uninterrupted steps at pp=2, checkpointed every 5 (15 and 20 are kept): the reference."""
     tmp_path = tmp_path_factory.mktemp("straight")
-    bucket = f"straight-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3").create_bucket(Bucket=bucket)
+    uri = f"s3://straight-{uuid.uuid4().hex[:12]}/runs/straight/checkpoints"
+    boto3.client("s3").create_bucket(Bucket=catalog.open_store(uri).bucket)
     started = []
     try:
-        procs, log_dir = train(tmp_path, started, f"s3://{bucket}/runs/straight/checkpoints", "straight.jsonl",
-                               world=2, layout=["--parallel.pp=2"])
+        procs, log_dir = train(tmp_path, started, uri, "straight.jsonl", world=2, layout=["--parallel.pp=2"])
         run_to_end(procs, log_dir)
     finally:
         for proc in started:
             proc.kill()
-    return Straight(losses(tmp_path, "straight.jsonl"), f"s3://{bucket}/runs/straight/checkpoints")
+    return Straight(losses(tmp_path, "straight.jsonl"), uri)
 
 
 def kill(procs) -> None:
@@ -164,12 +163,11 @@ def test_reshard_pp4_to_pp2_to_pp2xdp2_to_one_process(tmp_path, processes, bucke
 
 
 def copy_checkpoints(s3, source_uri: str, target_uri: str) -> None:
-    source_bucket, _, source_prefix = source_uri.removeprefix("s3://").partition("/")
-    target_bucket, _, target_prefix = target_uri.removeprefix("s3://").partition("/")
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=source_bucket, Prefix=source_prefix):
+    source, target = catalog.open_store(source_uri), catalog.open_store(target_uri)
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=source.bucket, Prefix=source.prefix):
         for obj in page.get("Contents", []):
-            s3.copy_object(Bucket=target_bucket, Key=target_prefix + obj["Key"][len(source_prefix):],
-                           CopySource={"Bucket": source_bucket, "Key": obj["Key"]})
+            s3.copy_object(Bucket=target.bucket, Key=target.prefix + obj["Key"][len(source.prefix):],
+                           CopySource={"Bucket": source.bucket, "Key": obj["Key"]})
 
 
 def test_a_truncated_shard_is_refused_by_name_and_resume_falls_back(tmp_path, processes, s3, bucket, straight):
@@ -199,12 +197,12 @@ def test_stock_dcp_reads_our_checkpoint(tmp_path, s3, straight):
     """Plain DCP plus a marker: torch's own converter turns a downloaded step into a torch.save file."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    bucket, _, prefix = straight.uri.removeprefix("s3://").partition("/")
-    step_prefix = f"{prefix}/{catalog.step_dir_name(20)}/"
+    store = catalog.open_store(straight.uri)
+    step_prefix = f"{store.prefix}{catalog.step_dir_name(20)}/"
     local = tmp_path / "step-20"
     local.mkdir()
-    for obj in s3.list_objects_v2(Bucket=bucket, Prefix=step_prefix)["Contents"]:
-        s3.download_file(bucket, obj["Key"], str(local / obj["Key"][len(step_prefix):]))
+    for obj in s3.list_objects_v2(Bucket=store.bucket, Prefix=step_prefix)["Contents"]:
+        s3.download_file(store.bucket, obj["Key"], str(local / obj["Key"][len(step_prefix):]))
 
     dcp_to_torch_save(local, tmp_path / "step-20.pt")
     saved = torch.load(tmp_path / "step-20.pt", weights_only=False)

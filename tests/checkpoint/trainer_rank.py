@@ -52,7 +52,8 @@ def block_write(step: int, rank: int, signals: Path) -> None:
     checkpoint.storage_writer = writer
 
 
-def launch(world: int, port: int, trainer_args: list[str], log_dir: Path, hooks: list[str] = ()) -> list[subprocess.Popen]:
+def launch(world: int, port: int, trainer_args: list[str], log_dir: Path,
+           hooks: list[str] = ()) -> list[subprocess.Popen]:
     """Start `world` ranks; rank r's output goes to log_dir/rank{r}.log."""
     procs = []
     for rank in range(world):
