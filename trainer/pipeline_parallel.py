@@ -78,6 +78,10 @@ class _EagerRecvStage(PipelineStage):
     the data lands in its microbatch's buffer (each microbatch has its own) while this rank is
     still computing, and the consumer only waits for what has not arrived yet.
 
+    Sends, likewise, are started and not waited for until the step's gradients are complete: with
+    the receive already posted they finish on their own, and the sender goes on computing. Their
+    tensors are held until then.
+
     Receives match sends in posting order per pair of ranks, so this is only right where each
     pair carries one stream in microbatch order: one stage per rank (GPipe, 1F1B). The looped
     and V schedules send activations and gradients of several stages over the same pair.
@@ -87,6 +91,7 @@ class _EagerRecvStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self._pending: dict[tuple[str, int], list[dist.Work]] = {}
         self._posted: set[str] = set()
+        self._sending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def clear_runtime_states(self) -> None:
         super().clear_runtime_states()
@@ -112,6 +117,25 @@ class _EagerRecvStage(PipelineStage):
         if self.has_backward and not self.is_last:
             self._post_all("backward", self.grad_recv_info)
         return []
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        self._start_sends(super().get_fwd_send_ops(fwd_chunk_id))
+        return []
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        self._start_sends(super().get_bwd_send_ops(bwd_chunk_id))
+        return []
+
+    def _start_sends(self, ops: list[dist.P2POp]) -> None:
+        self._sending.extend((dist.isend(op.tensor, group=op.group, group_dst=op.group_peer), op.tensor)
+                             for op in ops)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        # The schedule's last action in a step: every send has a posted receive by now.
+        for work, _ in self._sending:
+            work.wait()
+        self._sending.clear()
+        super().perform_reduce_grad(grad_scale_factor)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         self._wait("forward", fwd_chunk_id)
