@@ -119,16 +119,21 @@ def test_kill_every_rank_then_resume_gives_identical_losses(tmp_path, processes,
     assert losses(tmp_path, "resumed.jsonl") == {s: straight.losses[s] for s in range(11, STEPS + 1)}
 
 
-def test_a_rank_killed_while_writing_leaves_no_checkpoint_and_nothing_hangs(tmp_path, processes, bucket, straight):
+def test_a_rank_killed_while_writing_leaves_no_checkpoint_and_nothing_hangs(tmp_path, processes, s3, bucket,
+                                                                            straight):
     uri = f"s3://{bucket}/runs/killed-mid-write/checkpoints"
     procs, log_dir = train(tmp_path, processes, uri, "first.jsonl", world=2, layout=["--parallel.pp=2"],
                            hooks=["--block-write", "10", "1"])
     wait_for(lambda: (log_dir / "writing").exists(), "rank 1 writing step 10", procs)
 
+    store = catalog.open_store(uri)
+    shard = f"{store.prefix}{catalog.step_dir_name(10)}/__1_0.distcp"
+    uploads = s3.list_multipart_uploads(Bucket=bucket, Prefix=shard).get("Uploads", [])
+    assert [upload["Key"] for upload in uploads] == [shard], "rank 1 should be in the middle of its shard"
+
     procs[1].send_signal(signal.SIGKILL)
 
     assert procs[0].wait(timeout=TIMEOUT_S) != 0, "rank 0 must fail, not finish, when its peer dies"
-    store = catalog.open_store(uri)
     assert not catalog.is_committed(store, 10)
     assert catalog.latest_committed(uri).step == 5
 

@@ -5,7 +5,8 @@
 
 --hang-after STEP: save STEP as if asked to (returns once committed), touch <signals>/reached.<rank>,
     then wait to be killed.
---block-write STEP RANK: RANK's shard write of STEP touches <signals>/writing and never finishes.
+--block-write STEP RANK: RANK starts its shard of STEP (parts uploaded), touches <signals>/writing,
+    and never finishes it.
 """
 
 import argparse
@@ -43,8 +44,12 @@ def block_write(step: int, rank: int, signals: Path) -> None:
         inner = real_writer(step_uri)
         if step_uri.endswith(f"step-{step:09d}") and int(os.environ["RANK"]) == rank:
             def write_data(plan, planner):
-                (signals / "writing").touch()
-                threading.Event().wait()
+                # Really start the shard: its first multipart parts go up, the object never completes.
+                shard = inner.fs.concat_path(inner.path, f"__{rank}_0.distcp")
+                with inner.fs.create_stream(shard, "wb") as stream:
+                    stream.write(bytes(20 * 2**20))
+                    (signals / "writing").touch()
+                    threading.Event().wait()
 
             inner.write_data = write_data
         return inner
