@@ -29,6 +29,7 @@ from trainfleet.contracts import (FailureReport, NodeRecord, NodeRole, NodeState
 from trainfleet.lifecycle import apply_decision, classify_task_error, decide_recovery
 
 _GONE = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
+_ENDING = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
 _NOT_READY = frozenset({NodeState.LAUNCHED, NodeState.REGISTERED})
 
 
@@ -38,6 +39,13 @@ def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError) -> Fa
                                       attempt=run.attempt, token="(answered)")
     not_ready = [node.instance_id for node in nodes if node.state in _NOT_READY]
     return classify_task_error(caught.Error, caught.Cause, waiting, not_ready)
+
+
+def _mark_terminating(name: str, instance_id: str, **changes: Any) -> None:
+    """Move a node to TERMINATING, unless EC2 has already reported it gone: an instance lost
+    outright is often recorded TERMINATED by the event handler while Recover runs."""
+    aws().store.modify_node(name, instance_id, lambda node: node if node.state in _ENDING
+                            else node.model_copy(update={"state": NodeState.TERMINATING, **changes}))
 
 
 def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport) -> RecoveryDecision:
@@ -51,8 +59,7 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
     if decision.action is RecoveryAction.GIVE_UP:
         raise RecoveryGaveUp(decision.reason)
     for instance_id in decision.terminate_instance_ids:
-        store.transition_node(name, instance_id, NodeState.TERMINATING,
-                              failure_class=failure.failure_class, reason=failure.message)
+        _mark_terminating(name, instance_id, failure_class=failure.failure_class, reason=failure.message)
     for instance_id in decision.promote_spare_ids:
         store.modify_node(name, instance_id, lambda node: node.model_copy(update={"role": NodeRole.WORKER}))
     return decision
@@ -63,7 +70,7 @@ def act(run: RunRecord) -> int:
     cloud, name, spec = aws(), run.run_name, run.spec
     for node in cloud.store.nodes(name):
         if node.state is NodeState.UNHEALTHY:
-            cloud.store.transition_node(name, node.instance_id, NodeState.TERMINATING)
+            _mark_terminating(name, node.instance_id)
     nodes = cloud.store.nodes(name)
     terminate(cloud.ec2, [node.instance_id for node in nodes if node.state is NodeState.TERMINATING])
     live = [node for node in nodes if node.state not in _GONE]

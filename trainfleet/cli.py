@@ -1,6 +1,7 @@
 """The `trainfleet` command.
 
-    trainfleet demo            the main job on this machine (see README)
+    trainfleet demo            a training run on the local cloud: a node lost, replaced, resumed
+    trainfleet demo --trainer-only   the trainer alone: pp=2 under torchrun on this machine
     trainfleet validate        sam validate --lint and statelint on what users deploy
     trainfleet local up        run the embedded local cloud in the foreground (Ctrl-C stops it)
     trainfleet local deploy    deploy template.yaml into a running local cloud, as `sam deploy` would
@@ -13,9 +14,13 @@ from pathlib import Path
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from trainer.demo import main as trainer_demo
+    if args.trainer_only:
+        from trainer.demo import main as trainer_demo
 
-    return trainer_demo(args.rest)
+        return trainer_demo(args.rest)
+    from localcloud.demo import main as local_cloud_demo
+
+    return local_cloud_demo(args.rest)
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -112,8 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainfleet", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run the demo on this machine")
-    demo.add_argument("rest", nargs=argparse.REMAINDER)
+    demo = commands.add_parser("demo", help="a training run on the local cloud, a node lost and replaced")
+    demo.add_argument("--trainer-only", action="store_true",
+                      help="only the trainer: pp=2 under torchrun on this machine, no cloud")
+    demo.add_argument("rest", nargs=argparse.REMAINDER,
+                      help="after --: the local run's --run-spec/--workdir/--timeout, or with --trainer-only the trainer's overrides")
     demo.set_defaults(func=_demo)
     validate = commands.add_parser("validate", help="check template.yaml and the state machine")
     validate.set_defaults(func=_validate)

@@ -948,13 +948,27 @@ class HealthCheckResult(_Strict):
     name: str
     """e.g. gpu_count, efa_devices, gpu_errors, allreduce_busbw."""
     passed: bool
-    """Whether the node may train."""
+    """Whether the check ran and the node passed it."""
+    skipped: bool = False
+    """The check does not apply or cannot run on this node (detail says why): it neither passes
+    nor fails the node, and is never reported as passed."""
     measured: float | None = None
     """The figure checked (count, GB/s), when there is one."""
     expected: float | None = None
     """The figure required (the catalogue's, e.g. busbw_floor_gbytes_per_s)."""
     detail: str = ""
     """For people: what was seen."""
+
+    @model_validator(mode="after")
+    def _skipped_is_not_passed(self) -> HealthCheckResult:
+        if self.skipped and self.passed:
+            raise ValueError(f"check {self.name}: a skipped check cannot have passed")
+        return self
+
+    @property
+    def failed(self) -> bool:
+        """Ran and did not pass: the node must not train."""
+        return not self.passed and not self.skipped
 
 
 class NodeRegistered(AgentEvent):
@@ -978,7 +992,7 @@ class NodeReady(AgentEvent):
     instance_id: str
     """The instance."""
     checks: list[HealthCheckResult] = Field(default_factory=list)
-    """The checks run, all passed."""
+    """The checks, none failed (some may be skipped, saying why)."""
 
 
 class NodeUnhealthy(AgentEvent):

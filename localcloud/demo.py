@@ -1,0 +1,298 @@
+"""A whole training run on the local cloud, with a node lost after the first checkpoint.
+
+    make demo                        (trainfleet demo; python -m localcloud.demo)
+    trainfleet demo --trainer-only   (the trainer alone: pp=2 under torchrun, trainer/demo.py)
+
+What happens, as on AWS: a LocalCloud (moto plus the glue) and its instance metadata service
+start; `template.yaml` is deployed into it (localcloud.deploy); an execution of the deployed
+state machine starts with the RunSpec of events/local-demo-run.json (run name, bucket, subnet
+and security group filled in); Allocate launches the instances and the local fleet boots each
+as a real node agent (`python -m trainer.agent`, its own folder and loopback address, no shared
+filesystem), which registers, passes preflight and starts torchrun when the launch spec names
+it. Once the first checkpoint is committed to the local S3, the instance of node rank 1 is
+killed: EC2 reports it, Recover replaces only it, the new attempt resumes from the latest
+committed checkpoint, the run completes, Teardown terminates every instance.
+
+`run_with_node_loss` does that and returns what happened (states, nodes, instances, the agents'
+launches and commits, each attempt's losses, the run report); tests/agent_local_run.py asserts
+on it, `main` narrates it. It must run in a process that has not imported `functions` (the local
+cloud imports the deployed copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_RUN_SPEC = REPO / "events" / "local-demo-run.json"
+
+__all__ = ["run_with_node_loss", "Narrator", "main", "DEMO_RUN_SPEC"]
+
+
+@dataclass
+class Narrator:
+    """Prints what happens as it happens, with seconds since the start; silent when quiet."""
+
+    quiet: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+    def __call__(self, message: str) -> None:
+        if not self.quiet:
+            print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)
+
+
+def _network(ec2: Any) -> tuple[str, str]:
+    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.1.0/24", AvailabilityZone="us-east-1a")
+    group = ec2.create_security_group(GroupName=f"efa-{uuid.uuid4().hex[:6]}", Description="run", VpcId=vpc)
+    return subnet["Subnet"]["SubnetId"], group["GroupId"]
+
+
+def local_run_spec(template: dict[str, Any], run_name: str, bucket: str, subnet: str, group: str) -> dict[str, Any]:
+    """The template RunSpec made concrete for one local stack: names, bucket, network."""
+    spec = json.loads(json.dumps(template))
+    spec["run_name"] = run_name
+    spec["capacity"] |= {"subnet_ids": [subnet], "security_group_ids": [group]}
+    spec["checkpoint"]["s3_uri"] = f"s3://{bucket}/runs/{run_name}/checkpoints"
+    return spec
+
+
+def states_entered(sfn: Any, execution_arn: str) -> list[str]:
+    history = sfn.get_execution_history(executionArn=execution_arn, maxResults=1000)["events"]
+    return [event["stateEnteredEventDetails"]["name"] for event in history if "stateEnteredEventDetails" in event]
+
+
+def agent_lines(instance: Any) -> list[dict[str, Any]]:
+    """What an instance's agent said (its JSON lines in the console)."""
+    log = instance.console_log
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return [json.loads(line) for line in lines if line.startswith('{"agent"')]
+
+
+def attempt_losses(instances: list[Any]) -> dict[int, dict[int, float]]:
+    """attempt -> step -> loss, from the metrics file of the node that held global rank 0."""
+    losses: dict[int, dict[int, float]] = {}
+    for instance in instances:
+        for metrics in sorted(instance.workdir.glob("attempt-*/metrics.jsonl")):
+            attempt = int(metrics.parent.name.split("-")[1])
+            for line in metrics.read_text().splitlines():
+                record = json.loads(line)
+                losses.setdefault(attempt, {})[record["step"]] = record["loss"]
+    return losses
+
+
+def run_with_node_loss(template: dict[str, Any], narrate: Callable[[str], None], *,
+                       workdir: Path | None = None, time_scale: float = 0.02,
+                       timeout_s: float = 600.0) -> dict[str, Any]:
+    """Deploy, run `template` on 2 local nodes, kill rank 1's instance after the first committed
+    checkpoint, wait for the end; what happened, as plain data. `workdir` keeps the instances'
+    folders (console.log, each attempt's trainer config, torchrun output and metrics); None
+    uses a temporary folder."""
+    os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"  # the SAM roles attach AWS managed policies
+    from localcloud import LocalCloud
+    from localcloud.deploy import DeployRequest, deploy
+    from localcloud.imds import serve_fleet
+    from trainfleet.adapters.ec2_fleet import TAG_RUN
+    from trainfleet.adapters.run_store import RunNotFound, RunStore
+
+    with LocalCloud(time_scale=time_scale, workdir=workdir) as cloud:
+        metadata = serve_fleet(cloud)
+        try:
+            narrate(f"local cloud up at {cloud.endpoint}; instance metadata at 127.0.0.1:{metadata.port}")
+            stack = deploy(DeployRequest(template=REPO / "template.yaml", endpoint=cloud.endpoint,
+                                         stack_name=f"tf-{uuid.uuid4().hex[:8]}"))
+            outputs = stack.outputs
+            bucket = outputs["CheckpointBucketName"]
+            narrate(f"deployed template.yaml as stack {stack.stack_name}: state machine, "
+                    f"{len(stack.resources)} resources")
+            s3, sfn, ec2 = cloud.client("s3"), cloud.client("stepfunctions"), cloud.client("ec2")
+            # moto ignores the conditions of bucket policy statements, so the TLS-only Deny
+            # would refuse the plain-HTTP local endpoint everything (test_template checks it).
+            s3.delete_bucket_policy(Bucket=bucket)
+            store = RunStore(cloud.client("dynamodb"), outputs["RunTableName"])
+
+            def agent_environment(instance: Any) -> dict[str, str]:
+                return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                        "TRAINFLEET_RUN_NAME": instance.tags[TAG_RUN], "TRAINFLEET_RUN_TABLE": outputs["RunTableName"],
+                        "TRAINFLEET_BUCKET": bucket, "TRAINFLEET_EVENT_BUS": outputs["AgentEventBusName"],
+                        "TRAINFLEET_AGENT_LIFETIME_S": str(int(timeout_s))}
+
+            # What the user data does on EC2 once the agent is installed (no pip here).
+            cloud.fleet.boot = lambda instance: [sys.executable, "-m", "trainer.agent"]
+            cloud.fleet.env_hooks.append(agent_environment)
+            run_name = f"{template['run_name']}-{uuid.uuid4().hex[:4]}"
+            spec = local_run_spec(template, run_name, bucket, *_network(ec2))
+            arn = sfn.start_execution(stateMachineArn=outputs["StateMachineArn"], name=run_name,
+                                      input=json.dumps(spec))["executionArn"]
+            narrate(f"started execution {run_name}: {spec['node_count']} x {spec['instance_type']}, "
+                    f"pp={spec['trainer']['parallel']['pp']}, {spec['trainer']['training']['steps']} steps, "
+                    f"checkpoint every {spec['checkpoint']['interval_steps']} to s3://{bucket}/runs/{run_name}/")
+            watch = _Watch(cloud, sfn, store, arn, run_name, narrate, RunNotFound)
+            watch.until(lambda: watch.first_checkpoint() is not None, timeout_s)
+            first_nodes = {node.instance_id: node.node_rank for node in store.nodes(run_name)}
+            killed = next(instance for instance, rank in first_nodes.items() if rank == 1)
+            survivor = next(instance for instance, rank in first_nodes.items() if rank == 0)
+            narrate(f"checkpoint step {watch.first_checkpoint()} committed: killing {killed} "
+                    f"(node rank 1, {cloud.fleet.get(killed).private_ip})")
+            cloud.fleet.kill(killed)
+            watch.until(lambda: sfn.describe_execution(executionArn=arn)["status"] != "RUNNING", timeout_s)
+            watch.until(lambda: all(i.state == "terminated" for i in cloud.fleet.instances()), 60)
+            return _outcome(cloud, sfn, s3, ec2, store, bucket, arn, run_name, first_nodes, killed, survivor)
+        except Exception:
+            _dump_consoles(cloud)
+            raise
+        finally:
+            metadata.stop()
+
+
+class _Watch:
+    """Polls the execution, the run record and the fleet; narrates what changed."""
+
+    def __init__(self, cloud: Any, sfn: Any, store: Any, arn: str, run_name: str,
+                 narrate: Callable[[str], None], run_not_found: type[Exception]):
+        self.cloud, self.sfn, self.store, self.arn, self.run_name = cloud, sfn, store, arn, run_name
+        self.narrate, self.run_not_found = narrate, run_not_found
+        self.states_seen = 0
+        self.instance_states: dict[str, str] = {}
+        self.checkpoints_seen: set[int] = set()
+
+    def first_checkpoint(self) -> int | None:
+        try:
+            run = self.store.run(self.run_name)
+        except self.run_not_found:
+            return None
+        return run.latest_checkpoint.step if run.latest_checkpoint and run.attempt == 0 else None
+
+    def until(self, done: Callable[[], bool], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.look()
+            if done():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the run did not get there within {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+    def look(self) -> None:
+        states = states_entered(self.sfn, self.arn)
+        for state in states[self.states_seen:]:
+            self.narrate(f"state {state}")
+        self.states_seen = len(states)
+        for instance in self.cloud.fleet.instances():
+            if self.instance_states.get(instance.instance_id) != instance.state:
+                self.instance_states[instance.instance_id] = instance.state
+                self.narrate(f"instance {instance.instance_id} ({instance.private_ip}) {instance.state}")
+        try:
+            run = self.store.run(self.run_name)
+        except self.run_not_found:
+            return
+        if run.latest_checkpoint and run.latest_checkpoint.step not in self.checkpoints_seen:
+            self.checkpoints_seen.add(run.latest_checkpoint.step)
+            self.narrate(f"checkpoint step {run.latest_checkpoint.step} committed (attempt {run.attempt})")
+
+
+def _outcome(cloud: Any, sfn: Any, s3: Any, ec2: Any, store: Any, bucket: str, arn: str, run_name: str,
+             first_nodes: dict[str, int | None], killed: str, survivor: str) -> dict[str, Any]:
+    from trainfleet.adapters.ec2_fleet import TAG_RUN
+
+    execution = sfn.describe_execution(executionArn=arn)
+    run = store.run(run_name)
+    report = json.loads(s3.get_object(Bucket=bucket, Key=f"runs/{run_name}/report.json")["Body"].read())
+    reservations = ec2.describe_instances(Filters=[{"Name": f"tag:{TAG_RUN}", "Values": [run_name]}])
+    instances = cloud.fleet.instances()
+    said = {instance.instance_id: agent_lines(instance) for instance in instances}
+    return {
+        "status": execution["status"],
+        "states": states_entered(sfn, arn),
+        "first_nodes": first_nodes,
+        "killed": killed,
+        "survivor": survivor,
+        "nodes": {node.instance_id: {"state": node.state.value, "attempt": node.attempt,
+                                     "rank": node.node_rank, "failure": node.failure_class}
+                  for node in store.nodes(run_name)},
+        "instances": {instance["InstanceId"]: instance["State"]["Name"]
+                      for reservation in reservations["Reservations"] for instance in reservation["Instances"]},
+        "launches": {instance_id: [line for line in lines if line["agent"] == "starting torchrun"]
+                     for instance_id, lines in said.items()},
+        "commits": sorted({(line["attempt"], line["step"]) for lines in said.values() for line in lines
+                           if line["agent"] == "sent CheckpointCommitted"}),
+        "preflight": {instance_id: [line for line in lines if line["agent"] in ("sent NodeReady", "sent NodeUnhealthy")]
+                      for instance_id, lines in said.items()},
+        "losses": attempt_losses(instances),
+        "run": {"state": run.state.value, "attempt": run.attempt, "restarts": run.restarts,
+                "latest_checkpoint": run.latest_checkpoint.step if run.latest_checkpoint else None},
+        "report": report,
+    }
+
+
+def _dump_consoles(cloud: Any) -> None:
+    """What a failed run leaves to read: the end of every instance's console and trainer output."""
+    for instance in cloud.fleet.instances():
+        print(f"--- {instance.instance_id} ({instance.state}) console:", file=sys.stderr)
+        log = instance.console_log
+        print(log.read_text(errors="replace")[-3000:] if log.exists() else "(none)", file=sys.stderr)
+        for output in sorted(instance.workdir.glob("attempt-*/torchrun.log")):
+            print(f"--- {output.relative_to(instance.workdir)}:\n{output.read_text(errors='replace')[-3000:]}",
+                  file=sys.stderr)
+
+
+def narrate_outcome(outcome: dict[str, Any], narrate: Callable[[str], None]) -> None:
+    """The summary at the end: where each attempt started, the losses, instances, goodput."""
+    for instance_id, launches in outcome["launches"].items():
+        for launch in launches:
+            narrate(f"{instance_id}: attempt {launch['attempt']} as node rank {launch['node_rank']}, "
+                    f"resuming from step {launch['resume_step']}" if launch["resume_step"] is not None
+                    else f"{instance_id}: attempt {launch['attempt']} as node rank {launch['node_rank']}, from scratch")
+    timeline: dict[int, float] = {}  # the run as it stands: each step from the last attempt that trained it
+    for attempt, losses in sorted(outcome["losses"].items()):
+        steps = sorted(losses)
+        narrate(f"attempt {attempt} trained steps {steps[0]}-{steps[-1]}")
+        timeline |= losses
+    steps = sorted(timeline)
+    for first in range(0, len(steps), 10):
+        row = steps[first:first + 10]
+        narrate(f"loss, steps {row[0]:>3}-{row[-1]:<3} " + " ".join(f"{timeline[step]:.3f}" for step in row))
+    trained = sum(len(losses) for losses in outcome["losses"].values())
+    report = outcome["report"]
+    narrate(f"instances: {len(outcome['instances'])} launched, now {sorted(set(outcome['instances'].values()))}; "
+            f"replaced: {', '.join(report['nodes']['replaced']) or 'none'}")
+    narrate(f"run {report['state']} after {report['restarts']} restart(s), last checkpoint step "
+            f"{outcome['run']['latest_checkpoint']}; step goodput {len(steps)}/{trained} = {len(steps) / trained:.0%} "
+            f"(steps kept / steps trained; the rest were redone after the resume)")
+    ledger = report["ledger"]
+    if ledger["node_seconds"]:
+        narrate(f"time goodput {report['goodput']:.0%} ({ledger['productive_seconds']:.0f} s productive, "
+                f"{ledger['lost_seconds']:.0f} s lost), {ledger['node_seconds']:.0f} node-seconds, ${ledger['cost_usd']:.4f}")
+    else:
+        narrate("time goodput: the run report's ledger is empty (the handlers do not settle attempts yet)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="A training run on the local cloud with a node lost and replaced.")
+    parser.add_argument("--run-spec", type=Path, default=DEMO_RUN_SPEC,
+                        help="RunSpec JSON to run (name, bucket, subnet and security group are filled in)")
+    parser.add_argument("--workdir", type=Path, help="keep the instances' folders here (default: a temporary folder)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each phase of the run")
+    given = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(given[1:] if given[:1] == ["--"] else given)
+    try:
+        template = json.loads(args.run_spec.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        parser.error(f"--run-spec {args.run_spec}: {exc}")
+    narrate = Narrator()
+    outcome = run_with_node_loss(template, narrate, workdir=args.workdir, timeout_s=args.timeout)
+    narrate_outcome(outcome, narrate)
+    return 0 if outcome["status"] == "SUCCEEDED" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

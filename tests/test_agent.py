@@ -1,0 +1,163 @@
+"""The node agent's parts: settings, the metadata client (against the local metadata service),
+the trainer's config and command, its output read back, and stopping it. The whole agent runs
+end to end in tests/test_agent_local_run.py."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+
+import pytest
+
+from localcloud.imds import InstanceMetadata, InstanceMetadataServer
+from trainer import agent
+from trainer.agent import (AgentError, AgentSettings, AttemptFiles, Identity, MetadataClient, MetricsFollower,
+                           failure_kind, torchrun_command, trainer_config)
+from trainfleet.contracts import RENDEZVOUS_PORT, LaunchSpec, TrainerFailureKind
+
+SETTINGS_ENV = {"TRAINFLEET_RUN_NAME": "run-a", "TRAINFLEET_RUN_TABLE": "table",
+                "TRAINFLEET_BUCKET": "bucket", "TRAINFLEET_EVENT_BUS": "bus"}
+IDENTITY = Identity(instance_id="i-0aaa", instance_type="c5.large", private_ip="127.77.0.11",
+                    availability_zone="us-east-1a", region="us-east-1")
+
+
+def launch_spec(attempt: int = 0, resume_step: int | None = None, ranks: dict[str, int] | None = None) -> LaunchSpec:
+    ranks = ranks or {"i-0aaa": 0, "i-0bbb": 1}
+    return LaunchSpec(run_name="run-a", attempt=attempt, node_ranks=ranks, rendezvous_host="127.77.0.11",
+                      rendezvous_id=f"run-a-{attempt}",
+                      plan={"nodes": 2, "ranks_per_node": 1, "pp": 2, "dp": 1},
+                      trainer_config={"model": {"n_layers": 2}, "training": {"steps": 30},
+                                      "checkpoint": {"uri": "s3://b/runs/run-a/checkpoints", "resume": "none"}},
+                      resume_step=resume_step)
+
+
+def test_settings_name_every_missing_variable():
+    with pytest.raises(AgentError, match="TRAINFLEET_BUCKET, TRAINFLEET_EVENT_BUS"):
+        AgentSettings.from_env({"TRAINFLEET_RUN_NAME": "run-a", "TRAINFLEET_RUN_TABLE": "table"})
+    with pytest.raises(AgentError, match="TRAINFLEET_AGENT_LIFETIME_S must be a number of seconds, got 'soon'"):
+        AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_AGENT_LIFETIME_S": "soon"})
+    settings = AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_AGENT_LIFETIME_S": "90"})
+    assert (settings.run_name, settings.event_bus, settings.lifetime_s) == ("run-a", "bus", 90.0)
+    assert AgentSettings.from_env(SETTINGS_ENV).lifetime_s is None
+
+
+def test_the_trainer_config_resumes_as_the_spec_says_and_logs_to_the_attempt(tmp_path):
+    files = AttemptFiles(tmp_path / "attempt-1")
+    spec = launch_spec(attempt=1, resume_step=20)
+    config = trainer_config(spec, files)
+    assert config["checkpoint"] == {"uri": "s3://b/runs/run-a/checkpoints", "resume": "20"}
+    assert config["training"] == {"steps": 30, "metrics_file": str(files.metrics)}
+    assert spec.trainer_config["checkpoint"]["resume"] == "none", "the spec itself is left alone"
+    # A fresh run refuses a location holding checkpoints; a later attempt takes the newest.
+    assert trainer_config(launch_spec(attempt=0), files)["checkpoint"]["resume"] == "none"
+    assert trainer_config(launch_spec(attempt=2), files)["checkpoint"]["resume"] == "latest"
+
+
+def test_torchrun_joins_the_rendezvous_of_node_rank_0(tmp_path):
+    files = AttemptFiles(tmp_path)
+    host = torchrun_command(launch_spec(), 0, IDENTITY, files)
+    peer = torchrun_command(launch_spec(), 1, IDENTITY, files)
+    assert host[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    for command in (host, peer):
+        assert "--nnodes=2" in command and "--nproc-per-node=1" in command and "--max-restarts=0" in command
+        assert f"--rdzv-endpoint=127.77.0.11:{RENDEZVOUS_PORT}" in command and "--rdzv-id=run-a-0" in command
+        assert "--local-addr=127.77.0.11" in command
+        assert command[command.index("-m", 3):] == ["-m", "trainer.worker", "--config", str(files.config)]
+    assert "--rdzv-conf=is_host=true,join_timeout=300" in host
+    assert "--rdzv-conf=is_host=false,join_timeout=300" in peer
+
+
+@pytest.mark.parametrize("output, kind", [
+    ("config error: parallel.microbatches=3 must divide ...", TrainerFailureKind.CONFIG),
+    ("trainer.train.NonFiniteLossError: step 7: loss is nan", TrainerFailureKind.NAN_LOSS),
+    ("RuntimeError: Connection closed by peer", TrainerFailureKind.CRASH),
+])
+def test_the_failure_kind_comes_from_the_trainer_output(output, kind):
+    assert failure_kind(output) is kind
+
+
+def test_metrics_are_read_a_whole_line_at_a_time(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    follower = MetricsFollower(metrics)
+    assert follower.new_records() == []
+    metrics.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "lo')
+    assert follower.new_records() == [{"step": 1, "loss": 5.0}]
+    with metrics.open("a") as out:
+        out.write('ss": 4.5}\n')
+    assert follower.new_records() == [{"step": 2, "loss": 4.5}]
+    assert follower.new_records() == []
+
+
+@pytest.fixture
+def metadata_service(monkeypatch):
+    """The local metadata service with one instance; `clock` moves token time on."""
+    record = {"value": InstanceMetadata(
+        instance_id="i-0aaa", instance_type="c5.large", image_id="ami-0123456789abcdef0", local_ipv4="127.77.0.11",
+        availability_zone="us-east-1a", region="us-east-1", account_id="123456789012",
+        launch_time=datetime.now(timezone.utc))}
+    clock = {"now": 0.0}
+    with InstanceMetadataServer(lambda instance_id: record["value"] if instance_id == "i-0aaa" else None,
+                                clock=lambda: clock["now"]) as server:
+        monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", server.endpoint_for("i-0aaa"))
+        yield record, clock
+
+
+def test_identity_and_spot_notice_come_from_imdsv2(metadata_service):
+    record, clock = metadata_service
+    client = MetadataClient()
+    assert client.identity() == IDENTITY
+    assert client.spot_action() is None
+    notice = {"action": "terminate", "time": "2026-11-29T22:00:00Z"}
+    record["value"] = replace(record["value"], spot_action=notice)
+    clock["now"] += 30_000  # past the token's six hours: the client asks for a new one
+    assert client.spot_action() == notice
+
+
+def test_an_unreachable_metadata_service_is_an_agent_error(monkeypatch):
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:9/i-0aaa")
+    with pytest.raises(AgentError, match="no IMDSv2 token"):
+        MetadataClient().identity()
+
+
+def test_stop_ends_torchrun_and_kills_one_that_ignores_sigterm(monkeypatch):
+    monkeypatch.setattr(agent, "STOP_GRACE_S", 1.0)
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True)\n"
+                                 "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert stubborn.stdout.readline() == "ready\n"
+    agent.stop(polite)
+    agent.stop(stubborn)
+    stubborn.stdout.close()
+    assert polite.returncode == -signal.SIGTERM and stubborn.returncode == -signal.SIGKILL
+
+
+def test_a_rank_dies_with_its_torchrun():
+    # A stand-in for torchrun starts a rank in a session of its own (as torchrun does) and is
+    # then killed outright; the rank must not outlive it.
+    launcher = ("import subprocess, sys\n"
+                "rank = subprocess.Popen([sys.executable, '-c', 'import time; from trainer.worker import "
+                "die_with_parent; die_with_parent(); print(1, flush=True); time.sleep(60)'], "
+                "stdout=subprocess.PIPE, start_new_session=True)\n"
+                "rank.stdout.readline(); print(rank.pid, flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", "import time\n" + launcher], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    rank_pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait(timeout=10)
+    parent.stdout.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(rank_pid):
+        time.sleep(0.05)
+    assert not _alive(rank_pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

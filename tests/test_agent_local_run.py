@@ -1,0 +1,93 @@
+"""Real node agents and the real trainer through the deployed state machine on the local cloud
+(tests/agent_local_run.py runs the scenario in a process of its own; see its docstring): two
+nodes at pp=2, node rank 1's instance killed after the first committed checkpoint."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCENARIO_TIMEOUT_S = 600
+FINAL_STEP, CHECKPOINT_EVERY = 60, 10  # events/local-demo-run.json
+
+
+@pytest.fixture(scope="module")
+def scenario() -> dict:
+    completed = subprocess.run([sys.executable, str(REPO / "tests" / "agent_local_run.py")],
+                               cwd=REPO, capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-8000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def run(scenario) -> dict:
+    return scenario["outcome"]
+
+
+def by_attempt(losses: dict[str, dict[str, float]]) -> dict[int, dict[int, float]]:
+    return {int(attempt): {int(step): loss for step, loss in steps.items()} for attempt, steps in losses.items()}
+
+
+@pytest.mark.slow
+def test_only_the_lost_node_is_replaced_and_the_run_succeeds(run):
+    assert run["status"] == "SUCCEEDED"
+    assert run["states"] == ["Validate", "Allocate", "AwaitNodes", "Train", "Recover", "RecoveryBackoff",
+                             "AwaitNodes", "Train", "Teardown", "Report", "Outcome", "RunSucceeded"]
+    killed, survivor = run["killed"], run["survivor"]
+    assert run["first_nodes"] == {killed: 1, survivor: 0}
+    (replacement,) = set(run["nodes"]) - set(run["first_nodes"])
+    assert run["nodes"][killed]["failure"] == "INSTANCE_LOST"
+    assert run["nodes"][survivor] | {"state": None} == {"state": None, "attempt": 0, "rank": 0, "failure": None}
+    assert run["nodes"][replacement] | {"state": None} == {"state": None, "attempt": 1, "rank": 1, "failure": None}
+    assert run["run"] == {"state": "SUCCEEDED", "attempt": 1, "restarts": 1, "latest_checkpoint": FINAL_STEP}
+
+
+@pytest.mark.slow
+def test_every_agent_passed_preflight_with_the_checks_that_apply_here(run):
+    for instance_id, reports in run["preflight"].items():
+        (report,) = reports
+        assert report["agent"] == "sent NodeReady", (instance_id, report)
+        checks = {check["name"]: check for check in report["checks"]}
+        assert checks["gloo_allreduce"]["passed"] is True
+        for skipped in ("accelerator_count", "efa_devices", "allreduce_busbw"):  # c5.large: no GPU, no EFA
+            assert checks[skipped]["skipped"] is True and checks[skipped]["passed"] is False
+            assert checks[skipped]["detail"]
+
+
+@pytest.mark.slow
+def test_the_new_attempt_resumes_from_the_latest_checkpoint_the_first_committed(run):
+    survivor, killed = run["survivor"], run["killed"]
+    (replacement,) = set(run["nodes"]) - set(run["first_nodes"])
+    first_attempt_commits = [step for attempt, step in run["commits"] if attempt == 0]
+    assert first_attempt_commits and first_attempt_commits == list(
+        range(CHECKPOINT_EVERY, max(first_attempt_commits) + 1, CHECKPOINT_EVERY))
+    resumed = max(first_attempt_commits)
+    launches = {instance: [(launch["attempt"], launch["node_rank"], launch["resume_step"]) for launch in found]
+                for instance, found in run["launches"].items()}
+    assert launches == {survivor: [(0, 0, None), (1, 0, resumed)], killed: [(0, 1, None)],
+                        replacement: [(1, 1, resumed)]}
+    assert [step for attempt, step in run["commits"] if attempt == 1] == list(
+        range(resumed + CHECKPOINT_EVERY, FINAL_STEP + 1, CHECKPOINT_EVERY))
+
+
+@pytest.mark.slow
+def test_losses_after_the_resume_are_those_of_an_uninterrupted_run(scenario):
+    losses = by_attempt(scenario["outcome"]["losses"])
+    reference = {int(step): loss for step, loss in scenario["reference"].items()}
+    assert sorted(reference) == list(range(1, FINAL_STEP + 1))
+    first, second = losses[0], losses[1]
+    resumed = min(second) - 1
+    assert sorted(second) == list(range(resumed + 1, FINAL_STEP + 1))
+    # Bit for bit: the same layout, the same data order, the state restored exactly.
+    assert first == {step: reference[step] for step in first}
+    assert second == {step: reference[step] for step in second}
+
+
+@pytest.mark.slow
+def test_teardown_leaves_no_instance_running(run):
+    assert len(run["instances"]) == 3
+    assert set(run["instances"].values()) == {"terminated"}, run["instances"]
+    assert {node["state"] for node in run["nodes"].values()} <= {"TERMINATING", "TERMINATED"}
