@@ -39,6 +39,8 @@ def tiny_config(tmp_path, *overrides: str):
 def layouts_for(world_size: int) -> dict[str, list[str]]:
     pp = world_size
     layouts = {f"pp={pp} {name}": [f"--parallel.pp={pp}", f"--parallel.schedule={name}"] for name in SCHEDULES}
+    layouts[f"pp={pp} 1f1b without early p2p"] = [f"--parallel.pp={pp}", "--parallel.schedule=1f1b",
+                                                  "--parallel.early_p2p=false"]
     if world_size == 4:
         layouts["pp=2 x dp=2 1f1b"] = ["--parallel.pp=2", "--parallel.dp=2", "--parallel.schedule=1f1b"]
         layouts["pp=2 x dp=2 zbv-zero-bubble"] = ["--parallel.pp=2", "--parallel.dp=2",

@@ -84,7 +84,9 @@ class _EagerRecvStage(PipelineStage):
 
     Receives match sends in posting order per pair of ranks, so this is only right where each
     pair carries one stream in microbatch order: one stage per rank (GPipe, 1F1B). The looped
-    and V schedules send activations and gradients of several stages over the same pair.
+    and V schedules send activations and gradients of several stages over the same pair. And only
+    on gloo, which progresses every operation on its own: NCCL runs a pair's operations in order
+    on one stream, where a send would wait behind the early receives and deadlock.
     """
 
     def __init__(self, *args, **kwargs):
@@ -177,7 +179,8 @@ def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0,
     ranges = layer_ranges(_layers_per_stage(cfg.model, n_stages, p.layers_per_stage))
     ids = stage_ids(pp_rank, p.pp, p.resolved_stages_per_rank(), spec.placement)
     parts = [_build_part(cfg, ranges[s], s == 0, s == n_stages - 1, device) for s in ids]
-    stage_class = _EagerRecvStage if spec.placement == "single" else PipelineStage
+    early = p.early_p2p and spec.placement == "single" and device.type == "cpu"
+    stage_class = _EagerRecvStage if early else PipelineStage
     stages = [stage_class(part, s, n_stages, device, group=pp_group) for part, s in zip(parts, ids)]
     if spec.placement == "single":
         schedule = schedule_class(p.schedule)(stages[0], p.microbatches, loss_fn=cross_entropy_loss)
