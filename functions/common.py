@@ -25,11 +25,11 @@ from aws_lambda_powertools.metrics import MetricUnit
 from pydantic import BaseModel, ConfigDict
 
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import FAILURE_ERROR, FailureReport, RecoveryAction, RunRef, RunSpec
+from trainfleet.contracts import FAILURE_ERROR, FailureReport, NodeRecord, RecoveryAction, RunRef, RunSpec
 from trainfleet.lifecycle import ready_workers, world_complete
 from trainfleet.settings import MissingSetting, Settings
 
-__all__ = ["logger", "tracer", "metrics", "Aws", "aws", "answer_task", "answer_if_world_complete",
+__all__ = ["logger", "tracer", "metrics", "Aws", "aws", "answer_task", "addressed", "answer_if_world_complete",
            "Timeouts", "CaughtError", "RecoveryStep", "RunPayload", "TaskPayload", "launch_spec_key",
            "report_key"]
 
@@ -99,13 +99,19 @@ def answer_task(run_name: str, purpose: Literal["await_nodes", "train"], attempt
     return True
 
 
+def addressed(nodes: list[NodeRecord]) -> list[NodeRecord]:
+    """Nodes whose private IP is known. NodeReady can overtake NodeRegistered (EventBridge keeps
+    no order), and a node without an address cannot host the rendezvous."""
+    return [node for node in nodes if node.private_ip]
+
+
 def answer_if_world_complete(run_name: str) -> bool:
-    """Succeed AwaitNodes once enough workers passed preflight for the run's plan."""
+    """Succeed AwaitNodes once enough addressed workers passed preflight for the run's plan."""
     store = aws().store
     run = store.run(run_name)
     if run.plan is None or run.waiting is None or run.waiting.purpose != "await_nodes":
         return False
-    nodes = store.nodes(run_name)
+    nodes = addressed(store.nodes(run_name))
     if not world_complete(nodes, run.plan):
         return False
     return answer_task(run_name, "await_nodes", run.attempt,

@@ -45,13 +45,14 @@ def node_registered(run: RunRecord, detail: NodeRegistered) -> str:
     node = store.node(run.run_name, detail.instance_id)
     update = {"private_ip": detail.private_ip,
               "availability_zone": detail.availability_zone or node.availability_zone}
-    # NodeReady may have overtaken this event (EventBridge keeps no order): then only the
-    # address is recorded.
+    # NodeReady may have overtaken this event (EventBridge keeps no order): then the address
+    # is recorded, and it may be what completes the world.
     if node.state is NodeState.LAUNCHED:
         store.transition_node(run.run_name, detail.instance_id, NodeState.REGISTERED, **update)
-    else:
-        store.modify_node(run.run_name, detail.instance_id, lambda current: current.model_copy(update=update))
-    return "node registered"
+        return "node registered"
+    store.modify_node(run.run_name, detail.instance_id, lambda current: current.model_copy(update=update))
+    answered = answer_if_world_complete(run.run_name)
+    return "node address recorded, world complete" if answered else "node address recorded"
 
 
 def node_ready(run: RunRecord, detail: NodeReady) -> str:

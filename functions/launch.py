@@ -9,7 +9,7 @@ from typing import Any
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import TaskPayload, aws, launch_spec_key, logger, tracer
+from functions.common import TaskPayload, addressed, aws, launch_spec_key, logger, tracer
 from trainfleet.adapters.checkpoints import latest_checkpoint
 from trainfleet.contracts import RunState, TaskWait
 from trainfleet.lifecycle import build_launch_spec
@@ -24,7 +24,7 @@ def handler(event: TaskPayload, context: LambdaContext) -> dict[str, Any]:
     run = store.run(ref.run_name)
     resume_from = latest_checkpoint(cloud.s3, run.spec.checkpoint.s3_uri)
     run = store.transition_run(ref.run_name, RunState.TRAINING, latest_checkpoint=resume_from)
-    nodes = store.nodes(ref.run_name)
+    nodes = addressed(store.nodes(ref.run_name))
     launch_spec = build_launch_spec(run, nodes, heartbeat_task_token=event.task_token)
     ranks_before = {node.instance_id: node.node_rank for node in nodes}
     for instance_id, rank in launch_spec.node_ranks.items():

@@ -106,8 +106,10 @@ def report_failure(cloud, sfn) -> None:
         print(f"--- {instance.instance_id} ({instance.state}) console:\n{log}", file=sys.stderr)
     for machine in sfn.list_state_machines()["stateMachines"]:
         for execution in sfn.list_executions(stateMachineArn=machine["stateMachineArn"])["executions"]:
+            described = sfn.describe_execution(executionArn=execution["executionArn"])
             print(f"--- {execution['name']}: {execution['status']} "
-                  f"{states_entered(sfn, execution['executionArn'])}", file=sys.stderr)
+                  f"{states_entered(sfn, execution['executionArn'])} {described.get('error')}: "
+                  f"{str(described.get('cause'))[:1500]}", file=sys.stderr)
 
 
 def main() -> None:

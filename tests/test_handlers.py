@@ -293,3 +293,19 @@ def test_a_report_about_a_node_already_retired_changes_nothing(handlers, cloud, 
     outcome = handlers.events.handler(agent_event("NodeUnhealthy", unhealthy), Context())["outcome"]
     assert outcome == "ignored: node already retired"
     assert store.run(run.run_name).waiting is not None
+
+
+def test_a_ready_node_without_an_address_does_not_complete_the_world(handlers, cloud, resources):
+    store, run, (first, second) = recorded_run(cloud, resources)
+    store.modify_node(run.run_name, second, lambda node: node.model_copy(update={"private_ip": None}))
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="await_nodes", attempt=0, token=token))
+    for instance_id in (first, second):  # NodeReady overtook the second node's NodeRegistered
+        handlers.events.handler(agent_event("NodeReady", {"run_name": run.run_name, "attempt": 0,
+                                                          "instance_id": instance_id}), Context())
+    assert store.run(run.run_name).waiting is not None
+    registered = agent_event("NodeRegistered", {"run_name": run.run_name, "attempt": 0,
+                                                "instance_id": second, "private_ip": "10.0.0.9"})
+    outcome = handlers.events.handler(registered, Context())["outcome"]
+    assert outcome == "node address recorded, world complete"
+    assert finished(cloud, execution)["status"] == "SUCCEEDED"
