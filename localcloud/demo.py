@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainfleet.adapters.ec2_fleet import TAG_RUN
+from trainfleet.adapters.run_store import RunNotFound, RunStore
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RUN_SPEC = REPO / "events" / "local-demo-run.json"
 
@@ -97,12 +100,11 @@ def run_with_node_loss(template: dict[str, Any], narrate: Callable[[str], None],
     checkpoint, wait for the end; what happened, as plain data. `workdir` keeps the instances'
     folders (console.log, each attempt's trainer config, torchrun output and metrics); None
     uses a temporary folder."""
-    os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"  # the SAM roles attach AWS managed policies
+    # The SAM roles attach AWS managed policies; moto knows them only when asked before it loads.
+    os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"
     from localcloud import LocalCloud
     from localcloud.deploy import DeployRequest, deploy
     from localcloud.imds import serve_fleet
-    from trainfleet.adapters.ec2_fleet import TAG_RUN
-    from trainfleet.adapters.run_store import RunNotFound, RunStore
 
     with LocalCloud(time_scale=time_scale, workdir=workdir) as cloud:
         metadata = serve_fleet(cloud)
@@ -136,7 +138,7 @@ def run_with_node_loss(template: dict[str, Any], narrate: Callable[[str], None],
             narrate(f"started execution {run_name}: {spec['node_count']} x {spec['instance_type']}, "
                     f"pp={spec['trainer']['parallel']['pp']}, {spec['trainer']['training']['steps']} steps, "
                     f"checkpoint every {spec['checkpoint']['interval_steps']} to s3://{bucket}/runs/{run_name}/")
-            watch = _Watch(cloud, sfn, store, arn, run_name, narrate, RunNotFound)
+            watch = _Watch(cloud, sfn, store, arn, run_name, narrate)
             watch.until(lambda: watch.first_checkpoint() is not None, timeout_s)
             first_nodes = {node.instance_id: node.node_rank for node in store.nodes(run_name)}
             killed = next(instance for instance, rank in first_nodes.items() if rank == 1)
@@ -157,10 +159,10 @@ def run_with_node_loss(template: dict[str, Any], narrate: Callable[[str], None],
 class _Watch:
     """Polls the execution, the run record and the fleet; narrates what changed."""
 
-    def __init__(self, cloud: Any, sfn: Any, store: Any, arn: str, run_name: str,
-                 narrate: Callable[[str], None], run_not_found: type[Exception]):
+    def __init__(self, cloud: Any, sfn: Any, store: RunStore, arn: str, run_name: str,
+                 narrate: Callable[[str], None]):
         self.cloud, self.sfn, self.store, self.arn, self.run_name = cloud, sfn, store, arn, run_name
-        self.narrate, self.run_not_found = narrate, run_not_found
+        self.narrate = narrate
         self.states_seen = 0
         self.instance_states: dict[str, str] = {}
         self.checkpoints_seen: set[int] = set()
@@ -168,7 +170,7 @@ class _Watch:
     def first_checkpoint(self) -> int | None:
         try:
             run = self.store.run(self.run_name)
-        except self.run_not_found:
+        except RunNotFound:
             return None
         return run.latest_checkpoint.step if run.latest_checkpoint and run.attempt == 0 else None
 
@@ -193,17 +195,15 @@ class _Watch:
                 self.narrate(f"instance {instance.instance_id} ({instance.private_ip}) {instance.state}")
         try:
             run = self.store.run(self.run_name)
-        except self.run_not_found:
+        except RunNotFound:
             return
         if run.latest_checkpoint and run.latest_checkpoint.step not in self.checkpoints_seen:
             self.checkpoints_seen.add(run.latest_checkpoint.step)
-            self.narrate(f"checkpoint step {run.latest_checkpoint.step} committed (attempt {run.attempt})")
+            self.narrate(f"checkpoint step {run.latest_checkpoint.step} recorded by the control plane")
 
 
-def _outcome(cloud: Any, sfn: Any, s3: Any, ec2: Any, store: Any, bucket: str, arn: str, run_name: str,
+def _outcome(cloud: Any, sfn: Any, s3: Any, ec2: Any, store: RunStore, bucket: str, arn: str, run_name: str,
              first_nodes: dict[str, int | None], killed: str, survivor: str) -> dict[str, Any]:
-    from trainfleet.adapters.ec2_fleet import TAG_RUN
-
     execution = sfn.describe_execution(executionArn=arn)
     run = store.run(run_name)
     report = json.loads(s3.get_object(Bucket=bucket, Key=f"runs/{run_name}/report.json")["Body"].read())
@@ -263,6 +263,8 @@ def narrate_outcome(outcome: dict[str, Any], narrate: Callable[[str], None]) -> 
         narrate(f"loss, steps {row[0]:>3}-{row[-1]:<3} " + " ".join(f"{timeline[step]:.3f}" for step in row))
     trained = sum(len(losses) for losses in outcome["losses"].values())
     report = outcome["report"]
+    for failure in report["failures"]:
+        narrate(f"failure handled: {failure['failure_class']}, latest committed step then {failure['resume_step']}")
     narrate(f"instances: {len(outcome['instances'])} launched, now {sorted(set(outcome['instances'].values()))}; "
             f"replaced: {', '.join(report['nodes']['replaced']) or 'none'}")
     narrate(f"run {report['state']} after {report['restarts']} restart(s), last checkpoint step "

@@ -370,9 +370,11 @@ class Attempt:
             while process.poll() is None:
                 time.sleep(POLL_S)
                 self.follow()
-                if self.control.superseded(self.spec.attempt) or (deadline and time.monotonic() > deadline):
+                if self.control.superseded(self.spec.attempt):
                     say("attempt superseded: stopping torchrun", attempt=self.spec.attempt)
                     return
+                if deadline is not None and time.monotonic() > deadline:
+                    raise AgentError("the agent's lifetime is over: stopping torchrun")
         finally:
             stop(process)
         self.follow()
