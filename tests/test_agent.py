@@ -2,20 +2,24 @@
 the trainer's config and command, its output read back, and stopping it. The whole agent runs
 end to end in tests/test_agent_local_run.py."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import replace
 from datetime import datetime, timezone
 
+import boto3
 import pytest
 
 from localcloud.imds import InstanceMetadata, InstanceMetadataServer
 from trainer import agent
-from trainer.agent import (AgentError, AgentSettings, AttemptFiles, Identity, MetadataClient, MetricsFollower,
-                           failure_kind, torchrun_command, trainer_config)
+from trainer import checkpoint_catalog as catalog
+from trainer.agent import (AgentError, AgentSettings, Attempt, AttemptFiles, ControlPlane, Identity, MetadataClient,
+                           MetricsFollower, failure_kind, torchrun_command, trainer_config)
 from trainfleet.contracts import RENDEZVOUS_PORT, LaunchSpec, TrainerFailureKind
 
 SETTINGS_ENV = {"TRAINFLEET_RUN_NAME": "run-a", "TRAINFLEET_RUN_TABLE": "table",
@@ -161,3 +165,70 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# --- one attempt's watch over the trainer, against a moto server and the metadata service ---
+
+def commit(store, step: int) -> None:
+    """A checkpoint in the trainer's commit format: a shard, then the marker."""
+    shard = b"shard of step %d" % step
+    store.create(catalog.step_dir_name(step), "__0_0.distcp", shard)
+    manifest = catalog.Manifest(step=step, layout={"pp": 2, "dp": 1},
+                                files=(catalog.StoredFile("__0_0.distcp", len(shard)),))
+    store.create(catalog.step_dir_name(step), catalog.MARKER_NAME, manifest.to_json())
+
+
+@pytest.fixture
+def watched_attempt(moto_endpoint, metadata_service, tmp_path):
+    """An Attempt of node rank 0 resumed from step 10, its agent's events copied to a queue."""
+    name = f"agent-{uuid.uuid4().hex[:8]}"
+    s3, events, sqs = (boto3.client(service, region_name="us-east-1") for service in ("s3", "events", "sqs"))
+    s3.create_bucket(Bucket=name)
+    events.create_event_bus(Name=name)
+    queue_url = sqs.create_queue(QueueName=name)["QueueUrl"]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    events.put_rule(Name=name, EventBusName=name, EventPattern=json.dumps({"source": ["trainfleet"]}))
+    events.put_targets(Rule=name, EventBusName=name, Targets=[{"Id": "queue", "Arn": queue_arn}])
+    settings = AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_BUCKET": name, "TRAINFLEET_EVENT_BUS": name})
+    settings = replace(settings, workdir=tmp_path)
+    control = ControlPlane(settings, IDENTITY)
+    spec = launch_spec(attempt=1, resume_step=10)
+    spec = spec.model_copy(update={"trainer_config": {**spec.trainer_config, "checkpoint": {
+        "uri": f"s3://{name}/runs/run-a/checkpoints", "resume": "10"}}})
+    store = catalog.open_store(spec.trainer_config["checkpoint"]["uri"], control.s3)
+    commit(store, 10)  # the resume point: already announced by the attempt that saved it
+    attempt = Attempt(control, MetadataClient(), spec)
+    attempt.files.folder.mkdir(parents=True)
+
+    def sent() -> list[dict]:
+        messages = sqs.receive_message(QueueUrl=queue_url, MaxNumberOfMessages=10).get("Messages", [])
+        return [json.loads(message["Body"]) for message in messages]
+
+    yield attempt, store, sent
+
+
+def test_the_rank_0_node_announces_each_new_commit_once_with_progress(watched_attempt):
+    attempt, store, sent = watched_attempt
+    commit(store, 20)
+    attempt.follow()
+    assert sent() == [], "no metrics yet: this node does not hold global rank 0 (so far)"
+    attempt.files.metrics.write_text(json.dumps({"step": 21, "loss": 3.5, "tokens_per_s": 900.0,
+                                                 "step_time_s": 0.1}) + "\n")
+    attempt.follow()
+    commit(store, 30)
+    attempt.follow()
+    events = sorted(sent(), key=lambda event: (event["detail-type"], event["detail"].get("step", 0)))
+    assert [(event["detail-type"], event["detail"]["step"]) for event in events] == [
+        ("CheckpointCommitted", 20), ("CheckpointCommitted", 30), ("TrainingProgress", 21)]
+    assert events[0]["detail"]["uri"] == store.step_uri(catalog.step_dir_name(20))
+    assert all(event["detail"]["attempt"] == 1 and event["source"] == "trainfleet" for event in events)
+
+
+def test_a_spot_notice_asks_the_trainer_for_a_checkpoint_now(watched_attempt, metadata_service):
+    attempt, _, _ = watched_attempt
+    record, _ = metadata_service
+    attempt.follow()
+    assert not attempt.files.checkpoint_request.exists()
+    record["value"] = replace(record["value"], spot_action={"action": "terminate", "time": "2026-11-29T22:00:00Z"})
+    attempt.follow()
+    assert attempt.files.checkpoint_request.exists()
