@@ -393,6 +393,9 @@ class Attempt:
             if now - self.last_progress >= PROGRESS_EVERY_S:
                 self.send_progress(records[-1])
                 self.last_progress = now
+        # Only after the first step: by then the trainer has deleted the folders of an abandoned
+        # timeline (steps newer than its resume point), which must not be announced as this
+        # attempt's commits.
         if self.speaks_for_world:
             self.announce_commits()
         if not self.spot_notice_seen and self.metadata.spot_action() is not None:
