@@ -13,7 +13,7 @@ it. Once the first checkpoint is committed to the local S3, the instance of node
 killed: EC2 reports it, Recover replaces only it, the new attempt resumes from the latest
 committed checkpoint, the run completes, Teardown terminates every instance.
 
-`run_with_node_loss` does that and returns what happened (states, nodes, instances, the agents'
+`run_on_local_cloud` does that (or runs a RunSpec to its end without a loss) and returns what happened (states, nodes, instances, the agents'
 launches and commits, each attempt's losses, the run report); tests/agent_local_run.py asserts
 on it, `main` narrates it. It must run in a process that has not imported `functions` (the local
 cloud imports the deployed copy).
@@ -38,7 +38,7 @@ from trainfleet.adapters.run_store import RunNotFound, RunStore
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RUN_SPEC = REPO / "events" / "local-demo-run.json"
 
-__all__ = ["run_with_node_loss", "Narrator", "main", "DEMO_RUN_SPEC"]
+__all__ = ["run_on_local_cloud", "Narrator", "main", "DEMO_RUN_SPEC"]
 
 
 @dataclass
@@ -93,13 +93,13 @@ def attempt_losses(instances: list[Any]) -> dict[int, dict[int, float]]:
     return losses
 
 
-def run_with_node_loss(template: dict[str, Any], narrate: Callable[[str], None], *,
+def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None], *, lose_a_node: bool = True,
                        workdir: Path | None = None, time_scale: float = 0.02,
                        timeout_s: float = 600.0) -> dict[str, Any]:
-    """Deploy, run `template` on 2 local nodes, kill rank 1's instance after the first committed
-    checkpoint, wait for the end; what happened, as plain data. `workdir` keeps the instances'
-    folders (console.log, each attempt's trainer config, torchrun output and metrics); None
-    uses a temporary folder."""
+    """Deploy, run `template` (its nodes are local instances with real agents), with
+    `lose_a_node` kill node rank 1's instance once the first checkpoint is recorded, wait for
+    the end; what happened, as plain data. `workdir` keeps the instances' folders (console.log,
+    each attempt's trainer config, torchrun output and metrics); None uses a temporary folder."""
     # The SAM roles attach AWS managed policies; moto knows them only when asked before it loads.
     os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"
     from localcloud import LocalCloud
@@ -139,21 +139,33 @@ def run_with_node_loss(template: dict[str, Any], narrate: Callable[[str], None],
                     f"pp={spec['trainer']['parallel']['pp']}, {spec['trainer']['training']['steps']} steps, "
                     f"checkpoint every {spec['checkpoint']['interval_steps']} to s3://{bucket}/runs/{run_name}/")
             watch = _Watch(cloud, sfn, store, arn, run_name, narrate)
-            watch.until(lambda: watch.first_checkpoint() is not None, timeout_s)
-            first_nodes = {node.instance_id: node.node_rank for node in store.nodes(run_name)}
-            killed = next(instance for instance, rank in first_nodes.items() if rank == 1)
-            survivor = next(instance for instance, rank in first_nodes.items() if rank == 0)
-            narrate(f"checkpoint step {watch.first_checkpoint()} committed: killing {killed} "
-                    f"(node rank 1, {cloud.fleet.get(killed).private_ip})")
-            cloud.fleet.kill(killed)
-            watch.until(lambda: sfn.describe_execution(executionArn=arn)["status"] != "RUNNING", timeout_s)
+
+            def ended() -> bool:
+                return sfn.describe_execution(executionArn=arn)["status"] != "RUNNING"
+
+            loss = None
+            if lose_a_node:
+                watch.until(lambda: ended() or watch.first_checkpoint() is not None, timeout_s)
+                loss = None if ended() else _kill_node_rank_1(cloud, store, run_name, watch, narrate)
+            watch.until(ended, timeout_s)
             watch.until(lambda: all(i.state == "terminated" for i in cloud.fleet.instances()), 60)
-            return _outcome(cloud, sfn, s3, ec2, store, bucket, arn, run_name, first_nodes, killed, survivor)
+            return _outcome(cloud, sfn, s3, ec2, store, bucket, arn, run_name) | {"node_loss": loss}
         except Exception:
             _dump_consoles(cloud)
             raise
         finally:
             metadata.stop()
+
+
+def _kill_node_rank_1(cloud: Any, store: RunStore, run_name: str, watch: _Watch,
+                      narrate: Callable[[str], None]) -> dict[str, Any]:
+    first_nodes = {node.instance_id: node.node_rank for node in store.nodes(run_name)}
+    killed = next(instance for instance, rank in first_nodes.items() if rank == 1)
+    survivor = next(instance for instance, rank in first_nodes.items() if rank == 0)
+    narrate(f"checkpoint step {watch.first_checkpoint()} committed: killing {killed} "
+            f"(node rank 1, {cloud.fleet.get(killed).private_ip})")
+    cloud.fleet.kill(killed)
+    return {"first_nodes": first_nodes, "killed": killed, "survivor": survivor}
 
 
 class _Watch:
@@ -202,8 +214,8 @@ class _Watch:
             self.narrate(f"checkpoint step {run.latest_checkpoint.step} recorded by the control plane")
 
 
-def _outcome(cloud: Any, sfn: Any, s3: Any, ec2: Any, store: RunStore, bucket: str, arn: str, run_name: str,
-             first_nodes: dict[str, int | None], killed: str, survivor: str) -> dict[str, Any]:
+def _outcome(cloud: Any, sfn: Any, s3: Any, ec2: Any, store: RunStore, bucket: str, arn: str,
+             run_name: str) -> dict[str, Any]:
     execution = sfn.describe_execution(executionArn=arn)
     run = store.run(run_name)
     report = json.loads(s3.get_object(Bucket=bucket, Key=f"runs/{run_name}/report.json")["Body"].read())
@@ -212,10 +224,9 @@ def _outcome(cloud: Any, sfn: Any, s3: Any, ec2: Any, store: RunStore, bucket: s
     said = {instance.instance_id: agent_lines(instance) for instance in instances}
     return {
         "status": execution["status"],
+        "error": execution.get("error"),
+        "cause": execution.get("cause"),
         "states": states_entered(sfn, arn),
-        "first_nodes": first_nodes,
-        "killed": killed,
-        "survivor": survivor,
         "nodes": {node.instance_id: {"state": node.state.value, "attempt": node.attempt,
                                      "rank": node.node_rank, "failure": node.failure_class}
                   for node in store.nodes(run_name)},
@@ -225,6 +236,7 @@ def _outcome(cloud: Any, sfn: Any, s3: Any, ec2: Any, store: RunStore, bucket: s
                      for instance_id, lines in said.items()},
         "commits": sorted({(line["attempt"], line["step"]) for lines in said.values() for line in lines
                            if line["agent"] == "sent CheckpointCommitted"}),
+        "trainer_failures": [line for lines in said.values() for line in lines if line["agent"] == "sent TrainerFailed"],
         "preflight": {instance_id: [line for line in lines if line["agent"] in ("sent NodeReady", "sent NodeUnhealthy")]
                       for instance_id, lines in said.items()},
         "losses": attempt_losses(instances),
@@ -268,8 +280,12 @@ def narrate_outcome(outcome: dict[str, Any], narrate: Callable[[str], None]) -> 
     narrate(f"instances: {len(outcome['instances'])} launched, now {sorted(set(outcome['instances'].values()))}; "
             f"replaced: {', '.join(report['nodes']['replaced']) or 'none'}")
     narrate(f"run {report['state']} after {report['restarts']} restart(s), last checkpoint step "
-            f"{outcome['run']['latest_checkpoint']}; step goodput {len(steps)}/{trained} = {len(steps) / trained:.0%} "
-            f"(steps kept / steps trained; the rest were redone after the resume)")
+            f"{outcome['run']['latest_checkpoint']}")
+    if outcome["error"]:
+        narrate(f"execution failed: {outcome['error']}: {outcome['cause']}")
+    if trained:
+        narrate(f"step goodput {len(steps)}/{trained} = {len(steps) / trained:.0%} "
+                f"(steps kept / steps trained; the rest were redone after the resume)")
     ledger = report["ledger"]
     if ledger["node_seconds"]:
         narrate(f"time goodput {report['goodput']:.0%} ({ledger['productive_seconds']:.0f} s productive, "
@@ -291,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, json.JSONDecodeError) as exc:
         parser.error(f"--run-spec {args.run_spec}: {exc}")
     narrate = Narrator()
-    outcome = run_with_node_loss(template, narrate, workdir=args.workdir, timeout_s=args.timeout)
+    outcome = run_on_local_cloud(template, narrate, workdir=args.workdir, timeout_s=args.timeout)
     narrate_outcome(outcome, narrate)
     return 0 if outcome["status"] == "SUCCEEDED" else 1
 

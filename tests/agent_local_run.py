@@ -1,15 +1,19 @@
 """The local demo run as a test scenario: real node agents and the real trainer on the local cloud.
 
-localcloud.demo.run_with_node_loss deploys template.yaml, runs events/local-demo-run.json on two
-local instances (pp=2, one rank per node), kills node rank 1's instance after the first committed
-checkpoint and waits for the recovered run to end. Then the same trainer config trains once more,
-uninterrupted, under a plain torchrun on this machine: the reference the resumed run must match.
+1. localcloud.demo.run_on_local_cloud deploys template.yaml, runs events/local-demo-run.json on
+   two local instances (pp=2, one rank per node), kills node rank 1's instance after the first
+   committed checkpoint and waits for the recovered run to end. Then the same trainer config
+   trains once more, uninterrupted, under a plain torchrun on this machine: the reference the
+   resumed run must match.
+2. The same RunSpec with a model the trainer refuses (model.n_heads does not divide d_model; the
+   control plane does not type those fields): the agents report TrainerFailed, the run gives up.
 
-It runs in a process of its own (tests/test_agent_local_run.py starts it): the local cloud imports
-the deployed handlers, which must not already be imported from the working tree. The last line of
-stdout is one JSON document: {"outcome": ..., "reference": {step: loss}}.
+Each runs in a process of its own (tests/test_agent_local_run.py starts them): the local cloud
+imports the deployed handlers, which must not already be imported from the working tree, and
+they keep their stack's settings for the life of the process. The last line of stdout is one
+JSON document: {"outcome": ..., "reference": {step: loss}} for the first, the outcome for the second.
 
-    python tests/agent_local_run.py
+    python tests/agent_local_run.py node-loss | config-error
 """
 
 import json
@@ -24,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
-from localcloud.demo import DEMO_RUN_SPEC, Narrator, run_with_node_loss  # noqa: E402
+from localcloud.demo import DEMO_RUN_SPEC, Narrator, run_on_local_cloud  # noqa: E402
 
 PHASE_TIMEOUT_S = 240
 REFERENCE_TIMEOUT_S = 180
@@ -49,13 +53,20 @@ def uninterrupted_losses(trainer_config: dict, folder: Path) -> dict[int, float]
     return {record["step"]: record["loss"] for record in map(json.loads, metrics.read_text().splitlines())}
 
 
-def main() -> None:
-    template = json.loads(DEMO_RUN_SPEC.read_text())
-    outcome = run_with_node_loss(template, Narrator(), timeout_s=PHASE_TIMEOUT_S)
+def node_loss(template: dict) -> dict:
+    outcome = run_on_local_cloud(template, Narrator(), timeout_s=PHASE_TIMEOUT_S)
     with tempfile.TemporaryDirectory(prefix="uninterrupted-") as folder:
-        reference = uninterrupted_losses(template["trainer"], Path(folder))
-    print(json.dumps({"outcome": outcome, "reference": reference}, default=str))
+        return {"outcome": outcome, "reference": uninterrupted_losses(template["trainer"], Path(folder))}
 
+
+def config_error(template: dict) -> dict:
+    template["trainer"]["model"]["n_heads"] = 3
+    return run_on_local_cloud(template, Narrator(), lose_a_node=False, timeout_s=PHASE_TIMEOUT_S)
+
+
+SCENARIOS = {"node-loss": node_loss, "config-error": config_error}
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] not in ([name] for name in SCENARIOS):
+        sys.exit(f"usage: {sys.argv[0]} {' | '.join(SCENARIOS)}")
+    print(json.dumps(SCENARIOS[sys.argv[1]](json.loads(DEMO_RUN_SPEC.read_text())), default=str))

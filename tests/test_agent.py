@@ -232,3 +232,9 @@ def test_a_spot_notice_asks_the_trainer_for_a_checkpoint_now(watched_attempt, me
     record["value"] = replace(record["value"], spot_action={"action": "terminate", "time": "2026-11-29T22:00:00Z"})
     attempt.follow()
     assert attempt.files.checkpoint_request.exists()
+
+
+def test_an_event_with_a_message_field_is_logged_whole(capsys):
+    agent.say("sent TrainerFailed", kind="config", message="config error: model.n_heads=3 ...")
+    assert json.loads(capsys.readouterr().out) == {"agent": "sent TrainerFailed", "kind": "config",
+                                                   "message": "config error: model.n_heads=3 ..."}

@@ -1,6 +1,7 @@
 """Real node agents and the real trainer through the deployed state machine on the local cloud
-(tests/agent_local_run.py runs the scenario in a process of its own; see its docstring): two
-nodes at pp=2, node rank 1's instance killed after the first committed checkpoint."""
+(tests/agent_local_run.py runs each scenario in a process of its own; see its docstring): two
+nodes at pp=2, node rank 1's instance killed after the first committed checkpoint; and a trainer
+config the trainer refuses."""
 
 import json
 import subprocess
@@ -14,12 +15,16 @@ SCENARIO_TIMEOUT_S = 600
 FINAL_STEP, CHECKPOINT_EVERY = 60, 10  # events/local-demo-run.json
 
 
-@pytest.fixture(scope="module")
-def scenario() -> dict:
-    completed = subprocess.run([sys.executable, str(REPO / "tests" / "agent_local_run.py")],
+def run_scenario(name: str) -> dict:
+    completed = subprocess.run([sys.executable, str(REPO / "tests" / "agent_local_run.py"), name],
                                cwd=REPO, capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-8000:]
     return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def scenario() -> dict:
+    return run_scenario("node-loss")
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +41,10 @@ def test_only_the_lost_node_is_replaced_and_the_run_succeeds(run):
     assert run["status"] == "SUCCEEDED"
     assert run["states"] == ["Validate", "Allocate", "AwaitNodes", "Train", "Recover", "RecoveryBackoff",
                              "AwaitNodes", "Train", "Teardown", "Report", "Outcome", "RunSucceeded"]
-    killed, survivor = run["killed"], run["survivor"]
-    assert run["first_nodes"] == {killed: 1, survivor: 0}
-    (replacement,) = set(run["nodes"]) - set(run["first_nodes"])
+    loss = run["node_loss"]
+    killed, survivor = loss["killed"], loss["survivor"]
+    assert loss["first_nodes"] == {killed: 1, survivor: 0}
+    (replacement,) = set(run["nodes"]) - set(loss["first_nodes"])
     assert run["nodes"][killed]["failure"] == "INSTANCE_LOST"
     assert run["nodes"][survivor] | {"state": None} == {"state": None, "attempt": 0, "rank": 0, "failure": None}
     assert run["nodes"][replacement] | {"state": None} == {"state": None, "attempt": 1, "rank": 1, "failure": None}
@@ -59,8 +65,9 @@ def test_every_agent_passed_preflight_with_the_checks_that_apply_here(run):
 
 @pytest.mark.slow
 def test_the_new_attempt_resumes_from_the_latest_checkpoint_the_first_committed(run):
-    survivor, killed = run["survivor"], run["killed"]
-    (replacement,) = set(run["nodes"]) - set(run["first_nodes"])
+    loss = run["node_loss"]
+    survivor, killed = loss["survivor"], loss["killed"]
+    (replacement,) = set(run["nodes"]) - set(loss["first_nodes"])
     first_attempt_commits = [step for attempt, step in run["commits"] if attempt == 0]
     assert first_attempt_commits and first_attempt_commits == list(
         range(CHECKPOINT_EVERY, max(first_attempt_commits) + 1, CHECKPOINT_EVERY))
@@ -91,3 +98,18 @@ def test_teardown_leaves_no_instance_running(run):
     assert len(run["instances"]) == 3
     assert set(run["instances"].values()) == {"terminated"}, run["instances"]
     assert {node["state"] for node in run["nodes"].values()} <= {"TERMINATING", "TERMINATED"}
+
+
+@pytest.mark.slow
+def test_a_config_the_trainer_refuses_fails_the_run_without_retrying():
+    run = run_scenario("config-error")
+    assert run["status"] == "FAILED"
+    assert run["states"] == ["Validate", "Allocate", "AwaitNodes", "Train", "Recover", "Teardown", "Report",
+                             "Outcome", "RunFailed"]
+    assert run["node_loss"] is None and run["losses"] == {}
+    kinds = {(failure["kind"], failure["attempt"]) for failure in run["trainer_failures"]}
+    assert kinds == {("config", 0)}
+    assert any("model.n_heads=3 must divide model.d_model=64" in failure["message"]
+               for failure in run["trainer_failures"])
+    assert [failure["failure_class"] for failure in run["report"]["failures"]] == ["CONFIG_ERROR"]
+    assert set(run["instances"].values()) == {"terminated"}

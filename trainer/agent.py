@@ -224,7 +224,7 @@ class ControlPlane:
             say("heartbeat refused", error=type(exc).__name__)
 
 
-def say(message: str, **fields: Any) -> None:
+def say(message: str, /, **fields: Any) -> None:
     """One JSON line on stdout (the instance's console): what the agent did."""
     print(json.dumps({"agent": message, **fields}, default=str), flush=True)
 
