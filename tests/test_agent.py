@@ -238,3 +238,8 @@ def test_an_event_with_a_message_field_is_logged_whole(capsys):
     agent.say("sent TrainerFailed", kind="config", message="config error: model.n_heads=3 ...")
     assert json.loads(capsys.readouterr().out) == {"agent": "sent TrainerFailed", "kind": "config",
                                                    "message": "config error: model.n_heads=3 ..."}
+
+
+def test_a_preflight_that_cannot_run_makes_the_node_unhealthy_saying_why():
+    checks, problem = agent.run_preflight("p9.huge")
+    assert checks == [] and "preflight failed with exit code 2" in problem and "'p9.huge'" in problem

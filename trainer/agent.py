@@ -121,10 +121,15 @@ class Identity:
     """Who and where this instance is, from the instance metadata."""
 
     instance_id: str
+    """meta-data/instance-id."""
     instance_type: str
+    """meta-data/instance-type: what the preflight holds the node to."""
     private_ip: str
+    """meta-data/local-ipv4: where node rank 0 hosts the rendezvous."""
     availability_zone: str
+    """meta-data/placement/availability-zone."""
     region: str
+    """meta-data/placement/region: where the agent's AWS clients go."""
 
 
 class MetadataClient(IMDSFetcher):
