@@ -104,6 +104,8 @@ class LocalCloud:
         self.delivery_failures: list[DeliveryFailure] = []
         self._saved_moto_settings: dict[str, Any] = {}
         self._timers: list[threading.Timer] = []
+        self.capacity_limits: dict[tuple[str, str], int] = {}
+        """(instance type, zone) -> instances of that type that may be alive there (set_capacity)."""
         from localcloud.fleet import LocalFleet
 
         self.fleet = LocalFleet(self)
@@ -248,6 +250,25 @@ class LocalCloud:
         self._timers = [pending for pending in self._timers if pending.is_alive()] + [timer]
         timer.start()
         return timer
+
+    # --- capacity ------------------------------------------------------------------------
+
+    def set_capacity(self, instance_type: str, availability_zone: str, instances: int | None) -> None:
+        """Let at most `instances` of the type be alive (not terminated) in the zone at once;
+        None lifts the cap. Launches beyond it get InsufficientInstanceCapacity (glue/ec2.py)."""
+        if instances is not None and (isinstance(instances, bool) or not isinstance(instances, int)
+                                      or instances < 0):
+            raise ValueError(f"instances must be an integer >= 0 or None, got {instances!r}")
+        if not availability_zone.startswith(self.region):
+            raise ValueError(f"availability_zone must be a zone of {self.region}, got {availability_zone!r}")
+        from moto.ec2.models.instance_types import INSTANCE_TYPES
+
+        if instance_type not in INSTANCE_TYPES:
+            raise ValueError(f"instance_type: unknown instance type {instance_type!r}")
+        if instances is None:
+            self.capacity_limits.pop((instance_type, availability_zone), None)
+        else:
+            self.capacity_limits[(instance_type, availability_zone)] = instances
 
     # --- events --------------------------------------------------------------------------
 

@@ -241,3 +241,53 @@ def test_interface_requests_name_the_faulty_entry():
         interface_requests("p4d.24xlarge", efa_interfaces(2) + efa_interfaces(2)[1:])
     with pytest.raises(ValueError, match="primary interface"):
         interface_requests("p4d.24xlarge", efa_interfaces(2)[1:])
+
+
+def test_capacity_cap_per_type_and_zone(local_cloud):
+    ec2, zone, instance_type = local_cloud.client("ec2"), "us-east-1f", "c6i.large"
+    subnet = ec2.describe_subnets(Filters=[{"Name": "availability-zone", "Values": [zone]},
+                                           {"Name": "default-for-az", "Values": ["true"]}])["Subnets"][0]["SubnetId"]
+    template = ec2.create_launch_template(LaunchTemplateName=unique("lt"), LaunchTemplateData={
+        "ImageId": IMAGE, "InstanceType": instance_type})["LaunchTemplate"]["LaunchTemplateId"]
+
+    def fleet(target: int, minimum: int) -> tuple[list[str], list[dict]]:
+        answer = ec2.create_fleet(Type="instant", LaunchTemplateConfigs=[{
+            "LaunchTemplateSpecification": {"LaunchTemplateId": template, "Version": "$Latest"},
+            "Overrides": [{"InstanceType": instance_type, "SubnetId": subnet}]}],
+            TargetCapacitySpecification={"TotalTargetCapacity": target, "OnDemandTargetCapacity": target,
+                                         "DefaultTargetCapacityType": "on-demand"},
+            OnDemandOptions={"SingleInstanceType": True, "SingleAvailabilityZone": True,
+                             "MinTargetCapacity": minimum})
+        return [i for entry in answer.get("Instances", []) for i in entry["InstanceIds"]], answer.get("Errors", [])
+
+    def run_one() -> str:
+        return ec2.run_instances(ImageId=IMAGE, InstanceType=instance_type, SubnetId=subnet, MinCount=1,
+                                 MaxCount=1)["Instances"][0]["InstanceId"]
+
+    local_cloud.set_capacity(instance_type, zone, 2)
+    launched, errors = fleet(target=3, minimum=2)  # partial fulfilment above the minimum
+    assert len(launched) == 2
+    assert [error["ErrorCode"] for error in errors] == ["InsufficientInstanceCapacity"]
+    assert zone in errors[0]["ErrorMessage"]
+    with pytest.raises(botocore.exceptions.ClientError, match="InsufficientInstanceCapacity"):
+        run_one()
+
+    local_cloud.set_capacity(instance_type, zone, 3)
+    nothing, errors = fleet(target=2, minimum=2)  # one fits, the minimum does not: none launched
+    assert nothing == [] and errors[0]["ErrorCode"] == "InsufficientInstanceCapacity"
+    launched.append(run_one())
+
+    ec2.terminate_instances(InstanceIds=[launched[0]])  # capacity comes back once it is terminated
+    local_cloud.wait_until(lambda: describe(local_cloud, launched[0])["State"]["Name"] == "terminated",
+                           timeout_s=10, what="terminated")
+    launched.append(run_one())
+    local_cloud.set_capacity(instance_type, zone, None)
+    more, errors = fleet(target=2, minimum=2)
+    assert len(more) == 2 and errors == []
+    ec2.terminate_instances(InstanceIds=launched + more)
+
+    for bad, message in [(dict(instances=-1), "instances"), (dict(availability_zone="eu-west-1a"), "zone"),
+                         (dict(instance_type="p9.huge"), "instance_type")]:
+        arguments = dict(instance_type=instance_type, availability_zone=zone, instances=1) | bad
+        with pytest.raises(ValueError, match=message):
+            local_cloud.set_capacity(**arguments)

@@ -15,6 +15,11 @@ Patches to moto, each replacing something it lacks or drops:
   they now keep name, strategy, partition count, spread level and tags; RunInstances into an
   unknown group fails with InvalidPlacementGroup.Unknown, as on AWS.
 - `Attachment.network_card_index` was always 0; it is now the interface's card.
+- Capacity: moto always has capacity. `LocalCloud.set_capacity(type, zone, n)` caps the
+  instances of a type that may be alive (not terminated) in a zone at once. Beyond it,
+  RunInstances fails with InsufficientInstanceCapacity; an on-demand CreateFleet (`instant`) launches what fits, or nothing when that is
+  below OnDemandOptions.MinTargetCapacity, and lists the rest under `Errors` with ErrorCode
+  InsufficientInstanceCapacity, as EC2 answers. Spot launches are not capped.
 
 Instance types are checked against moto's catalogue (LocalCloud turns on moto's own
 validation), and EFA requests against the type's network cards.
@@ -32,7 +37,9 @@ from moto.ec2.models import EC2Backend, ec2_backends
 from moto.ec2.models.elastic_network_interfaces import Attachment
 from moto.ec2.models.fleets import Fleet
 from moto.ec2.models.instance_types import INSTANCE_TYPES
+from moto.ec2.models.instances import Reservation
 from moto.ec2.responses import EC2Response
+from moto.ec2.responses.fleets import Fleets
 from moto.ec2.responses.instances import InstanceResponse
 from moto.core.responses import ActionResult
 
@@ -233,6 +240,55 @@ def delete_placement_group(self: EC2Response) -> ActionResult:
     return ActionResult({})
 
 
+# --- capacity ----------------------------------------------------------------------------
+
+_capacity_lock = threading.Lock()
+"""Held from the capacity check until the instances exist, so concurrent launches cannot both
+take the last free slot."""
+
+
+def _request_zone(backend: Any, kwargs: dict[str, Any]) -> str:
+    """The zone a launch lands in, by moto's own rule: the subnet's, the placement's, else `<region>a`."""
+    if kwargs.get("subnet_id"):
+        return backend.get_subnet(kwargs["subnet_id"]).availability_zone
+    return kwargs.get("placement") or backend.region_name + "a"
+
+
+def free_capacity(cloud: LocalCloud, backend: Any, instance_type: str, zone: str) -> int | None:
+    """Instances of the type that may still launch in the zone; None when it is not capped."""
+    limit = cloud.capacity_limits.get((instance_type, zone))
+    if limit is None:
+        return None
+    alive = sum(1 for instance in backend.all_instances()
+                if instance.instance_type == instance_type and instance.placement.zone == zone
+                and instance.state != "terminated")
+    return max(0, limit - alive)
+
+
+def _insufficient_message(instance_type: str, zone: str) -> str:
+    return (f"We currently do not have sufficient {instance_type} capacity in the Availability Zone "
+            f"you requested ({zone}).")
+
+
+def _fleet_grant(fleet: Fleet, count: int, free: int) -> int:
+    """How many of `count` an on-demand instant fleet launches now: what fits, or none when the
+    fleet would stay below its MinTargetCapacity."""
+    granted = min(count, free)
+    minimum = int((fleet.on_demand_options or {}).get("MinTargetCapacity") or 0)
+    return granted if len(fleet.on_demand_instances) + granted >= minimum else 0
+
+
+def _create_fleet_response(self: Fleets) -> ActionResult:
+    _request.fleet_errors = []
+    try:
+        result = _moto_create_fleet_response(self)
+        if _request.fleet_errors:
+            result.result["Errors"] = _request.fleet_errors
+        return result
+    finally:
+        _request.fleet_errors = []
+
+
 # --- instance lifecycle ------------------------------------------------------------------
 
 _request = threading.local()
@@ -244,6 +300,7 @@ _moto_terminate = EC2Backend.terminate_instances
 _moto_stop = EC2Backend.stop_instances
 _moto_start = EC2Backend.start_instances
 _moto_fleet_init = Fleet.__init__
+_moto_create_fleet_response = Fleets.create_fleet
 
 
 def _run_instances_response(self: InstanceResponse) -> ActionResult:
@@ -303,7 +360,9 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
         raise EC2ClientError("InvalidParameterValue", str(exc)) from exc
     if kwargs.get("nics"):  # moto builds card-0 interfaces; the glue adds the other cards
         kwargs["nics"] = [spec for spec in kwargs["nics"] if int(spec.get("NetworkCardIndex", 0)) == 0]
-    reservation = _moto_run_instances(self, image_id, count, user_data, security_group_names, **kwargs)
+    with _capacity_lock:
+        reservation = _launch_within_capacity(self, cloud, instance_type, template_spec, image_id, count,
+                                              user_data, security_group_names, kwargs)
     for instance in reservation.instances:
         _attach_interfaces(self, instance, requests)
         instance.placement.group_name = group or ""
@@ -313,6 +372,28 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
                                "aws:ec2launchtemplate:version": str(template_version.number)})
         cloud.fleet.launched(instance)
     return reservation
+
+
+def _launch_within_capacity(backend: Any, cloud: LocalCloud, instance_type: str, template_spec: dict[str, Any],
+                            image_id: str, count: int, user_data: Any, security_group_names: list[str],
+                            kwargs: dict[str, Any]) -> Any:
+    """moto's launch, held to the zone's capacity (see the module docstring)."""
+    zone = _request_zone(backend, kwargs)
+    free = None if kwargs.get("lifecycle") == "spot" else free_capacity(cloud, backend, instance_type, zone)
+    fleet = getattr(_request, "fleet", None)
+    if free is None or count <= free:
+        granted = count
+    elif fleet is None:
+        raise EC2ClientError("InsufficientInstanceCapacity", _insufficient_message(instance_type, zone))
+    else:
+        granted = _fleet_grant(fleet, count, free)
+        _request.fleet_errors.append({
+            "LaunchTemplateAndOverrides": {"LaunchTemplateSpecification": template_spec},
+            "Lifecycle": "on-demand", "ErrorCode": "InsufficientInstanceCapacity",
+            "ErrorMessage": _insufficient_message(instance_type, zone)})
+    if granted == 0:
+        return Reservation(f"r-{uuid.uuid4().hex[:17]}", cloud.account_id)  # nothing launched, nothing recorded
+    return _moto_run_instances(backend, image_id, granted, user_data, security_group_names, **kwargs)
 
 
 def _known(cloud: LocalCloud, instance_id: str) -> bool:
@@ -359,6 +440,7 @@ def apply() -> None:
     EC2Response.delete_placement_group = delete_placement_group
     InstanceResponse.run_instances = _run_instances_response
     Fleet.__init__ = _fleet_init
+    Fleets.create_fleet = _create_fleet_response
     EC2Backend.run_instances = _run_instances
     EC2Backend.terminate_instances = _terminate_instances
     EC2Backend.stop_instances = _stop_instances
