@@ -1,7 +1,7 @@
 """The demo: train the small GPT with pp=2 on this machine for a couple of minutes, loss falling.
 
-    make demo
-    trainfleet demo -- --training.steps=100 --parallel.schedule=zbv-zero-bubble   # overrides go to the trainer
+    trainfleet demo --trainer-only
+    trainfleet demo --trainer-only -- --training.steps=100 --parallel.schedule=zbv-zero-bubble  # trainer overrides
 
 It launches two ranks with torchrun (c10d rendezvous on 127.0.0.1, gloo) exactly as an instance
 would, streams the per-step log, then summarises the loss curve from the metrics file.
