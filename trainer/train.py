@@ -1,6 +1,6 @@
 """Train the GPT with pipeline x data parallelism.
 
-    python -m trainer.train --config trainer/configs/small.toml                     # one process
+    python -m trainer.train --config trainer/configs/small.toml --parallel.pp=1     # one process
     torchrun --nproc-per-node 2 -m trainer.train --config trainer/configs/small.toml --parallel.pp=2
     torchrun --nproc-per-node 4 -m trainer.train --config trainer/configs/small.toml \\
         --parallel.pp=2 --parallel.dp=2 --parallel.schedule=interleaved-1f1b
