@@ -20,7 +20,9 @@ class RecoveryGaveUp(RuntimeError):
 
 class CapacityUnavailable(RuntimeError):
     """No subnet could launch the instances needed now (InsufficientInstanceCapacity and
-    kin); the state machine retries with backoff. The message lists each zone's errors."""
+    kin); the state machine retries with backoff. Allocate's message lists each zone's errors;
+    Recover's is a FailureReport (JSON) of the attempt that came up short, for the Recover
+    that catches it."""
 
 
 class TeardownIncomplete(RuntimeError):

@@ -8,7 +8,11 @@
 3. Act on the records, not on the decision, so a retried invocation (which finds the attempt
    already advanced and skips step 2) does the same: terminate the nodes the event handler
    marked UNHEALTHY and those marked TERMINATING (recorded first), launch what the plan and the
-   spare count still miss, in the run's zone and placement group.
+   spare count still miss, in the run's zone and placement group. Too few replacements raise
+   CapacityUnavailable carrying a CAPACITY report of the new attempt: the state machine retries,
+   then catches it back into Recover, where step 2 shrinks the plan onto the nodes there are
+   (min_nodes set; workers it leaves out become spares) or decides again by the usual rules,
+   which the restart budget and the crash-loop rule bound.
 4. Hand the backoff to the state machine's Wait.
 """
 
@@ -24,7 +28,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from functions.common import CaughtError, RecoveryStep, RunPayload, aws, logger, metrics, tracer
 from functions.errors import CapacityUnavailable, RecoveryGaveUp
 from trainfleet.adapters.ec2_fleet import allocate, terminate
-from trainfleet.contracts import (FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
+from trainfleet.contracts import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                   RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
 from trainfleet.lifecycle import apply_decision, classify_task_error, decide_recovery
 
@@ -60,8 +64,10 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
         raise RecoveryGaveUp(decision.reason)
     for instance_id in decision.terminate_instance_ids:
         _mark_terminating(name, instance_id, failure_class=failure.failure_class, reason=failure.message)
-    for instance_id in decision.promote_spare_ids:
-        store.modify_node(name, instance_id, lambda node: node.model_copy(update={"role": NodeRole.WORKER}))
+    roles = {**dict.fromkeys(decision.promote_spare_ids, NodeRole.WORKER),
+             **dict.fromkeys(decision.demote_worker_ids, NodeRole.SPARE)}
+    for instance_id, role in roles.items():
+        store.modify_node(name, instance_id, lambda node, role=role: node.model_copy(update={"role": role}))
     return decision
 
 
@@ -82,8 +88,12 @@ def act(run: RunRecord) -> int:
                           target=missing_workers + missing_spares, minimum=max(1, missing_workers),
                           token_prefix=f"{name}/{run.attempt}")
     if len(allocation.instance_ids) < missing_workers:
-        raise CapacityUnavailable(f"{missing_workers} replacement(s) needed in {run.subnet_id}: "
-                                  + ("; ".join(allocation.errors) or "none launched"))
+        # The report names this attempt, so the Recover that catches it decides once (shrink or
+        # give up) and a retry of that Recover carries on instead of deciding again.
+        raise CapacityUnavailable(FailureReport(
+            failure_class=FailureClass.CAPACITY, attempt=run.attempt,
+            message=f"{missing_workers} replacement(s) needed in {run.subnet_id}: "
+                    + ("; ".join(allocation.errors) or "none launched")).model_dump_json())
     for index, instance_id in enumerate(allocation.instance_ids):
         cloud.store.add_node(NodeRecord(
             run_name=name, instance_id=instance_id, attempt=run.attempt,

@@ -34,9 +34,9 @@ AGENT = REPO / "tests" / "handlers_sim_agent.py"
 EXECUTION_TIMEOUT_S = 120
 
 
-def network(ec2) -> tuple[str, str]:
+def network(ec2, zone: str = "us-east-1a") -> tuple[str, str]:
     vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
-    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.1.0/24", AvailabilityZone="us-east-1a")
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.1.0/24", AvailabilityZone=zone)
     group = ec2.create_security_group(GroupName=f"efa-{uuid.uuid4().hex[:6]}", Description="run", VpcId=vpc)
     return subnet["Subnet"]["SubnetId"], group["GroupId"]
 
@@ -122,16 +122,13 @@ def main() -> None:
             raise
 
 
-def scenarios(cloud, stack_name: str) -> None:
-    clients = {name: cloud.client(name) for name in ("ec2", "stepfunctions", "s3", "dynamodb")}
-    ec2, sfn, s3 = clients["ec2"], clients["stepfunctions"], clients["s3"]
-    stack = deploy(DeployRequest(template=REPO / "template.yaml", endpoint=cloud.endpoint,
-                                 stack_name=stack_name))
-    outputs = stack.outputs
+def deploy_with_agents(cloud, stack_name: str) -> dict[str, str]:
+    """Deploy template.yaml; instances then boot simulated agents of the stack. The outputs."""
+    outputs = deploy(DeployRequest(template=REPO / "template.yaml", endpoint=cloud.endpoint,
+                                   stack_name=stack_name)).outputs
     # moto ignores the conditions of bucket policy statements, so the TLS-only Deny would
     # deny every request to the local (plain HTTP) endpoint; test_template.py checks it.
-    s3.delete_bucket_policy(Bucket=outputs["CheckpointBucketName"])
-    store = RunStore(clients["dynamodb"], outputs["RunTableName"])
+    cloud.client("s3").delete_bucket_policy(Bucket=outputs["CheckpointBucketName"])
 
     def agent_environment(instance) -> dict[str, str]:
         return {"PYTHONPATH": str(REPO), "TRAINFLEET_RUN_NAME": instance.tags[TAG_RUN],
@@ -141,6 +138,14 @@ def scenarios(cloud, stack_name: str) -> None:
 
     cloud.fleet.boot = lambda instance: [sys.executable, str(AGENT)]
     cloud.fleet.env_hooks.append(agent_environment)
+    return outputs
+
+
+def scenarios(cloud, stack_name: str) -> None:
+    clients = {name: cloud.client(name) for name in ("ec2", "stepfunctions", "s3", "dynamodb")}
+    ec2, sfn, s3 = clients["ec2"], clients["stepfunctions"], clients["s3"]
+    outputs = deploy_with_agents(cloud, stack_name)
+    store = RunStore(clients["dynamodb"], outputs["RunTableName"])
     subnet, group = network(ec2)
     machine = outputs["StateMachineArn"]
 

@@ -1,5 +1,6 @@
 """The lifecycle core: every branch of classification, re-planning, recovery, backoff and goodput."""
 
+import json
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -114,6 +115,17 @@ def test_the_capacity_error_name_is_the_one_the_handlers_raise():
     from functions.errors import CapacityUnavailable
 
     assert CapacityUnavailable.__name__ == CAPACITY_ERROR
+
+
+def test_a_capacity_report_in_the_lambda_error_keeps_the_attempt_that_came_up_short():
+    # Recover raises CapacityUnavailable with a report of its new attempt; the Catch gives the
+    # runtime's error document as the cause, and the run is waiting on nothing by then.
+    short = report(FailureClass.CAPACITY, attempt=5)
+    cause = json.dumps({"errorMessage": short.model_dump_json(), "errorType": CAPACITY_ERROR, "stackTrace": []})
+    idle = TaskWait(purpose="await_nodes", attempt=4, token="(answered)")
+    assert lc.classify_task_error(CAPACITY_ERROR, cause, idle) == short
+    plain = json.dumps({"errorMessage": "us-east-1a: InsufficientInstanceCapacity", "errorType": CAPACITY_ERROR})
+    assert lc.classify_task_error(CAPACITY_ERROR, plain, idle).attempt == 4
 
 
 # --- re-planning ----------------------------------------------------------------------------

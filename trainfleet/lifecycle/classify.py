@@ -1,5 +1,7 @@
 """Turn what happened (an event, a task error) into a FailureReport, or None when it is no failure."""
 
+import json
+
 from trainfleet.contracts import (CAPACITY_ERROR, FAILURE_ERROR, AgentEvent, AnyDetail, Ec2InstanceStateChange,
                                   Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning,
                                   FailureClass, FailureReport, HealthEvent, NodeUnhealthy,
@@ -68,13 +70,28 @@ def classify_task_error(error: str, cause: str | None, waiting: TaskWait,
     if error == FAILURE_ERROR and cause:
         return FailureReport.model_validate_json(cause)
     if error == CAPACITY_ERROR:
-        return _report(FailureClass.CAPACITY, waiting.attempt, [], cause or "not enough instances")
+        return (_capacity_report(cause)
+                or _report(FailureClass.CAPACITY, waiting.attempt, [], cause or "not enough instances"))
     if error in _TIMEOUT_ERRORS and waiting.purpose == "train":
         return _report(FailureClass.HANG, waiting.attempt, [], f"{error}: no heartbeat from training")
     if error in _TIMEOUT_ERRORS:
         return _report(FailureClass.NODE_UNHEALTHY, waiting.attempt, list(not_ready_instance_ids),
                        f"{error}: nodes not ready within the boot timeout")
     return _report(FailureClass.UNKNOWN, waiting.attempt, [], f"{error}: {cause or 'no cause given'}")
+
+
+def _capacity_report(cause: str | None) -> FailureReport | None:
+    """The FailureReport a handler raised as CapacityUnavailable's message, or None.
+
+    A Lambda error reaches a Catch with the runtime's error document as its cause
+    ({"errorMessage", "errorType", ...}). Recover puts a report in the message because only it
+    knows which attempt came up short: a retry of the same input must find that attempt
+    already decided, not blame the next one.
+    """
+    try:
+        return FailureReport.model_validate_json(json.loads(cause or "")["errorMessage"])
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def _report(failure_class: FailureClass, attempt: int, instance_ids: list[str], message: str) -> FailureReport:

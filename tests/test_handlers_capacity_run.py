@@ -1,0 +1,65 @@
+"""A node lost when the zone has no capacity to replace it, end to end on the local cloud
+(tests/handlers_capacity_run.py does the runs in a process of its own)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCENARIO_TIMEOUT_S = 240
+GONE = {"shutting-down", "terminated"}
+
+
+@pytest.fixture(scope="module")
+def outcome() -> dict:
+    completed = subprocess.run([sys.executable, str(REPO / "tests" / "handlers_capacity_run.py")],
+                               cwd=REPO, capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S)
+    assert completed.returncode == 0, completed.stderr[-6000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_with_min_nodes_the_run_shrinks_onto_the_nodes_left_and_succeeds(outcome):
+    run = outcome["shrunk"]
+    assert run["status"] == "SUCCEEDED", run["cause"]
+    assert run["states"] == ["Validate", "Allocate", "AwaitNodes", "Train", "Recover", "ReplacementsShort",
+                             "Recover", "RecoveryBackoff", "AwaitNodes", "Train", "Teardown", "Report",
+                             "Outcome", "RunSucceeded"]
+    assert run["run"]["failures"] == ["INSTANCE_LOST", "CAPACITY"]
+    # 3 nodes run no layout of this trainer, so 2 at pp=2 x dp=1; the global batch stays.
+    assert run["run"]["plan"] == {"nodes": 2, "ranks_per_node": 1, "pp": 2, "dp": 1}
+    assert run["last_launch"] == {"attempt": 2, "nodes": 2, "batch_size": 4,
+                                  "parallel": run["last_launch"]["parallel"] | {"pp": 2, "dp": 1}}
+    assert set(run["instances"]) == set(run["first_ranks"]), "no instance launched after the loss"
+    ranks = run["first_ranks"]
+    demoted = next(instance_id for instance_id, rank in ranks.items() if rank == 3)
+    assert run["nodes"][demoted]["role"] == "SPARE"
+    assert [node["role"] for instance_id, node in run["nodes"].items() if ranks[instance_id] in (0, 2)] == [
+        "WORKER", "WORKER"]
+    first, resumed = run["survivor_launches"]
+    first_attempt_commits = [line["committed_step"] for line in run["survivor_commits"] if line["attempt"] == 0]
+    assert (first["resume_step"], resumed["attempt"]) == (None, 2)
+    assert resumed["resume_step"] == max(first_attempt_commits)
+    assert [line["committed_step"] for line in run["survivor_commits"] if line["attempt"] == 2] == list(
+        range(resumed["resume_step"] + 10, 61, 10))
+    assert (run["run"]["state"], run["run"]["latest_checkpoint"]) == ("SUCCEEDED", 60)
+    assert set(run["instances"].values()) <= GONE, run["instances"]
+
+
+@pytest.mark.slow
+def test_without_min_nodes_the_run_gives_up_through_teardown(outcome):
+    run = outcome["gave_up"]
+    assert (run["status"], run["error"]) == ("FAILED", "RecoveryGaveUp")
+    message = json.loads(run["cause"])["errorMessage"]
+    assert "crash loop: CAPACITY 2 times" in message and "InsufficientInstanceCapacity" in message
+    assert run["states"] == ["Validate", "Allocate", "AwaitNodes", "Train", "Recover", "ReplacementsShort",
+                             "Recover", "ReplacementsShort", "Recover", "Teardown", "Report", "Outcome",
+                             "RunFailed"]
+    assert run["run"]["failures"] == ["INSTANCE_LOST", "CAPACITY", "CAPACITY"]
+    assert run["run"]["state"] == "FAILED" and run["run"]["plan"]["nodes"] == 2
+    assert set(run["instances"]) == set(run["first_ranks"])
+    assert set(run["instances"].values()) <= GONE, run["instances"]
+    assert {node["state"] for node in run["nodes"].values()} <= {"TERMINATING", "TERMINATED"}
