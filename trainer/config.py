@@ -59,8 +59,8 @@ class ParallelConfig:
     timeout_s: float = 300.0
     """Process-group timeout: a hung peer fails the job after this long instead of the 30-minute default."""
     early_p2p: bool = True
-    """On gloo (CPU), GPipe and 1F1B post a step's receives at once and do not wait on sends; false = torch's
-    own timing. Not used with NCCL, where a pair of ranks shares one stream and a send would queue behind an
+    """On gloo (CPU), stages post a step's receives at once and do not wait on sends; false = torch's own
+    timing. Not used with NCCL, where a pair of ranks shares one stream and a send would queue behind an
     early receive."""
 
     def resolved_stages_per_rank(self) -> int:
