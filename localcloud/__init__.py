@@ -32,6 +32,8 @@ LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
   .inject_spot_interruption(id, action)   Spot warning, then the interruption
   .inject_rebalance(id)                   EC2 Instance Rebalance Recommendation
   .inject_health_event(ids, code, ...)    AWS Health Event for EC2
+  .set_capacity(type, zone, n | None)     at most n instances of the type alive in the zone
+                                          (InsufficientInstanceCapacity beyond it)
   .delivery_failures                      EventBridge targets that could not be reached
   .scaled(seconds), .wait_until(...)      scaled time and a bounded poll for tests
 """
