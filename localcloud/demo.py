@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from trainfleet.adapters.ec2_fleet import TAG_RUN
 from trainfleet.adapters.run_store import RunNotFound, RunStore
@@ -93,12 +93,12 @@ def attempt_losses(instances: list[Any]) -> dict[int, dict[int, float]]:
     return losses
 
 
-def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None], *, lose_a_node: bool = True,
-                       workdir: Path | None = None, time_scale: float = 0.02,
-                       timeout_s: float = 600.0) -> dict[str, Any]:
-    """Deploy, run `template` (its nodes are local instances with real agents), with
-    `lose_a_node` kill node rank 1's instance once the first checkpoint is recorded, wait for
-    the end; what happened, as plain data. `workdir` keeps the instances' folders (console.log,
+def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None], *,
+                       disruption: Literal["kill", "spot"] | None = "kill", workdir: Path | None = None,
+                       time_scale: float = 0.02, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Deploy, run `template` (its nodes are local instances with real agents), disrupt node
+    rank 1 once the first checkpoint is recorded (kill its instance, or give it a Spot
+    interruption notice), wait for the end; what happened, as plain data. `workdir` keeps the instances' folders (console.log,
     each attempt's trainer config, torchrun output and metrics); None uses a temporary folder."""
     # The SAM roles attach AWS managed policies; moto knows them only when asked before it loads.
     os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"
@@ -143,13 +143,14 @@ def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None],
             def ended() -> bool:
                 return sfn.describe_execution(executionArn=arn)["status"] != "RUNNING"
 
-            loss = None
-            if lose_a_node:
+            disrupted = None
+            if disruption is not None:
                 watch.until(lambda: ended() or watch.first_checkpoint() is not None, timeout_s)
-                loss = None if ended() else _kill_node_rank_1(cloud, store, run_name, watch, narrate)
+                if not ended():
+                    disrupted = _disrupt_node_rank_1(cloud, store, run_name, watch, narrate, disruption)
             watch.until(ended, timeout_s)
             watch.until(lambda: all(i.state == "terminated" for i in cloud.fleet.instances()), 60)
-            return _outcome(cloud, sfn, s3, ec2, store, bucket, arn, run_name) | {"node_loss": loss}
+            return _outcome(cloud, sfn, s3, ec2, store, bucket, arn, run_name) | {"disrupted": disrupted}
         except Exception:
             _dump_consoles(cloud)
             raise
@@ -157,15 +158,19 @@ def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None],
             metadata.stop()
 
 
-def _kill_node_rank_1(cloud: Any, store: RunStore, run_name: str, watch: _Watch,
-                      narrate: Callable[[str], None]) -> dict[str, Any]:
+def _disrupt_node_rank_1(cloud: Any, store: RunStore, run_name: str, watch: _Watch,
+                         narrate: Callable[[str], None], how: Literal["kill", "spot"]) -> dict[str, Any]:
     first_nodes = {node.instance_id: node.node_rank for node in store.nodes(run_name)}
-    killed = next(instance for instance, rank in first_nodes.items() if rank == 1)
+    victim = next(instance for instance, rank in first_nodes.items() if rank == 1)
     survivor = next(instance for instance, rank in first_nodes.items() if rank == 0)
-    narrate(f"checkpoint step {watch.first_checkpoint()} committed: killing {killed} "
-            f"(node rank 1, {cloud.fleet.get(killed).private_ip})")
-    cloud.fleet.kill(killed)
-    return {"first_nodes": first_nodes, "killed": killed, "survivor": survivor}
+    where = f"{victim} (node rank 1, {cloud.fleet.get(victim).private_ip})"
+    if how == "kill":
+        narrate(f"checkpoint step {watch.first_checkpoint()} committed: killing {where}")
+        cloud.fleet.kill(victim)
+    else:
+        narrate(f"checkpoint step {watch.first_checkpoint()} committed: Spot interruption notice for {where}")
+        cloud.inject_spot_interruption(victim)
+    return {"first_nodes": first_nodes, "victim": victim, "survivor": survivor}
 
 
 class _Watch:
@@ -237,6 +242,8 @@ def _outcome(cloud: Any, sfn: Any, s3: Any, ec2: Any, store: RunStore, bucket: s
         "commits": sorted({(line["attempt"], line["step"]) for lines in said.values() for line in lines
                            if line["agent"] == "sent CheckpointCommitted"}),
         "trainer_failures": [line for lines in said.values() for line in lines if line["agent"] == "sent TrainerFailed"],
+        "spot_notices": {instance_id: [line for line in lines if line["agent"].startswith("spot interruption notice")]
+                         for instance_id, lines in said.items()},
         "preflight": {instance_id: [line for line in lines if line["agent"] in ("sent NodeReady", "sent NodeUnhealthy")]
                       for instance_id, lines in said.items()},
         "losses": attempt_losses(instances),

@@ -7,13 +7,15 @@
    resumed run must match.
 2. The same RunSpec with a model the trainer refuses (model.n_heads does not divide d_model; the
    control plane does not type those fields): the agents report TrainerFailed, the run gives up.
+3. The same RunSpec on Spot capacity, node rank 1 given a Spot interruption notice after the
+   first checkpoint: its agent asks its trainer for a checkpoint, the node is replaced.
 
 Each runs in a process of its own (tests/test_agent_local_run.py starts them): the local cloud
 imports the deployed handlers, which must not already be imported from the working tree, and
 they keep their stack's settings for the life of the process. The last line of stdout is one
 JSON document: {"outcome": ..., "reference": {step: loss}} for the first, the outcome for the second.
 
-    python tests/agent_local_run.py node-loss | config-error
+    python tests/agent_local_run.py node-loss | config-error | spot-interruption
 """
 
 import json
@@ -61,10 +63,15 @@ def node_loss(template: dict) -> dict:
 
 def config_error(template: dict) -> dict:
     template["trainer"]["model"]["n_heads"] = 3
-    return run_on_local_cloud(template, Narrator(), lose_a_node=False, timeout_s=PHASE_TIMEOUT_S)
+    return run_on_local_cloud(template, Narrator(), disruption=None, timeout_s=PHASE_TIMEOUT_S)
 
 
-SCENARIOS = {"node-loss": node_loss, "config-error": config_error}
+def spot_interruption(template: dict) -> dict:
+    template["capacity"]["kind"] = "spot"
+    return run_on_local_cloud(template, Narrator(), disruption="spot", timeout_s=PHASE_TIMEOUT_S)
+
+
+SCENARIOS = {"node-loss": node_loss, "config-error": config_error, "spot-interruption": spot_interruption}
 
 if __name__ == "__main__":
     if sys.argv[1:] not in ([name] for name in SCENARIOS):

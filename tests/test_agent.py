@@ -20,7 +20,7 @@ from trainer import agent
 from trainer import checkpoint_catalog as catalog
 from trainer.agent import (AgentError, AgentSettings, Attempt, AttemptFiles, ControlPlane, Identity, MetadataClient,
                            MetricsFollower, failure_kind, torchrun_command, trainer_config)
-from trainfleet.contracts import RENDEZVOUS_PORT, LaunchSpec, TrainerFailureKind
+from trainfleet.contracts import RENDEZVOUS_PORT, RENDEZVOUS_PORTS, LaunchSpec, TrainerFailureKind, rendezvous_port
 
 SETTINGS_ENV = {"TRAINFLEET_RUN_NAME": "run-a", "TRAINFLEET_RUN_TABLE": "table",
                 "TRAINFLEET_BUCKET": "bucket", "TRAINFLEET_EVENT_BUS": "bus"}
@@ -243,3 +243,9 @@ def test_an_event_with_a_message_field_is_logged_whole(capsys):
 def test_a_preflight_that_cannot_run_makes_the_node_unhealthy_saying_why():
     checks, problem = agent.run_preflight("p9.huge")
     assert checks == [] and "preflight failed with exit code 2" in problem and "'p9.huge'" in problem
+
+
+def test_each_attempt_rendezvouses_on_a_port_of_its_own():
+    ports = {rendezvous_port(f"run-a-{attempt}") for attempt in range(20)}
+    assert len(ports) > 15 and ports <= set(RENDEZVOUS_PORTS)
+    assert rendezvous_port("run-a-3") == rendezvous_port("run-a-3"), "every agent of an attempt agrees"

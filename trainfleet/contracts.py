@@ -30,6 +30,7 @@ Bad input raises pydantic.ValidationError; every message names the field (`loc`)
 
 from __future__ import annotations
 
+import hashlib
 import re
 from datetime import datetime
 from enum import StrEnum
@@ -44,7 +45,18 @@ EVENT_SOURCE = "trainfleet"
 """EventBridge `source` of every event the node agents send."""
 
 RENDEZVOUS_PORT = 29400
-"""torchrun's default c10d rendezvous port, opened on node 0."""
+"""torchrun's default c10d rendezvous port: the first of RENDEZVOUS_PORTS."""
+
+RENDEZVOUS_PORTS = range(RENDEZVOUS_PORT, RENDEZVOUS_PORT + 500)
+"""Ports an attempt's c10d rendezvous may take on node rank 0 (below Linux's ephemeral range)."""
+
+
+def rendezvous_port(rendezvous_id: str) -> int:
+    """The port of one attempt's rendezvous, drawn from its id: a restarted world never meets the
+    store of the world before it on the same host (still closing, or a lingering torchrun), and
+    worlds that share one host, as the local cloud's nodes do, rarely collide."""
+    digest = hashlib.sha256(rendezvous_id.encode()).digest()
+    return RENDEZVOUS_PORTS[int.from_bytes(digest[:4], "big") % len(RENDEZVOUS_PORTS)]
 
 
 class _Strict(BaseModel):
@@ -819,7 +831,7 @@ class LaunchSpec(_Strict):
     rendezvous_host: str
     """Private IP of node rank 0."""
     rendezvous_port: int = RENDEZVOUS_PORT
-    """c10d rendezvous port on node rank 0."""
+    """c10d rendezvous port on node rank 0 (the launch draws it with rendezvous_port())."""
     rendezvous_id: str
     """Unique per attempt, so a restarted world never joins a stale rendezvous."""
     trainer_config: dict[str, Any]

@@ -1,7 +1,7 @@
 """From launched instances to a launch spec: roles, readiness, node ranks."""
 
 from trainfleet.contracts import (LaunchSpec, NodeRecord, NodeRole, NodeState, ParallelPlan,
-                                  RunRecord, RunSpec)
+                                  RunRecord, RunSpec, rendezvous_port)
 
 
 def new_node_records(spec: RunSpec, attempt: int, instance_ids: list[str], workers_wanted: int,
@@ -56,6 +56,7 @@ def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_to
     if by_id[host].private_ip is None:
         raise ValueError(f"node rank 0 ({host}) has not reported its private IP")
     policy = run.spec.checkpoint
+    rendezvous_id = f"{run.run_name}-{run.attempt}"
     checkpoint = {"uri": policy.s3_uri, "interval": policy.interval_steps, "keep_last": policy.keep_last,
                   "resume": str(run.latest_checkpoint.step) if run.latest_checkpoint else "none"}
     return LaunchSpec(
@@ -64,7 +65,8 @@ def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_to
         plan=run.plan,
         node_ranks=ranks,
         rendezvous_host=by_id[host].private_ip,
-        rendezvous_id=f"{run.run_name}-{run.attempt}",
+        rendezvous_port=rendezvous_port(rendezvous_id),
+        rendezvous_id=rendezvous_id,
         trainer_config=run.spec.trainer.as_trainer_mapping(run.plan.pp, run.plan.dp, checkpoint),
         resume_step=run.latest_checkpoint.step if run.latest_checkpoint else None,
         heartbeat_task_token=heartbeat_task_token,
