@@ -13,7 +13,8 @@ it. Once the first checkpoint is committed to the local S3, the instance of node
 killed: EC2 reports it, Recover replaces only it, the new attempt resumes from the latest
 committed checkpoint, the run completes, Teardown terminates every instance.
 
-`run_on_local_cloud` does that (or runs a RunSpec to its end without a loss) and returns what happened (states, nodes, instances, the agents'
+`run_on_local_cloud` does that (or gives node rank 1 a Spot interruption notice instead, or runs
+the RunSpec undisturbed) and returns what happened (states, nodes, instances, the agents'
 launches and commits, each attempt's losses, the run report); tests/agent_local_run.py asserts
 on it, `main` narrates it. It must run in a process that has not imported `functions` (the local
 cloud imports the deployed copy).
@@ -75,10 +76,11 @@ def states_entered(sfn: Any, execution_arn: str) -> list[str]:
 
 
 def agent_lines(instance: Any) -> list[dict[str, Any]]:
-    """What an instance's agent said (its JSON lines in the console)."""
+    """What an instance's agent said (its JSON lines in the console; a killed agent's last line
+    may be cut short)."""
     log = instance.console_log
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
-    return [json.loads(line) for line in lines if line.startswith('{"agent"')]
+    return [json.loads(line) for line in lines if line.startswith('{"agent"') and line.endswith("}")]
 
 
 def attempt_losses(instances: list[Any]) -> dict[int, dict[int, float]]:
@@ -87,7 +89,8 @@ def attempt_losses(instances: list[Any]) -> dict[int, dict[int, float]]:
     for instance in instances:
         for metrics in sorted(instance.workdir.glob("attempt-*/metrics.jsonl")):
             attempt = int(metrics.parent.name.split("-")[1])
-            for line in metrics.read_text().splitlines():
+            text = metrics.read_text()
+            for line in text[:text.rfind("\n") + 1].splitlines():  # a killed trainer's last line may be cut
                 record = json.loads(line)
                 losses.setdefault(attempt, {})[record["step"]] = record["loss"]
     return losses

@@ -16,6 +16,7 @@ Offers:
     CAPACITY_ERROR              the error name of a task short of instances
     ParallelPlan, RecoveryAction, RecoveryDecision   what the lifecycle decides
     LaunchSpec                  what every node agent reads to start the trainer
+    rendezvous_port(id)         the port of an attempt's c10d rendezvous (one of RENDEZVOUS_PORTS)
     RunRef                      the small reference Step Functions states carry
     Event details: Ec2InstanceStateChange, Ec2SpotInterruptionWarning,
       Ec2RebalanceRecommendation, HealthEvent (AWS shapes); NodeRegistered, NodeReady,
