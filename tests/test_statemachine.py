@@ -125,6 +125,21 @@ def test_every_task_after_validate_catches_everything_into_teardown(asl):
         assert catch_all[0]["ResultPath"] == "$.failure", f"{name}: the run reference must survive"
 
 
+def test_replacements_recover_cannot_launch_go_back_to_recover_as_the_failure(asl):
+    """Retried first, then caught with the failure recorded and decided again by Recover (shrink
+    or the usual rules); the Pass state in between only names the loop."""
+    states = asl["States"]
+    recover = states["Recover"]
+    assert any(rule["ErrorEquals"] == ["CapacityUnavailable"] for rule in recover["Retry"])
+    short = next(rule for rule in recover["Catch"] if rule["ErrorEquals"] == ["CapacityUnavailable"])
+    assert short["ResultPath"] == "$.failure"
+    loop = states[short["Next"]]
+    assert (loop["Type"], loop["Next"]) == ("Pass", "Recover")
+    assert not {"Parameters", "Result", "ResultPath", "InputPath", "OutputPath"} & set(loop), "passes the input on"
+    # Allocate's shortfall has no nodes to shrink onto: it ends in Teardown.
+    assert [rule["Next"] for rule in states["Allocate"]["Catch"]] == ["Teardown"]
+
+
 def test_waits_are_task_tokens_bounded_by_timeouts(asl):
     states = asl["States"]
     assert not [name for name, state in states.items() if state["Type"] == "Wait"
