@@ -11,6 +11,7 @@ import time
 import uuid
 from dataclasses import replace
 from datetime import datetime, timezone
+from pathlib import Path
 
 import boto3
 import pytest
@@ -22,6 +23,7 @@ from trainer.agent import (AgentError, AgentSettings, Attempt, AttemptFiles, Con
                            MetricsFollower, failure_kind, torchrun_command, trainer_config)
 from trainfleet.contracts import RENDEZVOUS_PORT, RENDEZVOUS_PORTS, LaunchSpec, TrainerFailureKind, rendezvous_port
 
+REPO = Path(__file__).resolve().parent.parent
 SETTINGS_ENV = {"TRAINFLEET_RUN_NAME": "run-a", "TRAINFLEET_RUN_TABLE": "table",
                 "TRAINFLEET_BUCKET": "bucket", "TRAINFLEET_EVENT_BUS": "bus"}
 IDENTITY = Identity(instance_id="i-0aaa", instance_type="c5.large", private_ip="127.77.0.11",
@@ -148,7 +150,7 @@ def test_a_rank_dies_with_its_torchrun():
                 "stdout=subprocess.PIPE, start_new_session=True)\n"
                 "rank.stdout.readline(); print(rank.pid, flush=True); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", "import time\n" + launcher], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
     rank_pid = int(parent.stdout.readline())
     parent.kill()
     parent.wait(timeout=10)
