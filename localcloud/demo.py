@@ -1,6 +1,7 @@
 """A whole training run on the local cloud, with a node lost after the first checkpoint.
 
     make demo                        (trainfleet demo; python -m localcloud.demo)
+    trainfleet demo -- --disruption spot --workdir runs/local-demo   (a Spot notice instead; keep the folders)
     trainfleet demo --trainer-only   (the trainer alone: pp=2 under torchrun, trainer/demo.py)
 
 What happens, as on AWS: a LocalCloud (moto plus the glue) and its instance metadata service
@@ -33,8 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
 from trainfleet.adapters.ec2_fleet import TAG_RUN
 from trainfleet.adapters.run_store import RunNotFound, RunStore
+from trainfleet.contracts import RunSpec, validation_message
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RUN_SPEC = REPO / "events" / "local-demo-run.json"
@@ -308,16 +312,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="A training run on the local cloud with a node lost and replaced.")
     parser.add_argument("--run-spec", type=Path, default=DEMO_RUN_SPEC,
                         help="RunSpec JSON to run (name, bucket, subnet and security group are filled in)")
+    parser.add_argument("--disruption", choices=["kill", "spot", "none"], default="kill",
+                        help="what happens to node rank 1 after the first checkpoint: its instance is killed, "
+                             "it gets a Spot interruption notice, or nothing")
     parser.add_argument("--workdir", type=Path, help="keep the instances' folders here (default: a temporary folder)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each phase of the run")
     given = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(given[1:] if given[:1] == ["--"] else given)
     try:
         template = json.loads(args.run_spec.read_text())
+        RunSpec.model_validate(template)  # the names, bucket and network filled in later keep it valid
     except (OSError, json.JSONDecodeError) as exc:
         parser.error(f"--run-spec {args.run_spec}: {exc}")
+    except ValidationError as exc:
+        parser.error(f"--run-spec {args.run_spec}:\n{validation_message(exc)}")
     narrate = Narrator()
-    outcome = run_on_local_cloud(template, narrate, workdir=args.workdir, timeout_s=args.timeout)
+    disruption = None if args.disruption == "none" else args.disruption
+    outcome = run_on_local_cloud(template, narrate, disruption=disruption, workdir=args.workdir,
+                                 timeout_s=args.timeout)
     narrate_outcome(outcome, narrate)
     return 0 if outcome["status"] == "SUCCEEDED" else 1
 
