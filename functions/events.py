@@ -41,16 +41,18 @@ def _now() -> datetime:
 # --- agent events that move a node or the run forward --------------------------------------
 
 def node_registered(run: RunRecord, detail: NodeRegistered) -> str:
-    store = aws().store
-    node = store.node(run.run_name, detail.instance_id)
-    update = {"private_ip": detail.private_ip,
-              "availability_zone": detail.availability_zone or node.availability_zone}
-    # NodeReady may have overtaken this event (EventBridge keeps no order): then the address
-    # is recorded, and it may be what completes the world.
-    if node.state is NodeState.LAUNCHED:
-        store.transition_node(run.run_name, detail.instance_id, NodeState.REGISTERED, **update)
+    def register(node: NodeRecord) -> NodeRecord:
+        # NodeReady may overtake this event (EventBridge keeps no order), also while this handler
+        # runs: the state is decided on the record as it is written, so a late registration adds
+        # the address and never moves the node back.
+        moved = {"state": NodeState.REGISTERED} if node.state is NodeState.LAUNCHED else {}
+        return node.model_copy(update={"private_ip": detail.private_ip, **moved,
+                                       "availability_zone": detail.availability_zone or node.availability_zone})
+
+    node = aws().store.modify_node(run.run_name, detail.instance_id, register)
+    if node.state is NodeState.REGISTERED:
         return "node registered"
-    store.modify_node(run.run_name, detail.instance_id, lambda current: current.model_copy(update=update))
+    # The address may be what completes the world.
     answered = answer_if_world_complete(run.run_name)
     return "node address recorded, world complete" if answered else "node address recorded"
 

@@ -309,3 +309,32 @@ def test_a_ready_node_without_an_address_does_not_complete_the_world(handlers, c
     outcome = handlers.events.handler(registered, Context())["outcome"]
     assert outcome == "node address recorded, world complete"
     assert finished(cloud, execution)["status"] == "SUCCEEDED"
+
+
+def test_a_registration_overtaken_by_node_ready_mid_handler_records_the_address(handlers, cloud, resources,
+                                                                                monkeypatch):
+    store, run, _ = recorded_run(cloud, resources)
+    late = "i-0late0registration"
+    store.add_node(NodeRecord(run_name=run.run_name, instance_id=late, role=NodeRole.SPARE))
+    ready = agent_event("NodeReady", {"run_name": run.run_name, "attempt": 0, "instance_id": late})
+    registered = agent_event("NodeRegistered", {"run_name": run.run_name, "attempt": 0,
+                                                "instance_id": late, "private_ip": "10.0.0.9"})
+    # The NodeReady handler runs right after the NodeRegistered handler first read the node:
+    # an interleaving two concurrent invocations can take.
+    handler_store = handlers.common.aws().store
+    read_node = handler_store.node
+    interleaved = []
+
+    def node_then_ready(run_name, instance_id):
+        record = read_node(run_name, instance_id)
+        if not interleaved:
+            interleaved.append(ready)
+            interleaved.append(handlers.events.process_event(ready)["outcome"])
+        return record
+
+    monkeypatch.setattr(handler_store, "node", node_then_ready)
+    outcome = handlers.events.handler(registered, Context())["outcome"]
+    assert interleaved[1:] == ["node ready"]
+    assert outcome == "node address recorded"
+    node = store.node(run.run_name, late)
+    assert (node.state, node.private_ip) == (NodeState.READY, "10.0.0.9")
