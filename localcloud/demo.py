@@ -309,7 +309,8 @@ def narrate_outcome(outcome: dict[str, Any], narrate: Callable[[str], None]) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="A training run on the local cloud with a node lost and replaced.")
+    parser = argparse.ArgumentParser(prog="trainfleet demo --",
+                                     description="A training run on the local cloud with a node lost and replaced.")
     parser.add_argument("--run-spec", type=Path, default=DEMO_RUN_SPEC,
                         help="RunSpec JSON to run (name, bucket, subnet and security group are filled in)")
     parser.add_argument("--disruption", choices=["kill", "spot", "none"], default="kill",
