@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+from aws_xray_sdk import global_sdk_config
 from botocore.config import Config
 
 from localcloud import aws_events, glue
@@ -123,6 +124,10 @@ class LocalCloud:
         glue.activate(self)
         # One line per request on stderr drowns everything else out.
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
+        # There is no X-Ray daemon here. Powertools' Tracer patches botocore process-wide, so
+        # every AWS call of the server's own threads (no Lambda trace header) would warn that
+        # its subsegment was discarded; with the SDK off the Tracer records nothing, quietly.
+        global_sdk_config.set_sdk_enabled(False)
         try:
             self._configure_moto()
             self.workdir.mkdir(parents=True, exist_ok=True)
@@ -149,6 +154,7 @@ class LocalCloud:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
         self._restore_moto()
+        global_sdk_config.set_sdk_enabled(True)  # its default (AWS_XRAY_SDK_ENABLED still wins)
         glue.deactivate(self)
         if self._owns_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)

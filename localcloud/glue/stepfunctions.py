@@ -27,6 +27,10 @@ that. These patches fill the gaps:
   AWS generates a unique name, and so does the glue.
 - SendTaskFailure: the API layer dropped `cause`, so a catcher's Cause was null; it is
   now passed on.
+- Log noise: a Choice rule `IsPresent: false` is evaluated by reading the path and catching
+  the miss, and the interpreter logs that expected miss at ERROR level
+  ("Exception=NoSuchJsonPathError"). Those records are dropped; a path that is really missing
+  still fails the execution with States.Runtime, which the history shows.
 - Scaled time: Wait states and Retry intervals sleep `time_scale` times their nominal
   length (TimeoutSeconds and HeartbeatSeconds stay in real time: they bound real work).
 """
@@ -37,6 +41,7 @@ import datetime
 import functools
 import importlib
 import json
+import logging
 import pkgutil
 import sys
 import threading
@@ -245,7 +250,12 @@ class _ScaledSleepTime:
         time.sleep(seconds * time_scale())
 
 
+def _not_a_missing_path(record: logging.LogRecord) -> bool:
+    return not str(record.msg % record.args if record.args else record.msg).startswith("Exception=NoSuchJsonPathError")
+
+
 def apply() -> None:
+    logging.getLogger("moto.stepfunctions.parser.asl.component.eval_component").addFilter(_not_a_missing_path)
     moto_jsonata._eval_jsonata = evaluate_jsonata
     eval_states.encode_jsonata_variable_declarations = encode_variable_declarations
     variable_store.encode_jsonata_variable_declarations = encode_variable_declarations
