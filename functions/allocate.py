@@ -11,7 +11,7 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import RunPayload, aws, logger, metrics, tracer
+from functions.common import RunPayload, aws, capacity_unavailable, fleet_token_prefix, logger, metrics, tracer
 from functions.errors import CapacityUnavailable
 from trainfleet.adapters.ec2_fleet import Allocation, allocate, ensure_launch_template
 from trainfleet.contracts import CapacityKind, NodeRecord, NodeRole, RunState
@@ -39,9 +39,9 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
     template_id = ensure_launch_template(cloud.ec2, spec, cloud.settings)
     allocation = allocate(cloud.ec2, spec, cloud.settings.stack_name, template_id, spec.capacity.subnet_ids,
                           target=spec.node_count + spec.spare_count, minimum=spec.shrink_floor,
-                          token_prefix=f"{name}/{run.attempt}")
+                          token_prefix=fleet_token_prefix(run))
     if not allocation.instance_ids:
-        raise CapacityUnavailable("; ".join(allocation.errors) or "no subnet launched any instance")
+        raise capacity_unavailable(name, "; ".join(allocation.errors) or "no subnet launched any instance")
     workers = min(len(allocation.instance_ids), spec.node_count)
     plan = plan_layout(spec.trainer, spec.facts.ranks_per_node, available_nodes=workers,
                        min_nodes=spec.shrink_floor, preferred_pp=spec.trainer.parallel.pp)

@@ -24,14 +24,16 @@ from botocore.config import Config
 from aws_lambda_powertools.metrics import MetricUnit
 from pydantic import BaseModel, ConfigDict
 
+from functions.errors import CapacityUnavailable
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import FAILURE_ERROR, FailureReport, NodeRecord, RecoveryAction, RunRef, RunSpec
+from trainfleet.contracts import (FAILURE_ERROR, FailureReport, NodeRecord, RecoveryAction, RunRecord, RunRef,
+                                  RunSpec)
 from trainfleet.lifecycle import ready_workers, world_complete
 from trainfleet.settings import MissingSetting, Settings
 
 __all__ = ["logger", "tracer", "metrics", "Aws", "aws", "answer_task", "addressed", "answer_if_world_complete",
-           "Timeouts", "CaughtError", "RecoveryStep", "RunPayload", "TaskPayload", "launch_spec_key",
-           "report_key"]
+           "fleet_token_prefix", "capacity_unavailable", "Timeouts", "CaughtError", "RecoveryStep", "RunPayload",
+           "TaskPayload", "launch_spec_key", "report_key"]
 
 IDEMPOTENCY_TABLE_VARIABLE = "TRAINFLEET_IDEMPOTENCY_TABLE"
 
@@ -116,6 +118,20 @@ def answer_if_world_complete(run_name: str) -> bool:
         return False
     return answer_task(run_name, "await_nodes", run.attempt,
                        output={"ready_workers": len(ready_workers(nodes))})
+
+
+def fleet_token_prefix(run: RunRecord) -> str:
+    """What the fleet adapter's CreateFleet ClientTokens are made of: the same for every retry
+    of a launch (EC2 returns the fleet it launched), new after each round that came up short."""
+    return f"{run.run_name}/{run.attempt}/{run.fleet_requests_unfilled}"
+
+
+def capacity_unavailable(run_name: str, message: str) -> CapacityUnavailable:
+    """The error to raise when a fleet request came up short, counted on the run first so that
+    the state machine's retry asks EC2 anew (fleet_token_prefix)."""
+    aws().store.modify_run(run_name, lambda run: run.model_copy(
+        update={"fleet_requests_unfilled": run.fleet_requests_unfilled + 1}))
+    return CapacityUnavailable(message)
 
 
 def launch_spec_key(run_name: str) -> str:

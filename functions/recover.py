@@ -25,8 +25,9 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import CaughtError, RecoveryStep, RunPayload, aws, logger, metrics, tracer
-from functions.errors import CapacityUnavailable, RecoveryGaveUp
+from functions.common import (CaughtError, RecoveryStep, RunPayload, aws, capacity_unavailable, fleet_token_prefix,
+                              logger, metrics, tracer)
+from functions.errors import RecoveryGaveUp
 from trainfleet.adapters.ec2_fleet import allocate, terminate
 from trainfleet.contracts import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                   RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
@@ -86,11 +87,11 @@ def act(run: RunRecord) -> int:
         return 0
     allocation = allocate(cloud.ec2, spec, cloud.settings.stack_name, run.launch_template_id, [run.subnet_id],
                           target=missing_workers + missing_spares, minimum=max(1, missing_workers),
-                          token_prefix=f"{name}/{run.attempt}")
+                          token_prefix=fleet_token_prefix(run))
     if len(allocation.instance_ids) < missing_workers:
         # The report names this attempt, so the Recover that catches it decides once (shrink or
         # give up) and a retry of that Recover carries on instead of deciding again.
-        raise CapacityUnavailable(FailureReport(
+        raise capacity_unavailable(name, FailureReport(
             failure_class=FailureClass.CAPACITY, attempt=run.attempt,
             message=f"{missing_workers} replacement(s) needed in {run.subnet_id}: "
                     + ("; ".join(allocation.errors) or "none launched")).model_dump_json())

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from trainfleet.adapters.ec2_fleet import run_instance_ids
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.contracts import (FAILURE_ERROR, FailureClass, NodeRecord, NodeRole, NodeState,
                                   ParallelPlan, RunRecord, RunSpec, RunState, TaskWait)
@@ -57,6 +58,7 @@ def handlers(cloud, resources, monkeypatch):
                         "TRAINFLEET_NODE_INSTANCE_PROFILE_ARN": "arn:aws:iam::123456789012:instance-profile/node",
                         "POWERTOOLS_TRACE_DISABLED": "true", "POWERTOOLS_METRICS_NAMESPACE": "Trainfleet"}.items():
         monkeypatch.setenv(name, value)
+    import functions.allocate
     import functions.events
     import functions.recover
     import functions.validate
@@ -169,6 +171,40 @@ def test_validate_records_the_run_and_passes_on_a_reference_of_constant_size(han
     assert handlers.validate.handler({"run_spec": small, "execution_arn": "arn:small-run"}, Context()) == outputs[0]
     with pytest.raises(handlers.errors.InvalidRunSpec, match="run_name: a run named 'small-run' exists already"):
         handlers.validate.handler({"run_spec": small, "execution_arn": "arn:other"}, Context())
+
+
+# --- Allocate -------------------------------------------------------------------------------
+
+def test_allocate_retried_for_capacity_asks_ec2_anew_and_a_retry_after_a_launch_does_not(
+        handlers, cloud, resources, monkeypatch):
+    monkeypatch.setattr(cloud.fleet, "boot", lambda instance: None)  # EC2 semantics only, no agents
+    ec2, zone, instance_type = cloud.client("ec2"), "us-east-1c", "c5.large"
+    subnet = ec2.describe_subnets(Filters=[{"Name": "availability-zone", "Values": [zone]},
+                                           {"Name": "default-for-az", "Values": ["true"]}])["Subnets"][0]
+    group = ec2.describe_security_groups(Filters=[{"Name": "vpc-id", "Values": [subnet["VpcId"]]},
+                                                  {"Name": "group-name", "Values": ["default"]}])
+    name = f"run-{uuid.uuid4().hex[:6]}"
+    document = spec_document(
+        resources["bucket"], name, instance_type=instance_type, node_count=2, spare_count=0, min_nodes=None,
+        image_id="ami-0123456789abcdef0",
+        capacity={"kind": "on-demand", "subnet_ids": [subnet["SubnetId"]],
+                  "security_group_ids": [group["SecurityGroups"][0]["GroupId"]]},
+        trainer={"model": {"n_layers": 2}, "training": {"batch_size": 2},
+                 "parallel": {"pp": 2, "dp": 1, "schedule": "gpipe", "microbatches": 2}})
+    payload = handlers.validate.handler({"run_spec": document, "execution_arn": f"arn:{name}"}, Context())
+
+    cloud.set_capacity(instance_type, zone, 0)
+    with pytest.raises(handlers.errors.CapacityUnavailable, match="InsufficientInstanceCapacity"):
+        handlers.allocate.handler(payload, Context())
+    cloud.set_capacity(instance_type, zone, None)
+    # The state machine's Retry sends the same input; capacity has come back meanwhile.
+    assert handlers.allocate.handler(payload, Context())["instances"] == 2
+    launched = sorted(node.instance_id for node in RunStore(cloud.client("dynamodb"),
+                                                            resources["run_table"]).nodes(name))
+    # A retry of an invocation that did launch (its answer lost) gets the same fleet back.
+    assert handlers.allocate.handler(payload, Context())["instances"] == 2
+    assert run_instance_ids(ec2, name, STACK) == launched and len(launched) == 2
+    ec2.terminate_instances(InstanceIds=launched)
 
 
 # --- events ---------------------------------------------------------------------------------

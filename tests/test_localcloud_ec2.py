@@ -243,22 +243,32 @@ def test_interface_requests_name_the_faulty_entry():
         interface_requests("p4d.24xlarge", efa_interfaces(2)[1:])
 
 
+def default_subnet(ec2, zone: str) -> str:
+    return ec2.describe_subnets(Filters=[{"Name": "availability-zone", "Values": [zone]},
+                                         {"Name": "default-for-az", "Values": ["true"]}])["Subnets"][0]["SubnetId"]
+
+
+def on_demand_fleet(ec2, template: str, instance_type: str, subnet: str, target: int, minimum: int,
+                    **client_token) -> tuple[list[str], list[dict]]:
+    """An instant on-demand CreateFleet in one subnet: (instance ids, Errors)."""
+    answer = ec2.create_fleet(Type="instant", LaunchTemplateConfigs=[{
+        "LaunchTemplateSpecification": {"LaunchTemplateId": template, "Version": "$Latest"},
+        "Overrides": [{"InstanceType": instance_type, "SubnetId": subnet}]}],
+        TargetCapacitySpecification={"TotalTargetCapacity": target, "OnDemandTargetCapacity": target,
+                                     "DefaultTargetCapacityType": "on-demand"},
+        OnDemandOptions={"SingleInstanceType": True, "SingleAvailabilityZone": True, "MinTargetCapacity": minimum},
+        **client_token)
+    return [i for entry in answer.get("Instances", []) for i in entry["InstanceIds"]], answer.get("Errors", [])
+
+
 def test_capacity_cap_per_type_and_zone(local_cloud):
     ec2, zone, instance_type = local_cloud.client("ec2"), "us-east-1f", "c6i.large"
-    subnet = ec2.describe_subnets(Filters=[{"Name": "availability-zone", "Values": [zone]},
-                                           {"Name": "default-for-az", "Values": ["true"]}])["Subnets"][0]["SubnetId"]
+    subnet = default_subnet(ec2, zone)
     template = ec2.create_launch_template(LaunchTemplateName=unique("lt"), LaunchTemplateData={
         "ImageId": IMAGE, "InstanceType": instance_type})["LaunchTemplate"]["LaunchTemplateId"]
 
     def fleet(target: int, minimum: int) -> tuple[list[str], list[dict]]:
-        answer = ec2.create_fleet(Type="instant", LaunchTemplateConfigs=[{
-            "LaunchTemplateSpecification": {"LaunchTemplateId": template, "Version": "$Latest"},
-            "Overrides": [{"InstanceType": instance_type, "SubnetId": subnet}]}],
-            TargetCapacitySpecification={"TotalTargetCapacity": target, "OnDemandTargetCapacity": target,
-                                         "DefaultTargetCapacityType": "on-demand"},
-            OnDemandOptions={"SingleInstanceType": True, "SingleAvailabilityZone": True,
-                             "MinTargetCapacity": minimum})
-        return [i for entry in answer.get("Instances", []) for i in entry["InstanceIds"]], answer.get("Errors", [])
+        return on_demand_fleet(ec2, template, instance_type, subnet, target, minimum)
 
     def run_one() -> str:
         return ec2.run_instances(ImageId=IMAGE, InstanceType=instance_type, SubnetId=subnet, MinCount=1,
@@ -291,3 +301,30 @@ def test_capacity_cap_per_type_and_zone(local_cloud):
         arguments = dict(instance_type=instance_type, availability_zone=zone, instances=1) | bad
         with pytest.raises(ValueError, match=message):
             local_cloud.set_capacity(**arguments)
+
+
+def test_create_fleet_client_token_answers_a_repeat_with_the_first_answer(local_cloud):
+    ec2, zone, instance_type = local_cloud.client("ec2"), "us-east-1e", "c6i.xlarge"
+    subnet = default_subnet(ec2, zone)
+    template = ec2.create_launch_template(LaunchTemplateName=unique("lt"), LaunchTemplateData={
+        "ImageId": IMAGE, "InstanceType": instance_type})["LaunchTemplate"]["LaunchTemplateId"]
+    token = unique("token")
+
+    local_cloud.set_capacity(instance_type, zone, 0)
+    nothing, errors = on_demand_fleet(ec2, template, instance_type, subnet, 2, 2, ClientToken=token)
+    assert nothing == [] and errors[0]["ErrorCode"] == "InsufficientInstanceCapacity"
+    local_cloud.set_capacity(instance_type, zone, None)
+    # Capacity came back, but a repeated request is answered, not carried out again.
+    assert on_demand_fleet(ec2, template, instance_type, subnet, 2, 2, ClientToken=token) == (nothing, errors)
+
+    other_token = unique("token")
+    launched, errors = on_demand_fleet(ec2, template, instance_type, subnet, 2, 2, ClientToken=other_token)
+    assert len(launched) == 2 and errors == []
+    assert on_demand_fleet(ec2, template, instance_type, subnet, 2, 2, ClientToken=other_token) == (launched, [])
+    alive = ec2.describe_instances(Filters=[{"Name": "subnet-id", "Values": [subnet]},
+                                            {"Name": "instance-type", "Values": [instance_type]},
+                                            {"Name": "instance-state-name", "Values": ["pending", "running"]}])
+    assert sorted(i["InstanceId"] for r in alive["Reservations"] for i in r["Instances"]) == sorted(launched)
+    with pytest.raises(botocore.exceptions.ClientError, match="IdempotentParameterMismatch"):
+        on_demand_fleet(ec2, template, instance_type, subnet, 3, 2, ClientToken=other_token)
+    ec2.terminate_instances(InstanceIds=launched)

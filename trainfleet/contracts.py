@@ -759,6 +759,11 @@ class RunRecord(_Strict):
     """Cluster placement group of the fleet."""
     launch_template_id: str | None = None
     """The run's launch template."""
+    fleet_requests_unfilled: int = Field(default=0, ge=0)
+    """CreateFleet rounds that launched too few and raised CapacityUnavailable. Part of the
+    fleet's ClientToken: EC2 answers a repeated token with the first answer, so the state
+    machine's capacity retry must send a new one, while a retry after a launch that did succeed
+    must send the old one and get the same fleet back."""
     latest_checkpoint: CheckpointRef | None = None
     """Newest committed checkpoint known: where the next attempt resumes."""
     waiting: TaskWait | None = None

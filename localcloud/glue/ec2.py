@@ -20,6 +20,9 @@ Patches to moto, each replacing something it lacks or drops:
   RunInstances fails with InsufficientInstanceCapacity; an on-demand CreateFleet (`instant`) launches what fits, or nothing when that is
   below OnDemandOptions.MinTargetCapacity, and lists the rest under `Errors` with ErrorCode
   InsufficientInstanceCapacity, as EC2 answers. Spot launches are not capped.
+- CreateFleet ClientToken: moto ignored it. As EC2 documents for idempotent requests, a
+  repeated token with the same parameters now gets the first answer and launches nothing,
+  and with other parameters fails with IdempotentParameterMismatch.
 
 Instance types are checked against moto's catalogue (LocalCloud turns on moto's own
 validation), and EFA requests against the type's network cards.
@@ -278,7 +281,36 @@ def _fleet_grant(fleet: Fleet, count: int, free: int) -> int:
     return granted if len(fleet.on_demand_instances) + granted >= minimum else 0
 
 
+_fleet_token_lock = threading.Lock()
+"""Held from the token lookup until the answer is kept, so one token launches one fleet."""
+
+
+def _fleet_answers(backend: Any) -> dict[str, tuple[dict[str, Any], ActionResult]]:
+    """CreateFleet answers by ClientToken, each with the other parameters of its request."""
+    if not hasattr(backend, "localcloud_fleet_answers"):
+        backend.localcloud_fleet_answers = {}
+    return backend.localcloud_fleet_answers
+
+
 def _create_fleet_response(self: Fleets) -> ActionResult:
+    token = self._get_param("ClientToken")
+    if not token:
+        return _create_fleet_with_errors(self)
+    request = {key: value for key, value in self._get_params().items() if key != "ClientToken"}
+    with _fleet_token_lock:
+        answers = _fleet_answers(self.ec2_backend)
+        if token in answers:
+            first_request, answer = answers[token]
+            if request != first_request:
+                raise EC2ClientError("IdempotentParameterMismatch",
+                                     f"ClientToken {token!r} was used by a CreateFleet with other parameters")
+            return answer
+        answer = _create_fleet_with_errors(self)
+        answers[token] = (request, answer)
+        return answer
+
+
+def _create_fleet_with_errors(self: Fleets) -> ActionResult:
     _request.fleet_errors = []
     try:
         result = _moto_create_fleet_response(self)

@@ -290,8 +290,10 @@ def allocate(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, 
     Zone by zone: a zone that cannot give `minimum` launches nothing (MinTargetCapacity), or, for
     Capacity Blocks, what it gave is terminated; then the next subnet is tried. The result may hold
     fewer than `target` (partial fulfilment) or none (shortfall == target); the caller decides.
-    Raises FleetError on errors no zone can cure. `token_prefix` (run and attempt) makes the
-    call idempotent per subnet: a retried Lambda does not launch a second fleet.
+    Raises FleetError on errors no zone can cure. `token_prefix` makes the call idempotent per
+    subnet (EC2 answers a repeated ClientToken with the first answer): the same prefix for a
+    retry of a launch, so it never launches a second fleet, a new one for a retry after a
+    shortfall, which would otherwise only be told the shortfall again.
     """
     zones = {subnet["SubnetId"]: subnet["AvailabilityZone"]
              for subnet in ec2.describe_subnets(SubnetIds=subnet_ids)["Subnets"]}
