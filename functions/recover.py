@@ -2,9 +2,9 @@
 
 1. Classify what the Catch caught: a FailureReport sent by the event handler, or a task timeout
    (boot or heartbeat, told apart by what the run was waiting for).
-2. Decide, and record the decision before acting on it: a new attempt, the failure on the
-   books, the blamed nodes TERMINATING, promoted spares made workers. Giving up raises
-   RecoveryGaveUp, which the state machine sends to Teardown.
+2. Decide, and record the decision before acting on it: the ended attempt's time on the goodput
+   ledger, a new attempt, the failure on the books, the blamed nodes TERMINATING, promoted spares
+   made workers. Giving up raises RecoveryGaveUp, which the state machine sends to Teardown.
 3. Act on the records, not on the decision, so a retried invocation (which finds the attempt
    already advanced and skips step 2) does the same: terminate the nodes the event handler
    marked UNHEALTHY and those marked TERMINATING (recorded first), launch what the plan and the
@@ -31,7 +31,7 @@ from functions.errors import RecoveryGaveUp
 from trainfleet.adapters.ec2_fleet import allocate, terminate
 from trainfleet.contracts import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                   RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
-from trainfleet.lifecycle import apply_decision, classify_task_error, decide_recovery
+from trainfleet.lifecycle import apply_decision, classify_task_error, decide_recovery, settle_run_attempt
 
 _GONE = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
 _ENDING = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
@@ -58,8 +58,12 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
     store, name = aws().store, run.run_name
     decision = decide_recovery(run, nodes, failure, jitter_draw=random.random())
     now = datetime.now(timezone.utc)
-    store.modify_run(name, lambda current: apply_decision(current, failure, decision, now).model_copy(
-        update={"state": RunState.RECOVERING}))
+    # The attempt ends here; in the same write as the decision, so a retry books it once. Giving
+    # up leaves the attempt to Teardown, which ends every run.
+    store.modify_run(name, lambda current: apply_decision(current, failure, decision, now).model_copy(update={
+        "state": RunState.RECOVERING,
+        "ledger": current.ledger if decision.action is RecoveryAction.GIVE_UP
+        else settle_run_attempt(current, now, completed=False)}))
     logger.info("recovery decided", run_name=name, decision=decision.model_dump(mode="json"))
     if decision.action is RecoveryAction.GIVE_UP:
         raise RecoveryGaveUp(decision.reason)

@@ -1,9 +1,11 @@
 """Teardown: on every path out of a run, terminate its instances and delete what it created.
 
 Instances are found by their run tag in EC2, not only in the run's records, so one launched by
-an interrupted Allocate is not forgotten. The outcome is recorded last.
+an interrupted Allocate is not forgotten. The last attempt's time goes on the goodput ledger
+first, with the move to TEARING_DOWN; the outcome is recorded last.
 """
 
+from datetime import datetime, timezone
 from typing import Any
 
 from aws_lambda_powertools.utilities.parser import event_parser
@@ -12,7 +14,8 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from functions.common import RunPayload, aws, logger, tracer
 from functions.errors import TeardownIncomplete
 from trainfleet.adapters.ec2_fleet import teardown
-from trainfleet.contracts import NodeState, RunState
+from trainfleet.contracts import NodeState, RunRecord, RunState
+from trainfleet.lifecycle import settle_run_attempt
 
 _LEFT = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
 
@@ -26,7 +29,14 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
     run = store.run(name)
     if not run.state.is_final:
         error = run.error or (f"{event.failure.Error}: {event.failure.Cause}" if event.failure else None)
-        store.transition_run(name, RunState.TEARING_DOWN, error=error)
+        now = datetime.now(timezone.utc)
+
+        def tear_down(current: RunRecord) -> RunRecord:
+            if current.state is RunState.TEARING_DOWN:
+                return current  # a retry: the attempt is booked already
+            booked = settle_run_attempt(current, now, completed=event.failure is None)
+            return current.model_copy(update={"state": RunState.TEARING_DOWN, "error": error, "ledger": booked})
+        store.modify_run(name, tear_down)
     for node in store.nodes(name):
         if node.state not in _LEFT:
             store.transition_node(name, node.instance_id, NodeState.TERMINATING)

@@ -102,18 +102,20 @@ def attempt_losses(instances: list[Any]) -> dict[int, dict[int, float]]:
 
 def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None], *,
                        disruption: Literal["kill", "spot"] | None = "kill", workdir: Path | None = None,
-                       time_scale: float = 0.02, timeout_s: float = 600.0) -> dict[str, Any]:
+                       time_scale: float = 0.02, spot_notice_seconds: float = 120.0,
+                       timeout_s: float = 600.0) -> dict[str, Any]:
     """Deploy, run `template` (its nodes are local instances with real agents), disrupt node
     rank 1 once the first checkpoint is recorded (kill its instance, or give it a Spot
     interruption notice), wait for the end; what happened, as plain data. `workdir` keeps the instances' folders (console.log,
-    each attempt's trainer config, torchrun output and metrics); None uses a temporary folder."""
+    each attempt's trainer config, torchrun output and metrics); None uses a temporary folder.
+    `spot_notice_seconds` is nominal, like every local cloud time: scaled by `time_scale`."""
     # The SAM roles attach AWS managed policies; moto knows them only when asked before it loads.
     os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"
     from localcloud import LocalCloud
     from localcloud.deploy import DeployRequest, deploy
     from localcloud.imds import serve_fleet
 
-    with LocalCloud(time_scale=time_scale, workdir=workdir) as cloud:
+    with LocalCloud(time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds) as cloud:
         metadata = serve_fleet(cloud)
         try:
             narrate(f"local cloud up at {cloud.endpoint}; instance metadata at 127.0.0.1:{metadata.port}")
@@ -287,7 +289,6 @@ def narrate_outcome(outcome: dict[str, Any], narrate: Callable[[str], None]) -> 
     for first in range(0, len(steps), 10):
         row = steps[first:first + 10]
         narrate(f"loss, steps {row[0]:>3}-{row[-1]:<3} " + " ".join(f"{timeline[step]:.3f}" for step in row))
-    trained = sum(len(losses) for losses in outcome["losses"].values())
     report = outcome["report"]
     for failure in report["failures"]:
         narrate(f"failure handled: {failure['failure_class']}, latest committed step then {failure['resume_step']}")
@@ -297,15 +298,9 @@ def narrate_outcome(outcome: dict[str, Any], narrate: Callable[[str], None]) -> 
             f"{outcome['run']['latest_checkpoint']}")
     if outcome["error"]:
         narrate(f"execution failed: {outcome['error']}: {outcome['cause']}")
-    if trained:
-        narrate(f"step goodput {len(steps)}/{trained} = {len(steps) / trained:.0%} "
-                f"(steps kept / steps trained; the rest were redone after the resume)")
     ledger = report["ledger"]
-    if ledger["node_seconds"]:
-        narrate(f"time goodput {report['goodput']:.0%} ({ledger['productive_seconds']:.0f} s productive, "
-                f"{ledger['lost_seconds']:.0f} s lost), {ledger['node_seconds']:.0f} node-seconds, ${ledger['cost_usd']:.4f}")
-    else:
-        narrate("time goodput: the run report's ledger is empty (the handlers do not settle attempts yet)")
+    narrate(f"goodput {report['goodput']:.0%} of the attempts' time: {ledger['productive_seconds']:.1f} s productive, "
+            f"{ledger['lost_seconds']:.1f} s lost (start-up, recovery, training redone after the resume)")
 
 
 def main(argv: list[str] | None = None) -> int:

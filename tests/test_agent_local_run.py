@@ -13,6 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SCENARIO_TIMEOUT_S = 600
 FINAL_STEP, CHECKPOINT_EVERY = 60, 10  # events/local-demo-run.json
+SPOT_STEPS, SPOT_CHECKPOINT_EVERY = 500, 250  # tests/agent_local_run.py's spot scenario
 
 
 def run_scenario(name: str) -> dict:
@@ -129,16 +130,24 @@ def test_a_config_the_trainer_refuses_fails_the_run_without_retrying():
 
 
 @pytest.mark.slow
-def test_a_spot_notice_replaces_the_node_and_resumes_from_the_latest_commit():
-    """The victim's agent asks its trainer for a checkpoint when it sees the notice, but the
-    control plane fails the attempt on the same warning and the agents then stop their trainers,
-    so whether the agent saw the notice first is timing (docs/ARCHITECTURE.md, Agent and demo)."""
+def test_a_spot_notice_replaces_the_node_after_its_emergency_checkpoint_and_resumes_from_it():
+    """The victim's agent asks its trainer for a checkpoint when it sees the notice; the control
+    plane trains on until that checkpoint commits, then replaces the node. The scenario checkpoints
+    every 250 steps and gives the notice after step 250, so a resume step off that grid is the
+    requested checkpoint."""
     run = run_scenario("spot-interruption")
     assert run["status"] == "SUCCEEDED"
     victim, survivor = run["disrupted"]["victim"], run["disrupted"]["survivor"]
-    assert [failure["failure_class"] for failure in run["report"]["failures"]] == ["SPOT_INTERRUPTION"]
-    assert run["nodes"][victim]["failure"] == "SPOT_INTERRUPTION"
-    assert all(not notices for instance, notices in run["spot_notices"].items() if instance != victim)
+    (failure,) = run["report"]["failures"]
+    assert failure["failure_class"] == "SPOT_INTERRUPTION" and run["nodes"][victim]["failure"] == "SPOT_INTERRUPTION"
+    assert [instance for instance, notices in run["spot_notices"].items() if notices] == [victim]
     (replacement,) = set(run["nodes"]) - set(run["disrupted"]["first_nodes"])
-    check_resumed_from_the_latest_commit(run, resume_point(run, survivor, victim, replacement))
+    resumed = resume_point(run, survivor, victim, replacement)
+    every = SPOT_CHECKPOINT_EVERY
+    assert every < resumed < SPOT_STEPS and resumed % every != 0, resumed
+    assert resumed == failure["resume_step"]  # recorded before the attempt was failed
+    assert [0, resumed] in run["commits"]
+    assert [step for attempt, step in run["commits"] if attempt == 1] == [SPOT_STEPS]
     assert set(run["instances"].values()) == {"terminated"}
+    ledger = run["report"]["ledger"]
+    assert ledger["productive_seconds"] > 0 and ledger["lost_seconds"] > 0

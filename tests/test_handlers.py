@@ -285,9 +285,8 @@ def test_a_checkpoint_claim_is_checked_against_s3(handlers, cloud, resources):
 
 
 @pytest.mark.parametrize("sample, failure_class", [
-    ("ec2-spot-instance-interruption-warning.json", FailureClass.SPOT_INTERRUPTION),
     ("aws-health-ec2-instance-retirement.json", FailureClass.HEALTH_EVENT),
-])
+])  # a Spot warning first waits for the emergency checkpoint: tests/test_handlers_spot_goodput.py
 def test_aws_warnings_about_a_worker_fail_the_train_task(handlers, cloud, resources, sample, failure_class):
     store, run, (worker, _) = recorded_run(cloud, resources)
     execution, token = parked_token(cloud)

@@ -348,6 +348,49 @@ def test_goodput_of_a_completed_attempt_and_of_attempts_without_progress():
     assert GoodputLedger().goodput == 1.0
 
 
+def test_a_run_attempt_is_booked_from_the_records_times():
+    kept = CheckpointRef(step=40, uri="s3://bucket/runs/r1/checkpoints/step-000000040", committed_at=minutes(45))
+    first = make_run(created_at=T0, first_step_at=minutes(5), latest_checkpoint=kept)
+    assert lc.settle_run_attempt(first, minutes(55), completed=False) == GoodputLedger(
+        productive_seconds=40 * 60, lost_seconds=15 * 60)
+    # The next attempt starts at its recovery; the old checkpoint keeps nothing of it.
+    second = first.model_copy(update={"attempt_started_at": minutes(56), "first_step_at": minutes(58),
+                                      "ledger": GoodputLedger(productive_seconds=10)})
+    assert lc.settle_run_attempt(second, minutes(60), completed=False) == GoodputLedger(
+        productive_seconds=10, lost_seconds=4 * 60)
+    with pytest.raises(ValueError, match="attempt 1 has no start time"):
+        lc.settle_run_attempt(make_run(), minutes(1), completed=True)
+
+
+def test_a_spot_warning_waits_only_for_a_worker_of_a_training_world():
+    training = make_run(waiting=TaskWait(purpose="train", attempt=1, token="t"))
+    assert lc.waits_for_emergency_checkpoint(training, WORKERS[0])
+    assert not lc.waits_for_emergency_checkpoint(training, SPARE)
+    assert not lc.waits_for_emergency_checkpoint(make_run(waiting=TaskWait(purpose="await_nodes", attempt=1,
+                                                                           token="t")), WORKERS[0])
+    assert not lc.waits_for_emergency_checkpoint(make_run(), WORKERS[0])
+
+
+def test_the_spot_wait_ends_at_the_requested_checkpoint_the_instance_leaving_or_the_notice_running_out():
+    run = make_run()  # checkpoints every 10 steps
+    warned = node("i-2", spot_warned_at=T0)
+    nodes = [WORKERS[0], warned, node("i-3", state=NodeState.UNHEALTHY, spot_warned_at=T0)]
+    almost = T0 + lc.SPOT_NOTICE - timedelta(seconds=1)
+    assert lc.spot_interruption_over(run, nodes, almost) is None
+    assert lc.spot_interruption_over(run, nodes, almost, leaving_instance_ids=frozenset({"i-1"})) is None
+    # An interval checkpoint (a multiple of 10) is not the one the warning asked for.
+    assert lc.spot_interruption_over(run, nodes, almost, committed_step=40) is None
+    for trigger, why in [({"committed_step": 43}, "emergency checkpoint step 43 committed"),
+                         ({"leaving_instance_ids": frozenset({"i-2"})}, "instance leaving"),
+                         ({"now": T0 + lc.SPOT_NOTICE}, "notice ran out")]:
+        over = lc.spot_interruption_over(run, nodes, **{"now": almost, **trigger})
+        assert (over.failure_class, over.attempt, over.instance_ids) == (FailureClass.SPOT_INTERRUPTION, 1, ["i-2"])
+        assert why in over.message
+    # Nothing interrupting (or only retired nodes): nothing ends.
+    assert lc.spot_interruption_over(run, WORKERS, T0, committed_step=43) is None
+    assert lc.spot_interruption_over(run, nodes[2:], T0 + lc.SPOT_NOTICE) is None
+
+
 def test_cost_accrues_and_meets_the_ceiling():
     ledger = lc.accrue_cost(GoodputLedger(), node_count=5, usd_per_hour=55.04, seconds=1800)
     assert ledger.node_seconds == 9000 and ledger.cost_usd == pytest.approx(137.6)

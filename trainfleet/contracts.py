@@ -815,6 +815,9 @@ class NodeRecord(_Strict):
     """Why it was marked UNHEALTHY."""
     reason: str | None = None
     """For people: the event or check that marked it."""
+    spot_warned_at: datetime | None = None
+    """When a Spot interruption warning named it while it trained: it is interrupting, and the
+    run trains on until its emergency checkpoint commits (lifecycle.spot_interruption_over)."""
     launched_at: datetime | None = None
     """Set by the run store when first recorded."""
     updated_at: datetime | None = None

@@ -2,7 +2,7 @@
 
 from datetime import datetime
 
-from trainfleet.contracts import GoodputLedger, RunSpec
+from trainfleet.contracts import GoodputLedger, RunRecord, RunSpec
 
 
 def settle_attempt(ledger: GoodputLedger, started_at: datetime, first_step_at: datetime | None,
@@ -30,6 +30,21 @@ def settle_attempt(ledger: GoodputLedger, started_at: datetime, first_step_at: d
         "productive_seconds": ledger.productive_seconds + productive,
         "lost_seconds": ledger.lost_seconds + startup + redone,
     })
+
+
+def settle_run_attempt(run: RunRecord, ended_at: datetime, completed: bool) -> GoodputLedger:
+    """The run's ledger with its current attempt booked (settle_attempt over the record's times).
+
+    Attempt 0 starts when the run was recorded. The latest checkpoint counts for this attempt
+    only if it was committed after the attempt's first step (settle_attempt's own rule), so an
+    earlier attempt's checkpoint keeps nothing of this one.
+    """
+    started_at = run.attempt_started_at or run.created_at
+    if started_at is None:
+        raise ValueError(f"run {run.run_name!r}: attempt {run.attempt} has no start time (attempt_started_at, created_at)")
+    checkpoint = run.latest_checkpoint
+    return settle_attempt(run.ledger, started_at, run.first_step_at, checkpoint.committed_at if checkpoint else None,
+                          ended_at, completed)
 
 
 def accrue_cost(ledger: GoodputLedger, node_count: int, usd_per_hour: float, seconds: float) -> GoodputLedger:

@@ -1,0 +1,159 @@
+"""How an attempt ends, handler by handler against the local cloud (fixtures of test_handlers):
+a Spot warning waits for the emergency checkpoint, then fails the Train task once; the attempt's
+time is booked on the goodput ledger by Recover and Teardown and shown in the run report."""
+
+import json
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from test_adapters_checkpoints import save
+from test_handlers import (REPO, Context, agent_event, cloud, finished, handlers, parked_token,  # noqa: F401
+                           recorded_run, resources, state_change)
+from trainfleet.contracts import FAILURE_ERROR, CheckpointRef, FailureClass, NodeState, TaskWait
+from trainfleet.lifecycle import SPOT_NOTICE
+
+
+def spot_warning(instance_id: str) -> dict:
+    event = json.loads((REPO / "events" / "aws" / "ec2-spot-instance-interruption-warning.json").read_text())
+    event["id"] = str(uuid.uuid4())
+    event["detail"]["instance-id"] = instance_id
+    return event
+
+
+def training_run(cloud, resources):
+    """A recorded run whose Train task waits on a real token; (store, run, nodes, execution)."""
+    store, run, nodes = recorded_run(cloud, resources)
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token=token))
+    return store, run, nodes, execution
+
+
+def warned(handlers, store, run, worker) -> None:
+    """The warning is recorded on the worker; training goes on (the task stays parked)."""
+    assert handlers.events.handler(spot_warning(worker), Context())["outcome"] == (
+        "SPOT_INTERRUPTION: training on until the emergency checkpoint")
+    node = store.node(run.run_name, worker)
+    assert node.state is NodeState.REGISTERED and node.spot_warned_at is not None
+    assert store.run(run.run_name).waiting is not None
+
+
+def spot_failure(cloud, execution: str) -> dict:
+    result = finished(cloud, execution)
+    assert result["status"] == "FAILED" and result["error"] == FAILURE_ERROR
+    return json.loads(result["cause"])
+
+
+def commit(cloud, run, instance_id: str, step: int) -> dict:
+    """A checkpoint committed in S3 as the trainer does it, and its agent's announcement."""
+    save(cloud.client("s3"), run.spec.checkpoint.s3_uri, step)
+    return agent_event("CheckpointCommitted", {"run_name": run.run_name, "attempt": 0, "instance_id": instance_id,
+                                               "step": step, "uri": f"{run.spec.checkpoint.s3_uri}/step-{step:09d}"})
+
+
+def progress(run, instance_id: str, step: int) -> dict:
+    return agent_event("TrainingProgress", {"run_name": run.run_name, "attempt": 0, "instance_id": instance_id,
+                                            "step": step, "loss": 2.0, "tokens_per_second": 100.0,
+                                            "step_seconds": 0.1})
+
+
+# --- Spot interruption ------------------------------------------------------------------------
+
+def test_a_spot_warning_waits_for_the_emergency_checkpoint_then_fails_train_once(handlers, cloud, resources):
+    store, run, (victim, survivor), execution = training_run(cloud, resources)
+    warned(handlers, store, run, victim)
+    again = handlers.events.handler(spot_warning(victim), Context())["outcome"]
+    assert again == "ignored: Spot interruption already recorded"
+    every = run.spec.checkpoint.interval_steps
+    # An interval checkpoint committed after the warning is recorded; the wait goes on.
+    assert handlers.events.handler(commit(cloud, run, survivor, every), Context())["outcome"] == (
+        f"checkpoint step {every} recorded")
+    assert store.run(run.run_name).waiting is not None
+    requested = commit(cloud, run, survivor, every + 3)  # off the interval grid: the one asked for
+    outcome = handlers.events.handler(requested, Context())["outcome"]
+    assert outcome == f"checkpoint step {every + 3} recorded; SPOT_INTERRUPTION: task failed"
+    report = spot_failure(cloud, execution)
+    assert report["failure_class"] == FailureClass.SPOT_INTERRUPTION.value and report["instance_ids"] == [victim]
+    assert f"emergency checkpoint step {every + 3} committed" in report["message"]
+    after = store.run(run.run_name)
+    assert after.latest_checkpoint.step == every + 3 and after.waiting is None
+    assert store.node(run.run_name, victim).state is NodeState.UNHEALTHY
+    assert store.node(run.run_name, survivor).state is NodeState.REGISTERED
+    # The instance leaving later is news about a retired node; a late duplicate commit fails nothing.
+    assert handlers.events.handler(state_change(victim, "terminated"), Context())["outcome"] == "node terminated"
+    redelivered = {**requested, "id": str(uuid.uuid4())}
+    assert handlers.events.handler(redelivered, Context())["outcome"] == f"checkpoint step {every + 3} recorded"
+
+
+def test_the_interrupted_instance_leaving_first_fails_train_as_a_spot_interruption(handlers, cloud, resources):
+    store, run, (victim, _), execution = training_run(cloud, resources)
+    warned(handlers, store, run, victim)
+    outcome = handlers.events.handler(state_change(victim, "shutting-down"), Context())["outcome"]
+    assert outcome == "SPOT_INTERRUPTION: task failed"
+    report = spot_failure(cloud, execution)
+    assert report["failure_class"] == FailureClass.SPOT_INTERRUPTION.value and report["instance_ids"] == [victim]
+    assert "instance leaving" in report["message"]
+
+
+def test_a_notice_run_out_fails_train_at_the_next_progress(handlers, cloud, resources):
+    store, run, (victim, survivor), execution = training_run(cloud, resources)
+    warned(handlers, store, run, victim)
+    assert handlers.events.handler(progress(run, survivor, 14), Context())["outcome"] == "progress at step 14"
+    assert store.run(run.run_name).waiting is not None
+    store.modify_node(run.run_name, victim, lambda node: node.model_copy(
+        update={"spot_warned_at": node.spot_warned_at - SPOT_NOTICE - timedelta(seconds=1)}))
+    outcome = handlers.events.handler(progress(run, survivor, 15), Context())["outcome"]
+    assert outcome == "progress at step 15; SPOT_INTERRUPTION: task failed"
+    assert "notice ran out" in spot_failure(cloud, execution)["message"]
+
+
+def test_a_spot_warning_before_training_fails_the_wait_at_once(handlers, cloud, resources):
+    store, run, (victim, _) = recorded_run(cloud, resources)
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="await_nodes", attempt=0, token=token))
+    assert handlers.events.handler(spot_warning(victim), Context())["outcome"] == "SPOT_INTERRUPTION: task failed"
+    assert spot_failure(cloud, execution)["instance_ids"] == [victim]
+    assert store.node(run.run_name, victim).spot_warned_at is None
+
+
+# --- goodput ledger ---------------------------------------------------------------------------
+
+def test_recover_and_teardown_book_each_attempt_and_the_report_shows_the_ledger(handlers, cloud, resources):
+    import functions.report
+    import functions.teardown
+
+    store, run, _ = recorded_run(cloud, resources)
+    now = datetime.now(timezone.utc)
+    # Attempt 0: 30 s of start-up, 60 s of training kept by a checkpoint, then ~40 s redone.
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={
+        "attempt_started_at": now - timedelta(seconds=130), "first_step_at": now - timedelta(seconds=100),
+        "latest_checkpoint": CheckpointRef(step=20, uri=f"{run.spec.checkpoint.s3_uri}/step-000000020",
+                                           committed_at=now - timedelta(seconds=40))}))
+    crash = {"failure_class": "PROCESS_CRASH", "attempt": 0, "instance_ids": [], "message": "trainer crashed"}
+    payload = {"run": {"run_name": run.run_name, "attempt": 0},
+               "timeouts": {"boot_seconds": 60, "heartbeat_seconds": 60},
+               "failure": {"Error": FAILURE_ERROR, "Cause": json.dumps(crash)}}
+    handlers.recover.handler(payload, Context())
+    ledger = store.run(run.run_name).ledger
+    assert ledger.productive_seconds == pytest.approx(60)
+    assert ledger.lost_seconds == pytest.approx(70, abs=5)
+    # A retry of the same Recover carries on: the attempt is not booked twice.
+    handlers.recover.handler(payload, Context())
+    assert store.run(run.run_name).ledger == ledger
+
+    # Attempt 1 trains to the end (its first step "now"), then Teardown and Report.
+    store.modify_run(run.run_name, lambda current: current.model_copy(
+        update={"first_step_at": datetime.now(timezone.utc)}))
+    done = {"run": {"run_name": run.run_name, "attempt": 1}, "timeouts": payload["timeouts"]}
+    functions.teardown.handler(done, Context())
+    booked = store.run(run.run_name).ledger
+    assert booked.productive_seconds > ledger.productive_seconds and booked.lost_seconds >= ledger.lost_seconds
+    functions.teardown.handler(done, Context())  # Teardown's retry books nothing again
+    assert store.run(run.run_name).ledger == booked
+    uri = functions.report.handler(done, Context())["report_uri"]
+    bucket, key = uri.removeprefix("s3://").split("/", 1)
+    report = json.loads(cloud.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read())
+    assert report["ledger"]["productive_seconds"] == pytest.approx(booked.productive_seconds)
+    assert report["ledger"]["lost_seconds"] == pytest.approx(booked.lost_seconds)
+    assert report["goodput"] == pytest.approx(booked.goodput) and 0 < report["goodput"] < 1
