@@ -31,7 +31,7 @@ from functions.errors import RecoveryGaveUp
 from trainfleet.adapters.ec2_fleet import allocate, terminate
 from trainfleet.contracts import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                   RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
-from trainfleet.lifecycle import apply_decision, classify_task_error, decide_recovery, settle_run_attempt
+from trainfleet.lifecycle import apply_decision, book_attempt, classify_task_error, decide_recovery
 
 _GONE = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
 _ENDING = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
@@ -56,14 +56,16 @@ def _mark_terminating(name: str, instance_id: str, **changes: Any) -> None:
 def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport) -> RecoveryDecision:
     """Step 2."""
     store, name = aws().store, run.run_name
-    decision = decide_recovery(run, nodes, failure, jitter_draw=random.random())
     now = datetime.now(timezone.utc)
-    # The attempt ends here; in the same write as the decision, so a retry books it once. Giving
-    # up leaves the attempt to Teardown, which ends every run.
+    # The cost ceiling is judged with the ended attempt on the books.
+    booked = run.model_copy(update={"ledger": book_attempt(run, nodes, now, completed=False)})
+    decision = decide_recovery(booked, nodes, failure, jitter_draw=random.random())
+    # The attempt is booked in the same write as the decision, so a retry books it once. A give-up
+    # starts the books afresh too, so Teardown adds only the time after it.
     store.modify_run(name, lambda current: apply_decision(current, failure, decision, now).model_copy(update={
         "state": RunState.RECOVERING,
-        "ledger": current.ledger if decision.action is RecoveryAction.GIVE_UP
-        else settle_run_attempt(current, now, completed=False)}))
+        "ledger": book_attempt(current, nodes, now, completed=False),
+        "attempt_started_at": now, "first_step_at": None}))
     logger.info("recovery decided", run_name=name, decision=decision.model_dump(mode="json"))
     if decision.action is RecoveryAction.GIVE_UP:
         raise RecoveryGaveUp(decision.reason)

@@ -15,7 +15,7 @@ from functions.common import RunPayload, aws, logger, tracer
 from functions.errors import TeardownIncomplete
 from trainfleet.adapters.ec2_fleet import teardown
 from trainfleet.contracts import NodeState, RunRecord, RunState
-from trainfleet.lifecycle import settle_run_attempt
+from trainfleet.lifecycle import book_attempt
 
 _LEFT = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
 
@@ -29,12 +29,12 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
     run = store.run(name)
     if not run.state.is_final:
         error = run.error or (f"{event.failure.Error}: {event.failure.Cause}" if event.failure else None)
-        now = datetime.now(timezone.utc)
+        now, nodes = datetime.now(timezone.utc), store.nodes(name)
 
         def tear_down(current: RunRecord) -> RunRecord:
             if current.state is RunState.TEARING_DOWN:
                 return current  # a retry: the attempt is booked already
-            booked = settle_run_attempt(current, now, completed=event.failure is None)
+            booked = book_attempt(current, nodes, now, completed=event.failure is None)
             return current.model_copy(update={"state": RunState.TEARING_DOWN, "error": error, "ledger": booked})
         store.modify_run(name, tear_down)
     for node in store.nodes(name):

@@ -45,11 +45,12 @@ def spot_failure(cloud, execution: str) -> dict:
     return json.loads(result["cause"])
 
 
-def commit(cloud, run, instance_id: str, step: int) -> dict:
+def commit(cloud, run, instance_id: str, step: int, **reason: str) -> dict:
     """A checkpoint committed in S3 as the trainer does it, and its agent's announcement."""
     save(cloud.client("s3"), run.spec.checkpoint.s3_uri, step)
     return agent_event("CheckpointCommitted", {"run_name": run.run_name, "attempt": 0, "instance_id": instance_id,
-                                               "step": step, "uri": f"{run.spec.checkpoint.s3_uri}/step-{step:09d}"})
+                                               "step": step, "uri": f"{run.spec.checkpoint.s3_uri}/step-{step:09d}",
+                                               **reason})
 
 
 def progress(run, instance_id: str, step: int) -> dict:
@@ -66,24 +67,26 @@ def test_a_spot_warning_waits_for_the_emergency_checkpoint_then_fails_train_once
     again = handlers.events.handler(spot_warning(victim), Context())["outcome"]
     assert again == "ignored: Spot interruption already recorded"
     every = run.spec.checkpoint.interval_steps
-    # An interval checkpoint committed after the warning is recorded; the wait goes on.
-    assert handlers.events.handler(commit(cloud, run, survivor, every), Context())["outcome"] == (
-        f"checkpoint step {every} recorded")
+    # Checkpoints committed after the warning but not asked for are recorded; the wait goes on.
+    # An older agent's event (no reason) is never taken for the requested one.
+    for step, reason in [(every, {"reason": "interval"}), (every + 1, {"reason": "final"}), (every + 2, {})]:
+        event = commit(cloud, run, survivor, step, **reason)
+        assert handlers.events.handler(event, Context())["outcome"] == f"checkpoint step {step} recorded"
     assert store.run(run.run_name).waiting is not None
-    requested = commit(cloud, run, survivor, every + 3)  # off the interval grid: the one asked for
+    requested = commit(cloud, run, survivor, 2 * every, reason="requested")  # on the interval grid
     outcome = handlers.events.handler(requested, Context())["outcome"]
-    assert outcome == f"checkpoint step {every + 3} recorded; SPOT_INTERRUPTION: task failed"
+    assert outcome == f"checkpoint step {2 * every} recorded; SPOT_INTERRUPTION: task failed"
     report = spot_failure(cloud, execution)
     assert report["failure_class"] == FailureClass.SPOT_INTERRUPTION.value and report["instance_ids"] == [victim]
-    assert f"emergency checkpoint step {every + 3} committed" in report["message"]
+    assert f"emergency checkpoint step {2 * every} committed" in report["message"]
     after = store.run(run.run_name)
-    assert after.latest_checkpoint.step == every + 3 and after.waiting is None
+    assert after.latest_checkpoint.step == 2 * every and after.waiting is None
     assert store.node(run.run_name, victim).state is NodeState.UNHEALTHY
     assert store.node(run.run_name, survivor).state is NodeState.REGISTERED
     # The instance leaving later is news about a retired node; a late duplicate commit fails nothing.
     assert handlers.events.handler(state_change(victim, "terminated"), Context())["outcome"] == "node terminated"
     redelivered = {**requested, "id": str(uuid.uuid4())}
-    assert handlers.events.handler(redelivered, Context())["outcome"] == f"checkpoint step {every + 3} recorded"
+    assert handlers.events.handler(redelivered, Context())["outcome"] == f"checkpoint step {2 * every} recorded"
 
 
 def test_the_interrupted_instance_leaving_first_fails_train_as_a_spot_interruption(handlers, cloud, resources):
@@ -138,6 +141,7 @@ def test_recover_and_teardown_book_each_attempt_and_the_report_shows_the_ledger(
     ledger = store.run(run.run_name).ledger
     assert ledger.productive_seconds == pytest.approx(60)
     assert ledger.lost_seconds == pytest.approx(70, abs=5)
+    assert ledger.node_seconds > 0 and ledger.cost_usd > 0  # the run's instances, on the books
     # A retry of the same Recover carries on: the attempt is not booked twice.
     handlers.recover.handler(payload, Context())
     assert store.run(run.run_name).ledger == ledger
@@ -156,4 +160,5 @@ def test_recover_and_teardown_book_each_attempt_and_the_report_shows_the_ledger(
     report = json.loads(cloud.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read())
     assert report["ledger"]["productive_seconds"] == pytest.approx(booked.productive_seconds)
     assert report["ledger"]["lost_seconds"] == pytest.approx(booked.lost_seconds)
+    assert report["ledger"]["cost_usd"] == pytest.approx(booked.cost_usd) and booked.cost_usd > ledger.cost_usd
     assert report["goodput"] == pytest.approx(booked.goodput) and 0 < report["goodput"] < 1

@@ -10,7 +10,7 @@ Offers:
                failure_streak(history, failure_class, resume_step), backoff_seconds(policy, streak, draw),
                ANNOUNCED_BY_AWS
     goodput:   settle_attempt(ledger, started_at, first_step_at, last_checkpoint_at, ended_at, completed),
-               settle_run_attempt(run, ended_at, completed),
+               settle_run_attempt(run, ended_at, completed), book_attempt(run, nodes, ended_at, completed),
                accrue_cost(ledger, node_count, usd_per_hour, seconds), over_cost_ceiling(spec, ledger)
     spot:      waits_for_emergency_checkpoint(run, node), spot_interruption_over(run, nodes, now, ...)
                -> FailureReport | None, SPOT_NOTICE
@@ -22,7 +22,8 @@ Randomness (backoff jitter) and time come in as arguments, so every decision is 
 """
 
 from trainfleet.lifecycle.classify import classify_event, classify_task_error, is_stale
-from trainfleet.lifecycle.goodput import accrue_cost, over_cost_ceiling, settle_attempt, settle_run_attempt
+from trainfleet.lifecycle.goodput import (accrue_cost, book_attempt, over_cost_ceiling, settle_attempt,
+                                         settle_run_attempt)
 from trainfleet.lifecycle.launch import (assign_ranks, build_launch_spec, new_node_records, ready_workers,
                                         unready_workers, world_complete)
 from trainfleet.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, backoff_seconds,
@@ -34,7 +35,7 @@ __all__ = [
     "classify_event", "classify_task_error", "is_stale",
     "plan_layout", "initial_plan",
     "decide_recovery", "apply_decision", "failure_streak", "backoff_seconds", "ANNOUNCED_BY_AWS",
-    "settle_attempt", "settle_run_attempt", "accrue_cost", "over_cost_ceiling",
+    "settle_attempt", "settle_run_attempt", "book_attempt", "accrue_cost", "over_cost_ceiling",
     "waits_for_emergency_checkpoint", "spot_interruption_over", "SPOT_NOTICE",
     "new_node_records", "ready_workers", "unready_workers", "world_complete", "assign_ranks",
     "build_launch_spec",

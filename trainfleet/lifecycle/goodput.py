@@ -1,8 +1,10 @@
 """Goodput and cost: where the run's time and money went."""
 
+from collections.abc import Iterable
 from datetime import datetime
 
-from trainfleet.contracts import GoodputLedger, RunRecord, RunSpec
+from trainfleet.catalogue import instance_facts
+from trainfleet.contracts import GoodputLedger, NodeRecord, NodeState, RunRecord, RunSpec
 
 
 def settle_attempt(ledger: GoodputLedger, started_at: datetime, first_step_at: datetime | None,
@@ -45,6 +47,24 @@ def settle_run_attempt(run: RunRecord, ended_at: datetime, completed: bool) -> G
     checkpoint = run.latest_checkpoint
     return settle_attempt(run.ledger, started_at, run.first_step_at, checkpoint.committed_at if checkpoint else None,
                           ended_at, completed)
+
+
+def book_attempt(run: RunRecord, nodes: Iterable[NodeRecord], ended_at: datetime, completed: bool) -> GoodputLedger:
+    """settle_run_attempt, plus what the attempt's instances cost.
+
+    Each node is paid for from the later of its launch and the attempt's start until the attempt
+    ends, or, once terminated, until its record last changed (the termination). The rate is the
+    catalogue's on-demand price: an upper bound for Spot and reserved capacity, whose prices the
+    catalogue does not know.
+    """
+    ledger = settle_run_attempt(run, ended_at, completed)
+    started_at = run.attempt_started_at or run.created_at
+    usd_per_hour = instance_facts(run.spec.instance_type).on_demand_usd_per_hour
+    for node in nodes:
+        paid_from = max(started_at, node.launched_at or started_at)
+        paid_until = min(ended_at, node.updated_at or ended_at) if node.state is NodeState.TERMINATED else ended_at
+        ledger = accrue_cost(ledger, 1, usd_per_hour, _seconds(paid_from, paid_until))
+    return ledger
 
 
 def accrue_cost(ledger: GoodputLedger, node_count: int, usd_per_hour: float, seconds: float) -> GoodputLedger:
