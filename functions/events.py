@@ -86,7 +86,7 @@ def checkpoint_committed(run: RunRecord, detail: CheckpointCommitted) -> str:
         else current.model_copy(update={"latest_checkpoint": checkpoint}))
     emit(checkpoint_metrics(detail, cloud.settings.metrics_namespace))
     recorded = f"checkpoint step {checkpoint.step} recorded"
-    spot = end_spot_wait(run, committed_step=checkpoint.step)
+    spot = end_spot_wait(run, committed=detail)
     return f"{recorded}; {spot}" if spot else recorded
 
 

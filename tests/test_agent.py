@@ -21,7 +21,8 @@ from trainer import agent
 from trainer import checkpoint_catalog as catalog
 from trainer.agent import (AgentError, AgentSettings, Attempt, AttemptFiles, ControlPlane, Identity, MetadataClient,
                            MetricsFollower, failure_kind, torchrun_command, trainer_config)
-from trainfleet.contracts import RENDEZVOUS_PORT, RENDEZVOUS_PORTS, LaunchSpec, TrainerFailureKind, rendezvous_port
+from trainfleet.contracts import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointReason, LaunchSpec, TrainerFailureKind,
+                                  rendezvous_port)
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS_ENV = {"TRAINFLEET_RUN_NAME": "run-a", "TRAINFLEET_RUN_TABLE": "table",
@@ -171,12 +172,12 @@ def _alive(pid: int) -> bool:
 
 # --- one attempt's watch over the trainer, against a moto server and the metadata service ---
 
-def commit(store, step: int) -> None:
+def commit(store, step: int, reason: catalog.SaveReason = catalog.SaveReason.INTERVAL) -> None:
     """A checkpoint in the trainer's commit format: a shard, then the marker."""
     shard = b"shard of step %d" % step
     store.create(catalog.step_dir_name(step), "__0_0.distcp", shard)
     manifest = catalog.Manifest(step=step, layout={"pp": 2, "dp": 1},
-                                files=(catalog.StoredFile("__0_0.distcp", len(shard)),))
+                                files=(catalog.StoredFile("__0_0.distcp", len(shard)),), reason=reason)
     store.create(catalog.step_dir_name(step), catalog.MARKER_NAME, manifest.to_json())
 
 
@@ -217,13 +218,28 @@ def test_the_rank_0_node_announces_each_new_commit_once_with_progress(watched_at
     attempt.files.metrics.write_text(json.dumps({"step": 21, "loss": 3.5, "tokens_per_s": 900.0,
                                                  "step_time_s": 0.1}) + "\n")
     attempt.follow()
-    commit(store, 30)
+    commit(store, 30, reason=catalog.SaveReason.REQUESTED)
     attempt.follow()
     events = sorted(sent(), key=lambda event: (event["detail-type"], event["detail"].get("step", 0)))
-    assert [(event["detail-type"], event["detail"]["step"]) for event in events] == [
-        ("CheckpointCommitted", 20), ("CheckpointCommitted", 30), ("TrainingProgress", 21)]
+    assert [(event["detail-type"], event["detail"]["step"], event["detail"].get("reason")) for event in events] == [
+        ("CheckpointCommitted", 20, "interval"), ("CheckpointCommitted", 30, "requested"),
+        ("TrainingProgress", 21, None)]
     assert events[0]["detail"]["uri"] == store.step_uri(catalog.step_dir_name(20))
     assert all(event["detail"]["attempt"] == 1 and event["source"] == "trainfleet" for event in events)
+
+
+def test_a_trainer_resumed_at_its_last_step_completes_the_run(watched_attempt):
+    attempt, store, sent = watched_attempt
+    # What trainer.train writes when the checkpoint it resumed from is already the last step.
+    attempt.files.metrics.write_text(json.dumps({"step": 10, "finished": True}) + "\n")
+    attempt.follow()
+    attempt.report_exit(0)
+    assert [(event["detail-type"], event["detail"]["final_step"], event["detail"]["checkpoint_uri"])
+            for event in sent()] == [("TrainingCompleted", 10, store.step_uri(catalog.step_dir_name(10)))]
+
+
+def test_the_save_reasons_of_markers_and_events_are_the_same():
+    assert [reason.value for reason in catalog.SaveReason] == [reason.value for reason in CheckpointReason]
 
 
 def test_a_spot_notice_asks_the_trainer_for_a_checkpoint_now(watched_attempt, metadata_service):

@@ -46,7 +46,8 @@ def spot_failure(cloud, execution: str) -> dict:
 
 
 def commit(cloud, run, instance_id: str, step: int, **reason: str) -> dict:
-    """A checkpoint committed in S3 as the trainer does it, and its agent's announcement."""
+    """A checkpoint committed in S3 as the trainer does it, and its agent's announcement (`reason`
+    given or, like an older agent's event, absent)."""
     save(cloud.client("s3"), run.spec.checkpoint.s3_uri, step)
     return agent_event("CheckpointCommitted", {"run_name": run.run_name, "attempt": 0, "instance_id": instance_id,
                                                "step": step, "uri": f"{run.spec.checkpoint.s3_uri}/step-{step:09d}",

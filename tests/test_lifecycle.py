@@ -6,8 +6,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from trainfleet import lifecycle as lc
-from trainfleet.contracts import (CAPACITY_ERROR, FAILURE_ERROR, CheckpointCommitted, CheckpointRef,
-                                  Ec2InstanceStateChange, Ec2RebalanceRecommendation,
+from trainfleet.contracts import (CAPACITY_ERROR, FAILURE_ERROR, CheckpointCommitted, CheckpointReason,
+                                  CheckpointRef, Ec2InstanceStateChange, Ec2RebalanceRecommendation,
                                   Ec2SpotInterruptionWarning, FailureClass, FailureRecord,
                                   FailureReport, GoodputLedger, HealthEvent, NodeReady, NodeRecord,
                                   NodeRole, NodeState, NodeUnhealthy, ParallelPlan, RecoveryAction,
@@ -371,6 +371,11 @@ def test_a_spot_warning_waits_only_for_a_worker_of_a_training_world():
     assert not lc.waits_for_emergency_checkpoint(make_run(), WORKERS[0])
 
 
+def committed(step: int, reason: CheckpointReason) -> CheckpointCommitted:
+    return CheckpointCommitted(run_name="r1", attempt=1, instance_id="i-1", step=step,
+                               uri=f"s3://bucket/runs/r1/checkpoints/step-{step:09d}", reason=reason)
+
+
 def test_the_spot_wait_ends_at_the_requested_checkpoint_the_instance_leaving_or_the_notice_running_out():
     run = make_run()  # checkpoints every 10 steps
     warned = node("i-2", spot_warned_at=T0)
@@ -378,16 +383,18 @@ def test_the_spot_wait_ends_at_the_requested_checkpoint_the_instance_leaving_or_
     almost = T0 + lc.SPOT_NOTICE - timedelta(seconds=1)
     assert lc.spot_interruption_over(run, nodes, almost) is None
     assert lc.spot_interruption_over(run, nodes, almost, leaving_instance_ids=frozenset({"i-1"})) is None
-    # An interval checkpoint (a multiple of 10) is not the one the warning asked for.
-    assert lc.spot_interruption_over(run, nodes, almost, committed_step=40) is None
-    for trigger, why in [({"committed_step": 43}, "emergency checkpoint step 43 committed"),
+    # Only a checkpoint saved on request is the one the warning asked for, whatever its step.
+    for reason in (CheckpointReason.INTERVAL, CheckpointReason.FINAL, CheckpointReason.UNKNOWN):
+        assert lc.spot_interruption_over(run, nodes, almost, committed=committed(43, reason)) is None
+    for trigger, why in [({"committed": committed(40, CheckpointReason.REQUESTED)},
+                          "emergency checkpoint step 40 committed"),
                          ({"leaving_instance_ids": frozenset({"i-2"})}, "instance leaving"),
                          ({"now": T0 + lc.SPOT_NOTICE}, "notice ran out")]:
         over = lc.spot_interruption_over(run, nodes, **{"now": almost, **trigger})
         assert (over.failure_class, over.attempt, over.instance_ids) == (FailureClass.SPOT_INTERRUPTION, 1, ["i-2"])
         assert why in over.message
     # Nothing interrupting (or only retired nodes): nothing ends.
-    assert lc.spot_interruption_over(run, WORKERS, T0, committed_step=43) is None
+    assert lc.spot_interruption_over(run, WORKERS, T0, committed=committed(43, CheckpointReason.REQUESTED)) is None
     assert lc.spot_interruption_over(run, nodes[2:], T0 + lc.SPOT_NOTICE) is None
 
 

@@ -18,10 +18,10 @@ instance's process. It speaks to the control plane only through AWS:
    resume as the spec says;
 5. while it runs: the agent whose node holds global rank 0 (the only one whose trainer writes
    the metrics file) heartbeats the Train task as steps advance, sends sampled TrainingProgress
-   and CheckpointCommitted for every checkpoint committed to S3 (the commit marker is the
-   truth, read with trainer.checkpoint_catalog); every agent watches for a Spot interruption
-   notice (asks the trainer to checkpoint now through its request file) and for the run
-   moving to a newer attempt (stops torchrun, goes back to 4);
+   and CheckpointCommitted for every checkpoint committed to S3 with the reason it was saved
+   (the commit marker is the truth, read with trainer.checkpoint_catalog); every agent watches
+   for a Spot interruption notice (asks the trainer to checkpoint now through its request file)
+   and for the run moving to a newer attempt (stops torchrun, goes back to 4);
 6. torchrun's exit: 0 -> TrainingCompleted; otherwise TrainerFailed with the kind read from its
    output (config error, NaN loss, crash), unless the run has moved on meanwhile: a peer's
    death reaches this node as a crash, and EC2's report of the lost instance must be what
@@ -51,8 +51,8 @@ from botocore.utils import IMDSFetcher
 
 from trainer import checkpoint_catalog as catalog
 from trainfleet.adapters.run_store import NodeNotFound, RunStore
-from trainfleet.contracts import (AgentEvent, CheckpointCommitted, HealthCheckResult, LaunchSpec,
-                                  NodeReady, NodeRegistered, NodeUnhealthy, TrainerFailed,
+from trainfleet.contracts import (AgentEvent, CheckpointCommitted, CheckpointReason, HealthCheckResult,
+                                  LaunchSpec, NodeReady, NodeRegistered, NodeUnhealthy, TrainerFailed,
                                   TrainerFailureKind, TrainingCompleted, TrainingProgress,
                                   put_events_entry)
 
@@ -388,17 +388,21 @@ class Attempt:
     def follow(self) -> None:
         """Heartbeat, progress, commits and Spot notices since the last look."""
         records = self.metrics.new_records()
+        # A `finished` record (no loss) is what a trainer resumed at its last step writes instead
+        # of step records: it speaks for the world all the same.
+        steps = [record for record in records if not record.get("finished")]
         now = time.monotonic()
         if records:
             self.speaks_for_world = True
             self.last_step = records[-1]["step"]
+        if steps:
             if self.spec.heartbeat_task_token and now - self.last_heartbeat >= HEARTBEAT_EVERY_S:
                 self.control.heartbeat(self.spec.heartbeat_task_token)
                 self.last_heartbeat = now
             if now - self.last_progress >= PROGRESS_EVERY_S:
-                self.send_progress(records[-1])
+                self.send_progress(steps[-1])
                 self.last_progress = now
-        # Only after the first step: by then the trainer has deleted the folders of an abandoned
+        # Only after the first record: by then the trainer has deleted the folders of an abandoned
         # timeline (steps newer than its resume point), which must not be announced as this
         # attempt's commits.
         if self.speaks_for_world:
@@ -418,9 +422,11 @@ class Attempt:
         for step in sorted(catalog.committed_steps(self.checkpoints)):
             if step in self.announced:
                 continue
+            reason = catalog.read_manifest(self.checkpoints, step).reason
             self.control.send(CheckpointCommitted(
                 run_name=self.spec.run_name, attempt=self.spec.attempt, instance_id=self.identity.instance_id,
-                step=step, uri=self.checkpoints.step_uri(catalog.step_dir_name(step))))
+                step=step, uri=self.checkpoints.step_uri(catalog.step_dir_name(step)),
+                reason=CheckpointReason(reason)))
             self.announced.add(step)
 
     def report_exit(self, returncode: int) -> None:

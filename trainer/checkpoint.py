@@ -14,7 +14,7 @@ at the next `maybe_save` or at `close`.
     start = checkpointer.resume(state) or 0
     for step in range(start + 1, total_steps + 1):
         ...train one step...
-        checkpointer.maybe_save(step, state)
+        checkpointer.maybe_save(step, state, final=step == total_steps)
     checkpointer.close()
 """
 
@@ -42,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainer import checkpoint_catalog as catalog
 
-__all__ = ["Checkpointer", "CheckpointError", "resume_target", "storage_writer", "storage_reader"]
+__all__ = ["Checkpointer", "CheckpointError", "resume_target", "save_reason", "storage_writer", "storage_reader"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,17 @@ def manifest_files(
             raise CheckpointError(f"{where}: file {name} should hold {needed} bytes, found {found}")
         files.append(stored)
     return tuple(files)
+
+
+def save_reason(step: int, interval: int, *, requested: bool, final: bool) -> catalog.SaveReason | None:
+    """Why `step` is saved, or None when it is not: asked for, the last step, or on the interval."""
+    if requested:
+        return catalog.SaveReason.REQUESTED
+    if final:
+        return catalog.SaveReason.FINAL
+    if interval > 0 and step % interval == 0:
+        return catalog.SaveReason.INTERVAL
+    return None
 
 
 class _SaveRequests:
@@ -272,15 +283,17 @@ class Checkpointer:
 
     # ---- save ---------------------------------------------------------------------------------
 
-    def maybe_save(self, step: int, state: Stateful, force: bool = False) -> bool:
-        """Save if `step` is on the interval, or if asked to; True if a save was started.
+    def maybe_save(self, step: int, state: Stateful, force: bool = False, final: bool = False) -> bool:
+        """Save if `step` is on the interval, is the run's last (`final`), or if asked to; True if
+        a save was started.
 
         Call it on every rank after every step. A save on request (force, signal, flag file)
-        returns only once the checkpoint is committed: the node may be about to go away.
+        returns only once the checkpoint is committed: the node may be about to go away. The
+        manifest records why it was saved (a request wins over the other reasons).
         """
         requested = self._agree(failed=self._finished_with_error(), requested=force or self._requests.pending())
-        due = requested or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
-        if not due or step == self._last_saved_step:
+        reason = save_reason(step, self.cfg.interval, requested=requested, final=final)
+        if reason is None or step == self._last_saved_step:
             return False
         started = time.perf_counter()
         self._wait_in_flight()
@@ -288,7 +301,7 @@ class Checkpointer:
         self._requests.honoured()
         step_uri = self.store.step_uri(catalog.step_dir_name(step))
         uploaded = self._start_upload(step_uri, state.state_dict())
-        self._in_flight = self._committer.submit(self._commit_when_uploaded, step, uploaded)
+        self._in_flight = self._committer.submit(self._commit_when_uploaded, step, reason, uploaded)
         if self.rank == 0:
             # Queued behind the commit on the same thread; the save counts as done without it.
             self._committer.submit(self._prune)
@@ -316,16 +329,18 @@ class Checkpointer:
             uploaded.set_exception(exc)
         return uploaded
 
-    def _commit_when_uploaded(self, step: int, uploaded: Future) -> None:
+    def _commit_when_uploaded(self, step: int, reason: catalog.SaveReason, uploaded: Future) -> None:
         metadata: Metadata = uploaded.result()
         if self.rank != 0:
             return
         step_dir = catalog.step_dir_name(step)
         where = f"{self.store.uri}/{step_dir}"
         files = manifest_files(metadata, self.store.files(step_dir), where)
-        manifest = catalog.Manifest(step=step, layout=self.layout, files=files, config_hash=self.config_hash)
+        manifest = catalog.Manifest(step=step, layout=self.layout, files=files, config_hash=self.config_hash,
+                                    reason=reason)
         self.store.create(step_dir, catalog.MARKER_NAME, manifest.to_json())
-        log.info("checkpoint committed: %s (%d files, %d bytes)", where, len(files), sum(f.size for f in files))
+        log.info("checkpoint committed: %s (%s, %d files, %d bytes)", where, reason, len(files),
+                 sum(f.size for f in files))
 
     def _prune(self) -> None:
         """Apply retention; a failure is logged, not raised: the next commit prunes again."""

@@ -3,9 +3,9 @@
 A checkpoint of step N lives under `<uri>/step-00000000N/` (uri: a local directory or
 `s3://bucket/prefix`). Every rank writes its DCP shards there; when all of them have finished,
 rank 0 writes `commit.json` last, with a conditional write so that it is never overwritten.
-The marker is the manifest: step, parallel layout, every file's name and size, the trainer
-config hash and the commit time. A step folder without a marker, or whose files do
-not match its manifest, does not exist for resume.
+The marker is the manifest: step, why it was saved, parallel layout, every file's name and
+size, the trainer config hash and the commit time. A step folder without a marker, or whose
+files do not match its manifest, does not exist for resume.
 
 Only boto3 and the standard library are imported here, so the control plane (a Lambda) can find
 the resume point with `latest_committed(uri)`.
@@ -20,6 +20,7 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol
 
@@ -29,6 +30,7 @@ __all__ = [
     "CheckpointInvalid",
     "CommitConflict",
     "Manifest",
+    "SaveReason",
     "StoredFile",
     "Store",
     "open_store",
@@ -38,6 +40,7 @@ __all__ = [
     "saved_steps",
     "is_committed",
     "committed_steps",
+    "read_manifest",
     "verified_manifest",
     "latest_committed",
     "retention_victims",
@@ -80,6 +83,19 @@ def config_hash(config: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+class SaveReason(StrEnum):
+    """Why the trainer saved a checkpoint."""
+
+    INTERVAL = "interval"
+    """The step is a multiple of the checkpoint interval."""
+    REQUESTED = "requested"
+    """Asked for: the request file, the request signal or a forced save (a Spot notice)."""
+    FINAL = "final"
+    """The last step of the run."""
+    UNKNOWN = "unknown"
+    """A marker written before the reason was recorded."""
+
+
 @dataclass(frozen=True)
 class StoredFile:
     """One object of a checkpoint as the store reports it."""
@@ -106,6 +122,8 @@ class Manifest:
     """UTC time of the commit, ISO 8601."""
     format_version: int = FORMAT_VERSION
     """Version of this manifest format."""
+    reason: SaveReason = SaveReason.UNKNOWN
+    """Why it was saved; markers without it read as UNKNOWN."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
@@ -123,6 +141,7 @@ class Manifest:
                 config_hash=str(doc["config_hash"]),
                 committed_at=str(doc["committed_at"]),
                 format_version=FORMAT_VERSION,
+                reason=SaveReason(doc.get("reason", SaveReason.UNKNOWN)),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointInvalid(f"{where}: unreadable commit marker: {exc!r}") from exc
@@ -317,8 +336,8 @@ def committed_steps(store: Store) -> list[int]:
     return [step for step in saved_steps(store) if is_committed(store, step)]
 
 
-def verified_manifest(store: Store, step: int) -> Manifest:
-    """The manifest of a committed step whose files all match it, else CheckpointInvalid."""
+def read_manifest(store: Store, step: int) -> Manifest:
+    """The manifest in a step's marker (its files not checked), else CheckpointInvalid."""
     step_dir = step_dir_name(step)
     where = f"{store.uri}/{step_dir}"
     raw = store.read(step_dir, MARKER_NAME)
@@ -327,7 +346,14 @@ def verified_manifest(store: Store, step: int) -> Manifest:
     manifest = Manifest.from_json(raw, where)
     if manifest.step != step:
         raise CheckpointInvalid(f"{where}: marker is for step {manifest.step}")
-    check_files(manifest, store.files(step_dir), where)
+    return manifest
+
+
+def verified_manifest(store: Store, step: int) -> Manifest:
+    """The manifest of a committed step whose files all match it, else CheckpointInvalid."""
+    manifest = read_manifest(store, step)
+    step_dir = step_dir_name(step)
+    check_files(manifest, store.files(step_dir), f"{store.uri}/{step_dir}")
     return manifest
 
 

@@ -191,10 +191,22 @@ class Run:
             return
         print(f"step {metrics['step']:5d} | loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:8.0f} tok/s | "
               f"{metrics['step_time_s']:.3f} s/step | lr {metrics['lr']:.2e}", flush=True)
+        self._record(metrics)
+
+    def log_nothing_left(self) -> None:
+        """A resumed run already at its last step: say so, and leave a metrics record without a
+        loss (`finished`), so whoever follows the metrics file learns the run is complete."""
+        if self.env.rank != 0:
+            return
+        print(f"nothing to train: resumed at step {self.state.step}, training.steps is {self.config.training.steps}",
+              flush=True)
+        self._record({"step": self.state.step, "finished": True})
+
+    def _record(self, record: dict) -> None:
         path = Path(self.config.training.metrics_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as out:
-            out.write(json.dumps(metrics) + "\n")
+            out.write(json.dumps(record) + "\n")
 
 
 def build(cfg: JobConfig, env: DistributedEnv) -> Run:
@@ -265,12 +277,15 @@ def train(cfg: JobConfig, env: DistributedEnv) -> list[dict]:
     if checkpointer:
         checkpointer.resume(run.state)
     history = []
+    if run.state.step >= cfg.training.steps:
+        run.log_nothing_left()
     while run.state.step < cfg.training.steps:
         metrics = train_step(run)
         run.log(metrics)
         history.append(metrics)
         if checkpointer:
-            checkpointer.maybe_save(run.state.step, run.state)
+            # The last step is always saved, so a finished run's final state is stored.
+            checkpointer.maybe_save(run.state.step, run.state, final=run.state.step == cfg.training.steps)
     if checkpointer:
         checkpointer.close()
     _report_peak_memory(run)

@@ -1029,6 +1029,19 @@ class NodeUnhealthy(AgentEvent):
     """The checks run, the failed ones among them."""
 
 
+class CheckpointReason(StrEnum):
+    """Why the trainer saved a checkpoint (the `reason` of its commit marker)."""
+
+    INTERVAL = "interval"
+    """On the checkpoint interval."""
+    REQUESTED = "requested"
+    """Asked for: the agent's answer to a Spot interruption notice."""
+    FINAL = "final"
+    """The run's last step."""
+    UNKNOWN = "unknown"
+    """Not known: a marker or an agent from before the reason was recorded."""
+
+
 class CheckpointCommitted(AgentEvent):
     """Rank 0 wrote the commit marker of a checkpoint."""
 
@@ -1040,6 +1053,9 @@ class CheckpointCommitted(AgentEvent):
     """The step folder, s3://.../step-NNNNNNNNN."""
     stall_seconds: float = Field(default=0.0, ge=0)
     """How long training was blocked by the save."""
+    reason: CheckpointReason = CheckpointReason.UNKNOWN
+    """Why it was saved, from its marker; UNKNOWN (never taken for a requested save) when an
+    older agent sent the event."""
 
 
 class TrainerFailed(AgentEvent):

@@ -1,5 +1,6 @@
 """The commit protocol without torch: markers, verification, discovery, retention."""
 
+import json
 import subprocess
 import sys
 
@@ -75,6 +76,18 @@ def test_a_missing_shard_is_refused_by_name(store):
     with pytest.raises(CheckpointInvalid, match="file __1_0.distcp is missing"):
         catalog.verified_manifest(store, 5)
     assert catalog.latest_committed(store) is None
+
+
+def test_the_marker_records_why_it_was_saved_and_older_markers_read_as_unknown():
+    requested = Manifest(step=4, layout={}, files=(StoredFile("__0_0.distcp", 100),),
+                         reason=catalog.SaveReason.REQUESTED)
+    assert Manifest.from_json(requested.to_json(), "here") == requested
+
+    older = json.loads(requested.to_json())
+    del older["reason"]
+    assert Manifest.from_json(json.dumps(older).encode(), "here").reason is catalog.SaveReason.UNKNOWN
+    with pytest.raises(CheckpointInvalid, match="here: unreadable commit marker: .*'someday' is not a valid SaveReason"):
+        Manifest.from_json(json.dumps({**older, "reason": "someday"}).encode(), "here")
 
 
 def test_an_unreadable_marker_is_refused(store):

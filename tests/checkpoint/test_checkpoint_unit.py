@@ -1,10 +1,12 @@
 """The Checkpointer in one process with the real trainer's state: resume, requests, errors, async copy."""
 
+import json
 import os
 import signal
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from trainer import checkpoint_catalog as catalog
 from trainer.checkpoint import CheckpointError, Checkpointer, manifest_files
 from trainer.config import load_config
 from trainer.train import build, environment, train_step
+from trainer.train import train as trainer_train
 
 
 @pytest.fixture
@@ -69,6 +72,22 @@ def test_resume_from_a_step_continues_bit_for_bit(config, uri):
     assert catalog.latest_committed(uri).step == 12
 
 
+def test_the_last_step_is_always_saved_and_a_run_resumed_there_trains_nothing(config, uri, tmp_path, capsys):
+    config = replace(config, training=replace(config.training, steps=6), checkpoint=settings(config, uri))
+    env = environment(config, torch.device("cpu"))
+    assert [metrics["step"] for metrics in trainer_train(config, env)] == list(range(1, 7))
+    store = catalog.open_store(uri)
+    assert [(step, catalog.read_manifest(store, step).reason) for step in catalog.committed_steps(store)] == [
+        (6, catalog.SaveReason.FINAL), (4, catalog.SaveReason.INTERVAL)]  # 6 is off the interval of 4
+
+    resumed = replace(config, checkpoint=settings(config, uri, resume="latest"))
+    assert trainer_train(resumed, env) == []
+    assert "nothing to train: resumed at step 6, training.steps is 6" in capsys.readouterr().out
+    last_record = json.loads(Path(config.training.metrics_file).read_text().splitlines()[-1])
+    assert last_record == {"step": 6, "finished": True}
+    assert catalog.committed_steps(store) == [6, 4]  # the resumed step is not saved again
+
+
 def test_a_fresh_run_refuses_a_location_with_checkpoints(config, run_uri):
     first = Checkpointer(settings(config, run_uri), request_signal=None)
     train(new_run(config), first, 4)
@@ -108,7 +127,8 @@ def test_the_request_file_asks_for_a_committed_checkpoint(config, run_uri, tmp_p
     flag.touch()
     train_step(run)
     assert checkpointer.maybe_save(2, run.state)
-    assert catalog.latest_committed(run_uri).step == 2  # committed before maybe_save returned
+    committed = catalog.latest_committed(run_uri)  # committed before maybe_save returned
+    assert (committed.step, committed.reason) == (2, catalog.SaveReason.REQUESTED)
     train_step(run)
     assert not checkpointer.maybe_save(3, run.state)  # that request was served
 

@@ -6,16 +6,15 @@ ends, and the attempt fails with SPOT_INTERRUPTION, at whichever comes first: th
 checkpoint committed, EC2 reporting the instance leaving, or the notice running out. The Train
 task's heartbeat timeout still bounds a world that hangs meanwhile.
 
-The requested checkpoint is told from the interval ones by its step: the trainer saves on the
-interval at multiples of `checkpoint.interval_steps` only, so a commit off that grid was asked
-for. An interval checkpoint committing just after the warning would otherwise end the wait
-before the newer requested one; a request that happens to fall on the grid waits for the
-instance to leave, and its checkpoint is recorded all the same.
+The requested checkpoint is told from the others by the reason its commit marker records
+(`CheckpointCommitted.reason`): an interval or final checkpoint committing just after the
+warning does not end the wait before the requested one, whatever its step.
 """
 
 from datetime import datetime, timedelta
 
-from trainfleet.contracts import FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RunRecord
+from trainfleet.contracts import (CheckpointCommitted, CheckpointReason, FailureClass, FailureReport, NodeRecord,
+                                  NodeRole, NodeState, RunRecord)
 
 SPOT_NOTICE = timedelta(minutes=2)
 """How long EC2 gives between the warning and the interruption."""
@@ -34,20 +33,20 @@ def waits_for_emergency_checkpoint(run: RunRecord, node: NodeRecord) -> bool:
 
 
 def spot_interruption_over(run: RunRecord, nodes: list[NodeRecord], now: datetime, *,
-                           committed_step: int | None = None,
+                           committed: CheckpointCommitted | None = None,
                            leaving_instance_ids: frozenset[str] = frozenset()) -> FailureReport | None:
     """The SPOT_INTERRUPTION failure (of the run's current attempt) to report once the wait for
     the emergency checkpoint is over, naming every interrupting node; None while it goes on, or
     when no node is interrupting.
 
-    committed_step: a checkpoint of the current attempt verified just now. leaving_instance_ids:
+    committed: a checkpoint of the current attempt verified just now. leaving_instance_ids:
     instances EC2 reports shutting down, stopping or terminated.
     """
     interrupting = [node for node in nodes if node.spot_warned_at is not None and node.state not in _RETIRED]
     if not interrupting:
         return None
-    if committed_step is not None and committed_step % run.spec.checkpoint.interval_steps:
-        why = f"emergency checkpoint step {committed_step} committed"
+    if committed is not None and committed.reason is CheckpointReason.REQUESTED:
+        why = f"emergency checkpoint step {committed.step} committed"
     elif any(node.instance_id in leaving_instance_ids for node in interrupting):
         why = "instance leaving before its emergency checkpoint"
     elif any(now >= node.spot_warned_at + SPOT_NOTICE for node in interrupting):
