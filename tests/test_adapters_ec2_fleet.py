@@ -84,6 +84,17 @@ def test_user_data_installs_and_starts_the_agent():
     assert "systemd-run --unit trainfleet-agent" in script and f"-m {fleet.AGENT_MODULE}" in script
 
 
+def test_user_data_installs_the_node_extra_which_leaves_torch_to_the_image():
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert "'trainfleet[node]'" in fleet.node_user_data("r1", SETTINGS)
+    assert any(requirement.startswith("s3torchconnector") for requirement in extras["node"])
+    assert not any(requirement.startswith("torch") for requirement in extras["node"])  # the AMI's CUDA build
+
+
 def test_user_data_is_a_valid_bash_script(tmp_path):
     script = tmp_path / "user-data.sh"
     script.write_text(fleet.node_user_data("r1", SETTINGS))

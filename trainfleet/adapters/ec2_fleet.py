@@ -90,9 +90,10 @@ def efa_network_interfaces(facts: InstanceFacts, security_group_ids: list[str]) 
 def node_user_data(run_name: str, settings: Settings) -> str:
     """Cloud-init script: write the agent's settings, install the agent, start it under systemd.
 
-    The deployment publishes a wheelhouse to s3://BUCKET/artifacts/ (trainfleet and the trainer
-    dependencies the AMI lacks); the AMI (a Deep Learning AMI) brings Python, the AWS CLI, the GPU
-    driver, the EFA software and its own CUDA build of torch, which the venv sees. The region comes
+    The deployment publishes a wheelhouse to s3://BUCKET/artifacts/ (trainfleet with its `node`
+    extra: the trainer dependencies the AMI lacks); the AMI (a Deep Learning AMI) brings Python,
+    the AWS CLI, the GPU driver, the EFA software and its own CUDA build of torch, which the venv
+    sees. The region comes
     from the instance metadata, asked with an IMDSv2 session token (the only kind the template allows).
     """
     env = {
@@ -118,7 +119,7 @@ export AWS_DEFAULT_REGION=$region
 mkdir -p /opt/trainfleet/wheels
 aws s3 cp --recursive {artifacts} /opt/trainfleet/wheels/
 python3 -m venv --system-site-packages /opt/trainfleet/venv
-/opt/trainfleet/venv/bin/pip install --quiet --no-index --find-links /opt/trainfleet/wheels trainfleet
+/opt/trainfleet/venv/bin/pip install --quiet --no-index --find-links /opt/trainfleet/wheels 'trainfleet[node]'
 systemd-run --unit trainfleet-agent --property=EnvironmentFile=/etc/trainfleet.env \\
     --property=Restart=on-failure /opt/trainfleet/venv/bin/python -m {AGENT_MODULE}
 """
