@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 import time
 import uuid
 import zipfile
 from pathlib import Path
 from typing import Any
 
-HANDLERS_FILE = Path(__file__).with_name("localcloud_handlers.py")
+TESTS = Path(__file__).resolve().parent
+HANDLERS_FILE = TESTS / "localcloud_handlers.py"
 HANDLERS_MODULE = "localcloud_test_handlers"
+
+
+def run_scenario(script: str, *args: str, timeout_s: float) -> dict[str, Any]:
+    """Run tests/<script> in a process of its own (a local cloud must import the deployed copy
+    of `functions`, not this process's) and return the JSON summary it prints last."""
+    completed = subprocess.run([sys.executable, str(TESTS / script), *args], cwd=TESTS.parent,
+                               capture_output=True, text=True, timeout=timeout_s)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-8000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
 def unique(prefix: str) -> str:

@@ -3,29 +3,21 @@
 nodes at pp=2, node rank 1's instance killed after the first committed checkpoint; and a trainer
 config the trainer refuses."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from localcloud_helpers import run_scenario
 
-REPO = Path(__file__).resolve().parent.parent
 SCENARIO_TIMEOUT_S = 600
 FINAL_STEP, CHECKPOINT_EVERY = 60, 10  # events/local-demo-run.json
 SPOT_STEPS, SPOT_CHECKPOINT_EVERY = 500, 250  # tests/agent_local_run.py's spot scenario
 
 
-def run_scenario(name: str) -> dict:
-    completed = subprocess.run([sys.executable, str(REPO / "tests" / "agent_local_run.py"), name],
-                               cwd=REPO, capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-8000:]
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+def agent_scenario(name: str) -> dict:
+    return run_scenario("agent_local_run.py", name, timeout_s=SCENARIO_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def scenario() -> dict:
-    return run_scenario("node-loss")
+    return agent_scenario("node-loss")
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +108,7 @@ def test_teardown_leaves_no_instance_running(run):
 
 @pytest.mark.slow
 def test_a_config_the_trainer_refuses_fails_the_run_without_retrying():
-    run = run_scenario("config-error")
+    run = agent_scenario("config-error")
     assert run["status"] == "FAILED"
     assert run["states"] == ["Validate", "Allocate", "AwaitNodes", "Train", "Recover", "Teardown", "Report",
                              "Outcome", "RunFailed"]
@@ -135,7 +127,7 @@ def test_a_spot_notice_replaces_the_node_after_its_emergency_checkpoint_and_resu
     plane trains on until that checkpoint commits, then replaces the node. The scenario checkpoints
     every 250 steps and gives the notice after step 250, so a resume step off that grid is the
     requested checkpoint."""
-    run = run_scenario("spot-interruption")
+    run = agent_scenario("spot-interruption")
     assert run["status"] == "SUCCEEDED"
     victim, survivor = run["disrupted"]["victim"], run["disrupted"]["survivor"]
     (failure,) = run["report"]["failures"]

@@ -2,23 +2,17 @@
 (tests/handlers_capacity_run.py does the runs in a process of its own)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from localcloud_helpers import run_scenario
 
-REPO = Path(__file__).resolve().parent.parent
 SCENARIO_TIMEOUT_S = 240
 GONE = {"shutting-down", "terminated"}
 
 
 @pytest.fixture(scope="module")
 def outcome() -> dict:
-    completed = subprocess.run([sys.executable, str(REPO / "tests" / "handlers_capacity_run.py")],
-                               cwd=REPO, capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S)
-    assert completed.returncode == 0, completed.stderr[-6000:]
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    return run_scenario("handlers_capacity_run.py", timeout_s=SCENARIO_TIMEOUT_S)
 
 
 @pytest.mark.slow
