@@ -182,37 +182,14 @@ def test_parallel_plan_and_launch_spec_check_their_numbers():
         c.LaunchSpec(node_ranks={"i-1": 0, "i-2": 2}, **base)
 
 
-# Sample events in the shapes the AWS documentation gives (EC2 and Health user guides).
-AWS_SAMPLES = {
-    c.Ec2InstanceStateChange: {
-        "version": "0", "id": "7bf73129-1428-4cd3-a780-95db273d1602",
-        "detail-type": "EC2 Instance State-change Notification", "source": "aws.ec2",
-        "account": "123456789012", "time": "2021-11-11T21:29:54Z", "region": "us-east-1",
-        "resources": ["arn:aws:ec2:us-east-1:123456789012:instance/i-abcd1111"],
-        "detail": {"instance-id": "i-abcd1111", "state": "terminated"}},
-    c.Ec2SpotInterruptionWarning: {
-        "version": "0", "id": "12345678-1234-1234-1234-123456789012",
-        "detail-type": "EC2 Spot Instance Interruption Warning", "source": "aws.ec2",
-        "account": "123456789012", "time": "2021-02-11T14:26:17Z", "region": "us-east-2",
-        "resources": ["arn:aws:ec2:us-east-2a:instance/i-1234567890abcdef0"],
-        "detail": {"instance-id": "i-1234567890abcdef0", "instance-action": "terminate"}},
-    c.Ec2RebalanceRecommendation: {
-        "version": "0", "id": "12345678-1234-1234-1234-123456789012",
-        "detail-type": "EC2 Instance Rebalance Recommendation", "source": "aws.ec2",
-        "account": "123456789012", "time": "2021-02-11T14:26:17Z", "region": "us-east-2",
-        "resources": ["arn:aws:ec2:us-east-2:123456789012:instance/i-1234567890abcdef0"],
-        "detail": {"instance-id": "i-1234567890abcdef0"}},
-    c.HealthEvent: {
-        "version": "0", "id": "121345678-1234-1234-1234-123456789012",
-        "detail-type": "AWS Health Event", "source": "aws.health", "account": "123456789012",
-        "time": "2016-06-05T06:27:57Z", "region": "us-west-2", "resources": ["i-abcd1111"],
-        "detail": {
-            "eventArn": "arn:aws:health:us-west-2::event/EC2/AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED/AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED_ABC123",
-            "service": "EC2", "eventTypeCode": "AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED",
-            "eventTypeCategory": "scheduledChange", "startTime": "Sat, 05 Jun 2016 15:10:09 GMT",
-            "eventDescription": [{"language": "en_US", "latestDescription": "A description of the event"}],
-            "affectedEntities": [{"entityValue": "i-abcd1111", "tags": {"stage": "prod"}}]}},
-}
+# The AWS sample events the rules are checked against (events/aws/, shapes from the EC2 and
+# Health user guides), one per detail model.
+AWS_SAMPLES = {model: json.loads((Path(__file__).parents[1] / "events" / "aws" / name).read_text())
+               for model, name in {
+                   c.Ec2InstanceStateChange: "ec2-instance-state-change-terminated.json",
+                   c.Ec2SpotInterruptionWarning: "ec2-spot-instance-interruption-warning.json",
+                   c.Ec2RebalanceRecommendation: "ec2-instance-rebalance-recommendation.json",
+                   c.HealthEvent: "aws-health-ec2-instance-retirement.json"}.items()}
 
 
 @pytest.mark.parametrize("model", list(AWS_SAMPLES), ids=lambda m: m.__name__)
@@ -221,7 +198,7 @@ def test_aws_sample_events_parse(model):
     assert isinstance(event.detail, model)
     assert event.detail.model_extra is not None  # unknown AWS fields are kept, not refused
     if model is c.HealthEvent:
-        assert event.detail.instance_ids == ["i-abcd1111"]
+        assert event.detail.instance_ids == ["i-1234567890abcdef0"]
     else:
         assert event.detail.instance_id.startswith("i-")
 
