@@ -175,28 +175,48 @@ def test_validate_records_the_run_and_passes_on_a_reference_of_constant_size(han
 
 # --- Allocate -------------------------------------------------------------------------------
 
-def test_allocate_retried_for_capacity_asks_ec2_anew_and_a_retry_after_a_launch_does_not(
-        handlers, cloud, resources, monkeypatch):
-    monkeypatch.setattr(cloud.fleet, "boot", lambda instance: None)  # EC2 semantics only, no agents
-    ec2, zone, instance_type = cloud.client("ec2"), "us-east-1c", "c5.large"
-    subnet = ec2.describe_subnets(Filters=[{"Name": "availability-zone", "Values": [zone]},
+ZONE, INSTANCE_TYPE = "us-east-1c", "c5.large"
+
+
+def validated_run(handlers, cloud, resources, monkeypatch, nodes: int = 2, parallel: dict | None = None,
+                  **changes) -> dict:
+    """Validate's output for a run of `nodes` c5.large workers (one rank each, pp = nodes, with
+    `parallel` settings besides) in ZONE's default subnet; instances boot no agent (EC2 semantics
+    only)."""
+    monkeypatch.setattr(cloud.fleet, "boot", lambda instance: None)
+    ec2 = cloud.client("ec2")
+    subnet = ec2.describe_subnets(Filters=[{"Name": "availability-zone", "Values": [ZONE]},
                                            {"Name": "default-for-az", "Values": ["true"]}])["Subnets"][0]
     group = ec2.describe_security_groups(Filters=[{"Name": "vpc-id", "Values": [subnet["VpcId"]]},
                                                   {"Name": "group-name", "Values": ["default"]}])
     name = f"run-{uuid.uuid4().hex[:6]}"
-    document = spec_document(
-        resources["bucket"], name, instance_type=instance_type, node_count=2, spare_count=0, min_nodes=None,
-        image_id="ami-0123456789abcdef0",
-        capacity={"kind": "on-demand", "subnet_ids": [subnet["SubnetId"]],
-                  "security_group_ids": [group["SecurityGroups"][0]["GroupId"]]},
-        trainer={"model": {"n_layers": 2}, "training": {"batch_size": 2},
-                 "parallel": {"pp": 2, "dp": 1, "schedule": "gpipe", "microbatches": 2}})
-    payload = handlers.validate.handler({"run_spec": document, "execution_arn": f"arn:{name}"}, Context())
+    document = spec_document(resources["bucket"], name, **{
+        "instance_type": INSTANCE_TYPE, "node_count": nodes, "spare_count": 0, "min_nodes": None,
+        "image_id": "ami-0123456789abcdef0",
+        "capacity": {"kind": "on-demand", "subnet_ids": [subnet["SubnetId"]],
+                     "security_group_ids": [group["SecurityGroups"][0]["GroupId"]]},
+        "trainer": {"model": {"n_layers": nodes}, "training": {"batch_size": nodes},
+                    "parallel": {"pp": nodes, "dp": 1, "schedule": "gpipe", "microbatches": nodes,
+                                 **(parallel or {})}},
+        **changes})
+    return handlers.validate.handler({"run_spec": document, "execution_arn": f"arn:{name}"}, Context())
 
-    cloud.set_capacity(instance_type, zone, 0)
+
+def instance_states(cloud, instance_ids: list[str]) -> dict[str, str]:
+    reservations = cloud.client("ec2").describe_instances(InstanceIds=instance_ids)["Reservations"]
+    return {instance["InstanceId"]: instance["State"]["Name"]
+            for reservation in reservations for instance in reservation["Instances"]}
+
+
+def test_allocate_retried_for_capacity_asks_ec2_anew_and_a_retry_after_a_launch_does_not(
+        handlers, cloud, resources, monkeypatch):
+    payload = validated_run(handlers, cloud, resources, monkeypatch)
+    name, ec2 = payload["run"]["run_name"], cloud.client("ec2")
+
+    cloud.set_capacity(INSTANCE_TYPE, ZONE, 0)
     with pytest.raises(handlers.errors.CapacityUnavailable, match="InsufficientInstanceCapacity"):
         handlers.allocate.handler(payload, Context())
-    cloud.set_capacity(instance_type, zone, None)
+    cloud.set_capacity(INSTANCE_TYPE, ZONE, None)
     # The state machine's Retry sends the same input; capacity has come back meanwhile.
     assert handlers.allocate.handler(payload, Context())["instances"] == 2
     launched = sorted(node.instance_id for node in RunStore(cloud.client("dynamodb"),
@@ -205,6 +225,25 @@ def test_allocate_retried_for_capacity_asks_ec2_anew_and_a_retry_after_a_launch_
     assert handlers.allocate.handler(payload, Context())["instances"] == 2
     assert run_instance_ids(ec2, name, STACK) == launched and len(launched) == 2
     ec2.terminate_instances(InstanceIds=launched)
+
+
+def test_allocate_terminates_a_fleet_no_layout_runs_on_and_asks_anew(handlers, cloud, resources, monkeypatch):
+    # Three stages pinned to three nodes: no layout runs on two, though one node may remain.
+    payload = validated_run(handlers, cloud, resources, monkeypatch, nodes=3, min_nodes=1,
+                            parallel={"layers_per_stage": [1, 1, 1]})
+    name, ec2 = payload["run"]["run_name"], cloud.client("ec2")
+    store = RunStore(cloud.client("dynamodb"), resources["run_table"])
+    cloud.set_capacity(INSTANCE_TYPE, ZONE, 2)
+    try:
+        with pytest.raises(handlers.errors.CapacityUnavailable, match="no layout"):
+            handlers.allocate.handler(payload, Context())
+    finally:
+        cloud.set_capacity(INSTANCE_TYPE, ZONE, None)
+    assert run_instance_ids(ec2, name, STACK) == [], "the two instances no layout can use were left running"
+    assert store.run(name).fleet_requests_unfilled == 1 and store.nodes(name) == []
+    # The retry asks EC2 anew (a new ClientToken), and capacity is back.
+    assert handlers.allocate.handler(payload, Context())["instances"] == 3
+    ec2.terminate_instances(InstanceIds=run_instance_ids(ec2, name, STACK))
 
 
 # --- events ---------------------------------------------------------------------------------
