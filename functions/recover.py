@@ -1,7 +1,9 @@
 """Recover: classify the failure, decide restart / replace / shrink / give up, act on it.
 
 1. Classify what the Catch caught: a FailureReport sent by the event handler, or a task timeout
-   (boot or heartbeat, told apart by what the run was waiting for).
+   (boot or heartbeat, told apart by what the run was waiting for), as a failure of the attempt
+   the state's input names. The input is the same for every retry of an invocation, so the
+   retry classifies the same failure of the same attempt, whatever the first try recorded.
 2. Decide, and record the decision before acting on it: the ended attempt's time on the goodput
    ledger, a new attempt, the failure on the books, the blamed nodes TERMINATING, promoted spares
    made workers. Giving up raises RecoveryGaveUp, which the state machine sends to Teardown.
@@ -38,10 +40,12 @@ _ENDING = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
 _NOT_READY = frozenset({NodeState.LAUNCHED, NodeState.REGISTERED})
 
 
-def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError) -> FailureReport:
-    """Step 1. A timeout leaves the token parked, so `waiting` says which wait timed out."""
-    waiting = run.waiting or TaskWait(purpose="train" if run.state is RunState.TRAINING else "await_nodes",
-                                      attempt=run.attempt, token="(answered)")
+def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError, attempt: int) -> FailureReport:
+    """Step 1, for the caught task's `attempt`. A timeout leaves the token parked, so `waiting`
+    says which wait timed out; once a decision moved the run on, the attempt is decided and
+    what stands in for the wait no longer matters."""
+    waiting = run.waiting if run.waiting and run.waiting.attempt == attempt else TaskWait(
+        purpose="train" if run.state is RunState.TRAINING else "await_nodes", attempt=attempt, token="(answered)")
     not_ready = [node.instance_id for node in nodes if node.state in _NOT_READY]
     return classify_task_error(caught.Error, caught.Cause, waiting, not_ready)
 
@@ -118,7 +122,7 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
     if event.failure is None:
         raise ValueError("Recover needs the caught error in $.failure")
     run, nodes = store.run(name), store.nodes(name)
-    failure = classify(run, nodes, event.failure)
+    failure = classify(run, nodes, event.failure, event.run.attempt)
     if failure.attempt == run.attempt:
         decision = decide_and_record(run, nodes, failure)
         step = RecoveryStep(action=decision.action, reason=decision.reason,

@@ -59,6 +59,7 @@ def handlers(cloud, resources, monkeypatch):
                         "POWERTOOLS_TRACE_DISABLED": "true", "POWERTOOLS_METRICS_NAMESPACE": "Trainfleet"}.items():
         monkeypatch.setenv(name, value)
     import functions.allocate
+    import functions.await_nodes
     import functions.events
     import functions.recover
     import functions.validate
@@ -357,6 +358,31 @@ def test_recover_gives_up_when_the_restart_budget_is_spent(handlers, cloud, reso
     after = store.run(run.run_name)
     assert after.error.startswith("restart budget spent") and [f.failure_class for f in after.failures] == [
         FailureClass.INSTANCE_LOST]
+
+
+def test_a_retried_recover_books_the_failure_once_and_keeps_the_replacements(handlers, cloud, resources, monkeypatch):
+    payload = validated_run(handlers, cloud, resources, monkeypatch)
+    name = payload["run"]["run_name"]
+    store = RunStore(cloud.client("dynamodb"), resources["run_table"])
+    handlers.allocate.handler(payload, Context())
+    handlers.await_nodes.handler({"run": payload, "task_token": "token-of-await-nodes"}, Context())
+    slow, booted = sorted(node.instance_id for node in store.nodes(name))
+    for state in (NodeState.REGISTERED, NodeState.READY):
+        store.transition_node(name, booted, state)
+    # The boot timeout sends AwaitNodes' input to Recover; its Retry sends the same again when an
+    # invocation that had acted lost its answer (Lambda.ServiceException).
+    caught = {**payload, "failure": {"Error": "States.Timeout", "Cause": "AwaitNodes timed out"}}
+    first = handlers.recover.handler(caught, Context())
+    replacements = [node.instance_id for node in store.nodes(name) if node.attempt == 1]
+    second = handlers.recover.handler(caught, Context())
+
+    run = store.run(name)
+    assert (run.attempt, run.restarts, len(run.failures)) == (1, 1, 1), "the failure was booked twice"
+    assert first["run"] == second["run"] == {"run_name": name, "attempt": 1}
+    assert len(replacements) == 1 and store.node(name, replacements[0]).state is NodeState.LAUNCHED
+    assert instance_states(cloud, replacements)[replacements[0]] in ("pending", "running")
+    assert store.node(name, slow).state is NodeState.TERMINATING
+    cloud.client("ec2").terminate_instances(InstanceIds=run_instance_ids(cloud.client("ec2"), name, STACK))
 
 
 def test_a_report_about_a_node_already_retired_changes_nothing(handlers, cloud, resources):
