@@ -61,6 +61,7 @@ def handlers(cloud, resources, monkeypatch):
     import functions.allocate
     import functions.await_nodes
     import functions.events
+    import functions.launch
     import functions.recover
     import functions.validate
 
@@ -383,6 +384,45 @@ def test_a_retried_recover_books_the_failure_once_and_keeps_the_replacements(han
     assert instance_states(cloud, replacements)[replacements[0]] in ("pending", "running")
     assert store.node(name, slow).state is NodeState.TERMINATING
     cloud.client("ec2").terminate_instances(InstanceIds=run_instance_ids(cloud.client("ec2"), name, STACK))
+
+
+def _lost_before_the_wait(handlers, cloud, resources, attempt: int) -> tuple[RunStore, RunRecord, str, dict]:
+    """A run whose world was ready, one worker lost while no task token was parked; (store, run,
+    the lost worker, the payload of the next wait's state)."""
+    store, run, (lost, survivor) = recorded_run(cloud, resources)
+    for instance_id in (lost, survivor):
+        store.transition_node(run.run_name, instance_id, NodeState.READY)
+    if attempt:  # as Recover leaves it
+        store.transition_run(run.run_name, RunState.RECOVERING, attempt=attempt)
+    handlers.events.handler(state_change(lost, "shutting-down"), Context())
+    assert store.run(run.run_name).waiting is None
+    payload = {"run": {"run_name": run.run_name, "attempt": attempt},
+               "timeouts": {"boot_seconds": 60, "heartbeat_seconds": 60}}
+    return store, run, lost, payload
+
+
+def _failed_with_the_loss(cloud, execution: str, lost: str, attempt: int) -> None:
+    result = finished(cloud, execution)
+    assert result["status"] == "FAILED" and result["error"] == FAILURE_ERROR
+    report = json.loads(result["cause"])
+    assert (report["failure_class"], report["instance_ids"], report["attempt"]) == (
+        FailureClass.INSTANCE_LOST.value, [lost], attempt)
+
+
+def test_a_worker_lost_between_recover_and_await_nodes_fails_the_wait_at_once(handlers, cloud, resources):
+    store, run, lost, payload = _lost_before_the_wait(handlers, cloud, resources, attempt=1)
+    execution, token = parked_token(cloud)
+    handlers.await_nodes.handler({"run": payload, "task_token": token}, Context())
+    _failed_with_the_loss(cloud, execution, lost, attempt=1)
+
+
+def test_a_worker_lost_between_await_nodes_and_train_fails_train_at_once(handlers, cloud, resources):
+    store, run, lost, payload = _lost_before_the_wait(handlers, cloud, resources, attempt=0)
+    execution, token = parked_token(cloud)
+    handlers.launch.handler({"run": payload, "task_token": token}, Context())
+    _failed_with_the_loss(cloud, execution, lost, attempt=0)
+    s3 = cloud.client("s3")
+    assert s3.list_objects_v2(Bucket=resources["bucket"], Prefix=f"runs/{run.run_name}/launch-spec")["KeyCount"] == 0
 
 
 def test_a_report_about_a_node_already_retired_changes_nothing(handlers, cloud, resources):

@@ -768,6 +768,10 @@ class RunRecord(_Strict):
     """Newest committed checkpoint known: where the next attempt resumes."""
     waiting: TaskWait | None = None
     """The token to answer when the awaited event comes; cleared when answered."""
+    attempt_failure: FailureReport | None = None
+    """The first failure of the current attempt that touched its world (cleared by the next
+    attempt). A wait of the attempt that parks after it fails with it at once: a worker lost while
+    no token was parked (between Recover and AwaitNodes, or AwaitNodes and Train) is not missed."""
     attempt_started_at: datetime | None = None
     """When the current attempt began (allocation or recovery)."""
     first_step_at: datetime | None = None
