@@ -159,6 +159,23 @@ def test_a_bad_run_spec_is_refused_naming_the_field_and_nothing_is_recorded(hand
     assert not [item for item in items if item["pk"]["S"] in ("RUN#bad-spec", "RUN#elsewhere")]
 
 
+@pytest.mark.parametrize("section, changes, message", [
+    ("optim", {"lr": -0.001}, "trainer: optim.lr must be > 0"),
+    ("training", {"steps": 0}, "trainer: training.steps must be >= 1, got 0"),
+    ("model", {"n_heads": 12}, "trainer: model.n_heads=12 must divide model.d_model=2048"),
+    ("optim", {"lr": "fast"}, "trainer: optim.lr='fast' is not a valid float"),
+])
+def test_settings_the_trainer_refuses_are_refused_before_anything_is_allocated(
+        handlers, resources, cloud, section, changes, message):
+    document = spec_document(resources["bucket"], "refused-by-trainer")
+    document["trainer"][section] = {**document["trainer"].get(section, {}), **changes}
+    with pytest.raises(handlers.errors.InvalidRunSpec) as refused:
+        handlers.validate.handler({"run_spec": document, "execution_arn": "arn:x"}, Context())
+    assert str(refused.value).startswith(message), str(refused.value)
+    items = cloud.client("dynamodb").scan(TableName=resources["run_table"])["Items"]
+    assert not [item for item in items if item["pk"]["S"] == "RUN#refused-by-trainer"]
+
+
 def test_validate_records_the_run_and_passes_on_a_reference_of_constant_size(handlers, resources):
     small = spec_document(resources["bucket"], "small-run")
     large = spec_document(resources["bucket"], "large-run", node_count=512, spare_count=16,

@@ -86,8 +86,8 @@ def validation_message(error: ValidationError) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Pipeline schedules. The trainer's trainer/parallel_dims.py holds the same rules but imports
-# torch; this torch-free mirror lets the control plane validate and re-plan a layout.
+# Pipeline schedules. The trainer's trainer/schedules.py holds the same rules; the core imports
+# nothing of the trainer, so this mirror lets it validate and re-plan a layout.
 # tests/test_contracts.py checks that both agree.
 
 class ScheduleRule(NamedTuple):
@@ -307,8 +307,9 @@ class TrainerConfig(_Open):
 
     The control plane types what it plans with (model.n_layers, parallel.*, training.batch_size)
     and carries the other fields to the trainer as given; their names are checked against
-    TRAINER_FIELDS, their values by the trainer. The `checkpoint` section is filled from
-    RunSpec.checkpoint, so setting it here is an error.
+    TRAINER_FIELDS, their values by the trainer's own checks, which Validate runs on
+    RunSpec.trainer_mapping before anything is allocated. The `checkpoint` section is filled
+    from RunSpec.checkpoint, so setting it here is an error.
     """
 
     model: TrainerModel
@@ -452,6 +453,14 @@ class RunSpec(_Strict):
     def shrink_floor(self) -> int:
         """Fewest nodes the run may continue with."""
         return self.min_nodes or self.node_count
+
+    def trainer_mapping(self, pp: int, dp: int, resume_step: int | None) -> dict[str, Any]:
+        """The trainer's full config at pp x dp: the trainer section with the checkpoint section
+        made from `checkpoint`, resuming from `resume_step` (None: from scratch)."""
+        policy = self.checkpoint
+        return self.trainer.as_trainer_mapping(pp, dp, {
+            "uri": policy.s3_uri, "interval": policy.interval_steps, "keep_last": policy.keep_last,
+            "resume": "none" if resume_step is None else str(resume_step)})
 
 
 # ---------------------------------------------------------------------------------------------
