@@ -149,6 +149,12 @@ _SECURITY_GROUP = re.compile(r"^sg-[0-9a-f]{8,17}$")
 _RESERVATION = re.compile(r"^cr-[0-9a-f]{8,17}$")
 _IMAGE = re.compile(r"^(ami-[0-9a-f]{8,17}|resolve:ssm:/?[A-Za-z0-9_./-]+(:[0-9]+)?)$")
 _RUN_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,47}$")
+# The launch template makes instance tags readable from instance metadata (the agent learns its
+# run there), and EC2 then refuses an instance tag key outside these characters (no spaces, no
+# `/`: the key is a path segment of the metadata), or one that is only `.`, `..` or `_index`.
+_METADATA_TAG_KEY = re.compile(r"^[A-Za-z0-9+\-=.,_:@]{1,128}$")
+_METADATA_TAG_KEYS_REFUSED = frozenset({".", "..", "_index"})
+_TAG_VALUE_LIMIT = 256
 _S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
 
 
@@ -429,6 +435,14 @@ class RunSpec(_Strict):
         reserved = [key for key in value if key.lower().startswith(("trainfleet:", "aws:"))]
         if reserved:
             raise ValueError(f"tag keys {reserved} are reserved (trainfleet:, aws:)")
+        for key, tag_value in value.items():
+            if not _METADATA_TAG_KEY.match(key) or key in _METADATA_TAG_KEYS_REFUSED:
+                raise ValueError(f"tag key {key!r}: instances expose their tags in instance metadata, where EC2 "
+                                 "allows only 1-128 letters, digits and + - = . , _ : @ (no spaces or /), "
+                                 "and not '.', '..' or '_index'")
+            if len(tag_value) > _TAG_VALUE_LIMIT:
+                raise ValueError(f"tag {key!r}: values take at most {_TAG_VALUE_LIMIT} characters, "
+                                 f"got {len(tag_value)}")
         return value
 
     @model_validator(mode="after")
