@@ -6,7 +6,7 @@ Pure builders (tested on their output, no AWS):
     node_user_data(run_name, settings)                   installs and starts the node agent
     create_fleet_request(spec, stack_name, launch_template_id, subnet_id, placement_group, target,
                          minimum, client_token)
-    interpret_fleet_response(response) -> FleetOutcome   instances, capacity shortfall, hard errors
+    interpret_fleet_response(response) -> FleetOutcome   instances, capacity shortfall, zone and hard errors
     zone_verdict(outcome, minimum) -> "accept" | "next_zone" | "fail"
     placement_group_name(run_name, availability_zone)
 
@@ -36,8 +36,8 @@ from trainfleet.contracts import CapacityKind, RunSpec
 from trainfleet.settings import Settings
 
 __all__ = [
-    "TAG_RUN", "TAG_STACK", "AGENT_MODULE", "CAPACITY_ERROR_CODES", "ZONE_ERROR_CODES", "FleetError", "FleetOutcome", "Allocation",
-    "Teardown", "efa_network_interfaces", "launch_template_data", "node_user_data",
+    "TAG_RUN", "TAG_STACK", "AGENT_MODULE", "CAPACITY_ERROR_CODES", "ZONE_ERROR_CODES", "FleetError",
+    "FleetOutcome", "Allocation", "Teardown", "efa_network_interfaces", "launch_template_data", "node_user_data",
     "create_fleet_request", "interpret_fleet_response", "zone_verdict", "placement_group_name",
     "ensure_launch_template", "ensure_placement_group", "allocate", "run_instance_ids",
     "terminate", "teardown",
