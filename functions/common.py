@@ -32,9 +32,8 @@ from trainfleet.lifecycle import ready_workers, world_complete
 from trainfleet.settings import MissingSetting, Settings
 
 __all__ = ["logger", "tracer", "metrics", "Aws", "aws", "answer_task", "fail_attempt", "park_task", "addressed",
-           "answer_if_world_complete",
-           "fleet_token_prefix", "capacity_unavailable", "Timeouts", "CaughtError", "RecoveryStep", "RunPayload",
-           "TaskPayload", "launch_spec_key", "report_key"]
+           "answer_if_world_complete", "fleet_token_prefix", "capacity_unavailable", "Timeouts", "CaughtError",
+           "RecoveryStep", "RunPayload", "TaskPayload", "launch_spec_key", "report_key"]
 
 IDEMPOTENCY_TABLE_VARIABLE = "TRAINFLEET_IDEMPOTENCY_TABLE"
 
