@@ -403,6 +403,46 @@ def test_a_retried_recover_books_the_failure_once_and_keeps_the_replacements(han
     cloud.client("ec2").terminate_instances(InstanceIds=run_instance_ids(cloud.client("ec2"), name, STACK))
 
 
+def test_a_recover_cut_off_while_recording_replacements_gets_the_same_fleet_on_retry(
+        handlers, cloud, resources, monkeypatch):
+    payload = validated_run(handlers, cloud, resources, monkeypatch, nodes=3)
+    name = payload["run"]["run_name"]
+    store = RunStore(cloud.client("dynamodb"), resources["run_table"])
+    handlers.allocate.handler(payload, Context())
+    handlers.await_nodes.handler({"run": payload, "task_token": "token-of-await-nodes"}, Context())
+    booted, *slow = sorted(node.instance_id for node in store.nodes(name))
+    for state in (NodeState.REGISTERED, NodeState.READY):
+        store.transition_node(name, booted, state)
+    # The invocation ends (its time out, say) after recording the first of two replacements.
+    recorded = []
+
+    def cut_off(params, **kwargs):
+        if params["Item"]["sk"]["S"].startswith("NODE#") and "attribute_not_exists" in params["ConditionExpression"]:
+            recorded.append(params["Item"]["sk"]["S"])
+            if len(recorded) == 2:
+                raise TimeoutError("Task timed out")
+
+    events = handlers.common.aws().dynamodb.meta.events
+    events.register("before-parameter-build.dynamodb.PutItem", cut_off)
+    caught = {**payload, "failure": {"Error": "States.Timeout", "Cause": "AwaitNodes timed out"}}
+    try:
+        with pytest.raises(TimeoutError):
+            handlers.recover.handler(caught, Context())
+    finally:
+        events.unregister("before-parameter-build.dynamodb.PutItem", cut_off)
+    assert len([node for node in store.nodes(name) if node.attempt == 1]) == 1
+
+    # The retry asks EC2 exactly what the first try asked (the same ClientToken with another
+    # request is refused: IdempotentParameterMismatch), so it gets the same two back.
+    handlers.recover.handler(caught, Context())
+    replacements = sorted(node.instance_id for node in store.nodes(name) if node.attempt == 1)
+    assert len(replacements) == 2 and store.run(name).restarts == 1
+    ec2 = cloud.client("ec2")
+    assert run_instance_ids(ec2, name, STACK) == sorted([booted, *replacements])
+    assert {store.node(name, instance_id).state for instance_id in slow} == {NodeState.TERMINATING}
+    ec2.terminate_instances(InstanceIds=run_instance_ids(ec2, name, STACK))
+
+
 def _lost_before_the_wait(handlers, cloud, resources, attempt: int) -> tuple[RunStore, RunRecord, str, dict]:
     """A run whose world was ready, one worker lost while no task token was parked; (store, run,
     the lost worker, the payload of the next wait's state)."""
