@@ -35,8 +35,9 @@ validate: install sam-tools
 
 # `sam build` (BuildMethod: makefile, build_in_source in samconfig.toml) calls these with
 # ARTIFACTS_DIR set. The layer gets the project's runtime dependencies as Lambda's Linux
-# wheels; each function gets only the control-plane packages (and the trainer's torch-free
-# checkpoint catalogue, which defines the commit protocol the control plane reads).
+# wheels; each function gets only the control-plane packages, the trainer's torch-free
+# checkpoint catalogue (the commit protocol the control plane reads) and its torch-free config
+# checks with what they import (Validate runs them on the RunSpec's trainer section).
 LAMBDA_WHEELS := --platform manylinux2014_x86_64 --implementation cp --python-version 3.11 --only-binary=:all:
 
 build-LambdaDependencies:
@@ -48,7 +49,8 @@ build-%Function:
 	mkdir -p $(ARTIFACTS_DIR)
 	cp -r functions trainfleet $(ARTIFACTS_DIR)/
 	mkdir -p $(ARTIFACTS_DIR)/trainer
-	cp trainer/__init__.py trainer/checkpoint_catalog.py $(ARTIFACTS_DIR)/trainer/
+	cp trainer/__init__.py trainer/checkpoint_catalog.py trainer/config.py trainer/schedules.py trainer/tokenizer.py \
+		$(ARTIFACTS_DIR)/trainer/
 	find $(ARTIFACTS_DIR) -name __pycache__ -prune -exec rm -rf {} +
 
 clean:

@@ -1,8 +1,9 @@
 """Allocate: launch template, cluster placement group, CreateFleet; record the nodes and the plan.
 
 Workers first, then spares. Fewer instances than node_count are accepted only down to the
-RunSpec's min_nodes, with pp x dp re-planned for what came; none at all raises
-CapacityUnavailable, which the state machine retries with backoff.
+RunSpec's min_nodes, with pp x dp re-planned for what came; none at all, or too few for any
+layout of the trainer (those are terminated: they are paid for and useless), raises
+CapacityUnavailable, which the state machine retries with backoff and a new fleet request.
 """
 
 from typing import Any
@@ -12,8 +13,7 @@ from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.common import RunPayload, aws, capacity_unavailable, fleet_token_prefix, logger, metrics, tracer
-from functions.errors import CapacityUnavailable
-from trainfleet.adapters.ec2_fleet import Allocation, allocate, ensure_launch_template
+from trainfleet.adapters.ec2_fleet import Allocation, allocate, ensure_launch_template, terminate
 from trainfleet.contracts import CapacityKind, NodeRecord, NodeRole, RunState
 from trainfleet.lifecycle import plan_layout
 
@@ -46,8 +46,9 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
     plan = plan_layout(spec.trainer, spec.facts.ranks_per_node, available_nodes=workers,
                        min_nodes=spec.shrink_floor, preferred_pp=spec.trainer.parallel.pp)
     if plan is None:
-        raise CapacityUnavailable(f"{workers} nodes launched and no layout of the trainer runs on "
-                                  f"{spec.shrink_floor}..{workers} of them")
+        terminate(cloud.ec2, allocation.instance_ids)
+        raise capacity_unavailable(name, f"{workers} nodes launched and no layout of the trainer runs on "
+                                         f"{spec.shrink_floor}..{workers} of them; terminated them")
     record_nodes(name, run.attempt, allocation, plan.nodes, spec.capacity.kind)
     cloud.store.modify_run(name, lambda current: current.model_copy(update={
         "plan": plan, "subnet_id": allocation.subnet_id, "availability_zone": allocation.availability_zone,

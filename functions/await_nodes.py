@@ -1,12 +1,13 @@
 """AwaitNodes: park the task token on the run; the event handler answers it when the world is
-ready. Nodes that were ready before the token was parked are answered for here."""
+ready. Nodes that were ready before the token was parked are answered for here, and so is a
+failure of the attempt reported before it (a worker lost after Recover decided)."""
 
 from typing import Any
 
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import TaskPayload, answer_if_world_complete, aws, logger, metrics, tracer
+from functions.common import TaskPayload, answer_if_world_complete, aws, logger, metrics, park_task, tracer
 from trainfleet.contracts import RunState, TaskWait
 
 
@@ -17,7 +18,7 @@ from trainfleet.contracts import RunState, TaskWait
 def handler(event: TaskPayload, context: LambdaContext) -> dict[str, Any]:
     store, ref = aws().store, event.run.run
     store.transition_run(ref.run_name, RunState.AWAITING_NODES)
-    store.park_task(ref.run_name, TaskWait(purpose="await_nodes", attempt=ref.attempt, token=event.task_token))
-    answered = answer_if_world_complete(ref.run_name)
+    wait = TaskWait(purpose="await_nodes", attempt=ref.attempt, token=event.task_token)
+    answered = park_task(ref.run_name, wait) or answer_if_world_complete(ref.run_name)
     logger.info("waiting for nodes", run_name=ref.run_name, attempt=ref.attempt, answered_now=answered)
     return {"answered_now": answered}

@@ -27,13 +27,13 @@ from pydantic import BaseModel, ConfigDict
 from functions.errors import CapacityUnavailable
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.contracts import (FAILURE_ERROR, FailureReport, NodeRecord, RecoveryAction, RunRecord, RunRef,
-                                  RunSpec)
+                                  RunSpec, TaskWait)
 from trainfleet.lifecycle import ready_workers, world_complete
 from trainfleet.settings import MissingSetting, Settings
 
-__all__ = ["logger", "tracer", "metrics", "Aws", "aws", "answer_task", "addressed", "answer_if_world_complete",
-           "fleet_token_prefix", "capacity_unavailable", "Timeouts", "CaughtError", "RecoveryStep", "RunPayload",
-           "TaskPayload", "launch_spec_key", "report_key"]
+__all__ = ["logger", "tracer", "metrics", "Aws", "aws", "answer_task", "fail_attempt", "park_task", "addressed",
+           "answer_if_world_complete", "fleet_token_prefix", "capacity_unavailable", "Timeouts", "CaughtError",
+           "RecoveryStep", "RunPayload", "TaskPayload", "launch_spec_key", "report_key"]
 
 IDEMPOTENCY_TABLE_VARIABLE = "TRAINFLEET_IDEMPOTENCY_TABLE"
 
@@ -99,6 +99,32 @@ def answer_task(run_name: str, purpose: Literal["await_nodes", "train"], attempt
     logger.info("task answered", run_name=run_name, purpose=purpose, attempt=attempt,
                 failed=failure is not None)
     return True
+
+
+def fail_attempt(run_name: str, report: FailureReport) -> bool:
+    """Fail the wait parked for the report's attempt, with the report as cause. The report is
+    recorded on the run first (`attempt_failure`, the attempt's first one), so that when no
+    token is parked the next wait of that attempt fails with it as it parks (park_task). True if
+    a task was answered here.
+
+    Either this write or the parking write comes second, and the second one sees the other's
+    change: a failure and a wait racing each other always meet."""
+    run = aws().store.modify_run(run_name, lambda current: current.model_copy(update={"attempt_failure": report})
+                                 if current.attempt == report.attempt and current.attempt_failure is None
+                                 else current)
+    if run.waiting is None:
+        return False
+    return answer_task(run_name, run.waiting.purpose, report.attempt, failure=report)
+
+
+def park_task(run_name: str, wait: TaskWait) -> bool:
+    """Park the wait's token on the run; if its attempt has already failed (fail_attempt with no
+    token parked), fail the wait at once with that report. True if it failed here."""
+    run = aws().store.park_task(run_name, wait)
+    failure = run.attempt_failure
+    if failure is None or failure.attempt != wait.attempt:
+        return False
+    return answer_task(run_name, wait.purpose, wait.attempt, failure=failure)
 
 
 def addressed(nodes: list[NodeRecord]) -> list[NodeRecord]:

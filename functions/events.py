@@ -6,7 +6,8 @@ idempotency table and acts once. Beyond that, what an event may change is decide
 records: an agent event of an attempt already replaced is ignored (lifecycle.is_stale), and an
 AWS event about a node the run has already retired only records that the instance is gone.
 A failure answers the parked task token with trainfleet.Failure only when it concerns the
-run's current world: a lost spare is recorded, not fought over. A Spot warning for a worker
+run's current world: a lost spare is recorded, not fought over. With no token parked, the
+attempt's next wait fails with it as it parks (common.fail_attempt). A Spot warning for a worker
 that trains marks the node interrupting and lets training go on until the checkpoint its agent
 asked for commits (lifecycle.spot); then the attempt fails with SPOT_INTERRUPTION.
 """
@@ -23,7 +24,8 @@ from aws_lambda_powertools.utilities.idempotency import (DynamoDBPersistenceLaye
                                                           idempotent_function)
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import Aws, answer_if_world_complete, answer_task, aws, logger, metrics, tracer
+from functions.common import (Aws, answer_if_world_complete, answer_task, aws, fail_attempt, logger, metrics,
+                              tracer)
 from trainfleet.adapters.checkpoints import CheckpointInvalid, verify_checkpoint
 from trainfleet.adapters.metrics import checkpoint_metrics, emit, progress_metrics
 from trainfleet.adapters.run_store import RunNotFound
@@ -116,9 +118,7 @@ def failure(run: RunRecord, nodes: list[NodeRecord], report: FailureReport) -> s
         store.transition_node(run.run_name, node.instance_id, NodeState.UNHEALTHY,
                               failure_class=report.failure_class, reason=report.message)
     world_hit = not report.instance_ids or any(node.role is NodeRole.WORKER for node in blamed)
-    if run.waiting is None or not world_hit:
-        return f"{report.failure_class.value} recorded"
-    answered = answer_task(run.run_name, run.waiting.purpose, run.attempt, failure=report)
+    answered = world_hit and fail_attempt(run.run_name, report)
     return f"{report.failure_class.value}: task failed" if answered else f"{report.failure_class.value} recorded"
 
 

@@ -1,7 +1,8 @@
-"""Train: write the launch spec (world layout, rendezvous, resume point) and park the task token.
+"""Train: park the task token, write the launch spec (world layout, rendezvous, resume point).
 
 The resume point is read from S3 by the trainer's commit protocol, not taken from events: the
-newest step with a commit marker whose files are all there.
+newest step with a commit marker whose files are all there. A failure of the attempt reported
+before the token was parked (a worker lost after AwaitNodes succeeded) fails the task at once.
 """
 
 from typing import Any
@@ -9,10 +10,10 @@ from typing import Any
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import TaskPayload, addressed, aws, launch_spec_key, logger, tracer
+from functions.common import TaskPayload, addressed, aws, launch_spec_key, logger, park_task, tracer
 from trainfleet.adapters.checkpoints import latest_checkpoint
 from trainfleet.contracts import RunState, TaskWait
-from trainfleet.lifecycle import build_launch_spec
+from trainfleet.lifecycle import build_launch_spec, world_complete
 
 
 @logger.inject_lambda_context
@@ -24,15 +25,22 @@ def handler(event: TaskPayload, context: LambdaContext) -> dict[str, Any]:
     run = store.run(ref.run_name)
     resume_from = latest_checkpoint(cloud.s3, run.spec.checkpoint.s3_uri)
     run = store.transition_run(ref.run_name, RunState.TRAINING, latest_checkpoint=resume_from)
+    # Park before the spec lands: an agent may finish (and the event handler answer) right after.
+    if park_task(ref.run_name, TaskWait(purpose="train", attempt=ref.attempt, token=event.task_token)):
+        logger.info("the attempt failed before training", run_name=ref.run_name, attempt=ref.attempt)
+        return {"attempt": ref.attempt, "failed_before_launch": True}
     nodes = addressed(store.nodes(ref.run_name))
+    if not world_complete(nodes, run.plan):
+        # A worker retired while this ran: the failure that retired it answers the parked token.
+        logger.warning("world no longer complete; launch spec not written", run_name=ref.run_name,
+                       attempt=ref.attempt)
+        return {"attempt": ref.attempt, "failed_before_launch": True}
     launch_spec = build_launch_spec(run, nodes, heartbeat_task_token=event.task_token)
     ranks_before = {node.instance_id: node.node_rank for node in nodes}
     for instance_id, rank in launch_spec.node_ranks.items():
         if ranks_before[instance_id] != rank:
             store.modify_node(ref.run_name, instance_id,
                               lambda node, rank=rank: node.model_copy(update={"node_rank": rank}))
-    # Park first: an agent may finish (and the event handler answer) right after the spec lands.
-    store.park_task(ref.run_name, TaskWait(purpose="train", attempt=ref.attempt, token=event.task_token))
     cloud.s3.put_object(Bucket=cloud.settings.bucket, Key=launch_spec_key(ref.run_name),
                         Body=launch_spec.model_dump_json().encode(), ContentType="application/json")
     logger.info("launch spec written", run_name=ref.run_name, attempt=ref.attempt,

@@ -1,18 +1,22 @@
 """Recover: classify the failure, decide restart / replace / shrink / give up, act on it.
 
 1. Classify what the Catch caught: a FailureReport sent by the event handler, or a task timeout
-   (boot or heartbeat, told apart by what the run was waiting for).
+   (boot or heartbeat, told apart by what the run was waiting for), as a failure of the attempt
+   the state's input names. The input is the same for every retry of an invocation, so the
+   retry classifies the same failure of the same attempt, whatever the first try recorded.
 2. Decide, and record the decision before acting on it: the ended attempt's time on the goodput
    ledger, a new attempt, the failure on the books, the blamed nodes TERMINATING, promoted spares
    made workers. Giving up raises RecoveryGaveUp, which the state machine sends to Teardown.
 3. Act on the records, not on the decision, so a retried invocation (which finds the attempt
    already advanced and skips step 2) does the same: terminate the nodes the event handler
    marked UNHEALTHY and those marked TERMINATING (recorded first), launch what the plan and the
-   spare count still miss, in the run's zone and placement group. Too few replacements raise
-   CapacityUnavailable carrying a CAPACITY report of the new attempt: the state machine retries,
-   then catches it back into Recover, where step 2 shrinks the plan onto the nodes there are
-   (min_nodes set; workers it leaves out become spares) or decides again by the usual rules,
-   which the restart budget and the crash-loop rule bound.
+   spare count miss beside the nodes of earlier attempts, in the run's zone and placement group:
+   a retry that finds part of this attempt's launch recorded asks EC2 the same again and gets
+   the same instances back. Too few replacements raise CapacityUnavailable carrying a CAPACITY
+   report of the new attempt: the state machine retries, then catches it back into Recover,
+   where step 2 shrinks the plan onto the nodes there are (min_nodes set; workers it leaves out
+   become spares) or decides again by the usual rules, which the restart budget and the
+   crash-loop rule bound.
 4. Hand the backoff to the state machine's Wait.
 """
 
@@ -38,10 +42,12 @@ _ENDING = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
 _NOT_READY = frozenset({NodeState.LAUNCHED, NodeState.REGISTERED})
 
 
-def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError) -> FailureReport:
-    """Step 1. A timeout leaves the token parked, so `waiting` says which wait timed out."""
-    waiting = run.waiting or TaskWait(purpose="train" if run.state is RunState.TRAINING else "await_nodes",
-                                      attempt=run.attempt, token="(answered)")
+def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError, attempt: int) -> FailureReport:
+    """Step 1, for the caught task's `attempt`. A timeout leaves the token parked, so `waiting`
+    says which wait timed out; once a decision moved the run on, the attempt is decided and
+    what stands in for the wait no longer matters."""
+    waiting = run.waiting if run.waiting and run.waiting.attempt == attempt else TaskWait(
+        purpose="train" if run.state is RunState.TRAINING else "await_nodes", attempt=attempt, token="(answered)")
     not_ready = [node.instance_id for node in nodes if node.state in _NOT_READY]
     return classify_task_error(caught.Error, caught.Cause, waiting, not_ready)
 
@@ -86,9 +92,12 @@ def act(run: RunRecord) -> int:
             _mark_terminating(name, node.instance_id)
     nodes = cloud.store.nodes(name)
     terminate(cloud.ec2, [node.instance_id for node in nodes if node.state is NodeState.TERMINATING])
-    live = [node for node in nodes if node.state not in _GONE]
-    missing_workers = max(0, run.plan.nodes - sum(node.role is NodeRole.WORKER for node in live))
-    missing_spares = max(0, spec.spare_count - sum(node.role is NodeRole.SPARE for node in live))
+    # What this attempt launched is left out of the count: a retry that finds some of it recorded
+    # sends EC2 the request the first try sent, under the same ClientToken, and gets the same
+    # instances back (EC2 refuses that token with another request: IdempotentParameterMismatch).
+    kept = [node for node in nodes if node.state not in _GONE and node.attempt < run.attempt]
+    missing_workers = max(0, run.plan.nodes - sum(node.role is NodeRole.WORKER for node in kept))
+    missing_spares = max(0, spec.spare_count - sum(node.role is NodeRole.SPARE for node in kept))
     if missing_workers + missing_spares == 0:
         return 0
     allocation = allocate(cloud.ec2, spec, cloud.settings.stack_name, run.launch_template_id, [run.subnet_id],
@@ -101,12 +110,13 @@ def act(run: RunRecord) -> int:
             failure_class=FailureClass.CAPACITY, attempt=run.attempt,
             message=f"{missing_workers} replacement(s) needed in {run.subnet_id}: "
                     + ("; ".join(allocation.errors) or "none launched")).model_dump_json())
-    for index, instance_id in enumerate(allocation.instance_ids):
+    for index, instance_id in enumerate(allocation.instance_ids):  # a node recorded before is left as it is
         cloud.store.add_node(NodeRecord(
             run_name=name, instance_id=instance_id, attempt=run.attempt,
             role=NodeRole.WORKER if index < missing_workers else NodeRole.SPARE,
             availability_zone=run.availability_zone, subnet_id=run.subnet_id, market=spec.capacity.kind))
-    return len(allocation.instance_ids)
+    recorded_before = {node.instance_id for node in nodes}
+    return sum(instance_id not in recorded_before for instance_id in allocation.instance_ids)
 
 
 @logger.inject_lambda_context
@@ -118,7 +128,7 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
     if event.failure is None:
         raise ValueError("Recover needs the caught error in $.failure")
     run, nodes = store.run(name), store.nodes(name)
-    failure = classify(run, nodes, event.failure)
+    failure = classify(run, nodes, event.failure, event.run.attempt)
     if failure.attempt == run.attempt:
         decision = decide_and_record(run, nodes, failure)
         step = RecoveryStep(action=decision.action, reason=decision.reason,

@@ -1,4 +1,6 @@
-"""Validate: parse the RunSpec, record the run. A bad RunSpec fails here, before any allocation."""
+"""Validate: parse the RunSpec, record the run. A bad RunSpec fails here, before any allocation,
+and so does a trainer section the trainer itself would refuse: its own checks
+(trainer/config.py, torch-free) run here on the config the nodes would be given."""
 
 from typing import Any
 
@@ -8,6 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from functions.common import RunPayload, Timeouts, aws, logger, tracer
 from functions.errors import InvalidRunSpec
+from trainer.config import ConfigError, config_from_sections
 from trainfleet.adapters.run_store import RunExists
 from trainfleet.contracts import RunRecord, RunRef, RunSpec, validation_message
 
@@ -28,7 +31,19 @@ def parse_run_spec(raw: Any, bucket: str) -> RunSpec:
     if not spec.checkpoint.s3_uri.startswith(f"s3://{bucket}/"):
         raise InvalidRunSpec(f"checkpoint.s3_uri: must be under s3://{bucket}/ (this stack's "
                              f"checkpoint bucket) (got {spec.checkpoint.s3_uri!r})")
+    check_trainer_config(spec)
     return spec
+
+
+def check_trainer_config(spec: RunSpec) -> None:
+    """InvalidRunSpec with the trainer's own message when it would refuse its config (a negative
+    learning rate, no steps, heads that do not divide the width...): found here, not after the
+    whole fleet has booted and passed preflight."""
+    par = spec.trainer.parallel
+    try:
+        config_from_sections(spec.trainer_mapping(par.pp, par.dp, resume_step=None), source="trainer")
+    except ConfigError as exc:
+        raise InvalidRunSpec(str(exc)) from exc
 
 
 @logger.inject_lambda_context

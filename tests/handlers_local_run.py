@@ -4,7 +4,8 @@ agents (tests/handlers_sim_agent.py) as the instances' processes.
 1. a good RunSpec on 2 nodes: allocate, nodes ready, train; once a checkpoint is committed,
    the node of rank 1 is killed (EC2 reports it terminated); only it is replaced, training
    resumes from the latest committed checkpoint, completes, and teardown ends every instance;
-2. a bad RunSpec: the execution fails at Validate naming the field, no instance is created.
+2. bad RunSpecs: the execution fails at Validate naming the field, no instance is created; so
+   does a trainer section the trainer itself refuses (model.n_heads not dividing d_model).
 
 It runs in a process of its own (tests/test_handlers_local_run.py starts it) because the local
 cloud imports the deployed handlers from their package: a test process that imported
@@ -193,7 +194,15 @@ def scenarios(cloud, stack_name: str) -> None:
     invalid = {"status": rejected["status"], "error": rejected.get("error"), "cause": rejected.get("cause"),
                "states": states_entered(sfn, rejected["executionArn"]),
                "instances_before": before, "instances_after": len(instances_of(ec2, bad_name))}
-    print(json.dumps({"recovered": recovered, "invalid": invalid}, default=str))
+    refused_name = f"refused-{uuid.uuid4().hex[:6]}"
+    refused_spec = run_spec(refused_name, outputs["CheckpointBucketName"], subnet, group)
+    refused_spec["trainer"]["model"].update(d_model=64, n_heads=3)
+    refused = execute(sfn, machine, refused_name, refused_spec)
+    refused_by_trainer = {"status": refused["status"], "error": refused.get("error"), "cause": refused.get("cause"),
+                          "states": states_entered(sfn, refused["executionArn"]),
+                          "instances": len(instances_of(ec2, refused_name))}
+    print(json.dumps({"recovered": recovered, "invalid": invalid, "refused_by_trainer": refused_by_trainer},
+                     default=str))
 
 
 if __name__ == "__main__":

@@ -157,6 +157,17 @@ def test_partial_fulfilment_is_kept_when_it_meets_the_minimum():
     assert fleet.zone_verdict(outcome, minimum=4) == "next_zone"
 
 
+UNSUPPORTED = ("Unsupported", "Your requested instance type (p5.48xlarge) is not supported in your requested "
+               "Availability Zone (us-east-1a). Please retry your request by not specifying an Availability Zone "
+               "or choosing us-east-1b, us-east-1c.")
+
+
+def test_a_type_not_offered_in_a_zone_moves_to_the_next_zone():
+    outcome = fleet.interpret_fleet_response(fleet_answer([], UNSUPPORTED))
+    assert outcome.zone_errors == [f"{UNSUPPORTED[0]}: {UNSUPPORTED[1]}"] and not outcome.hard_errors
+    assert fleet.zone_verdict(outcome, minimum=1) == "next_zone"
+
+
 def test_errors_no_zone_can_cure_stop_the_allocation():
     outcome = fleet.interpret_fleet_response(
         fleet_answer([], ("VcpuLimitExceeded", "You have requested more vCPU capacity than your current vCPU limit")))
@@ -294,6 +305,28 @@ def test_no_zone_with_capacity_launches_nothing_and_says_why(cloud, network):
     assert (allocation.instance_ids, allocation.shortfall, allocation.subnet_id) == ([], 3, None)
     assert [line.split(":")[0] for line in allocation.errors] == ["us-east-1a", "us-east-1b"]
     assert fleet.run_instance_ids(ec2, "dry", SETTINGS.stack_name) == []
+
+
+def test_a_type_not_offered_in_the_first_zone_lands_the_fleet_in_the_next(cloud, network):
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    spec = make_spec(run_name="offered", subnet_ids=subnets, security_group_ids=[group])
+    template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    answer_create_fleet(ec2, {subnets[0]: fleet_answer([], UNSUPPORTED)})
+    allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 2, 2, "offered-0")
+    assert allocation.availability_zone == "us-east-1b" and len(allocation.instance_ids) == 2
+    assert allocation.errors == [f"us-east-1a: {UNSUPPORTED[0]}: {UNSUPPORTED[1]}"]
+
+
+def test_a_type_no_zone_offers_stops_with_each_zones_answer(cloud, network):
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    spec = make_spec(run_name="nowhere", subnet_ids=subnets, security_group_ids=[group])
+    template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    answer_create_fleet(ec2, {subnet: fleet_answer([], UNSUPPORTED) for subnet in subnets})
+    # Retrying later cannot make a zone offer a type: this is no capacity shortfall.
+    with pytest.raises(fleet.FleetError, match="us-east-1a: Unsupported.*us-east-1b: Unsupported"):
+        fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 2, 2, "nowhere-0")
 
 
 def test_an_error_no_zone_can_cure_stops_at_once(cloud, network):

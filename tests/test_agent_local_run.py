@@ -107,21 +107,6 @@ def test_teardown_leaves_no_instance_running(run):
 
 
 @pytest.mark.slow
-def test_a_config_the_trainer_refuses_fails_the_run_without_retrying():
-    run = agent_scenario("config-error")
-    assert run["status"] == "FAILED"
-    assert run["states"] == ["Validate", "Allocate", "AwaitNodes", "Train", "Recover", "Teardown", "Report",
-                             "Outcome", "RunFailed"]
-    assert run["disrupted"] is None and run["losses"] == {}
-    kinds = {(failure["kind"], failure["attempt"]) for failure in run["trainer_failures"]}
-    assert kinds == {("config", 0)}
-    assert any("model.n_heads=3 must divide model.d_model=64" in failure["message"]
-               for failure in run["trainer_failures"])
-    assert [failure["failure_class"] for failure in run["report"]["failures"]] == ["CONFIG_ERROR"]
-    assert set(run["instances"].values()) == {"terminated"}
-
-
-@pytest.mark.slow
 def test_a_spot_notice_replaces_the_node_after_its_emergency_checkpoint_and_resumes_from_it():
     """The victim's agent asks its trainer for a checkpoint when it sees the notice; the control
     plane trains on until that checkpoint commits, then replaces the node. The scenario checkpoints

@@ -70,6 +70,11 @@ def test_example_run_spec_is_valid_and_round_trips():
     ({"trainer.optim.learning_rate": 0.1}, "trainer", "trainer.optim.learning_rate is not a field"),
     ({"trainer.modle": {}}, "trainer", "trainer.modle is not a section"),
     ({"tags": {"trainfleet:run": "x"}}, "tags", "reserved"),
+    # The launch template enables instance metadata tags, whose keys EC2 limits further.
+    ({"tags": {"team": "x", "cost center": "ml"}}, "tags", "tag key 'cost center'"),
+    ({"tags": {"team/owner": "x"}}, "tags", "tag key 'team/owner'"),
+    ({"tags": {"_index": "x"}}, "tags", "tag key '_index'"),
+    ({"tags": {"team": "x" * 257}}, "tags", "tag 'team': values take at most 256 characters"),
     ({"cost_ceiling_usd": 0}, "cost_ceiling_usd", "greater than 0"),
 ])
 def test_bad_run_spec_names_the_field(changes, field, words):

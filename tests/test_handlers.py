@@ -59,7 +59,9 @@ def handlers(cloud, resources, monkeypatch):
                         "POWERTOOLS_TRACE_DISABLED": "true", "POWERTOOLS_METRICS_NAMESPACE": "Trainfleet"}.items():
         monkeypatch.setenv(name, value)
     import functions.allocate
+    import functions.await_nodes
     import functions.events
+    import functions.launch
     import functions.recover
     import functions.validate
 
@@ -157,6 +159,23 @@ def test_a_bad_run_spec_is_refused_naming_the_field_and_nothing_is_recorded(hand
     assert not [item for item in items if item["pk"]["S"] in ("RUN#bad-spec", "RUN#elsewhere")]
 
 
+@pytest.mark.parametrize("section, changes, message", [
+    ("optim", {"lr": -0.001}, "trainer: optim.lr must be > 0"),
+    ("training", {"steps": 0}, "trainer: training.steps must be >= 1, got 0"),
+    ("model", {"n_heads": 12}, "trainer: model.n_heads=12 must divide model.d_model=2048"),
+    ("optim", {"lr": "fast"}, "trainer: optim.lr='fast' is not a valid float"),
+])
+def test_settings_the_trainer_refuses_are_refused_before_anything_is_allocated(
+        handlers, resources, cloud, section, changes, message):
+    document = spec_document(resources["bucket"], "refused-by-trainer")
+    document["trainer"][section] = {**document["trainer"].get(section, {}), **changes}
+    with pytest.raises(handlers.errors.InvalidRunSpec) as refused:
+        handlers.validate.handler({"run_spec": document, "execution_arn": "arn:x"}, Context())
+    assert str(refused.value).startswith(message), str(refused.value)
+    items = cloud.client("dynamodb").scan(TableName=resources["run_table"])["Items"]
+    assert not [item for item in items if item["pk"]["S"] == "RUN#refused-by-trainer"]
+
+
 def test_validate_records_the_run_and_passes_on_a_reference_of_constant_size(handlers, resources):
     small = spec_document(resources["bucket"], "small-run")
     large = spec_document(resources["bucket"], "large-run", node_count=512, spare_count=16,
@@ -175,28 +194,48 @@ def test_validate_records_the_run_and_passes_on_a_reference_of_constant_size(han
 
 # --- Allocate -------------------------------------------------------------------------------
 
-def test_allocate_retried_for_capacity_asks_ec2_anew_and_a_retry_after_a_launch_does_not(
-        handlers, cloud, resources, monkeypatch):
-    monkeypatch.setattr(cloud.fleet, "boot", lambda instance: None)  # EC2 semantics only, no agents
-    ec2, zone, instance_type = cloud.client("ec2"), "us-east-1c", "c5.large"
-    subnet = ec2.describe_subnets(Filters=[{"Name": "availability-zone", "Values": [zone]},
+ZONE, INSTANCE_TYPE = "us-east-1c", "c5.large"
+
+
+def validated_run(handlers, cloud, resources, monkeypatch, nodes: int = 2, parallel: dict | None = None,
+                  **changes) -> dict:
+    """Validate's output for a run of `nodes` c5.large workers (one rank each, pp = nodes, with
+    `parallel` settings besides) in ZONE's default subnet; instances boot no agent (EC2 semantics
+    only)."""
+    monkeypatch.setattr(cloud.fleet, "boot", lambda instance: None)
+    ec2 = cloud.client("ec2")
+    subnet = ec2.describe_subnets(Filters=[{"Name": "availability-zone", "Values": [ZONE]},
                                            {"Name": "default-for-az", "Values": ["true"]}])["Subnets"][0]
     group = ec2.describe_security_groups(Filters=[{"Name": "vpc-id", "Values": [subnet["VpcId"]]},
                                                   {"Name": "group-name", "Values": ["default"]}])
     name = f"run-{uuid.uuid4().hex[:6]}"
-    document = spec_document(
-        resources["bucket"], name, instance_type=instance_type, node_count=2, spare_count=0, min_nodes=None,
-        image_id="ami-0123456789abcdef0",
-        capacity={"kind": "on-demand", "subnet_ids": [subnet["SubnetId"]],
-                  "security_group_ids": [group["SecurityGroups"][0]["GroupId"]]},
-        trainer={"model": {"n_layers": 2}, "training": {"batch_size": 2},
-                 "parallel": {"pp": 2, "dp": 1, "schedule": "gpipe", "microbatches": 2}})
-    payload = handlers.validate.handler({"run_spec": document, "execution_arn": f"arn:{name}"}, Context())
+    document = spec_document(resources["bucket"], name, **{
+        "instance_type": INSTANCE_TYPE, "node_count": nodes, "spare_count": 0, "min_nodes": None,
+        "image_id": "ami-0123456789abcdef0",
+        "capacity": {"kind": "on-demand", "subnet_ids": [subnet["SubnetId"]],
+                     "security_group_ids": [group["SecurityGroups"][0]["GroupId"]]},
+        "trainer": {"model": {"n_layers": nodes}, "training": {"batch_size": nodes},
+                    "parallel": {"pp": nodes, "dp": 1, "schedule": "gpipe", "microbatches": nodes,
+                                 **(parallel or {})}},
+        **changes})
+    return handlers.validate.handler({"run_spec": document, "execution_arn": f"arn:{name}"}, Context())
 
-    cloud.set_capacity(instance_type, zone, 0)
+
+def instance_states(cloud, instance_ids: list[str]) -> dict[str, str]:
+    reservations = cloud.client("ec2").describe_instances(InstanceIds=instance_ids)["Reservations"]
+    return {instance["InstanceId"]: instance["State"]["Name"]
+            for reservation in reservations for instance in reservation["Instances"]}
+
+
+def test_allocate_retried_for_capacity_asks_ec2_anew_and_a_retry_after_a_launch_does_not(
+        handlers, cloud, resources, monkeypatch):
+    payload = validated_run(handlers, cloud, resources, monkeypatch)
+    name, ec2 = payload["run"]["run_name"], cloud.client("ec2")
+
+    cloud.set_capacity(INSTANCE_TYPE, ZONE, 0)
     with pytest.raises(handlers.errors.CapacityUnavailable, match="InsufficientInstanceCapacity"):
         handlers.allocate.handler(payload, Context())
-    cloud.set_capacity(instance_type, zone, None)
+    cloud.set_capacity(INSTANCE_TYPE, ZONE, None)
     # The state machine's Retry sends the same input; capacity has come back meanwhile.
     assert handlers.allocate.handler(payload, Context())["instances"] == 2
     launched = sorted(node.instance_id for node in RunStore(cloud.client("dynamodb"),
@@ -205,6 +244,25 @@ def test_allocate_retried_for_capacity_asks_ec2_anew_and_a_retry_after_a_launch_
     assert handlers.allocate.handler(payload, Context())["instances"] == 2
     assert run_instance_ids(ec2, name, STACK) == launched and len(launched) == 2
     ec2.terminate_instances(InstanceIds=launched)
+
+
+def test_allocate_terminates_a_fleet_no_layout_runs_on_and_asks_anew(handlers, cloud, resources, monkeypatch):
+    # Three stages pinned to three nodes: no layout runs on two, though one node may remain.
+    payload = validated_run(handlers, cloud, resources, monkeypatch, nodes=3, min_nodes=1,
+                            parallel={"layers_per_stage": [1, 1, 1]})
+    name, ec2 = payload["run"]["run_name"], cloud.client("ec2")
+    store = RunStore(cloud.client("dynamodb"), resources["run_table"])
+    cloud.set_capacity(INSTANCE_TYPE, ZONE, 2)
+    try:
+        with pytest.raises(handlers.errors.CapacityUnavailable, match="no layout"):
+            handlers.allocate.handler(payload, Context())
+    finally:
+        cloud.set_capacity(INSTANCE_TYPE, ZONE, None)
+    assert run_instance_ids(ec2, name, STACK) == [], "the two instances no layout can use were left running"
+    assert store.run(name).fleet_requests_unfilled == 1 and store.nodes(name) == []
+    # The retry asks EC2 anew (a new ClientToken), and capacity is back.
+    assert handlers.allocate.handler(payload, Context())["instances"] == 3
+    ec2.terminate_instances(InstanceIds=run_instance_ids(ec2, name, STACK))
 
 
 # --- events ---------------------------------------------------------------------------------
@@ -318,6 +376,110 @@ def test_recover_gives_up_when_the_restart_budget_is_spent(handlers, cloud, reso
     after = store.run(run.run_name)
     assert after.error.startswith("restart budget spent") and [f.failure_class for f in after.failures] == [
         FailureClass.INSTANCE_LOST]
+
+
+def test_a_retried_recover_books_the_failure_once_and_keeps_the_replacements(handlers, cloud, resources, monkeypatch):
+    payload = validated_run(handlers, cloud, resources, monkeypatch)
+    name = payload["run"]["run_name"]
+    store = RunStore(cloud.client("dynamodb"), resources["run_table"])
+    handlers.allocate.handler(payload, Context())
+    handlers.await_nodes.handler({"run": payload, "task_token": "token-of-await-nodes"}, Context())
+    slow, booted = sorted(node.instance_id for node in store.nodes(name))
+    for state in (NodeState.REGISTERED, NodeState.READY):
+        store.transition_node(name, booted, state)
+    # The boot timeout sends AwaitNodes' input to Recover; its Retry sends the same again when an
+    # invocation that had acted lost its answer (Lambda.ServiceException).
+    caught = {**payload, "failure": {"Error": "States.Timeout", "Cause": "AwaitNodes timed out"}}
+    first = handlers.recover.handler(caught, Context())
+    replacements = [node.instance_id for node in store.nodes(name) if node.attempt == 1]
+    second = handlers.recover.handler(caught, Context())
+
+    run = store.run(name)
+    assert (run.attempt, run.restarts, len(run.failures)) == (1, 1, 1), "the failure was booked twice"
+    assert first["run"] == second["run"] == {"run_name": name, "attempt": 1}
+    assert len(replacements) == 1 and store.node(name, replacements[0]).state is NodeState.LAUNCHED
+    assert instance_states(cloud, replacements)[replacements[0]] in ("pending", "running")
+    assert store.node(name, slow).state is NodeState.TERMINATING
+    cloud.client("ec2").terminate_instances(InstanceIds=run_instance_ids(cloud.client("ec2"), name, STACK))
+
+
+def test_a_recover_cut_off_while_recording_replacements_gets_the_same_fleet_on_retry(
+        handlers, cloud, resources, monkeypatch):
+    payload = validated_run(handlers, cloud, resources, monkeypatch, nodes=3)
+    name = payload["run"]["run_name"]
+    store = RunStore(cloud.client("dynamodb"), resources["run_table"])
+    handlers.allocate.handler(payload, Context())
+    handlers.await_nodes.handler({"run": payload, "task_token": "token-of-await-nodes"}, Context())
+    booted, *slow = sorted(node.instance_id for node in store.nodes(name))
+    for state in (NodeState.REGISTERED, NodeState.READY):
+        store.transition_node(name, booted, state)
+    # The invocation ends (its time out, say) after recording the first of two replacements.
+    recorded = []
+
+    def cut_off(params, **kwargs):
+        if params["Item"]["sk"]["S"].startswith("NODE#") and "attribute_not_exists" in params["ConditionExpression"]:
+            recorded.append(params["Item"]["sk"]["S"])
+            if len(recorded) == 2:
+                raise TimeoutError("Task timed out")
+
+    events = handlers.common.aws().dynamodb.meta.events
+    events.register("before-parameter-build.dynamodb.PutItem", cut_off)
+    caught = {**payload, "failure": {"Error": "States.Timeout", "Cause": "AwaitNodes timed out"}}
+    try:
+        with pytest.raises(TimeoutError):
+            handlers.recover.handler(caught, Context())
+    finally:
+        events.unregister("before-parameter-build.dynamodb.PutItem", cut_off)
+    assert len([node for node in store.nodes(name) if node.attempt == 1]) == 1
+
+    # The retry asks EC2 exactly what the first try asked (the same ClientToken with another
+    # request is refused: IdempotentParameterMismatch), so it gets the same two back.
+    handlers.recover.handler(caught, Context())
+    replacements = sorted(node.instance_id for node in store.nodes(name) if node.attempt == 1)
+    assert len(replacements) == 2 and store.run(name).restarts == 1
+    ec2 = cloud.client("ec2")
+    assert run_instance_ids(ec2, name, STACK) == sorted([booted, *replacements])
+    assert {store.node(name, instance_id).state for instance_id in slow} == {NodeState.TERMINATING}
+    ec2.terminate_instances(InstanceIds=run_instance_ids(ec2, name, STACK))
+
+
+def _lost_before_the_wait(handlers, cloud, resources, attempt: int) -> tuple[RunStore, RunRecord, str, dict]:
+    """A run whose world was ready, one worker lost while no task token was parked; (store, run,
+    the lost worker, the payload of the next wait's state)."""
+    store, run, (lost, survivor) = recorded_run(cloud, resources)
+    for instance_id in (lost, survivor):
+        store.transition_node(run.run_name, instance_id, NodeState.READY)
+    if attempt:  # as Recover leaves it
+        store.transition_run(run.run_name, RunState.RECOVERING, attempt=attempt)
+    handlers.events.handler(state_change(lost, "shutting-down"), Context())
+    assert store.run(run.run_name).waiting is None
+    payload = {"run": {"run_name": run.run_name, "attempt": attempt},
+               "timeouts": {"boot_seconds": 60, "heartbeat_seconds": 60}}
+    return store, run, lost, payload
+
+
+def _failed_with_the_loss(cloud, execution: str, lost: str, attempt: int) -> None:
+    result = finished(cloud, execution)
+    assert result["status"] == "FAILED" and result["error"] == FAILURE_ERROR
+    report = json.loads(result["cause"])
+    assert (report["failure_class"], report["instance_ids"], report["attempt"]) == (
+        FailureClass.INSTANCE_LOST.value, [lost], attempt)
+
+
+def test_a_worker_lost_between_recover_and_await_nodes_fails_the_wait_at_once(handlers, cloud, resources):
+    store, run, lost, payload = _lost_before_the_wait(handlers, cloud, resources, attempt=1)
+    execution, token = parked_token(cloud)
+    handlers.await_nodes.handler({"run": payload, "task_token": token}, Context())
+    _failed_with_the_loss(cloud, execution, lost, attempt=1)
+
+
+def test_a_worker_lost_between_await_nodes_and_train_fails_train_at_once(handlers, cloud, resources):
+    store, run, lost, payload = _lost_before_the_wait(handlers, cloud, resources, attempt=0)
+    execution, token = parked_token(cloud)
+    handlers.launch.handler({"run": payload, "task_token": token}, Context())
+    _failed_with_the_loss(cloud, execution, lost, attempt=0)
+    s3 = cloud.client("s3")
+    assert s3.list_objects_v2(Bucket=resources["bucket"], Prefix=f"runs/{run.run_name}/launch-spec")["KeyCount"] == 0
 
 
 def test_a_report_about_a_node_already_retired_changes_nothing(handlers, cloud, resources):

@@ -57,3 +57,11 @@ def test_a_bad_run_spec_fails_at_validate_naming_the_field_and_creates_nothing(o
     message = json.loads(rejected["cause"])["errorMessage"]
     assert "node_count=3" in message and "trainer.parallel.pp x dp" in message
     assert rejected["instances_after"] == rejected["instances_before"] == 0
+
+
+@pytest.mark.slow
+def test_a_model_the_trainer_refuses_fails_at_validate_with_the_trainers_message(outcome):
+    refused = outcome["refused_by_trainer"]
+    assert (refused["status"], refused["error"], refused["states"]) == ("FAILED", "InvalidRunSpec", ["Validate"])
+    assert json.loads(refused["cause"])["errorMessage"] == "trainer: model.n_heads=3 must divide model.d_model=64"
+    assert refused["instances"] == 0

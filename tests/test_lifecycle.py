@@ -314,11 +314,12 @@ def test_backoff_grows_along_a_streak_in_decisions():
 
 
 def test_apply_decision_opens_a_new_attempt():
-    run = make_run(latest_checkpoint=CheckpointRef(step=30, uri="s3://b/step-000000030"))
     failure = report(FailureClass.INSTANCE_LOST, "i-3")
+    run = make_run(latest_checkpoint=CheckpointRef(step=30, uri="s3://b/step-000000030"), attempt_failure=failure)
     decision = lc.decide_recovery(run, [*WORKERS, SPARE], failure, 0.0)
     after = lc.apply_decision(run, failure, decision, now=T0)
     assert (after.attempt, after.restarts, after.attempt_started_at) == (2, 1, T0)
+    assert after.attempt_failure is None  # the failure of the attempt before never fails the new one's waits
     assert after.failures[-1] == FailureRecord(failure_class=FailureClass.INSTANCE_LOST, resume_step=30, at=T0)
     gave_up = lc.apply_decision(run, report(FailureClass.CONFIG_ERROR),
                                 lc.decide_recovery(run, WORKERS, report(FailureClass.CONFIG_ERROR), 0.0), T0)

@@ -6,6 +6,9 @@ Precedence: command line > config file (TOML or YAML) > the defaults below.
 
 Every field has a docstring; `JobConfig.validate()` refuses combinations that cannot run, naming
 the field, before any process group work. `check_world_size()` checks the launch against the layout.
+
+No torch here (nor in what this imports): the control plane's Validate runs these same checks on
+a RunSpec's trainer section (`config_from_sections`) before it allocates a fleet.
 """
 
 import dataclasses
@@ -14,10 +17,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from trainer import tokenizer
-from trainer.parallel_dims import SCHEDULES, schedule_problem
+from trainer.schedules import SCHEDULES, schedule_problem
 
 
 class ConfigError(ValueError):
@@ -49,7 +50,8 @@ class ParallelConfig:
     dp: int = 1
     """Data-parallel degree (pipeline replicas); world size must be pp * dp."""
     schedule: str = "1f1b"
-    """Pipeline schedule: one of trainer.parallel_dims.SCHEDULES (gpipe, 1f1b, interleaved-1f1b, ...)."""
+    """Pipeline schedule: one of trainer.schedules.SCHEDULES (gpipe, 1f1b, interleaved-1f1b, ...) that the installed
+    torch offers."""
     microbatches: int = 4
     """Microbatches per step per replica; must divide the replica's batch."""
     stages_per_rank: int = 0
@@ -241,6 +243,17 @@ def load_config(argv: list[str]) -> JobConfig:
     return config.validate()
 
 
+def config_from_sections(values: dict, source: str) -> JobConfig:
+    """Defaults, then `values` ({section: {field: value}}, as a config file holds them); validated.
+    Every ConfigError names `source` first."""
+    config = JobConfig()
+    _apply(config, values, source=source)
+    try:
+        return config.validate()
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
 def _pop_option(args: list[str], name: str) -> str | None:
     for i, arg in enumerate(args):
         if arg == f"--{name}":
@@ -262,6 +275,8 @@ def _read_file(path: Path) -> dict:
     if path.suffix == ".toml":
         data = tomllib.loads(text)
     elif path.suffix in (".yaml", ".yml"):
+        import yaml  # here, not at the top: Validate's Lambda runs the checks above without pyyaml
+
         data = yaml.safe_load(text) or {}
     else:
         raise ConfigError(f"config file {path} must end in .toml, .yaml or .yml")

@@ -1,70 +1,37 @@
 """The parallel layout as plain data: which schedule, which stages on which rank, which layers per stage.
 
-Everything here is a pure function over ints and names, so the config can check a layout before
-any process group exists, and tests can check placements without starting processes.
+Everything here is a pure function over ints and names, so tests can check placements without
+starting processes. The schedules' rules live in trainer/schedules.py, which the config (and the
+control plane's Validate) check without torch; this module adds the installed torch's classes.
 
 Ranks form a (dp, pp) grid, rank = dp_index * pp + pp_index: pipeline neighbours have adjacent
 ranks, which torchrun places on the same node first.
 """
 
 from dataclasses import dataclass
-from typing import Literal
 
+import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
-Placement = Literal["single", "loop", "v"]
+from trainer.config import ConfigError
+from trainer.schedules import SCHEDULES as KNOWN_SCHEDULES
+from trainer.schedules import Placement, ScheduleSpec, schedule_problem
 
+__all__ = ["SCHEDULES", "KNOWN_SCHEDULES", "ScheduleSpec", "Placement", "schedule_class", "schedule_problem",
+           "stage_ids", "split_layers", "layer_ranges", "RankPosition"]
 
-@dataclass(frozen=True)
-class ScheduleSpec:
-    class_name: str
-    """Class in torch.distributed.pipelining.schedules."""
-    placement: Placement
-    """single: one stage per rank; loop: stage s on rank s % pp; v: rank r holds r and 2pp-1-r."""
-    stages_per_rank: int
-    """Default number of stages per rank (virtual stages)."""
-    needs_microbatches_ge_stages: bool
-    """The schedule runs out of work in its warm-up with fewer microbatches than stages."""
-    needs_whole_rounds: bool
-    """Looped schedules run microbatches in rounds of pp; more than one round must divide evenly."""
-
-
-_ALL_SCHEDULES = {
-    "gpipe": ScheduleSpec("ScheduleGPipe", "single", 1, False, False),
-    "1f1b": ScheduleSpec("Schedule1F1B", "single", 1, True, False),
-    "interleaved-1f1b": ScheduleSpec("ScheduleInterleaved1F1B", "loop", 2, False, True),
-    "looped-bfs": ScheduleSpec("ScheduleLoopedBFS", "loop", 2, False, False),
-    "interleaved-zero-bubble": ScheduleSpec("ScheduleInterleavedZeroBubble", "loop", 2, False, True),
-    "zbv-zero-bubble": ScheduleSpec("ScheduleZBVZeroBubble", "v", 2, True, False),
-    "dualpipev": ScheduleSpec("ScheduleDualPipeV", "v", 2, True, False),
-}
-
-# Only what the installed torch really offers can be configured.
+# Only what the installed torch really offers can run.
 SCHEDULES: dict[str, ScheduleSpec] = {
-    name: spec for name, spec in _ALL_SCHEDULES.items() if hasattr(torch_schedules, spec.class_name)
+    name: spec for name, spec in KNOWN_SCHEDULES.items() if hasattr(torch_schedules, spec.class_name)
 }
 
 
 def schedule_class(name: str) -> type:
+    """The installed torch's class of a known schedule; ConfigError when this torch lacks it."""
+    if name not in SCHEDULES:
+        raise ConfigError(f"parallel.schedule={name!r} needs torch.distributed.pipelining."
+                          f"{KNOWN_SCHEDULES[name].class_name}, which the installed torch {torch.__version__} lacks")
     return getattr(torch_schedules, SCHEDULES[name].class_name)
-
-
-def schedule_problem(name: str, pp: int, stages_per_rank: int, microbatches: int) -> str | None:
-    """Why this schedule cannot run this layout, or None when it can."""
-    spec = SCHEDULES[name]
-    n_stages = pp * stages_per_rank
-    if spec.placement == "single" and stages_per_rank != 1:
-        return f"schedule {name!r} runs exactly one stage per rank, got parallel.stages_per_rank={stages_per_rank}"
-    if spec.placement == "v" and stages_per_rank != 2:
-        return f"schedule {name!r} needs exactly two stages per rank (a V), got parallel.stages_per_rank={stages_per_rank}"
-    if spec.needs_microbatches_ge_stages and microbatches < n_stages:
-        return (f"schedule {name!r} needs parallel.microbatches >= number of stages ({n_stages}), "
-                f"got {microbatches}")
-    rounds = max(1, microbatches // pp)
-    if spec.needs_whole_rounds and microbatches % rounds != 0:
-        return (f"schedule {name!r} runs microbatches in rounds of parallel.pp={pp}: "
-                f"parallel.microbatches={microbatches} must be below pp or a multiple of it")
-    return None
 
 
 def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, placement: Placement) -> list[int]:

@@ -34,7 +34,7 @@ from trainer import checkpoint_catalog
 from trainer.checkpoint import Checkpointer
 from trainer.config import ConfigError, JobConfig, OptimConfig, check_world_size, load_config
 from trainer.data import DataLoader, load_tokens
-from trainer.parallel_dims import RankPosition
+from trainer.parallel_dims import RankPosition, schedule_class
 from trainer.pipeline_parallel import Pipeline, build_pipeline
 
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -315,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(sys.argv[1:] if argv is None else argv)
         check_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        schedule_class(cfg.parallel.schedule)  # a schedule this torch lacks is a config error too
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -86,8 +86,8 @@ def validation_message(error: ValidationError) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Pipeline schedules. The trainer's trainer/parallel_dims.py holds the same rules but imports
-# torch; this torch-free mirror lets the control plane validate and re-plan a layout.
+# Pipeline schedules. The trainer's trainer/schedules.py holds the same rules; the core imports
+# nothing of the trainer, so this mirror lets it validate and re-plan a layout.
 # tests/test_contracts.py checks that both agree.
 
 class ScheduleRule(NamedTuple):
@@ -149,6 +149,12 @@ _SECURITY_GROUP = re.compile(r"^sg-[0-9a-f]{8,17}$")
 _RESERVATION = re.compile(r"^cr-[0-9a-f]{8,17}$")
 _IMAGE = re.compile(r"^(ami-[0-9a-f]{8,17}|resolve:ssm:/?[A-Za-z0-9_./-]+(:[0-9]+)?)$")
 _RUN_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,47}$")
+# The launch template makes instance tags readable from instance metadata (the agent learns its
+# run there), and EC2 then refuses an instance tag key outside these characters (no spaces, no
+# `/`: the key is a path segment of the metadata), or one that is only `.`, `..` or `_index`.
+_METADATA_TAG_KEY = re.compile(r"^[A-Za-z0-9+\-=.,_:@]{1,128}$")
+_METADATA_TAG_KEYS_REFUSED = frozenset({".", "..", "_index"})
+_TAG_VALUE_LIMIT = 256
 _S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
 
 
@@ -307,8 +313,9 @@ class TrainerConfig(_Open):
 
     The control plane types what it plans with (model.n_layers, parallel.*, training.batch_size)
     and carries the other fields to the trainer as given; their names are checked against
-    TRAINER_FIELDS, their values by the trainer. The `checkpoint` section is filled from
-    RunSpec.checkpoint, so setting it here is an error.
+    TRAINER_FIELDS, their values by the trainer's own checks, which Validate runs on
+    RunSpec.trainer_mapping before anything is allocated. The `checkpoint` section is filled
+    from RunSpec.checkpoint, so setting it here is an error.
     """
 
     model: TrainerModel
@@ -428,6 +435,14 @@ class RunSpec(_Strict):
         reserved = [key for key in value if key.lower().startswith(("trainfleet:", "aws:"))]
         if reserved:
             raise ValueError(f"tag keys {reserved} are reserved (trainfleet:, aws:)")
+        for key, tag_value in value.items():
+            if not _METADATA_TAG_KEY.match(key) or key in _METADATA_TAG_KEYS_REFUSED:
+                raise ValueError(f"tag key {key!r}: instances expose their tags in instance metadata, where EC2 "
+                                 "allows only 1-128 letters, digits and + - = . , _ : @ (no spaces or /), "
+                                 "and not '.', '..' or '_index'")
+            if len(tag_value) > _TAG_VALUE_LIMIT:
+                raise ValueError(f"tag {key!r}: values take at most {_TAG_VALUE_LIMIT} characters, "
+                                 f"got {len(tag_value)}")
         return value
 
     @model_validator(mode="after")
@@ -452,6 +467,14 @@ class RunSpec(_Strict):
     def shrink_floor(self) -> int:
         """Fewest nodes the run may continue with."""
         return self.min_nodes or self.node_count
+
+    def trainer_mapping(self, pp: int, dp: int, resume_step: int | None) -> dict[str, Any]:
+        """The trainer's full config at pp x dp: the trainer section with the checkpoint section
+        made from `checkpoint`, resuming from `resume_step` (None: from scratch)."""
+        policy = self.checkpoint
+        return self.trainer.as_trainer_mapping(pp, dp, {
+            "uri": policy.s3_uri, "interval": policy.interval_steps, "keep_last": policy.keep_last,
+            "resume": "none" if resume_step is None else str(resume_step)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -768,6 +791,10 @@ class RunRecord(_Strict):
     """Newest committed checkpoint known: where the next attempt resumes."""
     waiting: TaskWait | None = None
     """The token to answer when the awaited event comes; cleared when answered."""
+    attempt_failure: FailureReport | None = None
+    """The first failure of the current attempt that touched its world (cleared by the next
+    attempt). A wait of the attempt that parks after it fails with it at once: a worker lost while
+    no token was parked (between Recover and AwaitNodes, or AwaitNodes and Train) is not missed."""
     attempt_started_at: datetime | None = None
     """When the current attempt began (allocation or recovery)."""
     first_step_at: datetime | None = None

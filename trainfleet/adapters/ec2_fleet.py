@@ -6,7 +6,7 @@ Pure builders (tested on their output, no AWS):
     node_user_data(run_name, settings)                   installs and starts the node agent
     create_fleet_request(spec, stack_name, launch_template_id, subnet_id, placement_group, target,
                          minimum, client_token)
-    interpret_fleet_response(response) -> FleetOutcome   instances, capacity shortfall, hard errors
+    interpret_fleet_response(response) -> FleetOutcome   instances, capacity shortfall, zone and hard errors
     zone_verdict(outcome, minimum) -> "accept" | "next_zone" | "fail"
     placement_group_name(run_name, availability_zone)
 
@@ -36,8 +36,8 @@ from trainfleet.contracts import CapacityKind, RunSpec
 from trainfleet.settings import Settings
 
 __all__ = [
-    "TAG_RUN", "TAG_STACK", "AGENT_MODULE", "CAPACITY_ERROR_CODES", "FleetError", "FleetOutcome", "Allocation",
-    "Teardown", "efa_network_interfaces", "launch_template_data", "node_user_data",
+    "TAG_RUN", "TAG_STACK", "AGENT_MODULE", "CAPACITY_ERROR_CODES", "ZONE_ERROR_CODES", "FleetError",
+    "FleetOutcome", "Allocation", "Teardown", "efa_network_interfaces", "launch_template_data", "node_user_data",
     "create_fleet_request", "interpret_fleet_response", "zone_verdict", "placement_group_name",
     "ensure_launch_template", "ensure_placement_group", "allocate", "run_instance_ids",
     "terminate", "teardown",
@@ -58,6 +58,10 @@ CAPACITY_ERROR_CODES = frozenset({
     "InsufficientReservedInstanceCapacity", "ReservationCapacityExceeded", "UnfulfillableCapacity",
     "InsufficientFreeAddressesInSubnet", "SpotMaxPriceTooLow", "MaxSpotInstanceCountExceeded",
 })
+
+# Errors that mean "never here": the zone does not offer the instance type (EC2 names the zones
+# that do). Another zone may succeed; a retry in this one never will.
+ZONE_ERROR_CODES = frozenset({"Unsupported"})
 
 
 class FleetError(RuntimeError):
@@ -212,8 +216,10 @@ class FleetOutcome:
     """Lifecycle EC2 reports for them: on-demand, spot, capacity-block; None when none launched."""
     capacity_errors: list[str] = field(default_factory=list)
     """"Code: message" of every shortfall another zone or a retry may cure."""
+    zone_errors: list[str] = field(default_factory=list)
+    """"Code: message" of every refusal that only another zone may cure."""
     hard_errors: list[str] = field(default_factory=list)
-    """"Code: message" of every error retrying cannot fix."""
+    """"Code: message" of every error no zone and no retry can fix."""
 
 
 def interpret_fleet_response(response: dict[str, Any]) -> FleetOutcome:
@@ -221,12 +227,13 @@ def interpret_fleet_response(response: dict[str, Any]) -> FleetOutcome:
     instance_ids = [instance_id for group in response.get("Instances", [])
                     for instance_id in group.get("InstanceIds", [])]
     markets = {group.get("Lifecycle") for group in response.get("Instances", []) if group.get("InstanceIds")}
-    capacity, hard = [], []
+    capacity, zone, hard = [], [], []
     for error in response.get("Errors", []):
-        line = f"{error.get('ErrorCode')}: {error.get('ErrorMessage', '')}".strip()
-        (capacity if error.get("ErrorCode") in CAPACITY_ERROR_CODES else hard).append(line)
+        code = error.get("ErrorCode")
+        line = f"{code}: {error.get('ErrorMessage', '')}".strip()
+        (capacity if code in CAPACITY_ERROR_CODES else zone if code in ZONE_ERROR_CODES else hard).append(line)
     return FleetOutcome(instance_ids=instance_ids, market=next(iter(markets), None) if markets else None,
-                        capacity_errors=capacity, hard_errors=hard)
+                        capacity_errors=capacity, zone_errors=zone, hard_errors=hard)
 
 
 def zone_verdict(outcome: FleetOutcome, minimum: int) -> Literal["accept", "next_zone", "fail"]:
@@ -234,7 +241,8 @@ def zone_verdict(outcome: FleetOutcome, minimum: int) -> Literal["accept", "next
 
     Hard errors stop (a bad parameter or a quota is the same in every zone). At least `minimum`
     instances are kept, short of the target or not (partial fulfilment). Fewer than that, with a
-    capacity error or none at all, mean this zone cannot hold the fleet now.
+    capacity error, a zone error (the type is not offered here) or none at all, mean this zone
+    cannot hold the fleet now.
     """
     if outcome.hard_errors:
         return "fail"
@@ -291,7 +299,8 @@ def allocate(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, 
     Zone by zone: a zone that cannot give `minimum` launches nothing (MinTargetCapacity), or, for
     Capacity Blocks, what it gave is terminated; then the next subnet is tried. The result may hold
     fewer than `target` (partial fulfilment) or none (shortfall == target); the caller decides.
-    Raises FleetError on errors no zone can cure. `token_prefix` makes the call idempotent per
+    Raises FleetError on errors no zone can cure, and when no subnet's zone offers the instance
+    type (no retry will change that). `token_prefix` makes the call idempotent per
     subnet (EC2 answers a repeated ClientToken with the first answer): the same prefix for a
     retry of a launch, so it never launches a second fleet, a new one for a retry after a
     shortfall, which would otherwise only be told the shortfall again.
@@ -299,6 +308,7 @@ def allocate(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, 
     zones = {subnet["SubnetId"]: subnet["AvailabilityZone"]
              for subnet in ec2.describe_subnets(SubnetIds=subnet_ids)["Subnets"]}
     errors: list[str] = []
+    offered_somewhere = False
     for subnet_id in subnet_ids:
         zone = zones[subnet_id]
         group = placement_group_name(spec.run_name, zone)
@@ -308,7 +318,7 @@ def allocate(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, 
         request = create_fleet_request(spec, stack_name, launch_template_id, subnet_id, group, target,
                                        minimum, token)
         outcome = interpret_fleet_response(ec2.create_fleet(**request))
-        errors += [f"{zone}: {line}" for line in outcome.capacity_errors]
+        errors += [f"{zone}: {line}" for line in outcome.capacity_errors + outcome.zone_errors]
         verdict = zone_verdict(outcome, minimum)
         if verdict == "accept":
             return Allocation(instance_ids=outcome.instance_ids, subnet_id=subnet_id, availability_zone=zone,
@@ -319,6 +329,10 @@ def allocate(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, 
             raise FleetError(f"CreateFleet in {subnet_id}: {'; '.join(outcome.hard_errors)}")
         if outcome.instance_ids:
             errors.append(f"{zone}: only {len(outcome.instance_ids)} of the {minimum} needed")
+        type_refused = bool(outcome.zone_errors) and not outcome.capacity_errors and not outcome.instance_ids
+        offered_somewhere = offered_somewhere or not type_refused
+    if not offered_somewhere:
+        raise FleetError(f"no subnet's zone offers {spec.instance_type}: {'; '.join(errors)}")
     return Allocation(instance_ids=[], subnet_id=None, availability_zone=None, placement_group=None,
                       market=None, shortfall=target, errors=errors)
 

@@ -55,10 +55,8 @@ def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_to
     host = next(instance for instance, rank in ranks.items() if rank == 0)
     if by_id[host].private_ip is None:
         raise ValueError(f"node rank 0 ({host}) has not reported its private IP")
-    policy = run.spec.checkpoint
     rendezvous_id = f"{run.run_name}-{run.attempt}"
-    checkpoint = {"uri": policy.s3_uri, "interval": policy.interval_steps, "keep_last": policy.keep_last,
-                  "resume": str(run.latest_checkpoint.step) if run.latest_checkpoint else "none"}
+    resume_step = run.latest_checkpoint.step if run.latest_checkpoint else None
     return LaunchSpec(
         run_name=run.run_name,
         attempt=run.attempt,
@@ -67,7 +65,7 @@ def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_to
         rendezvous_host=by_id[host].private_ip,
         rendezvous_port=rendezvous_port(rendezvous_id),
         rendezvous_id=rendezvous_id,
-        trainer_config=run.spec.trainer.as_trainer_mapping(run.plan.pp, run.plan.dp, checkpoint),
-        resume_step=run.latest_checkpoint.step if run.latest_checkpoint else None,
+        trainer_config=run.spec.trainer_mapping(run.plan.pp, run.plan.dp, resume_step),
+        resume_step=resume_step,
         heartbeat_task_token=heartbeat_task_token,
     )

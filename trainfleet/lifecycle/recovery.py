@@ -127,6 +127,7 @@ def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDec
         "restarts": run.restarts + 1,
         "plan": decision.plan,
         "waiting": None,
+        "attempt_failure": None,
         "attempt_started_at": now,
         "first_step_at": None,
     })
