@@ -105,11 +105,14 @@ def answer(cloud, token: str, action: str, error: str = "") -> None:
                    env=cloud.env() | {"PATH": "/usr/bin:/bin"}, check=True, timeout=60)
 
 
-def callback_machine(cloud, record_file: Path, heartbeat_s: int | None, catch: list[str]) -> str:
+def callback_machine(cloud, record_file: Path, heartbeat_s: int | None, catch: list[str],
+                     timeout_s: int | None = 60) -> str:
     task = {"Type": "Task", "Resource": "arn:aws:states:::lambda:invoke.waitForTaskToken",
             "Parameters": {"FunctionName": deploy_function(cloud, "store_token", record_file),
                            "Payload": {"token.$": "$$.Task.Token"}},
-            "TimeoutSeconds": 60, "ResultPath": "$.answer", "End": True}
+            "ResultPath": "$.answer", "End": True}
+    if timeout_s is not None:
+        task["TimeoutSeconds"] = timeout_s
     if heartbeat_s is not None:
         task["HeartbeatSeconds"] = heartbeat_s
     if catch:
@@ -159,6 +162,27 @@ def test_missed_heartbeat_is_states_heartbeat_timeout(local_cloud, tmp_path, cat
         assert done["status"] == "FAILED" and done["error"] == "States.HeartbeatTimeout"
     timed_out = [event for event in history(local_cloud, execution) if event["type"] == "TaskTimedOut"]
     assert timed_out[0]["taskTimedOutEventDetails"]["error"] == "States.HeartbeatTimeout"
+
+
+@pytest.mark.slow
+def test_a_task_with_heartbeats_and_no_timeout_runs_past_a_minute(local_cloud, tmp_path):
+    """AWS's default TimeoutSeconds is 99999999 whether or not the task has HeartbeatSeconds:
+    a task kept alive by heartbeats for more than a minute is not timed out."""
+    record_file = tmp_path / "token.jsonl"
+    execution = start(local_cloud, callback_machine(local_cloud, record_file, heartbeat_s=10, catch=[],
+                                                    timeout_s=None))
+    token = wait_for_token(record_file)
+    sfn = local_cloud.client("stepfunctions")
+    beating_until = time.monotonic() + 70
+    while time.monotonic() < beating_until:
+        sfn.send_task_heartbeat(taskToken=token)
+        time.sleep(5)
+    assert sfn.describe_execution(executionArn=execution)["status"] == "RUNNING"
+    sfn.send_task_success(taskToken=token, output=json.dumps({"trained": "70 s"}))
+
+    done = wait_for_execution(local_cloud, execution)
+    assert done["status"] == "SUCCEEDED", done
+    assert json.loads(done["output"])["answer"] == {"trained": "70 s"}
 
 
 def test_wait_and_retry_run_on_scaled_time():

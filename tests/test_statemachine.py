@@ -155,6 +155,17 @@ def test_waits_are_task_tokens_bounded_by_timeouts(asl):
     assert {"States.HeartbeatTimeout", "States.Timeout", FAILURE_ERROR} <= set(recover_names)
 
 
+def test_every_task_states_its_own_outer_bound(asl):
+    """No interpreter's default TimeoutSeconds decides how long a wait on a task token may last
+    (moto's was 60 for a task with a heartbeat, AWS's is 99999999): each names its bound (the
+    other tasks are bounded by their function's timeout). Train's is the longest a Standard
+    execution may run, a year; its heartbeat is what catches a hang."""
+    for name, state in asl["States"].items():
+        if state.get("Resource", "").endswith(".waitForTaskToken"):
+            assert {"TimeoutSeconds", "TimeoutSecondsPath"} & set(state), name
+    assert asl["States"]["Train"]["TimeoutSeconds"] == 365 * 24 * 3600
+
+
 def test_payloads_are_references_not_fleets(asl):
     """Every task passes the small state on, or a named part of it; none builds a payload
     from anything that could grow with the fleet."""

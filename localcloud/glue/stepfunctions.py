@@ -31,6 +31,9 @@ that. These patches fill the gaps:
   the miss, and the interpreter logs that expected miss at ERROR level
   ("Exception=NoSuchJsonPathError"). Those records are dropped; a path that is really missing
   still fails the execution with States.Runtime, which the history shows.
+- Default TimeoutSeconds: a Task with HeartbeatSeconds(Path) and no TimeoutSeconds(Path) got a
+  TimeoutSeconds of 60, so any task kept alive by heartbeats failed with States.Timeout after a
+  minute. AWS's default is 99999999 with or without a heartbeat; it now is here too.
 - Scaled time: Wait states and Retry intervals sleep `time_scale` times their nominal
   length (TimeoutSeconds and HeartbeatSeconds stay in real time: they bound real work).
 """
@@ -63,6 +66,8 @@ from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name
     StatesErrorNameType,
 )
 from moto.stepfunctions.parser.asl.component.common.retry import retrier_decl
+from moto.stepfunctions.parser.asl.component.common.timeouts.timeout import Timeout, TimeoutSeconds
+from moto.stepfunctions.parser.asl.component.state.exec.execute_state import ExecutionState
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state_task_service import (
     StateTaskService,
 )
@@ -169,6 +174,17 @@ def _task_from_error_with_heartbeat(self: StateTask, env: Environment, ex: Excep
                         event_details=EventDetails(taskTimedOutEventDetails=details))
 
 
+# --- default TimeoutSeconds --------------------------------------------------------------
+
+_moto_execution_state_props = ExecutionState.from_state_props
+
+
+def _execution_state_props(self: ExecutionState, state_props: Any) -> None:
+    _moto_execution_state_props(self, state_props)
+    if state_props.get(Timeout) is None:
+        self.timeout = TimeoutSeconds(timeout_seconds=TimeoutSeconds.DEFAULT_TIMEOUT_SECONDS)
+
+
 # --- request and response shapes of integrations ---------------------------------------
 
 @functools.lru_cache(maxsize=None)
@@ -263,6 +279,7 @@ def apply() -> None:
     _import_all_integrations()
     _share_integration_clients()
     StateTask._from_error = _task_from_error_with_heartbeat
+    ExecutionState.from_state_props = _execution_state_props
     StepFunctionResponse.send_task_failure = _send_task_failure
     StepFunctionsParserBackend.start_execution = _start_execution
     StateTaskService._normalise_parameters = _normalise_parameters
