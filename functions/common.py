@@ -78,11 +78,16 @@ def aws() -> Aws:
 def answer_task(run_name: str, purpose: Literal["await_nodes", "train"], attempt: int, *,
                 output: dict[str, Any] | None = None, failure: FailureReport | None = None) -> bool:
     """Answer the task token parked for (purpose, attempt): success with `output`, or failure
-    with `failure` as the cause. The store hands the token to one caller only, so of many
-    handlers racing on duplicate or concurrent events exactly one answers. True if this one did.
+    with `failure` as the cause. True if this call's answer is the one Step Functions took.
+
+    The token is sent first and cleared after: an answer that fails to send (throttled, a 5xx,
+    a timeout) fails this invocation with the token still parked, and the invocation's retry
+    sends it. Of many handlers racing on duplicate or concurrent events, all may send; Step
+    Functions takes the first answer and refuses the others (TaskTimedOut), so exactly one of
+    them returns True.
     """
     cloud = aws()
-    token = cloud.store.take_task_token(run_name, purpose, attempt)
+    token = cloud.store.parked_token(run_name, purpose, attempt)
     if token is None:
         return False
     try:
@@ -92,9 +97,11 @@ def answer_task(run_name: str, purpose: Literal["await_nodes", "train"], attempt
             cloud.sfn.send_task_failure(taskToken=token, error=FAILURE_ERROR, cause=failure.model_dump_json())
     except (cloud.sfn.exceptions.TaskTimedOut, cloud.sfn.exceptions.InvalidToken,
             cloud.sfn.exceptions.TaskDoesNotExist) as exc:
-        # The task ended on its own first (its timeout); the state machine has moved on.
-        logger.warning("task token no longer answerable", run_name=run_name, purpose=purpose, error=str(exc))
+        # Answered by another handler first, or the task ended on its own (its timeout).
+        logger.info("task token no longer answerable", run_name=run_name, purpose=purpose, error=str(exc))
+        cloud.store.clear_task_token(run_name, token)
         return False
+    cloud.store.clear_task_token(run_name, token)
     metrics.add_metric(name="TaskTokensAnswered", unit=MetricUnit.Count, value=1)
     logger.info("task answered", run_name=run_name, purpose=purpose, attempt=attempt,
                 failed=failure is not None)

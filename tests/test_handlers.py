@@ -223,6 +223,56 @@ def test_the_last_ready_worker_succeeds_await_nodes_once(handlers, cloud, resour
     assert store.run(run.run_name).waiting is None
 
 
+def test_an_answer_that_could_not_be_sent_stays_parked_for_the_retry(handlers, cloud, resources, monkeypatch):
+    """Step Functions out of reach (a closed port, no client retries): the invocation fails
+    and the token is still parked; the retry of the same event answers the task."""
+    import dataclasses
+
+    import boto3
+    from botocore.config import Config
+    from conftest import free_port
+
+    store, run, (first, second) = recorded_run(cloud, resources)
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token=token))
+    completed = agent_event("TrainingCompleted", {"run_name": run.run_name, "attempt": 0, "instance_id": first,
+                                                  "final_step": 10})
+    working = handlers.common.aws()
+    unreachable = boto3.client("stepfunctions", endpoint_url=f"http://127.0.0.1:{free_port()}",
+                               config=Config(retries={"mode": "standard", "max_attempts": 1}))
+    monkeypatch.setattr(handlers.common, "aws", lambda: dataclasses.replace(working, sfn=unreachable))
+    with pytest.raises(Exception, match="Could not connect"):
+        handlers.events.handler(completed, Context())
+    assert store.run(run.run_name).waiting.token == token, "the token was dropped unanswered"
+
+    monkeypatch.setattr(handlers.common, "aws", lambda: working)
+    handlers.events.handler(completed, Context())
+    assert finished(cloud, execution)["status"] == "SUCCEEDED"
+    assert store.run(run.run_name).waiting is None
+
+
+def test_of_many_handlers_racing_to_answer_exactly_one_does(handlers, cloud, resources):
+    import threading
+
+    store, run, _ = recorded_run(cloud, resources)
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token=token))
+    answered, barrier = [], threading.Barrier(6)
+
+    def handler(index: int) -> None:
+        barrier.wait(timeout=10)
+        answered.append(handlers.common.answer_task(run.run_name, "train", 0, output={"by": index}))
+
+    threads = [threading.Thread(target=handler, args=(index,)) for index in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sorted(answered) == [False] * 5 + [True]
+    assert finished(cloud, execution)["status"] == "SUCCEEDED"
+    assert store.run(run.run_name).waiting is None
+
+
 def test_a_duplicate_event_acts_once(handlers, cloud, resources):
     store, run, (lost, _) = recorded_run(cloud, resources)
     event = state_change(lost, "shutting-down")
