@@ -27,6 +27,11 @@ that. These patches fill the gaps:
   AWS generates a unique name, and so does the glue.
 - SendTaskFailure: the API layer dropped `cause`, so a catcher's Cause was null; it is
   now passed on.
+- A second answer to a task token: moto took it (the later outcome overwrote the first while
+  the task had not yet read it, and afterwards it was silently accepted). Step Functions
+  takes the first SendTaskSuccess/SendTaskFailure and answers any later one with
+  TaskTimedOut; so does the glue, which is what lets racing handlers all send and exactly one
+  of them win.
 - Log noise: a Choice rule `IsPresent: false` is evaluated by reading the path and catching
   the miss, and the interpreter logs that expected miss at ERROR level
   ("Exception=NoSuchJsonPathError"). Those records are dropped; a path that is really missing
@@ -77,7 +82,13 @@ from moto.stepfunctions.parser.asl.component.state.wait.wait_function.wait_funct
 )
 from moto.stepfunctions.parser.asl.eval import states as eval_states
 from moto.stepfunctions.parser.asl.eval import variable_store
-from moto.stepfunctions.parser.asl.eval.callback.callback import HeartbeatTimeoutError
+from moto.stepfunctions.parser.asl.eval.callback.callback import (
+    CallbackConsumerTimeout,
+    CallbackNotifyConsumerError,
+    CallbackOutcome,
+    CallbackPoolManager,
+    HeartbeatTimeoutError,
+)
 from moto.stepfunctions.parser.asl.eval.environment import Environment
 from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
 from moto.stepfunctions.parser.asl.jsonata import jsonata as moto_jsonata
@@ -241,6 +252,20 @@ def _send_task_failure(self: StepFunctionResponse) -> EmptyResult:
     return EmptyResult()
 
 
+# --- a second answer to a task token ----------------------------------------------------
+
+_moto_notify = CallbackPoolManager.notify
+_notify_lock = threading.Lock()
+
+
+def _notify_once(self: CallbackPoolManager, callback_id: str, outcome: CallbackOutcome) -> bool:
+    with _notify_lock:
+        endpoint = self.get(callback_id)
+        if endpoint is not None and endpoint.get_outcome() is not None:
+            raise CallbackNotifyConsumerError(callback_consumer_error=CallbackConsumerTimeout())
+        return _moto_notify(self, callback_id, outcome)
+
+
 # --- scaled time -------------------------------------------------------------------------
 
 def time_scale() -> float:
@@ -281,6 +306,7 @@ def apply() -> None:
     StateTask._from_error = _task_from_error_with_heartbeat
     ExecutionState.from_state_props = _execution_state_props
     StepFunctionResponse.send_task_failure = _send_task_failure
+    CallbackPoolManager.notify = _notify_once
     StepFunctionsParserBackend.start_execution = _start_execution
     StateTaskService._normalise_parameters = _normalise_parameters
     StateTaskService._normalise_response = _normalise_response
