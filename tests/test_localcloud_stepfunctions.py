@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from localcloud import LocalCloud
-from localcloud_helpers import (create_state_machine, deploy_function, history, records,
+from localcloud_helpers import (create_state_machine, deploy_function, event_sink, history, receive, records,
                                 run_execution, unique, wait_for_execution)
 
 TASK_CLIENT = Path(__file__).with_name("localcloud_task_client.py")
@@ -233,3 +233,27 @@ def test_service_integrations_start_executions_and_return_timestamps(local_cloud
     [described] = output["described"]["reservations"][0]["Instances"]
     assert described["InstanceId"] == instance["InstanceId"]
     assert datetime.fromisoformat(described["LaunchTime"]).year >= 2024
+
+
+def test_executions_send_their_status_changes_to_the_default_bus(local_cloud, tmp_path):
+    """As Step Functions does for Standard workflows: one event when an execution starts, one
+    when it ends, also when it is stopped (where no Catch runs)."""
+    record_file = tmp_path / "token.jsonl"
+    machine = callback_machine(local_cloud, record_file, heartbeat_s=None, catch=[])
+    sink = event_sink(local_cloud, {"source": ["aws.states"],
+                                    "detail-type": ["Step Functions Execution Status Change"],
+                                    "detail": {"stateMachineArn": [machine]}})
+    sfn = local_cloud.client("stepfunctions")
+    execution = sfn.start_execution(stateMachineArn=machine, name=unique("stopped"),
+                                    input=json.dumps({"run_name": "r1"}))["executionArn"]
+    wait_for_token(record_file)
+    sfn.stop_execution(executionArn=execution, error="Operator", cause="stopped by hand")
+    assert sfn.describe_execution(executionArn=execution)["status"] == "ABORTED", "aborted at once"
+
+    started, stopped = receive(local_cloud, sink, 2)
+    assert [started["detail"]["status"], stopped["detail"]["status"]] == ["RUNNING", "ABORTED"]
+    assert stopped["source"] == "aws.states" and stopped["resources"] == [execution]
+    detail = stopped["detail"]
+    assert (detail["executionArn"], detail["stateMachineArn"]) == (execution, machine)
+    assert json.loads(detail["input"]) == {"run_name": "r1"}
+    assert isinstance(detail["startDate"], int) and detail["stopDate"] >= detail["startDate"]

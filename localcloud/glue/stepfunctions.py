@@ -32,6 +32,14 @@ that. These patches fill the gaps:
   takes the first SendTaskSuccess/SendTaskFailure and answers any later one with
   TaskTimedOut; so does the glue, which is what lets racing handlers all send and exactly one
   of them win.
+- StopExecution: moto marked the program stopped but left the execution RUNNING until the
+  state in progress ended by itself (a task waiting on a token: its TimeoutSeconds, a year
+  for Train). Step Functions aborts at once: the execution is now ABORTED when StopExecution
+  returns, and the tasks waiting on tokens are released.
+- Execution Status Change events: moto sent none. Step Functions puts one on the default
+  bus each time a Standard workflow's execution starts or ends (RUNNING, SUCCEEDED, FAILED,
+  TIMED_OUT, ABORTED); the glue now does, so a rule on them (the reaper's, which tears down
+  what a stopped execution left) runs locally as on AWS.
 - Log noise: a Choice rule `IsPresent: false` is evaluated by reading the path and catching
   the miss, and the interpreter logs that expected miss at ERROR level
   ("Exception=NoSuchJsonPathError"). Those records are dropped; a path that is really missing
@@ -95,9 +103,12 @@ from moto.stepfunctions.parser.asl.jsonata import jsonata as moto_jsonata
 from moto.stepfunctions.parser.asl.utils import boto_client
 
 from moto.core.responses import EmptyResult
+from moto.stepfunctions.parser.api import ExecutionStatus, StateMachineType
+from moto.stepfunctions.parser.backend.execution import BaseExecutionWorkerCommunication, Execution
 from moto.stepfunctions.parser.models import StepFunctionsParserBackend
 from moto.stepfunctions.responses import StepFunctionResponse
 
+from localcloud.aws_events import execution_status_change
 from localcloud.glue import active_cloud
 
 
@@ -266,6 +277,53 @@ def _notify_once(self: CallbackPoolManager, callback_id: str, outcome: CallbackO
         return _moto_notify(self, callback_id, outcome)
 
 
+# --- StopExecution and Execution Status Change events ----------------------------------
+
+_moto_execution_start = Execution.start
+_moto_execution_stop = Execution.stop
+_moto_execution_terminated = BaseExecutionWorkerCommunication.terminated
+
+
+def _publish_status(execution: Execution) -> None:
+    cloud = active_cloud()
+    if cloud is None or execution.sm_type != StateMachineType.STANDARD:
+        return
+    cloud.put_event(execution_status_change(execution.region_name, execution.account_id,
+                                            dict(execution.to_describe_output())))
+
+
+def _start_and_publish(self: Execution) -> None:
+    _moto_execution_start(self)
+    _publish_status(self)
+
+
+def _stop_now(self: Execution, stop_date: datetime.datetime, error: str | None, cause: str | None) -> None:
+    if self.exec_status != ExecutionStatus.RUNNING:
+        return
+    _moto_execution_stop(self, stop_date, error, cause)
+    env = self.exec_worker.env if self.exec_worker is not None else None
+    if env is not None:
+        # The interpreter keeps no public list of the callbacks a task waits on.
+        for endpoint in list(env.callback_pool_manager._pool.values()):
+            endpoint.interrupt_all()
+    self.exec_status, self.stop_date = ExecutionStatus.ABORTED, stop_date
+    _publish_status(self)
+
+
+def _terminated_and_publish(self: BaseExecutionWorkerCommunication) -> None:
+    execution = self.execution
+    if execution.exec_status == ExecutionStatus.ABORTED:
+        # Stopped, and published then; the released task may have ended the program with an
+        # error since, which must not turn the execution into a failed one.
+        stopped_at = execution.stop_date
+        _moto_execution_terminated(self)
+        execution.exec_status, execution.stop_date = ExecutionStatus.ABORTED, stopped_at
+        execution.error = execution.cause = None
+        return
+    _moto_execution_terminated(self)
+    _publish_status(execution)
+
+
 # --- scaled time -------------------------------------------------------------------------
 
 def time_scale() -> float:
@@ -307,6 +365,9 @@ def apply() -> None:
     ExecutionState.from_state_props = _execution_state_props
     StepFunctionResponse.send_task_failure = _send_task_failure
     CallbackPoolManager.notify = _notify_once
+    Execution.start = _start_and_publish
+    Execution.stop = _stop_now
+    BaseExecutionWorkerCommunication.terminated = _terminated_and_publish
     StepFunctionsParserBackend.start_execution = _start_execution
     StateTaskService._normalise_parameters = _normalise_parameters
     StateTaskService._normalise_response = _normalise_response
