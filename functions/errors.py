@@ -5,7 +5,7 @@ statemachine/training_run.asl.json matches on these. (Failures the event handler
 through SendTaskFailure use trainfleet.contracts.FAILURE_ERROR.)
 """
 
-__all__ = ["InvalidRunSpec", "RecoveryGaveUp", "CapacityUnavailable", "TeardownIncomplete"]
+__all__ = ["InvalidRunSpec", "RecoveryGaveUp", "CapacityUnavailable", "TeardownIncomplete", "TransientError"]
 
 
 class InvalidRunSpec(ValueError):
@@ -23,6 +23,12 @@ class CapacityUnavailable(RuntimeError):
     kin); the state machine retries with backoff. Allocate's message lists each zone's errors;
     Recover's is a FailureReport (JSON) of the attempt that came up short, for the Recover
     that catches it."""
+
+
+class TransientError(RuntimeError):
+    """An AWS call was throttled, answered 5xx or timed out, or the endpoint could not be
+    reached, and the client's own retries did not outlast it; the state machine retries the
+    task with backoff instead of ending the run. The message names the call's error."""
 
 
 class TeardownIncomplete(RuntimeError):

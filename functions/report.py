@@ -7,7 +7,7 @@ from typing import Any
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import RunPayload, aws, logger, report_key, tracer
+from functions.common import RunPayload, aws, logger, report_key, tracer, transient_errors_named
 from trainfleet.adapters.metrics import emit, run_metrics
 from trainfleet.contracts import NodeRecord, RunRecord
 
@@ -37,6 +37,7 @@ def build_report(run: RunRecord, nodes: list[NodeRecord]) -> dict[str, Any]:
     }
 
 
+@transient_errors_named
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @event_parser(model=RunPayload)

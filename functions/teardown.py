@@ -11,7 +11,7 @@ from typing import Any
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import RunPayload, aws, logger, tracer
+from functions.common import RunPayload, aws, logger, tracer, transient_errors_named
 from functions.errors import TeardownIncomplete
 from trainfleet.adapters.ec2_fleet import teardown
 from trainfleet.contracts import NodeState, RunRecord, RunState
@@ -20,6 +20,7 @@ from trainfleet.lifecycle import book_attempt
 _LEFT = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
 
 
+@transient_errors_named
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @event_parser(model=RunPayload)

@@ -6,7 +6,7 @@ from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import BaseModel, ValidationError
 
-from functions.common import RunPayload, Timeouts, aws, logger, tracer
+from functions.common import RunPayload, Timeouts, aws, logger, tracer, transient_errors_named
 from functions.errors import InvalidRunSpec
 from trainfleet.adapters.run_store import RunExists
 from trainfleet.contracts import RunRecord, RunRef, RunSpec, validation_message
@@ -31,6 +31,7 @@ def parse_run_spec(raw: Any, bucket: str) -> RunSpec:
     return spec
 
 
+@transient_errors_named
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @event_parser(model=ValidateInput)

@@ -207,6 +207,51 @@ def test_allocate_retried_for_capacity_asks_ec2_anew_and_a_retry_after_a_launch_
     ec2.terminate_instances(InstanceIds=launched)
 
 
+# --- transient errors -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("code, status, transient", [
+    ("RequestLimitExceeded", 503, True),  # EC2's throttle
+    ("ThrottlingException", 400, True),
+    ("ProvisionedThroughputExceededException", 400, True),
+    ("SlowDown", 503, True),  # S3
+    ("InternalError", 500, True),
+    ("SomethingNew", 502, True),  # any 5xx
+    ("InsufficientInstanceCapacity", 500, False),  # a 5xx, but capacity: CapacityUnavailable decides
+    ("InvalidParameterValue", 400, False),
+    ("AccessDenied", 403, False),
+])
+def test_aws_errors_are_classified_transient_or_not(handlers, code, status, transient):
+    from botocore.exceptions import ClientError
+
+    error = ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                        "AnyOperation")
+    assert handlers.common.is_transient(error) is transient
+
+
+def test_a_transient_aws_error_leaves_the_handler_as_transient_error(handlers, cloud, resources, monkeypatch):
+    """S3 out of reach while the report is written: the state machine must see TransientError,
+    the name it retries with backoff, not the client's own exception, which would end the run."""
+    import dataclasses
+
+    import boto3
+    import functions.report
+    from botocore.config import Config
+    from conftest import free_port
+
+    store, run, _ = recorded_run(cloud, resources)
+    working = handlers.common.aws()
+    unreachable = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{free_port()}",
+                               config=Config(retries={"mode": "standard", "max_attempts": 1}))
+    monkeypatch.setattr(functions.report, "aws", lambda: dataclasses.replace(working, s3=unreachable))
+    payload = {"run": {"run_name": run.run_name, "attempt": 0}, "timeouts": {"boot_seconds": 60,
+                                                                             "heartbeat_seconds": 60}}
+    with pytest.raises(handlers.errors.TransientError, match="EndpointConnectionError"):
+        functions.report.handler(payload, Context())
+    monkeypatch.setattr(functions.report, "aws", lambda: working)
+    with pytest.raises(handlers.errors.InvalidRunSpec):  # any other error keeps its own name
+        handlers.validate.handler({"run_spec": {"run_name": "x"}, "execution_arn": "arn:x"}, Context())
+
+
 # --- events ---------------------------------------------------------------------------------
 
 def test_the_last_ready_worker_succeeds_await_nodes_once(handlers, cloud, resources):
