@@ -5,7 +5,7 @@ statemachine/training_run.asl.json matches on these. (Failures the event handler
 through SendTaskFailure use trainfleet.contracts.FAILURE_ERROR.)
 """
 
-__all__ = ["InvalidRunSpec", "RecoveryGaveUp", "CapacityUnavailable", "TeardownIncomplete", "TransientError"]
+__all__ = ["InvalidRunSpec", "RecoveryGaveUp", "CapacityUnavailable", "TransientError"]
 
 
 class InvalidRunSpec(ValueError):
@@ -29,8 +29,3 @@ class TransientError(RuntimeError):
     """An AWS call was throttled, answered 5xx or timed out, or the endpoint could not be
     reached, and the client's own retries did not outlast it; the state machine retries the
     task with backoff instead of ending the run. The message names the call's error."""
-
-
-class TeardownIncomplete(RuntimeError):
-    """Something of the run is still in use (a placement group whose instances are still
-    shutting down); Teardown is retried until nothing is left."""
