@@ -4,7 +4,9 @@ agents (tests/handlers_sim_agent.py) as the instances' processes.
 1. a good RunSpec on 2 nodes: allocate, nodes ready, train; once a checkpoint is committed,
    the node of rank 1 is killed (EC2 reports it terminated); only it is replaced, training
    resumes from the latest committed checkpoint, completes, and teardown ends every instance;
-2. a bad RunSpec: the execution fails at Validate naming the field, no instance is created.
+2. a bad RunSpec: the execution fails at Validate naming the field, no instance is created;
+3. a run stopped (StopExecution) while it trains: no Catch runs, and the reaper, invoked by
+   the execution's status-change event, terminates every instance of the run.
 
 It runs in a process of its own (tests/test_handlers_local_run.py starts it) because the local
 cloud imports the deployed handlers from their package: a test process that imported
@@ -65,6 +67,13 @@ def wait(what: str, probe, timeout_s: float = EXECUTION_TIMEOUT_S):
             return found
         time.sleep(0.1)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+def in_state(store: RunStore, run_name: str, state: str) -> bool:
+    try:
+        return store.run(run_name).state.value == state
+    except RunNotFound:
+        return False
 
 
 def checkpointed(store: RunStore, run_name: str) -> bool:
@@ -193,7 +202,26 @@ def scenarios(cloud, stack_name: str) -> None:
     invalid = {"status": rejected["status"], "error": rejected.get("error"), "cause": rejected.get("cause"),
                "states": states_entered(sfn, rejected["executionArn"]),
                "instances_before": before, "instances_after": len(instances_of(ec2, bad_name))}
-    print(json.dumps({"recovered": recovered, "invalid": invalid}, default=str))
+
+    # 3. A run stopped while it trains.
+    stopped_name = f"stop-{uuid.uuid4().hex[:6]}"
+    stopped_spec = run_spec(stopped_name, outputs["CheckpointBucketName"], subnet, group)
+    stopped_arn = sfn.start_execution(stateMachineArn=machine, name=stopped_name,
+                                      input=json.dumps(stopped_spec))["executionArn"]
+    wait("the run to train", lambda: in_state(store, stopped_name, "TRAINING"))
+    launched = instances_of(ec2, stopped_name)
+    stop_requested = time.monotonic()
+    sfn.stop_execution(executionArn=stopped_arn, error="Operator", cause="stopped from the console")
+    wait("every instance of the stopped run to terminate",
+         lambda: set(instances_of(ec2, stopped_name).values()) == {"terminated"})
+    stop_to_terminated_s = round(time.monotonic() - stop_requested, 2)
+    wait("the stopped run's outcome", lambda: store.run(stopped_name).state.is_final)
+    stopped_run = store.run(stopped_name)
+    stopped = {"status": sfn.describe_execution(executionArn=stopped_arn)["status"],
+               "stop_to_terminated_s": stop_to_terminated_s,
+               "launched": len(launched), "instances": instances_of(ec2, stopped_name),
+               "run": {"state": stopped_run.state.value, "error": stopped_run.error}}
+    print(json.dumps({"recovered": recovered, "invalid": invalid, "stopped": stopped}, default=str))
 
 
 if __name__ == "__main__":

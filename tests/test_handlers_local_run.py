@@ -57,3 +57,14 @@ def test_a_bad_run_spec_fails_at_validate_naming_the_field_and_creates_nothing(o
     message = json.loads(rejected["cause"])["errorMessage"]
     assert "node_count=3" in message and "trainer.parallel.pp x dp" in message
     assert rejected["instances_after"] == rejected["instances_before"] == 0
+
+
+@pytest.mark.slow
+def test_a_stopped_execution_leaves_no_instance_running(outcome):
+    """StopExecution runs no Catch; the status-change event's reaper terminates the fleet."""
+    stopped = outcome["stopped"]
+    print(f"StopExecution to the last instance terminated: {stopped['stop_to_terminated_s']} s "
+          f"({stopped['launched']} instances, local cloud at time_scale 0.02)")
+    assert stopped["status"] == "ABORTED"
+    assert stopped["launched"] == 2 and set(stopped["instances"].values()) == {"terminated"}
+    assert stopped["run"] == {"state": "FAILED", "error": "ExecutionEnded: the execution is ABORTED"}
