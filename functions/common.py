@@ -79,9 +79,10 @@ def aws() -> Aws:
                sfn=boto3.client("stepfunctions", config=_CLIENT_CONFIG), dynamodb=dynamodb)
 
 
-# What botocore's standard retry mode treats as throttling or a transient fault: an error that
-# outlasted the client's retries is still worth retrying later, with the state machine's backoff.
-_THROTTLED_CODES = frozenset({
+# Throttling and transient faults (botocore's standard retry mode retries the same codes, and
+# AWS's internal-error codes): one that outlasted the client's retries is still worth retrying
+# later, with the state machine's backoff.
+_TRANSIENT_CODES = frozenset({
     "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottledException",
     "TooManyRequestsException", "ProvisionedThroughputExceededException", "TransactionInProgressException",
     "RequestLimitExceeded", "BandwidthLimitExceeded", "RequestThrottled", "SlowDown",
@@ -98,7 +99,7 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, ClientError):
         code = exc.response.get("Error", {}).get("Code")
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return code not in CAPACITY_ERROR_CODES and (code in _THROTTLED_CODES or status in _TRANSIENT_STATUS)
+        return code not in CAPACITY_ERROR_CODES and (code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS)
     return isinstance(exc, (ConnectionError, HTTPClientError))
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.common import aws, logger, tracer, transient_errors_named
+from functions.errors import ReapIncomplete
 from functions.teardown import tear_down
 from trainfleet.adapters.ec2_fleet import runs_with_resources, teardown
 from trainfleet.adapters.run_store import RunNotFound
@@ -60,9 +61,21 @@ def reap(run_name: str, execution_arn: str | None = None, execution_status: str 
 
 
 def sweep() -> list[str]:
-    """Reap every run of this stack that still holds EC2 resources; the names reaped."""
+    """Reap every run of this stack that still holds EC2 resources; the names reaped. One run
+    that cannot be torn down now does not keep the others' instances running: it is named in
+    ReapIncomplete once the others are done."""
     cloud = aws()
-    return sorted(name for name in runs_with_resources(cloud.ec2, cloud.settings.stack_name) if reap(name, None))
+    reaped, failed = [], {}
+    for name in sorted(runs_with_resources(cloud.ec2, cloud.settings.stack_name)):
+        try:
+            if reap(name):
+                reaped.append(name)
+        except Exception as exc:
+            logger.exception("run not reaped", run_name=name)
+            failed[name] = f"{type(exc).__name__}: {exc}"
+    if failed:
+        raise ReapIncomplete(f"reaped {reaped}; not reaped: {failed}")
+    return reaped
 
 
 @transient_errors_named

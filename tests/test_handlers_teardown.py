@@ -142,3 +142,21 @@ def test_the_schedule_tears_down_runs_whose_execution_ended_and_leaves_running_o
     assert store.run(live_run).state is RunState.TRAINING
     sfn.stop_execution(executionArn=running)
     assert finished(cloud, running)["status"] == "ABORTED"
+
+
+def test_a_run_that_cannot_be_reaped_does_not_keep_the_others_running(handlers, cloud, resources, slow_shutdown):
+    import functions.reaper
+
+    stopped = parked_token(cloud)[0]
+    cloud.client("stepfunctions").stop_execution(executionArn=stopped)
+    store, broken, _, _ = launched_run(cloud, resources, execution_arn="not-an-execution-arn")
+    _, ended, ended_instances, _ = launched_run(cloud, resources, execution_arn=stopped)
+
+    with pytest.raises(handlers.errors.ReapIncomplete, match=broken) as raised:
+        functions.reaper.handler({"detail-type": "Scheduled Event"}, Context())
+
+    assert ended in str(raised.value).split("not reaped")[0]
+    assert states(cloud, ended_instances) == {"shutting-down"}
+    # Once the record is mended, the next sweep takes it (and leaves nothing for other tests).
+    store.modify_run(broken, lambda run: run.model_copy(update={"execution_arn": stopped}))
+    assert broken in functions.reaper.handler({"detail-type": "Scheduled Event"}, Context())["reaped"]
