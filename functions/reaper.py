@@ -4,7 +4,8 @@ StopExecution, an execution's own timeout and a Teardown that kept failing run n
 the state machine cannot clean up after them. This function does, invoked two ways:
 
 - by the rule on the state machine's "Step Functions Execution Status Change" events
-  (ABORTED, TIMED_OUT, FAILED): the run named in the execution's input is torn down at once;
+  (ABORTED, TIMED_OUT, FAILED): the run named in the execution's input is torn down at once
+  and its report written;
 - every few minutes by a schedule, which also catches a lost or undelivered status event:
   each run of this stack that still holds an instance or a placement group (found by the
   stack's tag in EC2) is torn down unless its execution is still RUNNING. That is also how
@@ -22,6 +23,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.common import aws, logger, tracer, transient_errors_named
 from functions.errors import ReapIncomplete
+from functions.report import write_report
 from functions.teardown import tear_down
 from trainfleet.adapters.ec2_fleet import runs_with_resources, teardown
 from trainfleet.adapters.run_store import RunNotFound
@@ -57,6 +59,7 @@ def reap(run_name: str, execution_arn: str | None = None, execution_status: str 
     if execution_status == "RUNNING":
         return False
     tear_down(run_name, f"ExecutionEnded: the execution is {execution_status}")
+    write_report(run_name)  # the execution that would have written it has ended
     return True
 
 

@@ -6,7 +6,8 @@ agents (tests/handlers_sim_agent.py) as the instances' processes.
    resumes from the latest committed checkpoint, completes, and teardown ends every instance;
 2. a bad RunSpec: the execution fails at Validate naming the field, no instance is created;
 3. a run stopped (StopExecution) while it trains: no Catch runs, and the reaper, invoked by
-   the execution's status-change event, terminates every instance of the run.
+   the execution's status-change event, terminates every instance of the run and writes its
+   report.
 
 It runs in a process of its own (tests/test_handlers_local_run.py starts it) because the local
 cloud imports the deployed handlers from their package: a test process that imported
@@ -216,11 +217,14 @@ def scenarios(cloud, stack_name: str) -> None:
          lambda: set(instances_of(ec2, stopped_name).values()) == {"terminated"})
     stop_to_terminated_s = round(time.monotonic() - stop_requested, 2)
     wait("the stopped run's outcome", lambda: store.run(stopped_name).state.is_final)
+    stopped_report = wait("the stopped run's report", lambda: s3.list_objects_v2(
+        Bucket=outputs["CheckpointBucketName"], Prefix=f"runs/{stopped_name}/report.json").get("Contents"))
     stopped_run = store.run(stopped_name)
-    stopped = {"status": sfn.describe_execution(executionArn=stopped_arn)["status"],
+    stopped = {"name": stopped_name, "status": sfn.describe_execution(executionArn=stopped_arn)["status"],
                "stop_to_terminated_s": stop_to_terminated_s,
                "launched": len(launched), "instances": instances_of(ec2, stopped_name),
-               "run": {"state": stopped_run.state.value, "error": stopped_run.error}}
+               "run": {"state": stopped_run.state.value, "error": stopped_run.error},
+               "report": [entry["Key"] for entry in stopped_report]}
     print(json.dumps({"recovered": recovered, "invalid": invalid, "stopped": stopped}, default=str))
 
 

@@ -68,3 +68,4 @@ def test_a_stopped_execution_leaves_no_instance_running(outcome):
     assert stopped["status"] == "ABORTED"
     assert stopped["launched"] == 2 and set(stopped["instances"].values()) == {"terminated"}
     assert stopped["run"] == {"state": "FAILED", "error": "ExecutionEnded: the execution is ABORTED"}
+    assert stopped["report"] == [f"runs/{stopped['name']}/report.json"]
