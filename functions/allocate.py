@@ -12,7 +12,8 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import RunPayload, aws, capacity_unavailable, fleet_token_prefix, logger, metrics, tracer
+from functions.common import (RunPayload, aws, capacity_unavailable, fleet_token_prefix, logger, metrics, tracer,
+                              transient_errors_named)
 from trainfleet.adapters.ec2_fleet import Allocation, allocate, ensure_launch_template, terminate
 from trainfleet.contracts import CapacityKind, NodeRecord, NodeRole, RunState
 from trainfleet.lifecycle import plan_layout
@@ -28,6 +29,7 @@ def record_nodes(run_name: str, attempt: int, allocation: Allocation, workers: i
             availability_zone=allocation.availability_zone, subnet_id=allocation.subnet_id, market=market))
 
 
+@transient_errors_named
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @metrics.log_metrics

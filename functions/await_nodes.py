@@ -7,10 +7,12 @@ from typing import Any
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import TaskPayload, answer_if_world_complete, aws, logger, metrics, park_task, tracer
+from functions.common import (TaskPayload, answer_if_world_complete, aws, logger, metrics, park_task, tracer,
+                              transient_errors_named)
 from trainfleet.contracts import RunState, TaskWait
 
 
+@transient_errors_named
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @metrics.log_metrics

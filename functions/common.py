@@ -12,19 +12,23 @@ references only (the run's name and attempt), never the fleet.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import boto3
 from aws_lambda_powertools import Logger, Metrics, Tracer
 from botocore.config import Config
+from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
 from aws_lambda_powertools.metrics import MetricUnit
 from pydantic import BaseModel, ConfigDict
 
-from functions.errors import CapacityUnavailable
+from functions.errors import CapacityUnavailable, TransientError
+from trainfleet.adapters.ec2_fleet import CAPACITY_ERROR_CODES
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.contracts import (FAILURE_ERROR, FailureReport, NodeRecord, RecoveryAction, RunRecord, RunRef,
                                   RunSpec, TaskWait)
@@ -32,8 +36,9 @@ from trainfleet.lifecycle import ready_workers, world_complete
 from trainfleet.settings import MissingSetting, Settings
 
 __all__ = ["logger", "tracer", "metrics", "Aws", "aws", "answer_task", "fail_attempt", "park_task", "addressed",
-           "answer_if_world_complete", "fleet_token_prefix", "capacity_unavailable", "Timeouts", "CaughtError",
-           "RecoveryStep", "RunPayload", "TaskPayload", "launch_spec_key", "report_key"]
+           "answer_if_world_complete", "fleet_token_prefix", "capacity_unavailable", "is_transient",
+           "transient_errors_named", "Timeouts", "CaughtError", "RecoveryStep", "RunPayload", "TaskPayload",
+           "launch_spec_key", "report_key"]
 
 IDEMPOTENCY_TABLE_VARIABLE = "TRAINFLEET_IDEMPOTENCY_TABLE"
 
@@ -75,14 +80,60 @@ def aws() -> Aws:
                sfn=boto3.client("stepfunctions", config=_CLIENT_CONFIG), dynamodb=dynamodb)
 
 
+# Throttling and transient faults (botocore's standard retry mode retries the same codes, and
+# AWS's internal-error codes): one that outlasted the client's retries is still worth retrying
+# later, with the state machine's backoff.
+_TRANSIENT_CODES = frozenset({
+    "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottledException",
+    "TooManyRequestsException", "ProvisionedThroughputExceededException", "TransactionInProgressException",
+    "RequestLimitExceeded", "BandwidthLimitExceeded", "RequestThrottled", "SlowDown",
+    "PriorRequestNotComplete", "EC2ThrottledException", "RequestTimeout", "RequestTimeoutException",
+    "InternalError", "InternalFailure", "ServiceUnavailable", "Unavailable",
+})
+_TRANSIENT_STATUS = frozenset({500, 502, 503, 504})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for an AWS error that may well not happen again: throttling, a 5xx, a timeout, an
+    endpoint that could not be reached. EC2's capacity errors are 5xx too, but they are
+    capacity, not chance: CapacityUnavailable and Recover deal with them."""
+    if isinstance(exc, ClientError):
+        code = exc.response.get("Error", {}).get("Code")
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return code not in CAPACITY_ERROR_CODES and (code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS)
+    return isinstance(exc, (ConnectionError, HTTPClientError))
+
+
+_Handler = TypeVar("_Handler", bound=Callable[..., Any])
+
+
+def transient_errors_named(handler: _Handler) -> _Handler:
+    """Let a transient AWS error leave the handler as TransientError, the one name the state
+    machine retries with backoff; every other error keeps its own name (Catch decides)."""
+    @functools.wraps(handler)
+    def named(event: Any, context: Any) -> Any:
+        try:
+            return handler(event, context)
+        except Exception as exc:
+            if is_transient(exc):
+                raise TransientError(f"{type(exc).__name__}: {exc}") from exc
+            raise
+    return named  # type: ignore[return-value]
+
+
 def answer_task(run_name: str, purpose: Literal["await_nodes", "train"], attempt: int, *,
                 output: dict[str, Any] | None = None, failure: FailureReport | None = None) -> bool:
     """Answer the task token parked for (purpose, attempt): success with `output`, or failure
-    with `failure` as the cause. The store hands the token to one caller only, so of many
-    handlers racing on duplicate or concurrent events exactly one answers. True if this one did.
+    with `failure` as the cause. True if this call's answer is the one Step Functions took.
+
+    The token is sent first and cleared after: an answer that fails to send (throttled, a 5xx,
+    a timeout) fails this invocation with the token still parked, and the invocation's retry
+    sends it. Of many handlers racing on duplicate or concurrent events, all may send; Step
+    Functions takes the first answer and refuses the others (TaskTimedOut), so exactly one of
+    them returns True.
     """
     cloud = aws()
-    token = cloud.store.take_task_token(run_name, purpose, attempt)
+    token = cloud.store.parked_token(run_name, purpose, attempt)
     if token is None:
         return False
     try:
@@ -92,9 +143,11 @@ def answer_task(run_name: str, purpose: Literal["await_nodes", "train"], attempt
             cloud.sfn.send_task_failure(taskToken=token, error=FAILURE_ERROR, cause=failure.model_dump_json())
     except (cloud.sfn.exceptions.TaskTimedOut, cloud.sfn.exceptions.InvalidToken,
             cloud.sfn.exceptions.TaskDoesNotExist) as exc:
-        # The task ended on its own first (its timeout); the state machine has moved on.
-        logger.warning("task token no longer answerable", run_name=run_name, purpose=purpose, error=str(exc))
+        # Answered by another handler first, or the task ended on its own (its timeout).
+        logger.info("task token no longer answerable", run_name=run_name, purpose=purpose, error=str(exc))
+        cloud.store.clear_task_token(run_name, token)
         return False
+    cloud.store.clear_task_token(run_name, token)
     metrics.add_metric(name="TaskTokensAnswered", unit=MetricUnit.Count, value=1)
     logger.info("task answered", run_name=run_name, purpose=purpose, attempt=attempt,
                 failed=failure is not None)

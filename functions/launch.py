@@ -10,12 +10,14 @@ from typing import Any
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import TaskPayload, addressed, aws, launch_spec_key, logger, park_task, tracer
+from functions.common import (TaskPayload, addressed, aws, launch_spec_key, logger, park_task, tracer,
+                              transient_errors_named)
 from trainfleet.adapters.checkpoints import latest_checkpoint
 from trainfleet.contracts import RunState, TaskWait
 from trainfleet.lifecycle import build_launch_spec, world_complete
 
 
+@transient_errors_named
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @event_parser(model=TaskPayload)

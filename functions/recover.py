@@ -30,7 +30,7 @@ from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.common import (CaughtError, RecoveryStep, RunPayload, aws, capacity_unavailable, fleet_token_prefix,
-                              logger, metrics, tracer)
+                              logger, metrics, tracer, transient_errors_named)
 from functions.errors import RecoveryGaveUp
 from trainfleet.adapters.ec2_fleet import allocate, terminate
 from trainfleet.contracts import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
@@ -119,6 +119,7 @@ def act(run: RunRecord) -> int:
     return sum(instance_id not in recorded_before for instance_id in allocation.instance_ids)
 
 
+@transient_errors_named
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @metrics.log_metrics

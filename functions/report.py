@@ -7,7 +7,7 @@ from typing import Any
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import RunPayload, aws, logger, report_key, tracer
+from functions.common import RunPayload, aws, logger, report_key, tracer, transient_errors_named
 from trainfleet.adapters.metrics import emit, run_metrics
 from trainfleet.contracts import NodeRecord, RunRecord
 
@@ -37,16 +37,22 @@ def build_report(run: RunRecord, nodes: list[NodeRecord]) -> dict[str, Any]:
     }
 
 
+@transient_errors_named
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @event_parser(model=RunPayload)
 def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
-    cloud, name = aws(), event.run.run_name
-    run = cloud.store.run(name)
-    report = build_report(run, cloud.store.nodes(name))
-    key = report_key(name)
+    return {"report_uri": write_report(event.run.run_name)}
+
+
+def write_report(run_name: str) -> str:
+    """Write the run's report to S3 and emit its final metrics; the report's URI."""
+    cloud = aws()
+    run = cloud.store.run(run_name)
+    report = build_report(run, cloud.store.nodes(run_name))
+    key = report_key(run_name)
     cloud.s3.put_object(Bucket=cloud.settings.bucket, Key=key, ContentType="application/json",
                         Body=json.dumps(report, indent=2).encode())
     emit(run_metrics(run, cloud.settings.metrics_namespace))
-    logger.info("run report written", run_name=name, state=run.state.value, restarts=run.restarts)
-    return {"report_uri": f"s3://{cloud.settings.bucket}/{key}"}
+    logger.info("run report written", run_name=run_name, state=run.state.value, restarts=run.restarts)
+    return f"s3://{cloud.settings.bucket}/{key}"

@@ -2,7 +2,10 @@
 
 Instances are found by their run tag in EC2, not only in the run's records, so one launched by
 an interrupted Allocate is not forgotten. The last attempt's time goes on the goodput ledger
-first, with the move to TEARING_DOWN; the outcome is recorded last.
+first, with the move to TEARING_DOWN; the outcome is recorded once the instances are
+terminating. A placement group is still in use while its instances shut down (minutes for
+p4d and p5): it does not hold up the outcome or the report, and the reaper deletes it once its
+instances are gone.
 """
 
 from datetime import datetime, timezone
@@ -11,39 +14,49 @@ from typing import Any
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import RunPayload, aws, logger, tracer
-from functions.errors import TeardownIncomplete
-from trainfleet.adapters.ec2_fleet import teardown
+from functions.common import RunPayload, aws, logger, tracer, transient_errors_named
+from trainfleet.adapters.ec2_fleet import Teardown, teardown
 from trainfleet.contracts import NodeState, RunRecord, RunState
 from trainfleet.lifecycle import book_attempt
 
 _LEFT = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
 
 
+def tear_down(run_name: str, failure: str | None) -> Teardown:
+    """End the run: book its last attempt, retire its nodes, terminate its instances, delete
+    its launch template (and its placement groups when already free), record the outcome
+    (FAILED when `failure` says why, else SUCCEEDED). Safe to repeat; a run already final
+    keeps its outcome and only has its leftovers removed."""
+    cloud = aws()
+    store = cloud.store
+    run = store.run(run_name)
+    if not run.state.is_final:
+        now, nodes = datetime.now(timezone.utc), store.nodes(run_name)
+
+        def tearing_down(current: RunRecord) -> RunRecord:
+            if current.state in (RunState.TEARING_DOWN, RunState.SUCCEEDED, RunState.FAILED):
+                return current  # a retry, or another teardown got here first: booked already
+            booked = book_attempt(current, nodes, now, completed=failure is None)
+            return current.model_copy(update={"state": RunState.TEARING_DOWN,
+                                              "error": current.error or failure, "ledger": booked})
+        store.modify_run(run_name, tearing_down)
+    for node in store.nodes(run_name):
+        if node.state not in _LEFT:
+            store.transition_node(run_name, node.instance_id, NodeState.TERMINATING)
+    result = teardown(cloud.ec2, run_name, cloud.settings.stack_name)
+    outcome = RunState.FAILED if failure else RunState.SUCCEEDED
+    store.modify_run(run_name, lambda current: current if current.state.is_final
+                     else current.model_copy(update={"state": outcome}))
+    logger.info("run torn down", run_name=run_name, terminated=len(result.terminated),
+                placement_groups_in_use=result.placement_groups_in_use)
+    return result
+
+
+@transient_errors_named
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @event_parser(model=RunPayload)
 def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
-    cloud, name = aws(), event.run.run_name
-    store = cloud.store
-    run = store.run(name)
-    if not run.state.is_final:
-        error = run.error or (f"{event.failure.Error}: {event.failure.Cause}" if event.failure else None)
-        now, nodes = datetime.now(timezone.utc), store.nodes(name)
-
-        def tear_down(current: RunRecord) -> RunRecord:
-            if current.state is RunState.TEARING_DOWN:
-                return current  # a retry: the attempt is booked already
-            booked = book_attempt(current, nodes, now, completed=event.failure is None)
-            return current.model_copy(update={"state": RunState.TEARING_DOWN, "error": error, "ledger": booked})
-        store.modify_run(name, tear_down)
-    for node in store.nodes(name):
-        if node.state not in _LEFT:
-            store.transition_node(name, node.instance_id, NodeState.TERMINATING)
-    result = teardown(cloud.ec2, name, cloud.settings.stack_name)
-    logger.info("run torn down", run_name=name, terminated=len(result.terminated))
-    if result.placement_groups_in_use:
-        raise TeardownIncomplete(f"placement groups still in use: {result.placement_groups_in_use}")
-    if not run.state.is_final:
-        store.transition_run(name, RunState.FAILED if event.failure else RunState.SUCCEEDED)
-    return {"terminated": len(result.terminated)}
+    failure = f"{event.failure.Error}: {event.failure.Cause}" if event.failure else None
+    result = tear_down(event.run.run_name, failure)
+    return {"terminated": len(result.terminated), "placement_groups_in_use": result.placement_groups_in_use}

@@ -8,7 +8,7 @@ from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 from pydantic import BaseModel, ValidationError
 
-from functions.common import RunPayload, Timeouts, aws, logger, tracer
+from functions.common import RunPayload, Timeouts, aws, logger, tracer, transient_errors_named
 from functions.errors import InvalidRunSpec
 from trainer.config import ConfigError, config_from_sections
 from trainfleet.adapters.run_store import RunExists
@@ -46,6 +46,7 @@ def check_trainer_config(spec: RunSpec) -> None:
         raise InvalidRunSpec(str(exc)) from exc
 
 
+@transient_errors_named
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @event_parser(model=ValidateInput)

@@ -3,7 +3,8 @@
 Pure functions over plain data: the EC2 glue and the fault injectors build events here and
 LocalCloud.put_event sends them. Field names and values follow the EC2 and AWS Health
 event reference pages (EC2 Instance State-change Notification, EC2 Spot Instance
-Interruption Warning, EC2 Instance Rebalance Recommendation, AWS Health Event).
+Interruption Warning, EC2 Instance Rebalance Recommendation, AWS Health Event, Step Functions
+Execution Status Change).
 """
 
 from __future__ import annotations
@@ -97,3 +98,36 @@ def health_event(region: str, account_id: str, instance_ids: list[str], event_ty
         "affectedAccount": account_id,
     }
     return AwsEvent("aws.health", "AWS Health Event", detail, tuple(instance_ids), start)
+
+
+EXECUTION_STATUSES = ("RUNNING", "SUCCEEDED", "FAILED", "TIMED_OUT", "ABORTED")
+"""Statuses a Step Functions Execution Status Change event reports."""
+
+
+def execution_status_change(region: str, account_id: str, execution: dict) -> AwsEvent:
+    """The event Step Functions sends for a Standard workflow's execution when its status
+    changes. `execution` is what DescribeExecution returns (dates as datetimes); the event
+    carries the dates as epoch milliseconds and absent fields as null."""
+    status = str(getattr(execution["status"], "value", execution["status"]))
+    if status not in EXECUTION_STATUSES:
+        raise ValueError(f"status must be one of {EXECUTION_STATUSES}, got {status!r}")
+
+    def epoch_ms(when: datetime | None) -> int | None:
+        return int(when.timestamp() * 1000) if when is not None else None
+
+    detail = {
+        "executionArn": execution["executionArn"],
+        "stateMachineArn": execution["stateMachineArn"],
+        "name": execution["name"],
+        "status": status,
+        "startDate": epoch_ms(execution.get("startDate")),
+        "stopDate": epoch_ms(execution.get("stopDate")),
+        "input": execution.get("input"),
+        "output": execution.get("output"),
+        "inputDetails": {"included": True},
+        "outputDetails": {"included": True} if execution.get("output") is not None else None,
+        "error": execution.get("error"),
+        "cause": execution.get("cause"),
+    }
+    return AwsEvent("aws.states", "Step Functions Execution Status Change", detail,
+                    (execution["executionArn"],))

@@ -237,6 +237,16 @@ def _layer_version(ctx: Context, props: dict[str, Any]) -> Created:
     return Created(arn, arn, {"LayerVersionArn": arn})
 
 
+@_resource("AWS::Lambda::EventInvokeConfig", "FunctionName", "Qualifier", "MaximumRetryAttempts",
+           "MaximumEventAgeInSeconds", "DestinationConfig", required=("FunctionName", "Qualifier"))
+def _event_invoke_config(ctx: Context, props: dict[str, Any]) -> Created:
+    ctx.client("lambda").put_function_event_invoke_config(
+        FunctionName=props["FunctionName"], Qualifier=props["Qualifier"],
+        **{name: int(props[name]) for name in ("MaximumRetryAttempts", "MaximumEventAgeInSeconds") if name in props},
+        **_pick(props, "DestinationConfig"))
+    return Created(f"{props['FunctionName']}:{props['Qualifier']}", None, {})
+
+
 @_resource("AWS::Lambda::Permission", "FunctionName", "Action", "Principal", "SourceArn", "SourceAccount",
            "EventSourceToken", "PrincipalOrgID", "FunctionUrlAuthType",
            required=("Action", "FunctionName", "Principal"))

@@ -5,7 +5,10 @@ agents (tests/handlers_sim_agent.py) as the instances' processes.
    the node of rank 1 is killed (EC2 reports it terminated); only it is replaced, training
    resumes from the latest committed checkpoint, completes, and teardown ends every instance;
 2. bad RunSpecs: the execution fails at Validate naming the field, no instance is created; so
-   does a trainer section the trainer itself refuses (model.n_heads not dividing d_model).
+   does a trainer section the trainer itself refuses (model.n_heads not dividing d_model);
+3. a run stopped (StopExecution) while it trains: no Catch runs, and the reaper, invoked by
+   the execution's status-change event, terminates every instance of the run and writes its
+   report.
 
 It runs in a process of its own (tests/test_handlers_local_run.py starts it) because the local
 cloud imports the deployed handlers from their package: a test process that imported
@@ -66,6 +69,13 @@ def wait(what: str, probe, timeout_s: float = EXECUTION_TIMEOUT_S):
             return found
         time.sleep(0.1)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+def in_state(store: RunStore, run_name: str, state: str) -> bool:
+    try:
+        return store.run(run_name).state.value == state
+    except RunNotFound:
+        return False
 
 
 def checkpointed(store: RunStore, run_name: str) -> bool:
@@ -201,8 +211,30 @@ def scenarios(cloud, stack_name: str) -> None:
     refused_by_trainer = {"status": refused["status"], "error": refused.get("error"), "cause": refused.get("cause"),
                           "states": states_entered(sfn, refused["executionArn"]),
                           "instances": len(instances_of(ec2, refused_name))}
-    print(json.dumps({"recovered": recovered, "invalid": invalid, "refused_by_trainer": refused_by_trainer},
-                     default=str))
+
+    # 3. A run stopped while it trains.
+    stopped_name = f"stop-{uuid.uuid4().hex[:6]}"
+    stopped_spec = run_spec(stopped_name, outputs["CheckpointBucketName"], subnet, group)
+    stopped_arn = sfn.start_execution(stateMachineArn=machine, name=stopped_name,
+                                      input=json.dumps(stopped_spec))["executionArn"]
+    wait("the run to train", lambda: in_state(store, stopped_name, "TRAINING"))
+    launched = instances_of(ec2, stopped_name)
+    stop_requested = time.monotonic()
+    sfn.stop_execution(executionArn=stopped_arn, error="Operator", cause="stopped from the console")
+    wait("every instance of the stopped run to terminate",
+         lambda: set(instances_of(ec2, stopped_name).values()) == {"terminated"})
+    stop_to_terminated_s = round(time.monotonic() - stop_requested, 2)
+    wait("the stopped run's outcome", lambda: store.run(stopped_name).state.is_final)
+    stopped_report = wait("the stopped run's report", lambda: s3.list_objects_v2(
+        Bucket=outputs["CheckpointBucketName"], Prefix=f"runs/{stopped_name}/report.json").get("Contents"))
+    stopped_run = store.run(stopped_name)
+    stopped = {"name": stopped_name, "status": sfn.describe_execution(executionArn=stopped_arn)["status"],
+               "stop_to_terminated_s": stop_to_terminated_s,
+               "launched": len(launched), "instances": instances_of(ec2, stopped_name),
+               "run": {"state": stopped_run.state.value, "error": stopped_run.error},
+               "report": [entry["Key"] for entry in stopped_report]}
+    print(json.dumps({"recovered": recovered, "invalid": invalid, "refused_by_trainer": refused_by_trainer,
+                      "stopped": stopped}, default=str))
 
 
 if __name__ == "__main__":

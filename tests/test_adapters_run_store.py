@@ -1,6 +1,5 @@
 """DynamoDB run store on moto, with the table exactly as template.yaml declares it."""
 
-import threading
 import uuid
 from pathlib import Path
 
@@ -88,24 +87,21 @@ def test_a_record_that_keeps_changing_gives_up(store):
         store.modify_run(name, always_raced)
 
 
-def test_task_token_goes_to_exactly_one_of_many_racing_handlers(store):
+def test_a_parked_token_stays_until_its_answer_is_sent(store):
+    """Reading the token leaves it parked (an answer that failed to send is sent by the retry);
+    clearing forgets only that token, not one parked after it."""
     name = new_run(store)
     store.park_task(name, TaskWait(purpose="train", attempt=0, token="token-0"))
-    assert store.take_task_token(name, "await_nodes", 0) is None  # another purpose
-    assert store.take_task_token(name, "train", 1) is None  # another attempt
-    got, barrier = [], threading.Barrier(6)
+    assert store.parked_token(name, "await_nodes", 0) is None  # another purpose
+    assert store.parked_token(name, "train", 1) is None  # another attempt
+    assert store.parked_token(name, "train", 0) == "token-0"
+    assert store.parked_token(name, "train", 0) == "token-0", "read, not taken"
 
-    def handler():
-        barrier.wait(timeout=10)
-        got.append(store.take_task_token(name, "train", 0))
-
-    threads = [threading.Thread(target=handler) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert (got.count("token-0"), got.count(None)) == (1, 5)
+    store.clear_task_token(name, "token-0")
     assert store.run(name).waiting is None
+    store.park_task(name, TaskWait(purpose="await_nodes", attempt=0, token="token-1"))
+    store.clear_task_token(name, "token-0")  # a late clear of the answered token
+    assert store.run(name).waiting.token == "token-1"
 
 
 def test_a_token_of_an_old_attempt_is_refused(store):

@@ -265,6 +265,51 @@ def test_allocate_terminates_a_fleet_no_layout_runs_on_and_asks_anew(handlers, c
     ec2.terminate_instances(InstanceIds=run_instance_ids(ec2, name, STACK))
 
 
+# --- transient errors -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("code, status, transient", [
+    ("RequestLimitExceeded", 503, True),  # EC2's throttle
+    ("ThrottlingException", 400, True),
+    ("ProvisionedThroughputExceededException", 400, True),
+    ("SlowDown", 503, True),  # S3
+    ("InternalError", 500, True),
+    ("SomethingNew", 502, True),  # any 5xx
+    ("InsufficientInstanceCapacity", 500, False),  # a 5xx, but capacity: CapacityUnavailable decides
+    ("InvalidParameterValue", 400, False),
+    ("AccessDenied", 403, False),
+])
+def test_aws_errors_are_classified_transient_or_not(handlers, code, status, transient):
+    from botocore.exceptions import ClientError
+
+    error = ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                        "AnyOperation")
+    assert handlers.common.is_transient(error) is transient
+
+
+def test_a_transient_aws_error_leaves_the_handler_as_transient_error(handlers, cloud, resources, monkeypatch):
+    """S3 out of reach while the report is written: the state machine must see TransientError,
+    the name it retries with backoff, not the client's own exception, which would end the run."""
+    import dataclasses
+
+    import boto3
+    import functions.report
+    from botocore.config import Config
+    from conftest import free_port
+
+    store, run, _ = recorded_run(cloud, resources)
+    working = handlers.common.aws()
+    unreachable = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{free_port()}",
+                               config=Config(retries={"mode": "standard", "max_attempts": 1}))
+    monkeypatch.setattr(functions.report, "aws", lambda: dataclasses.replace(working, s3=unreachable))
+    payload = {"run": {"run_name": run.run_name, "attempt": 0}, "timeouts": {"boot_seconds": 60,
+                                                                             "heartbeat_seconds": 60}}
+    with pytest.raises(handlers.errors.TransientError, match="EndpointConnectionError"):
+        functions.report.handler(payload, Context())
+    monkeypatch.setattr(functions.report, "aws", lambda: working)
+    with pytest.raises(handlers.errors.InvalidRunSpec):  # any other error keeps its own name
+        handlers.validate.handler({"run_spec": {"run_name": "x"}, "execution_arn": "arn:x"}, Context())
+
+
 # --- events ---------------------------------------------------------------------------------
 
 def test_the_last_ready_worker_succeeds_await_nodes_once(handlers, cloud, resources):
@@ -278,6 +323,56 @@ def test_the_last_ready_worker_succeeds_await_nodes_once(handlers, cloud, resour
     assert handlers.events.handler(ready[1], Context())["outcome"] == "node ready, world complete"  # redelivery
     result = finished(cloud, execution)
     assert result["status"] == "SUCCEEDED" and json.loads(result["output"]) == {"ready_workers": 2}
+    assert store.run(run.run_name).waiting is None
+
+
+def test_an_answer_that_could_not_be_sent_stays_parked_for_the_retry(handlers, cloud, resources, monkeypatch):
+    """Step Functions out of reach (a closed port, no client retries): the invocation fails
+    and the token is still parked; the retry of the same event answers the task."""
+    import dataclasses
+
+    import boto3
+    from botocore.config import Config
+    from conftest import free_port
+
+    store, run, (first, second) = recorded_run(cloud, resources)
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token=token))
+    completed = agent_event("TrainingCompleted", {"run_name": run.run_name, "attempt": 0, "instance_id": first,
+                                                  "final_step": 10})
+    working = handlers.common.aws()
+    unreachable = boto3.client("stepfunctions", endpoint_url=f"http://127.0.0.1:{free_port()}",
+                               config=Config(retries={"mode": "standard", "max_attempts": 1}))
+    monkeypatch.setattr(handlers.common, "aws", lambda: dataclasses.replace(working, sfn=unreachable))
+    with pytest.raises(Exception, match="Could not connect"):
+        handlers.events.handler(completed, Context())
+    assert store.run(run.run_name).waiting.token == token, "the token was dropped unanswered"
+
+    monkeypatch.setattr(handlers.common, "aws", lambda: working)
+    handlers.events.handler(completed, Context())
+    assert finished(cloud, execution)["status"] == "SUCCEEDED"
+    assert store.run(run.run_name).waiting is None
+
+
+def test_of_many_handlers_racing_to_answer_exactly_one_does(handlers, cloud, resources):
+    import threading
+
+    store, run, _ = recorded_run(cloud, resources)
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token=token))
+    answered, barrier = [], threading.Barrier(6)
+
+    def handler(index: int) -> None:
+        barrier.wait(timeout=10)
+        answered.append(handlers.common.answer_task(run.run_name, "train", 0, output={"by": index}))
+
+    threads = [threading.Thread(target=handler, args=(index,)) for index in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sorted(answered) == [False] * 5 + [True]
+    assert finished(cloud, execution)["status"] == "SUCCEEDED"
     assert store.run(run.run_name).waiting is None
 
 

@@ -65,3 +65,15 @@ def test_a_model_the_trainer_refuses_fails_at_validate_with_the_trainers_message
     assert (refused["status"], refused["error"], refused["states"]) == ("FAILED", "InvalidRunSpec", ["Validate"])
     assert json.loads(refused["cause"])["errorMessage"] == "trainer: model.n_heads=3 must divide model.d_model=64"
     assert refused["instances"] == 0
+
+
+@pytest.mark.slow
+def test_a_stopped_execution_leaves_no_instance_running(outcome):
+    """StopExecution runs no Catch; the status-change event's reaper terminates the fleet."""
+    stopped = outcome["stopped"]
+    print(f"StopExecution to the last instance terminated: {stopped['stop_to_terminated_s']} s "
+          f"({stopped['launched']} instances, local cloud at time_scale 0.02)")
+    assert stopped["status"] == "ABORTED"
+    assert stopped["launched"] == 2 and set(stopped["instances"].values()) == {"terminated"}
+    assert stopped["run"] == {"state": "FAILED", "error": "ExecutionEnded: the execution is ABORTED"}
+    assert stopped["report"] == [f"runs/{stopped['name']}/report.json"]

@@ -205,6 +205,8 @@ def _read_back(cloud, resource):
         "AWS::IAM::InstanceProfile": lambda: cloud.client("iam").get_instance_profile(InstanceProfileName=pid),
         "AWS::Lambda::Function": lambda: cloud.client("lambda").get_function_configuration(FunctionName=pid),
         "AWS::Lambda::Permission": lambda: pid,  # checked through its function's policy below
+        "AWS::Lambda::EventInvokeConfig": lambda: cloud.client("lambda").get_function_event_invoke_config(
+            FunctionName=pid.rsplit(":", 1)[0]),
         "AWS::StepFunctions::StateMachine": lambda: cloud.client("stepfunctions").describe_state_machine(
             stateMachineArn=pid),
         "AWS::Events::Rule": lambda: cloud.client("events").list_targets_by_rule(
@@ -424,6 +426,10 @@ def test_project_template_deploys_and_every_resource_is_accounted_for(cloud):
         assert value and "${" not in str(value), name
     machine = cloud.client("stepfunctions").describe_state_machine(stateMachineArn=stack.outputs["StateMachineArn"])
     assert "${" not in machine["definition"]
+    # An event the handler fails on every try is kept with those EventBridge could not deliver.
+    on_failure = cloud.client("lambda").get_function_event_invoke_config(
+        FunctionName=stack.outputs["EventsFunctionName"])["DestinationConfig"]["OnFailure"]["Destination"]
+    assert on_failure == stack.resources["UndeliveredEvents"].arn
 
     # `CodeUri: .` packed the repository's sources, not its virtualenv, and the handlers import.
     bucket, key = stack.packaged[str(REPO)].removeprefix("s3://").split("/", 1)

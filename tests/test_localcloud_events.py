@@ -1,6 +1,7 @@
 """EventBridge in the local cloud: delivery to Lambda, Step Functions and SQS targets."""
 
 import json
+import time
 
 import pytest
 
@@ -130,3 +131,23 @@ def test_failed_lambda_target_is_retried_twice(local_cloud, tmp_path):
 
     local_cloud.wait_until(lambda: len(records(record_file)) == 3, 20, "two retries")
     assert local_cloud.delivery_failures == []
+
+
+def test_a_schedule_rule_sends_scheduled_events_on_scaled_time(local_cloud):
+    """rate(1 minute) at time_scale 0.02: an event every 1.2 s, until the rule is disabled."""
+    sqs, events = local_cloud.client("sqs"), local_cloud.client("events")
+    name = unique("every-minute")
+    queue_url = sqs.create_queue(QueueName=name)["QueueUrl"]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    rule_arn = events.put_rule(Name=name, ScheduleExpression="rate(1 minute)")["RuleArn"]
+    events.put_targets(Rule=name, Targets=[{"Id": "queue", "Arn": queue_arn}])
+
+    first, second = receive(local_cloud, queue_url, 2, timeout_s=10)
+    assert (first["source"], first["detail-type"], first["detail"]) == ("aws.events", "Scheduled Event", {})
+    assert first["resources"] == [rule_arn] and first["id"] != second["id"]
+
+    events.disable_rule(Name=name)
+    local_cloud.wait_until(lambda: not sqs.receive_message(QueueUrl=queue_url, WaitTimeSeconds=0).get("Messages"),
+                           10, "the last event of the enabled rule")
+    time.sleep(local_cloud.scaled(150))
+    assert not sqs.receive_message(QueueUrl=queue_url, WaitTimeSeconds=0).get("Messages"), "a disabled rule fired"

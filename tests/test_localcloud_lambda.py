@@ -2,11 +2,12 @@
 
 import io
 import json
+import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 
-from localcloud_helpers import HANDLERS_MODULE, deploy_function, lambda_role, records, unique
+from localcloud_helpers import HANDLERS_MODULE, deploy_function, lambda_role, receive, records, unique
 
 
 def invoke(cloud, function_arn, payload):
@@ -141,3 +142,41 @@ def test_output_goes_to_the_log_group_and_emf_lines_become_metrics(local_cloud):
         EndTime=datetime.now(timezone.utc) + timedelta(minutes=1), Period=60,
         Statistics=["Maximum"])["Datapoints"]
     assert [point["Maximum"] for point in points] == [2.5]
+
+
+def test_an_event_invocation_that_keeps_failing_goes_to_its_on_failure_destination(local_cloud, tmp_path):
+    """After its two retries, Lambda sends the invocation record to the function's on-failure
+    destination (EventInvokeConfig), so the event is not lost."""
+    record_file = tmp_path / "attempts.jsonl"
+    arn = deploy_function(local_cloud, "fail_until", record_file)
+    sqs = local_cloud.client("sqs")
+    queue_url = sqs.create_queue(QueueName=unique("on-failure"))["QueueUrl"]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    lambda_client = local_cloud.client("lambda")
+    lambda_client.put_function_event_invoke_config(
+        FunctionName=arn, MaximumRetryAttempts=2,
+        DestinationConfig={"OnFailure": {"Destination": queue_arn}})
+
+    lambda_client.invoke(FunctionName=arn, InvocationType="Event", Payload=json.dumps({"succeed_on": 99}))
+
+    (record,) = receive(local_cloud, queue_url, 1)
+    assert len(records(record_file)) == 3, "the first attempt and two retries"
+    assert record["requestContext"]["condition"] == "RetriesExhausted"
+    assert record["requestContext"]["approximateInvokeCount"] == 3
+    assert record["requestContext"]["functionArn"] == f"{arn}:$LATEST"
+    assert record["requestPayload"] == {"succeed_on": 99}
+    assert record["responseContext"]["functionError"] == "Unhandled"
+    assert record["responsePayload"]["errorType"] == "CapacityError"
+
+
+def test_retries_of_an_event_invocation_follow_its_maximum_retry_attempts(local_cloud, tmp_path):
+    record_file = tmp_path / "attempts.jsonl"
+    arn = deploy_function(local_cloud, "fail_until", record_file)
+    lambda_client = local_cloud.client("lambda")
+    lambda_client.put_function_event_invoke_config(FunctionName=arn, MaximumRetryAttempts=0)
+
+    lambda_client.invoke(FunctionName=arn, InvocationType="Event", Payload=json.dumps({"succeed_on": 2}))
+
+    local_cloud.wait_until(lambda: records(record_file), 10, "the first attempt")
+    time.sleep(local_cloud.scaled(200))
+    assert len(records(record_file)) == 1, "retried although MaximumRetryAttempts is 0"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from localcloud import LocalCloud
-from localcloud_helpers import (create_state_machine, deploy_function, history, records,
+from localcloud_helpers import (create_state_machine, deploy_function, event_sink, history, receive, records,
                                 run_execution, unique, wait_for_execution)
 
 TASK_CLIENT = Path(__file__).with_name("localcloud_task_client.py")
@@ -105,11 +105,14 @@ def answer(cloud, token: str, action: str, error: str = "") -> None:
                    env=cloud.env() | {"PATH": "/usr/bin:/bin"}, check=True, timeout=60)
 
 
-def callback_machine(cloud, record_file: Path, heartbeat_s: int | None, catch: list[str]) -> str:
+def callback_machine(cloud, record_file: Path, heartbeat_s: int | None, catch: list[str],
+                     timeout_s: int | None = 60) -> str:
     task = {"Type": "Task", "Resource": "arn:aws:states:::lambda:invoke.waitForTaskToken",
             "Parameters": {"FunctionName": deploy_function(cloud, "store_token", record_file),
                            "Payload": {"token.$": "$$.Task.Token"}},
-            "TimeoutSeconds": 60, "ResultPath": "$.answer", "End": True}
+            "ResultPath": "$.answer", "End": True}
+    if timeout_s is not None:
+        task["TimeoutSeconds"] = timeout_s
     if heartbeat_s is not None:
         task["HeartbeatSeconds"] = heartbeat_s
     if catch:
@@ -161,6 +164,27 @@ def test_missed_heartbeat_is_states_heartbeat_timeout(local_cloud, tmp_path, cat
     assert timed_out[0]["taskTimedOutEventDetails"]["error"] == "States.HeartbeatTimeout"
 
 
+@pytest.mark.slow
+def test_a_task_with_heartbeats_and_no_timeout_runs_past_a_minute(local_cloud, tmp_path):
+    """AWS's default TimeoutSeconds is 99999999 whether or not the task has HeartbeatSeconds:
+    a task kept alive by heartbeats for more than a minute is not timed out."""
+    record_file = tmp_path / "token.jsonl"
+    execution = start(local_cloud, callback_machine(local_cloud, record_file, heartbeat_s=10, catch=[],
+                                                    timeout_s=None))
+    token = wait_for_token(record_file)
+    sfn = local_cloud.client("stepfunctions")
+    beating_until = time.monotonic() + 70
+    while time.monotonic() < beating_until:
+        sfn.send_task_heartbeat(taskToken=token)
+        time.sleep(5)
+    assert sfn.describe_execution(executionArn=execution)["status"] == "RUNNING"
+    sfn.send_task_success(taskToken=token, output=json.dumps({"trained": "70 s"}))
+
+    done = wait_for_execution(local_cloud, execution)
+    assert done["status"] == "SUCCEEDED", done
+    assert json.loads(done["output"])["answer"] == {"trained": "70 s"}
+
+
 def test_wait_and_retry_run_on_scaled_time():
     """An hour of Wait and a ten-minute Retry interval take seconds at time_scale 0.0005."""
     with LocalCloud(time_scale=0.0005) as cloud:
@@ -209,3 +233,27 @@ def test_service_integrations_start_executions_and_return_timestamps(local_cloud
     [described] = output["described"]["reservations"][0]["Instances"]
     assert described["InstanceId"] == instance["InstanceId"]
     assert datetime.fromisoformat(described["LaunchTime"]).year >= 2024
+
+
+def test_executions_send_their_status_changes_to_the_default_bus(local_cloud, tmp_path):
+    """As Step Functions does for Standard workflows: one event when an execution starts, one
+    when it ends, also when it is stopped (where no Catch runs)."""
+    record_file = tmp_path / "token.jsonl"
+    machine = callback_machine(local_cloud, record_file, heartbeat_s=None, catch=[])
+    sink = event_sink(local_cloud, {"source": ["aws.states"],
+                                    "detail-type": ["Step Functions Execution Status Change"],
+                                    "detail": {"stateMachineArn": [machine]}})
+    sfn = local_cloud.client("stepfunctions")
+    execution = sfn.start_execution(stateMachineArn=machine, name=unique("stopped"),
+                                    input=json.dumps({"run_name": "r1"}))["executionArn"]
+    wait_for_token(record_file)
+    sfn.stop_execution(executionArn=execution, error="Operator", cause="stopped by hand")
+    assert sfn.describe_execution(executionArn=execution)["status"] == "ABORTED", "aborted at once"
+
+    started, stopped = receive(local_cloud, sink, 2)
+    assert [started["detail"]["status"], stopped["detail"]["status"]] == ["RUNNING", "ABORTED"]
+    assert stopped["source"] == "aws.states" and stopped["resources"] == [execution]
+    detail = stopped["detail"]
+    assert (detail["executionArn"], detail["stateMachineArn"]) == (execution, machine)
+    assert json.loads(detail["input"]) == {"run_name": "r1"}
+    assert isinstance(detail["startDate"], int) and detail["stopDate"] >= detail["startDate"]

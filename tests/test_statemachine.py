@@ -18,8 +18,9 @@ REPO = Path(__file__).resolve().parent.parent
 ASL_PATH = REPO / "statemachine" / "training_run.asl.json"
 
 # Error names AWS defines: the States.* names of the Step Functions developer guide ("Error
-# names"), and the Lambda service errors the lambda:invoke integration raises, which AWS
-# recommends retrying.
+# names"), the Lambda service errors the lambda:invoke integration raises, which AWS
+# recommends retrying ("Handle Lambda service exceptions"), Lambda.Unknown for a function that
+# timed out or ran out of memory, and the Lambda runtime's own error type for a timeout.
 AWS_STATES_ERRORS = {
     "States.ALL", "States.DataLimitExceeded", "States.ExceedToleratedFailureThreshold",
     "States.HeartbeatTimeout", "States.Http.Socket", "States.IntrinsicFailure",
@@ -29,8 +30,12 @@ AWS_STATES_ERRORS = {
 }
 AWS_LAMBDA_ERRORS = {
     "Lambda.ServiceException", "Lambda.AWSLambdaException", "Lambda.SdkClientException",
-    "Lambda.TooManyRequestsException", "Lambda.Unknown",
+    "Lambda.TooManyRequestsException", "Lambda.ClientExecutionTimeoutException", "Lambda.Unknown",
+    "Sandbox.Timedout",
 }
+# What may go away by itself: Lambda's service errors and a function timeout, and the one name
+# the handlers give an AWS call that was throttled, answered 5xx or could not connect.
+TRANSIENT = AWS_LAMBDA_ERRORS | {"TransientError"}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +88,22 @@ def test_the_error_name_check_catches_a_misspelt_name(asl, exception_classes):
     misspelt["States"]["Train"]["Catch"][0]["ErrorEquals"].append("States.TaskFailedId")
     misspelt["States"]["Allocate"]["Retry"][1]["ErrorEquals"].append("CapacityUnavailabel")
     assert _undefined_error_names(misspelt, exception_classes) == ["CapacityUnavailabel", "States.TaskFailedId"]
+
+
+def test_every_task_retries_transient_errors_with_backoff_before_anything_catches_them(asl):
+    """A Lambda timeout, an S3 5xx or an EC2 RequestLimitExceeded is retried, patiently (a run
+    may be weeks old), not sent to Teardown; StaleRecord (a lost race on a record) too, where a
+    task writes records others write too."""
+    for name, state in asl["States"].items():
+        if state["Type"] != "Task":
+            continue
+        rules = [rule for rule in state["Retry"] if TRANSIENT <= set(rule["ErrorEquals"])
+                 or rule["ErrorEquals"] == ["States.ALL"]]
+        assert rules, f"{name} does not retry transient errors"
+        rule = rules[0]
+        assert rule["BackoffRate"] >= 2 and rule["MaxAttempts"] >= 6 and rule["MaxDelaySeconds"] >= 60, name
+        if name not in ("Validate", "Report"):
+            assert "StaleRecord" in rule["ErrorEquals"] or rule["ErrorEquals"] == ["States.ALL"], name
 
 
 def test_the_event_handler_reports_failures_under_the_name_the_asl_catches(asl):
@@ -153,6 +174,17 @@ def test_waits_are_task_tokens_bounded_by_timeouts(asl):
     recover_names = states["Train"]["Catch"][0]["ErrorEquals"]
     assert states["Train"]["Catch"][0]["Next"] == "Recover"
     assert {"States.HeartbeatTimeout", "States.Timeout", FAILURE_ERROR} <= set(recover_names)
+
+
+def test_every_task_states_its_own_outer_bound(asl):
+    """No interpreter's default TimeoutSeconds decides how long a wait on a task token may last
+    (moto's was 60 for a task with a heartbeat, AWS's is 99999999): each names its bound (the
+    other tasks are bounded by their function's timeout). Train's is the longest a Standard
+    execution may run, a year; its heartbeat is what catches a hang."""
+    for name, state in asl["States"].items():
+        if state.get("Resource", "").endswith(".waitForTaskToken"):
+            assert {"TimeoutSeconds", "TimeoutSecondsPath"} & set(state), name
+    assert asl["States"]["Train"]["TimeoutSeconds"] == 365 * 24 * 3600
 
 
 def test_payloads_are_references_not_fleets(asl):

@@ -22,7 +22,9 @@ SAMPLE_RULES = {
     "ec2-spot-instance-interruption-warning.json": "SpotInterruptionWarning",
     "ec2-instance-rebalance-recommendation.json": "RebalanceRecommendation",
     "aws-health-ec2-instance-retirement.json": "HealthEvent",
+    "states-execution-status-change-aborted.json": "ExecutionEnded",
 }
+STATE_MACHINE_ARN = f"arn:aws:states:us-east-1:123456789012:stateMachine:{STACK}-training-run"
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,8 @@ def template() -> dict:
 def _resolve_stack_name(node):
     if node == {"Ref": "AWS::StackName"}:
         return STACK
+    if node == {"Ref": "TrainingRunStateMachine"}:
+        return STATE_MACHINE_ARN
     if isinstance(node, dict):
         return {key: _resolve_stack_name(value) for key, value in node.items()}
     if isinstance(node, list):
@@ -42,7 +46,10 @@ def _resolve_stack_name(node):
 
 @pytest.fixture(scope="module")
 def rules(template) -> dict[str, EventPattern]:
-    events = template["Resources"]["EventsFunction"]["Properties"]["Events"]
+    """Every function's EventBridge rules, by event name."""
+    events = {name: event for resource in template["Resources"].values()
+              if resource["Type"] == "AWS::Serverless::Function"
+              for name, event in resource["Properties"].get("Events", {}).items()}
     return {name: EventPattern.load(json.dumps(_resolve_stack_name(event["Properties"]["Pattern"])))
             for name, event in events.items() if event["Type"] == "EventBridgeRule"}
 
@@ -68,7 +75,11 @@ def test_events_that_do_not_concern_a_run_match_no_rule(rules):
     rds_health["detail"]["service"] = "RDS"
     notice = json.loads((AWS_EVENTS / "aws-health-ec2-instance-retirement.json").read_text())
     notice["detail"]["eventTypeCategory"] = "accountNotification"
-    for event in (running, rds_health, notice):
+    succeeded = json.loads((AWS_EVENTS / "states-execution-status-change-aborted.json").read_text())
+    succeeded["detail"]["status"] = "SUCCEEDED"  # Teardown ran
+    another_machine = json.loads((AWS_EVENTS / "states-execution-status-change-aborted.json").read_text())
+    another_machine["detail"]["stateMachineArn"] += "-of-another-stack"
+    for event in (running, rds_health, notice, succeeded, another_machine):
         assert _matching(rules, event) == [], event["detail"]
 
 
@@ -192,6 +203,13 @@ def test_sam_validate_lint_and_statelint_pass(capsys):
     output = capsys.readouterr().out
     assert status == 0, output
     assert "is a valid SAM Template" in output
+
+
+def test_the_reaper_runs_on_ended_executions_and_on_a_schedule(template):
+    events = template["Resources"]["ReaperFunction"]["Properties"]["Events"]
+    assert events["ExecutionEnded"]["Properties"]["Pattern"]["detail"]["status"] == ["ABORTED", "TIMED_OUT", "FAILED"]
+    assert events["Sweep"]["Type"] == "Schedule"
+    assert events["Sweep"]["Properties"]["Schedule"].startswith("rate(")
 
 
 def test_dashboard_body_is_json_and_charts_the_metrics_the_code_emits(template):

@@ -10,8 +10,13 @@
   extracts them from a Lambda function's output.
 - `LambdaFunction.invoke` ran Event (asynchronous) invocations to completion before replying,
   and ran DryRun ones. Now an Event invocation is queued and answered at once (202), and a
-  function error is retried twice, one and then two (scaled) minutes later, as Lambda does;
-  EventBridge targets are invoked the same way. DryRun checks the function exists only.
+  function error is retried twice, one and then two (scaled) minutes later, as Lambda does
+  (fewer when the function's EventInvokeConfig sets MaximumRetryAttempts); EventBridge
+  targets are invoked the same way. DryRun checks the function exists only.
+- moto stored a function's EventInvokeConfig and did nothing with it. When the retries are
+  spent, the invocation record (request, response, condition RetriesExhausted) now goes to
+  the config's on-failure destination (an SQS queue), as Lambda documents for asynchronous
+  invocation, so an event the function could not handle is kept.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from datetime import timezone
+from datetime import datetime, timezone
 from typing import Any
 
 from moto.awslambda.models import LambdaFunction
@@ -81,17 +86,56 @@ def invoke_function(function: LambdaFunction, event: Any) -> InvocationResult:
     return result
 
 
+def _event_invoke_config(function: LambdaFunction) -> dict[str, Any]:
+    return function.event_invoke_config[0].config if function.event_invoke_config else {}
+
+
 def invoke_event(function: LambdaFunction, event: Any, attempt: int = 0) -> None:
-    """One asynchronous invocation, run in the calling thread; a failure is retried later."""
+    """One asynchronous invocation, run in the calling thread; a failure is retried later,
+    and once the retries are spent it goes to the on-failure destination, if there is one."""
     result = invoke_function(function, event)
     if not result.errored:
         return
     log.warning("Lambda %s failed an asynchronous invocation (attempt %d): %s",
                 function.function_name, attempt + 1, result.payload)
     cloud = active_cloud()
-    if cloud is not None and attempt < len(ASYNC_RETRY_DELAYS_S):
+    config = _event_invoke_config(function)
+    retries = min(int(config.get("MaximumRetryAttempts", len(ASYNC_RETRY_DELAYS_S))), len(ASYNC_RETRY_DELAYS_S))
+    if cloud is not None and attempt < retries:
         cloud.submit_later(f"retry {function.function_name}", ASYNC_RETRY_DELAYS_S[attempt],
                            lambda: invoke_event(function, event, attempt + 1))
+        return
+    destination = ((config.get("DestinationConfig") or {}).get("OnFailure") or {}).get("Destination")
+    if destination:
+        _send_to_destination(destination, invocation_record(function, event, result, attempt + 1))
+
+
+def invocation_record(function: LambdaFunction, event: Any, result: InvocationResult,
+                      invocations: int) -> dict[str, Any]:
+    """What Lambda sends an on-failure destination: the request, the function's error, and
+    why it gave up."""
+    error = json.loads(result.payload)
+    return {
+        "version": "1.0",
+        "timestamp": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z",
+        "requestContext": {"requestId": error.get("requestId"),
+                           "functionArn": f"{function.function_arn}:{function.version}",
+                           "condition": "RetriesExhausted", "approximateInvokeCount": invocations},
+        "requestPayload": event,
+        "responseContext": {"statusCode": 200, "executedVersion": str(function.version),
+                            "functionError": "Unhandled"},
+        "responsePayload": error,
+    }
+
+
+def _send_to_destination(arn: str, record: dict[str, Any]) -> None:
+    from moto.sqs.models import sqs_backends
+
+    _, _, service, region, account, resource = arn.split(":", 5)
+    if service != "sqs":
+        log.error("on-failure destination %s: only SQS queues are delivered to here", arn)
+        return
+    sqs_backends[account][region].send_message(queue_name=resource, message_body=json.dumps(record))
 
 
 def _invoke(self: LambdaFunction, body: str, request_headers: Any, response_headers: Any) -> str | bytes:

@@ -12,6 +12,10 @@ Lambda and Step Functions targets and ignores InputPath and Input. Now, as Event
   CloudWatch Logs targets get the payload as a message / log event;
 - other targets (event buses, archives, API destinations) keep moto's own delivery.
 
+moto also accepted a rule's ScheduleExpression and never fired it. A `rate(...)` rule now
+sends its targets a "Scheduled Event" (source aws.events) every period, on the LocalCloud's
+scaled time, while it is enabled; `cron(...)` schedules are not run here.
+
 Delivery runs on the LocalCloud's worker threads, so PutEvents (and the EC2 call that emitted
 a state-change event) returns before the targets run, as on AWS. A target that cannot be
 reached is recorded in `LocalCloud.delivery_failures` and logged.
@@ -22,11 +26,12 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any
 
-from moto.events.models import Rule
+from moto.events.models import EventsBackend, Rule
 
 from localcloud.event_delivery import bus_event, target_input
 from localcloud.glue import active_cloud
@@ -134,5 +139,52 @@ def _send_to_targets(self: Rule, original_event: dict[str, Any], transform_input
     return None
 
 
+# --- schedules ---------------------------------------------------------------------------
+
+_RATE = re.compile(r"^rate\((\d+) (minute|minutes|hour|hours|day|days)\)$")
+_UNIT_SECONDS = {"minute": 60, "hour": 3600, "day": 86400}
+_moto_put_rule = EventsBackend.put_rule
+_clocks: dict[tuple[str, str, str], object] = {}
+"""The running clock of each scheduled rule (account, region, name): a rule put again gets a
+new clock and the old one stops at its next tick."""
+
+
+def rate_seconds(expression: str | None) -> int | None:
+    """The period of a `rate(N unit)` expression in seconds; None for anything else."""
+    match = _RATE.match(expression or "")
+    return int(match.group(1)) * _UNIT_SECONDS[match.group(2).rstrip("s")] if match else None
+
+
+def scheduled_event(rule: Rule) -> dict[str, Any]:
+    return {"version": "0", "id": str(uuid.uuid4()), "detail-type": "Scheduled Event", "source": "aws.events",
+            "account": rule.account_id, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "region": rule.region_name, "resources": [rule.arn], "detail": {}}
+
+
+def _put_rule(self: EventsBackend, name: str, *args: Any, **kwargs: Any) -> Rule:
+    rule = _moto_put_rule(self, name, *args, **kwargs)
+    cloud, period = active_cloud(), rate_seconds(rule.scheduled_expression)
+    if cloud is None or period is None:
+        return rule
+    key, clock = (self.account_id, self.region_name, name), object()
+    _clocks[key] = clock
+
+    def tick() -> None:
+        current = self.event_buses["default"].rules.get(name)
+        if _clocks.get(key) is not clock or current is None or active_cloud() is not cloud:
+            return  # put again, deleted, or another cloud's
+        if current.state == "ENABLED":
+            event = scheduled_event(current)
+            for target in list(current.targets):
+                if target["Arn"].split(":")[2] in _DELIVERED_HERE:
+                    cloud.submit(f"deliver Scheduled Event to {target['Arn']}",
+                                 lambda target=target: _deliver(current, target, event))
+        cloud.submit_later(f"schedule {name}", period, tick)
+
+    cloud.submit_later(f"schedule {name}", period, tick)
+    return rule
+
+
 def apply() -> None:
     Rule.send_to_targets = _send_to_targets
+    EventsBackend.put_rule = _put_rule

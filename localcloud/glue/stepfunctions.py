@@ -27,10 +27,26 @@ that. These patches fill the gaps:
   AWS generates a unique name, and so does the glue.
 - SendTaskFailure: the API layer dropped `cause`, so a catcher's Cause was null; it is
   now passed on.
+- A second answer to a task token: moto took it (the later outcome overwrote the first while
+  the task had not yet read it, and afterwards it was silently accepted). Step Functions
+  takes the first SendTaskSuccess/SendTaskFailure and answers any later one with
+  TaskTimedOut; so does the glue, which is what lets racing handlers all send and exactly one
+  of them win.
+- StopExecution: moto marked the program stopped but left the execution RUNNING until the
+  state in progress ended by itself (a task waiting on a token: its TimeoutSeconds, a year
+  for Train). Step Functions aborts at once: the execution is now ABORTED when StopExecution
+  returns, and the tasks waiting on tokens are released.
+- Execution Status Change events: moto sent none. Step Functions puts one on the default
+  bus each time a Standard workflow's execution starts or ends (RUNNING, SUCCEEDED, FAILED,
+  TIMED_OUT, ABORTED); the glue now does, so a rule on them (the reaper's, which tears down
+  what a stopped execution left) runs locally as on AWS.
 - Log noise: a Choice rule `IsPresent: false` is evaluated by reading the path and catching
   the miss, and the interpreter logs that expected miss at ERROR level
   ("Exception=NoSuchJsonPathError"). Those records are dropped; a path that is really missing
   still fails the execution with States.Runtime, which the history shows.
+- Default TimeoutSeconds: a Task with HeartbeatSeconds(Path) and no TimeoutSeconds(Path) got a
+  TimeoutSeconds of 60, so any task kept alive by heartbeats failed with States.Timeout after a
+  minute. AWS's default is 99999999 with or without a heartbeat; it now is here too.
 - Scaled time: Wait states and Retry intervals sleep `time_scale` times their nominal
   length (TimeoutSeconds and HeartbeatSeconds stay in real time: they bound real work).
 """
@@ -63,6 +79,8 @@ from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name
     StatesErrorNameType,
 )
 from moto.stepfunctions.parser.asl.component.common.retry import retrier_decl
+from moto.stepfunctions.parser.asl.component.common.timeouts.timeout import Timeout, TimeoutSeconds
+from moto.stepfunctions.parser.asl.component.state.exec.execute_state import ExecutionState
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state_task_service import (
     StateTaskService,
 )
@@ -72,16 +90,25 @@ from moto.stepfunctions.parser.asl.component.state.wait.wait_function.wait_funct
 )
 from moto.stepfunctions.parser.asl.eval import states as eval_states
 from moto.stepfunctions.parser.asl.eval import variable_store
-from moto.stepfunctions.parser.asl.eval.callback.callback import HeartbeatTimeoutError
+from moto.stepfunctions.parser.asl.eval.callback.callback import (
+    CallbackConsumerTimeout,
+    CallbackNotifyConsumerError,
+    CallbackOutcome,
+    CallbackPoolManager,
+    HeartbeatTimeoutError,
+)
 from moto.stepfunctions.parser.asl.eval.environment import Environment
 from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
 from moto.stepfunctions.parser.asl.jsonata import jsonata as moto_jsonata
 from moto.stepfunctions.parser.asl.utils import boto_client
 
 from moto.core.responses import EmptyResult
+from moto.stepfunctions.parser.api import ExecutionStatus, StateMachineType
+from moto.stepfunctions.parser.backend.execution import BaseExecutionWorkerCommunication, Execution
 from moto.stepfunctions.parser.models import StepFunctionsParserBackend
 from moto.stepfunctions.responses import StepFunctionResponse
 
+from localcloud.aws_events import execution_status_change
 from localcloud.glue import active_cloud
 
 
@@ -169,6 +196,17 @@ def _task_from_error_with_heartbeat(self: StateTask, env: Environment, ex: Excep
                         event_details=EventDetails(taskTimedOutEventDetails=details))
 
 
+# --- default TimeoutSeconds --------------------------------------------------------------
+
+_moto_execution_state_props = ExecutionState.from_state_props
+
+
+def _execution_state_props(self: ExecutionState, state_props: Any) -> None:
+    _moto_execution_state_props(self, state_props)
+    if state_props.get(Timeout) is None:
+        self.timeout = TimeoutSeconds(timeout_seconds=TimeoutSeconds.DEFAULT_TIMEOUT_SECONDS)
+
+
 # --- request and response shapes of integrations ---------------------------------------
 
 @functools.lru_cache(maxsize=None)
@@ -225,6 +263,67 @@ def _send_task_failure(self: StepFunctionResponse) -> EmptyResult:
     return EmptyResult()
 
 
+# --- a second answer to a task token ----------------------------------------------------
+
+_moto_notify = CallbackPoolManager.notify
+_notify_lock = threading.Lock()
+
+
+def _notify_once(self: CallbackPoolManager, callback_id: str, outcome: CallbackOutcome) -> bool:
+    with _notify_lock:
+        endpoint = self.get(callback_id)
+        if endpoint is not None and endpoint.get_outcome() is not None:
+            raise CallbackNotifyConsumerError(callback_consumer_error=CallbackConsumerTimeout())
+        return _moto_notify(self, callback_id, outcome)
+
+
+# --- StopExecution and Execution Status Change events ----------------------------------
+
+_moto_execution_start = Execution.start
+_moto_execution_stop = Execution.stop
+_moto_execution_terminated = BaseExecutionWorkerCommunication.terminated
+
+
+def _publish_status(execution: Execution) -> None:
+    cloud = active_cloud()
+    if cloud is None or execution.sm_type != StateMachineType.STANDARD:
+        return
+    cloud.put_event(execution_status_change(execution.region_name, execution.account_id,
+                                            dict(execution.to_describe_output())))
+
+
+def _start_and_publish(self: Execution) -> None:
+    _moto_execution_start(self)
+    _publish_status(self)
+
+
+def _stop_now(self: Execution, stop_date: datetime.datetime, error: str | None, cause: str | None) -> None:
+    if self.exec_status != ExecutionStatus.RUNNING:
+        return
+    _moto_execution_stop(self, stop_date, error, cause)
+    env = self.exec_worker.env if self.exec_worker is not None else None
+    if env is not None:
+        # The interpreter keeps no public list of the callbacks a task waits on.
+        for endpoint in list(env.callback_pool_manager._pool.values()):
+            endpoint.interrupt_all()
+    self.exec_status, self.stop_date = ExecutionStatus.ABORTED, stop_date
+    _publish_status(self)
+
+
+def _terminated_and_publish(self: BaseExecutionWorkerCommunication) -> None:
+    execution = self.execution
+    if execution.exec_status == ExecutionStatus.ABORTED:
+        # Stopped, and published then; the released task may have ended the program with an
+        # error since, which must not turn the execution into a failed one.
+        stopped_at = execution.stop_date
+        _moto_execution_terminated(self)
+        execution.exec_status, execution.stop_date = ExecutionStatus.ABORTED, stopped_at
+        execution.error = execution.cause = None
+        return
+    _moto_execution_terminated(self)
+    _publish_status(execution)
+
+
 # --- scaled time -------------------------------------------------------------------------
 
 def time_scale() -> float:
@@ -263,7 +362,12 @@ def apply() -> None:
     _import_all_integrations()
     _share_integration_clients()
     StateTask._from_error = _task_from_error_with_heartbeat
+    ExecutionState.from_state_props = _execution_state_props
     StepFunctionResponse.send_task_failure = _send_task_failure
+    CallbackPoolManager.notify = _notify_once
+    Execution.start = _start_and_publish
+    Execution.stop = _stop_now
+    BaseExecutionWorkerCommunication.terminated = _terminated_and_publish
     StepFunctionsParserBackend.start_execution = _start_execution
     StateTaskService._normalise_parameters = _normalise_parameters
     StateTaskService._normalise_response = _normalise_response

@@ -39,7 +39,7 @@ __all__ = [
     "TAG_RUN", "TAG_STACK", "AGENT_MODULE", "CAPACITY_ERROR_CODES", "ZONE_ERROR_CODES", "FleetError",
     "FleetOutcome", "Allocation", "Teardown", "efa_network_interfaces", "launch_template_data", "node_user_data",
     "create_fleet_request", "interpret_fleet_response", "zone_verdict", "placement_group_name",
-    "ensure_launch_template", "ensure_placement_group", "allocate", "run_instance_ids",
+    "ensure_launch_template", "ensure_placement_group", "allocate", "run_instance_ids", "runs_with_resources",
     "terminate", "teardown",
 ]
 
@@ -348,6 +348,21 @@ def run_instance_ids(ec2: Any, run_name: str, stack_name: str) -> list[str]:
                   for instance in reservation["Instances"] if _owned(instance, run_name, stack_name))
 
 
+def runs_with_resources(ec2: Any, stack_name: str) -> set[str]:
+    """Names of this stack's runs that still hold an instance (not shutting down or gone) or a
+    placement group: what the reaper looks at. Its cost follows what exists now, not the
+    number of runs there ever were."""
+    paginator = ec2.get_paginator("describe_instances")
+    pages = paginator.paginate(Filters=[
+        {"Name": f"tag:{TAG_STACK}", "Values": [stack_name]},
+        {"Name": "instance-state-name", "Values": ["pending", "running", "stopping", "stopped"]}])
+    tagged = [instance.get("Tags", []) for page in pages for reservation in page["Reservations"]
+              for instance in reservation["Instances"]]
+    tagged += [group.get("Tags", []) for group in ec2.describe_placement_groups()["PlacementGroups"]]
+    return {tags[TAG_RUN] for tags in ({tag["Key"]: tag["Value"] for tag in tag_list} for tag_list in tagged)
+            if tags.get(TAG_STACK) == stack_name and TAG_RUN in tags}
+
+
 def terminate(ec2: Any, instance_ids: list[str]) -> None:
     """Terminate instances (no call for none); TerminateInstances takes up to 1000 ids at once."""
     for start in range(0, len(instance_ids), 1000):
@@ -359,13 +374,14 @@ class Teardown:
     terminated: list[str]
     """Instances terminated by this call."""
     placement_groups_in_use: list[str]
-    """Groups not deleted yet: their instances are still shutting down; call teardown again."""
+    """Groups not deleted yet: their instances are still shutting down (p4d and p5 take
+    minutes); a later teardown of the run (the reaper's) deletes them."""
 
 
 def teardown(ec2: Any, run_name: str, stack_name: str) -> Teardown:
     """Terminate every instance of the run, delete its launch template and placement groups.
 
-    Safe to repeat (the state machine's Teardown retries until nothing is left in use).
+    Safe to repeat: the reaper repeats it until no placement group is left in use.
     Resources are matched on both tags client-side as well, so a filter an endpoint ignores
     can never widen the deletion to another run.
     """

@@ -12,7 +12,8 @@ that conditions can name them.
     store.add_node(NodeRecord(...)), store.transition_node(name, instance_id, NodeState.READY)
     store.nodes(name), store.node(name, instance_id), store.node_by_instance(instance_id)
     store.park_task(name, TaskWait(...))                       remember the token (StaleAttempt if old)
-    store.take_task_token(name, "train", attempt)              the token, to exactly one caller
+    store.parked_token(name, "train", attempt)                 the token, still parked
+    store.clear_task_token(name, token)                        once its answer was sent
 
 Every write carries `version = :expected`: two handlers racing on one record cannot both win;
 the loser gets StaleRecord (modify_* re-read and retry a few times). A state change is recorded
@@ -115,21 +116,19 @@ class RunStore:
             return run.model_copy(update={"waiting": wait})
         return self.modify_run(run_name, park)
 
-    def take_task_token(self, run_name: str, purpose: Literal["await_nodes", "train"],
-                        attempt: int) -> str | None:
-        """The parked token if it is for (purpose, attempt), cleared in the same conditional write:
-        of many handlers racing on duplicate events, exactly one gets it; the others get None."""
-        for _ in range(_MODIFY_ATTEMPTS):
-            run = self.run(run_name)
-            wait = run.waiting
-            if wait is None or (wait.purpose, wait.attempt) != (purpose, attempt):
-                return None
-            try:
-                self._replace(_run_key(run_name), run.model_copy(update={"waiting": None}))
-            except StaleRecord:
-                continue
-            return wait.token
-        raise StaleRecord(f"run {run_name!r} kept changing while its task token was taken")
+    def parked_token(self, run_name: str, purpose: Literal["await_nodes", "train"], attempt: int) -> str | None:
+        """The parked token if it is for (purpose, attempt), else None. Reading it leaves it
+        parked: it is cleared (clear_task_token) only once its answer has been sent, so an
+        answer that could not be sent is sent by the retry of whatever tried."""
+        wait = self.run(run_name).waiting
+        if wait is None or (wait.purpose, wait.attempt) != (purpose, attempt):
+            return None
+        return wait.token
+
+    def clear_task_token(self, run_name: str, token: str) -> None:
+        """Forget `token` once it is answered; a newer token parked meanwhile is kept."""
+        self.modify_run(run_name, lambda run: run.model_copy(update={"waiting": None})
+                        if run.waiting is not None and run.waiting.token == token else run)
 
     # --- nodes ------------------------------------------------------------------------------
 
