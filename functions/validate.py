@@ -9,7 +9,7 @@ from pydantic import BaseModel, ValidationError
 from functions.common import RunPayload, Timeouts, aws, logger, tracer
 from functions.errors import InvalidRunSpec
 from trainfleet.adapters.run_store import RunExists
-from trainfleet.contracts import RunRecord, RunRef, RunSpec, validation_message
+from trainfleet.contracts import RunRecord, RunRef, RunSpec, node_access_problems, validation_message
 
 
 class ValidateInput(BaseModel):
@@ -24,10 +24,9 @@ def parse_run_spec(raw: Any, bucket: str) -> RunSpec:
         spec = RunSpec.model_validate(raw)
     except ValidationError as exc:
         raise InvalidRunSpec(validation_message(exc)) from exc
-    # The functions and the nodes may only touch the stack's own bucket.
-    if not spec.checkpoint.s3_uri.startswith(f"s3://{bucket}/"):
-        raise InvalidRunSpec(f"checkpoint.s3_uri: must be under s3://{bucket}/ (this stack's "
-                             f"checkpoint bucket) (got {spec.checkpoint.s3_uri!r})")
+    # The nodes may only touch what their role grants in the stack's own bucket.
+    if problems := node_access_problems(spec, bucket):
+        raise InvalidRunSpec("\n".join(problems))
     return spec
 
 

@@ -82,7 +82,8 @@ class Context:
 
 
 def spec_document(bucket: str, run_name: str, **changes) -> dict:
-    document = json.loads((REPO / "events" / "example-run.json").read_text())
+    # The example names its bucket my-training-bucket: the stack's bucket goes there.
+    document = json.loads((REPO / "events" / "example-run.json").read_text().replace("my-training-bucket", bucket))
     document.update(run_name=run_name, checkpoint={"s3_uri": f"s3://{bucket}/runs/{run_name}/checkpoints"},
                     **changes)
     return document
@@ -150,7 +151,7 @@ def test_a_bad_run_spec_is_refused_naming_the_field_and_nothing_is_recorded(hand
     document = spec_document(resources["bucket"], "bad-spec", node_count=0)
     with pytest.raises(handlers.errors.InvalidRunSpec, match=r"node_count: Input should be greater than or equal to 1"):
         handlers.validate.handler({"run_spec": document, "execution_arn": "arn:x"}, Context())
-    with pytest.raises(handlers.errors.InvalidRunSpec, match=r"^checkpoint\.s3_uri: must be under s3://"):
+    with pytest.raises(handlers.errors.InvalidRunSpec, match=r"^checkpoint\.s3_uri: the nodes write checkpoints only under s3://"):
         handlers.validate.handler({"run_spec": spec_document("another-bucket", "elsewhere"),
                                    "execution_arn": "arn:x"}, Context())
     items = cloud.client("dynamodb").scan(TableName=resources["run_table"])["Items"]
