@@ -282,13 +282,13 @@ class LocalFleet:
             "LOCALCLOUD_PRIVATE_IP": instance.private_ip,
             "LOCALCLOUD_INSTANCE_TYPE": instance.instance_type,
         }
-        for hook in self.env_hooks:
-            env |= hook(instance)
-        # An instance holds no credentials but its instance profile's, which the SDKs find
-        # through the instance metadata, as on EC2: never the harness's administrator keys.
+        # An instance holds no credentials but its instance profile's (the metadata server's
+        # hook adds them), as on EC2: never the harness's administrator keys.
         for name in HARNESS_CREDENTIALS:
             env.pop(name, None)
         env |= {"AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull}
+        for hook in self.env_hooks:
+            env |= hook(instance)
         with open(instance.console_log, "ab") as console:
             instance.process = subprocess.Popen(
                 list(argv), cwd=instance.workdir, env=env, stdin=subprocess.DEVNULL,

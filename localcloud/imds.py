@@ -475,6 +475,21 @@ def role_session_of(cloud: LocalCloud) -> CredentialIssuer:
 def serve_fleet(cloud: LocalCloud) -> InstanceMetadataServer:
     """Start the metadata service over `cloud`'s fleet; every instance process booted from now
     on finds it through AWS_EC2_METADATA_SERVICE_ENDPOINT. Stop it with `.stop()`."""
-    server = InstanceMetadataServer(fleet_records(cloud), issue_credentials=role_session_of(cloud)).start()
-    cloud.fleet.env_hooks.append(lambda instance: {ENDPOINT_VARIABLE: server.endpoint_for(instance.instance_id)})
+    records, issue = fleet_records(cloud), role_session_of(cloud)
+    server = InstanceMetadataServer(records, issue_credentials=issue).start()
+
+    def instance_environment(instance: Any) -> dict[str, str]:
+        environment = {ENDPOINT_VARIABLE: server.endpoint_for(instance.instance_id)}
+        record = records(instance.instance_id)
+        if record is not None and record.role_name is not None:
+            # The CRT S3 client the trainer checkpoints with (s3torchconnector) reads instance
+            # metadata at its fixed address only, not at this per-instance path: it gets the
+            # same role's credentials in the environment, which every SDK reads first.
+            credentials = issue(record, _RoleCredentialsCache.LIFETIME)
+            environment |= {"AWS_ACCESS_KEY_ID": credentials.access_key_id,
+                            "AWS_SECRET_ACCESS_KEY": credentials.secret_access_key,
+                            "AWS_SESSION_TOKEN": credentials.token}
+        return environment
+
+    cloud.fleet.env_hooks.append(instance_environment)
     return server
