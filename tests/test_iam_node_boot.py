@@ -17,6 +17,15 @@ REPO = Path(__file__).resolve().parent.parent
 AGENT = "print('agent started', flush=True)"
 
 
+@pytest.fixture(autouse=True)
+def deployed_functions_dropped():
+    """The instances' state changes reach the deployed EventsFunction, which imports the
+    deployed copy of `functions` in this process; later tests import the working tree's."""
+    yield
+    for module in [name for name in sys.modules if name == "functions" or name.startswith("functions.")]:
+        del sys.modules[module]
+
+
 def boot_one_node(cloud, outputs) -> str:
     """Launch one instance with the stack's instance profile; its console output once booted."""
     cloud.fleet.boot = lambda instance: [sys.executable, "-m", "localcloud.node_boot", sys.executable, "-c", AGENT]
