@@ -169,6 +169,7 @@ class _CallerCredentials(botocore.credentials.Credentials):
 
     def __init__(self) -> None:
         self.method = "env"
+        self.account_id = None
 
     @property
     def access_key(self) -> str:  # type: ignore[override]

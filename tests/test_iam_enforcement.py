@@ -96,3 +96,38 @@ def test_the_harness_keeps_an_administrator_and_unknown_keys_are_refused(enforce
                             aws_access_key_id="AKIAUNKNOWN000000000", aws_secret_access_key="x")
     with pytest.raises(ClientError, match="InvalidAccessKeyId"):
         stranger.list_buckets()
+
+
+TRUST_LAMBDA = {"Version": "2012-10-17", "Statement": [
+    {"Effect": "Allow", "Principal": {"Service": "lambda.amazonaws.com"}, "Action": "sts:AssumeRole"}]}
+
+
+def test_each_lambda_function_runs_with_its_execution_roles_credentials(enforced):
+    from localcloud_helpers import HANDLERS_MODULE, handlers_zip, unique
+
+    cloud = enforced
+    bucket = f"b-{uuid.uuid4().hex[:8]}"
+    cloud.client("s3").create_bucket(Bucket=bucket)
+    for key in ("runs/x", "artifacts/w.whl"):
+        cloud.client("s3").put_object(Bucket=bucket, Key=key, Body=key.encode())
+    iam, functions = cloud.client("iam"), {}
+    for prefix in ("runs", "artifacts"):
+        role = iam.create_role(RoleName=unique(f"fn-{prefix}"), AssumeRolePolicyDocument=json.dumps(TRUST_LAMBDA))["Role"]
+        iam.put_role_policy(RoleName=role["RoleName"], PolicyName="p", PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [
+                {"Effect": "Allow", "Action": "s3:GetObject", "Resource": f"arn:aws:s3:::{bucket}/{prefix}/*"}]}))
+        name = unique(f"read-{prefix}")
+        cloud.client("lambda").create_function(
+            FunctionName=name, Runtime="python3.11", Role=role["Arn"], Handler=f"{HANDLERS_MODULE}.read_objects",
+            Code={"ZipFile": handlers_zip()}, Timeout=10)
+        functions[prefix] = (name, role["RoleName"])
+    event = json.dumps({"bucket": bucket, "keys": ["runs/x", "artifacts/w.whl"]})
+    # The module-level client is made by the first function and shared with the second (one
+    # process imports the module once); each still signs with its own role.
+    outcomes = {prefix: json.loads(cloud.client("lambda").invoke(FunctionName=name, Payload=event)["Payload"].read())
+                for prefix, (name, _) in functions.items()}
+    runs_role, artifacts_role = functions["runs"][1], functions["artifacts"][1]
+    assert outcomes["runs"]["runs/x"] == "runs/x"
+    assert outcomes["runs"]["artifacts/w.whl"].startswith(f"User: arn:aws:sts::{cloud.account_id}:assumed-role/{runs_role}/")
+    assert outcomes["artifacts"]["artifacts/w.whl"] == "artifacts/w.whl"
+    assert f"assumed-role/{artifacts_role}/" in outcomes["artifacts"]["runs/x"]
