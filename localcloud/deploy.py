@@ -254,7 +254,8 @@ def _enforce_iam(endpoint: str) -> None:
 def _session(region: str) -> boto3.session.Session:
     session = boto3.session.Session(region_name=region)
     if session.get_credentials() is None:
-        # The local endpoint accepts any key; never fall through to a real account's.
+        # Until a deploy enforces IAM the local endpoint accepts any key; never fall through
+        # to a real account's.
         session = boto3.session.Session(region_name=region, aws_access_key_id="local",
                                         aws_secret_access_key="local")
     return session

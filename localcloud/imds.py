@@ -30,8 +30,9 @@ Behaviour follows EC2's instance metadata service:
   in metadata (InstanceMetadataTags=enabled);
 - dynamic/instance-identity/document is the instance identity document (JSON);
 - an instance launched with an instance profile has iam/info and
-  iam/security-credentials/<role> (temporary credentials, renewed before they expire; the
-  local endpoint accepts any key, so these serve SDKs that look for them, not access control).
+  iam/security-credentials/<role> (temporary credentials, renewed before they expire; under
+  `serve_fleet` they are STS credentials of the role, which the local cloud authorizes against
+  the role's policies once IAM is enforced).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class InstanceMetadata:
 
 @dataclass(frozen=True)
 class RoleCredentials:
-    """Temporary credentials served for an instance's role (the local endpoint accepts any)."""
+    """Temporary credentials served for an instance's role."""
 
     access_key_id: str
     secret_access_key: str
