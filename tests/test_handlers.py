@@ -45,7 +45,10 @@ def resources(cloud):
                               **{key: properties[key] for key in ("GlobalSecondaryIndexes",) if key in properties})
     bucket = f"checkpoints-{uuid.uuid4().hex[:8]}"
     cloud.client("s3").create_bucket(Bucket=bucket)
-    return {"run_table": names["RunTable"], "idempotency_table": names["IdempotencyTable"], "bucket": bucket}
+    # EC2 refuses a launch naming an instance profile that does not exist.
+    profile = cloud.client("iam").create_instance_profile(InstanceProfileName=f"nodes-{uuid.uuid4().hex[:6]}")
+    return {"run_table": names["RunTable"], "idempotency_table": names["IdempotencyTable"], "bucket": bucket,
+            "instance_profile_arn": profile["InstanceProfile"]["Arn"]}
 
 
 @pytest.fixture
@@ -55,7 +58,7 @@ def handlers(cloud, resources, monkeypatch):
     for name, value in {**cloud.env(), "TRAINFLEET_STACK": STACK, "TRAINFLEET_RUN_TABLE": resources["run_table"],
                         "TRAINFLEET_IDEMPOTENCY_TABLE": resources["idempotency_table"],
                         "TRAINFLEET_BUCKET": resources["bucket"], "TRAINFLEET_EVENT_BUS": f"{STACK}-agents",
-                        "TRAINFLEET_NODE_INSTANCE_PROFILE_ARN": "arn:aws:iam::123456789012:instance-profile/node",
+                        "TRAINFLEET_NODE_INSTANCE_PROFILE_ARN": resources["instance_profile_arn"],
                         "POWERTOOLS_TRACE_DISABLED": "true", "POWERTOOLS_METRICS_NAMESPACE": "Trainfleet"}.items():
         monkeypatch.setenv(name, value)
     import functions.allocate
