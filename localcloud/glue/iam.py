@@ -32,7 +32,7 @@ from moto.iam.access_control import IAMPolicy, IAMRequestBase, S3IAMRequest
 from moto.s3.exceptions import S3ClientError
 from moto.s3.models import FakeBucket
 
-from localcloud.cloud import ADMIN_ROLE
+from localcloud.cloud import ADMIN_ROLE, FAKE_CREDENTIALS
 from localcloud.glue import active_cloud
 from localcloud.iam_policy import ALLOW, EXPLICIT_DENY, IMPLICIT_DENY, evaluate
 
@@ -40,8 +40,8 @@ _moto_check_action_permitted = IAMRequestBase.check_action_permitted
 _moto_check_signature = IAMRequestBase.check_signature
 _moto_get_permission = FakeBucket.get_permission
 
-FAKE_KEY = "testing"
-"""Access key id, secret and session token of the deployer's and the harness's credentials."""
+FAKE_KEY = FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"]
+"""Access key id of the deployer's and the harness's credentials (cloud.FAKE_CREDENTIALS)."""
 INTERPRETER_KEY = ("ak", "sk")
 """The key moto's Step Functions interpreter signs every integration call with (it ignores the
 state machine's role)."""
@@ -90,7 +90,9 @@ def admin_identity(account_id: str, region: str) -> None:
     if sts.get_assumed_role_from_access_key(FAKE_KEY) is None:
         session = sts.assume_role(region, "harness", f"arn:aws:iam::{account_id}:role/{ADMIN_ROLE}",
                                   "", 43200, "")
-        session.access_key_id = session.secret_access_key = session.session_token = FAKE_KEY
+        session.access_key_id = FAKE_KEY
+        session.secret_access_key = FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
+        session.session_token = FAKE_CREDENTIALS["AWS_SESSION_TOKEN"]
 
 
 def role_credentials(account_id: str, region: str, role_arn: str, session_name: str) -> dict[str, str]:
@@ -119,12 +121,6 @@ def enforce(on: bool) -> None:
 
     settings.INITIAL_NO_AUTH_ACTION_COUNT = 0 if on else float("inf")
     ActionAuthenticatorMixin.request_count = 0
-
-
-def enforced() -> bool:
-    from moto import settings
-
-    return settings.INITIAL_NO_AUTH_ACTION_COUNT == 0
 
 
 # --- what a request needs ---------------------------------------------------------------------
@@ -164,9 +160,7 @@ def _ec2_resource_tags(request: IAMRequestBase, query: dict[str, list[str]]) -> 
     backend = ec2_backends[request.account_id][request._region]
     resource_ids: list[str] = []
     for name, values in query.items():
-        if name.startswith("InstanceId"):
-            resource_ids += values
-        elif name == "LaunchTemplateId":
+        if name.startswith("InstanceId") or name == "LaunchTemplateId":
             resource_ids += values
         elif name == "LaunchTemplateName":
             resource_ids += [template.id for template in backend.describe_launch_templates(values, [], [])]
@@ -190,7 +184,7 @@ def authorizations(request: IAMRequestBase, resource: str) -> Iterator[tuple[str
     if service == "s3":
         prefix = parse_qs(urlparse(request._path).query).get("prefix")
         if action == "ListBucket" and prefix:
-            context["s3:prefix"] = unquote(prefix[0])
+            context["s3:prefix"] = prefix[0]
         yield (resource, context, unevaluated)
     elif service in ("sqs", "iam", "sts") and resource != "*":
         yield (resource, context, unevaluated)
