@@ -12,7 +12,7 @@ from functions.common import RunPayload, Timeouts, aws, logger, tracer, transien
 from functions.errors import InvalidRunSpec
 from trainer.config import ConfigError, config_from_sections
 from trainfleet.adapters.run_store import RunExists
-from trainfleet.contracts import RunRecord, RunRef, RunSpec, validation_message
+from trainfleet.contracts import RunRecord, RunRef, RunSpec, node_access_problems, validation_message
 
 
 class ValidateInput(BaseModel):
@@ -27,10 +27,9 @@ def parse_run_spec(raw: Any, bucket: str) -> RunSpec:
         spec = RunSpec.model_validate(raw)
     except ValidationError as exc:
         raise InvalidRunSpec(validation_message(exc)) from exc
-    # The functions and the nodes may only touch the stack's own bucket.
-    if not spec.checkpoint.s3_uri.startswith(f"s3://{bucket}/"):
-        raise InvalidRunSpec(f"checkpoint.s3_uri: must be under s3://{bucket}/ (this stack's "
-                             f"checkpoint bucket) (got {spec.checkpoint.s3_uri!r})")
+    # The nodes may only touch what their role grants in the stack's own bucket.
+    if problems := node_access_problems(spec, bucket):
+        raise InvalidRunSpec("\n".join(problems))
     check_trainer_config(spec)
     return spec
 

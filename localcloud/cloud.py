@@ -29,6 +29,11 @@ ACCOUNT_ID = "123456789012"
 
 FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                     "AWS_SESSION_TOKEN": "testing"}
+"""The deployer's and the harness's credentials: a session of the local administrator role
+(glue/iam.py), valid also once IAM is enforced. Lambda functions and instances never get them."""
+ADMIN_ROLE = "localcloud-admin"
+"""The local administrator: its role sessions and its user's key are the identities that are
+not a deployed role's (glue/iam.py)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,9 @@ class LocalCloud:
             self._server = ThreadedMotoServer(ip_address=self.config.host,
                                               port=self.config.port, verbose=False)
             self._server.start()
+            from localcloud.glue import iam
+
+            iam.admin_identity(self.account_id, self.region)
         except BaseException:
             self.stop()
             raise
@@ -154,6 +162,9 @@ class LocalCloud:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
         self._restore_moto()
+        from localcloud.glue import iam
+
+        iam.enforce(False)
         global_sdk_config.set_sdk_enabled(True)  # its default (AWS_XRAY_SDK_ENABLED still wins)
         glue.deactivate(self)
         if self._owns_workdir:

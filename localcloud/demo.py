@@ -113,6 +113,7 @@ def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None],
     os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"
     from localcloud import LocalCloud
     from localcloud.deploy import DeployRequest, deploy
+    from localcloud.node_boot import publish_artifacts
     from localcloud.imds import serve_fleet
 
     with LocalCloud(time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds) as cloud:
@@ -126,9 +127,7 @@ def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None],
             narrate(f"deployed template.yaml as stack {stack.stack_name}: state machine, "
                     f"{len(stack.resources)} resources")
             s3, sfn, ec2 = cloud.client("s3"), cloud.client("stepfunctions"), cloud.client("ec2")
-            # moto ignores the conditions of bucket policy statements, so the TLS-only Deny
-            # would refuse the plain-HTTP local endpoint everything (test_template checks it).
-            s3.delete_bucket_policy(Bucket=bucket)
+            publish_artifacts(s3, bucket)
             store = RunStore(cloud.client("dynamodb"), outputs["RunTableName"])
 
             def agent_environment(instance: Any) -> dict[str, str]:
@@ -137,8 +136,10 @@ def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None],
                         "TRAINFLEET_BUCKET": bucket, "TRAINFLEET_EVENT_BUS": outputs["AgentEventBusName"],
                         "TRAINFLEET_AGENT_LIFETIME_S": str(int(timeout_s))}
 
-            # What the user data does on EC2 once the agent is installed (no pip here).
-            cloud.fleet.boot = lambda instance: [sys.executable, "-m", "trainer.agent"]
+            # What the user data does on EC2: copy the wheelhouse with the instance's role, then
+            # start the agent (no pip here: it runs from this tree).
+            cloud.fleet.boot = lambda instance: [sys.executable, "-m", "localcloud.node_boot",
+                                                 sys.executable, "-m", "trainer.agent"]
             cloud.fleet.env_hooks.append(agent_environment)
             run_name = f"{template['run_name']}-{uuid.uuid4().hex[:4]}"
             spec = local_run_spec(template, run_name, bucket, *_network(ec2))

@@ -234,13 +234,28 @@ def deploy(request: DeployRequest) -> DeployedStack:
     outputs = {name: _output_value(resolver, name, output)
                for name, output in template.get("Outputs", {}).items()
                if "Condition" not in output or _condition(resolver, output["Condition"], f"Outputs.{name}")}
+    _enforce_iam(request.endpoint)
     return DeployedStack(request.stack_name, request.region, account_id, created, skipped, outputs, packaged)
+
+
+def _enforce_iam(endpoint: str) -> None:
+    """From now on every call is authorized against its caller's policies, as on AWS, where the
+    stack went into this process's LocalCloud (whose glue evaluates them and whose harness keeps
+    an administrator); a bare moto server is left as it is."""
+    from localcloud.glue import active_cloud
+
+    cloud = active_cloud()
+    if cloud is not None and cloud.endpoint == endpoint.rstrip("/"):
+        from localcloud.glue import iam
+
+        iam.enforce(True)
 
 
 def _session(region: str) -> boto3.session.Session:
     session = boto3.session.Session(region_name=region)
     if session.get_credentials() is None:
-        # The local endpoint accepts any key; never fall through to a real account's.
+        # Until a deploy enforces IAM the local endpoint accepts any key; never fall through
+        # to a real account's.
         session = boto3.session.Session(region_name=region, aws_access_key_id="local",
                                         aws_secret_access_key="local")
     return session

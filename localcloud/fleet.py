@@ -9,7 +9,7 @@ would run it; set `fleet.boot` to decide per instance (by launch template, tags,
 Each instance gets a loopback address of its own (127.77.x.y; Linux routes all of 127/8 to
 the loopback interface) and moto records it as the instance's PrivateIpAddress, so peers
 can reach a node at the address DescribeInstances reports. Its environment is this process's,
-plus `LocalCloud.env()` (endpoint, region, fake credentials), plus LOCALCLOUD_INSTANCE_ID,
+plus `LocalCloud.env()` (endpoint, region; not its credentials), plus LOCALCLOUD_INSTANCE_ID,
 LOCALCLOUD_PRIVATE_IP and LOCALCLOUD_INSTANCE_TYPE, plus whatever `env_hooks` add (the
 instance metadata server adds its endpoint there). Output goes to `console.log` in the
 instance's folder, like EC2's console output.
@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LocalFleet", "LocalInstance", "BootCommand", "boot_user_data"]
 
+HARNESS_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                       "AWS_SECURITY_TOKEN", "AWS_PROFILE")
+"""Credential variables of the harness's environment that an instance's processes never see."""
 LOOPBACK_POOL = ipaddress.ip_network("127.77.0.0/16")
 """Where instances' private addresses come from."""
 
@@ -279,6 +282,11 @@ class LocalFleet:
             "LOCALCLOUD_PRIVATE_IP": instance.private_ip,
             "LOCALCLOUD_INSTANCE_TYPE": instance.instance_type,
         }
+        # An instance holds no credentials but its instance profile's (the metadata server's
+        # hook adds them), as on EC2: never the harness's administrator keys.
+        for name in HARNESS_CREDENTIALS:
+            env.pop(name, None)
+        env |= {"AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull}
         for hook in self.env_hooks:
             env |= hook(instance)
         with open(instance.console_log, "ab") as console:

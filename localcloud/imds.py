@@ -30,8 +30,9 @@ Behaviour follows EC2's instance metadata service:
   in metadata (InstanceMetadataTags=enabled);
 - dynamic/instance-identity/document is the instance identity document (JSON);
 - an instance launched with an instance profile has iam/info and
-  iam/security-credentials/<role> (temporary credentials, renewed before they expire; the
-  local endpoint accepts any key, so these serve SDKs that look for them, not access control).
+  iam/security-credentials/<role> (temporary credentials, renewed before they expire; under
+  `serve_fleet` they are STS credentials of the role, which the local cloud authorizes against
+  the role's policies once IAM is enforced).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class InstanceMetadata:
 
 @dataclass(frozen=True)
 class RoleCredentials:
-    """Temporary credentials served for an instance's role (the local endpoint accepts any)."""
+    """Temporary credentials served for an instance's role."""
 
     access_key_id: str
     secret_access_key: str
@@ -230,6 +231,18 @@ class _Tokens:
         return held is not None and held[0] == instance_id and held[1] > self._clock()
 
 
+CredentialIssuer = Callable[[InstanceMetadata, timedelta], RoleCredentials]
+"""Issues credentials of an instance's role for a lifetime (EC2 assumes the role for it)."""
+
+
+def random_credentials(record: InstanceMetadata, lifetime: timedelta) -> RoleCredentials:
+    """Credentials of the right shape that no endpoint knows (for a metadata service alone)."""
+    now = datetime.now(timezone.utc)
+    return RoleCredentials(access_key_id="ASIA" + secrets.token_hex(8).upper(),
+                           secret_access_key=secrets.token_urlsafe(30), token=secrets.token_urlsafe(60),
+                           issued=now, expiration=now + lifetime)
+
+
 class _RoleCredentialsCache:
     """One set of credentials per instance role, renewed an hour before it expires, as EC2
     rotates them."""
@@ -237,31 +250,31 @@ class _RoleCredentialsCache:
     LIFETIME = timedelta(hours=6)
     RENEW_BEFORE = timedelta(hours=1)
 
-    def __init__(self) -> None:
+    def __init__(self, issue: CredentialIssuer) -> None:
+        self._issue = issue
         self._held: dict[tuple[str, str], RoleCredentials] = {}
         self._lock = threading.Lock()
 
-    def for_role(self, instance_id: str, role_name: str) -> RoleCredentials:
+    def for_role(self, record: InstanceMetadata, role_name: str) -> RoleCredentials:
         now = datetime.now(timezone.utc)
+        key = (record.instance_id, role_name)
         with self._lock:
-            held = self._held.get((instance_id, role_name))
+            held = self._held.get(key)
             if held is None or held.expiration - now < self.RENEW_BEFORE:
-                held = self._held[(instance_id, role_name)] = RoleCredentials(
-                    access_key_id="ASIA" + secrets.token_hex(8).upper(),
-                    secret_access_key=secrets.token_urlsafe(30), token=secrets.token_urlsafe(60),
-                    issued=now, expiration=now + self.LIFETIME)
+                held = self._held[key] = self._issue(record, self.LIFETIME)
             return held
 
 
 class InstanceMetadataServer:
     """One metadata service for every local instance, on 127.0.0.1."""
 
-    def __init__(self, records: RecordProvider, port: int = 0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, records: RecordProvider, port: int = 0, clock: Callable[[], float] = time.monotonic,
+                 issue_credentials: CredentialIssuer = random_credentials):
         """`records` looks instances up by id; `port` 0 picks a free one; `clock` (seconds)
-        times token expiry."""
+        times token expiry; `issue_credentials` gives the credentials of an instance's role."""
         self._records = records
         self._tokens = _Tokens(clock)
-        self._credentials = _RoleCredentialsCache()
+        self._credentials = _RoleCredentialsCache(issue_credentials)
         self._server = ThreadingHTTPServer(("127.0.0.1", port), _handler_for(self))
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -325,7 +338,7 @@ class InstanceMetadataServer:
             authorized = self._tokens.valid(token, instance_id)
         if not authorized:
             return MetadataReply(HTTPStatus.UNAUTHORIZED, "Unauthorized")
-        credentials = self._credentials.for_role(instance_id, record.role_name) if record.role_name else None
+        credentials = self._credentials.for_role(record, record.role_name) if record.role_name else None
         return metadata_reply(record, path, credentials)
 
 
@@ -444,9 +457,40 @@ def _role_of(iam: Any, instance_profile_arn: str) -> str | None:
     return roles[0]["RoleName"] if roles else None
 
 
+def role_session_of(cloud: LocalCloud) -> CredentialIssuer:
+    """Real STS credentials of the instance's role, which the local cloud accepts and
+    authorizes against that role's policies, as EC2 gets them by assuming the role."""
+    from localcloud.glue.iam import role_credentials
+
+    def issue(record: InstanceMetadata, lifetime: timedelta) -> RoleCredentials:
+        role_arn = f"arn:aws:iam::{record.account_id}:role/{record.role_name}"
+        issued = role_credentials(record.account_id, cloud.region, role_arn, record.instance_id)
+        expiration = datetime.strptime(issued["AWS_CREDENTIAL_EXPIRATION"], "%Y-%m-%dT%H:%M:%SZ")
+        return RoleCredentials(issued["AWS_ACCESS_KEY_ID"], issued["AWS_SECRET_ACCESS_KEY"],
+                               issued["AWS_SESSION_TOKEN"], datetime.now(timezone.utc),
+                               expiration.replace(tzinfo=timezone.utc))
+
+    return issue
+
+
 def serve_fleet(cloud: LocalCloud) -> InstanceMetadataServer:
     """Start the metadata service over `cloud`'s fleet; every instance process booted from now
     on finds it through AWS_EC2_METADATA_SERVICE_ENDPOINT. Stop it with `.stop()`."""
-    server = InstanceMetadataServer(fleet_records(cloud)).start()
-    cloud.fleet.env_hooks.append(lambda instance: {ENDPOINT_VARIABLE: server.endpoint_for(instance.instance_id)})
+    records, issue = fleet_records(cloud), role_session_of(cloud)
+    server = InstanceMetadataServer(records, issue_credentials=issue).start()
+
+    def instance_environment(instance: Any) -> dict[str, str]:
+        environment = {ENDPOINT_VARIABLE: server.endpoint_for(instance.instance_id)}
+        record = records(instance.instance_id)
+        if record is not None and record.role_name is not None:
+            # The CRT S3 client the trainer checkpoints with (s3torchconnector) reads instance
+            # metadata at its fixed address only, not at this per-instance path: it gets the
+            # same role's credentials in the environment, which every SDK reads first.
+            credentials = issue(record, _RoleCredentialsCache.LIFETIME)
+            environment |= {"AWS_ACCESS_KEY_ID": credentials.access_key_id,
+                            "AWS_SECRET_ACCESS_KEY": credentials.secret_access_key,
+                            "AWS_SESSION_TOKEN": credentials.token}
+        return environment
+
+    cloud.fleet.env_hooks.append(instance_environment)
     return server

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import botocore.credentials
+
 __all__ = ["FunctionSpec", "InvocationResult", "LambdaContext", "invoke_handler",
            "unpack_code", "install_thread_environ"]
 
@@ -154,7 +156,45 @@ def install_thread_environ() -> _ThreadEnviron:
     reference to os.environ taken when their session was created."""
     if not isinstance(os.environ, _ThreadEnviron):
         os.environ.__class__ = _ThreadEnviron
+        botocore.credentials.EnvProvider.load = _load_env_credentials
     return os.environ  # type: ignore[return-value]
+
+
+class _CallerCredentials(botocore.credentials.Credentials):
+    """Credentials read from the signing thread's environment at each request.
+
+    Handler modules, and the clients they keep at module level, are shared by every function
+    of the process, while on AWS each function has its own sandbox with its own role: a client
+    made in one function's thread signs, in another's, with that one's role."""
+
+    def __init__(self) -> None:
+        self.method = "env"
+        self.account_id = None
+
+    @property
+    def access_key(self) -> str:  # type: ignore[override]
+        return os.environ["AWS_ACCESS_KEY_ID"]
+
+    @property
+    def secret_key(self) -> str:  # type: ignore[override]
+        return os.environ["AWS_SECRET_ACCESS_KEY"]
+
+    @property
+    def token(self) -> str | None:  # type: ignore[override]
+        return os.environ.get("AWS_SESSION_TOKEN")
+
+    def get_frozen_credentials(self) -> botocore.credentials.ReadOnlyCredentials:
+        return botocore.credentials.ReadOnlyCredentials(self.access_key, self.secret_key, self.token)
+
+
+_env_provider_load = botocore.credentials.EnvProvider.load
+
+
+def _load_env_credentials(self: botocore.credentials.EnvProvider) -> Any:
+    loaded = _env_provider_load(self)
+    if loaded is None or getattr(_handler_thread, "variables", None) is None:
+        return loaded
+    return _CallerCredentials()
 
 
 # --- per-thread output --------------------------------------------------------------------

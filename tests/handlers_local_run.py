@@ -31,6 +31,8 @@ os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"
 
 from localcloud import LocalCloud  # noqa: E402
 from localcloud.deploy import DeployRequest, deploy  # noqa: E402
+from localcloud.imds import serve_fleet  # noqa: E402
+from localcloud.node_boot import publish_artifacts  # noqa: E402
 from trainfleet.adapters.ec2_fleet import TAG_RUN  # noqa: E402
 from trainfleet.adapters.run_store import RunNotFound, RunStore  # noqa: E402
 
@@ -137,9 +139,7 @@ def deploy_with_agents(cloud, stack_name: str) -> dict[str, str]:
     """Deploy template.yaml; instances then boot simulated agents of the stack. The outputs."""
     outputs = deploy(DeployRequest(template=REPO / "template.yaml", endpoint=cloud.endpoint,
                                    stack_name=stack_name)).outputs
-    # moto ignores the conditions of bucket policy statements, so the TLS-only Deny would
-    # deny every request to the local (plain HTTP) endpoint; test_template.py checks it.
-    cloud.client("s3").delete_bucket_policy(Bucket=outputs["CheckpointBucketName"])
+    publish_artifacts(cloud.client("s3"), outputs["CheckpointBucketName"])
 
     def agent_environment(instance) -> dict[str, str]:
         return {"PYTHONPATH": str(REPO), "TRAINFLEET_RUN_NAME": instance.tags[TAG_RUN],
@@ -147,7 +147,9 @@ def deploy_with_agents(cloud, stack_name: str) -> dict[str, str]:
                 "TRAINFLEET_BUCKET": outputs["CheckpointBucketName"],
                 "TRAINFLEET_EVENT_BUS": outputs["AgentEventBusName"]}
 
-    cloud.fleet.boot = lambda instance: [sys.executable, str(AGENT)]
+    # The instances' processes have no credentials but their role's, from the instance metadata.
+    serve_fleet(cloud)
+    cloud.fleet.boot = lambda instance: [sys.executable, "-m", "localcloud.node_boot", sys.executable, str(AGENT)]
     cloud.fleet.env_hooks.append(agent_environment)
     return outputs
 

@@ -74,3 +74,20 @@ def report_progress(event, context):
             "Metrics": [{"Name": "Loss", "Unit": "None"}]}]},
         "RunName": "run-1", "Loss": event["loss"]}))
     return {}
+
+
+_s3 = None
+
+
+def read_objects(event, context):
+    """Get each of event["keys"] from event["bucket"] with the function's own credentials,
+    through one client kept at module level as handlers keep theirs; the body or the error."""
+    global _s3
+    _s3 = _s3 or boto3.client("s3")
+    outcomes = {}
+    for key in event["keys"]:
+        try:
+            outcomes[key] = _s3.get_object(Bucket=event["bucket"], Key=key)["Body"].read().decode()
+        except _s3.exceptions.ClientError as error:
+            outcomes[key] = error.response["Error"]["Message"]
+    return outcomes

@@ -45,7 +45,10 @@ def resources(cloud):
                               **{key: properties[key] for key in ("GlobalSecondaryIndexes",) if key in properties})
     bucket = f"checkpoints-{uuid.uuid4().hex[:8]}"
     cloud.client("s3").create_bucket(Bucket=bucket)
-    return {"run_table": names["RunTable"], "idempotency_table": names["IdempotencyTable"], "bucket": bucket}
+    # EC2 refuses a launch naming an instance profile that does not exist.
+    profile = cloud.client("iam").create_instance_profile(InstanceProfileName=f"nodes-{uuid.uuid4().hex[:6]}")
+    return {"run_table": names["RunTable"], "idempotency_table": names["IdempotencyTable"], "bucket": bucket,
+            "instance_profile_arn": profile["InstanceProfile"]["Arn"]}
 
 
 @pytest.fixture
@@ -55,7 +58,7 @@ def handlers(cloud, resources, monkeypatch):
     for name, value in {**cloud.env(), "TRAINFLEET_STACK": STACK, "TRAINFLEET_RUN_TABLE": resources["run_table"],
                         "TRAINFLEET_IDEMPOTENCY_TABLE": resources["idempotency_table"],
                         "TRAINFLEET_BUCKET": resources["bucket"], "TRAINFLEET_EVENT_BUS": f"{STACK}-agents",
-                        "TRAINFLEET_NODE_INSTANCE_PROFILE_ARN": "arn:aws:iam::123456789012:instance-profile/node",
+                        "TRAINFLEET_NODE_INSTANCE_PROFILE_ARN": resources["instance_profile_arn"],
                         "POWERTOOLS_TRACE_DISABLED": "true", "POWERTOOLS_METRICS_NAMESPACE": "Trainfleet"}.items():
         monkeypatch.setenv(name, value)
     import functions.allocate
@@ -84,7 +87,8 @@ class Context:
 
 
 def spec_document(bucket: str, run_name: str, **changes) -> dict:
-    document = json.loads((REPO / "events" / "example-run.json").read_text())
+    # The example names its bucket my-training-bucket: the stack's bucket goes there.
+    document = json.loads((REPO / "events" / "example-run.json").read_text().replace("my-training-bucket", bucket))
     document.update(run_name=run_name, checkpoint={"s3_uri": f"s3://{bucket}/runs/{run_name}/checkpoints"},
                     **changes)
     return document
@@ -152,7 +156,7 @@ def test_a_bad_run_spec_is_refused_naming_the_field_and_nothing_is_recorded(hand
     document = spec_document(resources["bucket"], "bad-spec", node_count=0)
     with pytest.raises(handlers.errors.InvalidRunSpec, match=r"node_count: Input should be greater than or equal to 1"):
         handlers.validate.handler({"run_spec": document, "execution_arn": "arn:x"}, Context())
-    with pytest.raises(handlers.errors.InvalidRunSpec, match=r"^checkpoint\.s3_uri: must be under s3://"):
+    with pytest.raises(handlers.errors.InvalidRunSpec, match=r"^checkpoint\.s3_uri: the nodes write checkpoints only under s3://"):
         handlers.validate.handler({"run_spec": spec_document("another-bucket", "elsewhere"),
                                    "execution_arn": "arn:x"}, Context())
     items = cloud.client("dynamodb").scan(TableName=resources["run_table"])["Items"]

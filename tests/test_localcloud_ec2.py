@@ -328,3 +328,15 @@ def test_create_fleet_client_token_answers_a_repeat_with_the_first_answer(local_
     with pytest.raises(botocore.exceptions.ClientError, match="IdempotentParameterMismatch"):
         on_demand_fleet(ec2, template, instance_type, subnet, 3, 2, ClientToken=other_token)
     ec2.terminate_instances(InstanceIds=launched)
+
+
+def test_fleet_instances_get_the_launch_templates_instance_profile(local_cloud):
+    ec2, iam, zone, instance_type = local_cloud.client("ec2"), local_cloud.client("iam"), "us-east-1d", "c5.large"
+    profile = iam.create_instance_profile(InstanceProfileName=unique("nodes"))["InstanceProfile"]
+    template = ec2.create_launch_template(LaunchTemplateName=unique("lt"), LaunchTemplateData={
+        "ImageId": IMAGE, "InstanceType": instance_type,
+        "IamInstanceProfile": {"Arn": profile["Arn"]}})["LaunchTemplate"]["LaunchTemplateId"]
+    launched, errors = on_demand_fleet(ec2, template, instance_type, default_subnet(ec2, zone), 1, 1)
+    assert errors == []
+    assert describe(local_cloud, launched[0])["IamInstanceProfile"]["Arn"] == profile["Arn"]
+    ec2.terminate_instances(InstanceIds=launched)

@@ -24,6 +24,9 @@ Offers:
       TrainingProgress (source "trainfleet")
     DetailType, EVENT_SOURCE, EventEnvelope, parse_event, put_events_entry
     validation_message(error)   a ValidationError as "field.path: problem" lines, for people
+    NODE_READ_PREFIXES, NODE_WRITE_PREFIXES, node_access_problems   what the nodes may touch in
+      the stack's bucket (template.yaml's NodeRole grants exactly these) and the RunSpec's URIs
+      that fall outside it
     SCHEDULES, schedule_problem  the pipeline schedules and their rules (torch-free)
 
 Bad input raises pydantic.ValidationError; every message names the field (`loc`) and the value.
@@ -475,6 +478,39 @@ class RunSpec(_Strict):
         return self.trainer.as_trainer_mapping(pp, dp, {
             "uri": policy.s3_uri, "interval": policy.interval_steps, "keep_last": policy.keep_last,
             "resume": "none" if resume_step is None else str(resume_step)})
+
+
+# ---------------------------------------------------------------------------------------------
+# What the nodes may touch in the stack's bucket. template.yaml's NodeRole grants exactly these
+# prefixes (tests/test_iam_policies.py checks both agree): a RunSpec naming an S3 URI outside
+# them would fail on the nodes with AccessDenied after the fleet was paid for.
+
+NODE_READ_PREFIXES = ("runs/", "data/", "artifacts/")
+"""Readable by the nodes: run folders (launch spec, checkpoints), token shards, and the
+wheelhouse the user data installs."""
+NODE_WRITE_PREFIXES = ("runs/",)
+"""Writable (and deletable) by the nodes: checkpoints and what else a run writes."""
+
+
+def node_access_problems(spec: RunSpec, bucket: str) -> list[str]:
+    """`field: problem` for each S3 URI of the RunSpec the nodes could not use in `bucket`."""
+
+    def outside(uri: str, prefixes: tuple[str, ...]) -> bool:
+        return not any(uri.startswith(f"s3://{bucket}/{prefix}") for prefix in prefixes)
+
+    def allowed(prefixes: tuple[str, ...]) -> str:
+        return ", ".join(f"s3://{bucket}/{prefix}" for prefix in prefixes)
+
+    problems = []
+    if outside(spec.checkpoint.s3_uri + "/", NODE_WRITE_PREFIXES):
+        problems.append(f"checkpoint.s3_uri: the nodes write checkpoints only under "
+                        f"{allowed(NODE_WRITE_PREFIXES)} (this stack's bucket, NodeRole) "
+                        f"(got {spec.checkpoint.s3_uri!r})")
+    shards = (spec.trainer.model_extra or {}).get("data", {}).get("shards", "")
+    if str(shards).startswith("s3://") and outside(str(shards).rstrip("/") + "/", NODE_READ_PREFIXES):
+        problems.append(f"trainer.data.shards: the nodes read only under "
+                        f"{allowed(NODE_READ_PREFIXES)} (this stack's bucket, NodeRole) (got {shards!r})")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------

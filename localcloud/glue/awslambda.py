@@ -4,7 +4,8 @@
   in a Docker container (there is no Docker here), with `localcloud.lambda_runtime`: the
   handler named by the function's Handler string runs in a thread of the server, with a
   Lambda-like context, the function's environment and timeout, and the runtime's error
-  payloads. Because the server is multi-threaded, a handler can itself call the local
+  payloads, and the STS credentials of its execution role (AWS_ACCESS_KEY_ID, ...), as the
+  Lambda runtime sets them. Because the server is multi-threaded, a handler can itself call the local
   endpoint with boto3. What the handler prints goes to the function's log group, and EMF
   metric lines in it become CloudWatch metrics (`localcloud.emf`), as CloudWatch Logs
   extracts them from a Lambda function's output.
@@ -31,6 +32,7 @@ from moto.awslambda.models import LambdaFunction
 
 from localcloud.emf import metric_data
 from localcloud.glue import active_cloud
+from localcloud.glue.iam import role_credentials
 from localcloud.lambda_runtime import FunctionSpec, InvocationResult, invoke_handler, unpack_code
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,9 @@ def function_spec(function: LambdaFunction) -> FunctionSpec:
     cloud = active_cloud()
     assert cloud is not None, "function_spec needs a running LocalCloud"
     code_dir = unpack_code(function.code_bytes, getattr(function, "code_sha_256", ""))
-    environment = cloud.env() | {
+    # As the Lambda runtime does: the execution role's credentials, never the harness's.
+    role = role_credentials(function.account_id, function.region, function.role, function.function_name)
+    environment = cloud.env() | role | {
         "_HANDLER": function.handler or "",
         "AWS_EXECUTION_ENV": f"AWS_Lambda_{function.run_time}",
         "AWS_LAMBDA_FUNCTION_NAME": function.function_name,

@@ -8,7 +8,9 @@ Patches to moto, each replacing something it lacks or drops:
   interfaces keep InterfaceType and NetworkCardIndex (moto dropped both, and keyed interfaces
   by DeviceIndex alone, so the DeviceIndex-1 interfaces of several network cards overwrote one
   another); the launch template's NetworkInterfaces and Placement.GroupName apply (moto
-  ignored them), also for CreateFleet, which did not pass the template on at all.
+  ignored them), also for CreateFleet, which did not pass the template on at all; so does its
+  IamInstanceProfile (moto associated a profile only when RunInstances named one itself, so a
+  fleet's instances had no role and no credentials in their instance metadata).
 - `terminate_instances` / `stop_instances` / `start_instances`: shutting-down then terminated,
   stopping then stopped, pending then running, with events, ending or restarting processes.
 - Placement groups: Create/Describe/DeletePlacementGroup did not exist (NotImplementedError);
@@ -398,6 +400,10 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
     for instance in reservation.instances:
         _attach_interfaces(self, instance, requests)
         instance.placement.group_name = group or ""
+        profile = template.get("IamInstanceProfile") or {}
+        if profile and not (kwargs.get("iam_instance_profile_name") or kwargs.get("iam_instance_profile_arn")):
+            self.associate_iam_instance_profile(instance_id=instance.id, iam_instance_profile_name=profile.get("Name"),
+                                                iam_instance_profile_arn=profile.get("Arn"))
         if template_spec and not kwargs.get("launch_template"):
             template_version = self._get_template_from_args(template_spec)
             instance.add_tags({"aws:ec2launchtemplate:id": template_version.template.id,

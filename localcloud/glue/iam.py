@@ -1,0 +1,295 @@
+"""IAM glue: identity policies are evaluated as AWS evaluates them, with the request's resource and
+condition keys, and a denial names the caller, the action and the resource.
+
+- Replaces `IAMRequestBase.check_action_permitted`, moto's evaluator (see localcloud/iam_policy.py
+  for how it differs from AWS), with `localcloud.iam_policy.evaluate` over the caller's policies,
+  for each (resource, condition context) the request needs (`authorizations`). The denial is
+  AWS's: `User: arn:aws:sts::ACCOUNT:assumed-role/ROLE/SESSION is not authorized to perform:
+  ACTION on resource: RESOURCE because no identity-based policy allows the ACTION action`
+  (AccessDenied; UnauthorizedOperation for EC2).
+- Replaces `FakeBucket.get_permission`, which checks the bucket policy with moto's evaluator
+  (its TLS-only Deny then refused everything, because moto treats the Bool condition as met),
+  with the same evaluation; aws:SecureTransport is "true" (see SECURE_TRANSPORT).
+- Identities, made in-process, as the AWS services that hold them do, with no IAM check:
+  `admin_identity` (the deployer's and the harness's fake credentials, and the fixed key moto's
+  Step Functions interpreter signs its integrations with) and `role_credentials` (STS
+  credentials of a role, for a Lambda function's execution role and an instance's profile).
+- `enforce(True)` switches moto's authentication on (every request is signed by a known
+  identity and authorized), `enforce(False)` off again.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlparse
+
+from moto.core.exceptions import _RESTError
+from moto.iam.access_control import IAMPolicy, IAMRequestBase, S3IAMRequest
+from moto.s3.exceptions import S3ClientError
+from moto.s3.models import FakeBucket
+
+from localcloud.cloud import ADMIN_ROLE, FAKE_CREDENTIALS
+from localcloud.glue import active_cloud
+from localcloud.iam_policy import ALLOW, EXPLICIT_DENY, IMPLICIT_DENY, evaluate
+
+_moto_check_action_permitted = IAMRequestBase.check_action_permitted
+_moto_check_signature = IAMRequestBase.check_signature
+_moto_get_permission = FakeBucket.get_permission
+
+FAKE_KEY = FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"]
+"""Access key id of the deployer's and the harness's credentials (cloud.FAKE_CREDENTIALS)."""
+INTERPRETER_KEY = ("ak", "sk")
+"""The key moto's Step Functions interpreter signs every integration call with (it ignores the
+state machine's role)."""
+ADMINISTRATOR_ACCESS = {"Version": "2012-10-17",
+                        "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+
+SECURE_TRANSPORT = "true"
+"""aws:SecureTransport of every request. The local endpoint is plain HTTP on loopback, standing
+in for AWS's HTTPS endpoints, which every SDK uses by default: reporting "false" would make the
+template's TLS-only bucket policy refuse everything locally, which no SDK client meets on AWS.
+The Deny itself is checked per statement with "false" (tests/test_iam_policies.py)."""
+
+UNEVALUATED_KEYS = ("iam:PassedToService", "iam:AWSServiceName", "ec2:CreateAction", "aws:SourceAccount")
+"""Condition keys of calls AWS makes on the caller's behalf (PassRole and CreateTags inside
+RunInstances/CreateFleet, the service-linked role, a service principal's delivery), which the
+local cloud never makes as separate requests: their conditions are not evaluated locally."""
+
+_lock = threading.Lock()
+_role_sessions: dict[str, tuple[float, dict[str, str]]] = {}
+ROLE_SESSION_SECONDS = 3600
+RENEW_BEFORE_SECONDS = 600
+
+
+# --- identities -------------------------------------------------------------------------------
+
+def _backends(account_id: str, region: str) -> tuple[Any, Any]:
+    from moto.iam.models import iam_backends
+    from moto.sts.models import sts_backends
+
+    return iam_backends[account_id]["aws"], sts_backends[account_id]["aws"]
+
+
+def admin_identity(account_id: str, region: str) -> None:
+    """Make the fake credentials (FAKE_KEY, with a session token) an administrator's role
+    session, and the interpreter's key an administrator user's key; idempotent."""
+    iam, sts = _backends(account_id, region)
+    if not any(role.name == ADMIN_ROLE for role in iam.roles.values()):
+        trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+                                                         "Principal": {"AWS": f"arn:aws:iam::{account_id}:root"}}]}
+        iam.create_role(ADMIN_ROLE, json.dumps(trust), "/", None, "local cloud administrator", [], "43200")
+        iam.put_role_policy(ADMIN_ROLE, "administrator", json.dumps(ADMINISTRATOR_ACCESS))
+        iam.create_user(region, ADMIN_ROLE)
+        iam.put_user_policy(ADMIN_ROLE, "administrator", json.dumps(ADMINISTRATOR_ACCESS))
+        key = iam.create_access_key(ADMIN_ROLE)
+        key.access_key_id, key.secret_access_key = INTERPRETER_KEY
+    if sts.get_assumed_role_from_access_key(FAKE_KEY) is None:
+        session = sts.assume_role(region, "harness", f"arn:aws:iam::{account_id}:role/{ADMIN_ROLE}",
+                                  "", 43200, "")
+        session.access_key_id = FAKE_KEY
+        session.secret_access_key = FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
+        session.session_token = FAKE_CREDENTIALS["AWS_SESSION_TOKEN"]
+
+
+def role_credentials(account_id: str, region: str, role_arn: str, session_name: str) -> dict[str, str]:
+    """STS credentials of `role_arn`, as AWS_ACCESS_KEY_ID/..._SECRET_.../..._SESSION_TOKEN,
+    plus AWS_CREDENTIAL_EXPIRATION; one session per role and session name, renewed before it
+    expires (many requests share it: moto looks keys up in a list)."""
+    key = f"{account_id}/{role_arn}/{session_name}"
+    with _lock:
+        held = _role_sessions.get(key)
+        if held is None or held[0] - time.time() < RENEW_BEFORE_SECONDS:
+            _, sts = _backends(account_id, region)
+            session = sts.assume_role(region, session_name[:64], role_arn, "", ROLE_SESSION_SECONDS, "")
+            held = _role_sessions[key] = (time.time() + ROLE_SESSION_SECONDS, {
+                "AWS_ACCESS_KEY_ID": session.access_key_id,
+                "AWS_SECRET_ACCESS_KEY": session.secret_access_key,
+                "AWS_SESSION_TOKEN": session.session_token,
+                "AWS_CREDENTIAL_EXPIRATION": session.expiration.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            })
+        return dict(held[1])
+
+
+def enforce(on: bool) -> None:
+    """Switch moto's authentication and authorization of every request on or off."""
+    from moto import settings
+    from moto.core.authorization import ActionAuthenticatorMixin
+
+    settings.INITIAL_NO_AUTH_ACTION_COUNT = 0 if on else float("inf")
+    ActionAuthenticatorMixin.request_count = 0
+
+
+# --- what a request needs ---------------------------------------------------------------------
+
+def _json_body(request: IAMRequestBase) -> dict[str, Any]:
+    try:
+        body = json.loads(request._body or b"{}")
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _query(request: IAMRequestBase) -> dict[str, list[str]]:
+    """Form or query parameters of a query-protocol request (EC2, IAM, STS, SQS)."""
+    data = request._data if isinstance(request._data, dict) else {}
+    return {key: value if isinstance(value, list) else [value] for key, value in data.items()}
+
+
+def _request_tags(query: dict[str, list[str]]) -> dict[str, str]:
+    """aws:RequestTag/KEY of an EC2 request: the tags of its TagSpecification.N.Tag.M (and of a
+    CreateTags' Tag.M)."""
+    tags = {}
+    for name, values in query.items():
+        if name.endswith(".Key") and ".Tag." in f".{name}":
+            value = query.get(name[:-len("Key")] + "Value", [""])[0]
+            tags[f"aws:RequestTag/{values[0]}"] = value
+    return tags
+
+
+def _ec2_resource_tags(request: IAMRequestBase, query: dict[str, list[str]]) -> Iterator[dict[str, str]]:
+    """aws:ResourceTag/KEY of each existing resource an EC2 request names by id or name
+    (instances, launch templates, placement groups), from EC2's own records."""
+    from moto.ec2.models import ec2_backends
+
+    from localcloud.glue.ec2 import placement_groups
+
+    backend = ec2_backends[request.account_id][request._region]
+    resource_ids: list[str] = []
+    for name, values in query.items():
+        if name.startswith("InstanceId") or name == "LaunchTemplateId":
+            resource_ids += values
+        elif name == "LaunchTemplateName":
+            resource_ids += [template.id for template in backend.describe_launch_templates(values, [], [])]
+        elif name == "GroupName" and request._action == "ec2:DeletePlacementGroup":
+            group = placement_groups(backend).get(values[0])
+            if group is not None:
+                yield {f"aws:ResourceTag/{key}": value for key, value in group.tags.items()}
+    for resource_id in resource_ids:
+        tags = backend.describe_tags(filters={"resource-id": [resource_id]})
+        yield {f"aws:ResourceTag/{tag['key']}": tag["value"] for tag in tags}
+
+
+def authorizations(request: IAMRequestBase, resource: str) -> Iterator[tuple[str | None, dict[str, Any], tuple[str, ...]]]:
+    """(resource, condition context, keys not evaluated) for each authorization the request
+    needs. `resource` is moto's (an ARN for S3, SQS, IAM and STS, else "*"); None where the
+    local cloud does not derive the resource (only actions and conditions are evaluated)."""
+    service, action = request._action.split(":", 1)
+    region, account = request._region, request.account_id
+    context: dict[str, Any] = {"aws:SecureTransport": SECURE_TRANSPORT}
+    unevaluated = UNEVALUATED_KEYS
+    if service == "s3":
+        prefix = parse_qs(urlparse(request._path).query).get("prefix")
+        if action == "ListBucket" and prefix:
+            context["s3:prefix"] = prefix[0]
+        yield (resource, context, unevaluated)
+    elif service in ("sqs", "iam", "sts") and resource != "*":
+        yield (resource, context, unevaluated)
+    elif service == "dynamodb":
+        body = _json_body(request)
+        table = body.get("TableName")
+        if table is None:
+            yield (None, context, unevaluated)
+            return
+        arn = table if table.startswith("arn:") else f"arn:aws:dynamodb:{region}:{account}:table/{table}"
+        index = body.get("IndexName")
+        yield (f"{arn}/index/{index}" if index else arn, context, unevaluated)
+    elif (service, action) == ("events", "PutEvents"):
+        for entry in _json_body(request).get("Entries", []):
+            bus = entry.get("EventBusName") or "default"
+            arn = bus if bus.startswith("arn:") else f"arn:aws:events:{region}:{account}:event-bus/{bus}"
+            yield (arn, context | {"events:source": entry.get("Source", ""),
+                                   "events:detail-type": entry.get("DetailType", "")}, unevaluated)
+    elif service == "lambda" and action == "InvokeFunction":
+        name = unquote(request._path.split("/functions/", 1)[-1].split("/", 1)[0])
+        arn = name if name.startswith("arn:") else f"arn:aws:lambda:{region}:{account}:function:{name}"
+        yield (arn, context, unevaluated)
+    elif (service, action) == ("states", "StartExecution"):
+        yield (_json_body(request).get("stateMachineArn"), context, unevaluated)
+    elif (service, action) == ("cloudwatch", "PutMetricData"):
+        namespace = _query(request).get("Namespace", [_json_body(request).get("Namespace")])[0]
+        if namespace is None:
+            unevaluated += ("cloudwatch:namespace",)
+        else:
+            context["cloudwatch:namespace"] = namespace
+        yield (None, context, unevaluated)
+    elif service == "ec2":
+        query = _query(request)
+        context |= _request_tags(query)
+        # Only calls on existing resources have their tags (a Create names what is to be).
+        existing = not action.startswith(("Create", "Run", "Describe", "Import", "Allocate"))
+        targets = list(_ec2_resource_tags(request, query)) if existing else []
+        for tags in targets or [{}]:
+            yield (None, context | tags, unevaluated)
+    else:
+        yield (None, context, unevaluated)
+
+
+# --- the decision -----------------------------------------------------------------------------
+
+class AccessDenied(_RESTError):
+    code = 403
+
+
+class UnauthorizedOperation(_RESTError):
+    code = 403
+
+
+def denial_message(principal: str, action: str, resource: str | None, decision: str) -> str:
+    """AWS's AccessDenied message for an identity-policy denial."""
+    shown = f" on resource: {resource}" if resource else ""
+    why = ("with an explicit deny in an identity-based policy" if decision == EXPLICIT_DENY
+           else f"because no identity-based policy allows the {action} action")
+    return f"User: {principal} is not authorized to perform: {action}{shown} {why}"
+
+
+def _policies(request: IAMRequestBase) -> list[dict[str, Any]]:
+    return [IAMPolicy(policy)._policy_json for policy in request._access_key.collect_policies()]
+
+
+def _check_action_permitted(self: IAMRequestBase, resource: str) -> None:
+    if active_cloud() is None:
+        return _moto_check_action_permitted(self, resource)
+    if self._action == "sts:GetCallerIdentity":  # AWS allows it whatever the policies say
+        return None
+    policies = _policies(self)
+    for needed, context, unevaluated in authorizations(self, resource):
+        decision = evaluate(policies, self._action, needed, context, unevaluated)
+        if decision == ALLOW:
+            continue
+        message = denial_message(self._access_key.arn, self._action, needed, decision)
+        if isinstance(self, S3IAMRequest):
+            raise S3ClientError("AccessDenied", message)
+        if self._service == "ec2":
+            raise UnauthorizedOperation("UnauthorizedOperation", message)
+        raise AccessDenied("AccessDenied", message)
+    return None
+
+
+def _get_permission(self: FakeBucket, action: str, resource: str) -> Any:
+    from moto.iam.access_control import PermissionResult
+
+    if active_cloud() is None or self.policy is None:
+        return _moto_get_permission(self, action, resource)
+    decision = evaluate([json.loads(self.policy)], action, resource,
+                        {"aws:SecureTransport": SECURE_TRANSPORT}, UNEVALUATED_KEYS)
+    return {ALLOW: PermissionResult.PERMITTED, EXPLICIT_DENY: PermissionResult.DENIED,
+            IMPLICIT_DENY: PermissionResult.NEUTRAL}[decision]
+
+
+def _check_signature(self: IAMRequestBase) -> None:
+    # moto recomputes SigV4 from the request as it received it, which differs from what the
+    # client signed for some encoded paths (Lambda's GetFunctionConfiguration, for one), so a
+    # correctly signed request failed with SignatureDoesNotMatch. The caller is still identified
+    # by its access key (an unknown one is refused); its signature is not verified locally.
+    if active_cloud() is None:
+        _moto_check_signature(self)
+
+
+def apply() -> None:
+    IAMRequestBase.check_signature = _check_signature
+    IAMRequestBase.check_action_permitted = _check_action_permitted
+    FakeBucket.get_permission = _get_permission

@@ -1,0 +1,60 @@
+"""What a node's user data does that touches AWS, before it starts the agent: copy the wheelhouse
+from s3://BUCKET/artifacts/ with the instance's own role (trainfleet/adapters/ec2_fleet.py
+node_user_data runs `aws s3 cp --recursive`). There is no pip install here: the local instance
+runs the agent from this tree.
+
+    python -m localcloud.node_boot AGENT_ARGV...     (TRAINFLEET_BUCKET names the bucket)
+
+A copy that fails leaves the instance running without an agent, as a failed user data script
+does on EC2: the reason goes to the console log, and the run's boot timeout reports the node
+that never registered.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ARTIFACTS = "artifacts/"
+MARKER = "artifacts/README.txt"
+
+
+def publish_artifacts(s3: Any, bucket: str) -> None:
+    """What the deployment publishes for the nodes to install (locally a marker: the agent runs
+    from this tree)."""
+    s3.put_object(Bucket=bucket, Key=MARKER, Body=b"trainfleet wheelhouse (local cloud: the agent runs from the tree)\n")
+
+
+def copy_artifacts(s3: Any, bucket: str, into: Path) -> list[str]:
+    """`aws s3 cp --recursive s3://BUCKET/artifacts/ INTO`: list the prefix, get each object."""
+    copied = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=ARTIFACTS):
+        for item in page.get("Contents", []):
+            target = into / item["Key"][len(ARTIFACTS):]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(s3.get_object(Bucket=bucket, Key=item["Key"])["Body"].read())
+            copied.append(item["Key"])
+    return copied
+
+
+def main(agent_argv: list[str]) -> None:
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket = os.environ["TRAINFLEET_BUCKET"]
+    try:
+        copied = copy_artifacts(boto3.client("s3"), bucket, Path("wheels"))
+    except (BotoCoreError, ClientError) as error:
+        print(f"node boot failed: copying s3://{bucket}/{ARTIFACTS} failed: {error}; "
+              f"the agent is not started", flush=True)
+        while True:  # the instance stays up without an agent, as after a failed user data script
+            time.sleep(3600)
+    print(f"node boot: copied {len(copied)} artifacts from s3://{bucket}/{ARTIFACTS}; starting the agent", flush=True)
+    os.execvp(agent_argv[0], agent_argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,133 @@
+"""The local cloud enforces IAM: a role's credentials get what its policies allow and a denial
+names the role, the action and the resource, as AWS's does."""
+
+import json
+import uuid
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError
+
+from localcloud.glue import iam as iam_glue
+
+TRUST_EC2 = {"Version": "2012-10-17", "Statement": [
+    {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]}
+
+
+@pytest.fixture
+def enforced(local_cloud):
+    iam_glue.enforce(True)
+    yield local_cloud
+    iam_glue.enforce(False)
+
+
+def role_with(cloud, statements: list[dict]) -> str:
+    name = f"role-{uuid.uuid4().hex[:8]}"
+    iam = cloud.client("iam")
+    arn = iam.create_role(RoleName=name, AssumeRolePolicyDocument=json.dumps(TRUST_EC2))["Role"]["Arn"]
+    iam.put_role_policy(RoleName=name, PolicyName="p", PolicyDocument=json.dumps(
+        {"Version": "2012-10-17", "Statement": statements}))
+    return arn
+
+
+def client_as(cloud, role_arn: str, service: str, session: str = "node"):
+    credentials = iam_glue.role_credentials(cloud.account_id, cloud.region, role_arn, session)
+    return boto3.client(service, endpoint_url=cloud.endpoint, region_name=cloud.region,
+                        aws_access_key_id=credentials["AWS_ACCESS_KEY_ID"],
+                        aws_secret_access_key=credentials["AWS_SECRET_ACCESS_KEY"],
+                        aws_session_token=credentials["AWS_SESSION_TOKEN"])
+
+
+def test_a_role_gets_what_its_policy_allows_and_a_denial_names_role_action_and_resource(enforced):
+    cloud = enforced
+    bucket = f"b-{uuid.uuid4().hex[:8]}"
+    admin = cloud.client("s3")
+    admin.create_bucket(Bucket=bucket)
+    admin.put_object(Bucket=bucket, Key="runs/x", Body=b"1")
+    admin.put_object(Bucket=bucket, Key="artifacts/w.whl", Body=b"2")
+    role = role_with(cloud, [{"Effect": "Allow", "Action": "s3:GetObject", "Resource": f"arn:aws:s3:::{bucket}/runs/*"}])
+    s3 = client_as(cloud, role, "s3")
+    assert s3.get_object(Bucket=bucket, Key="runs/x")["Body"].read() == b"1"
+    with pytest.raises(ClientError) as denied:
+        s3.get_object(Bucket=bucket, Key="artifacts/w.whl")
+    error = denied.value.response["Error"]
+    assert error["Code"] == "AccessDenied"
+    role_name = role.rsplit("/", 1)[1]
+    assert error["Message"] == (
+        f"User: arn:aws:sts::{cloud.account_id}:assumed-role/{role_name}/node is not authorized to perform: "
+        f"s3:GetObject on resource: arn:aws:s3:::{bucket}/artifacts/w.whl because no identity-based "
+        f"policy allows the s3:GetObject action")
+
+
+def test_resources_and_condition_keys_are_derived_from_the_request(enforced):
+    cloud = enforced
+    table = f"t-{uuid.uuid4().hex[:8]}"
+    cloud.client("dynamodb").create_table(
+        TableName=table, BillingMode="PAY_PER_REQUEST",
+        AttributeDefinitions=[{"AttributeName": "pk", "AttributeType": "S"}],
+        KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}])
+    bucket = f"b-{uuid.uuid4().hex[:8]}"
+    cloud.client("s3").create_bucket(Bucket=bucket)
+    table_arn = f"arn:aws:dynamodb:{cloud.region}:{cloud.account_id}:table/{table}"
+    role = role_with(cloud, [
+        {"Effect": "Allow", "Action": "dynamodb:GetItem", "Resource": table_arn},
+        {"Effect": "Allow", "Action": "s3:ListBucket", "Resource": f"arn:aws:s3:::{bucket}",
+         "Condition": {"StringLike": {"s3:prefix": ["runs/*"]}}},
+        {"Effect": "Allow", "Action": "events:PutEvents", "Resource": f"arn:aws:events:{cloud.region}:{cloud.account_id}:event-bus/default",
+         "Condition": {"StringEquals": {"events:source": "trainfleet"}}},
+    ])
+    dynamodb, s3, events = (client_as(cloud, role, service) for service in ("dynamodb", "s3", "events"))
+    dynamodb.get_item(TableName=table, Key={"pk": {"S": "x"}})
+    with pytest.raises(ClientError, match="dynamodb:PutItem on resource: " + table_arn):
+        dynamodb.put_item(TableName=table, Item={"pk": {"S": "x"}})
+    s3.list_objects_v2(Bucket=bucket, Prefix="runs/r/")
+    with pytest.raises(ClientError, match="AccessDenied"):
+        s3.list_objects_v2(Bucket=bucket, Prefix="artifacts/")
+    events.put_events(Entries=[{"Source": "trainfleet", "DetailType": "NodeReady", "Detail": "{}"}])
+    with pytest.raises(ClientError, match="events:PutEvents on resource: .*event-bus/default"):
+        events.put_events(Entries=[{"Source": "aws.ec2", "DetailType": "NodeReady", "Detail": "{}"}])
+
+
+def test_the_harness_keeps_an_administrator_and_unknown_keys_are_refused(enforced):
+    cloud = enforced
+    cloud.client("iam").list_roles()
+    cloud.client("s3").list_buckets()
+    stranger = boto3.client("s3", endpoint_url=cloud.endpoint, region_name=cloud.region,
+                            aws_access_key_id="AKIAUNKNOWN000000000", aws_secret_access_key="x")
+    with pytest.raises(ClientError, match="InvalidAccessKeyId"):
+        stranger.list_buckets()
+
+
+TRUST_LAMBDA = {"Version": "2012-10-17", "Statement": [
+    {"Effect": "Allow", "Principal": {"Service": "lambda.amazonaws.com"}, "Action": "sts:AssumeRole"}]}
+
+
+def test_each_lambda_function_runs_with_its_execution_roles_credentials(enforced):
+    from localcloud_helpers import HANDLERS_MODULE, handlers_zip, unique
+
+    cloud = enforced
+    bucket = f"b-{uuid.uuid4().hex[:8]}"
+    cloud.client("s3").create_bucket(Bucket=bucket)
+    for key in ("runs/x", "artifacts/w.whl"):
+        cloud.client("s3").put_object(Bucket=bucket, Key=key, Body=key.encode())
+    iam, functions = cloud.client("iam"), {}
+    for prefix in ("runs", "artifacts"):
+        role = iam.create_role(RoleName=unique(f"fn-{prefix}"), AssumeRolePolicyDocument=json.dumps(TRUST_LAMBDA))["Role"]
+        iam.put_role_policy(RoleName=role["RoleName"], PolicyName="p", PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [
+                {"Effect": "Allow", "Action": "s3:GetObject", "Resource": f"arn:aws:s3:::{bucket}/{prefix}/*"}]}))
+        name = unique(f"read-{prefix}")
+        cloud.client("lambda").create_function(
+            FunctionName=name, Runtime="python3.11", Role=role["Arn"], Handler=f"{HANDLERS_MODULE}.read_objects",
+            Code={"ZipFile": handlers_zip()}, Timeout=10)
+        functions[prefix] = (name, role["RoleName"])
+    event = json.dumps({"bucket": bucket, "keys": ["runs/x", "artifacts/w.whl"]})
+    # The module-level client is made by the first function and shared with the second (one
+    # process imports the module once); each still signs with its own role.
+    outcomes = {prefix: json.loads(cloud.client("lambda").invoke(FunctionName=name, Payload=event)["Payload"].read())
+                for prefix, (name, _) in functions.items()}
+    runs_role, artifacts_role = functions["runs"][1], functions["artifacts"][1]
+    assert outcomes["runs"]["runs/x"] == "runs/x"
+    assert outcomes["runs"]["artifacts/w.whl"].startswith(f"User: arn:aws:sts::{cloud.account_id}:assumed-role/{runs_role}/")
+    assert outcomes["artifacts"]["artifacts/w.whl"] == "artifacts/w.whl"
+    assert f"assumed-role/{artifacts_role}/" in outcomes["artifacts"]["runs/x"]

@@ -1,0 +1,210 @@
+"""template.yaml's IAM policies, statement by statement, rendered as a deploy renders them and
+evaluated as AWS does (localcloud/iam_policy.py) with the condition keys filled by the test.
+
+The local cloud evaluates these policies on every request, but cannot derive every resource and
+condition key from a request (docs/ARCHITECTURE.md, Local cloud, IAM); what it cannot derive is
+covered here: EC2's per-resource checks, aws:ResourceTag on launch templates and placement
+groups, ec2:CreateAction, iam:PassedToService, iam:AWSServiceName, ssm:GetParameters for
+resolve:ssm image ids, SendTask* on the state machine, aws:SecureTransport=false."""
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from localcloud.deploy import load_template, transform_sam
+from localcloud.deploy_intrinsics import Resolver
+from localcloud.iam_policy import ALLOW, EXPLICIT_DENY, IMPLICIT_DENY, evaluate
+from trainfleet.adapters.ec2_fleet import TAG_STACK
+from trainfleet.contracts import NODE_READ_PREFIXES, NODE_WRITE_PREFIXES
+
+REPO = Path(__file__).resolve().parent.parent
+REGION, ACCOUNT, STACK = "us-east-1", "123456789012", "st"
+EC2 = f"arn:aws:ec2:{REGION}:{ACCOUNT}"
+BUCKET = f"{STACK}-checkpointbucket-x"
+TABLE = f"arn:aws:dynamodb:{REGION}:{ACCOUNT}:table/{STACK}-RunTable-x"
+STATE_MACHINE = f"arn:aws:states:{REGION}:{ACCOUNT}:stateMachine:{STACK}-training-run"
+
+_ARNS = {
+    "AWS::S3::Bucket": lambda name: f"arn:aws:s3:::{name}",
+    "AWS::DynamoDB::Table": lambda name: f"arn:aws:dynamodb:{REGION}:{ACCOUNT}:table/{name}",
+    "AWS::Events::EventBus": lambda name: f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{name}",
+    "AWS::IAM::Role": lambda name: f"arn:aws:iam::{ACCOUNT}:role/{name}",
+    "AWS::IAM::InstanceProfile": lambda name: f"arn:aws:iam::{ACCOUNT}:instance-profile/{name}",
+    "AWS::Lambda::Function": lambda name: f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:{name}",
+    "AWS::SQS::Queue": lambda name: f"arn:aws:sqs:{REGION}:{ACCOUNT}:{name}",
+    "AWS::Logs::LogGroup": lambda name: f"arn:aws:logs:{REGION}:{ACCOUNT}:log-group:{name}:*",
+}
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, Any]:
+    """Resources of the deployed template, intrinsics resolved; physical names `st-Logical-x`."""
+    template = load_template(REPO / "template.yaml")
+    for resource in template["Resources"].values():
+        for uri in ("CodeUri", "ContentUri", "DefinitionUri"):
+            if uri in resource.get("Properties", {}):
+                resource["Properties"][uri] = "s3://artifacts/package"
+    parameters = {"AWS::Region": REGION, "AWS::AccountId": ACCOUNT, "AWS::StackName": STACK,
+                  "AWS::Partition": "aws", "AWS::URLSuffix": "amazonaws.com", "LogLevel": "INFO",
+                  "LogRetentionDays": 30}
+    resources = transform_sam(template, parameters, REGION)["Resources"]
+    resolver = Resolver(parameters)
+    for logical_id, resource in resources.items():
+        name = BUCKET if logical_id == "CheckpointBucket" else f"{STACK}-{logical_id}-x"
+        arn = _ARNS.get(resource["Type"], lambda name: name)(name)
+        resolver.ref_of[logical_id] = name
+        resolver.attributes_of[logical_id] = {"Arn": arn, "QueueName": name}
+    return {logical_id: resolver.resolve(resource, logical_id) for logical_id, resource in resources.items()}
+
+
+def policies(rendered: dict[str, Any], role: str) -> list[dict]:
+    return [policy["PolicyDocument"] for policy in rendered[role]["Properties"].get("Policies", [])]
+
+
+def decide(rendered, role, action, resource, **context) -> str:
+    context = {key.replace("__", "/").replace("_", ":", 1): value for key, value in context.items()}
+    return evaluate(policies(rendered, role), action, resource, context)
+
+
+def s3(key: str) -> str:
+    return f"arn:aws:s3:::{BUCKET}/{key}"
+
+
+# --- NodeRole ---------------------------------------------------------------------------------
+
+def node_s3_prefixes(rendered, actions: set[str]) -> set[str]:
+    found = set()
+    for document in policies(rendered, "NodeRole"):
+        for statement in document["Statement"]:
+            listed = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+            if actions & set(listed):
+                for resource in statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]:
+                    found.add(re.sub(rf"^arn:aws:s3:::{BUCKET}/(.*)\*$", r"\1", resource))
+    return found
+
+
+def test_the_node_role_grants_exactly_the_prefixes_validate_checks_run_specs_against(rendered):
+    assert node_s3_prefixes(rendered, {"s3:GetObject"}) == set(NODE_READ_PREFIXES)
+    assert node_s3_prefixes(rendered, {"s3:PutObject"}) == set(NODE_WRITE_PREFIXES)
+    for prefix in NODE_READ_PREFIXES:
+        assert decide(rendered, "NodeRole", "s3:GetObject", s3(f"{prefix}x")) == ALLOW
+        assert decide(rendered, "NodeRole", "s3:ListBucket", f"arn:aws:s3:::{BUCKET}", s3_prefix=prefix) == ALLOW
+    for prefix in NODE_WRITE_PREFIXES:
+        assert decide(rendered, "NodeRole", "s3:PutObject", s3(f"{prefix}x")) == ALLOW
+
+
+@pytest.mark.parametrize("action, key, expected", [
+    ("s3:GetObject", "artifacts/trainfleet-0.1-py3-none-any.whl", ALLOW),  # the user data's install
+    ("s3:GetObject", "data/tokens/shard-0", ALLOW),
+    ("s3:GetObject", "runs/r/launch-spec.json", ALLOW),
+    ("s3:PutObject", "runs/r/checkpoints/step-000000100/__0_0.distcp", ALLOW),
+    ("s3:DeleteObject", "runs/r/checkpoints/step-000000100/.metadata", ALLOW),
+    ("s3:PutObject", "artifacts/evil.whl", IMPLICIT_DENY),  # a node cannot change what others install
+    ("s3:PutObject", "data/tokens/shard-0", IMPLICIT_DENY),
+    ("s3:GetObject", "other/secret", IMPLICIT_DENY),
+])
+def test_node_role_objects(rendered, action, key, expected):
+    assert decide(rendered, "NodeRole", action, s3(key)) == expected
+
+
+@pytest.mark.parametrize("context, expected", [
+    ({"s3_prefix": "artifacts/"}, ALLOW), ({"s3_prefix": "runs/r/checkpoints/"}, ALLOW),
+    ({"s3_prefix": "other/"}, IMPLICIT_DENY), ({}, IMPLICIT_DENY),  # no prefix lists the whole bucket
+])
+def test_node_role_lists_only_its_prefixes(rendered, context, expected):
+    assert decide(rendered, "NodeRole", "s3:ListBucket", f"arn:aws:s3:::{BUCKET}", **context) == expected
+
+
+@pytest.mark.parametrize("action, resource, context, expected", [
+    ("dynamodb:GetItem", TABLE, {}, ALLOW),
+    ("dynamodb:PutItem", TABLE, {}, IMPLICIT_DENY),
+    ("events:PutEvents", f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{STACK}-AgentEventBus-x",
+     {"events_source": "trainfleet"}, ALLOW),
+    ("events:PutEvents", f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{STACK}-AgentEventBus-x",
+     {"events_source": "aws.ec2"}, IMPLICIT_DENY),  # a node cannot forge AWS's events
+    ("events:PutEvents", f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/default",
+     {"events_source": "trainfleet"}, IMPLICIT_DENY),
+    ("states:SendTaskHeartbeat", STATE_MACHINE, {}, ALLOW),
+    ("states:SendTaskSuccess", STATE_MACHINE, {}, IMPLICIT_DENY),
+    ("cloudwatch:PutMetricData", "*", {"cloudwatch_namespace": "Trainfleet"}, ALLOW),
+    ("cloudwatch:PutMetricData", "*", {"cloudwatch_namespace": "AWS/EC2"}, IMPLICIT_DENY),
+])
+def test_node_role_control_plane_calls(rendered, action, resource, context, expected):
+    assert decide(rendered, "NodeRole", action, resource, **context) == expected
+
+
+# --- the functions' fleet statements (Allocate and Recover share them) ------------------------
+
+@pytest.mark.parametrize("role", ["AllocateFunctionRole", "RecoverFunctionRole"])
+@pytest.mark.parametrize("action, resource, context, expected", [
+    ("ec2:CreateFleet", f"{EC2}:instance/*", {f"aws_RequestTag__{TAG_STACK}": STACK}, ALLOW),
+    ("ec2:CreateFleet", f"{EC2}:instance/*", {f"aws_RequestTag__{TAG_STACK}": "other"}, IMPLICIT_DENY),
+    ("ec2:RunInstances", f"{EC2}:volume/*", {}, IMPLICIT_DENY),  # untagged
+    ("ec2:CreateFleet", f"{EC2}:launch-template/lt-1", {f"aws_ResourceTag__{TAG_STACK}": STACK}, ALLOW),
+    ("ec2:CreateFleet", f"{EC2}:launch-template/lt-1", {f"aws_ResourceTag__{TAG_STACK}": "other"}, IMPLICIT_DENY),
+    ("ec2:CreateFleet", f"{EC2}:subnet/subnet-1", {}, ALLOW),
+    ("ec2:CreateFleet", f"arn:aws:ec2:{REGION}::image/ami-1", {}, ALLOW),
+    ("ec2:CreateTags", f"{EC2}:instance/i-1", {"ec2_CreateAction": "CreateFleet"}, ALLOW),
+    ("ec2:CreateTags", f"{EC2}:instance/i-1", {}, IMPLICIT_DENY),  # retagging existing instances
+    ("iam:PassRole", f"arn:aws:iam::{ACCOUNT}:role/{STACK}-NodeRole-x",
+     {"iam_PassedToService": "ec2.amazonaws.com"}, ALLOW),
+    ("iam:PassRole", f"arn:aws:iam::{ACCOUNT}:role/{STACK}-NodeRole-x",
+     {"iam_PassedToService": "lambda.amazonaws.com"}, IMPLICIT_DENY),
+    ("iam:PassRole", f"arn:aws:iam::{ACCOUNT}:role/admin", {"iam_PassedToService": "ec2.amazonaws.com"}, IMPLICIT_DENY),
+    ("ssm:GetParameters", f"arn:aws:ssm:{REGION}::parameter/aws/service/deeplearning/ami/x86_64/"
+                          "base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id", {}, ALLOW),
+    ("ssm:GetParameters", f"arn:aws:ssm:{REGION}:{ACCOUNT}:parameter/team/ami", {}, ALLOW),
+    ("iam:CreateServiceLinkedRole", "*", {"iam_AWSServiceName": "spot.amazonaws.com"}, ALLOW),
+    ("iam:CreateServiceLinkedRole", "*", {"iam_AWSServiceName": "rds.amazonaws.com"}, IMPLICIT_DENY),
+    ("ec2:DescribeInstances", "*", {}, ALLOW),
+    ("ec2:TerminateInstances", f"{EC2}:instance/i-1", {f"aws_ResourceTag__{TAG_STACK}": STACK}, ALLOW),
+    ("ec2:TerminateInstances", f"{EC2}:instance/i-1", {f"aws_ResourceTag__{TAG_STACK}": "other"}, IMPLICIT_DENY),
+    ("ec2:TerminateInstances", f"{EC2}:instance/i-1", {}, IMPLICIT_DENY),
+    ("ec2:DeletePlacementGroup", f"{EC2}:placement-group/pg", {f"aws_ResourceTag__{TAG_STACK}": STACK}, ALLOW),
+    ("dynamodb:Query", f"{TABLE}/index/by-instance", {}, ALLOW),
+])
+def test_fleet_statements(rendered, role, action, resource, context, expected):
+    assert decide(rendered, role, action, resource, **context) == expected
+
+
+def test_validate_may_only_record_runs(rendered):
+    assert decide(rendered, "ValidateFunctionRole", "dynamodb:PutItem", TABLE) == ALLOW
+    assert decide(rendered, "ValidateFunctionRole", "ec2:RunInstances", f"{EC2}:instance/*") == IMPLICIT_DENY
+    assert decide(rendered, "ValidateFunctionRole", "ssm:GetParameters", f"arn:aws:ssm:{REGION}::parameter/aws/x") == IMPLICIT_DENY
+
+
+@pytest.mark.parametrize("role, action, key, expected", [
+    ("LaunchFunctionRole", "s3:PutObject", "runs/r/launch-spec.json", ALLOW),
+    ("LaunchFunctionRole", "s3:PutObject", "runs/r/checkpoints/x", IMPLICIT_DENY),
+    ("LaunchFunctionRole", "s3:GetObject", "runs/r/checkpoints/step-000000100/.metadata", ALLOW),
+    ("ReportFunctionRole", "s3:PutObject", "runs/r/report.json", ALLOW),
+    ("ReportFunctionRole", "s3:GetObject", "runs/r/report.json", IMPLICIT_DENY),
+    ("EventsFunctionRole", "s3:GetObject", "runs/r/checkpoints/step-000000100/manifest.json", ALLOW),
+])
+def test_function_objects(rendered, role, action, key, expected):
+    assert decide(rendered, role, action, s3(key)) == expected
+
+
+@pytest.mark.parametrize("role, action, expected", [
+    ("AwaitNodesFunctionRole", "states:SendTaskSuccess", ALLOW),
+    ("EventsFunctionRole", "states:SendTaskFailure", ALLOW),
+    ("LaunchFunctionRole", "states:SendTaskSuccess", IMPLICIT_DENY),
+])
+def test_task_callbacks_reach_only_this_stacks_state_machine(rendered, role, action, expected):
+    assert decide(rendered, role, action, STATE_MACHINE) == expected
+    assert decide(rendered, role, action, STATE_MACHINE.replace(f":{STACK}-", ":other-")) == IMPLICIT_DENY
+
+
+def test_the_state_machine_invokes_only_the_stacks_functions(rendered):
+    function = f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:{STACK}-ValidateFunction-x"
+    assert decide(rendered, "TrainingRunStateMachineRole", "lambda:InvokeFunction", function) == ALLOW
+    assert decide(rendered, "TrainingRunStateMachineRole", "lambda:InvokeFunction",
+                  f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:other") == IMPLICIT_DENY
+
+
+@pytest.mark.parametrize("secure, expected", [("false", EXPLICIT_DENY), ("true", IMPLICIT_DENY)])
+def test_the_bucket_refuses_requests_without_tls(rendered, secure, expected):
+    policy = rendered["CheckpointBucketPolicy"]["Properties"]["PolicyDocument"]
+    assert evaluate([policy], "s3:GetObject", s3("runs/r/x"), {"aws:SecureTransport": secure}) == expected
