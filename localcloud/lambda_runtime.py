@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import boto3
 import botocore.credentials
 
 __all__ = ["FunctionSpec", "InvocationResult", "LambdaContext", "invoke_handler",
@@ -157,6 +158,9 @@ def install_thread_environ() -> _ThreadEnviron:
     if not isinstance(os.environ, _ThreadEnviron):
         os.environ.__class__ = _ThreadEnviron
         botocore.credentials.EnvProvider.load = _load_env_credentials
+        # boto3's default session keeps the credentials it resolved first: one the harness used
+        # before any function ran holds static keys, which a handler's boto3.client() would get.
+        boto3.DEFAULT_SESSION = None
     return os.environ  # type: ignore[return-value]
 
 
@@ -191,10 +195,11 @@ _env_provider_load = botocore.credentials.EnvProvider.load
 
 
 def _load_env_credentials(self: botocore.credentials.EnvProvider) -> Any:
+    # Caller credentials wherever the session is made: a session first used by the harness's
+    # thread keeps what it resolved, and must still sign a handler thread's requests with that
+    # function's role.
     loaded = _env_provider_load(self)
-    if loaded is None or getattr(_handler_thread, "variables", None) is None:
-        return loaded
-    return _CallerCredentials()
+    return None if loaded is None else _CallerCredentials()
 
 
 # --- per-thread output --------------------------------------------------------------------

@@ -208,6 +208,9 @@ class RunStore:
         for _ in range(_MODIFY_ATTEMPTS):
             old = read()
             new = change(old).model_copy(update={"version": old.version})
+            if new == old:
+                # Nothing to write: a no-op change must not race the writers that do change it.
+                return old
             if new.state is not old.state:
                 check_transition(old.state, new.state)
             try:
