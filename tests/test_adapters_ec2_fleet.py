@@ -2,6 +2,7 @@
 local cloud (moto plus placement groups and EFA interfaces) holds after allocate and teardown."""
 
 import base64
+import contextlib
 import copy
 import json
 import subprocess
@@ -181,6 +182,11 @@ def test_errors_no_zone_can_cure_stop_the_allocation():
 def cloud(local_cloud):
     # EC2 semantics only: instances boot no process (the user data would run the agent).
     local_cloud.fleet.boot = lambda instance: None
+    # EC2 refuses a launch whose instance profile does not exist; moto's IAM outlives a cloud.
+    iam = local_cloud.client("iam")
+    profile = SETTINGS.node_instance_profile_arn.rsplit("/", 1)[1]
+    with contextlib.suppress(iam.exceptions.EntityAlreadyExistsException):
+        iam.create_instance_profile(InstanceProfileName=profile)
     return local_cloud
 
 
