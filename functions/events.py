@@ -67,8 +67,15 @@ def node_ready(run: RunRecord, detail: NodeReady) -> str:
         return "ignored: node already retired"
     if node.state is NodeState.LAUNCHED:
         store.transition_node(run.run_name, detail.instance_id, NodeState.REGISTERED)
-    if node.state is not NodeState.READY:
-        store.transition_node(run.run_name, detail.instance_id, NodeState.READY)
+
+    def confirm(current: NodeRecord) -> NodeRecord:
+        if current.state in _RETIRED:  # retired meanwhile by another event
+            return current
+        # Confirmations may arrive out of order: the newest attempt confirmed stays.
+        attempt = max(detail.attempt, current.ready_attempt if current.ready_attempt is not None else -1)
+        return current.model_copy(update={"state": NodeState.READY, "ready_attempt": attempt})
+
+    store.modify_node(run.run_name, detail.instance_id, confirm)
     answered = answer_if_world_complete(run.run_name)
     return "node ready, world complete" if answered else "node ready"
 

@@ -31,19 +31,18 @@ from functions.errors import RecoveryGaveUp
 from trainfleet.adapters.ec2_fleet import allocate, terminate
 from trainfleet.contracts import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                   RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
-from trainfleet.lifecycle import apply_decision, book_attempt, classify_task_error, decide_recovery
+from trainfleet.lifecycle import (apply_decision, book_attempt, classify_task_error, decide_recovery,
+                                  unready_workers)
 
 _GONE = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
 _ENDING = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
-_NOT_READY = frozenset({NodeState.LAUNCHED, NodeState.REGISTERED})
 
 
 def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError) -> FailureReport:
     """Step 1. A timeout leaves the token parked, so `waiting` says which wait timed out."""
     waiting = run.waiting or TaskWait(purpose="train" if run.state is RunState.TRAINING else "await_nodes",
                                       attempt=run.attempt, token="(answered)")
-    not_ready = [node.instance_id for node in nodes if node.state in _NOT_READY]
-    return classify_task_error(caught.Error, caught.Cause, waiting, not_ready)
+    return classify_task_error(caught.Error, caught.Cause, waiting, unready_workers(nodes, waiting.attempt))
 
 
 def _mark_terminating(name: str, instance_id: str, **changes: Any) -> None:

@@ -223,6 +223,27 @@ def test_the_last_ready_worker_succeeds_await_nodes_once(handlers, cloud, resour
     assert store.run(run.run_name).waiting is None
 
 
+def test_readiness_of_a_node_still_booting_when_the_run_moved_on_counts(handlers, cloud, resources):
+    store, run, (survivor, booting) = recorded_run(cloud, resources)
+    # Attempt 0 ended while `booting` was in preflight; the survivor was ready for attempt 0.
+    store.modify_node(run.run_name, survivor, lambda node: node.model_copy(
+        update={"state": NodeState.READY, "ready_attempt": 0}))
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={"attempt": 1}))
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="await_nodes", attempt=1, token=token))
+    # The booting node's agent reports the attempt it read before Recover moved the run on.
+    late = agent_event("NodeReady", {"run_name": run.run_name, "attempt": 0, "instance_id": booting})
+    assert handlers.events.handler(late, Context())["outcome"] == "node ready"
+    assert store.node(run.run_name, booting).state is NodeState.READY
+    assert store.run(run.run_name).waiting is not None, "the survivor has not confirmed attempt 1 yet"
+    for instance_id in (survivor, booting):  # each agent confirms the attempt it sees the run in
+        confirmation = agent_event("NodeReady", {"run_name": run.run_name, "attempt": 1, "instance_id": instance_id})
+        outcome = handlers.events.handler(confirmation, Context())["outcome"]
+    assert outcome == "node ready, world complete"
+    assert finished(cloud, execution)["status"] == "SUCCEEDED"
+    assert store.node(run.run_name, survivor).ready_attempt == 1
+
+
 def test_a_duplicate_event_acts_once(handlers, cloud, resources):
     store, run, (lost, _) = recorded_run(cloud, resources)
     event = state_change(lost, "shutting-down")

@@ -9,7 +9,7 @@ from trainfleet import lifecycle as lc
 from trainfleet.contracts import (CAPACITY_ERROR, FAILURE_ERROR, CheckpointCommitted, CheckpointReason,
                                   CheckpointRef, Ec2InstanceStateChange, Ec2RebalanceRecommendation,
                                   Ec2SpotInterruptionWarning, FailureClass, FailureRecord,
-                                  FailureReport, GoodputLedger, HealthEvent, NodeReady, NodeRecord,
+                                  FailureReport, GoodputLedger, HealthEvent, NodeReady, NodeRecord, NodeRegistered,
                                   NodeRole, NodeState, NodeUnhealthy, ParallelPlan, RecoveryAction,
                                   RecoveryPolicy, RunRecord, RunSpec, TaskWait, TrainerConfig,
                                   TrainerFailed, TrainerHung, TrainingProgress)
@@ -41,6 +41,8 @@ def make_run(spec: RunSpec | None = None, **fields) -> RunRecord:
 
 
 def node(instance_id: str, role=NodeRole.WORKER, state=NodeState.READY, **fields) -> NodeRecord:
+    if state is NodeState.READY:
+        fields.setdefault("ready_attempt", 1)  # confirmed for make_run's attempt
     return NodeRecord(run_name="r1", instance_id=instance_id, role=role, state=state,
                       private_ip=f"10.0.0.{instance_id[-1]}", **fields)
 
@@ -420,21 +422,44 @@ def test_new_nodes_fill_the_workers_first_then_the_spares():
     assert {(r.attempt, r.state, r.market.value) for r in records} == {(2, NodeState.LAUNCHED, "spot")}
 
 
-def test_unready_workers_are_those_still_booting():
+def test_unready_workers_are_those_still_booting_or_not_confirmed_for_the_attempt():
     nodes = [node("i-1", state=NodeState.LAUNCHED), node("i-2", state=NodeState.REGISTERED), node("i-3"),
-             node("i-4", state=NodeState.TERMINATED), node("i-8", role=NodeRole.SPARE, state=NodeState.LAUNCHED)]
-    assert lc.unready_workers(nodes) == ["i-1", "i-2"]
+             node("i-4", state=NodeState.TERMINATED), node("i-8", role=NodeRole.SPARE, state=NodeState.LAUNCHED),
+             node("i-5", ready_attempt=0)]
+    assert lc.unready_workers(nodes, attempt=1) == ["i-1", "i-2", "i-5"]
+    assert lc.unready_workers(nodes, attempt=0) == ["i-1", "i-2"]
+
+
+def test_a_node_ready_in_an_earlier_attempt_counts_only_once_it_confirms_again():
+    plan = ParallelPlan(nodes=2, ranks_per_node=1, pp=2, dp=1)
+    survivor, replacement = node("i-1", node_rank=0, ready_attempt=0), node("i-2", ready_attempt=1)
+    assert not lc.world_complete([survivor, replacement], plan, attempt=1)
+    reconfirmed = survivor.model_copy(update={"ready_attempt": 1})
+    assert lc.world_complete([reconfirmed, replacement], plan, attempt=1)
+    assert lc.assign_ranks([reconfirmed, replacement], plan, attempt=1) == {"i-1": 0, "i-2": 1}
+    with pytest.raises(ValueError, match="needs 2 ready workers, 1 are ready"):
+        lc.assign_ranks([survivor, replacement], plan, attempt=1)
+
+
+@pytest.mark.parametrize("detail", [
+    NodeRegistered(run_name="r1", attempt=0, instance_id="i-1", private_ip="10.0.0.1"),
+    NodeReady(run_name="r1", attempt=0, instance_id="i-1"),
+    NodeUnhealthy(run_name="r1", attempt=0, instance_id="i-1", reason="2 of 8 GPUs"),
+])
+def test_what_a_node_says_about_itself_is_never_stale(detail):
+    # A node booting when the run moved to attempt 1 still belongs to it: its record judges.
+    assert not lc.is_stale(detail, current_attempt=1)
 
 
 def test_ranks_keep_survivors_first_and_need_enough_ready_nodes():
     nodes = [node("i-5"), node("i-2", node_rank=1), node("i-3", node_rank=0), node("i-4"),
              node("i-6", state=NodeState.REGISTERED), SPARE]
     plan = ParallelPlan(nodes=4, ranks_per_node=1, pp=2, dp=2)
-    assert lc.world_complete(nodes, plan)
-    assert lc.assign_ranks(nodes, plan) == {"i-3": 0, "i-2": 1, "i-4": 2, "i-5": 3}
-    assert not lc.world_complete(nodes[:3], plan)
+    assert lc.world_complete(nodes, plan, attempt=1)
+    assert lc.assign_ranks(nodes, plan, attempt=1) == {"i-3": 0, "i-2": 1, "i-4": 2, "i-5": 3}
+    assert not lc.world_complete(nodes[:3], plan, attempt=1)
     with pytest.raises(ValueError, match="needs 4 ready workers, 3 are ready"):
-        lc.assign_ranks(nodes[:3], plan)
+        lc.assign_ranks(nodes[:3], plan, attempt=1)
 
 
 def test_launch_spec_carries_layout_resume_point_and_token():
@@ -452,6 +477,6 @@ def test_launch_spec_carries_layout_resume_point_and_token():
 def test_launch_spec_refuses_what_it_cannot_build():
     with pytest.raises(ValueError, match="no parallel plan"):
         lc.build_launch_spec(make_run(plan=None), WORKERS, None)
-    no_ip = [NodeRecord(run_name="r1", instance_id="i-1", state=NodeState.READY), *WORKERS[1:]]
+    no_ip = [NodeRecord(run_name="r1", instance_id="i-1", state=NodeState.READY, ready_attempt=1), *WORKERS[1:]]
     with pytest.raises(ValueError, match="private IP"):
         lc.build_launch_spec(make_run(), no_ip, None)

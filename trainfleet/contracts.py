@@ -809,6 +809,10 @@ class NodeRecord(_Strict):
     """Subnet of its primary interface."""
     private_ip: str | None = None
     """Its private IP, from NodeRegistered (node rank 0's is the rendezvous host)."""
+    ready_attempt: int | None = Field(default=None, ge=0)
+    """The latest attempt its agent confirmed it ready for (NodeReady of that attempt). A node
+    READY in attempt k counts toward the world of attempt k+1 only once it confirms again: a
+    node that froze or lost its network cannot."""
     market: CapacityKind = CapacityKind.ON_DEMAND
     """How it was bought: a Spot node can get interruption warnings."""
     failure_class: FailureClass | None = None
@@ -958,7 +962,9 @@ class AgentEvent(_Strict):
     run_name: str
     """The run the sender belongs to."""
     attempt: int = Field(ge=0)
-    """The attempt the sender belongs to: events of an older attempt are ignored."""
+    """The attempt the sender belongs to: events of an older attempt are ignored, except the
+    node-lifecycle ones (NodeRegistered, NodeReady, NodeUnhealthy), which the node's record
+    judges: a node still booting when the run moved on is still the run's node."""
     instance_id: str | None = None
     """Sending instance; None for run-wide events sent on behalf of the world."""
 
@@ -1006,7 +1012,11 @@ class NodeRegistered(AgentEvent):
 
 
 class NodeReady(AgentEvent):
-    """Preflight passed: the node may join the world."""
+    """Preflight passed and the agent answers: the node may join the world of `attempt`.
+
+    The agent sends it after preflight and again for every later attempt it sees the run move to
+    (the readiness confirmation): `attempt` is the run's attempt it confirms, not the one that
+    launched the node."""
 
     DETAIL_TYPE: ClassVar[DetailType] = DetailType.NODE_READY
 

@@ -15,8 +15,9 @@ Offers:
     spot:      waits_for_emergency_checkpoint(run, node), spot_interruption_over(run, nodes, now, ...)
                -> FailureReport | None, SPOT_NOTICE
     launch:    new_node_records(spec, attempt, instance_ids, workers_wanted, zone, subnet_id),
-               ready_workers(nodes), unready_workers(nodes), world_complete(nodes, plan),
-               assign_ranks(nodes, plan), build_launch_spec(run, nodes, heartbeat_task_token) -> LaunchSpec
+               confirmed(node, attempt), ready_workers(nodes, attempt), unready_workers(nodes, attempt),
+               world_complete(nodes, plan, attempt), assign_ranks(nodes, plan, attempt),
+               build_launch_spec(run, nodes, heartbeat_task_token) -> LaunchSpec
 
 Randomness (backoff jitter) and time come in as arguments, so every decision is reproducible.
 """
@@ -24,8 +25,8 @@ Randomness (backoff jitter) and time come in as arguments, so every decision is 
 from trainfleet.lifecycle.classify import classify_event, classify_task_error, is_stale
 from trainfleet.lifecycle.goodput import (accrue_cost, book_attempt, over_cost_ceiling, settle_attempt,
                                          settle_run_attempt)
-from trainfleet.lifecycle.launch import (assign_ranks, build_launch_spec, new_node_records, ready_workers,
-                                        unready_workers, world_complete)
+from trainfleet.lifecycle.launch import (assign_ranks, build_launch_spec, confirmed, new_node_records,
+                                        ready_workers, unready_workers, world_complete)
 from trainfleet.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, backoff_seconds,
                                            decide_recovery, failure_streak)
 from trainfleet.lifecycle.replan import initial_plan, plan_layout
@@ -37,6 +38,6 @@ __all__ = [
     "decide_recovery", "apply_decision", "failure_streak", "backoff_seconds", "ANNOUNCED_BY_AWS",
     "settle_attempt", "settle_run_attempt", "book_attempt", "accrue_cost", "over_cost_ceiling",
     "waits_for_emergency_checkpoint", "spot_interruption_over", "SPOT_NOTICE",
-    "new_node_records", "ready_workers", "unready_workers", "world_complete", "assign_ranks",
+    "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "assign_ranks",
     "build_launch_spec",
 ]
