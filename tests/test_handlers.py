@@ -9,14 +9,16 @@ test reads the token from the queue, so success and failure are seen by Step Fun
 import json
 import sys
 import uuid
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
 from trainfleet.adapters.ec2_fleet import run_instance_ids
+from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import (FAILURE_ERROR, FailureClass, NodeRecord, NodeRole, NodeState,
-                                  ParallelPlan, RunRecord, RunSpec, RunState, TaskWait)
+from trainfleet.contracts import (FAILURE_ERROR, FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole,
+                                  NodeState, ParallelPlan, RunRecord, RunSpec, RunState, TaskWait)
 from trainfleet.validate import load_template
 
 REPO = Path(__file__).resolve().parent.parent
@@ -339,6 +341,36 @@ def test_recover_gives_up_when_the_restart_budget_is_spent(handlers, cloud, reso
     after = store.run(run.run_name)
     assert after.error.startswith("restart budget spent") and [f.failure_class for f in after.failures] == [
         FailureClass.INSTANCE_LOST]
+
+
+def test_recover_names_the_workers_that_failed_silently(handlers, cloud, resources, monkeypatch):
+    """A crash no event pinned on a node: the worker whose agent stopped reporting and the one EC2
+    reports impaired (frozen) are named, so Recover replaces them instead of restarting on them."""
+    monkeypatch.setattr(cloud.fleet, "boot", lambda instance: ["sleep", "120"])
+    ec2 = cloud.client("ec2")
+    ids = [instance["InstanceId"] for instance in ec2.run_instances(
+        ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=3, MaxCount=3)["Instances"]]
+    store, run, recorded = recorded_run(cloud, resources, workers=2)
+    for instance_id in recorded:  # the run's nodes are the real instances below
+        store.transition_node(run.run_name, instance_id, NodeState.TERMINATED)
+    for index, instance_id in enumerate(ids):
+        store.add_node(NodeRecord(run_name=run.run_name, instance_id=instance_id, state=NodeState.READY,
+                                  ready_attempt=0, private_ip=f"10.0.1.{index}"))
+        cloud.fleet.wait_for_state(instance_id, "running")
+    answering, silent, frozen = ids
+    now = datetime.now(timezone.utc)
+    for instance_id, seconds_ago in ((answering, 2), (silent, 300), (frozen, 3)):
+        write_liveness(cloud.client("s3"), resources["bucket"], run.run_name, NodeLiveness(
+            instance_id=instance_id, attempt=0, step=40, reported_at=now - timedelta(seconds=seconds_ago)))
+    cloud.wait_until(lambda: cloud.fleet.get(frozen).process is not None, 10, "the frozen node to boot")
+    cloud.fleet.hang(frozen)
+    crash = FailureReport(failure_class=FailureClass.PROCESS_CRASH, attempt=0, message="peer gone")
+    named = handlers.recover.name_silent_workers(store.run(run.run_name), store.nodes(run.run_name), crash)
+    assert named.instance_ids == sorted([silent, frozen]) and named.failure_class is FailureClass.PROCESS_CRASH
+    assert f"{silent}: agent silent for 30" in named.message  # 300 s ago when written
+    assert f"{frozen}: EC2 instance status impaired" in named.message
+    cloud.fleet.resume(frozen)
+    ec2.terminate_instances(InstanceIds=ids)
 
 
 def test_a_report_about_a_node_already_retired_changes_nothing(handlers, cloud, resources):

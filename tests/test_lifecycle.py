@@ -9,7 +9,7 @@ from trainfleet import lifecycle as lc
 from trainfleet.contracts import (CAPACITY_ERROR, FAILURE_ERROR, CheckpointCommitted, CheckpointReason,
                                   CheckpointRef, Ec2InstanceStateChange, Ec2RebalanceRecommendation,
                                   Ec2SpotInterruptionWarning, FailureClass, FailureRecord,
-                                  FailureReport, GoodputLedger, HealthEvent, NodeReady, NodeRecord, NodeRegistered,
+                                  FailureReport, GoodputLedger, HealthEvent, NodeLiveness, NodeReady, NodeRecord, NodeRegistered,
                                   NodeRole, NodeState, NodeUnhealthy, ParallelPlan, RecoveryAction,
                                   RecoveryPolicy, RunRecord, RunSpec, TaskWait, TrainerConfig,
                                   TrainerFailed, TrainerHung, TrainingProgress)
@@ -480,3 +480,51 @@ def test_launch_spec_refuses_what_it_cannot_build():
     no_ip = [NodeRecord(run_name="r1", instance_id="i-1", state=NodeState.READY, ready_attempt=1), *WORKERS[1:]]
     with pytest.raises(ValueError, match="private IP"):
         lc.build_launch_spec(make_run(), no_ip, None)
+
+
+# --- liveness ---------------------------------------------------------------------------------
+
+def live(instance_id: str, step: int | None, seconds_ago: float, attempt: int = 1) -> NodeLiveness:
+    return NodeLiveness(instance_id=instance_id, attempt=attempt, step=step, step_at=None,
+                        reported_at=T0 - timedelta(seconds=seconds_ago))
+
+
+def test_the_read_rate_of_a_run_stays_bounded_whatever_its_node_count():
+    assert [lc.poll_interval(2, draw) for draw in (0.0, 0.5)] == [5.0, 7.5]
+    assert lc.poll_interval(512, 0.0) == 10.0  # twice FULL_RATE_NODES: half as often
+    assert lc.looks_per_second(2) == pytest.approx(0.267, abs=1e-3)
+    assert lc.looks_per_second(512) == lc.looks_per_second(4096) == pytest.approx(34.13, abs=0.01)
+    with pytest.raises(ValueError, match="draw"):
+        lc.poll_interval(2, 1.0)
+
+
+def test_a_crash_names_the_workers_that_went_silent_never_joined_or_fell_behind():
+    crash = report(FailureClass.PROCESS_CRASH)
+    records = [live("i-1", 40, 2), live("i-2", 40, 300), live("i-3", None, 3), live("i-4", 37, 1)]
+    blamed = lc.blame_silent_workers(crash, WORKERS, records, T0)
+    assert blamed.instance_ids == ["i-2", "i-3", "i-4"] and blamed.failure_class is FailureClass.PROCESS_CRASH
+    assert "i-2: agent silent for 300 s" in blamed.message and "i-3: never joined the rendezvous" in blamed.message
+    assert "i-4: stopped advancing at step 37" in blamed.message
+    # A step behind is a pipeline in flight, not a silent node; a record of an older attempt is none,
+    # which counts once the peers trained (every agent reports before its torchrun starts).
+    records = [live("i-1", 40, 2), live("i-2", 39, 2), live("i-3", 40, 1), live("i-4", 40, 3, attempt=0)]
+    blamed = lc.blame_silent_workers(crash, WORKERS, records, T0)
+    assert blamed.instance_ids == ["i-4"] and "no liveness report in attempt 1" in blamed.message
+    not_yet = [live("i-1", None, 2), live("i-2", None, 2)]  # still in the rendezvous
+    assert lc.blame_silent_workers(crash, WORKERS, not_yet, T0).instance_ids == []
+
+
+def test_liveness_blames_no_one_when_every_worker_looks_silent_but_ec2_impairment_counts():
+    hang = report(FailureClass.HANG)
+    silent = [live(f"i-{n}", 40, 600) for n in range(1, 5)]
+    assert lc.blame_silent_workers(hang, WORKERS, silent, T0).instance_ids == []
+    impaired = lc.blame_silent_workers(hang, WORKERS, silent, T0, impaired_ids=frozenset({"i-3", "i-9"}))
+    assert impaired.instance_ids == ["i-3"] and "EC2 instance status impaired" in impaired.message
+
+
+def test_failures_that_name_a_node_or_cannot_hide_one_are_left_alone():
+    records = [live("i-1", 40, 2), live("i-2", 40, 300)]
+    for failure in (report(FailureClass.INSTANCE_LOST, "i-1"), report(FailureClass.NUMERICAL),
+                    report(FailureClass.CONFIG_ERROR)):
+        assert not lc.needs_liveness_look(failure)
+        assert lc.blame_silent_workers(failure, WORKERS, records, T0) == failure

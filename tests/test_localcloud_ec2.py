@@ -8,6 +8,8 @@ from pathlib import Path
 import botocore.exceptions
 import pytest
 
+from trainfleet.adapters.liveness import impaired_instances
+
 from localcloud.glue.ec2 import interface_requests
 from localcloud_helpers import (create_state_machine, deploy_function, event_sink, receive,
                                 records, unique, wait_for_execution)
@@ -86,6 +88,13 @@ def test_terminate_hung_instance_and_stop_start(local_cloud):
     local_cloud.wait_until(lambda: Path(f"/proc/{process.pid}/stat").read_text().split()[2] == "T",
                            5, "the process to stop")
     assert describe(local_cloud, hung)["State"]["Name"] == "running"
+    # A frozen instance fails its instance status check, as EC2 reports one that stops responding.
+    statuses = {status["InstanceId"]: status for status in ec2.describe_instance_status(
+        InstanceIds=[hung, stopped])["InstanceStatuses"]}
+    assert statuses[hung]["InstanceStatus"]["Status"] == "impaired"
+    assert statuses[hung]["InstanceStatus"]["Details"] == [{"Name": "reachability", "Status": "failed"}]
+    assert statuses[stopped]["InstanceStatus"]["Status"] == "ok"
+    assert impaired_instances(ec2, [hung, stopped]) == {hung}
     assert ec2.terminate_instances(InstanceIds=[hung])["TerminatingInstances"][0]["CurrentState"]["Name"] \
         == "shutting-down"
     local_cloud.fleet.wait_for_state(hung, "terminated")

@@ -830,6 +830,25 @@ class NodeRecord(_Strict):
     """Optimistic lock, as on RunRecord."""
 
 
+class NodeLiveness(_Strict):
+    """What a node's agent last said about itself: written by the agent to
+    s3://BUCKET/runs/RUN/liveness/<instance>.json at every look at the control plane while its
+    trainer runs (adapters.liveness). Recover reads them to name the nodes behind a crash or a
+    hang that no event pinned on a node (lifecycle.liveness)."""
+
+    instance_id: str
+    """The node."""
+    attempt: int = Field(ge=0)
+    """The attempt its trainer runs in."""
+    step: int | None = Field(default=None, ge=0)
+    """The last step its trainer completed in that attempt (the resume step once it joined the
+    rendezvous); None while it has not joined."""
+    step_at: datetime | None = None
+    """When `step` last changed."""
+    reported_at: datetime
+    """When the agent wrote this: an agent that stops writing has stopped answering."""
+
+
 class LaunchSpec(_Strict):
     """What every node agent of an attempt reads to start torchrun."""
 
