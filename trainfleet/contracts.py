@@ -772,6 +772,9 @@ class RunRecord(_Strict):
     """When the current attempt began (allocation or recovery)."""
     first_step_at: datetime | None = None
     """First training step of the current attempt (ends its start-up time)."""
+    checkpoint_requested_at: datetime | None = None
+    """Set when a training worker's departure was announced: every agent asks its trainer for a
+    checkpoint now (agents read the run record at each look); a new attempt clears it."""
     last_step: int | None = None
     """Latest step reported by progress events."""
     last_progress_at: datetime | None = None
@@ -819,9 +822,12 @@ class NodeRecord(_Strict):
     """Why it was marked UNHEALTHY."""
     reason: str | None = None
     """For people: the event or check that marked it."""
-    spot_warned_at: datetime | None = None
-    """When a Spot interruption warning named it while it trained: it is interrupting, and the
-    run trains on until its emergency checkpoint commits (lifecycle.spot_interruption_over)."""
+    departure_noticed_at: datetime | None = None
+    """When AWS announced it would leave while it trained (a Spot interruption warning, a
+    rebalance recommendation, a scheduled retirement): the run trains on until the emergency
+    checkpoint commits, then replaces it (lifecycle.departure_wait_over)."""
+    departure_class: FailureClass | None = None
+    """Which announcement: SPOT_INTERRUPTION, SPOT_REBALANCE or HEALTH_EVENT."""
     launched_at: datetime | None = None
     """Set by the run store when first recorded."""
     updated_at: datetime | None = None

@@ -26,9 +26,9 @@ def apply_all() -> None:
     with _lock:
         if _applied:
             return
-        from localcloud.glue import awslambda, ec2, events, stepfunctions
+        from localcloud.glue import awslambda, ec2, events, faults, stepfunctions
 
-        for service in (awslambda, stepfunctions, events, ec2):
+        for service in (awslambda, stepfunctions, events, ec2, faults):
             service.apply()
         _applied = True
 
