@@ -309,13 +309,15 @@ def test_a_checkpoint_claim_is_checked_against_s3(handlers, cloud, resources):
 
 @pytest.mark.parametrize("sample, failure_class", [
     ("aws-health-ec2-instance-retirement.json", FailureClass.HEALTH_EVENT),
-])  # a Spot warning first waits for the emergency checkpoint: tests/test_handlers_spot_goodput.py
-def test_aws_warnings_about_a_worker_fail_the_train_task(handlers, cloud, resources, sample, failure_class):
+])  # announced departures first wait for the emergency checkpoint: tests/test_handlers_spot_goodput.py
+def test_an_ongoing_health_issue_about_a_worker_fails_the_train_task(handlers, cloud, resources, sample,
+                                                                      failure_class):
     store, run, (worker, _) = recorded_run(cloud, resources)
     execution, token = parked_token(cloud)
     store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token=token))
     event = json.loads((REPO / "events" / "aws" / sample).read_text())
     event["id"] = str(uuid.uuid4())
+    event["detail"]["eventTypeCategory"] = "issue"  # degraded now, not a retirement to come
     # The documented samples name i-1234567890abcdef0: point them at this run's worker, and
     # keep a second, foreign instance in the Health event (it must be ignored).
     if "affectedEntities" in event["detail"]:

@@ -380,24 +380,40 @@ def committed(step: int, reason: CheckpointReason) -> CheckpointCommitted:
 
 def test_the_spot_wait_ends_at_the_requested_checkpoint_the_instance_leaving_or_the_notice_running_out():
     run = make_run()  # checkpoints every 10 steps
-    warned = node("i-2", spot_warned_at=T0)
-    nodes = [WORKERS[0], warned, node("i-3", state=NodeState.UNHEALTHY, spot_warned_at=T0)]
+    spot = {"departure_noticed_at": T0, "departure_class": FailureClass.SPOT_INTERRUPTION}
+    warned = node("i-2", **spot)
+    nodes = [WORKERS[0], warned, node("i-3", state=NodeState.UNHEALTHY, **spot)]
     almost = T0 + lc.SPOT_NOTICE - timedelta(seconds=1)
-    assert lc.spot_interruption_over(run, nodes, almost) is None
-    assert lc.spot_interruption_over(run, nodes, almost, leaving_instance_ids=frozenset({"i-1"})) is None
+    assert lc.departure_wait_over(run, nodes, almost) is None
+    assert lc.departure_wait_over(run, nodes, almost, leaving_instance_ids=frozenset({"i-1"})) is None
     # Only a checkpoint saved on request is the one the warning asked for, whatever its step.
     for reason in (CheckpointReason.INTERVAL, CheckpointReason.FINAL, CheckpointReason.UNKNOWN):
-        assert lc.spot_interruption_over(run, nodes, almost, committed=committed(43, reason)) is None
+        assert lc.departure_wait_over(run, nodes, almost, committed=committed(43, reason)) is None
     for trigger, why in [({"committed": committed(40, CheckpointReason.REQUESTED)},
                           "emergency checkpoint step 40 committed"),
                          ({"leaving_instance_ids": frozenset({"i-2"})}, "instance leaving"),
                          ({"now": T0 + lc.SPOT_NOTICE}, "notice ran out")]:
-        over = lc.spot_interruption_over(run, nodes, **{"now": almost, **trigger})
+        over = lc.departure_wait_over(run, nodes, **{"now": almost, **trigger})
         assert (over.failure_class, over.attempt, over.instance_ids) == (FailureClass.SPOT_INTERRUPTION, 1, ["i-2"])
         assert why in over.message
     # Nothing interrupting (or only retired nodes): nothing ends.
-    assert lc.spot_interruption_over(run, WORKERS, T0, committed=committed(43, CheckpointReason.REQUESTED)) is None
-    assert lc.spot_interruption_over(run, nodes[2:], T0 + lc.SPOT_NOTICE) is None
+    assert lc.departure_wait_over(run, WORKERS, T0, committed=committed(43, CheckpointReason.REQUESTED)) is None
+    assert lc.departure_wait_over(run, nodes[2:], T0 + lc.SPOT_NOTICE) is None
+
+
+def test_announced_departures_checkpoint_first_and_fail_with_their_own_class():
+    retirement = HealthEvent.model_validate({
+        "eventArn": "arn:x", "service": "EC2", "eventTypeCode": "AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED",
+        "eventTypeCategory": "scheduledChange", "affectedEntities": [{"entityValue": "i-2"}]})
+    assert lc.checkpoint_before_leaving(retirement)
+    assert lc.checkpoint_before_leaving(Ec2RebalanceRecommendation(instance_id="i-2"))
+    assert lc.checkpoint_before_leaving(Ec2SpotInterruptionWarning(instance_id="i-2", instance_action="terminate"))
+    assert not lc.checkpoint_before_leaving(retirement.model_copy(update={"event_type_category": "issue"}))
+    assert not lc.checkpoint_before_leaving(Ec2InstanceStateChange(instance_id="i-2", state="stopping"))
+    rebalanced = node("i-2", departure_noticed_at=T0, departure_class=FailureClass.SPOT_REBALANCE)
+    later = node("i-3", departure_noticed_at=T0 + timedelta(seconds=5), departure_class=FailureClass.HEALTH_EVENT)
+    over = lc.departure_wait_over(make_run(), [WORKERS[0], later, rebalanced], T0 + lc.SPOT_NOTICE)
+    assert (over.failure_class, over.instance_ids) == (FailureClass.SPOT_REBALANCE, ["i-2", "i-3"])
 
 
 def test_cost_accrues_and_meets_the_ceiling():

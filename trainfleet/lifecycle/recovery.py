@@ -129,4 +129,5 @@ def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDec
         "waiting": None,
         "attempt_started_at": now,
         "first_step_at": None,
+        "checkpoint_requested_at": None,
     })
