@@ -4,6 +4,7 @@ end to end in tests/test_agent_local_run.py."""
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -23,8 +24,8 @@ from trainer.agent import (AgentError, AgentSettings, Attempt, AttemptFiles, Con
                            MetricsFollower, failure_kind, torchrun_command, trainer_config)
 from trainfleet.adapters.liveness import read_liveness
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointReason, LaunchSpec, RunRecord, RunSpec,
-                                  TrainerFailureKind, rendezvous_port)
+from trainfleet.contracts import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointReason, LaunchSpec, NodeRecord, RunRecord,
+                                  RunSpec, RunState, TrainerFailureKind, rendezvous_port)
 from trainfleet.validate import load_template
 
 REPO = Path(__file__).resolve().parent.parent
@@ -343,3 +344,56 @@ def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_se
     assert not [line for line in logged if "stopping torchrun" in line["agent"]]
     assert all(local_cloud.throttled_requests.get(service) for service in ("dynamodb", "s3", "events"))
     assert control.failures == 0, "calls succeed again once the throttling is over"
+
+
+def test_the_agent_ends_its_instance_when_the_run_is_over(local_cloud, metadata_service, tmp_path, monkeypatch):
+    name = f"agent-{uuid.uuid4().hex[:8]}"
+    local_cloud.client("s3").create_bucket(Bucket=name)
+    local_cloud.client("events").create_event_bus(Name=name)
+    table = run_table(local_cloud)
+    store = RunStore(local_cloud.client("dynamodb"), table)
+    store.create_run(run_record(state=RunState.FAILED))  # stopped while this node booted
+    store.add_node(NodeRecord(run_name="run-a", instance_id="i-0aaa"))
+    ended = tmp_path / "ended"
+    for variable, value in (SETTINGS_ENV | {"TRAINFLEET_BUCKET": name, "TRAINFLEET_EVENT_BUS": name,
+                                            "TRAINFLEET_RUN_TABLE": table, "TRAINFLEET_AGENT_LIFETIME_S": "120",
+                                            "TRAINFLEET_SHUTDOWN_COMMAND": f"touch {ended}"}).items():
+        monkeypatch.setenv(variable, value)
+    monkeypatch.chdir(tmp_path)
+    assert agent.main() == 0
+    assert ended.exists(), "the shutdown command ran"
+
+
+def test_an_unreachable_control_plane_ends_the_instance_after_the_limit(local_cloud, metadata_service, tmp_path,
+                                                                       monkeypatch):
+    table = run_table(local_cloud)
+    RunStore(local_cloud.client("dynamodb"), table).create_run(run_record())
+    monkeypatch.setattr(agent, "CLIENT_RETRIES", {"max_attempts": 1, "mode": "standard"})
+    clock = {"now": 0.0}
+    control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_RUN_TABLE": table}),
+                                   workdir=tmp_path), IDENTITY, clock=lambda: clock["now"])
+    local_cloud.throttle("dynamodb", 30.0)
+    assert control.look_at_run() is None  # failed: logged, tried again later
+    clock["now"] += agent.UNREACHABLE_LIMIT_S - 1
+    assert control.look_at_run() is None
+    clock["now"] += agent.RETRY_MAX_S  # the backoff is over; the limit too
+    with pytest.raises(agent.Unreachable, match="has not answered for 9[0-9][0-9] s"):
+        control.look_at_run()
+    local_cloud.throttled.clear()
+    clock["now"] += agent.RETRY_MAX_S
+    assert control.look_at_run().run_name == "run-a" and control.failures == 0
+
+
+@pytest.mark.parametrize("nodes, looks_per_s", [(2, 0.27), (512, 34.1), (4096, 34.1)])
+def test_a_runs_agents_read_at_a_bounded_rate_whatever_its_node_count(nodes, looks_per_s):
+    """One agent's own pacing over simulated hours, scaled to the run's agents: each look is one
+    read of the run record (bench/control_plane_load.py prints the partition's load)."""
+    clock = {"now": 0.0}
+    control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV), workdir=Path(".")), IDENTITY,
+                           clock=lambda: clock["now"], draw=random.Random(7).random)
+    control.run_nodes = nodes
+    looks, seconds = 0, 3600 * max(1, nodes // 256)  # about the same number of looks each time
+    while clock["now"] < seconds:
+        looks += control.take_look()
+        clock["now"] += agent.LOOK_S
+    assert nodes * looks / seconds == pytest.approx(looks_per_s, rel=0.05)
