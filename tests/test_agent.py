@@ -322,7 +322,7 @@ def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_se
                                                               "TRAINFLEET_RUN_TABLE": table}), workdir=tmp_path)
     # botocore's own quick retries out of the way: every throttled answer reaches the agent.
     monkeypatch.setattr(agent, "CLIENT_RETRIES", {"max_attempts": 1, "mode": "standard"})
-    control = ControlPlane(settings, IDENTITY)
+    control = ControlPlane(settings, IDENTITY, draw=lambda: 0.0)  # the shortest backoff: 1, 2, 4 ... s
     spec = launch_spec(attempt=1)
     spec = spec.model_copy(update={"trainer_config": {**spec.trainer_config, "checkpoint": {
         "uri": f"s3://{name}/runs/run-a/checkpoints", "resume": "none"}}})

@@ -46,8 +46,12 @@ def test_only_the_lost_node_is_replaced_and_the_run_succeeds(run):
 
 @pytest.mark.slow
 def test_every_agent_passed_preflight_with_the_checks_that_apply_here(run):
+    # The first report is the preflight's; the survivor then confirms it is ready for attempt 1.
+    survivor = run["disrupted"]["survivor"]
+    assert [(report["agent"], report["attempt"]) for report in run["preflight"][survivor]] == [
+        ("sent NodeReady", 0), ("sent NodeReady", 1)]
     for instance_id, reports in run["preflight"].items():
-        (report,) = reports
+        report = reports[0]
         assert report["agent"] == "sent NodeReady", (instance_id, report)
         checks = {check["name"]: check for check in report["checks"]}
         assert checks["gloo_allreduce"]["passed"] is True

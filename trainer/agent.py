@@ -217,7 +217,7 @@ class Unreachable(AgentError):
 class ControlPlane:
     """The AWS calls the agent makes: events, launch specs, records, liveness, the Train task.
 
-    Reads of the run are paced (`due`, lifecycle.poll_interval); every call goes through `call`,
+    Looks are paced (`take_look`, lifecycle.poll_interval); every call goes through `call`,
     which turns a failure into None, logs it and backs off, so no single error stops training.
     """
 
@@ -254,7 +254,7 @@ class ControlPlane:
             now = self.clock()
             self.failures += 1
             self.failing_since = self.failing_since if self.failing_since is not None else now
-            wait = min(RETRY_MAX_S, 2.0 ** self.failures) * (0.5 + self.draw() / 2)
+            wait = min(RETRY_MAX_S, 2.0 ** min(self.failures, 8)) * (0.5 + self.draw() / 2)
             self.next_look = max(self.next_look, now + wait)
             say("control plane call failed; trying again later", call=what, error=str(exc),
                 failures=self.failures, retry_in_s=round(wait, 1))
@@ -287,15 +287,14 @@ class ControlPlane:
         say(f"sent {detail.DETAIL_TYPE.value}", **detail.model_dump(mode="json", exclude={"run_name"}))
         return True
 
-    def until_done(self, what: str, action: Callable[[], T | None], deadline: float | None) -> T:
-        """`action()` (through `call`) tried again with backoff until it gives something."""
-        while True:
-            result = self.call(what, action)
-            if result is not None:
-                return result
+    def until_done(self, what: str, attempt: Callable[[], T | None], deadline: float | None) -> T:
+        """`attempt()` (which makes its calls through `call`) again at the pace `call` sets after
+        a failure, until it gives something."""
+        while (result := attempt()) is None:
             if deadline is not None and time.monotonic() > deadline:
                 raise AgentError(f"gave up trying to {what}: the agent's lifetime is over")
             time.sleep(max(LOOK_S, self.next_look - self.clock()))
+        return result
 
     def deliver(self, detail: AgentEvent, deadline: float | None) -> None:
         """Send an event that must arrive (a node's state, an attempt's end), however long it takes."""
@@ -473,8 +472,8 @@ class Attempt:
         self.files = AttemptFiles(control.settings.workdir / f"attempt-{spec.attempt}")
         self.metrics = MetricsFollower(self.files.metrics)
         self.checkpoints = catalog.open_store(spec.trainer_config["checkpoint"]["uri"], control.s3)
-        self.announced = {step for step in control.until_done(
-            "list the committed checkpoints", lambda: catalog.committed_steps(self.checkpoints), deadline)
+        self.announced = {step for step in control.until_done("list the committed checkpoints", lambda: control.call(
+            "list the committed checkpoints", lambda: catalog.committed_steps(self.checkpoints)), deadline)
                           if spec.resume_step is None or step <= spec.resume_step}
         self.last_step: int | None = None
         self.speaks_for_world = False  # set once this node's trainer writes metrics (global rank 0)
@@ -522,8 +521,9 @@ class Attempt:
         return run.attempt > self.spec.attempt or run.state.is_final
 
     def follow(self) -> None:
-        """What the node shows since the last look (no call to the control plane but the rank-0
-        node's heartbeat and sampled progress): metrics, this node's progress, a Spot notice."""
+        """What the node shows since the last look: metrics, this node's progress, a Spot notice.
+        Only the node that speaks for the world calls the control plane here (heartbeat, sampled
+        progress, new commits)."""
         records = self.metrics.new_records()
         # A `finished` record (no loss) is what a trainer resumed at its last step writes instead
         # of step records: it speaks for the world all the same.
@@ -539,6 +539,11 @@ class Attempt:
             if now - self.last_progress >= PROGRESS_EVERY_S:
                 self.send_progress(steps[-1])
                 self.last_progress = now
+        if records:
+            # While its trainer advances, the node that speaks for the world looks for new commits
+            # at once (one S3 listing per look of this node, whatever the node count): a Spot
+            # wait ends on one, and the next attempt resumes from the newest announced.
+            self.announce_commits()
         step = read_progress(self.files.progress)
         if step != self.node_step:
             self.node_step, self.node_step_at = step, datetime.now(timezone.utc)
@@ -554,9 +559,9 @@ class Attempt:
         if requested is not None and requested != self.checkpoint_request_seen:
             self.checkpoint_request_seen = requested
             self.request_checkpoint("the run asks for a checkpoint (a worker is leaving)")
-        # Only after the first record: by then the trainer has deleted the folders of an abandoned
-        # timeline (steps newer than its resume point), which must not be announced as this
-        # attempt's commits.
+        # Commits that land after the trainer's last record (an asynchronous save). Only after the
+        # first record: by then the trainer has deleted the folders of an abandoned timeline (steps
+        # newer than its resume point), which must not be announced as this attempt's commits.
         if self.speaks_for_world:
             self.announce_commits()
 
