@@ -67,9 +67,10 @@ def silent_workers(nodes: list[NodeRecord], liveness: list[NodeLiveness], attemp
     more than a step behind its peers. The liveness rules blame no one when every worker looks silent: that says more
     about the reports' path than about the nodes, and replacing the whole world would not help.
     """
-    workers = [node for node in nodes if node.role is NodeRole.WORKER and node.state not in _RETIRED]
+    live = [node for node in nodes if node.state not in _RETIRED]
+    workers = [node for node in live if node.role is NodeRole.WORKER]
     reports = {record.instance_id: record for record in liveness if record.attempt == attempt}
-    limit = silent_after(len(nodes))
+    limit = silent_after(len(live))  # the agents pace their looks by the run's node count
     steps = [record.step for record in reports.values() if record.step is not None]
     lead = max(steps, default=None)
     why: dict[str, str] = {}
