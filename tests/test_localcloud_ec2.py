@@ -2,6 +2,8 @@
 
 import base64
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -71,6 +73,33 @@ def test_instance_boots_a_process_and_dies_with_it(local_cloud):
     described = describe(local_cloud, instance_id)
     assert described["State"]["Name"] == "terminated"
     assert described["StateReason"]["Code"] == "Client.InstanceInitiatedShutdown"
+
+
+@pytest.mark.slow
+def test_hang_freezes_every_process_of_the_instance(local_cloud):
+    """Also one that left the instance's process group, as torchrun's ranks do: a frozen machine
+    runs nothing."""
+    script = ("import pathlib, subprocess, time\n"
+              "child = subprocess.Popen(['sleep', '120'], start_new_session=True)\n"
+              "pathlib.Path('child.pid').write_text(str(child.pid))\n"
+              "time.sleep(120)\n")
+    local_cloud.fleet.boot = lambda instance: [sys.executable, "-c", script]
+    instance_id = launch(local_cloud)
+    local_cloud.fleet.wait_for_state(instance_id, "running")
+    child_pid = local_cloud.fleet.get(instance_id).workdir / "child.pid"
+    local_cloud.wait_until(child_pid.exists, 20, "the child to start")
+
+    def state(pid: int) -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    child = int(child_pid.read_text())
+    local_cloud.fleet.hang(instance_id)
+    local_cloud.wait_until(lambda: state(child) == "T", 5, "the child to stop")
+    local_cloud.fleet.resume(instance_id)
+    local_cloud.wait_until(lambda: state(child) != "T", 5, "the child to go on")
+    local_cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
+    local_cloud.fleet.wait_for_state(instance_id, "terminated")
+    os.kill(child, signal.SIGKILL)
 
 
 @pytest.mark.slow
