@@ -187,16 +187,17 @@ def addressed(nodes: list[NodeRecord]) -> list[NodeRecord]:
 
 
 def answer_if_world_complete(run_name: str) -> bool:
-    """Succeed AwaitNodes once enough addressed workers passed preflight for the run's plan."""
+    """Succeed AwaitNodes once enough addressed workers passed preflight and confirmed they are
+    ready for the run's current attempt."""
     store = aws().store
     run = store.run(run_name)
     if run.plan is None or run.waiting is None or run.waiting.purpose != "await_nodes":
         return False
     nodes = addressed(store.nodes(run_name))
-    if not world_complete(nodes, run.plan):
+    if not world_complete(nodes, run.plan, run.attempt):
         return False
     return answer_task(run_name, "await_nodes", run.attempt,
-                       output={"ready_workers": len(ready_workers(nodes))})
+                       output={"ready_workers": len(ready_workers(nodes, run.attempt))})
 
 
 def fleet_token_prefix(run: RunRecord) -> str:

@@ -7,9 +7,11 @@ records: an agent event of an attempt already replaced is ignored (lifecycle.is_
 AWS event about a node the run has already retired only records that the instance is gone.
 A failure answers the parked task token with trainfleet.Failure only when it concerns the
 run's current world: a lost spare is recorded, not fought over. With no token parked, the
-attempt's next wait fails with it as it parks (common.fail_attempt). A Spot warning for a worker
-that trains marks the node interrupting and lets training go on until the checkpoint its agent
-asked for commits (lifecycle.spot); then the attempt fails with SPOT_INTERRUPTION.
+attempt's next wait fails with it as it parks (common.fail_attempt). A Spot warning, a
+rebalance recommendation or a scheduled retirement for a worker that trains marks the node
+leaving, asks every agent for a checkpoint (through the run record) and lets training go on
+until that checkpoint commits (lifecycle.spot); then the attempt fails with the announcement's
+class.
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ from trainfleet.adapters.checkpoints import CheckpointInvalid, verify_checkpoint
 from trainfleet.adapters.metrics import checkpoint_metrics, emit, progress_metrics
 from trainfleet.adapters.run_store import RunNotFound
 from trainfleet.contracts import (AgentEvent, CheckpointCommitted, Ec2InstanceStateChange,
-                                  Ec2SpotInterruptionWarning, FailureReport, HealthEvent, NodeReady,
+                                  FailureReport, HealthEvent, NodeReady,
                                   NodeRecord, NodeRegistered, NodeRole, NodeState, RunRecord,
                                   TrainingCompleted, TrainingProgress, parse_event)
-from trainfleet.lifecycle import (classify_event, is_stale, spot_interruption_over,
+from trainfleet.lifecycle import (checkpoint_before_leaving, classify_event, departure_wait_over, is_stale,
                                   waits_for_emergency_checkpoint)
 
 _RETIRED = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
@@ -69,8 +71,15 @@ def node_ready(run: RunRecord, detail: NodeReady) -> str:
         return "ignored: node already retired"
     if node.state is NodeState.LAUNCHED:
         store.transition_node(run.run_name, detail.instance_id, NodeState.REGISTERED)
-    if node.state is not NodeState.READY:
-        store.transition_node(run.run_name, detail.instance_id, NodeState.READY)
+
+    def confirm(current: NodeRecord) -> NodeRecord:
+        if current.state in _RETIRED:  # retired meanwhile by another event
+            return current
+        # Confirmations may arrive out of order: the newest attempt confirmed stays.
+        attempt = max(detail.attempt, current.ready_attempt if current.ready_attempt is not None else -1)
+        return current.model_copy(update={"state": NodeState.READY, "ready_attempt": attempt})
+
+    store.modify_node(run.run_name, detail.instance_id, confirm)
     answered = answer_if_world_complete(run.run_name)
     return "node ready, world complete" if answered else "node ready"
 
@@ -88,8 +97,8 @@ def checkpoint_committed(run: RunRecord, detail: CheckpointCommitted) -> str:
         else current.model_copy(update={"latest_checkpoint": checkpoint}))
     emit(checkpoint_metrics(detail, cloud.settings.metrics_namespace))
     recorded = f"checkpoint step {checkpoint.step} recorded"
-    spot = end_spot_wait(run, committed=detail)
-    return f"{recorded}; {spot}" if spot else recorded
+    departure = end_departure_wait(run, committed=detail)
+    return f"{recorded}; {departure}" if departure else recorded
 
 
 def training_progress(run: RunRecord, detail: TrainingProgress) -> str:
@@ -98,9 +107,9 @@ def training_progress(run: RunRecord, detail: TrainingProgress) -> str:
         "last_step": detail.step, "last_progress_at": now,
         "first_step_at": current.first_step_at or now}))
     emit(progress_metrics(detail, cloud.settings.metrics_namespace))
-    # Progress comes every few seconds while training: the tick that ends a Spot notice run out.
-    spot = end_spot_wait(run)
-    return f"progress at step {detail.step}; {spot}" if spot else f"progress at step {detail.step}"
+    # Progress comes every few seconds while training: the tick that ends a notice run out.
+    departure = end_departure_wait(run)
+    return f"progress at step {detail.step}; {departure}" if departure else f"progress at step {detail.step}"
 
 
 def training_completed(run: RunRecord, detail: TrainingCompleted) -> str:
@@ -122,26 +131,29 @@ def failure(run: RunRecord, nodes: list[NodeRecord], report: FailureReport) -> s
     return f"{report.failure_class.value}: task failed" if answered else f"{report.failure_class.value} recorded"
 
 
-def spot_warning(run: RunRecord, nodes: list[NodeRecord], report: FailureReport) -> str:
-    """Mark a training worker interrupting and train on for its emergency checkpoint; a spare
-    or a world not training yet has nothing to save, so that fails (or is recorded) at once."""
+def departure_notice(run: RunRecord, nodes: list[NodeRecord], report: FailureReport) -> str:
+    """Mark a training worker leaving, ask every agent for a checkpoint now (through the run
+    record) and train on for it; a spare or a world not training yet has nothing to save, so
+    that fails (or is recorded) at once."""
     waiting = [node for node in nodes if waits_for_emergency_checkpoint(run, node)]
     if not waiting:
         return failure(run, nodes, report)
-    now = _now()
-    marked = [aws().store.modify_node(run.run_name, node.instance_id, lambda current: current if current.spot_warned_at
-                                      else current.model_copy(update={"spot_warned_at": now}))
+    store, now = aws().store, _now()
+    marked = [store.modify_node(run.run_name, node.instance_id, lambda current: current if current.departure_noticed_at
+                                else current.model_copy(update={"departure_noticed_at": now,
+                                                                "departure_class": report.failure_class}))
               for node in waiting]
-    if all(node.spot_warned_at != now for node in marked):
-        return "ignored: Spot interruption already recorded"
-    return "SPOT_INTERRUPTION: training on until the emergency checkpoint"
+    if all(node.departure_noticed_at != now for node in marked):
+        return f"ignored: {report.failure_class.value} already recorded"
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={"checkpoint_requested_at": now}))
+    return f"{report.failure_class.value}: training on until the emergency checkpoint"
 
 
-def end_spot_wait(run: RunRecord, **trigger: Any) -> str | None:
+def end_departure_wait(run: RunRecord, **trigger: Any) -> str | None:
     """Fail the attempt once its wait for an emergency checkpoint is over (`trigger`: what just
-    happened, see lifecycle.spot_interruption_over); None while it goes on or nothing waits."""
+    happened, see lifecycle.departure_wait_over); None while it goes on or nothing waits."""
     nodes = aws().store.nodes(run.run_name)
-    report = spot_interruption_over(run, nodes, _now(), **trigger)
+    report = departure_wait_over(run, nodes, _now(), **trigger)
     return None if report is None else failure(run, nodes, report)
 
 
@@ -212,13 +224,15 @@ def handle_aws_event(detail: Any) -> str:
         # Only the run's own, still live nodes are blamed (a Health event may name others too).
         live_ids = {node.instance_id for node in live}
         report = report.model_copy(update={"instance_ids": [i for i in report.instance_ids if i in live_ids]})
-        if isinstance(detail, Ec2SpotInterruptionWarning):
-            outcomes.append(spot_warning(run, live, report))
+        if checkpoint_before_leaving(detail):
+            outcomes.append(departure_notice(run, live, report))
             continue
-        # An interrupting node leaving ends its wait: the failure is the Spot interruption.
-        interrupted_leaving = isinstance(detail, Ec2InstanceStateChange) and any(node.spot_warned_at for node in live)
-        spot = end_spot_wait(run, leaving_instance_ids=frozenset(live_ids)) if interrupted_leaving else None
-        outcomes.append(spot or failure(run, live, report))
+        # A node leaving after its departure was announced ends the wait: the failure is the
+        # announced one.
+        announced_leaving = (isinstance(detail, Ec2InstanceStateChange)
+                             and any(node.departure_noticed_at for node in live))
+        departure = end_departure_wait(run, leaving_instance_ids=frozenset(live_ids)) if announced_leaving else None
+        outcomes.append(departure or failure(run, live, report))
         if isinstance(detail, Ec2InstanceStateChange) and detail.state == "terminated":
             for node in live:
                 aws().store.transition_node(run.run_name, node.instance_id, NodeState.TERMINATED)

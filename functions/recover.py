@@ -4,6 +4,8 @@
    (boot or heartbeat, told apart by what the run was waiting for), as a failure of the attempt
    the state's input names. The input is the same for every retry of an invocation, so the
    retry classifies the same failure of the same attempt, whatever the first try recorded.
+   A crash or hang that names no node is checked against the nodes' liveness records and
+   EC2's instance status first: the workers that failed silently are named, and replaced.
 2. Decide, and record the decision before acting on it: the ended attempt's time on the goodput
    ledger, a new attempt, the failure on the books, the blamed nodes TERMINATING, promoted spares
    made workers. Giving up raises RecoveryGaveUp, which the state machine sends to Teardown.
@@ -33,13 +35,14 @@ from functions.common import (CaughtError, RecoveryStep, RunPayload, aws, capaci
                               logger, metrics, tracer, transient_errors_named)
 from functions.errors import RecoveryGaveUp
 from trainfleet.adapters.ec2_fleet import allocate, terminate
+from trainfleet.adapters.liveness import impaired_instances, read_liveness
 from trainfleet.contracts import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                   RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
-from trainfleet.lifecycle import apply_decision, book_attempt, classify_task_error, decide_recovery
+from trainfleet.lifecycle import (apply_decision, blame_silent_workers, book_attempt, classify_task_error,
+                                  decide_recovery, needs_liveness_look, unready_workers)
 
 _GONE = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
 _ENDING = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
-_NOT_READY = frozenset({NodeState.LAUNCHED, NodeState.REGISTERED})
 
 
 def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError, attempt: int) -> FailureReport:
@@ -48,8 +51,20 @@ def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError, attem
     what stands in for the wait no longer matters."""
     waiting = run.waiting if run.waiting and run.waiting.attempt == attempt else TaskWait(
         purpose="train" if run.state is RunState.TRAINING else "await_nodes", attempt=attempt, token="(answered)")
-    not_ready = [node.instance_id for node in nodes if node.state in _NOT_READY]
-    return classify_task_error(caught.Error, caught.Cause, waiting, not_ready)
+    return classify_task_error(caught.Error, caught.Cause, waiting, unready_workers(nodes, attempt))
+
+
+def name_silent_workers(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport) -> FailureReport:
+    """Step 1, continued: a crash or a hang that no event pinned on a node names the workers that
+    went silent (EC2 status checks impaired, an agent that stopped reporting, a trainer that
+    never joined or fell behind), so they are replaced now rather than failing every restart."""
+    if not needs_liveness_look(failure):
+        return failure
+    cloud = aws()
+    workers = [node.instance_id for node in nodes if node.role is NodeRole.WORKER and node.state not in _GONE]
+    impaired = impaired_instances(cloud.ec2, workers) if workers else frozenset()
+    records = read_liveness(cloud.s3, cloud.settings.bucket, run.run_name)
+    return blame_silent_workers(failure, nodes, records, datetime.now(timezone.utc), impaired)
 
 
 def _mark_terminating(name: str, instance_id: str, **changes: Any) -> None:
@@ -131,6 +146,7 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
     run, nodes = store.run(name), store.nodes(name)
     failure = classify(run, nodes, event.failure, event.run.attempt)
     if failure.attempt == run.attempt:
+        failure = name_silent_workers(run, nodes, failure)
         decision = decide_and_record(run, nodes, failure)
         step = RecoveryStep(action=decision.action, reason=decision.reason,
                             backoff_seconds=math.ceil(decision.backoff_seconds))

@@ -110,6 +110,10 @@ class LocalCloud:
         self.delivery_failures: list[DeliveryFailure] = []
         self._saved_moto_settings: dict[str, Any] = {}
         self._timers: list[threading.Timer] = []
+        self.throttled: dict[str, float] = {}
+        """Service -> monotonic time until which its requests are throttled (throttle)."""
+        self.throttled_requests: dict[str, int] = {}
+        """Service -> requests answered with a throttling error so far."""
         self.capacity_limits: dict[tuple[str, str], int] = {}
         """(instance type, zone) -> instances of that type that may be alive there (set_capacity)."""
         from localcloud.fleet import LocalFleet
@@ -269,6 +273,15 @@ class LocalCloud:
         return timer
 
     # --- capacity ------------------------------------------------------------------------
+
+    def throttle(self, service: str, seconds: float) -> None:
+        """Answer every request to `service` (dynamodb, s3 or events) with its throttling error
+        for the next `seconds` real seconds (glue/faults.py)."""
+        from localcloud.glue.faults import ANSWERS
+
+        if service not in ANSWERS:
+            raise ValueError(f"service must be one of {sorted(ANSWERS)}, got {service!r}")
+        self.throttled[service] = time.monotonic() + seconds
 
     def set_capacity(self, instance_type: str, availability_zone: str, instances: int | None) -> None:
         """Let at most `instances` of the type be alive (not terminated) in the zone at once;

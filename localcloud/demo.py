@@ -96,17 +96,18 @@ def attempt_losses(instances: list[Any]) -> dict[int, dict[int, float]]:
             text = metrics.read_text()
             for line in text[:text.rfind("\n") + 1].splitlines():  # a killed trainer's last line may be cut
                 record = json.loads(line)
-                losses.setdefault(attempt, {})[record["step"]] = record["loss"]
+                if "loss" in record:  # not the `finished` record of a trainer resumed at its last step
+                    losses.setdefault(attempt, {})[record["step"]] = record["loss"]
     return losses
 
 
 def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None], *,
-                       disruption: Literal["kill", "spot"] | None = "kill", workdir: Path | None = None,
+                       disruption: Literal["kill", "spot", "freeze"] | None = "kill", workdir: Path | None = None,
                        time_scale: float = 0.02, spot_notice_seconds: float = 120.0,
                        timeout_s: float = 600.0) -> dict[str, Any]:
     """Deploy, run `template` (its nodes are local instances with real agents), disrupt node
-    rank 1 once the first checkpoint is recorded (kill its instance, or give it a Spot
-    interruption notice), wait for the end; what happened, as plain data. `workdir` keeps the instances' folders (console.log,
+    rank 1 once the first checkpoint is recorded (kill its instance, give it a Spot
+    interruption notice, or freeze it: a silent failure), wait for the end; what happened, as plain data. `workdir` keeps the instances' folders (console.log,
     each attempt's trainer config, torchrun output and metrics); None uses a temporary folder.
     `spot_notice_seconds` is nominal, like every local cloud time: scaled by `time_scale`."""
     # The SAM roles attach AWS managed policies; moto knows them only when asked before it loads.
@@ -169,7 +170,7 @@ def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None],
 
 
 def _disrupt_node_rank_1(cloud: Any, store: RunStore, run_name: str, watch: _Watch,
-                         narrate: Callable[[str], None], how: Literal["kill", "spot"]) -> dict[str, Any]:
+                         narrate: Callable[[str], None], how: Literal["kill", "spot", "freeze"]) -> dict[str, Any]:
     first_nodes = {node.instance_id: node.node_rank for node in store.nodes(run_name)}
     victim = next(instance for instance, rank in first_nodes.items() if rank == 1)
     survivor = next(instance for instance, rank in first_nodes.items() if rank == 0)
@@ -177,6 +178,9 @@ def _disrupt_node_rank_1(cloud: Any, store: RunStore, run_name: str, watch: _Wat
     if how == "kill":
         narrate(f"checkpoint step {watch.first_checkpoint()} committed: killing {where}")
         cloud.fleet.kill(victim)
+    elif how == "freeze":
+        narrate(f"checkpoint step {watch.first_checkpoint()} committed: freezing {where} (no EC2 event)")
+        cloud.fleet.hang(victim)
     else:
         narrate(f"checkpoint step {watch.first_checkpoint()} committed: Spot interruption notice for {where}")
         cloud.inject_spot_interruption(victim)

@@ -22,7 +22,8 @@ Lifecycle, as EC2 reports it with state-change events on the default bus:
     StartInstances           -> pending --boot_seconds--> running (process starts again)
     process exits by itself  -> shutting-down -> terminated (instance-initiated shutdown)
 
-Fault injection: kill (SIGKILL the process group: the instance dies), hang (SIGSTOP: the
+Fault injection: kill (SIGKILL the process group: the instance dies), hang (SIGSTOP of every
+process of the instance, its process group and whatever left it: the
 instance stays `running` but does nothing, as a wedged host does), resume (SIGCONT), and the
 Spot interruption (`LocalCloud.inject_spot_interruption`) which ends in `interrupt`.
 A network cut between two nodes is not provided: it needs packet filtering (root) on the
@@ -99,6 +100,23 @@ class LocalInstance:
         return self.workdir / "console.log"
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (its children, theirs, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name may hold spaces
+        except (OSError, IndexError, ValueError):
+            continue  # ended while listed
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, pending = [], [pid]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            found.append(child)
+            pending.append(child)
+    return found
+
+
 BootCommand = Callable[[LocalInstance], Sequence[str] | None]
 """Given an instance that just reached `running`, the argv to start for it, or None."""
 
@@ -158,13 +176,24 @@ class LocalFleet:
         self._signal(instance_id, signal.SIGKILL)
 
     def hang(self, instance_id: str) -> None:
-        """SIGSTOP the instance's processes: alive, `running`, and doing nothing."""
+        """SIGSTOP the instance's processes: alive, `running`, and doing nothing. All of them, like
+        a frozen machine: also those that left its process group (torchrun starts its ranks in
+        sessions of their own)."""
         self._signal(instance_id, signal.SIGSTOP)
+        self._signal_descendants(instance_id, signal.SIGSTOP)
         self.get(instance_id).hung = True
 
     def resume(self, instance_id: str) -> None:
+        self._signal_descendants(instance_id, signal.SIGCONT)
         self._signal(instance_id, signal.SIGCONT)
         self.get(instance_id).hung = False
+
+    def _signal_descendants(self, instance_id: str, signum: signal.Signals) -> None:
+        for pid in _descendants(self.get(instance_id).process.pid):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass  # ended meanwhile
 
     def _signal(self, instance_id: str, signum: signal.Signals) -> None:
         instance = self.get(instance_id)

@@ -8,13 +8,17 @@
 2. The same RunSpec on Spot capacity, 500 steps checkpointed every 250, node rank 1 given a Spot
    interruption notice after the first checkpoint: its agent asks its trainer for a checkpoint,
    the control plane waits for that commit, then replaces the node.
+3. 1,000 steps checkpointed every 100 with node rank 1's instance frozen (SIGSTOP: no EC2
+   event, its agent silent) after the first checkpoint: the survivor's trainer hangs (the Train
+   task's heartbeat times out) or fails when a collective's timeout runs out, and Recover names
+   the frozen node (its status check impaired, its agent silent), replaced on this first failure.
 
 Each runs in a process of its own (tests/test_agent_local_run.py starts them): the local cloud
 imports the deployed handlers, which must not already be imported from the working tree, and
 they keep their stack's settings for the life of the process. The last line of stdout is one
 JSON document: {"outcome": ..., "reference": {step: loss}} for the first, the outcome for the second.
 
-    python tests/agent_local_run.py node-loss | spot-interruption
+    python tests/agent_local_run.py node-loss | spot-interruption | frozen-node
 """
 
 import json
@@ -77,7 +81,22 @@ def spot_interruption(template: dict) -> dict:
                               timeout_s=PHASE_TIMEOUT_S)
 
 
-SCENARIOS = {"node-loss": node_loss, "spot-interruption": spot_interruption}
+FROZEN_STEPS, FROZEN_CHECKPOINT_EVERY = 1000, 100
+FROZEN_TIMEOUT_S = 20
+"""The trainer's process-group timeout in the frozen-node scenario: how long the survivor's ranks
+wait on the frozen peer before they fail."""
+
+
+def frozen_node(template: dict) -> dict:
+    # Still training when node rank 1 freezes, once the first checkpoint is recorded (by then the
+    # trainer, tens of steps a second here, is a few hundred steps further).
+    template["trainer"]["training"]["steps"] = FROZEN_STEPS
+    template["checkpoint"]["interval_steps"] = FROZEN_CHECKPOINT_EVERY
+    template["trainer"]["parallel"]["timeout_s"] = FROZEN_TIMEOUT_S
+    return run_on_local_cloud(template, Narrator(), disruption="freeze", timeout_s=PHASE_TIMEOUT_S)
+
+
+SCENARIOS = {"node-loss": node_loss, "spot-interruption": spot_interruption, "frozen-node": frozen_node}
 
 if __name__ == "__main__":
     if sys.argv[1:] not in ([name] for name in SCENARIOS):

@@ -1,7 +1,8 @@
 """A simulated node agent: what the real one (the next piece of work) tells the control plane.
 
 Started by the local fleet as an instance's process, it speaks only through AWS, as an agent
-on EC2 does: it reports NodeRegistered and NodeReady, then waits for a launch spec naming it.
+on EC2 does: it reports NodeRegistered and NodeReady, then waits for a launch spec naming it,
+confirming its readiness (NodeReady) for every attempt the run moves to.
 Node rank 0 "trains": it counts steps from the resume step, heartbeats the Train task, writes
 a checkpoint in the trainer's commit format every CHECKPOINT_EVERY steps and announces it, and
 reports TrainingCompleted at the last step. When the run leaves its attempt (the Train task
@@ -111,9 +112,20 @@ def main() -> None:
     attempt = wait_for("the node record", node_attempt)
     send(NodeRegistered(run_name=RUN_NAME, attempt=attempt, instance_id=INSTANCE_ID, private_ip=PRIVATE_IP))
     send(NodeReady(run_name=RUN_NAME, attempt=attempt, instance_id=INSTANCE_ID))
+    confirmed = attempt
+
+    def confirm_then_launch_spec(ran: int) -> LaunchSpec | None:
+        """Confirm readiness for each attempt the run moves to, as the real agent does."""
+        nonlocal confirmed
+        current = store.run(RUN_NAME).attempt
+        if current > confirmed:
+            send(NodeReady(run_name=RUN_NAME, attempt=current, instance_id=INSTANCE_ID))
+            confirmed = current
+        return launch_spec_after(ran)
+
     ran = -1
     while True:
-        spec = wait_for("a launch spec naming this node", lambda: launch_spec_after(ran))
+        spec = wait_for("a launch spec naming this node", lambda: confirm_then_launch_spec(ran))
         ran = spec.attempt
         rank = spec.node_ranks[INSTANCE_ID]
         print(json.dumps({"attempt": spec.attempt, "node_rank": rank, "resume_step": spec.resume_step}),

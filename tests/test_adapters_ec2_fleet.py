@@ -55,6 +55,8 @@ def test_launch_template_requires_imdsv2_and_tags_everything():
     spec = make_spec()
     data = fleet.launch_template_data(spec, SETTINGS)
     assert data["MetadataOptions"]["HttpTokens"] == "required"
+    # The agent ends its instance when the run is over: a shutdown from inside terminates it.
+    assert data["InstanceInitiatedShutdownBehavior"] == "terminate"
     assert data["IamInstanceProfile"] == {"Arn": SETTINGS.node_instance_profile_arn}
     assert base64.b64decode(data["UserData"]).decode() == fleet.node_user_data("r1", SETTINGS)
     assert {tags["ResourceType"] for tags in data["TagSpecifications"]} == {"instance", "volume", "network-interface"}
@@ -80,6 +82,7 @@ def test_user_data_installs_and_starts_the_agent():
     script = fleet.node_user_data("r1", SETTINGS)
     assert script.startswith("#!/bin/bash\n")
     assert "TRAINFLEET_RUN_NAME=r1" in script and "TRAINFLEET_EVENT_BUS=agents" in script
+    assert "TRAINFLEET_SHUTDOWN_COMMAND='shutdown -h now'" in script
     assert '-H "X-aws-ec2-metadata-token: $token"' in script  # IMDSv2 only, like the template
     assert "aws s3 cp --recursive s3://bucket/artifacts/" in script
     assert "systemd-run --unit trainfleet-agent" in script and f"-m {fleet.AGENT_MODULE}" in script

@@ -4,6 +4,7 @@ end to end in tests/test_agent_local_run.py."""
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -21,14 +22,22 @@ from trainer import agent
 from trainer import checkpoint_catalog as catalog
 from trainer.agent import (AgentError, AgentSettings, Attempt, AttemptFiles, ControlPlane, Identity, MetadataClient,
                            MetricsFollower, failure_kind, torchrun_command, trainer_config)
-from trainfleet.contracts import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointReason, LaunchSpec, TrainerFailureKind,
-                                  rendezvous_port)
+from trainfleet.adapters.liveness import read_liveness
+from trainfleet.adapters.run_store import RunStore
+from trainfleet.contracts import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointReason, LaunchSpec, NodeRecord, RunRecord,
+                                  RunSpec, RunState, TrainerFailureKind, rendezvous_port)
+from trainfleet.validate import load_template
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS_ENV = {"TRAINFLEET_RUN_NAME": "run-a", "TRAINFLEET_RUN_TABLE": "table",
                 "TRAINFLEET_BUCKET": "bucket", "TRAINFLEET_EVENT_BUS": "bus"}
 IDENTITY = Identity(instance_id="i-0aaa", instance_type="c5.large", private_ip="127.77.0.11",
                     availability_zone="us-east-1a", region="us-east-1")
+
+
+def run_record(**fields) -> RunRecord:
+    spec = json.loads((REPO / "events" / "example-run.json").read_text())
+    return RunRecord(run_name="run-a", spec=RunSpec.model_validate(spec), attempt=1, **fields)
 
 
 def launch_spec(attempt: int = 0, resume_step: int | None = None, ranks: dict[str, int] | None = None) -> LaunchSpec:
@@ -212,14 +221,18 @@ def watched_attempt(moto_endpoint, metadata_service, tmp_path):
 
 def test_the_rank_0_node_announces_each_new_commit_once_with_progress(watched_attempt):
     attempt, store, sent = watched_attempt
+    run = run_record()
     commit(store, 20)
     attempt.follow()
+    attempt.look(run)
     assert sent() == [], "no metrics yet: this node does not hold global rank 0 (so far)"
     attempt.files.metrics.write_text(json.dumps({"step": 21, "loss": 3.5, "tokens_per_s": 900.0,
                                                  "step_time_s": 0.1}) + "\n")
     attempt.follow()
+    attempt.look(run)
     commit(store, 30, reason=catalog.SaveReason.REQUESTED)
     attempt.follow()
+    attempt.look(run)
     events = sorted(sent(), key=lambda event: (event["detail-type"], event["detail"].get("step", 0)))
     assert [(event["detail-type"], event["detail"]["step"], event["detail"].get("reason")) for event in events] == [
         ("CheckpointCommitted", 20, "interval"), ("CheckpointCommitted", 30, "requested"),
@@ -252,6 +265,22 @@ def test_a_spot_notice_asks_the_trainer_for_a_checkpoint_now(watched_attempt, me
     assert attempt.files.checkpoint_request.exists()
 
 
+def test_a_checkpoint_the_run_asks_for_is_requested_once_and_liveness_is_reported(watched_attempt):
+    attempt, store, _ = watched_attempt
+    attempt.files.progress.write_text("12")  # what local rank 0 of this node's trainer wrote
+    attempt.follow()
+    attempt.look(run_record())
+    assert not attempt.files.checkpoint_request.exists()
+    asked = run_record(checkpoint_requested_at=datetime(2026, 1, 1, tzinfo=timezone.utc))
+    attempt.look(asked)
+    assert attempt.files.checkpoint_request.exists()
+    attempt.files.checkpoint_request.unlink()  # the trainer consumed it
+    attempt.look(asked)
+    assert not attempt.files.checkpoint_request.exists(), "one request, one checkpoint"
+    (record,) = read_liveness(attempt.control.s3, attempt.control.settings.bucket, "run-a")
+    assert (record.instance_id, record.attempt, record.step) == ("i-0aaa", 1, 12)
+
+
 def test_an_event_with_a_message_field_is_logged_whole(capsys):
     agent.say("sent TrainerFailed", kind="config", message="config error: model.n_heads=3 ...")
     assert json.loads(capsys.readouterr().out) == {"agent": "sent TrainerFailed", "kind": "config",
@@ -267,3 +296,104 @@ def test_each_attempt_rendezvouses_on_a_port_of_its_own():
     ports = {rendezvous_port(f"run-a-{attempt}") for attempt in range(20)}
     assert len(ports) > 15 and ports <= set(RENDEZVOUS_PORTS)
     assert rendezvous_port("run-a-3") == rendezvous_port("run-a-3"), "every agent of an attempt agrees"
+
+
+def run_table(cloud) -> str:
+    """A run table with template.yaml's own key schema and index."""
+    properties = load_template((REPO / "template.yaml").read_text())["Resources"]["RunTable"]["Properties"]
+    name = f"runs-{uuid.uuid4().hex[:8]}"
+    cloud.client("dynamodb").create_table(TableName=name, BillingMode="PAY_PER_REQUEST",
+                                          KeySchema=properties["KeySchema"],
+                                          AttributeDefinitions=properties["AttributeDefinitions"],
+                                          GlobalSecondaryIndexes=properties["GlobalSecondaryIndexes"])
+    return name
+
+
+def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_service, tmp_path, monkeypatch, capsys):
+    """DynamoDB, S3 and EventBridge answer with their throttling errors for a while (real HTTP:
+    the local cloud's fault injection) while torchrun runs: each failed call is logged and tried
+    again later with backoff, and the trainer runs to its end."""
+    name = f"agent-{uuid.uuid4().hex[:8]}"
+    local_cloud.client("s3").create_bucket(Bucket=name)
+    local_cloud.client("events").create_event_bus(Name=name)
+    table = run_table(local_cloud)
+    RunStore(local_cloud.client("dynamodb"), table).create_run(run_record())
+    settings = replace(AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_BUCKET": name, "TRAINFLEET_EVENT_BUS": name,
+                                                              "TRAINFLEET_RUN_TABLE": table}), workdir=tmp_path)
+    # botocore's own quick retries out of the way: every throttled answer reaches the agent.
+    monkeypatch.setattr(agent, "CLIENT_RETRIES", {"max_attempts": 1, "mode": "standard"})
+    control = ControlPlane(settings, IDENTITY, draw=lambda: 0.0)  # the shortest backoff: 1, 2, 4 ... s
+    spec = launch_spec(attempt=1)
+    spec = spec.model_copy(update={"trainer_config": {**spec.trainer_config, "checkpoint": {
+        "uri": f"s3://{name}/runs/run-a/checkpoints", "resume": "none"}}})
+    attempt = Attempt(control, MetadataClient(), spec)
+    monkeypatch.setattr(agent, "poll_interval", lambda nodes, draw: 0.2)  # many looks in a short test
+    # A trainer that writes one metrics record (so this node heartbeats and sends progress) and
+    # trains on for 12 s.
+    trainer = ("import json, sys, time; open(sys.argv[1], 'w').write(json.dumps({'step': 1, 'loss': 1.0, "
+               "'tokens_per_s': 1.0, 'step_time_s': 0.1}) + '\\n'); time.sleep(12)")
+    monkeypatch.setattr(agent, "torchrun_command", lambda spec, rank, identity, files: [
+        sys.executable, "-c", trainer, str(files.metrics)])
+    for service, seconds in (("dynamodb", 8.0), ("s3", 3.0), ("events", 3.0)):
+        local_cloud.throttle(service, seconds)
+    assert attempt.run() is None, "the attempt ran to torchrun's exit"
+    output = capsys.readouterr().out
+    logged = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    failed_calls = {line["call"] for line in logged if line["agent"].startswith("control plane call failed")}
+    assert {"read the run record", "write the liveness record", "send TrainingProgress"} <= failed_calls
+    assert not [line for line in logged if "stopping torchrun" in line["agent"]]
+    assert all(local_cloud.throttled_requests.get(service) for service in ("dynamodb", "s3", "events"))
+    assert control.failures == 0, "calls succeed again once the throttling is over"
+
+
+def test_the_agent_ends_its_instance_when_the_run_is_over(local_cloud, metadata_service, tmp_path, monkeypatch):
+    name = f"agent-{uuid.uuid4().hex[:8]}"
+    local_cloud.client("s3").create_bucket(Bucket=name)
+    local_cloud.client("events").create_event_bus(Name=name)
+    table = run_table(local_cloud)
+    store = RunStore(local_cloud.client("dynamodb"), table)
+    store.create_run(run_record(state=RunState.FAILED))  # stopped while this node booted
+    store.add_node(NodeRecord(run_name="run-a", instance_id="i-0aaa"))
+    ended = tmp_path / "ended"
+    for variable, value in (SETTINGS_ENV | {"TRAINFLEET_BUCKET": name, "TRAINFLEET_EVENT_BUS": name,
+                                            "TRAINFLEET_RUN_TABLE": table, "TRAINFLEET_AGENT_LIFETIME_S": "120",
+                                            "TRAINFLEET_SHUTDOWN_COMMAND": f"touch {ended}"}).items():
+        monkeypatch.setenv(variable, value)
+    monkeypatch.chdir(tmp_path)
+    assert agent.main() == 0
+    assert ended.exists(), "the shutdown command ran"
+
+
+def test_an_unreachable_control_plane_ends_the_instance_after_the_limit(local_cloud, metadata_service, tmp_path,
+                                                                       monkeypatch):
+    table = run_table(local_cloud)
+    RunStore(local_cloud.client("dynamodb"), table).create_run(run_record())
+    monkeypatch.setattr(agent, "CLIENT_RETRIES", {"max_attempts": 1, "mode": "standard"})
+    clock = {"now": 0.0}
+    control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_RUN_TABLE": table}),
+                                   workdir=tmp_path), IDENTITY, clock=lambda: clock["now"])
+    local_cloud.throttle("dynamodb", 30.0)
+    assert control.look_at_run() is None  # failed: logged, tried again later
+    clock["now"] += agent.UNREACHABLE_LIMIT_S - 1
+    assert control.look_at_run() is None
+    clock["now"] += agent.RETRY_MAX_S  # the backoff is over; the limit too
+    with pytest.raises(agent.Unreachable, match="has not answered for 9[0-9][0-9] s"):
+        control.look_at_run()
+    local_cloud.throttled.clear()
+    clock["now"] += agent.RETRY_MAX_S
+    assert control.look_at_run().run_name == "run-a" and control.failures == 0
+
+
+@pytest.mark.parametrize("nodes, looks_per_s", [(2, 0.27), (512, 34.1), (4096, 34.1)])
+def test_a_runs_agents_read_at_a_bounded_rate_whatever_its_node_count(nodes, looks_per_s):
+    """One agent's own pacing over simulated hours, scaled to the run's agents: each look is one
+    read of the run record (bench/control_plane_load.py prints the partition's load)."""
+    clock = {"now": 0.0}
+    control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV), workdir=Path(".")), IDENTITY,
+                           clock=lambda: clock["now"], draw=random.Random(7).random)
+    control.run_nodes = nodes
+    looks, seconds = 0, 3600 * max(1, nodes // 256)  # about the same number of looks each time
+    while clock["now"] < seconds:
+        looks += control.take_look()
+        clock["now"] += agent.LOOK_S
+    assert nodes * looks / seconds == pytest.approx(looks_per_s, rel=0.05)

@@ -9,6 +9,7 @@ from localcloud_helpers import run_scenario
 SCENARIO_TIMEOUT_S = 600
 FINAL_STEP, CHECKPOINT_EVERY = 60, 10  # events/local-demo-run.json
 SPOT_STEPS, SPOT_CHECKPOINT_EVERY = 500, 250  # tests/agent_local_run.py's spot scenario
+FROZEN_STEPS, FROZEN_CHECKPOINT_EVERY = 1000, 100  # and its frozen-node one
 
 
 def agent_scenario(name: str) -> dict:
@@ -46,8 +47,12 @@ def test_only_the_lost_node_is_replaced_and_the_run_succeeds(run):
 
 @pytest.mark.slow
 def test_every_agent_passed_preflight_with_the_checks_that_apply_here(run):
+    # The first report is the preflight's; the survivor then confirms it is ready for attempt 1.
+    survivor = run["disrupted"]["survivor"]
+    assert [(report["agent"], report["attempt"]) for report in run["preflight"][survivor]] == [
+        ("sent NodeReady", 0), ("sent NodeReady", 1)]
     for instance_id, reports in run["preflight"].items():
-        (report,) = reports
+        report = reports[0]
         assert report["agent"] == "sent NodeReady", (instance_id, report)
         checks = {check["name"]: check for check in report["checks"]}
         assert checks["gloo_allreduce"]["passed"] is True
@@ -128,3 +133,23 @@ def test_a_spot_notice_replaces_the_node_after_its_emergency_checkpoint_and_resu
     assert set(run["instances"].values()) == {"terminated"}
     ledger = run["report"]["ledger"]
     assert ledger["productive_seconds"] > 0 and ledger["lost_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_a_frozen_node_is_named_and_replaced_on_the_first_failure():
+    """A node that fails silently (frozen: no EC2 event, no report of its own) takes the world down:
+    its peer hangs until the Train task's heartbeat times out, or fails when a collective's
+    timeout runs out. Either way no event names a node; Recover names it from its impaired status
+    check and silent agent, so it is replaced at once instead of failing every restart until the
+    crash-loop rule gives up."""
+    run = agent_scenario("frozen-node")
+    assert run["status"] == "SUCCEEDED"
+    victim, survivor = run["disrupted"]["victim"], run["disrupted"]["survivor"]
+    (failure,) = run["report"]["failures"]
+    assert failure["failure_class"] in ("HANG", "PROCESS_CRASH")
+    assert run["nodes"][victim]["failure"] == failure["failure_class"] and run["nodes"][survivor]["failure"] is None
+    (replacement,) = set(run["nodes"]) - set(run["disrupted"]["first_nodes"])
+    resumed = resume_point(run, survivor, victim, replacement)
+    assert 0 < resumed < FROZEN_STEPS and resumed % FROZEN_CHECKPOINT_EVERY == 0, resumed
+    assert [step for attempt, step in run["commits"] if attempt == 1][-1] == FROZEN_STEPS
+    assert set(run["instances"].values()) == {"terminated"}

@@ -9,14 +9,16 @@ test reads the token from the queue, so success and failure are seen by Step Fun
 import json
 import sys
 import uuid
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
 from trainfleet.adapters.ec2_fleet import run_instance_ids
+from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import (FAILURE_ERROR, FailureClass, NodeRecord, NodeRole, NodeState,
-                                  ParallelPlan, RunRecord, RunSpec, RunState, TaskWait)
+from trainfleet.contracts import (FAILURE_ERROR, FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole,
+                                  NodeState, ParallelPlan, RunRecord, RunSpec, RunState, TaskWait)
 from trainfleet.validate import load_template
 
 REPO = Path(__file__).resolve().parent.parent
@@ -380,6 +382,27 @@ def test_of_many_handlers_racing_to_answer_exactly_one_does(handlers, cloud, res
     assert store.run(run.run_name).waiting is None
 
 
+def test_readiness_of_a_node_still_booting_when_the_run_moved_on_counts(handlers, cloud, resources):
+    store, run, (survivor, booting) = recorded_run(cloud, resources)
+    # Attempt 0 ended while `booting` was in preflight; the survivor was ready for attempt 0.
+    store.modify_node(run.run_name, survivor, lambda node: node.model_copy(
+        update={"state": NodeState.READY, "ready_attempt": 0}))
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={"attempt": 1}))
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="await_nodes", attempt=1, token=token))
+    # The booting node's agent reports the attempt it read before Recover moved the run on.
+    late = agent_event("NodeReady", {"run_name": run.run_name, "attempt": 0, "instance_id": booting})
+    assert handlers.events.handler(late, Context())["outcome"] == "node ready"
+    assert store.node(run.run_name, booting).state is NodeState.READY
+    assert store.run(run.run_name).waiting is not None, "the survivor has not confirmed attempt 1 yet"
+    for instance_id in (survivor, booting):  # each agent confirms the attempt it sees the run in
+        confirmation = agent_event("NodeReady", {"run_name": run.run_name, "attempt": 1, "instance_id": instance_id})
+        outcome = handlers.events.handler(confirmation, Context())["outcome"]
+    assert outcome == "node ready, world complete"
+    assert finished(cloud, execution)["status"] == "SUCCEEDED"
+    assert store.node(run.run_name, survivor).ready_attempt == 1
+
+
 def test_a_duplicate_event_acts_once(handlers, cloud, resources):
     store, run, (lost, _) = recorded_run(cloud, resources)
     event = state_change(lost, "shutting-down")
@@ -443,13 +466,15 @@ def test_a_checkpoint_claim_is_checked_against_s3(handlers, cloud, resources):
 
 @pytest.mark.parametrize("sample, failure_class", [
     ("aws-health-ec2-instance-retirement.json", FailureClass.HEALTH_EVENT),
-])  # a Spot warning first waits for the emergency checkpoint: tests/test_handlers_spot_goodput.py
-def test_aws_warnings_about_a_worker_fail_the_train_task(handlers, cloud, resources, sample, failure_class):
+])  # announced departures first wait for the emergency checkpoint: tests/test_handlers_spot_goodput.py
+def test_an_ongoing_health_issue_about_a_worker_fails_the_train_task(handlers, cloud, resources, sample,
+                                                                      failure_class):
     store, run, (worker, _) = recorded_run(cloud, resources)
     execution, token = parked_token(cloud)
     store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token=token))
     event = json.loads((REPO / "events" / "aws" / sample).read_text())
     event["id"] = str(uuid.uuid4())
+    event["detail"]["eventTypeCategory"] = "issue"  # degraded now, not a retirement to come
     # The documented samples name i-1234567890abcdef0: point them at this run's worker, and
     # keep a second, foreign instance in the Health event (it must be ignored).
     if "affectedEntities" in event["detail"]:
@@ -579,6 +604,36 @@ def test_a_worker_lost_between_await_nodes_and_train_fails_train_at_once(handler
     _failed_with_the_loss(cloud, execution, lost, attempt=0)
     s3 = cloud.client("s3")
     assert s3.list_objects_v2(Bucket=resources["bucket"], Prefix=f"runs/{run.run_name}/launch-spec")["KeyCount"] == 0
+
+
+def test_recover_names_the_workers_that_failed_silently(handlers, cloud, resources, monkeypatch):
+    """A crash no event pinned on a node: the worker whose agent stopped reporting and the one EC2
+    reports impaired (frozen) are named, so Recover replaces them instead of restarting on them."""
+    monkeypatch.setattr(cloud.fleet, "boot", lambda instance: ["sleep", "120"])
+    ec2 = cloud.client("ec2")
+    ids = [instance["InstanceId"] for instance in ec2.run_instances(
+        ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=3, MaxCount=3)["Instances"]]
+    store, run, recorded = recorded_run(cloud, resources, workers=2)
+    for instance_id in recorded:  # the run's nodes are the real instances below
+        store.transition_node(run.run_name, instance_id, NodeState.TERMINATED)
+    for index, instance_id in enumerate(ids):
+        store.add_node(NodeRecord(run_name=run.run_name, instance_id=instance_id, state=NodeState.READY,
+                                  ready_attempt=0, private_ip=f"10.0.1.{index}"))
+        cloud.fleet.wait_for_state(instance_id, "running")
+    answering, silent, frozen = ids
+    now = datetime.now(timezone.utc)
+    for instance_id, seconds_ago in ((answering, 2), (silent, 300), (frozen, 3)):
+        write_liveness(cloud.client("s3"), resources["bucket"], run.run_name, NodeLiveness(
+            instance_id=instance_id, attempt=0, step=40, reported_at=now - timedelta(seconds=seconds_ago)))
+    cloud.wait_until(lambda: cloud.fleet.get(frozen).process is not None, 10, "the frozen node to boot")
+    cloud.fleet.hang(frozen)
+    crash = FailureReport(failure_class=FailureClass.PROCESS_CRASH, attempt=0, message="peer gone")
+    named = handlers.recover.name_silent_workers(store.run(run.run_name), store.nodes(run.run_name), crash)
+    assert named.instance_ids == sorted([silent, frozen]) and named.failure_class is FailureClass.PROCESS_CRASH
+    assert f"{silent}: agent silent for 30" in named.message  # 300 s ago when written
+    assert f"{frozen}: EC2 instance status impaired" in named.message
+    cloud.fleet.resume(frozen)
+    ec2.terminate_instances(InstanceIds=ids)
 
 
 def test_a_report_about_a_node_already_retired_changes_nothing(handlers, cloud, resources):

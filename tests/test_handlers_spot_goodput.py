@@ -1,5 +1,6 @@
 """How an attempt ends, handler by handler against the local cloud (fixtures of test_handlers):
-a Spot warning waits for the emergency checkpoint, then fails the Train task once; the attempt's
+a Spot warning, a rebalance recommendation or a scheduled retirement waits for the emergency
+checkpoint, then fails the Train task once; the attempt's
 time is booked on the goodput ledger by Recover and Teardown and shown in the run report."""
 
 import json
@@ -15,11 +16,25 @@ from trainfleet.contracts import FAILURE_ERROR, CheckpointRef, FailureClass, Nod
 from trainfleet.lifecycle import SPOT_NOTICE
 
 
-def spot_warning(instance_id: str) -> dict:
-    event = json.loads((REPO / "events" / "aws" / "ec2-spot-instance-interruption-warning.json").read_text())
+SPOT_WARNING = "ec2-spot-instance-interruption-warning.json"
+ANNOUNCEMENTS = [(SPOT_WARNING, FailureClass.SPOT_INTERRUPTION),
+                 ("ec2-instance-rebalance-recommendation.json", FailureClass.SPOT_REBALANCE),
+                 ("aws-health-ec2-instance-retirement.json", FailureClass.HEALTH_EVENT)]
+"""AWS's announced departures (samples from its documentation), and the class each fails with."""
+
+
+def announcement(instance_id: str, sample: str = SPOT_WARNING) -> dict:
+    event = json.loads((REPO / "events" / "aws" / sample).read_text())
     event["id"] = str(uuid.uuid4())
-    event["detail"]["instance-id"] = instance_id
+    if "affectedEntities" in event["detail"]:
+        event["detail"]["affectedEntities"] = [{"entityValue": instance_id}]
+    else:
+        event["detail"]["instance-id"] = instance_id
     return event
+
+
+def spot_warning(instance_id: str) -> dict:
+    return announcement(instance_id)
 
 
 def training_run(cloud, resources):
@@ -30,13 +45,17 @@ def training_run(cloud, resources):
     return store, run, nodes, execution
 
 
-def warned(handlers, store, run, worker) -> None:
-    """The warning is recorded on the worker; training goes on (the task stays parked)."""
-    assert handlers.events.handler(spot_warning(worker), Context())["outcome"] == (
-        "SPOT_INTERRUPTION: training on until the emergency checkpoint")
+def warned(handlers, store, run, worker, sample: str = SPOT_WARNING,
+           failure_class: FailureClass = FailureClass.SPOT_INTERRUPTION) -> None:
+    """The departure is recorded on the worker, every agent is asked for a checkpoint (the run
+    record), and training goes on (the task stays parked)."""
+    assert handlers.events.handler(announcement(worker, sample), Context())["outcome"] == (
+        f"{failure_class.value}: training on until the emergency checkpoint")
     node = store.node(run.run_name, worker)
-    assert node.state is NodeState.REGISTERED and node.spot_warned_at is not None
-    assert store.run(run.run_name).waiting is not None
+    assert node.state is NodeState.REGISTERED and node.departure_noticed_at is not None
+    assert node.departure_class is failure_class
+    after = store.run(run.run_name)
+    assert after.waiting is not None and after.checkpoint_requested_at == node.departure_noticed_at
 
 
 def spot_failure(cloud, execution: str) -> dict:
@@ -62,11 +81,13 @@ def progress(run, instance_id: str, step: int) -> dict:
 
 # --- Spot interruption ------------------------------------------------------------------------
 
-def test_a_spot_warning_waits_for_the_emergency_checkpoint_then_fails_train_once(handlers, cloud, resources):
+@pytest.mark.parametrize("sample, failure_class", ANNOUNCEMENTS)
+def test_an_announced_departure_waits_for_the_emergency_checkpoint_then_fails_train_once(
+        handlers, cloud, resources, sample, failure_class):
     store, run, (victim, survivor), execution = training_run(cloud, resources)
-    warned(handlers, store, run, victim)
-    again = handlers.events.handler(spot_warning(victim), Context())["outcome"]
-    assert again == "ignored: Spot interruption already recorded"
+    warned(handlers, store, run, victim, sample, failure_class)
+    again = handlers.events.handler(announcement(victim, sample), Context())["outcome"]
+    assert again == f"ignored: {failure_class.value} already recorded"
     every = run.spec.checkpoint.interval_steps
     # Checkpoints committed after the warning but not asked for are recorded; the wait goes on.
     # An older agent's event (no reason) is never taken for the requested one.
@@ -76,9 +97,9 @@ def test_a_spot_warning_waits_for_the_emergency_checkpoint_then_fails_train_once
     assert store.run(run.run_name).waiting is not None
     requested = commit(cloud, run, survivor, 2 * every, reason="requested")  # on the interval grid
     outcome = handlers.events.handler(requested, Context())["outcome"]
-    assert outcome == f"checkpoint step {2 * every} recorded; SPOT_INTERRUPTION: task failed"
+    assert outcome == f"checkpoint step {2 * every} recorded; {failure_class.value}: task failed"
     report = spot_failure(cloud, execution)
-    assert report["failure_class"] == FailureClass.SPOT_INTERRUPTION.value and report["instance_ids"] == [victim]
+    assert report["failure_class"] == failure_class.value and report["instance_ids"] == [victim]
     assert f"emergency checkpoint step {2 * every} committed" in report["message"]
     after = store.run(run.run_name)
     assert after.latest_checkpoint.step == 2 * every and after.waiting is None
@@ -106,7 +127,7 @@ def test_a_notice_run_out_fails_train_at_the_next_progress(handlers, cloud, reso
     assert handlers.events.handler(progress(run, survivor, 14), Context())["outcome"] == "progress at step 14"
     assert store.run(run.run_name).waiting is not None
     store.modify_node(run.run_name, victim, lambda node: node.model_copy(
-        update={"spot_warned_at": node.spot_warned_at - SPOT_NOTICE - timedelta(seconds=1)}))
+        update={"departure_noticed_at": node.departure_noticed_at - SPOT_NOTICE - timedelta(seconds=1)}))
     outcome = handlers.events.handler(progress(run, survivor, 15), Context())["outcome"]
     assert outcome == "progress at step 15; SPOT_INTERRUPTION: task failed"
     assert "notice ran out" in spot_failure(cloud, execution)["message"]
@@ -118,7 +139,7 @@ def test_a_spot_warning_before_training_fails_the_wait_at_once(handlers, cloud, 
     store.park_task(run.run_name, TaskWait(purpose="await_nodes", attempt=0, token=token))
     assert handlers.events.handler(spot_warning(victim), Context())["outcome"] == "SPOT_INTERRUPTION: task failed"
     assert spot_failure(cloud, execution)["instance_ids"] == [victim]
-    assert store.node(run.run_name, victim).spot_warned_at is None
+    assert store.node(run.run_name, victim).departure_noticed_at is None
 
 
 # --- goodput ledger ---------------------------------------------------------------------------

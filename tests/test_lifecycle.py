@@ -9,7 +9,7 @@ from trainfleet import lifecycle as lc
 from trainfleet.contracts import (CAPACITY_ERROR, FAILURE_ERROR, CheckpointCommitted, CheckpointReason,
                                   CheckpointRef, Ec2InstanceStateChange, Ec2RebalanceRecommendation,
                                   Ec2SpotInterruptionWarning, FailureClass, FailureRecord,
-                                  FailureReport, GoodputLedger, HealthEvent, NodeReady, NodeRecord,
+                                  FailureReport, GoodputLedger, HealthEvent, NodeLiveness, NodeReady, NodeRecord, NodeRegistered,
                                   NodeRole, NodeState, NodeUnhealthy, ParallelPlan, RecoveryAction,
                                   RecoveryPolicy, RunRecord, RunSpec, TaskWait, TrainerConfig,
                                   TrainerFailed, TrainerHung, TrainingProgress)
@@ -41,6 +41,8 @@ def make_run(spec: RunSpec | None = None, **fields) -> RunRecord:
 
 
 def node(instance_id: str, role=NodeRole.WORKER, state=NodeState.READY, **fields) -> NodeRecord:
+    if state is NodeState.READY:
+        fields.setdefault("ready_attempt", 1)  # confirmed for make_run's attempt
     return NodeRecord(run_name="r1", instance_id=instance_id, role=role, state=state,
                       private_ip=f"10.0.0.{instance_id[-1]}", **fields)
 
@@ -379,24 +381,40 @@ def committed(step: int, reason: CheckpointReason) -> CheckpointCommitted:
 
 def test_the_spot_wait_ends_at_the_requested_checkpoint_the_instance_leaving_or_the_notice_running_out():
     run = make_run()  # checkpoints every 10 steps
-    warned = node("i-2", spot_warned_at=T0)
-    nodes = [WORKERS[0], warned, node("i-3", state=NodeState.UNHEALTHY, spot_warned_at=T0)]
+    spot = {"departure_noticed_at": T0, "departure_class": FailureClass.SPOT_INTERRUPTION}
+    warned = node("i-2", **spot)
+    nodes = [WORKERS[0], warned, node("i-3", state=NodeState.UNHEALTHY, **spot)]
     almost = T0 + lc.SPOT_NOTICE - timedelta(seconds=1)
-    assert lc.spot_interruption_over(run, nodes, almost) is None
-    assert lc.spot_interruption_over(run, nodes, almost, leaving_instance_ids=frozenset({"i-1"})) is None
+    assert lc.departure_wait_over(run, nodes, almost) is None
+    assert lc.departure_wait_over(run, nodes, almost, leaving_instance_ids=frozenset({"i-1"})) is None
     # Only a checkpoint saved on request is the one the warning asked for, whatever its step.
     for reason in (CheckpointReason.INTERVAL, CheckpointReason.FINAL, CheckpointReason.UNKNOWN):
-        assert lc.spot_interruption_over(run, nodes, almost, committed=committed(43, reason)) is None
+        assert lc.departure_wait_over(run, nodes, almost, committed=committed(43, reason)) is None
     for trigger, why in [({"committed": committed(40, CheckpointReason.REQUESTED)},
                           "emergency checkpoint step 40 committed"),
                          ({"leaving_instance_ids": frozenset({"i-2"})}, "instance leaving"),
                          ({"now": T0 + lc.SPOT_NOTICE}, "notice ran out")]:
-        over = lc.spot_interruption_over(run, nodes, **{"now": almost, **trigger})
+        over = lc.departure_wait_over(run, nodes, **{"now": almost, **trigger})
         assert (over.failure_class, over.attempt, over.instance_ids) == (FailureClass.SPOT_INTERRUPTION, 1, ["i-2"])
         assert why in over.message
     # Nothing interrupting (or only retired nodes): nothing ends.
-    assert lc.spot_interruption_over(run, WORKERS, T0, committed=committed(43, CheckpointReason.REQUESTED)) is None
-    assert lc.spot_interruption_over(run, nodes[2:], T0 + lc.SPOT_NOTICE) is None
+    assert lc.departure_wait_over(run, WORKERS, T0, committed=committed(43, CheckpointReason.REQUESTED)) is None
+    assert lc.departure_wait_over(run, nodes[2:], T0 + lc.SPOT_NOTICE) is None
+
+
+def test_announced_departures_checkpoint_first_and_fail_with_their_own_class():
+    retirement = HealthEvent.model_validate({
+        "eventArn": "arn:x", "service": "EC2", "eventTypeCode": "AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED",
+        "eventTypeCategory": "scheduledChange", "affectedEntities": [{"entityValue": "i-2"}]})
+    assert lc.checkpoint_before_leaving(retirement)
+    assert lc.checkpoint_before_leaving(Ec2RebalanceRecommendation(instance_id="i-2"))
+    assert lc.checkpoint_before_leaving(Ec2SpotInterruptionWarning(instance_id="i-2", instance_action="terminate"))
+    assert not lc.checkpoint_before_leaving(retirement.model_copy(update={"event_type_category": "issue"}))
+    assert not lc.checkpoint_before_leaving(Ec2InstanceStateChange(instance_id="i-2", state="stopping"))
+    rebalanced = node("i-2", departure_noticed_at=T0, departure_class=FailureClass.SPOT_REBALANCE)
+    later = node("i-3", departure_noticed_at=T0 + timedelta(seconds=5), departure_class=FailureClass.HEALTH_EVENT)
+    over = lc.departure_wait_over(make_run(), [WORKERS[0], later, rebalanced], T0 + lc.SPOT_NOTICE)
+    assert (over.failure_class, over.instance_ids) == (FailureClass.SPOT_REBALANCE, ["i-2", "i-3"])
 
 
 def test_cost_accrues_and_meets_the_ceiling():
@@ -421,21 +439,44 @@ def test_new_nodes_fill_the_workers_first_then_the_spares():
     assert {(r.attempt, r.state, r.market.value) for r in records} == {(2, NodeState.LAUNCHED, "spot")}
 
 
-def test_unready_workers_are_those_still_booting():
+def test_unready_workers_are_those_still_booting_or_not_confirmed_for_the_attempt():
     nodes = [node("i-1", state=NodeState.LAUNCHED), node("i-2", state=NodeState.REGISTERED), node("i-3"),
-             node("i-4", state=NodeState.TERMINATED), node("i-8", role=NodeRole.SPARE, state=NodeState.LAUNCHED)]
-    assert lc.unready_workers(nodes) == ["i-1", "i-2"]
+             node("i-4", state=NodeState.TERMINATED), node("i-8", role=NodeRole.SPARE, state=NodeState.LAUNCHED),
+             node("i-5", ready_attempt=0)]
+    assert lc.unready_workers(nodes, attempt=1) == ["i-1", "i-2", "i-5"]
+    assert lc.unready_workers(nodes, attempt=0) == ["i-1", "i-2"]
+
+
+def test_a_node_ready_in_an_earlier_attempt_counts_only_once_it_confirms_again():
+    plan = ParallelPlan(nodes=2, ranks_per_node=1, pp=2, dp=1)
+    survivor, replacement = node("i-1", node_rank=0, ready_attempt=0), node("i-2", ready_attempt=1)
+    assert not lc.world_complete([survivor, replacement], plan, attempt=1)
+    reconfirmed = survivor.model_copy(update={"ready_attempt": 1})
+    assert lc.world_complete([reconfirmed, replacement], plan, attempt=1)
+    assert lc.assign_ranks([reconfirmed, replacement], plan, attempt=1) == {"i-1": 0, "i-2": 1}
+    with pytest.raises(ValueError, match="needs 2 ready workers, 1 are ready"):
+        lc.assign_ranks([survivor, replacement], plan, attempt=1)
+
+
+@pytest.mark.parametrize("detail", [
+    NodeRegistered(run_name="r1", attempt=0, instance_id="i-1", private_ip="10.0.0.1"),
+    NodeReady(run_name="r1", attempt=0, instance_id="i-1"),
+    NodeUnhealthy(run_name="r1", attempt=0, instance_id="i-1", reason="2 of 8 GPUs"),
+])
+def test_what_a_node_says_about_itself_is_never_stale(detail):
+    # A node booting when the run moved to attempt 1 still belongs to it: its record judges.
+    assert not lc.is_stale(detail, current_attempt=1)
 
 
 def test_ranks_keep_survivors_first_and_need_enough_ready_nodes():
     nodes = [node("i-5"), node("i-2", node_rank=1), node("i-3", node_rank=0), node("i-4"),
              node("i-6", state=NodeState.REGISTERED), SPARE]
     plan = ParallelPlan(nodes=4, ranks_per_node=1, pp=2, dp=2)
-    assert lc.world_complete(nodes, plan)
-    assert lc.assign_ranks(nodes, plan) == {"i-3": 0, "i-2": 1, "i-4": 2, "i-5": 3}
-    assert not lc.world_complete(nodes[:3], plan)
+    assert lc.world_complete(nodes, plan, attempt=1)
+    assert lc.assign_ranks(nodes, plan, attempt=1) == {"i-3": 0, "i-2": 1, "i-4": 2, "i-5": 3}
+    assert not lc.world_complete(nodes[:3], plan, attempt=1)
     with pytest.raises(ValueError, match="needs 4 ready workers, 3 are ready"):
-        lc.assign_ranks(nodes[:3], plan)
+        lc.assign_ranks(nodes[:3], plan, attempt=1)
 
 
 def test_launch_spec_carries_layout_resume_point_and_token():
@@ -453,6 +494,54 @@ def test_launch_spec_carries_layout_resume_point_and_token():
 def test_launch_spec_refuses_what_it_cannot_build():
     with pytest.raises(ValueError, match="no parallel plan"):
         lc.build_launch_spec(make_run(plan=None), WORKERS, None)
-    no_ip = [NodeRecord(run_name="r1", instance_id="i-1", state=NodeState.READY), *WORKERS[1:]]
+    no_ip = [NodeRecord(run_name="r1", instance_id="i-1", state=NodeState.READY, ready_attempt=1), *WORKERS[1:]]
     with pytest.raises(ValueError, match="private IP"):
         lc.build_launch_spec(make_run(), no_ip, None)
+
+
+# --- liveness ---------------------------------------------------------------------------------
+
+def live(instance_id: str, step: int | None, seconds_ago: float, attempt: int = 1) -> NodeLiveness:
+    return NodeLiveness(instance_id=instance_id, attempt=attempt, step=step, step_at=None,
+                        reported_at=T0 - timedelta(seconds=seconds_ago))
+
+
+def test_the_read_rate_of_a_run_stays_bounded_whatever_its_node_count():
+    assert [lc.poll_interval(2, draw) for draw in (0.0, 0.5)] == [5.0, 7.5]
+    assert lc.poll_interval(512, 0.0) == 10.0  # twice FULL_RATE_NODES: half as often
+    assert lc.looks_per_second(2) == pytest.approx(0.267, abs=1e-3)
+    assert lc.looks_per_second(512) == lc.looks_per_second(4096) == pytest.approx(34.13, abs=0.01)
+    with pytest.raises(ValueError, match="draw"):
+        lc.poll_interval(2, 1.0)
+
+
+def test_a_crash_names_the_workers_that_went_silent_never_joined_or_fell_behind():
+    crash = report(FailureClass.PROCESS_CRASH)
+    records = [live("i-1", 40, 2), live("i-2", 40, 300), live("i-3", None, 3), live("i-4", 37, 1)]
+    blamed = lc.blame_silent_workers(crash, WORKERS, records, T0)
+    assert blamed.instance_ids == ["i-2", "i-3", "i-4"] and blamed.failure_class is FailureClass.PROCESS_CRASH
+    assert "i-2: agent silent for 300 s" in blamed.message and "i-3: never joined the rendezvous" in blamed.message
+    assert "i-4: stopped advancing at step 37" in blamed.message
+    # A step behind is a pipeline in flight, not a silent node; a record of an older attempt is none,
+    # which counts once the peers trained (every agent reports before its torchrun starts).
+    records = [live("i-1", 40, 2), live("i-2", 39, 2), live("i-3", 40, 1), live("i-4", 40, 3, attempt=0)]
+    blamed = lc.blame_silent_workers(crash, WORKERS, records, T0)
+    assert blamed.instance_ids == ["i-4"] and "no liveness report in attempt 1" in blamed.message
+    not_yet = [live("i-1", None, 2), live("i-2", None, 2)]  # still in the rendezvous
+    assert lc.blame_silent_workers(crash, WORKERS, not_yet, T0).instance_ids == []
+
+
+def test_liveness_blames_no_one_when_every_worker_looks_silent_but_ec2_impairment_counts():
+    hang = report(FailureClass.HANG)
+    silent = [live(f"i-{n}", 40, 600) for n in range(1, 5)]
+    assert lc.blame_silent_workers(hang, WORKERS, silent, T0).instance_ids == []
+    impaired = lc.blame_silent_workers(hang, WORKERS, silent, T0, impaired_ids=frozenset({"i-3", "i-9"}))
+    assert impaired.instance_ids == ["i-3"] and "EC2 instance status impaired" in impaired.message
+
+
+def test_failures_that_name_a_node_or_cannot_hide_one_are_left_alone():
+    records = [live("i-1", 40, 2), live("i-2", 40, 300)]
+    for failure in (report(FailureClass.INSTANCE_LOST, "i-1"), report(FailureClass.NUMERICAL),
+                    report(FailureClass.CONFIG_ERROR)):
+        assert not lc.needs_liveness_look(failure)
+        assert lc.blame_silent_workers(failure, WORKERS, records, T0) == failure

@@ -2,11 +2,15 @@
 
 import base64
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
 import botocore.exceptions
 import pytest
+
+from trainfleet.adapters.liveness import impaired_instances
 
 from localcloud.glue.ec2 import interface_requests
 from localcloud_helpers import (create_state_machine, deploy_function, event_sink, receive,
@@ -72,6 +76,33 @@ def test_instance_boots_a_process_and_dies_with_it(local_cloud):
 
 
 @pytest.mark.slow
+def test_hang_freezes_every_process_of_the_instance(local_cloud):
+    """Also one that left the instance's process group, as torchrun's ranks do: a frozen machine
+    runs nothing."""
+    script = ("import pathlib, subprocess, time\n"
+              "child = subprocess.Popen(['sleep', '120'], start_new_session=True)\n"
+              "pathlib.Path('child.pid').write_text(str(child.pid))\n"
+              "time.sleep(120)\n")
+    local_cloud.fleet.boot = lambda instance: [sys.executable, "-c", script]
+    instance_id = launch(local_cloud)
+    local_cloud.fleet.wait_for_state(instance_id, "running")
+    child_pid = local_cloud.fleet.get(instance_id).workdir / "child.pid"
+    local_cloud.wait_until(child_pid.exists, 20, "the child to start")
+
+    def state(pid: int) -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    child = int(child_pid.read_text())
+    local_cloud.fleet.hang(instance_id)
+    local_cloud.wait_until(lambda: state(child) == "T", 5, "the child to stop")
+    local_cloud.fleet.resume(instance_id)
+    local_cloud.wait_until(lambda: state(child) != "T", 5, "the child to go on")
+    local_cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
+    local_cloud.fleet.wait_for_state(instance_id, "terminated")
+    os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.slow
 def test_terminate_hung_instance_and_stop_start(local_cloud):
     boot_node_script(local_cloud)
     queue = state_changes(local_cloud)
@@ -86,6 +117,13 @@ def test_terminate_hung_instance_and_stop_start(local_cloud):
     local_cloud.wait_until(lambda: Path(f"/proc/{process.pid}/stat").read_text().split()[2] == "T",
                            5, "the process to stop")
     assert describe(local_cloud, hung)["State"]["Name"] == "running"
+    # A frozen instance fails its instance status check, as EC2 reports one that stops responding.
+    statuses = {status["InstanceId"]: status for status in ec2.describe_instance_status(
+        InstanceIds=[hung, stopped])["InstanceStatuses"]}
+    assert statuses[hung]["InstanceStatus"]["Status"] == "impaired"
+    assert statuses[hung]["InstanceStatus"]["Details"] == [{"Name": "reachability", "Status": "failed"}]
+    assert statuses[stopped]["InstanceStatus"]["Status"] == "ok"
+    assert impaired_instances(ec2, [hung, stopped]) == {hung}
     assert ec2.terminate_instances(InstanceIds=[hung])["TerminatingInstances"][0]["CurrentState"]["Name"] \
         == "shutting-down"
     local_cloud.fleet.wait_for_state(hung, "terminated")

@@ -9,6 +9,7 @@ import torch
 
 from trainer.config import OptimConfig, load_config
 from trainer.model import GPT
+from trainer.progress import PROGRESS_FILE_ENV, progress_file, read_progress
 from trainer.train import NonFiniteLossError, build, environment, lr_factor, main, train_step
 
 
@@ -81,3 +82,13 @@ def test_a_tied_head_reads_the_token_embedding(tmp_path):
     assert model.head is None and "head.weight" not in run.state.state_dict()["model"]
     losses = [train_step(run)["loss"] for _ in range(4)]
     assert losses[-1] < losses[0] and model.tok_emb.weight.grad is not None
+
+
+def test_local_rank_0_writes_the_nodes_progress_for_its_agent(tmp_path, monkeypatch):
+    progress = tmp_path / "progress"
+    monkeypatch.setenv(PROGRESS_FILE_ENV, str(progress))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert main([*tiny_args(tmp_path), "--training.steps=3"]) == 0
+    assert read_progress(progress) == 3
+    monkeypatch.setenv("LOCAL_RANK", "1")  # the other ranks of a node leave it to local rank 0
+    assert progress_file() is None

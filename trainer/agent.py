@@ -3,43 +3,55 @@
     python -m trainer.agent
         environment: TRAINFLEET_RUN_NAME, TRAINFLEET_RUN_TABLE, TRAINFLEET_BUCKET,
         TRAINFLEET_EVENT_BUS (the user data of trainfleet/adapters/ec2_fleet.py writes them);
-        optional TRAINFLEET_AGENT_LIFETIME_S (exit after that many seconds; local runs set it)
+        optional TRAINFLEET_SHUTDOWN_COMMAND (how the agent ends its instance, e.g.
+        "systemctl poweroff"; unset, it just exits: locally that ends the instance) and
+        TRAINFLEET_AGENT_LIFETIME_S (exit after that many seconds; local runs set it)
 
 On EC2 the user data starts it under systemd; in the local cloud the fleet starts it as the
 instance's process. It speaks to the control plane only through AWS:
 
 1. identity from the instance metadata (IMDSv2): instance id, type, private IP, zone, region;
-2. NodeRegistered once the run has recorded the node (its launch attempt comes from there);
+2. NodeRegistered once the run has recorded the node;
 3. preflight (`python -m trainer.health`, a subprocess so the agent never imports torch), then
    NodeReady or NodeUnhealthy with the check results;
-4. wait for `s3://BUCKET/runs/RUN/launch-spec.json` naming this node in a newer attempt, then
-   run torchrun for it: nnodes = the plan's nodes, c10d rendezvous at node rank 0's private IP
-   (node rank 0 hosts the store), the trainer config from the spec written to a YAML file,
-   resume as the spec says;
-5. while it runs: the agent whose node holds global rank 0 (the only one whose trainer writes
-   the metrics file) heartbeats the Train task as steps advance, sends sampled TrainingProgress
-   and CheckpointCommitted for every checkpoint committed to S3 with the reason it was saved
-   (the commit marker is the truth, read with trainer.checkpoint_catalog); every agent watches
-   for a Spot interruption notice (asks the trainer to checkpoint now through its request file)
-   and for the run moving to a newer attempt (stops torchrun, goes back to 4);
+4. at each look at the control plane (every 5-10 s, drawn; less often in very large runs, so a
+   run's read rate stays bounded: lifecycle.poll_interval) it reads the run record: it confirms
+   its readiness (NodeReady) for each attempt the run moves to, and once the run trains an
+   attempt newer than its last it reads `s3://BUCKET/runs/RUN/launch-spec.json` and, if the spec
+   names it, runs torchrun for it: nnodes = the plan's nodes, c10d rendezvous at node rank 0's
+   private IP, the trainer config from the spec written to a YAML file, resume as the spec says;
+5. while torchrun runs it looks at the trainer's files and the metadata service twice a second
+   (no AWS call) and at the control plane at the paced rate: it writes its liveness record (its
+   trainer's last step, lifecycle.liveness), asks the trainer for a checkpoint now when the run
+   record requests one (a worker's departure was announced) or the metadata service gives a Spot
+   notice, and stops torchrun when the run moves to a newer attempt. The agent whose node holds
+   global rank 0 (the only one whose trainer writes the metrics file) also heartbeats the Train
+   task as steps advance, sends sampled TrainingProgress and CheckpointCommitted for every
+   checkpoint committed to S3 with the reason it was saved;
 6. torchrun's exit: 0 -> TrainingCompleted; otherwise TrainerFailed with the kind read from its
    output (config error, NaN loss, crash), unless the run has moved on meanwhile: a peer's
    death reaches this node as a crash, and EC2's report of the lost instance must be what
    blames the failure, so the agent waits a few seconds for it first.
 
-Then it waits for the next launch spec, until the instance is terminated.
+A failed control-plane call (throttling, a 5xx answer, a connection error, a timeout) is logged
+and tried again at a later look with backoff; it never stops torchrun. When the run is over, or
+the control plane has been unreachable for UNREACHABLE_LIMIT_S, the agent ends its instance
+(the launch template's shutdown behaviour is terminate), so no instance outlives its run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,17 +59,31 @@ import boto3
 import botocore.session
 import yaml
 from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
 from botocore.utils import IMDSFetcher
 
 from trainer import checkpoint_catalog as catalog
+from trainer.progress import PROGRESS_FILE_ENV, read_progress
+from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import NodeNotFound, RunStore
 from trainfleet.contracts import (AgentEvent, CheckpointCommitted, CheckpointReason, HealthCheckResult,
-                                  LaunchSpec, NodeReady, NodeRegistered, NodeUnhealthy, TrainerFailed,
-                                  TrainerFailureKind, TrainingCompleted, TrainingProgress,
-                                  put_events_entry)
+                                  LaunchSpec, NodeLiveness, NodeReady, NodeRecord, NodeRegistered, NodeUnhealthy,
+                                  RunRecord, RunState, TrainerFailed, TrainerFailureKind, TrainingCompleted,
+                                  TrainingProgress, put_events_entry)
+from trainfleet.lifecycle import poll_interval
 
-POLL_S = 0.5
-"""How often the agent looks at the trainer, the run record and the metadata service."""
+LOOK_S = 0.5
+"""How often the agent looks at what is on the node: the trainer's files, the metadata service."""
+RETRY_MAX_S = 60.0
+"""Longest wait before a failed control-plane call is tried again (backoff doubles up to it)."""
+UNREACHABLE_LIMIT_S = 900.0
+"""Control plane unreachable this long: nothing can tell the agent its run is over, so it ends
+its instance rather than leave it running unwatched."""
+CLIENT_RETRIES = {"max_attempts": 5, "mode": "standard"}
+"""botocore's own quick retries of a throttled or failed call, before the agent's backoff."""
+TRANSIENT_ERRORS = (ClientError, BotoCoreError)
+"""What a control-plane call fails with once botocore's own retries are spent (throttling, 5xx,
+connection errors, timeouts, a refused call): logged and tried again later, never fatal."""
 HEARTBEAT_EVERY_S = 5.0
 """Least time between two SendTaskHeartbeat calls (a step may take milliseconds)."""
 PROGRESS_EVERY_S = 10.0
@@ -97,6 +123,9 @@ class AgentSettings:
     lifetime_s: float | None
     """Exit after this many seconds (TRAINFLEET_AGENT_LIFETIME_S); None = run until terminated.
     Local runs set it so that no agent outlives its test or demo."""
+    shutdown_command: tuple[str, ...] = ()
+    """How the agent ends its instance when the run is over (TRAINFLEET_SHUTDOWN_COMMAND, e.g.
+    "systemctl poweroff"); empty: the agent exits, which ends a local instance."""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | os._Environ = os.environ) -> AgentSettings:
@@ -111,7 +140,8 @@ class AgentSettings:
         except ValueError:
             raise AgentError(f"TRAINFLEET_AGENT_LIFETIME_S must be a number of seconds, got {lifetime!r}") from None
         return cls(**{field: env[variable] for field, variable in names.items()},
-                   workdir=Path.cwd(), lifetime_s=lifetime_s)
+                   workdir=Path.cwd(), lifetime_s=lifetime_s,
+                   shutdown_command=tuple(shlex.split(env.get("TRAINFLEET_SHUTDOWN_COMMAND", ""))))
 
 
 # --- instance metadata --------------------------------------------------------------------
@@ -180,53 +210,133 @@ class MetadataClient(IMDSFetcher):
 
 # --- the control plane, as the agent reaches it -------------------------------------------
 
-class ControlPlane:
-    """The AWS calls the agent makes: events, launch specs, records, the Train task."""
+class Unreachable(AgentError):
+    """The control plane did not answer for UNREACHABLE_LIMIT_S."""
 
-    def __init__(self, settings: AgentSettings, identity: Identity):
+
+class ControlPlane:
+    """The AWS calls the agent makes: events, launch specs, records, liveness, the Train task.
+
+    Looks are paced (`take_look`, lifecycle.poll_interval); every call goes through `call`,
+    which turns a failure into None, logs it and backs off, so no single error stops training.
+    """
+
+    def __init__(self, settings: AgentSettings, identity: Identity,
+                 clock: Callable[[], float] = time.monotonic, draw: Callable[[], float] = random.random):
         self.settings, self.identity = settings, identity
-        config = Config(region_name=identity.region, retries={"max_attempts": 5, "mode": "standard"},
-                        connect_timeout=5, read_timeout=30)
+        self.clock, self.draw = clock, draw
+        config = Config(region_name=identity.region, retries=CLIENT_RETRIES, connect_timeout=5, read_timeout=30)
         self.events = boto3.client("events", config=config)
         self.s3 = boto3.client("s3", config=config)
         self.sfn = boto3.client("stepfunctions", config=config)
         self.store = RunStore(boto3.client("dynamodb", config=config), settings.run_table)
+        self.run_nodes = 1
+        """The run's node count (workers and spares): the pace of the looks depends on it."""
+        self.next_look = 0.0
+        self.failures = 0
+        self.failing_since: float | None = None
 
-    def send(self, detail: AgentEvent) -> None:
-        response = self.events.put_events(Entries=[put_events_entry(detail, self.settings.event_bus)])
-        if response["FailedEntryCount"]:
-            raise AgentError(f"PutEvents refused {detail.DETAIL_TYPE.value}: {response['Entries']}")
-        say(f"sent {detail.DETAIL_TYPE.value}", **detail.model_dump(mode="json", exclude={"run_name"}))
+    # --- pacing and failures ---
 
-    def node_attempt(self) -> int | None:
-        """The attempt the run launched this node in, once the node is recorded."""
+    def take_look(self) -> bool:
+        """Whether a look at the control plane is due now; if so, the next one is paced."""
+        if self.clock() < self.next_look:
+            return False
+        self.next_look = self.clock() + poll_interval(self.run_nodes, self.draw())
+        return True
+
+    def call(self, what: str, action: Callable[[], T]) -> T | None:
+        """`action()`, or None when it failed: the failure is logged, the next look backs off,
+        and one that outlasts UNREACHABLE_LIMIT_S raises Unreachable."""
         try:
-            return self.store.node(self.settings.run_name, self.identity.instance_id).attempt
-        except NodeNotFound:
+            result = action()
+        except TRANSIENT_ERRORS as exc:
+            now = self.clock()
+            self.failures += 1
+            self.failing_since = self.failing_since if self.failing_since is not None else now
+            wait = min(RETRY_MAX_S, 2.0 ** min(self.failures, 8)) * (0.5 + self.draw() / 2)
+            self.next_look = max(self.next_look, now + wait)
+            say("control plane call failed; trying again later", call=what, error=str(exc),
+                failures=self.failures, retry_in_s=round(wait, 1))
+            if now - self.failing_since > UNREACHABLE_LIMIT_S:
+                raise Unreachable(f"the control plane has not answered for {now - self.failing_since:.0f} s") from exc
             return None
+        self.failures, self.failing_since = 0, None
+        return result
+
+    def look_at_run(self) -> RunRecord | None:
+        """The run record, when a look is due and it could be read; paces the next look."""
+        if not self.take_look():
+            return None
+        run = self.call("read the run record", lambda: self.store.run(self.settings.run_name, consistent=False))
+        if run is not None:
+            self.run_nodes = run.spec.node_count + run.spec.spare_count
+        return run
+
+    # --- calls ---
+
+    def send(self, detail: AgentEvent) -> bool:
+        """Put the event on the agents' bus; False when it could not be sent (try again later)."""
+        response = self.call(f"send {detail.DETAIL_TYPE.value}", lambda: self.events.put_events(
+            Entries=[put_events_entry(detail, self.settings.event_bus)]))
+        if response is None:
+            return False
+        if response["FailedEntryCount"]:
+            say(f"PutEvents refused {detail.DETAIL_TYPE.value}; trying again later", entries=response["Entries"])
+            return False
+        say(f"sent {detail.DETAIL_TYPE.value}", **detail.model_dump(mode="json", exclude={"run_name"}))
+        return True
+
+    def until_done(self, what: str, attempt: Callable[[], T | None], deadline: float | None) -> T:
+        """`attempt()` (which makes its calls through `call`) again at the pace `call` sets after
+        a failure, until it gives something."""
+        while (result := attempt()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise AgentError(f"gave up trying to {what}: the agent's lifetime is over")
+            time.sleep(max(LOOK_S, self.next_look - self.clock()))
+        return result
+
+    def deliver(self, detail: AgentEvent, deadline: float | None) -> None:
+        """Send an event that must arrive (a node's state, an attempt's end), however long it takes."""
+        self.until_done(f"send {detail.DETAIL_TYPE.value}", lambda: self.send(detail) or None, deadline)
+
+    def node(self) -> NodeRecord | None:
+        """The run's record of this node, once Allocate or Recover wrote it."""
+        def read() -> NodeRecord | None:
+            try:
+                return self.store.node(self.settings.run_name, self.identity.instance_id)
+            except NodeNotFound:
+                return None
+        return self.call("read this node's record", read)
 
     def launch_spec_after(self, attempt: int) -> LaunchSpec | None:
         """The launch spec, if it is of a newer attempt than `attempt` and names this node."""
         key = f"runs/{self.settings.run_name}/launch-spec.json"
-        try:
-            raw = self.s3.get_object(Bucket=self.settings.bucket, Key=key)["Body"].read()
-        except self.s3.exceptions.NoSuchKey:
+
+        def read() -> bytes | None:
+            try:
+                return self.s3.get_object(Bucket=self.settings.bucket, Key=key)["Body"].read()
+            except self.s3.exceptions.NoSuchKey:
+                return None
+        raw = self.call("read the launch spec", read)
+        if raw is None:
             return None
         spec = LaunchSpec.model_validate_json(raw)
         return spec if spec.attempt > attempt and self.identity.instance_id in spec.node_ranks else None
 
-    def superseded(self, attempt: int) -> bool:
-        """Whether the run has left `attempt` (a failure moved it on, or it finished)."""
-        run = self.store.run(self.settings.run_name)
-        return run.attempt > attempt or run.state.is_final
+    def report_liveness(self, record: NodeLiveness) -> None:
+        self.call("write the liveness record", lambda: write_liveness(
+            self.s3, self.settings.bucket, self.settings.run_name, record))
 
     def heartbeat(self, token: str) -> None:
-        try:
-            self.sfn.send_task_heartbeat(taskToken=token)
-        except (self.sfn.exceptions.TaskTimedOut, self.sfn.exceptions.InvalidToken,
-                self.sfn.exceptions.TaskDoesNotExist) as exc:
-            # The task is over; the run record tells the attempt loop so at its next look.
-            say("heartbeat refused", error=type(exc).__name__)
+        def beat() -> None:
+            try:
+                self.sfn.send_task_heartbeat(taskToken=token)
+            except (self.sfn.exceptions.TaskTimedOut, self.sfn.exceptions.InvalidToken,
+                    self.sfn.exceptions.TaskDoesNotExist) as exc:
+                # The task is over; the run record tells the attempt loop so at its next look.
+                say("heartbeat refused", error=type(exc).__name__)
+        self.call("heartbeat the Train task", beat)
 
 
 def say(message: str, /, **fields: Any) -> None:
@@ -234,12 +344,14 @@ def say(message: str, /, **fields: Any) -> None:
     print(json.dumps({"agent": message, **fields}, default=str), flush=True)
 
 
-def wait_for(what: str, probe: Callable[[], T | None], deadline: float | None) -> T:
+def wait_for(what: str, probe: Callable[[], T | None], deadline: float | None, control: ControlPlane) -> T:
+    """`probe()` at each look at the control plane until it finds something."""
     while deadline is None or time.monotonic() < deadline:
-        found = probe()
-        if found is not None:
-            return found
-        time.sleep(POLL_S)
+        if control.take_look():
+            found = probe()
+            if found is not None:
+                return found
+        time.sleep(LOOK_S)
     raise AgentError(f"gave up waiting for {what}: the agent's lifetime is over")
 
 
@@ -283,6 +395,10 @@ class AttemptFiles:
     def checkpoint_request(self) -> Path:
         return self.folder / "checkpoint-now"
 
+    @property
+    def progress(self) -> Path:
+        return self.folder / "progress"
+
 
 def trainer_config(spec: LaunchSpec, files: AttemptFiles) -> dict[str, Any]:
     """The spec's trainer config with this attempt's metrics file and the spec's resume point."""
@@ -315,7 +431,8 @@ def torchrun_env(files: AttemptFiles) -> dict[str, str]:
             # The rendezvous store is not shared with the ranks' process group: with gloo, a
             # shared one made the first restart fail on stale peer addresses (DESIGN.md, 7).
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            catalog.REQUEST_FILE_ENV: str(files.checkpoint_request)}
+            catalog.REQUEST_FILE_ENV: str(files.checkpoint_request),
+            PROGRESS_FILE_ENV: str(files.progress)}
 
 
 def failure_kind(output: str) -> TrainerFailureKind:
@@ -347,24 +464,34 @@ class MetricsFollower:
 class Attempt:
     """torchrun for one launch spec on this node, and what the agent reports about it."""
 
-    def __init__(self, control: ControlPlane, metadata: MetadataClient, spec: LaunchSpec):
-        self.control, self.metadata, self.spec = control, metadata, spec
+    def __init__(self, control: ControlPlane, metadata: MetadataClient, spec: LaunchSpec,
+                 deadline: float | None = None):
+        self.control, self.metadata, self.spec, self.deadline = control, metadata, spec, deadline
         self.identity = control.identity
         self.node_rank = spec.node_ranks[self.identity.instance_id]
         self.files = AttemptFiles(control.settings.workdir / f"attempt-{spec.attempt}")
         self.metrics = MetricsFollower(self.files.metrics)
         self.checkpoints = catalog.open_store(spec.trainer_config["checkpoint"]["uri"], control.s3)
-        self.announced = {step for step in catalog.committed_steps(self.checkpoints)
+        self.announced = {step for step in control.until_done("list the committed checkpoints", lambda: control.call(
+            "list the committed checkpoints", lambda: catalog.committed_steps(self.checkpoints)), deadline)
                           if spec.resume_step is None or step <= spec.resume_step}
         self.last_step: int | None = None
         self.speaks_for_world = False  # set once this node's trainer writes metrics (global rank 0)
         self.last_heartbeat = self.last_progress = 0.0
         self.spot_notice_seen = False
+        self.checkpoint_request_seen: datetime | None = None
+        self.node_step: int | None = None  # this node's trainer's last step (its progress file)
+        self.node_step_at: datetime | None = None
 
-    def run(self, deadline: float | None) -> None:
+    def run(self) -> RunRecord | None:
+        """Run torchrun until it exits or the run leaves this attempt; the run record that showed
+        the run had left it, if that is what ended it."""
         self.files.folder.mkdir(parents=True, exist_ok=True)
         self.files.config.write_text(yaml.safe_dump(trainer_config(self.spec, self.files), sort_keys=False))
         command = torchrun_command(self.spec, self.node_rank, self.identity, self.files)
+        # Reported before torchrun starts: a peer's trainer can train only once this node's torchrun
+        # joined, so a node without a report while its peers trained has an agent that went silent.
+        self.report_liveness()
         say("starting torchrun", attempt=self.spec.attempt, node_rank=self.node_rank,
             resume_step=self.spec.resume_step, command=" ".join(command[1:]))
         with self.files.output.open("ab") as output:
@@ -373,20 +500,30 @@ class Attempt:
                                        stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT)
         try:
             while process.poll() is None:
-                time.sleep(POLL_S)
+                time.sleep(LOOK_S)
                 self.follow()
-                if self.control.superseded(self.spec.attempt):
+                run = self.control.look_at_run()
+                if run is not None and self.left_behind(run):
                     say("attempt superseded: stopping torchrun", attempt=self.spec.attempt)
-                    return
-                if deadline is not None and time.monotonic() > deadline:
+                    return run
+                if run is not None:
+                    self.look(run)
+                if self.deadline is not None and time.monotonic() > self.deadline:
                     raise AgentError("the agent's lifetime is over: stopping torchrun")
         finally:
             stop(process)
         self.follow()
         self.report_exit(process.returncode)
+        return None
+
+    def left_behind(self, run: RunRecord) -> bool:
+        """Whether the run has left this attempt (a failure moved it on, or it finished)."""
+        return run.attempt > self.spec.attempt or run.state.is_final
 
     def follow(self) -> None:
-        """Heartbeat, progress, commits and Spot notices since the last look."""
+        """What the node shows since the last look: metrics, this node's progress, a Spot notice.
+        Only the node that speaks for the world calls the control plane here (heartbeat, sampled
+        progress, new commits)."""
         records = self.metrics.new_records()
         # A `finished` record (no loss) is what a trainer resumed at its last step writes instead
         # of step records: it speaks for the world all the same.
@@ -402,15 +539,40 @@ class Attempt:
             if now - self.last_progress >= PROGRESS_EVERY_S:
                 self.send_progress(steps[-1])
                 self.last_progress = now
-        # Only after the first record: by then the trainer has deleted the folders of an abandoned
-        # timeline (steps newer than its resume point), which must not be announced as this
-        # attempt's commits.
-        if self.speaks_for_world:
+        if records:
+            # While its trainer advances, the node that speaks for the world looks for new commits
+            # at once (one S3 listing per look of this node, whatever the node count): a Spot
+            # wait ends on one, and the next attempt resumes from the newest announced.
             self.announce_commits()
+        step = read_progress(self.files.progress)
+        if step != self.node_step:
+            self.node_step, self.node_step_at = step, datetime.now(timezone.utc)
         if not self.spot_notice_seen and self.metadata.spot_action() is not None:
             self.spot_notice_seen = True
-            self.files.checkpoint_request.touch()
-            say("spot interruption notice: asked the trainer to checkpoint now", attempt=self.spec.attempt)
+            self.request_checkpoint("spot interruption notice")
+
+    def look(self, run: RunRecord) -> None:
+        """At each look at the control plane: this node's liveness, a checkpoint the run asks for,
+        and (the rank-0 node) the checkpoints committed since the last look."""
+        self.report_liveness()
+        requested = run.checkpoint_requested_at
+        if requested is not None and requested != self.checkpoint_request_seen:
+            self.checkpoint_request_seen = requested
+            self.request_checkpoint("the run asks for a checkpoint (a worker is leaving)")
+        # Commits that land after the trainer's last record (an asynchronous save). Only after the
+        # first record: by then the trainer has deleted the folders of an abandoned timeline (steps
+        # newer than its resume point), which must not be announced as this attempt's commits.
+        if self.speaks_for_world:
+            self.announce_commits()
+
+    def request_checkpoint(self, why: str) -> None:
+        self.files.checkpoint_request.touch()
+        say(f"{why}: asked the trainer to checkpoint now", attempt=self.spec.attempt)
+
+    def report_liveness(self) -> None:
+        self.control.report_liveness(NodeLiveness(
+            instance_id=self.identity.instance_id, attempt=self.spec.attempt, step=self.node_step,
+            step_at=self.node_step_at, reported_at=datetime.now(timezone.utc)))
 
     def send_progress(self, record: dict[str, Any]) -> None:
         self.control.send(TrainingProgress(
@@ -419,14 +581,17 @@ class Attempt:
             step_seconds=record["step_time_s"]))
 
     def announce_commits(self) -> None:
-        for step in sorted(catalog.committed_steps(self.checkpoints)):
+        committed = self.control.call("list the committed checkpoints",
+                                      lambda: catalog.committed_steps(self.checkpoints))
+        for step in sorted(committed or ()):
             if step in self.announced:
                 continue
-            reason = catalog.read_manifest(self.checkpoints, step).reason
-            self.control.send(CheckpointCommitted(
-                run_name=self.spec.run_name, attempt=self.spec.attempt, instance_id=self.identity.instance_id,
-                step=step, uri=self.checkpoints.step_uri(catalog.step_dir_name(step)),
-                reason=CheckpointReason(reason)))
+            manifest = self.control.call("read a commit marker", lambda: catalog.read_manifest(self.checkpoints, step))
+            if manifest is None or not self.control.send(CheckpointCommitted(
+                    run_name=self.spec.run_name, attempt=self.spec.attempt, instance_id=self.identity.instance_id,
+                    step=step, uri=self.checkpoints.step_uri(catalog.step_dir_name(step)),
+                    reason=CheckpointReason(manifest.reason))):
+                return  # announced at a later look
             self.announced.add(step)
 
     def report_exit(self, returncode: int) -> None:
@@ -435,21 +600,24 @@ class Attempt:
         if returncode == 0:
             say("torchrun finished", attempt=self.spec.attempt, last_step=self.last_step)
             if self.speaks_for_world:
+                self.announce_commits()
                 latest = max(self.announced, default=None)
-                self.control.send(TrainingCompleted(
+                self.control.deliver(TrainingCompleted(
                     **base, final_step=self.last_step,
-                    checkpoint_uri=self.checkpoints.step_uri(catalog.step_dir_name(latest)) if latest else None))
+                    checkpoint_uri=self.checkpoints.step_uri(catalog.step_dir_name(latest)) if latest else None),
+                    self.deadline)
             return
-        deadline = time.monotonic() + PEER_LOSS_GRACE_S
-        while time.monotonic() < deadline:
-            if self.control.superseded(self.spec.attempt):
-                say("torchrun failed after the run moved on; not reported", attempt=self.spec.attempt,
-                    exit_code=returncode)
-                return
-            time.sleep(POLL_S)
+        time.sleep(PEER_LOSS_GRACE_S)
+        run = self.control.call("read the run record",
+                                lambda: self.control.store.run(self.spec.run_name, consistent=False))
+        if run is not None and self.left_behind(run):
+            say("torchrun failed after the run moved on; not reported", attempt=self.spec.attempt,
+                exit_code=returncode)
+            return
         output = self.files.output.read_text(errors="replace")[-20 * OUTPUT_TAIL_CHARS:]
-        self.control.send(TrainerFailed(**base, kind=failure_kind(output), exit_code=returncode,
-                                        message=output[-OUTPUT_TAIL_CHARS:], last_step=self.last_step))
+        self.control.deliver(TrainerFailed(**base, kind=failure_kind(output), exit_code=returncode,
+                                           message=output[-OUTPUT_TAIL_CHARS:], last_step=self.last_step),
+                             self.deadline)
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -467,35 +635,66 @@ def stop(process: subprocess.Popen) -> None:
 # --- the agent ----------------------------------------------------------------------------
 
 def serve(settings: AgentSettings) -> None:
+    """Boot, preflight, then each attempt that names this node, until the run is over (returns)."""
     deadline = time.monotonic() + settings.lifetime_s if settings.lifetime_s else None
     metadata = MetadataClient()
     identity = metadata.identity()
     control = ControlPlane(settings, identity)
     say("agent up", instance_id=identity.instance_id, instance_type=identity.instance_type,
         private_ip=identity.private_ip, run_name=settings.run_name)
-    attempt = wait_for("the run's record of this node", control.node_attempt, deadline)
-    control.send(NodeRegistered(run_name=settings.run_name, attempt=attempt, instance_id=identity.instance_id,
-                                private_ip=identity.private_ip, availability_zone=identity.availability_zone))
+    node = wait_for("the run's record of this node", control.node, deadline, control)
+    ids = {"run_name": settings.run_name, "attempt": node.attempt, "instance_id": identity.instance_id}
+    control.deliver(NodeRegistered(**ids, private_ip=identity.private_ip,
+                                   availability_zone=identity.availability_zone), deadline)
     checks, problem = run_preflight(identity.instance_type)
-    if problem:
-        control.send(NodeUnhealthy(run_name=settings.run_name, attempt=attempt, instance_id=identity.instance_id,
-                                   reason=problem, checks=checks))
+    if problem:  # never named in a launch spec: it waits to be terminated
+        control.deliver(NodeUnhealthy(**ids, reason=problem, checks=checks), deadline)
     else:
-        control.send(NodeReady(run_name=settings.run_name, attempt=attempt, instance_id=identity.instance_id,
-                               checks=checks))
-    ran = -1
-    while True:  # an unhealthy node is never named, and waits here to be terminated
-        spec = wait_for("a launch spec naming this node", lambda: control.launch_spec_after(ran), deadline)
-        ran = spec.attempt
-        Attempt(control, metadata, spec).run(deadline)
+        control.deliver(NodeReady(**ids, checks=checks), deadline)
+    confirmed, ran = node.attempt, -1
+    run = None
+    while True:
+        if run is not None:
+            if run.state.is_final:
+                return
+            if not problem and run.attempt > confirmed and control.send(NodeReady(
+                    **{**ids, "attempt": run.attempt}, checks=checks)):
+                confirmed = run.attempt  # this node answers: it may join that attempt's world
+            spec = (control.launch_spec_after(ran) if not problem and run.state is RunState.TRAINING
+                    and run.attempt > ran else None)
+            if spec is not None and spec.attempt == run.attempt:
+                ran = spec.attempt
+                run = Attempt(control, metadata, spec, deadline).run()
+                continue
+        if deadline is not None and time.monotonic() > deadline:
+            raise AgentError("the agent's lifetime is over")
+        time.sleep(LOOK_S)
+        run = control.look_at_run()
+
+
+def end_instance(settings: AgentSettings, why: str) -> None:
+    """End this instance: its shutdown behaviour is terminate (launch template). Without a
+    shutdown command the agent's exit is what ends it (a local instance)."""
+    say(f"{why}: ending this instance", command=" ".join(settings.shutdown_command) or None)
+    if settings.shutdown_command:
+        subprocess.run(settings.shutdown_command, check=False)
 
 
 def main() -> int:
     try:
-        serve(AgentSettings.from_env())
+        settings = AgentSettings.from_env()
     except AgentError as exc:
         say("agent stopped", error=str(exc))
         return 1
+    try:
+        serve(settings)
+    except Unreachable as exc:
+        end_instance(settings, str(exc))
+        return 0
+    except AgentError as exc:
+        say("agent stopped", error=str(exc))
+        return 1
+    end_instance(settings, "the run is over")
     return 0
 
 

@@ -36,6 +36,7 @@ from trainer.config import ConfigError, JobConfig, OptimConfig, check_world_size
 from trainer.data import DataLoader, load_tokens
 from trainer.parallel_dims import RankPosition, schedule_class
 from trainer.pipeline_parallel import Pipeline, build_pipeline
+from trainer.progress import progress_file, write_progress
 
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -277,12 +278,17 @@ def train(cfg: JobConfig, env: DistributedEnv) -> list[dict]:
     if checkpointer:
         checkpointer.resume(run.state)
     history = []
+    progress = progress_file()
+    if progress:
+        write_progress(progress, run.state.step)  # this node joined the world
     if run.state.step >= cfg.training.steps:
         run.log_nothing_left()
     while run.state.step < cfg.training.steps:
         metrics = train_step(run)
         run.log(metrics)
         history.append(metrics)
+        if progress:
+            write_progress(progress, run.state.step)
         if checkpointer:
             # The last step is always saved, so a finished run's final state is stored.
             checkpointer.maybe_save(run.state.step, run.state, final=run.state.step == cfg.training.steps)

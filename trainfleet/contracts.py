@@ -835,6 +835,9 @@ class RunRecord(_Strict):
     """When the current attempt began (allocation or recovery)."""
     first_step_at: datetime | None = None
     """First training step of the current attempt (ends its start-up time)."""
+    checkpoint_requested_at: datetime | None = None
+    """Set when a training worker's departure was announced: every agent asks its trainer for a
+    checkpoint now (agents read the run record at each look); a new attempt clears it."""
     last_step: int | None = None
     """Latest step reported by progress events."""
     last_progress_at: datetime | None = None
@@ -872,21 +875,47 @@ class NodeRecord(_Strict):
     """Subnet of its primary interface."""
     private_ip: str | None = None
     """Its private IP, from NodeRegistered (node rank 0's is the rendezvous host)."""
+    ready_attempt: int | None = Field(default=None, ge=0)
+    """The latest attempt its agent confirmed it ready for (NodeReady of that attempt). A node
+    READY in attempt k counts toward the world of attempt k+1 only once it confirms again: a
+    node that froze or lost its network cannot."""
     market: CapacityKind = CapacityKind.ON_DEMAND
     """How it was bought: a Spot node can get interruption warnings."""
     failure_class: FailureClass | None = None
     """Why it was marked UNHEALTHY."""
     reason: str | None = None
     """For people: the event or check that marked it."""
-    spot_warned_at: datetime | None = None
-    """When a Spot interruption warning named it while it trained: it is interrupting, and the
-    run trains on until its emergency checkpoint commits (lifecycle.spot_interruption_over)."""
+    departure_noticed_at: datetime | None = None
+    """When AWS announced it would leave while it trained (a Spot interruption warning, a
+    rebalance recommendation, a scheduled retirement): the run trains on until the emergency
+    checkpoint commits, then replaces it (lifecycle.departure_wait_over)."""
+    departure_class: FailureClass | None = None
+    """Which announcement: SPOT_INTERRUPTION, SPOT_REBALANCE or HEALTH_EVENT."""
     launched_at: datetime | None = None
     """Set by the run store when first recorded."""
     updated_at: datetime | None = None
     """Set by the run store on every write."""
     version: int = Field(default=0, ge=0)
     """Optimistic lock, as on RunRecord."""
+
+
+class NodeLiveness(_Strict):
+    """What a node's agent last said about itself: written by the agent to
+    s3://BUCKET/runs/RUN/liveness/<instance>.json at every look at the control plane while its
+    trainer runs (adapters.liveness). Recover reads them to name the nodes behind a crash or a
+    hang that no event pinned on a node (lifecycle.liveness)."""
+
+    instance_id: str
+    """The node."""
+    attempt: int = Field(ge=0)
+    """The attempt its trainer runs in."""
+    step: int | None = Field(default=None, ge=0)
+    """The last step its trainer completed in that attempt (the resume step once it joined the
+    rendezvous); None while it has not joined."""
+    step_at: datetime | None = None
+    """When `step` last changed."""
+    reported_at: datetime
+    """When the agent wrote this: an agent that stops writing has stopped answering."""
 
 
 class LaunchSpec(_Strict):
@@ -1021,7 +1050,9 @@ class AgentEvent(_Strict):
     run_name: str
     """The run the sender belongs to."""
     attempt: int = Field(ge=0)
-    """The attempt the sender belongs to: events of an older attempt are ignored."""
+    """The attempt the sender belongs to: events of an older attempt are ignored, except the
+    node-lifecycle ones (NodeRegistered, NodeReady, NodeUnhealthy), which the node's record
+    judges: a node still booting when the run moved on is still the run's node."""
     instance_id: str | None = None
     """Sending instance; None for run-wide events sent on behalf of the world."""
 
@@ -1069,7 +1100,11 @@ class NodeRegistered(AgentEvent):
 
 
 class NodeReady(AgentEvent):
-    """Preflight passed: the node may join the world."""
+    """Preflight passed and the agent answers: the node may join the world of `attempt`.
+
+    The agent sends it after preflight and again for every later attempt it sees the run move to
+    (the readiness confirmation): `attempt` is the run's attempt it confirms, not the one that
+    launched the node."""
 
     DETAIL_TYPE: ClassVar[DetailType] = DetailType.NODE_READY
 

@@ -22,6 +22,9 @@ Patches to moto, each replacing something it lacks or drops:
   RunInstances fails with InsufficientInstanceCapacity; an on-demand CreateFleet (`instant`) launches what fits, or nothing when that is
   below OnDemandOptions.MinTargetCapacity, and lists the rest under `Errors` with ErrorCode
   InsufficientInstanceCapacity, as EC2 answers. Spot launches are not capped.
+- Instance status checks (DescribeInstanceStatus): moto always answered "ok". An instance the
+  local fleet froze (`fleet.hang`) no longer answers, so, as EC2 reports an instance that stops
+  responding, its instance status check is now "impaired" (reachability "failed").
 - CreateFleet ClientToken: moto ignored it. As EC2 documents for idempotent requests, a
   repeated token with the same parameters now gets the first answer and launches nothing,
   and with other parameters fails with IdempotentParameterMismatch.
@@ -42,7 +45,7 @@ from moto.ec2.models import EC2Backend, ec2_backends
 from moto.ec2.models.elastic_network_interfaces import Attachment
 from moto.ec2.models.fleets import Fleet
 from moto.ec2.models.instance_types import INSTANCE_TYPES
-from moto.ec2.models.instances import Reservation
+from moto.ec2.models.instances import Instance, Reservation
 from moto.ec2.responses import EC2Response
 from moto.ec2.responses.fleets import Fleets
 from moto.ec2.responses.instances import InstanceResponse
@@ -472,7 +475,18 @@ def _start_instances(self: Any, instance_ids: list[str]) -> Any:
     return started
 
 
+_moto_instance_status = Instance.instance_status
+
+
+def _instance_status(self: Instance) -> dict[str, Any]:
+    cloud = active_cloud()
+    if cloud is None or not _known(cloud, self.id) or not cloud.fleet.get(self.id).hung:
+        return _moto_instance_status.fget(self)
+    return {"Status": "impaired", "Details": [{"Name": "reachability", "Status": "failed"}]}
+
+
 def apply() -> None:
+    Instance.instance_status = property(_instance_status)
     EC2Response.create_placement_group = create_placement_group
     EC2Response.describe_placement_groups = describe_placement_groups
     EC2Response.delete_placement_group = delete_placement_group

@@ -106,6 +106,8 @@ def node_user_data(run_name: str, settings: Settings) -> str:
         "TRAINFLEET_BUCKET": settings.bucket,
         "TRAINFLEET_EVENT_BUS": settings.event_bus,
         "TRAINFLEET_STACK": settings.stack_name,
+        # How the agent ends its instance once the run is over (shutdown behaviour: terminate).
+        "TRAINFLEET_SHUTDOWN_COMMAND": "shutdown -h now",
     }
     env_lines = "\n".join(f"{key}={shlex.quote(value)}" for key, value in env.items())
     artifacts = shlex.quote(f"s3://{settings.bucket}/artifacts/")
@@ -149,6 +151,9 @@ def launch_template_data(spec: RunSpec, settings: Settings) -> dict[str, Any]:
         "ImageId": spec.image_id,
         "InstanceType": spec.instance_type,
         "IamInstanceProfile": {"Arn": settings.node_instance_profile_arn},
+        # The agent shuts its instance down when the run is over or the control plane stays
+        # unreachable: that must end the instance (and its bill), not just stop it.
+        "InstanceInitiatedShutdownBehavior": "terminate",
         "UserData": base64.b64encode(node_user_data(spec.run_name, settings).encode()).decode(),
         "NetworkInterfaces": efa_network_interfaces(spec.facts, spec.capacity.security_group_ids),
         # IMDSv2 only (session tokens); tags readable from IMDS so the agent learns its run.

@@ -89,9 +89,11 @@ class RunStore:
             raise RunExists(f"run {record.run_name!r} already exists") from None
         return record
 
-    def run(self, run_name: str) -> RunRecord:
-        """The run's record (strongly consistent); RunNotFound."""
-        item = self.db.get_item(TableName=self.table, Key=_run_key(run_name), ConsistentRead=True).get("Item")
+    def run(self, run_name: str, consistent: bool = True) -> RunRecord:
+        """The run's record; RunNotFound. Strongly consistent unless `consistent` is False (half
+        the read capacity, and a write may take about a second to show: what a poll can take)."""
+        item = self.db.get_item(TableName=self.table, Key=_run_key(run_name),
+                                ConsistentRead=consistent).get("Item")
         if item is None:
             raise RunNotFound(f"no run {run_name!r}")
         return RunRecord.model_validate_json(item["doc"]["S"])

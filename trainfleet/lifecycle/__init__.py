@@ -12,11 +12,15 @@ Offers:
     goodput:   settle_attempt(ledger, started_at, first_step_at, last_checkpoint_at, ended_at, completed),
                settle_run_attempt(run, ended_at, completed), book_attempt(run, nodes, ended_at, completed),
                accrue_cost(ledger, node_count, usd_per_hour, seconds), over_cost_ceiling(spec, ledger)
-    spot:      waits_for_emergency_checkpoint(run, node), spot_interruption_over(run, nodes, now, ...)
-               -> FailureReport | None, SPOT_NOTICE
+    spot:      checkpoint_before_leaving(detail), waits_for_emergency_checkpoint(run, node),
+               departure_wait_over(run, nodes, now, ...) -> FailureReport | None, SPOT_NOTICE
     launch:    new_node_records(spec, attempt, instance_ids, workers_wanted, zone, subnet_id),
-               ready_workers(nodes), unready_workers(nodes), world_complete(nodes, plan),
-               assign_ranks(nodes, plan), build_launch_spec(run, nodes, heartbeat_task_token) -> LaunchSpec
+               confirmed(node, attempt), ready_workers(nodes, attempt), unready_workers(nodes, attempt),
+               world_complete(nodes, plan, attempt), assign_ranks(nodes, plan, attempt),
+               build_launch_spec(run, nodes, heartbeat_task_token) -> LaunchSpec
+    liveness:  poll_interval(nodes, draw), looks_per_second(nodes), silent_after(nodes),
+               silent_workers(nodes, liveness, attempt, now, impaired_ids),
+               blame_silent_workers(failure, ...) -> FailureReport, needs_liveness_look(failure)
 
 Randomness (backoff jitter) and time come in as arguments, so every decision is reproducible.
 """
@@ -24,19 +28,24 @@ Randomness (backoff jitter) and time come in as arguments, so every decision is 
 from trainfleet.lifecycle.classify import classify_event, classify_task_error, is_stale
 from trainfleet.lifecycle.goodput import (accrue_cost, book_attempt, over_cost_ceiling, settle_attempt,
                                          settle_run_attempt)
-from trainfleet.lifecycle.launch import (assign_ranks, build_launch_spec, new_node_records, ready_workers,
-                                        unready_workers, world_complete)
+from trainfleet.lifecycle.launch import (assign_ranks, build_launch_spec, confirmed, new_node_records,
+                                        ready_workers, unready_workers, world_complete)
 from trainfleet.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, backoff_seconds,
                                            decide_recovery, failure_streak)
+from trainfleet.lifecycle.liveness import (blame_silent_workers, looks_per_second, needs_liveness_look,
+                                           poll_interval, silent_after, silent_workers)
 from trainfleet.lifecycle.replan import initial_plan, plan_layout
-from trainfleet.lifecycle.spot import SPOT_NOTICE, spot_interruption_over, waits_for_emergency_checkpoint
+from trainfleet.lifecycle.spot import (SPOT_NOTICE, checkpoint_before_leaving, departure_wait_over,
+                                      waits_for_emergency_checkpoint)
 
 __all__ = [
     "classify_event", "classify_task_error", "is_stale",
     "plan_layout", "initial_plan",
     "decide_recovery", "apply_decision", "failure_streak", "backoff_seconds", "ANNOUNCED_BY_AWS",
     "settle_attempt", "settle_run_attempt", "book_attempt", "accrue_cost", "over_cost_ceiling",
-    "waits_for_emergency_checkpoint", "spot_interruption_over", "SPOT_NOTICE",
-    "new_node_records", "ready_workers", "unready_workers", "world_complete", "assign_ranks",
+    "checkpoint_before_leaving", "waits_for_emergency_checkpoint", "departure_wait_over", "SPOT_NOTICE",
+    "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "assign_ranks",
     "build_launch_spec",
+    "poll_interval", "looks_per_second", "silent_after", "silent_workers", "blame_silent_workers",
+    "needs_liveness_look",
 ]

@@ -4,7 +4,7 @@ import json
 
 from trainfleet.contracts import (CAPACITY_ERROR, FAILURE_ERROR, AgentEvent, AnyDetail, Ec2InstanceStateChange,
                                   Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning,
-                                  FailureClass, FailureReport, HealthEvent, NodeUnhealthy,
+                                  FailureClass, FailureReport, HealthEvent, NodeReady, NodeRegistered, NodeUnhealthy,
                                   TaskWait, TrainerFailed, TrainerFailureKind, TrainerHung)
 
 # States in which an instance is leaving for good (or at least leaving the world).
@@ -24,9 +24,16 @@ _TRAINER_FAILURES = {
 _TIMEOUT_ERRORS = {"States.Timeout", "States.HeartbeatTimeout"}
 
 
+# What a node says about itself (booting, preflight, readiness) is judged by the node's record:
+# a node still booting when Recover moved the run on is still one of the run's nodes.
+NODE_LIFECYCLE_EVENTS = (NodeRegistered, NodeReady, NodeUnhealthy)
+
+
 def is_stale(detail: AnyDetail, current_attempt: int) -> bool:
-    """An agent event from an attempt before the current one: it must change nothing."""
-    return isinstance(detail, AgentEvent) and detail.attempt < current_attempt
+    """An agent event about an attempt before the current one: it must change nothing.
+    Node-lifecycle events never are (NODE_LIFECYCLE_EVENTS)."""
+    return (isinstance(detail, AgentEvent) and not isinstance(detail, NODE_LIFECYCLE_EVENTS)
+            and detail.attempt < current_attempt)
 
 
 def classify_event(detail: AnyDetail, attempt: int) -> FailureReport | None:

@@ -13,10 +13,17 @@ def new_node_records(spec: RunSpec, attempt: int, instance_ids: list[str], worke
             for index, instance_id in enumerate(instance_ids)]
 
 
-def unready_workers(nodes: list[NodeRecord]) -> list[str]:
-    """Workers still booting or in preflight: the ones to blame when AwaitNodes times out."""
-    return sorted(node.instance_id for node in nodes
-                  if node.role is NodeRole.WORKER and node.state in (NodeState.LAUNCHED, NodeState.REGISTERED))
+def confirmed(node: NodeRecord, attempt: int) -> bool:
+    """Whether a READY node's agent confirmed it for `attempt` (NodeRecord.ready_attempt)."""
+    return node.state is NodeState.READY and node.ready_attempt is not None and node.ready_attempt >= attempt
+
+
+def unready_workers(nodes: list[NodeRecord], attempt: int) -> list[str]:
+    """Workers still booting, in preflight, or not confirmed for `attempt`: the ones to blame
+    when AwaitNodes times out."""
+    return sorted(node.instance_id for node in nodes if node.role is NodeRole.WORKER and (
+        node.state in (NodeState.LAUNCHED, NodeState.REGISTERED)
+        or (node.state is NodeState.READY and not confirmed(node, attempt))))
 
 
 def rank_order(node: NodeRecord) -> tuple[bool, int, str]:
@@ -27,20 +34,20 @@ def rank_order(node: NodeRecord) -> tuple[bool, int, str]:
     return node.node_rank is None, node.node_rank or 0, node.instance_id
 
 
-def ready_workers(nodes: list[NodeRecord]) -> list[NodeRecord]:
-    """Workers that passed preflight, in rank_order."""
-    ready = [node for node in nodes if node.role is NodeRole.WORKER and node.state is NodeState.READY]
+def ready_workers(nodes: list[NodeRecord], attempt: int) -> list[NodeRecord]:
+    """Workers that passed preflight and confirmed for `attempt`, in rank_order."""
+    ready = [node for node in nodes if node.role is NodeRole.WORKER and confirmed(node, attempt)]
     return sorted(ready, key=rank_order)
 
 
-def world_complete(nodes: list[NodeRecord], plan: ParallelPlan) -> bool:
-    """Whether enough workers are ready to start the plan (AwaitNodes may succeed)."""
-    return len(ready_workers(nodes)) >= plan.nodes
+def world_complete(nodes: list[NodeRecord], plan: ParallelPlan, attempt: int) -> bool:
+    """Whether enough workers are ready for `attempt` to start the plan (AwaitNodes may succeed)."""
+    return len(ready_workers(nodes, attempt)) >= plan.nodes
 
 
-def assign_ranks(nodes: list[NodeRecord], plan: ParallelPlan) -> dict[str, int]:
+def assign_ranks(nodes: list[NodeRecord], plan: ParallelPlan, attempt: int) -> dict[str, int]:
     """instance id -> node rank for the plan's nodes; ValueError when too few are ready."""
-    chosen = ready_workers(nodes)[:plan.nodes]
+    chosen = ready_workers(nodes, attempt)[:plan.nodes]
     if len(chosen) < plan.nodes:
         raise ValueError(f"the plan needs {plan.nodes} ready workers, {len(chosen)} are ready")
     return {node.instance_id: rank for rank, node in enumerate(chosen)}
@@ -50,7 +57,7 @@ def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_to
     """The launch spec of the run's current attempt; the run must have a plan."""
     if run.plan is None:
         raise ValueError(f"run {run.run_name} has no parallel plan yet")
-    ranks = assign_ranks(nodes, run.plan)
+    ranks = assign_ranks(nodes, run.plan, run.attempt)
     by_id = {node.instance_id: node for node in nodes}
     host = next(instance for instance, rank in ranks.items() if rank == 0)
     if by_id[host].private_ip is None:

@@ -1,29 +1,43 @@
-"""Spot interruption: checkpoint during the two-minute notice, then replace the node.
+"""Announced departures: checkpoint during the notice, then replace the node.
 
-A warning for a worker that is training does not fail the attempt at once: the node's agent
-asks its trainer for a checkpoint, and the run trains on until that checkpoint commits. The wait
-ends, and the attempt fails with SPOT_INTERRUPTION, at whichever comes first: the requested
-checkpoint committed, EC2 reporting the instance leaving, or the notice running out. The Train
-task's heartbeat timeout still bounds a world that hangs meanwhile.
+AWS announces some departures ahead: a Spot interruption warning (two minutes), a rebalance
+recommendation (elevated risk of interruption), a scheduled retirement (an AWS Health event of
+category scheduledChange). For a worker of a world that is training none of them fails the
+attempt at once: the run record asks every agent for a checkpoint now
+(RunRecord.checkpoint_requested_at; a request on any rank is a request on all), and the run
+trains on until that checkpoint commits. The wait ends, and the attempt fails with the
+announcement's class (SPOT_INTERRUPTION, SPOT_REBALANCE or HEALTH_EVENT) naming the leaving
+nodes, at whichever comes first: the requested checkpoint committed, EC2 reporting the instance
+leaving, or the two-minute notice running out (for a rebalance or a retirement too: the wait is
+bounded, and the heartbeat timeout still bounds a world that hangs meanwhile).
 
 The requested checkpoint is told from the others by the reason its commit marker records
 (`CheckpointCommitted.reason`): an interval or final checkpoint committing just after the
-warning does not end the wait before the requested one, whatever its step.
+notice does not end the wait before the requested one, whatever its step.
 """
 
 from datetime import datetime, timedelta
 
-from trainfleet.contracts import (CheckpointCommitted, CheckpointReason, FailureClass, FailureReport, NodeRecord,
-                                  NodeRole, NodeState, RunRecord)
+from trainfleet.contracts import (AnyDetail, CheckpointCommitted, CheckpointReason, Ec2RebalanceRecommendation,
+                                  Ec2SpotInterruptionWarning, FailureReport, HealthEvent, NodeRecord, NodeRole,
+                                  NodeState, RunRecord)
 
 SPOT_NOTICE = timedelta(minutes=2)
-"""How long EC2 gives between the warning and the interruption."""
+"""How long EC2 gives between a Spot warning and the interruption; the longest any announced
+departure waits for its checkpoint."""
 
 _RETIRED = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
 
 
+def checkpoint_before_leaving(detail: AnyDetail) -> bool:
+    """Whether an AWS event announces a departure with time to checkpoint first: a Spot warning,
+    a rebalance recommendation, a scheduled retirement. An ongoing Health issue does not wait."""
+    return isinstance(detail, (Ec2SpotInterruptionWarning, Ec2RebalanceRecommendation)) or (
+        isinstance(detail, HealthEvent) and detail.event_type_category == "scheduledChange")
+
+
 def waits_for_emergency_checkpoint(run: RunRecord, node: NodeRecord) -> bool:
-    """Whether a Spot warning for `node` lets training go on until the checkpoint it asked for.
+    """Whether an announced departure of `node` lets training go on until the checkpoint asked for.
 
     Only a worker of a world that is training has something to save; a spare, or a world still
     booting, is failed (or replaced) at once.
@@ -32,27 +46,29 @@ def waits_for_emergency_checkpoint(run: RunRecord, node: NodeRecord) -> bool:
     return training and node.role is NodeRole.WORKER and node.state not in _RETIRED
 
 
-def spot_interruption_over(run: RunRecord, nodes: list[NodeRecord], now: datetime, *,
-                           committed: CheckpointCommitted | None = None,
-                           leaving_instance_ids: frozenset[str] = frozenset()) -> FailureReport | None:
-    """The SPOT_INTERRUPTION failure (of the run's current attempt) to report once the wait for
-    the emergency checkpoint is over, naming every interrupting node; None while it goes on, or
-    when no node is interrupting.
+def departure_wait_over(run: RunRecord, nodes: list[NodeRecord], now: datetime, *,
+                        committed: CheckpointCommitted | None = None,
+                        leaving_instance_ids: frozenset[str] = frozenset()) -> FailureReport | None:
+    """The failure (of the run's current attempt, of the first announcement's class) to report
+    once the wait for the emergency checkpoint is over, naming every leaving node; None while it
+    goes on, or when no node is leaving.
 
     committed: a checkpoint of the current attempt verified just now. leaving_instance_ids:
     instances EC2 reports shutting down, stopping or terminated.
     """
-    interrupting = [node for node in nodes if node.spot_warned_at is not None and node.state not in _RETIRED]
-    if not interrupting:
+    leaving = sorted((node for node in nodes if node.departure_noticed_at is not None and node.state not in _RETIRED),
+                     key=lambda node: node.departure_noticed_at)
+    if not leaving:
         return None
     if committed is not None and committed.reason is CheckpointReason.REQUESTED:
         why = f"emergency checkpoint step {committed.step} committed"
-    elif any(node.instance_id in leaving_instance_ids for node in interrupting):
+    elif any(node.instance_id in leaving_instance_ids for node in leaving):
         why = "instance leaving before its emergency checkpoint"
-    elif any(now >= node.spot_warned_at + SPOT_NOTICE for node in interrupting):
+    elif any(now >= node.departure_noticed_at + SPOT_NOTICE for node in leaving):
         why = "notice ran out before the emergency checkpoint"
     else:
         return None
-    ids = sorted(node.instance_id for node in interrupting)
-    return FailureReport(failure_class=FailureClass.SPOT_INTERRUPTION, attempt=run.attempt, instance_ids=ids,
-                         message=f"Spot interruption of {', '.join(ids)}: {why}")
+    ids = sorted(node.instance_id for node in leaving)
+    failure_class = leaving[0].departure_class
+    return FailureReport(failure_class=failure_class, attempt=run.attempt, instance_ids=ids,
+                         message=f"{failure_class.value} of {', '.join(ids)}: {why}")

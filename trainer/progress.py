@@ -1,0 +1,36 @@
+"""The trainer's progress file: how a node's agent sees its own node's trainer advance.
+
+Only global rank 0 writes the metrics file, so without this an agent on any other node cannot
+tell whether its trainer joined the rendezvous or still advances. Local rank 0 of every node
+writes the step it completed (the resume step first, once the world is up) to the file named by
+TRAINFLEET_PROGRESS_FILE, replacing it whole; the agent reads it at each look and reports it in
+its liveness record (trainfleet.contracts.NodeLiveness). Torch-free: the agent imports it.
+"""
+
+import os
+from pathlib import Path
+
+__all__ = ["PROGRESS_FILE_ENV", "progress_file", "write_progress", "read_progress"]
+
+PROGRESS_FILE_ENV = "TRAINFLEET_PROGRESS_FILE"
+"""Environment variable naming the file; unset, nothing is written."""
+
+
+def progress_file() -> Path | None:
+    """This process's progress file: only local rank 0 of a node writes one."""
+    path = os.environ.get(PROGRESS_FILE_ENV)
+    return Path(path) if path and os.environ.get("LOCAL_RANK", "0") == "0" else None
+
+
+def write_progress(path: Path, step: int) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(str(step))
+    os.replace(partial, path)  # a reader never sees half a number
+
+
+def read_progress(path: Path) -> int | None:
+    """The last step written, or None before the trainer joined the rendezvous."""
+    try:
+        return int(path.read_text())
+    except FileNotFoundError:
+        return None
