@@ -32,7 +32,7 @@ def handler(event: TaskPayload, context: LambdaContext) -> dict[str, Any]:
         logger.info("the attempt failed before training", run_name=ref.run_name, attempt=ref.attempt)
         return {"attempt": ref.attempt, "failed_before_launch": True}
     nodes = addressed(store.nodes(ref.run_name))
-    if not world_complete(nodes, run.plan):
+    if not world_complete(nodes, run.plan, ref.attempt):
         # A worker retired while this ran: the failure that retired it answers the parked token.
         logger.warning("world no longer complete; launch spec not written", run_name=ref.run_name,
                        attempt=ref.attempt)
