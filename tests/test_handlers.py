@@ -509,8 +509,8 @@ def test_a_retried_recover_books_the_failure_once_and_keeps_the_replacements(han
     handlers.allocate.handler(payload, Context())
     handlers.await_nodes.handler({"run": payload, "task_token": "token-of-await-nodes"}, Context())
     slow, booted = sorted(node.instance_id for node in store.nodes(name))
-    for state in (NodeState.REGISTERED, NodeState.READY):
-        store.transition_node(name, booted, state)
+    store.transition_node(name, booted, NodeState.REGISTERED)
+    store.transition_node(name, booted, NodeState.READY, ready_attempt=0)  # its agent confirmed attempt 0
     # The boot timeout sends AwaitNodes' input to Recover; its Retry sends the same again when an
     # invocation that had acted lost its answer (Lambda.ServiceException).
     caught = {**payload, "failure": {"Error": "States.Timeout", "Cause": "AwaitNodes timed out"}}
@@ -535,8 +535,8 @@ def test_a_recover_cut_off_while_recording_replacements_gets_the_same_fleet_on_r
     handlers.allocate.handler(payload, Context())
     handlers.await_nodes.handler({"run": payload, "task_token": "token-of-await-nodes"}, Context())
     booted, *slow = sorted(node.instance_id for node in store.nodes(name))
-    for state in (NodeState.REGISTERED, NodeState.READY):
-        store.transition_node(name, booted, state)
+    store.transition_node(name, booted, NodeState.REGISTERED)
+    store.transition_node(name, booted, NodeState.READY, ready_attempt=0)  # its agent confirmed attempt 0
     # The invocation ends (its time out, say) after recording the first of two replacements.
     recorded = []
 
