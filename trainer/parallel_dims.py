@@ -1,8 +1,9 @@
 """The parallel layout as plain data: which schedule, which stages on which rank, which layers per stage.
 
 Everything here is a pure function over ints and names, so tests can check placements without
-starting processes. The schedules' rules live in trainer/schedules.py, which the config (and the
-control plane's Validate) check without torch; this module adds the installed torch's classes.
+starting processes. The schedules' rules live in trainfleet.contracts (through trainer/schedules.py),
+which the config and the control plane's Validate check without torch; this module adds the
+installed torch's classes.
 
 Ranks form a (dp, pp) grid, rank = dp_index * pp + pp_index: pipeline neighbours have adjacent
 ranks, which torchrun places on the same node first.
@@ -14,15 +15,16 @@ import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from trainer.config import ConfigError
+from trainer.schedules import SCHEDULE_CLASSES
 from trainer.schedules import SCHEDULES as KNOWN_SCHEDULES
-from trainer.schedules import Placement, ScheduleSpec, schedule_problem
+from trainer.schedules import Placement, ScheduleRule, schedule_problem
 
-__all__ = ["SCHEDULES", "KNOWN_SCHEDULES", "ScheduleSpec", "Placement", "schedule_class", "schedule_problem",
+__all__ = ["SCHEDULES", "KNOWN_SCHEDULES", "ScheduleRule", "Placement", "schedule_class", "schedule_problem",
            "stage_ids", "split_layers", "layer_ranges", "RankPosition"]
 
 # Only what the installed torch really offers can run.
-SCHEDULES: dict[str, ScheduleSpec] = {
-    name: spec for name, spec in KNOWN_SCHEDULES.items() if hasattr(torch_schedules, spec.class_name)
+SCHEDULES: dict[str, ScheduleRule] = {
+    name: rule for name, rule in KNOWN_SCHEDULES.items() if hasattr(torch_schedules, SCHEDULE_CLASSES[name])
 }
 
 
@@ -30,8 +32,8 @@ def schedule_class(name: str) -> type:
     """The installed torch's class of a known schedule; ConfigError when this torch lacks it."""
     if name not in SCHEDULES:
         raise ConfigError(f"parallel.schedule={name!r} needs torch.distributed.pipelining."
-                          f"{KNOWN_SCHEDULES[name].class_name}, which the installed torch {torch.__version__} lacks")
-    return getattr(torch_schedules, SCHEDULES[name].class_name)
+                          f"{SCHEDULE_CLASSES[name]}, which the installed torch {torch.__version__} lacks")
+    return getattr(torch_schedules, SCHEDULE_CLASSES[name])
 
 
 def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, placement: Placement) -> list[int]:

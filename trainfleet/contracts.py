@@ -89,12 +89,15 @@ def validation_message(error: ValidationError) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Pipeline schedules. The trainer's trainer/schedules.py holds the same rules; the core imports
-# nothing of the trainer, so this mirror lets it validate and re-plan a layout.
-# tests/test_contracts.py checks that both agree.
+# Pipeline schedules and the layouts each can run: the one copy of these rules. The trainer
+# (trainer/schedules.py) checks its config with them and maps each name to a torch class; the
+# control plane validates and re-plans layouts with them.
+
+Placement = Literal["single", "loop", "v"]
+
 
 class ScheduleRule(NamedTuple):
-    placement: Literal["single", "loop", "v"]
+    placement: Placement
     """single: one stage per rank; loop: stage s on rank s % pp; v: rank r holds r and 2pp-1-r."""
     stages_per_rank: int
     """Stages per rank when the config leaves parallel.stages_per_rank at 0."""
@@ -123,9 +126,11 @@ def schedule_problem(name: str, pp: int, stages_per_rank: int, microbatches: int
     if rule.placement == "single" and per_rank != 1:
         return f"schedule {name!r} runs exactly one stage per rank, got parallel.stages_per_rank={per_rank}"
     if rule.placement == "v" and per_rank != 2:
-        return f"schedule {name!r} needs two stages per rank (a V), got parallel.stages_per_rank={per_rank}"
+        return (f"schedule {name!r} needs exactly two stages per rank (a V), "
+                f"got parallel.stages_per_rank={per_rank}")
     if rule.needs_microbatches_ge_stages and microbatches < stages:
-        return f"schedule {name!r} needs parallel.microbatches >= stages ({stages}), got {microbatches}"
+        return (f"schedule {name!r} needs parallel.microbatches >= number of stages ({stages}), "
+                f"got {microbatches}")
     rounds = max(1, microbatches // pp)
     if rule.needs_whole_rounds and microbatches % rounds != 0:
         return (f"schedule {name!r} runs microbatches in rounds of parallel.pp={pp}: "
