@@ -59,6 +59,25 @@ def test_a_role_gets_what_its_policy_allows_and_a_denial_names_role_action_and_r
         f"policy allows the s3:GetObject action")
 
 
+def test_deleting_several_objects_needs_delete_on_each_object_not_on_the_bucket(enforced):
+    """DeleteObjects (what a trainer's checkpoint clean-up sends) is authorized per object key."""
+    cloud = enforced
+    bucket = f"b-{uuid.uuid4().hex[:8]}"
+    admin = cloud.client("s3")
+    admin.create_bucket(Bucket=bucket)
+    for key in ("runs/r/step-1/a", "runs/r/step-1/b", "artifacts/w.whl"):
+        admin.put_object(Bucket=bucket, Key=key, Body=b"x")
+    role = role_with(cloud, [{"Effect": "Allow", "Action": "s3:DeleteObject",
+                              "Resource": f"arn:aws:s3:::{bucket}/runs/*"}])
+    s3 = client_as(cloud, role, "s3")
+    answer = s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": "runs/r/step-1/a"},
+                                                                  {"Key": "runs/r/step-1/b"}]})
+    assert sorted(deleted["Key"] for deleted in answer["Deleted"]) == ["runs/r/step-1/a", "runs/r/step-1/b"]
+    with pytest.raises(ClientError, match=f"s3:DeleteObject on resource: arn:aws:s3:::{bucket}/artifacts/w.whl"):
+        s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": "artifacts/w.whl"}]})
+    assert [item["Key"] for item in admin.list_objects_v2(Bucket=bucket)["Contents"]] == ["artifacts/w.whl"]
+
+
 def test_resources_and_condition_keys_are_derived_from_the_request(enforced):
     cloud = enforced
     table = f"t-{uuid.uuid4().hex[:8]}"

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
+from xml.etree import ElementTree
 
 from moto.core.exceptions import _RESTError
 from moto.iam.access_control import IAMPolicy, IAMRequestBase, S3IAMRequest
@@ -139,6 +140,16 @@ def _query(request: IAMRequestBase) -> dict[str, list[str]]:
     return {key: value if isinstance(value, list) else [value] for key, value in data.items()}
 
 
+def _delete_keys(request: IAMRequestBase) -> list[str]:
+    """The object keys of an S3 DeleteObjects request body (<Delete><Object><Key>...)."""
+    body = request._body or b""
+    try:
+        root = ElementTree.fromstring(body if isinstance(body, bytes) else body.encode())
+    except ElementTree.ParseError:
+        return []
+    return [element.text or "" for element in root.iter() if element.tag.rsplit("}", 1)[-1] == "Key"]
+
+
 def _request_tags(query: dict[str, list[str]]) -> dict[str, str]:
     """aws:RequestTag/KEY of an EC2 request: the tags of its TagSpecification.N.Tag.M (and of a
     CreateTags' Tag.M)."""
@@ -182,9 +193,16 @@ def authorizations(request: IAMRequestBase, resource: str) -> Iterator[tuple[str
     context: dict[str, Any] = {"aws:SecureTransport": SECURE_TRANSPORT}
     unevaluated = UNEVALUATED_KEYS
     if service == "s3":
-        prefix = parse_qs(urlparse(request._path).query).get("prefix")
-        if action == "ListBucket" and prefix:
-            context["s3:prefix"] = prefix[0]
+        query = parse_qs(urlparse(request._path).query, keep_blank_values=True)
+        if action == "ListBucket" and query.get("prefix"):
+            context["s3:prefix"] = query["prefix"][0]
+        if action == "DeleteObject" and "delete" in query:
+            # DeleteObjects (POST ?delete) needs s3:DeleteObject on each object it names, not on
+            # the bucket moto names. AWS answers a denied key in the response's Errors; here any
+            # denied key refuses the whole request.
+            for key in _delete_keys(request):
+                yield (f"{resource}/{key}", context, unevaluated)
+            return
         yield (resource, context, unevaluated)
     elif service in ("sqs", "iam", "sts") and resource != "*":
         yield (resource, context, unevaluated)
