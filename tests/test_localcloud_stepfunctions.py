@@ -146,6 +146,25 @@ def test_task_token_answered_from_another_process(local_cloud, tmp_path):
                                                     "Cause": "reported by the agent"}
 
 
+def test_a_second_answer_to_a_task_token_is_refused_with_task_timed_out(local_cloud, tmp_path):
+    """Step Functions takes the first answer; a later SendTaskSuccess/Failure is TaskTimedOut
+    (a client error, never a server fault that the SDK would retry)."""
+    machine = callback_machine(local_cloud, tmp_path / "twice.jsonl", heartbeat_s=None, catch=[])
+    sfn = local_cloud.client("stepfunctions")
+    definition = json.loads(sfn.describe_state_machine(stateMachineArn=machine)["definition"])
+    del definition["States"]["AwaitAgent"]["End"]
+    definition["States"]["AwaitAgent"]["Next"] = "Linger"
+    definition["States"]["Linger"] = {"Type": "Wait", "Seconds": 300, "End": True}  # 6 s scaled
+    sfn.update_state_machine(stateMachineArn=machine, definition=json.dumps(definition))
+    start(local_cloud, machine)
+    token = wait_for_token(tmp_path / "twice.jsonl")
+    sfn.send_task_success(taskToken=token, output="{}")
+    for second in (lambda: sfn.send_task_success(taskToken=token, output="{}"),
+                   lambda: sfn.send_task_failure(taskToken=token, error="Late")):
+        with pytest.raises(sfn.exceptions.TaskTimedOut):
+            second()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("catch", [["States.HeartbeatTimeout"], ["States.Timeout"], []])
 def test_missed_heartbeat_is_states_heartbeat_timeout(local_cloud, tmp_path, catch):

@@ -91,8 +91,6 @@ from moto.stepfunctions.parser.asl.component.state.wait.wait_function.wait_funct
 from moto.stepfunctions.parser.asl.eval import states as eval_states
 from moto.stepfunctions.parser.asl.eval import variable_store
 from moto.stepfunctions.parser.asl.eval.callback.callback import (
-    CallbackConsumerTimeout,
-    CallbackNotifyConsumerError,
     CallbackOutcome,
     CallbackPoolManager,
     HeartbeatTimeoutError,
@@ -102,6 +100,7 @@ from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
 from moto.stepfunctions.parser.asl.jsonata import jsonata as moto_jsonata
 from moto.stepfunctions.parser.asl.utils import boto_client
 
+from moto.core.exceptions import AWSError
 from moto.core.responses import EmptyResult
 from moto.stepfunctions.parser.api import ExecutionStatus, StateMachineType
 from moto.stepfunctions.parser.backend.execution import BaseExecutionWorkerCommunication, Execution
@@ -273,7 +272,9 @@ def _notify_once(self: CallbackPoolManager, callback_id: str, outcome: CallbackO
     with _notify_lock:
         endpoint = self.get(callback_id)
         if endpoint is not None and endpoint.get_outcome() is not None:
-            raise CallbackNotifyConsumerError(callback_consumer_error=CallbackConsumerTimeout())
+            # Raised as the API error itself: moto's own mapping of a consumer error cannot build
+            # its TaskTimedOut (it needs a message) and answered 500, which clients retry.
+            raise AWSError("Task Timed Out: 'Provided task does not exist anymore'", "TaskTimedOut")
         return _moto_notify(self, callback_id, outcome)
 
 
