@@ -282,26 +282,25 @@ def answer_create_fleet(ec2, answers: dict[str, dict]) -> None:
     ec2.meta.events.register("before-call.ec2.CreateFleet", before_call)
 
 
-def test_insufficient_capacity_in_the_first_zone_lands_the_fleet_in_the_next(cloud, network):
+@pytest.mark.parametrize("run_name, answer", [("ice", ICE), ("offered", UNSUPPORTED)])
+def test_a_zone_without_capacity_or_without_the_type_lands_the_fleet_in_the_next(cloud, network, run_name, answer):
     ec2 = cloud.client("ec2")
     subnets, group = network
-    spec = make_spec(run_name="ice", subnet_ids=subnets, security_group_ids=[group])
+    spec = make_spec(run_name=run_name, subnet_ids=subnets, security_group_ids=[group])
     template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
-    answer_create_fleet(ec2, {subnets[0]: fleet_answer([], ICE)})
+    answer_create_fleet(ec2, {subnets[0]: fleet_answer([], answer)})
 
-    allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 2, 2, "ice-0")
+    allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 2, 2, f"{run_name}-0")
     assert (allocation.subnet_id, allocation.availability_zone) == (subnets[1], "us-east-1b")
-    assert allocation.placement_group == "trainfleet-ice-us-east-1b" and len(allocation.instance_ids) == 2
-    assert allocation.errors == [f"us-east-1a: {ICE[0]}: {ICE[1]}"]
+    assert allocation.placement_group == f"trainfleet-{run_name}-us-east-1b" and len(allocation.instance_ids) == 2
+    assert allocation.errors == [f"us-east-1a: {answer[0]}: {answer[1]}"]
     described = ec2.describe_instances(InstanceIds=allocation.instance_ids)["Reservations"]
     assert {i["Placement"]["AvailabilityZone"] for r in described for i in r["Instances"]} == {"us-east-1b"}
 
-    fleet.teardown(ec2, "ice", SETTINGS.stack_name)
+    fleet.teardown(ec2, run_name, SETTINGS.stack_name)
     cloud.wait_until(lambda: _states(ec2, allocation.instance_ids) == {"terminated"}, timeout_s=30,
                      what="the run's instances to be terminated")
-    assert fleet.teardown(ec2, "ice", SETTINGS.stack_name).placement_groups_in_use == []
-    names = [g["GroupName"] for g in ec2.describe_placement_groups()["PlacementGroups"]]
-    assert not [name for name in names if name.startswith("trainfleet-ice-")]  # both zones' groups
+    assert fleet.teardown(ec2, run_name, SETTINGS.stack_name).placement_groups_in_use == []
 
 
 def test_no_zone_with_capacity_launches_nothing_and_says_why(cloud, network):
@@ -314,17 +313,6 @@ def test_no_zone_with_capacity_launches_nothing_and_says_why(cloud, network):
     assert (allocation.instance_ids, allocation.shortfall, allocation.subnet_id) == ([], 3, None)
     assert [line.split(":")[0] for line in allocation.errors] == ["us-east-1a", "us-east-1b"]
     assert fleet.run_instance_ids(ec2, "dry", SETTINGS.stack_name) == []
-
-
-def test_a_type_not_offered_in_the_first_zone_lands_the_fleet_in_the_next(cloud, network):
-    ec2 = cloud.client("ec2")
-    subnets, group = network
-    spec = make_spec(run_name="offered", subnet_ids=subnets, security_group_ids=[group])
-    template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
-    answer_create_fleet(ec2, {subnets[0]: fleet_answer([], UNSUPPORTED)})
-    allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 2, 2, "offered-0")
-    assert allocation.availability_zone == "us-east-1b" and len(allocation.instance_ids) == 2
-    assert allocation.errors == [f"us-east-1a: {UNSUPPORTED[0]}: {UNSUPPORTED[1]}"]
 
 
 def test_a_type_no_zone_offers_stops_with_each_zones_answer(cloud, network):
