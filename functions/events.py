@@ -38,7 +38,6 @@ from trainfleet.contracts import (AgentEvent, CheckpointCommitted, Ec2InstanceSt
 from trainfleet.lifecycle import (checkpoint_before_leaving, classify_event, departure_wait_over, is_stale,
                                   waits_for_emergency_checkpoint)
 
-_RETIRED = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
 
 
 def _now() -> datetime:
@@ -67,13 +66,13 @@ def node_registered(run: RunRecord, detail: NodeRegistered) -> str:
 def node_ready(run: RunRecord, detail: NodeReady) -> str:
     store = aws().store
     node = store.node(run.run_name, detail.instance_id)
-    if node.state in _RETIRED:
+    if node.state.is_retired:
         return "ignored: node already retired"
     if node.state is NodeState.LAUNCHED:
         store.transition_node(run.run_name, detail.instance_id, NodeState.REGISTERED)
 
     def confirm(current: NodeRecord) -> NodeRecord:
-        if current.state in _RETIRED:  # retired meanwhile by another event
+        if current.state.is_retired:  # retired meanwhile by another event
             return current
         # Confirmations may arrive out of order: the newest attempt confirmed stays.
         attempt = max(detail.attempt, current.ready_attempt if current.ready_attempt is not None else -1)
@@ -199,7 +198,7 @@ def handle_agent_event(detail: AgentEvent) -> str:
     if report is None:
         return "ignored: no failure"
     nodes = aws().store.nodes(run.run_name)
-    retired = {node.instance_id for node in nodes if node.state in _RETIRED}
+    retired = {node.instance_id for node in nodes if node.state.is_retired}
     if report.instance_ids and set(report.instance_ids) <= retired:
         return "ignored: node already retired"
     return failure(run, [node for node in nodes if node.instance_id not in retired], report)
@@ -212,7 +211,7 @@ def handle_aws_event(detail: Any) -> str:
         by_run.setdefault(node.run_name, []).append(node)
     for run_name, named in by_run.items():
         run = aws().store.run(run_name)
-        live = [node for node in named if node.state not in _RETIRED]
+        live = [node for node in named if not node.state.is_retired]
         if run.state.is_final or not live:
             outcomes += [instance_gone(run, node, detail) if isinstance(detail, Ec2InstanceStateChange)
                          else "ignored: node already retired" for node in named]

@@ -41,7 +41,6 @@ from trainfleet.contracts import (FailureClass, FailureReport, NodeRecord, NodeR
 from trainfleet.lifecycle import (apply_decision, blame_silent_workers, book_attempt, classify_task_error,
                                   decide_recovery, needs_liveness_look, unready_workers)
 
-_GONE = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
 _ENDING = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
 
 
@@ -61,7 +60,7 @@ def name_silent_workers(run: RunRecord, nodes: list[NodeRecord], failure: Failur
     if not needs_liveness_look(failure):
         return failure
     cloud = aws()
-    workers = [node.instance_id for node in nodes if node.role is NodeRole.WORKER and node.state not in _GONE]
+    workers = [node.instance_id for node in nodes if node.role is NodeRole.WORKER and not node.state.is_retired]
     impaired = impaired_instances(cloud.ec2, workers) if workers else frozenset()
     records = read_liveness(cloud.s3, cloud.settings.bucket, run.run_name)
     return blame_silent_workers(failure, nodes, records, datetime.now(timezone.utc), impaired)
@@ -110,7 +109,7 @@ def act(run: RunRecord) -> int:
     # What this attempt launched is left out of the count: a retry that finds some of it recorded
     # sends EC2 the request the first try sent, under the same ClientToken, and gets the same
     # instances back (EC2 refuses that token with another request: IdempotentParameterMismatch).
-    kept = [node for node in nodes if node.state not in _GONE and node.attempt < run.attempt]
+    kept = [node for node in nodes if not node.state.is_retired and node.attempt < run.attempt]
     missing_workers = max(0, run.plan.nodes - sum(node.role is NodeRole.WORKER for node in kept))
     missing_spares = max(0, spec.spare_count - sum(node.role is NodeRole.SPARE for node in kept))
     if missing_workers + missing_spares == 0:

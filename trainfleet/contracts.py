@@ -600,6 +600,11 @@ class NodeState(StrEnum):
     def is_final(self) -> bool:
         return self is NodeState.TERMINATED
 
+    @property
+    def is_retired(self) -> bool:
+        """Blamed or leaving: no longer counted in the run's world."""
+        return self in (NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED)
+
 
 _N = NodeState
 NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {

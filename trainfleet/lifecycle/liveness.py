@@ -18,7 +18,7 @@ DynamoDB too.)
 
 from datetime import datetime, timedelta
 
-from trainfleet.contracts import FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole, NodeState
+from trainfleet.contracts import FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole
 
 POLL_MIN_S = 5.0
 """Least time between two looks of one agent at the control plane."""
@@ -32,7 +32,6 @@ SILENT_LOOKS = 3
 
 # Failures that name no node but may hide one: a silent node takes the world down with it.
 _MAY_HIDE_A_NODE = frozenset({FailureClass.PROCESS_CRASH, FailureClass.HANG, FailureClass.UNKNOWN})
-_RETIRED = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
 
 
 def _slowdown(nodes: int) -> float:
@@ -67,7 +66,7 @@ def silent_workers(nodes: list[NodeRecord], liveness: list[NodeLiveness], attemp
     more than a step behind its peers. The liveness rules blame no one when every worker looks silent: that says more
     about the reports' path than about the nodes, and replacing the whole world would not help.
     """
-    live = [node for node in nodes if node.state not in _RETIRED]
+    live = [node for node in nodes if not node.state.is_retired]
     workers = [node for node in live if node.role is NodeRole.WORKER]
     reports = {record.instance_id: record for record in liveness if record.attempt == attempt}
     limit = silent_after(len(live))  # the agents pace their looks by the run's node count

@@ -23,7 +23,6 @@ from trainfleet.lifecycle.replan import plan_layout
 ANNOUNCED_BY_AWS = frozenset({FailureClass.SPOT_INTERRUPTION, FailureClass.SPOT_REBALANCE,
                               FailureClass.HEALTH_EVENT})
 
-_GONE = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
 
 
 def failure_streak(history: list[FailureRecord], failure_class: FailureClass, resume_step: int | None) -> int:
@@ -72,7 +71,7 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
                        f"new checkpoint; last: {failure.message}")
 
     blamed = set(failure.instance_ids)
-    live = [node for node in nodes if node.state not in _GONE]
+    live = [node for node in nodes if not node.state.is_retired]
     workers = [node for node in live if node.role is NodeRole.WORKER and node.instance_id not in blamed]
     spare_pool = [node for node in live if node.role is NodeRole.SPARE and node.instance_id not in blamed]
     spares = [node for node in spare_pool if node.state is NodeState.READY]  # only these can step in now

@@ -20,13 +20,12 @@ from datetime import datetime, timedelta
 
 from trainfleet.contracts import (AnyDetail, CheckpointCommitted, CheckpointReason, Ec2RebalanceRecommendation,
                                   Ec2SpotInterruptionWarning, FailureReport, HealthEvent, NodeRecord, NodeRole,
-                                  NodeState, RunRecord)
+                                  RunRecord)
 
 SPOT_NOTICE = timedelta(minutes=2)
 """How long EC2 gives between a Spot warning and the interruption; the longest any announced
 departure waits for its checkpoint."""
 
-_RETIRED = frozenset({NodeState.UNHEALTHY, NodeState.TERMINATING, NodeState.TERMINATED})
 
 
 def checkpoint_before_leaving(detail: AnyDetail) -> bool:
@@ -43,7 +42,7 @@ def waits_for_emergency_checkpoint(run: RunRecord, node: NodeRecord) -> bool:
     booting, is failed (or replaced) at once.
     """
     training = run.waiting is not None and run.waiting.purpose == "train" and run.waiting.attempt == run.attempt
-    return training and node.role is NodeRole.WORKER and node.state not in _RETIRED
+    return training and node.role is NodeRole.WORKER and not node.state.is_retired
 
 
 def departure_wait_over(run: RunRecord, nodes: list[NodeRecord], now: datetime, *,
@@ -56,7 +55,7 @@ def departure_wait_over(run: RunRecord, nodes: list[NodeRecord], now: datetime, 
     committed: a checkpoint of the current attempt verified just now. leaving_instance_ids:
     instances EC2 reports shutting down, stopping or terminated.
     """
-    leaving = sorted((node for node in nodes if node.departure_noticed_at is not None and node.state not in _RETIRED),
+    leaving = sorted((node for node in nodes if node.departure_noticed_at is not None and not node.state.is_retired),
                      key=lambda node: node.departure_noticed_at)
     if not leaving:
         return None
