@@ -62,6 +62,8 @@ def test_example_run_spec_is_valid_and_round_trips():
     ({"recovery.max_restart": 3}, "recovery.max_restart", "Extra inputs"),
     ({"trainer.parallel.dp": 4}, "(input)", "32"),
     ({"trainer.parallel.schedule": "zigzag"}, "trainer.parallel.schedule", "unknown"),
+    ({"trainer.parallel.tp": 3}, "(input)", "tp=3 must divide the 8 ranks per"),
+    ({"trainer.parallel.tp": 2}, "(input)", "pp x dp x tp = 4 x 8 x 2 = 64 ranks"),
     ({"trainer.parallel.pp": 32, "trainer.parallel.dp": 1}, "trainer", "model.n_layers=24"),
     ({"trainer.training.batch_size": 500}, "trainer", "divisible by parallel.dp=8"),
     ({"trainer.parallel.microbatches": 5}, "trainer", "parallel.microbatches=5"),
@@ -85,10 +87,10 @@ def test_bad_run_spec_names_the_field(changes, field, words):
     assert words in message, message
 
 
-def _trainer_config(pp, dp, schedule, microbatches, stages_per_rank, n_layers, batch_size, tie=False):
+def _trainer_config(pp, dp, schedule, microbatches, stages_per_rank, n_layers, batch_size, tie=False, dp_shard=0):
     return {"model": {"n_layers": n_layers, "tie_embeddings": tie},
             "parallel": {"pp": pp, "dp": dp, "schedule": schedule, "microbatches": microbatches,
-                         "stages_per_rank": stages_per_rank},
+                         "stages_per_rank": stages_per_rank, "dp_shard": dp_shard},
             "training": {"batch_size": batch_size}}
 
 
@@ -101,10 +103,10 @@ def _accepted(trainer_config: dict) -> bool:
 
 
 LAYOUT_CASES = [dict(pp=pp, dp=dp, schedule=schedule, microbatches=mb, stages_per_rank=spr,
-                     n_layers=layers, batch_size=batch, tie=tie)
-                for pp, dp, schedule, mb, spr, layers, batch, tie in itertools.product(
+                     n_layers=layers, batch_size=batch, tie=tie, dp_shard=shard)
+                for pp, dp, schedule, mb, spr, layers, batch, tie, shard in itertools.product(
                     (1, 2, 3, 4), (1, 2, 3), sorted(c.SCHEDULES), (1, 2, 4, 6), (0, 1, 2),
-                    (4, 8), (12, 16), (False, True))]
+                    (4, 8), (12, 16), (False, True), (0, 2))]
 
 # The trainer imports torch: ask it in a child process so this process stays torch-free.
 TRAINER_SIDE = """
@@ -114,7 +116,8 @@ verdicts = []
 for case in json.load(sys.stdin):
     config = JobConfig()
     _apply(config, {"model": {"n_layers": case["n_layers"], "tie_embeddings": case["tie"]},
-                    "parallel": {k: case[k] for k in ("pp", "dp", "schedule", "microbatches", "stages_per_rank")},
+                    "parallel": {k: case[k] for k in ("pp", "dp", "schedule", "microbatches", "stages_per_rank",
+                                                      "dp_shard")},
                     "training": {"batch_size": case["batch_size"]}}, "test")
     try:
         config.validate()
@@ -180,6 +183,7 @@ def test_parallel_plan_and_launch_spec_check_their_numbers():
     assert plan.world_size == 16
     with pytest.raises(ValidationError, match="does not fill"):
         c.ParallelPlan(nodes=2, ranks_per_node=8, pp=4, dp=3)
+    assert c.ParallelPlan(nodes=2, ranks_per_node=8, pp=2, dp=2, tp=4).world_size == 16
     base = dict(run_name="r", attempt=1, plan=plan, rendezvous_host="10.0.0.1", rendezvous_id="r-1",
                 trainer_config={})
     c.LaunchSpec(node_ranks={"i-1": 0, "i-2": 1}, **base)

@@ -145,6 +145,15 @@ def test_plan_keeps_pp_and_shrinks_dp():
         ParallelPlan(nodes=1, ranks_per_node=8, pp=2, dp=4)
 
 
+def test_plan_keeps_tp_inside_each_node():
+    # 2 nodes of 8 ranks with tp=4: 4 tensor-parallel groups, pp=2 x dp=2 of them.
+    assert lc.plan_layout(trainer(tp=4), 8, available_nodes=2, min_nodes=1, preferred_pp=2) == \
+        ParallelPlan(nodes=2, ranks_per_node=8, pp=2, dp=2, tp=4)
+    # dp_shard=4 must divide dp, which only pp=1 x dp=4 of those 4 groups allows.
+    assert lc.plan_layout(trainer(pp=1, dp=4, tp=4, dp_shard=4), 8, available_nodes=2, min_nodes=1, preferred_pp=2) == \
+        ParallelPlan(nodes=2, ranks_per_node=8, pp=1, dp=4, tp=4)
+
+
 def test_plan_moves_pp_when_dp_cannot_divide_the_batch():
     # 3 ranks: pp=1 x dp=3 cannot split a batch of 16; pp=3 x dp=1 can (1f1b: 4 microbatches >= 3 stages).
     assert lc.plan_layout(trainer(), 1, available_nodes=3, min_nodes=1, preferred_pp=2) == \

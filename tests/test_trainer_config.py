@@ -64,6 +64,12 @@ def test_file_overrides_defaults_and_command_line_overrides_file(tmp_path, suffi
     (["--checkpoint.uri=s3://"], "names no bucket"),
     (["--optim.warmup_steps=500", "--training.steps=100"], "optim.warmup_steps=500"),
     (["--training.device=tpu"], "training.device='tpu'"),
+    (["--parallel.tp=3"], "parallel.tp=3 must divide model.n_heads=4"),
+    (["--parallel.tp=2", "--model.vocab_size=258", "--model.tie_embeddings=true"], "model.tie_embeddings=true needs parallel.tp=1"),
+    (["--parallel.dp=4", "--parallel.dp_shard=3"], "parallel.dp_shard=3 must divide parallel.dp=4"),
+    (["--parallel.reshard_after_forward=sometimes"], "parallel.reshard_after_forward='sometimes'"),
+    (["--training.activation_checkpoint=some"], "training.activation_checkpoint='some'"),
+    (["--checkpoint.timeout_s=0"], "checkpoint.timeout_s must be > 0"),
     (["--model.width=3"], "unknown field model.width"),
     (["--modle.n_layers=3"], "unknown config section 'modle'"),
     (["stray"], "unexpected argument 'stray'"),
@@ -77,8 +83,9 @@ def test_bad_config_names_the_problem(overrides, named):
 
 def test_world_size_must_match_the_layout():
     check_world_size(load_config(["--parallel.pp=2", "--parallel.dp=2"]), 4)
-    with pytest.raises(ConfigError, match=r"world size 3 != parallel.pp x parallel.dp = 2 x 2 = 4"):
+    with pytest.raises(ConfigError, match=r"world size 3 != parallel.pp x dp x tp = 2 x 2 x 1 = 4"):
         check_world_size(load_config(["--parallel.pp=2", "--parallel.dp=2"]), 3)
+    check_world_size(load_config(["--parallel.pp=2", "--parallel.tp=2", "--model.vocab_size=258"]), 4)
 
 
 def test_bad_launch_fails_before_any_process_group(monkeypatch, capsys):
@@ -86,7 +93,7 @@ def test_bad_launch_fails_before_any_process_group(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
     assert main(["--parallel.pp=2", "--parallel.dp=2"]) == 2
-    assert "world size 3 != parallel.pp x parallel.dp" in capsys.readouterr().err
+    assert "world size 3 != parallel.pp x dp x tp" in capsys.readouterr().err
 
 
 def test_bad_config_from_the_command_line_exits_with_the_message():

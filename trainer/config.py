@@ -48,7 +48,18 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree (ranks per pipeline)."""
     dp: int = 1
-    """Data-parallel degree (pipeline replicas); world size must be pp * dp."""
+    """Data-parallel degree (ranks that see different data); world size must be pp * dp * tp."""
+    dp_shard: int = 0
+    """Of the dp ranks, how many share one copy of the parameters, gradients and optimizer state,
+    each holding a shard (FSDP2); the model is replicated over dp / dp_shard such groups.
+    0 = all of dp (ZeRO-3 over every data-parallel rank); 1 = full replicas, gradients averaged."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks that split every attention and MLP matrix, with sequence
+    parallelism between them. Keep it within a node (NVLink): it talks twice per layer."""
+    reshard_after_forward: str = "auto"
+    """FSDP: free the gathered parameters after forward (always, ZeRO-3), keep them until backward
+    (never, ZeRO-2: more memory, half the all-gathers), or auto: always without a pipeline, never
+    with one (a stage runs forward once per microbatch and would gather again each time)."""
     schedule: str = "1f1b"
     """Pipeline schedule: one of trainer.schedules.SCHEDULES (gpipe, 1f1b, interleaved-1f1b, ...) that the installed
     torch offers."""
@@ -64,6 +75,9 @@ class ParallelConfig:
     """On gloo (CPU), stages post a step's receives at once and do not wait on sends; false = torch's own
     timing. Not used with NCCL, where a pair of ranks shares one stream and a send would queue behind an
     early receive."""
+
+    def resolved_dp_shard(self) -> int:
+        return self.dp_shard or self.dp
 
     def resolved_stages_per_rank(self) -> int:
         return self.stages_per_rank or SCHEDULES[self.schedule].stages_per_rank
@@ -114,6 +128,12 @@ class TrainingConfig:
     """Seeds weight init, the data order and the RNGs; the same seed gives the same run at any pp x dp."""
     device: str = "auto"
     """cpu, cuda or auto (cuda when available). Compute is bf16 on CUDA, fp32 on CPU."""
+    activation_checkpoint: str = "none"
+    """Recompute activations in backward instead of keeping them: none, selective (the attention
+    and MLP internals of each block; keeps the block inputs and the matmul outputs cheap to store)
+    or full (everything but each block's input)."""
+    compile: bool = False
+    """torch.compile each transformer block (CUDA; slow to start, faster per step)."""
     threads: int = 0
     """CPU threads per rank for intra-op work; 0 leaves torch's default."""
     metrics_file: str = "runs/metrics.jsonl"
@@ -132,6 +152,9 @@ class CheckpointConfig:
     """none, latest, or a step number to resume from."""
     async_save: bool = True
     """Save in the background so training is not stalled by storage."""
+    timeout_s: float = 1800.0
+    """How long a checkpoint collective waits for a peer: the save's last collective waits for the
+    slowest rank's upload, far longer than a training collective may take."""
 
 
 @dataclass
@@ -139,7 +162,7 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The network."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Pipeline and data parallel layout."""
+    """Pipeline, data and tensor parallel layout."""
     data: DataConfig = field(default_factory=DataConfig)
     """Corpus and token shards."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -157,7 +180,9 @@ class JobConfig:
 
 
 # Integer fields where 0 means something (a seed, "torch's default", "what the schedule needs").
-_ZERO_ALLOWED = {"seed", "threads", "stages_per_rank"}
+_ZERO_ALLOWED = {"seed", "threads", "stages_per_rank", "dp_shard"}
+ACTIVATION_CHECKPOINT_MODES = ("none", "selective", "full")
+RESHARD_AFTER_FORWARD = ("auto", "always", "never")
 
 
 def _problems(c: JobConfig):
@@ -170,6 +195,18 @@ def _problems(c: JobConfig):
                 yield f"{_name(section)}.{f.name} must be >= {lowest}, got {value}"
     if m.d_model % m.n_heads:
         yield f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}"
+    if m.n_heads % p.tp or m.vocab_size % p.tp or m.seq_len % p.tp:
+        yield (f"parallel.tp={p.tp} must divide model.n_heads={m.n_heads}, model.vocab_size={m.vocab_size} "
+               f"and model.seq_len={m.seq_len} (heads, vocabulary rows and sequence positions are split over it)")
+    if p.tp > 1 and m.tie_embeddings:
+        yield "model.tie_embeddings=true needs parallel.tp=1"
+    if p.dp % p.resolved_dp_shard():
+        yield f"parallel.dp_shard={p.dp_shard} must divide parallel.dp={p.dp}"
+    if p.reshard_after_forward not in RESHARD_AFTER_FORWARD:
+        yield f"parallel.reshard_after_forward={p.reshard_after_forward!r} must be one of {', '.join(RESHARD_AFTER_FORWARD)}"
+    if t.activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
+        yield (f"training.activation_checkpoint={t.activation_checkpoint!r} must be one of "
+               f"{', '.join(ACTIVATION_CHECKPOINT_MODES)}")
     if m.vocab_size < tokenizer.VOCAB_SIZE:
         yield f"model.vocab_size={m.vocab_size} is below the tokenizer's vocabulary ({tokenizer.VOCAB_SIZE})"
     if p.schedule not in SCHEDULES:
@@ -204,6 +241,8 @@ def _problems(c: JobConfig):
         yield f"optim.warmup_steps={o.warmup_steps} must be between 0 and training.steps={t.steps}"
     if o.grad_clip < 0 or o.weight_decay < 0:
         yield f"optim.grad_clip and optim.weight_decay must be >= 0, got {o.grad_clip}, {o.weight_decay}"
+    if k.timeout_s <= 0:
+        yield f"checkpoint.timeout_s must be > 0, got {k.timeout_s}"
     if k.interval < 1 or k.keep_last < 1:
         yield f"checkpoint.interval and checkpoint.keep_last must be >= 1, got {k.interval}, {k.keep_last}"
     if k.resume not in ("none", "latest") and not k.resume.isdigit():
@@ -218,11 +257,12 @@ def _problems(c: JobConfig):
 
 
 def check_world_size(config: JobConfig, world_size: int) -> None:
-    """The launch must have exactly one process per (pp, dp) position."""
+    """The launch must have exactly one process per (pp, dp, tp) position."""
     p = config.parallel
-    if world_size != p.pp * p.dp:
-        raise ConfigError(f"world size {world_size} != parallel.pp x parallel.dp = {p.pp} x {p.dp} = {p.pp * p.dp}; "
-                          f"launch {p.pp * p.dp} processes or change the layout")
+    needed = p.pp * p.dp * p.tp
+    if world_size != needed:
+        raise ConfigError(f"world size {world_size} != parallel.pp x dp x tp = {p.pp} x {p.dp} x {p.tp} = {needed}; "
+                          f"launch {needed} processes or change the layout")
 
 
 def _name(section) -> str:

@@ -266,7 +266,11 @@ class TrainerParallel(_Open):
     pp: int = Field(ge=1)
     """Pipeline-parallel degree."""
     dp: int = Field(ge=1)
-    """Data-parallel degree; pp x dp = nodes x ranks per node."""
+    """Data-parallel degree; pp x dp x tp = nodes x ranks per node."""
+    dp_shard: int = Field(default=0, ge=0)
+    """Data-parallel ranks sharing one sharded copy of the state; 0 = all of dp."""
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel degree; stays inside a node, so a re-plan keeps it."""
     schedule: str
     """Pipeline schedule, one of SCHEDULES."""
     microbatches: int = Field(ge=1)
@@ -307,12 +311,13 @@ class TrainerTraining(_Open):
 TRAINER_FIELDS: dict[str, frozenset[str]] = {
     "model": frozenset({"n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "mlp_ratio",
                         "tie_embeddings"}),
-    "parallel": frozenset({"pp", "dp", "schedule", "microbatches", "stages_per_rank",
-                           "layers_per_stage", "timeout_s", "early_p2p"}),
+    "parallel": frozenset({"pp", "dp", "dp_shard", "tp", "reshard_after_forward", "schedule", "microbatches",
+                           "stages_per_rank", "layers_per_stage", "timeout_s", "early_p2p"}),
     "data": frozenset({"shards", "cache_dir", "corpus_bytes", "shard_tokens"}),
     "optim": frozenset({"lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
                         "grad_clip"}),
-    "training": frozenset({"steps", "batch_size", "seed", "device", "threads", "metrics_file"}),
+    "training": frozenset({"steps", "batch_size", "seed", "device", "activation_checkpoint", "compile", "threads",
+                           "metrics_file"}),
 }
 
 
@@ -375,6 +380,8 @@ def layout_problem(config: TrainerConfig, pp: int, dp: int) -> str | None:
         return f"parallel.layers_per_stage lists {len(par.layers_per_stage)} stages, the layout has {stages}"
     if batch % dp:
         return f"training.batch_size={batch} must be divisible by parallel.dp={dp}"
+    if par.dp_shard and dp % par.dp_shard:
+        return f"parallel.dp_shard={par.dp_shard} must divide parallel.dp={dp}"
     if (batch // dp) % par.microbatches:
         return (f"parallel.microbatches={par.microbatches} must divide the per-replica batch "
                 f"(training.batch_size / parallel.dp = {batch // dp})")
@@ -457,12 +464,16 @@ class RunSpec(_Strict):
     def _fits(self) -> RunSpec:
         if self.min_nodes is not None and self.min_nodes > self.node_count:
             raise ValueError(f"min_nodes={self.min_nodes} exceeds node_count={self.node_count}")
-        ranks = self.node_count * self.facts.ranks_per_node
+        ranks_per_node = self.facts.ranks_per_node
+        ranks = self.node_count * ranks_per_node
         par = self.trainer.parallel
-        if par.pp * par.dp != ranks:
+        if ranks_per_node % par.tp:
+            raise ValueError(f"trainer.parallel.tp={par.tp} must divide the {ranks_per_node} ranks per "
+                             f"{self.instance_type}: tensor parallelism stays inside a node")
+        if par.pp * par.dp * par.tp != ranks:
             raise ValueError(
-                f"trainer.parallel.pp x dp = {par.pp} x {par.dp} = {par.pp * par.dp} ranks, but "
-                f"node_count={self.node_count} x {self.facts.ranks_per_node} ranks per "
+                f"trainer.parallel.pp x dp x tp = {par.pp} x {par.dp} x {par.tp} = {par.pp * par.dp * par.tp} "
+                f"ranks, but node_count={self.node_count} x {ranks_per_node} ranks per "
                 f"{self.instance_type} = {ranks}")
         return self
 
@@ -688,7 +699,7 @@ class FailureReport(_Strict):
 
 
 class ParallelPlan(_Strict):
-    """A world layout: nodes x ranks per node = pp x dp."""
+    """A world layout: nodes x ranks per node = pp x dp x tp."""
 
     nodes: int = Field(ge=1)
     """Worker nodes in the world."""
@@ -698,17 +709,19 @@ class ParallelPlan(_Strict):
     """Pipeline-parallel degree."""
     dp: int = Field(ge=1)
     """Data-parallel degree."""
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel degree (the RunSpec's; a re-plan keeps it)."""
 
     @model_validator(mode="after")
     def _fills_world(self) -> ParallelPlan:
-        if self.pp * self.dp != self.nodes * self.ranks_per_node:
-            raise ValueError(f"pp x dp = {self.pp} x {self.dp} does not fill "
+        if self.pp * self.dp * self.tp != self.nodes * self.ranks_per_node:
+            raise ValueError(f"pp x dp x tp = {self.pp} x {self.dp} x {self.tp} does not fill "
                              f"{self.nodes} nodes x {self.ranks_per_node} ranks")
         return self
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.tp
 
 
 class RecoveryAction(StrEnum):

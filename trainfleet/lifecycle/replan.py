@@ -1,4 +1,4 @@
-"""Re-plan pp x dp for the nodes at hand, within what the trainer can run."""
+"""Re-plan pp x dp for the nodes at hand, within what the trainer can run (tp stays as asked)."""
 
 from trainfleet.contracts import ParallelPlan, RunSpec, TrainerConfig, layout_problem
 
@@ -8,7 +8,8 @@ def initial_plan(spec: RunSpec, allocated_nodes: int) -> ParallelPlan | None:
     (never below min_nodes; None when nothing runs on them)."""
     par = spec.trainer.parallel
     if allocated_nodes >= spec.node_count:
-        return ParallelPlan(nodes=spec.node_count, ranks_per_node=spec.facts.ranks_per_node, pp=par.pp, dp=par.dp)
+        return ParallelPlan(nodes=spec.node_count, ranks_per_node=spec.facts.ranks_per_node, pp=par.pp, dp=par.dp,
+                            tp=par.tp)
     return plan_layout(spec.trainer, spec.facts.ranks_per_node, allocated_nodes, spec.shrink_floor, par.pp)
 
 
@@ -19,15 +20,16 @@ def plan_layout(config: TrainerConfig, ranks_per_node: int, available_nodes: int
     Most nodes first (idle nodes are paid for nothing). Among layouts on as many nodes, the
     pp nearest to `preferred_pp` from above: a larger pp keeps fewer layers per rank, so a model
     that fitted in memory still fits, while a smaller pp could run out of it.
-    The global batch and the microbatch count stay as configured, so the run trains on the same
-    batches (the trainer's checkpoints reshard to any layout).
+    The global batch, the microbatch count and tp stay as configured, so the run trains on the
+    same batches (the trainer's checkpoints reshard to any layout).
     """
+    tp = config.parallel.tp
     for nodes in range(available_nodes, min_nodes - 1, -1):
-        ranks = nodes * ranks_per_node
-        runnable = [pp for pp in _divisors(ranks) if layout_problem(config, pp, ranks // pp) is None]
+        groups = nodes * ranks_per_node // tp
+        runnable = [pp for pp in _divisors(groups) if layout_problem(config, pp, groups // pp) is None]
         if runnable:
             pp = min(runnable, key=lambda pp: (pp < preferred_pp, abs(pp - preferred_pp)))
-            return ParallelPlan(nodes=nodes, ranks_per_node=ranks_per_node, pp=pp, dp=ranks // pp)
+            return ParallelPlan(nodes=nodes, ranks_per_node=ranks_per_node, pp=pp, dp=groups // pp, tp=tp)
     return None
 
 
