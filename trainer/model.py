@@ -1,8 +1,13 @@
 """A GPT-style decoder LM, buildable whole or as one pipeline stage.
 
 Layers live in a ModuleDict keyed by their global index and parts a stage lacks are None, so a
-stage's parameter names are exactly the full model's (`layers.5.attn.qkv.weight`), which is what
+stage's parameter names are exactly the full model's (`layers.5.attn.q.weight`), which is what
 lets a checkpoint saved at one pipeline split load into another.
+
+Nothing here knows about parallelism: trainer/parallelize.py shards these modules in place
+(tensor parallel, FSDP), and the shapes below are then the local ones - (B, T/tp, C) for the
+residual stream between blocks, H/tp heads inside attention. Dtypes come from FSDP's mixed
+precision policy (bf16 compute on CUDA), not from autocast.
 """
 
 import zlib
@@ -17,18 +22,21 @@ INIT_STD = 0.02
 
 
 class CausalSelfAttention(nn.Module):
+    # Separate q, k and v projections (not one fused qkv): tensor parallel splits each by heads.
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)  # each (B, T, C)
-        q, k, v = (t.view(batch, seq, self.n_heads, width // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        batch, seq, _ = x.shape
+        # Heads from the projection's width: H, or H/tp under tensor parallel.
+        q, k, v = (t(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(y.transpose(1, 2).flatten(2))  # (B, T, C)
 
 
 class MLP(nn.Module):
@@ -73,38 +81,31 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if last and not cfg.tie_embeddings else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Mixed precision on CUDA (bf16 matmuls, fp32 weights and norms); plain fp32 on CPU.
-        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
-            if self.tok_emb is not None:
-                positions = torch.arange(x.shape[1], device=x.device)
-                x = self.tok_emb(x) + self.pos_emb(positions)  # (B, T, C)
-            for layer in self.layers.values():
-                x = layer(x)
-            if self.norm is None:
-                return x
-            x = self.norm(x)
-            weight = self.head.weight if self.head is not None else self.tok_emb.weight
-            return F.linear(x, weight)  # (B, T, vocab)
+        if self.tok_emb is not None:
+            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, T)
+            x = self.tok_emb(x) + self.pos_emb(positions)  # (B, T, C)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.norm is None:
+            return x
+        x = self.norm(x)
+        return self.head(x) if self.head is not None else F.linear(x, self.tok_emb.weight)  # (B, T, vocab)
 
 
-def init_weights(model: nn.Module, seed: int, n_layers: int) -> None:
-    """Initialise every parameter from a generator seeded by (seed, its full name).
+def initial_values(name: str, shape: torch.Size, seed: int, n_layers: int) -> torch.Tensor:
+    """A parameter's full initial value, from a generator seeded by (seed, its full name).
 
-    A parameter gets the same values whichever stage, rank or split it lands in, so a pipeline
-    run starts from exactly the single-process model without any rank building the whole of it.
-    Output projections are scaled down by depth (GPT-2's residual scaling).
+    A parameter gets the same values whichever stage, rank or split it lands in, so a parallel
+    run starts from exactly the single-process model. Output projections are scaled down by
+    depth (GPT-2's residual scaling).
     """
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            if name.endswith("norm.weight"):
-                values = torch.ones(param.shape)
-            elif name.endswith("bias"):
-                values = torch.zeros(param.shape)
-            else:
-                std = INIT_STD / (2 * n_layers) ** 0.5 if name.endswith("proj.weight") else INIT_STD
-                values = torch.randn(param.shape, generator=generator) * std
-            param.copy_(values)
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    std = INIT_STD / (2 * n_layers) ** 0.5 if name.endswith("proj.weight") else INIT_STD
+    return torch.randn(shape, generator=generator) * std
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

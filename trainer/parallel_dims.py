@@ -5,8 +5,11 @@ starting processes. The schedules' rules live in trainfleet.contracts (through t
 which the config and the control plane's Validate check without torch; this module adds the
 installed torch's classes.
 
-Ranks form a (dp, pp) grid, rank = dp_index * pp + pp_index: pipeline neighbours have adjacent
-ranks, which torchrun places on the same node first.
+Ranks form a (pp, dp, tp) grid, outermost first, rank = (pp_index * dp + dp_index) * tp + tp_index
+(torchtitan's order): torchrun numbers a node's GPUs consecutively, so tensor parallel, which talks
+twice per layer, stays inside a node on NVLink, data parallel comes next, and pipeline stages,
+which only hand activations on, are spread across nodes. (dp splits further into dp_replicate x
+dp_shard for FSDP; trainer/train.py builds that mesh.)
 """
 
 from dataclasses import dataclass
@@ -77,11 +80,12 @@ def layer_ranges(layers_per_stage: list[int]) -> list[range]:
 
 @dataclass(frozen=True)
 class RankPosition:
-    """Where one global rank sits in the (dp, pp) grid."""
+    """Where one global rank sits in the (pp, dp, tp) grid."""
 
-    dp_index: int
     pp_index: int
+    dp_index: int
+    tp_index: int
 
     @classmethod
-    def of(cls, rank: int, pp: int) -> "RankPosition":
-        return cls(dp_index=rank // pp, pp_index=rank % pp)
+    def of(cls, rank: int, dp: int, tp: int) -> "RankPosition":
+        return cls(pp_index=rank // (dp * tp), dp_index=rank // tp % dp, tp_index=rank % tp)

@@ -1,9 +1,10 @@
 """Pipeline parallelism: this rank's stages of the GPT and the schedule that drives them.
 
 Each rank builds only its own stages (a contiguous layer range each; the embedding on stage 0,
-norm + head + loss on the last) straight from the config, and hands them to a
+norm + head + loss on the last) straight from the config, parallelizes each
+(trainer/parallelize.py: tensor parallel, FSDP2, activation checkpointing), and hands them to a
 torch.distributed.pipelining schedule chosen by name. With pp=1 the same interface runs the
-microbatches one after another in one process, which is the reference the pipeline must match.
+microbatches one after another, which in one process is the reference every layout must match.
 """
 
 from dataclasses import dataclass
@@ -11,12 +12,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from trainer.config import JobConfig, ModelConfig
-from trainer.model import GPT, cross_entropy_loss, init_weights
+from trainer.model import GPT, cross_entropy_loss
 from trainer.parallel_dims import SCHEDULES, layer_ranges, schedule_class, split_layers, stage_ids
+from trainer.parallelize import materialize, parallelize, tensor_parallel
 
 __all__ = ["Pipeline", "build_pipeline"]
 
@@ -62,7 +66,10 @@ class Pipeline:
     def _accumulate_locally(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         (model,) = self.model_parts
         losses = []
-        for x, y in zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches)):
+        for i, (x, y) in enumerate(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches))):
+            if isinstance(model, FSDPModule):
+                # Gradients are reduced over data parallel once, after the last microbatch.
+                model.set_requires_gradient_sync(i == self.microbatches - 1)
             loss = cross_entropy_loss(model(x), y)
             (loss / self.microbatches).backward()
             losses.append(loss.detach())
@@ -177,30 +184,37 @@ def _layers_per_stage(cfg: ModelConfig, n_stages: int, override: list[int]) -> l
     return split_layers(block_params, cfg.n_layers, embed_params, head_params, n_stages)
 
 
-def _build_part(cfg: JobConfig, layers: range, first: bool, last: bool, device: torch.device) -> nn.Module:
-    # Built on the meta device and materialised in place, so no rank ever allocates layers it does not own.
+def _build_part(cfg: JobConfig, layers: range, first: bool, last: bool, device: torch.device,
+                mesh: DeviceMesh | None) -> nn.Module:
+    # Built on the meta device and split before it is materialised, so no rank ever allocates
+    # layers it does not own, nor more of a matrix than its tensor-parallel shard.
     with torch.device("meta"):
         part = GPT(cfg.model, layers, first=first, last=last)
-    part.to_empty(device=device)
-    init_weights(part, cfg.training.seed, cfg.model.n_layers)
+    if cfg.parallel.tp > 1:
+        tensor_parallel(part, mesh["tp"])
+    materialize(part, device, cfg.training.seed, cfg.model.n_layers)
+    parallelize(part, cfg, mesh, device)
     return part
 
 
-def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0,
-                   pp_group: dist.ProcessGroup | None = None) -> Pipeline:
-    """This rank's stages and schedule for cfg.parallel (the whole model, unscheduled, when pp=1)."""
+def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0, mesh: DeviceMesh | None = None) -> Pipeline:
+    """This rank's stages and schedule for cfg.parallel (the whole model, unscheduled, when pp=1).
+
+    `mesh` is the (pp, dp_replicate, dp_shard, tp) device mesh; None in a process of its own.
+    """
     p = cfg.parallel
     if p.pp == 1:
-        model = _build_part(cfg, range(cfg.model.n_layers), True, True, device)
+        model = _build_part(cfg, range(cfg.model.n_layers), True, True, device, mesh)
         return Pipeline([model], [0], 1, p.microbatches, schedule=None)
 
     spec = SCHEDULES[p.schedule]
     n_stages = p.n_stages()
     ranges = layer_ranges(_layers_per_stage(cfg.model, n_stages, p.layers_per_stage))
     ids = stage_ids(pp_rank, p.pp, p.resolved_stages_per_rank(), spec.placement)
-    parts = [_build_part(cfg, ranges[s], s == 0, s == n_stages - 1, device) for s in ids]
+    parts = [_build_part(cfg, ranges[s], s == 0, s == n_stages - 1, device, mesh) for s in ids]
     early_p2p = p.early_p2p and device.type == "cpu"
     stage_class = _EarlyP2PStage if early_p2p else PipelineStage
+    pp_group = mesh.get_group("pp")
     stages = [stage_class(part, s, n_stages, device, group=pp_group) for part, s in zip(parts, ids)]
     if spec.placement == "single":
         schedule = schedule_class(p.schedule)(stages[0], p.microbatches, loss_fn=cross_entropy_loss)

@@ -1,11 +1,11 @@
-"""Train the GPT with pipeline x data parallelism.
+"""Train the GPT with pipeline x data (FSDP2) x tensor parallelism.
 
     python -m trainer.train --config trainer/configs/small.toml --parallel.pp=1     # one process
     torchrun --nproc-per-node 2 -m trainer.train --config trainer/configs/small.toml --parallel.pp=2
     torchrun --nproc-per-node 4 -m trainer.train --config trainer/configs/small.toml \\
         --parallel.pp=2 --parallel.dp=2 --parallel.schedule=interleaved-1f1b
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m trainer.train --config FILE --parallel.pp=8 --parallel.dp=2
+    torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m trainer.train --config FILE --parallel.pp=4 --parallel.dp=2 --parallel.tp=4
 
 Precedence: command line > config file > defaults (trainer/config.py). Use `--section.field=value`
 for overrides: a bare prefix of a torchrun option (e.g. `--d`) is taken by torchrun.
@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer import checkpoint_catalog
@@ -42,19 +43,20 @@ _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite; training stops rather than corrupt the weights further."""
+    """The loss or the gradient norm became NaN or infinite; training stops before the optimizer
+    would write it into the weights."""
 
 
 @dataclass
 class DistributedEnv:
-    """This process's place in the job and the groups it talks over (None when alone)."""
+    """This process's place in the job and the mesh it talks over (None when alone)."""
 
     rank: int
     world_size: int
     device: torch.device
     position: RankPosition
-    pp_group: dist.ProcessGroup | None
-    dp_group: dist.ProcessGroup | None
+    mesh: DeviceMesh | None
+    """Dimensions pp, dp_replicate, dp_shard, tp, outermost first."""
 
 
 class TrainState(Stateful):
@@ -121,17 +123,26 @@ def build_optimizer(part: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Adam
 
 @contextlib.contextmanager
 def distributed(cfg: JobConfig):
-    """Start the process group for a torchrun launch (none for one process) and tear it down after."""
+    """Start the process group for a torchrun launch and tear it down after.
+
+    One process on CPU runs without one. On CUDA even one process gets a one-rank group: FSDP2,
+    whose mixed precision policy gives the bf16 compute, needs a mesh.
+    """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_world_size(cfg, world_size)
     device = _device(cfg)
-    if world_size > 1:
+    grouped = world_size > 1 or device.type == "cuda"
+    if grouped:
+        # device_id binds NCCL's communicator to this rank's GPU at once (no guessing, eager init).
+        options = {"device_id": device} if device.type == "cuda" else {}
+        if world_size == 1:
+            options.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=cfg.parallel.timeout_s))
+                                timeout=timedelta(seconds=cfg.parallel.timeout_s), **options)
     try:
         yield environment(cfg, device)
     finally:
-        if world_size > 1:
+        if grouped:
             dist.destroy_process_group()
 
 
@@ -147,35 +158,25 @@ def _device(cfg: JobConfig) -> torch.device:
 def environment(cfg: JobConfig, device: torch.device) -> DistributedEnv:
     """Groups for cfg's layout over the already started process group (or none for one process)."""
     if not dist.is_initialized():
-        return DistributedEnv(0, 1, device, RankPosition(0, 0), None, None)
+        return DistributedEnv(0, 1, device, RankPosition(0, 0, 0), None)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     check_world_size(cfg, world_size)
-    mesh = init_device_mesh(device.type, (cfg.parallel.dp, cfg.parallel.pp), mesh_dim_names=("dp", "pp"))
-    return DistributedEnv(rank, world_size, device, RankPosition.of(rank, cfg.parallel.pp),
-                          mesh.get_group("pp"), mesh.get_group("dp"))
+    p = cfg.parallel
+    shard = p.resolved_dp_shard()
+    mesh = init_device_mesh(device.type, (p.pp, p.dp // shard, shard, p.tp),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    return DistributedEnv(rank, world_size, device, RankPosition.of(rank, p.dp, p.tp), mesh)
 
 
-def average_gradients_over_replicas(parts: list[torch.nn.Module], dp_group: dist.ProcessGroup, dp: int) -> None:
-    """One all-reduce per part over its flattened gradients, after the whole schedule ran.
-
-    Done here rather than by DDP inside the stages so that it is the same for every schedule,
-    including the zero-bubble ones that split backward into input and weight halves.
-    """
-    for part in parts:
-        grads = [p.grad for p in part.parameters()]
-        flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat, group=dp_group)
-        flat /= dp
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly distributed) tensor this rank holds."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def clip_gradients(parts: list[torch.nn.Module], max_norm: float, norm: float) -> None:
     """Scale all gradients so that their global norm (given, over every stage) is at most max_norm."""
     if max_norm > 0 and norm > max_norm:
-        torch._foreach_mul_([p.grad for part in parts for p in part.parameters()], max_norm / (norm + 1e-6))
+        torch._foreach_mul_([_local(p.grad) for part in parts for p in part.parameters()], max_norm / (norm + 1e-6))
 
 
 @dataclass
@@ -214,7 +215,7 @@ def build(cfg: JobConfig, env: DistributedEnv) -> Run:
     torch.manual_seed(cfg.training.seed)
     if cfg.training.threads:
         torch.set_num_threads(cfg.training.threads)
-    pipeline = build_pipeline(cfg, env.device, env.position.pp_index, env.pp_group)
+    pipeline = build_pipeline(cfg, env.device, env.position.pp_index, env.mesh)
     optimizers = [build_optimizer(part, cfg.optim) for part in pipeline.model_parts]
     schedulers = [LambdaLR(opt, lambda step: lr_factor(step, cfg.optim, cfg.training.steps)) for opt in optimizers]
     loader = DataLoader(load_tokens(cfg.data), cfg.model.seq_len, cfg.training.batch_size, cfg.parallel.dp,
@@ -229,14 +230,13 @@ def train_step(run: Run) -> dict:
     inputs, targets = (t.to(env.device) for t in state.loader.next_batch())
     for opt in state.optimizers:
         opt.zero_grad()
-    loss = run.pipeline.forward_backward(inputs, targets)
-    if cfg.parallel.dp > 1:
-        average_gradients_over_replicas(run.pipeline.model_parts, env.dp_group, cfg.parallel.dp)
-    loss, grad_norm = _loss_and_grad_norm(loss, run.pipeline.model_parts, env, cfg.parallel.dp)
-    clip_gradients(run.pipeline.model_parts, cfg.optim.grad_clip, grad_norm)
-    if not math.isfinite(loss):
-        raise NonFiniteLossError(f"step {state.step + 1}: loss is {loss} (grad norm {grad_norm}); stopping "
+    loss = run.pipeline.forward_backward(inputs, targets)  # gradients come out averaged over dp (FSDP)
+    _place_gradients_like_parameters(run.pipeline.model_parts)
+    loss, grad_norm = _loss_and_grad_norm(loss, run.pipeline.model_parts, env, cfg.parallel.dp * cfg.parallel.tp)
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise NonFiniteLossError(f"step {state.step + 1}: loss is {loss}, gradient norm is {grad_norm}; stopping "
                                  f"before the optimizer applies it. Lower optim.lr or check the data.")
+    clip_gradients(run.pipeline.model_parts, cfg.optim.grad_clip, grad_norm)
     lr = state.lr_schedulers[0].get_last_lr()[0]
     for opt, scheduler in zip(state.optimizers, state.lr_schedulers):
         opt.step()
@@ -248,21 +248,44 @@ def train_step(run: Run) -> dict:
             "tokens_per_s": tokens / step_time}
 
 
+def _place_gradients_like_parameters(parts: list[torch.nn.Module]) -> None:
+    """Tensor parallel leaves the gradients of replicated norm weights as per-rank partial sums and
+    those of row-split embeddings whole; the norm, the clipping and the optimizer work on this
+    rank's part of each gradient, so it must be the shard that matches its parameter."""
+    for part in parts:
+        for p in part.parameters():
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
 def _loss_and_grad_norm(loss: torch.Tensor | None, parts: list[torch.nn.Module], env: DistributedEnv,
-                        dp: int) -> tuple[float, float]:
+                        ranks_per_stage: int) -> tuple[float, float]:
     """The batch loss and the global gradient norm, the same on every rank, from one all-reduce.
 
-    Last stages contribute their replica's loss, every stage its squared gradient norm. Replicas
-    hold the same (averaged) gradients but their own losses, so both sums over all ranks are
-    divided by dp. One collective per step instead of one for each: it is on the critical path.
+    Each of a stage's dp x tp ranks holds its shard of every gradient (FSDP and tensor parallel
+    split them; a plain or replicated one is held whole by all of them). A rank contributes its
+    shards' squared sum times the number of distinct shards over ranks_per_stage, so that the
+    sum over all ranks counts every element once. Likewise the last stage's ranks contribute
+    their replica's loss over dp x tp (tp ranks compute the same loss). One collective per step
+    instead of one for each: it is on the critical path.
     """
-    squared_norm = torch.stack([p.grad.pow(2).sum() for part in parts for p in part.parameters()]).sum()
+    shares = [_local(p.grad).float().pow(2).sum() * _distinct_shards(p.grad) for part in parts
+              for p in part.parameters()]
     own_loss = loss.to(torch.float32) if loss is not None else torch.zeros((), device=env.device)
-    scalars = torch.stack([own_loss, squared_norm.to(torch.float32)])
+    scalars = torch.stack([own_loss, torch.stack(shares).sum()]) / ranks_per_stage
     if env.world_size > 1:
         dist.all_reduce(scalars)
-    mean_loss, squared_norm = (scalars / dp).tolist()
+    mean_loss, squared_norm = scalars.tolist()
     return mean_loss, squared_norm ** 0.5
+
+
+def _distinct_shards(tensor: torch.Tensor) -> int:
+    # Every placement but Replicate splits (FSDP over tensor parallel shows as _StridedShard,
+    # which is_shard() does not count); gradients are never Partial here.
+    if not isinstance(tensor, DTensor):
+        return 1
+    return math.prod(tensor.device_mesh.size(dim) for dim, placement in enumerate(tensor.placements)
+                     if not placement.is_replicate())
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -301,10 +324,11 @@ def train(cfg: JobConfig, env: DistributedEnv) -> list[dict]:
 def _checkpointer(cfg: JobConfig) -> Checkpointer:
     # The layout may change between save and resume (checkpoints reshard), so it is not hashed.
     hashed = {k: v for k, v in asdict(cfg).items() if k not in ("parallel", "checkpoint")}
-    return Checkpointer(cfg.checkpoint, layout={"pp": cfg.parallel.pp, "dp": cfg.parallel.dp},
+    p = cfg.parallel
+    return Checkpointer(cfg.checkpoint, layout={"pp": p.pp, "dp": p.dp, "dp_shard": p.resolved_dp_shard(), "tp": p.tp},
                         config_hash=checkpoint_catalog.config_hash(hashed),
                         request_file=os.environ.get(checkpoint_catalog.REQUEST_FILE_ENV),
-                        timeout=timedelta(seconds=cfg.parallel.timeout_s))
+                        timeout=timedelta(seconds=cfg.checkpoint.timeout_s))
 
 
 def _report_peak_memory(run: Run) -> None:

@@ -1,0 +1,142 @@
+"""Tensor parallel, weight init, activation checkpointing, torch.compile and FSDP2 for one model part.
+
+Applied in torchtitan's order, each to the part a pipeline rank holds (or to the whole model):
+
+    tensor_parallel(part, mesh["tp"])        split the matrices over tp, on the meta device
+    materialize(part, device, seed, layers)  allocate this rank's shards and fill them
+    parallelize(part, cfg, mesh, device)     checkpoint, compile and shard over data parallel
+
+The mesh is (pp, dp_replicate, dp_shard, tp), outermost first (trainer/train.py builds it):
+tensor parallel talks twice per layer and stays inside a node; FSDP's all-gathers and
+reduce-scatters run over dp_shard and its gradient all-reduce over dp_replicate; only pipeline
+hand-offs and those cross nodes.
+"""
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from trainer.config import JobConfig
+from trainer.model import GPT, initial_values
+
+__all__ = ["tensor_parallel", "materialize", "parallelize", "uses_fsdp"]
+
+
+def tensor_parallel(part: GPT, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallel with sequence parallel, in place.
+
+    Inside each block q, k, v and fc are split by output columns (heads, hidden units) and the
+    two output projections by input rows, so each half of a block needs one all-gather in and
+    one reduce-scatter out. Between those regions the residual stream, the norms and the
+    pipeline hand-offs hold T/tp of the sequence (Shard(1)). Embedding tables are split by rows
+    (vocabulary, positions), the head by vocabulary; its logits are gathered whole for the loss.
+    """
+    seq_sharded = (Shard(1),)
+    for block in part.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attn_norm": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=seq_sharded, desired_input_layouts=(Replicate(),)),
+            "attn.q": ColwiseParallel(),
+            "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp_norm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=seq_sharded, desired_input_layouts=(Replicate(),)),
+            "mlp.fc": ColwiseParallel(),
+            "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    plan = {}
+    if part.tok_emb is not None:
+        # Positions come in as (1, T), so Shard(1) splits the sequence of both embeddings alike.
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if part.norm is not None:
+        plan["norm"] = SequenceParallel()
+        plan["head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    parallelize_module(part, tp_mesh, plan)
+
+
+def materialize(part: nn.Module, device: torch.device, seed: int, n_layers: int) -> None:
+    """Allocate the part's parameters on `device` (from the meta device) and fill them.
+
+    Every rank computes a parameter's full initial value from its name and keeps its own shard,
+    without communication, so any layout starts from exactly the single-process weights.
+    """
+    part.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in part.named_parameters():
+            full = initial_values(name, param.shape, seed, n_layers)
+            if isinstance(param, DTensor):
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                param.to_local().copy_(local)
+            else:
+                param.copy_(full)
+
+
+def uses_fsdp(cfg: JobConfig, device: torch.device) -> bool:
+    """FSDP2 wraps each part when there are data-parallel ranks to shard or reduce over, and on
+    CUDA, where its mixed precision policy gives bf16 compute."""
+    return cfg.parallel.dp > 1 or device.type == "cuda"
+
+
+def parallelize(part: GPT, cfg: JobConfig, mesh: DeviceMesh | None, device: torch.device) -> None:
+    """Activation checkpointing, torch.compile and FSDP2 on a materialized part, in place."""
+    mode = cfg.training.activation_checkpoint
+    for name, block in list(part.layers.items()):
+        if mode != "none":
+            block = _checkpointed(block, mode)
+        if cfg.training.compile:
+            block = torch.compile(block, fullgraph=True)
+        part.layers[name] = block
+    if mesh is not None and uses_fsdp(cfg, device):
+        _fully_shard(part, cfg, mesh, device)
+
+
+# Selective activation checkpointing keeps the outputs of the matmuls, attention and the tensor-
+# parallel collectives, and recomputes the cheap elementwise work (norms, GELU, adds, views).
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(block: nn.Module, mode: str) -> nn.Module:
+    # The model draws no random numbers, so the RNG state need not be saved for recomputation.
+    if mode == "full":
+        return checkpoint_wrapper(block, preserve_rng_state=False)
+    return checkpoint_wrapper(block, preserve_rng_state=False,
+                              context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls))
+
+
+def _fully_shard(part: GPT, cfg: JobConfig, mesh: DeviceMesh, device: torch.device) -> None:
+    """ZeRO-3 (or ZeRO-2) over dp_shard, replicated over dp_replicate; one FSDP unit per block.
+
+    Blocks are units of their own so that only one block's (bf16) parameters are gathered at a
+    time; the part itself is the root unit holding embeddings, final norm and head.
+    """
+    p = cfg.parallel
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if p.dp // p.resolved_dp_shard() > 1 else mesh["dp_shard"]
+    reshard = {"always": True, "never": False, "auto": p.pp == 1}[p.reshard_after_forward]
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    for block in part.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(part, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
