@@ -1,15 +1,17 @@
-"""The core correctness check: pipeline-parallel training gives the single-process losses.
+"""The core correctness check: parallel training gives the single-process losses.
 
-Same seed and data, 10 steps, fp32 on CPU: one process, pp=2 and pp=4 with every schedule the
-installed torch offers, and pp=2 x dp=2, must agree step by step within 1e-4 relative, in the loss
-and in the gradient norm before clipping (AdamW and clipping would hide a wrongly scaled gradient
-from the loss alone). Each world
-size is started once (gloo, one thread per rank) and trains every layout in turn.
+Same seed and data, 10 steps, fp32 on CPU: one process against pp=2 and pp=4 with every schedule
+the installed torch offers, tensor parallel (tp=2), FSDP (dp=2 sharded, and replicated), and
+their combinations pp=2 x tp=2, pp=2 x FSDP dp=2 and pp=2 x tp=2 x dp=2 (8 ranks). They must agree
+step by step within 1e-4 relative, in the loss and in the gradient norm before clipping (AdamW and
+clipping would hide a wrongly scaled gradient from the loss alone). Each world size is started
+once (gloo, one thread per rank) and trains every layout in turn.
 """
 
 import json
 import os
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ import torch.multiprocessing as mp
 from conftest import free_port
 from trainer.config import load_config
 from trainer.parallel_dims import SCHEDULES
-from trainer.train import environment, train
+from trainer.train import build, environment, train, train_step
 
 STEPS = 10
 RESUME_AT = 5
@@ -28,7 +30,7 @@ RESUME_AT = 5
 
 def tiny_config(tmp_path, *overrides: str):
     return load_config([
-        "--model.n_layers=8", "--model.d_model=32", "--model.n_heads=2", "--model.seq_len=32",
+        "--model.n_layers=8", "--model.d_model=32", "--model.n_heads=2", "--model.seq_len=32", "--model.vocab_size=258",
         "--training.batch_size=16", "--parallel.microbatches=8", f"--training.steps={STEPS}",
         "--optim.warmup_steps=2", "--training.threads=1", "--training.device=cpu",
         f"--training.metrics_file={tmp_path}/metrics.jsonl",
@@ -37,18 +39,39 @@ def tiny_config(tmp_path, *overrides: str):
 
 
 def layouts_for(world_size: int) -> dict[str, list[str]]:
+    if world_size == 8:
+        return {"pp=2 x tp=2 x dp=2 1f1b": ["--parallel.pp=2", "--parallel.tp=2", "--parallel.dp=2"]}
     pp = world_size
     layouts = {f"pp={pp} {name}": [f"--parallel.pp={pp}", f"--parallel.schedule={name}"] for name in SCHEDULES}
     layouts[f"pp={pp} 1f1b without early p2p"] = [f"--parallel.pp={pp}", "--parallel.schedule=1f1b",
                                                   "--parallel.early_p2p=false"]
+    if world_size == 2:
+        layouts["tp=2"] = ["--parallel.tp=2"]
+        layouts["FSDP dp=2"] = ["--parallel.dp=2"]
+        layouts["dp=2 replicated"] = ["--parallel.dp=2", "--parallel.dp_shard=1"]
     if world_size == 4:
-        layouts["pp=2 x dp=2 1f1b"] = ["--parallel.pp=2", "--parallel.dp=2", "--parallel.schedule=1f1b"]
-        layouts["pp=2 x dp=2 zbv-zero-bubble"] = ["--parallel.pp=2", "--parallel.dp=2",
-                                                  "--parallel.schedule=zbv-zero-bubble"]
+        layouts["pp=2 x FSDP dp=2 1f1b"] = ["--parallel.pp=2", "--parallel.dp=2", "--parallel.schedule=1f1b"]
+        layouts["pp=2 x FSDP dp=2 zbv-zero-bubble"] = ["--parallel.pp=2", "--parallel.dp=2",
+                                                       "--parallel.schedule=zbv-zero-bubble"]
+        layouts["pp=2 x tp=2 interleaved-1f1b"] = ["--parallel.pp=2", "--parallel.tp=2",
+                                                   "--parallel.schedule=interleaved-1f1b"]
+        layouts["tp=2 x FSDP dp=2"] = ["--parallel.tp=2", "--parallel.dp=2"]
+        layouts["HSDP dp=4 (2 replicas of 2 shards)"] = ["--parallel.dp=4", "--parallel.dp_shard=2",
+                                                          "--parallel.microbatches=4"]
     return layouts
 
 
-def _worker(rank: int, world_size: int, port: int, tmp_path, results_path: str) -> None:
+# Resharding, both ways, per world size: (the layout whose midway checkpoint one process resumes,
+# the layout that resumes the single process's midway checkpoint).
+RESHARD = {
+    2: (["--parallel.pp=2", "--parallel.schedule=interleaved-1f1b"], ["--parallel.tp=2"]),
+    4: (["--parallel.pp=2", "--parallel.tp=2"], ["--parallel.pp=2", "--parallel.dp=2"]),
+    8: (["--parallel.pp=2", "--parallel.tp=2", "--parallel.dp=2"], ["--parallel.tp=2", "--parallel.dp=4",
+                                                                     "--parallel.dp_shard=2", "--parallel.microbatches=4"]),
+}
+
+
+def _worker(rank: int, world_size: int, port: int, tmp_path, results_path: str, single_checkpoint: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:
@@ -56,8 +79,9 @@ def _worker(rank: int, world_size: int, port: int, tmp_path, results_path: str) 
         for name, overrides in layouts_for(world_size).items():
             cfg = tiny_config(tmp_path, *overrides)
             losses[name] = curves(train(cfg, environment(cfg, torch.device("cpu"))))
-        if world_size == 2:
-            losses["checkpoint"] = _save_midway(tmp_path)
+        saving, resuming = RESHARD[world_size]
+        losses["saved"] = _save_midway(tmp_path, saving, f"checkpoint-{world_size}")
+        losses["resumed"] = _resume(single_checkpoint, resuming)
         if rank == 0:
             with open(results_path, "w") as out:
                 json.dump(losses, out)
@@ -65,27 +89,34 @@ def _worker(rank: int, world_size: int, port: int, tmp_path, results_path: str) 
         dist.destroy_process_group()
 
 
-def _save_midway(tmp_path) -> str:
-    """Train pp=2 for RESUME_AT steps and save the TrainState with torch.distributed.checkpoint."""
-    from trainer.train import build, train_step
-
-    cfg = tiny_config(tmp_path, "--parallel.pp=2", "--parallel.schedule=interleaved-1f1b")
+def _save_midway(tmp_path, overrides: list[str], name: str) -> str:
+    """Train RESUME_AT steps at a layout and save the TrainState with torch.distributed.checkpoint."""
+    cfg = tiny_config(tmp_path, *overrides)
     run = build(cfg, environment(cfg, torch.device("cpu")))
     for _ in range(RESUME_AT):
         train_step(run)
-    path = str(tmp_path / "pp2-checkpoint")
+    path = str(tmp_path / name)
     dcp.save({"train": run.state}, checkpoint_id=path)
     return path
+
+
+def _resume(path: str, overrides: list[str]) -> list[list[float]]:
+    """Load a checkpoint at a layout and train to the end; the curve of the steps after it."""
+    cfg = tiny_config(Path(path).parent, *overrides)
+    run = build(cfg, environment(cfg, torch.device("cpu")))
+    dcp.load({"train": run.state}, checkpoint_id=path, no_dist=not dist.is_initialized())
+    assert run.state.step == RESUME_AT
+    return curves([train_step(run) for _ in range(STEPS - RESUME_AT)])
 
 
 def curves(history: list[dict]) -> list[list[float]]:
     return [[m["loss"], m["grad_norm"]] for m in history]
 
 
-def run_world(world_size: int, tmp_path) -> dict[str, list[float]]:
+def run_world(world_size: int, tmp_path, single_checkpoint: str) -> dict[str, list[float]]:
     results = tmp_path / f"losses-{world_size}.json"
-    mp.start_processes(_worker, args=(world_size, free_port(), tmp_path, str(results)), nprocs=world_size,
-                       join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(world_size, free_port(), tmp_path, str(results), single_checkpoint),
+                       nprocs=world_size, join=True, start_method="spawn")
     return json.loads(results.read_text())
 
 
@@ -100,6 +131,12 @@ def reference(workdir) -> list[list[float]]:
     return curves(train(cfg, environment(cfg, torch.device("cpu"))))
 
 
+@pytest.fixture(scope="module")
+def single_checkpoint(workdir) -> str:
+    """The single process's TrainState after RESUME_AT steps."""
+    return _save_midway(workdir, [], "checkpoint-1")
+
+
 def assert_same_curves(expected: list[list[float]], actual: list[list[float]], what: str) -> None:
     assert len(actual) == len(expected), what
     for step, (e, a) in enumerate(zip(expected, actual), start=1):
@@ -112,25 +149,17 @@ def test_reference_loss_falls(reference):
     assert reference[-1][0] < reference[0][0] - 0.5
 
 
+# 8 ranks on two cores: about as long as the 2- and 4-rank worlds together.
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_pipeline_matches_single_process(world_size, workdir, reference):
-    results = run_world(world_size, workdir)
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_parallel_layouts_match_single_process(world_size, workdir, reference, single_checkpoint):
+    results = run_world(world_size, workdir, single_checkpoint)
     layouts = layouts_for(world_size)
     assert set(layouts) <= set(results)
     for name in layouts:
         assert_same_curves(reference, results[name], name)
-    if world_size == 2:
-        _check_resume_in_one_process(results["checkpoint"], workdir, reference)
-
-
-def _check_resume_in_one_process(path: str, workdir, reference: list[list[float]]) -> None:
-    """The pp=2 checkpoint loads into one process and continues exactly like the uninterrupted run."""
-    from trainer.train import build, train_step
-
-    cfg = tiny_config(workdir)
-    run = build(cfg, environment(cfg, torch.device("cpu")))
-    dcp.load({"train": run.state}, checkpoint_id=path, no_dist=True)
-    assert run.state.step == RESUME_AT
-    resumed = curves([train_step(run) for _ in range(STEPS - RESUME_AT)])
-    assert_same_curves(reference[RESUME_AT:], resumed, "pp=2 checkpoint resumed in one process")
+    saving, resuming = RESHARD[world_size]
+    assert_same_curves(reference[RESUME_AT:], _resume(results["saved"], []),
+                       f"checkpoint of {' '.join(saving)} resumed in one process")
+    assert_same_curves(reference[RESUME_AT:], results["resumed"],
+                       f"single-process checkpoint resumed at {' '.join(resuming)}")

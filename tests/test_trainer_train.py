@@ -1,11 +1,13 @@
 """The training loop in one process: LR schedule, non-finite loss, the state dict's names, the CLI."""
 
+import collections
 import copy
 import json
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.config import OptimConfig, load_config
 from trainer.model import GPT
@@ -92,3 +94,58 @@ def test_local_rank_0_writes_the_nodes_progress_for_its_agent(tmp_path, monkeypa
     assert read_progress(progress) == 3
     monkeypatch.setenv("LOCAL_RANK", "1")  # the other ranks of a node leave it to local rank 0
     assert progress_file() is None
+
+
+def test_non_finite_gradient_norm_stops_before_the_update(tmp_path):
+    cfg = tiny(tmp_path)
+    run = build(cfg, environment(cfg, torch.device("cpu")))
+    weight = run.pipeline.model_parts[0].layers["0"].mlp.fc.weight
+    before = weight.detach().clone()
+    weight.register_hook(lambda grad: grad * math.inf)  # the loss stays finite, the gradient does not
+    with pytest.raises(NonFiniteLossError, match=r"step 1: loss is [0-9.]+, gradient norm is (inf|nan)"):
+        train_step(run)
+    assert torch.equal(weight.detach(), before)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops run under it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_in_one_step(run) -> collections.Counter:
+    inputs, targets = run.state.loader.next_batch()
+    with _OpCounter() as counter:
+        run.pipeline.forward_backward(inputs, targets)
+    return counter.counts
+
+
+def test_activation_checkpointing_recomputes_what_its_mode_says_and_trains_the_same(tmp_path):
+    curves, ops = {}, {}
+    for mode in ("none", "selective", "full"):
+        cfg = load_config([*tiny_args(tmp_path), f"--training.activation_checkpoint={mode}"])
+        run = build(cfg, environment(cfg, torch.device("cpu")))
+        ops[mode] = _ops_in_one_step(run)
+        run = build(cfg, environment(cfg, torch.device("cpu")))
+        curves[mode] = [value for m in (train_step(run) for _ in range(3)) for value in (m["loss"], m["grad_norm"])]
+    # Selective keeps the matmul outputs and recomputes the elementwise work; full recomputes both.
+    assert ops["selective"]["addmm"] == ops["none"]["addmm"] < ops["full"]["addmm"]
+    assert ops["none"]["gelu"] < ops["selective"]["gelu"] == ops["full"]["gelu"]
+    for mode in ("selective", "full"):
+        assert curves[mode] == pytest.approx(curves["none"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_the_same(tmp_path):
+    histories = {}
+    for compiled in (False, True):
+        cfg = load_config([*tiny_args(tmp_path), f"--training.compile={compiled}"])
+        run = build(cfg, environment(cfg, torch.device("cpu")))
+        histories[compiled] = [value for m in (train_step(run) for _ in range(2)) for value in (m["loss"], m["grad_norm"])]
+    assert histories[True] == pytest.approx(histories[False], rel=1e-4)
