@@ -25,8 +25,9 @@ NCCL over EFA (`nccl_environment`): NCCL reaches EFA only through the aws-ofi-nc
 (libnccl-net.so), which it dlopens at start; without it NCCL falls back to TCP sockets without an
 error. The Deep Learning AMI installs the plugin in /opt/amazon/ofi-nccl/lib (the EFA installer's
 copy; older images: /opt/aws-ofi-nccl/lib) and libfabric in /opt/amazon/efa/lib (lib64 on Amazon
-Linux), but puts them on LD_LIBRARY_PATH only in login shells' profile, which a systemd service
-and the processes it starts never read. The variables are those of AWS's "Get started with EFA
+Linux). Where an image adds them to the search path in a login shell's profile, a systemd service
+and the processes it starts never see them; naming them here does not depend on how the image was
+built. The variables are those of AWS's "Get started with EFA
 and NCCL" test: FI_PROVIDER=efa, FI_EFA_USE_DEVICE_RDMA=1 where the EFA supports RDMA read (all
 instances on Nitro v4 and later, which every P4 and P5 type is; libfabric then aborts rather than
 run without it), NCCL_DEBUG=INFO so each rank's log names the network NCCL chose (preflight reads
@@ -117,8 +118,8 @@ def _cpu(name: str, vcpus: int, price: float) -> InstanceFacts:
 
 CATALOGUE: MappingProxyType[str, InstanceFacts] = MappingProxyType({
     facts.name: facts for facts in (
-        # 8x A100 40 GB, 4 network cards, 400 Gbps EFA.
         # Every P type here runs on Nitro v4 or later: EFA with RDMA read (_gpu sets it).
+        # 8x A100 40 GB, 4 network cards, 400 Gbps EFA.
         _gpu("p4d.24xlarge", "A100", 8, 40, 4, 400, 25.0, 21.96, estimate=True),
         # 8x A100 80 GB, same network as p4d.
         _gpu("p4de.24xlarge", "A100", 8, 80, 4, 400, 25.0, 27.45, estimate=True),
