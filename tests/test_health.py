@@ -129,6 +129,18 @@ def test_a_socket_fallback_without_the_plugin_fails_naming_both():
     assert "No plugin found (libnccl-net.so)" in check.detail  # NCCL's own words on why
 
 
+@pytest.mark.parametrize("why", [
+    "NET/Plugin : No plugin found (libnccl-net.so), using internal implementation",  # NCCL 2.18 and before
+    "NET/Plugin : Plugin load returned 2 : libnccl-net.so: cannot open shared object file",  # there, not loadable
+])
+def test_every_wording_of_no_plugin_is_named(why):
+    log = (f"h:1:1 [0] NCCL INFO {why}\n"
+           "h:1:1 [0] NCCL INFO NET/Socket : Using [0]eno2:192.168.1.105<0>\n"
+           "h:1:1 [0] NCCL INFO Using network Socket\n")
+    check = check_nccl_network_log(log)
+    assert check.failed and why.rstrip(".") in check.detail
+
+
 def test_a_socket_fallback_with_the_plugin_loaded_but_no_efa_device_fails_saying_so():
     check = check_nccl_network_log(nccl_log("socket-plugin-without-efa.log"))
     assert check.failed
