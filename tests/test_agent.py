@@ -21,7 +21,8 @@ from localcloud.imds import InstanceMetadata, InstanceMetadataServer
 from trainer import agent
 from trainer import checkpoint_catalog as catalog
 from trainer.agent import (AgentError, AgentSettings, Attempt, AttemptFiles, ControlPlane, Identity, MetadataClient,
-                           MetricsFollower, failure_kind, torchrun_command, trainer_config)
+                           MetricsFollower, failure_kind, torchrun_command, torchrun_env, trainer_config)
+from trainer.progress import PROGRESS_FILE_ENV
 from trainfleet.adapters.liveness import read_liveness
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.contracts import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointReason, LaunchSpec, NodeRecord, RunRecord,
@@ -84,6 +85,20 @@ def test_torchrun_joins_the_rendezvous_of_node_rank_0(tmp_path):
         assert command[command.index("-m", 3):] == ["-m", "trainer.worker", "--config", str(files.config)]
     assert "--rdzv-conf=is_host=true,join_timeout=300" in host
     assert "--rdzv-conf=is_host=false,join_timeout=300" in peer
+
+
+def test_torchrun_gets_what_nccl_needs_for_efa_on_this_node_type_and_keeps_the_library_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/usr/local/cuda/lib64")
+    monkeypatch.delenv("FI_PROVIDER", raising=False)
+    files = AttemptFiles(tmp_path)
+    p4d = torchrun_env(files, replace(IDENTITY, instance_type="p4d.24xlarge"))
+    assert (p4d["FI_PROVIDER"], p4d["FI_EFA_USE_DEVICE_RDMA"], p4d["NCCL_DEBUG"]) == ("efa", "1", "INFO")
+    libraries = p4d["LD_LIBRARY_PATH"].split(":")
+    assert libraries[0] == "/opt/amazon/ofi-nccl/lib" and libraries[-1] == "/usr/local/cuda/lib64"
+    assert p4d["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and p4d[PROGRESS_FILE_ENV] == str(files.progress)
+    cpu = torchrun_env(files, IDENTITY)  # c5.large: gloo, no EFA
+    assert "FI_PROVIDER" not in cpu and "NCCL_DEBUG" not in cpu
+    assert cpu["LD_LIBRARY_PATH"] == "/usr/local/cuda/lib64"
 
 
 @pytest.mark.parametrize("output, kind", [

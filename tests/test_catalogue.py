@@ -3,7 +3,7 @@
 import pytest
 from moto.ec2.models.instance_types import INSTANCE_TYPES
 
-from trainfleet.catalogue import CATALOGUE, UnknownInstanceType, instance_facts
+from trainfleet.catalogue import CATALOGUE, UnknownInstanceType, instance_facts, nccl_environment
 
 ISSUE_TYPES = ["p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge", "trn1.32xlarge"]
 
@@ -50,3 +50,31 @@ def test_prices_and_floors_are_sane():
 def test_unknown_type_names_itself_and_the_choices():
     with pytest.raises(UnknownInstanceType, match="'p9.96xlarge' is not in the catalogue; supported: c5.2xlarge"):
         instance_facts("p9.96xlarge")
+
+
+# --- what NCCL needs to reach the other nodes over EFA ---
+
+DLAMI_PLUGIN_DIRS = ["/opt/amazon/ofi-nccl/lib", "/opt/aws-ofi-nccl/lib", "/opt/amazon/efa/lib", "/opt/amazon/efa/lib64"]
+
+
+@pytest.mark.parametrize("name", ["p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge"])
+def test_a_gpu_type_with_efa_sends_nccl_over_efa_with_device_rdma(name):
+    env = nccl_environment(CATALOGUE[name], {"LD_LIBRARY_PATH": "/usr/local/cuda/lib64"})
+    assert env["FI_PROVIDER"] == "efa"
+    assert env["FI_EFA_USE_DEVICE_RDMA"] == "1"  # RDMA read on Nitro v4 and later: GPU memory straight to the wire
+    assert env["FI_EFA_FORK_SAFE"] == "1"
+    assert env["NCCL_DEBUG"] == "INFO"
+    # The plugin's and libfabric's folders come first; what the node had stays, after them.
+    assert env["LD_LIBRARY_PATH"].split(":") == [*DLAMI_PLUGIN_DIRS, "/usr/local/cuda/lib64"]
+
+
+@pytest.mark.parametrize("name", ["c5.large", "c5.xlarge", "c5.2xlarge", "trn1.32xlarge"])
+def test_types_whose_collectives_do_not_go_through_nccl_over_efa_get_nothing(name):
+    assert nccl_environment(CATALOGUE[name], {"LD_LIBRARY_PATH": "/usr/lib"}) == {}
+
+
+def test_no_empty_library_path_entry_when_the_node_had_none():
+    # An empty entry in LD_LIBRARY_PATH means the working directory: never add one.
+    for inherited in ({}, {"LD_LIBRARY_PATH": ""}, {"LD_LIBRARY_PATH": "/opt/amazon/efa/lib:"}):
+        assert nccl_environment(CATALOGUE["p5.48xlarge"], inherited)["LD_LIBRARY_PATH"].split(":") == DLAMI_PLUGIN_DIRS
+

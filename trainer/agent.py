@@ -19,7 +19,9 @@ instance's process. It speaks to the control plane only through AWS:
    its readiness (NodeReady) for each attempt the run moves to, and once the run trains an
    attempt newer than its last it reads `s3://BUCKET/runs/RUN/launch-spec.json` and, if the spec
    names it, runs torchrun for it: nnodes = the plan's nodes, c10d rendezvous at node rank 0's
-   private IP, the trainer config from the spec written to a YAML file, resume as the spec says;
+   private IP, the trainer config from the spec written to a YAML file, resume as the spec says,
+   and in its environment what NCCL needs to use EFA on this node's type (catalogue.nccl_environment,
+   the environment preflight proved NCCL selects EFA in);
 5. while torchrun runs it looks at the trainer's files and the metadata service twice a second
    (no AWS call) and at the control plane at the paced rate: it writes its liveness record (its
    trainer's last step, lifecycle.liveness), asks the trainer for a checkpoint now when the run
@@ -66,6 +68,7 @@ from trainer import checkpoint_catalog as catalog
 from trainer.progress import PROGRESS_FILE_ENV, read_progress
 from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import NodeNotFound, RunStore
+from trainfleet.catalogue import instance_facts, nccl_environment
 from trainfleet.contracts import (AgentEvent, CheckpointCommitted, CheckpointReason, HealthCheckResult,
                                   LaunchSpec, NodeLiveness, NodeReady, NodeRecord, NodeRegistered, NodeUnhealthy,
                                   RunRecord, RunState, TrainerFailed, TrainerFailureKind, TrainingCompleted,
@@ -426,8 +429,11 @@ def torchrun_command(spec: LaunchSpec, node_rank: int, identity: Identity, files
             "-m", "trainer.worker", "--config", str(files.config)]
 
 
-def torchrun_env(files: AttemptFiles) -> dict[str, str]:
+def torchrun_env(files: AttemptFiles, identity: Identity) -> dict[str, str]:
+    """The agent's environment, plus what NCCL needs to use EFA on this node's type (the same
+    environment preflight proved NCCL selects EFA in) and the attempt's files."""
     return {**os.environ,
+            **nccl_environment(instance_facts(identity.instance_type), os.environ),
             # The rendezvous store is not shared with the ranks' process group: with gloo, a
             # shared one made the first restart fail on stale peer addresses (DESIGN.md, 7).
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -496,7 +502,7 @@ class Attempt:
             resume_step=self.spec.resume_step, command=" ".join(command[1:]))
         with self.files.output.open("ab") as output:
             # Same process group as the agent: whatever ends the instance ends torchrun too.
-            process = subprocess.Popen(command, cwd=self.files.folder, env=torchrun_env(self.files),
+            process = subprocess.Popen(command, cwd=self.files.folder, env=torchrun_env(self.files, self.identity),
                                        stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT)
         try:
             while process.poll() is None:

@@ -12,6 +12,18 @@ the node shows with the catalogue (trainfleet.catalogue):
   A missing fi_info on such a type fails: without libfabric the trainer cannot use the cards.
 - gloo_allreduce: torch.distributed works on this node (a one-rank gloo all-reduce gives back
   its input). It proves the libraries load, not the network.
+- torch_version: torch is at least the version the trainer is built and tested on (TORCH_MINIMUM,
+  the pin in pyproject.toml); the Deep Learning AMI brings its own build.
+- nccl_version: on CUDA types, the NCCL torch carries is at least NCCL_MINIMUM. CPU types train
+  with gloo, Trainium with the Neuron runtime: skipped.
+- nccl_network: on CUDA types with EFA, NCCL selects the aws-ofi-nccl plugin with libfabric's efa
+  provider. A one-rank NCCL all-reduce runs in a subprocess, in the environment the agent gives
+  torchrun on this type (catalogue.nccl_environment, with NCCL_DEBUG=INFO), and its log is read
+  (parse_nccl_log): NCCL that falls back to TCP sockets (its "Using network Socket") still
+  trains, an order of magnitude slower in every cross-node collective, and nothing else would
+  notice. A one-rank
+  communicator crosses no network, but NCCL loads its network plugin and picks the network at
+  every communicator's start, so the choice it logs is the one the training world makes.
 - allreduce_busbw: the cross-node bandwidth probe needs the other nodes, which preflight runs
   before; skipped, saying so.
 
@@ -22,18 +34,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainfleet.catalogue import InstanceFacts, UnknownInstanceType, instance_facts
+from trainfleet.catalogue import InstanceFacts, UnknownInstanceType, instance_facts, nccl_environment
 from trainfleet.contracts import HealthCheckResult
 
-__all__ = ["Probes", "ProbeError", "preflight", "system_probes", "parse_fi_info"]
+__all__ = ["Probes", "ProbeError", "preflight", "system_probes", "parse_fi_info", "parse_nccl_log",
+           "check_nccl_network_log", "NcclLog", "TORCH_MINIMUM", "NCCL_MINIMUM"]
 
 FI_INFO_TIMEOUT_S = 30
+NCCL_PROBE_TIMEOUT_S = 120
+"""Longest the one-rank NCCL all-reduce may take (CUDA and NCCL start-up are most of it)."""
+TORCH_MINIMUM = "2.13.0"
+"""The torch the trainer is built and tested on: the pin of pyproject.toml's trainer extra (a test
+keeps the two equal). The node's image brings its own CUDA build of torch, so nothing else holds
+the node to it."""
+NCCL_MINIMUM = (2, 17, 1)
+"""The oldest NCCL the aws-ofi-nccl plugin releases (1.13 to 1.21) keep compatibility with."""
+OFI_NETWORKS = ("Libfabric", "AWS Libfabric")
+"""The names aws-ofi-nccl registers with NCCL: "AWS Libfabric" before 1.13, "Libfabric" since."""
 
 
 class ProbeError(RuntimeError):
@@ -50,6 +75,93 @@ class Probes:
     """EFA device (domain) names libfabric lists; raises ProbeError when it cannot ask."""
     gloo_allreduce_ok: Callable[[], bool]
     """Whether a one-rank gloo all-reduce returns its input."""
+    torch_version: Callable[[], str]
+    """torch.__version__, e.g. "2.13.0+cu128"."""
+    nccl_version: Callable[[], tuple[int, int, int] | None]
+    """The NCCL torch carries (torch.cuda.nccl.version()); None when torch is built without it."""
+    nccl_network_log: Callable[[InstanceFacts], str]
+    """The NCCL_DEBUG=INFO output of a one-rank NCCL all-reduce run in the environment the agent
+    gives torchrun on a node of this type; raises ProbeError when it could not run."""
+
+
+# --- what NCCL's log says about its network ----------------------------------------------
+
+@dataclass(frozen=True)
+class NcclLog:
+    """What an NCCL_DEBUG=INFO log says about the network NCCL chose."""
+
+    networks: tuple[str, ...]
+    """Each distinct network NCCL used, in order ("Using network X", one per communicator)."""
+    plugin: str | None
+    """The aws-ofi-nccl plugin that started ("NET/OFI Initializing aws-ofi-nccl 1.16.2"), if any."""
+    provider: str | None
+    """The libfabric provider the plugin selected ("efa"), if it got that far."""
+    why_no_plugin: str | None
+    """NCCL's own line on why it loaded no network plugin (libnccl-net.so not found, not loadable)."""
+    plugin_notes: tuple[str, ...]
+    """The plugin's lines after its start that say what went wrong (no provider, a failed init)."""
+
+
+# Message texts as NCCL and aws-ofi-nccl print them, after "NCCL INFO " or "NCCL WARN ".
+_USING_NETWORK = re.compile(r"NCCL INFO Using network (.+?)\s*$")
+_PLUGIN_START = re.compile(r"NET/OFI (?:Initializing|Using) (aws-ofi-nccl \S+)")
+# "Selected Provider is efa (found 4 nics)" before aws-ofi-nccl 1.15, "Selected provider is efa,
+# fabric is efa (found 1 nics)" since.
+_PROVIDER = re.compile(r"NET/OFI Selected provider is ([\w.-]+)", re.IGNORECASE)
+# "NET/Plugin : No plugin found (libnccl-net.so), using internal implementation" (NCCL 2.18 and
+# before), "NET/Plugin: No plugin found (libnccl-net.so)" (2.19 on), "... Could not find: ..." and
+# "... Plugin load returned 2 : <dlerror>" when it is there but cannot be loaded.
+_NO_PLUGIN = re.compile(r"NET/Plugin ?: ?(?:No plugin found|Could not find|Plugin load returned).*")
+_PLUGIN_TROUBLE = re.compile(r"NET/OFI (?:No eligible providers.*|.*(?:[Ff]ailed|[Cc]ouldn't|[Uu]nable).*)"
+                             r"|Failed to initialize NET plugin .*")
+
+
+def parse_nccl_log(log: str) -> NcclLog:
+    """The network facts of an NCCL_DEBUG=INFO log; lines of anything else are ignored."""
+    networks: list[str] = []
+    plugin = provider = why_no_plugin = None
+    notes: list[str] = []
+    for line in log.splitlines():
+        if found := _USING_NETWORK.search(line):
+            if found[1] not in networks:
+                networks.append(found[1])
+        elif found := _PLUGIN_START.search(line):
+            plugin = plugin or found[1]
+        elif found := _PROVIDER.search(line):
+            provider = provider or found[1]
+        elif found := _NO_PLUGIN.search(line):
+            why_no_plugin = why_no_plugin or found[0].rstrip(".")
+        elif found := _PLUGIN_TROUBLE.search(line):
+            notes.append(found[0].rstrip("."))
+    return NcclLog(networks=tuple(networks), plugin=plugin, provider=provider, why_no_plugin=why_no_plugin,
+                   plugin_notes=tuple(notes))
+
+
+def check_nccl_network_log(log: str) -> HealthCheckResult:
+    """Passed only when NCCL used the aws-ofi-nccl plugin and nothing else, on the efa provider."""
+    seen = parse_nccl_log(log)
+
+    def result(passed: bool, detail: str) -> HealthCheckResult:
+        return HealthCheckResult(name="nccl_network", passed=passed, detail=detail)
+
+    if not seen.networks:
+        return result(False, "NCCL logged no network choice (no 'Using network' line): it did not start, "
+                             "or NCCL_DEBUG=INFO did not reach it")
+    others = [network for network in seen.networks if network not in OFI_NETWORKS]
+    if others:
+        slow = " (TCP sockets: cross-node collectives an order of magnitude slower)" if "Socket" in others else ""
+        if seen.plugin is None:
+            why = (f"the aws-ofi-nccl plugin was not loaded ({seen.why_no_plugin or 'no NET/OFI line in the log'}; "
+                   "is its folder on LD_LIBRARY_PATH?)")
+        else:
+            why = (f"{seen.plugin} loaded but NCCL did not use it"
+                   + (f": {'; '.join(seen.plugin_notes)}" if seen.plugin_notes else ""))
+        return result(False, f"NCCL uses network {', '.join(others)}{slow}, not EFA: {why}")
+    if seen.provider != "efa":
+        return result(False, f"NCCL uses {seen.plugin or 'the aws-ofi-nccl plugin'} on libfabric provider "
+                             f"{seen.provider or '(none logged)'}, not efa")
+    return result(True, f"NCCL uses {seen.plugin or 'the aws-ofi-nccl plugin'} (network "
+                        f"{seen.networks[0]}) on libfabric provider efa")
 
 
 def parse_fi_info(output: str) -> list[str]:
@@ -92,10 +204,60 @@ def _gloo_allreduce_ok() -> bool:
         dist.destroy_process_group()
 
 
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _nccl_version() -> tuple[int, int, int] | None:
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        return None
+    major, minor, patch = torch.cuda.nccl.version()[:3]
+    return major, minor, patch
+
+
+def nccl_allreduce_on_one_gpu() -> None:
+    """A one-rank NCCL all-reduce on GPU 0: what the NCCL probe's subprocess runs."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", 0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    try:
+        tensor = torch.ones(1, device=device)
+        dist.all_reduce(tensor)
+        torch.cuda.synchronize(device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _nccl_network_log(facts: InstanceFacts) -> str:
+    # A subprocess: the loader reads LD_LIBRARY_PATH once, when a process starts, and libfabric its
+    # FI_ variables when NCCL first loads it, so the environment must be there from the start.
+    environment = {**os.environ, **nccl_environment(facts, os.environ)}
+    for sends_the_log_elsewhere in ("NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS"):
+        environment.pop(sends_the_log_elsewhere, None)  # the lines this probe reads must reach its output
+    command = [sys.executable, "-c", "from trainer.health import nccl_allreduce_on_one_gpu as run; run()"]
+    try:
+        done = subprocess.run(command, env=environment, capture_output=True, text=True,
+                              timeout=NCCL_PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ProbeError(f"the NCCL probe did not finish within {NCCL_PROBE_TIMEOUT_S} s") from None
+    log = done.stdout + done.stderr  # NCCL logs to stdout, Python's errors go to stderr
+    if done.returncode != 0:
+        raise ProbeError(f"the NCCL probe exited with {done.returncode}: {log[-1000:]}")
+    return log
+
+
 def system_probes() -> Probes:
     """The probes of the machine this runs on."""
     return Probes(cuda_device_count=_cuda_device_count, efa_devices=_efa_devices,
-                  gloo_allreduce_ok=_gloo_allreduce_ok)
+                  gloo_allreduce_ok=_gloo_allreduce_ok, torch_version=_torch_version, nccl_version=_nccl_version,
+                  nccl_network_log=_nccl_network_log)
 
 
 def _skipped(name: str, why: str) -> HealthCheckResult:
@@ -136,12 +298,63 @@ def check_gloo(probes: Probes) -> HealthCheckResult:
                              detail="one-rank gloo all-reduce " + ("returned its input" if ok else "corrupted its input"))
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version: "2.13.0+cu128" and "2.13.0a0+git1234" -> (2, 13, 0)."""
+    numbers = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(number) for number in numbers[0].split(".")) if numbers else ()
+
+
+def check_torch(probes: Probes) -> HealthCheckResult:
+    installed = probes.torch_version()
+    # A pre-release of the next version counts as that version (nightly and source builds).
+    passed = _release(installed) >= _release(TORCH_MINIMUM)
+    return HealthCheckResult(name="torch_version", passed=passed,
+                             detail=f"torch {installed} is installed; the trainer needs torch {TORCH_MINIMUM} or later")
+
+
+def _no_nccl_here(facts: InstanceFacts) -> str | None:
+    """Why NCCL has nothing to do on this type, or None where the trainer's collectives are NCCL's."""
+    if facts.accelerator == "none":
+        return f"{facts.name} trains with gloo on CPU; NCCL is not used"
+    if facts.accelerator == "Trainium":
+        return "Trainium's collectives are the Neuron runtime's; NCCL is not used"
+    return None
+
+
+def check_nccl_version(facts: InstanceFacts, probes: Probes) -> HealthCheckResult:
+    if why := _no_nccl_here(facts):
+        return _skipped("nccl_version", why)
+    installed = probes.nccl_version()
+    needed = ".".join(map(str, NCCL_MINIMUM))
+    if installed is None:
+        return HealthCheckResult(name="nccl_version", passed=False,
+                                 detail=f"torch is built without NCCL; {facts.name} needs NCCL {needed} or later")
+    return HealthCheckResult(name="nccl_version", passed=installed >= NCCL_MINIMUM,
+                             detail=f"NCCL {'.'.join(map(str, installed))} is installed (torch's); "
+                                    f"the trainer needs NCCL {needed} or later")
+
+
+def check_nccl_network(facts: InstanceFacts, probes: Probes) -> HealthCheckResult:
+    if why := _no_nccl_here(facts):
+        return _skipped("nccl_network", why)
+    if not facts.nccl_over_efa:
+        return _skipped("nccl_network", f"{facts.name} has no EFA for NCCL to use")
+    try:
+        log = probes.nccl_network_log(facts)
+    except (ProbeError, OSError) as exc:
+        return HealthCheckResult(name="nccl_network", passed=False, detail=f"could not run NCCL: {exc}")
+    return check_nccl_network_log(log)
+
+
 def preflight(facts: InstanceFacts, probes: Probes) -> list[HealthCheckResult]:
     """Every preflight check for a node of type `facts`, in a fixed order."""
     return [
         check_accelerators(facts, probes),
         check_efa(facts, probes),
         check_gloo(probes),
+        check_torch(probes),
+        check_nccl_version(facts, probes),
+        check_nccl_network(facts, probes),
         _skipped("allreduce_busbw", "the cross-node bandwidth probe needs the other nodes; "
                                     "preflight runs before the world is formed"),
     ]

@@ -5,6 +5,8 @@ Offers:
     CATALOGUE                every supported type, keyed by API name
     instance_facts(name)     look one up; an unknown name raises UnknownInstanceType naming it
     UnknownInstanceType      ValueError subclass, lists the supported names
+    nccl_environment(facts, inherited)
+                             what NCCL's processes need in their environment to use EFA on that type
 
 Sources: the Amazon EC2 accelerated computing instance specifications and the EFA user guide
 ("Maximize network bandwidth on instances with multiple network cards"); the hardware figures
@@ -18,14 +20,37 @@ The all-reduce bus-bandwidth floors are this project's acceptance thresholds for
 all-reduce test (nccl-tests "busbw" between two nodes), set at roughly half the EFA line rate
 in bytes: a healthy pair of nodes clears them, a node with a dead EFA card does not. They are
 estimates to tune on real hardware.
+
+NCCL over EFA (`nccl_environment`): NCCL reaches EFA only through the aws-ofi-nccl plugin
+(libnccl-net.so), which it dlopens at start; without it NCCL falls back to TCP sockets without an
+error. The Deep Learning AMI installs the plugin in /opt/amazon/ofi-nccl/lib (the EFA installer's
+copy; older images: /opt/aws-ofi-nccl/lib) and libfabric in /opt/amazon/efa/lib (lib64 on Amazon
+Linux). Where an image adds them to the search path in a login shell's profile, a systemd service
+and the processes it starts never see them; naming them here does not depend on how the image was
+built. The variables are those of AWS's "Get started with EFA
+and NCCL" test: FI_PROVIDER=efa, FI_EFA_USE_DEVICE_RDMA=1 where the EFA supports RDMA read (all
+instances on Nitro v4 and later, which every P4 and P5 type is; libfabric then aborts rather than
+run without it), NCCL_DEBUG=INFO so each rank's log names the network NCCL chose (preflight reads
+it). FI_EFA_FORK_SAFE=1 keeps libfabric from aborting a process that forks (data loader workers)
+with an old kernel or rdma-core; on current ones libfabric ignores it. NCCL_PROTO=simple, which
+older guides set, is left out: the plugin sets it itself on the platforms that need it, and it
+would slow the platforms that do not.
 """
 
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["InstanceFacts", "CATALOGUE", "instance_facts", "UnknownInstanceType"]
+__all__ = ["InstanceFacts", "CATALOGUE", "instance_facts", "UnknownInstanceType", "nccl_environment"]
+
+CUDA_GPUS = ("A100", "H100", "H200")
+"""Accelerators the trainer drives through CUDA, and so whose collectives NCCL carries."""
+NCCL_EFA_LIBRARY_DIRS = ("/opt/amazon/ofi-nccl/lib", "/opt/aws-ofi-nccl/lib", "/opt/amazon/efa/lib",
+                         "/opt/amazon/efa/lib64")
+"""Where the Deep Learning AMI keeps the aws-ofi-nccl plugin and libfabric (see the module docstring);
+a folder an image lacks costs the loader one failed lookup."""
 
 
 class InstanceFacts(BaseModel):
@@ -52,6 +77,9 @@ class InstanceFacts(BaseModel):
     """Whether the type takes EFA interfaces at all (the CPU types do not)."""
     efa_bandwidth_gbps: int = Field(ge=0)
     """Aggregate EFA network bandwidth in Gbit/s (0 when EFA is not supported)."""
+    efa_rdma_read: bool = False
+    """Whether the type's EFA supports RDMA read (Nitro v4 and later), so libfabric can move NCCL's
+    buffers between GPU memory and the wire without a copy through the host (GPUDirect RDMA)."""
     busbw_floor_gbytes_per_s: float = Field(gt=0)
     """Minimum two-node all-reduce bus bandwidth (GB/s) a healthy pair must reach in preflight."""
     on_demand_usd_per_hour: float = Field(gt=0)
@@ -64,13 +92,19 @@ class InstanceFacts(BaseModel):
         """EFA interfaces to attach: one per network card, none on types without EFA."""
         return self.network_cards if self.efa_supported else 0
 
+    @property
+    def nccl_over_efa(self) -> bool:
+        """Whether the trainer's collectives cross nodes through NCCL on EFA: CUDA GPUs with EFA.
+        The CPU types train with gloo; Trainium's collectives are the Neuron runtime's, not NCCL's."""
+        return self.efa_supported and self.accelerator in CUDA_GPUS
+
 
 def _gpu(name: str, accelerator: str, count: int, memory_gib: int, cards: int, efa_gbps: int,
          busbw_floor: float, price: float, *, estimate: bool = False, vcpus: int = 96) -> InstanceFacts:
     return InstanceFacts(name=name, accelerator=accelerator, accelerator_count=count,
                          accelerator_memory_gib=memory_gib, ranks_per_node=count, vcpus=vcpus,
                          network_cards=cards, efa_supported=True, efa_bandwidth_gbps=efa_gbps,
-                         busbw_floor_gbytes_per_s=busbw_floor, on_demand_usd_per_hour=price,
+                         efa_rdma_read=True, busbw_floor_gbytes_per_s=busbw_floor, on_demand_usd_per_hour=price,
                          price_is_estimate=estimate)
 
 
@@ -84,6 +118,7 @@ def _cpu(name: str, vcpus: int, price: float) -> InstanceFacts:
 
 CATALOGUE: MappingProxyType[str, InstanceFacts] = MappingProxyType({
     facts.name: facts for facts in (
+        # Every P type here runs on Nitro v4 or later: EFA with RDMA read (_gpu sets it).
         # 8x A100 40 GB, 4 network cards, 400 Gbps EFA.
         _gpu("p4d.24xlarge", "A100", 8, 40, 4, 400, 25.0, 21.96, estimate=True),
         # 8x A100 80 GB, same network as p4d.
@@ -97,7 +132,7 @@ CATALOGUE: MappingProxyType[str, InstanceFacts] = MappingProxyType({
         # 16 Trainium chips (32 NeuronCores) with 32 GB each, 8 network cards, 800 Gbps EFA.
         InstanceFacts(name="trn1.32xlarge", accelerator="Trainium", accelerator_count=16,
                       accelerator_memory_gib=32, ranks_per_node=32, vcpus=128, network_cards=8,
-                      efa_supported=True, efa_bandwidth_gbps=800, busbw_floor_gbytes_per_s=50.0,
+                      efa_supported=True, efa_bandwidth_gbps=800, efa_rdma_read=True, busbw_floor_gbytes_per_s=50.0,
                       on_demand_usd_per_hour=21.50),
         _cpu("c5.large", 2, 0.085),
         _cpu("c5.xlarge", 4, 0.17),
@@ -121,3 +156,20 @@ def instance_facts(name: str) -> InstanceFacts:
         return CATALOGUE[name]
     except KeyError:
         raise UnknownInstanceType(name) from None
+
+
+def nccl_environment(facts: InstanceFacts, inherited: Mapping[str, str]) -> dict[str, str]:
+    """The variables to set, over the `inherited` environment, in every process whose NCCL must
+    reach other nodes over EFA on a node of type `facts` (torchrun's ranks, the preflight probe);
+    none on types whose collectives do not go through NCCL on EFA. The node's own LD_LIBRARY_PATH
+    is kept after the plugin's folders, without empty entries (an empty one means the working
+    directory)."""
+    if not facts.nccl_over_efa:
+        return {}
+    kept = [folder for folder in inherited.get("LD_LIBRARY_PATH", "").split(":")
+            if folder and folder not in NCCL_EFA_LIBRARY_DIRS]
+    environment = {"FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1", "NCCL_DEBUG": "INFO",
+                   "LD_LIBRARY_PATH": ":".join([*NCCL_EFA_LIBRARY_DIRS, *kept])}
+    if facts.efa_rdma_read:
+        environment["FI_EFA_USE_DEVICE_RDMA"] = "1"
+    return environment
