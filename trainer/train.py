@@ -218,7 +218,7 @@ def build(cfg: JobConfig, env: DistributedEnv) -> Run:
     optimizers = [build_optimizer(part, cfg.optim) for part in pipeline.model_parts]
     schedulers = [LambdaLR(opt, lambda step: lr_factor(step, cfg.optim, cfg.training.steps)) for opt in optimizers]
     loader = DataLoader(load_tokens(cfg.data), cfg.model.seq_len, cfg.training.batch_size, cfg.parallel.dp,
-                        env.position.dp_index, cfg.training.seed)
+                        env.position.dp_index, cfg.training.seed, device=env.device)
     return Run(cfg, env, pipeline, TrainState(pipeline, optimizers, schedulers, loader))
 
 
