@@ -5,6 +5,7 @@ import json
 import os
 import time
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
 import boto3
 import numpy as np
@@ -163,6 +164,18 @@ def test_s3_shards_are_fetched_by_ranges_once_and_memory_mapped_from_the_cache(m
     gets.clear()
     assert np.array_equal(all_tokens(load_tokens(cfg)), tokens)  # a damaged cache file is fetched again
     assert sorted(set(key for key, _ in gets)) == ["bytes/v1/index.json", "bytes/v1/shard-00002.bin"]
+
+
+def test_ranks_starting_together_on_one_node_fetch_each_shard_once(moto_endpoint, tmp_path, monkeypatch):
+    boto3.client("s3").create_bucket(Bucket="corpus-shared")
+    cfg = DataConfig(shards="s3://corpus-shared/v1", cache_dir=str(tmp_path / "cache"), corpus_bytes=20_000,
+                     shard_tokens=8_000)
+    ensure_shards(cfg)
+    gets = shard_gets(monkeypatch)
+    with ThreadPoolExecutor(4) as ranks:
+        loaded = list(ranks.map(lambda _: all_tokens(load_tokens(cfg)), range(4)))
+    assert all(np.array_equal(tokens, loaded[0]) for tokens in loaded)
+    assert sorted(key for key, _ in gets if key.endswith(".bin")) == [f"v1/shard-0000{n}.bin" for n in range(3)]
 
 
 def test_a_corrupted_s3_shard_is_refused_naming_it(moto_endpoint, tmp_path):
