@@ -1,12 +1,33 @@
-"""Corpus, shards (local and S3 through moto), and the resumable sampler."""
+"""Corpus, shards (local and S3 through moto), the memory-mapped token source, and the resumable sampler."""
+
+import hashlib
+import json
+import os
+import time
+import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
 import boto3
+import numpy as np
 import pytest
 import torch
 
+import trainer.data
 from trainer import tokenizer
 from trainer.config import DataConfig
-from trainer.data import BatchSampler, DataLoader, ShardStore, corpus_documents, ensure_shards, load_tokens
+from trainer.data import (BatchSampler, DataLoader, ShardStore, TokenShards, corpus_documents, ensure_shards,
+                          load_tokens, write_shards)
+
+
+def all_tokens(tokens: TokenShards) -> np.ndarray:
+    return tokens.windows(np.array([0]), np.empty((1, len(tokens)), dtype=np.int64))[0]
+
+
+def age(folder, seconds=60):
+    """Date the files back, as shards written before this start would be."""
+    past = time.time() - seconds
+    for path in folder.iterdir():
+        os.utime(path, (past, past))
 
 
 def test_byte_tokens_round_trip_any_text():
@@ -26,31 +47,171 @@ def test_local_shards_are_built_once_and_read_back(tmp_path):
     cfg = DataConfig(shards=str(tmp_path / "shards"), corpus_bytes=30_000, shard_tokens=8_000)
     index = ensure_shards(cfg)
     assert [s["tokens"] for s in index["shards"]][:3] == [8_000] * 3
+    assert index["dtype"] == "uint32" and (tmp_path / "shards" / "shard-00000.bin").stat().st_size == 4 * 8_000
     tokens = load_tokens(cfg)
     assert len(tokens) == sum(s["tokens"] for s in index["shards"])
-    assert tokenizer.decode(tokens[:200].tolist()) == corpus_documents(200)[0]
+    assert tokenizer.decode(all_tokens(tokens)[:200].tolist()) == corpus_documents(200)[0]
     assert ensure_shards(cfg) == index
 
 
-def test_a_corrupted_shard_is_refused(tmp_path):
-    cfg = DataConfig(shards=str(tmp_path / "shards"), corpus_bytes=10_000, shard_tokens=4_000)
+def test_a_vocabulary_above_65535_round_trips(tmp_path):
+    written = np.array([0, 65_535, 65_536, 128_000, 256_000, 2**31, 2**32 - 1, 7], dtype=np.int64)
+    write_shards(ShardStore(str(tmp_path / "shards")), written, shard_tokens=3, vocab_size=2**32,
+                 tokenizer_name="test")
+    assert np.array_equal(all_tokens(load_tokens(DataConfig(shards=str(tmp_path / "shards")))), written)
+
+
+def test_tokens_beyond_the_shard_dtype_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="token 4294967296 does not fit in uint32"):
+        write_shards(ShardStore(str(tmp_path)), np.array([1, 2**32]), shard_tokens=4, vocab_size=2**33,
+                     tokenizer_name="test")
+
+
+def test_a_shard_set_written_as_uint16_without_a_dtype_is_still_read(tmp_path):
+    tokens = np.array([3, 256, 65_535, 9, 10], dtype="<u2")
+    (tmp_path / "shard-00000.bin").write_bytes(tokens[:3].tobytes())
+    (tmp_path / "shard-00001.bin").write_bytes(tokens[3:].tobytes())
+    index = {"tokenizer": "bytes+eod", "vocab_size": 257, "shards": [
+        {"name": f"shard-0000{n}.bin", "tokens": len(part), "sha256": hashlib.sha256(part.tobytes()).hexdigest()}
+        for n, part in enumerate((tokens[:3], tokens[3:]))]}
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    assert all_tokens(load_tokens(DataConfig(shards=str(tmp_path)))).tolist() == [3, 256, 65_535, 9, 10]
+
+
+def test_an_unknown_shard_dtype_is_refused_naming_the_set(tmp_path):
+    (tmp_path / "index.json").write_text(json.dumps({"dtype": "float16", "shards": []}))
+    with pytest.raises(ValueError, match=f"{tmp_path}/index.json: token dtype 'float16'"):
+        load_tokens(DataConfig(shards=str(tmp_path)))
+
+
+def test_a_rank_memory_maps_the_shards_instead_of_holding_the_corpus(tmp_path):
+    cfg = DataConfig(shards=str(tmp_path / "shards"), cache_dir=str(tmp_path / "cache"), corpus_bytes=2_000_000,
+                     shard_tokens=500_000)
     ensure_shards(cfg)
-    (tmp_path / "shards" / "shard-00001.bin").write_bytes(b"\0\0" * 4_000)
-    with pytest.raises(RuntimeError, match="shard-00001.bin .* does not match its index"):
+    corpus_bytes = sum(p.stat().st_size for p in (tmp_path / "shards").glob("*.bin"))
+    seq_len, batch_size = 16, 4
+    assert corpus_bytes > 100 * 4 * batch_size * (seq_len + 1)
+    tracemalloc.start()
+    try:
+        loader = DataLoader(load_tokens(cfg), seq_len, batch_size, dp=1, dp_index=0, seed=0)
+        for _ in range(20):
+            loader.next_batch()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < corpus_bytes / 8
+
+
+def test_a_corrupted_shard_is_refused(tmp_path):
+    cfg = DataConfig(shards=str(tmp_path / "shards"), cache_dir=str(tmp_path / "cache"), corpus_bytes=10_000,
+                     shard_tokens=4_000)
+    ensure_shards(cfg)
+    age(tmp_path / "shards")
+    load_tokens(cfg)  # verified and stamped: a later change must still be seen
+    (tmp_path / "shards" / "shard-00001.bin").write_bytes(b"\0\0\0\0" * 4_000)
+    with pytest.raises(RuntimeError, match="shard-00001.bin in .*shards is missing or does not match its index"):
         load_tokens(cfg)
 
 
-def test_s3_shards_through_a_real_endpoint(moto_endpoint, tmp_path):
+def test_verified_local_shards_are_not_hashed_again_on_the_next_start(tmp_path, monkeypatch):
+    cfg = DataConfig(shards=str(tmp_path / "shards"), cache_dir=str(tmp_path / "cache"), corpus_bytes=10_000,
+                     shard_tokens=4_000)
+    ensure_shards(cfg)
+    age(tmp_path / "shards")
+    hashed = []
+    sha256_of_file = trainer.data.sha256_of_file
+    monkeypatch.setattr(trainer.data, "sha256_of_file", lambda path: hashed.append(path.name) or sha256_of_file(path))
+    first = all_tokens(load_tokens(cfg))
+    assert sorted(hashed) == ["shard-00000.bin", "shard-00001.bin", "shard-00002.bin"]
+    hashed.clear()
+    assert np.array_equal(all_tokens(load_tokens(cfg)), first) and hashed == []
+
+
+def shard_gets(monkeypatch) -> list[tuple[str, str | None]]:
+    """(key, Range) of every GetObject the code under test sends from now on."""
+    session = boto3.Session()
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", session)
+    gets = []
+    session.events.register("before-parameter-build.s3.GetObject",
+                            lambda params, **_: gets.append((params["Key"], params.get("Range"))))
+    return gets
+
+
+def test_s3_shards_are_fetched_by_ranges_once_and_memory_mapped_from_the_cache(moto_endpoint, tmp_path, monkeypatch):
     boto3.client("s3").create_bucket(Bucket="corpus")
     cfg = DataConfig(shards="s3://corpus/bytes/v1", cache_dir=str(tmp_path / "cache"), corpus_bytes=20_000,
                      shard_tokens=8_000)
-    tokens = load_tokens(cfg)
-    keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="corpus")["Contents"]]
-    assert "bytes/v1/index.json" in keys and "bytes/v1/shard-00000.bin" in keys
+    ensure_shards(cfg)
+    monkeypatch.setattr(trainer.data, "PART_BYTES", 5_000)
+    gets = shard_gets(monkeypatch)
+    tokens = all_tokens(load_tokens(cfg))
+    ranges = sorted((key, int(r.split("=")[1].split("-")[0]), int(r.split("-")[1]))
+                    for key, r in gets if key.endswith(".bin"))
+    shard0 = [(start, end) for key, start, end in ranges if key == "bytes/v1/shard-00000.bin"]
+    assert shard0 == [(0, 4_999), (5_000, 9_999), (10_000, 14_999), (15_000, 19_999), (20_000, 24_999),
+                      (25_000, 29_999), (30_000, 31_999)]
+    assert {key for key, _, _ in ranges} == {f"bytes/v1/shard-0000{n}.bin" for n in range(3)}
     assert ShardStore(cfg.shards).read("missing.bin") is None
     local = load_tokens(DataConfig(shards=str(tmp_path / "local"), corpus_bytes=20_000, shard_tokens=8_000))
-    assert torch.equal(tokens, local)
-    assert torch.equal(load_tokens(cfg), tokens)  # now from the local cache
+    assert np.array_equal(tokens, all_tokens(local))
+
+    gets.clear()
+    assert np.array_equal(all_tokens(load_tokens(cfg)), tokens)  # a restart reads the cache
+    assert [key for key, _ in gets] == ["bytes/v1/index.json"]
+
+    cached = next((tmp_path / "cache").rglob("shard-00002.bin"))
+    cached.write_bytes(b"\1" * cached.stat().st_size)
+    gets.clear()
+    assert np.array_equal(all_tokens(load_tokens(cfg)), tokens)  # a damaged cache file is fetched again
+    assert sorted(set(key for key, _ in gets)) == ["bytes/v1/index.json", "bytes/v1/shard-00002.bin"]
+
+
+def test_ranks_starting_together_on_one_node_fetch_each_shard_once(moto_endpoint, tmp_path, monkeypatch):
+    boto3.client("s3").create_bucket(Bucket="corpus-shared")
+    cfg = DataConfig(shards="s3://corpus-shared/v1", cache_dir=str(tmp_path / "cache"), corpus_bytes=20_000,
+                     shard_tokens=8_000)
+    ensure_shards(cfg)
+    gets = shard_gets(monkeypatch)
+    with ThreadPoolExecutor(4) as ranks:
+        loaded = list(ranks.map(lambda _: all_tokens(load_tokens(cfg)), range(4)))
+    assert all(np.array_equal(tokens, loaded[0]) for tokens in loaded)
+    assert sorted(key for key, _ in gets if key.endswith(".bin")) == [f"v1/shard-0000{n}.bin" for n in range(3)]
+
+
+def test_a_corrupted_s3_shard_is_refused_naming_it(moto_endpoint, tmp_path):
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="corpus-bad")
+    cfg = DataConfig(shards="s3://corpus-bad/v1", cache_dir=str(tmp_path / "cache"), corpus_bytes=20_000,
+                     shard_tokens=8_000)
+    ensure_shards(cfg)
+    s3.put_object(Bucket="corpus-bad", Key="v1/shard-00001.bin", Body=b"\0" * 32_000)
+    with pytest.raises(RuntimeError, match=r"shard shard-00001.bin in s3://corpus-bad/v1 does not match its index"):
+        load_tokens(cfg)
+    assert not list((tmp_path / "cache").rglob("shard-00001.bin"))
+
+
+def test_windows_are_read_across_shard_boundaries():
+    tokens = TokenShards([np.arange(0, 5, dtype="<u4"), np.arange(5, 7, dtype="<u4"), np.arange(7, 20, dtype="<u4")])
+    assert len(tokens) == 20
+    assert tokens.windows(np.array([3, 5, 0, 14]), np.empty((4, 6), dtype=np.int64)).tolist() == [
+        [3, 4, 5, 6, 7, 8], [5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4, 5], [14, 15, 16, 17, 18, 19]]
+    assert tokens.windows(np.array([5]), np.empty((1, 2), dtype=np.int64)).tolist() == [[5, 6]]
+    one_shard = TokenShards([np.arange(20)])
+    for seed in range(3):
+        a, b = DataLoader(tokens, 4, 2, 1, 0, seed), DataLoader(one_shard, 4, 2, 1, 0, seed)
+        assert all(torch.equal(x, y) for _ in range(6) for x, y in zip(a.next_batch(), b.next_batch()))
+
+
+def test_the_loader_draws_the_same_windows_as_before_shards_were_memory_mapped():
+    # Window starts drawn by the loader that held the corpus as one tensor (seeds 3 and 11).
+    tokens = TokenShards([np.arange(0, 600, dtype="<u4"), np.arange(600, 1000, dtype="<u4")])
+    loader = DataLoader(tokens, 8, batch_size=6, dp=1, dp_index=0, seed=3)
+    assert [loader.next_batch()[0][:, 0].tolist() for _ in range(4)] == [
+        [448, 856, 512, 616, 608, 184], [928, 472, 680, 376, 712, 536],
+        [216, 112, 344, 0, 496, 656], [592, 296, 176, 136, 456, 504]]
+    loader = DataLoader(TokenShards([np.arange(100)]), 8, batch_size=4, dp=1, dp_index=0, seed=11)
+    assert [loader.next_batch()[0][:, 0].tolist() for _ in range(5)] == [
+        [56, 88, 32, 72], [8, 24, 64, 16], [80, 48, 40, 0], [0, 48, 80, 8], [24, 32, 88, 64]]
 
 
 def test_a_resumed_sampler_draws_the_batches_the_uninterrupted_one_would():
@@ -65,14 +226,43 @@ def test_a_resumed_sampler_draws_the_batches_the_uninterrupted_one_would():
     assert sorted(torch.cat(batches[:3])[:10].tolist()) == list(range(10))  # an epoch visits each window once
 
 
+def test_a_loader_resumed_at_another_dp_gives_the_same_batches(tmp_path):
+    cfg = DataConfig(shards=str(tmp_path / "shards"), corpus_bytes=6_000, shard_tokens=1_000)
+    uninterrupted = DataLoader(load_tokens(cfg), 32, batch_size=8, dp=1, dp_index=0, seed=5)
+    batches = [uninterrupted.next_batch() for _ in range(40)]  # several epochs of 187 windows
+    first_run = DataLoader(load_tokens(cfg), 32, batch_size=8, dp=1, dp_index=0, seed=5)
+    for _ in range(17):
+        first_run.next_batch()
+    replicas = [DataLoader(load_tokens(cfg), 32, batch_size=8, dp=2, dp_index=i, seed=5) for i in range(2)]
+    for replica in replicas:
+        replica.sampler.load_state_dict(first_run.sampler.state_dict())
+    for inputs, targets in batches[17:]:
+        halves = [replica.next_batch() for replica in replicas]
+        assert torch.equal(torch.cat([h[0] for h in halves]), inputs)
+        assert torch.equal(torch.cat([h[1] for h in halves]), targets)
+
+
 def test_a_sampler_refuses_another_seeds_position():
     with pytest.raises(ValueError, match="seeded with 1, this run with training.seed=2"):
         BatchSampler(10, 4, seed=2).load_state_dict(BatchSampler(10, 4, seed=1).state_dict())
 
 
 def test_data_parallel_replicas_split_the_global_batch():
-    tokens = torch.arange(1000)
+    tokens = TokenShards([np.arange(1000)])
     whole_inputs, whole_targets = DataLoader(tokens, 8, batch_size=6, dp=1, dp_index=0, seed=3).next_batch()
     halves = [DataLoader(tokens, 8, batch_size=6, dp=2, dp_index=i, seed=3).next_batch() for i in range(2)]
     assert torch.equal(torch.cat([h[0] for h in halves]), whole_inputs)
     assert torch.equal(whole_targets[:, :-1], whole_inputs[:, 1:]) and whole_inputs.shape == (6, 8)
+    assert whole_inputs.dtype == torch.int64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batches_reach_a_cuda_device_from_pinned_memory():
+    tokens = TokenShards([np.arange(70_000, 71_000, dtype="<u4")])
+    on_cpu = DataLoader(tokens, 8, batch_size=6, dp=1, dp_index=0, seed=3)
+    on_gpu = DataLoader(tokens, 8, batch_size=6, dp=1, dp_index=0, seed=3, device=torch.device("cuda"))
+    for _ in range(3):
+        (cpu_inputs, cpu_targets), (gpu_inputs, gpu_targets) = on_cpu.next_batch(), on_gpu.next_batch()
+        assert gpu_inputs.is_cuda and gpu_inputs.dtype == torch.int64
+        assert torch.equal(gpu_inputs.cpu(), cpu_inputs) and torch.equal(gpu_targets.cpu(), cpu_targets)
+    assert on_gpu.pinned and not on_cpu.pinned

@@ -91,11 +91,12 @@ class DataConfig:
     shards: str = "runs/data/stdlib-bytes"
     """Where the token shards live: a local directory or s3://bucket/prefix. Built there from the corpus if absent."""
     cache_dir: str = "runs/data/cache"
-    """Local directory that S3 shards are downloaded into."""
+    """Local directory that S3 shards are fetched into, and where shards that matched their index are stamped
+    (size, mtime, inode) so that a restart does not hash them again."""
     corpus_bytes: int = 4_000_000
     """Bytes of text taken from the corpus (the Python standard library's own source, in a fixed order)."""
     shard_tokens: int = 1_000_000
-    """Tokens per shard file (uint16 each)."""
+    """Tokens per shard file (little-endian uint32 each) when the shards are built from the corpus."""
 
 
 @dataclass

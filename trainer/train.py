@@ -219,7 +219,7 @@ def build(cfg: JobConfig, env: DistributedEnv) -> Run:
     optimizers = [build_optimizer(part, cfg.optim) for part in pipeline.model_parts]
     schedulers = [LambdaLR(opt, lambda step: lr_factor(step, cfg.optim, cfg.training.steps)) for opt in optimizers]
     loader = DataLoader(load_tokens(cfg.data), cfg.model.seq_len, cfg.training.batch_size, cfg.parallel.dp,
-                        env.position.dp_index, cfg.training.seed)
+                        env.position.dp_index, cfg.training.seed, device=env.device)
     return Run(cfg, env, pipeline, TrainState(pipeline, optimizers, schedulers, loader))
 
 
@@ -227,7 +227,7 @@ def train_step(run: Run) -> dict:
     """One optimizer step over one global batch; every rank returns the same metrics."""
     cfg, env, state = run.config, run.env, run.state
     started = time.perf_counter()
-    inputs, targets = (t.to(env.device) for t in state.loader.next_batch())
+    inputs, targets = state.loader.next_batch()  # already on the device
     for opt in state.optimizers:
         opt.zero_grad()
     loss = run.pipeline.forward_backward(inputs, targets)  # gradients come out averaged over dp (FSDP)
