@@ -30,6 +30,7 @@ Offers:
     activation_bytes                    saved activations of one layer and microbatch
     rank_memory, fullest_rank           per-component bytes on one rank / on the fullest rank
     fits, plan_layouts, smallest_fleet  the check and the planner
+    memory_problem                      the check with its figures and a proposal, for Validate
     format_memory                       the figures as a table in GiB
 """
 
@@ -449,34 +450,36 @@ def plan_layouts(w: Workload, nodes: int, ranks_per_node: int, fixed: frozenset[
                  ) -> Iterator[Candidate]:
     """Every runnable layout on exactly `nodes` nodes, keeping the fields named in `fixed` as
     `w.layout` has them, in the planner's order of preference: least recompute
-    (activation_checkpoint none, selective, full), then the smallest tp, then the smallest pp,
-    then the most microbatches (the smallest microbatch: least activation memory, least bubble).
-    A free dp_shard shards over all of dp; free microbatches take every divisor of the
-    per-replica batch."""
+    (activation_checkpoint none, then selective, then full), then the smallest tp, then the
+    smallest pp. A free dp_shard shards over all of dp (least memory); free microbatches are the
+    most the schedule can run, the smallest microbatch (least activation memory, least bubble)."""
     lay = w.layout
     world = nodes * ranks_per_node
     modes = [lay.activation_checkpoint] if "activation_checkpoint" in fixed else list(ACTIVATION_CHECKPOINT_MODES)
     tps = [lay.tp] if "tp" in fixed else _divisors(ranks_per_node)
     for mode in modes:
         for tp in tps:
-            if world % tp:
-                continue
             for pp in ([lay.pp] if "pp" in fixed else _divisors(world // tp)):
-                if world % (tp * pp):
+                if world % (tp * pp) or ("dp" in fixed and world // (tp * pp) != lay.dp):
                     continue
                 dp = world // (tp * pp)
-                if "dp" in fixed and dp != lay.dp:
-                    continue
                 if lay.batch_size % dp:
                     continue
-                per_replica = lay.batch_size // dp
-                counts = [lay.microbatches] if "microbatches" in fixed else sorted(_divisors(per_replica), reverse=True)
+                counts = ([lay.microbatches] if "microbatches" in fixed
+                          else sorted(_divisors(lay.batch_size // dp), reverse=True))
                 for microbatches in counts:
-                    candidate = replace(lay, pp=pp, dp=dp, tp=tp, microbatches=microbatches, activation_checkpoint=mode,
-                                        dp_shard=lay.dp_shard if "dp_shard" in fixed else 0)
-                    trial = replace(w, layout=candidate)
+                    trial = replace(w, layout=replace(lay, pp=pp, dp=dp, tp=tp, microbatches=microbatches,
+                                                      activation_checkpoint=mode,
+                                                      dp_shard=lay.dp_shard if "dp_shard" in fixed else 0))
                     if layout_problem(trial, ranks_per_node) is None:
                         yield Candidate(nodes, trial, fullest_rank(trial))
+                        break
+
+
+def _too_few(w: Workload, nodes: int, ranks_per_node: int, memory_gib: float) -> bool:
+    """Even spread over every GPU of the fleet, the parameters, gradients and AdamW state
+    (16 bytes a parameter) exceed one GPU's memory."""
+    return 4 * FP32 * parameter_count(w.shape) / (nodes * ranks_per_node) > memory_gib * GIB
 
 
 def best_fit(w: Workload, nodes: int, ranks_per_node: int, memory_gib: float,
@@ -490,10 +493,33 @@ def smallest_fleet(w: Workload, ranks_per_node: int, memory_gib: float, max_node
                    fixed: frozenset[str] = frozenset()) -> Candidate | None:
     """Fewest nodes (up to max_nodes) on which some layout fits, with the planner's best layout there."""
     for nodes in range(1, max_nodes + 1):
+        if _too_few(w, nodes, ranks_per_node, memory_gib):
+            continue
         found = best_fit(w, nodes, ranks_per_node, memory_gib, fixed)
         if found:
             return found
     return None
+
+
+MAX_PROPOSED_NODES = 512
+"""The largest fleet the planner proposes when a layout does not fit."""
+
+
+def memory_problem(w: Workload, instance_name: str, ranks_per_node: int, memory_gib: float) -> str | None:
+    """Why `w` would run out of accelerator memory, with the fullest GPU's figures and the smallest
+    fleet and layout that fit instead; None when it fits."""
+    memory = fullest_rank(w)
+    if memory.total <= memory_gib * GIB:
+        return None
+    lines = [f"the layout needs {memory.total / GIB:.2f} GiB on its fullest GPU (pipeline rank {memory.pp_rank}), "
+             f"{memory_gib} GiB on {instance_name}: {w.layout.describe()}", format_memory(memory, memory_gib)]
+    smallest = smallest_fleet(w, ranks_per_node, memory_gib, MAX_PROPOSED_NODES)
+    if smallest is None:
+        lines.append(f"no layout fits on up to {MAX_PROPOSED_NODES} x {instance_name}")
+    else:
+        lines.append(f"smallest fleet that fits: {smallest.nodes} x {instance_name}, {smallest.workload.layout.describe()} "
+                     f"({smallest.memory.total / GIB:.2f} GiB on the fullest GPU)")
+    return "\n".join(lines)
 
 
 def format_memory(memory: RankMemory, memory_gib: float | None) -> str:
