@@ -89,7 +89,8 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     print(f"DOES NOT FIT: {shown.memory.total / mp.GIB:.2f} GiB needed on the fullest GPU, {memory_gib} GiB there"
           + ("" if as_configured else f" (the least of {len(candidates)} layouts on {args.nodes} nodes)"))
-    smallest = mp.smallest_fleet(workload, rpn, memory_gib, args.max_nodes, frozenset(given))
+    # dp follows from the fleet's size, so the proposal frees it; what else was given stays.
+    smallest = mp.smallest_fleet(workload, rpn, memory_gib, args.max_nodes, frozenset(given) - {"dp"})
     if smallest is None:
         print(f"no layout fits on up to {args.max_nodes} nodes of {facts.name}")
     else:

@@ -341,9 +341,11 @@ def rank_memory(w: Workload, pp_rank: int) -> RankMemory:
     n_stages = len(layers)
     mine = stage_ids(pp_rank, lay.pp, lay.resolved_stages_per_rank, rule.placement) if lay.pp > 1 else [0]
     block = _block_params(m, tp)
-    edge = sum((_embedding_params(m, tp) if s == 0 else 0) + (_head_params(m, tp) if s == n_stages - 1 else 0)
-               for s in mine)
-    local = edge + block * sum(layers[s] for s in mine)
+    # The embeddings and the norm + head are FSDP units of their own, as each block is.
+    edge_units = [_embedding_params(m, tp) for s in mine if s == 0] + [_head_params(m, tp) for s in mine
+                                                                       if s == n_stages - 1]
+    local = sum(edge_units) + block * sum(layers[s] for s in mine)
+    largest_unit = max([block, *edge_units])
     sharded = math.ceil(local / shard)
 
     # FSDP's unsharded copies: bf16 on CUDA (mixed precision); on CPU only when sharded at all.
@@ -354,13 +356,14 @@ def rank_memory(w: Workload, pp_rank: int) -> RankMemory:
     elif lay.keeps_gathered_parameters:
         gathered = local * gathered_dtype
     else:
-        gathered = (edge + 2 * block) * gathered_dtype        # the block computed and the one prefetched
+        gathered = (largest_unit + block) * gathered_dtype     # the unit computed and the next, prefetched
     if not fsdp_copies:
         unsharded_grads = 0
     elif lay.pp > 1:
         unsharded_grads = local * FP32                         # accumulated over the step's microbatches
     else:
-        unsharded_grads = (edge + block) * (gathered_dtype + FP32 if w.mixed_precision else FP32)
+        # One unit's gradient in the compute dtype and its fp32 copy for the reduce-scatter.
+        unsharded_grads = largest_unit * (gathered_dtype + FP32 if w.mixed_precision else FP32)
 
     e = BF16 if w.mixed_precision else FP32
     hidden = b * m.seq_len * m.d_model * e // tp               # one microbatch of the residual stream
@@ -517,8 +520,8 @@ def memory_problem(w: Workload, instance_name: str, ranks_per_node: int, memory_
     if smallest is None:
         lines.append(f"no layout fits on up to {MAX_PROPOSED_NODES} x {instance_name}")
     else:
-        lines.append(f"smallest fleet that fits: {smallest.nodes} x {instance_name}, {smallest.workload.layout.describe()} "
-                     f"({smallest.memory.total / GIB:.2f} GiB on the fullest GPU)")
+        lines.append(f"smallest fleet that fits: {smallest.nodes} x {instance_name}, "
+                     f"{smallest.workload.layout.describe()} ({smallest.memory.total / GIB:.2f} GiB on the fullest GPU)")
     return "\n".join(lines)
 
 
