@@ -57,7 +57,7 @@ def check_memory(spec: RunSpec, config: JobConfig) -> None:
         logger.info("memory check skipped: no accelerator", instance_type=facts.name)
         return
     workload = memory_plan.Workload.from_sections(asdict(config), mixed_precision=True)
-    problem = memory_plan.memory_problem(workload, facts.name, facts.ranks_per_node, facts.accelerator_memory_gib)
+    problem = memory_plan.memory_problem(workload, facts.name, facts.ranks_per_node, facts.memory_per_rank_gib)
     if problem:
         raise InvalidRunSpec(f"trainer: {problem}")
 

@@ -50,3 +50,10 @@ def test_prices_and_floors_are_sane():
 def test_unknown_type_names_itself_and_the_choices():
     with pytest.raises(UnknownInstanceType, match="'p9.96xlarge' is not in the catalogue; supported: c5.2xlarge"):
         instance_facts("p9.96xlarge")
+
+
+def test_memory_per_rank_is_one_gpu_or_one_neuroncore():
+    assert instance_facts("p4d.24xlarge").memory_per_rank_gib == 40
+    assert instance_facts("p5.48xlarge").memory_per_rank_gib == 80
+    assert instance_facts("trn1.32xlarge").memory_per_rank_gib == 16  # 32 GiB chips, two cores each
+    assert instance_facts("c5.large").memory_per_rank_gib == 0

@@ -59,7 +59,7 @@ def _plan(args: argparse.Namespace) -> int:
           f"d_model {shape.d_model}, {shape.n_heads} heads, vocab {shape.vocab_size}, seq {shape.seq_len}); "
           f"global batch {workload.layout.batch_size} sequences")
     print(f"fleet: {args.nodes} x {facts.name} ({rpn} ranks per node"
-          + (f", {facts.accelerator} {facts.accelerator_memory_gib} GiB each)" if gpu else ", CPU)"))
+          + (f", {facts.memory_per_rank_gib:g} GiB of {facts.accelerator} each)" if gpu else ", CPU)"))
     # The config file's own layout is checked as it is when it fills the fleet and the command
     # line names none of pp, dp, tp; otherwise the planner chooses what the command line left free.
     as_configured = workload.layout.world_size == args.nodes * rpn and not {"pp", "dp", "tp"} & set(given)
@@ -73,7 +73,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(mp.format_memory(candidate.memory, None))
         print(f"{facts.name} has no accelerator: local runs use host memory, which is not checked")
         return 0
-    memory_gib = facts.accelerator_memory_gib
+    memory_gib = facts.memory_per_rank_gib
     candidates = list(mp.plan_layouts(workload, args.nodes, rpn, fixed))
     if not candidates:
         print(f"trainfleet plan: no layout of this config runs on {args.nodes} x {rpn} GPUs "

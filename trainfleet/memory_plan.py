@@ -123,7 +123,7 @@ class Layout:
     def describe(self) -> str:
         return (f"pp={self.pp} dp={self.dp} tp={self.tp} dp_shard={self.resolved_dp_shard} "
                 f"schedule={self.schedule} microbatches={self.microbatches} "
-                f"(microbatch of {self.microbatch_size} sequences) activation_checkpoint={self.activation_checkpoint}")
+                f"(microbatch of {self.microbatch_size} sequence{'s' if self.microbatch_size != 1 else ''}) activation_checkpoint={self.activation_checkpoint}")
 
 
 @dataclass(frozen=True)
