@@ -177,3 +177,13 @@ def test_plan_bad_input_is_one_line(capsys, monkeypatch, args, message):
     code, out, err = _plan(capsys, *args)
     assert code == 2 and out == ""
     assert err.startswith(message) and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "0"], "argument --nodes: must be >= 1, got 0"),
+    (["--nodes", "1", "--schedule", "fast"], "argument --schedule: invalid choice: 'fast'"),
+])
+def test_plan_bad_arguments_are_usage_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["plan", "--model", J1_CONFIG, "--instance-type", "p5.48xlarge", *args])
+    assert exited.value.code == 2 and message in capsys.readouterr().err

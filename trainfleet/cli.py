@@ -100,6 +100,13 @@ def _plan(args: argparse.Namespace) -> int:
     return 1
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _add_plan(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser(
         "plan", help="memory per GPU of a model and layout; the smallest fleet and layout that fit",
@@ -110,12 +117,15 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
                     "Exits 1 when the layout does not fit.")
     plan.add_argument("--model", type=Path, required=True, help="a trainer config file (.toml, .yaml)")
     plan.add_argument("--instance-type", required=True, help="e.g. p4d.24xlarge, p5.48xlarge")
-    plan.add_argument("--nodes", type=int, required=True, help="instances in the fleet")
-    plan.add_argument("--max-nodes", type=int, default=512, help="largest fleet to propose (default: 512)")
-    for name in ("pp", "dp", "tp", "dp_shard", "microbatches"):
-        plan.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    plan.add_argument("--nodes", type=_positive, required=True, help="instances in the fleet")
+    plan.add_argument("--max-nodes", type=_positive, default=512, help="largest fleet to propose (default: 512)")
+    for name in ("pp", "dp", "tp", "microbatches"):
+        plan.add_argument(f"--{name.replace('_', '-')}", dest=name, type=_positive)
+    plan.add_argument("--dp-shard", type=int, help="0 = all of dp")
     plan.add_argument("--activation-checkpoint", choices=("none", "selective", "full"))
-    plan.add_argument("--schedule", help="pipeline schedule (default: the config's)")
+    from trainfleet.contracts import SCHEDULES
+
+    plan.add_argument("--schedule", choices=sorted(SCHEDULES), help="pipeline schedule (default: the config's)")
     plan.set_defaults(func=_plan)
 
 
