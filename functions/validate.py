@@ -1,7 +1,9 @@
 """Validate: parse the RunSpec, record the run. A bad RunSpec fails here, before any allocation,
 and so does a trainer section the trainer itself would refuse: its own checks
-(trainer/config.py, torch-free) run here on the config the nodes would be given."""
+(trainer/config.py, torch-free) run here on the config the nodes would be given, and so does a
+layout that would run out of GPU memory (trainfleet/memory_plan.py)."""
 
+from dataclasses import asdict
 from typing import Any
 
 from aws_lambda_powertools.utilities.parser import event_parser
@@ -10,7 +12,8 @@ from pydantic import BaseModel, ValidationError
 
 from functions.common import RunPayload, Timeouts, aws, logger, tracer, transient_errors_named
 from functions.errors import InvalidRunSpec
-from trainer.config import ConfigError, config_from_sections
+from trainer.config import ConfigError, JobConfig, config_from_sections
+from trainfleet import memory_plan
 from trainfleet.adapters.run_store import RunExists
 from trainfleet.contracts import RunRecord, RunRef, RunSpec, node_access_problems, validation_message
 
@@ -30,19 +33,33 @@ def parse_run_spec(raw: Any, bucket: str) -> RunSpec:
     # The nodes may only touch what their role grants in the stack's own bucket.
     if problems := node_access_problems(spec, bucket):
         raise InvalidRunSpec("\n".join(problems))
-    check_trainer_config(spec)
+    check_memory(spec, check_trainer_config(spec))
     return spec
 
 
-def check_trainer_config(spec: RunSpec) -> None:
+def check_trainer_config(spec: RunSpec) -> JobConfig:
     """InvalidRunSpec with the trainer's own message when it would refuse its config (a negative
     learning rate, no steps, heads that do not divide the width...): found here, not after the
     whole fleet has booted and passed preflight."""
     par = spec.trainer.parallel
     try:
-        config_from_sections(spec.trainer_mapping(par.pp, par.dp, resume_step=None), source="trainer")
+        return config_from_sections(spec.trainer_mapping(par.pp, par.dp, resume_step=None), source="trainer")
     except ConfigError as exc:
         raise InvalidRunSpec(str(exc)) from exc
+
+
+def check_memory(spec: RunSpec, config: JobConfig) -> None:
+    """InvalidRunSpec with the fullest GPU's figures and the smallest fleet that fits, when the layout
+    would run out of GPU memory. CPU types (local runs) are not checked: their ranks share the
+    host's memory, which the catalogue does not describe."""
+    facts = spec.facts
+    if facts.accelerator == "none":
+        logger.info("memory check skipped: no accelerator", instance_type=facts.name)
+        return
+    workload = memory_plan.Workload.from_sections(asdict(config), mixed_precision=True)
+    problem = memory_plan.memory_problem(workload, facts.name, facts.ranks_per_node, facts.memory_per_rank_gib)
+    if problem:
+        raise InvalidRunSpec(f"trainer: {problem}")
 
 
 @transient_errors_named

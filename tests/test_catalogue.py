@@ -78,3 +78,9 @@ def test_no_empty_library_path_entry_when_the_node_had_none():
     for inherited in ({}, {"LD_LIBRARY_PATH": ""}, {"LD_LIBRARY_PATH": "/opt/amazon/efa/lib:"}):
         assert nccl_environment(CATALOGUE["p5.48xlarge"], inherited)["LD_LIBRARY_PATH"].split(":") == DLAMI_PLUGIN_DIRS
 
+
+def test_memory_per_rank_is_one_gpu_or_one_neuroncore():
+    assert instance_facts("p4d.24xlarge").memory_per_rank_gib == 40
+    assert instance_facts("p5.48xlarge").memory_per_rank_gib == 80
+    assert instance_facts("trn1.32xlarge").memory_per_rank_gib == 16  # 32 GiB chips, two cores each
+    assert instance_facts("c5.large").memory_per_rank_gib == 0

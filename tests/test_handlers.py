@@ -182,6 +182,25 @@ def test_settings_the_trainer_refuses_are_refused_before_anything_is_allocated(
     assert not [item for item in items if item["pk"]["S"] == "RUN#refused-by-trainer"]
 
 
+def test_a_layout_that_does_not_fit_in_gpu_memory_is_refused_with_the_figures(handlers, resources, cloud):
+    # Jurassic-1 Jumbo's shape on 2 p4d nodes: 181 B parameters cannot fit 16 x 40 GiB.
+    document = spec_document(resources["bucket"], "too-big", instance_type="p4d.24xlarge", node_count=2,
+                             spare_count=0, min_nodes=None, trainer={
+                                 "model": {"n_layers": 76, "d_model": 13824, "n_heads": 96, "vocab_size": 256000,
+                                           "seq_len": 2048},
+                                 "parallel": {"pp": 2, "dp": 1, "tp": 8, "schedule": "1f1b", "microbatches": 16},
+                                 "training": {"batch_size": 16},
+                                 "data": {"shards": f"s3://{resources['bucket']}/data/tokens"}})
+    with pytest.raises(handlers.errors.InvalidRunSpec) as refused:
+        handlers.validate.handler({"run_spec": document, "execution_arn": "arn:x"}, Context())
+    message = str(refused.value)
+    assert message.startswith("trainer: the layout needs"), message
+    assert "optimizer" in message and "activations" in message and "device memory" in message
+    assert "smallest fleet that fits:" in message and "x p4d.24xlarge" in message
+    items = cloud.client("dynamodb").scan(TableName=resources["run_table"])["Items"]
+    assert not [item for item in items if item["pk"]["S"] == "RUN#too-big"]
+
+
 def test_validate_records_the_run_and_passes_on_a_reference_of_constant_size(handlers, resources):
     small = spec_document(resources["bucket"], "small-run")
     large = spec_document(resources["bucket"], "large-run", node_count=512, spare_count=16,

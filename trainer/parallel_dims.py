@@ -21,6 +21,7 @@ from trainer.config import ConfigError
 from trainer.schedules import SCHEDULE_CLASSES
 from trainer.schedules import SCHEDULES as KNOWN_SCHEDULES
 from trainer.schedules import Placement, ScheduleRule, schedule_problem
+from trainfleet.memory_plan import split_layers, stage_ids  # one copy, torch-free: the memory plan uses it
 
 __all__ = ["SCHEDULES", "KNOWN_SCHEDULES", "ScheduleRule", "Placement", "schedule_class", "schedule_problem",
            "stage_ids", "split_layers", "layer_ranges", "RankPosition"]
@@ -37,36 +38,6 @@ def schedule_class(name: str) -> type:
         raise ConfigError(f"parallel.schedule={name!r} needs torch.distributed.pipelining."
                           f"{SCHEDULE_CLASSES[name]}, which the installed torch {torch.__version__} lacks")
     return getattr(torch_schedules, SCHEDULE_CLASSES[name])
-
-
-def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, placement: Placement) -> list[int]:
-    """The global stage indices this pipeline rank builds, in increasing order."""
-    if placement == "v":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(stages_per_rank)]
-
-
-def split_layers(layer_params: int, n_layers: int, first_extra: int, last_extra: int,
-                 n_stages: int) -> list[int]:
-    """Layers per stage so that each stage holds about the same number of parameters.
-
-    Every layer has `layer_params` parameters; the first stage also holds `first_extra` (embeddings)
-    and the last `last_extra` (final norm and head). Greedy over the cumulative count: stage s ends
-    where the running total is nearest to (s + 1) / n_stages of the whole, and every stage keeps at
-    least one layer.
-    """
-    total = first_extra + n_layers * layer_params + last_extra
-    boundaries = []
-    start = 0
-    for stage in range(n_stages - 1):
-        target = total * (stage + 1) / n_stages
-        stages_after = n_stages - stage - 1
-        candidates = range(start + 1, n_layers - stages_after + 1)
-        end = min(candidates, key=lambda e: abs(first_extra + e * layer_params - target))
-        boundaries.append(end)
-        start = end
-    edges = [0, *boundaries, n_layers]
-    return [edges[i + 1] - edges[i] for i in range(n_stages)]
 
 
 def layer_ranges(layers_per_stage: list[int]) -> list[range]:

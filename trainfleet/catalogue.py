@@ -88,6 +88,12 @@ class InstanceFacts(BaseModel):
     """True when the price is not a published on-demand list price (see module docstring)."""
 
     @property
+    def memory_per_rank_gib(self) -> float:
+        """Accelerator memory of one trainer process: a whole GPU, half a Trainium chip (one
+        NeuronCore); 0 on CPU types."""
+        return self.accelerator_memory_gib * self.accelerator_count / self.ranks_per_node
+
+    @property
     def efa_interface_count(self) -> int:
         """EFA interfaces to attach: one per network card, none on types without EFA."""
         return self.network_cards if self.efa_supported else 0

@@ -1,0 +1,191 @@
+"""The memory plan against the real thing: trainer/model.py's parameters, torch's pipeline orders
+and the peak tensor memory of training steps measured on CPU (fp32).
+
+Peak memory on CPU: torch.profiler with profile_memory=True records every allocation and free of
+tensor storage with its size and time; replaying them in time order gives the live bytes at every
+moment, whose maximum during a step (after a first step has created AdamW's moments) plus the
+parameters and moments alive before it is the step's peak. The plan must come within 15 %.
+"""
+
+import os
+from dataclasses import asdict
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.profiler import ProfilerActivity, profile
+
+from conftest import free_port
+from trainer.config import load_config
+from trainer.model import GPT
+from trainer.pipeline_parallel import build_pipeline
+from trainer.schedules import SCHEDULE_CLASSES
+from trainer.train import build_optimizer
+from trainfleet import memory_plan
+from trainfleet.contracts import SCHEDULES, schedule_problem
+
+TOLERANCE = 0.15
+
+
+def _shape(**model) -> memory_plan.ModelShape:
+    return memory_plan.ModelShape(**{"vocab_size": 257, "seq_len": 64, **model})
+
+
+@pytest.mark.parametrize("model", [
+    dict(n_layers=2, d_model=32, n_heads=2),
+    dict(n_layers=3, d_model=48, n_heads=4, mlp_ratio=3, vocab_size=1000, seq_len=17),
+    dict(n_layers=2, d_model=32, n_heads=2, tie_embeddings=True),
+])
+def test_parameter_count_is_the_modules(model):
+    shape = _shape(**model)
+    config = load_config([f"--model.{key}={value}" for key, value in asdict(shape).items()])
+    with torch.device("meta"):
+        gpt = GPT(config.model)
+    assert memory_plan.parameter_count(shape) == sum(p.numel() for p in gpt.parameters())
+
+
+class _StageFacts:
+    """What a schedule's constructor reads of a stage to lay out its pipeline_order."""
+
+    def __init__(self, index: int, n_stages: int, pp: int):
+        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, n_stages, pp, 0
+        self.is_first, self.is_last = index == 0, index == n_stages - 1
+        self.has_backward = True
+        self.stage_index_to_group_rank = {}
+        self.submod = None
+
+
+def _pipeline_order(name: str, pp: int, microbatches: int) -> dict[int, list]:
+    rule = SCHEDULES[name]
+    schedule_cls = getattr(torch_schedules, SCHEDULE_CLASSES[name])
+    n_stages = pp * rule.stages_per_rank
+    ids = memory_plan.stage_ids(0, pp, rule.stages_per_rank, rule.placement)
+    stages = [_StageFacts(s, n_stages, pp) for s in ids]
+    schedule = schedule_cls(stages[0] if rule.placement == "single" else stages, microbatches,
+                            loss_fn=lambda output, target: output)
+    return schedule.pipeline_order
+
+
+def _replayed_peak(actions: list, stage: int | None = None) -> int:
+    """Stage-microbatches alive at the peak: a forward adds one, a full backward or a weight step frees it."""
+    alive, peak = set(), 0
+    for action in actions:
+        for step in (action.sub_actions or (action,)) if action is not None else ():
+            if stage is not None and step.stage_index != stage:
+                continue
+            key = (step.stage_index, step.microbatch_index)
+            if step.computation_type.name == "FORWARD":
+                alive.add(key)
+            elif step.computation_type.name in ("FULL_BACKWARD", "BACKWARD_WEIGHT"):
+                alive.discard(key)
+            peak = max(peak, len(alive))
+    return peak
+
+
+def _runtime_peak(name: str, actions: list, warmup: int, stage: int | None = None) -> int:
+    """The peak as the schedule runs. Schedule1F1B runs its own loop (_step_microbatches): a warm-up of
+    stages - stage forwards, then a backward before each further forward; its pipeline_order, only
+    printed, puts each forward first. Every other schedule runs its pipeline_order."""
+    peak = _replayed_peak(actions, stage)
+    return min(peak, warmup) if name == "1f1b" else peak
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_in_flight_matches_torchs_pipeline_order(name):
+    rule = SCHEDULES[name]
+    checked = 0
+    for pp in (2, 3, 4, 8):
+        for microbatches in (1, 2, pp - 1, pp, pp + 2, 2 * pp, 3 * pp, 4 * pp):
+            if microbatches < 1 or schedule_problem(name, pp, 0, microbatches):
+                continue
+            order = _pipeline_order(name, pp, microbatches)
+            n_stages = pp * rule.stages_per_rank
+            last_rank = 0 if rule.placement == "v" else pp - 1
+            for rank in range(pp):
+                assert memory_plan.in_flight(name, pp, rule.stages_per_rank, microbatches, rank) == \
+                    _runtime_peak(name, order[rank], pp - rank), (pp, microbatches, rank)
+            assert memory_plan.last_stage_in_flight(name, pp, microbatches) == \
+                _runtime_peak(name, order[last_rank], 1, n_stages - 1), (pp, microbatches)
+            checked += 1
+    assert checked >= 8
+
+
+def _step_peak(pipeline, optimizer, inputs, targets) -> int:
+    """Peak bytes of tensors during one training step, parameters and optimizer state included."""
+    def step():
+        pipeline.forward_backward(inputs, targets)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # creates AdamW's moments: the next step starts from the steady state
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    params = sum(p.numel() * p.element_size() for part in pipeline.model_parts for p in part.parameters())
+    return peak + 3 * params  # parameters, exp_avg and exp_avg_sq were alive before the step
+
+
+MEASURED = [  # activations dominate; the parameters dominate
+    ["--model.n_layers=4", "--model.d_model=256", "--model.n_heads=4", "--model.seq_len=256",
+     "--training.batch_size=16", "--parallel.microbatches=2"],
+    ["--model.n_layers=4", "--model.d_model=512", "--model.n_heads=8", "--model.seq_len=32",
+     "--training.batch_size=8", "--parallel.microbatches=4"],
+]
+
+
+def _config(overrides: list[str], *layout: str):
+    return load_config([*overrides, *layout, "--training.device=cpu", "--training.threads=1"])
+
+
+def _planned(config, pp_rank: int) -> int:
+    return memory_plan.rank_memory(memory_plan.Workload.from_sections(asdict(config), mixed_precision=False),
+                                   pp_rank).total
+
+
+def _batch(config):
+    generator = torch.Generator().manual_seed(0)
+    shape = (config.training.batch_size, config.model.seq_len)
+    return (torch.randint(0, 257, shape, generator=generator), torch.randint(0, 257, shape, generator=generator))
+
+
+@pytest.mark.parametrize("overrides", MEASURED, ids=["activations", "parameters"])
+def test_one_process_peak_within_15_percent(overrides):
+    torch.set_num_threads(1)
+    config = _config(overrides)
+    pipeline = build_pipeline(config, torch.device("cpu"))
+    measured = _step_peak(pipeline, build_optimizer(pipeline.model_parts[0], config.optim), *_batch(config))
+    planned = _planned(config, 0)
+    assert abs(planned - measured) <= TOLERANCE * measured, (planned / 2**20, measured / 2**20)
+
+
+def _pp_worker(rank: int, port: int, overrides: list[str], layout: list[str], results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        config = _config(overrides, *layout)
+        pipeline = build_pipeline(config, torch.device("cpu"), pp_rank=rank, pp_group=dist.group.WORLD)
+        (part,) = pipeline.model_parts
+        results[rank] = (_step_peak(pipeline, build_optimizer(part, config.optim), *_batch(config)),
+                         _planned(config, rank))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pp2_gloo_peak_within_15_percent_on_each_rank(schedule):
+    layout = ["--parallel.pp=2", f"--parallel.schedule={schedule}"]
+    with torch_mp.Manager() as manager:
+        results = manager.dict()
+        torch_mp.spawn(_pp_worker, args=(free_port(), MEASURED[0], layout, results), nprocs=2, join=True)
+        results = dict(results)
+    for rank, (measured, planned) in results.items():
+        assert abs(planned - measured) <= TOLERANCE * measured, (rank, planned / 2**20, measured / 2**20)
