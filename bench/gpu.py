@@ -11,7 +11,8 @@ What it prints, in order:
    model FLOPs (6 N per token for the matmuls + 12 L T d for attention scores) over the
    device's dense bf16 peak (PEAK_BF16_TFLOPS, the vendors' datasheet figures).
 3. Peak memory: torch.cuda.max_memory_allocated against the memory plan's figure for this
-   model and layout (trainfleet.memory_plan), as a ratio.
+   model and layout (trainfleet.memory_plan, whose figure includes an allowance for the CUDA
+   context and fragmentation that max_memory_allocated does not see), as a ratio.
 4. Async checkpoint staging: a checkpoint saved asynchronously right after an optimizer step
    must hold exactly the post-step parameters and optimizer state (the staging copy must wait for
    the optimizer's kernels); it is loaded back and compared bit for bit.
@@ -23,6 +24,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ from trainer.checkpoint import Checkpointer  # noqa: E402
 from trainer.checkpoint_catalog import step_dir_name  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.train import build, distributed, train_step  # noqa: E402
+from trainfleet import memory_plan  # noqa: E402
 
 # Dense bf16 tensor-core peak per device, TFLOP/s (NVIDIA datasheets; SXM parts).
 PEAK_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "B200": 2250.0}
@@ -75,11 +78,9 @@ def _meta_model(cfg):
         return GPT(cfg.model)
 
 
-def planned_peak_bytes(cfg) -> float | None:
-    """The memory plan's per-GPU figure for this config, or None where the plan has none."""
-    from trainfleet.memory_plan import plan_for_job_config
-
-    return plan_for_job_config(cfg).total_bytes
+def planned_peak_bytes(cfg) -> int:
+    """The memory plan's per-GPU figure for this config (bf16 mixed precision, its allowance included)."""
+    return memory_plan.fullest_rank(memory_plan.Workload.from_sections(asdict(cfg), mixed_precision=True)).total
 
 
 def staged_checkpoint_matches(run, workdir: str) -> str | None:

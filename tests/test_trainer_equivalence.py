@@ -40,13 +40,16 @@ def tiny_config(tmp_path, *overrides: str):
 
 def layouts_for(world_size: int) -> dict[str, list[str]]:
     if world_size == 8:
-        return {"pp=2 x tp=2 x dp=2 1f1b": ["--parallel.pp=2", "--parallel.tp=2", "--parallel.dp=2"]}
+        return {"pp=2 x tp=2 x dp=2 1f1b": ["--parallel.pp=2", "--parallel.tp=2", "--parallel.dp=2",
+                                            "--parallel.microbatches=2"]}
     pp = world_size
     layouts = {f"pp={pp} {name}": [f"--parallel.pp={pp}", f"--parallel.schedule={name}"] for name in SCHEDULES}
     layouts[f"pp={pp} 1f1b without early p2p"] = [f"--parallel.pp={pp}", "--parallel.schedule=1f1b",
                                                   "--parallel.early_p2p=false"]
     if world_size == 2:
-        layouts["tp=2"] = ["--parallel.tp=2"]
+        # Fewer microbatches where the layout allows: gloo runs each of tensor parallel's four
+        # collectives per block and microbatch in turn, and the gradients are the same.
+        layouts["tp=2"] = ["--parallel.tp=2", "--parallel.microbatches=2"]
         layouts["FSDP dp=2"] = ["--parallel.dp=2"]
         layouts["dp=2 replicated"] = ["--parallel.dp=2", "--parallel.dp_shard=1"]
     if world_size == 4:
@@ -54,8 +57,8 @@ def layouts_for(world_size: int) -> dict[str, list[str]]:
         layouts["pp=2 x FSDP dp=2 zbv-zero-bubble"] = ["--parallel.pp=2", "--parallel.dp=2",
                                                        "--parallel.schedule=zbv-zero-bubble"]
         layouts["pp=2 x tp=2 interleaved-1f1b"] = ["--parallel.pp=2", "--parallel.tp=2",
-                                                   "--parallel.schedule=interleaved-1f1b"]
-        layouts["tp=2 x FSDP dp=2"] = ["--parallel.tp=2", "--parallel.dp=2"]
+                                                   "--parallel.schedule=interleaved-1f1b", "--parallel.microbatches=4"]
+        layouts["tp=2 x FSDP dp=2"] = ["--parallel.tp=2", "--parallel.dp=2", "--parallel.microbatches=2"]
         layouts["HSDP dp=4 (2 replicas of 2 shards)"] = ["--parallel.dp=4", "--parallel.dp_shard=2",
                                                           "--parallel.microbatches=4"]
     return layouts
@@ -65,9 +68,9 @@ def layouts_for(world_size: int) -> dict[str, list[str]]:
 # the layout that resumes the single process's midway checkpoint).
 RESHARD = {
     2: (["--parallel.pp=2", "--parallel.schedule=interleaved-1f1b"], ["--parallel.tp=2"]),
-    4: (["--parallel.pp=2", "--parallel.tp=2"], ["--parallel.pp=2", "--parallel.dp=2"]),
-    8: (["--parallel.pp=2", "--parallel.tp=2", "--parallel.dp=2"], ["--parallel.tp=2", "--parallel.dp=4",
-                                                                     "--parallel.dp_shard=2", "--parallel.microbatches=4"]),
+    4: (["--parallel.pp=2", "--parallel.tp=2", "--parallel.microbatches=4"], ["--parallel.pp=2", "--parallel.dp=2"]),
+    8: (["--parallel.pp=2", "--parallel.tp=2", "--parallel.dp=2", "--parallel.microbatches=2"],
+        ["--parallel.tp=2", "--parallel.dp=4", "--parallel.dp_shard=2", "--parallel.microbatches=2"]),
 }
 
 

@@ -12,6 +12,7 @@ reduce-scatters run over dp_shard and its gradient all-reduce over dp_replicate;
 hand-offs and those cross nodes.
 """
 
+import contextlib
 from functools import partial
 
 import torch
@@ -21,13 +22,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+                                               SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from trainer.config import JobConfig
 from trainer.model import GPT, initial_values
 
-__all__ = ["tensor_parallel", "materialize", "parallelize", "uses_fsdp"]
+__all__ = ["tensor_parallel", "materialize", "parallelize", "uses_fsdp", "loss_context"]
 
 
 def tensor_parallel(part: GPT, tp_mesh: DeviceMesh) -> None:
@@ -37,7 +38,8 @@ def tensor_parallel(part: GPT, tp_mesh: DeviceMesh) -> None:
     two output projections by input rows, so each half of a block needs one all-gather in and
     one reduce-scatter out. Between those regions the residual stream, the norms and the
     pipeline hand-offs hold T/tp of the sequence (Shard(1)). Embedding tables are split by rows
-    (vocabulary, positions), the head by vocabulary; its logits are gathered whole for the loss.
+    (vocabulary, positions), the head by vocabulary; its logits stay split by vocabulary (a
+    DTensor), for the loss to be computed under `loss_parallel` without gathering them.
     """
     seq_sharded = (Shard(1),)
     for block in part.layers.values():
@@ -60,8 +62,15 @@ def tensor_parallel(part: GPT, tp_mesh: DeviceMesh) -> None:
         plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if part.norm is not None:
         plan["norm"] = SequenceParallel()
-        plan["head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        plan["head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(part, tp_mesh, plan)
+
+
+def loss_context(cfg: JobConfig):
+    """Where the loss and its backward run: under loss_parallel with tensor parallel, so the
+    cross-entropy works on vocabulary-split logits (a few scalars exchanged per position instead
+    of the whole logits gathered)."""
+    return loss_parallel() if cfg.parallel.tp > 1 else contextlib.nullcontext()
 
 
 def materialize(part: nn.Module, device: torch.device, seed: int, n_layers: int) -> None:
@@ -127,16 +136,24 @@ def _checkpointed(block: nn.Module, mode: str) -> nn.Module:
 
 
 def _fully_shard(part: GPT, cfg: JobConfig, mesh: DeviceMesh, device: torch.device) -> None:
-    """ZeRO-3 (or ZeRO-2) over dp_shard, replicated over dp_replicate; one FSDP unit per block.
+    """ZeRO-3 (or ZeRO-2) over dp_shard, replicated over dp_replicate.
 
-    Blocks are units of their own so that only one block's (bf16) parameters are gathered at a
-    time; the part itself is the root unit holding embeddings, final norm and head.
+    Each block is an FSDP unit, and so are the embeddings and the final norm with the head, so
+    that only one unit's (bf16) parameters are gathered at a time: the root unit's would stay
+    gathered from forward to backward, and a large vocabulary's tables are the largest units.
+    A head tied to the token embedding reads that table outside the embedding's own forward,
+    so with tied embeddings both stay in the root.
     """
     p = cfg.parallel
     dp_mesh = mesh["dp_replicate", "dp_shard"] if p.dp // p.resolved_dp_shard() > 1 else mesh["dp_shard"]
     reshard = {"always": True, "never": False, "auto": p.pp == 1}[p.reshard_after_forward]
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
-    for block in part.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    units = list(part.layers.values())
+    if part.head is not None:
+        units += [[module for module in (part.tok_emb, part.pos_emb) if module is not None],
+                  [part.norm, part.head]]
+    for unit in units:
+        if unit:
+            fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(part, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)

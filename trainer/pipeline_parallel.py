@@ -7,7 +7,10 @@ torch.distributed.pipelining schedule chosen by name. With pp=1 the same interfa
 microbatches one after another, which in one process is the reference every layout must match.
 """
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -16,11 +19,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.distributed.tensor import DTensor
 
 from trainer.config import JobConfig, ModelConfig
 from trainer.model import GPT, cross_entropy_loss
 from trainer.parallel_dims import SCHEDULES, layer_ranges, schedule_class, split_layers, stage_ids
-from trainer.parallelize import materialize, parallelize, tensor_parallel
+from trainer.parallelize import loss_context, materialize, parallelize, tensor_parallel
 
 __all__ = ["Pipeline", "build_pipeline"]
 
@@ -39,6 +43,8 @@ class Pipeline:
     """Microbatches per step."""
     schedule: PipelineScheduleSingle | PipelineScheduleMulti | None
     """The torch.distributed.pipelining schedule; None when pp=1."""
+    loss_context: Callable[[], contextlib.AbstractContextManager]
+    """What the loss and its backward run under (loss_parallel with tensor parallel)."""
 
     @property
     def has_first_stage(self) -> bool:
@@ -53,15 +59,16 @@ class Pipeline:
 
         Gradients come out as those of the batch mean: each microbatch's mean loss contributes 1/m.
         """
-        if self.schedule is None:
-            return self._accumulate_locally(inputs, targets)
-        losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first_stage else ()
-        if self.has_last_stage:
-            self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
-            return torch.stack(losses).mean().detach()
-        self.schedule.step(*args, return_outputs=False)
-        return None
+        with self.loss_context():
+            if self.schedule is None:
+                return self._accumulate_locally(inputs, targets)
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if self.has_first_stage else ()
+            if self.has_last_stage:
+                self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+                return _plain(torch.stack(losses).mean().detach())
+            self.schedule.step(*args, return_outputs=False)
+            return None
 
     def _accumulate_locally(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         (model,) = self.model_parts
@@ -73,7 +80,12 @@ class Pipeline:
             loss = cross_entropy_loss(model(x), y)
             (loss / self.microbatches).backward()
             losses.append(loss.detach())
-        return torch.stack(losses).mean()
+        return _plain(torch.stack(losses).mean())
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    # Under loss_parallel the loss is a replicated DTensor; the step's bookkeeping wants a tensor.
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 class _EarlyP2PStage(PipelineStage):
@@ -205,7 +217,7 @@ def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0, mesh:
     p = cfg.parallel
     if p.pp == 1:
         model = _build_part(cfg, range(cfg.model.n_layers), True, True, device, mesh)
-        return Pipeline([model], [0], 1, p.microbatches, schedule=None)
+        return Pipeline([model], [0], 1, p.microbatches, schedule=None, loss_context=partial(loss_context, cfg))
 
     spec = SCHEDULES[p.schedule]
     n_stages = p.n_stages()
@@ -223,4 +235,4 @@ def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0, mesh:
     if early_p2p and spec.placement != "single":
         for stage in stages:
             stage.follow(schedule.pipeline_order[pp_rank])
-    return Pipeline(parts, ids, n_stages, p.microbatches, schedule)
+    return Pipeline(parts, ids, n_stages, p.microbatches, schedule, loss_context=partial(loss_context, cfg))
