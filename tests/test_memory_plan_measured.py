@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from conftest import free_port
@@ -23,7 +24,7 @@ from trainer.config import load_config
 from trainer.model import GPT
 from trainer.pipeline_parallel import build_pipeline
 from trainer.schedules import SCHEDULE_CLASSES
-from trainer.train import build_optimizer
+from trainer.train import build_optimizer, environment
 from trainfleet import memory_plan
 from trainfleet.contracts import SCHEDULES, schedule_problem
 
@@ -129,8 +130,12 @@ def _step_peak(pipeline, optimizer, inputs, targets) -> int:
     for event in events:
         live += event.nbytes()
         peak = max(peak, live)
-    params = sum(p.numel() * p.element_size() for part in pipeline.model_parts for p in part.parameters())
-    return peak + 3 * params  # parameters, exp_avg and exp_avg_sq were alive before the step
+    params = sum(_local(p).numel() * p.element_size() for part in pipeline.model_parts for p in part.parameters())
+    return peak + 3 * params  # this rank's parameters, exp_avg and exp_avg_sq were alive before the step
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 MEASURED = [  # activations dominate; the parameters dominate
@@ -152,7 +157,7 @@ def _planned(config, pp_rank: int) -> int:
 
 def _batch(config):
     generator = torch.Generator().manual_seed(0)
-    shape = (config.training.batch_size, config.model.seq_len)
+    shape = (config.training.batch_size // config.parallel.dp, config.model.seq_len)
     return (torch.randint(0, 257, shape, generator=generator), torch.randint(0, 257, shape, generator=generator))
 
 
@@ -166,26 +171,31 @@ def test_one_process_peak_within_15_percent(overrides):
     assert abs(planned - measured) <= TOLERANCE * measured, (planned / 2**20, measured / 2**20)
 
 
-def _pp_worker(rank: int, port: int, overrides: list[str], layout: list[str], results) -> None:
+def _two_rank_worker(rank: int, port: int, overrides: list[str], layout: list[str], results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:
         config = _config(overrides, *layout)
-        pipeline = build_pipeline(config, torch.device("cpu"), pp_rank=rank, pp_group=dist.group.WORLD)
+        env = environment(config, torch.device("cpu"))
+        pipeline = build_pipeline(config, env.device, env.position.pp_index, env.mesh)
         (part,) = pipeline.model_parts
         results[rank] = (_step_peak(pipeline, build_optimizer(part, config.optim), *_batch(config)),
-                         _planned(config, rank))
+                         _planned(config, env.position.pp_index))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_pp2_gloo_peak_within_15_percent_on_each_rank(schedule):
-    layout = ["--parallel.pp=2", f"--parallel.schedule={schedule}"]
+@pytest.mark.parametrize("layout", [
+    ["--parallel.pp=2", "--parallel.schedule=1f1b"],
+    ["--parallel.pp=2", "--parallel.schedule=gpipe"],
+    ["--parallel.dp=2"],  # FSDP: sharded state, one block gathered at a time
+    ["--parallel.tp=2", "--model.vocab_size=258"],
+], ids=["pp=2 1f1b", "pp=2 gpipe", "FSDP dp=2", "tp=2"])
+def test_two_rank_gloo_peak_within_15_percent_on_each_rank(layout):
     with torch_mp.Manager() as manager:
         results = manager.dict()
-        torch_mp.spawn(_pp_worker, args=(free_port(), MEASURED[0], layout, results), nprocs=2, join=True)
+        torch_mp.spawn(_two_rank_worker, args=(free_port(), MEASURED[0], layout, results), nprocs=2, join=True)
         results = dict(results)
     for rank, (measured, planned) in results.items():
         assert abs(planned - measured) <= TOLERANCE * measured, (rank, planned / 2**20, measured / 2**20)
