@@ -15,7 +15,8 @@ from functions.errors import InvalidRunSpec
 from trainer.config import ConfigError, JobConfig, config_from_sections
 from trainfleet import memory_plan
 from trainfleet.adapters.run_store import RunExists
-from trainfleet.contracts import RunRecord, RunRef, RunSpec, node_access_problems, validation_message
+from trainfleet.contracts import (TRAINER_FIELDS, RunRecord, RunRef, RunSpec, TrainerConfig, node_access_problems,
+                                  validation_message)
 
 
 class ValidateInput(BaseModel):
@@ -33,8 +34,17 @@ def parse_run_spec(raw: Any, bucket: str) -> RunSpec:
     # The nodes may only touch what their role grants in the stack's own bucket.
     if problems := node_access_problems(spec, bucket):
         raise InvalidRunSpec("\n".join(problems))
-    check_memory(spec, check_trainer_config(spec))
-    return spec
+    config = check_trainer_config(spec)
+    check_memory(spec, config)
+    return resolved(spec, config)
+
+
+def resolved(spec: RunSpec, config: JobConfig) -> RunSpec:
+    """The RunSpec with its trainer section as the trainer will run it: every field the user left
+    out filled with the trainer's default. The recorded run then holds the whole model, so a
+    re-plan after a lost node can check the new layout's memory without the trainer's code."""
+    sections = {name: values for name, values in asdict(config).items() if name in TRAINER_FIELDS}
+    return spec.model_copy(update={"trainer": TrainerConfig.model_validate(sections)})
 
 
 def check_trainer_config(spec: RunSpec) -> JobConfig:

@@ -217,6 +217,16 @@ def test_validate_records_the_run_and_passes_on_a_reference_of_constant_size(han
         handlers.validate.handler({"run_spec": small, "execution_arn": "arn:other"}, Context())
 
 
+def test_validate_records_the_trainer_section_with_the_trainers_defaults(handlers, resources, cloud):
+    document = spec_document(resources["bucket"], "defaults-run")
+    assert "vocab_size" not in document["trainer"]["model"] and "tp" not in document["trainer"]["parallel"]
+    handlers.validate.handler({"run_spec": document, "execution_arn": "arn:defaults-run"}, Context())
+    trainer = RunStore(cloud.client("dynamodb"), resources["run_table"]).run("defaults-run").spec.trainer
+    model = trainer.model.model_dump()
+    assert model["vocab_size"] == 257 and trainer.parallel.tp == 1  # trainer/config.py's defaults
+    assert model["d_model"] == document["trainer"]["model"]["d_model"]  # what was given stays
+
+
 # --- Allocate -------------------------------------------------------------------------------
 
 ZONE, INSTANCE_TYPE = "us-east-1c", "c5.large"

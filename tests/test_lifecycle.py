@@ -154,6 +154,18 @@ def test_plan_keeps_tp_inside_each_node():
         ParallelPlan(nodes=2, ranks_per_node=8, pp=1, dp=4, tp=4)
 
 
+def test_a_shrink_takes_only_layouts_that_fit_in_gpu_memory():
+    # A 7B-parameter model on p4d (40 GiB): FSDP over 16 ranks fits, over 8 the shards and the
+    # larger microbatches do not, at any pp.
+    config = TrainerConfig.model_validate({
+        "model": {"n_layers": 32, "d_model": 4096, "n_heads": 32, "vocab_size": 32000, "seq_len": 4096},
+        "parallel": {"pp": 1, "dp": 16, "schedule": "1f1b", "microbatches": 64}, "training": {"batch_size": 1024}})
+    assert lc.plan_layout(config, 8, available_nodes=2, min_nodes=1, preferred_pp=1, memory_gib=40) == \
+        ParallelPlan(nodes=2, ranks_per_node=8, pp=1, dp=16)
+    assert lc.plan_layout(config, 8, available_nodes=1, min_nodes=1, preferred_pp=1) is not None  # memory unchecked
+    assert lc.plan_layout(config, 8, available_nodes=1, min_nodes=1, preferred_pp=1, memory_gib=40) is None
+
+
 def test_plan_moves_pp_when_dp_cannot_divide_the_batch():
     # 3 ranks: pp=1 x dp=3 cannot split a batch of 16; pp=3 x dp=1 can (1f1b: 4 microbatches >= 3 stages).
     assert lc.plan_layout(trainer(), 1, available_nodes=3, min_nodes=1, preferred_pp=2) == \

@@ -3,7 +3,7 @@
 Offers:
     classify:  is_stale(detail, attempt), classify_event(detail, attempt) -> FailureReport | None,
                classify_task_error(error, cause, waiting, not_ready_instance_ids) -> FailureReport
-    replan:    plan_layout(trainer_config, ranks_per_node, available_nodes, min_nodes, preferred_pp),
+    replan:    plan_layout(trainer_config, ranks_per_node, available_nodes, min_nodes, preferred_pp, memory_gib),
                initial_plan(spec, allocated_nodes)
     recovery:  decide_recovery(run, nodes, failure, jitter_draw) -> RecoveryDecision,
                apply_decision(run, failure, decision, now) -> RunRecord,
