@@ -42,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainer import checkpoint_catalog as catalog
 
-__all__ = ["Checkpointer", "CheckpointError", "resume_target", "save_reason", "storage_writer", "storage_reader"]
+__all__ = ["Checkpointer", "CheckpointError", "ComputeOrderedStager", "resume_target", "save_reason", "storage_writer", "storage_reader"]
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,33 @@ def save_reason(step: int, interval: int, *, requested: bool, final: bool) -> ca
     return None
 
 
+class ComputeOrderedStager(DefaultStager):
+    """DCP's stager, with the copy ordered after the work already queued on the compute stream.
+
+    On CUDA the copy to pinned memory runs on a side stream, which does not wait for the stream
+    the training loop queued the optimizer step on: without an order, it could read parameters
+    and Adam moments that the fused optimizer kernels are still writing. An event recorded on
+    the caller's stream when the save starts marks the end of that step; the staging thread
+    waits for it before it queues a copy, so the training loop itself never blocks on the GPU.
+    """
+
+    def __init__(self, options: StagingOptions, *, cuda: bool):
+        super().__init__(options)
+        self._cuda = cuda
+
+    def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> Any:
+        step_queued = None
+        if self._cuda:
+            step_queued = torch.cuda.Event()
+            step_queued.record()  # on the caller's current stream
+        return super().stage(state_dict, step_queued=step_queued, **kwargs)
+
+    def _stage(self, state_dict: dict[str, Any], step_queued: Any = None, **kwargs: Any) -> dict[str, Any]:
+        if step_queued is not None:
+            step_queued.synchronize()
+        return super()._stage(state_dict, **kwargs)
+
+
 class _SaveRequests:
     """'Checkpoint now' requests: a signal, or a flag file that the node agent touches."""
 
@@ -198,13 +225,15 @@ class Checkpointer:
         self._save_group = dist.new_group(backend="gloo", timeout=timeout) if self._distributed else None
         self._control_group = dist.new_group(backend="gloo", timeout=timeout) if self._distributed else None
         self._requests = _SaveRequests(request_file, request_signal)
-        self._stager = DefaultStager(
+        cuda = torch.cuda.is_available()
+        self._stager = ComputeOrderedStager(
             StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(),
+                use_pinned_memory=cuda,
                 use_shared_memory=False,
                 use_async_staging=True,
-                use_non_blocking_copy=torch.cuda.is_available(),
-            )
+                use_non_blocking_copy=cuda,
+            ),
+            cuda=cuda,
         )
         self._staging: Future | None = None
         self._staging_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)

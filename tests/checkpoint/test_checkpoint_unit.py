@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.staging import DefaultStager
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from checkpoint_fixtures import bucket, run_uri, s3  # noqa: F401 (fixtures)
 from trainer import checkpoint_catalog as catalog
-from trainer.checkpoint import CheckpointError, Checkpointer, manifest_files
+from trainer.checkpoint import CheckpointError, Checkpointer, manifest_files, ComputeOrderedStager
 from trainer.config import load_config
 from trainer.train import build, environment, train_step
 from trainer.train import train as trainer_train
@@ -212,3 +212,37 @@ def test_a_short_shard_is_never_committed():
 
     with pytest.raises(CheckpointError, match="file __0_0.distcp should hold 120 bytes, found 110 bytes"):
         manifest_files(metadata, stored, "s3://b/step-000000004")
+
+
+
+def test_on_cuda_the_copy_waits_for_the_work_queued_on_the_compute_stream(monkeypatch):
+    """torch.cuda.Event is stood in for (no GPU here): the stager must record an event on the
+    caller's stream when a save starts (after the optimizer step was queued), and the staging
+    thread must wait on it before it copies a tensor; otherwise the side stream could copy
+    parameters and Adam moments that the fused optimizer is still writing."""
+    calls = []
+
+    class Event:
+        def record(self, stream=None):
+            calls.append(("record", threading.current_thread() is threading.main_thread()))
+
+        def synchronize(self):
+            calls.append(("wait", threading.current_thread() is threading.main_thread()))
+
+    real_stage = DefaultStager._stage
+
+    def copy(self, state_dict, **kwargs):
+        calls.append(("copy", threading.current_thread() is threading.main_thread()))
+        return real_stage(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(DefaultStager, "_stage", copy)
+    stager = ComputeOrderedStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                 use_async_staging=True, use_non_blocking_copy=False), cuda=True)
+    weights = torch.arange(4.0)
+    staged = stager.stage({"w": weights}).result()
+    stager.close()
+
+    # Recorded by the training loop's thread, waited on by the staging thread, then copied.
+    assert calls == [("record", True), ("wait", False), ("copy", False)]
+    assert torch.equal(staged["w"], weights)
