@@ -70,10 +70,19 @@ def resume_target(resume: str) -> str | int:
     raise ValueError(f"checkpoint resume={resume!r}: expected 'none', 'latest' or a step number")
 
 
+S3_PART_BYTES = 64 * 2**20
+"""Multipart part size of the shard uploads. S3 takes at most 10,000 parts per upload and a rank
+streams its shard without knowing its length, so the part size bounds the largest shard: 64 MiB
+allows 671 GB (the connector's 8 MiB default: 84 GB, less than the 250 GB each of 8 ranks writes
+of a 178B model's 2 TB of state). It also cuts the requests of a 2 TB save from 262,144 PUTs to
+32,768, against S3's 3,500 PUT/s per prefix. Cost: the client buffers parts in flight in host
+memory (a few parts of 64 MiB per rank)."""
+
+
 def _s3_client_config() -> S3ClientConfig:
     # Path-style addressing is what S3-compatible endpoints (MinIO, moto) serve; virtual-hosted
     # style is AWS's default and needs DNS for every bucket.
-    return S3ClientConfig(force_path_style=bool(os.environ.get("AWS_ENDPOINT_URL")))
+    return S3ClientConfig(part_size=S3_PART_BYTES, force_path_style=bool(os.environ.get("AWS_ENDPOINT_URL")))
 
 
 def _region() -> str:

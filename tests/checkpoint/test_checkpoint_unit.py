@@ -262,6 +262,16 @@ def test_shards_go_under_the_shard_prefixes_and_the_metadata_beside_the_marker(c
         "shards-0/step-000000004/__0_0.distcp", "step-000000004/.metadata", "step-000000004/commit.json"]
 
 
+def test_s3_parts_are_large_enough_for_a_shard_of_a_2_tb_state_on_one_node():
+    """S3 takes at most 10,000 parts per multipart upload, and a rank streams its shard without
+    knowing its length, so the part size bounds the largest shard a rank can write."""
+    writer = storage_writer("s3://bucket/runs/r/checkpoints", "step-000000001")
+
+    part_size = writer.fs._client.s3client_config.part_size
+    assert part_size == checkpoint.S3_PART_BYTES
+    assert part_size * 10_000 >= 2e12 / 8  # a 178B model's 2 TB of state saved by the 8 GPUs of one node
+
+
 def test_s3_loads_fetch_byte_ranges_with_the_dcp_optimized_reader():
     from s3torchconnector.s3reader.constructor import DCPOptimizedConstructor
 
