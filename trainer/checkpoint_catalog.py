@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 __all__ = [
     "MARKER_NAME",
@@ -361,13 +362,10 @@ def _steps(folder_names: Iterable[str]) -> list[int]:
 def saved_steps(store: Store) -> list[int]:
     """Steps that have any file, committed or not, newest first.
 
-    One listing of the location and one of each shard prefix: a save that died before rank 0
-    wrote DCP's metadata left shards only.
+    One listing of the location and one of each shard prefix, at once: a save that died before
+    rank 0 wrote DCP's metadata left shards only.
     """
-    names = store.step_dirs()
-    for shards in _SHARD_FOLDERS:
-        names += store.step_dirs(shards)
-    return _steps(names)
+    return _steps(name for names in _each(store.step_dirs, ["", *_SHARD_FOLDERS]) for name in names)
 
 
 def is_committed(store: Store, step: int) -> bool:
@@ -383,17 +381,24 @@ def committed_steps(store: Store) -> list[int]:
 
 def step_files(store: Store, step: int) -> dict[str, StoredFile]:
     """Every file of a step, wherever the layout put it (one listing per folder of `step_folders`)."""
-    found: dict[str, StoredFile] = {}
-    for folder in step_folders(step):
-        found.update(store.files(folder))
-    return found
+    return _files_in(store, step_folders(step))
 
 
 def delete_step(store: Store, step: int) -> None:
     """Delete a step, its marker first so that it is never seen committed and half deleted."""
     store.delete(step_dir_name(step), MARKER_NAME)
-    for folder in step_folders(step):
-        store.delete_folder(folder)
+    list(_each(store.delete_folder, step_folders(step)))
+
+
+def _each(request: Callable[[str], Any], folders: list[str]) -> Iterable[Any]:
+    """`request` for every folder, concurrently: each is a round trip to the store, the 17
+    folders of a step would otherwise cost 17 in a row."""
+    with ThreadPoolExecutor(max_workers=max(1, len(folders))) as pool:
+        return list(pool.map(request, folders))
+
+
+def _files_in(store: Store, folders: Iterable[str]) -> dict[str, StoredFile]:
+    return {name: stored for files in _each(store.files, sorted(folders)) for name, stored in files.items()}
 
 
 def read_manifest(store: Store, step: int) -> Manifest:
@@ -415,9 +420,7 @@ def verified_manifest(store: Store, step: int) -> Manifest:
     Lists only the folders the manifest names files in (one per shard prefix the saving ranks used).
     """
     manifest = read_manifest(store, step)
-    present: dict[str, StoredFile] = {}
-    for folder in sorted({file.name.rpartition("/")[0] for file in manifest.files}):
-        present.update(store.files(folder))
+    present = _files_in(store, {file.name.rpartition("/")[0] for file in manifest.files})
     check_files(manifest, present, f"{store.uri}/{step_dir_name(step)}")
     return manifest
 
