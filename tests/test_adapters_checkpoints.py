@@ -27,7 +27,8 @@ def save(s3, uri: str, step: int, commit: bool = True, drop: str | None = None) 
         s3.put_object(Bucket=store.bucket, Key=f"{store.prefix}{name}", Body=data)
     files = tuple(step_files(store, step).values())
     if drop:
-        s3.delete_object(Bucket=store.bucket, Key=next(f"{store.prefix}{name}" for name in objects if name.endswith(drop)))
+        dropped = next(name for name in objects if name.endswith(drop))
+        s3.delete_object(Bucket=store.bucket, Key=f"{store.prefix}{dropped}")
     if commit:
         store.create(folder, MARKER_NAME, Manifest(step=step, layout={"pp": 2, "dp": 1}, files=files).to_json())
 

@@ -47,7 +47,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainer import checkpoint_catalog as catalog
 
-__all__ = ["Checkpointer", "CheckpointError", "ComputeOrderedStager", "resume_target", "save_reason", "storage_writer", "storage_reader"]
+__all__ = ["Checkpointer", "CheckpointError", "ComputeOrderedStager", "resume_target", "save_reason",
+           "storage_writer", "storage_reader"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ class _StepLayout:
 
 
 class _ShardPrefixes(S3PrefixStrategyBase):
+    """The connector's seam for where each rank's shard goes (it calls it with the rank)."""
+
     def __init__(self, step_dir: str):
         super().__init__()
         self.step_dir = step_dir
@@ -337,7 +340,8 @@ class Checkpointer:
             return None
         state_dict = state.state_dict()
         step_dir = catalog.step_dir_name(decision)
-        dcp.load(state_dict, storage_reader=storage_reader(self.store.uri, step_dir), process_group=self._save_group)
+        dcp.load(state_dict, storage_reader=storage_reader(self.store.uri, step_dir),
+                 process_group=self._save_group)
         state.load_state_dict(state_dict)
         self._last_saved_step = decision
         log.info("resumed from checkpoint %s", self.store.step_uri(step_dir))
