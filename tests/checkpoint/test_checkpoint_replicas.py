@@ -1,7 +1,9 @@
-"""Data-parallel replicas in a 2-rank gloo world: each replicated tensor is stored once, not per rank."""
+"""Two ranks on gloo: replicated tensors are stored once, not per rank; the checkpoint collectives' timeout."""
 
 import os
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -58,3 +60,26 @@ def test_replicated_tensors_are_written_once_across_data_parallel_ranks(tmp_path
     one_copy = 3 * PARAMETERS * 4
     shard_bytes = sum(f.size for f in manifest.files if f.name.endswith(".distcp"))
     assert one_copy <= shard_bytes < 1.1 * one_copy, f"{shard_bytes} bytes of shards for {one_copy} of state"
+
+
+def wait_for_a_peer_that_never_comes(rank: int, world: int, port: int, uri: str, elapsed_file: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=5))
+    checkpointer = Checkpointer(Settings(uri), request_signal=None, timeout=timedelta(seconds=3))
+    if rank == 1:
+        time.sleep(20)  # alive, but never joins the checkpoint's collectives
+        return
+    started = time.monotonic()
+    try:
+        checkpointer.maybe_save(1, Replica())
+    except Exception:
+        Path(elapsed_file).write_text(str(time.monotonic() - started))
+
+
+def test_the_checkpoint_collectives_wait_for_a_peer_as_long_as_their_own_timeout(tmp_path: Path):
+    """The Checkpointer's timeout, not the process group's (5 minutes here), bounds its waits."""
+    elapsed = tmp_path / "elapsed"
+    mp.start_processes(wait_for_a_peer_that_never_comes, nprocs=2, start_method="spawn",
+                       args=(2, free_port(), str(tmp_path / "checkpoints"), str(elapsed)))
+
+    assert 2.5 < float(elapsed.read_text()) < 15
