@@ -9,9 +9,11 @@ One process, fp32 on CPU: an MLP and its AdamW state (parameters x 3). Figures, 
 - async stall: the time the training loop is blocked by an async save (starting it, plus waiting
   for the CPU copy at the next optimizer step), as the Checkpointer measures it; and the step time
   of the step that saved next to a plain step;
-- save and load throughput, and the raw S3 PUT throughput of the same files to the same endpoint
-  (boto3 put_object, one thread per file, as DCP writes one file per rank).
-The last line is `async_stall_ratio=<stall / sync save time>`.
+- save and load throughput, and the raw S3 PUT and GET throughput of the same files at the same
+  endpoint in the same run (boto3, one thread per file, as DCP writes one file per rank; the GET
+  also in ranges of the connector's part size, one thread per range, as its client fetches).
+The last two lines are `async_stall_ratio=<stall / sync save time>` and
+`load_vs_raw_get=<load throughput / raw GET throughput>`.
 """
 
 import argparse
@@ -34,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer import checkpoint_catalog as catalog  # noqa: E402
-from trainer.checkpoint import Checkpointer  # noqa: E402
+from trainer.checkpoint import S3_PART_BYTES, Checkpointer  # noqa: E402
 
 WIDTH = 1024
 
@@ -84,16 +86,44 @@ def state_bytes(state: State) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def checkpoint_keys(uri: str, step: int) -> tuple[str, list[str]]:
+    """The bucket and the keys of a committed step's files (its marker aside)."""
+    store = catalog.open_store(uri)
+    return store.bucket, [store.prefix + stored.name for stored in catalog.verified_manifest(store, step).files]
+
+
 def raw_put_seconds(uri: str, step: int) -> float:
     """PUT the files of a saved step again, as plain objects, to the same endpoint."""
-    store = catalog.open_store(uri)
-    step_dir = catalog.step_dir_name(step)
-    bodies = {name: store.read(step_dir, name) for name in store.files(step_dir) if name != catalog.MARKER_NAME}
+    bucket, keys = checkpoint_keys(uri, step)
     s3 = boto3.client("s3")
+    bodies = {key: s3.get_object(Bucket=bucket, Key=key)["Body"].read() for key in keys}
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
-        list(pool.map(lambda item: s3.put_object(Bucket=store.bucket, Key=f"{store.prefix}raw-put/{item[0]}",
-                                                 Body=item[1]), bodies.items()))
+        list(pool.map(lambda item: s3.put_object(Bucket=bucket, Key=f"raw-put/{item[0]}", Body=item[1]),
+                      bodies.items()))
+    return time.perf_counter() - started
+
+
+def raw_get_seconds(uri: str, step: int, range_bytes: int | None = None) -> float:
+    """GET the files of a saved step into memory: what a load has to move at the least. Whole
+    objects, or in ranges of `range_bytes`, all at once (as the connector's client fetches parts)."""
+    bucket, keys = checkpoint_keys(uri, step)
+    s3 = boto3.client("s3")
+    requests = []
+    for key in keys:
+        size = s3.head_object(Bucket=bucket, Key=key)["ContentLength"]
+        step_bytes = range_bytes or max(size, 1)
+        requests += [(key, f"bytes={start}-{min(start + step_bytes, size) - 1}" if range_bytes else "")
+                     for start in range(0, max(size, 1), step_bytes)]
+
+    def get(request):
+        key, byte_range = request
+        extra = {"Range": byte_range} if byte_range else {}
+        return s3.get_object(Bucket=bucket, Key=key, **extra)["Body"].read()
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        list(pool.map(get, requests))
     return time.perf_counter() - started
 
 
@@ -182,12 +212,18 @@ def report(args, bucket: str) -> None:
     checkpointer.close()
     stall_s = median(stalls)
 
-    fresh = State(args.state_mib)
-    loader = Checkpointer(Settings(async_uri, resume="latest"), layout=layout, request_signal=None)
-    started = time.perf_counter()
-    loader.resume(fresh)
-    load_s = time.perf_counter() - started
-    loader.close()
+    # Loads and raw GETs of the same files alternate, so that both see the same load.
+    load_times, get_times, ranged_get_times = [], [], []
+    for _ in range(args.repeats):
+        fresh = State(args.state_mib)
+        loader = Checkpointer(Settings(async_uri, resume="latest"), layout=layout, request_signal=None)
+        started = time.perf_counter()
+        loaded_step = loader.resume(fresh)
+        load_times.append(time.perf_counter() - started)
+        loader.close()
+        get_times.append(raw_get_seconds(async_uri, loaded_step))
+        ranged_get_times.append(raw_get_seconds(async_uri, loaded_step, range_bytes=S3_PART_BYTES))
+    load_s, get_s, ranged_get_s = median(load_times), median(get_times), median(ranged_get_times)
     # The async copy is of the state at the save, not of what the next optimizer step made of it.
     assert all(torch.equal(a, b) for a, b in zip(fresh.model.parameters(), saved_params))
 
@@ -195,11 +231,15 @@ def report(args, bucket: str) -> None:
     print(f"raw S3 PUT of the same files: {put_s:.3f} s  ({mib / put_s:.0f} MiB/s)")
     print(f"save throughput / raw PUT throughput: {put_s / sync_s:.2f}")
     print(f"load (resume latest, verified): {load_s:.3f} s  ({mib / load_s:.0f} MiB/s)")
+    print(f"raw S3 GET of the same files: {get_s:.3f} s  ({mib / get_s:.0f} MiB/s)")
+    print(f"raw S3 GET of the same files in {S3_PART_BYTES >> 20} MiB ranges: {ranged_get_s:.3f} s  "
+          f"({mib / ranged_get_s:.0f} MiB/s)")
     print(f"async save until committed: {median(to_commit):.3f} s")
     print(f"async save, training loop blocked: {stall_s:.4f} s  (each: {', '.join(f'{s:.4f}' for s in stalls)})")
     print(f"step time: plain {median(plain_step_s):.3f} s, while an upload runs {median(overlapped_step_s):.3f} s "
           "(CPU shared with the upload and the server on this machine)")
     print(f"async_stall_ratio={stall_s / sync_s:.4f}")
+    print(f"load_vs_raw_get={get_s / load_s:.2f}")
 
 
 if __name__ == "__main__":

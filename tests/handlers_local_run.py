@@ -35,6 +35,7 @@ from localcloud.imds import serve_fleet  # noqa: E402
 from localcloud.node_boot import publish_artifacts  # noqa: E402
 from trainfleet.adapters.ec2_fleet import TAG_RUN  # noqa: E402
 from trainfleet.adapters.run_store import RunNotFound, RunStore  # noqa: E402
+from trainer.checkpoint_catalog import committed_steps, open_store  # noqa: E402
 
 AGENT = REPO / "tests" / "handlers_sim_agent.py"
 EXECUTION_TIMEOUT_S = 120
@@ -176,9 +177,8 @@ def scenarios(cloud, stack_name: str) -> None:
     run = store.run(run_name)
     report = json.loads(s3.get_object(Bucket=outputs["CheckpointBucketName"],
                                       Key=f"runs/{run_name}/report.json")["Body"].read())
-    committed = sorted(int(prefix["Prefix"].rstrip("/").rsplit("-", 1)[1]) for prefix in s3.list_objects_v2(
-        Bucket=outputs["CheckpointBucketName"], Prefix=f"runs/{run_name}/checkpoints/",
-        Delimiter="/").get("CommonPrefixes", []))
+    committed = sorted(committed_steps(open_store(f"s3://{outputs['CheckpointBucketName']}/runs/{run_name}/checkpoints",
+                                                  s3)))
     recovered = {
         "status": execution["status"],
         "states": states_entered(sfn, arn),

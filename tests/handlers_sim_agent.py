@@ -19,7 +19,7 @@ import time
 
 import boto3
 
-from trainer.checkpoint_catalog import MARKER_NAME, Manifest, StoredFile, open_store, step_dir_name
+from trainer.checkpoint_catalog import MARKER_NAME, Manifest, StoredFile, open_store, shard_folder, step_dir_name
 from trainfleet.adapters.run_store import NodeNotFound, RunStore
 from trainfleet.contracts import (CheckpointCommitted, LaunchSpec, NodeReady, NodeRegistered,
                                   TrainingCompleted, put_events_entry)
@@ -82,9 +82,10 @@ def commit_checkpoint(spec: LaunchSpec, step: int) -> None:
     uri = spec.trainer_config["checkpoint"]["uri"]
     checkpoint = open_store(uri, s3)
     shard = json.dumps({"step": step}).encode()
-    checkpoint.create(step_dir_name(step), "__0_0.distcp", shard)
+    shards = f"{shard_folder(0)}/{step_dir_name(step)}"
+    checkpoint.create(shards, "__0_0.distcp", shard)
     manifest = Manifest(step=step, layout={"pp": spec.plan.pp, "dp": spec.plan.dp},
-                        files=(StoredFile("__0_0.distcp", len(shard)),))
+                        files=(StoredFile(f"{shards}/__0_0.distcp", len(shard)),))
     checkpoint.create(step_dir_name(step), MARKER_NAME, manifest.to_json())
     send(CheckpointCommitted(run_name=RUN_NAME, attempt=spec.attempt, instance_id=INSTANCE_ID,
                              step=step, uri=f"{uri}/{step_dir_name(step)}"))

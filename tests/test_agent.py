@@ -199,9 +199,10 @@ def _alive(pid: int) -> bool:
 def commit(store, step: int, reason: catalog.SaveReason = catalog.SaveReason.INTERVAL) -> None:
     """A checkpoint in the trainer's commit format: a shard, then the marker."""
     shard = b"shard of step %d" % step
-    store.create(catalog.step_dir_name(step), "__0_0.distcp", shard)
+    shards = f"{catalog.shard_folder(0)}/{catalog.step_dir_name(step)}"
+    store.create(shards, "__0_0.distcp", shard)
     manifest = catalog.Manifest(step=step, layout={"pp": 2, "dp": 1},
-                                files=(catalog.StoredFile("__0_0.distcp", len(shard)),), reason=reason)
+                                files=(catalog.StoredFile(f"{shards}/__0_0.distcp", len(shard)),), reason=reason)
     store.create(catalog.step_dir_name(step), catalog.MARKER_NAME, manifest.to_json())
 
 

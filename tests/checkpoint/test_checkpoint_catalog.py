@@ -20,13 +20,18 @@ def store(request, tmp_path):
     return catalog.open_store(run_uri)
 
 
+def shard_dir(rank: int, step: int) -> str:
+    return f"{catalog.shard_folder(rank)}/{catalog.step_dir_name(step)}"
+
+
 def save_fake_checkpoint(store, step: int, shard: bytes = b"x" * 100, commit: bool = True) -> None:
-    """A step folder with two objects written the way DCP would, and optionally its marker."""
+    """Two ranks' shards and DCP's metadata where the trainer puts them, and optionally the marker."""
     step_dir = catalog.step_dir_name(step)
-    store.create(step_dir, "__0_0.distcp", shard)
+    for rank in (0, 1):
+        store.create(shard_dir(rank, step), f"__{rank}_0.distcp", shard)
     store.create(step_dir, ".metadata", b"meta")
     if commit:
-        files = tuple(store.files(step_dir).values())
+        files = tuple(catalog.step_files(store, step).values())
         store.create(step_dir, catalog.MARKER_NAME, Manifest(step=step, layout={"pp": 2}, files=files).to_json())
 
 
@@ -50,30 +55,40 @@ def test_latest_is_the_newest_committed_and_whole_checkpoint(store):
 
     assert latest.step == 200
     assert latest.layout == {"pp": 2}
-    assert {f.name for f in latest.files} == {"__0_0.distcp", ".metadata"}
+    assert {f.name for f in latest.files} == {
+        "shards-0/step-000000200/__0_0.distcp", "shards-1/step-000000200/__1_0.distcp", "step-000000200/.metadata"}
+
+
+def test_shards_of_every_save_go_under_the_same_sixteen_prefixes():
+    assert [catalog.shard_folder(rank) for rank in (0, 1, 15, 16, 17, 1023)] == [
+        "shards-0", "shards-1", "shards-f", "shards-0", "shards-1", "shards-f"]
+    assert catalog.step_folders(12)[:3] == ["step-000000012", "shards-0/step-000000012", "shards-1/step-000000012"]
+    assert len(catalog.step_folders(12)) == 17
 
 
 def test_a_truncated_shard_is_refused_by_name_and_discovery_falls_back(store, caplog):
     save_fake_checkpoint(store, 100)
-    step_dir = catalog.step_dir_name(200)
-    store.create(step_dir, "__0_0.distcp", b"x" * 60)
-    store.create(step_dir, ".metadata", b"meta")
-    files = (StoredFile("__0_0.distcp", 100), StoredFile(".metadata", 4))
-    store.create(step_dir, catalog.MARKER_NAME, Manifest(step=200, layout={}, files=files).to_json())
+    save_fake_checkpoint(store, 200, commit=False)
+    store.delete_folder(shard_dir(1, 200))
+    store.create(shard_dir(1, 200), "__1_0.distcp", b"x" * 60)
+    files = (StoredFile("shards-0/step-000000200/__0_0.distcp", 100),
+             StoredFile("shards-1/step-000000200/__1_0.distcp", 100), StoredFile("step-000000200/.metadata", 4))
+    store.create(catalog.step_dir_name(200), catalog.MARKER_NAME, Manifest(step=200, layout={}, files=files).to_json())
 
-    with pytest.raises(CheckpointInvalid, match=r"step-000000200: file __0_0.distcp has 60 bytes, manifest says 100"):
+    truncated = r"step-000000200: file shards-1/step-000000200/__1_0.distcp has 60 bytes, manifest says 100"
+    with pytest.raises(CheckpointInvalid, match=truncated):
         catalog.verified_manifest(store, 200)
     assert catalog.latest_committed(store).step == 100
-    assert "__0_0.distcp has 60 bytes" in caplog.text
+    assert "__1_0.distcp has 60 bytes" in caplog.text
 
 
 def test_a_missing_shard_is_refused_by_name(store):
     step_dir = catalog.step_dir_name(5)
     store.create(step_dir, ".metadata", b"meta")
-    files = (StoredFile("__1_0.distcp", 10), StoredFile(".metadata", 4))
+    files = (StoredFile("shards-1/step-000000005/__1_0.distcp", 10), StoredFile("step-000000005/.metadata", 4))
     store.create(step_dir, catalog.MARKER_NAME, Manifest(step=5, layout={}, files=files).to_json())
 
-    with pytest.raises(CheckpointInvalid, match="file __1_0.distcp is missing"):
+    with pytest.raises(CheckpointInvalid, match="file shards-1/step-000000005/__1_0.distcp is missing"):
         catalog.verified_manifest(store, 5)
     assert catalog.latest_committed(store) is None
 
@@ -102,9 +117,29 @@ def test_deleting_a_step_removes_the_marker_and_every_file(store):
     save_fake_checkpoint(store, 1)
     save_fake_checkpoint(store, 2)
 
-    store.delete_step(catalog.step_dir_name(1))
+    catalog.delete_step(store, 1)
 
     assert catalog.saved_steps(store) == [2]
+    assert catalog.step_files(store, 1) == {}
+    assert len(catalog.step_files(store, 2)) == 4
+
+
+def test_a_save_that_died_before_its_metadata_is_found_by_its_shards_alone(store):
+    save_fake_checkpoint(store, 10)
+    store.create(shard_dir(3, 12), "__3_0.distcp", b"x")  # rank 3 wrote, then the world died
+
+    assert catalog.saved_steps(store) == [12, 10]
+    assert catalog.committed_steps(store) == [10]
+    catalog.delete_step(store, 12)
+    assert catalog.saved_steps(store) == [10]
+
+
+def test_a_marker_of_the_earlier_layout_is_refused_by_its_version(store):
+    marker = json.loads(Manifest(step=4, layout={}, files=()).to_json())
+    store.create(catalog.step_dir_name(4), catalog.MARKER_NAME, json.dumps({**marker, "format_version": 1}).encode())
+
+    with pytest.raises(CheckpointInvalid, match="format_version 1 is not 2"):
+        catalog.verified_manifest(store, 4)
 
 
 @pytest.mark.parametrize(

@@ -127,7 +127,7 @@ def test_a_rank_killed_while_writing_leaves_no_checkpoint_and_nothing_hangs(tmp_
     wait_for(lambda: (log_dir / "writing").exists(), "rank 1 writing step 10", procs)
 
     store = catalog.open_store(uri)
-    shard = f"{store.prefix}{catalog.step_dir_name(10)}/__1_0.distcp"
+    shard = f"{store.prefix}{catalog.shard_folder(1)}/{catalog.step_dir_name(10)}/__1_0.distcp"
     uploads = s3.list_multipart_uploads(Bucket=bucket, Prefix=shard).get("Uploads", [])
     assert [upload["Key"] for upload in uploads] == [shard], "rank 1 should be in the middle of its shard"
 
@@ -182,7 +182,8 @@ def test_a_truncated_shard_is_refused_by_name_and_resume_falls_back(tmp_path, pr
     """
     uri = f"s3://{bucket}/runs/damaged/checkpoints"
     copy_checkpoints(s3, straight.uri, uri)
-    shard_key = f"runs/damaged/checkpoints/{catalog.step_dir_name(20)}/__1_0.distcp"
+    shard_name = f"{catalog.shard_folder(1)}/{catalog.step_dir_name(20)}/__1_0.distcp"
+    shard_key = f"runs/damaged/checkpoints/{shard_name}"
     body = s3.get_object(Bucket=bucket, Key=shard_key)["Body"].read()
     s3.put_object(Bucket=bucket, Key=shard_key, Body=body[: len(body) // 2])
 
@@ -190,7 +191,7 @@ def test_a_truncated_shard_is_refused_by_name_and_resume_falls_back(tmp_path, pr
     assert procs[0].wait(timeout=TIMEOUT_S) != 0
     refusal = (log_dir / "rank0.log").read_text()
     assert "cannot resume from step 20" in refusal
-    assert f"file __1_0.distcp has {len(body) // 2} bytes, manifest says {len(body)}" in refusal
+    assert f"file {shard_name} has {len(body) // 2} bytes, manifest says {len(body)}" in refusal
 
     procs, log_dir = train(tmp_path, processes, uri, "fallback.jsonl", resume="latest")
     run_to_end(procs, log_dir)
@@ -199,15 +200,21 @@ def test_a_truncated_shard_is_refused_by_name_and_resume_falls_back(tmp_path, pr
 
 
 def test_stock_dcp_reads_our_checkpoint(tmp_path, s3, straight):
-    """Plain DCP plus a marker: torch's own converter turns a downloaded step into a torch.save file."""
+    """Plain DCP plus a marker: torch's own converter turns a downloaded step into a torch.save file.
+
+    Downloaded as the manifest lists its files (paths relative to the location), with DCP's
+    metadata at the top, where the stock reader looks for it.
+    """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     store = catalog.open_store(straight.uri)
-    step_prefix = f"{store.prefix}{catalog.step_dir_name(20)}/"
     local = tmp_path / "step-20"
-    local.mkdir()
-    for obj in s3.list_objects_v2(Bucket=store.bucket, Prefix=step_prefix)["Contents"]:
-        s3.download_file(store.bucket, obj["Key"], str(local / obj["Key"][len(step_prefix):]))
+    for stored in catalog.verified_manifest(store, 20).files:
+        target = local / stored.name
+        if stored.name.endswith("/.metadata"):
+            target = local / ".metadata"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        s3.download_file(store.bucket, store.prefix + stored.name, str(target))
 
     dcp_to_torch_save(local, tmp_path / "step-20.pt")
     saved = torch.load(tmp_path / "step-20.pt", weights_only=False)

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.staging import DefaultStager
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from checkpoint_fixtures import bucket, run_uri, s3  # noqa: F401 (fixtures)
-from trainer import checkpoint_catalog as catalog
-from trainer.checkpoint import CheckpointError, Checkpointer, manifest_files
+from trainer import checkpoint, checkpoint_catalog as catalog
+from trainer.checkpoint import (CheckpointError, Checkpointer, ComputeOrderedStager, manifest_files, storage_reader,
+                                storage_writer)
 from trainer.config import load_config
 from trainer.train import build, environment, train_step
 from trainer.train import train as trainer_train
@@ -204,11 +205,76 @@ def test_the_optimizer_step_waits_for_the_copy_being_saved(config, run_uri, monk
 
 
 def test_a_short_shard_is_never_committed():
+    shard = "shards-0/step-000000004/__0_0.distcp"
     metadata = Metadata(state_dict_metadata={}, storage_data={
-        MetadataIndex("model.w"): _StorageInfo("__0_0.distcp", offset=0, length=100),
-        MetadataIndex("model.b"): _StorageInfo("__0_0.distcp", offset=100, length=20),
+        MetadataIndex("model.w"): _StorageInfo(shard, offset=0, length=100),
+        MetadataIndex("model.b"): _StorageInfo(shard, offset=100, length=20),
     })
-    stored = {".metadata": catalog.StoredFile(".metadata", 9), "__0_0.distcp": catalog.StoredFile("__0_0.distcp", 110)}
+    stored = {"step-000000004/.metadata": catalog.StoredFile("step-000000004/.metadata", 9),
+              shard: catalog.StoredFile(shard, 110)}
 
-    with pytest.raises(CheckpointError, match="file __0_0.distcp should hold 120 bytes, found 110 bytes"):
-        manifest_files(metadata, stored, "s3://b/step-000000004")
+    with pytest.raises(CheckpointError, match=f"file {shard} should hold 120 bytes, found 110 bytes"):
+        manifest_files(metadata, "step-000000004", stored, "s3://b/step-000000004")
+
+
+
+def test_on_cuda_the_copy_waits_for_the_work_queued_on_the_compute_stream(monkeypatch):
+    """torch.cuda.Event is stood in for (no GPU here): the stager must record an event on the
+    caller's stream when a save starts (after the optimizer step was queued), and the staging
+    thread must wait on it before it copies a tensor; otherwise the side stream could copy
+    parameters and Adam moments that the fused optimizer is still writing."""
+    calls = []
+
+    class Event:
+        def record(self, stream=None):
+            calls.append(("record", threading.current_thread() is threading.main_thread()))
+
+        def synchronize(self):
+            calls.append(("wait", threading.current_thread() is threading.main_thread()))
+
+    real_stage = DefaultStager._stage
+
+    def copy(self, state_dict, **kwargs):
+        calls.append(("copy", threading.current_thread() is threading.main_thread()))
+        return real_stage(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(DefaultStager, "_stage", copy)
+    stager = ComputeOrderedStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                 use_async_staging=True, use_non_blocking_copy=False), cuda=True)
+    weights = torch.arange(4.0)
+    staged = stager.stage({"w": weights}).result()
+    stager.close()
+
+    # Recorded by the training loop's thread, waited on by the staging thread, then copied.
+    assert calls == [("record", True), ("wait", False), ("copy", False)]
+    assert torch.equal(staged["w"], weights)
+
+
+def test_shards_go_under_the_shard_prefixes_and_the_metadata_beside_the_marker(config, run_uri, s3, bucket):
+    checkpointer = Checkpointer(settings(config, run_uri), request_signal=None)
+    run = new_run(config)
+    train(run, checkpointer, 4)
+    checkpointer.close()
+
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix="runs/test-run/checkpoints/")["Contents"]
+    assert sorted(obj["Key"].removeprefix("runs/test-run/checkpoints/") for obj in listed) == [
+        "shards-0/step-000000004/__0_0.distcp", "step-000000004/.metadata", "step-000000004/commit.json"]
+
+
+def test_s3_parts_are_large_enough_for_a_shard_of_a_2_tb_state_on_one_node():
+    """S3 takes at most 10,000 parts per multipart upload, and a rank streams its shard without
+    knowing its length, so the part size bounds the largest shard a rank can write."""
+    writer = storage_writer("s3://bucket/runs/r/checkpoints", "step-000000001")
+
+    part_size = writer.fs._client.s3client_config.part_size
+    assert part_size == checkpoint.S3_PART_BYTES
+    assert part_size * 10_000 >= 2e12 / 8  # a 178B model's 2 TB of state saved by the 8 GPUs of one node
+
+
+def test_s3_loads_fetch_byte_ranges_with_the_dcp_optimized_reader():
+    from s3torchconnector.s3reader.constructor import DCPOptimizedConstructor
+
+    reader = storage_reader("s3://bucket/runs/r/checkpoints", "step-000000001")
+
+    assert isinstance(reader._reader_constructor, DCPOptimizedConstructor)

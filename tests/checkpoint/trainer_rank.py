@@ -40,12 +40,12 @@ def hang_after(step: int, signals: Path) -> None:
 def block_write(step: int, rank: int, signals: Path) -> None:
     real_writer = checkpoint.storage_writer
 
-    def writer(step_uri: str):
-        inner = real_writer(step_uri)
-        if step_uri.endswith(f"step-{step:09d}") and int(os.environ["RANK"]) == rank:
+    def writer(location: str, step_dir: str):
+        inner = real_writer(location, step_dir)
+        if step_dir == f"step-{step:09d}" and int(os.environ["RANK"]) == rank:
             def write_data(plan, planner):
                 # Really start the shard: its first multipart parts go up, the object never completes.
-                shard = inner.fs.concat_path(inner.path, f"__{rank}_0.distcp")
+                shard = inner.fs.concat_path(inner.path, f"{plan.storage_data.prefix}0.distcp")
                 with inner.fs.create_stream(shard, "wb") as stream:
                     stream.write(bytes(20 * 2**20))
                     (signals / "writing").touch()
