@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.checkpoint import Checkpointer  # noqa: E402
+from trainer.checkpoint import Checkpointer, storage_reader  # noqa: E402
 from trainer.checkpoint_catalog import step_dir_name  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.train import build, distributed, train_step  # noqa: E402
@@ -95,7 +95,7 @@ def staged_checkpoint_matches(run, workdir: str) -> str | None:
     checkpointer.maybe_save(run.state.step, run.state)
     checkpointer.close()
     loaded = run.state.state_dict()
-    dcp.load(loaded, checkpoint_id=str(Path(cfg.uri) / step_dir_name(run.state.step)))
+    dcp.load(loaded, storage_reader=storage_reader(cfg.uri, step_dir_name(run.state.step)))
     for key, value in _flat(loaded):
         want = expected[key]
         if torch.is_tensor(value) and not torch.equal(_plain(value).cpu(), _plain(want).cpu()):
