@@ -24,7 +24,7 @@ def test_with_min_nodes_the_run_shrinks_onto_the_nodes_left_and_succeeds(outcome
                              "Outcome", "RunSucceeded"]
     assert run["run"]["failures"] == ["INSTANCE_LOST", "CAPACITY"]
     # 3 nodes run no layout of this trainer, so 2 at pp=2 x dp=1; the global batch stays.
-    assert run["run"]["plan"] == {"nodes": 2, "ranks_per_node": 1, "pp": 2, "dp": 1}
+    assert run["run"]["plan"] == {"nodes": 2, "ranks_per_node": 1, "pp": 2, "dp": 1, "tp": 1}
     launch = run["last_launch"]
     assert (launch["attempt"], launch["nodes"], launch["batch_size"]) == (2, 2, 4)
     assert (launch["parallel"]["pp"], launch["parallel"]["dp"]) == (2, 1)
