@@ -11,7 +11,7 @@ import sys
 import time
 import uuid
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import boto3
@@ -25,8 +25,9 @@ from trainer.agent import (AgentError, AgentSettings, Attempt, AttemptFiles, Con
 from trainer.progress import PROGRESS_FILE_ENV
 from trainfleet.adapters.liveness import read_liveness
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointReason, LaunchSpec, NodeRecord, RunRecord,
-                                  RunSpec, RunState, TrainerFailureKind, rendezvous_port)
+from trainfleet.contracts import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointReason, CheckpointRef, FailureClass,
+                                  FailureReport, LaunchSpec, NodeRecord, RunRecord, RunSpec, RunState,
+                                  TrainerFailureKind, rendezvous_port)
 from trainfleet.validate import load_template
 
 REPO = Path(__file__).resolve().parent.parent
@@ -295,6 +296,19 @@ def test_a_checkpoint_the_run_asks_for_is_requested_once_and_liveness_is_reporte
     assert not attempt.files.checkpoint_request.exists(), "one request, one checkpoint"
     (record,) = read_liveness(attempt.control.s3, attempt.control.settings.bucket, "run-a")
     assert (record.instance_id, record.attempt, record.step) == ("i-0aaa", 1, 12)
+
+
+def test_a_checkpoint_request_already_answered_starts_no_second_save(watched_attempt):
+    attempt, _, _ = watched_attempt
+    asked_at = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    committed = CheckpointRef(step=330, uri="s3://b/runs/run-a/checkpoints/step-000000330",
+                              committed_at=asked_at + timedelta(seconds=5))
+    # The leaving node's own notice was served before this look saw the run's request.
+    attempt.look(run_record(checkpoint_requested_at=asked_at, latest_checkpoint=committed))
+    assert not attempt.files.checkpoint_request.exists()
+    failed = FailureReport(failure_class=FailureClass.SPOT_INTERRUPTION, attempt=1, instance_ids=["i-0bbb"])
+    attempt.look(run_record(checkpoint_requested_at=asked_at + timedelta(seconds=1), attempt_failure=failed))
+    assert not attempt.files.checkpoint_request.exists(), "the attempt is over: no save to wait for"
 
 
 def test_an_event_with_a_message_field_is_logged_whole(capsys):

@@ -73,7 +73,7 @@ from trainfleet.contracts import (AgentEvent, CheckpointCommitted, CheckpointRea
                                   LaunchSpec, NodeLiveness, NodeReady, NodeRecord, NodeRegistered, NodeUnhealthy,
                                   RunRecord, RunState, TrainerFailed, TrainerFailureKind, TrainingCompleted,
                                   TrainingProgress, put_events_entry)
-from trainfleet.lifecycle import poll_interval
+from trainfleet.lifecycle import checkpoint_request_answered, poll_interval
 
 LOOK_S = 0.5
 """How often the agent looks at what is on the node: the trainer's files, the metadata service."""
@@ -564,7 +564,8 @@ class Attempt:
         requested = run.checkpoint_requested_at
         if requested is not None and requested != self.checkpoint_request_seen:
             self.checkpoint_request_seen = requested
-            self.request_checkpoint("the run asks for a checkpoint (a worker is leaving)")
+            if not checkpoint_request_answered(run, self.spec.attempt):
+                self.request_checkpoint("the run asks for a checkpoint (a worker is leaving)")
         # Commits that land after the trainer's last record (an asynchronous save). Only after the
         # first record: by then the trainer has deleted the folders of an abandoned timeline (steps
         # newer than its resume point), which must not be announced as this attempt's commits.

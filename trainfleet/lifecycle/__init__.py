@@ -13,7 +13,8 @@ Offers:
                settle_run_attempt(run, ended_at, completed), book_attempt(run, nodes, ended_at, completed),
                accrue_cost(ledger, node_count, usd_per_hour, seconds), over_cost_ceiling(spec, ledger)
     spot:      checkpoint_before_leaving(detail), waits_for_emergency_checkpoint(run, node),
-               departure_wait_over(run, nodes, now, ...) -> FailureReport | None, SPOT_NOTICE
+               departure_wait_over(run, nodes, now, ...) -> FailureReport | None, SPOT_NOTICE,
+               checkpoint_request_answered(run, attempt)
     launch:    new_node_records(spec, attempt, instance_ids, workers_wanted, zone, subnet_id),
                confirmed(node, attempt), ready_workers(nodes, attempt), unready_workers(nodes, attempt),
                world_complete(nodes, plan, attempt), assign_ranks(nodes, plan, attempt),
@@ -35,8 +36,8 @@ from trainfleet.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, bac
 from trainfleet.lifecycle.liveness import (blame_silent_workers, looks_per_second, needs_liveness_look,
                                            poll_interval, silent_after, silent_workers)
 from trainfleet.lifecycle.replan import initial_plan, plan_layout
-from trainfleet.lifecycle.spot import (SPOT_NOTICE, checkpoint_before_leaving, departure_wait_over,
-                                      waits_for_emergency_checkpoint)
+from trainfleet.lifecycle.spot import (SPOT_NOTICE, checkpoint_before_leaving, checkpoint_request_answered,
+                                      departure_wait_over, waits_for_emergency_checkpoint)
 
 __all__ = [
     "classify_event", "classify_task_error", "is_stale",
@@ -44,6 +45,7 @@ __all__ = [
     "decide_recovery", "apply_decision", "failure_streak", "backoff_seconds", "ANNOUNCED_BY_AWS",
     "settle_attempt", "settle_run_attempt", "book_attempt", "accrue_cost", "over_cost_ceiling",
     "checkpoint_before_leaving", "waits_for_emergency_checkpoint", "departure_wait_over", "SPOT_NOTICE",
+    "checkpoint_request_answered",
     "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "assign_ranks",
     "build_launch_spec",
     "poll_interval", "looks_per_second", "silent_after", "silent_workers", "blame_silent_workers",

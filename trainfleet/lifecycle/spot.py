@@ -45,6 +45,22 @@ def waits_for_emergency_checkpoint(run: RunRecord, node: NodeRecord) -> bool:
     return training and node.role is NodeRole.WORKER and not node.state.is_retired
 
 
+def checkpoint_request_answered(run: RunRecord, attempt: int) -> bool:
+    """Whether the run's request for a checkpoint needs no new save from an agent of `attempt`: a
+    checkpoint committed after the run asked, or the wait for it is over (the attempt failed).
+
+    One departure reaches a world along several paths - the leaving node's own notice, then the
+    run record at each agent's next look - and each would otherwise start another save. One
+    arriving after the requested checkpoint committed would train on and save again, so the next
+    attempt would resume from a later step than the one the failure recorded.
+    """
+    latest = run.latest_checkpoint
+    committed_since = (latest is not None and latest.committed_at is not None
+                       and run.checkpoint_requested_at is not None and latest.committed_at >= run.checkpoint_requested_at)
+    failed = run.attempt_failure is not None and run.attempt_failure.attempt == attempt
+    return committed_since or failed
+
+
 def departure_wait_over(run: RunRecord, nodes: list[NodeRecord], now: datetime, *,
                         committed: CheckpointCommitted | None = None,
                         leaving_instance_ids: frozenset[str] = frozenset()) -> FailureReport | None:
