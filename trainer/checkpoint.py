@@ -422,6 +422,10 @@ class Checkpointer:
             started = time.perf_counter()
             self._wait_in_flight()
             self.blocked_seconds += time.perf_counter() - started
+        if requested:
+            # A request that came while this checkpoint was being written (one departure reaches
+            # the ranks along several paths) is answered by it, not by another save a step later.
+            self._requests.honoured()
         return True
 
     def _start_upload(self, step_dir: str, state_dict: dict[str, Any]) -> Future:

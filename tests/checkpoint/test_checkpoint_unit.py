@@ -139,6 +139,28 @@ def test_the_request_file_asks_for_a_committed_checkpoint(config, run_uri, tmp_p
     checkpointer.close()
 
 
+def test_a_request_that_comes_while_the_requested_checkpoint_is_written_is_answered_by_it(config, run_uri, tmp_path,
+                                                                                         monkeypatch):
+    flag = tmp_path / "checkpoint-now"
+    checkpointer = Checkpointer(settings(config, run_uri, interval=100), request_file=flag, request_signal=None)
+    run = new_run(config)
+    train(run, checkpointer, 1)
+    flag.touch()
+    wait_in_flight = checkpointer._wait_in_flight
+
+    def another_path_asks_meanwhile():  # the run record reaches this node's agent during the save
+        os.utime(flag, ns=(time.time_ns() + 10**9,) * 2)
+        wait_in_flight()
+
+    monkeypatch.setattr(checkpointer, "_wait_in_flight", another_path_asks_meanwhile)
+    train_step(run)
+    assert checkpointer.maybe_save(2, run.state)
+    monkeypatch.undo()
+    train_step(run)
+    assert not checkpointer.maybe_save(3, run.state), "one departure, one checkpoint"
+    checkpointer.close()
+
+
 def test_sigusr1_asks_for_a_checkpoint_and_the_handler_is_restored(config, run_uri):
     before = signal.getsignal(signal.SIGUSR1)
     checkpointer = Checkpointer(settings(config, run_uri, interval=100))
