@@ -63,6 +63,9 @@ def handlers(cloud, resources, monkeypatch):
                         "TRAINFLEET_NODE_INSTANCE_PROFILE_ARN": resources["instance_profile_arn"],
                         "POWERTOOLS_TRACE_DISABLED": "true", "POWERTOOLS_METRICS_NAMESPACE": "Trainfleet"}.items():
         monkeypatch.setenv(name, value)
+    # A copy imported before these settings (by another test in this process) would keep its
+    # module-level clients and its Metrics without a namespace.
+    _forget_functions()
     import functions.allocate
     import functions.await_nodes
     import functions.events
@@ -71,6 +74,10 @@ def handlers(cloud, resources, monkeypatch):
     import functions.validate
 
     yield functions
+    _forget_functions()
+
+
+def _forget_functions() -> None:
     for module in [name for name in sys.modules if name == "functions" or name.startswith("functions.")]:
         del sys.modules[module]
 
