@@ -24,7 +24,6 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import boto3
@@ -37,17 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer import checkpoint_catalog as catalog  # noqa: E402
 from trainer.checkpoint import S3_PART_BYTES, Checkpointer  # noqa: E402
+from trainer.config import CheckpointConfig  # noqa: E402
 
 WIDTH = 1024
 
 
-@dataclass
-class Settings:
-    uri: str
-    interval: int = 1
-    keep_last: int = 2
-    resume: str = "none"
-    async_save: bool = True
+def settings(uri: str, **changes) -> CheckpointConfig:
+    return CheckpointConfig(uri=uri, interval=1, keep_last=2, **changes)
 
 
 class State:
@@ -181,7 +176,7 @@ def report(args, bucket: str) -> None:
 
     # Sync saves and raw PUTs of the same files alternate, so that both see the same load.
     sync_uri = f"s3://{bucket}/bench/sync/checkpoints"
-    sync = Checkpointer(Settings(sync_uri, async_save=False), layout=layout, request_signal=None)
+    sync = Checkpointer(settings(sync_uri, async_save=False), layout=layout, request_signal=None)
     sync_times, put_times = [], []
     for _ in range(args.repeats):
         train_step(state)
@@ -193,7 +188,7 @@ def report(args, bucket: str) -> None:
     sync_s, put_s = median(sync_times), median(put_times)
 
     async_uri = f"s3://{bucket}/bench/async/checkpoints"
-    checkpointer = Checkpointer(Settings(async_uri), layout=layout, request_signal=None)
+    checkpointer = Checkpointer(settings(async_uri), layout=layout, request_signal=None)
     stalls, to_commit, overlapped_step_s, plain_step_s = [], [], [], []
     for _ in range(args.repeats):
         train_step(state)
@@ -216,7 +211,7 @@ def report(args, bucket: str) -> None:
     load_times, get_times, ranged_get_times = [], [], []
     for _ in range(args.repeats):
         fresh = State(args.state_mib)
-        loader = Checkpointer(Settings(async_uri, resume="latest"), layout=layout, request_signal=None)
+        loader = Checkpointer(settings(async_uri, resume="latest"), layout=layout, request_signal=None)
         started = time.perf_counter()
         loaded_step = loader.resume(fresh)
         load_times.append(time.perf_counter() - started)

@@ -2,7 +2,6 @@
 
 import os
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -13,17 +12,13 @@ import torch.multiprocessing as mp
 from conftest import free_port
 from trainer import checkpoint_catalog as catalog
 from trainer.checkpoint import Checkpointer
+from trainer.config import CheckpointConfig
 
 PARAMETERS = 2**20  # 4 MiB of fp32 per tensor
 
 
-@dataclass
-class Settings:
-    uri: str
-    interval: int = 1
-    keep_last: int = 2
-    resume: str = "none"
-    async_save: bool = True
+def settings(uri: str) -> CheckpointConfig:
+    return CheckpointConfig(uri=uri, interval=1, keep_last=2)
 
 
 class Replica:
@@ -45,7 +40,7 @@ def save_as_replica(rank: int, world: int, port: int, uri: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        checkpointer = Checkpointer(Settings(uri), layout={"pp": 1, "dp": world}, request_signal=None)
+        checkpointer = Checkpointer(settings(uri), layout={"pp": 1, "dp": world}, request_signal=None)
         checkpointer.maybe_save(1, Replica())
         checkpointer.close()
     finally:
@@ -65,7 +60,7 @@ def test_replicated_tensors_are_written_once_across_data_parallel_ranks(tmp_path
 def wait_for_a_peer_that_never_comes(rank: int, world: int, port: int, uri: str, elapsed_file: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=5))
-    checkpointer = Checkpointer(Settings(uri), request_signal=None, timeout=timedelta(seconds=3))
+    checkpointer = Checkpointer(settings(uri), request_signal=None, timeout=timedelta(seconds=3))
     if rank == 1:
         time.sleep(20)  # alive, but never joins the checkpoint's collectives
         return
