@@ -371,24 +371,34 @@ class TrainerConfig(_Open):
 
 def layout_problem(config: TrainerConfig, pp: int, dp: int) -> str | None:
     """Why the trainer cannot run `config` at pp x dp, else None (the rules of JobConfig.validate)."""
-    par, model, batch = config.parallel, config.model, config.training.batch_size
-    per_rank = par.stages_per_rank or SCHEDULES[par.schedule].stages_per_rank
+    par, model = config.parallel, config.model
+    return pipeline_layout_problem(n_layers=model.n_layers, tie_embeddings=model.tie_embeddings,
+                                   batch_size=config.training.batch_size, pp=pp, dp=dp, schedule=par.schedule,
+                                   stages_per_rank=par.stages_per_rank, layers_per_stage=par.layers_per_stage,
+                                   microbatches=par.microbatches, dp_shard=par.dp_shard)
+
+
+def pipeline_layout_problem(*, n_layers: int, tie_embeddings: bool, batch_size: int, pp: int, dp: int, schedule: str,
+                            stages_per_rank: int, layers_per_stage: list[int] | tuple[int, ...], microbatches: int,
+                            dp_shard: int) -> str | None:
+    """layout_problem over plain values, for callers that try many layouts (the memory planner)."""
+    per_rank = stages_per_rank or SCHEDULES[schedule].stages_per_rank
     stages = pp * per_rank if pp > 1 else 1
-    if stages > model.n_layers:
-        return f"{stages} pipeline stages need at least as many layers, but model.n_layers={model.n_layers}"
-    if par.layers_per_stage and len(par.layers_per_stage) != stages:
-        return f"parallel.layers_per_stage lists {len(par.layers_per_stage)} stages, the layout has {stages}"
-    if batch % dp:
-        return f"training.batch_size={batch} must be divisible by parallel.dp={dp}"
-    if par.dp_shard and dp % par.dp_shard:
-        return f"parallel.dp_shard={par.dp_shard} must divide parallel.dp={dp}"
-    if (batch // dp) % par.microbatches:
-        return (f"parallel.microbatches={par.microbatches} must divide the per-replica batch "
-                f"(training.batch_size / parallel.dp = {batch // dp})")
-    if pp > 1 and model.tie_embeddings:
+    if stages > n_layers:
+        return f"{stages} pipeline stages need at least as many layers, but model.n_layers={n_layers}"
+    if layers_per_stage and len(layers_per_stage) != stages:
+        return f"parallel.layers_per_stage lists {len(layers_per_stage)} stages, the layout has {stages}"
+    if batch_size % dp:
+        return f"training.batch_size={batch_size} must be divisible by parallel.dp={dp}"
+    if dp_shard and dp % dp_shard:
+        return f"parallel.dp_shard={dp_shard} must divide parallel.dp={dp}"
+    if (batch_size // dp) % microbatches:
+        return (f"parallel.microbatches={microbatches} must divide the per-replica batch "
+                f"(training.batch_size / parallel.dp = {batch_size // dp})")
+    if pp > 1 and tie_embeddings:
         return "model.tie_embeddings=true needs parallel.pp=1"
     if pp > 1:
-        return schedule_problem(par.schedule, pp, par.stages_per_rank, par.microbatches)
+        return schedule_problem(schedule, pp, stages_per_rank, microbatches)
     return None
 
 

@@ -40,7 +40,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from trainfleet.contracts import SCHEDULES, Placement, schedule_problem
+from trainfleet.contracts import SCHEDULES, Placement, pipeline_layout_problem
 
 GIB = 1024 ** 3
 
@@ -414,22 +414,17 @@ def fullest_rank(w: Workload) -> RankMemory:
 
 
 def layout_problem(w: Workload, ranks_per_node: int) -> str | None:
-    """Why the trainer could not run this layout at all (before memory), else None."""
+    """Why the trainer could not run this layout at all (before memory), else None: tensor
+    parallel's own rules here, the pipeline's and the batch's those of trainfleet.contracts."""
     m, lay = w.shape, w.layout
     if lay.tp > ranks_per_node or ranks_per_node % lay.tp:
         return f"tp={lay.tp} must divide the {ranks_per_node} GPUs of a node (tensor parallel stays on NVLink)"
     if m.n_heads % lay.tp or m.vocab_size % lay.tp or m.seq_len % lay.tp:
         return f"tp={lay.tp} must divide n_heads={m.n_heads}, vocab_size={m.vocab_size} and seq_len={m.seq_len}"
-    if lay.n_stages > m.n_layers:
-        return f"{lay.n_stages} stages need at least as many layers, but n_layers={m.n_layers}"
-    if lay.batch_size % lay.dp or (lay.batch_size // lay.dp) % lay.microbatches:
-        return (f"batch_size={lay.batch_size} must split into dp={lay.dp} replicas of "
-                f"microbatches={lay.microbatches} whole microbatches")
-    if lay.dp % lay.resolved_dp_shard:
-        return f"dp_shard={lay.dp_shard} must divide dp={lay.dp}"
-    if lay.pp > 1:
-        return schedule_problem(lay.schedule, lay.pp, lay.stages_per_rank, lay.microbatches)
-    return None
+    return pipeline_layout_problem(n_layers=m.n_layers, tie_embeddings=m.tie_embeddings, batch_size=lay.batch_size,
+                                   pp=lay.pp, dp=lay.dp, schedule=lay.schedule, stages_per_rank=lay.stages_per_rank,
+                                   layers_per_stage=lay.layers_per_stage, microbatches=lay.microbatches,
+                                   dp_shard=lay.dp_shard)
 
 
 def fits(w: Workload, accelerator_memory_gib: float) -> bool:
