@@ -28,7 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from trainer.config import JobConfig
 from trainer.model import GPT, initial_values
 
-__all__ = ["tensor_parallel", "materialize", "parallelize", "uses_fsdp", "loss_context"]
+__all__ = ["tensor_parallel", "materialize", "parallelize", "loss_context"]
 
 
 def tensor_parallel(part: GPT, tp_mesh: DeviceMesh) -> None:
@@ -90,7 +90,7 @@ def materialize(part: nn.Module, device: torch.device, seed: int, n_layers: int)
                 param.copy_(full)
 
 
-def uses_fsdp(cfg: JobConfig, device: torch.device) -> bool:
+def _uses_fsdp(cfg: JobConfig, device: torch.device) -> bool:
     """FSDP2 wraps each part when there are data-parallel ranks to shard or reduce over, and on
     CUDA, where its mixed precision policy gives bf16 compute."""
     return cfg.parallel.dp > 1 or device.type == "cuda"
@@ -105,7 +105,7 @@ def parallelize(part: GPT, cfg: JobConfig, mesh: DeviceMesh | None, device: torc
         if cfg.training.compile:
             block = torch.compile(block, fullgraph=True)
         part.layers[name] = block
-    if mesh is not None and uses_fsdp(cfg, device):
+    if mesh is not None and _uses_fsdp(cfg, device):
         _fully_shard(part, cfg, mesh, device)
 
 
