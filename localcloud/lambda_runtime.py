@@ -150,13 +150,32 @@ class _ThreadEnviron(os._Environ):  # type: ignore[name-defined,misc]
         return dict(self)
 
 
+_thread_start = threading.Thread.start
+_thread_bootstrap_inner = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+
+def _start_in_sandbox(self: threading.Thread) -> None:
+    # A Lambda sandbox is a process: every thread a handler starts (a thread pool, say) sees the
+    # function's environment and writes to its log, as the handler's own thread does.
+    self._sandbox = (_ThreadEnviron._overlay(), getattr(_handler_thread, "output", None))  # type: ignore[attr-defined]
+    _thread_start(self)
+
+
+def _bootstrap_in_sandbox(self: threading.Thread) -> None:
+    _handler_thread.variables, _handler_thread.output = getattr(self, "_sandbox", (None, None))
+    _thread_bootstrap_inner(self)
+
+
 def install_thread_environ() -> _ThreadEnviron:
-    """Give os.environ its per-thread view, once per process.
+    """Give os.environ its per-thread view, once per process; threads started by a handler
+    thread share its view.
 
     The object itself changes class rather than being replaced: botocore and others keep a
     reference to os.environ taken when their session was created."""
     if not isinstance(os.environ, _ThreadEnviron):
         os.environ.__class__ = _ThreadEnviron
+        threading.Thread.start = _start_in_sandbox  # type: ignore[method-assign]
+        threading.Thread._bootstrap_inner = _bootstrap_in_sandbox  # type: ignore[attr-defined]
         botocore.credentials.EnvProvider.load = _load_env_credentials
         # boto3's default session keeps the credentials it resolved first: one the harness used
         # before any function ran holds static keys, which a handler's boto3.client() would get.

@@ -6,6 +6,7 @@ so a test sees both the event and that the function's own environment reached it
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import boto3
 
@@ -25,6 +26,12 @@ def echo(event, context):
              "remaining_ms": context.get_remaining_time_in_millis(),
              "color": os.environ.get("COLOR")})
     return event
+
+
+def echo_from_a_thread_pool(event, context):
+    """What a thread the handler starts sees of the function's environment."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda name: os.environ.get(name), event["variables"]))
 
 
 def double(event, context):

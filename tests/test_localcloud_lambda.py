@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,20 @@ def test_concurrent_functions_see_only_their_own_variables(local_cloud, tmp_path
                       list(functions.items()) * 2))
     for color in functions:
         assert [entry["color"] for entry in records(tmp_path / f"{color}.jsonl")] == [color, color]
+
+
+def test_threads_a_handler_starts_see_its_functions_environment(local_cloud, tmp_path, monkeypatch):
+    """A Lambda sandbox is one process: a thread pool in a handler sees the function's variables
+    (its role's credentials among them), never the harness's."""
+    monkeypatch.delenv("COLOR", raising=False)
+    arn = deploy_function(local_cloud, "echo_from_a_thread_pool", COLOR="amber")
+
+    error, payload = invoke(local_cloud, arn, {"variables": ["COLOR", "AWS_ACCESS_KEY_ID"]})
+
+    assert error is None
+    color, access_key = payload
+    assert color == "amber"
+    assert access_key and access_key != os.environ.get("AWS_ACCESS_KEY_ID")
 
 
 def test_exception_becomes_error_payload_named_by_its_class(local_cloud, tmp_path):
