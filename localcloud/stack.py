@@ -1,0 +1,271 @@
+"""template.yaml deployed on the local cloud, with real node agents: where local training runs run.
+
+    with local_stack(narrate) as stack:            # LocalCloud + instance metadata + deploy
+        run = stack.start_run(template)            # a Step Functions execution of the RunSpec
+        stack.watch(run).until(stack.ended(run), timeout_s)
+        outcome = stack.outcome(run)               # what happened, as plain data
+
+One stack serves any number of runs, one after another or side by side (each run's instances,
+agents' folders and records are found by its name): the demo runs one, the chaos suite and the
+recovery bench many. Instances boot as real node agents (`python -m trainer.agent`, from this
+tree) with the environment the user data gives them on EC2.
+
+It must run in a process that has not imported `functions` (the local cloud imports the
+deployed copy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainfleet.adapters.ec2_fleet import TAG_RUN
+from trainfleet.adapters.run_store import RunNotFound, RunStore
+
+REPO = Path(__file__).resolve().parent.parent
+
+__all__ = ["LocalStack", "LocalRun", "Watch", "local_stack", "agent_lines", "attempt_losses", "states_entered"]
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    """One execution of the deployed state machine."""
+
+    run_name: str
+    arn: str
+    spec: dict[str, Any]
+    """The RunSpec as started (names, bucket and network filled in)."""
+
+
+def states_entered(sfn: Any, execution_arn: str) -> list[str]:
+    history = sfn.get_execution_history(executionArn=execution_arn, maxResults=1000)["events"]
+    return [event["stateEnteredEventDetails"]["name"] for event in history if "stateEnteredEventDetails" in event]
+
+
+def agent_lines(instance: Any) -> list[dict[str, Any]]:
+    """What an instance's agent said (its JSON lines in the console; a killed agent's last line
+    may be cut short)."""
+    log = instance.console_log
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return [json.loads(line) for line in lines if line.startswith('{"agent"') and line.endswith("}")]
+
+
+def attempt_losses(instances: list[Any]) -> dict[int, dict[int, float]]:
+    """attempt -> step -> loss, from the metrics file of the node that held global rank 0."""
+    losses: dict[int, dict[int, float]] = {}
+    for instance in instances:
+        for metrics in sorted(instance.workdir.glob("attempt-*/metrics.jsonl")):
+            attempt = int(metrics.parent.name.split("-")[1])
+            text = metrics.read_text()
+            for line in text[:text.rfind("\n") + 1].splitlines():  # a killed trainer's last line may be cut
+                record = json.loads(line)
+                if "loss" in record:  # not the `finished` record of a trainer resumed at its last step
+                    losses.setdefault(attempt, {})[record["step"]] = record["loss"]
+    return losses
+
+
+def _network(ec2: Any) -> tuple[str, str]:
+    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.1.0/24", AvailabilityZone="us-east-1a")
+    group = ec2.create_security_group(GroupName=f"efa-{uuid.uuid4().hex[:6]}", Description="run", VpcId=vpc)
+    return subnet["Subnet"]["SubnetId"], group["GroupId"]
+
+
+def local_run_spec(template: dict[str, Any], run_name: str, bucket: str, subnet: str, group: str) -> dict[str, Any]:
+    """The template RunSpec made concrete for one local stack: names, bucket, network."""
+    spec = json.loads(json.dumps(template))
+    spec["run_name"] = run_name
+    spec["capacity"] |= {"subnet_ids": [subnet], "security_group_ids": [group]}
+    spec["checkpoint"]["s3_uri"] = f"s3://{bucket}/runs/{run_name}/checkpoints"
+    return spec
+
+
+@dataclass
+class LocalStack:
+    """A deployed stack on a running local cloud."""
+
+    cloud: Any
+    outputs: dict[str, str]
+    narrate: Callable[[str], None]
+    network: tuple[str, str] = ("", "")
+    clients: dict[str, Any] = field(default_factory=dict)
+
+    def client(self, service: str) -> Any:
+        if service not in self.clients:
+            self.clients[service] = self.cloud.client(service)
+        return self.clients[service]
+
+    @property
+    def bucket(self) -> str:
+        return self.outputs["CheckpointBucketName"]
+
+    @property
+    def store(self) -> RunStore:
+        return RunStore(self.client("dynamodb"), self.outputs["RunTableName"])
+
+    def start_run(self, template: dict[str, Any]) -> LocalRun:
+        run_name = f"{template['run_name']}-{uuid.uuid4().hex[:4]}"
+        spec = local_run_spec(template, run_name, self.bucket, *self.network)
+        arn = self.client("stepfunctions").start_execution(
+            stateMachineArn=self.outputs["StateMachineArn"], name=run_name, input=json.dumps(spec))["executionArn"]
+        self.narrate(f"started execution {run_name}: {spec['node_count']} x {spec['instance_type']}, "
+                     f"pp={spec['trainer']['parallel']['pp']}, {spec['trainer']['training']['steps']} steps, "
+                     f"checkpoint every {spec['checkpoint']['interval_steps']} to s3://{self.bucket}/runs/{run_name}/")
+        return LocalRun(run_name, arn, spec)
+
+    def status(self, run: LocalRun) -> str:
+        return self.client("stepfunctions").describe_execution(executionArn=run.arn)["status"]
+
+    def ended(self, run: LocalRun) -> Callable[[], bool]:
+        return lambda: self.status(run) != "RUNNING"
+
+    def instances(self, run: LocalRun) -> list[Any]:
+        """The run's local instances, in launch order."""
+        return [instance for instance in self.cloud.fleet.instances() if instance.tags.get(TAG_RUN) == run.run_name]
+
+    def watch(self, run: LocalRun) -> Watch:
+        return Watch(self, run)
+
+    def outcome(self, run: LocalRun) -> dict[str, Any]:
+        """What happened to `run`, as plain data."""
+        sfn, s3, ec2, store = self.client("stepfunctions"), self.client("s3"), self.client("ec2"), self.store
+        execution = sfn.describe_execution(executionArn=run.arn)
+        record = store.run(run.run_name)
+        report = json.loads(s3.get_object(Bucket=self.bucket, Key=f"runs/{run.run_name}/report.json")["Body"].read())
+        reservations = ec2.describe_instances(Filters=[{"Name": f"tag:{TAG_RUN}", "Values": [run.run_name]}])
+        instances = self.instances(run)
+        said = {instance.instance_id: agent_lines(instance) for instance in instances}
+        return {
+            "run_name": run.run_name,
+            "arn": run.arn,
+            "status": execution["status"],
+            "error": execution.get("error"),
+            "cause": execution.get("cause"),
+            "states": states_entered(sfn, run.arn),
+            "nodes": {node.instance_id: {"state": node.state.value, "attempt": node.attempt,
+                                         "rank": node.node_rank, "failure": node.failure_class}
+                      for node in store.nodes(run.run_name)},
+            "instances": {instance["InstanceId"]: instance["State"]["Name"]
+                          for reservation in reservations["Reservations"] for instance in reservation["Instances"]},
+            "launches": {instance_id: [line for line in lines if line["agent"] == "starting torchrun"]
+                         for instance_id, lines in said.items()},
+            "commits": sorted({(line["attempt"], line["step"]) for lines in said.values() for line in lines
+                               if line["agent"] == "sent CheckpointCommitted"}),
+            "trainer_failures": [line for lines in said.values() for line in lines
+                                 if line["agent"] == "sent TrainerFailed"],
+            "spot_notices": {instance_id: [line for line in lines if line["agent"].startswith("spot interruption notice")]
+                             for instance_id, lines in said.items()},
+            "preflight": {instance_id: [line for line in lines if line["agent"] in ("sent NodeReady", "sent NodeUnhealthy")]
+                          for instance_id, lines in said.items()},
+            "losses": attempt_losses(instances),
+            "run": {"state": record.state.value, "attempt": record.attempt, "restarts": record.restarts,
+                    "latest_checkpoint": record.latest_checkpoint.step if record.latest_checkpoint else None},
+            "report": report,
+        }
+
+    def dump_consoles(self, run: LocalRun) -> None:
+        """What a failed run leaves to read: the end of its instances' consoles and trainer output."""
+        for instance in self.instances(run):
+            print(f"--- {instance.instance_id} ({instance.state}) console:", file=sys.stderr)
+            log = instance.console_log
+            print(log.read_text(errors="replace")[-3000:] if log.exists() else "(none)", file=sys.stderr)
+            for output in sorted(instance.workdir.glob("attempt-*/torchrun.log")):
+                print(f"--- {output.relative_to(instance.workdir)}:\n{output.read_text(errors='replace')[-3000:]}",
+                      file=sys.stderr)
+
+
+@contextmanager
+def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, workdir: Path | None = None,
+                spot_notice_seconds: float = 120.0, agent_lifetime_s: float = 600.0) -> Iterator[LocalStack]:
+    """A LocalCloud and its instance metadata service, template.yaml deployed into it, the
+    agents' artifacts published and instances booting as node agents. `workdir` keeps the
+    instances' folders (None: a temporary folder); `spot_notice_seconds` is nominal, like every
+    local cloud time: scaled by `time_scale`; an agent exits after `agent_lifetime_s` at most."""
+    # The SAM roles attach AWS managed policies; moto knows them only when asked before it loads.
+    os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"
+    from localcloud import LocalCloud
+    from localcloud.deploy import DeployRequest, deploy
+    from localcloud.imds import serve_fleet
+    from localcloud.node_boot import publish_artifacts
+
+    with LocalCloud(time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds) as cloud:
+        metadata = serve_fleet(cloud)
+        try:
+            narrate(f"local cloud up at {cloud.endpoint}; instance metadata at 127.0.0.1:{metadata.port}")
+            deployed = deploy(DeployRequest(template=REPO / "template.yaml", endpoint=cloud.endpoint,
+                                            stack_name=f"tf-{uuid.uuid4().hex[:8]}"))
+            outputs = deployed.outputs
+            narrate(f"deployed template.yaml as stack {deployed.stack_name}: state machine, "
+                    f"{len(deployed.resources)} resources")
+            stack = LocalStack(cloud, outputs, narrate)
+            publish_artifacts(stack.client("s3"), stack.bucket)
+
+            def agent_environment(instance: Any) -> dict[str, str]:
+                return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                        "TRAINFLEET_RUN_NAME": instance.tags[TAG_RUN], "TRAINFLEET_RUN_TABLE": outputs["RunTableName"],
+                        "TRAINFLEET_BUCKET": stack.bucket, "TRAINFLEET_EVENT_BUS": outputs["AgentEventBusName"],
+                        "TRAINFLEET_AGENT_LIFETIME_S": str(int(agent_lifetime_s))}
+
+            # What the user data does on EC2: copy the wheelhouse with the instance's role, then
+            # start the agent (no pip here: it runs from this tree).
+            cloud.fleet.boot = lambda instance: [sys.executable, "-m", "localcloud.node_boot",
+                                                 sys.executable, "-m", "trainer.agent"]
+            cloud.fleet.env_hooks.append(agent_environment)
+            stack.network = _network(stack.client("ec2"))
+            yield stack
+        finally:
+            metadata.stop()
+
+
+class Watch:
+    """Polls a run's execution, record and instances; narrates what changed."""
+
+    def __init__(self, stack: LocalStack, run: LocalRun):
+        self.stack, self.run = stack, run
+        self.states_seen = 0
+        self.instance_states: dict[str, str] = {}
+        self.checkpoints_seen: set[int] = set()
+
+    def first_checkpoint(self) -> int | None:
+        """The first attempt's latest checkpoint the control plane recorded, while it trains."""
+        try:
+            record = self.stack.store.run(self.run.run_name)
+        except RunNotFound:
+            return None
+        return record.latest_checkpoint.step if record.latest_checkpoint and record.attempt == 0 else None
+
+    def until(self, done: Callable[[], bool], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.look()
+            if done():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.run.run_name} did not get there within {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+    def look(self) -> None:
+        narrate = self.stack.narrate
+        states = states_entered(self.stack.client("stepfunctions"), self.run.arn)
+        for state in states[self.states_seen:]:
+            narrate(f"state {state}")
+        self.states_seen = len(states)
+        for instance in self.stack.instances(self.run):
+            if self.instance_states.get(instance.instance_id) != instance.state:
+                self.instance_states[instance.instance_id] = instance.state
+                narrate(f"instance {instance.instance_id} ({instance.private_ip}) {instance.state}")
+        try:
+            record = self.stack.store.run(self.run.run_name)
+        except RunNotFound:
+            return
+        if record.latest_checkpoint and record.latest_checkpoint.step not in self.checkpoints_seen:
+            self.checkpoints_seen.add(record.latest_checkpoint.step)
+            narrate(f"checkpoint step {record.latest_checkpoint.step} recorded by the control plane")
