@@ -207,8 +207,8 @@ class Run:
     def _record(self, record: dict) -> None:
         path = Path(self.config.training.metrics_file)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as out:
-            out.write(json.dumps(record) + "\n")
+        with path.open("a") as out:  # stamped with the wall clock: when a step ended, across nodes
+            out.write(json.dumps(record | {"time": time.time()}) + "\n")
 
 
 def build(cfg: JobConfig, env: DistributedEnv) -> Run:
