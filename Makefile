@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test demo clean sam-tools validate
+.PHONY: install test chaos demo clean sam-tools validate
 
 install: $(VENV)/.installed
 
@@ -15,6 +15,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: install sam-tools
 	$(PY) -m pytest
+
+# Every fault at every phase of a real local run (tests/chaos, localcloud/chaos.py).
+chaos: install sam-tools
+	$(PY) -m pytest tests/chaos -m chaos
 
 demo: install
 	$(PY) -m trainfleet.cli demo

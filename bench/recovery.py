@@ -1,0 +1,196 @@
+"""Recovery, measured: how fast a fault is known, acted on and trained past, on the local cloud.
+
+    .venv/bin/python bench/recovery.py                      # kill, freeze, hang, spot, crash; 3 runs each
+    .venv/bin/python bench/recovery.py --faults kill,crash --repetitions 5
+
+Each run is a chaos cell at the training phase (localcloud.chaos: two nodes, pp=2, real agents
+and trainer, the fault on node rank 1 once the first checkpoint is committed). From the
+execution history, the run's records and the trainers' metrics (each step stamped with the wall
+clock) it takes, per run:
+
+  detection_s       fault -> the control plane knows: the Train task fails (a crash, a lost
+                    node, a hang's heartbeat timeout), or for a Spot notice, the departure is on
+                    the node's record
+  notice_wait_s     Spot only: the departure known -> the requested checkpoint committed and the
+                    attempt failed (the trainer keeps training meanwhile)
+  control_plane_s   knows -> replacement requested (Recover done) plus all nodes ready -> the
+                    new attempt's launch spec written (Train's Lambda done); instance boot and
+                    checkpoint load are excluded and printed apart:
+  boot_s            Recover done -> every node of the new attempt ready (boot, preflight)
+  resume_s          launch spec written -> the first step of the new attempt (torchrun,
+                    rendezvous, checkpoint load, one step)
+  first_step_s      fault -> the first step after the resume, the node replaced
+  steps_lost        steps trained before the fault and trained again after the resume
+
+and an AWS estimate of control_plane_s: the Lambda invocations, state transitions, EventBridge
+deliveries and EC2 calls counted in the control-plane windows, times AWS's published latencies
+(the constants below), as if each were on the critical path. Medians over the repetitions; the
+last line is `control_plane_recovery_s=<median over fault kinds, local>`.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from localcloud.chaos import (SPOT_NOTICE_S, Cell, Fault, Phase, cell_template, chaos_template,  # noqa: E402
+                              reference_losses, run_cell)
+from localcloud.demo import DEMO_RUN_SPEC  # noqa: E402
+from localcloud.stack import LocalRun, LocalStack, local_stack  # noqa: E402
+
+FAULTS = {"kill": Fault.KILL, "freeze": Fault.FREEZE, "hang": Fault.HANG, "spot": Fault.SPOT, "crash": Fault.CRASH}
+
+# AWS's latencies per call, for the estimate (each as if on the critical path).
+LAMBDA_INVOKE_S = 0.05
+"""A warm Lambda invocation's overhead beyond the handler (tens of ms)."""
+LAMBDA_HANDLER_S = 0.2
+"""A control-plane handler's own time on AWS: a few DynamoDB/S3 round trips of ~10-20 ms."""
+STATE_TRANSITION_S = 0.05
+"""A Standard workflow's state transition (tens of ms)."""
+EVENTBRIDGE_DELIVERY_S = 0.5
+"""EventBridge's typical latency from PutEvents (or an AWS service's event) to the target: about
+half a second, as AWS documents it."""
+EC2_CALL_S = 0.3
+"""An EC2 API call (CreateFleet of type instant, TerminateInstances, Describe*)."""
+
+COUNTED = {"lambda_invocations": LAMBDA_INVOKE_S + LAMBDA_HANDLER_S, "state_transitions": STATE_TRANSITION_S,
+           "eventbridge_deliveries": EVENTBRIDGE_DELIVERY_S, "ec2_calls": EC2_CALL_S}
+
+
+class CallLog:
+    """Samples the local cloud's call counters ten times a second, so that the calls between any
+    two moments of the run can be told afterwards."""
+
+    def __init__(self, stack: LocalStack):
+        self.stack = stack
+        self.samples: list[tuple[float, Counter]] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def counts(self) -> Counter:
+        cloud = self.stack.cloud
+        counts = Counter({"lambda_invocations": sum(cloud.lambda_invocations.values()),
+                          "eventbridge_deliveries": sum(cloud.event_deliveries.values())})
+        counts["ec2_calls"] = sum(n for (service, _), n in cloud.requests.items() if service == "ec2")
+        return counts
+
+    def _sample(self) -> None:
+        while not self.stopped.wait(0.1):
+            self.samples.append((time.time(), self.counts()))
+
+    def between(self, start: float, end: float) -> Counter:
+        before = next((c for t, c in reversed(self.samples) if t <= start), Counter())
+        after = next((c for t, c in self.samples if t >= end), self.samples[-1][1] if self.samples else Counter())
+        return after - before
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
+def _history(stack: LocalStack, run: LocalRun) -> list[tuple[float, str, str]]:
+    """(time, event type, the state it belongs to) for every event of the execution."""
+    events = stack.client("stepfunctions").get_execution_history(executionArn=run.arn, maxResults=1000)["events"]
+    timeline, state = [], ""
+    for event in events:
+        state = event.get("stateEnteredEventDetails", {}).get("name", state)
+        timeline.append((event["timestamp"].timestamp(), event["type"], state))
+    return timeline
+
+
+def _first(timeline: list[tuple[float, str, str]], after: float, state: str, *types: str) -> float:
+    return next(t for t, kind, name in timeline if t >= after and name == state and kind in types)
+
+
+def measure(stack: LocalStack, calls: CallLog, fault: Fault, template: dict, reference: dict) -> dict[str, Any]:
+    cell = Cell(f"{fault}@training", fault, Phase.TRAINING)
+    outcome = run_cell(stack, cell, cell_template(cell, template), reference)
+    if outcome["problems"]:
+        raise RuntimeError(f"{cell.name}: {outcome['problems']}")
+    run = LocalRun(outcome["run_name"], outcome["arn"], {})
+    timeline = _history(stack, run)
+    fault_at = outcome["injections"][0]["at"]
+    failed = _first(timeline, fault_at, "Train", "TaskFailed", "TaskTimedOut")
+    if fault is Fault.SPOT:
+        noticed = min(node.departure_noticed_at.timestamp() for node in stack.store.nodes(run.run_name)
+                      if node.departure_noticed_at is not None)
+    else:
+        noticed = failed
+    decided = _first(timeline, failed, "Recover", "TaskSucceeded")
+    ready = _first(timeline, decided, "AwaitNodes", "TaskSucceeded")
+    spec_written = _first(timeline, ready, "Train", "TaskSubmitted")
+    first_step = min(record["time"] for record in _metrics(stack, run, attempt=1))
+    last_before = max(record["step"] for record in _metrics(stack, run, attempt=0))
+    resumed = next(line["resume_step"] for lines in outcome["launches"].values() for line in lines
+                   if line["attempt"] == 1)
+    counted = calls.between(noticed, decided) + calls.between(ready, spec_written)
+    counted["state_transitions"] = sum(1 for t, kind, _ in timeline if kind.endswith("StateEntered")
+                                       and (noticed <= t <= decided or ready <= t <= spec_written))
+    figures = {
+        "detection_s": noticed - fault_at,
+        "control_plane_s": (decided - failed) + (spec_written - ready),
+        "boot_s": ready - decided,
+        "resume_s": first_step - spec_written,
+        "first_step_s": first_step - fault_at,
+        "steps_lost": last_before - (resumed or 0),
+        "aws_control_plane_s": sum(counted[name] * seconds for name, seconds in COUNTED.items()),
+        **{name: counted[name] for name in COUNTED},
+    }
+    if fault is Fault.SPOT:
+        figures["notice_wait_s"] = failed - noticed
+        figures["steps_lost"] = max(0, outcome["injections"][0]["step"] - (resumed or 0))
+    return figures
+
+
+def _metrics(stack: LocalStack, run: LocalRun, attempt: int) -> list[dict]:
+    return [json.loads(line) for instance in stack.instances(run)
+            for metrics in instance.workdir.glob(f"attempt-{attempt}/metrics.jsonl")
+            for line in metrics.read_text().splitlines() if line.endswith("}") and "loss" in line]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
+    parser.add_argument("--repetitions", type=int, default=3)
+    args = parser.parse_args()
+    kinds = [FAULTS[name] for name in args.faults.split(",")]
+    template = chaos_template(json.loads(DEMO_RUN_SPEC.read_text()))
+    with tempfile.TemporaryDirectory(prefix="recovery-reference-") as folder:
+        reference = reference_losses(template["trainer"], Path(folder))
+    results: dict[str, list[dict]] = {}
+    with local_stack(lambda message: None, spot_notice_seconds=SPOT_NOTICE_S) as stack:
+        calls = CallLog(stack)
+        try:
+            for _ in range(args.repetitions):
+                for fault in kinds:
+                    results.setdefault(str(fault), []).append(measure(stack, calls, fault, template, reference))
+                    print(f"{fault}: {json.dumps({k: round(v, 2) for k, v in results[str(fault)][-1].items()})}",
+                          flush=True)
+        finally:
+            calls.stop()
+    columns = ["detection_s", "notice_wait_s", "control_plane_s", "boot_s", "resume_s", "first_step_s",
+               "steps_lost", "aws_control_plane_s", *COUNTED]
+    print(f"\nmedians over {args.repetitions} run(s) per fault, {datetime.now():%Y-%m-%d %H:%M}, local cloud "
+          f"(time scale 0.02), 2 nodes pp=2:")
+    print(f"{'fault':8}" + "".join(f"{column:>24}" for column in columns))
+    for fault, runs in results.items():
+        medians = [statistics.median(run[column] for run in runs) if column in runs[0] else float("nan")
+                   for column in columns]
+        print(f"{fault:8}" + "".join(f"{value:>24.2f}" for value in medians))
+    control_plane = statistics.median(statistics.median(r["control_plane_s"] for r in runs) for runs in results.values())
+    print(f"control_plane_recovery_s={control_plane:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,599 @@
+"""Chaos: a fault of each kind at each phase of a real run on the local cloud, and what must hold.
+
+    python -m localcloud.chaos kill@training freeze@rendezvous budget-exhausted ...   (one JSON line a cell)
+    python -m localcloud.chaos --list
+
+A cell is a fault (`Fault`) at a phase (`Phase`) of a two-node pipeline-parallel run with real
+node agents and the real trainer (events/local-demo-run.json made shorter, hang and start-up
+timeouts in seconds), or one of the `EXTRAS` (a second failure during recovery, duplicated and
+out-of-order events, the restart budget spent, a crash loop, StopExecution mid-training). The
+fault hits node rank 1 (its instance, its agent or one trainer rank), or for `recovery` the
+surviving node rank 0, or, for `throttle`, every control-plane service at once. A checkpoint
+load and a recovery happen only after a failure, so those phases start with node rank 1 killed
+after the first committed checkpoint.
+
+Every cell must show (`problems`):
+- the run succeeded (or failed with the reason its policy gives, for the extras that must fail);
+- every attempt's per-step losses equal those of the same training never interrupted (bit for
+  bit: CPU, fp32, the same layout and data order);
+- only nodes a fault hit are blamed (and replaced);
+- every resume point is a checkpoint committed before (never an uncommitted one), and no committed
+  work is lost: an attempt resumes from the newest commit an earlier attempt announced or newer,
+  and after a Spot notice or a rebalance recommendation, from the step training had reached
+  when the notice came;
+- no instance, placement group or launch template of the run left behind;
+- the run's ledger accounts for every second from its creation to its last booking.
+
+Phases are seen from outside, as an operator would: execution history, agents' console lines,
+the run record, and requests reaching S3 (a checkpoint part being written or read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from localcloud.stack import REPO, LocalRun, LocalStack, agent_lines, local_stack, states_entered
+from trainer.checkpoint_catalog import MARKER_NAME
+
+__all__ = ["Fault", "Phase", "Cell", "MATRIX", "EXTRAS", "CELLS", "chaos_template", "reference_losses",
+           "run_cell", "problems", "main"]
+
+
+class Fault(StrEnum):
+    KILL = "kill"
+    """The instance dies (EC2 reports it terminated)."""
+    FREEZE = "freeze"
+    """The whole instance stops (SIGSTOP of all its processes): a kernel hang or a network
+    partition as seen from outside. No EC2 event; its status check goes impaired."""
+    HANG = "hang"
+    """One trainer rank stops (SIGSTOP); before there is a trainer, the node agent."""
+    SPOT = "spot"
+    """A Spot interruption notice (two minutes, nominal), then the interruption."""
+    HEALTH = "health"
+    """An AWS Health event: the instance is scheduled for retirement."""
+    THROTTLE = "throttle"
+    """Every control-plane service (Lambda, DynamoDB, S3, EC2, EventBridge, Step Functions)
+    answers throttling errors for THROTTLE_S."""
+    CRASH = "crash"
+    """One trainer rank dies (SIGKILL): a worker crash."""
+
+
+class Phase(StrEnum):
+    ALLOCATE = "allocate"
+    """The instance exists, its agent has not said a word yet."""
+    PREFLIGHT = "preflight"
+    """Its agent registered and runs the preflight checks."""
+    RENDEZVOUS = "rendezvous"
+    """torchrun started, no training step yet."""
+    TRAINING = "training"
+    """The first checkpoint is committed; training goes on."""
+    CHECKPOINT_WRITE = "checkpoint-write"
+    """A checkpoint after the first is being uploaded."""
+    CHECKPOINT_LOAD = "checkpoint-load"
+    """After a node loss, the new attempt reads the checkpoint it resumes from."""
+    RECOVERY = "recovery"
+    """After a node loss, the control plane is in Recover (or its backoff or the wait for the
+    replacement)."""
+    BACKOFF = "backoff"
+    """After a node loss, the run waits out its recovery backoff (a long one, for this phase)."""
+    TEARDOWN = "teardown"
+    """The run is over; Teardown terminates its instances."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    fault: Fault | None = None
+    phase: Phase | None = None
+    must_fail_with: str | None = None
+    """Text the execution's failure must name, for a cell whose policy must end the run."""
+
+
+MATRIX_FAULTS = (Fault.KILL, Fault.FREEZE, Fault.HANG, Fault.SPOT, Fault.HEALTH, Fault.THROTTLE)
+MATRIX_PHASES = (Phase.ALLOCATE, Phase.PREFLIGHT, Phase.RENDEZVOUS, Phase.TRAINING, Phase.CHECKPOINT_WRITE,
+                 Phase.CHECKPOINT_LOAD, Phase.RECOVERY)
+MATRIX = [Cell(f"{fault}@{phase}", fault, phase) for fault in MATRIX_FAULTS for phase in MATRIX_PHASES]
+EXTRAS = [
+    Cell("kill@backoff", Fault.KILL, Phase.BACKOFF),
+    Cell("throttle@teardown", Fault.THROTTLE, Phase.TEARDOWN),
+    Cell("second-failure-in-preflight"),
+    Cell("duplicate-events"),
+    Cell("out-of-order-events"),
+    Cell("budget-exhausted", must_fail_with="restart budget spent"),
+    Cell("crash-loop", must_fail_with="crash loop"),
+    Cell("stop-execution"),
+]
+CELLS = {cell.name: cell for cell in MATRIX + EXTRAS}
+
+THROTTLE_S = 4.0
+"""How long every control-plane service throttles in a `throttle` cell (real seconds)."""
+CONTROL_PLANE_SERVICES = ("lambda", "dynamodb", "s3", "ec2", "events", "states")
+CELL_TIMEOUT_S = 300.0
+"""Longest a cell may take before it counts as stalled."""
+LEAK_WAIT_S = 60.0
+"""How long the run's placement group may outlive it: the reaper deletes what Teardown found in use."""
+LOOK_S = 0.1
+"""How often the phase watch looks."""
+SPOT_NOTICE_S = 1500.0
+"""Nominal (x time scale 0.02 = 30 s): the two minutes AWS gives would be 2.4 s here, shorter than
+one checkpoint's round trip on these shared cores."""
+
+
+def chaos_template(template: dict[str, Any]) -> dict[str, Any]:
+    """The demo's RunSpec for chaos: short, checkpointed often, timeouts in seconds."""
+    spec = json.loads(json.dumps(template))
+    spec["run_name"] = "chaos"
+    spec["trainer"]["training"]["steps"] = 40
+    spec["trainer"]["parallel"]["timeout_s"] = 20  # a frozen peer fails the survivor's collectives
+    spec["checkpoint"]["interval_steps"] = 10
+    spec["recovery"] |= {"max_restarts": 3, "boot_timeout_seconds": 60}
+    return spec
+
+
+def reference_losses(trainer_config: dict[str, Any], folder: Path, timeout_s: float = 180.0) -> dict[int, float]:
+    """step -> loss of the same training under a plain torchrun on this machine, never interrupted."""
+    metrics = folder / "metrics.jsonl"
+    config = json.loads(json.dumps(trainer_config))
+    config["training"]["metrics_file"] = str(metrics)
+    config["data"]["shards"] = str(folder / "data")
+    (folder / "trainer.yaml").write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={config['parallel']['pp'] * config['parallel'].get('dp', 1)}",
+               "-m", "trainer.train", "--config", str(folder / "trainer.yaml")]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout_s,
+                          start_new_session=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the reference run failed ({done.returncode}): {done.stderr[-3000:]}")
+    return {record["step"]: record["loss"] for record in map(json.loads, metrics.read_text().splitlines())}
+
+
+# --- seeing phases --------------------------------------------------------------------------
+
+class _CheckpointRequests:
+    """Calls back on S3 requests for a run's checkpoint files (not commit markers), as they
+    arrive: the moment a part is written or read. moto's S3 backend is wrapped once; inert
+    while nothing listens."""
+
+    listeners: list[Callable[[str, str], None]] = []
+    _installed = False
+
+    @classmethod
+    @contextmanager
+    def listen(cls, listener: Callable[[str, str], None]) -> Iterator[None]:
+        cls._install()
+        cls.listeners.append(listener)
+        try:
+            yield
+        finally:
+            cls.listeners.remove(listener)
+
+    @classmethod
+    def _install(cls) -> None:
+        if cls._installed:
+            return
+        from moto.s3.models import S3Backend
+        put_object, get_object = S3Backend.put_object, S3Backend.get_object
+
+        def put(self: Any, bucket_name: str, key_name: str, *args: Any, **kwargs: Any) -> Any:
+            cls._heard("write", key_name)
+            return put_object(self, bucket_name, key_name, *args, **kwargs)
+
+        def get(self: Any, bucket_name: str, key_name: str, *args: Any, **kwargs: Any) -> Any:
+            cls._heard("read", key_name)
+            return get_object(self, bucket_name, key_name, *args, **kwargs)
+
+        S3Backend.put_object, S3Backend.get_object = put, get
+        cls._installed = True
+
+    @classmethod
+    def _heard(cls, what: str, key: str) -> None:
+        if "/checkpoints/" in key and "/step-" in key and not key.endswith(MARKER_NAME):
+            for listener in list(cls.listeners):
+                listener(what, key)
+
+
+@dataclass
+class _View:
+    """What an operator sees of the run now."""
+
+    stack: LocalStack
+    run: LocalRun
+
+    def states(self) -> list[str]:
+        return states_entered(self.stack.client("stepfunctions"), self.run.arn)
+
+    def record(self) -> Any:
+        from trainfleet.adapters.run_store import RunNotFound
+        try:
+            return self.stack.store.run(self.run.run_name)
+        except RunNotFound:
+            return None
+
+    def said(self, instance_id: str, what: str, attempt: int | None = None) -> bool:
+        return any(line["agent"] == what and (attempt is None or line.get("attempt") == attempt)
+                   for line in agent_lines(self.stack.cloud.fleet.get(instance_id)))
+
+    def node_of_rank(self, attempt: int, rank: int) -> str | None:
+        """The instance that holds node rank `rank` in `attempt` (None before the launch spec)."""
+        for instance in self.stack.instances(self.run):
+            for line in agent_lines(instance):
+                if line["agent"] == "starting torchrun" and line["attempt"] == attempt and line["node_rank"] == rank:
+                    return instance.instance_id
+        return None
+
+    def nodes_of_attempt(self, attempt: int) -> list[str]:
+        return [node.instance_id for node in self.stack.store.nodes(self.run.run_name) if node.attempt == attempt]
+
+    def step(self) -> int | None:
+        """The newest step any attempt's rank 0 reported (its metrics file)."""
+        steps = [json.loads(line)["step"] for instance in self.stack.instances(self.run)
+                 for metrics in instance.workdir.glob("attempt-*/metrics.jsonl")
+                 for line in metrics.read_text().splitlines() if line.endswith("}")]
+        return max(steps, default=None)
+
+
+def _until(what: str, done: Callable[[], Any], ended: Callable[[], bool], timeout_s: float = CELL_TIMEOUT_S) -> Any:
+    """Poll `done` until it gives something truthy; None when the run ended first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = done()
+        if found:
+            return found
+        if ended():
+            return None
+        time.sleep(LOOK_S)
+    raise TimeoutError(f"no {what} within {timeout_s:.0f} s")
+
+
+# --- faults -----------------------------------------------------------------------------------
+
+@dataclass
+class Injection:
+    """One fault as it was injected."""
+
+    fault: str
+    target: str
+    phase: str
+    at: float
+    """time.time() of the injection."""
+    step: int | None
+    """The newest step trained when it hit."""
+
+
+def inject(view: _View, fault: Fault, target: str, phase: Phase) -> Injection:
+    cloud = view.stack.cloud
+    trainer_runs = phase in (Phase.RENDEZVOUS, Phase.TRAINING, Phase.CHECKPOINT_WRITE, Phase.CHECKPOINT_LOAD)
+    injection = Injection(str(fault), "control plane" if fault is Fault.THROTTLE else target, str(phase),
+                          time.time(), view.step())
+    if fault is Fault.KILL:
+        cloud.fleet.kill(target)
+    elif fault is Fault.FREEZE:
+        cloud.fleet.hang(target)
+    elif fault is Fault.HANG:
+        cloud.fleet.hang_process(target, "trainer" if trainer_runs else "agent")
+    elif fault is Fault.SPOT:
+        cloud.inject_spot_interruption(target)
+    elif fault is Fault.HEALTH:
+        cloud.inject_health_event([target])
+    elif fault is Fault.CRASH:
+        cloud.fleet.crash_process(target, "trainer")
+    else:
+        for service in CONTROL_PLANE_SERVICES:
+            cloud.fail_requests(service, THROTTLE_S, answer="throttle")
+    view.stack.narrate(f"{fault} {injection.target} during {phase}")
+    return injection
+
+
+def _first_instance(view: _View, ready: Callable[[str], bool]) -> str | None:
+    """Node rank 1 before ranks exist: the run's second instance of attempt 0, once `ready`."""
+    instances = view.stack.instances(view.run)
+    return instances[1].instance_id if len(instances) > 1 and ready(instances[1].instance_id) else None
+
+
+def _at_checkpoint_request(view: _View, what: str, ended: Callable[[], bool],
+                           after: Callable[[], bool]) -> bool:
+    """Wait until a checkpoint file is being written (or read), once `after` holds."""
+    heard = threading.Event()
+
+    def listener(kind: str, key: str) -> None:
+        if kind == what and view.run.run_name in key and after():
+            heard.set()
+
+    with _CheckpointRequests.listen(listener):
+        return bool(_until(f"checkpoint {what}", heard.is_set, ended))
+
+
+def disrupt(view: _View, cell: Cell, ended: Callable[[], bool]) -> list[Injection]:
+    """Wait for the cell's phase and inject its fault; the injections, in order."""
+    if cell.fault is None:
+        return EXTRA_DISRUPTIONS[cell.name](view, ended)
+    fault, phase = cell.fault, cell.phase
+    assert phase is not None
+    done: list[Injection] = []
+
+    def hit(target: str | None) -> None:
+        if target is not None and not ended():
+            done.append(inject(view, fault, target, phase))
+
+    if phase is Phase.ALLOCATE:
+        hit(_until("an instance booting", lambda: _first_instance(
+            view, lambda i: view.stack.cloud.fleet.get(i).process is not None), ended))
+    elif phase is Phase.PREFLIGHT:
+        hit(_until("a preflight", lambda: _first_instance(
+            view, lambda i: view.said(i, "sent NodeRegistered") and not view.said(i, "sent NodeReady")), ended))
+    elif phase is Phase.RENDEZVOUS:
+        def starting() -> str | None:
+            record = view.record()
+            target = view.node_of_rank(0, 1)
+            return target if target and record is not None and record.first_step_at is None else None
+        hit(_until("a rendezvous", starting, ended))
+    elif phase is Phase.TRAINING:
+        if _first_checkpoint(view, ended):
+            hit(view.node_of_rank(0, 1))
+    elif phase is Phase.CHECKPOINT_WRITE:
+        if _at_checkpoint_request(view, "write", ended, lambda: _first_checkpoint(view, lambda: True) is not None):
+            hit(view.node_of_rank(0, 1))
+    elif phase is Phase.TEARDOWN:
+        if _until("Teardown", lambda: "Teardown" in view.states(), ended):
+            hit(view.nodes_of_attempt(0)[-1])
+    else:
+        setup = _kill_rank_1_after_first_checkpoint(view, ended)
+        if setup is None:
+            return done
+        done.append(setup)
+        if phase is Phase.CHECKPOINT_LOAD:
+            if _at_checkpoint_request(view, "read", ended, lambda: view.node_of_rank(1, 1) is not None):
+                hit(view.node_of_rank(1, 1))
+        else:
+            state = "RecoveryBackoff" if phase is Phase.BACKOFF else "Recover"
+            if _until(state, lambda: state in view.states(), ended):
+                hit(next(i for i in view.nodes_of_attempt(0) if i != setup.target))  # the survivor
+    return done
+
+
+def _first_checkpoint(view: _View, ended: Callable[[], bool]) -> Any:
+    """The first committed checkpoint the control plane recorded (None if the run ended first)."""
+    return _until("first checkpoint", lambda: (record := view.record()) and record.latest_checkpoint, ended)
+
+
+def _kill_rank_1_after_first_checkpoint(view: _View, ended: Callable[[], bool]) -> Injection | None:
+    if not _first_checkpoint(view, ended):
+        return None
+    return inject(view, Fault.KILL, view.node_of_rank(0, 1), Phase.TRAINING)
+
+
+def _second_failure_in_preflight(view: _View, ended: Callable[[], bool]) -> list[Injection]:
+    """Node rank 1 killed while training; its replacement killed during its preflight."""
+    setup = _kill_rank_1_after_first_checkpoint(view, ended)
+    if setup is None:
+        return []
+
+    def replacement_in_preflight() -> str | None:
+        return next((i for i in view.nodes_of_attempt(1) if view.said(i, "sent NodeRegistered")
+                     and not view.said(i, "sent NodeReady")), None)
+    target = _until("the replacement's preflight", replacement_in_preflight, ended)
+    return [setup] + ([inject(view, Fault.KILL, target, Phase.PREFLIGHT)] if target else [])
+
+
+def _with_event_faults(**faults: Any) -> Callable[[_View, Callable[[], bool]], list[Injection]]:
+    """Node rank 1 killed while training, every event delivered as `faults` say from the start."""
+    def disruption(view: _View, ended: Callable[[], bool]) -> list[Injection]:
+        view.stack.cloud.event_faults(**faults)
+        try:
+            setup = _kill_rank_1_after_first_checkpoint(view, ended)
+            _until("the end of the run", ended, lambda: False)
+        finally:
+            view.stack.cloud.event_faults()
+        return [setup] if setup else []
+    return disruption
+
+
+def _two_losses(view: _View, ended: Callable[[], bool]) -> list[Injection]:
+    """Node rank 1 killed while training, then again in the attempt that replaced it: with a
+    budget of one restart the second must end the run."""
+    setup = _kill_rank_1_after_first_checkpoint(view, ended)
+    if setup is None:
+        return []
+    target = _until("attempt 1 training", lambda: view.record() and view.record().attempt == 1
+                    and view.record().first_step_at and view.node_of_rank(1, 1), ended)
+    return [setup] + ([inject(view, Fault.KILL, target, Phase.TRAINING)] if target else [])
+
+
+def _crash_every_attempt(view: _View, ended: Callable[[], bool]) -> list[Injection]:
+    """A trainer rank of node rank 1 crashes at every attempt's first step, before any new
+    checkpoint: the same failure again and again, which the crash-loop rule must end."""
+    done = []
+    for attempt in range(CRASH_LOOP_ATTEMPTS):
+        target = _until(f"attempt {attempt} training", lambda: (record := view.record()) and record.attempt == attempt
+                        and record.first_step_at and view.node_of_rank(attempt, 1), ended)
+        if not target:
+            break
+        done.append(inject(view, Fault.CRASH, target, Phase.TRAINING))
+    return done
+
+
+def _stop_mid_training(view: _View, ended: Callable[[], bool]) -> list[Injection]:
+    if _first_checkpoint(view, ended):
+        view.stack.client("stepfunctions").stop_execution(executionArn=view.run.arn, error="Operator",
+                                                          cause="stopped mid-training")
+        view.stack.narrate("StopExecution mid-training")
+    return []
+
+
+CRASH_LOOP_ATTEMPTS = 4
+"""More than the crash-loop rule's default repeats (3), fewer than the restart budget allows."""
+EXTRA_DISRUPTIONS: dict[str, Callable[[_View, Callable[[], bool]], list[Injection]]] = {
+    "second-failure-in-preflight": _second_failure_in_preflight,
+    "duplicate-events": _with_event_faults(duplicate=True),
+    "out-of-order-events": _with_event_faults(reorder=True),
+    "budget-exhausted": _two_losses,
+    "crash-loop": _crash_every_attempt,
+    "stop-execution": _stop_mid_training,
+}
+
+
+# --- running a cell ------------------------------------------------------------------------------
+
+def run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any], reference: dict[int, float]) -> dict[str, Any]:
+    """Run `template` with the cell's faults; the outcome, its injections and its problems."""
+    started = time.monotonic()
+    run = stack.start_run(template)
+    view = _View(stack, run)
+    ended = stack.ended(run)
+    try:
+        injections = disrupt(view, cell, ended)
+        _until("the end of the run", ended, lambda: False)
+        _until("every instance gone", lambda: all(i.state == "terminated" for i in stack.instances(run)),
+               lambda: False, 60)
+        outcome = stack.outcome(run)
+    except Exception:
+        stack.dump_consoles(run)
+        raise
+    outcome |= {"cell": cell.name, "injections": [vars(i) for i in injections],
+                "leftovers": leftovers(stack, run), "seconds": round(time.monotonic() - started, 1)}
+    outcome["problems"] = problems(cell, outcome, reference, template)
+    return outcome
+
+
+def leftovers(stack: LocalStack, run: LocalRun) -> dict[str, list[str]]:
+    """What of the run still exists in EC2 (after giving the reaper its time)."""
+    from trainfleet.adapters.ec2_fleet import TAG_RUN
+    ec2 = stack.client("ec2")
+    tagged = [{"Name": f"tag:{TAG_RUN}", "Values": [run.run_name]}]
+
+    def left() -> dict[str, list[str]]:
+        reservations = ec2.describe_instances(Filters=tagged)["Reservations"]
+        return {
+            "instances": [i["InstanceId"] for r in reservations for i in r["Instances"]
+                          if i["State"]["Name"] != "terminated"],
+            "placement_groups": [g["GroupName"] for g in ec2.describe_placement_groups(Filters=tagged)["PlacementGroups"]],
+            "launch_templates": [t["LaunchTemplateName"] for t in
+                                 ec2.describe_launch_templates(Filters=tagged)["LaunchTemplates"]],
+        }
+
+    deadline = time.monotonic() + LEAK_WAIT_S
+    while any((found := left()).values()) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    return found
+
+
+def problems(cell: Cell, outcome: dict[str, Any], reference: dict[int, float], template: dict[str, Any]) -> list[str]:
+    """Everything that must hold after a cell and does not, in words (empty: the cell passed)."""
+    found: list[str] = []
+    if cell.must_fail_with:
+        if outcome["status"] != "FAILED" or cell.must_fail_with not in f"{outcome['error']} {outcome['cause']}":
+            found.append(f"expected the run to fail naming {cell.must_fail_with!r}; got {outcome['status']} "
+                         f"{outcome['error']}: {outcome['cause']}")
+    elif cell.name == "stop-execution":
+        if outcome["status"] != "ABORTED":
+            found.append(f"expected ABORTED, got {outcome['status']}")
+    elif outcome["status"] != "SUCCEEDED":
+        found.append(f"run {outcome['status']}: {outcome['error']}: {outcome['cause']}")
+    elif outcome["run"]["latest_checkpoint"] != template["trainer"]["training"]["steps"]:
+        found.append(f"last checkpoint {outcome['run']['latest_checkpoint']}, not the last step")
+    for attempt, losses in sorted(outcome["losses"].items()):
+        wrong = {step: loss for step, loss in losses.items() if reference.get(step) != loss}
+        if wrong:
+            found.append(f"attempt {attempt}: losses differ from the uninterrupted run at steps {sorted(wrong)[:5]}")
+    found += _resume_problems(outcome)
+    targets = {injection["target"] for injection in outcome["injections"]}
+    blamed = {instance_id for instance_id, node in outcome["nodes"].items() if node["failure"]}
+    if blamed - targets:
+        found.append(f"nodes no fault hit were blamed and replaced: {sorted(blamed - targets)}")
+    for kind, names in outcome["leftovers"].items():
+        if names:
+            found.append(f"{kind} left behind: {names}")
+    ledger = outcome["report"]["ledger"]
+    unaccounted = ledger.get("unaccounted_seconds")
+    if unaccounted is not None and abs(unaccounted) > 1.0:
+        found.append(f"the ledger leaves {unaccounted:.1f} s unaccounted")
+    return found
+
+
+def _resume_problems(outcome: dict[str, Any]) -> list[str]:
+    """Resume points: committed before, no committed work lost, nothing lost after a notice."""
+    found = []
+    resumes = {line["attempt"]: line["resume_step"] for lines in outcome["launches"].values() for line in lines}
+    announced = outcome["commits"]
+    notices = [injection for injection in outcome["injections"] if injection["fault"] == "spot"]
+    for attempt, resume in sorted(resumes.items()):
+        earlier = [step for by, step in announced if by < attempt]
+        if resume is None:
+            if earlier:
+                found.append(f"attempt {attempt} started from scratch although step {max(earlier)} was committed")
+            continue
+        if resume not in {step for _, step in announced}:
+            found.append(f"attempt {attempt} resumed from step {resume}, never announced committed")
+        if earlier and resume < max(earlier):
+            found.append(f"attempt {attempt} resumed from step {resume}, older than the committed {max(earlier)}")
+        for notice in notices:
+            if attempt >= 1 and notice["step"] is not None and resume < notice["step"]:
+                found.append(f"attempt {attempt} resumed from step {resume}: the steps up to {notice['step']} "
+                             f"trained when the Spot notice came were lost")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m localcloud.chaos", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("cells", nargs="*", help="cells to run (default: all); see --list")
+    parser.add_argument("--list", action="store_true", help="print the cells' names and exit")
+    parser.add_argument("--quiet", action="store_true", help="no narration on stderr")
+    args = parser.parse_args(argv)
+    if args.list:
+        print("\n".join(CELLS))
+        return 0
+    unknown = [name for name in args.cells if name not in CELLS]
+    if unknown:
+        parser.error(f"unknown cell(s) {unknown}; see --list")
+    cells = [CELLS[name] for name in args.cells] or list(CELLS.values())
+    from localcloud.demo import DEMO_RUN_SPEC
+    template = chaos_template(json.loads(DEMO_RUN_SPEC.read_text()))
+
+    def narrate(message: str) -> None:
+        if not args.quiet:
+            print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="chaos-reference-") as folder:
+        reference = reference_losses(template["trainer"], Path(folder))
+    with local_stack(narrate, spot_notice_seconds=SPOT_NOTICE_S, agent_lifetime_s=CELL_TIMEOUT_S * 2) as stack:
+        for cell in cells:
+            print(json.dumps(run_cell(stack, cell, cell_template(cell, template), reference), default=str),
+                  flush=True)
+    return 0
+
+
+def cell_template(cell: Cell, template: dict[str, Any]) -> dict[str, Any]:
+    """The RunSpec a cell runs: Spot capacity for a Spot notice, a budget of one restart where
+    it must run out."""
+    spec = json.loads(json.dumps(template))
+    if cell.fault is Fault.SPOT:
+        spec["capacity"]["kind"] = "spot"
+    if cell.phase is Phase.BACKOFF:  # nominal, x time scale 0.02: a few seconds of wait to hit
+        spec["recovery"] |= {"backoff_base_seconds": 300, "backoff_max_seconds": 300}
+    if cell.name == "budget-exhausted":
+        spec["recovery"]["max_restarts"] = 1
+    if cell.name == "crash-loop":
+        spec["recovery"]["max_restarts"] = CRASH_LOOP_ATTEMPTS + 1
+    return spec
+
+
+if __name__ == "__main__":
+    sys.exit(main())
