@@ -330,6 +330,18 @@ def test_only_node_rank_0_heartbeats_the_start_up(heartbeats):
     assert beats == []
 
 
+def test_the_final_save_and_exit_are_heartbeaten_for_at_most_the_startup_timeout(heartbeats):
+    """After its final step (training.steps = 30) the trainer saves its last checkpoint and tears
+    the world down before torchrun exits and TrainingCompleted answers the task: no step shows
+    for it, so the agent that speaks for the world beats on, bounded like the start-up."""
+    attempt, clock, beats = heartbeats
+    step(attempt, 29)
+    follow_until(attempt, clock, 1.0)
+    step(attempt, 30)
+    follow_until(attempt, clock, 100.0)
+    assert beats == [2.5 * beat for beat in range(25)]  # the final step at 1 s: beats until 61 s
+
+
 def test_the_save_reasons_of_markers_and_events_are_the_same():
     assert [reason.value for reason in catalog.SaveReason] == [reason.value for reason in CheckpointReason]
 

@@ -34,7 +34,9 @@ instance's process. It speaks to the control plane only through AWS:
    checkpoint committed to S3 with the reason it was saved. Before the attempt's first step
    (rendezvous, NCCL set-up, checkpoint load) no trainer writes metrics yet, so the agent of
    node rank 0 heartbeats the start-up, for at most the run's startup timeout after torchrun
-   started; a start that outlasts it is declared hung a hang timeout later. The heartbeat's pace
+   started; a start that outlasts it is declared hung a hang timeout later. Likewise the end:
+   after the final step the agent that speaks for the world heartbeats while the trainer saves
+   its final checkpoint and exits, for at most the startup timeout. The heartbeat's pace
    is a quarter of the hang timeout, at most 5 s (trainfleet.pace.heartbeat_pace);
 6. torchrun's exit: 0 -> TrainingCompleted; otherwise TrainerFailed with the kind read from its
    output (config error, NaN loss, crash), unless the run has moved on meanwhile: a peer's
@@ -499,6 +501,8 @@ class Attempt:
         self.heartbeat_every = heartbeat_pace(spec.hang_timeout_seconds)
         self.torchrun_started: float | None = None  # control.clock() when torchrun was started
         self.stepped = False  # whether this node saw a step of this attempt (metrics or its progress)
+        self.final_step = spec.trainer_config.get("training", {}).get("steps")
+        self.finished: float | None = None  # control.clock() when the metrics showed the final step
         self.last_heartbeat = self.last_progress = -math.inf
         self.spot_notice_seen = False
         self.checkpoint_request_seen: datetime | None = None
@@ -561,7 +565,9 @@ class Attempt:
         if records:
             self.speaks_for_world = True
             self.last_step = records[-1]["step"]
-        if (steps or self.starting_up(now)) and self.spec.heartbeat_task_token \
+            if self.finished is None and self.last_step == self.final_step:
+                self.finished = now
+        if (steps or self.starting_up(now) or self.winding_down(now)) and self.spec.heartbeat_task_token \
                 and now - self.last_heartbeat >= self.heartbeat_every:
             self.control.heartbeat(self.spec.heartbeat_task_token)
             self.last_heartbeat = now
@@ -583,6 +589,13 @@ class Attempt:
         agent) speaks for the world until a step or the startup timeout, whichever comes first."""
         return (self.node_rank == 0 and not self.stepped and self.torchrun_started is not None
                 and now - self.torchrun_started < self.spec.startup_timeout_seconds)
+
+    def winding_down(self, now: float) -> bool:
+        """Whether this node heartbeats the end of a trainer that reached its final step: the final
+        checkpoint is saved and the world torn down before torchrun exits (and TrainingCompleted
+        answers the task), with no step to show for it. Bounded like the start-up, which it
+        mirrors (a checkpoint saved instead of loaded)."""
+        return self.finished is not None and now - self.finished < self.spec.startup_timeout_seconds
 
     def look(self, run: RunRecord) -> None:
         """At each look at the control plane: this node's liveness, a checkpoint the run asks for,
