@@ -1,10 +1,11 @@
 """DynamoDB reads and writes a second of one run, by node count: what the agents' looks and the
 event handler cost the run's partition (3,000 RCU / 1,000 WCU per partition).
 
-    .venv/bin/python bench/control_plane_load.py [--nodes 2 512] [--hours 1]
+    .venv/bin/python bench/control_plane_load.py [--nodes 2 512] [--hours 1] [--hang-timeout 600]
 
 Agents: measured. One agent's ControlPlane (trainer/agent.py) runs its own pacing against a
-simulated clock for the given time, with the run's node count; every look is one eventually
+simulated clock for the given time, with the run's node count and hang timeout (a short one
+quickens the looks, down to the least hang timeout the node count allows); every look is one eventually
 consistent GetItem of the run record, so a run's reads are nodes x looks / seconds. Liveness
 records go to S3, not DynamoDB. Event handler: counted from what it does per event while a run
 trains undisturbed: a TrainingProgress every PROGRESS_EVERY_S (read the run, read-modify-write
@@ -32,7 +33,7 @@ CHECKPOINT_EVERY_S = 600.0
 """A checkpoint every ten minutes (the handler's cost per checkpoint is small either way)."""
 
 
-def agent_looks_per_second(nodes: int, seconds: float, seed: int = 7) -> float:
+def agent_looks_per_second(nodes: int, hang_timeout_s: float, seconds: float, seed: int = 7) -> float:
     """The looks a second of a run's `nodes` agents, from one agent's pacing over `seconds`."""
     from trainer.agent import AgentSettings, ControlPlane, Identity
 
@@ -42,7 +43,7 @@ def agent_looks_per_second(nodes: int, seconds: float, seed: int = 7) -> float:
     identity = Identity(instance_id="i-0bench", instance_type="p5.48xlarge", private_ip="10.0.0.1",
                         availability_zone="us-east-1a", region="us-east-1")
     control = ControlPlane(settings, identity, clock=lambda: clock["now"], draw=random.Random(seed).random)
-    control.run_nodes = nodes
+    control.run_nodes, control.hang_timeout_s = nodes, hang_timeout_s
     looks = 0
     while clock["now"] < seconds:
         looks += control.take_look()
@@ -66,18 +67,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 512])
     parser.add_argument("--hours", type=float, default=1.0)
+    parser.add_argument("--hang-timeout", type=float, default=600.0,
+                        help="the runs' recovery.hang_timeout_seconds (raised to the least a node count allows)")
     args = parser.parse_args()
     from trainer.agent import PROGRESS_EVERY_S
     from trainfleet.lifecycle import looks_per_second
+    from trainfleet.pace import least_hang_timeout
 
     summary = []
     for nodes in args.nodes:
-        agents = agent_looks_per_second(nodes, args.hours * 3600)
+        hang = max(args.hang_timeout, least_hang_timeout(nodes))
+        agents = agent_looks_per_second(nodes, hang, args.hours * 3600)
         agent_rcu = agents * math.ceil(RUN_RECORD_KB / 4) / 2  # eventually consistent: half
         reads, rcu, writes = handler_load(nodes)
-        print(f"{nodes} nodes: agents {agents:.2f} reads/s measured (formula {looks_per_second(nodes):.2f}: "
-              f"nodes / (7.5 s x max(1, nodes/256))), {agent_rcu:.1f} RCU/s; event handler {reads:.2f} reads/s, "
-              f"{rcu:.1f} RCU/s, {writes:.2f} WCU/s; agents write no DynamoDB item")
+        print(f"{nodes} nodes, hang timeout {hang:g} s: agents {agents:.2f} reads/s measured (formula "
+              f"{looks_per_second(nodes, hang):.2f}: nodes / mean look interval, trainfleet.pace), "
+              f"{agent_rcu:.1f} RCU/s; event handler {reads:.2f} reads/s, {rcu:.1f} RCU/s, {writes:.2f} WCU/s; "
+              "agents write no DynamoDB item")
         summary += [f"reads_per_s_{nodes}={agents + reads:.2f}", f"rcu_per_s_{nodes}={agent_rcu + rcu:.1f}",
                     f"writes_per_s_{nodes}={1 / PROGRESS_EVERY_S + 1 / CHECKPOINT_EVERY_S:.3f}",
                     f"wcu_per_s_{nodes}={writes:.2f}"]

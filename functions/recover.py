@@ -35,7 +35,7 @@ from functions.common import (CaughtError, RecoveryStep, RunPayload, aws, capaci
                               logger, metrics, tracer, transient_errors_named)
 from functions.errors import RecoveryGaveUp
 from trainfleet.adapters.ec2_fleet import allocate, terminate
-from trainfleet.adapters.liveness import impaired_instances, read_liveness
+from trainfleet.adapters.liveness import instance_troubles, read_liveness
 from trainfleet.contracts import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                   RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
 from trainfleet.lifecycle import (apply_decision, blame_silent_workers, book_attempt, classify_task_error,
@@ -55,15 +55,18 @@ def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError, attem
 
 def name_silent_workers(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport) -> FailureReport:
     """Step 1, continued: a crash or a hang that no event pinned on a node names the workers that
-    went silent (EC2 status checks impaired, an agent that stopped reporting, a trainer that
-    never joined or fell behind), so they are replaced now rather than failing every restart."""
+    went silent or left (EC2 reports the instance leaving or its status checks impaired, an agent
+    that stopped reporting, a trainer that never joined or fell behind), so they are replaced now
+    rather than failing every restart. A peer's crash reaches the survivors' agents, which report
+    it at once; the lost instance's state tells Recover whose loss it was."""
     if not needs_liveness_look(failure):
         return failure
     cloud = aws()
     workers = [node.instance_id for node in nodes if node.role is NodeRole.WORKER and not node.state.is_retired]
-    impaired = impaired_instances(cloud.ec2, workers) if workers else frozenset()
+    troubles = instance_troubles(cloud.ec2, workers) if workers else {}
     records = read_liveness(cloud.s3, cloud.settings.bucket, run.run_name)
-    return blame_silent_workers(failure, nodes, records, datetime.now(timezone.utc), impaired)
+    return blame_silent_workers(failure, nodes, records, datetime.now(timezone.utc),
+                                run.spec.recovery.hang_timeout_seconds, troubles)
 
 
 def _mark_terminating(name: str, instance_id: str, **changes: Any) -> None:

@@ -49,7 +49,7 @@ def launch_spec(attempt: int = 0, resume_step: int | None = None, ranks: dict[st
                       plan={"nodes": 2, "ranks_per_node": 1, "pp": 2, "dp": 1},
                       trainer_config={"model": {"n_layers": 2}, "training": {"steps": 30},
                                       "checkpoint": {"uri": "s3://b/runs/run-a/checkpoints", "resume": "none"}},
-                      resume_step=resume_step)
+                      resume_step=resume_step, hang_timeout_seconds=10, startup_timeout_seconds=60)
 
 
 def test_settings_name_every_missing_variable():
@@ -222,8 +222,8 @@ def watched_attempt(moto_endpoint, metadata_service, tmp_path):
     settings = replace(settings, workdir=tmp_path)
     control = ControlPlane(settings, IDENTITY)
     spec = launch_spec(attempt=1, resume_step=10)
-    spec = spec.model_copy(update={"trainer_config": {**spec.trainer_config, "checkpoint": {
-        "uri": f"s3://{name}/runs/run-a/checkpoints", "resume": "10"}}})
+    spec = spec.model_copy(update={"heartbeat_task_token": "token-of-train", "trainer_config": {
+        **spec.trainer_config, "checkpoint": {"uri": f"s3://{name}/runs/run-a/checkpoints", "resume": "10"}}})
     store = catalog.open_store(spec.trainer_config["checkpoint"]["uri"], control.s3)
     commit(store, 10)  # the resume point: already announced by the attempt that saved it
     attempt = Attempt(control, MetadataClient(), spec)
@@ -266,6 +266,80 @@ def test_a_trainer_resumed_at_its_last_step_completes_the_run(watched_attempt):
     attempt.report_exit(0)
     assert [(event["detail-type"], event["detail"]["final_step"], event["detail"]["checkpoint_uri"])
             for event in sent()] == [("TrainingCompleted", 10, store.step_uri(catalog.step_dir_name(10)))]
+
+
+@pytest.fixture
+def heartbeats(watched_attempt):
+    """The watched attempt on a clock the test moves, its torchrun started at 0 s; every
+    SendTaskHeartbeat it makes (to the moto server) is noted with the time."""
+    attempt, _, _ = watched_attempt
+    clock = {"now": 0.0}
+    attempt.control.clock = lambda: clock["now"]
+    beats: list[float] = []
+    attempt.control.sfn.meta.events.register(
+        "before-parameter-build.stepfunctions.SendTaskHeartbeat",
+        lambda params, **_: beats.append(clock["now"]) if params["taskToken"] == "token-of-train" else None)
+    attempt.torchrun_started = clock["now"]
+    return attempt, clock, beats
+
+
+def follow_until(attempt: Attempt, clock: dict, until: float) -> None:
+    """The agent's watch every LOOK_S up to `until` seconds."""
+    while clock["now"] < until:
+        attempt.follow()
+        clock["now"] += agent.LOOK_S
+
+
+def step(attempt: Attempt, number: int) -> None:
+    """What global rank 0's trainer writes for a step."""
+    with attempt.files.metrics.open("a") as metrics:
+        metrics.write(json.dumps({"step": number, "loss": 3.0, "tokens_per_s": 900.0, "step_time_s": 0.1}) + "\n")
+
+
+def test_node_rank_0_heartbeats_the_start_up_until_the_startup_timeout_then_lets_the_hang_be_declared(heartbeats):
+    """No trainer writes metrics before the first step (rendezvous, NCCL set-up, checkpoint load):
+    node rank 0's agent speaks for the world then, a beat every quarter of the hang timeout (10 s
+    here) for the startup timeout (60 s), then falls silent so the Train task's heartbeat times out."""
+    attempt, clock, beats = heartbeats
+    attempt.files.progress.write_text("10")  # joined the world at its resume step: no step yet
+    follow_until(attempt, clock, 80.0)
+    assert beats == [2.5 * beat for beat in range(24)]  # 0 s ... 57.5 s
+    beats.clear()
+    for number in range(11, 31):  # a late first step, then a step every LOOK_S: steady heartbeats
+        step(attempt, number)
+        follow_until(attempt, clock, clock["now"] + agent.LOOK_S)
+    assert beats == [80.0, 82.5, 85.0, 87.5]
+
+
+def test_the_start_up_heartbeats_end_at_this_node_first_step(heartbeats):
+    attempt, clock, beats = heartbeats
+    attempt.files.progress.write_text("10")
+    follow_until(attempt, clock, 5.0)
+    attempt.files.progress.write_text("11")  # its trainer stepped; global rank 0 is on another node
+    follow_until(attempt, clock, 20.0)
+    assert beats == [0.0, 2.5]
+
+
+def test_only_node_rank_0_heartbeats_the_start_up(heartbeats):
+    attempt, clock, beats = heartbeats
+    spec = attempt.spec.model_copy(update={"node_ranks": {"i-0bbb": 0, "i-0aaa": 1}})
+    peer = Attempt(attempt.control, attempt.metadata, spec)
+    peer.files.folder.mkdir(parents=True, exist_ok=True)
+    peer.torchrun_started = clock["now"]
+    follow_until(peer, clock, 20.0)
+    assert beats == []
+
+
+def test_the_final_save_and_exit_are_heartbeaten_for_at_most_the_startup_timeout(heartbeats):
+    """After its final step (training.steps = 30) the trainer saves its last checkpoint and tears
+    the world down before torchrun exits and TrainingCompleted answers the task: no step shows
+    for it, so the agent that speaks for the world beats on, bounded like the start-up."""
+    attempt, clock, beats = heartbeats
+    step(attempt, 29)
+    follow_until(attempt, clock, 1.0)
+    step(attempt, 30)
+    follow_until(attempt, clock, 100.0)
+    assert beats == [2.5 * beat for beat in range(25)]  # the final step at 1 s: beats until 61 s
 
 
 def test_the_save_reasons_of_markers_and_events_are_the_same():
@@ -357,7 +431,7 @@ def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_se
     spec = spec.model_copy(update={"trainer_config": {**spec.trainer_config, "checkpoint": {
         "uri": f"s3://{name}/runs/run-a/checkpoints", "resume": "none"}}})
     attempt = Attempt(control, MetadataClient(), spec)
-    monkeypatch.setattr(agent, "poll_interval", lambda nodes, draw: 0.2)  # many looks in a short test
+    monkeypatch.setattr(agent, "poll_interval", lambda nodes, draw, hang_timeout_s: 0.2)  # many looks in a short test
     # A trainer that writes one metrics record (so this node heartbeats and sends progress) and
     # trains on for 12 s.
     trainer = ("import json, sys, time; open(sys.argv[1], 'w').write(json.dumps({'step': 1, 'loss': 1.0, "
@@ -394,6 +468,23 @@ def test_the_agent_ends_its_instance_when_the_run_is_over(local_cloud, metadata_
     assert ended.exists(), "the shutdown command ran"
 
 
+def test_the_looks_quicken_with_the_run_hang_timeout_once_the_run_record_is_read(local_cloud, tmp_path):
+    """A 10 s hang timeout: three looks must fit in 7.5 s, so an agent looks every 1.25-2.5 s."""
+    table = run_table(local_cloud)
+    record = run_record()
+    record = record.model_copy(update={"spec": record.spec.model_copy(update={
+        "recovery": record.spec.recovery.model_copy(update={"hang_timeout_seconds": 10})})})
+    RunStore(local_cloud.client("dynamodb"), table).create_run(record)
+    clock = {"now": 0.0}
+    control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_RUN_TABLE": table}),
+                                   workdir=tmp_path), IDENTITY, clock=lambda: clock["now"], draw=lambda: 0.999)
+    assert control.look_at_run().run_name == "run-a"
+    assert control.next_look == pytest.approx(10.0, abs=0.01), "the run's pace was not known at the first look"
+    clock["now"] = control.next_look
+    assert control.look_at_run() is not None
+    assert control.next_look - clock["now"] == pytest.approx(2.5, abs=0.01)
+
+
 def test_an_unreachable_control_plane_ends_the_instance_after_the_limit(local_cloud, metadata_service, tmp_path,
                                                                        monkeypatch):
     table = run_table(local_cloud)
@@ -414,14 +505,17 @@ def test_an_unreachable_control_plane_ends_the_instance_after_the_limit(local_cl
     assert control.look_at_run().run_name == "run-a" and control.failures == 0
 
 
-@pytest.mark.parametrize("nodes, looks_per_s", [(2, 0.27), (512, 34.1), (4096, 34.1)])
-def test_a_runs_agents_read_at_a_bounded_rate_whatever_its_node_count(nodes, looks_per_s):
+@pytest.mark.parametrize("nodes, hang_timeout_s, looks_per_s", [
+    (2, 600, 0.27), (512, 600, 34.1), (4096, 600, 34.1),
+    (512, 65, 34.1),  # the shortest hang timeout 512 nodes may have (trainfleet.pace.least_hang_timeout)
+])
+def test_a_runs_agents_read_at_a_bounded_rate_whatever_its_node_count(nodes, hang_timeout_s, looks_per_s):
     """One agent's own pacing over simulated hours, scaled to the run's agents: each look is one
     read of the run record (bench/control_plane_load.py prints the partition's load)."""
     clock = {"now": 0.0}
     control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV), workdir=Path(".")), IDENTITY,
                            clock=lambda: clock["now"], draw=random.Random(7).random)
-    control.run_nodes = nodes
+    control.run_nodes, control.hang_timeout_s = nodes, hang_timeout_s
     looks, seconds = 0, 3600 * max(1, nodes // 256)  # about the same number of looks each time
     while clock["now"] < seconds:
         looks += control.take_look()

@@ -138,15 +138,15 @@ def test_a_spot_notice_replaces_the_node_after_its_emergency_checkpoint_and_resu
 @pytest.mark.slow
 def test_a_frozen_node_is_named_and_replaced_on_the_first_failure():
     """A node that fails silently (frozen: no EC2 event, no report of its own) takes the world down:
-    its peer hangs until the Train task's heartbeat times out, or fails when a collective's
-    timeout runs out. Either way no event names a node; Recover names it from its impaired status
-    check and silent agent, so it is replaced at once instead of failing every restart until the
-    crash-loop rule gives up."""
+    its peer hangs until the Train task's heartbeat times out (the demo's hang timeout, 10 s, is
+    shorter than the scenario's collective timeout). No event names a node; Recover names it from
+    its impaired status check and silent agent, so it is replaced at once instead of failing every
+    restart until the crash-loop rule gives up."""
     run = agent_scenario("frozen-node")
     assert run["status"] == "SUCCEEDED"
     victim, survivor = run["disrupted"]["victim"], run["disrupted"]["survivor"]
     (failure,) = run["report"]["failures"]
-    assert failure["failure_class"] in ("HANG", "PROCESS_CRASH")
+    assert failure["failure_class"] == "HANG"
     assert run["nodes"][victim]["failure"] == failure["failure_class"] and run["nodes"][survivor]["failure"] is None
     (replacement,) = set(run["nodes"]) - set(run["disrupted"]["first_nodes"])
     resumed = resume_point(run, survivor, victim, replacement)

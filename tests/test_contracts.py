@@ -42,6 +42,16 @@ def test_example_run_spec_is_valid_and_round_trips():
     assert spec.trainer.model.model_dump()["d_model"] == 2048
 
 
+def test_short_hang_timeouts_are_accepted_where_the_read_rate_allows():
+    spec = c.RunSpec.model_validate(spec_with(**{"recovery.hang_timeout_seconds": 5,
+                                                 "recovery.startup_timeout_seconds": 5}))
+    assert (spec.recovery.hang_timeout_seconds, spec.recovery.startup_timeout_seconds) == (5, 5)
+    defaults = c.RecoveryPolicy()
+    assert (defaults.hang_timeout_seconds, defaults.startup_timeout_seconds) == (600, 1800)
+    big = {"node_count": 256, "spare_count": 0, "trainer.parallel.dp": 512, "trainer.training.batch_size": 4096}
+    assert c.RunSpec.model_validate(spec_with(**big, **{"recovery.hang_timeout_seconds": 35})).node_count == 256
+
+
 @pytest.mark.parametrize("changes, field, words", [
     ({"run_name": "Bad_Name"}, "run_name", "lower-case"),
     ({"instance_type": "p9.96xlarge"}, "instance_type", "not in the catalogue"),
@@ -60,6 +70,14 @@ def test_example_run_spec_is_valid_and_round_trips():
     ({"checkpoint.keep_last": 1}, "checkpoint.keep_last", "greater than or equal to 2"),
     ({"recovery.backoff_max_seconds": 1}, "recovery", "below recovery.backoff_base_seconds"),
     ({"recovery.max_restart": 3}, "recovery.max_restart", "Extra inputs"),
+    ({"recovery.hang_timeout_seconds": 4}, "recovery.hang_timeout_seconds", "greater than or equal to 5"),
+    ({"recovery.hang_timeout_seconds": 600, "recovery.startup_timeout_seconds": 300}, "recovery",
+     "recovery.startup_timeout_seconds=300 is below recovery.hang_timeout_seconds=600"),
+    # 4 workers and a spare may look every 0.6 s (a 5 s hang timeout); 256 nodes may not.
+    ({"node_count": 256, "spare_count": 0, "trainer.parallel.dp": 512, "trainer.training.batch_size": 4096,
+      "recovery.hang_timeout_seconds": 30}, "(input)",
+     "recovery.hang_timeout_seconds=30 is too short for 256 nodes (node_count + spare_count): their agents would "
+     "read the run record 41 times a second to tell a silent one in time, at most 34 are allowed; give at least 35 s"),
     ({"trainer.parallel.dp": 4}, "(input)", "32"),
     ({"trainer.parallel.schedule": "zigzag"}, "trainer.parallel.schedule", "unknown"),
     ({"trainer.parallel.tp": 3}, "(input)", "tp=3 must divide the 8 ranks per"),
@@ -185,7 +203,7 @@ def test_parallel_plan_and_launch_spec_check_their_numbers():
         c.ParallelPlan(nodes=2, ranks_per_node=8, pp=4, dp=3)
     assert c.ParallelPlan(nodes=2, ranks_per_node=8, pp=2, dp=2, tp=4).world_size == 16
     base = dict(run_name="r", attempt=1, plan=plan, rendezvous_host="10.0.0.1", rendezvous_id="r-1",
-                trainer_config={})
+                trainer_config={}, hang_timeout_seconds=600, startup_timeout_seconds=1800)
     c.LaunchSpec(node_ranks={"i-1": 0, "i-2": 1}, **base)
     with pytest.raises(ValidationError, match="node_ranks must number"):
         c.LaunchSpec(node_ranks={"i-1": 0, "i-2": 2}, **base)

@@ -216,7 +216,7 @@ def test_validate_records_the_run_and_passes_on_a_reference_of_constant_size(han
     outputs = [handlers.validate.handler({"run_spec": document, "execution_arn": f"arn:{document['run_name']}"},
                                          Context()) for document in (small, large)]
     assert outputs[1] == {"run": {"run_name": "large-run", "attempt": 0},
-                          "timeouts": {"boot_seconds": 2400, "heartbeat_seconds": 900}}
+                          "timeouts": {"boot_seconds": 2400, "heartbeat_seconds": 600}}
     assert len(json.dumps(outputs[1])) < 200  # 512 nodes or 4: the fleet stays in DynamoDB
     # A retry of the same execution is fine; another execution may not take the name.
     assert handlers.validate.handler({"run_spec": small, "execution_arn": "arn:small-run"}, Context()) == outputs[0]
@@ -670,6 +670,47 @@ def test_recover_names_the_workers_that_failed_silently(handlers, cloud, resourc
     assert f"{frozen}: EC2 instance status impaired" in named.message
     cloud.fleet.resume(frozen)
     ec2.terminate_instances(InstanceIds=ids)
+
+
+def test_a_crash_reported_before_ec2s_event_replaces_the_lost_worker_alone_and_books_one_restart(
+        handlers, cloud, resources, monkeypatch):
+    """A worker's instance is terminated; the survivor's agent reports its trainer's crash (its
+    peer died) before EC2's state-change event arrives. Recover finds the instance leaving in
+    EC2's instance states: the failure is that instance's loss, it alone is replaced, and the
+    event that follows books nothing more."""
+    payload = validated_run(handlers, cloud, resources, monkeypatch)
+    name = payload["run"]["run_name"]
+    store = RunStore(cloud.client("dynamodb"), resources["run_table"])
+    handlers.allocate.handler(payload, Context())
+    for index, instance_id in enumerate(sorted(node.instance_id for node in store.nodes(name))):
+        store.transition_node(name, instance_id, NodeState.REGISTERED, private_ip=f"10.0.2.{index + 1}")
+        store.transition_node(name, instance_id, NodeState.READY, ready_attempt=0)
+    handlers.await_nodes.handler({"run": payload, "task_token": "token-of-await-nodes"}, Context())
+    execution, token = parked_token(cloud)
+    handlers.launch.handler({"run": payload, "task_token": token}, Context())
+    ranks = {node.node_rank: node.instance_id for node in store.nodes(name)}
+    survivor, lost = ranks[0], ranks[1]
+    ec2 = cloud.client("ec2")
+    ec2.terminate_instances(InstanceIds=[lost])
+    crashed = {"run_name": name, "attempt": 0, "instance_id": survivor, "kind": "crash", "exit_code": 1,
+               "message": "RuntimeError: Connection closed by peer"}
+    assert handlers.events.handler(agent_event("TrainerFailed", crashed), Context())["outcome"] == \
+        "PROCESS_CRASH: task failed"
+    caught = {**payload, "failure": {"Error": FAILURE_ERROR, "Cause": finished(cloud, execution)["cause"]}}
+    handlers.recover.handler(caught, Context())
+
+    run = store.run(name)
+    assert (run.attempt, run.restarts) == (1, 1)
+    assert [failure.failure_class for failure in run.failures] == [FailureClass.INSTANCE_LOST]
+    assert f"{lost}: EC2 reports the instance " in store.node(name, lost).reason
+    assert store.node(name, lost).state is NodeState.TERMINATING
+    assert store.node(name, lost).failure_class is FailureClass.INSTANCE_LOST
+    assert not store.node(name, survivor).state.is_retired and store.node(name, survivor).failure_class is None
+    assert len([node for node in store.nodes(name) if node.attempt == 1]) == 1, "the lost worker alone is replaced"
+    outcome = handlers.events.handler(state_change(lost, "terminated"), Context())["outcome"]
+    assert outcome == "node terminated"
+    assert (store.run(name).restarts, len(store.run(name).failures)) == (1, 1)
+    ec2.terminate_instances(InstanceIds=run_instance_ids(ec2, name, STACK))
 
 
 def test_a_report_about_a_node_already_retired_changes_nothing(handlers, cloud, resources):

@@ -6,6 +6,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from trainfleet import lifecycle as lc
+from trainfleet import pace
 from trainfleet.contracts import (CAPACITY_ERROR, FAILURE_ERROR, CheckpointCommitted, CheckpointReason,
                                   CheckpointRef, Ec2InstanceStateChange, Ec2RebalanceRecommendation,
                                   Ec2SpotInterruptionWarning, FailureClass, FailureRecord,
@@ -527,37 +528,87 @@ def live(instance_id: str, step: int | None, seconds_ago: float, attempt: int = 
                         reported_at=T0 - timedelta(seconds=seconds_ago))
 
 
+HANG_S = 600  # RecoveryPolicy's default: the usual pace of the looks
+
+
 def test_the_read_rate_of_a_run_stays_bounded_whatever_its_node_count():
-    assert [lc.poll_interval(2, draw) for draw in (0.0, 0.5)] == [5.0, 7.5]
-    assert lc.poll_interval(512, 0.0) == 10.0  # twice FULL_RATE_NODES: half as often
-    assert lc.looks_per_second(2) == pytest.approx(0.267, abs=1e-3)
-    assert lc.looks_per_second(512) == lc.looks_per_second(4096) == pytest.approx(34.13, abs=0.01)
+    assert [lc.poll_interval(2, draw, HANG_S) for draw in (0.0, 0.5)] == [5.0, 7.5]
+    assert lc.poll_interval(512, 0.0, HANG_S) == 10.0  # twice FULL_RATE_NODES: half as often
+    assert lc.looks_per_second(2, HANG_S) == pytest.approx(0.267, abs=1e-3)
+    assert lc.looks_per_second(512, HANG_S) == lc.looks_per_second(4096, HANG_S) == pytest.approx(34.13, abs=0.01)
     with pytest.raises(ValueError, match="draw"):
-        lc.poll_interval(2, 1.0)
+        lc.poll_interval(2, 1.0, HANG_S)
+
+
+def test_a_short_hang_timeout_quickens_the_heartbeats_and_looks_so_a_silent_agent_is_known_in_time():
+    assert [pace.heartbeat_pace(hang) for hang in (5, 10, 20, 600)] == [1.25, 2.5, 5.0, 5.0]
+    # 10 s: a beat every 2.5 s; a hang is declared at least 7.5 s after the node froze, when its
+    # agent has missed three looks of at most 2.5 s.
+    assert [lc.poll_interval(2, draw, 10) for draw in (0.0, 0.5)] == [1.25, 1.875]
+    assert lc.silent_after(2, 10) == timedelta(seconds=7.5) and lc.silent_after(2, HANG_S) == timedelta(seconds=30)
+    for nodes in (2, 100, 256, 512, 4096):
+        for hang in (pace.least_hang_timeout(nodes), 20, 35, 60, 600, 3600):
+            longest = max(lc.poll_interval(nodes, 1 - 1e-12, hang), lc.poll_interval(nodes, 0.0, hang))
+            slowest_silence = pace.SILENT_LOOKS * longest
+            assert lc.silent_after(nodes, hang).total_seconds() == pytest.approx(slowest_silence)
+            if hang >= pace.least_hang_timeout(nodes):
+                assert slowest_silence <= hang - pace.heartbeat_pace(hang) + 1e-9, (nodes, hang)
+
+
+def test_a_hang_timeout_too_short_for_the_run_read_rate_is_refused_naming_the_least_that_fits():
+    assert [pace.least_hang_timeout(nodes) for nodes in (2, 100, 256, 512, 4096)] == [5, 16, 35, 65, 485]
+    for nodes in (2, 100, 256, 512, 4096):
+        least = pace.least_hang_timeout(nodes)
+        assert pace.hang_timeout_problem(nodes, least) is None
+        assert lc.looks_per_second(nodes, least) <= pace.READ_RATE_BOUND * (1 + 1e-9)
+        if least > pace.HANG_TIMEOUT_MIN_S:
+            problem = pace.hang_timeout_problem(nodes, least - 1)
+            assert f"hang_timeout_seconds={least - 1} is too short for {nodes} nodes (node_count" in problem
+            assert problem.endswith(f"give at least {least} s")
 
 
 def test_a_crash_names_the_workers_that_went_silent_never_joined_or_fell_behind():
     crash = report(FailureClass.PROCESS_CRASH)
     records = [live("i-1", 40, 2), live("i-2", 40, 300), live("i-3", None, 3), live("i-4", 37, 1)]
-    blamed = lc.blame_silent_workers(crash, WORKERS, records, T0)
+    blamed = lc.blame_silent_workers(crash, WORKERS, records, T0, HANG_S)
     assert blamed.instance_ids == ["i-2", "i-3", "i-4"] and blamed.failure_class is FailureClass.PROCESS_CRASH
     assert "i-2: agent silent for 300 s" in blamed.message and "i-3: never joined the rendezvous" in blamed.message
     assert "i-4: stopped advancing at step 37" in blamed.message
     # A step behind is a pipeline in flight, not a silent node; a record of an older attempt is none,
     # which counts once the peers trained (every agent reports before its torchrun starts).
     records = [live("i-1", 40, 2), live("i-2", 39, 2), live("i-3", 40, 1), live("i-4", 40, 3, attempt=0)]
-    blamed = lc.blame_silent_workers(crash, WORKERS, records, T0)
+    blamed = lc.blame_silent_workers(crash, WORKERS, records, T0, HANG_S)
     assert blamed.instance_ids == ["i-4"] and "no liveness report in attempt 1" in blamed.message
     not_yet = [live("i-1", None, 2), live("i-2", None, 2)]  # still in the rendezvous
-    assert lc.blame_silent_workers(crash, WORKERS, not_yet, T0).instance_ids == []
+    assert lc.blame_silent_workers(crash, WORKERS, not_yet, T0, HANG_S).instance_ids == []
+
+
+def test_an_agent_is_silent_after_missing_three_looks_at_the_pace_of_its_run_hang_timeout():
+    hang = report(FailureClass.HANG)
+    records = [live("i-1", 40, 1), live("i-2", 40, 9), live("i-3", 40, 2), live("i-4", 40, 1)]
+    assert lc.blame_silent_workers(hang, WORKERS, records, T0, 10).instance_ids == ["i-2"]
+    assert lc.blame_silent_workers(hang, WORKERS, records, T0, HANG_S).instance_ids == []
 
 
 def test_liveness_blames_no_one_when_every_worker_looks_silent_but_ec2_impairment_counts():
     hang = report(FailureClass.HANG)
     silent = [live(f"i-{n}", 40, 600) for n in range(1, 5)]
-    assert lc.blame_silent_workers(hang, WORKERS, silent, T0).instance_ids == []
-    impaired = lc.blame_silent_workers(hang, WORKERS, silent, T0, impaired_ids=frozenset({"i-3", "i-9"}))
+    assert lc.blame_silent_workers(hang, WORKERS, silent, T0, HANG_S).instance_ids == []
+    impaired = lc.blame_silent_workers(hang, WORKERS, silent, T0, HANG_S, {"i-3": lc.IMPAIRED, "i-9": lc.IMPAIRED})
     assert impaired.instance_ids == ["i-3"] and "EC2 instance status impaired" in impaired.message
+    assert impaired.failure_class is FailureClass.HANG
+
+
+@pytest.mark.parametrize("state", ["shutting-down", "terminated", "stopping", "stopped"])
+def test_a_crash_of_a_world_that_lost_an_instance_is_that_instance_loss(state):
+    """The survivors' agents report a peer's death as a crash at once; EC2's state of the
+    instance, read by Recover, names the lost node and the failure is its loss."""
+    crash = report(FailureClass.PROCESS_CRASH)
+    answering = [live(f"i-{n}", 40, 1) for n in range(1, 5)]  # the lost node's agent died a moment ago
+    lost = lc.blame_silent_workers(crash, WORKERS, answering, T0, HANG_S, {"i-2": state, "i-3": "running"})
+    assert lost.instance_ids == ["i-2"] and lost.failure_class is FailureClass.INSTANCE_LOST
+    assert f"i-2: EC2 reports the instance {state}" in lost.message
+    assert lc.blame_silent_workers(crash, WORKERS, answering, T0, HANG_S, {"i-3": "running"}) == crash
 
 
 def test_failures_that_name_a_node_or_cannot_hide_one_are_left_alone():
@@ -565,4 +616,4 @@ def test_failures_that_name_a_node_or_cannot_hide_one_are_left_alone():
     for failure in (report(FailureClass.INSTANCE_LOST, "i-1"), report(FailureClass.NUMERICAL),
                     report(FailureClass.CONFIG_ERROR)):
         assert not lc.needs_liveness_look(failure)
-        assert lc.blame_silent_workers(failure, WORKERS, records, T0) == failure
+        assert lc.blame_silent_workers(failure, WORKERS, records, T0, HANG_S, {"i-2": "terminated"}) == failure

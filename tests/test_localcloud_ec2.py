@@ -10,7 +10,7 @@ from pathlib import Path
 import botocore.exceptions
 import pytest
 
-from trainfleet.adapters.liveness import impaired_instances
+from trainfleet.adapters.liveness import instance_troubles
 
 from localcloud.glue.ec2 import interface_requests
 from localcloud_helpers import (create_state_machine, deploy_function, event_sink, receive,
@@ -123,16 +123,18 @@ def test_terminate_hung_instance_and_stop_start(local_cloud):
     assert statuses[hung]["InstanceStatus"]["Status"] == "impaired"
     assert statuses[hung]["InstanceStatus"]["Details"] == [{"Name": "reachability", "Status": "failed"}]
     assert statuses[stopped]["InstanceStatus"]["Status"] == "ok"
-    assert impaired_instances(ec2, [hung, stopped]) == {hung}
+    assert instance_troubles(ec2, [hung, stopped]) == {hung: "impaired"}
     assert ec2.terminate_instances(InstanceIds=[hung])["TerminatingInstances"][0]["CurrentState"]["Name"] \
         == "shutting-down"
     local_cloud.fleet.wait_for_state(hung, "terminated")
     assert process.poll() is not None
+    assert instance_troubles(ec2, [hung]) == {hung: "terminated"}  # what Recover sees of a lost worker
 
     first_process = local_cloud.fleet.get(stopped).process
     ec2.stop_instances(InstanceIds=[stopped])
     local_cloud.fleet.wait_for_state(stopped, "stopped")
     assert first_process.poll() is not None
+    assert instance_troubles(ec2, [stopped]) == {stopped: "stopped"}
     ec2.start_instances(InstanceIds=[stopped])
     local_cloud.fleet.wait_for_state(stopped, "running")
     local_cloud.wait_until(lambda: local_cloud.fleet.get(stopped).process not in (None, first_process),

@@ -15,7 +15,9 @@ instance's process. It speaks to the control plane only through AWS:
 3. preflight (`python -m trainer.health`, a subprocess so the agent never imports torch), then
    NodeReady or NodeUnhealthy with the check results;
 4. at each look at the control plane (every 5-10 s, drawn; less often in very large runs, so a
-   run's read rate stays bounded: lifecycle.poll_interval) it reads the run record: it confirms
+   run's read rate stays bounded, and more often with a hang timeout under about 35 s, so a
+   silent agent is known silent before a hang is declared: lifecycle.poll_interval) it reads the
+   run record: it confirms
    its readiness (NodeReady) for each attempt the run moves to, and once the run trains an
    attempt newer than its last it reads `s3://BUCKET/runs/RUN/launch-spec.json` and, if the spec
    names it, runs torchrun for it: nnodes = the plan's nodes, c10d rendezvous at node rank 0's
@@ -29,11 +31,18 @@ instance's process. It speaks to the control plane only through AWS:
    notice, and stops torchrun when the run moves to a newer attempt. The agent whose node holds
    global rank 0 (the only one whose trainer writes the metrics file) also heartbeats the Train
    task as steps advance, sends sampled TrainingProgress and CheckpointCommitted for every
-   checkpoint committed to S3 with the reason it was saved;
+   checkpoint committed to S3 with the reason it was saved. Before the attempt's first step
+   (rendezvous, NCCL set-up, checkpoint load) no trainer writes metrics yet, so the agent of
+   node rank 0 heartbeats the start-up, for at most the run's startup timeout after torchrun
+   started; a start that outlasts it is declared hung a hang timeout later. Likewise the end:
+   after the final step the agent that speaks for the world heartbeats while the trainer saves
+   its final checkpoint and exits, for at most the startup timeout. The heartbeat's pace
+   is a quarter of the hang timeout, at most 5 s (trainfleet.pace.heartbeat_pace);
 6. torchrun's exit: 0 -> TrainingCompleted; otherwise TrainerFailed with the kind read from its
    output (config error, NaN loss, crash), unless the run has moved on meanwhile: a peer's
-   death reaches this node as a crash, and EC2's report of the lost instance must be what
-   blames the failure, so the agent waits a few seconds for it first.
+   death reaches this node as a crash. EC2's event about a lost peer usually lands within a
+   second, so the agent waits that long first and then stays quiet; when it is later, Recover
+   still blames the lost instance from its EC2 state.
 
 A failed control-plane call (throttling, a 5xx answer, a connection error, a timeout) is logged
 and tried again at a later look with backoff; it never stops torchrun. When the run is over, or
@@ -44,6 +53,7 @@ the control plane has been unreachable for UNREACHABLE_LIMIT_S, the agent ends i
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shlex
@@ -74,6 +84,7 @@ from trainfleet.contracts import (AgentEvent, CheckpointCommitted, CheckpointRea
                                   RunRecord, RunState, TrainerFailed, TrainerFailureKind, TrainingCompleted,
                                   TrainingProgress, put_events_entry)
 from trainfleet.lifecycle import checkpoint_request_answered, poll_interval
+from trainfleet.pace import heartbeat_pace
 
 LOOK_S = 0.5
 """How often the agent looks at what is on the node: the trainer's files, the metadata service."""
@@ -87,12 +98,12 @@ CLIENT_RETRIES = {"max_attempts": 5, "mode": "standard"}
 TRANSIENT_ERRORS = (ClientError, BotoCoreError)
 """What a control-plane call fails with once botocore's own retries are spent (throttling, 5xx,
 connection errors, timeouts, a refused call): logged and tried again later, never fatal."""
-HEARTBEAT_EVERY_S = 5.0
-"""Least time between two SendTaskHeartbeat calls (a step may take milliseconds)."""
 PROGRESS_EVERY_S = 10.0
 """Least time between two TrainingProgress events (sampled; CloudWatch gets them as metrics)."""
-PEER_LOSS_GRACE_S = 5.0
-"""How long a failed trainer waits for the run to move on before it reports the failure."""
+PEER_LOSS_GRACE_S = 1.0
+"""How long a failed trainer waits for the run to move on before it reports the failure: EC2's
+event about a lost peer, on its way when the peer's death broke this world, usually moves it on
+by then. Only noise is saved: Recover names a lost instance from its EC2 state either way."""
 HEALTH_TIMEOUT_S = 300
 """Longest preflight; beyond it the node is unhealthy."""
 RENDEZVOUS_JOIN_TIMEOUT_S = 300
@@ -235,6 +246,9 @@ class ControlPlane:
         self.store = RunStore(boto3.client("dynamodb", config=config), settings.run_table)
         self.run_nodes = 1
         """The run's node count (workers and spares): the pace of the looks depends on it."""
+        self.hang_timeout_s = math.inf
+        """The run's hang timeout, and so the pace of the looks, once a look read the run record
+        (unknown before: the usual pace)."""
         self.next_look = 0.0
         self.failures = 0
         self.failing_since: float | None = None
@@ -245,7 +259,7 @@ class ControlPlane:
         """Whether a look at the control plane is due now; if so, the next one is paced."""
         if self.clock() < self.next_look:
             return False
-        self.next_look = self.clock() + poll_interval(self.run_nodes, self.draw())
+        self.next_look = self.clock() + poll_interval(self.run_nodes, self.draw(), self.hang_timeout_s)
         return True
 
     def call(self, what: str, action: Callable[[], T]) -> T | None:
@@ -274,6 +288,7 @@ class ControlPlane:
         run = self.call("read the run record", lambda: self.store.run(self.settings.run_name, consistent=False))
         if run is not None:
             self.run_nodes = run.spec.node_count + run.spec.spare_count
+            self.hang_timeout_s = run.spec.recovery.hang_timeout_seconds
         return run
 
     # --- calls ---
@@ -483,7 +498,12 @@ class Attempt:
                           if spec.resume_step is None or step <= spec.resume_step}
         self.last_step: int | None = None
         self.speaks_for_world = False  # set once this node's trainer writes metrics (global rank 0)
-        self.last_heartbeat = self.last_progress = 0.0
+        self.heartbeat_every = heartbeat_pace(spec.hang_timeout_seconds)
+        self.torchrun_started: float | None = None  # control.clock() when torchrun was started
+        self.stepped = False  # whether this node saw a step of this attempt (metrics or its progress)
+        self.final_step = spec.trainer_config.get("training", {}).get("steps")
+        self.finished: float | None = None  # control.clock() when the metrics showed the final step
+        self.last_heartbeat = self.last_progress = -math.inf
         self.spot_notice_seen = False
         self.checkpoint_request_seen: datetime | None = None
         self.node_step: int | None = None  # this node's trainer's last step (its progress file)
@@ -500,6 +520,7 @@ class Attempt:
         self.report_liveness()
         say("starting torchrun", attempt=self.spec.attempt, node_rank=self.node_rank,
             resume_step=self.spec.resume_step, command=" ".join(command[1:]))
+        self.torchrun_started = self.control.clock()
         with self.files.output.open("ab") as output:
             # Same process group as the agent: whatever ends the instance ends torchrun too.
             process = subprocess.Popen(command, cwd=self.files.folder, env=torchrun_env(self.files, self.identity),
@@ -529,33 +550,52 @@ class Attempt:
     def follow(self) -> None:
         """What the node shows since the last look: metrics, this node's progress, a Spot notice.
         Only the node that speaks for the world calls the control plane here (heartbeat, sampled
-        progress, new commits)."""
+        progress, new commits), and node rank 0 while the attempt starts up (heartbeat)."""
         records = self.metrics.new_records()
         # A `finished` record (no loss) is what a trainer resumed at its last step writes instead
         # of step records: it speaks for the world all the same.
         steps = [record for record in records if not record.get("finished")]
-        now = time.monotonic()
+        now = self.control.clock()
+        step = read_progress(self.files.progress)
+        if step != self.node_step:
+            # The first step written is where the trainer joined the world; a change after it is a step.
+            self.stepped = self.stepped or self.node_step is not None
+            self.node_step, self.node_step_at = step, datetime.now(timezone.utc)
+        self.stepped = self.stepped or bool(steps)
         if records:
             self.speaks_for_world = True
             self.last_step = records[-1]["step"]
-        if steps:
-            if self.spec.heartbeat_task_token and now - self.last_heartbeat >= HEARTBEAT_EVERY_S:
-                self.control.heartbeat(self.spec.heartbeat_task_token)
-                self.last_heartbeat = now
-            if now - self.last_progress >= PROGRESS_EVERY_S:
-                self.send_progress(steps[-1])
-                self.last_progress = now
+            if self.finished is None and self.last_step == self.final_step:
+                self.finished = now
+        if (steps or self.starting_up(now) or self.winding_down(now)) and self.spec.heartbeat_task_token \
+                and now - self.last_heartbeat >= self.heartbeat_every:
+            self.control.heartbeat(self.spec.heartbeat_task_token)
+            self.last_heartbeat = now
+        if steps and now - self.last_progress >= PROGRESS_EVERY_S:
+            self.send_progress(steps[-1])
+            self.last_progress = now
         if records:
             # While its trainer advances, the node that speaks for the world looks for new commits
             # at once (one S3 listing per look of this node, whatever the node count): a Spot
             # wait ends on one, and the next attempt resumes from the newest announced.
             self.announce_commits()
-        step = read_progress(self.files.progress)
-        if step != self.node_step:
-            self.node_step, self.node_step_at = step, datetime.now(timezone.utc)
         if not self.spot_notice_seen and self.metadata.spot_action() is not None:
             self.spot_notice_seen = True
             self.request_checkpoint("spot interruption notice")
+
+    def starting_up(self, now: float) -> bool:
+        """Whether this node heartbeats the attempt's start-up: before the first step no trainer
+        writes metrics, so the agent of node rank 0 (the launch spec's choice, known to every
+        agent) speaks for the world until a step or the startup timeout, whichever comes first."""
+        return (self.node_rank == 0 and not self.stepped and self.torchrun_started is not None
+                and now - self.torchrun_started < self.spec.startup_timeout_seconds)
+
+    def winding_down(self, now: float) -> bool:
+        """Whether this node heartbeats the end of a trainer that reached its final step: the final
+        checkpoint is saved and the world torn down before torchrun exits (and TrainingCompleted
+        answers the task), with no step to show for it. Bounded like the start-up, which it
+        mirrors (a checkpoint saved instead of loaded)."""
+        return self.finished is not None and now - self.finished < self.spec.startup_timeout_seconds
 
     def look(self, run: RunRecord) -> None:
         """At each look at the control plane: this node's liveness, a checkpoint the run asks for,

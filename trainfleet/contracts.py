@@ -18,7 +18,7 @@ Offers:
     LaunchSpec                  what every node agent reads to start the trainer
     rendezvous_port(id)         the port of an attempt's c10d rendezvous (one of RENDEZVOUS_PORTS)
     RunRef                      the small reference Step Functions states carry
-    Event details: Ec2InstanceStateChange, Ec2SpotInterruptionWarning,
+    Event details: Ec2InstanceStateChange (LOST_STATES: its states of an instance leaving), Ec2SpotInterruptionWarning,
       Ec2RebalanceRecommendation, HealthEvent (AWS shapes); NodeRegistered, NodeReady,
       NodeUnhealthy, CheckpointCommitted, TrainerFailed, TrainerHung, TrainingCompleted,
       TrainingProgress (source "trainfleet")
@@ -44,6 +44,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
                       model_validator)
 
 from trainfleet.catalogue import InstanceFacts, UnknownInstanceType, instance_facts
+from trainfleet.pace import HANG_TIMEOUT_MIN_S, hang_timeout_problem
 
 EVENT_SOURCE = "trainfleet"
 """EventBridge `source` of every event the node agents send."""
@@ -247,8 +248,15 @@ class RecoveryPolicy(_Strict):
     """Upper bound of any wait."""
     backoff_jitter: float = Field(default=0.2, ge=0, le=1)
     """Fraction of the wait drawn at random, so that many runs do not retry in lockstep."""
-    hang_timeout_seconds: int = Field(default=900, ge=60)
-    """No training progress for this long means hung (the Train task's HeartbeatSeconds)."""
+    hang_timeout_seconds: int = Field(default=600, ge=HANG_TIMEOUT_MIN_S)
+    """No training progress for this long means hung (the Train task's HeartbeatSeconds). The
+    default is NCCL's own collective timeout: a world that waits longer on a peer has lost it.
+    The agents look at the control plane often enough to tell a silent node within it, so a
+    large run's read rate bounds it from below (trainfleet.pace)."""
+    startup_timeout_seconds: int = Field(default=1800, ge=HANG_TIMEOUT_MIN_S)
+    """Longest time from torchrun's start to the attempt's first step (rendezvous, NCCL set-up,
+    checkpoint load): rank 0's agent heartbeats the Train task that long before a step, then a
+    hang is declared hang_timeout_seconds later. At least hang_timeout_seconds."""
     boot_timeout_seconds: int = Field(default=1800, ge=60)
     """Longest wait for the nodes to boot and pass preflight (the AwaitNodes task's timeout)."""
 
@@ -257,6 +265,10 @@ class RecoveryPolicy(_Strict):
         if self.backoff_max_seconds < self.backoff_base_seconds:
             raise ValueError(f"recovery.backoff_max_seconds={self.backoff_max_seconds} is below "
                              f"recovery.backoff_base_seconds={self.backoff_base_seconds}")
+        if self.startup_timeout_seconds < self.hang_timeout_seconds:
+            raise ValueError(f"recovery.startup_timeout_seconds={self.startup_timeout_seconds} is below "
+                             f"recovery.hang_timeout_seconds={self.hang_timeout_seconds}: starting an attempt "
+                             "takes longer than a steady step")
         return self
 
 
@@ -485,6 +497,8 @@ class RunSpec(_Strict):
                 f"trainer.parallel.pp x dp x tp = {par.pp} x {par.dp} x {par.tp} = {par.pp * par.dp * par.tp} "
                 f"ranks, but node_count={self.node_count} x {ranks_per_node} ranks per "
                 f"{self.instance_type} = {ranks}")
+        if problem := hang_timeout_problem(self.node_count + self.spare_count, self.recovery.hang_timeout_seconds):
+            raise ValueError(problem)
         return self
 
     @property
@@ -974,6 +988,12 @@ class LaunchSpec(_Strict):
     """Committed step to resume from; None starts from scratch."""
     heartbeat_task_token: str | None = None
     """Token rank 0's agent sends SendTaskHeartbeat / success with as training advances."""
+    hang_timeout_seconds: int = Field(ge=HANG_TIMEOUT_MIN_S)
+    """The run's RecoveryPolicy.hang_timeout_seconds: the Train task's HeartbeatSeconds, which
+    sets the pace of the heartbeats (trainfleet.pace.heartbeat_pace)."""
+    startup_timeout_seconds: int = Field(ge=HANG_TIMEOUT_MIN_S)
+    """The run's RecoveryPolicy.startup_timeout_seconds: how long after torchrun's start node
+    rank 0's agent heartbeats before the first step."""
 
     @model_validator(mode="after")
     def _ranks(self) -> LaunchSpec:
@@ -1020,6 +1040,10 @@ class Ec2InstanceStateChange(_Open):
 
     instance_id: str = Field(alias="instance-id")
     state: Literal["pending", "running", "stopping", "stopped", "shutting-down", "terminated"]
+
+
+LOST_STATES = frozenset({"stopping", "stopped", "shutting-down", "terminated"})
+"""EC2 instance states in which an instance is leaving for good (or at least leaving the world)."""
 
 
 class Ec2SpotInterruptionWarning(_Open):

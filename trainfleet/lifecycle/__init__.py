@@ -19,9 +19,10 @@ Offers:
                confirmed(node, attempt), ready_workers(nodes, attempt), unready_workers(nodes, attempt),
                world_complete(nodes, plan, attempt), assign_ranks(nodes, plan, attempt),
                build_launch_spec(run, nodes, heartbeat_task_token) -> LaunchSpec
-    liveness:  poll_interval(nodes, draw), looks_per_second(nodes), silent_after(nodes),
-               silent_workers(nodes, liveness, attempt, now, impaired_ids),
-               blame_silent_workers(failure, ...) -> FailureReport, needs_liveness_look(failure)
+    liveness:  poll_interval(nodes, draw, hang_timeout_s), looks_per_second(nodes, hang_timeout_s),
+               silent_after(nodes, hang_timeout_s) (trainfleet.pace's rules),
+               silent_workers(nodes, liveness, attempt, now, hang_timeout_s, ec2_troubles),
+               blame_silent_workers(failure, ...) -> FailureReport, needs_liveness_look(failure), IMPAIRED
 
 Randomness (backoff jitter) and time come in as arguments, so every decision is reproducible.
 """
@@ -33,7 +34,7 @@ from trainfleet.lifecycle.launch import (assign_ranks, build_launch_spec, confir
                                         ready_workers, unready_workers, world_complete)
 from trainfleet.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, backoff_seconds,
                                            decide_recovery, failure_streak)
-from trainfleet.lifecycle.liveness import (blame_silent_workers, looks_per_second, needs_liveness_look,
+from trainfleet.lifecycle.liveness import (IMPAIRED, blame_silent_workers, looks_per_second, needs_liveness_look,
                                            poll_interval, silent_after, silent_workers)
 from trainfleet.lifecycle.replan import initial_plan, plan_layout
 from trainfleet.lifecycle.spot import (SPOT_NOTICE, checkpoint_before_leaving, checkpoint_request_answered,
@@ -49,5 +50,5 @@ __all__ = [
     "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "assign_ranks",
     "build_launch_spec",
     "poll_interval", "looks_per_second", "silent_after", "silent_workers", "blame_silent_workers",
-    "needs_liveness_look",
+    "needs_liveness_look", "IMPAIRED",
 ]

@@ -2,13 +2,10 @@
 
 import json
 
-from trainfleet.contracts import (CAPACITY_ERROR, FAILURE_ERROR, AgentEvent, AnyDetail, Ec2InstanceStateChange,
+from trainfleet.contracts import (CAPACITY_ERROR, LOST_STATES, FAILURE_ERROR, AgentEvent, AnyDetail, Ec2InstanceStateChange,
                                   Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning,
                                   FailureClass, FailureReport, HealthEvent, NodeReady, NodeRegistered, NodeUnhealthy,
                                   TaskWait, TrainerFailed, TrainerFailureKind, TrainerHung)
-
-# States in which an instance is leaving for good (or at least leaving the world).
-_LOST_STATES = {"stopping", "stopped", "shutting-down", "terminated"}
 
 # Health categories that announce trouble for the instance itself (accountNotification does not).
 _HEALTH_CATEGORIES = {"issue", "scheduledChange", "investigation"}
@@ -43,7 +40,7 @@ def classify_event(detail: AnyDetail, attempt: int) -> FailureReport | None:
     older attempts should be dropped with is_stale() first.
     """
     match detail:
-        case Ec2InstanceStateChange(state=state) if state in _LOST_STATES:
+        case Ec2InstanceStateChange(state=state) if state in LOST_STATES:
             return _report(FailureClass.INSTANCE_LOST, attempt, [detail.instance_id],
                            f"EC2 reports instance {detail.instance_id} {state}")
         case Ec2SpotInterruptionWarning():

@@ -75,4 +75,6 @@ def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_to
         trainer_config=run.spec.trainer_mapping(run.plan.pp, run.plan.dp, resume_step),
         resume_step=resume_step,
         heartbeat_task_token=heartbeat_task_token,
+        hang_timeout_seconds=run.spec.recovery.hang_timeout_seconds,
+        startup_timeout_seconds=run.spec.recovery.startup_timeout_seconds,
     )
