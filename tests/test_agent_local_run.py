@@ -8,8 +8,6 @@ from localcloud_helpers import run_scenario
 
 SCENARIO_TIMEOUT_S = 600
 FINAL_STEP, CHECKPOINT_EVERY = 60, 10  # events/local-demo-run.json
-SPOT_STEPS, SPOT_CHECKPOINT_EVERY = 500, 250  # tests/agent_local_run.py's spot scenario
-FROZEN_STEPS, FROZEN_CHECKPOINT_EVERY = 1000, 100  # and its frozen-node one
 
 
 def agent_scenario(name: str) -> dict:
@@ -109,47 +107,3 @@ def test_teardown_leaves_no_instance_running(run):
     assert len(run["instances"]) == 3
     assert set(run["instances"].values()) == {"terminated"}, run["instances"]
     assert {node["state"] for node in run["nodes"].values()} <= {"TERMINATING", "TERMINATED"}
-
-
-@pytest.mark.slow
-def test_a_spot_notice_replaces_the_node_after_its_emergency_checkpoint_and_resumes_from_it():
-    """The victim's agent asks its trainer for a checkpoint when it sees the notice; the control
-    plane trains on until that checkpoint commits, then replaces the node. The scenario checkpoints
-    every 250 steps and gives the notice after step 250, so a resume step off that grid is the
-    requested checkpoint."""
-    run = agent_scenario("spot-interruption")
-    assert run["status"] == "SUCCEEDED"
-    victim, survivor = run["disrupted"]["victim"], run["disrupted"]["survivor"]
-    (failure,) = run["report"]["failures"]
-    assert failure["failure_class"] == "SPOT_INTERRUPTION" and run["nodes"][victim]["failure"] == "SPOT_INTERRUPTION"
-    assert [instance for instance, notices in run["spot_notices"].items() if notices] == [victim]
-    (replacement,) = set(run["nodes"]) - set(run["disrupted"]["first_nodes"])
-    resumed = resume_point(run, survivor, victim, replacement)
-    every = SPOT_CHECKPOINT_EVERY
-    assert every < resumed < SPOT_STEPS and resumed % every != 0, resumed
-    assert resumed == failure["resume_step"]  # recorded before the attempt was failed
-    assert [0, resumed] in run["commits"]
-    assert [step for attempt, step in run["commits"] if attempt == 1] == [SPOT_STEPS]
-    assert set(run["instances"].values()) == {"terminated"}
-    ledger = run["report"]["ledger"]
-    assert ledger["productive_seconds"] > 0 and ledger["lost_seconds"] > 0
-
-
-@pytest.mark.slow
-def test_a_frozen_node_is_named_and_replaced_on_the_first_failure():
-    """A node that fails silently (frozen: no EC2 event, no report of its own) takes the world down:
-    its peer hangs until the Train task's heartbeat times out (the demo's hang timeout, 10 s, is
-    shorter than the scenario's collective timeout). No event names a node; Recover names it from
-    its impaired status check and silent agent, so it is replaced at once instead of failing every
-    restart until the crash-loop rule gives up."""
-    run = agent_scenario("frozen-node")
-    assert run["status"] == "SUCCEEDED"
-    victim, survivor = run["disrupted"]["victim"], run["disrupted"]["survivor"]
-    (failure,) = run["report"]["failures"]
-    assert failure["failure_class"] == "HANG"
-    assert run["nodes"][victim]["failure"] == failure["failure_class"] and run["nodes"][survivor]["failure"] is None
-    (replacement,) = set(run["nodes"]) - set(run["disrupted"]["first_nodes"])
-    resumed = resume_point(run, survivor, victim, replacement)
-    assert 0 < resumed < FROZEN_STEPS and resumed % FROZEN_CHECKPOINT_EVERY == 0, resumed
-    assert [step for attempt, step in run["commits"] if attempt == 1][-1] == FROZEN_STEPS
-    assert set(run["instances"].values()) == {"terminated"}
