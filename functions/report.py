@@ -26,7 +26,7 @@ def build_report(run: RunRecord, nodes: list[NodeRecord]) -> dict[str, Any]:
         "latest_checkpoint": run.latest_checkpoint.model_dump(mode="json") if run.latest_checkpoint else None,
         "last_step": run.last_step,
         "goodput": run.ledger.goodput,
-        "ledger": run.ledger.model_dump(),
+        "ledger": run.ledger.model_dump(mode="json"),
         "nodes": {
             "launched": len(nodes),
             "by_state": dict(Counter(node.state.value for node in nodes)),
