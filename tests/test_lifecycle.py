@@ -372,7 +372,7 @@ def test_goodput_of_a_completed_attempt_and_of_attempts_without_progress():
     assert (finished.productive_seconds, finished.lost_by_cause) == (59 * 60, {"startup": 300, "finishing": 60})
     no_ckpt = lc.settle_attempt(GoodputLedger(), T0, minutes(5), None, minutes(20), completed=False)
     assert (no_ckpt.productive_seconds, no_ckpt.lost_by_cause) == (0, {"startup": 300, "redone:UNKNOWN": 900})
-    never_started = lc.settle_attempt(done, T0, None, None, minutes(10), completed=False, startup_cause="restart:HANG")
+    never_started = lc.settle_attempt(done, T0, None, None, minutes(10), completed=False, startup="restart:HANG")
     assert never_started.lost_by_cause == {"startup": 300, "restart:HANG": 600}
     assert never_started.lost_seconds == 300 + 600 and never_started.booked_until == minutes(10)
     with pytest.raises(ValueError, match="before it starts"):

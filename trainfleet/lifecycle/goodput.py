@@ -30,11 +30,11 @@ def give_up_cause(failure_class: FailureClass | None) -> str:
 
 def settle_attempt(ledger: GoodputLedger, started_at: datetime, first_step_at: datetime | None,
                    last_checkpoint_at: datetime | None, ended_at: datetime, completed: bool, *,
-                   startup_cause: str = STARTUP, redone: str = redone_cause(None),
+                   startup: str = STARTUP, redone: str = redone_cause(None),
                    last_step_at: datetime | None = None) -> GoodputLedger:
     """Book one attempt, from its start (allocation or restart) to its end, into `booked_until`.
 
-    Start-up until the first step is lost to `startup_cause`. Training is productive up to the
+    Start-up until the first step is lost to the cause `startup`. Training is productive up to the
     last checkpoint committed in the attempt, or, when the attempt completed the run, up to its
     last reported step (`last_step_at`; the end without one), the rest lost to FINISHING; what
     came after the checkpoint of a failed attempt is redone by the next one, lost to `redone`.
@@ -43,7 +43,7 @@ def settle_attempt(ledger: GoodputLedger, started_at: datetime, first_step_at: d
     if ended_at < started_at:
         raise ValueError(f"attempt ends ({ended_at}) before it starts ({started_at})")
     if first_step_at is None:
-        return _book(ledger, ended_at, 0.0, {startup_cause: _seconds(started_at, ended_at)})
+        return _book(ledger, ended_at, 0.0, {startup: _seconds(started_at, ended_at)})
     first_step_at = min(max(first_step_at, started_at), ended_at)
     if completed:
         kept_until, tail_cause = last_step_at or ended_at, FINISHING
@@ -53,7 +53,7 @@ def settle_attempt(ledger: GoodputLedger, started_at: datetime, first_step_at: d
         kept_until, tail_cause = first_step_at, redone
     kept_until = min(max(kept_until, first_step_at), ended_at)
     return _book(ledger, ended_at, _seconds(first_step_at, kept_until), {
-        startup_cause: _seconds(started_at, first_step_at), tail_cause: _seconds(kept_until, ended_at)})
+        startup: _seconds(started_at, first_step_at), tail_cause: _seconds(kept_until, ended_at)})
 
 
 def settle_run_attempt(run: RunRecord, ended_at: datetime, completed: bool,
@@ -74,12 +74,11 @@ def settle_run_attempt(run: RunRecord, ended_at: datetime, completed: bool,
     if started_at is None:
         raise ValueError(f"run {run.run_name!r}: attempt {run.attempt} has no start time (attempt_started_at, created_at)")
     handled = run.failures[-1].failure_class if run.failures else None
-    if run.error is not None and run.attempt_started_at is not None:
-        return settle_attempt(run.ledger, started_at, None, None, ended_at, completed,
-                              startup_cause=give_up_cause(handled))
+    if run.error is not None:
+        return settle_attempt(run.ledger, started_at, None, None, ended_at, completed, startup=give_up_cause(handled))
     checkpoint = run.latest_checkpoint
     return settle_attempt(run.ledger, started_at, run.first_step_at, checkpoint.committed_at if checkpoint else None,
-                          ended_at, completed, startup_cause=restart_cause(handled) if run.attempt else STARTUP,
+                          ended_at, completed, startup=restart_cause(handled) if run.attempt else STARTUP,
                           redone=redone_cause(failure_class), last_step_at=run.last_progress_at)
 
 
