@@ -283,7 +283,7 @@ LOST_TIME_MEANING = {
     "restart": "backoff, replacement, rendezvous, checkpoint load until the first step after the failure",
     "redone": "training after the last checkpoint, done again after the failure",
     "give_up": "from giving up on the failure to teardown",
-    "finishing": "after the last reported step: the final steps and checkpoint, the trainer's exit",
+    "finishing": "after the final checkpoint or last reported step: the trainer's exit, the completion event",
     "unattributed": "booked before lost time had causes",
 }
 """What each kind of lost time (GoodputLedger.lost_by_cause, before the ':') stands for."""

@@ -370,6 +370,10 @@ def test_goodput_of_a_completed_attempt_and_of_attempts_without_progress():
     finished = lc.settle_attempt(GoodputLedger(), T0, minutes(5), None, minutes(65), completed=True,
                                  last_step_at=minutes(64))
     assert (finished.productive_seconds, finished.lost_by_cause) == (59 * 60, {"startup": 300, "finishing": 60})
+    # Its final checkpoint, committed after the last (sampled) report, ends the training.
+    saved = lc.settle_attempt(GoodputLedger(), T0, minutes(5), minutes(64.5), minutes(65), completed=True,
+                              last_step_at=minutes(64))
+    assert (saved.productive_seconds, saved.lost_by_cause) == (59.5 * 60, {"startup": 300, "finishing": 30})
     no_ckpt = lc.settle_attempt(GoodputLedger(), T0, minutes(5), None, minutes(20), completed=False)
     assert (no_ckpt.productive_seconds, no_ckpt.lost_by_cause) == (0, {"startup": 300, "redone:UNKNOWN": 900})
     never_started = lc.settle_attempt(done, T0, None, None, minutes(10), completed=False, startup="restart:HANG")
@@ -479,6 +483,12 @@ def test_the_books_account_for_every_second_of_any_timeline_by_cause():
         if ending == "completed":
             if trained:
                 productive += sum(trained)
+                if draw.random() < 0.5:  # the final checkpoint, after the last report
+                    final = draw.randint(1, 30)
+                    now += timedelta(seconds=final)
+                    productive += final
+                    run = run.model_copy(update={"latest_checkpoint": CheckpointRef(
+                        step=2, uri="s3://bucket/runs/r1/checkpoints/step-000000002", committed_at=now)})
                 finishing = draw.randint(0, 60)
                 now += timedelta(seconds=finishing)
                 lose("finishing", finishing)

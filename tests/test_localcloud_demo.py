@@ -17,5 +17,6 @@ def test_the_summary_shows_the_lost_time_by_cause_largest_first():
         "    25.0 s lost to restart:INSTANCE_LOST: backoff, replacement, rendezvous, checkpoint load until the "
         "first step after the failure (INSTANCE_LOST)",
         "    10.0 s lost to startup: allocation, boot, preflight, rendezvous until the first step",
-        "     5.0 s lost to finishing: after the last reported step: the final steps and checkpoint, the trainer's exit",
+        "     5.0 s lost to finishing: after the final checkpoint or last reported step: the trainer's exit, "
+        "the completion event",
     ]

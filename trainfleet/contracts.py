@@ -808,8 +808,9 @@ class GoodputLedger(_Strict):
                              CLASS is the failure that ended it (UNKNOWN when the run failed on
                              an error no recovery classified)
         give_up:<CLASS>      the decision to give up on a CLASS failure to Teardown
-        finishing            a completed run, its last reported step to Teardown (the steps since
-                             that report, the final checkpoint, the trainer's exit)
+        finishing            a completed run, from its final checkpoint or last reported step,
+                             whichever is later, to Teardown (the trainer's exit, the completion
+                             event)
         unattributed         lost time of a record booked before causes were kept
     """
 

@@ -10,7 +10,7 @@ from trainfleet.contracts import FailureClass, GoodputLedger, NodeRecord, NodeSt
 STARTUP = "startup"
 """Lost cause: attempt 0 from the run's creation to its first step."""
 FINISHING = "finishing"
-"""Lost cause: a completed run from its last reported step to Teardown."""
+"""Lost cause: a completed run from its final checkpoint or last reported step to Teardown."""
 
 
 def restart_cause(failure_class: FailureClass | None) -> str:
@@ -35,9 +35,10 @@ def settle_attempt(ledger: GoodputLedger, started_at: datetime, first_step_at: d
     """Book one attempt, from its start (allocation or restart) to its end, into `booked_until`.
 
     Start-up until the first step is lost to the cause `startup`. Training is productive up to the
-    last checkpoint committed in the attempt, or, when the attempt completed the run, up to its
-    last reported step (`last_step_at`; the end without one), the rest lost to FINISHING; what
-    came after the checkpoint of a failed attempt is redone by the next one, lost to `redone`.
+    last checkpoint committed in the attempt; when the attempt completed the run, up to that
+    checkpoint (its final one) or its last reported step (`last_step_at`, sampled), whichever is
+    later (the end without either), the rest lost to FINISHING. What came after the checkpoint of
+    a failed attempt is redone by the next one, lost to `redone`.
     The pieces are cut at times clamped into the attempt, so they add up to its length exactly.
     """
     if ended_at < started_at:
@@ -45,12 +46,12 @@ def settle_attempt(ledger: GoodputLedger, started_at: datetime, first_step_at: d
     if first_step_at is None:
         return _book(ledger, ended_at, 0.0, {startup: _seconds(started_at, ended_at)})
     first_step_at = min(max(first_step_at, started_at), ended_at)
+    checkpointed = last_checkpoint_at if last_checkpoint_at is not None and last_checkpoint_at > first_step_at else None
     if completed:
-        kept_until, tail_cause = last_step_at or ended_at, FINISHING
-    elif last_checkpoint_at is not None and last_checkpoint_at > first_step_at:
-        kept_until, tail_cause = last_checkpoint_at, redone
+        seen = [moment for moment in (last_step_at, checkpointed) if moment is not None]
+        kept_until, tail_cause = max(seen, default=ended_at), FINISHING
     else:
-        kept_until, tail_cause = first_step_at, redone
+        kept_until, tail_cause = checkpointed or first_step_at, redone
     kept_until = min(max(kept_until, first_step_at), ended_at)
     return _book(ledger, ended_at, _seconds(first_step_at, kept_until), {
         startup: _seconds(started_at, first_step_at), tail_cause: _seconds(kept_until, ended_at)})
