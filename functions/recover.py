@@ -81,13 +81,13 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
     store, name = aws().store, run.run_name
     now = datetime.now(timezone.utc)
     # The cost ceiling is judged with the ended attempt on the books.
-    booked = run.model_copy(update={"ledger": book_attempt(run, nodes, now, completed=False)})
+    booked = run.model_copy(update={"ledger": book_attempt(run, nodes, now, False, failure.failure_class)})
     decision = decide_recovery(booked, nodes, failure, jitter_draw=random.random())
     # The attempt is booked in the same write as the decision, so a retry books it once. A give-up
     # starts the books afresh too, so Teardown adds only the time after it.
     store.modify_run(name, lambda current: apply_decision(current, failure, decision, now).model_copy(update={
         "state": RunState.RECOVERING,
-        "ledger": book_attempt(current, nodes, now, completed=False),
+        "ledger": book_attempt(current, nodes, now, False, failure.failure_class),
         "attempt_started_at": now, "first_step_at": None}))
     logger.info("recovery decided", run_name=name, decision=decision.model_dump(mode="json"))
     if decision.action is RecoveryAction.GIVE_UP:

@@ -1,4 +1,5 @@
-"""Report: write the run report (outcome, attempts, failures, checkpoint, goodput, nodes) to S3."""
+"""Report: write the run report (outcome, attempts, failures, checkpoint, goodput, lost time by
+cause, nodes) to S3, and the run's final metrics."""
 
 import json
 from collections import Counter
@@ -8,8 +9,9 @@ from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.common import RunPayload, aws, logger, report_key, tracer, transient_errors_named
-from trainfleet.adapters.metrics import emit, run_metrics
+from trainfleet.adapters.metrics import emit, lost_time_metrics, run_metrics
 from trainfleet.contracts import NodeRecord, RunRecord
+from trainfleet.lifecycle import unaccounted_seconds
 
 
 def build_report(run: RunRecord, nodes: list[NodeRecord]) -> dict[str, Any]:
@@ -26,7 +28,9 @@ def build_report(run: RunRecord, nodes: list[NodeRecord]) -> dict[str, Any]:
         "latest_checkpoint": run.latest_checkpoint.model_dump(mode="json") if run.latest_checkpoint else None,
         "last_step": run.last_step,
         "goodput": run.ledger.goodput,
-        "ledger": run.ledger.model_dump(),
+        "ledger": run.ledger.model_dump(mode="json"),
+        # Creation to the last booking less what the books hold: ~0 when every second is booked once.
+        "unaccounted_seconds": unaccounted_seconds(run) if run.created_at else None,
         "nodes": {
             "launched": len(nodes),
             "by_state": dict(Counter(node.state.value for node in nodes)),
@@ -54,5 +58,7 @@ def write_report(run_name: str) -> str:
     cloud.s3.put_object(Bucket=cloud.settings.bucket, Key=key, ContentType="application/json",
                         Body=json.dumps(report, indent=2).encode())
     emit(run_metrics(run, cloud.settings.metrics_namespace))
+    for document in lost_time_metrics(run, cloud.settings.metrics_namespace):
+        emit(document)
     logger.info("run report written", run_name=run_name, state=run.state.value, restarts=run.restarts)
     return f"s3://{cloud.settings.bucket}/{key}"

@@ -103,6 +103,17 @@ def _disrupt_node_rank_1(stack: LocalStack, run: LocalRun, watch: Watch,
     return {"first_nodes": first_nodes, "victim": victim, "survivor": survivor}
 
 
+LOST_TIME_MEANING = {
+    "startup": "allocation, boot, preflight, rendezvous until the first step",
+    "restart": "backoff, replacement, rendezvous, checkpoint load until the first step after the failure",
+    "redone": "training after the last checkpoint, done again after the failure",
+    "give_up": "from giving up on the failure to teardown",
+    "finishing": "after the final checkpoint or last reported step: the trainer's exit, the completion event",
+    "unattributed": "booked before lost time had causes",
+}
+"""What each kind of lost time (GoodputLedger.lost_by_cause, before the ':') stands for."""
+
+
 def narrate_outcome(outcome: dict[str, Any], narrate: Callable[[str], None]) -> None:
     """The summary at the end: where each attempt started, the losses, instances, goodput."""
     for instance_id, launches in outcome["launches"].items():
@@ -129,8 +140,12 @@ def narrate_outcome(outcome: dict[str, Any], narrate: Callable[[str], None]) -> 
     if outcome["error"]:
         narrate(f"execution failed: {outcome['error']}: {outcome['cause']}")
     ledger = report["ledger"]
-    narrate(f"goodput {report['goodput']:.0%} of the attempts' time: {ledger['productive_seconds']:.1f} s productive, "
-            f"{ledger['lost_seconds']:.1f} s lost (start-up, recovery, training redone after the resume)")
+    narrate(f"goodput {report['goodput']:.0%} of the run's time: {ledger['productive_seconds']:.1f} s productive, "
+            f"{ledger['lost_seconds']:.1f} s lost")
+    for cause, seconds in sorted(ledger["lost_by_cause"].items(), key=lambda item: -item[1]):
+        kind, _, failure_class = cause.partition(":")
+        narrate(f"  {seconds:6.1f} s lost to {cause}: {LOST_TIME_MEANING.get(kind, kind)}"
+                + (f" ({failure_class})" if failure_class else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -194,7 +194,9 @@ def scenarios(cloud, stack_name: str) -> None:
         "run": {"state": run.state.value, "attempt": run.attempt, "restarts": run.restarts,
                 "latest_checkpoint": run.latest_checkpoint.step if run.latest_checkpoint else None},
         "committed_steps": committed,
-        "report": {"state": report["state"], "restarts": report["restarts"]},
+        "report": {"state": report["state"], "restarts": report["restarts"],
+                   "lost_by_cause": report["ledger"]["lost_by_cause"],
+                   "unaccounted_seconds": report["unaccounted_seconds"]},
     }
 
     # 2. A bad RunSpec.

@@ -62,3 +62,21 @@ def test_bad_units_and_clashing_names_are_refused():
         metrics.emf_document("N", {"RunName": "r"}, {"Distance": (1.0, "Furlongs")})
     with pytest.raises(ValueError, match="RunName clashes"):
         metrics.emf_document("N", {"RunName": "r"}, {"RunName": (1.0, "Count")})
+
+
+def test_lost_time_goes_out_by_cause():
+    run = RunRecord(run_name="r1", spec=EXAMPLE_SPEC, ledger=GoodputLedger(
+        productive_seconds=900, lost_seconds=100, lost_by_cause={"startup": 70, "restart:HANG": 30}))
+    documents = metrics.lost_time_metrics(run, "Trainfleet", 0)
+    for document in documents:
+        assert_valid_emf(document)
+        assert document["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["Cause", "RunName"]]
+    assert [(d["RunName"], d["Cause"], d["LostTime"]) for d in documents] == [
+        ("r1", "restart:HANG", 30), ("r1", "startup", 70)]
+    assert metrics.lost_time_metrics(RunRecord(run_name="r1", spec=EXAMPLE_SPEC), "Trainfleet", 0) == []
+
+
+def test_emit_writes_to_the_stdout_of_the_moment(capsys):
+    # A runtime that captures a function's output replaces sys.stdout after this module is imported.
+    metrics.emit(metrics.emf_document("N", {"RunName": "r"}, {"Restarts": (1, "Count")}, 0))
+    assert json.loads(capsys.readouterr().out)["Restarts"] == 1

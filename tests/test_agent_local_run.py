@@ -44,6 +44,16 @@ def test_only_the_lost_node_is_replaced_and_the_run_succeeds(run):
 
 
 @pytest.mark.slow
+def test_the_report_accounts_for_every_second_of_the_run_by_cause(run):
+    report = run["report"]
+    causes = set(report["ledger"]["lost_by_cause"])
+    assert {"startup", "restart:INSTANCE_LOST"} <= causes <= {
+        "startup", "restart:INSTANCE_LOST", "redone:INSTANCE_LOST", "finishing"}, causes
+    assert report["ledger"]["productive_seconds"] > 0
+    assert report["unaccounted_seconds"] == pytest.approx(0, abs=1e-3)
+
+
+@pytest.mark.slow
 def test_every_agent_passed_preflight_with_the_checks_that_apply_here(run):
     # The first report is the preflight's; the survivor then confirms it is ready for attempt 1.
     survivor = run["disrupted"]["survivor"]

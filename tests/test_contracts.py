@@ -262,3 +262,15 @@ def test_unknown_event_and_bad_detail_are_refused_with_the_field():
         c.parse_event(bad)
     with pytest.raises(ValidationError, match="kind"):
         c.TrainerFailed.model_validate({"run_name": "r", "attempt": 0, "kind": "meh"})
+
+
+def test_the_ledger_keeps_lost_time_the_sum_of_its_causes_and_reads_older_records():
+    assert c.GoodputLedger(lost_seconds=30, lost_by_cause={"startup": 10, "restart:HANG": 20}).lost_seconds == 30
+    with pytest.raises(ValidationError, match="not the sum of lost_by_cause"):
+        c.GoodputLedger(lost_seconds=31, lost_by_cause={"startup": 10, "restart:HANG": 20})
+    with pytest.raises(ValidationError, match="negative time"):
+        c.GoodputLedger(lost_seconds=0, lost_by_cause={"startup": 10, "redone:HANG": -10})
+    # A record written before causes were kept is read with its loss under one cause.
+    older = c.GoodputLedger.model_validate({"productive_seconds": 90, "lost_seconds": 10})
+    assert (older.lost_by_cause, older.booked_until) == ({"unattributed": 10}, None)
+    assert c.GoodputLedger().lost_by_cause == {}

@@ -37,7 +37,12 @@ def test_a_lost_node_is_replaced_alone_and_training_resumes_from_the_latest_chec
         range(second["resume_step"] + 10, 61, 10))
     assert run["committed_steps"] == list(range(10, 61, 10))
     assert run["run"] == {"state": "SUCCEEDED", "attempt": 1, "restarts": 1, "latest_checkpoint": 60}
-    assert run["report"] == {"state": "SUCCEEDED", "restarts": 1}
+    report = run["report"]
+    assert (report["state"], report["restarts"]) == ("SUCCEEDED", 1)
+    # The simulated agents report no steps: every second from the run's creation to Teardown is
+    # start-up, of the first attempt or of the one after the lost node.
+    assert set(report["lost_by_cause"]) == {"startup", "restart:INSTANCE_LOST"}
+    assert report["unaccounted_seconds"] == pytest.approx(0, abs=1e-3)
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ import pytest
 from test_adapters_checkpoints import save
 from test_handlers import (REPO, Context, agent_event, cloud, finished, handlers, parked_token,  # noqa: F401
                            recorded_run, resources, state_change)
-from trainfleet.contracts import FAILURE_ERROR, CheckpointRef, FailureClass, NodeState, TaskWait
-from trainfleet.lifecycle import SPOT_NOTICE
+from trainfleet.contracts import FAILURE_ERROR, CheckpointRef, FailureClass, NodeState, RunRecord, TaskWait
+from trainfleet.lifecycle import SPOT_NOTICE, unaccounted_seconds
 
 
 SPOT_WARNING = "ec2-spot-instance-interruption-warning.json"
@@ -144,15 +144,25 @@ def test_a_spot_warning_before_training_fails_the_wait_at_once(handlers, cloud, 
 
 # --- goodput ledger ---------------------------------------------------------------------------
 
-def test_recover_and_teardown_book_each_attempt_and_the_report_shows_the_ledger(handlers, cloud, resources):
+def earlier(run: RunRecord, seconds: float) -> RunRecord:
+    """The run as if all it recorded so far had happened `seconds` earlier: time passing."""
+    shift = timedelta(seconds=seconds)
+    return run.model_copy(update={
+        "created_at": run.created_at - shift, "attempt_started_at": run.attempt_started_at - shift,
+        "failures": [failure.model_copy(update={"at": failure.at - shift}) for failure in run.failures],
+        "ledger": run.ledger.model_copy(update={"booked_until": run.ledger.booked_until - shift})})
+
+
+def test_recover_and_teardown_book_each_attempt_and_the_report_shows_the_ledger(handlers, cloud, resources, capsys):
     import functions.report
     import functions.teardown
 
     store, run, _ = recorded_run(cloud, resources)
     now = datetime.now(timezone.utc)
-    # Attempt 0: 30 s of start-up, 60 s of training kept by a checkpoint, then ~40 s redone.
+    # Attempt 0, from the run's creation: 30 s of start-up, 60 s of training kept by a checkpoint,
+    # then ~40 s redone.
     store.modify_run(run.run_name, lambda current: current.model_copy(update={
-        "attempt_started_at": now - timedelta(seconds=130), "first_step_at": now - timedelta(seconds=100),
+        "created_at": now - timedelta(seconds=130), "first_step_at": now - timedelta(seconds=100),
         "latest_checkpoint": CheckpointRef(step=20, uri=f"{run.spec.checkpoint.s3_uri}/step-000000020",
                                            committed_at=now - timedelta(seconds=40))}))
     crash = {"failure_class": "PROCESS_CRASH", "attempt": 0, "instance_ids": [], "message": "trainer crashed"}
@@ -160,27 +170,50 @@ def test_recover_and_teardown_book_each_attempt_and_the_report_shows_the_ledger(
                "timeouts": {"boot_seconds": 60, "heartbeat_seconds": 60},
                "failure": {"Error": FAILURE_ERROR, "Cause": json.dumps(crash)}}
     handlers.recover.handler(payload, Context())
-    ledger = store.run(run.run_name).ledger
+    recovered = store.run(run.run_name)
+    ledger = recovered.ledger
     assert ledger.productive_seconds == pytest.approx(60)
     assert ledger.lost_seconds == pytest.approx(70, abs=5)
+    assert set(ledger.lost_by_cause) == {"startup", "redone:PROCESS_CRASH"}
+    assert ledger.lost_by_cause["startup"] == pytest.approx(30)
+    # The next attempt starts where this one was booked: the books cover creation to the decision.
+    assert recovered.attempt_started_at == ledger.booked_until
+    assert unaccounted_seconds(recovered) == pytest.approx(0, abs=1e-3)
     assert ledger.node_seconds > 0 and ledger.cost_usd > 0  # the run's instances, on the books
     # A retry of the same Recover carries on: the attempt is not booked twice.
     handlers.recover.handler(payload, Context())
     assert store.run(run.run_name).ledger == ledger
 
-    # Attempt 1 trains to the end (its first step "now"), then Teardown and Report.
-    store.modify_run(run.run_name, lambda current: current.model_copy(
-        update={"first_step_at": datetime.now(timezone.utc)}))
+    # Attempt 1, its recovery 120 s ago: 20 s to its first step, trains to a last reported step
+    # 10 s ago, completes; then Teardown and Report.
+    store.modify_run(run.run_name, lambda current: earlier(current, 120))
+    start = store.run(run.run_name).attempt_started_at
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={
+        "first_step_at": start + timedelta(seconds=20), "last_progress_at": start + timedelta(seconds=110)}))
     done = {"run": {"run_name": run.run_name, "attempt": 1}, "timeouts": payload["timeouts"]}
     functions.teardown.handler(done, Context())
-    booked = store.run(run.run_name).ledger
-    assert booked.productive_seconds > ledger.productive_seconds and booked.lost_seconds >= ledger.lost_seconds
+    torn_down = store.run(run.run_name)
+    booked = torn_down.ledger
+    assert booked.productive_seconds == pytest.approx(60 + 90)
+    assert set(booked.lost_by_cause) == {"startup", "redone:PROCESS_CRASH", "restart:PROCESS_CRASH", "finishing"}
+    assert booked.lost_by_cause["restart:PROCESS_CRASH"] == pytest.approx(20)
+    assert booked.lost_by_cause["finishing"] == pytest.approx(10, abs=5)
+    # Every second from the run's creation to Teardown's booking, each lost one with its cause.
+    assert booked.booked_until - torn_down.created_at == pytest.approx(timedelta(seconds=250), abs=timedelta(seconds=5))
+    assert unaccounted_seconds(torn_down) == pytest.approx(0, abs=1e-3)
     functions.teardown.handler(done, Context())  # Teardown's retry books nothing again
     assert store.run(run.run_name).ledger == booked
+    capsys.readouterr()
     uri = functions.report.handler(done, Context())["report_uri"]
     bucket, key = uri.removeprefix("s3://").split("/", 1)
     report = json.loads(cloud.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read())
     assert report["ledger"]["productive_seconds"] == pytest.approx(booked.productive_seconds)
     assert report["ledger"]["lost_seconds"] == pytest.approx(booked.lost_seconds)
+    assert report["ledger"]["lost_by_cause"] == pytest.approx(booked.lost_by_cause)
+    assert report["unaccounted_seconds"] == pytest.approx(0, abs=1e-3)
     assert report["ledger"]["cost_usd"] == pytest.approx(booked.cost_usd) and booked.cost_usd > ledger.cost_usd
     assert report["goodput"] == pytest.approx(booked.goodput) and 0 < report["goodput"] < 1
+    # CloudWatch gets the lost time of each cause (EMF lines on the function's output).
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"CloudWatchMetrics"' in line]
+    by_cause = {line["Cause"]: line["LostTime"] for line in lines if "Cause" in line}
+    assert by_cause == pytest.approx(booked.lost_by_cause)

@@ -8,6 +8,7 @@ p5 take minutes) is the local fleet holding them in shutting-down until the test
 import json
 import threading
 import uuid
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -15,7 +16,8 @@ from test_handlers import (REPO, STACK, Context, cloud, finished, handlers, park
                            recorded_run, resources)
 from trainfleet.adapters.ec2_fleet import (TAG_RUN, TAG_STACK, ensure_placement_group, placement_group_name,
                                            run_instance_ids)
-from trainfleet.contracts import NodeState, RunState
+from trainfleet.contracts import FAILURE_ERROR, NodeState, RunState
+from trainfleet.lifecycle import unaccounted_seconds
 
 ZONE = "us-east-1a"
 
@@ -103,6 +105,36 @@ def test_a_group_still_in_use_does_not_hold_up_the_outcome_or_the_report(handler
     assert store.run(name).state is RunState.SUCCEEDED
 
 
+def test_a_run_given_up_has_its_wait_for_teardown_on_the_books_by_cause(handlers, cloud, resources):
+    import functions.report
+    import functions.teardown
+
+    store, run, _ = recorded_run(cloud, resources)
+    now = datetime.now(timezone.utc)
+    # 20 s of start-up, 30 s of training without a checkpoint, then a failure retrying cannot help.
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={
+        "created_at": now - timedelta(seconds=50), "first_step_at": now - timedelta(seconds=30)}))
+    refused = {"failure_class": "CONFIG_ERROR", "attempt": 0, "instance_ids": [], "message": "bad config"}
+    caught = {"Error": FAILURE_ERROR, "Cause": json.dumps(refused)}
+    with pytest.raises(handlers.errors.RecoveryGaveUp):
+        handlers.recover.handler(payload(run.run_name, failure=caught), Context())
+    gave_up = store.run(run.run_name)
+    assert set(gave_up.ledger.lost_by_cause) == {"startup", "redone:CONFIG_ERROR"}
+    # The trainer still reports a step before Teardown: the run is over all the same.
+    store.modify_run(run.run_name, lambda current: current.model_copy(
+        update={"first_step_at": datetime.now(timezone.utc)}))
+    functions.teardown.handler(payload(run.run_name, failure=caught), Context())
+    torn_down = store.run(run.run_name)
+    ledger = torn_down.ledger
+    assert set(ledger.lost_by_cause) == {"startup", "redone:CONFIG_ERROR", "give_up:CONFIG_ERROR"}
+    assert ledger.productive_seconds == 0 and ledger.lost_by_cause["redone:CONFIG_ERROR"] == pytest.approx(30, abs=5)
+    assert unaccounted_seconds(torn_down) == pytest.approx(0, abs=1e-3)
+    functions.report.handler(payload(run.run_name), Context())
+    report = json.loads(cloud.client("s3").get_object(Bucket=resources["bucket"],
+                                                      Key=f"runs/{run.run_name}/report.json")["Body"].read())
+    assert report["ledger"]["lost_by_cause"] == pytest.approx(ledger.lost_by_cause)
+
+
 # --- the reaper -----------------------------------------------------------------------------
 
 def test_a_stopped_execution_has_its_run_torn_down_by_its_status_event(handlers, cloud, resources, slow_shutdown):
@@ -125,6 +157,8 @@ def test_a_stopped_execution_has_its_run_torn_down_by_its_status_event(handlers,
     assert (report["state"], report["error"]) == ("FAILED", "ExecutionEnded: the execution is ABORTED")
     assert run_instance_ids(cloud.client("ec2"), name, STACK) == []
     assert {node.state for node in store.nodes(name)} == {NodeState.TERMINATING}
+    # Never reached a step: all of it start-up, from its creation to the reaper's booking.
+    assert set(run.ledger.lost_by_cause) == {"startup"} and unaccounted_seconds(run) == pytest.approx(0, abs=1e-3)
 
 
 def test_the_schedule_tears_down_runs_whose_execution_ended_and_leaves_running_ones(handlers, cloud, resources,

@@ -11,7 +11,7 @@ from trainfleet.contracts import (CAPACITY_ERROR, FAILURE_ERROR, CheckpointCommi
                                   CheckpointRef, Ec2InstanceStateChange, Ec2RebalanceRecommendation,
                                   Ec2SpotInterruptionWarning, FailureClass, FailureRecord,
                                   FailureReport, GoodputLedger, HealthEvent, NodeLiveness, NodeReady, NodeRecord, NodeRegistered,
-                                  NodeRole, NodeState, NodeUnhealthy, ParallelPlan, RecoveryAction,
+                                  NodeRole, NodeState, NodeUnhealthy, ParallelPlan, RecoveryAction, RecoveryDecision,
                                   RecoveryPolicy, RunRecord, RunSpec, TaskWait, TrainerConfig,
                                   TrainerFailed, TrainerHung, TrainingProgress)
 
@@ -38,7 +38,7 @@ def make_run(spec: RunSpec | None = None, **fields) -> RunRecord:
     if "plan" not in fields:
         par = spec.trainer.parallel
         fields["plan"] = ParallelPlan(nodes=spec.node_count, ranks_per_node=1, pp=par.pp, dp=par.dp)
-    return RunRecord(run_name=spec.run_name, spec=spec, attempt=1, **fields)
+    return RunRecord(run_name=spec.run_name, spec=spec, **{"attempt": 1, **fields})
 
 
 def node(instance_id: str, role=NodeRole.WORKER, state=NodeState.READY, **fields) -> NodeRecord:
@@ -356,35 +356,177 @@ def minutes(m):
 
 def test_goodput_of_a_failed_attempt_counts_redone_work_as_lost():
     ledger = lc.settle_attempt(GoodputLedger(), started_at=T0, first_step_at=minutes(5),
-                               last_checkpoint_at=minutes(45), ended_at=minutes(55), completed=False)
+                               last_checkpoint_at=minutes(45), ended_at=minutes(55), completed=False,
+                               redone="redone:HANG")
     assert (ledger.productive_seconds, ledger.lost_seconds) == (40 * 60, 15 * 60)
+    assert ledger.lost_by_cause == {"startup": 5 * 60, "redone:HANG": 10 * 60}
+    assert ledger.booked_until == minutes(55)
     assert ledger.goodput == pytest.approx(40 / 55)
 
 
 def test_goodput_of_a_completed_attempt_and_of_attempts_without_progress():
     done = lc.settle_attempt(GoodputLedger(), T0, minutes(5), None, minutes(65), completed=True)
-    assert (done.productive_seconds, done.lost_seconds) == (3600, 300)
+    assert (done.productive_seconds, done.lost_by_cause) == (3600, {"startup": 300})
+    # After its last reported step, a completed run only finishes (final checkpoint, exit).
+    finished = lc.settle_attempt(GoodputLedger(), T0, minutes(5), None, minutes(65), completed=True,
+                                 last_step_at=minutes(64))
+    assert (finished.productive_seconds, finished.lost_by_cause) == (59 * 60, {"startup": 300, "finishing": 60})
+    # Its final checkpoint, committed after the last (sampled) report, ends the training.
+    saved = lc.settle_attempt(GoodputLedger(), T0, minutes(5), minutes(64.5), minutes(65), completed=True,
+                              last_step_at=minutes(64))
+    assert (saved.productive_seconds, saved.lost_by_cause) == (59.5 * 60, {"startup": 300, "finishing": 30})
     no_ckpt = lc.settle_attempt(GoodputLedger(), T0, minutes(5), None, minutes(20), completed=False)
-    assert (no_ckpt.productive_seconds, no_ckpt.lost_seconds) == (0, 1200)
-    never_started = lc.settle_attempt(done, T0, None, None, minutes(10), completed=False)
-    assert never_started.lost_seconds == 300 + 600
+    assert (no_ckpt.productive_seconds, no_ckpt.lost_by_cause) == (0, {"startup": 300, "redone:UNKNOWN": 900})
+    never_started = lc.settle_attempt(done, T0, None, None, minutes(10), completed=False, startup="restart:HANG")
+    assert never_started.lost_by_cause == {"startup": 300, "restart:HANG": 600}
+    assert never_started.lost_seconds == 300 + 600 and never_started.booked_until == minutes(10)
     with pytest.raises(ValueError, match="before it starts"):
         lc.settle_attempt(GoodputLedger(), minutes(1), None, None, T0, completed=False)
     assert GoodputLedger().goodput == 1.0
 
 
+def test_an_attempt_is_cut_at_times_clamped_into_it():
+    # A first step recorded before the attempt's start, a checkpoint (the trainer's clock) after
+    # its end: each piece stays inside the attempt, so they add up to its length.
+    ledger = lc.settle_attempt(GoodputLedger(), minutes(10), minutes(9), minutes(31), minutes(30), completed=False)
+    assert (ledger.productive_seconds, ledger.lost_by_cause) == (20 * 60, {})
+    finished = lc.settle_attempt(GoodputLedger(), minutes(10), minutes(12), None, minutes(30), completed=True,
+                                 last_step_at=minutes(11))
+    assert (finished.productive_seconds, finished.lost_by_cause) == (0, {"startup": 120, "finishing": 18 * 60})
+
+
+def test_an_older_record_books_on_after_its_unattributed_loss():
+    older = GoodputLedger.model_validate({"productive_seconds": 90, "lost_seconds": 10})
+    again = lc.settle_attempt(older, T0, None, None, minutes(1), completed=False)
+    assert again.lost_by_cause == {"unattributed": 10, "startup": 60} and again.lost_seconds == 70
+    assert GoodputLedger.model_validate_json(again.model_dump_json()) == again
+
+
 def test_a_run_attempt_is_booked_from_the_records_times():
     kept = CheckpointRef(step=40, uri="s3://bucket/runs/r1/checkpoints/step-000000040", committed_at=minutes(45))
-    first = make_run(created_at=T0, first_step_at=minutes(5), latest_checkpoint=kept)
-    assert lc.settle_run_attempt(first, minutes(55), completed=False) == GoodputLedger(
-        productive_seconds=40 * 60, lost_seconds=15 * 60)
-    # The next attempt starts at its recovery; the old checkpoint keeps nothing of it.
-    second = first.model_copy(update={"attempt_started_at": minutes(56), "first_step_at": minutes(58),
-                                      "ledger": GoodputLedger(productive_seconds=10)})
-    assert lc.settle_run_attempt(second, minutes(60), completed=False) == GoodputLedger(
-        productive_seconds=10, lost_seconds=4 * 60)
+    first = make_run(attempt=0, created_at=T0, first_step_at=minutes(5), latest_checkpoint=kept)
+    booked = lc.settle_run_attempt(first, minutes(55), completed=False, failure_class=FailureClass.HANG)
+    assert booked == GoodputLedger(productive_seconds=40 * 60, lost_seconds=15 * 60, booked_until=minutes(55),
+                                   lost_by_cause={"startup": 5 * 60, "redone:HANG": 10 * 60})
+    # The next attempt starts at its recovery, its start-up lost to the failure the recovery
+    # handled; the old checkpoint keeps nothing of it.
+    second = first.model_copy(update={
+        "attempt": 1, "attempt_started_at": minutes(56), "first_step_at": minutes(58),
+        "failures": [FailureRecord(failure_class=FailureClass.HANG, resume_step=40, at=minutes(56))],
+        "ledger": GoodputLedger(productive_seconds=10)})
+    assert lc.settle_run_attempt(second, minutes(60), completed=False, failure_class=FailureClass.NUMERICAL) == \
+        GoodputLedger(productive_seconds=10, lost_seconds=4 * 60, booked_until=minutes(60),
+                      lost_by_cause={"restart:HANG": 2 * 60, "redone:NUMERICAL": 2 * 60})
+    # Given up (the reason recorded, the books started afresh at the decision): all of it waits
+    # for Teardown, even if the trainer still reported a step meanwhile.
+    gave_up = second.model_copy(update={"error": "no progress", "first_step_at": minutes(61)})
+    assert lc.settle_run_attempt(gave_up, minutes(62), completed=False).lost_by_cause == {"give_up:HANG": 6 * 60}
     with pytest.raises(ValueError, match="attempt 1 has no start time"):
         lc.settle_run_attempt(make_run(), minutes(1), completed=True)
+
+
+def recover(run: RunRecord, failure: FailureReport, action: RecoveryAction, now: datetime) -> RunRecord:
+    """What Recover writes: the ended attempt booked, the decision applied, the books restarted."""
+    decision = RecoveryDecision(action=action, failure_class=failure.failure_class, reason="test", plan=run.plan)
+    return lc.apply_decision(run, failure, decision, now).model_copy(update={
+        "ledger": lc.book_attempt(run, [], now, False, failure.failure_class),
+        "attempt_started_at": now, "first_step_at": None})
+
+
+def teardown(run: RunRecord, completed: bool, now: datetime) -> RunRecord:
+    """What Teardown writes: the last attempt booked."""
+    return run.model_copy(update={"ledger": lc.book_attempt(run, [], now, completed)})
+
+
+def test_the_books_account_for_every_second_of_any_timeline_by_cause():
+    """Property over drawn timelines: several attempts, each failing before or after its first
+    step, with or without a checkpoint of its own, a restart or a give-up, ending completed, given
+    up or failed unclassified. The books hold creation to last booking, each piece by its cause."""
+    import random
+    checked_causes = set()
+    for seed in range(300):
+        draw = random.Random(seed)
+        run = make_run(attempt=0, created_at=T0)
+        now, expected, productive = T0, {}, 0
+
+        def lose(cause, seconds):
+            if seconds:
+                expected[cause] = expected.get(cause, 0) + seconds
+
+        def train(start_cause):
+            """Advance through one attempt: start-up, then maybe training and a checkpoint;
+            (seconds trained, seconds after the checkpoint) of what it drew."""
+            nonlocal run, now
+            startup = draw.randint(0, 300)
+            now += timedelta(seconds=startup)
+            lose(start_cause, startup)
+            if draw.random() < 0.2:
+                return None
+            run = run.model_copy(update={"first_step_at": now})
+            kept, after = draw.randint(0, 900), draw.randint(0, 900)
+            committed = now + timedelta(seconds=kept) if kept else run.first_step_at - timedelta(seconds=5)
+            now += timedelta(seconds=kept + after)
+            run = run.model_copy(update={"last_progress_at": now, "latest_checkpoint": CheckpointRef(
+                step=1, uri="s3://bucket/runs/r1/checkpoints/step-000000001", committed_at=committed)})
+            return kept, after
+
+        start_cause = "startup"
+        for _ in range(draw.randint(0, 4)):
+            trained = train(start_cause)
+            failure_class = draw.choice(list(FailureClass))
+            if trained:
+                productive += trained[0]
+                lose(f"redone:{failure_class}", trained[1])
+            run = recover(run, report(failure_class, attempt=run.attempt), RecoveryAction.RESTART, now)
+            start_cause = f"restart:{failure_class}"
+        trained = train(start_cause)
+        ending = draw.choice(["completed", "gave up", "failed"])
+        if ending == "completed":
+            if trained:
+                productive += sum(trained)
+                if draw.random() < 0.5:  # the final checkpoint, after the last report
+                    final = draw.randint(1, 30)
+                    now += timedelta(seconds=final)
+                    productive += final
+                    run = run.model_copy(update={"latest_checkpoint": CheckpointRef(
+                        step=2, uri="s3://bucket/runs/r1/checkpoints/step-000000002", committed_at=now)})
+                finishing = draw.randint(0, 60)
+                now += timedelta(seconds=finishing)
+                lose("finishing", finishing)
+            run = teardown(run, True, now)
+        else:
+            failure_class = draw.choice(list(FailureClass)) if ending == "gave up" else FailureClass.UNKNOWN
+            if trained:
+                productive += trained[0]
+                lose(f"redone:{failure_class}", trained[1])
+            if ending == "gave up":
+                run = recover(run, report(failure_class, attempt=run.attempt), RecoveryAction.GIVE_UP, now)
+                waited = draw.randint(0, 30)
+                now += timedelta(seconds=waited)
+                lose(f"give_up:{failure_class}", waited)
+            run = teardown(run, False, now)
+        ledger = run.ledger
+        assert (ledger.productive_seconds, ledger.lost_by_cause) == (productive, pytest.approx(expected)), seed
+        assert ledger.booked_until == now
+        assert lc.unaccounted_seconds(run) == pytest.approx(0, abs=1e-6), seed
+        checked_causes |= {cause.split(":")[0] for cause in ledger.lost_by_cause}
+    assert checked_causes == {"startup", "restart", "redone", "give_up", "finishing"}
+
+
+def test_unaccounted_seconds_shows_time_skipped_or_booked_twice():
+    run = make_run(attempt=0, created_at=T0)
+    assert lc.unaccounted_seconds(run) == 0
+    booked = run.model_copy(update={"ledger": lc.settle_run_attempt(run, minutes(10), completed=False)})
+    assert lc.unaccounted_seconds(booked) == 0
+    # The next attempt started a minute after the booking: that minute is on nobody's books.
+    late = booked.model_copy(update={"attempt": 1, "attempt_started_at": minutes(11)})
+    assert lc.unaccounted_seconds(late.model_copy(update={
+        "ledger": lc.settle_run_attempt(late, minutes(20), completed=False)})) == 60
+    early = booked.model_copy(update={"attempt": 1, "attempt_started_at": minutes(9)})
+    assert lc.unaccounted_seconds(early.model_copy(update={
+        "ledger": lc.settle_run_attempt(early, minutes(20), completed=False)})) == -60
+    with pytest.raises(ValueError, match="no creation time"):
+        lc.unaccounted_seconds(make_run())
 
 
 def test_a_spot_warning_waits_only_for_a_worker_of_a_training_world():

@@ -215,8 +215,8 @@ def test_the_reaper_runs_on_ended_executions_and_on_a_schedule(template):
 def test_dashboard_body_is_json_and_charts_the_metrics_the_code_emits(template):
     import re
 
-    from trainfleet.adapters.metrics import checkpoint_metrics, progress_metrics
-    from trainfleet.contracts import CheckpointCommitted, TrainingProgress
+    from trainfleet.adapters.metrics import checkpoint_metrics, lost_time_metrics, progress_metrics
+    from trainfleet.contracts import CheckpointCommitted, GoodputLedger, RunRecord, RunSpec, TrainingProgress
 
     body = template["Resources"]["Dashboard"]["Properties"]["DashboardBody"]["Fn::Sub"]
     widgets = json.loads(re.sub(r"\$\{[^}]+\}", "x", body))["widgets"]
@@ -228,3 +228,9 @@ def test_dashboard_body_is_json_and_charts_the_metrics_the_code_emits(template):
     for name in ("Loss", "TokensPerSecond", "StepTime", "CheckpointStall"):
         assert name in progress or name in stall, name
         assert f'MetricName=\\"{name}\\"' in charted, name
+    # Lost time by cause: the search names the dimension set the Report function's lines carry.
+    run = RunRecord(run_name="r", spec=RunSpec.model_validate_json((REPO / "events" / "example-run.json").read_text()),
+                    ledger=GoodputLedger(lost_seconds=1, lost_by_cause={"startup": 1}))
+    (lost,) = lost_time_metrics(run, "Trainfleet")
+    dimensions = ",".join(lost["_aws"]["CloudWatchMetrics"][0]["Dimensions"][0])
+    assert f"SEARCH('{{Trainfleet,{dimensions}}} MetricName=\\\"LostTime\\\"'" in charted

@@ -35,6 +35,7 @@ Bad input raises pydantic.ValidationError; every message names the field (`loc`)
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from datetime import datetime
 from enum import StrEnum
@@ -809,12 +810,32 @@ class CheckpointRef(_Strict):
 
 
 class GoodputLedger(_Strict):
-    """Where the run's wall-clock and money went (lifecycle.settle_attempt keeps it)."""
+    """Where the run's wall-clock and money went (lifecycle.settle_attempt keeps it).
+
+    Every second from the run's creation to `booked_until` is either productive or lost to one
+    cause (lifecycle.unaccounted_seconds checks it). The causes:
+
+        startup              attempt 0, creation to its first step (or all of it, without one)
+        restart:<CLASS>      attempt k>0, the recovery decision to its first step (or all of it);
+                             CLASS is the failure that ended attempt k-1
+        redone:<CLASS>       training of a failed attempt after its last committed checkpoint;
+                             CLASS is the failure that ended it (UNKNOWN when the run failed on
+                             an error no recovery classified)
+        give_up:<CLASS>      the decision to give up on a CLASS failure to Teardown
+        finishing            a completed run, from its final checkpoint or last reported step,
+                             whichever is later, to Teardown (the trainer's exit, the completion
+                             event)
+        unattributed         lost time of a record booked before causes were kept
+    """
 
     productive_seconds: float = 0.0
     """Training time whose progress survived (reached a committed checkpoint or the end)."""
     lost_seconds: float = 0.0
-    """Start-up, recovery downtime and training redone after a failure."""
+    """All lost time: the sum of lost_by_cause."""
+    lost_by_cause: dict[str, float] = Field(default_factory=dict)
+    """Lost seconds by cause (see the class's list)."""
+    booked_until: datetime | None = None
+    """Where the last booked attempt ended: the ledger accounts for the run's time up to here."""
     node_seconds: float = 0.0
     """Instance time paid for (all nodes, spares included)."""
     cost_usd: float = 0.0
@@ -825,6 +846,24 @@ class GoodputLedger(_Strict):
         """Productive share of the run's wall-clock, 0..1 (1.0 before anything happened)."""
         total = self.productive_seconds + self.lost_seconds
         return self.productive_seconds / total if total else 1.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _causes_of_an_older_record(cls, data: Any) -> Any:
+        """A record booked before causes were kept has lost time and no causes: it is read with
+        that time under one cause, so its books still add up."""
+        if isinstance(data, dict) and not data.get("lost_by_cause") and data.get("lost_seconds"):
+            return {**data, "lost_by_cause": {"unattributed": data["lost_seconds"]}}
+        return data
+
+    @model_validator(mode="after")
+    def _lost_is_the_sum_of_its_causes(self) -> GoodputLedger:
+        if any(seconds < 0 for seconds in self.lost_by_cause.values()):
+            raise ValueError(f"lost_by_cause has negative time: {self.lost_by_cause}")
+        by_cause = sum(self.lost_by_cause.values())
+        if not math.isclose(self.lost_seconds, by_cause, rel_tol=1e-9, abs_tol=1e-6):
+            raise ValueError(f"lost_seconds {self.lost_seconds} is not the sum of lost_by_cause ({by_cause})")
+        return self
 
 
 class TaskWait(_Strict):

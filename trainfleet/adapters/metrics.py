@@ -6,6 +6,8 @@ PutMetricData call, no extra latency. The event handler turns agent events into 
     emit(progress_metrics(detail, namespace))      Loss, TokensPerSecond, StepTime
     emit(checkpoint_metrics(detail, namespace))    CheckpointStep, CheckpointStall
     emit(run_metrics(run, namespace))              Goodput, LostTime, CostUSD, Restarts
+    for document in lost_time_metrics(run, namespace):
+        emit(document)                             LostTime by Cause (startup, restart:HANG, ...)
 
 Every metric carries the dimension RunName. Pure builders return the EMF document (a dict);
 emit() writes it as one line.
@@ -19,7 +21,7 @@ from typing import IO, Any
 
 from trainfleet.contracts import CheckpointCommitted, RunRecord, TrainingProgress
 
-__all__ = ["emf_document", "progress_metrics", "checkpoint_metrics", "run_metrics", "emit"]
+__all__ = ["emf_document", "progress_metrics", "checkpoint_metrics", "run_metrics", "lost_time_metrics", "emit"]
 
 UNITS = frozenset({"Seconds", "Milliseconds", "Count", "Count/Second", "Percent", "None", "Bytes"})
 """CloudWatch standard units used here."""
@@ -77,7 +79,18 @@ def run_metrics(run: RunRecord, namespace: str, timestamp_ms: int | None = None)
     }, timestamp_ms)
 
 
-def emit(document: dict[str, Any], stream: IO[str] = sys.stdout) -> None:
-    """Write the document as one line (CloudWatch Logs treats each line as one event)."""
+def lost_time_metrics(run: RunRecord, namespace: str, timestamp_ms: int | None = None) -> list[dict[str, Any]]:
+    """LostTime of each cause on the run's books, one document per cause (an EMF document holds
+    one value per dimension), with the dimensions RunName and Cause."""
+    return [emf_document(namespace, {"RunName": run.run_name, "Cause": cause}, {"LostTime": (seconds, "Seconds")},
+                         timestamp_ms)
+            for cause, seconds in sorted(run.ledger.lost_by_cause.items())]
+
+
+def emit(document: dict[str, Any], stream: IO[str] | None = None) -> None:
+    """Write the document as one line (CloudWatch Logs treats each line as one event), to
+    `stream` or the sys.stdout of the moment: whatever replaced it since this module was
+    imported (a runtime capturing a function's output) gets the line."""
+    stream = stream or sys.stdout
     stream.write(json.dumps(document, separators=(",", ":")) + "\n")
     stream.flush()

@@ -9,8 +9,9 @@ Offers:
                apply_decision(run, failure, decision, now) -> RunRecord,
                failure_streak(history, failure_class, resume_step), backoff_seconds(policy, streak, draw),
                ANNOUNCED_BY_AWS
-    goodput:   settle_attempt(ledger, started_at, first_step_at, last_checkpoint_at, ended_at, completed),
-               settle_run_attempt(run, ended_at, completed), book_attempt(run, nodes, ended_at, completed),
+    goodput:   settle_attempt(ledger, started_at, first_step_at, last_checkpoint_at, ended_at, completed, ...),
+               settle_run_attempt(run, ended_at, completed, failure_class),
+               book_attempt(run, nodes, ended_at, completed, failure_class), unaccounted_seconds(run),
                accrue_cost(ledger, node_count, usd_per_hour, seconds), over_cost_ceiling(spec, ledger)
     spot:      checkpoint_before_leaving(detail), waits_for_emergency_checkpoint(run, node),
                departure_wait_over(run, nodes, now, ...) -> FailureReport | None, SPOT_NOTICE,
@@ -29,7 +30,7 @@ Randomness (backoff jitter) and time come in as arguments, so every decision is 
 
 from trainfleet.lifecycle.classify import classify_event, classify_task_error, is_stale
 from trainfleet.lifecycle.goodput import (accrue_cost, book_attempt, over_cost_ceiling, settle_attempt,
-                                         settle_run_attempt)
+                                         settle_run_attempt, unaccounted_seconds)
 from trainfleet.lifecycle.launch import (assign_ranks, build_launch_spec, confirmed, new_node_records,
                                         ready_workers, unready_workers, world_complete)
 from trainfleet.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, backoff_seconds,
@@ -44,7 +45,8 @@ __all__ = [
     "classify_event", "classify_task_error", "is_stale",
     "plan_layout", "initial_plan",
     "decide_recovery", "apply_decision", "failure_streak", "backoff_seconds", "ANNOUNCED_BY_AWS",
-    "settle_attempt", "settle_run_attempt", "book_attempt", "accrue_cost", "over_cost_ceiling",
+    "settle_attempt", "settle_run_attempt", "book_attempt", "unaccounted_seconds", "accrue_cost",
+    "over_cost_ceiling",
     "checkpoint_before_leaving", "waits_for_emergency_checkpoint", "departure_wait_over", "SPOT_NOTICE",
     "checkpoint_request_answered",
     "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "assign_ranks",
