@@ -17,10 +17,9 @@ Every cell must show (`problems`):
 - every attempt's per-step losses equal those of the same training never interrupted (bit for
   bit: CPU, fp32, the same layout and data order);
 - only nodes a fault hit are blamed (and replaced);
-- every resume point is a checkpoint committed before (never an uncommitted one), and no committed
-  work is lost: an attempt resumes from the newest commit an earlier attempt announced or newer,
-  and after a Spot notice or a rebalance recommendation, from the step training had reached
-  when the notice came;
+- every resume point is a checkpoint whose commit marker S3 had when the attempt's launch spec
+  was written (never a partial one), and the newest such (no committed work lost), and after a
+  Spot notice not older than the step training had reached when the notice came;
 - no instance, placement group or launch template of the run left behind;
 - the run's ledger accounts for every second from its creation to its last booking.
 
@@ -40,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -128,6 +127,8 @@ CELL_TIMEOUT_S = 300.0
 LEAK_WAIT_S = 60.0
 """How long the run's placement group may outlive it: the reaper deletes what Teardown found in use."""
 LOOK_S = 0.1
+UNACCOUNTED_TOLERANCE_S = 1e-3
+"""The books are exact but for float rounding."""
 """How often the phase watch looks."""
 SPOT_NOTICE_S = 1500.0
 """Nominal (x time scale 0.02 = 30 s): the two minutes AWS gives would be 2.4 s here, shorter than
@@ -166,17 +167,17 @@ def reference_losses(trainer_config: dict[str, Any], folder: Path, timeout_s: fl
 
 # --- seeing phases --------------------------------------------------------------------------
 
-class _CheckpointRequests:
-    """Calls back on S3 requests for a run's checkpoint files (not commit markers), as they
-    arrive: the moment a part is written or read. moto's S3 backend is wrapped once; inert
-    while nothing listens."""
+class _S3Requests:
+    """Calls back on every PutObject and GetObject as it reaches the local S3, before it is
+    served: (kind "write" or "read", key, body written). moto's S3 backend is wrapped once;
+    inert while nothing listens."""
 
-    listeners: list[Callable[[str, str], None]] = []
+    listeners: list[Callable[[str, str, bytes | None], None]] = []
     _installed = False
 
     @classmethod
     @contextmanager
-    def listen(cls, listener: Callable[[str, str], None]) -> Iterator[None]:
+    def listen(cls, listener: Callable[[str, str, bytes | None], None]) -> Iterator[None]:
         cls._install()
         cls.listeners.append(listener)
         try:
@@ -191,22 +192,47 @@ class _CheckpointRequests:
         from moto.s3.models import S3Backend
         put_object, get_object = S3Backend.put_object, S3Backend.get_object
 
-        def put(self: Any, bucket_name: str, key_name: str, *args: Any, **kwargs: Any) -> Any:
-            cls._heard("write", key_name)
-            return put_object(self, bucket_name, key_name, *args, **kwargs)
+        def put(self: Any, bucket_name: str, key_name: str, value: bytes, *args: Any, **kwargs: Any) -> Any:
+            cls._heard("write", key_name, value)
+            return put_object(self, bucket_name, key_name, value, *args, **kwargs)
 
         def get(self: Any, bucket_name: str, key_name: str, *args: Any, **kwargs: Any) -> Any:
-            cls._heard("read", key_name)
+            cls._heard("read", key_name, None)
             return get_object(self, bucket_name, key_name, *args, **kwargs)
 
         S3Backend.put_object, S3Backend.get_object = put, get
         cls._installed = True
 
     @classmethod
-    def _heard(cls, what: str, key: str) -> None:
-        if "/checkpoints/" in key and "/step-" in key and not key.endswith(MARKER_NAME):
-            for listener in list(cls.listeners):
-                listener(what, key)
+    def _heard(cls, kind: str, key: str, body: bytes | None) -> None:
+        for listener in list(cls.listeners):
+            listener(kind, key, body)
+
+
+def _is_checkpoint_part(run_name: str, key: str) -> bool:
+    return key.startswith(f"runs/{run_name}/checkpoints/") and "/step-" in key and not key.endswith(MARKER_NAME)
+
+
+@dataclass
+class _Commits:
+    """What S3 saw of a run's commits and launch specs, in order: the ground truth a resume point
+    is checked against (an agent may die before it announces a commit the next attempt uses)."""
+
+    run_name: str
+    markers: list[tuple[float, int]] = field(default_factory=list)
+    """(time, step) of every commit marker written."""
+    launches: list[tuple[float, int, int | None]] = field(default_factory=list)
+    """(time, attempt, resume step) of every launch spec written."""
+
+    def __call__(self, kind: str, key: str, body: bytes | None) -> None:
+        if kind != "write" or not key.startswith(f"runs/{self.run_name}/"):
+            return
+        if key.endswith(f"/{MARKER_NAME}"):
+            step = next(int(part.removeprefix("step-")) for part in key.split("/") if part.startswith("step-"))
+            self.markers.append((time.time(), step))
+        elif key == f"runs/{self.run_name}/launch-spec.json" and body is not None:
+            spec = json.loads(body)
+            self.launches.append((time.time(), spec["attempt"], spec.get("resume_step")))
 
 
 @dataclass
@@ -309,14 +335,14 @@ def _first_instance(view: _View, ready: Callable[[str], bool]) -> str | None:
 
 def _at_checkpoint_request(view: _View, what: str, ended: Callable[[], bool],
                            after: Callable[[], bool]) -> bool:
-    """Wait until a checkpoint file is being written (or read), once `after` holds."""
+    """Wait until a checkpoint part of the run is being written (or read), once `after` holds."""
     heard = threading.Event()
 
-    def listener(kind: str, key: str) -> None:
-        if kind == what and view.run.run_name in key and after():
+    def listener(kind: str, key: str, body: bytes | None) -> None:
+        if kind == what and _is_checkpoint_part(view.run.run_name, key) and after():
             heard.set()
 
-    with _CheckpointRequests.listen(listener):
+    with _S3Requests.listen(listener):
         return bool(_until(f"checkpoint {what}", heard.is_set, ended))
 
 
@@ -457,16 +483,19 @@ def run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any], reference:
     run = stack.start_run(template)
     view = _View(stack, run)
     ended = stack.ended(run)
+    commits = _Commits(run.run_name)
     try:
-        injections = disrupt(view, cell, ended)
-        _until("the end of the run", ended, lambda: False)
-        _until("every instance gone", lambda: all(i.state == "terminated" for i in stack.instances(run)),
-               lambda: False, 60)
+        with _S3Requests.listen(commits):
+            injections = disrupt(view, cell, ended)
+            _until("the end of the run", ended, lambda: False)
+            _until("every instance gone", lambda: all(i.state == "terminated" for i in stack.instances(run)),
+                   lambda: False, 60)
         outcome = stack.outcome(run)
     except Exception:
         stack.dump_consoles(run)
         raise
     outcome |= {"cell": cell.name, "injections": [vars(i) for i in injections],
+                "s3": {"markers": commits.markers, "launches": commits.launches},
                 "leftovers": leftovers(stack, run), "seconds": round(time.monotonic() - started, 1)}
     outcome["problems"] = problems(cell, outcome, reference, template)
     return outcome
@@ -520,31 +549,29 @@ def problems(cell: Cell, outcome: dict[str, Any], reference: dict[int, float], t
     for kind, names in outcome["leftovers"].items():
         if names:
             found.append(f"{kind} left behind: {names}")
-    ledger = outcome["report"]["ledger"]
-    unaccounted = ledger.get("unaccounted_seconds")
-    if unaccounted is not None and abs(unaccounted) > 1.0:
-        found.append(f"the ledger leaves {unaccounted:.1f} s unaccounted")
+    unaccounted = outcome["report"]["unaccounted_seconds"]
+    if unaccounted is None or abs(unaccounted) > UNACCOUNTED_TOLERANCE_S:
+        found.append(f"the ledger does not account for every second: {unaccounted} s unaccounted")
+    if "unattributed" in outcome["report"]["ledger"]["lost_by_cause"]:
+        found.append("lost time without a cause")
     return found
 
 
 def _resume_problems(outcome: dict[str, Any]) -> list[str]:
-    """Resume points: committed before, no committed work lost, nothing lost after a notice."""
+    """Resume points, against the commit markers S3 had when each launch spec was written: a
+    committed checkpoint (never a partial one), the newest (no committed work lost), and after a
+    Spot notice not older than the step training had reached when it came."""
     found = []
-    resumes = {line["attempt"]: line["resume_step"] for lines in outcome["launches"].values() for line in lines}
-    announced = outcome["commits"]
     notices = [injection for injection in outcome["injections"] if injection["fault"] == "spot"]
-    for attempt, resume in sorted(resumes.items()):
-        earlier = [step for by, step in announced if by < attempt]
-        if resume is None:
-            if earlier:
-                found.append(f"attempt {attempt} started from scratch although step {max(earlier)} was committed")
-            continue
-        if resume not in {step for _, step in announced}:
-            found.append(f"attempt {attempt} resumed from step {resume}, never announced committed")
-        if earlier and resume < max(earlier):
-            found.append(f"attempt {attempt} resumed from step {resume}, older than the committed {max(earlier)}")
+    for written, attempt, resume in outcome["s3"]["launches"]:
+        committed = {step for at, step in outcome["s3"]["markers"] if at < written}
+        newest = max(committed, default=None)
+        if resume is not None and resume not in committed:
+            found.append(f"attempt {attempt} resumed from step {resume}, not committed when it launched")
+        if newest is not None and (resume is None or resume < newest):
+            found.append(f"attempt {attempt} resumed from step {resume}, older than the committed {newest}")
         for notice in notices:
-            if attempt >= 1 and notice["step"] is not None and resume < notice["step"]:
+            if attempt >= 1 and notice["step"] is not None and (resume or 0) < notice["step"]:
                 found.append(f"attempt {attempt} resumed from step {resume}: the steps up to {notice['step']} "
                              f"trained when the Spot notice came were lost")
     return found
