@@ -142,7 +142,9 @@ def chaos_template(template: dict[str, Any]) -> dict[str, Any]:
     spec["trainer"]["training"]["steps"] = 40
     spec["trainer"]["parallel"]["timeout_s"] = 20  # a frozen peer fails the survivor's collectives
     spec["checkpoint"]["interval_steps"] = 10
-    spec["recovery"] |= {"max_restarts": 3, "boot_timeout_seconds": 60}
+    # A local attempt starts in ~12 s on two idle cores, ~30 s on busy ones: 60 s of start-up
+    # keeps a freeze before the first step from costing the demo's two minutes.
+    spec["recovery"] |= {"max_restarts": 3, "boot_timeout_seconds": 60, "startup_timeout_seconds": 60}
     return spec
 
 
