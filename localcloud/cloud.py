@@ -10,7 +10,8 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -114,6 +115,19 @@ class LocalCloud:
         """Service -> monotonic time until which its requests are throttled (throttle)."""
         self.throttled_requests: dict[str, int] = {}
         """Service -> requests answered with a throttling error so far."""
+        self.requests: Counter[tuple[str, str]] = Counter()
+        """(service, action) -> API requests that reached the endpoint over HTTP (signed ones:
+        the service is the SigV4 scope's, dynamodb, s3, states ...; glue/faults.py). The state
+        machine's own service integrations (lambda:invoke, events:putEvents ...) are HTTP calls
+        too, so they are counted here."""
+        self.state_transitions: Counter[str] = Counter()
+        """State machine name -> states entered by its executions (the *StateEntered events of
+        their histories: what Step Functions bills Standard workflows for; a Task's retries
+        are not counted here, AWS bills each as one more transition)."""
+        self.lambda_invocations: Counter[str] = Counter()
+        """Function name -> handler runs, however invoked: Invoke over HTTP (also counted in
+        `requests`), asynchronous retries, and EventBridge targets, which do not come over HTTP."""
+        self._counters_lock = threading.Lock()
         self.capacity_limits: dict[tuple[str, str], int] = {}
         """(instance type, zone) -> instances of that type that may be alive there (set_capacity)."""
         from localcloud.fleet import LocalFleet
@@ -271,6 +285,11 @@ class LocalCloud:
         self._timers = [pending for pending in self._timers if pending.is_alive()] + [timer]
         timer.start()
         return timer
+
+    def count(self, counter: Counter, key: Hashable) -> None:
+        """Add one to a counter of this cloud; the server's threads count at the same time."""
+        with self._counters_lock:
+            counter[key] += 1
 
     # --- capacity ------------------------------------------------------------------------
 

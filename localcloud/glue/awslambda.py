@@ -78,6 +78,9 @@ def invoke_function(function: LambdaFunction, event: Any) -> InvocationResult:
     EMF metrics in them to CloudWatch."""
     from moto.cloudwatch.models import cloudwatch_backends
 
+    cloud = active_cloud()
+    if cloud is not None:
+        cloud.count(cloud.lambda_invocations, function.function_name)
     result = invoke_handler(function_spec(function), event)
     function.logs_backend.ensure_log_group(function.logs_group_name)
     function.save_logs("\n".join(result.log_lines))

@@ -49,6 +49,8 @@ that. These patches fill the gaps:
   minute. AWS's default is 99999999 with or without a heartbeat; it now is here too.
 - Scaled time: Wait states and Retry intervals sleep `time_scale` times their nominal
   length (TimeoutSeconds and HeartbeatSeconds stay in real time: they bound real work).
+- State transitions: counted per state machine in `LocalCloud.state_transitions` as each
+  state is entered; they never cross HTTP, so the endpoint's request count cannot see them.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state
     StateTaskService,
 )
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.state_task import StateTask
+from moto.stepfunctions.parser.asl.component.state.state import CommonStateField
 from moto.stepfunctions.parser.asl.component.state.wait.wait_function.wait_function import (
     WaitFunction,
 )
@@ -325,6 +328,19 @@ def _terminated_and_publish(self: BaseExecutionWorkerCommunication) -> None:
     _publish_status(execution)
 
 
+# --- state transitions -----------------------------------------------------------------
+
+_moto_state_body = CommonStateField._eval_body
+
+
+def _count_transition(self: CommonStateField, env: Environment) -> None:
+    cloud = active_cloud()
+    if cloud is not None:
+        state_machine = env.states.context_object.context_object_data["StateMachine"]["Name"]
+        cloud.count(cloud.state_transitions, state_machine)
+    _moto_state_body(self, env)
+
+
 # --- scaled time -------------------------------------------------------------------------
 
 def time_scale() -> float:
@@ -374,4 +390,5 @@ def apply() -> None:
     StateTaskService._normalise_response = _normalise_response
     StateTaskService._from_boto_response_value = staticmethod(_response_value)
     WaitFunction._wait_interval = _scaled_wait_interval
+    CommonStateField._eval_body = _count_transition
     retrier_decl.time = _ScaledSleepTime
