@@ -34,6 +34,15 @@ LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
   .inject_health_event(ids, code, ...)    AWS Health Event for EC2
   .set_capacity(type, zone, n | None)     at most n instances of the type alive in the zone
                                           (InsufficientInstanceCapacity beyond it)
+  .fail_requests(service, seconds, answer)  requests over HTTP to dynamodb, s3, events, lambda,
+                                          ec2 or states answer its throttling error
+                                          ("throttle") or its 500 ("error") for a while
+  .throttle(service, seconds)             fail_requests(service, seconds, "throttle")
+  .stop_failing_requests(service=None)    end those faults now
+  .failed_requests                        Counter (service, answer) -> requests refused so
+  .requests                               Counter (service, action) -> API requests over HTTP
+  .state_transitions                      Counter state machine name -> states entered
+  .lambda_invocations                     Counter function name -> handler runs
   .delivery_failures                      EventBridge targets that could not be reached
   .scaled(seconds), .wait_until(...)      scaled time and a bounded poll for tests
 """

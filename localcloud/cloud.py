@@ -15,13 +15,16 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import boto3
 from aws_xray_sdk import global_sdk_config
 from botocore.config import Config
 
 from localcloud import aws_events, glue
+
+if TYPE_CHECKING:
+    from localcloud.glue.faults import RequestFault
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +114,10 @@ class LocalCloud:
         self.delivery_failures: list[DeliveryFailure] = []
         self._saved_moto_settings: dict[str, Any] = {}
         self._timers: list[threading.Timer] = []
-        self.throttled: dict[str, float] = {}
-        """Service -> monotonic time until which its requests are throttled (throttle)."""
-        self.throttled_requests: dict[str, int] = {}
-        """Service -> requests answered with a throttling error so far."""
+        self.request_faults: dict[str, RequestFault] = {}
+        """Service -> how its requests fail, and until when (fail_requests)."""
+        self.failed_requests: Counter[tuple[str, str]] = Counter()
+        """(service, answer) -> requests answered with an injected error so far."""
         self.requests: Counter[tuple[str, str]] = Counter()
         """(service, action) -> API requests that reached the endpoint over HTTP (signed ones:
         the service is the SigV4 scope's, dynamodb, s3, states ...; glue/faults.py). The state
@@ -293,14 +296,31 @@ class LocalCloud:
 
     # --- capacity ------------------------------------------------------------------------
 
-    def throttle(self, service: str, seconds: float) -> None:
-        """Answer every request to `service` (dynamodb, s3 or events) with its throttling error
-        for the next `seconds` real seconds (glue/faults.py)."""
-        from localcloud.glue.faults import ANSWERS
+    def fail_requests(self, service: str, seconds: float, answer: str = "throttle") -> None:
+        """Answer every API request to `service` (dynamodb, s3, events, lambda, ec2, states)
+        over HTTP for the next `seconds` real seconds with its throttling error (answer
+        "throttle") or its internal error ("error"), as AWS does under load or in an outage
+        (glue/faults.py)."""
+        from localcloud.glue.faults import FAULT_ANSWERS, SERVICES, RequestFault
 
-        if service not in ANSWERS:
-            raise ValueError(f"service must be one of {sorted(ANSWERS)}, got {service!r}")
-        self.throttled[service] = time.monotonic() + seconds
+        if service not in SERVICES:
+            raise ValueError(f"service must be one of {SERVICES}, got {service!r}")
+        if answer not in FAULT_ANSWERS:
+            raise ValueError(f"answer must be one of {list(FAULT_ANSWERS)}, got {answer!r}")
+        if seconds < 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds}")
+        self.request_faults[service] = RequestFault(answer, time.monotonic() + seconds)
+
+    def throttle(self, service: str, seconds: float) -> None:
+        """fail_requests(service, seconds, "throttle")."""
+        self.fail_requests(service, seconds, "throttle")
+
+    def stop_failing_requests(self, service: str | None = None) -> None:
+        """End the request faults of a service now, or of every service."""
+        if service is None:
+            self.request_faults.clear()
+        else:
+            self.request_faults.pop(service, None)
 
     def set_capacity(self, instance_type: str, availability_zone: str, instances: int | None) -> None:
         """Let at most `instances` of the type be alive (not terminated) in the zone at once;

@@ -1,6 +1,11 @@
 """Fault injection and request counting at the local cloud's endpoint and in its glue."""
 
 import json
+import threading
+
+import pytest
+from botocore.config import Config
+from botocore.exceptions import ClientError
 
 from localcloud_helpers import create_state_machine, deploy_function, records, run_execution, unique
 
@@ -63,3 +68,85 @@ def test_lambda_invocations_by_an_eventbridge_rule_are_counted_though_not_reques
     local_cloud.wait_until(lambda: records(tmp_path / "echo.jsonl"), 10, "the rule's target to run")
     assert local_cloud.lambda_invocations[echo.split(":")[-1]] == 1
     assert local_cloud.requests[("lambda", "Invoke")] == invokes_before
+
+
+# --- control-plane faults ----------------------------------------------------------------
+
+def _call_of(cloud, service):
+    """One cheap read of each service, by a client made with `config`."""
+    return {
+        "dynamodb": ("dynamodb", lambda client: client.list_tables()),
+        "s3": ("s3", lambda client: client.list_buckets()),
+        "events": ("events", lambda client: client.list_rules()),
+        "lambda": ("lambda", lambda client: client.list_functions()),
+        "ec2": ("ec2", lambda client: client.describe_instances()),
+        "states": ("stepfunctions", lambda client: client.list_state_machines()),
+    }[service]
+
+
+EXPECTED_ERRORS = {
+    ("dynamodb", "throttle"): ("ProvisionedThroughputExceededException", 400),
+    ("s3", "throttle"): ("SlowDown", 503),
+    ("events", "throttle"): ("ThrottlingException", 400),
+    ("lambda", "throttle"): ("TooManyRequestsException", 429),
+    ("ec2", "throttle"): ("RequestLimitExceeded", 503),
+    ("states", "throttle"): ("ThrottlingException", 400),
+    ("dynamodb", "error"): ("InternalServerError", 500),
+    ("s3", "error"): ("InternalError", 500),
+    ("events", "error"): ("InternalException", 500),
+    ("lambda", "error"): ("ServiceException", 500),
+    ("ec2", "error"): ("InternalError", 500),
+    ("states", "error"): ("InternalFailure", 500),
+}
+
+
+@pytest.mark.parametrize("service, answer", sorted(EXPECTED_ERRORS))
+@pytest.mark.parametrize("mode", ["standard", "legacy"])
+def test_a_failing_service_answers_its_documented_error_and_botocore_retries_it(local_cloud, service, answer, mode):
+    client_name, call = _call_of(local_cloud, service)
+    once = local_cloud.client(client_name, config=Config(retries={"max_attempts": 1, "mode": mode}))
+    retrying = local_cloud.client(client_name, config=Config(retries={"max_attempts": 10, "mode": mode}))
+    call(once)  # both clients made and working before the fault
+
+    local_cloud.fail_requests(service, 60.0, answer)
+    with pytest.raises(ClientError) as refused:
+        call(once)
+    refused_so_far = local_cloud.failed_requests[(service, answer)]
+    # The outage ends once the retrying client has been refused twice: it must have retried.
+    ender = threading.Thread(target=lambda: (
+        local_cloud.wait_until(lambda: local_cloud.failed_requests[(service, answer)] >= refused_so_far + 2,
+                               60, "two refused attempts"),
+        local_cloud.stop_failing_requests(service)))
+    ender.start()
+    call(retrying)
+    ender.join()
+
+    code, status = EXPECTED_ERRORS[(service, answer)]
+    assert refused.value.response["Error"]["Code"] == code
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == status
+    assert refused.value.response["ResponseMetadata"]["MaxAttemptsReached"]
+
+
+def test_request_faults_name_what_is_known_and_can_end_early(local_cloud):
+    with pytest.raises(ValueError, match="service must be one of"):
+        local_cloud.fail_requests("sqs", 1.0)
+    with pytest.raises(ValueError, match="answer must be one of"):
+        local_cloud.fail_requests("s3", 1.0, answer="slow")
+    local_cloud.fail_requests("s3", 60.0, answer="error")
+    local_cloud.stop_failing_requests("s3")
+    local_cloud.client("s3").list_buckets()
+
+
+@pytest.mark.parametrize("answer, error", [("throttle", "Lambda.TooManyRequestsException"),
+                                           ("error", "Lambda.ServiceException")])
+def test_a_state_machine_task_sees_the_lambda_outage_as_step_functions_reports_it(local_cloud, tmp_path, answer, error):
+    echo = deploy_function(local_cloud, "echo", tmp_path / "echo.jsonl")
+    machine = create_state_machine(local_cloud, {"StartAt": "Call", "States": {
+        "Call": {"Type": "Task", "Resource": "arn:aws:states:::lambda:invoke",
+                 "Parameters": {"FunctionName": echo, "Payload": {}}, "End": True}}})
+    local_cloud.fail_requests("lambda", 30.0, answer)
+
+    done = run_execution(local_cloud, machine, {})
+
+    assert done["status"] == "FAILED" and done["error"] == error, done
+    assert not records(tmp_path / "echo.jsonl")
