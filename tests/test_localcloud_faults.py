@@ -1,12 +1,15 @@
 """Fault injection and request counting at the local cloud's endpoint and in its glue."""
 
 import json
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
+from localcloud.fleet import python_module
 from localcloud_helpers import create_state_machine, deploy_function, records, run_execution, unique
 
 
@@ -150,3 +153,115 @@ def test_a_state_machine_task_sees_the_lambda_outage_as_step_functions_reports_i
 
     assert done["status"] == "FAILED" and done["error"] == error, done
     assert not records(tmp_path / "echo.jsonl")
+
+
+# --- process faults ----------------------------------------------------------------------
+
+# A node as the agent runs it, in miniature: the agent (python -m trainer.agent) starts
+# "torchrun" (here -c code, with torchrun's own `-m trainer.worker` arguments), which starts two
+# ranks (python -u -m trainer.worker) in sessions of their own and reaps them.
+FAKE_NODE = {
+    "trainer/__init__.py": "",
+    "trainer/agent.py": (
+        "import subprocess, sys, time\n"
+        "TORCHRUN = ('import subprocess, sys, pathlib\\n'\n"
+        "            'ranks = [subprocess.Popen([sys.executable, \"-u\", \"-m\", \"trainer.worker\", \"--config\", \"c\"],'\n"
+        "            ' start_new_session=True) for _ in range(2)]\\n'\n"
+        "            'pathlib.Path(\"ranks\").write_text(\" \".join(str(rank.pid) for rank in ranks))\\n'\n"
+        "            '[rank.wait() for rank in ranks]\\n'\n"
+        "            'import time; time.sleep(300)\\n')\n"
+        "torchrun = subprocess.Popen([sys.executable, '-c', TORCHRUN, '-m', 'trainer.worker', '--config', 'c'],\n"
+        "                            start_new_session=True)\n"
+        "open('torchrun', 'w').write(str(torchrun.pid))\n"
+        "time.sleep(300)\n"),
+    "trainer/worker.py": "import time\ntime.sleep(300)\n",
+}
+
+
+def boot_fake_node(instance):
+    for name, text in FAKE_NODE.items():
+        path = instance.workdir / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return [sys.executable, "-m", "trainer.agent"]
+
+
+def process_state(pid: int) -> str:
+    """R, S, T (stopped), Z (ended, not reaped) ...; X once gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
+
+
+@pytest.fixture
+def fake_node(local_cloud):
+    """A running instance with an agent, torchrun and two ranks: (id, {role: pids})."""
+    local_cloud.fleet.boot = boot_fake_node
+    instance_id = local_cloud.client("ec2").run_instances(
+        ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+    local_cloud.fleet.wait_for_state(instance_id, "running")
+    workdir = local_cloud.fleet.get(instance_id).workdir
+    local_cloud.wait_until(lambda: (workdir / "ranks").exists() and (workdir / "ranks").read_text(), 30,
+                           "the ranks to start")
+    pids = {"agent": [local_cloud.fleet.get(instance_id).process.pid],
+            "torchrun": [int((workdir / "torchrun").read_text())],
+            "trainer": sorted(int(pid) for pid in (workdir / "ranks").read_text().split())}
+    yield instance_id, pids
+    local_cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
+    local_cloud.fleet.wait_for_state(instance_id, "terminated")
+
+
+def test_python_module_is_the_interpreters_own_not_an_argument():
+    assert python_module(["/venv/bin/python3", "-u", "-m", "trainer.worker", "--config", "c"]) == "trainer.worker"
+    assert python_module(["python", "-X", "dev", "-m", "trainer.agent"]) == "trainer.agent"
+    assert python_module(["python", "-m", "torch.distributed.run", "-m", "trainer.worker"]) == "torch.distributed.run"
+    assert python_module(["python", "-c", "code", "-m", "trainer.worker"]) is None
+    assert python_module(["python", "script.py", "-m", "trainer.worker"]) is None
+    assert python_module(["/bin/sh", "-m", "trainer.worker"]) is None
+
+
+def test_hang_process_stops_one_rank_or_the_agent_alone_and_resume_continues_it(local_cloud, fake_node):
+    instance_id, pids = fake_node
+    everyone = [pid for group in pids.values() for pid in group]
+
+    assert local_cloud.fleet.hang_process(instance_id, "trainer") == pids["trainer"][0]
+    local_cloud.wait_until(lambda: process_state(pids["trainer"][0]) == "T", 5, "the rank to stop")
+    assert [pid for pid in everyone if process_state(pid) == "T"] == [pids["trainer"][0]]
+    local_cloud.fleet.resume(instance_id)
+    local_cloud.wait_until(lambda: process_state(pids["trainer"][0]) != "T", 5, "the rank to go on")
+
+    assert local_cloud.fleet.hang_process(instance_id, "agent") == pids["agent"][0]
+    local_cloud.wait_until(lambda: process_state(pids["agent"][0]) == "T", 5, "the agent to stop")
+    assert [pid for pid in everyone if process_state(pid) == "T"] == pids["agent"]
+    assert local_cloud.fleet.get(instance_id).state == "running"
+    local_cloud.fleet.resume(instance_id)
+    local_cloud.wait_until(lambda: process_state(pids["agent"][0]) != "T", 5, "the agent to go on")
+
+
+def test_crash_process_kills_one_rank_and_the_instance_lives_on(local_cloud, fake_node):
+    instance_id, pids = fake_node
+
+    assert local_cloud.fleet.crash_process(instance_id, "trainer") == pids["trainer"][0]
+
+    local_cloud.wait_until(lambda: process_state(pids["trainer"][0]) in {"Z", "X"}, 5, "the rank to die")
+    assert process_state(pids["trainer"][1]) not in {"Z", "X", "T"}
+    assert process_state(pids["agent"][0]) not in {"Z", "X", "T"}
+    assert local_cloud.fleet.get(instance_id).state == "running"
+    # The next rank is the trainer process now.
+    assert local_cloud.fleet.process_of(instance_id, "trainer") == pids["trainer"][1]
+
+
+def test_a_process_fault_names_the_instance_without_such_a_process(local_cloud):
+    local_cloud.fleet.boot = lambda instance: [sys.executable, "-c", "import time; time.sleep(60)"]
+    instance_id = local_cloud.client("ec2").run_instances(
+        ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+    with pytest.raises(RuntimeError, match=f"instance {instance_id} \\(pending\\) has no running processes"):
+        local_cloud.fleet.hang_process(instance_id, "trainer")
+    local_cloud.fleet.wait_for_state(instance_id, "running")
+    with pytest.raises(RuntimeError, match=f"instance {instance_id} has no trainer process"):
+        local_cloud.fleet.crash_process(instance_id, "trainer")
+    with pytest.raises(ValueError, match="role must be one of"):
+        local_cloud.fleet.hang_process(instance_id, "torchrun")
+    local_cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
+    local_cloud.fleet.wait_for_state(instance_id, "terminated")
