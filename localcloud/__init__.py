@@ -42,6 +42,8 @@ LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
   .throttle(service, seconds)             fail_requests(service, seconds, "throttle")
   .stop_failing_requests(service=None)    end those faults now
   .failed_requests                        Counter (service, answer) -> requests refused so
+  .time_out_invocations(name_part, count=1)  the next invocations of a matching function
+                                          run, then report Sandbox.Timedout
   .requests                               Counter (service, action) -> API requests over HTTP
   .state_transitions                      Counter state machine name -> states entered
   .lambda_invocations                     Counter function name -> handler runs

@@ -131,6 +131,8 @@ class LocalCloud:
         """Function name -> handler runs, however invoked: Invoke over HTTP (also counted in
         `requests`), asynchronous retries, and EventBridge targets, which do not come over HTTP."""
         self._counters_lock = threading.Lock()
+        self._invocation_timeouts: list[list[Any]] = []
+        """[function name part, invocations left] of time_out_invocations, oldest first."""
         self.capacity_limits: dict[tuple[str, str], int] = {}
         """(instance type, zone) -> instances of that type that may be alive there (set_capacity)."""
         from localcloud.fleet import LocalFleet
@@ -293,6 +295,31 @@ class LocalCloud:
         """Add one to a counter of this cloud; the server's threads count at the same time."""
         with self._counters_lock:
             counter[key] += 1
+
+    # --- Lambda invocation faults -------------------------------------------------------
+
+    def time_out_invocations(self, function_name_part: str, count: int = 1) -> None:
+        """The next `count` invocations of a function whose name contains the text run their
+        handler (its side effects happen) and then report Sandbox.Timedout, as Lambda reports a
+        function that ran past its timeout: Invoke answers FunctionError Unhandled with the
+        timeout's error object; a Step Functions Task sees Lambda.Unknown (glue/stepfunctions.py)."""
+        if not function_name_part:
+            raise ValueError("function_name_part must not be empty")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be an integer >= 1, got {count!r}")
+        with self._counters_lock:
+            self._invocation_timeouts.append([function_name_part, count])
+
+    def take_invocation_timeout(self, function_name: str) -> bool:
+        """Whether this invocation of the function is to time out (time_out_invocations)."""
+        with self._counters_lock:
+            for pending in self._invocation_timeouts:
+                if pending[0] in function_name:
+                    pending[1] -= 1
+                    if pending[1] == 0:
+                        self._invocation_timeouts.remove(pending)
+                    return True
+        return False
 
     # --- capacity ------------------------------------------------------------------------
 

@@ -265,3 +265,49 @@ def test_a_process_fault_names_the_instance_without_such_a_process(local_cloud):
         local_cloud.fleet.hang_process(instance_id, "torchrun")
     local_cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
     local_cloud.fleet.wait_for_state(instance_id, "terminated")
+
+
+# --- Lambda invocation faults ------------------------------------------------------------
+
+def test_a_timed_out_invocation_ran_its_handler_and_reports_sandbox_timedout(local_cloud, tmp_path):
+    echo = deploy_function(local_cloud, "echo", tmp_path / "echo.jsonl", timeout=7)
+    local_cloud.time_out_invocations("echo-", count=1)
+    client = local_cloud.client("lambda")
+
+    timed_out = client.invoke(FunctionName=echo, Payload=b'{"n": 1}')
+    answered = client.invoke(FunctionName=echo, Payload=b'{"n": 2}')
+
+    error = json.loads(timed_out["Payload"].read())
+    assert timed_out["FunctionError"] == "Unhandled"
+    assert error["errorType"] == "Sandbox.Timedout"
+    assert error["errorMessage"].endswith("Task timed out after 7.00 seconds")
+    assert "FunctionError" not in answered and json.loads(answered["Payload"].read()) == {"n": 2}
+    assert [entry["event"] for entry in records(tmp_path / "echo.jsonl")] == [{"n": 1}, {"n": 2}]
+
+
+@pytest.mark.parametrize("integration", ["lambda:invoke", "function arn"])
+def test_a_state_machine_sees_a_timed_out_function_as_lambda_unknown(local_cloud, tmp_path, integration):
+    echo = deploy_function(local_cloud, "echo", tmp_path / "echo.jsonl")
+    task = ({"Resource": "arn:aws:states:::lambda:invoke", "Parameters": {"FunctionName": echo, "Payload": {}}}
+            if integration == "lambda:invoke" else {"Resource": echo})
+    machine = create_state_machine(local_cloud, {"StartAt": "Call", "States": {
+        "Call": {"Type": "Task", **task, "End": True}}})
+    retried = create_state_machine(local_cloud, {"StartAt": "Call", "States": {
+        "Call": {"Type": "Task", **task, "End": True,
+                 "Retry": [{"ErrorEquals": ["Lambda.Unknown"], "IntervalSeconds": 1, "MaxAttempts": 1}]}}})
+    local_cloud.time_out_invocations(echo.split(":")[-1], count=2)
+
+    failed = run_execution(local_cloud, machine, {})
+    succeeded = run_execution(local_cloud, retried, {})
+
+    assert failed["status"] == "FAILED" and failed["error"] == "Lambda.Unknown", failed
+    assert json.loads(failed["cause"])["errorType"] == "Sandbox.Timedout"
+    assert succeeded["status"] == "SUCCEEDED", succeeded
+    assert len(records(tmp_path / "echo.jsonl")) == 3, "each timed-out invocation ran the handler"
+
+
+def test_invocation_timeouts_are_checked(local_cloud):
+    with pytest.raises(ValueError, match="count must be an integer >= 1"):
+        local_cloud.time_out_invocations("echo", count=0)
+    with pytest.raises(ValueError, match="must not be empty"):
+        local_cloud.time_out_invocations("")
