@@ -44,6 +44,9 @@ LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
   .failed_requests                        Counter (service, answer) -> requests refused so
   .time_out_invocations(name_part, count=1)  the next invocations of a matching function
                                           run, then report Sandbox.Timedout
+  .duplicate_events(detail_types, count)  deliver matching events twice (at least once)
+  .delay_events(delay_s, detail_types, count)  deliver them late (nominal seconds)
+  .reorder_events(window_s, detail_types, count)  hold them, then deliver newest first
   .requests                               Counter (service, action) -> API requests over HTTP
   .state_transitions                      Counter state machine name -> states entered
   .lambda_invocations                     Counter function name -> handler runs

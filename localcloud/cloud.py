@@ -81,6 +81,26 @@ class LocalCloudConfig:
             raise ValueError(f"host must be a loopback address, got {self.host!r}")
 
 
+EVENT_FAULT_KINDS = ("duplicate", "delay", "reorder")
+
+
+@dataclass
+class EventFault:
+    """How the next `remaining` events of some detail types are delivered (glue/events.py)."""
+
+    kind: str
+    """duplicate, delay or reorder."""
+    seconds: float
+    """Nominal seconds: the delay, or the window events are held for before going reversed."""
+    detail_types: frozenset[str] | None
+    """The detail types it applies to; None for all."""
+    remaining: int
+    """Events it still applies to."""
+    held: list[tuple[Any, dict[str, Any]]] = field(default_factory=list, repr=False)
+    """(rule, event) pairs a reorder fault holds, oldest first."""
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
 @dataclass
 class DeliveryFailure:
     """A target that could not be reached, kept so tests can assert none happened."""
@@ -131,6 +151,9 @@ class LocalCloud:
         """Function name -> handler runs, however invoked: Invoke over HTTP (also counted in
         `requests`), asynchronous retries, and EventBridge targets, which do not come over HTTP."""
         self._counters_lock = threading.Lock()
+        self._event_faults: list[EventFault] = []
+        self._event_fault_of: dict[str, EventFault] = {}
+        """Event id -> the fault it was given: every rule it matches delivers it the same way."""
         self._invocation_timeouts: list[list[Any]] = []
         """[function name part, invocations left] of time_out_invocations, oldest first."""
         self.capacity_limits: dict[tuple[str, str], int] = {}
@@ -381,6 +404,46 @@ class LocalCloud:
         if "EventId" not in entries[0]:
             raise ValueError(f"event rejected: {entries[0]}")
         return entries[0]["EventId"]
+
+    def duplicate_events(self, detail_types: list[str] | None = None, count: int = 1) -> None:
+        """Deliver each of the next `count` matching events twice to every target of each rule
+        it matches: EventBridge delivers at least once, so targets must be idempotent."""
+        self._arm_event_fault("duplicate", 0.0, detail_types, count)
+
+    def delay_events(self, delay_s: float, detail_types: list[str] | None = None, count: int = 1) -> None:
+        """Deliver the next `count` matching events `delay_s` nominal seconds late (scaled like
+        every nominal duration: EventBridge retries a delivery for up to a day)."""
+        self._arm_event_fault("delay", delay_s, detail_types, count)
+
+    def reorder_events(self, window_s: float, detail_types: list[str] | None = None, count: int = 2) -> None:
+        """Hold the next `count` matching events from the first one on for `window_s` nominal
+        seconds, then deliver them newest first: EventBridge does not keep events in order."""
+        self._arm_event_fault("reorder", window_s, detail_types, count)
+
+    def _arm_event_fault(self, kind: str, seconds: float, detail_types: list[str] | None, count: int) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be an integer >= 1, got {count!r}")
+        if seconds < 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds}")
+        if isinstance(detail_types, str):
+            raise ValueError(f"detail_types must be a list of detail types, got {detail_types!r}")
+        with self._counters_lock:
+            self._event_faults.append(EventFault(
+                kind, seconds, frozenset(detail_types) if detail_types is not None else None, count))
+
+    def event_fault(self, event: dict[str, Any]) -> EventFault | None:
+        """The fault that applies to this event on the bus, if any (the same for each rule)."""
+        with self._counters_lock:
+            if event.get("id") in self._event_fault_of:
+                return self._event_fault_of[event["id"]]
+            for fault in self._event_faults:
+                if fault.detail_types is None or event.get("detail-type") in fault.detail_types:
+                    fault.remaining -= 1
+                    if fault.remaining == 0:
+                        self._event_faults.remove(fault)
+                    self._event_fault_of[event["id"]] = fault
+                    return fault
+        return None
 
     def inject_spot_interruption(self, instance_id: str, action: str = "terminate") -> str:
         """Send the two-minute Spot warning; the instance is interrupted when it runs out.

@@ -10,7 +10,8 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from localcloud.fleet import python_module
-from localcloud_helpers import create_state_machine, deploy_function, records, run_execution, unique
+from localcloud_helpers import (create_state_machine, deploy_function, event_sink, receive, records, run_execution,
+                                unique)
 
 
 def test_every_request_over_http_is_counted_by_service_and_action(local_cloud):
@@ -311,3 +312,51 @@ def test_invocation_timeouts_are_checked(local_cloud):
         local_cloud.time_out_invocations("echo", count=0)
     with pytest.raises(ValueError, match="must not be empty"):
         local_cloud.time_out_invocations("")
+
+
+# --- EventBridge delivery faults ---------------------------------------------------------
+
+def put(cloud, *detail_types: str) -> list[str]:
+    """Put one event per detail type in one PutEvents call; their ids."""
+    entries = cloud.client("events").put_events(Entries=[
+        {"Source": "faults", "DetailType": detail_type, "Detail": json.dumps({"n": n})}
+        for n, detail_type in enumerate(detail_types)])["Entries"]
+    return [entry["EventId"] for entry in entries]
+
+
+def test_a_duplicated_event_reaches_each_target_twice(local_cloud):
+    queue = event_sink(local_cloud, {"source": ["faults"]})
+    local_cloud.duplicate_events(detail_types=["Twice"], count=1)
+
+    twice, once, again = put(local_cloud, "Twice", "Once", "Twice")
+
+    delivered = [message["id"] for message in receive(local_cloud, queue, 4)]
+    assert sorted(delivered) == sorted([twice, twice, once, again])
+
+
+def test_a_delayed_event_arrives_after_those_put_later(local_cloud):
+    queue = event_sink(local_cloud, {"source": ["faults"]})
+    local_cloud.delay_events(50.0, detail_types=["Late"])  # 1 s at the fixture's time scale
+
+    late, = put(local_cloud, "Late")
+    on_time, = put(local_cloud, "OnTime")
+
+    assert [message["id"] for message in receive(local_cloud, queue, 2)] == [on_time, late]
+
+
+def test_held_events_are_released_newest_first(local_cloud):
+    queue = event_sink(local_cloud, {"source": ["faults"]})
+    local_cloud.reorder_events(25.0, detail_types=["Step"], count=3)
+
+    ids = put(local_cloud, "Step", "Step", "Step")
+
+    assert [message["id"] for message in receive(local_cloud, queue, 3)] == ids[::-1]
+
+
+def test_event_faults_are_checked(local_cloud):
+    with pytest.raises(ValueError, match="count must be an integer >= 1"):
+        local_cloud.duplicate_events(count=0)
+    with pytest.raises(ValueError, match="seconds must be >= 0"):
+        local_cloud.delay_events(-1.0)
+    with pytest.raises(ValueError, match="detail_types must be a list"):
+        local_cloud.reorder_events(1.0, detail_types="Step")
