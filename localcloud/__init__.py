@@ -52,6 +52,9 @@ LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
   .lambda_invocations                     Counter function name -> handler runs
   .delivery_failures                      EventBridge targets that could not be reached
   .scaled(seconds), .wait_until(...)      scaled time and a bounded poll for tests
+
+POST /_localcloud/chaos on the endpoint (`trainfleet chaos FAULT RUN TARGET`) injects these
+faults from another process (localcloud.chaos).
 """
 
 from localcloud.cloud import LocalCloud, LocalCloudConfig

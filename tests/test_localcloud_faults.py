@@ -3,15 +3,14 @@
 import json
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from localcloud.fleet import python_module
-from localcloud_helpers import (create_state_machine, deploy_function, event_sink, receive, records, run_execution,
-                                unique)
+from localcloud_helpers import (create_state_machine, deploy_function, event_sink, process_state,
+                                receive, records, run_execution, start_fake_node, unique)
 
 
 def test_every_request_over_http_is_counted_by_service_and_action(local_cloud):
@@ -158,56 +157,10 @@ def test_a_state_machine_task_sees_the_lambda_outage_as_step_functions_reports_i
 
 # --- process faults ----------------------------------------------------------------------
 
-# A node as the agent runs it, in miniature: the agent (python -m trainer.agent) starts
-# "torchrun" (here -c code, with torchrun's own `-m trainer.worker` arguments), which starts two
-# ranks (python -u -m trainer.worker) in sessions of their own and reaps them.
-FAKE_NODE = {
-    "trainer/__init__.py": "",
-    "trainer/agent.py": (
-        "import subprocess, sys, time\n"
-        "TORCHRUN = ('import subprocess, sys, pathlib\\n'\n"
-        "            'ranks = [subprocess.Popen([sys.executable, \"-u\", \"-m\", \"trainer.worker\", \"--config\", \"c\"],'\n"
-        "            ' start_new_session=True) for _ in range(2)]\\n'\n"
-        "            'pathlib.Path(\"ranks\").write_text(\" \".join(str(rank.pid) for rank in ranks))\\n'\n"
-        "            '[rank.wait() for rank in ranks]\\n'\n"
-        "            'import time; time.sleep(300)\\n')\n"
-        "torchrun = subprocess.Popen([sys.executable, '-c', TORCHRUN, '-m', 'trainer.worker', '--config', 'c'],\n"
-        "                            start_new_session=True)\n"
-        "open('torchrun', 'w').write(str(torchrun.pid))\n"
-        "time.sleep(300)\n"),
-    "trainer/worker.py": "import time\ntime.sleep(300)\n",
-}
-
-
-def boot_fake_node(instance):
-    for name, text in FAKE_NODE.items():
-        path = instance.workdir / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return [sys.executable, "-m", "trainer.agent"]
-
-
-def process_state(pid: int) -> str:
-    """R, S, T (stopped), Z (ended, not reaped) ...; X once gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "X"
-
-
 @pytest.fixture
 def fake_node(local_cloud):
     """A running instance with an agent, torchrun and two ranks: (id, {role: pids})."""
-    local_cloud.fleet.boot = boot_fake_node
-    instance_id = local_cloud.client("ec2").run_instances(
-        ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
-    local_cloud.fleet.wait_for_state(instance_id, "running")
-    workdir = local_cloud.fleet.get(instance_id).workdir
-    local_cloud.wait_until(lambda: (workdir / "ranks").exists() and (workdir / "ranks").read_text(), 30,
-                           "the ranks to start")
-    pids = {"agent": [local_cloud.fleet.get(instance_id).process.pid],
-            "torchrun": [int((workdir / "torchrun").read_text())],
-            "trainer": sorted(int(pid) for pid in (workdir / "ranks").read_text().split())}
+    instance_id, pids = start_fake_node(local_cloud)
     yield instance_id, pids
     local_cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
     local_cloud.fleet.wait_for_state(instance_id, "terminated")

@@ -10,6 +10,9 @@ ThrottlingException) or in an outage ("error": its documented 500), over real HT
 botocore's retries and the caller's own handling see what they would see on AWS. moto never
 fails so, so this wraps its WSGI application (`DomainDispatcherApplication.__call__`).
 
+The wrapper also serves the chaos control route (`localcloud.chaos`), through which
+`trainfleet chaos` injects faults from another process.
+
 What an outage of a service hits here is what it hits on AWS: whoever calls its API over
 HTTP. That includes the state machine's own service integrations (a lambda:invoke Task calls
 Invoke over HTTP, so it fails with Lambda.TooManyRequestsException / Lambda.ServiceException as
@@ -29,6 +32,7 @@ from typing import Any
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication
 
 from localcloud.api_requests import request_action, signing_service
+from localcloud.chaos import CHAOS_PATH, ChaosError, inject
 from localcloud.glue import active_cloud
 
 _JSON_10 = "application/x-amz-json-1.0"
@@ -137,8 +141,28 @@ def _count(cloud: Any, service: str, environ: dict[str, Any]) -> None:
     cloud.count(cloud.requests, (service, action))
 
 
+def _chaos(cloud: Any, environ: dict[str, Any], start_response: Any) -> list[bytes]:
+    """The control route: a fault request in, what was done (200) or why not (400) out."""
+    if environ.get("REQUEST_METHOD") != "POST":
+        status, answer = "405 Method Not Allowed", {"error": f"POST a fault request to {CHAOS_PATH}"}
+    else:
+        try:
+            size = int(environ.get("CONTENT_LENGTH") or 0)
+            request = json.loads(environ["wsgi.input"].read(size) or b"null")
+            if not isinstance(request, dict):
+                raise ChaosError("the request must be a JSON object")
+            status, answer = "200 OK", inject(cloud, request)
+        except ValueError as error:  # a ChaosError, or JSON that does not parse
+            status, answer = "400 Bad Request", {"error": str(error)}
+    body = json.dumps(answer).encode()
+    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
 def _call(self: DomainDispatcherApplication, environ: dict[str, Any], start_response: Any) -> Any:
     cloud = active_cloud()
+    if cloud is not None and environ.get("PATH_INFO") == CHAOS_PATH:
+        return _chaos(cloud, environ, start_response)
     service = signing_service(environ.get("HTTP_AUTHORIZATION", "")) if cloud is not None else None
     if service is None:
         return _moto_call(self, environ, start_response)
