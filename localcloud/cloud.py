@@ -81,9 +81,6 @@ class LocalCloudConfig:
             raise ValueError(f"host must be a loopback address, got {self.host!r}")
 
 
-EVENT_FAULT_KINDS = ("duplicate", "delay", "reorder")
-
-
 @dataclass
 class EventFault:
     """How the next `remaining` events of some detail types are delivered (glue/events.py)."""
@@ -150,7 +147,8 @@ class LocalCloud:
         self.lambda_invocations: Counter[str] = Counter()
         """Function name -> handler runs, however invoked: Invoke over HTTP (also counted in
         `requests`), asynchronous retries, and EventBridge targets, which do not come over HTTP."""
-        self._counters_lock = threading.Lock()
+        self._bookkeeping_lock = threading.Lock()
+        """Guards the counters and the fault lists, which the server's threads share."""
         self._event_faults: list[EventFault] = []
         self._event_fault_of: dict[str, EventFault] = {}
         """Event id -> the fault it was given: every rule it matches delivers it the same way."""
@@ -316,7 +314,7 @@ class LocalCloud:
 
     def count(self, counter: Counter, key: Hashable) -> None:
         """Add one to a counter of this cloud; the server's threads count at the same time."""
-        with self._counters_lock:
+        with self._bookkeeping_lock:
             counter[key] += 1
 
     # --- Lambda invocation faults -------------------------------------------------------
@@ -330,12 +328,12 @@ class LocalCloud:
             raise ValueError("function_name_part must not be empty")
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"count must be an integer >= 1, got {count!r}")
-        with self._counters_lock:
+        with self._bookkeeping_lock:
             self._invocation_timeouts.append([function_name_part, count])
 
     def take_invocation_timeout(self, function_name: str) -> bool:
         """Whether this invocation of the function is to time out (time_out_invocations)."""
-        with self._counters_lock:
+        with self._bookkeeping_lock:
             for pending in self._invocation_timeouts:
                 if pending[0] in function_name:
                     pending[1] -= 1
@@ -344,7 +342,7 @@ class LocalCloud:
                     return True
         return False
 
-    # --- capacity ------------------------------------------------------------------------
+    # --- request faults ------------------------------------------------------------------
 
     def fail_requests(self, service: str, seconds: float, answer: str = "throttle") -> None:
         """Answer every API request to `service` (dynamodb, s3, events, lambda, ec2, states)
@@ -371,6 +369,8 @@ class LocalCloud:
             self.request_faults.clear()
         else:
             self.request_faults.pop(service, None)
+
+    # --- capacity ------------------------------------------------------------------------
 
     def set_capacity(self, instance_type: str, availability_zone: str, instances: int | None) -> None:
         """Let at most `instances` of the type be alive (not terminated) in the zone at once;
@@ -427,13 +427,13 @@ class LocalCloud:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
         if isinstance(detail_types, str):
             raise ValueError(f"detail_types must be a list of detail types, got {detail_types!r}")
-        with self._counters_lock:
+        with self._bookkeeping_lock:
             self._event_faults.append(EventFault(
                 kind, seconds, frozenset(detail_types) if detail_types is not None else None, count))
 
     def event_fault(self, event: dict[str, Any]) -> EventFault | None:
         """The fault that applies to this event on the bus, if any (the same for each rule)."""
-        with self._counters_lock:
+        with self._bookkeeping_lock:
             if event.get("id") in self._event_fault_of:
                 return self._event_fault_of[event["id"]]
             for fault in self._event_faults:
