@@ -41,7 +41,7 @@ LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
                                           ("throttle") or its 500 ("error") for a while
   .throttle(service, seconds)             fail_requests(service, seconds, "throttle")
   .stop_failing_requests(service=None)    end those faults now
-  .failed_requests                        Counter (service, answer) -> requests refused so
+  .failed_requests                        Counter (service, answer) -> requests refused so far
   .time_out_invocations(name_part, count=1)  the next invocations of a matching function
                                           run, then report Sandbox.Timedout
   .duplicate_events(detail_types, count)  deliver matching events twice (at least once)
