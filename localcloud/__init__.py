@@ -27,6 +27,8 @@ LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
       .get(id) -> LocalInstance               private_ip, workdir, state, process,
                                               spot_action, rebalance_notice, console_log
       .kill(id) / .hang(id) / .resume(id)     SIGKILL / SIGSTOP / SIGCONT its process group
+      .hang_process(id, role) -> pid          SIGSTOP one process: role "trainer" (a rank) or
+      .crash_process(id, role) -> pid         "agent"; SIGKILL it (resume continues a hung one)
       .wait_for_state(id, state, timeout_s)
   .put_event(AwsEvent)                    emit an AWS-service event on the default bus
   .inject_spot_interruption(id, action)   Spot warning, then the interruption
@@ -34,8 +36,25 @@ LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
   .inject_health_event(ids, code, ...)    AWS Health Event for EC2
   .set_capacity(type, zone, n | None)     at most n instances of the type alive in the zone
                                           (InsufficientInstanceCapacity beyond it)
+  .fail_requests(service, seconds, answer)  requests over HTTP to dynamodb, s3, events, lambda,
+                                          ec2 or states answer its throttling error
+                                          ("throttle") or its 500 ("error") for a while
+  .throttle(service, seconds)             fail_requests(service, seconds, "throttle")
+  .stop_failing_requests(service=None)    end those faults now
+  .failed_requests                        Counter (service, answer) -> requests refused so far
+  .time_out_invocations(name_part, count=1)  the next invocations of a matching function
+                                          run, then report Sandbox.Timedout
+  .duplicate_events(detail_types, count)  deliver matching events twice (at least once)
+  .delay_events(delay_s, detail_types, count)  deliver them late (nominal seconds)
+  .reorder_events(window_s, detail_types, count)  hold them, then deliver newest first
+  .requests                               Counter (service, action) -> API requests over HTTP
+  .state_transitions                      Counter state machine name -> states entered
+  .lambda_invocations                     Counter function name -> handler runs
   .delivery_failures                      EventBridge targets that could not be reached
   .scaled(seconds), .wait_until(...)      scaled time and a bounded poll for tests
+
+POST /_localcloud/chaos on the endpoint (`trainfleet chaos FAULT RUN TARGET`) injects these
+faults from another process (localcloud.chaos_route).
 """
 
 from localcloud.cloud import LocalCloud, LocalCloudConfig

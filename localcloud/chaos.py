@@ -46,6 +46,7 @@ from typing import Any
 
 import yaml
 
+from localcloud.chaos_route import on_instance
 from localcloud.stack import REPO, LocalRun, LocalStack, agent_lines, local_stack, states_entered
 from trainer.checkpoint_catalog import MARKER_NAME
 
@@ -310,21 +311,11 @@ def inject(view: _View, fault: Fault, target: str, phase: Phase) -> Injection:
     trainer_runs = phase in (Phase.RENDEZVOUS, Phase.TRAINING, Phase.CHECKPOINT_WRITE, Phase.CHECKPOINT_LOAD)
     injection = Injection(str(fault), "control plane" if fault is Fault.THROTTLE else target, str(phase),
                           time.time(), view.step())
-    if fault is Fault.KILL:
-        cloud.fleet.kill(target)
-    elif fault is Fault.FREEZE:
-        cloud.fleet.hang(target)
-    elif fault is Fault.HANG:
-        cloud.fleet.hang_process(target, "trainer" if trainer_runs else "agent")
-    elif fault is Fault.SPOT:
-        cloud.inject_spot_interruption(target)
-    elif fault is Fault.HEALTH:
-        cloud.inject_health_event([target])
-    elif fault is Fault.CRASH:
-        cloud.fleet.crash_process(target, "trainer")
-    else:
+    if fault is Fault.THROTTLE:
         for service in CONTROL_PLANE_SERVICES:
             cloud.fail_requests(service, THROTTLE_S, answer="throttle")
+    else:
+        on_instance(cloud, str(fault), target, role="trainer" if trainer_runs else "agent")
     view.stack.narrate(f"{fault} {injection.target} during {phase}")
     return injection
 

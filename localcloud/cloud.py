@@ -10,17 +10,21 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import boto3
 from aws_xray_sdk import global_sdk_config
 from botocore.config import Config
 
 from localcloud import aws_events, glue
+
+if TYPE_CHECKING:
+    from localcloud.glue.faults import RequestFault
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,23 @@ class LocalCloudConfig:
 
 
 @dataclass
+class EventFault:
+    """How the next `remaining` events of some detail types are delivered (glue/events.py)."""
+
+    kind: str
+    """duplicate, delay or reorder."""
+    seconds: float
+    """Nominal seconds: the delay, or the window events are held for before going reversed."""
+    detail_types: frozenset[str] | None
+    """The detail types it applies to; None for all."""
+    remaining: int
+    """Events it still applies to."""
+    held: list[tuple[Any, dict[str, Any]]] = field(default_factory=list, repr=False)
+    """(rule, event) pairs a reorder fault holds, oldest first."""
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+@dataclass
 class DeliveryFailure:
     """A target that could not be reached, kept so tests can assert none happened."""
 
@@ -110,10 +131,29 @@ class LocalCloud:
         self.delivery_failures: list[DeliveryFailure] = []
         self._saved_moto_settings: dict[str, Any] = {}
         self._timers: list[threading.Timer] = []
-        self.throttled: dict[str, float] = {}
-        """Service -> monotonic time until which its requests are throttled (throttle)."""
-        self.throttled_requests: dict[str, int] = {}
-        """Service -> requests answered with a throttling error so far."""
+        self.request_faults: dict[str, RequestFault] = {}
+        """Service -> how its requests fail, and until when (fail_requests)."""
+        self.failed_requests: Counter[tuple[str, str]] = Counter()
+        """(service, answer) -> requests answered with an injected error so far."""
+        self.requests: Counter[tuple[str, str]] = Counter()
+        """(service, action) -> API requests that reached the endpoint over HTTP (signed ones:
+        the service is the SigV4 scope's, dynamodb, s3, states ...; glue/faults.py). The state
+        machine's own service integrations (lambda:invoke, events:putEvents ...) are HTTP calls
+        too, so they are counted here."""
+        self.state_transitions: Counter[str] = Counter()
+        """State machine name -> states entered by its executions (the *StateEntered events of
+        their histories: what Step Functions bills Standard workflows for; a Task's retries
+        are not counted here, AWS bills each as one more transition)."""
+        self.lambda_invocations: Counter[str] = Counter()
+        """Function name -> handler runs, however invoked: Invoke over HTTP (also counted in
+        `requests`), asynchronous retries, and EventBridge targets, which do not come over HTTP."""
+        self._bookkeeping_lock = threading.Lock()
+        """Guards the counters and the fault lists, which the server's threads share."""
+        self._event_faults: list[EventFault] = []
+        self._event_fault_of: dict[str, EventFault] = {}
+        """Event id -> the fault it was given: every rule it matches delivers it the same way."""
+        self._invocation_timeouts: list[list[Any]] = []
+        """[function name part, invocations left] of time_out_invocations, oldest first."""
         self.capacity_limits: dict[tuple[str, str], int] = {}
         """(instance type, zone) -> instances of that type that may be alive there (set_capacity)."""
         from localcloud.fleet import LocalFleet
@@ -272,16 +312,65 @@ class LocalCloud:
         timer.start()
         return timer
 
-    # --- capacity ------------------------------------------------------------------------
+    def count(self, counter: Counter, key: Hashable) -> None:
+        """Add one to a counter of this cloud; the server's threads count at the same time."""
+        with self._bookkeeping_lock:
+            counter[key] += 1
+
+    # --- Lambda invocation faults -------------------------------------------------------
+
+    def time_out_invocations(self, function_name_part: str, count: int = 1) -> None:
+        """The next `count` invocations of a function whose name contains the text run their
+        handler (its side effects happen) and then report Sandbox.Timedout, as Lambda reports a
+        function that ran past its timeout: Invoke answers FunctionError Unhandled with the
+        timeout's error object; a Step Functions Task sees Lambda.Unknown (glue/stepfunctions.py)."""
+        if not function_name_part:
+            raise ValueError("function_name_part must not be empty")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be an integer >= 1, got {count!r}")
+        with self._bookkeeping_lock:
+            self._invocation_timeouts.append([function_name_part, count])
+
+    def take_invocation_timeout(self, function_name: str) -> bool:
+        """Whether this invocation of the function is to time out (time_out_invocations)."""
+        with self._bookkeeping_lock:
+            for pending in self._invocation_timeouts:
+                if pending[0] in function_name:
+                    pending[1] -= 1
+                    if pending[1] == 0:
+                        self._invocation_timeouts.remove(pending)
+                    return True
+        return False
+
+    # --- request faults ------------------------------------------------------------------
+
+    def fail_requests(self, service: str, seconds: float, answer: str = "throttle") -> None:
+        """Answer every API request to `service` (dynamodb, s3, events, lambda, ec2, states)
+        over HTTP for the next `seconds` real seconds with its throttling error (answer
+        "throttle") or its internal error ("error"), as AWS does under load or in an outage
+        (glue/faults.py)."""
+        from localcloud.glue.faults import FAULT_ANSWERS, SERVICES, RequestFault
+
+        if service not in SERVICES:
+            raise ValueError(f"service must be one of {SERVICES}, got {service!r}")
+        if answer not in FAULT_ANSWERS:
+            raise ValueError(f"answer must be one of {list(FAULT_ANSWERS)}, got {answer!r}")
+        if seconds < 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds}")
+        self.request_faults[service] = RequestFault(answer, time.monotonic() + seconds)
 
     def throttle(self, service: str, seconds: float) -> None:
-        """Answer every request to `service` (dynamodb, s3 or events) with its throttling error
-        for the next `seconds` real seconds (glue/faults.py)."""
-        from localcloud.glue.faults import ANSWERS
+        """fail_requests(service, seconds, "throttle")."""
+        self.fail_requests(service, seconds, "throttle")
 
-        if service not in ANSWERS:
-            raise ValueError(f"service must be one of {sorted(ANSWERS)}, got {service!r}")
-        self.throttled[service] = time.monotonic() + seconds
+    def stop_failing_requests(self, service: str | None = None) -> None:
+        """End the request faults of a service now, or of every service."""
+        if service is None:
+            self.request_faults.clear()
+        else:
+            self.request_faults.pop(service, None)
+
+    # --- capacity ------------------------------------------------------------------------
 
     def set_capacity(self, instance_type: str, availability_zone: str, instances: int | None) -> None:
         """Let at most `instances` of the type be alive (not terminated) in the zone at once;
@@ -315,6 +404,46 @@ class LocalCloud:
         if "EventId" not in entries[0]:
             raise ValueError(f"event rejected: {entries[0]}")
         return entries[0]["EventId"]
+
+    def duplicate_events(self, detail_types: list[str] | None = None, count: int = 1) -> None:
+        """Deliver each of the next `count` matching events twice to every target of each rule
+        it matches: EventBridge delivers at least once, so targets must be idempotent."""
+        self._arm_event_fault("duplicate", 0.0, detail_types, count)
+
+    def delay_events(self, delay_s: float, detail_types: list[str] | None = None, count: int = 1) -> None:
+        """Deliver the next `count` matching events `delay_s` nominal seconds late (scaled like
+        every nominal duration: EventBridge retries a delivery for up to a day)."""
+        self._arm_event_fault("delay", delay_s, detail_types, count)
+
+    def reorder_events(self, window_s: float, detail_types: list[str] | None = None, count: int = 2) -> None:
+        """Hold the next `count` matching events from the first one on for `window_s` nominal
+        seconds, then deliver them newest first: EventBridge does not keep events in order."""
+        self._arm_event_fault("reorder", window_s, detail_types, count)
+
+    def _arm_event_fault(self, kind: str, seconds: float, detail_types: list[str] | None, count: int) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be an integer >= 1, got {count!r}")
+        if seconds < 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds}")
+        if isinstance(detail_types, str):
+            raise ValueError(f"detail_types must be a list of detail types, got {detail_types!r}")
+        with self._bookkeeping_lock:
+            self._event_faults.append(EventFault(
+                kind, seconds, frozenset(detail_types) if detail_types is not None else None, count))
+
+    def event_fault(self, event: dict[str, Any]) -> EventFault | None:
+        """The fault that applies to this event on the bus, if any (the same for each rule)."""
+        with self._bookkeeping_lock:
+            if event.get("id") in self._event_fault_of:
+                return self._event_fault_of[event["id"]]
+            for fault in self._event_faults:
+                if fault.detail_types is None or event.get("detail-type") in fault.detail_types:
+                    fault.remaining -= 1
+                    if fault.remaining == 0:
+                        self._event_faults.remove(fault)
+                    self._event_fault_of[event["id"]] = fault
+                    return fault
+        return None
 
     def inject_spot_interruption(self, instance_id: str, action: str = "terminate") -> str:
         """Send the two-minute Spot warning; the instance is interrupted when it runs out.

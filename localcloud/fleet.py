@@ -25,7 +25,12 @@ Lifecycle, as EC2 reports it with state-change events on the default bus:
 Fault injection: kill (SIGKILL the process group: the instance dies), hang (SIGSTOP of every
 process of the instance, its process group and whatever left it: the
 instance stays `running` but does nothing, as a wedged host does), resume (SIGCONT), and the
-Spot interruption (`LocalCloud.inject_spot_interruption`) which ends in `interrupt`.
+Spot interruption (`LocalCloud.inject_spot_interruption`) which ends in `interrupt`. One
+process of a healthy instance can fail alone: hang_process (SIGSTOP: a rank stuck in a
+collective or a wedged agent, the host still fine) and crash_process (SIGKILL: a rank killed
+by the OOM killer or a segfault), by role: "trainer" is one rank (the lowest-pid process
+running trainer.worker or trainer.train under the instance's torchrun), "agent" the node
+agent alone (trainer.agent, not torchrun or the ranks it started).
 A network cut between two nodes is not provided: it needs packet filtering (root) on the
 shared loopback interface.
 """
@@ -53,7 +58,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalFleet", "LocalInstance", "BootCommand", "boot_user_data"]
+__all__ = ["LocalFleet", "LocalInstance", "BootCommand", "boot_user_data", "ROLE_MODULES",
+           "python_module"]
 
 HARNESS_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
                        "AWS_SECURITY_TOKEN", "AWS_PROFILE")
@@ -115,6 +121,36 @@ def _descendants(pid: int) -> list[int]:
             found.append(child)
             pending.append(child)
     return found
+
+
+ROLE_MODULES = {"trainer": ("trainer.worker", "trainer.train"), "agent": ("trainer.agent",)}
+"""Process role -> the Python modules (`python -m MODULE`) a process of that role runs."""
+_OPTIONS_WITH_VALUE = {"-W", "-X", "-Q"}
+
+
+def python_module(argv: Sequence[str]) -> str | None:
+    """The module a Python command line runs (`python -u -m trainer.worker ...` ->
+    trainer.worker); None for a script, `-c` code or anything else. Only the interpreter's own
+    `-m` counts: torchrun's `-m trainer.worker` is an argument of torchrun's."""
+    if not argv or not Path(argv[0]).name.startswith("python"):
+        return None
+    arguments = iter(argv[1:])
+    for argument in arguments:
+        if argument == "-m":
+            return next(arguments, None)
+        if argument in _OPTIONS_WITH_VALUE:
+            next(arguments, None)
+        elif not argument.startswith("-") or argument == "-c":
+            return None
+    return None
+
+
+def _argv(pid: int) -> list[str]:
+    """A process's command line; empty once it ended (a zombie has none)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
 
 
 BootCommand = Callable[[LocalInstance], Sequence[str] | None]
@@ -183,7 +219,37 @@ class LocalFleet:
         self._signal_descendants(instance_id, signal.SIGSTOP)
         self.get(instance_id).hung = True
 
+    def hang_process(self, instance_id: str, role: str) -> int:
+        """SIGSTOP one process of the instance (see ROLE_MODULES), the rest running on; its pid.
+        `resume` continues it."""
+        pid = self.process_of(instance_id, role)
+        os.kill(pid, signal.SIGSTOP)
+        return pid
+
+    def crash_process(self, instance_id: str, role: str) -> int:
+        """SIGKILL one process of the instance (see ROLE_MODULES), as a crash ends it; its pid."""
+        pid = self.process_of(instance_id, role)
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def process_of(self, instance_id: str, role: str) -> int:
+        """The pid of the instance's process of that role: the lowest of those running one of
+        the role's modules."""
+        if role not in ROLE_MODULES:
+            raise ValueError(f"role must be one of {sorted(ROLE_MODULES)}, got {role!r}")
+        instance = self.get(instance_id)
+        process = instance.process
+        if process is None or instance.state != "running":
+            raise RuntimeError(f"instance {instance_id} ({instance.state}) has no running processes")
+        found = sorted(pid for pid in (process.pid, *_descendants(process.pid))
+                       if python_module(_argv(pid)) in ROLE_MODULES[role])
+        if not found:
+            raise RuntimeError(f"instance {instance_id} has no {role} process (python -m "
+                               f"{' or '.join(ROLE_MODULES[role])}) yet")
+        return found[0]
+
     def resume(self, instance_id: str) -> None:
+        """SIGCONT every process of the instance: what hang or hang_process stopped goes on."""
         self._signal_descendants(instance_id, signal.SIGCONT)
         self._signal(instance_id, signal.SIGCONT)
         self.get(instance_id).hung = False
@@ -331,7 +397,10 @@ class LocalFleet:
         The exit is observed without reaping (WNOWAIT): until `_end_process` reaps it, the
         leader's pid, which is also its group's id, cannot be reused by an unrelated process
         group, so signalling the group is always safe."""
-        exit_status = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT).si_status
+        try:
+            exit_status = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT).si_status
+        except ChildProcessError:
+            return  # reaped by `_end_process` before this thread got to wait: the fleet ended it
         if instance._ending or instance.process is not process:
             return
         log.info("instance %s: process exited with %s; terminating it",

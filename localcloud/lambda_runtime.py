@@ -11,7 +11,7 @@ deployment package and called in a thread of its own, with:
   functions with different variables run at the same time in one process);
 - the function's timeout: a handler still running when it expires is reported as AWS reports
   it (`Sandbox.Timedout`); its thread cannot be killed, so it is left to finish and its result
-  is dropped;
+  is dropped (an invocation can also be told to report a timeout after its handler ran);
 - error payloads shaped like the runtime's (`errorType` = exception class name,
   `errorMessage`, `stackTrace`), which is what Step Functions Retry/Catch match on;
 - what the handler's thread prints (print, logging to stdout/stderr, Powertools' JSON logs
@@ -357,8 +357,11 @@ def _error_object(error_type: str, message: str, request_id: str,
             "stackTrace": stack or []}
 
 
-def invoke_handler(spec: FunctionSpec, event: Any) -> InvocationResult:
-    """Call the function's handler with `event`; never raises for the handler's own faults."""
+def invoke_handler(spec: FunctionSpec, event: Any, time_out: bool = False) -> InvocationResult:
+    """Call the function's handler with `event`; never raises for the handler's own faults.
+
+    `time_out`: run the handler to its end (its side effects happen) and then report that it
+    timed out, as Lambda reports a handler that outlived its timeout."""
     environ = install_thread_environ()
     install_thread_output()
     request_id = str(uuid.uuid4())
@@ -391,7 +394,7 @@ def invoke_handler(spec: FunctionSpec, event: Any) -> InvocationResult:
     worker.start()
     worker.join(timeout=spec.timeout_s)
     elapsed_ms = (time.monotonic() - started) * 1000
-    if worker.is_alive():
+    if worker.is_alive() or time_out:
         outcome = {"error": _error_object(
             "Sandbox.Timedout",
             f"RequestId: {request_id} Error: Task timed out after {spec.timeout_s:.2f} seconds",

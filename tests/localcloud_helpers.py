@@ -119,3 +119,58 @@ def receive(cloud, queue_url: str, count: int, timeout_s: float = 20) -> list[An
             sqs.delete_message(QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"])
         time.sleep(0.05)
     return bodies
+
+
+# A node as the agent runs it, in miniature: the agent (python -m trainer.agent) starts
+# "torchrun" (here -c code, with torchrun's own `-m trainer.worker` arguments), which starts two
+# ranks (python -u -m trainer.worker) in sessions of their own and reaps them.
+FAKE_NODE = {
+    "trainer/__init__.py": "",
+    "trainer/agent.py": (
+        "import subprocess, sys, time\n"
+        "TORCHRUN = ('import subprocess, sys, pathlib\\n'\n"
+        "            'ranks = [subprocess.Popen([sys.executable, \"-u\", \"-m\", \"trainer.worker\", \"--config\", \"c\"],'\n"
+        "            ' start_new_session=True) for _ in range(2)]\\n'\n"
+        "            'pathlib.Path(\"ranks\").write_text(\" \".join(str(rank.pid) for rank in ranks))\\n'\n"
+        "            '[rank.wait() for rank in ranks]\\n'\n"
+        "            'import time; time.sleep(300)\\n')\n"
+        "torchrun = subprocess.Popen([sys.executable, '-c', TORCHRUN, '-m', 'trainer.worker', '--config', 'c'],\n"
+        "                            start_new_session=True)\n"
+        "open('torchrun', 'w').write(str(torchrun.pid))\n"
+        "time.sleep(300)\n"),
+    "trainer/worker.py": "import time\ntime.sleep(300)\n",
+}
+
+
+def boot_fake_node(instance):
+    for name, text in FAKE_NODE.items():
+        path = instance.workdir / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return [sys.executable, "-m", "trainer.agent"]
+
+
+def process_state(pid: int) -> str:
+    """R, S, T (stopped), Z (ended, not reaped) ...; X once gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
+
+
+def start_fake_node(cloud, tags: dict[str, str] | None = None) -> tuple[str, dict[str, list[int]]]:
+    """An instance running the miniature node, once its ranks run: (id, {role: pids}) with roles
+    agent, torchrun and trainer (the ranks, lowest pid first)."""
+    cloud.fleet.boot = boot_fake_node
+    request: dict[str, Any] = {"ImageId": "ami-12c6146b", "InstanceType": "t3.micro", "MinCount": 1, "MaxCount": 1}
+    if tags:
+        request["TagSpecifications"] = [{"ResourceType": "instance", "Tags": [
+            {"Key": key, "Value": value} for key, value in tags.items()]}]
+    instance_id = cloud.client("ec2").run_instances(**request)["Instances"][0]["InstanceId"]
+    cloud.fleet.wait_for_state(instance_id, "running")
+    workdir = cloud.fleet.get(instance_id).workdir
+    cloud.wait_until(lambda: (workdir / "ranks").exists() and (workdir / "ranks").read_text(), 30,
+                     "the ranks to start")
+    return instance_id, {"agent": [cloud.fleet.get(instance_id).process.pid],
+                         "torchrun": [int((workdir / "torchrun").read_text())],
+                         "trainer": sorted(int(pid) for pid in (workdir / "ranks").read_text().split())}

@@ -446,7 +446,7 @@ def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_se
     failed_calls = {line["call"] for line in logged if line["agent"].startswith("control plane call failed")}
     assert {"read the run record", "write the liveness record", "send TrainingProgress"} <= failed_calls
     assert not [line for line in logged if "stopping torchrun" in line["agent"]]
-    assert all(local_cloud.throttled_requests.get(service) for service in ("dynamodb", "s3", "events"))
+    assert all(local_cloud.failed_requests[(service, "throttle")] for service in ("dynamodb", "s3", "events"))
     assert control.failures == 0, "calls succeed again once the throttling is over"
 
 
@@ -500,7 +500,7 @@ def test_an_unreachable_control_plane_ends_the_instance_after_the_limit(local_cl
     clock["now"] += agent.RETRY_MAX_S  # the backoff is over; the limit too
     with pytest.raises(agent.Unreachable, match="has not answered for 9[0-9][0-9] s"):
         control.look_at_run()
-    local_cloud.throttled.clear()
+    local_cloud.stop_failing_requests()
     clock["now"] += agent.RETRY_MAX_S
     assert control.look_at_run().run_name == "run-a" and control.failures == 0
 

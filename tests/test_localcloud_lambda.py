@@ -61,7 +61,7 @@ def test_exception_becomes_error_payload_named_by_its_class(local_cloud, tmp_pat
 
     error, payload = invoke(local_cloud, arn, {})
 
-    assert error == "Handled"
+    assert error == "Unhandled"
     assert payload["errorType"] == "CapacityError"
     assert payload["errorMessage"] == "never any capacity"
     assert any("always_fail" in line for line in payload["stackTrace"])
@@ -72,7 +72,7 @@ def test_timeout_is_reported_as_lambda_reports_it(local_cloud):
 
     error, payload = invoke(local_cloud, arn, {"seconds": 3})
 
-    assert error == "Handled"
+    assert error == "Unhandled"
     assert payload["errorType"] == "Sandbox.Timedout"
     assert "Task timed out after 1.00 seconds" in payload["errorMessage"]
 
@@ -118,7 +118,7 @@ def test_different_code_under_a_loaded_module_name_is_refused(local_cloud):
 
     error, payload = invoke(local_cloud, impostor, {"value": 1})
 
-    assert error == "Handled"
+    assert error == "Unhandled"
     assert payload["errorType"] == "Runtime.ImportModuleError"
     assert "different code" in payload["errorMessage"]
 

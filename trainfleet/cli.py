@@ -7,6 +7,9 @@
                                memory per GPU of a layout; the smallest fleet and layout that fit
     trainfleet local up        run the embedded local cloud in the foreground (Ctrl-C stops it)
     trainfleet local deploy    deploy template.yaml into a running local cloud, as `sam deploy` would
+    trainfleet chaos hang RUN INSTANCE      inject a fault into a running local cloud: kill, freeze
+    trainfleet chaos throttle RUN dynamodb --seconds 30   (instance) or hang, crash (one trainer
+                               rank), spot, rebalance, health; throttle, error (a service)
 """
 
 import argparse
@@ -213,6 +216,59 @@ def _add_local_deploy(local_commands: argparse._SubParsersAction) -> None:
     deploy.set_defaults(func=_local_deploy)
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    import json
+    import urllib.error
+    import urllib.request
+
+    from trainfleet.chaos import CHAOS_PATH, SERVICE_FAULTS
+
+    if not args.endpoint:
+        print("trainfleet chaos: no endpoint: pass --endpoint URL or set AWS_ENDPOINT_URL", file=sys.stderr)
+        return 2
+    if args.fault in SERVICE_FAULTS and args.seconds is None:
+        print(f"trainfleet chaos: {args.fault} needs --seconds N", file=sys.stderr)
+        return 2
+    request = urllib.request.Request(
+        args.endpoint.rstrip("/") + CHAOS_PATH, method="POST",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"fault": args.fault, "run": args.run, "target": args.target,
+                         "seconds": args.seconds}).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            print(response.read().decode())
+        return 0
+    except urllib.error.HTTPError as error:
+        body = error.read().decode()
+        try:
+            message = json.loads(body)["error"]
+        except (ValueError, KeyError, TypeError):
+            message = f"{error.code} {error.reason}: {body[:500]}"
+        print(f"trainfleet chaos: {message}", file=sys.stderr)
+    except urllib.error.URLError as error:
+        print(f"trainfleet chaos: no local cloud at {args.endpoint}: {error.reason}", file=sys.stderr)
+    return 2
+
+
+def _add_chaos(commands: argparse._SubParsersAction) -> None:
+    from trainfleet.chaos import INSTANCE_FAULTS, SERVICE_FAULTS
+
+    chaos = commands.add_parser(
+        "chaos", help="inject a fault into a running local cloud (trainfleet local up)",
+        description="kill: the instance dies; freeze: all its processes stop; hang / crash: one "
+                    "trainer rank stops / is killed; spot, rebalance, health: the EC2 notice or "
+                    "AWS Health event for the instance; throttle / error: every request to a "
+                    "service answers its throttling error / its 500 for --seconds")
+    chaos.add_argument("fault", choices=INSTANCE_FAULTS + SERVICE_FAULTS)
+    chaos.add_argument("run", help="the run's name")
+    chaos.add_argument("target", help="an instance id of the run, or for throttle and error a service: "
+                                      "dynamodb, s3, events, lambda, ec2, states")
+    chaos.add_argument("--seconds", type=float, help="how long throttle or error last")
+    chaos.add_argument("--endpoint", default=os.environ.get("AWS_ENDPOINT_URL"),
+                       help="the local cloud's URL (default: $AWS_ENDPOINT_URL)")
+    chaos.set_defaults(func=_chaos)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainfleet", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -230,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     local_commands = local.add_subparsers(dest="local_command", required=True)
     _add_local_up(local_commands)
     _add_local_deploy(local_commands)
+    _add_chaos(commands)
     return parser
 
 

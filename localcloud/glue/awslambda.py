@@ -9,6 +9,11 @@
   endpoint with boto3. What the handler prints goes to the function's log group, and EMF
   metric lines in it become CloudWatch metrics (`localcloud.emf`), as CloudWatch Logs
   extracts them from a Lambda function's output.
+- A synchronous invocation that failed (the handler raised, or timed out) is answered with
+  X-Amz-Function-Error `Unhandled`, as Lambda answers; moto said `Handled`.
+- `LocalCloud.time_out_invocations(name_part, count)`: the next invocations of a matching
+  function run their handler and then report `Sandbox.Timedout`, as a function that ran out
+  of time does once its side effects happened (the case a handler's idempotency is for).
 - `LambdaFunction.invoke` ran Event (asynchronous) invocations to completion before replying,
   and ran DryRun ones. Now an Event invocation is queued and answered at once (202), and a
   function error is retried twice, one and then two (scaled) minutes later, as Lambda does
@@ -78,7 +83,12 @@ def invoke_function(function: LambdaFunction, event: Any) -> InvocationResult:
     EMF metrics in them to CloudWatch."""
     from moto.cloudwatch.models import cloudwatch_backends
 
-    result = invoke_handler(function_spec(function), event)
+    cloud = active_cloud()
+    time_out = False
+    if cloud is not None:
+        cloud.count(cloud.lambda_invocations, function.function_name)
+        time_out = cloud.take_invocation_timeout(function.function_name)
+    result = invoke_handler(function_spec(function), event, time_out=time_out)
     function.logs_backend.ensure_log_group(function.logs_group_name)
     function.save_logs("\n".join(result.log_lines))
     cloudwatch = cloudwatch_backends[function.account_id][function.region]
@@ -145,8 +155,15 @@ def _send_to_destination(arn: str, record: dict[str, Any]) -> None:
 def _invoke(self: LambdaFunction, body: str, request_headers: Any, response_headers: Any) -> str | bytes:
     cloud = active_cloud()
     invocation_type = request_headers.get("x-amz-invocation-type", "RequestResponse")
-    if cloud is None or invocation_type == "RequestResponse":
+    if cloud is None:
         return _moto_invoke(self, body, request_headers, response_headers)
+    if invocation_type == "RequestResponse":
+        payload = _moto_invoke(self, body, request_headers, response_headers)
+        if "x-amz-function-error" in response_headers:
+            # What Lambda answers for an exception the Python handler did not catch, and for a
+            # timeout: moto says "Handled", a value only Node.js callback(error) ever produced.
+            response_headers["x-amz-function-error"] = "Unhandled"
+        return payload
     if invocation_type == "Event":
         event = json.loads(body) if body else {}
         cloud.submit(f"invoke {self.function_name}", lambda: invoke_event(self, event))

@@ -19,6 +19,13 @@ scaled time, while it is enabled; `cron(...)` schedules are not run here.
 Delivery runs on the LocalCloud's worker threads, so PutEvents (and the EC2 call that emitted
 a state-change event) returns before the targets run, as on AWS. A target that cannot be
 reached is recorded in `LocalCloud.delivery_failures` and logged.
+
+Delivery faults (`LocalCloud.duplicate_events`, `delay_events`, `reorder_events`) make
+delivery as loose as EventBridge promises: at least once (a matching event goes to each of
+its rule's targets twice), late (after a nominal delay, on the cloud's scaled time like every
+nominal duration here), and in no particular order (matching events are held for a nominal
+window and then delivered newest first). They apply to the targets delivered here (Lambda,
+Step Functions, SQS, CloudWatch Logs), to every rule an event matches.
 """
 
 from __future__ import annotations
@@ -127,16 +134,51 @@ def _send_to_targets(self: Rule, original_event: dict[str, Any], transform_input
     if not self.event_pattern.matches_event(original_event):
         return None
     event = bus_event(original_event)
+    fault = cloud.event_fault(event)
     for target in list(self.targets):
         service = target["Arn"].split(":")[2:3]
         if service and service[0] in _DELIVERED_HERE:
-            cloud.submit(f"deliver {event.get('detail-type')} to {target['Arn']}",
-                         lambda target=target: _deliver(self, target, event))
+            if fault is None:
+                cloud.submit(f"deliver {event.get('detail-type')} to {target['Arn']}",
+                             lambda target=target: _deliver(self, target, event))
         else:
             single = copy.copy(self)
             single.targets = [target]
             _moto_send_to_targets(single, original_event, transform_input)
+    if fault is not None:
+        _deliver_with_fault(cloud, fault, self, event)
     return None
+
+
+# --- delivery faults -----------------------------------------------------------------------
+
+def _deliver_to_rule_targets(rule: Rule, event: dict[str, Any]) -> None:
+    """Every target of the rule that is delivered here, one after the other."""
+    for target in list(rule.targets):
+        if target["Arn"].split(":")[2] in _DELIVERED_HERE:
+            _deliver(rule, target, event)
+
+
+def _deliver_with_fault(cloud: Any, fault: Any, rule: Rule, event: dict[str, Any]) -> None:
+    """Deliver an event as the fault says: twice, late, or held and released in reverse."""
+    what = f"{fault.kind} {event.get('detail-type')} of rule {rule.name}"
+    if fault.kind == "duplicate":
+        cloud.submit(what, lambda: [_deliver_to_rule_targets(rule, event) for _ in range(2)])
+    elif fault.kind == "delay":
+        cloud.submit_later(what, fault.seconds, lambda: _deliver_to_rule_targets(rule, event))
+    else:  # reorder: the first held event starts the window; at its end all go, newest first
+        with fault.lock:
+            fault.held.append((rule, event))
+            first = len(fault.held) == 1
+
+        def release() -> None:
+            with fault.lock:
+                held, fault.held = fault.held, []
+            for held_rule, held_event in reversed(held):
+                _deliver_to_rule_targets(held_rule, held_event)
+
+        if first:
+            cloud.submit_later(what, fault.seconds, release)
 
 
 # --- schedules ---------------------------------------------------------------------------

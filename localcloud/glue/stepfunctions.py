@@ -49,6 +49,11 @@ that. These patches fill the gaps:
   minute. AWS's default is 99999999 with or without a heartbeat; it now is here too.
 - Scaled time: Wait states and Retry intervals sleep `time_scale` times their nominal
   length (TimeoutSeconds and HeartbeatSeconds stay in real time: they bound real work).
+- A Lambda function that timed out: the interpreter named the Task's error after the
+  function's errorType, Sandbox.Timedout; Step Functions reports Lambda.Unknown (the cause
+  is still the function's error object).
+- State transitions: counted per state machine in `LocalCloud.state_transitions` as each
+  state is entered; they never cross HTTP, so the endpoint's request count cannot see them.
 """
 
 from __future__ import annotations
@@ -84,7 +89,16 @@ from moto.stepfunctions.parser.asl.component.state.exec.execute_state import Exe
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state_task_service import (
     StateTaskService,
 )
+from moto.stepfunctions.parser.asl.component.common.error_name.custom_error_name import CustomErrorName
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.lambda_eval_utils import (
+    LambdaFunctionErrorException,
+)
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state_task_service_lambda import (
+    StateTaskServiceLambda,
+)
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.state_task import StateTask
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.state_task_lambda import StateTaskLambda
+from moto.stepfunctions.parser.asl.component.state.state import CommonStateField
 from moto.stepfunctions.parser.asl.component.state.wait.wait_function.wait_function import (
     WaitFunction,
 )
@@ -193,6 +207,33 @@ def _task_from_error_with_heartbeat(self: StateTask, env: Environment, ex: Excep
     return FailureEvent(env=env, error_name=HeartbeatTimeoutErrorName(),
                         event_type=HistoryEventType.TaskTimedOut,
                         event_details=EventDetails(taskTimedOutEventDetails=details))
+
+
+# --- a Lambda function that timed out ------------------------------------------------
+
+LAMBDA_UNKNOWN_ERROR_TYPES = {"Sandbox.Timedout"}
+"""Error types of failures outside the handler's code that Step Functions reports as
+Lambda.Unknown ("Unhandled errors in Lambda are reported as Lambda.Unknown in the error output.
+These include out-of-memory errors and function timeouts", Step Functions developer guide,
+Handle Lambda service exceptions)."""
+
+
+def _reports_unknown(from_error: Any) -> Any:
+    def from_lambda_error(self: StateTask, env: Environment, ex: Exception) -> FailureEvent:
+        failure = from_error(self, env, ex)
+        if not isinstance(ex, LambdaFunctionErrorException):
+            return failure
+        try:
+            error_type = json.loads(ex.payload).get("errorType")
+        except (ValueError, AttributeError):
+            return failure
+        if error_type in LAMBDA_UNKNOWN_ERROR_TYPES:
+            failure.error_name = CustomErrorName("Lambda.Unknown")
+            for details in (failure.event_details or {}).values():
+                details["error"] = "Lambda.Unknown"  # the cause keeps the function's error object
+        return failure
+
+    return from_lambda_error
 
 
 # --- default TimeoutSeconds --------------------------------------------------------------
@@ -325,6 +366,19 @@ def _terminated_and_publish(self: BaseExecutionWorkerCommunication) -> None:
     _publish_status(execution)
 
 
+# --- state transitions -----------------------------------------------------------------
+
+_moto_state_body = CommonStateField._eval_body
+
+
+def _count_transition(self: CommonStateField, env: Environment) -> None:
+    cloud = active_cloud()
+    if cloud is not None:
+        state_machine = env.states.context_object.context_object_data["StateMachine"]["Name"]
+        cloud.count(cloud.state_transitions, state_machine)
+    _moto_state_body(self, env)
+
+
 # --- scaled time -------------------------------------------------------------------------
 
 def time_scale() -> float:
@@ -374,4 +428,7 @@ def apply() -> None:
     StateTaskService._normalise_response = _normalise_response
     StateTaskService._from_boto_response_value = staticmethod(_response_value)
     WaitFunction._wait_interval = _scaled_wait_interval
+    CommonStateField._eval_body = _count_transition
+    StateTaskServiceLambda._from_error = _reports_unknown(StateTaskServiceLambda._from_error)
+    StateTaskLambda._from_error = _reports_unknown(StateTaskLambda._from_error)
     retrier_decl.time = _ScaledSleepTime
