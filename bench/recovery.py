@@ -79,10 +79,13 @@ class CallLog:
 
     def counts(self) -> Counter:
         cloud = self.stack.cloud
-        counts = Counter({"lambda_invocations": sum(cloud.lambda_invocations.values()),
-                          "eventbridge_deliveries": sum(cloud.event_deliveries.values())})
-        counts["ec2_calls"] = sum(n for (service, _), n in cloud.requests.items() if service == "ec2")
-        return counts
+        return Counter({
+            "lambda_invocations": sum(cloud.lambda_invocations.values()),
+            # Each event the rules deliver is one invocation of the Events function.
+            "eventbridge_deliveries": sum(n for name, n in cloud.lambda_invocations.items() if "EventsFunction" in name),
+            "state_transitions": sum(cloud.state_transitions.values()),
+            "ec2_calls": sum(n for (service, _), n in cloud.requests.items() if service == "ec2"),
+        })
 
     def _sample(self) -> None:
         while not self.stopped.wait(0.1):
@@ -134,8 +137,6 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, template: dict, ref
     resumed = next(line["resume_step"] for lines in outcome["launches"].values() for line in lines
                    if line["attempt"] == 1)
     counted = calls.between(noticed, decided) + calls.between(ready, spec_written)
-    counted["state_transitions"] = sum(1 for t, kind, _ in timeline if kind.endswith("StateEntered")
-                                       and (noticed <= t <= decided or ready <= t <= spec_written))
     figures = {
         "detection_s": noticed - fault_at,
         "control_plane_s": (decided - failed) + (spec_written - ready),

@@ -71,6 +71,8 @@ class Fault(StrEnum):
     answers throttling errors for THROTTLE_S."""
     CRASH = "crash"
     """One trainer rank dies (SIGKILL): a worker crash."""
+    ERROR = "error"
+    """Every control-plane service answers its internal error (HTTP 500) for THROTTLE_S."""
 
 
 class Phase(StrEnum):
@@ -111,9 +113,12 @@ MATRIX = [Cell(f"{fault}@{phase}", fault, phase) for fault in MATRIX_FAULTS for 
 EXTRAS = [
     Cell("kill@backoff", Fault.KILL, Phase.BACKOFF),
     Cell("throttle@teardown", Fault.THROTTLE, Phase.TEARDOWN),
+    Cell("error@training", Fault.ERROR, Phase.TRAINING),
     Cell("second-failure-in-preflight"),
     Cell("duplicate-events"),
+    Cell("late-events"),
     Cell("out-of-order-events"),
+    Cell("recover-times-out"),
     Cell("budget-exhausted", must_fail_with="restart budget spent"),
     Cell("crash-loop", must_fail_with="crash loop"),
     Cell("stop-execution"),
@@ -309,11 +314,11 @@ class Injection:
 def inject(view: _View, fault: Fault, target: str, phase: Phase) -> Injection:
     cloud = view.stack.cloud
     trainer_runs = phase in (Phase.RENDEZVOUS, Phase.TRAINING, Phase.CHECKPOINT_WRITE, Phase.CHECKPOINT_LOAD)
-    injection = Injection(str(fault), "control plane" if fault is Fault.THROTTLE else target, str(phase),
+    injection = Injection(str(fault), "control plane" if fault in (Fault.THROTTLE, Fault.ERROR) else target, str(phase),
                           time.time(), view.step())
-    if fault is Fault.THROTTLE:
+    if fault in (Fault.THROTTLE, Fault.ERROR):
         for service in CONTROL_PLANE_SERVICES:
-            cloud.fail_requests(service, THROTTLE_S, answer="throttle")
+            cloud.fail_requests(service, THROTTLE_S, answer=str(fault))
     else:
         on_instance(cloud, str(fault), target, role="trainer" if trainer_runs else "agent")
     view.stack.narrate(f"{fault} {injection.target} during {phase}")
@@ -411,17 +416,25 @@ def _second_failure_in_preflight(view: _View, ended: Callable[[], bool]) -> list
     return [setup] + ([inject(view, Fault.KILL, target, Phase.PREFLIGHT)] if target else [])
 
 
-def _with_event_faults(**faults: Any) -> Callable[[_View, Callable[[], bool]], list[Injection]]:
-    """Node rank 1 killed while training, every event delivered as `faults` say from the start."""
+def _with(arm: Callable[[Any], None]) -> Callable[[_View, Callable[[], bool]], list[Injection]]:
+    """Node rank 1 killed while training, with the local cloud armed by `arm` from the start
+    (events delivered twice, late or out of order; a function timing out) and disarmed after."""
     def disruption(view: _View, ended: Callable[[], bool]) -> list[Injection]:
-        view.stack.cloud.event_faults(**faults)
+        cloud = view.stack.cloud
+        arm(cloud)
         try:
             setup = _kill_rank_1_after_first_checkpoint(view, ended)
             _until("the end of the run", ended, lambda: False)
         finally:
-            view.stack.cloud.event_faults()
+            cloud.clear_event_faults()
         return [setup] if setup else []
     return disruption
+
+
+def _events_out_of_order(cloud: Any) -> None:
+    # Every three events are held (one real second, nominal 50 s) and delivered newest first.
+    for _ in range(EVENTS_FAULTED // 3):
+        cloud.reorder_events(50.0, count=3)
 
 
 def _two_losses(view: _View, ended: Callable[[], bool]) -> list[Injection]:
@@ -456,12 +469,20 @@ def _stop_mid_training(view: _View, ended: Callable[[], bool]) -> list[Injection
     return []
 
 
+EVENTS_FAULTED = 3000
+"""More events than a cell's run sends: every one of them gets the fault."""
+EC2_STATE_CHANGE = "EC2 Instance State-change Notification"
 CRASH_LOOP_ATTEMPTS = 4
 """More than the crash-loop rule's default repeats (3), fewer than the restart budget allows."""
 EXTRA_DISRUPTIONS: dict[str, Callable[[_View, Callable[[], bool]], list[Injection]]] = {
     "second-failure-in-preflight": _second_failure_in_preflight,
-    "duplicate-events": _with_event_faults(duplicate=True),
-    "out-of-order-events": _with_event_faults(reorder=True),
+    "duplicate-events": _with(lambda cloud: cloud.duplicate_events(count=EVENTS_FAULTED)),
+    # EC2's news of the lost instance 5 real seconds late: its peer's crash report comes first.
+    "late-events": _with(lambda cloud: cloud.delay_events(250.0, [EC2_STATE_CHANGE], count=EVENTS_FAULTED)),
+    "out-of-order-events": _with(_events_out_of_order),
+    # Recover does its work, then its first invocation is reported timed out: the retry must not
+    # decide, book or launch a second time.
+    "recover-times-out": _with(lambda cloud: cloud.time_out_invocations("RecoverFunction", 1)),
     "budget-exhausted": _two_losses,
     "crash-loop": _crash_every_attempt,
     "stop-execution": _stop_mid_training,

@@ -420,6 +420,11 @@ class LocalCloud:
         seconds, then deliver them newest first: EventBridge does not keep events in order."""
         self._arm_event_fault("reorder", window_s, detail_types, count)
 
+    def clear_event_faults(self) -> None:
+        """Deliver events as they come again (faults armed and not yet spent are dropped)."""
+        with self._bookkeeping_lock:
+            self._event_faults.clear()
+
     def _arm_event_fault(self, kind: str, seconds: float, detail_types: list[str] | None, count: int) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"count must be an integer >= 1, got {count!r}")
