@@ -276,11 +276,19 @@ class _View:
         return [node.instance_id for node in self.stack.store.nodes(self.run.run_name) if node.attempt == attempt]
 
     def step(self) -> int | None:
-        """The newest step any attempt's rank 0 reported (its metrics file)."""
+        """The step the run's current attempt has reached: its rank 0's newest metrics record, or
+        before its first step the checkpoint it resumes from (None: from scratch)."""
+        record = self.record()
+        if record is None:
+            return None
         steps = [json.loads(line)["step"] for instance in self.stack.instances(self.run)
-                 for metrics in instance.workdir.glob("attempt-*/metrics.jsonl")
+                 for metrics in instance.workdir.glob(f"attempt-{record.attempt}/metrics.jsonl")
                  for line in metrics.read_text().splitlines() if line.endswith("}")]
-        return max(steps, default=None)
+        if steps:
+            return max(steps)
+        return next((line["resume_step"] for instance in self.stack.instances(self.run)
+                     for line in agent_lines(instance)
+                     if line["agent"] == "starting torchrun" and line["attempt"] == record.attempt), None)
 
 
 def _until(what: str, done: Callable[[], Any], ended: Callable[[], bool], timeout_s: float = CELL_TIMEOUT_S) -> Any:
@@ -585,7 +593,7 @@ def _resume_problems(outcome: dict[str, Any]) -> list[str]:
         if newest is not None and (resume is None or resume < newest):
             found.append(f"attempt {attempt} resumed from step {resume}, older than the committed {newest}")
         for notice in notices:
-            if attempt >= 1 and notice["step"] is not None and (resume or 0) < notice["step"]:
+            if written > notice["at"] and notice["step"] is not None and (resume or 0) < notice["step"]:
                 found.append(f"attempt {attempt} resumed from step {resume}: the steps up to {notice['step']} "
                              f"trained when the Spot notice came were lost")
     return found

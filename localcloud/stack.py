@@ -27,10 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from botocore.config import Config
+
 from trainfleet.adapters.ec2_fleet import TAG_RUN
 from trainfleet.adapters.run_store import RunNotFound, RunStore
 
 REPO = Path(__file__).resolve().parent.parent
+
+PATIENT = Config(retries={"max_attempts": 20, "mode": "standard"})
+"""Up to 19 retries with capped exponential backoff: about a minute of a failing service."""
 
 __all__ = ["LocalStack", "LocalRun", "Watch", "local_stack", "agent_lines", "attempt_losses", "states_entered"]
 
@@ -99,8 +104,10 @@ class LocalStack:
     clients: dict[str, Any] = field(default_factory=dict)
 
     def client(self, service: str) -> Any:
+        """A client that rides out a service throttling or failing for seconds (a chaos cell's
+        doing) as a patient AWS client does: standard retries, many attempts."""
         if service not in self.clients:
-            self.clients[service] = self.cloud.client(service)
+            self.clients[service] = self.cloud.client(service, config=PATIENT)
         return self.clients[service]
 
     @property
