@@ -279,6 +279,14 @@ class LocalCloud:
                             aws_access_key_id="testing", aws_secret_access_key="testing",
                             aws_session_token="testing", **kwargs)
 
+    def internal_client(self, service: str) -> Any:
+        """A client for the local cloud's own plumbing, whose calls are no AWS API calls on AWS
+        (the instance metadata service reads EC2's view of an instance; on EC2 the host serves
+        it): never counted in `requests`, never failed by `fail_requests`."""
+        client = self.client(service)
+        client.meta.events.register("before-sign", _mark_internal)
+        return client
+
     # --- time and background work --------------------------------------------------------
 
     def scaled(self, nominal_seconds: float) -> float:
@@ -494,3 +502,11 @@ class LocalCloud:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
             time.sleep(poll_s)
+
+
+INTERNAL_HEADER = "X-Localcloud-Internal"
+"""Marks a request of the local cloud's own plumbing (LocalCloud.internal_client)."""
+
+
+def _mark_internal(request: Any, **_: Any) -> None:
+    request.headers[INTERNAL_HEADER] = "1"

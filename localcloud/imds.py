@@ -411,7 +411,7 @@ def fleet_records(cloud: LocalCloud) -> RecordProvider:
     """Instance records from the local cloud: EC2's own description of each instance (type,
     image, zone, tags, metadata options, instance profile) plus the fleet's notices (Spot
     interruption, rebalance recommendation)."""
-    ec2, iam = cloud.client("ec2"), cloud.client("iam")
+    ec2, iam = cloud.internal_client("ec2"), cloud.internal_client("iam")
 
     def lookup(instance_id: str) -> InstanceMetadata | None:
         try:

@@ -284,3 +284,21 @@ def test_a_fleet_instance_reads_its_metadata_and_its_spot_notice(tmp_path):
             assert notice == instance.spot_action and notice["action"] == "terminate"
         finally:
             imds.stop()
+
+
+def test_the_metadata_service_answers_while_the_ec2_api_is_failing(local_cloud):
+    """On EC2 the host serves the instance metadata: an EC2 API outage does not reach it. The
+    local service reads EC2's view of an instance through the endpoint, unfailed and uncounted."""
+    from localcloud.imds import fleet_records
+
+    launched = local_cloud.client("ec2").run_instances(ImageId="ami-12c6146b", InstanceType="c5.large",
+                                                         MinCount=1, MaxCount=1)
+    instance_id = launched["Instances"][0]["InstanceId"]
+    counted = sum(local_cloud.requests.values())
+    local_cloud.fail_requests("ec2", 60, "error")
+    try:
+        record = fleet_records(local_cloud)(instance_id)
+    finally:
+        local_cloud.stop_failing_requests()
+    assert record is not None and record.instance_type == "c5.large"
+    assert sum(local_cloud.requests.values()) == counted

@@ -33,8 +33,11 @@ from moto.moto_server.werkzeug_app import DomainDispatcherApplication
 
 from localcloud.api_requests import request_action, signing_service
 from localcloud.chaos_route import CHAOS_PATH, ChaosError, inject
+from localcloud.cloud import INTERNAL_HEADER
 from localcloud.glue import active_cloud
 
+INTERNAL_ENVIRON = "HTTP_" + INTERNAL_HEADER.upper().replace("-", "_")
+"""The WSGI name of the header LocalCloud.internal_client sets: such requests pass untouched."""
 _JSON_10 = "application/x-amz-json-1.0"
 _JSON_11 = "application/x-amz-json-1.1"
 
@@ -164,7 +167,7 @@ def _call(self: DomainDispatcherApplication, environ: dict[str, Any], start_resp
     if cloud is not None and environ.get("PATH_INFO") == CHAOS_PATH:
         return _chaos(cloud, environ, start_response)
     service = signing_service(environ.get("HTTP_AUTHORIZATION", "")) if cloud is not None else None
-    if service is None:
+    if service is None or environ.get(INTERNAL_ENVIRON):
         return _moto_call(self, environ, start_response)
     _count(cloud, service, environ)
     fault = cloud.request_faults.get(service)
