@@ -123,13 +123,16 @@ def test_metrics_are_read_a_whole_line_at_a_time(tmp_path):
     assert follower.new_records() == []
 
 
+IMDS_RECORD = InstanceMetadata(
+    instance_id="i-0aaa", instance_type="c5.large", image_id="ami-0123456789abcdef0", local_ipv4="127.77.0.11",
+    availability_zone="us-east-1a", region="us-east-1", account_id="123456789012",
+    launch_time=datetime(2026, 11, 29, 20, 0, tzinfo=timezone.utc))
+
+
 @pytest.fixture
 def metadata_service(monkeypatch):
     """The local metadata service with one instance; `clock` moves token time on."""
-    record = {"value": InstanceMetadata(
-        instance_id="i-0aaa", instance_type="c5.large", image_id="ami-0123456789abcdef0", local_ipv4="127.77.0.11",
-        availability_zone="us-east-1a", region="us-east-1", account_id="123456789012",
-        launch_time=datetime.now(timezone.utc))}
+    record = {"value": IMDS_RECORD}
     clock = {"now": 0.0}
     with InstanceMetadataServer(lambda instance_id: record["value"] if instance_id == "i-0aaa" else None,
                                 clock=lambda: clock["now"]) as server:
@@ -352,6 +355,17 @@ def test_a_spot_notice_asks_the_trainer_for_a_checkpoint_now(watched_attempt, me
     attempt.follow()
     assert not attempt.files.checkpoint_request.exists()
     record["value"] = replace(record["value"], spot_action={"action": "terminate", "time": "2026-11-29T22:00:00Z"})
+    attempt.follow()
+    assert attempt.files.checkpoint_request.exists()
+
+
+def test_a_metadata_service_that_fails_is_asked_again_and_never_ends_the_agent(watched_attempt, metadata_service):
+    attempt, _, _ = watched_attempt
+    record, _ = metadata_service
+    record["value"] = object()  # the service fails every request for this instance
+    attempt.follow()
+    attempt.follow()
+    record["value"] = replace(IMDS_RECORD, spot_action={"action": "terminate", "time": "2026-11-29T22:00:00Z"})
     attempt.follow()
     assert attempt.files.checkpoint_request.exists()
 

@@ -192,8 +192,11 @@ class MetadataClient(IMDSFetcher):
                 self._token = self._fetch_metadata_token()
                 if self._token is None:
                     raise AgentError(f"no IMDSv2 token from {self.get_base_url()}")
-            response = self._get_request(f"latest/{path}", retry_func=lambda reply: reply.status_code >= 500,
-                                         token=self._token)
+            try:
+                response = self._get_request(f"latest/{path}", retry_func=lambda reply: reply.status_code >= 500,
+                                             token=self._token)
+            except self._RETRIES_EXCEEDED_ERROR_CLS:
+                raise AgentError(f"instance metadata latest/{path}: no answer after retries") from None
             if response.status_code == 401:
                 self._token = None
                 continue
@@ -505,6 +508,7 @@ class Attempt:
         self.finished: float | None = None  # control.clock() when the metrics showed the final step
         self.last_heartbeat = self.last_progress = -math.inf
         self.spot_notice_seen = False
+        self.metadata_failing = False
         self.checkpoint_request_seen: datetime | None = None
         self.node_step: int | None = None  # this node's trainer's last step (its progress file)
         self.node_step_at: datetime | None = None
@@ -579,9 +583,23 @@ class Attempt:
             # at once (one S3 listing per look of this node, whatever the node count): a Spot
             # wait ends on one, and the next attempt resumes from the newest announced.
             self.announce_commits()
-        if not self.spot_notice_seen and self.metadata.spot_action() is not None:
+        if not self.spot_notice_seen and self.spot_notice() is not None:
             self.spot_notice_seen = True
             self.request_checkpoint("spot interruption notice")
+
+    def spot_notice(self) -> dict[str, Any] | None:
+        """The Spot notice, if the metadata service shows one; a service that does not answer
+        (it throttles too) is asked again at the next look, never the end of the agent."""
+        try:
+            notice = self.metadata.spot_action()
+        except AgentError as error:
+            if not self.metadata_failing:
+                say("instance metadata unavailable: looking for a Spot notice again at the next look",
+                    error=str(error))
+            self.metadata_failing = True
+            return None
+        self.metadata_failing = False
+        return notice
 
     def starting_up(self, now: float) -> bool:
         """Whether this node heartbeats the attempt's start-up: before the first step no trainer
