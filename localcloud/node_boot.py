@@ -1,6 +1,6 @@
 """What a node's user data does that touches AWS, before it starts the agent: copy the wheelhouse
 from s3://BUCKET/artifacts/ with the instance's own role (trainfleet/adapters/ec2_fleet.py
-node_user_data runs `aws s3 cp --recursive`). There is no pip install here: the local instance
+node_user_data runs `aws s3 cp --recursive`, with as many tries). There is no pip install here: the local instance
 runs the agent from this tree.
 
     python -m localcloud.node_boot AGENT_ARGV...     (TRAINFLEET_BUCKET names the bucket)
@@ -42,11 +42,15 @@ def copy_artifacts(s3: Any, bucket: str, into: Path) -> list[str]:
 
 def main(agent_argv: list[str]) -> None:
     import boto3
+    from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
 
+    from trainfleet.adapters.ec2_fleet import BOOT_COPY_ATTEMPTS
+
     bucket = os.environ["TRAINFLEET_BUCKET"]
+    s3 = boto3.client("s3", config=Config(retries={"mode": "standard", "max_attempts": BOOT_COPY_ATTEMPTS}))
     try:
-        copied = copy_artifacts(boto3.client("s3"), bucket, Path("wheels"))
+        copied = copy_artifacts(s3, bucket, Path("wheels"))
     except (BotoCoreError, ClientError) as error:
         print(f"node boot failed: copying s3://{bucket}/{ARTIFACTS} failed: {error}; "
               f"the agent is not started", flush=True)

@@ -84,7 +84,7 @@ def test_user_data_installs_and_starts_the_agent():
     assert "TRAINFLEET_RUN_NAME=r1" in script and "TRAINFLEET_EVENT_BUS=agents" in script
     assert "TRAINFLEET_SHUTDOWN_COMMAND='shutdown -h now'" in script
     assert '-H "X-aws-ec2-metadata-token: $token"' in script  # IMDSv2 only, like the template
-    assert "aws s3 cp --recursive s3://bucket/artifacts/" in script
+    assert f"AWS_RETRY_MODE=standard AWS_MAX_ATTEMPTS={fleet.BOOT_COPY_ATTEMPTS} aws s3 cp --recursive s3://bucket/artifacts/" in script
     assert "systemd-run --unit trainfleet-agent" in script and f"-m {fleet.AGENT_MODULE}" in script
 
 

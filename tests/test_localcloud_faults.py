@@ -313,3 +313,25 @@ def test_event_faults_are_checked(local_cloud):
         local_cloud.delay_events(-1.0)
     with pytest.raises(ValueError, match="detail_types must be a list"):
         local_cloud.reorder_events(1.0, detail_types="Step")
+
+
+def test_a_node_boot_rides_out_seconds_of_s3_throttling(local_cloud, tmp_path):
+    """The wheelhouse copy at boot retries as the user data's does (standard mode, many tries):
+    a few seconds of S3 throttling must not leave a node without its agent."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from localcloud.node_boot import publish_artifacts
+
+    bucket = unique("artifacts")
+    local_cloud.client("s3").create_bucket(Bucket=bucket)
+    publish_artifacts(local_cloud.client("s3"), bucket)
+    local_cloud.fail_requests("s3", 3.0, "throttle")
+    booted = subprocess.run(
+        [sys.executable, "-m", "localcloud.node_boot", sys.executable, "-c", "print('agent started')"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**os.environ, **local_cloud.env(), "TRAINFLEET_BUCKET": bucket,
+             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert "agent started" in booted.stdout, booted.stdout + booted.stderr
+    assert local_cloud.failed_requests[("s3", "throttle")] > 0

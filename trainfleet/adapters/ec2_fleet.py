@@ -91,6 +91,11 @@ def efa_network_interfaces(facts: InstanceFacts, security_group_ids: list[str]) 
     return interfaces
 
 
+BOOT_COPY_ATTEMPTS = 10
+"""Tries of each request of the wheelhouse copy at boot (standard retry mode: capped exponential
+backoff, about a minute in all): a node must not be lost to S3 throttling for a few seconds."""
+
+
 def node_user_data(run_name: str, settings: Settings) -> str:
     """Cloud-init script: write the agent's settings, install the agent, start it under systemd.
 
@@ -123,7 +128,7 @@ ENV
 echo "AWS_DEFAULT_REGION=$region" >> /etc/trainfleet.env
 export AWS_DEFAULT_REGION=$region
 mkdir -p /opt/trainfleet/wheels
-aws s3 cp --recursive {artifacts} /opt/trainfleet/wheels/
+AWS_RETRY_MODE=standard AWS_MAX_ATTEMPTS={BOOT_COPY_ATTEMPTS} aws s3 cp --recursive {artifacts} /opt/trainfleet/wheels/
 python3 -m venv --system-site-packages /opt/trainfleet/venv
 /opt/trainfleet/venv/bin/pip install --quiet --no-index --find-links /opt/trainfleet/wheels 'trainfleet[node]'
 systemd-run --unit trainfleet-agent --property=EnvironmentFile=/etc/trainfleet.env \\
