@@ -365,8 +365,7 @@ def disrupt(view: _View, cell: Cell, ended: Callable[[], bool]) -> list[Injectio
             done.append(inject(view, fault, target, phase))
 
     if phase is Phase.ALLOCATE:
-        hit(_until("an instance booting", lambda: _first_instance(
-            view, lambda i: view.stack.cloud.fleet.get(i).process is not None), ended))
+        hit(_until("an instance booting", lambda: _first_instance(view, lambda i: _booting(view, i, fault)), ended))
     elif phase is Phase.PREFLIGHT:
         hit(_until("a preflight", lambda: _first_instance(
             view, lambda i: view.said(i, "sent NodeRegistered") and not view.said(i, "sent NodeReady")), ended))
@@ -398,6 +397,21 @@ def disrupt(view: _View, cell: Cell, ended: Callable[[], bool]) -> list[Injectio
             if _until(state, lambda: state in view.states(), ended):
                 hit(next(i for i in view.nodes_of_attempt(0) if i != setup.target))  # the survivor
     return done
+
+
+def _booting(view: _View, instance_id: str, fault: Fault) -> bool:
+    """The instance runs its boot, its agent not yet registered; for a hang, once there is an
+    agent process to stop (the boot copies the wheelhouse first, then becomes the agent)."""
+    fleet = view.stack.cloud.fleet
+    if fleet.get(instance_id).process is None:
+        return False
+    if fault is not Fault.HANG:
+        return True
+    try:
+        fleet.process_of(instance_id, "agent")
+    except RuntimeError:
+        return False
+    return not view.said(instance_id, "sent NodeRegistered")
 
 
 def _first_checkpoint(view: _View, ended: Callable[[], bool]) -> Any:
