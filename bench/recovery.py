@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from localcloud.chaos import (SPOT_NOTICE_S, Cell, Fault, Phase, cell_template, chaos_template,  # noqa: E402
                               reference_losses, run_cell)
 from localcloud.demo import DEMO_RUN_SPEC  # noqa: E402
-from localcloud.stack import LocalRun, LocalStack, local_stack  # noqa: E402
+from localcloud.stack import LocalRun, LocalStack, local_stack, metrics_records  # noqa: E402
 
 FAULTS = {"kill": Fault.KILL, "freeze": Fault.FREEZE, "hang": Fault.HANG, "spot": Fault.SPOT, "crash": Fault.CRASH}
 
@@ -132,8 +132,9 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, template: dict, ref
     decided = _first(timeline, failed, "Recover", "TaskSucceeded")
     ready = _first(timeline, decided, "AwaitNodes", "TaskSucceeded")
     spec_written = _first(timeline, ready, "Train", "TaskSubmitted")
-    first_step = min(record["time"] for record in _metrics(stack, run, attempt=1))
-    last_before = max(record["step"] for record in _metrics(stack, run, attempt=0))
+    instances = stack.instances(run)
+    first_step = min(record["time"] for record in metrics_records(instances, 1) if "loss" in record)
+    last_before = max(record["step"] for record in metrics_records(instances, 0) if "loss" in record)
     resumed = next(line["resume_step"] for lines in outcome["launches"].values() for line in lines
                    if line["attempt"] == 1)
     counted = calls.between(noticed, decided) + calls.between(ready, spec_written)
@@ -151,12 +152,6 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, template: dict, ref
         figures["notice_wait_s"] = failed - noticed
         figures["steps_lost"] = max(0, outcome["injections"][0]["step"] - (resumed or 0))
     return figures
-
-
-def _metrics(stack: LocalStack, run: LocalRun, attempt: int) -> list[dict]:
-    return [json.loads(line) for instance in stack.instances(run)
-            for metrics in instance.workdir.glob(f"attempt-{attempt}/metrics.jsonl")
-            for line in metrics.read_text().splitlines() if line.endswith("}") and "loss" in line]
 
 
 def main() -> int:

@@ -47,7 +47,7 @@ from typing import Any
 import yaml
 
 from localcloud.chaos_route import on_instance
-from localcloud.stack import REPO, LocalRun, LocalStack, agent_lines, local_stack, states_entered
+from localcloud.stack import REPO, LocalRun, LocalStack, agent_lines, local_stack, metrics_records, states_entered
 from trainer.checkpoint_catalog import MARKER_NAME
 
 __all__ = ["Fault", "Phase", "Cell", "MATRIX", "EXTRAS", "CELLS", "chaos_template", "reference_losses",
@@ -106,6 +106,8 @@ class Cell:
     """Text the execution's failure must name, for a cell whose policy must end the run."""
 
 
+SERVICE_FAULTS = (Fault.THROTTLE, Fault.ERROR)
+"""Faults of the whole control plane rather than of a node."""
 MATRIX_FAULTS = (Fault.KILL, Fault.FREEZE, Fault.HANG, Fault.SPOT, Fault.HEALTH, Fault.THROTTLE)
 MATRIX_PHASES = (Phase.ALLOCATE, Phase.PREFLIGHT, Phase.RENDEZVOUS, Phase.TRAINING, Phase.CHECKPOINT_WRITE,
                  Phase.CHECKPOINT_LOAD, Phase.RECOVERY)
@@ -260,6 +262,11 @@ class _View:
         except RunNotFound:
             return None
 
+    def latest_checkpoint(self) -> Any:
+        """The newest committed checkpoint the control plane recorded, if any."""
+        record = self.record()
+        return record.latest_checkpoint if record is not None else None
+
     def said(self, instance_id: str, what: str, attempt: int | None = None) -> bool:
         return any(line["agent"] == what and (attempt is None or line.get("attempt") == attempt)
                    for line in agent_lines(self.stack.cloud.fleet.get(instance_id)))
@@ -281,9 +288,7 @@ class _View:
         record = self.record()
         if record is None:
             return None
-        steps = [json.loads(line)["step"] for instance in self.stack.instances(self.run)
-                 for metrics in instance.workdir.glob(f"attempt-{record.attempt}/metrics.jsonl")
-                 for line in metrics.read_text().splitlines() if line.endswith("}")]
+        steps = [line["step"] for line in metrics_records(self.stack.instances(self.run), record.attempt)]
         if steps:
             return max(steps)
         return next((line["resume_step"] for instance in self.stack.instances(self.run)
@@ -322,9 +327,9 @@ class Injection:
 def inject(view: _View, fault: Fault, target: str, phase: Phase) -> Injection:
     cloud = view.stack.cloud
     trainer_runs = phase in (Phase.RENDEZVOUS, Phase.TRAINING, Phase.CHECKPOINT_WRITE, Phase.CHECKPOINT_LOAD)
-    injection = Injection(str(fault), "control plane" if fault in (Fault.THROTTLE, Fault.ERROR) else target, str(phase),
+    injection = Injection(str(fault), "control plane" if fault in SERVICE_FAULTS else target, str(phase),
                           time.time(), view.step())
-    if fault in (Fault.THROTTLE, Fault.ERROR):
+    if fault in SERVICE_FAULTS:
         for service in CONTROL_PLANE_SERVICES:
             cloud.fail_requests(service, THROTTLE_S, answer=str(fault))
     else:
@@ -379,7 +384,7 @@ def disrupt(view: _View, cell: Cell, ended: Callable[[], bool]) -> list[Injectio
         if _first_checkpoint(view, ended):
             hit(view.node_of_rank(0, 1))
     elif phase is Phase.CHECKPOINT_WRITE:
-        if _at_checkpoint_request(view, "write", ended, lambda: _first_checkpoint(view, lambda: True) is not None):
+        if _at_checkpoint_request(view, "write", ended, lambda: view.latest_checkpoint() is not None):
             hit(view.node_of_rank(0, 1))
     elif phase is Phase.TEARDOWN:
         if _until("Teardown", lambda: "Teardown" in view.states(), ended):
@@ -416,7 +421,7 @@ def _booting(view: _View, instance_id: str, fault: Fault) -> bool:
 
 def _first_checkpoint(view: _View, ended: Callable[[], bool]) -> Any:
     """The first committed checkpoint the control plane recorded (None if the run ended first)."""
-    return _until("first checkpoint", lambda: (record := view.record()) and record.latest_checkpoint, ended)
+    return _until("first checkpoint", view.latest_checkpoint, ended)
 
 
 def _kill_rank_1_after_first_checkpoint(view: _View, ended: Callable[[], bool]) -> Injection | None:

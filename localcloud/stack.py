@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 PATIENT = Config(retries={"max_attempts": 20, "mode": "standard"})
 """Up to 19 retries with capped exponential backoff: about a minute of a failing service."""
 
-__all__ = ["LocalStack", "LocalRun", "Watch", "local_stack", "agent_lines", "attempt_losses", "states_entered"]
+__all__ = ["LocalStack", "LocalRun", "Watch", "local_stack", "agent_lines", "attempt_losses", "metrics_records",
+           "states_entered"]
 
 
 @dataclass(frozen=True)
@@ -63,18 +64,25 @@ def agent_lines(instance: Any) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.startswith('{"agent"') and line.endswith("}")]
 
 
+def metrics_records(instances: list[Any], attempt: int) -> list[dict[str, Any]]:
+    """What the trainer's global rank 0 wrote to its metrics file in `attempt`, whole lines only
+    (a killed trainer's last line may be cut short)."""
+    records = []
+    for instance in instances:
+        for metrics in instance.workdir.glob(f"attempt-{attempt}/metrics.jsonl"):
+            text = metrics.read_text()
+            records += [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
+    return records
+
+
 def attempt_losses(instances: list[Any]) -> dict[int, dict[int, float]]:
     """attempt -> step -> loss, from the metrics file of the node that held global rank 0."""
-    losses: dict[int, dict[int, float]] = {}
-    for instance in instances:
-        for metrics in sorted(instance.workdir.glob("attempt-*/metrics.jsonl")):
-            attempt = int(metrics.parent.name.split("-")[1])
-            text = metrics.read_text()
-            for line in text[:text.rfind("\n") + 1].splitlines():  # a killed trainer's last line may be cut
-                record = json.loads(line)
-                if "loss" in record:  # not the `finished` record of a trainer resumed at its last step
-                    losses.setdefault(attempt, {})[record["step"]] = record["loss"]
-    return losses
+    attempts = sorted({int(metrics.parent.name.split("-")[1]) for instance in instances
+                       for metrics in instance.workdir.glob("attempt-*/metrics.jsonl")})
+    losses = {attempt: {record["step"]: record["loss"] for record in metrics_records(instances, attempt)
+                        if "loss" in record}  # not the `finished` record of a trainer resumed at its last step
+              for attempt in attempts}
+    return {attempt: steps for attempt, steps in losses.items() if steps}
 
 
 def _network(ec2: Any) -> tuple[str, str]:
