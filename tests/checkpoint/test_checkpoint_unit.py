@@ -85,7 +85,7 @@ def test_the_last_step_is_always_saved_and_a_run_resumed_there_trains_nothing(co
     assert trainer_train(resumed, env) == []
     assert "nothing to train: resumed at step 6, training.steps is 6" in capsys.readouterr().out
     last_record = json.loads(Path(config.training.metrics_file).read_text().splitlines()[-1])
-    assert last_record == {"step": 6, "finished": True}
+    assert last_record == {"step": 6, "finished": True, "time": pytest.approx(time.time(), abs=60)}
     assert catalog.committed_steps(store) == [6, 4]  # the resumed step is not saved again
 
 
