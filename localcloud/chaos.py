@@ -108,6 +108,8 @@ class Cell:
 
 SERVICE_FAULTS = (Fault.THROTTLE, Fault.ERROR)
 """Faults of the whole control plane rather than of a node."""
+PROCESS_FAULTS = (Fault.HANG, Fault.CRASH)
+"""Faults of one process of a node (process_role says which)."""
 MATRIX_FAULTS = (Fault.KILL, Fault.FREEZE, Fault.HANG, Fault.SPOT, Fault.HEALTH, Fault.THROTTLE)
 MATRIX_PHASES = (Phase.ALLOCATE, Phase.PREFLIGHT, Phase.RENDEZVOUS, Phase.TRAINING, Phase.CHECKPOINT_WRITE,
                  Phase.CHECKPOINT_LOAD, Phase.RECOVERY)
@@ -324,16 +326,33 @@ class Injection:
     """The newest step trained when it hit."""
 
 
+def process_role(phase: Phase) -> str:
+    """The process a hang or crash at `phase` hits: torchrun while its rendezvous forms the world,
+    a trainer rank while the world trains, else the agent (no trainer exists)."""
+    if phase is Phase.RENDEZVOUS:
+        return "launcher"
+    if phase in (Phase.TRAINING, Phase.CHECKPOINT_WRITE, Phase.CHECKPOINT_LOAD):
+        return "trainer"
+    return "agent"
+
+
+def _has_process(view: _View, instance_id: str, role: str) -> bool:
+    try:
+        view.stack.cloud.fleet.process_of(instance_id, role)
+    except RuntimeError:
+        return False
+    return True
+
+
 def inject(view: _View, fault: Fault, target: str, phase: Phase) -> Injection:
     cloud = view.stack.cloud
-    trainer_runs = phase in (Phase.RENDEZVOUS, Phase.TRAINING, Phase.CHECKPOINT_WRITE, Phase.CHECKPOINT_LOAD)
     injection = Injection(str(fault), "control plane" if fault in SERVICE_FAULTS else target, str(phase),
                           time.time(), view.step())
     if fault in SERVICE_FAULTS:
         for service in CONTROL_PLANE_SERVICES:
             cloud.fail_requests(service, THROTTLE_S, answer=str(fault))
     else:
-        on_instance(cloud, str(fault), target, role="trainer" if trainer_runs else "agent")
+        on_instance(cloud, str(fault), target, role=process_role(phase))
     view.stack.narrate(f"{fault} {injection.target} during {phase}")
     return injection
 
@@ -378,7 +397,9 @@ def disrupt(view: _View, cell: Cell, ended: Callable[[], bool]) -> list[Injectio
         def starting() -> str | None:
             record = view.record()
             target = view.node_of_rank(0, 1)
-            return target if target and record is not None and record.first_step_at is None else None
+            if not target or record is None or record.first_step_at is not None:
+                return None
+            return target if fault not in PROCESS_FAULTS or _has_process(view, target, "launcher") else None
         hit(_until("a rendezvous", starting, ended))
     elif phase is Phase.TRAINING:
         if _first_checkpoint(view, ended):
@@ -410,13 +431,9 @@ def _booting(view: _View, instance_id: str, fault: Fault) -> bool:
     fleet = view.stack.cloud.fleet
     if fleet.get(instance_id).process is None:
         return False
-    if fault is not Fault.HANG:
+    if fault not in PROCESS_FAULTS:
         return True
-    try:
-        fleet.process_of(instance_id, "agent")
-    except RuntimeError:
-        return False
-    return not view.said(instance_id, "sent NodeRegistered")
+    return _has_process(view, instance_id, "agent") and not view.said(instance_id, "sent NodeRegistered")
 
 
 def _first_checkpoint(view: _View, ended: Callable[[], bool]) -> Any:

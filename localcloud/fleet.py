@@ -123,7 +123,8 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-ROLE_MODULES = {"trainer": ("trainer.worker", "trainer.train"), "agent": ("trainer.agent",)}
+ROLE_MODULES = {"trainer": ("trainer.worker", "trainer.train"), "agent": ("trainer.agent",),
+                "launcher": ("torch.distributed.run",)}
 """Process role -> the Python modules (`python -m MODULE`) a process of that role runs."""
 _OPTIONS_WITH_VALUE = {"-W", "-X", "-Q"}
 
