@@ -281,6 +281,13 @@ class _View:
                     return instance.instance_id
         return None
 
+    def running(self, instance_id: str | None) -> bool:
+        """The instance is running and not frozen: a fault can still land on it."""
+        if instance_id is None:
+            return False
+        instance = self.stack.cloud.fleet.get(instance_id)
+        return instance.state == "running" and not instance.hung
+
     def nodes_of_attempt(self, attempt: int) -> list[str]:
         return [node.instance_id for node in self.stack.store.nodes(self.run.run_name) if node.attempt == attempt]
 
@@ -312,6 +319,10 @@ def _until(what: str, done: Callable[[], Any], ended: Callable[[], bool], timeou
 
 
 # --- faults -----------------------------------------------------------------------------------
+
+class MissedInjection(RuntimeError):
+    """The fault's target was gone by the time the fault came (it lost a race with the run)."""
+
 
 @dataclass
 class Injection:
@@ -352,7 +363,10 @@ def inject(view: _View, fault: Fault, target: str, phase: Phase) -> Injection:
         for service in CONTROL_PLANE_SERVICES:
             cloud.fail_requests(service, THROTTLE_S, answer=str(fault))
     else:
-        on_instance(cloud, str(fault), target, role=process_role(phase))
+        try:
+            on_instance(cloud, str(fault), target, role=process_role(phase))
+        except RuntimeError as error:
+            raise MissedInjection(f"{fault} during {phase} missed {target}: {error}") from error
     view.stack.narrate(f"{fault} {injection.target} during {phase}")
     return injection
 
@@ -416,7 +430,7 @@ def disrupt(view: _View, cell: Cell, ended: Callable[[], bool]) -> list[Injectio
             return done
         done.append(setup)
         if phase is Phase.CHECKPOINT_LOAD:
-            if _at_checkpoint_request(view, "read", ended, lambda: view.node_of_rank(1, 1) is not None):
+            if _at_checkpoint_request(view, "read", ended, lambda: view.running(view.node_of_rank(1, 1))):
                 hit(view.node_of_rank(1, 1))
         else:
             state = "RecoveryBackoff" if phase is Phase.BACKOFF else "Recover"
@@ -542,9 +556,13 @@ def run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any], reference:
     view = _View(stack, run)
     ended = stack.ended(run)
     commits = _Commits(run.run_name)
+    missed: list[str] = []
     try:
         with _S3Requests.listen(commits):
-            injections = disrupt(view, cell, ended)
+            try:
+                injections = disrupt(view, cell, ended)
+            except MissedInjection as error:  # the run goes on to its end all the same
+                injections, missed = [], [str(error)]
             _until("the end of the run", ended, lambda: False)
             _until("every instance gone", lambda: all(i.state == "terminated" for i in stack.instances(run)),
                    lambda: False, 60)
@@ -555,7 +573,7 @@ def run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any], reference:
     outcome |= {"cell": cell.name, "injections": [vars(i) for i in injections],
                 "s3": {"markers": commits.markers, "launches": commits.launches},
                 "leftovers": leftovers(stack, run), "seconds": round(time.monotonic() - started, 1)}
-    outcome["problems"] = problems(cell, outcome, reference, template)
+    outcome["problems"] = missed + problems(cell, outcome, reference, template)
     return outcome
 
 
