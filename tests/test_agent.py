@@ -287,9 +287,10 @@ def heartbeats(watched_attempt):
 
 
 def follow_until(attempt: Attempt, clock: dict, until: float) -> None:
-    """The agent's watch every LOOK_S up to `until` seconds."""
+    """The agent's watch and its heartbeat thread, every LOOK_S up to `until` seconds."""
     while clock["now"] < until:
         attempt.follow()
+        attempt.beat_if_due()
         clock["now"] += agent.LOOK_S
 
 
@@ -312,6 +313,22 @@ def test_node_rank_0_heartbeats_the_start_up_until_the_startup_timeout_then_lets
         step(attempt, number)
         follow_until(attempt, clock, clock["now"] + agent.LOOK_S)
     assert beats == [80.0, 82.5, 85.0, 87.5]
+
+
+def test_the_heartbeat_follows_the_trainer_while_the_watch_loop_waits_on_the_control_plane(heartbeats):
+    """The watch loop may wait seconds in a throttled call (follow is not called here at all):
+    the heartbeat thread judges progress by the metrics file alone, and stops when it does."""
+    attempt, clock, beats = heartbeats
+    clock["now"] = 100.0  # past the start-up: beats need steps
+    for number in range(11, 21):
+        step(attempt, number)
+        attempt.beat_if_due()
+        clock["now"] += agent.LOOK_S
+    assert beats == [100.0, 102.5]
+    for _ in range(20):  # the trainer hangs: one beat for the last steps, then silence
+        attempt.beat_if_due()
+        clock["now"] += agent.LOOK_S
+    assert beats == [100.0, 102.5, 105.0]
 
 
 def test_the_start_up_heartbeats_end_at_this_node_first_step(heartbeats):

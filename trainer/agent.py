@@ -37,7 +37,10 @@ instance's process. It speaks to the control plane only through AWS:
    started; a start that outlasts it is declared hung a hang timeout later. Likewise the end:
    after the final step the agent that speaks for the world heartbeats while the trainer saves
    its final checkpoint and exits, for at most the startup timeout. The heartbeat's pace
-   is a quarter of the hang timeout, at most 5 s (trainfleet.pace.heartbeat_pace);
+   is a quarter of the hang timeout, at most 5 s (trainfleet.pace.heartbeat_pace), and it beats
+   on a thread of its own, judging progress by the metrics file's growth: a call of the watch
+   loop waiting out throttling or an outage (botocore retries, then the agent's backoff) never
+   delays it, so seconds of a slow control plane are not taken for a hang of the world;
 6. torchrun's exit: 0 -> TrainingCompleted; otherwise TrainerFailed with the kind read from its
    output (config error, NaN loss, crash), unless the run has moved on meanwhile: a peer's
    death reaches this node as a crash. EC2's event about a lost peer usually lands within a
@@ -60,6 +63,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -350,14 +354,17 @@ class ControlPlane:
             self.s3, self.settings.bucket, self.settings.run_name, record))
 
     def heartbeat(self, token: str) -> None:
-        def beat() -> None:
-            try:
-                self.sfn.send_task_heartbeat(taskToken=token)
-            except (self.sfn.exceptions.TaskTimedOut, self.sfn.exceptions.InvalidToken,
-                    self.sfn.exceptions.TaskDoesNotExist) as exc:
-                # The task is over; the run record tells the attempt loop so at its next look.
-                say("heartbeat refused", error=type(exc).__name__)
-        self.call("heartbeat the Train task", beat)
+        """SendTaskHeartbeat, from the attempt's heartbeat thread. A failure is logged and the next
+        beat tries again; it neither paces the looks nor counts toward UNREACHABLE_LIMIT_S, which
+        the watch loop's own calls judge."""
+        try:
+            self.sfn.send_task_heartbeat(taskToken=token)
+        except (self.sfn.exceptions.TaskTimedOut, self.sfn.exceptions.InvalidToken,
+                self.sfn.exceptions.TaskDoesNotExist) as exc:
+            # The task is over; the run record tells the attempt loop so at its next look.
+            say("heartbeat refused", error=type(exc).__name__)
+        except TRANSIENT_ERRORS as exc:
+            say("heartbeat failed; beating again at the next pace", error=str(exc))
 
 
 def say(message: str, /, **fields: Any) -> None:
@@ -507,6 +514,8 @@ class Attempt:
         self.final_step = spec.trainer_config.get("training", {}).get("steps")
         self.finished: float | None = None  # control.clock() when the metrics showed the final step
         self.last_heartbeat = self.last_progress = -math.inf
+        self.beaten_metrics_size = 0
+        """The metrics file's size at the last heartbeat: it grows by a record a step."""
         self.spot_notice_seen = False
         self.metadata_failing = False
         self.checkpoint_request_seen: datetime | None = None
@@ -529,6 +538,8 @@ class Attempt:
             # Same process group as the agent: whatever ends the instance ends torchrun too.
             process = subprocess.Popen(command, cwd=self.files.folder, env=torchrun_env(self.files, self.identity),
                                        stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT)
+        stop_beating = threading.Event()
+        threading.Thread(target=self.beat_until, args=(stop_beating,), name="heartbeat", daemon=True).start()
         try:
             while process.poll() is None:
                 time.sleep(LOOK_S)
@@ -542,6 +553,7 @@ class Attempt:
                 if self.deadline is not None and time.monotonic() > self.deadline:
                     raise AgentError("the agent's lifetime is over: stopping torchrun")
         finally:
+            stop_beating.set()
             stop(process)
         self.follow()
         self.report_exit(process.returncode)
@@ -551,10 +563,30 @@ class Attempt:
         """Whether the run has left this attempt (a failure moved it on, or it finished)."""
         return run.attempt > self.spec.attempt or run.state.is_final
 
+    def beat_until(self, stopped: threading.Event) -> None:
+        """The heartbeat thread: beat_if_due every LOOK_S until `stopped`."""
+        while not stopped.wait(LOOK_S):
+            self.beat_if_due()
+
+    def beat_if_due(self) -> None:
+        """Heartbeat the Train task when a beat is due (heartbeat_every since the last) and the
+        world showed life since: the metrics file grew (global rank 0 appends a record a step),
+        or this node speaks for the world's start-up or wind-down."""
+        token, now = self.spec.heartbeat_task_token, self.control.clock()
+        if token is None or now - self.last_heartbeat < self.heartbeat_every:
+            return
+        try:
+            size = self.files.metrics.stat().st_size
+        except FileNotFoundError:
+            size = 0
+        if size > self.beaten_metrics_size or self.starting_up(now) or self.winding_down(now):
+            self.control.heartbeat(token)
+            self.last_heartbeat, self.beaten_metrics_size = now, size
+
     def follow(self) -> None:
         """What the node shows since the last look: metrics, this node's progress, a Spot notice.
-        Only the node that speaks for the world calls the control plane here (heartbeat, sampled
-        progress, new commits), and node rank 0 while the attempt starts up (heartbeat)."""
+        Only the node that speaks for the world calls the control plane here (sampled progress,
+        new commits); the heartbeat has a thread of its own (beat_if_due)."""
         records = self.metrics.new_records()
         # A `finished` record (no loss) is what a trainer resumed at its last step writes instead
         # of step records: it speaks for the world all the same.
@@ -571,10 +603,6 @@ class Attempt:
             self.last_step = records[-1]["step"]
             if self.finished is None and self.last_step == self.final_step:
                 self.finished = now
-        if (steps or self.starting_up(now) or self.winding_down(now)) and self.spec.heartbeat_task_token \
-                and now - self.last_heartbeat >= self.heartbeat_every:
-            self.control.heartbeat(self.spec.heartbeat_task_token)
-            self.last_heartbeat = now
         if steps and now - self.last_progress >= PROGRESS_EVERY_S:
             self.send_progress(steps[-1])
             self.last_progress = now
