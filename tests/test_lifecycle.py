@@ -725,6 +725,19 @@ def test_a_crash_names_the_workers_that_went_silent_never_joined_or_fell_behind(
     assert lc.blame_silent_workers(crash, WORKERS, not_yet, T0, HANG_S).instance_ids == []
 
 
+def test_a_report_that_is_only_older_than_its_peers_is_no_sign_of_a_node_behind():
+    """The world steps together: a report written before the peers' newest ones is judged against
+    the steps reported by its own time (its agent's writes may have failed for a while)."""
+    crash = report(FailureClass.PROCESS_CRASH)
+    older = [live("i-1", 40, 1), live("i-2", 40, 1), live("i-3", 31, 5), live("i-4", None, 6)]
+    assert lc.blame_silent_workers(crash, WORKERS, older, T0, HANG_S).instance_ids == []
+    behind_then = [live("i-1", 40, 1), live("i-2", 38, 6), live("i-3", 31, 5), live("i-4", None, 4)]
+    blamed = lc.blame_silent_workers(crash, WORKERS, behind_then, T0, HANG_S)
+    assert blamed.instance_ids == ["i-3", "i-4"]
+    assert "i-3: stopped advancing at step 31 while its peers reached 38" in blamed.message
+    assert "i-4: never joined the rendezvous while its peers reached step 38" in blamed.message
+
+
 def test_an_agent_is_silent_after_missing_three_looks_at_the_pace_of_its_run_hang_timeout():
     hang = report(FailureClass.HANG)
     records = [live("i-1", 40, 1), live("i-2", 40, 9), live("i-3", 40, 2), live("i-4", 40, 1)]

@@ -43,7 +43,10 @@ def silent_workers(nodes: list[NodeRecord], liveness: list[NodeLiveness], attemp
     reporting, when it has no report of this attempt or its trainer never joined the rendezvous
     while its peers trained (every agent reports before it starts torchrun, and a rendezvous
     completes only once every node's torchrun joined it), or when its trainer stopped advancing
-    more than a step behind its peers. The liveness rules blame no one when every worker looks
+    more than a step behind its peers. A report is held against the steps its peers had reported
+    by the time it was written, never against later ones: the world steps together, and a report
+    that is only older (its agent's writes failed for a while, as they do while S3 throttles) is
+    no sign of a node behind. The liveness rules blame no one when every worker looks
     silent: that says more about the reports' path than about the nodes, and replacing the whole
     world would not help. What EC2 reports blames its worker all the same.
     """
@@ -51,11 +54,15 @@ def silent_workers(nodes: list[NodeRecord], liveness: list[NodeLiveness], attemp
     workers = [node for node in live if node.role is NodeRole.WORKER]
     reports = {record.instance_id: record for record in liveness if record.attempt == attempt}
     limit = silent_after(len(live), hang_timeout_s)  # the agents pace their looks by both
-    steps = [record.step for record in reports.values() if record.step is not None]
-    lead = max(steps, default=None)
+    def lead_by(moment: datetime | None) -> int | None:
+        """The furthest step reported by `moment` (None: ever)."""
+        return max((record.step for record in reports.values() if record.step is not None
+                    and (moment is None or record.reported_at <= moment)), default=None)
+
     why: dict[str, str] = {}
     for node in workers:
         report = reports.get(node.instance_id)
+        lead = lead_by(report.reported_at if report else None)
         if report is None:
             if lead is not None:
                 why[node.instance_id] = f"no liveness report in attempt {attempt} while its peers reached step {lead}"
