@@ -261,6 +261,13 @@ class LocalStore:
         return str(self.root / step_dir)
 
 
+TRAINER_S3_RETRIES = {"mode": "standard", "max_attempts": 10}
+"""The trainer's own S3 calls (commit markers, listings, retention) ride out seconds of throttling
+or 5xx answers as its shard uploads do (s3torchconnector's client tries ten times): with
+botocore's default a marker write could fail a checkpoint, and with it the attempt, on a brief
+S3 brownout."""
+
+
 class S3Store:
     """A checkpoint location `s3://bucket/prefix` on any S3-compatible endpoint.
 
@@ -276,8 +283,9 @@ class S3Store:
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         if client is None:
             import boto3
+            from botocore.config import Config
 
-            client = boto3.client("s3")
+            client = boto3.client("s3", config=Config(retries=TRAINER_S3_RETRIES))
         self.client = client
 
     def _objects(self, prefix: str, **extra: Any) -> Iterable[dict[str, Any]]:
