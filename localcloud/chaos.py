@@ -507,16 +507,25 @@ def _two_losses(view: _View, ended: Callable[[], bool]) -> list[Injection]:
 
 
 def _crash_every_attempt(view: _View, ended: Callable[[], bool]) -> list[Injection]:
-    """A trainer rank of node rank 1 crashes at every attempt's first step, before any new
-    checkpoint: the same failure again and again, which the crash-loop rule must end."""
+    """A trainer rank of node rank 1 crashes as soon as it exists, at every attempt: the same
+    failure again and again with no step trained, so no checkpoint between, which the crash-loop
+    rule must end. (Waiting for the run record's first step instead is a race: under load the
+    step reaches the record after a checkpoint already committed, and the streak is broken.)"""
     done = []
     for attempt in range(CRASH_LOOP_ATTEMPTS):
-        target = _until(f"attempt {attempt} training", lambda: (record := view.record()) and record.attempt == attempt
-                        and record.first_step_at and view.node_of_rank(attempt, 1), ended)
+        target = _until(f"attempt {attempt}'s trainer", lambda: _trainer_of_rank_1(view, attempt), ended)
         if not target:
             break
         done.append(inject(view, Fault.CRASH, target, Phase.TRAINING))
     return done
+
+
+def _trainer_of_rank_1(view: _View, attempt: int) -> str | None:
+    """Node rank 1 of `attempt`, once the run is at that attempt and the node's trainer exists."""
+    record, target = view.record(), view.node_of_rank(attempt, 1)
+    if record is None or record.attempt != attempt or target is None:
+        return None
+    return target if _has_process(view, target, "trainer") else None
 
 
 def _stop_mid_training(view: _View, ended: Callable[[], bool]) -> list[Injection]:

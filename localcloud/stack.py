@@ -166,7 +166,8 @@ class LocalStack:
             "cause": execution.get("cause"),
             "states": states_entered(sfn, run.arn),
             "nodes": {node.instance_id: {"state": node.state.value, "attempt": node.attempt,
-                                         "rank": node.node_rank, "failure": node.failure_class}
+                                         "rank": node.node_rank, "failure": node.failure_class,
+                                         "reason": node.reason}
                       for node in store.nodes(run.run_name)},
             "instances": {instance["InstanceId"]: instance["State"]["Name"]
                           for reservation in reservations["Reservations"] for instance in reservation["Instances"]},

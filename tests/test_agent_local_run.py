@@ -38,8 +38,10 @@ def test_only_the_lost_node_is_replaced_and_the_run_succeeds(run):
     assert loss["first_nodes"] == {killed: 1, survivor: 0}
     (replacement,) = set(run["nodes"]) - set(loss["first_nodes"])
     assert run["nodes"][killed]["failure"] == "INSTANCE_LOST"
-    assert run["nodes"][survivor] | {"state": None} == {"state": None, "attempt": 0, "rank": 0, "failure": None}
-    assert run["nodes"][replacement] | {"state": None} == {"state": None, "attempt": 1, "rank": 1, "failure": None}
+    assert run["nodes"][survivor] | {"state": None} == {"state": None, "attempt": 0, "rank": 0, "failure": None,
+                                                     "reason": None}
+    assert run["nodes"][replacement] | {"state": None} == {"state": None, "attempt": 1, "rank": 1, "failure": None,
+                                                        "reason": None}
     assert run["run"] == {"state": "SUCCEEDED", "attempt": 1, "restarts": 1, "latest_checkpoint": FINAL_STEP}
 
 

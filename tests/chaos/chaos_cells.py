@@ -24,7 +24,11 @@ def run_cells(names: list[str]) -> dict[str, dict]:
 def verdict(outcome: dict) -> str:
     """What to read when a cell fails: its problems and how the run went."""
     said = [line for line in outcome["narration"].splitlines() if outcome["run_name"] in line or "during" in line]
-    return "\n".join(outcome["problems"] + [f"states: {outcome['states']}"] + said[-40:])
+    failures = [f"failure: {failure['failure_class']} {failure.get('instance_ids')}: {failure.get('message')}"
+                for failure in outcome["report"]["failures"]]
+    failures += [f"blamed: {instance_id}: {node['failure']}: {node['reason']}"
+                 for instance_id, node in outcome["nodes"].items() if node["failure"]]
+    return "\n".join(outcome["problems"] + [f"states: {outcome['states']}"] + failures + said[-40:])
 
 
 def cell_tests(names: list[str]) -> tuple:
