@@ -62,6 +62,9 @@ half a second, as AWS documents it."""
 EC2_CALL_S = 0.3
 """An EC2 API call (CreateFleet of type instant, TerminateInstances, Describe*)."""
 
+TRIES = 3
+"""Runs of a cell until one recovers."""
+
 COUNTED = {"lambda_invocations": LAMBDA_INVOKE_S + LAMBDA_HANDLER_S, "state_transitions": STATE_TRANSITION_S,
            "eventbridge_deliveries": EVENTBRIDGE_DELIVERY_S, "ec2_calls": EC2_CALL_S}
 
@@ -117,9 +120,16 @@ def _first(timeline: list[tuple[float, str, str]], after: float, state: str, *ty
 
 def measure(stack: LocalStack, calls: CallLog, fault: Fault, template: dict, reference: dict) -> dict[str, Any]:
     cell = Cell(f"{fault}@training", fault, Phase.TRAINING)
-    outcome = run_cell(stack, cell, cell_template(cell, template), reference)
-    if outcome["problems"]:
-        raise RuntimeError(f"{cell.name}: {outcome['problems']}")
+    for _ in range(TRIES):
+        outcome = run_cell(stack, cell, cell_template(cell, template), reference)
+        if outcome["problems"]:
+            raise RuntimeError(f"{cell.name}: {outcome['problems']}")
+        if outcome["run"]["attempt"] > 0:
+            break
+        # A Spot notice that came with the last steps: the run completed before the interruption.
+        print(f"{cell.name}: the run completed without a recovery; measuring again", flush=True)
+    else:
+        raise RuntimeError(f"{cell.name}: no recovery in {TRIES} runs")
     run = LocalRun(outcome["run_name"], outcome["arn"], {})
     timeline = _history(stack, run)
     fault_at = outcome["injections"][0]["at"]

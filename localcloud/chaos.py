@@ -293,10 +293,13 @@ class _View:
 
     def step(self) -> int | None:
         """The step the run's current attempt has reached: its rank 0's newest metrics record, or
-        before its first step the checkpoint it resumes from (None: from scratch)."""
+        before its first step the checkpoint it resumes from (None: from scratch). Once the attempt
+        failed, its world can save nothing more: the step is its newest commit."""
         record = self.record()
         if record is None:
             return None
+        if record.attempt_failure is not None and record.attempt_failure.attempt == record.attempt:
+            return record.latest_checkpoint.step if record.latest_checkpoint else None
         steps = [line["step"] for line in metrics_records(self.stack.instances(self.run), record.attempt)]
         if steps:
             return max(steps)
