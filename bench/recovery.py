@@ -124,10 +124,12 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, template: dict, ref
         outcome = run_cell(stack, cell, cell_template(cell, template), reference)
         if outcome["problems"]:
             raise RuntimeError(f"{cell.name}: {outcome['problems']}")
-        if outcome["run"]["attempt"] > 0:
+        if any("loss" in record for record in metrics_records(stack.instances(
+                LocalRun(outcome["run_name"], outcome["arn"], {})), 1)):
             break
-        # A Spot notice that came with the last steps: the run completed before the interruption.
-        print(f"{cell.name}: the run completed without a recovery; measuring again", flush=True)
+        # A Spot notice that came with the last steps: the run completed before the interruption,
+        # or its emergency checkpoint was the last step and the resumed attempt had none to train.
+        print(f"{cell.name}: no step trained after a recovery; measuring again", flush=True)
     else:
         raise RuntimeError(f"{cell.name}: no recovery in {TRIES} runs")
     run = LocalRun(outcome["run_name"], outcome["arn"], {})
