@@ -47,8 +47,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainer import checkpoint_catalog as catalog
 
-__all__ = ["Checkpointer", "CheckpointError", "ComputeOrderedStager", "resume_target", "save_reason",
-           "storage_writer", "storage_reader"]
+__all__ = ["Checkpointer", "CheckpointError", "ComputeOrderedStager", "storage_writer", "storage_reader"]
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +58,6 @@ _SAVE_FAILURES = (Exception, CheckpointException)
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved, committed or loaded."""
-
-
-def resume_target(resume: str) -> str | int:
-    """`"none"`, `"latest"`, or a step number, from the `resume` setting."""
-    value = str(resume).strip()
-    if value in ("none", "latest"):
-        return value
-    if value.isdigit():
-        return int(value)
-    raise ValueError(f"checkpoint resume={resume!r}: expected 'none', 'latest' or a step number")
 
 
 S3_PART_BYTES = 64 * 2**20
@@ -198,17 +187,6 @@ def manifest_files(
     return tuple(files)
 
 
-def save_reason(step: int, interval: int, *, requested: bool, final: bool) -> catalog.SaveReason | None:
-    """Why `step` is saved, or None when it is not: asked for, the last step, or on the interval."""
-    if requested:
-        return catalog.SaveReason.REQUESTED
-    if final:
-        return catalog.SaveReason.FINAL
-    if interval > 0 and step % interval == 0:
-        return catalog.SaveReason.INTERVAL
-    return None
-
-
 class ComputeOrderedStager(DefaultStager):
     """DCP's stager, with the copy ordered after the work already queued on the compute stream.
 
@@ -234,38 +212,6 @@ class ComputeOrderedStager(DefaultStager):
         if step_queued is not None:
             step_queued.synchronize()
         return super()._stage(state_dict, **kwargs)
-
-
-class _SaveRequests:
-    """'Checkpoint now' requests: a signal, or a flag file that the node agent touches."""
-
-    def __init__(self, request_file: str | os.PathLike | None, request_signal: int | None):
-        self._file = Path(request_file) if request_file else None
-        self._honoured_mtime = self._file_mtime()
-        self._signalled = threading.Event()
-        self._signal = request_signal
-        self._previous_handler = None
-        if request_signal is not None and threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(request_signal, lambda *_: self._signalled.set())
-
-    def _file_mtime(self) -> int | None:
-        try:
-            return self._file.stat().st_mtime_ns if self._file else None
-        except FileNotFoundError:
-            return None
-
-    def pending(self) -> bool:
-        """A signal arrived or the flag file was created or touched since the last save."""
-        return self._signalled.is_set() or self._file_mtime() not in (None, self._honoured_mtime)
-
-    def honoured(self) -> None:
-        """The pending request is being served."""
-        self._signalled.clear()
-        self._honoured_mtime = self._file_mtime()
-
-    def close(self) -> None:
-        if self._previous_handler is not None:
-            signal.signal(self._signal, self._previous_handler)
 
 
 class Checkpointer:
@@ -296,7 +242,7 @@ class Checkpointer:
         """
         self.cfg = cfg
         self.store = catalog.open_store(cfg.uri)
-        self._resume_target = resume_target(cfg.resume)
+        self._resume_target = catalog.resume_target(cfg.resume)
         self.layout = dict(layout or {})
         self.config_hash = config_hash
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -305,7 +251,7 @@ class Checkpointer:
         # interleave with the training loop's, nor with the per-step agreement below.
         self._save_group = dist.new_group(backend="gloo", timeout=timeout) if self._distributed else None
         self._control_group = dist.new_group(backend="gloo", timeout=timeout) if self._distributed else None
-        self._requests = _SaveRequests(request_file, request_signal)
+        self._requests = catalog.SaveRequests(request_file, request_signal)
         cuda = torch.cuda.is_available()
         self._stager = ComputeOrderedStager(
             StagingOptions(
@@ -348,32 +294,14 @@ class Checkpointer:
         return decision
 
     def _choose_resume_step(self) -> int | None:
-        target = self._resume_target
-        if target == "none":
-            committed = catalog.committed_steps(self.store)
-            if committed:
-                raise CheckpointError(
-                    f"checkpoint uri {self.store.uri} already holds committed step {committed[0]}; "
-                    "resume from it (resume=latest) or use an empty location"
-                )
-            manifest = None
-        elif target == "latest":
-            manifest = catalog.latest_committed(self.store)
-        else:
-            try:
-                manifest = catalog.verified_manifest(self.store, target)
-            except catalog.CheckpointInvalid as exc:
-                raise CheckpointError(f"cannot resume from step {target}: {exc}") from exc
-        resumed = manifest.step if manifest else None
+        try:
+            manifest = catalog.resume_point(self.store, self._resume_target)
+        except catalog.CheckpointInvalid as exc:
+            raise CheckpointError(str(exc)) from exc
         if manifest and self.config_hash and manifest.config_hash != self.config_hash:
             log.warning("resuming step %d saved with another trainer config (hash %s, now %s)",
                         manifest.step, manifest.config_hash, self.config_hash)
-        for step in catalog.saved_steps(self.store):
-            if resumed is None or step > resumed:
-                log.warning("deleting %s/%s: newer than the resume point", self.store.uri,
-                            catalog.step_dir_name(step))
-                catalog.delete_step(self.store, step)
-        return resumed
+        return manifest.step if manifest else None
 
     def _on_rank0_for_all(self, decide: Callable[[], Any]) -> Any:
         """Run `decide` on rank 0 and give every rank its result, or its error as CheckpointError."""
@@ -403,7 +331,7 @@ class Checkpointer:
         manifest records why it was saved (a request wins over the other reasons).
         """
         requested = self._agree(failed=self._finished_with_error(), requested=force or self._requests.pending())
-        reason = save_reason(step, self.cfg.interval, requested=requested, final=final)
+        reason = catalog.save_reason(step, self.cfg.interval, requested=requested, final=final)
         if reason is None or step == self._last_saved_step:
             return False
         started = time.perf_counter()
@@ -459,10 +387,7 @@ class Checkpointer:
     def _prune(self) -> None:
         """Apply retention; a failure is logged, not raised: the next commit prunes again."""
         try:
-            saved = {step: catalog.is_committed(self.store, step) for step in catalog.saved_steps(self.store)}
-            for step in catalog.retention_victims(saved, self.cfg.keep_last):
-                log.info("retention: deleting %s/%s", self.store.uri, catalog.step_dir_name(step))
-                catalog.delete_step(self.store, step)
+            catalog.prune(self.store, self.cfg.keep_last)
         except Exception:
             log.warning("retention failed in %s", self.store.uri, exc_info=True)
 

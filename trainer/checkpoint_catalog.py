@@ -29,7 +29,9 @@ import json
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from enum import StrEnum
@@ -61,6 +63,11 @@ __all__ = [
     "verified_manifest",
     "latest_committed",
     "retention_victims",
+    "prune",
+    "resume_target",
+    "resume_point",
+    "save_reason",
+    "SaveRequests",
 ]
 
 log = logging.getLogger(__name__)
@@ -462,3 +469,94 @@ def retention_victims(
         return []
     kept = set(protected) | set(newest_first[:keep_last] if keep_last > 0 else newest_first)
     return sorted(step for step in committed if step < newest_first[0] and step not in kept)
+
+
+
+def prune(store: Store, keep_last: int) -> None:
+    """Apply retention to the location (retention_victims) after a commit."""
+    saved = {step: is_committed(store, step) for step in saved_steps(store)}
+    for step in retention_victims(saved, keep_last):
+        log.info("retention: deleting %s/%s", store.uri, step_dir_name(step))
+        delete_step(store, step)
+
+# --- what a trainer decides with it (the real one and trainer/standin.py alike) -------------------
+
+def resume_target(resume: str) -> str | int:
+    """`"none"`, `"latest"`, or a step number, from the `resume` setting."""
+    value = str(resume).strip()
+    if value in ("none", "latest"):
+        return value
+    if value.isdigit():
+        return int(value)
+    raise ValueError(f"checkpoint resume={resume!r}: expected 'none', 'latest' or a step number")
+
+
+def resume_point(store: Store, target: str | int) -> Manifest | None:
+    """The checkpoint to resume from (None: start afresh), else CheckpointInvalid.
+
+    "none" refuses a location that already holds a committed step; "latest" takes the newest
+    committed checkpoint whose files match its manifest, skipping (and logging) broken ones; a
+    step number takes that step or fails. Step folders newer than the one chosen belong to an
+    abandoned timeline and are deleted, so that this run's saves never mix with them.
+    """
+    if target == "none":
+        committed = committed_steps(store)
+        if committed:
+            raise CheckpointInvalid(f"checkpoint uri {store.uri} already holds committed step {committed[0]}; "
+                                    "resume from it (resume=latest) or use an empty location")
+        manifest = None
+    elif target == "latest":
+        manifest = latest_committed(store)
+    else:
+        try:
+            manifest = verified_manifest(store, int(target))
+        except CheckpointInvalid as exc:
+            raise CheckpointInvalid(f"cannot resume from step {target}: {exc}") from exc
+    for step in saved_steps(store):
+        if manifest is None or step > manifest.step:
+            log.warning("deleting %s/%s: newer than the resume point", store.uri, step_dir_name(step))
+            delete_step(store, step)
+    return manifest
+
+
+def save_reason(step: int, interval: int, *, requested: bool, final: bool) -> SaveReason | None:
+    """Why `step` is saved, or None when it is not: asked for, the last step, or on the interval."""
+    if requested:
+        return SaveReason.REQUESTED
+    if final:
+        return SaveReason.FINAL
+    if interval > 0 and step % interval == 0:
+        return SaveReason.INTERVAL
+    return None
+
+
+class SaveRequests:
+    """'Checkpoint now' requests: a signal, or a flag file that the node agent touches."""
+
+    def __init__(self, request_file: str | os.PathLike | None, request_signal: int | None):
+        self._file = Path(request_file) if request_file else None
+        self._honoured_mtime = self._file_mtime()
+        self._signalled = threading.Event()
+        self._signal = request_signal
+        self._previous_handler = None
+        if request_signal is not None and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(request_signal, lambda *_: self._signalled.set())
+
+    def _file_mtime(self) -> int | None:
+        try:
+            return self._file.stat().st_mtime_ns if self._file else None
+        except FileNotFoundError:
+            return None
+
+    def pending(self) -> bool:
+        """A signal arrived or the flag file was created or touched since the last save."""
+        return self._signalled.is_set() or self._file_mtime() not in (None, self._honoured_mtime)
+
+    def honoured(self) -> None:
+        """The pending request is being served."""
+        self._signalled.clear()
+        self._honoured_mtime = self._file_mtime()
+
+    def close(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(self._signal, self._previous_handler)
