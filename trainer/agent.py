@@ -5,7 +5,9 @@
         TRAINFLEET_EVENT_BUS (the user data of trainfleet/adapters/ec2_fleet.py writes them);
         optional TRAINFLEET_SHUTDOWN_COMMAND (how the agent ends its instance, e.g.
         "systemctl poweroff"; unset, it just exits: locally that ends the instance) and
-        TRAINFLEET_AGENT_LIFETIME_S (exit after that many seconds; local runs set it)
+        TRAINFLEET_AGENT_LIFETIME_S (exit after that many seconds; local runs set it) and
+        TRAINFLEET_STANDIN_STEP_S (run the stand-in trainer, trainer/standin.py, with steps
+        that many seconds long, in place of torchrun; the local cloud's large runs set it)
 
 On EC2 the user data starts it under systemd; in the local cloud the fleet starts it as the
 instance's process. It speaks to the control plane only through AWS:
@@ -69,7 +71,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import boto3
 import botocore.session
@@ -144,22 +146,34 @@ class AgentSettings:
     shutdown_command: tuple[str, ...] = ()
     """How the agent ends its instance when the run is over (TRAINFLEET_SHUTDOWN_COMMAND, e.g.
     "systemctl poweroff"); empty: the agent exits, which ends a local instance."""
+    standin_step_s: float | None = None
+    """Seconds a step of the stand-in trainer takes (TRAINFLEET_STANDIN_STEP_S); set, the agent
+    runs trainer/standin.py instead of torchrun and a stand-in preflight: no torch on the node,
+    the same signals to the control plane. None: the real trainer."""
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | os._Environ = os.environ) -> AgentSettings:
+    def from_env(cls, env: dict[str, str] | os._Environ = os.environ, workdir: Path | None = None) -> AgentSettings:
         names = {"run_name": "TRAINFLEET_RUN_NAME", "run_table": "TRAINFLEET_RUN_TABLE",
                  "bucket": "TRAINFLEET_BUCKET", "event_bus": "TRAINFLEET_EVENT_BUS"}
         missing = [variable for variable in names.values() if not env.get(variable)]
         if missing:
             raise AgentError(f"missing environment variable(s): {', '.join(missing)}")
-        lifetime = env.get("TRAINFLEET_AGENT_LIFETIME_S")
-        try:
-            lifetime_s = float(lifetime) if lifetime else None
-        except ValueError:
-            raise AgentError(f"TRAINFLEET_AGENT_LIFETIME_S must be a number of seconds, got {lifetime!r}") from None
         return cls(**{field: env[variable] for field, variable in names.items()},
-                   workdir=Path.cwd(), lifetime_s=lifetime_s,
-                   shutdown_command=tuple(shlex.split(env.get("TRAINFLEET_SHUTDOWN_COMMAND", ""))))
+                   workdir=workdir or Path.cwd(), lifetime_s=_seconds(env, "TRAINFLEET_AGENT_LIFETIME_S"),
+                   shutdown_command=tuple(shlex.split(env.get("TRAINFLEET_SHUTDOWN_COMMAND", ""))),
+                   standin_step_s=_seconds(env, "TRAINFLEET_STANDIN_STEP_S"))
+
+
+def _seconds(env: dict[str, str] | os._Environ, variable: str) -> float | None:
+    """A positive number of seconds from the environment, None when unset."""
+    raw = env.get(variable)
+    try:
+        seconds = float(raw) if raw else None
+    except ValueError:
+        seconds = -1.0
+    if seconds is not None and seconds <= 0:
+        raise AgentError(f"{variable} must be a positive number of seconds, got {raw!r}")
+    return seconds
 
 
 # --- instance metadata --------------------------------------------------------------------
@@ -385,6 +399,13 @@ def wait_for(what: str, probe: Callable[[], T | None], deadline: float | None, c
 
 # --- preflight ----------------------------------------------------------------------------
 
+def standin_preflight() -> tuple[list[HealthCheckResult], str | None]:
+    """With the stand-in trainer nothing on the node is probed: one check, skipped, says so."""
+    return [HealthCheckResult(name="preflight", passed=False, skipped=True,
+                              detail="stand-in trainer (TRAINFLEET_STANDIN_STEP_S): the node's devices and "
+                                     "network are not probed")], None
+
+
 def run_preflight(instance_type: str) -> tuple[list[HealthCheckResult], str | None]:
     """The checks and, when the node must not train, why."""
     command = [sys.executable, "-m", "trainer.health", "--instance-type", instance_type]
@@ -454,6 +475,23 @@ def torchrun_command(spec: LaunchSpec, node_rank: int, identity: Identity, files
             "-m", "trainer.worker", "--config", str(files.config)]
 
 
+def standin_command(spec: LaunchSpec, node_rank: int, step_seconds: float, files: AttemptFiles) -> list[str]:
+    """The stand-in trainer in torchrun's place (trainer/standin.py): one process for the node."""
+    return [sys.executable, "-m", "trainer.standin", "--config", str(files.config), f"--node-rank={node_rank}",
+            f"--nodes={spec.plan.nodes}", f"--step-seconds={step_seconds}"]
+
+
+Launch = Callable[[list[str], Path, dict[str, str], BinaryIO], Any]
+"""Starts the trainer's command (in its folder, with its environment, output to the file) and
+gives a handle with subprocess.Popen's poll, returncode, send_signal, wait and kill."""
+
+
+def start_process(command: list[str], folder: Path, env: dict[str, str], output: BinaryIO) -> subprocess.Popen:
+    # Same process group as the agent: whatever ends the instance ends torchrun too.
+    return subprocess.Popen(command, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=output,
+                            stderr=subprocess.STDOUT)
+
+
 def torchrun_env(files: AttemptFiles, identity: Identity) -> dict[str, str]:
     """The agent's environment, plus what NCCL needs to use EFA on this node's type (the same
     environment preflight proved NCCL selects EFA in) and the attempt's files."""
@@ -496,8 +534,9 @@ class Attempt:
     """torchrun for one launch spec on this node, and what the agent reports about it."""
 
     def __init__(self, control: ControlPlane, metadata: MetadataClient, spec: LaunchSpec,
-                 deadline: float | None = None):
+                 deadline: float | None = None, launch: Launch = start_process):
         self.control, self.metadata, self.spec, self.deadline = control, metadata, spec, deadline
+        self.launch = launch
         self.identity = control.identity
         self.node_rank = spec.node_ranks[self.identity.instance_id]
         self.files = AttemptFiles(control.settings.workdir / f"attempt-{spec.attempt}")
@@ -527,7 +566,9 @@ class Attempt:
         the run had left it, if that is what ended it."""
         self.files.folder.mkdir(parents=True, exist_ok=True)
         self.files.config.write_text(yaml.safe_dump(trainer_config(self.spec, self.files), sort_keys=False))
-        command = torchrun_command(self.spec, self.node_rank, self.identity, self.files)
+        step_seconds = self.control.settings.standin_step_s
+        command = (standin_command(self.spec, self.node_rank, step_seconds, self.files) if step_seconds
+                   else torchrun_command(self.spec, self.node_rank, self.identity, self.files))
         # Reported before torchrun starts: a peer's trainer can train only once this node's torchrun
         # joined, so a node without a report while its peers trained has an agent that went silent.
         self.report_liveness()
@@ -535,9 +576,7 @@ class Attempt:
             resume_step=self.spec.resume_step, command=" ".join(command[1:]))
         self.torchrun_started = self.control.clock()
         with self.files.output.open("ab") as output:
-            # Same process group as the agent: whatever ends the instance ends torchrun too.
-            process = subprocess.Popen(command, cwd=self.files.folder, env=torchrun_env(self.files, self.identity),
-                                       stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT)
+            process = self.launch(command, self.files.folder, torchrun_env(self.files, self.identity), output)
         stop_beating = threading.Event()
         threading.Thread(target=self.beat_until, args=(stop_beating,), name="heartbeat", daemon=True).start()
         try:
@@ -713,7 +752,7 @@ class Attempt:
                              self.deadline)
 
 
-def stop(process: subprocess.Popen) -> None:
+def stop(process: Any) -> None:
     """End torchrun: SIGTERM (it stops its ranks), then SIGKILL (its ranks die with it)."""
     if process.poll() is not None:
         return
@@ -727,8 +766,9 @@ def stop(process: subprocess.Popen) -> None:
 
 # --- the agent ----------------------------------------------------------------------------
 
-def serve(settings: AgentSettings) -> None:
-    """Boot, preflight, then each attempt that names this node, until the run is over (returns)."""
+def serve(settings: AgentSettings, launch: Launch = start_process) -> None:
+    """Boot, preflight, then each attempt that names this node, until the run is over (returns).
+    `launch` starts the trainer (a process; the local cloud's hosted fleet gives a thread)."""
     deadline = time.monotonic() + settings.lifetime_s if settings.lifetime_s else None
     metadata = MetadataClient()
     identity = metadata.identity()
@@ -739,7 +779,7 @@ def serve(settings: AgentSettings) -> None:
     ids = {"run_name": settings.run_name, "attempt": node.attempt, "instance_id": identity.instance_id}
     control.deliver(NodeRegistered(**ids, private_ip=identity.private_ip,
                                    availability_zone=identity.availability_zone), deadline)
-    checks, problem = run_preflight(identity.instance_type)
+    checks, problem = standin_preflight() if settings.standin_step_s else run_preflight(identity.instance_type)
     if problem:  # never named in a launch spec: it waits to be terminated
         control.deliver(NodeUnhealthy(**ids, reason=problem, checks=checks), deadline)
     else:
@@ -757,7 +797,7 @@ def serve(settings: AgentSettings) -> None:
                     and run.attempt > ran else None)
             if spec is not None and spec.attempt == run.attempt:
                 ran = spec.attempt
-                run = Attempt(control, metadata, spec, deadline).run()
+                run = Attempt(control, metadata, spec, deadline, launch).run()
                 continue
         if deadline is not None and time.monotonic() > deadline:
             raise AgentError("the agent's lifetime is over")
@@ -773,14 +813,16 @@ def end_instance(settings: AgentSettings, why: str) -> None:
         subprocess.run(settings.shutdown_command, check=False)
 
 
-def main() -> int:
+def main(workdir: Path | None = None, launch: Launch = start_process) -> int:
+    """The agent's life on its instance; its exit status. `workdir` (default: the working directory)
+    and `launch` are for the local cloud's hosted fleet, which runs agents as threads."""
     try:
-        settings = AgentSettings.from_env()
+        settings = AgentSettings.from_env(workdir=workdir)
     except AgentError as exc:
         say("agent stopped", error=str(exc))
         return 1
     try:
-        serve(settings)
+        serve(settings, launch)
     except Unreachable as exc:
         end_instance(settings, str(exc))
         return 0

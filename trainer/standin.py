@@ -1,0 +1,172 @@
+"""A stand-in trainer: the real trainer's signals on a schedule, without torch.
+
+    python -m trainer.standin --config trainer.yaml --node-rank 0 --nodes 512 --step-seconds 0.5
+
+The node agent runs it in place of torchrun and the trainer when TRAINFLEET_STANDIN_STEP_S is set
+(trainer/agent.py), so that the control plane can be driven by fleets this machine could never
+train (the local cloud's 512-node runs: localcloud/scale.py). It reads the config file the agent
+writes for the real trainer and gives what the agent and the control plane read of the real one:
+
+- progress: each node's progress file (TRAINFLEET_PROGRESS_FILE) holds the resume step once the
+  node "joined", then every step; node rank 0 stands for global rank 0 and appends one metrics
+  record per step with the real trainer's fields (training.metrics_file), or the `finished`
+  record when resumed at the last step;
+- checkpoints: on the interval, when asked (the request file, TRAINFLEET_CHECKPOINT_REQUEST_FILE)
+  and after the final step, node rank 0 writes DCP's `.metadata` and one tiny part per node where
+  the real layout puts shards, then the commit marker with its manifest, then applies retention:
+  the commit protocol of trainer/checkpoint_catalog.py, so the control plane's checks and resume
+  logic run unchanged;
+- resume: node rank 0 chooses the resume point as the real trainer does
+  (checkpoint_catalog.resume_point); the other nodes take the step the config names;
+- exits: 0 after the final step; 2 with `config error:` for a config it cannot run; on SIGTERM
+  it stops within a step and exits 1, as torchrun does (its SignalException ends it with 1).
+
+The world is not synchronous: a node that stops does not stall the others (a real world would
+hang or fail in its next collective). Node losses, Spot notices and crashes reach the control
+plane as they do from a real world (EC2's events, the checkpoint request, the failing node's
+exit); a hang of one rank is not what this stand-in can show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer import checkpoint_catalog as catalog
+from trainer.progress import PROGRESS_FILE_ENV, write_progress
+
+__all__ = ["StandIn", "run", "main"]
+
+EXIT_SIGNALLED = 1
+"""torchrun's exit status when SIGTERM stopped it."""
+EXIT_CONFIG = 2
+"""The trainer's exit status for a config it refuses (trainer/train.py)."""
+PART_WRITERS = 8
+"""Parts written at once: one per node, a 512-node checkpoint is 512 PUTs."""
+
+
+class ConfigError(ValueError):
+    """A config the stand-in cannot run."""
+
+
+class StandIn:
+    """One node's stand-in trainer for one attempt."""
+
+    def __init__(self, config: dict[str, Any], node_rank: int, nodes: int, step_seconds: float,
+                 environ: Any, stop: threading.Event):
+        training, checkpoint = config.get("training", {}), config.get("checkpoint", {})
+        try:
+            self.steps = int(training["steps"])
+            self.batch_tokens = int(training.get("batch_size", 1)) * int(config.get("model", {}).get("seq_len", 1))
+            self.target = catalog.resume_target(checkpoint.get("resume", "none"))
+            self.uri, self.interval = checkpoint.get("uri", ""), int(checkpoint.get("interval", 0))
+            self.keep_last = int(checkpoint.get("keep_last", 0))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{type(exc).__name__}: {exc}") from exc
+        if not 0 <= node_rank < nodes or step_seconds <= 0:
+            raise ConfigError(f"node rank {node_rank} of {nodes} nodes, {step_seconds} s a step")
+        self.node_rank, self.nodes, self.step_seconds, self.stop = node_rank, nodes, step_seconds, stop
+        self.layout = {key: int(value) for key, value in config.get("parallel", {}).items()
+                       if key in ("pp", "dp", "tp")}
+        self.config_hash = catalog.config_hash({key: value for key, value in config.items()
+                                                if key not in ("parallel", "checkpoint")})
+        self.metrics = Path(training["metrics_file"]) if node_rank == 0 and training.get("metrics_file") else None
+        self.progress = Path(environ[PROGRESS_FILE_ENV]) if environ.get(PROGRESS_FILE_ENV) else None
+        self.requests = catalog.SaveRequests(environ.get(catalog.REQUEST_FILE_ENV), None)
+        self.store = catalog.open_store(self.uri) if self.uri and node_rank == 0 else None
+
+    def run(self) -> int:
+        step = self.resume_step()
+        self.show_progress(step)
+        if step >= self.steps:
+            print(f"nothing to train: resumed at step {step}, training.steps is {self.steps}", flush=True)
+            self.record({"step": step, "finished": True})
+            return 0
+        while step < self.steps:
+            if self.stop.wait(self.step_seconds):
+                print("stand-in trainer: got SIGTERM, stopping (as torchrun: SignalException)", flush=True)
+                return EXIT_SIGNALLED
+            step += 1
+            self.record({"step": step, "loss": 2.0 + 8.0 * math.exp(-step / 200), "grad_norm": 1.0, "lr": 1e-3,
+                         "step_time_s": self.step_seconds, "tokens_per_s": self.batch_tokens / self.step_seconds})
+            self.show_progress(step)
+            self.maybe_save(step)
+        return 0
+
+    def resume_step(self) -> int:
+        if self.store is not None:
+            manifest = catalog.resume_point(self.store, self.target)
+            return manifest.step if manifest else 0
+        if isinstance(self.target, int):
+            return self.target
+        if self.target == "latest" and self.uri:  # a later attempt whose resume point was not named
+            manifest = catalog.latest_committed(self.uri)
+            return manifest.step if manifest else 0
+        return 0
+
+    def show_progress(self, step: int) -> None:
+        if self.progress is not None:
+            write_progress(self.progress, step)
+
+    def record(self, record: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            with self.metrics.open("a") as out:
+                out.write(json.dumps(record | {"time": time.time()}) + "\n")
+
+    def maybe_save(self, step: int) -> None:
+        if self.store is None:
+            return
+        reason = catalog.save_reason(step, self.interval, requested=self.requests.pending(), final=step == self.steps)
+        if reason is None:
+            return
+        self.requests.honoured()
+        step_dir = catalog.step_dir_name(step)
+        parts = [(step_dir, ".metadata")] + [
+            (f"{catalog.shard_folder(node)}/{step_dir}", f"__{node}_0.distcp") for node in range(self.nodes)]
+        body = json.dumps({"step": step, "stand_in": True}).encode()
+        with ThreadPoolExecutor(PART_WRITERS) as writers:
+            list(writers.map(lambda part: self.store.create(*part, body), parts))
+        files = tuple(sorted(catalog.step_files(self.store, step).values(), key=lambda stored: stored.name))
+        manifest = catalog.Manifest(step=step, layout=self.layout, files=files, config_hash=self.config_hash,
+                                    reason=reason)
+        self.store.create(step_dir, catalog.MARKER_NAME, manifest.to_json())
+        print(f"checkpoint committed: {self.store.step_uri(step_dir)} ({reason}, {len(files)} files)", flush=True)
+        catalog.prune(self.store, self.keep_last)
+
+
+def run(argv: list[str], environ: Any, stop: threading.Event) -> int:
+    """The stand-in for one node: its exit status."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.standin")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--node-rank", type=int, required=True)
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--step-seconds", type=float, required=True)
+    args = parser.parse_args(argv)
+    try:
+        config = yaml.safe_load(Path(args.config).read_text())
+        standin = StandIn(config, args.node_rank, args.nodes, args.step_seconds, environ, stop)
+    except (OSError, yaml.YAMLError, ConfigError) as exc:
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    return standin.run()
+
+
+def main() -> int:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    return run(sys.argv[1:], os.environ, stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
