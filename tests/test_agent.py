@@ -55,11 +55,14 @@ def launch_spec(attempt: int = 0, resume_step: int | None = None, ranks: dict[st
 def test_settings_name_every_missing_variable():
     with pytest.raises(AgentError, match="TRAINFLEET_BUCKET, TRAINFLEET_EVENT_BUS"):
         AgentSettings.from_env({"TRAINFLEET_RUN_NAME": "run-a", "TRAINFLEET_RUN_TABLE": "table"})
-    with pytest.raises(AgentError, match="TRAINFLEET_AGENT_LIFETIME_S must be a number of seconds, got 'soon'"):
+    with pytest.raises(AgentError, match="TRAINFLEET_AGENT_LIFETIME_S must be a positive number of seconds, got 'soon'"):
         AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_AGENT_LIFETIME_S": "soon"})
     settings = AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_AGENT_LIFETIME_S": "90"})
     assert (settings.run_name, settings.event_bus, settings.lifetime_s) == ("run-a", "bus", 90.0)
     assert AgentSettings.from_env(SETTINGS_ENV).lifetime_s is None
+    with pytest.raises(AgentError, match="TRAINFLEET_STANDIN_STEP_S must be a positive number of seconds"):
+        AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_STANDIN_STEP_S": "0"})
+    assert AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_STANDIN_STEP_S": "0.5"}).standin_step_s == 0.5
 
 
 def test_the_trainer_config_resumes_as_the_spec_says_and_logs_to_the_attempt(tmp_path):
