@@ -1,0 +1,68 @@
+"""bench/goodput.py drives the real lifecycle decisions on simulated time: its books balance, a month
+without failures loses only the start-up and the checkpoint stalls, READY spares spare the boot,
+and a fault that stays on its node ends in the crash-loop rule."""
+
+import importlib.util
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("goodput_bench", REPO / "bench" / "goodput.py")
+goodput = sys.modules["goodput_bench"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
+_spec.loader.exec_module(goodput)
+
+WEEK = goodput.Scenario(nodes=256, days=7.0)
+GPU_CHECKS_ONLY = tuple(cause for cause in goodput.CAUSES if cause.seen is goodput.Seen.NODE_CHECK)
+
+
+def test_without_failures_only_the_start_up_and_the_checkpoint_stalls_are_lost():
+    timings = goodput.Timings()
+    outcome = goodput.simulate(replace(WEEK, causes=()), timings)
+    pace = goodput.Pace.of(WEEK, timings)
+    startup = (pace.boot + pace.look + pace.rendezvous).total_seconds()
+    assert sum(outcome.failures.values()) == 0
+    assert outcome.run.ledger.productive_seconds == pytest.approx(outcome.horizon_s - startup)
+    assert dict(outcome.lost_s) == pytest.approx({"startup": startup})
+    saves = int(outcome.run.ledger.productive_seconds // pace.cadence.total_seconds())
+    assert outcome.ettr == pytest.approx((outcome.horizon_s - startup - saves * pace.stall) / outcome.horizon_s)
+
+
+@pytest.mark.parametrize("spares", [0, 6])
+def test_the_ledger_accounts_for_every_simulated_second(spares):
+    outcome = goodput.simulate(replace(WEEK, spares=spares, seed=3), goodput.Timings())
+    assert sum(outcome.failures.values()) > 0
+    assert goodput.unaccounted_seconds(outcome.run) == pytest.approx(0.0, abs=1e-6)
+    assert sum(outcome.lost_s.values()) + outcome.run.ledger.productive_seconds == pytest.approx(outcome.horizon_s)
+
+
+def test_ready_spares_replace_a_failed_node_without_waiting_for_a_boot():
+    scenario = replace(WEEK, causes=GPU_CHECKS_ONLY, seed=1)
+    without = goodput.simulate(scenario, goodput.Timings())
+    with_spares = goodput.simulate(replace(scenario, spares=6), goodput.Timings())
+    assert without.failures == with_spares.failures and sum(without.failures.values()) > 0
+    assert without.boot_waits == sum(without.failures.values()) and with_spares.boot_waits == 0
+    boot = goodput.Timings().boot_s + goodput.Timings().preflight_s
+    assert max(with_spares.recoveries_s) < min(without.recoveries_s) - boot / 2
+    assert with_spares.ettr > without.ettr
+
+
+def test_a_gpu_fault_the_agent_cannot_name_ends_the_run_as_a_crash_loop():
+    scenario = replace(WEEK, causes=goodput.gpu_faults_unnamed(GPU_CHECKS_ONLY), seed=1)
+    outcome = goodput.simulate(scenario, goodput.Timings())
+    assert outcome.gave_up_at_s is not None
+    assert outcome.run.error is not None and "crash loop" in outcome.run.error
+    assert any(cause.startswith("give_up:") for cause in outcome.run.ledger.lost_by_cause)
+
+
+@pytest.mark.slow
+def test_the_bench_prints_its_table_and_last_line():
+    done = subprocess.run([sys.executable, "bench/goodput.py", "--nodes", "64", "--days", "2", "--seeds", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("ETTR") for line in lines)
+    assert lines[-1].startswith("ettr=") and 0.0 < float(lines[-1].removeprefix("ettr=")) <= 1.0
