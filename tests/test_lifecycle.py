@@ -566,6 +566,31 @@ def test_the_spot_wait_ends_at_the_requested_checkpoint_the_instance_leaving_or_
     assert lc.departure_wait_over(run, nodes[2:], T0 + lc.SPOT_NOTICE) is None
 
 
+def test_the_run_record_alone_tells_when_the_departure_wait_may_be_over():
+    almost = T0 + lc.SPOT_NOTICE - timedelta(seconds=1)
+    quiet = make_run()
+    for trigger in ({}, {"leaving": True}, {"committed": committed(40, CheckpointReason.REQUESTED)}):
+        assert not lc.departure_wait_may_end(quiet, T0 + lc.SPOT_NOTICE, **trigger), "no node is leaving"
+    run = make_run(departure_noticed_at=T0)
+    assert not lc.departure_wait_may_end(run, almost)
+    assert not lc.departure_wait_may_end(run, almost, committed=committed(43, CheckpointReason.INTERVAL))
+    assert lc.departure_wait_may_end(run, almost, committed=committed(40, CheckpointReason.REQUESTED))
+    assert lc.departure_wait_may_end(run, almost, leaving=True)
+    assert lc.departure_wait_may_end(run, T0 + lc.SPOT_NOTICE)
+    failed = run.model_copy(update={"attempt_failure": report(FailureClass.SPOT_INTERRUPTION, "i-2")})
+    assert not lc.departure_wait_may_end(failed, T0 + lc.SPOT_NOTICE, leaving=True), "the wait ended already"
+    # Whenever the nodes say the wait is over, so does the run record (its notice is the first).
+    nodes = [WORKERS[0], node("i-2", departure_noticed_at=T0 + timedelta(seconds=30),
+                              departure_class=FailureClass.SPOT_INTERRUPTION)]
+    for now in (almost, T0 + lc.SPOT_NOTICE, T0 + lc.SPOT_NOTICE + timedelta(seconds=30)):
+        if lc.departure_wait_over(run, nodes, now) is not None:
+            assert lc.departure_wait_may_end(run, now)
+    assert lc.departure_wait_may_end(run, T0 + lc.SPOT_NOTICE) and lc.departure_wait_over(
+        run, nodes, T0 + lc.SPOT_NOTICE) is None, "the run may look, the nodes decide"
+    assert lc.apply_decision(run, report(FailureClass.SPOT_INTERRUPTION, "i-2"), lc.decide_recovery(
+        run, nodes, report(FailureClass.SPOT_INTERRUPTION, "i-2"), 0.5), T0).departure_noticed_at is None
+
+
 def test_announced_departures_checkpoint_first_and_fail_with_their_own_class():
     retirement = HealthEvent.model_validate({
         "eventArn": "arn:x", "service": "EC2", "eventTypeCode": "AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED",
@@ -620,6 +645,34 @@ def test_a_node_ready_in_an_earlier_attempt_counts_only_once_it_confirms_again()
     assert lc.assign_ranks([reconfirmed, replacement], plan, attempt=1) == {"i-1": 0, "i-2": 1}
     with pytest.raises(ValueError, match="needs 2 ready workers, 1 are ready"):
         lc.assign_ranks([survivor, replacement], plan, attempt=1)
+
+
+def test_a_node_counts_toward_the_world_of_the_attempt_it_confirmed_while_an_addressed_ready_worker():
+    assert lc.world_attempt(node("i-1", ready_attempt=3)) == 3
+    for other in (node("i-9", role=NodeRole.SPARE), node("i-2", state=NodeState.REGISTERED),
+                  node("i-3", state=NodeState.UNHEALTHY, ready_attempt=1),
+                  node("i-4").model_copy(update={"private_ip": None}), node("i-5", ready_attempt=None)):
+        assert lc.world_attempt(other) is None, other
+    # With no node confirmed past the run's attempt, counting world_attempt per attempt says
+    # what ready_workers says after reading every node.
+    nodes = [node("i-1", ready_attempt=0), node("i-2"), node("i-3", ready_attempt=1, state=NodeState.TERMINATED),
+             node("i-4").model_copy(update={"private_ip": None}), node("i-5"), node("i-8", role=NodeRole.SPARE),
+             node("i-6", state=NodeState.REGISTERED)]
+    for attempt in (0, 1):
+        addressed = [n for n in nodes if n.private_ip and (n.ready_attempt or 0) <= attempt]
+        assert (sum(lc.world_attempt(n) == attempt for n in addressed)
+                == len(lc.ready_workers(addressed, attempt))), attempt
+
+
+def test_await_nodes_may_start_when_the_count_fills_the_plan_of_a_waiting_attempt_not_failed():
+    waiting = make_run(waiting=TaskWait(purpose="await_nodes", attempt=1, token="t"))  # the plan: 4 nodes
+    assert lc.may_start(waiting, 4) and lc.may_start(waiting, 5)
+    assert not lc.may_start(waiting, 3)
+    assert not lc.may_start(make_run(), 4), "nothing waits"
+    assert not lc.may_start(make_run(waiting=TaskWait(purpose="train", attempt=1, token="t")), 4)
+    assert not lc.may_start(make_run(waiting=TaskWait(purpose="await_nodes", attempt=0, token="t")), 4)
+    assert not lc.may_start(waiting.model_copy(update={"attempt_failure": report(FailureClass.INSTANCE_LOST, "i-1")}),
+                            4), "the attempt failed: its wait fails, it does not start"
 
 
 @pytest.mark.parametrize("detail", [

@@ -924,6 +924,11 @@ class RunRecord(_Strict):
     checkpoint_requested_at: datetime | None = None
     """Set when a training worker's departure was announced: every agent asks its trainer for a
     checkpoint now (agents read the run record at each look); a new attempt clears it."""
+    departure_noticed_at: datetime | None = None
+    """When the first node of the current attempt was announced leaving (its
+    NodeRecord.departure_noticed_at); a new attempt clears it. Progress and checkpoint events
+    judge on it whether the wait for the emergency checkpoint may be over
+    (lifecycle.departure_wait_may_end), so they read the run record alone, not every node."""
     last_step: int | None = None
     """Latest step reported by progress events."""
     last_progress_at: datetime | None = None

@@ -14,11 +14,13 @@ Offers:
                book_attempt(run, nodes, ended_at, completed, failure_class), unaccounted_seconds(run),
                accrue_cost(ledger, node_count, usd_per_hour, seconds), over_cost_ceiling(spec, ledger)
     spot:      checkpoint_before_leaving(detail), waits_for_emergency_checkpoint(run, node),
+               departure_wait_may_end(run, now, ...),
                departure_wait_over(run, nodes, now, ...) -> FailureReport | None, SPOT_NOTICE,
                checkpoint_request_answered(run, attempt)
     launch:    new_node_records(spec, attempt, instance_ids, workers_wanted, zone, subnet_id),
                confirmed(node, attempt), ready_workers(nodes, attempt), unready_workers(nodes, attempt),
-               world_complete(nodes, plan, attempt), assign_ranks(nodes, plan, attempt),
+               world_complete(nodes, plan, attempt), world_attempt(node), may_start(run, ready_workers),
+               assign_ranks(nodes, plan, attempt),
                build_launch_spec(run, nodes, heartbeat_task_token) -> LaunchSpec
     liveness:  poll_interval(nodes, draw, hang_timeout_s), looks_per_second(nodes, hang_timeout_s),
                silent_after(nodes, hang_timeout_s) (trainfleet.pace's rules),
@@ -31,15 +33,15 @@ Randomness (backoff jitter) and time come in as arguments, so every decision is 
 from trainfleet.lifecycle.classify import classify_event, classify_task_error, is_stale
 from trainfleet.lifecycle.goodput import (accrue_cost, book_attempt, over_cost_ceiling, settle_attempt,
                                          settle_run_attempt, unaccounted_seconds)
-from trainfleet.lifecycle.launch import (assign_ranks, build_launch_spec, confirmed, new_node_records,
-                                        ready_workers, unready_workers, world_complete)
+from trainfleet.lifecycle.launch import (assign_ranks, build_launch_spec, confirmed, may_start, new_node_records,
+                                        ready_workers, unready_workers, world_attempt, world_complete)
 from trainfleet.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, backoff_seconds,
                                            decide_recovery, failure_streak)
 from trainfleet.lifecycle.liveness import (IMPAIRED, blame_silent_workers, looks_per_second, needs_liveness_look,
                                            poll_interval, silent_after, silent_workers)
 from trainfleet.lifecycle.replan import initial_plan, plan_layout
 from trainfleet.lifecycle.spot import (SPOT_NOTICE, checkpoint_before_leaving, checkpoint_request_answered,
-                                      departure_wait_over, waits_for_emergency_checkpoint)
+                                      departure_wait_may_end, departure_wait_over, waits_for_emergency_checkpoint)
 
 __all__ = [
     "classify_event", "classify_task_error", "is_stale",
@@ -47,9 +49,11 @@ __all__ = [
     "decide_recovery", "apply_decision", "failure_streak", "backoff_seconds", "ANNOUNCED_BY_AWS",
     "settle_attempt", "settle_run_attempt", "book_attempt", "unaccounted_seconds", "accrue_cost",
     "over_cost_ceiling",
-    "checkpoint_before_leaving", "waits_for_emergency_checkpoint", "departure_wait_over", "SPOT_NOTICE",
+    "checkpoint_before_leaving", "waits_for_emergency_checkpoint", "departure_wait_may_end", "departure_wait_over",
+    "SPOT_NOTICE",
     "checkpoint_request_answered",
-    "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "assign_ranks",
+    "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "world_attempt",
+    "may_start", "assign_ranks",
     "build_launch_spec",
     "poll_interval", "looks_per_second", "silent_after", "silent_workers", "blame_silent_workers",
     "needs_liveness_look", "IMPAIRED",

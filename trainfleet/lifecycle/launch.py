@@ -45,6 +45,25 @@ def world_complete(nodes: list[NodeRecord], plan: ParallelPlan, attempt: int) ->
     return len(ready_workers(nodes, attempt)) >= plan.nodes
 
 
+def world_attempt(node: NodeRecord) -> int | None:
+    """The attempt whose world `node` counts toward: the one its agent last confirmed, for an
+    addressed READY worker; None for any other node. Agents confirm only attempts the run has
+    reached, so while the run is at attempt k the workers ready for it are exactly the nodes
+    whose world_attempt is k: the run store counts them per attempt as node records change
+    (RunStore.ready_workers), and no one need read every node to know that a world is complete."""
+    if node.role is NodeRole.WORKER and node.state is NodeState.READY and node.private_ip:
+        return node.ready_attempt
+    return None
+
+
+def may_start(run: RunRecord, ready_workers: int) -> bool:
+    """Whether AwaitNodes of the run's current attempt may succeed: it is waiting, the attempt
+    has not failed, and `ready_workers` (the run store's count for that attempt) fill the plan."""
+    waiting = run.waiting is not None and (run.waiting.purpose, run.waiting.attempt) == ("await_nodes", run.attempt)
+    failed = run.attempt_failure is not None and run.attempt_failure.attempt == run.attempt
+    return waiting and not failed and run.plan is not None and ready_workers >= run.plan.nodes
+
+
 def assign_ranks(nodes: list[NodeRecord], plan: ParallelPlan, attempt: int) -> dict[str, int]:
     """instance id -> node rank for the plan's nodes; ValueError when too few are ready."""
     chosen = ready_workers(nodes, attempt)[:plan.nodes]

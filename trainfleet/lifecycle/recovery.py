@@ -131,4 +131,5 @@ def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDec
         "attempt_started_at": now,
         "first_step_at": None,
         "checkpoint_requested_at": None,
+        "departure_noticed_at": None,
     })

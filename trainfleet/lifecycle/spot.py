@@ -61,6 +61,23 @@ def checkpoint_request_answered(run: RunRecord, attempt: int) -> bool:
     return committed_since or failed
 
 
+def departure_wait_may_end(run: RunRecord, now: datetime, *, committed: CheckpointCommitted | None = None,
+                           leaving: bool = False) -> bool:
+    """Whether the wait for the emergency checkpoint may be over, judged on the run record alone
+    (RunRecord.departure_noticed_at, the attempt's first notice): False while no node of the
+    current attempt was announced leaving, once the attempt has failed, and while nothing that
+    ends the wait happened. Only then need the nodes be read (departure_wait_over decides on
+    them), so a progress or checkpoint event reads one item whatever the fleet's size.
+
+    committed: a checkpoint of the current attempt verified just now. leaving: EC2 reports an
+    announced node shutting down, stopping or terminated.
+    """
+    failed = run.attempt_failure is not None and run.attempt_failure.attempt == run.attempt
+    if run.departure_noticed_at is None or failed:
+        return False
+    return _why_the_wait_ends(run.departure_noticed_at, now, committed, leaving) is not None
+
+
 def departure_wait_over(run: RunRecord, nodes: list[NodeRecord], now: datetime, *,
                         committed: CheckpointCommitted | None = None,
                         leaving_instance_ids: frozenset[str] = frozenset()) -> FailureReport | None:
@@ -75,15 +92,22 @@ def departure_wait_over(run: RunRecord, nodes: list[NodeRecord], now: datetime, 
                      key=lambda node: node.departure_noticed_at)
     if not leaving:
         return None
-    if committed is not None and committed.reason is CheckpointReason.REQUESTED:
-        why = f"emergency checkpoint step {committed.step} committed"
-    elif any(node.instance_id in leaving_instance_ids for node in leaving):
-        why = "instance leaving before its emergency checkpoint"
-    elif any(now >= node.departure_noticed_at + SPOT_NOTICE for node in leaving):
-        why = "notice ran out before the emergency checkpoint"
-    else:
+    why = _why_the_wait_ends(leaving[0].departure_noticed_at, now, committed,
+                             any(node.instance_id in leaving_instance_ids for node in leaving))
+    if why is None:
         return None
     ids = sorted(node.instance_id for node in leaving)
     failure_class = leaving[0].departure_class
     return FailureReport(failure_class=failure_class, attempt=run.attempt, instance_ids=ids,
                          message=f"{failure_class.value} of {', '.join(ids)}: {why}")
+
+
+def _why_the_wait_ends(first_noticed_at: datetime, now: datetime, committed: CheckpointCommitted | None,
+                       leaving: bool) -> str | None:
+    if committed is not None and committed.reason is CheckpointReason.REQUESTED:
+        return f"emergency checkpoint step {committed.step} committed"
+    if leaving:
+        return "instance leaving before its emergency checkpoint"
+    if now >= first_noticed_at + SPOT_NOTICE:
+        return "notice ran out before the emergency checkpoint"
+    return None
