@@ -11,6 +11,7 @@ from trainfleet.adapters.run_store import (NodeNotFound, RunExists, RunNotFound,
                                            StaleAttempt, StaleRecord)
 from trainfleet.contracts import (InvalidTransition, NodeRecord, NodeRole, NodeState, RunRecord,
                                   RunSpec, RunState, TaskWait)
+from trainfleet.lifecycle import ready_workers
 
 TEMPLATE = Path(__file__).parents[1] / "template.yaml"
 
@@ -128,3 +129,42 @@ def test_nodes_are_recorded_listed_found_by_instance_and_moved(store):
         store.transition_node(name, worker, NodeState.LAUNCHED)
     with pytest.raises(NodeNotFound):
         store.node(name, "i-missing")
+
+
+def test_the_workers_ready_for_each_attempt_are_counted_as_their_records_change(store):
+    name = new_run(store)
+    first, second, spare = (f"i-{n}-{name}" for n in range(3))
+    for instance_id, role in ((first, NodeRole.WORKER), (second, NodeRole.WORKER), (spare, NodeRole.SPARE)):
+        store.add_node(NodeRecord(run_name=name, instance_id=instance_id, role=role))
+        store.transition_node(name, instance_id, NodeState.REGISTERED)
+
+    def confirm(instance_id: str, attempt: int) -> None:
+        store.transition_node(name, instance_id, NodeState.READY, ready_attempt=attempt)
+
+    def counts() -> tuple[int, int]:
+        counted = (store.ready_workers(name, 0), store.ready_workers(name, 1))
+        addressed = [node for node in store.nodes(name) if node.private_ip]
+        # What reading every node says, while no node confirmed past the attempt asked about.
+        for attempt, count in enumerate(counted):
+            confirmed_so_far = [node for node in addressed if (node.ready_attempt or 0) <= attempt]
+            assert count == len(ready_workers(confirmed_so_far, attempt)), (attempt, count)
+        return counted
+
+    assert counts() == (0, 0)
+    confirm(first, 0)  # readiness overtook the address: not counted yet
+    assert counts() == (0, 0)
+    store.modify_node(name, first, lambda node: node.model_copy(update={"private_ip": "10.0.0.1"}))
+    assert counts() == (1, 0)
+    store.modify_node(name, second, lambda node: node.model_copy(update={"private_ip": "10.0.0.2"}))
+    confirm(second, 0)
+    confirm(second, 0)  # a second confirmation changes nothing
+    store.modify_node(name, spare, lambda node: node.model_copy(update={"private_ip": "10.0.0.3"}))
+    confirm(spare, 0)  # a spare is no worker
+    assert counts() == (2, 0)
+    confirm(second, 1)  # the run moved on: second confirms attempt 1 and leaves attempt 0's world
+    assert counts() == (1, 1)
+    store.transition_node(name, first, NodeState.UNHEALTHY)
+    assert counts() == (0, 1)
+    store.modify_node(name, spare, lambda node: node.model_copy(update={"role": NodeRole.WORKER}))
+    assert counts() == (1, 1), "a promoted spare ready for attempt 0 joins its world"
+    assert store.run(name).version == 1, "the counts never write the run record"

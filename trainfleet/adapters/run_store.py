@@ -1,9 +1,9 @@
 """DynamoDB run store: run and node records, every change a conditional write, task tokens.
 
 Table (template.yaml RunTable): pk = "RUN#<run>", sk = "RUN" for the run, "NODE#<instance id>" for
-each node; GSI "by-instance" on instance_id finds a node from an EC2 or Health event. The record
-itself is the item's `doc` (the contracts model as JSON); `state` and `version` sit beside it so
-that conditions can name them.
+each node, "WORLD#<attempt>" for the count of workers ready for that attempt; GSI "by-instance" on
+instance_id finds a node from an EC2 or Health event. The record itself is the item's `doc` (the
+contracts model as JSON); `state` and `version` sit beside it so that conditions can name them.
 
     store = RunStore(boto3.client("dynamodb"), settings.run_table)
     store.create_run(RunRecord(...))                         fails if the run exists
@@ -11,6 +11,7 @@ that conditions can name them.
     store.modify_run(name, lambda run: ...)                   any other change, retried on conflict
     store.add_node(NodeRecord(...)), store.transition_node(name, instance_id, NodeState.READY)
     store.nodes(name), store.node(name, instance_id), store.node_by_instance(instance_id)
+    store.ready_workers(name, attempt)                         workers ready for it: one item, any fleet size
     store.park_task(name, TaskWait(...))                       remember the token (StaleAttempt if old)
     store.parked_token(name, "train", attempt)                 the token, still parked
     store.clear_task_token(name, token)                        once its answer was sent
@@ -18,16 +19,28 @@ that conditions can name them.
 Every write carries `version = :expected`: two handlers racing on one record cannot both win;
 the loser gets StaleRecord (modify_* re-read and retry a few times). A state change is recorded
 before the action it announces, so a handler that dies half way is resumed from the record.
+
+The world counts: a node write that moves the node into or out of an attempt's world
+(lifecycle.world_attempt: an addressed READY worker, by the attempt it confirmed) adds or takes
+one from that attempt's WORLD item in the same transaction (TransactWriteItems), so the count is
+exact under redelivered, reordered and concurrent events, and the handler that asks whether a
+world is complete reads one item instead of every node. Only those writes are transactions
+(a few per node per attempt); the run record is never in one, so the agents' reads and the
+run's own writes do not contend with them. A transaction that meets another on the same item
+is cancelled (TransactionConflict) and retried like a lost race, after a jittered pause.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any, Literal
 
 from trainfleet.contracts import (NodeRecord, NodeState, RunRecord, RunState, TaskWait,
                                   check_node_transition, check_run_transition)
+from trainfleet.lifecycle import world_attempt
 
 __all__ = ["RunStore", "RunNotFound", "NodeNotFound", "RunExists", "StaleRecord", "StaleAttempt",
            "INSTANCE_INDEX"]
@@ -35,6 +48,8 @@ __all__ = ["RunStore", "RunNotFound", "NodeNotFound", "RunExists", "StaleRecord"
 INSTANCE_INDEX = "by-instance"
 _RUN_SK = "RUN"
 _MODIFY_ATTEMPTS = 5
+_RETRY_PAUSE_S = 0.01
+"""First pause before writing again after a lost race; it doubles, drawn with full jitter."""
 
 
 class RunNotFound(LookupError):
@@ -63,6 +78,10 @@ def _run_key(run_name: str) -> dict[str, Any]:
 
 def _node_key(run_name: str, instance_id: str) -> dict[str, Any]:
     return {"pk": {"S": f"RUN#{run_name}"}, "sk": {"S": f"NODE#{instance_id}"}}
+
+
+def _world_key(run_name: str, attempt: int) -> dict[str, Any]:
+    return {"pk": {"S": f"RUN#{run_name}"}, "sk": {"S": f"WORLD#{attempt}"}}
 
 
 def _now() -> datetime:
@@ -139,11 +158,11 @@ class RunStore:
         now = _now()
         record = record.model_copy(update={"version": 1, "launched_at": record.launched_at or now,
                                            "updated_at": now})
-        item = self._item(_node_key(record.run_name, record.instance_id), record)
-        item["instance_id"] = {"S": record.instance_id}
+        put = {"TableName": self.table, "Item": self._item(_node_key(record.run_name, record.instance_id), record),
+               "ConditionExpression": "attribute_not_exists(pk)"}
         try:
-            self.db.put_item(TableName=self.table, Item=item, ConditionExpression="attribute_not_exists(pk)")
-        except self.db.exceptions.ConditionalCheckFailedException:
+            self._write(put, self._world_counts(None, record))
+        except StaleRecord:
             return self.node(record.run_name, record.instance_id)
         return record
 
@@ -175,6 +194,13 @@ class RunStore:
                                                               ":node": {"S": "NODE#"}})
         return [NodeRecord.model_validate_json(item["doc"]["S"]) for page in pages for item in page["Items"]]
 
+    def ready_workers(self, run_name: str, attempt: int) -> int:
+        """How many workers are ready for `attempt` (lifecycle.world_attempt): while the run is at
+        that attempt, what lifecycle.ready_workers would count over every addressed node."""
+        item = self.db.get_item(TableName=self.table, Key=_world_key(run_name, attempt), ConsistentRead=True,
+                                ProjectionExpression="ready_workers").get("Item")
+        return int(item["ready_workers"]["N"]) if item else 0
+
     def modify_node(self, run_name: str, instance_id: str,
                     change: Callable[[NodeRecord], NodeRecord]) -> NodeRecord:
         """Like modify_run, for one node."""
@@ -189,25 +215,49 @@ class RunStore:
     # --- plumbing ---------------------------------------------------------------------------
 
     def _item(self, key: dict[str, Any], record: RunRecord | NodeRecord) -> dict[str, Any]:
-        return {**key, "state": {"S": record.state.value}, "version": {"N": str(record.version)},
+        item = {**key, "state": {"S": record.state.value}, "version": {"N": str(record.version)},
                 "doc": {"S": record.model_dump_json()}}
+        if isinstance(record, NodeRecord):
+            item["instance_id"] = {"S": record.instance_id}
+        return item
 
-    def _replace(self, key: dict[str, Any], record: Any) -> Any:
-        """Write `record` over the item at `record.version`, as version + 1."""
-        updated = record.model_copy(update={"version": record.version + 1, "updated_at": _now()})
-        item = self._item(key, updated)
-        if isinstance(updated, NodeRecord):
-            item["instance_id"] = {"S": updated.instance_id}
+    def _replace(self, key: dict[str, Any], old: Any, new: Any) -> Any:
+        """Write `new` over the item at `old.version`, as version + 1, with the world counts it moves."""
+        updated = new.model_copy(update={"version": old.version + 1, "updated_at": _now()})
+        put = {"TableName": self.table, "Item": self._item(key, updated), "ConditionExpression": "version = :seen",
+               "ExpressionAttributeValues": {":seen": {"N": str(old.version)}}}
         try:
-            self.db.put_item(TableName=self.table, Item=item, ConditionExpression="version = :seen",
-                             ExpressionAttributeValues={":seen": {"N": str(record.version)}})
-        except self.db.exceptions.ConditionalCheckFailedException:
-            raise StaleRecord(f"{key['pk']['S']} {key['sk']['S']} changed since version {record.version}") from None
+            self._write(put, self._world_counts(old, updated) if isinstance(updated, NodeRecord) else [])
+        except StaleRecord as exc:
+            raise StaleRecord(f"{key['pk']['S']} {key['sk']['S']} changed since version {old.version} ({exc})") from None
         return updated
+
+    def _write(self, put: dict[str, Any], counts: list[dict[str, Any]]) -> None:
+        """A conditional PutItem, in one transaction with the count updates when there are any;
+        StaleRecord when its condition failed or it met another transaction."""
+        errors = self.db.exceptions
+        try:
+            if counts:
+                self.db.transact_write_items(TransactItems=[{"Put": put}, *counts])
+            else:
+                self.db.put_item(**put)
+        except (errors.ConditionalCheckFailedException, errors.TransactionCanceledException,
+                errors.TransactionConflictException) as exc:
+            raise StaleRecord(exc.response["Error"]["Code"]) from None
+
+    def _world_counts(self, old: NodeRecord | None, new: NodeRecord) -> list[dict[str, Any]]:
+        """The count updates of a node write: one from the world it leaves, one to the world it joins."""
+        left, joined = world_attempt(old) if old else None, world_attempt(new)
+        if left == joined:
+            return []
+        return [{"Update": {"TableName": self.table, "Key": _world_key(new.run_name, attempt),
+                            "UpdateExpression": "ADD ready_workers :change",
+                            "ExpressionAttributeValues": {":change": {"N": str(change)}}}}
+                for attempt, change in ((left, -1), (joined, 1)) if attempt is not None]
 
     def _modify(self, read: Callable[[], Any], change: Callable[[Any], Any],
                 check_transition: Callable[[Any, Any], None], key: dict[str, Any]) -> Any:
-        for _ in range(_MODIFY_ATTEMPTS):
+        for tries in range(_MODIFY_ATTEMPTS):
             old = read()
             new = change(old).model_copy(update={"version": old.version})
             if new == old:
@@ -216,7 +266,7 @@ class RunStore:
             if new.state is not old.state:
                 check_transition(old.state, new.state)
             try:
-                return self._replace(key, new)
+                return self._replace(key, old, new)
             except StaleRecord:
-                continue
+                time.sleep(random.uniform(0, _RETRY_PAUSE_S * 2 ** tries))
         raise StaleRecord(f"{key['pk']['S']} {key['sk']['S']}: {_MODIFY_ATTEMPTS} writes in a row lost a race")
