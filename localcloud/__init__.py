@@ -50,6 +50,9 @@ LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
   .requests                               Counter (service, action) -> API requests over HTTP
   .state_transitions                      Counter state machine name -> states entered
   .lambda_invocations                     Counter function name -> handler runs
+  .largest_payloads                       dict kind -> Payload(size_bytes, what), the largest
+                                          so far: "states" (a state's input or output),
+                                          "dynamodb" (an item written), "events" (an event put)
   .delivery_failures                      EventBridge targets that could not be reached
   .scaled(seconds), .wait_until(...)      scaled time and a bounded poll for tests
 

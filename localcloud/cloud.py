@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import boto3
 from aws_xray_sdk import global_sdk_config
@@ -98,6 +98,20 @@ class EventFault:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
+class Payload(NamedTuple):
+    """A payload's size, and what carried it."""
+
+    size_bytes: int
+    """As the service measures it against its limit."""
+    what: str
+    """Step Functions: "<state machine> <state> input|output"; DynamoDB: "<table> <pk>/<sk>";
+    EventBridge: "<source> <detail type>"."""
+
+
+PAYLOAD_KINDS = ("states", "dynamodb", "events")
+"""The kinds `LocalCloud.largest_payloads` keeps."""
+
+
 @dataclass
 class DeliveryFailure:
     """A target that could not be reached, kept so tests can assert none happened."""
@@ -147,6 +161,12 @@ class LocalCloud:
         self.lambda_invocations: Counter[str] = Counter()
         """Function name -> handler runs, however invoked: Invoke over HTTP (also counted in
         `requests`), asynchronous retries, and EventBridge targets, which do not come over HTTP."""
+        self.largest_payloads: dict[str, Payload] = {}
+        """Kind -> the largest payload of that kind so far (PAYLOAD_KINDS), beside the counters:
+        "states", a state's input or output in an execution (Step Functions' limit: 256 KB);
+        "dynamodb", an item as a put or an update left it (400 KB); "events", an entry put on an
+        event bus, as EventBridge sizes it (256 KB). A kind nothing carried yet is absent; a
+        bench clears the dict to measure one phase."""
         self._bookkeeping_lock = threading.Lock()
         """Guards the counters and the fault lists, which the server's threads share."""
         self._event_faults: list[EventFault] = []
@@ -324,6 +344,13 @@ class LocalCloud:
         """Add one to a counter of this cloud; the server's threads count at the same time."""
         with self._bookkeeping_lock:
             counter[key] += 1
+
+    def note_payload(self, kind: str, size_bytes: int, what: str) -> None:
+        """Keep the payload if it is the largest of its kind so far (largest_payloads)."""
+        with self._bookkeeping_lock:
+            largest = self.largest_payloads.get(kind)
+            if largest is None or size_bytes > largest.size_bytes:
+                self.largest_payloads[kind] = Payload(size_bytes, what)
 
     # --- Lambda invocation faults -------------------------------------------------------
 

@@ -26,6 +26,10 @@ its rule's targets twice), late (after a nominal delay, on the cloud's scaled ti
 nominal duration here), and in no particular order (matching events are held for a nominal
 window and then delivered newest first). They apply to the targets delivered here (Lambda,
 Step Functions, SQS, CloudWatch Logs), to every rule an event matches.
+
+Each entry PutEvents takes is sized as EventBridge sizes it against its 256 KB limit (Time 14
+bytes when given; Source, DetailType, Detail and each Resources entry as UTF-8), and the
+largest is kept in `LocalCloud.largest_payloads["events"]`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from localcloud.glue import active_cloud
 log = logging.getLogger(__name__)
 
 _moto_send_to_targets = Rule.send_to_targets
+_moto_put_events = EventsBackend.put_events
 
 
 def _arn_parts(arn: str) -> tuple[str, str, str, str]:
@@ -227,6 +232,22 @@ def _put_rule(self: EventsBackend, name: str, *args: Any, **kwargs: Any) -> Rule
     return rule
 
 
+def entry_size(entry: dict[str, Any]) -> int:
+    """A PutEvents entry's size as EventBridge calculates it (Calculating PutEvents event entry size)."""
+    texts = [entry.get("Source", ""), entry.get("DetailType", ""), entry.get("Detail") or "",
+             *(resource for resource in entry.get("Resources") or [] if resource)]
+    return (14 if entry.get("Time") is not None else 0) + sum(len(text.encode()) for text in texts)
+
+
+def _put_events_sized(self: EventsBackend, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    cloud = active_cloud()
+    if cloud is not None:
+        for entry in events:
+            cloud.note_payload("events", entry_size(entry), f"{entry.get('Source')} {entry.get('DetailType')}")
+    return _moto_put_events(self, events)
+
+
 def apply() -> None:
     Rule.send_to_targets = _send_to_targets
+    EventsBackend.put_events = _put_events_sized
     EventsBackend.put_rule = _put_rule

@@ -54,6 +54,9 @@ that. These patches fill the gaps:
   is still the function's error object).
 - State transitions: counted per state machine in `LocalCloud.state_transitions` as each
   state is entered; they never cross HTTP, so the endpoint's request count cannot see them.
+- Payloads: each state's input (as entered) and output (as exited), as the execution history
+  records them, is sized in UTF-8 bytes, as Step Functions measures them against its 256 KB
+  limit; the largest is kept in `LocalCloud.largest_payloads["states"]`.
 """
 
 from __future__ import annotations
@@ -379,6 +382,29 @@ def _count_transition(self: CommonStateField, env: Environment) -> None:
     _moto_state_body(self, env)
 
 
+_moto_state_entered = CommonStateField._get_state_entered_event_details
+_moto_state_exited = CommonStateField._get_state_exited_event_details
+
+
+def _note_state_payload(env: Environment, state: str, which: str, payload: str) -> None:
+    cloud = active_cloud()
+    if cloud is not None:
+        state_machine = env.states.context_object.context_object_data["StateMachine"]["Name"]
+        cloud.note_payload("states", len(payload.encode()), f"{state_machine} {state} {which}")
+
+
+def _entered_sized(self: CommonStateField, env: Environment) -> Any:
+    details = _moto_state_entered(self, env)
+    _note_state_payload(env, self.name, "input", details["input"])
+    return details
+
+
+def _exited_sized(self: CommonStateField, env: Environment) -> Any:
+    details = _moto_state_exited(self, env)
+    _note_state_payload(env, self.name, "output", details["output"])
+    return details
+
+
 # --- scaled time -------------------------------------------------------------------------
 
 def time_scale() -> float:
@@ -429,6 +455,8 @@ def apply() -> None:
     StateTaskService._from_boto_response_value = staticmethod(_response_value)
     WaitFunction._wait_interval = _scaled_wait_interval
     CommonStateField._eval_body = _count_transition
+    CommonStateField._get_state_entered_event_details = _entered_sized
+    CommonStateField._get_state_exited_event_details = _exited_sized
     StateTaskServiceLambda._from_error = _reports_unknown(StateTaskServiceLambda._from_error)
     StateTaskLambda._from_error = _reports_unknown(StateTaskLambda._from_error)
     retrier_decl.time = _ScaledSleepTime
