@@ -107,6 +107,31 @@ def test_resources_and_condition_keys_are_derived_from_the_request(enforced):
         events.put_events(Entries=[{"Source": "aws.ec2", "DetailType": "NodeReady", "Detail": "{}"}])
 
 
+def test_a_transaction_is_authorized_per_item_action_on_its_table(enforced):
+    """TransactWriteItems has no IAM action of its own: each item needs PutItem, UpdateItem,
+    DeleteItem or ConditionCheckItem on its table."""
+    cloud = enforced
+    table = f"t-{uuid.uuid4().hex[:8]}"
+    cloud.client("dynamodb").create_table(
+        TableName=table, BillingMode="PAY_PER_REQUEST",
+        AttributeDefinitions=[{"AttributeName": "pk", "AttributeType": "S"}],
+        KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}])
+    table_arn = f"arn:aws:dynamodb:{cloud.region}:{cloud.account_id}:table/{table}"
+    role = role_with(cloud, [{"Effect": "Allow", "Action": ["dynamodb:PutItem", "dynamodb:UpdateItem"],
+                              "Resource": table_arn}])
+    dynamodb = client_as(cloud, role, "dynamodb")
+    put = {"Put": {"TableName": table, "Item": {"pk": {"S": "node"}}}}
+    add = {"Update": {"TableName": table, "Key": {"pk": {"S": "count"}}, "UpdateExpression": "ADD n :one",
+                      "ExpressionAttributeValues": {":one": {"N": "1"}}}}
+    dynamodb.transact_write_items(TransactItems=[put, add])
+    check = {"ConditionCheck": {"TableName": table, "Key": {"pk": {"S": "node"}},
+                                "ConditionExpression": "attribute_exists(pk)"}}
+    with pytest.raises(ClientError, match="dynamodb:ConditionCheckItem on resource: " + table_arn):
+        dynamodb.transact_write_items(TransactItems=[add, check])
+    counted = cloud.client("dynamodb").get_item(TableName=table, Key={"pk": {"S": "count"}})["Item"]
+    assert counted["n"] == {"N": "1"}, "the refused transaction wrote nothing"
+
+
 def test_the_harness_keeps_an_administrator_and_unknown_keys_are_refused(enforced):
     cloud = enforced
     cloud.client("iam").list_roles()

@@ -184,10 +184,15 @@ def _ec2_resource_tags(request: IAMRequestBase, query: dict[str, list[str]]) -> 
         yield {f"aws:ResourceTag/{tag['key']}": tag["value"] for tag in tags}
 
 
-def authorizations(request: IAMRequestBase, resource: str) -> Iterator[tuple[str | None, dict[str, Any], tuple[str, ...]]]:
-    """(resource, condition context, keys not evaluated) for each authorization the request
-    needs. `resource` is moto's (an ARN for S3, SQS, IAM and STS, else "*"); None where the
-    local cloud does not derive the resource (only actions and conditions are evaluated)."""
+def _table_arn(table: str, region: str, account: str) -> str:
+    return table if table.startswith("arn:") else f"arn:aws:dynamodb:{region}:{account}:table/{table}"
+
+
+def authorizations(request: IAMRequestBase,
+                   resource: str) -> Iterator[tuple[str, str | None, dict[str, Any], tuple[str, ...]]]:
+    """(action, resource, condition context, keys not evaluated) for each authorization the
+    request needs. `resource` is moto's (an ARN for S3, SQS, IAM and STS, else "*"); None where
+    the local cloud does not derive the resource (only actions and conditions are evaluated)."""
     service, action = request._action.split(":", 1)
     region, account = request._region, request.account_id
     context: dict[str, Any] = {"aws:SecureTransport": SECURE_TRANSPORT}
@@ -201,39 +206,47 @@ def authorizations(request: IAMRequestBase, resource: str) -> Iterator[tuple[str
             # the bucket moto names. AWS answers a denied key in the response's Errors; here any
             # denied key refuses the whole request.
             for key in _delete_keys(request):
-                yield (f"{resource}/{key}", context, unevaluated)
+                yield (request._action, f"{resource}/{key}", context, unevaluated)
             return
-        yield (resource, context, unevaluated)
+        yield (request._action, resource, context, unevaluated)
     elif service in ("sqs", "iam", "sts") and resource != "*":
-        yield (resource, context, unevaluated)
+        yield (request._action, resource, context, unevaluated)
+    elif (service, action) == ("dynamodb", "TransactWriteItems"):
+        # DynamoDB authorizes each item's action on its table: PutItem, UpdateItem, DeleteItem,
+        # ConditionCheckItem (Using IAM with DynamoDB transactions); there is no action of its own.
+        for entry in _json_body(request).get("TransactItems", []):
+            for operation, detail in entry.items():
+                item_action = "ConditionCheckItem" if operation == "ConditionCheck" else f"{operation}Item"
+                yield (f"dynamodb:{item_action}", _table_arn(detail["TableName"], region, account), context,
+                       unevaluated)
     elif service == "dynamodb":
         body = _json_body(request)
         table = body.get("TableName")
         if table is None:
-            yield (None, context, unevaluated)
+            yield (request._action, None, context, unevaluated)
             return
-        arn = table if table.startswith("arn:") else f"arn:aws:dynamodb:{region}:{account}:table/{table}"
+        arn = _table_arn(table, region, account)
         index = body.get("IndexName")
-        yield (f"{arn}/index/{index}" if index else arn, context, unevaluated)
+        yield (request._action, f"{arn}/index/{index}" if index else arn, context, unevaluated)
     elif (service, action) == ("events", "PutEvents"):
         for entry in _json_body(request).get("Entries", []):
             bus = entry.get("EventBusName") or "default"
             arn = bus if bus.startswith("arn:") else f"arn:aws:events:{region}:{account}:event-bus/{bus}"
-            yield (arn, context | {"events:source": entry.get("Source", ""),
+            yield (request._action, arn, context | {"events:source": entry.get("Source", ""),
                                    "events:detail-type": entry.get("DetailType", "")}, unevaluated)
     elif service == "lambda" and action == "InvokeFunction":
         name = unquote(request._path.split("/functions/", 1)[-1].split("/", 1)[0])
         arn = name if name.startswith("arn:") else f"arn:aws:lambda:{region}:{account}:function:{name}"
-        yield (arn, context, unevaluated)
+        yield (request._action, arn, context, unevaluated)
     elif (service, action) == ("states", "StartExecution"):
-        yield (_json_body(request).get("stateMachineArn"), context, unevaluated)
+        yield (request._action, _json_body(request).get("stateMachineArn"), context, unevaluated)
     elif (service, action) == ("cloudwatch", "PutMetricData"):
         namespace = _query(request).get("Namespace", [_json_body(request).get("Namespace")])[0]
         if namespace is None:
             unevaluated += ("cloudwatch:namespace",)
         else:
             context["cloudwatch:namespace"] = namespace
-        yield (None, context, unevaluated)
+        yield (request._action, None, context, unevaluated)
     elif service == "ec2":
         query = _query(request)
         context |= _request_tags(query)
@@ -241,9 +254,9 @@ def authorizations(request: IAMRequestBase, resource: str) -> Iterator[tuple[str
         existing = not action.startswith(("Create", "Run", "Describe", "Import", "Allocate"))
         targets = list(_ec2_resource_tags(request, query)) if existing else []
         for tags in targets or [{}]:
-            yield (None, context | tags, unevaluated)
+            yield (request._action, None, context | tags, unevaluated)
     else:
-        yield (None, context, unevaluated)
+        yield (request._action, None, context, unevaluated)
 
 
 # --- the decision -----------------------------------------------------------------------------
@@ -274,11 +287,11 @@ def _check_action_permitted(self: IAMRequestBase, resource: str) -> None:
     if self._action == "sts:GetCallerIdentity":  # AWS allows it whatever the policies say
         return None
     policies = _policies(self)
-    for needed, context, unevaluated in authorizations(self, resource):
-        decision = evaluate(policies, self._action, needed, context, unevaluated)
+    for action, needed, context, unevaluated in authorizations(self, resource):
+        decision = evaluate(policies, action, needed, context, unevaluated)
         if decision == ALLOW:
             continue
-        message = denial_message(self._access_key.arn, self._action, needed, decision)
+        message = denial_message(self._access_key.arn, action, needed, decision)
         if isinstance(self, S3IAMRequest):
             raise S3ClientError("AccessDenied", message)
         if self._service == "ec2":
