@@ -32,7 +32,7 @@ from trainfleet.adapters.ec2_fleet import CAPACITY_ERROR_CODES
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.contracts import (FAILURE_ERROR, FailureReport, NodeRecord, RecoveryAction, RunRecord, RunRef,
                                   RunSpec, TaskWait)
-from trainfleet.lifecycle import ready_workers, world_complete
+from trainfleet.lifecycle import may_start
 from trainfleet.settings import MissingSetting, Settings
 
 __all__ = ["logger", "tracer", "metrics", "Aws", "aws", "answer_task", "fail_attempt", "park_task", "addressed",
@@ -188,16 +188,15 @@ def addressed(nodes: list[NodeRecord]) -> list[NodeRecord]:
 
 def answer_if_world_complete(run_name: str) -> bool:
     """Succeed AwaitNodes once enough addressed workers passed preflight and confirmed they are
-    ready for the run's current attempt."""
+    ready for the run's current attempt. Two reads, whatever the fleet's size: the run and the
+    count of its workers ready for the attempt (RunStore.ready_workers), which the store keeps
+    exact as node records change."""
     store = aws().store
     run = store.run(run_name)
-    if run.plan is None or run.waiting is None or run.waiting.purpose != "await_nodes":
+    ready = store.ready_workers(run_name, run.attempt)
+    if not may_start(run, ready):
         return False
-    nodes = addressed(store.nodes(run_name))
-    if not world_complete(nodes, run.plan, run.attempt):
-        return False
-    return answer_task(run_name, "await_nodes", run.attempt,
-                       output={"ready_workers": len(ready_workers(nodes, run.attempt))})
+    return answer_task(run_name, "await_nodes", run.attempt, output={"ready_workers": ready})
 
 
 def fleet_token_prefix(run: RunRecord) -> str:

@@ -30,13 +30,13 @@ from functions.common import (Aws, answer_if_world_complete, answer_task, aws, f
                               tracer)
 from trainfleet.adapters.checkpoints import CheckpointInvalid, verify_checkpoint
 from trainfleet.adapters.metrics import checkpoint_metrics, emit, progress_metrics
-from trainfleet.adapters.run_store import RunNotFound
+from trainfleet.adapters.run_store import NodeNotFound, RunNotFound
 from trainfleet.contracts import (AgentEvent, CheckpointCommitted, Ec2InstanceStateChange,
                                   FailureReport, HealthEvent, NodeReady,
                                   NodeRecord, NodeRegistered, NodeRole, NodeState, RunRecord,
                                   TrainingCompleted, TrainingProgress, parse_event)
-from trainfleet.lifecycle import (checkpoint_before_leaving, classify_event, departure_wait_over, is_stale,
-                                  waits_for_emergency_checkpoint)
+from trainfleet.lifecycle import (checkpoint_before_leaving, classify_event, departure_wait_may_end,
+                                  departure_wait_over, is_stale, waits_for_emergency_checkpoint)
 
 
 
@@ -144,15 +144,22 @@ def departure_notice(run: RunRecord, nodes: list[NodeRecord], report: FailureRep
               for node in waiting]
     if all(node.departure_noticed_at != now for node in marked):
         return f"ignored: {report.failure_class.value} already recorded"
-    store.modify_run(run.run_name, lambda current: current.model_copy(update={"checkpoint_requested_at": now}))
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={
+        "checkpoint_requested_at": now, "departure_noticed_at": current.departure_noticed_at or now}))
     return f"{report.failure_class.value}: training on until the emergency checkpoint"
 
 
-def end_departure_wait(run: RunRecord, **trigger: Any) -> str | None:
-    """Fail the attempt once its wait for an emergency checkpoint is over (`trigger`: what just
-    happened, see lifecycle.departure_wait_over); None while it goes on or nothing waits."""
+def end_departure_wait(run: RunRecord, committed: CheckpointCommitted | None = None,
+                       leaving_instance_ids: frozenset[str] = frozenset()) -> str | None:
+    """Fail the attempt once its wait for an emergency checkpoint is over (what just happened:
+    a checkpoint committed, announced instances leaving, or only time passing; see
+    lifecycle.departure_wait_over); None while it goes on or nothing waits. The nodes are read
+    only when the run record says the wait may be over: once per departure, not per event."""
+    now = _now()
+    if not departure_wait_may_end(run, now, committed=committed, leaving=bool(leaving_instance_ids)):
+        return None
     nodes = aws().store.nodes(run.run_name)
-    report = departure_wait_over(run, nodes, _now(), **trigger)
+    report = departure_wait_over(run, nodes, now, committed=committed, leaving_instance_ids=leaving_instance_ids)
     return None if report is None else failure(run, nodes, report)
 
 
@@ -173,6 +180,17 @@ _AGENT_STEPS: dict[type, Callable[[RunRecord, Any], str]] = {
     TrainingProgress: training_progress,
     TrainingCompleted: training_completed,
 }
+
+
+def _named_nodes(run_name: str, instance_ids: list[str]) -> list[NodeRecord]:
+    """The run's records of these instances; an instance without one is none of the run's."""
+    found = []
+    for instance_id in instance_ids:
+        try:
+            found.append(aws().store.node(run_name, instance_id))
+        except NodeNotFound:
+            continue
+    return found
 
 
 def _aws_event_nodes(detail: Any) -> list[NodeRecord]:
@@ -197,11 +215,13 @@ def handle_agent_event(detail: AgentEvent) -> str:
     report = classify_event(detail, run.attempt)
     if report is None:
         return "ignored: no failure"
-    nodes = aws().store.nodes(run.run_name)
-    retired = {node.instance_id for node in nodes if node.state.is_retired}
+    # Only the nodes the report names are read: a crash of the world names none, and each
+    # survivor's agent reports it.
+    named = _named_nodes(run.run_name, report.instance_ids)
+    retired = {node.instance_id for node in named if node.state.is_retired}
     if report.instance_ids and set(report.instance_ids) <= retired:
         return "ignored: node already retired"
-    return failure(run, [node for node in nodes if node.instance_id not in retired], report)
+    return failure(run, [node for node in named if node.instance_id not in retired], report)
 
 
 def handle_aws_event(detail: Any) -> str:

@@ -126,8 +126,11 @@ def test_a_notice_run_out_fails_train_at_the_next_progress(handlers, cloud, reso
     warned(handlers, store, run, victim)
     assert handlers.events.handler(progress(run, survivor, 14), Context())["outcome"] == "progress at step 14"
     assert store.run(run.run_name).waiting is not None
-    store.modify_node(run.run_name, victim, lambda node: node.model_copy(
-        update={"departure_noticed_at": node.departure_noticed_at - SPOT_NOTICE - timedelta(seconds=1)}))
+    # The notice's two minutes pass: it is dated back on the node and on the run record alike.
+    ran_out = {"departure_noticed_at": store.node(run.run_name, victim).departure_noticed_at - SPOT_NOTICE
+               - timedelta(seconds=1)}
+    store.modify_node(run.run_name, victim, lambda node: node.model_copy(update=ran_out))
+    store.modify_run(run.run_name, lambda record: record.model_copy(update=ran_out))
     outcome = handlers.events.handler(progress(run, survivor, 15), Context())["outcome"]
     assert outcome == "progress at step 15; SPOT_INTERRUPTION: task failed"
     assert "notice ran out" in spot_failure(cloud, execution)["message"]
