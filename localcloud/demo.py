@@ -58,15 +58,16 @@ class Narrator:
 def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None], *,
                        disruption: Literal["kill", "spot", "freeze"] | None = "kill", workdir: Path | None = None,
                        time_scale: float = 0.02, spot_notice_seconds: float = 120.0,
-                       timeout_s: float = 600.0) -> dict[str, Any]:
+                       timeout_s: float = 600.0, standin_step_s: float | None = None) -> dict[str, Any]:
     """Deploy, run `template` (its nodes are local instances with real agents), disrupt node
     rank 1 once the first checkpoint is recorded (kill its instance, give it a Spot
     interruption notice, or freeze it: a silent failure), wait for the end; what happened, as
     plain data. `workdir` keeps the instances' folders (console.log, each attempt's trainer
     config, torchrun output and metrics); None uses a temporary folder. `spot_notice_seconds` is
-    nominal, like every local cloud time: scaled by `time_scale`."""
+    nominal, like every local cloud time: scaled by `time_scale`. `standin_step_s` set, the agents
+    run the stand-in trainer (trainer/standin.py) with steps that long in place of torchrun."""
     with local_stack(narrate, time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds,
-                     agent_lifetime_s=timeout_s) as stack:
+                     agent_lifetime_s=timeout_s, standin_step_s=standin_step_s) as stack:
         run = stack.start_run(template)
         try:
             watch = stack.watch(run)

@@ -200,11 +200,14 @@ class LocalStack:
 
 @contextmanager
 def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, workdir: Path | None = None,
-                spot_notice_seconds: float = 120.0, agent_lifetime_s: float = 600.0) -> Iterator[LocalStack]:
+                spot_notice_seconds: float = 120.0, agent_lifetime_s: float = 600.0,
+                standin_step_s: float | None = None) -> Iterator[LocalStack]:
     """A LocalCloud and its instance metadata service, template.yaml deployed into it, the
     agents' artifacts published and instances booting as node agents. `workdir` keeps the
     instances' folders (None: a temporary folder); `spot_notice_seconds` is nominal, like every
-    local cloud time: scaled by `time_scale`; an agent exits after `agent_lifetime_s` at most."""
+    local cloud time: scaled by `time_scale`; an agent exits after `agent_lifetime_s` at most;
+    `standin_step_s` set, the agents run the stand-in trainer (trainer/standin.py) with steps
+    that long (real seconds) in place of torchrun."""
     # The SAM roles attach AWS managed policies; moto knows them only when asked before it loads.
     os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"
     from localcloud import LocalCloud
@@ -228,7 +231,8 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
                 return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
                         "TRAINFLEET_RUN_NAME": instance.tags[TAG_RUN], "TRAINFLEET_RUN_TABLE": outputs["RunTableName"],
                         "TRAINFLEET_BUCKET": stack.bucket, "TRAINFLEET_EVENT_BUS": outputs["AgentEventBusName"],
-                        "TRAINFLEET_AGENT_LIFETIME_S": str(int(agent_lifetime_s))}
+                        "TRAINFLEET_AGENT_LIFETIME_S": str(int(agent_lifetime_s))} | (
+                    {"TRAINFLEET_STANDIN_STEP_S": str(standin_step_s)} if standin_step_s else {})
 
             # What the user data does on EC2: copy the wheelhouse with the instance's role, then
             # start the agent (no pip here: it runs from this tree).

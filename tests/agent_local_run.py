@@ -12,6 +12,7 @@ they keep their stack's settings for the life of the process. The last line of s
 JSON document: {"outcome": ..., "reference": {step: loss}}.
 
     python tests/agent_local_run.py node-loss
+    python tests/agent_local_run.py standin-node-loss     (eight nodes, the stand-in trainer)
 """
 
 import json
@@ -34,7 +35,19 @@ def node_loss(template: dict) -> dict:
         return {"outcome": outcome, "reference": reference_losses(template["trainer"], Path(folder))}
 
 
-SCENARIOS = {"node-loss": node_loss}
+STANDIN_NODES, STANDIN_STEP_S = 8, 0.2
+
+
+def standin_node_loss(template: dict) -> dict:
+    """Eight nodes (pp=2 x dp=4) running the stand-in trainer, node rank 1 killed after the first
+    commit: the control plane's whole path with no torch on the nodes."""
+    template["node_count"] = STANDIN_NODES
+    template["trainer"]["parallel"]["dp"] = STANDIN_NODES // template["trainer"]["parallel"]["pp"]
+    return {"outcome": run_on_local_cloud(template, Narrator(), timeout_s=PHASE_TIMEOUT_S,
+                                          standin_step_s=STANDIN_STEP_S)}
+
+
+SCENARIOS = {"node-loss": node_loss, "standin-node-loss": standin_node_loss}
 
 if __name__ == "__main__":
     if sys.argv[1:] not in ([name] for name in SCENARIOS):
