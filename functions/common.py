@@ -30,15 +30,15 @@ from pydantic import BaseModel, ConfigDict
 from functions.errors import CapacityUnavailable, TransientError
 from trainfleet.adapters.ec2_fleet import CAPACITY_ERROR_CODES
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import (FAILURE_ERROR, FailureReport, NodeRecord, RecoveryAction, RunRecord, RunRef,
-                                  RunSpec, TaskWait)
+from trainfleet.contracts import (FAILURE_ERROR, FailureReport, NodeRecord, NodeState, RecoveryAction, RunRecord,
+                                  RunRef, RunSpec, TaskWait)
 from trainfleet.lifecycle import may_start
 from trainfleet.settings import MissingSetting, Settings
 
 __all__ = ["logger", "tracer", "metrics", "Aws", "aws", "answer_task", "fail_attempt", "park_task", "addressed",
            "answer_if_world_complete", "fleet_token_prefix", "capacity_unavailable", "is_transient",
-           "transient_errors_named", "Timeouts", "CaughtError", "RecoveryStep", "RunPayload", "TaskPayload",
-           "launch_spec_key", "report_key"]
+           "transient_errors_named", "mark_terminating", "Timeouts", "CaughtError", "RecoveryStep", "LateWorkersStep",
+           "RunPayload", "TaskPayload", "launch_spec_key", "report_key"]
 
 IDEMPOTENCY_TABLE_VARIABLE = "TRAINFLEET_IDEMPOTENCY_TABLE"
 
@@ -199,6 +199,17 @@ def answer_if_world_complete(run_name: str) -> bool:
     return answer_task(run_name, "await_nodes", run.attempt, output={"ready_workers": ready})
 
 
+_ENDING = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
+
+
+def mark_terminating(run_name: str, instance_id: str, **changes: Any) -> None:
+    """Move a node to TERMINATING (recorded before the TerminateInstances call), unless EC2 has
+    already reported it gone: an instance lost outright is often recorded TERMINATED by the
+    event handler meanwhile."""
+    aws().store.modify_node(run_name, instance_id, lambda node: node if node.state in _ENDING
+                            else node.model_copy(update={"state": NodeState.TERMINATING, **changes}))
+
+
 def fleet_token_prefix(run: RunRecord) -> str:
     """What the fleet adapter's CreateFleet ClientTokens are made of: the same for every retry
     of a launch (EC2 returns the fleet it launched), new after each round that came up short."""
@@ -238,14 +249,20 @@ class Timeouts(_Payload):
     """Task timeouts the state machine reads by path (TimeoutSecondsPath, HeartbeatSecondsPath)."""
 
     boot_seconds: int
-    """AwaitNodes' timeout: RunSpec.recovery.boot_timeout_seconds."""
+    """The bound of the whole wait for the nodes: RunSpec.recovery.boot_timeout_seconds."""
+    late_worker_seconds: int
+    """AwaitNodes' timeout, after which LateWorkers swaps READY spares in for late workers:
+    RunSpec.recovery.late_worker_seconds with spares; without, the boot bound (nothing to swap)."""
     heartbeat_seconds: int
     """Train's HeartbeatSeconds: RunSpec.recovery.hang_timeout_seconds."""
 
     @classmethod
     def of(cls, spec: RunSpec) -> Timeouts:
-        return cls(boot_seconds=spec.recovery.boot_timeout_seconds,
-                   heartbeat_seconds=spec.recovery.hang_timeout_seconds)
+        recovery = spec.recovery
+        return cls(boot_seconds=recovery.boot_timeout_seconds,
+                   late_worker_seconds=recovery.late_worker_seconds if spec.spare_count
+                   else recovery.boot_timeout_seconds,
+                   heartbeat_seconds=recovery.hang_timeout_seconds)
 
 
 class CaughtError(BaseModel):
@@ -267,6 +284,15 @@ class RecoveryStep(_Payload):
     """The RecoveryBackoff state's SecondsPath (whole seconds)."""
 
 
+class LateWorkersStep(_Payload):
+    """What LateWorkers found, for the Choice after it."""
+
+    world_complete: bool
+    """Enough workers confirmed (spares swapped in included): the attempt trains now."""
+    boot_over: bool
+    """The world is not complete and the attempt has waited boot_seconds: Recover takes over."""
+
+
 class RunPayload(_Payload):
     """The state every task after Validate receives and (unless its ResultPath is null) returns."""
 
@@ -276,6 +302,8 @@ class RunPayload(_Payload):
     """Set by a Catch; its presence makes the run end as failed."""
     recovery: RecoveryStep | None = None
     """Set by Recover for the backoff that follows it."""
+    late_workers: LateWorkersStep | None = None
+    """Set by LateWorkers for the Choice that follows it."""
 
 
 class TaskPayload(_Payload):

@@ -32,7 +32,7 @@ from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.common import (CaughtError, RecoveryStep, RunPayload, aws, capacity_unavailable, fleet_token_prefix,
-                              logger, metrics, tracer, transient_errors_named)
+                              logger, mark_terminating, metrics, tracer, transient_errors_named)
 from functions.errors import RecoveryGaveUp
 from trainfleet.adapters.ec2_fleet import allocate, terminate
 from trainfleet.adapters.liveness import instance_troubles, read_liveness
@@ -40,9 +40,6 @@ from trainfleet.contracts import (FailureClass, FailureReport, NodeRecord, NodeR
                                   RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
 from trainfleet.lifecycle import (apply_decision, blame_silent_workers, book_attempt, classify_task_error,
                                   decide_recovery, needs_liveness_look, unready_workers)
-
-_ENDING = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
-
 
 def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError, attempt: int) -> FailureReport:
     """Step 1, for the caught task's `attempt`. A timeout leaves the token parked, so `waiting`
@@ -69,13 +66,6 @@ def name_silent_workers(run: RunRecord, nodes: list[NodeRecord], failure: Failur
                                 run.spec.recovery.hang_timeout_seconds, troubles)
 
 
-def _mark_terminating(name: str, instance_id: str, **changes: Any) -> None:
-    """Move a node to TERMINATING, unless EC2 has already reported it gone: an instance lost
-    outright is often recorded TERMINATED by the event handler while Recover runs."""
-    aws().store.modify_node(name, instance_id, lambda node: node if node.state in _ENDING
-                            else node.model_copy(update={"state": NodeState.TERMINATING, **changes}))
-
-
 def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport) -> RecoveryDecision:
     """Step 2."""
     store, name = aws().store, run.run_name
@@ -93,7 +83,7 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
     if decision.action is RecoveryAction.GIVE_UP:
         raise RecoveryGaveUp(decision.reason)
     for instance_id in decision.terminate_instance_ids:
-        _mark_terminating(name, instance_id, failure_class=failure.failure_class, reason=failure.message)
+        mark_terminating(name, instance_id, failure_class=failure.failure_class, reason=failure.message)
     roles = {**dict.fromkeys(decision.promote_spare_ids, NodeRole.WORKER),
              **dict.fromkeys(decision.demote_worker_ids, NodeRole.SPARE)}
     for instance_id, role in roles.items():
@@ -106,7 +96,7 @@ def act(run: RunRecord) -> int:
     cloud, name, spec = aws(), run.run_name, run.spec
     for node in cloud.store.nodes(name):
         if node.state is NodeState.UNHEALTHY:
-            _mark_terminating(name, node.instance_id)
+            mark_terminating(name, node.instance_id)
     nodes = cloud.store.nodes(name)
     terminate(cloud.ec2, [node.instance_id for node in nodes if node.state is NodeState.TERMINATING])
     # What this attempt launched is left out of the count: a retry that finds some of it recorded

@@ -73,6 +73,8 @@ def test_short_hang_timeouts_are_accepted_where_the_read_rate_allows():
     ({"recovery.hang_timeout_seconds": 4}, "recovery.hang_timeout_seconds", "greater than or equal to 5"),
     ({"recovery.hang_timeout_seconds": 600, "recovery.startup_timeout_seconds": 300}, "recovery",
      "recovery.startup_timeout_seconds=300 is below recovery.hang_timeout_seconds=600"),
+    ({"recovery.boot_timeout_seconds": 300, "recovery.late_worker_seconds": 600}, "recovery",
+     "recovery.late_worker_seconds=600 exceeds recovery.boot_timeout_seconds=300"),
     # 4 workers and a spare may look every 0.6 s (a 5 s hang timeout); 256 nodes may not.
     ({"node_count": 256, "spare_count": 0, "trainer.parallel.dp": 512, "trainer.training.batch_size": 4096,
       "recovery.hang_timeout_seconds": 30}, "(input)",

@@ -69,6 +69,7 @@ def handlers(cloud, resources, monkeypatch):
     import functions.allocate
     import functions.await_nodes
     import functions.events
+    import functions.late_workers
     import functions.launch
     import functions.recover
     import functions.validate
@@ -216,7 +217,8 @@ def test_validate_records_the_run_and_passes_on_a_reference_of_constant_size(han
     outputs = [handlers.validate.handler({"run_spec": document, "execution_arn": f"arn:{document['run_name']}"},
                                          Context()) for document in (small, large)]
     assert outputs[1] == {"run": {"run_name": "large-run", "attempt": 0},
-                          "timeouts": {"boot_seconds": 2400, "heartbeat_seconds": 600}}
+                          "timeouts": {"boot_seconds": 2400, "late_worker_seconds": 600,
+                                       "heartbeat_seconds": 600}}
     assert len(json.dumps(outputs[1])) < 200  # 512 nodes or 4: the fleet stays in DynamoDB
     # A retry of the same execution is fine; another execution may not take the name.
     assert handlers.validate.handler({"run_spec": small, "execution_arn": "arn:small-run"}, Context()) == outputs[0]
@@ -344,6 +346,7 @@ def test_a_transient_aws_error_leaves_the_handler_as_transient_error(handlers, c
                                config=Config(retries={"mode": "standard", "max_attempts": 1}))
     monkeypatch.setattr(functions.report, "aws", lambda: dataclasses.replace(working, s3=unreachable))
     payload = {"run": {"run_name": run.run_name, "attempt": 0}, "timeouts": {"boot_seconds": 60,
+                                                                             "late_worker_seconds": 60,
                                                                              "heartbeat_seconds": 60}}
     with pytest.raises(handlers.errors.TransientError, match="EndpointConnectionError"):
         functions.report.handler(payload, Context())
@@ -529,7 +532,7 @@ def test_recover_gives_up_when_the_restart_budget_is_spent(handlers, cloud, reso
             update={"max_restarts": 0})})}))
     report = {"failure_class": "INSTANCE_LOST", "attempt": 0, "instance_ids": [worker], "message": "lost"}
     payload = {"run": {"run_name": run.run_name, "attempt": 0},
-               "timeouts": {"boot_seconds": 60, "heartbeat_seconds": 60},
+               "timeouts": {"boot_seconds": 60, "late_worker_seconds": 60, "heartbeat_seconds": 60},
                "failure": {"Error": FAILURE_ERROR, "Cause": json.dumps(report)}}
     with pytest.raises(handlers.errors.RecoveryGaveUp, match=r"restart budget spent \(0 of 0\)"):
         handlers.recover.handler(payload, Context())
@@ -614,7 +617,7 @@ def _lost_before_the_wait(handlers, cloud, resources, attempt: int) -> tuple[Run
     handlers.events.handler(state_change(lost, "shutting-down"), Context())
     assert store.run(run.run_name).waiting is None
     payload = {"run": {"run_name": run.run_name, "attempt": attempt},
-               "timeouts": {"boot_seconds": 60, "heartbeat_seconds": 60}}
+               "timeouts": {"boot_seconds": 60, "late_worker_seconds": 60, "heartbeat_seconds": 60}}
     return store, run, lost, payload
 
 
@@ -670,6 +673,56 @@ def test_recover_names_the_workers_that_failed_silently(handlers, cloud, resourc
     assert f"{frozen}: EC2 instance status impaired" in named.message
     cloud.fleet.resume(frozen)
     ec2.terminate_instances(InstanceIds=ids)
+
+
+def test_late_workers_swaps_ready_spares_in_keeps_the_booting_worker_as_a_spare_and_releases_the_silent_one(
+        handlers, cloud, resources, monkeypatch):
+    """AwaitNodes' late-worker deadline passed in attempt 1: one worker is still in preflight,
+    the other passed preflight in attempt 0 and never confirmed attempt 1 (silent). Both READY
+    spares step in; the world is complete, so the Choice after LateWorkers goes on to Train."""
+    monkeypatch.setattr(cloud.fleet, "boot", lambda instance: ["sleep", "120"])
+    ec2 = cloud.client("ec2")
+    ids = [instance["InstanceId"] for instance in ec2.run_instances(
+        ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=4, MaxCount=4)["Instances"]]
+    store, run, recorded = recorded_run(cloud, resources, workers=2)
+    for instance_id in recorded:  # the run's nodes are the real instances below
+        store.transition_node(run.run_name, instance_id, NodeState.TERMINATED)
+    booting, silent, *spares = ids
+    nodes = {booting: dict(state=NodeState.REGISTERED), silent: dict(state=NodeState.READY, ready_attempt=0),
+             **{spare: dict(state=NodeState.READY, ready_attempt=1, role=NodeRole.SPARE) for spare in spares}}
+    for index, (instance_id, fields) in enumerate(nodes.items()):
+        store.add_node(NodeRecord(run_name=run.run_name, instance_id=instance_id, private_ip=f"10.0.3.{index}",
+                                  **fields))
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={
+        "attempt": 1, "attempt_started_at": datetime.now(timezone.utc)}))
+    payload = {"run": {"run_name": run.run_name, "attempt": 1},
+               "timeouts": {"boot_seconds": 60, "late_worker_seconds": 10, "heartbeat_seconds": 60}}
+
+    assert handlers.late_workers.handler(payload, Context()) == {"world_complete": True, "boot_over": False}
+    after = {node.instance_id: node for node in store.nodes(run.run_name)}
+    assert {instance_id: (after[instance_id].role, after[instance_id].state) for instance_id in ids} == {
+        booting: (NodeRole.SPARE, NodeState.REGISTERED), silent: (NodeRole.WORKER, NodeState.TERMINATING),
+        **{spare: (NodeRole.WORKER, NodeState.READY) for spare in spares}}
+    assert "did not confirm attempt 1" in after[silent].reason
+    (state,) = [instance["State"]["Name"] for reservation in ec2.describe_instances(InstanceIds=[silent])[
+        "Reservations"] for instance in reservation["Instances"]]
+    assert state in ("shutting-down", "terminated")
+    # A retry finds the swap recorded and swaps nothing more.
+    assert handlers.late_workers.handler(payload, Context()) == {"world_complete": True, "boot_over": False}
+    assert {node.instance_id: node.role for node in store.nodes(run.run_name)} == {
+        node.instance_id: node.role for node in after.values()}
+    ec2.terminate_instances(InstanceIds=ids)
+
+
+def test_late_workers_without_a_spare_waits_another_round_until_the_boot_timeout_is_spent(
+        handlers, cloud, resources):
+    store, run, _ = recorded_run(cloud, resources, workers=2)  # both still REGISTERED, no spare
+    payload = {"run": {"run_name": run.run_name, "attempt": 0},
+               "timeouts": {"boot_seconds": 60, "late_worker_seconds": 20, "heartbeat_seconds": 60}}
+    for waited, boot_over in ((30, False), (60, True)):
+        store.modify_run(run.run_name, lambda current, waited=waited: current.model_copy(update={
+            "attempt_started_at": datetime.now(timezone.utc) - timedelta(seconds=waited)}))
+        assert handlers.late_workers.handler(payload, Context()) == {"world_complete": False, "boot_over": boot_over}
 
 
 def test_a_crash_reported_before_ec2s_event_replaces_the_lost_worker_alone_and_books_one_restart(

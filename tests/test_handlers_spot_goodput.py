@@ -170,7 +170,7 @@ def test_recover_and_teardown_book_each_attempt_and_the_report_shows_the_ledger(
                                            committed_at=now - timedelta(seconds=40))}))
     crash = {"failure_class": "PROCESS_CRASH", "attempt": 0, "instance_ids": [], "message": "trainer crashed"}
     payload = {"run": {"run_name": run.run_name, "attempt": 0},
-               "timeouts": {"boot_seconds": 60, "heartbeat_seconds": 60},
+               "timeouts": {"boot_seconds": 60, "late_worker_seconds": 60, "heartbeat_seconds": 60},
                "failure": {"Error": FAILURE_ERROR, "Cause": json.dumps(crash)}}
     handlers.recover.handler(payload, Context())
     recovered = store.run(run.run_name)

@@ -65,7 +65,7 @@ def group_names(cloud) -> set[str]:
 
 def payload(run_name: str, **extra) -> dict:
     return {"run": {"run_name": run_name, "attempt": 0},
-            "timeouts": {"boot_seconds": 60, "heartbeat_seconds": 60}, **extra}
+            "timeouts": {"boot_seconds": 60, "late_worker_seconds": 60, "heartbeat_seconds": 60}, **extra}
 
 
 def status_change(execution_arn: str, run_name: str, status: str) -> dict:

@@ -696,6 +696,40 @@ def test_ranks_keep_survivors_first_and_need_enough_ready_nodes():
         lc.assign_ranks(nodes[:3], plan, attempt=1)
 
 
+# --- hot spares at the start of an attempt ---------------------------------------------------
+
+def test_a_ready_spare_takes_the_place_of_a_worker_still_booting_which_becomes_a_spare():
+    nodes = [*WORKERS[:3], node("i-4", state=NodeState.REGISTERED), SPARE]
+    swap = lc.swap_late_workers(nodes, attempt=1)
+    assert (swap.promote_spare_ids, swap.demote_worker_ids, swap.release_instance_ids) == (["i-9"], ["i-4"], [])
+    swapped = [n.model_copy(update={"role": NodeRole.WORKER if n.instance_id == "i-9" else
+                                    NodeRole.SPARE if n.instance_id == "i-4" else n.role}) for n in nodes]
+    assert lc.world_complete(swapped, make_run().plan, attempt=1)
+
+
+def test_a_worker_that_passed_preflight_and_went_silent_is_released_first():
+    silent = node("i-4", ready_attempt=0)  # ready in attempt 0, never confirmed attempt 1
+    nodes = [node("i-1", state=NodeState.LAUNCHED), *WORKERS[1:3], silent, SPARE]
+    swap = lc.swap_late_workers(nodes, attempt=1)
+    assert (swap.promote_spare_ids, swap.demote_worker_ids, swap.release_instance_ids) == (["i-9"], [], ["i-4"])
+
+
+def test_late_workers_are_swapped_only_as_far_as_confirmed_spares_go():
+    nodes = [node("i-1", state=NodeState.REGISTERED), node("i-2", state=NodeState.LAUNCHED), *WORKERS[2:],
+             SPARE, node("i-8", role=NodeRole.SPARE, ready_attempt=0),  # a spare silent this attempt
+             node("i-7", role=NodeRole.SPARE, state=NodeState.REGISTERED)]  # a spare still in preflight
+    swap = lc.swap_late_workers(nodes, attempt=1)
+    # The one furthest from ready goes first.
+    assert (swap.promote_spare_ids, swap.demote_worker_ids, swap.release_instance_ids) == (["i-9"], ["i-2"], [])
+
+
+def test_nothing_is_swapped_when_every_worker_confirmed_or_no_spare_is_ready():
+    assert lc.swap_late_workers([*WORKERS, SPARE], attempt=1) == lc.swap_late_workers(
+        [node("i-1", state=NodeState.LAUNCHED), *WORKERS[1:]], attempt=1)
+    assert lc.swap_late_workers([*WORKERS, SPARE], attempt=1).model_dump() == {
+        "promote_spare_ids": [], "demote_worker_ids": [], "release_instance_ids": []}
+
+
 def test_launch_spec_carries_layout_resume_point_and_token():
     run = make_run(latest_checkpoint=CheckpointRef(step=40, uri="s3://bucket/runs/r1/checkpoints/step-000000040"))
     spec = lc.build_launch_spec(run, WORKERS, heartbeat_task_token="tok")

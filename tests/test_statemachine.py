@@ -168,12 +168,29 @@ def test_waits_are_task_tokens_bounded_by_timeouts(asl):
     for name in ("AwaitNodes", "Train"):
         assert states[name]["Resource"].endswith(".waitForTaskToken")
         assert states[name]["Parameters"]["Payload"]["task_token.$"] == "$$.Task.Token"
-    assert states["AwaitNodes"]["TimeoutSecondsPath"] == "$.timeouts.boot_seconds"
+    assert states["AwaitNodes"]["TimeoutSecondsPath"] == "$.timeouts.late_worker_seconds"
     assert states["Train"]["HeartbeatSecondsPath"] == "$.timeouts.heartbeat_seconds"
     # A hang surfaces as States.HeartbeatTimeout (also matched by States.Timeout): recover it.
     recover_names = states["Train"]["Catch"][0]["ErrorEquals"]
     assert states["Train"]["Catch"][0]["Next"] == "Recover"
     assert {"States.HeartbeatTimeout", "States.Timeout", FAILURE_ERROR} <= set(recover_names)
+
+
+def test_the_late_worker_deadline_fires_the_spare_swap_and_the_boot_timeout_still_ends_in_recover(asl):
+    """AwaitNodes' timeout (the late-worker deadline) goes to LateWorkers with the payload
+    unchanged (no $.failure: the run has not failed); what it finds picks Train, another round of
+    AwaitNodes, or Recover with the boot timeout AwaitNodes used to raise itself."""
+    states = asl["States"]
+    timeout = next(rule for rule in states["AwaitNodes"]["Catch"] if "States.Timeout" in rule["ErrorEquals"])
+    assert (timeout["Next"], timeout["ResultPath"]) == ("LateWorkers", None)
+    choice = states[states["LateWorkers"]["Next"]]
+    assert states["LateWorkers"]["ResultPath"] == "$.late_workers"
+    assert {(rule["Variable"], rule["Next"]) for rule in choice["Choices"]} == {
+        ("$.late_workers.world_complete", "Train"), ("$.late_workers.boot_over", "BootTimedOut")}
+    assert choice["Default"] == "AwaitNodes"
+    boot_over = states["BootTimedOut"]
+    assert (boot_over["Next"], boot_over["ResultPath"], boot_over["Result"]["Error"]) == (
+        "Recover", "$.failure", "States.Timeout")
 
 
 def test_every_task_states_its_own_outer_bound(asl):

@@ -259,13 +259,22 @@ class RecoveryPolicy(_Strict):
     checkpoint load): rank 0's agent heartbeats the Train task that long before a step, then a
     hang is declared hang_timeout_seconds later. At least hang_timeout_seconds."""
     boot_timeout_seconds: int = Field(default=1800, ge=60)
-    """Longest wait for the nodes to boot and pass preflight (the AwaitNodes task's timeout)."""
+    """Longest wait for the nodes to boot and pass preflight (AwaitNodes and its late-worker rounds)."""
+    late_worker_seconds: int = Field(default=600, ge=1)
+    """With spares: how long AwaitNodes waits for every worker before a READY spare takes the
+    place of one that has not confirmed (lifecycle.swap_late_workers). A GPU instance boots
+    and passes preflight in minutes; one ten minutes late is more likely stuck than slow. The
+    late worker becomes a spare (or is released, if it had passed preflight before and went
+    silent); the wait goes on in rounds of this length until boot_timeout_seconds, its bound."""
 
     @model_validator(mode="after")
     def _bounds(self) -> RecoveryPolicy:
         if self.backoff_max_seconds < self.backoff_base_seconds:
             raise ValueError(f"recovery.backoff_max_seconds={self.backoff_max_seconds} is below "
                              f"recovery.backoff_base_seconds={self.backoff_base_seconds}")
+        if self.late_worker_seconds > self.boot_timeout_seconds:
+            raise ValueError(f"recovery.late_worker_seconds={self.late_worker_seconds} exceeds "
+                             f"recovery.boot_timeout_seconds={self.boot_timeout_seconds}: the boot bounds the wait")
         if self.startup_timeout_seconds < self.hang_timeout_seconds:
             raise ValueError(f"recovery.startup_timeout_seconds={self.startup_timeout_seconds} is below "
                              f"recovery.hang_timeout_seconds={self.hang_timeout_seconds}: starting an attempt "
@@ -785,6 +794,19 @@ class RecoveryDecision(_Strict):
     """The layout to resume with; None when giving up."""
     backoff_seconds: float = Field(default=0.0, ge=0)
     """Wait before acting (a Wait state reads it)."""
+
+
+class LateWorkerSwap(_Strict):
+    """What lifecycle.swap_late_workers decided once AwaitNodes' late-worker deadline passed:
+    READY spares take the places of workers that have not confirmed for the attempt."""
+
+    promote_spare_ids: list[str] = Field(default_factory=list)
+    """Spares, confirmed for the attempt, that become workers."""
+    demote_worker_ids: list[str] = Field(default_factory=list)
+    """Late workers still booting or in preflight: they become spares and go on booting."""
+    release_instance_ids: list[str] = Field(default_factory=list)
+    """Late workers that passed preflight before and did not confirm this attempt (their agent
+    went silent): terminated."""
 
 
 class FailureRecord(_Strict):

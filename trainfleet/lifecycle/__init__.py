@@ -17,6 +17,7 @@ Offers:
                departure_wait_may_end(run, now, ...),
                departure_wait_over(run, nodes, now, ...) -> FailureReport | None, SPOT_NOTICE,
                checkpoint_request_answered(run, attempt)
+    spares:    swap_late_workers(nodes, attempt) -> LateWorkerSwap
     launch:    new_node_records(spec, attempt, instance_ids, workers_wanted, zone, subnet_id),
                confirmed(node, attempt), ready_workers(nodes, attempt), unready_workers(nodes, attempt),
                world_complete(nodes, plan, attempt), world_attempt(node), may_start(run, ready_workers),
@@ -40,6 +41,7 @@ from trainfleet.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, bac
 from trainfleet.lifecycle.liveness import (IMPAIRED, blame_silent_workers, looks_per_second, needs_liveness_look,
                                            poll_interval, silent_after, silent_workers)
 from trainfleet.lifecycle.replan import initial_plan, plan_layout
+from trainfleet.lifecycle.spares import swap_late_workers
 from trainfleet.lifecycle.spot import (SPOT_NOTICE, checkpoint_before_leaving, checkpoint_request_answered,
                                       departure_wait_may_end, departure_wait_over, waits_for_emergency_checkpoint)
 
@@ -54,7 +56,7 @@ __all__ = [
     "checkpoint_request_answered",
     "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "world_attempt",
     "may_start", "assign_ranks",
-    "build_launch_spec",
+    "build_launch_spec", "swap_late_workers",
     "poll_interval", "looks_per_second", "silent_after", "silent_workers", "blame_silent_workers",
     "needs_liveness_look", "IMPAIRED",
 ]
