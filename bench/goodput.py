@@ -121,6 +121,10 @@ CAUSES = (
 )
 
 
+NO_FAILURE = Cause("no failure", 0, Seen.CRASH)
+"""What strikes after the month when nothing fails at all (its time is past the horizon)."""
+
+
 def gpu_faults_unnamed(causes: tuple[Cause, ...]) -> tuple[Cause, ...]:
     """The causes as today's agent sees them: a GPU fault crashes the trainer and names no node."""
     return tuple(replace(cause, seen=Seen.CRASH_STAYS) if cause.seen is Seen.NODE_CHECK else cause
@@ -364,7 +368,7 @@ class Month:
 
     def next_strike(self, after: datetime) -> tuple[datetime, Cause]:
         if not self.rate:  # no failures at all: the next one comes after the month
-            return self.horizon + timedelta(days=1), Cause("none", 0, Seen.CRASH)
+            return self.horizon + timedelta(days=1), NO_FAILURE
         wait = self.strikes.expovariate(self.rate)
         cause = self.strikes.choices(self.scenario.causes, [c.count for c in self.scenario.causes])[0]
         return after + timedelta(seconds=wait), cause

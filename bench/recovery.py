@@ -85,13 +85,13 @@ class CallLog:
         self.thread.start()
 
     def counts(self) -> Counter:
-        cloud = self.stack.cloud
+        requests, transitions, invocations = self.stack.cloud.counters()
         return Counter({
-            "lambda_invocations": sum(cloud.lambda_invocations.values()),
+            "lambda_invocations": sum(invocations.values()),
             # Each event the rules deliver is one invocation of the Events function.
-            "eventbridge_deliveries": sum(n for name, n in cloud.lambda_invocations.items() if "EventsFunction" in name),
-            "state_transitions": sum(cloud.state_transitions.values()),
-            "ec2_calls": sum(n for (service, _), n in cloud.requests.items() if service == "ec2"),
+            "eventbridge_deliveries": sum(n for name, n in invocations.items() if "EventsFunction" in name),
+            "state_transitions": sum(transitions.values()),
+            "ec2_calls": sum(n for (service, _), n in requests.items() if service == "ec2"),
         })
 
     def _sample(self) -> None:

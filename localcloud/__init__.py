@@ -50,6 +50,7 @@ LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
   .requests                               Counter (service, action) -> API requests over HTTP
   .state_transitions                      Counter state machine name -> states entered
   .lambda_invocations                     Counter function name -> handler runs
+  .counters()                             copies of those three, taken under the counting lock
   .largest_payloads                       dict kind -> Payload(size_bytes, what), the largest
                                           so far: "states" (a state's input or output),
                                           "dynamodb" (an item written), "events" (an event put)

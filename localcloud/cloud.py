@@ -340,6 +340,12 @@ class LocalCloud:
         timer.start()
         return timer
 
+    def counters(self) -> tuple[Counter, Counter, Counter]:
+        """Copies of (requests, state_transitions, lambda_invocations) as they stand, taken while
+        no server thread counts."""
+        with self._bookkeeping_lock:
+            return Counter(self.requests), Counter(self.state_transitions), Counter(self.lambda_invocations)
+
     def count(self, counter: Counter, key: Hashable) -> None:
         """Add one to a counter of this cloud; the server's threads count at the same time."""
         with self._bookkeeping_lock:

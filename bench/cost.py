@@ -1,0 +1,240 @@
+"""The control plane's own cost per training-day, counted on the local cloud and priced at AWS's
+list prices, beside the fleet's.
+
+    .venv/bin/python bench/cost.py                        # stand-in runs of 4 and 8 nodes, 2 minutes each
+    .venv/bin/python bench/cost.py --sizes 4,12 --window-s 300
+
+Each size is a run of the deployed state machine on the local cloud whose nodes run the real
+agent with the stand-in trainer (trainer/standin.py: no torch, the real trainer's signals), at
+production pacing (the RunSpec's default hang timeout, 600 s, sets how often agents look and
+heartbeat). Once it trains, every request that reaches the local cloud's endpoint is counted
+for `--window-s` real seconds of steady training (the harness makes none then: it reads the
+instances' files and the cloud's counters), with the Lambda invocations, state transitions and
+the bytes and billed durations the functions logged. Those are hourly rates of the run as AWS
+would see them: the agents' looks and heartbeats run in real time.
+
+What grows with the fleet is the agents' looks (a run record read and a liveness record written
+each), and trainfleet.pace caps a run's looks a second above FULL_RATE_NODES. So the rates of
+two sizes give a per-run part and a per-look part (a line through the two), and a fleet is
+priced at pace.looks_per_second(nodes). A recovery costs a few dozen calls once (bench/recovery.py
+counts them); at the Llama 3 failure rate of a 64-node fleet (a failure every ~4 days) it is
+left out. Units: a DynamoDB request counts as one read or write unit (an upper bound: the agents'
+reads are eventually consistent, half a unit for an item under 4 KB), a transaction as two
+per item written.
+
+The last line is `usd_per_training_day=<64 nodes>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from localcloud.demo import DEMO_RUN_SPEC  # noqa: E402
+from localcloud.stack import LocalRun, LocalStack, local_stack, metrics_records  # noqa: E402
+from trainfleet import pace  # noqa: E402
+from trainfleet.catalogue import instance_facts  # noqa: E402
+from trainfleet.contracts import RecoveryPolicy  # noqa: E402
+
+# us-east-1 list prices (USD), as AWS publishes them.
+STEP_FUNCTIONS_PER_TRANSITION = 0.025 / 1000
+"""Standard workflows: $0.025 per 1,000 state transitions."""
+LAMBDA_PER_REQUEST = 0.20 / 1e6
+LAMBDA_PER_GB_SECOND = 0.0000166667
+"""x86, the first pricing tier."""
+DYNAMODB_PER_READ_UNIT = 0.125 / 1e6
+DYNAMODB_PER_WRITE_UNIT = 0.625 / 1e6
+"""On-demand capacity, since AWS halved its prices in November 2024."""
+EVENTBRIDGE_PER_EVENT = 1.00 / 1e6
+"""Custom events put on a bus (a PutEvents entry up to 64 KB); AWS service events are free."""
+S3_PER_WRITE_REQUEST = 0.005 / 1000
+"""PUT, COPY, POST, LIST."""
+S3_PER_READ_REQUEST = 0.0004 / 1000
+"""GET and the rest."""
+LOGS_PER_GB = 0.50
+"""CloudWatch Logs ingestion (the functions' logs and the EMF metric lines in them)."""
+METRIC_PER_MONTH = 0.30
+"""A custom metric (each name and dimension set EMF creates), prorated by the hour."""
+HARNESS_ACTIONS = {("states", "StartExecution"), ("states", "StopExecution"), ("states", "DescribeExecution")}
+"""Requests of the harness, not of the run."""
+
+STEP_S = 0.5
+"""A stand-in step: 7,200 steps an hour, progress sampled every 10 s, a checkpoint every 10 min."""
+CHECKPOINT_EVERY_STEPS = 1200
+
+
+@dataclass
+class Rates:
+    """Billed quantities per hour of steady training."""
+
+    requests: Counter
+    """(service, action) -> requests an hour."""
+    transitions: float
+    invocations: float
+    gb_seconds: float
+    log_bytes: float
+    metrics: int
+    """Custom metrics the run's functions created."""
+
+    def usd_per_hour(self) -> dict[str, float]:
+        dynamodb_reads = sum(n for (service, action), n in self.requests.items() if service == "dynamodb"
+                             and action in ("GetItem", "Query", "BatchGetItem", "Scan", "TransactGetItems"))
+        dynamodb_writes = sum(n * (2 if action == "TransactWriteItems" else 1)
+                              for (service, action), n in self.requests.items()
+                              if service == "dynamodb" and action in ("PutItem", "UpdateItem", "DeleteItem",
+                                                                        "TransactWriteItems", "BatchWriteItem"))
+        s3_writes = sum(n for (service, action), n in self.requests.items()
+                        if service == "s3" and re.match(r"(Put|Copy|Post|List|Create|Complete|Upload)", action))
+        s3_reads = sum(n for (service, _), n in self.requests.items() if service == "s3") - s3_writes
+        events = sum(n for (service, action), n in self.requests.items() if (service, action) == ("events", "PutEvents"))
+        return {
+            "step_functions": self.transitions * STEP_FUNCTIONS_PER_TRANSITION,
+            "lambda": self.invocations * LAMBDA_PER_REQUEST + self.gb_seconds * LAMBDA_PER_GB_SECOND,
+            "dynamodb": dynamodb_reads * DYNAMODB_PER_READ_UNIT + dynamodb_writes * DYNAMODB_PER_WRITE_UNIT,
+            "eventbridge": events * EVENTBRIDGE_PER_EVENT,
+            "s3": s3_writes * S3_PER_WRITE_REQUEST + s3_reads * S3_PER_READ_REQUEST,
+            "cloudwatch": self.log_bytes / 1e9 * LOGS_PER_GB + self.metrics * METRIC_PER_MONTH / (30 * 24),
+        }
+
+
+def priced(per_run: dict[str, float], per_look: dict[str, float], nodes: int, hang_timeout_s: float) -> dict[str, float]:
+    """USD an hour of a fleet: the per-run part plus the per-look part at the fleet's look rate."""
+    looks = pace.looks_per_second(nodes, hang_timeout_s)
+    return {part: per_run[part] + per_look[part] * looks for part in per_run}
+
+
+def fit(measured: dict[int, dict[str, float]], hang_timeout_s: float) -> tuple[dict[str, float], dict[str, float]]:
+    """The per-run and per-look parts (USD an hour, USD an hour per look a second) through two sizes."""
+    (small, low), (large, high) = sorted(measured.items())
+    rate_small, rate_large = (pace.looks_per_second(n, hang_timeout_s) for n in (small, large))
+    per_look = {part: (high[part] - low[part]) / (rate_large - rate_small) for part in low}
+    per_run = {part: low[part] - per_look[part] * rate_small for part in low}
+    return per_run, per_look
+
+
+class Counts:
+    """A snapshot of what the local cloud counted, to take differences of."""
+
+    def __init__(self, stack: LocalStack):
+        requests, transitions, invocations = stack.cloud.counters()
+        self.at = time.monotonic()
+        self.requests = Counter({key: n for key, n in requests.items() if key not in HARNESS_ACTIONS})
+        self.transitions = sum(transitions.values())
+        self.invocations = sum(invocations.values())
+        self.log_bytes, self.gb_seconds = _function_logs(stack)
+
+
+def _function_logs(stack: LocalStack) -> tuple[int, float]:
+    """Bytes the functions logged so far, and the GB-seconds their REPORT lines bill (1 ms steps)."""
+    from moto.logs.models import logs_backends
+    total_bytes, gb_seconds = 0, 0.0
+    for backend in logs_backends.values():
+        for region in backend.values():
+            for group in region.groups.values():
+                for stream in group.streams.values():
+                    for event in stream.events:
+                        message = event.message
+                        total_bytes += len(message.encode())
+                        if (report := re.search(r"Duration: ([\d.]+) ms\s+Memory Size: (\d+) MB", message)):
+                            billed_ms = -(-float(report.group(1)) // 1)
+                            gb_seconds += billed_ms / 1000 * int(report.group(2)) / 1024
+    return total_bytes, gb_seconds
+
+
+def measure(stack: LocalStack, nodes: int, window_s: float, say) -> Rates:
+    template = json.loads(DEMO_RUN_SPEC.read_text())
+    template["run_name"] = f"cost{nodes}"
+    template["node_count"] = nodes
+    template["trainer"]["parallel"]["dp"] = nodes // template["trainer"]["parallel"]["pp"]
+    template["trainer"]["training"]["steps"] = 1_000_000
+    template["checkpoint"]["interval_steps"] = CHECKPOINT_EVERY_STEPS
+    defaults = RecoveryPolicy()
+    template["recovery"] |= {"hang_timeout_seconds": defaults.hang_timeout_seconds,
+                             "startup_timeout_seconds": defaults.startup_timeout_seconds}
+    run = stack.start_run(template)
+    try:
+        deadline = time.monotonic() + 300
+        while not metrics_records(stack.instances(run), 0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{nodes} nodes: no step within 300 s")
+            time.sleep(1.0)
+        time.sleep(10.0)  # past the first step's events
+        before = Counts(stack)
+        time.sleep(window_s)
+        after = Counts(stack)
+    finally:
+        _stop(stack, run)
+    hours = (after.at - before.at) / 3600
+    metrics = _run_metrics(stack, run)
+    say(f"{nodes} nodes: counted {sum((after.requests - before.requests).values())} requests in "
+        f"{after.at - before.at:.0f} s of training")
+    return Rates(requests=Counter({key: n / hours for key, n in (after.requests - before.requests).items()}),
+                 transitions=(after.transitions - before.transitions) / hours,
+                 invocations=(after.invocations - before.invocations) / hours,
+                 gb_seconds=(after.gb_seconds - before.gb_seconds) / hours,
+                 log_bytes=(after.log_bytes - before.log_bytes) / hours, metrics=metrics)
+
+
+def _run_metrics(stack: LocalStack, run: LocalRun) -> int:
+    """Custom metrics with the run's name among their dimensions."""
+    listed = stack.client("cloudwatch").get_paginator("list_metrics").paginate(
+        Dimensions=[{"Name": "RunName", "Value": run.run_name}])
+    return sum(len(page["Metrics"]) for page in listed)
+
+
+def _stop(stack: LocalStack, run: LocalRun) -> None:
+    sfn = stack.client("stepfunctions")
+    sfn.stop_execution(executionArn=run.arn, error="Bench", cause="measured")
+    deadline = time.monotonic() + 120
+    while any(instance.state != "terminated" for instance in stack.instances(run)) and time.monotonic() < deadline:
+        time.sleep(1.0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="4,8", help="two node counts to measure")
+    parser.add_argument("--window-s", type=float, default=120.0, help="real seconds of training counted per size")
+    parser.add_argument("--instance-type", default="p5.48xlarge", help="whose price the fleet's cost uses")
+    args = parser.parse_args()
+    sizes = sorted(int(size) for size in args.sizes.split(","))
+    if len(sizes) != 2 or sizes[0] == sizes[1] or any(size < 2 or size % 2 for size in sizes):
+        parser.error("--sizes takes two different even node counts (pp=2), e.g. 4,8")
+    hang = RecoveryPolicy().hang_timeout_seconds
+    rates: dict[int, Rates] = {}
+    with local_stack(lambda message: None, standin_step_s=STEP_S, agent_lifetime_s=3600) as stack:
+        for nodes in sizes:
+            rates[nodes] = measure(stack, nodes, args.window_s, lambda message: print(message, flush=True))
+    for nodes, rate in rates.items():
+        top = ", ".join(f"{service} {action} {n:,.0f}" for (service, action), n in rate.requests.most_common(8))
+        print(f"{nodes} nodes, per hour: {top}; {rate.invocations:,.0f} Lambda invocations, "
+              f"{rate.gb_seconds:,.1f} GB-s, {rate.transitions:,.0f} transitions, {rate.log_bytes / 1e6:,.1f} MB logged, "
+              f"{rate.metrics} custom metrics")
+    per_run, per_look = fit({nodes: rate.usd_per_hour() for nodes, rate in rates.items()}, hang)
+    facts = instance_facts(args.instance_type)
+    parts = list(per_run)
+    print(f"\nUSD per training-day (24 h of steady training; list prices us-east-1; looks at trainfleet.pace's "
+          f"rate, hang timeout {hang} s)")
+    print(f"{'nodes':>6}" + "".join(f"{part:>15}" for part in parts) + f"{'control plane':>15}{'fleet':>16}{'share':>10}")
+    day = {}
+    for nodes in (*sizes, 64, 512):
+        usd = {part: 24 * value for part, value in priced(per_run, per_look, nodes, hang).items()}
+        fleet = 24 * nodes * facts.on_demand_usd_per_hour
+        day[nodes] = sum(usd.values())
+        print(f"{nodes:>6}" + "".join(f"{usd[part]:>15.4f}" for part in parts)
+              + f"{day[nodes]:>15.2f}{fleet:>16,.0f}{day[nodes] / fleet:>10.2e}")
+    estimate = " (an estimate: see trainfleet/catalogue.py)" if facts.price_is_estimate else ""
+    print(f"fleet: {args.instance_type} on-demand at ${facts.on_demand_usd_per_hour:,.2f} an hour{estimate}")
+    print(f"usd_per_training_day={day[64]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
