@@ -645,16 +645,23 @@ def test_a_worker_lost_between_await_nodes_and_train_fails_train_at_once(handler
     assert s3.list_objects_v2(Bucket=resources["bucket"], Prefix=f"runs/{run.run_name}/launch-spec")["KeyCount"] == 0
 
 
-def test_recover_names_the_workers_that_failed_silently(handlers, cloud, resources, monkeypatch):
-    """A crash no event pinned on a node: the worker whose agent stopped reporting and the one EC2
-    reports impaired (frozen) are named, so Recover replaces them instead of restarting on them."""
+def run_on_real_instances(cloud, resources, monkeypatch, count: int) -> tuple:
+    """A recorded run whose own node records are retired, and `count` running local instances
+    (idle: their boot sleeps) for the test to record as the run's nodes: (ec2, ids, store, run)."""
     monkeypatch.setattr(cloud.fleet, "boot", lambda instance: ["sleep", "120"])
     ec2 = cloud.client("ec2")
     ids = [instance["InstanceId"] for instance in ec2.run_instances(
-        ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=3, MaxCount=3)["Instances"]]
+        ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=count, MaxCount=count)["Instances"]]
     store, run, recorded = recorded_run(cloud, resources, workers=2)
-    for instance_id in recorded:  # the run's nodes are the real instances below
+    for instance_id in recorded:
         store.transition_node(run.run_name, instance_id, NodeState.TERMINATED)
+    return ec2, ids, store, run
+
+
+def test_recover_names_the_workers_that_failed_silently(handlers, cloud, resources, monkeypatch):
+    """A crash no event pinned on a node: the worker whose agent stopped reporting and the one EC2
+    reports impaired (frozen) are named, so Recover replaces them instead of restarting on them."""
+    ec2, ids, store, run = run_on_real_instances(cloud, resources, monkeypatch, 3)
     for index, instance_id in enumerate(ids):
         store.add_node(NodeRecord(run_name=run.run_name, instance_id=instance_id, state=NodeState.READY,
                                   ready_attempt=0, private_ip=f"10.0.1.{index}"))
@@ -680,13 +687,7 @@ def test_late_workers_swaps_ready_spares_in_keeps_the_booting_worker_as_a_spare_
     """AwaitNodes' late-worker deadline passed in attempt 1: one worker is still in preflight,
     the other passed preflight in attempt 0 and never confirmed attempt 1 (silent). Both READY
     spares step in; the world is complete, so the Choice after LateWorkers goes on to Train."""
-    monkeypatch.setattr(cloud.fleet, "boot", lambda instance: ["sleep", "120"])
-    ec2 = cloud.client("ec2")
-    ids = [instance["InstanceId"] for instance in ec2.run_instances(
-        ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=4, MaxCount=4)["Instances"]]
-    store, run, recorded = recorded_run(cloud, resources, workers=2)
-    for instance_id in recorded:  # the run's nodes are the real instances below
-        store.transition_node(run.run_name, instance_id, NodeState.TERMINATED)
+    ec2, ids, store, run = run_on_real_instances(cloud, resources, monkeypatch, 4)
     booting, silent, *spares = ids
     nodes = {booting: dict(state=NodeState.REGISTERED), silent: dict(state=NodeState.READY, ready_attempt=0),
              **{spare: dict(state=NodeState.READY, ready_attempt=1, role=NodeRole.SPARE) for spare in spares}}

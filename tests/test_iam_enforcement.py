@@ -78,13 +78,19 @@ def test_deleting_several_objects_needs_delete_on_each_object_not_on_the_bucket(
     assert [item["Key"] for item in admin.list_objects_v2(Bucket=bucket)["Contents"]] == ["artifacts/w.whl"]
 
 
-def test_resources_and_condition_keys_are_derived_from_the_request(enforced):
-    cloud = enforced
+def new_table(cloud) -> str:
+    """A new on-demand table keyed by "pk"; its name."""
     table = f"t-{uuid.uuid4().hex[:8]}"
     cloud.client("dynamodb").create_table(
         TableName=table, BillingMode="PAY_PER_REQUEST",
         AttributeDefinitions=[{"AttributeName": "pk", "AttributeType": "S"}],
         KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}])
+    return table
+
+
+def test_resources_and_condition_keys_are_derived_from_the_request(enforced):
+    cloud = enforced
+    table = new_table(cloud)
     bucket = f"b-{uuid.uuid4().hex[:8]}"
     cloud.client("s3").create_bucket(Bucket=bucket)
     table_arn = f"arn:aws:dynamodb:{cloud.region}:{cloud.account_id}:table/{table}"
@@ -111,11 +117,7 @@ def test_a_transaction_is_authorized_per_item_action_on_its_table(enforced):
     """TransactWriteItems has no IAM action of its own: each item needs PutItem, UpdateItem,
     DeleteItem or ConditionCheckItem on its table."""
     cloud = enforced
-    table = f"t-{uuid.uuid4().hex[:8]}"
-    cloud.client("dynamodb").create_table(
-        TableName=table, BillingMode="PAY_PER_REQUEST",
-        AttributeDefinitions=[{"AttributeName": "pk", "AttributeType": "S"}],
-        KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}])
+    table = new_table(cloud)
     table_arn = f"arn:aws:dynamodb:{cloud.region}:{cloud.account_id}:table/{table}"
     role = role_with(cloud, [{"Effect": "Allow", "Action": ["dynamodb:PutItem", "dynamodb:UpdateItem"],
                               "Resource": table_arn}])
