@@ -260,7 +260,7 @@ class Timeouts(_Payload):
     def of(cls, spec: RunSpec) -> Timeouts:
         recovery = spec.recovery
         return cls(boot_seconds=recovery.boot_timeout_seconds,
-                   late_worker_seconds=recovery.late_worker_seconds if spec.spare_count
+                   late_worker_seconds=recovery.late_worker_deadline if spec.spare_count
                    else recovery.boot_timeout_seconds,
                    heartbeat_seconds=recovery.hang_timeout_seconds)
 

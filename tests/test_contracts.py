@@ -276,3 +276,9 @@ def test_the_ledger_keeps_lost_time_the_sum_of_its_causes_and_reads_older_record
     older = c.GoodputLedger.model_validate({"productive_seconds": 90, "lost_seconds": 10})
     assert (older.lost_by_cause, older.booked_until) == ({"unattributed": 10}, None)
     assert c.GoodputLedger().lost_by_cause == {}
+
+
+def test_the_late_worker_deadline_defaults_within_the_boot_timeout():
+    assert c.RecoveryPolicy().late_worker_deadline == c.LATE_WORKER_DEFAULT_S
+    assert c.RecoveryPolicy(boot_timeout_seconds=120).late_worker_deadline == 120
+    assert c.RecoveryPolicy(boot_timeout_seconds=900, late_worker_seconds=300).late_worker_deadline == 300

@@ -233,6 +233,11 @@ class CheckpointPolicy(_Strict):
         return value.rstrip("/")
 
 
+LATE_WORKER_DEFAULT_S = 600
+"""A GPU instance boots and passes preflight in minutes; one ten minutes late is more likely
+stuck than slow."""
+
+
 class RecoveryPolicy(_Strict):
     """How hard the run tries before it gives up."""
 
@@ -260,19 +265,24 @@ class RecoveryPolicy(_Strict):
     hang is declared hang_timeout_seconds later. At least hang_timeout_seconds."""
     boot_timeout_seconds: int = Field(default=1800, ge=60)
     """Longest wait for the nodes to boot and pass preflight (AwaitNodes and its late-worker rounds)."""
-    late_worker_seconds: int = Field(default=600, ge=1)
+    late_worker_seconds: int | None = Field(default=None, ge=1)
     """With spares: how long AwaitNodes waits for every worker before a READY spare takes the
-    place of one that has not confirmed (lifecycle.swap_late_workers). A GPU instance boots
-    and passes preflight in minutes; one ten minutes late is more likely stuck than slow. The
-    late worker becomes a spare (or is released, if it had passed preflight before and went
-    silent); the wait goes on in rounds of this length until boot_timeout_seconds, its bound."""
+    place of one that has not confirmed (lifecycle.swap_late_workers). The late worker becomes
+    a spare (or is released, if it had passed preflight before and went silent); the wait goes
+    on in rounds of this length until boot_timeout_seconds, its bound. None:
+    LATE_WORKER_DEFAULT_S, or the boot timeout when that is shorter (late_worker_deadline)."""
+
+    @property
+    def late_worker_deadline(self) -> int:
+        """The late-worker deadline in force: late_worker_seconds, or its default."""
+        return self.late_worker_seconds or min(LATE_WORKER_DEFAULT_S, self.boot_timeout_seconds)
 
     @model_validator(mode="after")
     def _bounds(self) -> RecoveryPolicy:
         if self.backoff_max_seconds < self.backoff_base_seconds:
             raise ValueError(f"recovery.backoff_max_seconds={self.backoff_max_seconds} is below "
                              f"recovery.backoff_base_seconds={self.backoff_base_seconds}")
-        if self.late_worker_seconds > self.boot_timeout_seconds:
+        if self.late_worker_seconds is not None and self.late_worker_seconds > self.boot_timeout_seconds:
             raise ValueError(f"recovery.late_worker_seconds={self.late_worker_seconds} exceeds "
                              f"recovery.boot_timeout_seconds={self.boot_timeout_seconds}: the boot bounds the wait")
         if self.startup_timeout_seconds < self.hang_timeout_seconds:
