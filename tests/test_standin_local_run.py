@@ -24,7 +24,10 @@ def test_the_lost_node_alone_is_replaced_and_the_run_completes(run):
     blamed = {instance: node["failure"] for instance, node in run["nodes"].items() if node["failure"]}
     assert blamed == {loss["victim"]: "INSTANCE_LOST"}
     (replacement,) = set(run["nodes"]) - set(loss["first_nodes"])
-    assert run["nodes"][replacement]["rank"] == 1 and run["nodes"][replacement]["attempt"] == 1
+    assert run["nodes"][replacement]["attempt"] == 1
+    ranks = {launch["node_rank"]: instance for instance, launches in run["launches"].items() for launch in launches
+             if launch["attempt"] == 1}
+    assert sorted(ranks) == list(range(NODES)) and replacement in ranks.values() and loss["victim"] not in ranks.values()
 
 
 @pytest.mark.slow
