@@ -12,7 +12,9 @@ can reach a node at the address DescribeInstances reports. Its environment is th
 plus `LocalCloud.env()` (endpoint, region; not its credentials), plus LOCALCLOUD_INSTANCE_ID,
 LOCALCLOUD_PRIVATE_IP and LOCALCLOUD_INSTANCE_TYPE, plus whatever `env_hooks` add (the
 instance metadata server adds its endpoint there). Output goes to `console.log` in the
-instance's folder, like EC2's console output.
+instance's folder, like EC2's console output. With a warm image (`use_warm_image`, for fleets of
+hundreds: localcloud/warm_image.py), a boot command `python -m MODULE ...` is forked from the
+image instead of started afresh; the instance's process is the same to everything below.
 
 Lifecycle, as EC2 reports it with state-change events on the default bus:
 
@@ -52,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from localcloud import aws_events
+from localcloud.warm_image import ForkedProcess, WarmImage
 
 if TYPE_CHECKING:
     from localcloud.cloud import LocalCloud
@@ -94,7 +97,7 @@ class LocalInstance:
     rebalance_notice: dict[str, str] | None = None
     """The events/recommendations/rebalance metadata document once a recommendation was
     injected: {"noticeTime": ...}."""
-    process: subprocess.Popen | None = field(default=None, repr=False)
+    process: subprocess.Popen | ForkedProcess | None = field(default=None, repr=False)
     """The running boot process group's leader, if any."""
     hung: bool = False
     """True while SIGSTOPped by `hang`."""
@@ -184,6 +187,7 @@ class LocalFleet:
         self.cloud = cloud
         self.boot: BootCommand = boot_user_data
         self.env_hooks: list[Callable[[LocalInstance], dict[str, str]]] = []
+        self.image: WarmImage | None = None
         self._instances: dict[str, LocalInstance] = {}
         self._lock = threading.RLock()
         self._next_address = int(LOOPBACK_POOL.network_address) + 10
@@ -201,6 +205,10 @@ class LocalFleet:
     def instances(self) -> list[LocalInstance]:
         with self._lock:
             return list(self._instances.values())
+
+    def use_warm_image(self, modules: list[str]) -> None:
+        """Boot instances from now on from a warm image with `modules` imported."""
+        self.image = WarmImage.start(modules)
 
     def wait_for_state(self, instance_id: str, state: str, timeout_s: float = 30.0) -> None:
         self.cloud.wait_until(lambda: self.get(instance_id).state == state, timeout_s,
@@ -242,6 +250,8 @@ class LocalFleet:
         process = instance.process
         if process is None or instance.state != "running":
             raise RuntimeError(f"instance {instance_id} ({instance.state}) has no running processes")
+        if isinstance(process, ForkedProcess) and role == "agent":
+            return process.pid  # its command line is the image's: the fork is the agent itself
         found = sorted(pid for pid in (process.pid, *_descendants(process.pid))
                        if python_module(_argv(pid)) in ROLE_MODULES[role])
         if not found:
@@ -339,6 +349,8 @@ class LocalFleet:
                 _signal_group(instance.process.pid, signal.SIGTERM)
         for instance in instances:
             self._end_process(instance)
+        if self.image is not None:
+            self.image.stop()
 
     # --- internals -----------------------------------------------------------------------
 
@@ -385,23 +397,31 @@ class LocalFleet:
         env |= {"AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull}
         for hook in self.env_hooks:
             env |= hook(instance)
-        with open(instance.console_log, "ab") as console:
-            instance.process = subprocess.Popen(
-                list(argv), cwd=instance.workdir, env=env, stdin=subprocess.DEVNULL,
-                stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+        if self.image is not None and self.image.serves(list(argv)):
+            instance.process = self.image.fork(list(argv), instance.workdir, env, instance.console_log)
+        else:
+            with open(instance.console_log, "ab") as console:
+                instance.process = subprocess.Popen(
+                    list(argv), cwd=instance.workdir, env=env, stdin=subprocess.DEVNULL,
+                    stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
         threading.Thread(target=self._watch, args=(instance, instance.process),
                          name=f"watch-{instance.instance_id}", daemon=True).start()
 
-    def _watch(self, instance: LocalInstance, process: subprocess.Popen) -> None:
+    def _watch(self, instance: LocalInstance, process: subprocess.Popen | ForkedProcess) -> None:
         """A process that ends by itself takes its instance down, as a dead host does.
 
-        The exit is observed without reaping (WNOWAIT): until `_end_process` reaps it, the
-        leader's pid, which is also its group's id, cannot be reused by an unrelated process
-        group, so signalling the group is always safe."""
-        try:
-            exit_status = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT).si_status
-        except ChildProcessError:
-            return  # reaped by `_end_process` before this thread got to wait: the fleet ended it
+        A process of ours is observed without reaping (WNOWAIT): until `_end_process` reaps it,
+        the leader's pid, which is also its group's id, cannot be reused by an unrelated process
+        group, so signalling the group is always safe. A fork of the warm image is reaped by the
+        image at once; its pid is signalled only until the image reports its exit, milliseconds
+        later, far too soon for the kernel to hand the pid out again."""
+        if isinstance(process, ForkedProcess):
+            exit_status = process.wait()
+        else:
+            try:
+                exit_status = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT).si_status
+            except ChildProcessError:
+                return  # reaped by `_end_process` before this thread got to wait: the fleet ended it
         if instance._ending or instance.process is not process:
             return
         log.info("instance %s: process exited with %s; terminating it",
@@ -419,12 +439,13 @@ class LocalFleet:
         process = instance.process
         if process is None:
             return
-        _signal_group(process.pid, signal.SIGCONT)  # a stopped group cannot act on SIGTERM
-        _signal_group(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.cloud.config.shutdown_grace_seconds
-        while _group_alive(process.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        _signal_group(process.pid, signal.SIGKILL)  # children that outlived their leader
+        if not (isinstance(process, ForkedProcess) and process.returncode is not None):  # see _watch
+            _signal_group(process.pid, signal.SIGCONT)  # a stopped group cannot act on SIGTERM
+            _signal_group(process.pid, signal.SIGTERM)
+            deadline = time.monotonic() + self.cloud.config.shutdown_grace_seconds
+            while _group_alive(process.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            _signal_group(process.pid, signal.SIGKILL)  # children that outlived their leader
         process.wait(timeout=10)
         instance.process = None
         instance.hung = False

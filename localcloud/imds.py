@@ -410,45 +410,68 @@ def _handler_for(service: InstanceMetadataServer) -> type[BaseHTTPRequestHandler
 def fleet_records(cloud: LocalCloud) -> RecordProvider:
     """Instance records from the local cloud: EC2's own description of each instance (type,
     image, zone, tags, metadata options, instance profile) plus the fleet's notices (Spot
-    interruption, rebalance recommendation)."""
+    interruption, rebalance recommendation).
+
+    Every instance polls its Spot notice twice a second, so a record must be cheap: what cannot
+    change in an instance's life (type, image, zone, address, launch time, profile) is described
+    once, with DescribeInstances; what can (metadata options, tags) is read from EC2's model of
+    the instance at each request, so a change shows at once, as on EC2."""
+    from localcloud.glue.ec2 import ec2_backend
+
     ec2, iam = cloud.internal_client("ec2"), cloud.internal_client("iam")
+    described: dict[str, dict[str, Any]] = {}
+
+    def describe(instance_id: str) -> dict[str, Any] | None:
+        if instance_id not in described:
+            try:
+                reservations = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
+            except ClientError as error:
+                if error.response["Error"]["Code"] == "InvalidInstanceID.NotFound":
+                    return None
+                raise
+            found = reservations[0]["Instances"][0]
+            profile = found.get("IamInstanceProfile", {})
+            described[instance_id] = found | {"RoleName": _role_of(iam, profile["Arn"]) if profile else None}
+        return described[instance_id]
 
     def lookup(instance_id: str) -> InstanceMetadata | None:
         try:
             local = cloud.fleet.get(instance_id)
         except KeyError:
             return None
-        try:
-            reservations = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
-        except ClientError as error:
-            if error.response["Error"]["Code"] == "InvalidInstanceID.NotFound":
-                return None
-            raise
-        described = reservations[0]["Instances"][0]
-        options = described.get("MetadataOptions", {})
-        profile = described.get("IamInstanceProfile", {})
+        found = describe(instance_id)
+        if found is None:
+            return None
+        options = ec2_backend(cloud).get_instance(instance_id).metadata_options
+        tags_in_metadata = options.instance_metadata_tags == "enabled"
+        profile = found.get("IamInstanceProfile", {})
         return InstanceMetadata(
             instance_id=instance_id,
-            instance_type=described["InstanceType"],
-            image_id=described["ImageId"],
-            local_ipv4=described.get("PrivateIpAddress", local.private_ip),
-            availability_zone=described["Placement"]["AvailabilityZone"],
+            instance_type=found["InstanceType"],
+            image_id=found["ImageId"],
+            local_ipv4=found.get("PrivateIpAddress", local.private_ip),
+            availability_zone=found["Placement"]["AvailabilityZone"],
             region=cloud.region,
             account_id=cloud.account_id,
-            launch_time=described["LaunchTime"],
-            architecture=described.get("Architecture", "x86_64"),
-            tags={tag["Key"]: tag["Value"] for tag in described.get("Tags", [])},
-            tags_in_metadata=options.get("InstanceMetadataTags") == "enabled",
-            tokens_required=options.get("HttpTokens", "optional") == "required",
-            endpoint_enabled=options.get("HttpEndpoint", "enabled") == "enabled",
+            launch_time=found["LaunchTime"],
+            architecture=found.get("Architecture", "x86_64"),
+            tags=_tags_of(ec2, instance_id) if tags_in_metadata else {},
+            tags_in_metadata=tags_in_metadata,
+            tokens_required=options.http_tokens == "required",
+            endpoint_enabled=options.http_endpoint == "enabled",
             spot_action=local.spot_action,
             rebalance_notice=local.rebalance_notice,
             instance_profile_arn=profile.get("Arn"),
             instance_profile_id=profile.get("Id", ""),
-            role_name=_role_of(iam, profile["Arn"]) if profile else None,
+            role_name=found["RoleName"],
         )
 
     return lookup
+
+
+def _tags_of(ec2: Any, instance_id: str) -> dict[str, str]:
+    described = ec2.describe_tags(Filters=[{"Name": "resource-id", "Values": [instance_id]}])["Tags"]
+    return {tag["Key"]: tag["Value"] for tag in described}
 
 
 def _role_of(iam: Any, instance_profile_arn: str) -> str | None:

@@ -239,6 +239,8 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
             cloud.fleet.boot = lambda instance: [sys.executable, "-m", "localcloud.node_boot",
                                                  sys.executable, "-m", "trainer.agent"]
             cloud.fleet.env_hooks.append(agent_environment)
+            if standin_step_s:  # the large runs: a process of the agent's own a node, forked warm
+                cloud.fleet.use_warm_image(["localcloud.node_boot", "trainer.agent", "trainer.standin"])
             stack.network = _network(stack.client("ec2"))
             yield stack
         finally:

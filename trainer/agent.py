@@ -6,8 +6,9 @@
         optional TRAINFLEET_SHUTDOWN_COMMAND (how the agent ends its instance, e.g.
         "systemctl poweroff"; unset, it just exits: locally that ends the instance) and
         TRAINFLEET_AGENT_LIFETIME_S (exit after that many seconds; local runs set it) and
-        TRAINFLEET_STANDIN_STEP_S (run the stand-in trainer, trainer/standin.py, with steps
-        that many seconds long, in place of torchrun; the local cloud's large runs set it)
+        TRAINFLEET_STANDIN_STEP_S (run the stand-in trainer, trainer/standin.py, on a thread
+        of the agent, with steps that many seconds long, in place of torchrun; the local
+        cloud's large runs set it)
 
 On EC2 the user data starts it under systemd; in the local cloud the fleet starts it as the
 instance's process. It speaks to the control plane only through AWS:
@@ -81,6 +82,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from botocore.utils import IMDSFetcher
 
 from trainer import checkpoint_catalog as catalog
+from trainer import standin
 from trainer.progress import PROGRESS_FILE_ENV, read_progress
 from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import NodeNotFound, RunStore
@@ -481,11 +483,6 @@ def standin_command(spec: LaunchSpec, node_rank: int, step_seconds: float, files
             f"--nodes={spec.plan.nodes}", f"--step-seconds={step_seconds}"]
 
 
-Launch = Callable[[list[str], Path, dict[str, str], BinaryIO], Any]
-"""Starts the trainer's command (in its folder, with its environment, output to the file) and
-gives a handle with subprocess.Popen's poll, returncode, send_signal, wait and kill."""
-
-
 def start_process(command: list[str], folder: Path, env: dict[str, str], output: BinaryIO) -> subprocess.Popen:
     # Same process group as the agent: whatever ends the instance ends torchrun too.
     return subprocess.Popen(command, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=output,
@@ -534,9 +531,8 @@ class Attempt:
     """torchrun for one launch spec on this node, and what the agent reports about it."""
 
     def __init__(self, control: ControlPlane, metadata: MetadataClient, spec: LaunchSpec,
-                 deadline: float | None = None, launch: Launch = start_process):
+                 deadline: float | None = None):
         self.control, self.metadata, self.spec, self.deadline = control, metadata, spec, deadline
-        self.launch = launch
         self.identity = control.identity
         self.node_rank = spec.node_ranks[self.identity.instance_id]
         self.files = AttemptFiles(control.settings.workdir / f"attempt-{spec.attempt}")
@@ -575,8 +571,9 @@ class Attempt:
         say("starting torchrun", attempt=self.spec.attempt, node_rank=self.node_rank,
             resume_step=self.spec.resume_step, command=" ".join(command[1:]))
         self.torchrun_started = self.control.clock()
+        launch = standin.start_thread if step_seconds else start_process
         with self.files.output.open("ab") as output:
-            process = self.launch(command, self.files.folder, torchrun_env(self.files, self.identity), output)
+            process = launch(command, self.files.folder, torchrun_env(self.files, self.identity), output)
         stop_beating = threading.Event()
         threading.Thread(target=self.beat_until, args=(stop_beating,), name="heartbeat", daemon=True).start()
         try:
@@ -766,9 +763,8 @@ def stop(process: Any) -> None:
 
 # --- the agent ----------------------------------------------------------------------------
 
-def serve(settings: AgentSettings, launch: Launch = start_process) -> None:
-    """Boot, preflight, then each attempt that names this node, until the run is over (returns).
-    `launch` starts the trainer (a process; the local cloud's hosted fleet gives a thread)."""
+def serve(settings: AgentSettings) -> None:
+    """Boot, preflight, then each attempt that names this node, until the run is over (returns)."""
     deadline = time.monotonic() + settings.lifetime_s if settings.lifetime_s else None
     metadata = MetadataClient()
     identity = metadata.identity()
@@ -797,7 +793,7 @@ def serve(settings: AgentSettings, launch: Launch = start_process) -> None:
                     and run.attempt > ran else None)
             if spec is not None and spec.attempt == run.attempt:
                 ran = spec.attempt
-                run = Attempt(control, metadata, spec, deadline, launch).run()
+                run = Attempt(control, metadata, spec, deadline).run()
                 continue
         if deadline is not None and time.monotonic() > deadline:
             raise AgentError("the agent's lifetime is over")
@@ -813,16 +809,15 @@ def end_instance(settings: AgentSettings, why: str) -> None:
         subprocess.run(settings.shutdown_command, check=False)
 
 
-def main(workdir: Path | None = None, launch: Launch = start_process) -> int:
-    """The agent's life on its instance; its exit status. `workdir` (default: the working directory)
-    and `launch` are for the local cloud's hosted fleet, which runs agents as threads."""
+def main() -> int:
+    """The agent's life on its instance; its exit status."""
     try:
-        settings = AgentSettings.from_env(workdir=workdir)
+        settings = AgentSettings.from_env()
     except AgentError as exc:
         say("agent stopped", error=str(exc))
         return 1
     try:
-        serve(settings, launch)
+        serve(settings)
     except Unreachable as exc:
         end_instance(settings, str(exc))
         return 0

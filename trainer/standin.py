@@ -4,7 +4,8 @@
 
 The node agent runs it in place of torchrun and the trainer when TRAINFLEET_STANDIN_STEP_S is set
 (trainer/agent.py), so that the control plane can be driven by fleets this machine could never
-train (the local cloud's 512-node runs: localcloud/scale.py). It reads the config file the agent
+train (the local cloud's 512-node runs: localcloud/scale.py). The agent runs it as a thread of its
+own (`start_thread`, a handle like subprocess.Popen's), so a node is one process, not two. It reads the config file the agent
 writes for the real trainer and gives what the agent and the control plane read of the real one:
 
 - progress: each node's progress file (TRAINFLEET_PROGRESS_FILE) holds the resume step once the
@@ -30,28 +31,33 @@ exit); a hang of one rank is not what this stand-in can show.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, TextIO
 
 import yaml
 
 from trainer import checkpoint_catalog as catalog
 from trainer.progress import PROGRESS_FILE_ENV, write_progress
 
-__all__ = ["StandIn", "run", "main"]
+__all__ = ["StandIn", "StandInThread", "run", "start_thread", "main"]
 
 EXIT_SIGNALLED = 1
 """torchrun's exit status when SIGTERM stopped it."""
 EXIT_CONFIG = 2
 """The trainer's exit status for a config it refuses (trainer/train.py)."""
+EXIT_KILLED = -signal.SIGKILL
+"""What Popen reports for a trainer killed outright."""
 PART_WRITERS = 8
 """Parts written at once: one per node, a 512-node checkpoint is 512 PUTs."""
 
@@ -64,7 +70,7 @@ class StandIn:
     """One node's stand-in trainer for one attempt."""
 
     def __init__(self, config: dict[str, Any], node_rank: int, nodes: int, step_seconds: float,
-                 environ: Any, stop: threading.Event):
+                 environ: Any, stop: threading.Event, out: TextIO):
         training, checkpoint = config.get("training", {}), config.get("checkpoint", {})
         try:
             self.steps = int(training["steps"])
@@ -77,6 +83,7 @@ class StandIn:
         if not 0 <= node_rank < nodes or step_seconds <= 0:
             raise ConfigError(f"node rank {node_rank} of {nodes} nodes, {step_seconds} s a step")
         self.node_rank, self.nodes, self.step_seconds, self.stop = node_rank, nodes, step_seconds, stop
+        self.out = out
         self.layout = {key: int(value) for key, value in config.get("parallel", {}).items()
                        if key in ("pp", "dp", "tp")}
         self.config_hash = catalog.config_hash({key: value for key, value in config.items()
@@ -90,12 +97,12 @@ class StandIn:
         step = self.resume_step()
         self.show_progress(step)
         if step >= self.steps:
-            print(f"nothing to train: resumed at step {step}, training.steps is {self.steps}", flush=True)
+            print(f"nothing to train: resumed at step {step}, training.steps is {self.steps}", file=self.out, flush=True)
             self.record({"step": step, "finished": True})
             return 0
         while step < self.steps:
             if self.stop.wait(self.step_seconds):
-                print("stand-in trainer: got SIGTERM, stopping (as torchrun: SignalException)", flush=True)
+                print("stand-in trainer: got SIGTERM, stopping (as torchrun: SignalException)", file=self.out, flush=True)
                 return EXIT_SIGNALLED
             step += 1
             self.record({"step": step, "loss": 2.0 + 8.0 * math.exp(-step / 200), "grad_norm": 1.0, "lr": 1e-3,
@@ -141,12 +148,13 @@ class StandIn:
         manifest = catalog.Manifest(step=step, layout=self.layout, files=files, config_hash=self.config_hash,
                                     reason=reason)
         self.store.create(step_dir, catalog.MARKER_NAME, manifest.to_json())
-        print(f"checkpoint committed: {self.store.step_uri(step_dir)} ({reason}, {len(files)} files)", flush=True)
+        print(f"checkpoint committed: {self.store.step_uri(step_dir)} ({reason}, {len(files)} files)", file=self.out,
+              flush=True)
         catalog.prune(self.store, self.keep_last)
 
 
-def run(argv: list[str], environ: Any, stop: threading.Event) -> int:
-    """The stand-in for one node: its exit status."""
+def run(argv: list[str], environ: Any, stop: threading.Event, out: TextIO) -> int:
+    """The stand-in for one node: its exit status. Its lines go to `out`."""
     parser = argparse.ArgumentParser(prog="python -m trainer.standin")
     parser.add_argument("--config", required=True)
     parser.add_argument("--node-rank", type=int, required=True)
@@ -155,17 +163,73 @@ def run(argv: list[str], environ: Any, stop: threading.Event) -> int:
     args = parser.parse_args(argv)
     try:
         config = yaml.safe_load(Path(args.config).read_text())
-        standin = StandIn(config, args.node_rank, args.nodes, args.step_seconds, environ, stop)
+        standin = StandIn(config, args.node_rank, args.nodes, args.step_seconds, environ, stop, out)
     except (OSError, yaml.YAMLError, ConfigError) as exc:
-        print(f"config error: {exc}", file=sys.stderr, flush=True)
+        print(f"config error: {exc}", file=out, flush=True)
         return EXIT_CONFIG
     return standin.run()
+
+
+class StandInThread:
+    """The stand-in run on a thread of the agent, behind subprocess.Popen's poll, returncode,
+    send_signal, wait and kill: SIGTERM stops it within a step, as torchrun; a kill ends it at once
+    for the agent (the thread winds down at its next step, writing nothing more)."""
+
+    def __init__(self, argv: list[str], environ: dict[str, str], output: BinaryIO):
+        self.returncode: int | None = None
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._out = io.TextIOWrapper(os.fdopen(os.dup(output.fileno()), "ab"), write_through=True)
+        self._thread = threading.Thread(target=self._run, args=(argv, environ), name="stand-in trainer", daemon=True)
+        self._thread.start()
+
+    def _run(self, argv: list[str], environ: dict[str, str]) -> None:
+        try:
+            code = run(argv, environ, self._stop, self._out)
+        except SystemExit as exc:  # argparse refusing the command line
+            code = exc.code if isinstance(exc.code, int) else EXIT_CONFIG
+        except Exception:  # a crash of the trainer, as torchrun would report it
+            traceback.print_exc(file=self._out)
+            code = 1
+        finally:
+            self._out.close()
+        if self.returncode is None:
+            self.returncode = code
+        self._done.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if signum == signal.SIGKILL:
+            self.kill()
+        else:
+            self._stop.set()
+
+    def kill(self) -> None:
+        self._stop.set()
+        if self.returncode is None:
+            self.returncode = EXIT_KILLED
+        self._done.set()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired("trainer.standin", timeout)
+        return self.returncode
+
+
+def start_thread(command: list[str], folder: Path, env: dict[str, str], output: BinaryIO) -> StandInThread:
+    """The agent's launch for `python -m trainer.standin ARGS` (trainer/agent.py standin_command):
+    the stand-in on a thread. `folder` is unused: every path the stand-in reads is absolute."""
+    if command[1:3] != ["-m", "trainer.standin"]:
+        raise ValueError(f"not a stand-in command: {command[:3]}")
+    return StandInThread(command[3:], env, output)
 
 
 def main() -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    return run(sys.argv[1:], os.environ, stop)
+    return run(sys.argv[1:], os.environ, stop, sys.stdout)
 
 
 if __name__ == "__main__":

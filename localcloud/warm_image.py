@@ -1,0 +1,258 @@
+"""Instances that boot from a warm image: hundreds of node agents on one machine.
+
+An instance process started from scratch (`python -m localcloud.node_boot ... -m trainer.agent`)
+costs about a second of imports and tens of MB; 512 of them do not fit on a small machine. A warm
+image is one process that has imported what an instance runs (the node boot, the agent, boto3
+with its service models) and forks a child for each instance that boots. The child is the
+instance's process, as the command would have been: a process group of its own, the instance's
+folder, environment and console, `python -m MODULE ARGS` (or `-c CODE ARGS`) run in it as the
+interpreter runs it, and the image's memory shared until it is written. The fleet signals, freezes, stops and
+watches it as any instance process, so every fault acts on it unchanged.
+
+    image = WarmImage.start(["localcloud.node_boot", "trainer.agent"])
+    cloud.fleet.image = image      # instances whose boot command is `python -m ...` fork from it
+    ...
+    image.stop()
+
+The image speaks JSON lines: on its stdin a fork request {"token", "argv", "cwd", "env",
+"console"}; on its stdout {"token", "pid"} once the child exists and {"pid", "status"} once it
+exited (reaped at once; the fleet signals a pid only until it learns of the exit). Its own errors
+go to its stderr.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+import os
+import random
+import runpy
+import select
+import subprocess
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+__all__ = ["WarmImage", "ForkedProcess", "forked_from_image", "PRELOADED_SERVICES"]
+
+PRELOADED_SERVICES = ("s3", "dynamodb", "events", "stepfunctions", "sts")
+"""The AWS services whose models the image loads before it forks: those a node agent calls."""
+_IN_IMAGE_CHILD = False
+
+
+def forked_from_image() -> bool:
+    """Whether this process is an instance forked from a warm image: `exec python -m X` is then
+    better run in place (localcloud/node_boot.py), the image having X loaded already."""
+    return _IN_IMAGE_CHILD
+
+
+class ForkedProcess:
+    """An instance's process forked by the image: the part of subprocess.Popen the fleet uses."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+        self._exited = threading.Event()
+
+    def exited(self, status: int) -> None:
+        self.returncode = status
+        self._exited.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(f"instance process {self.pid}", timeout)
+        return self.returncode
+
+
+class WarmImage:
+    """The fleet's side of a warm image process."""
+
+    def __init__(self, process: subprocess.Popen):
+        self._process = process
+        self._tokens = itertools.count()
+        self._lock = threading.Lock()
+        self._forking: dict[int, tuple[threading.Event, list[int]]] = {}
+        self._children: dict[int, ForkedProcess] = {}
+        self._reader = threading.Thread(target=self._read, name="warm-image", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def start(cls, modules: list[str]) -> WarmImage:
+        """An image process with `modules` imported (and the services' models loaded)."""
+        repo = str(Path(__file__).resolve().parents[1])
+        path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+        process = subprocess.Popen([sys.executable, "-m", "localcloud.warm_image", *modules],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                                   env=os.environ | {"PYTHONPATH": path}, start_new_session=True)
+        return cls(process)
+
+    def serves(self, argv: list[str]) -> bool:
+        """Whether `argv` is a command the image can run in a child: `python -m MODULE ...` or
+        `python -c CODE ...`."""
+        return len(argv) >= 3 and argv[0] == sys.executable and argv[1] in ("-m", "-c")
+
+    def fork(self, argv: list[str], cwd: Path, env: dict[str, str], console: Path) -> ForkedProcess:
+        """A child of the image running `argv` (see `serves`) in `cwd` with `env`, its output
+        appended to `console`."""
+        token = next(self._tokens)
+        ready, pid = threading.Event(), []
+        with self._lock:
+            self._forking[token] = (ready, pid)
+            request = {"token": token, "argv": argv[1:], "cwd": str(cwd), "env": env, "console": str(console)}
+            self._process.stdin.write((json.dumps(request) + "\n").encode())
+        if not ready.wait(30):
+            raise RuntimeError(f"the warm image did not fork {argv[1:3]} within 30 s")
+        if not pid:
+            raise RuntimeError("the warm image stopped before it forked")
+        return self._children[pid[0]]
+
+    def stop(self) -> None:
+        """End the image (its children, the instances, are the fleet's to end)."""
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._reader.join(timeout=5)
+
+    def _read(self) -> None:
+        for line in self._process.stdout:
+            message = json.loads(line)
+            with self._lock:
+                if "token" in message:
+                    child = ForkedProcess(message["pid"])
+                    self._children[child.pid] = child
+                    ready, pid = self._forking.pop(message["token"])
+                    pid.append(child.pid)
+                    ready.set()
+                else:  # the image reports a child's exit after its fork, never before
+                    self._children.pop(message["pid"]).exited(message["status"])
+        with self._lock:  # the image ended: no request is answered any more
+            for ready, _ in self._forking.values():
+                ready.set()
+
+
+# --- the image process ---------------------------------------------------------------------
+
+def _warm(modules: list[str]) -> None:
+    """Import the modules and have botocore load the services' models, into one loader that every
+    botocore session of a child then shares (each would load its own otherwise: megabytes each)."""
+    import importlib
+
+    import botocore.loaders
+    import botocore.session
+
+    for module in modules:
+        importlib.import_module(module)
+    loader = botocore.loaders.create_loader()
+    botocore.session.create_loader = lambda *_: loader
+    session = botocore.session.get_session()
+    for service in PRELOADED_SERVICES:
+        # Explicit credentials: the image must not look for any (the chain ends at the metadata
+        # service, which the image has none of).
+        session.create_client(service, region_name="us-east-1", aws_access_key_id="warm",
+                              aws_secret_access_key="warm")
+        session.get_paginator_model(service)
+
+
+def _become(request: dict[str, Any], control_fds: tuple[int, int]) -> None:
+    """In the child: be the instance's process, run its module, exit with its status."""
+    global _IN_IMAGE_CHILD
+    _IN_IMAGE_CHILD = True
+    os.setsid()
+    console = os.open(request["console"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(console, 1)
+    os.dup2(console, 2)
+    for fd in {console, devnull, *control_fds} - {0, 1, 2}:  # the image's pipes are 0 and 1: replaced
+        os.close(fd)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    random.seed()  # every child would draw the image's sequence: the same jitter fleet-wide
+    option, target, *arguments = request["argv"]
+    status = run_code(target, arguments) if option == "-c" else run_module([target, *arguments])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def run_module(argv: list[str]) -> int:
+    """`python -m argv[0] argv[1:]` in this interpreter: its exit status."""
+    module, *arguments = argv
+    sys.argv = [module, *arguments]
+    return _exit_status(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+
+
+def run_code(code: str, arguments: list[str]) -> int:
+    """`python -c code arguments` in this interpreter: its exit status."""
+    sys.argv = ["-c", *arguments]
+    return _exit_status(lambda: exec(compile(code, "<string>", "exec"), {"__name__": "__main__"}))
+
+
+def _exit_status(main: Any) -> int:
+    """Run `main()` as the interpreter runs a program: the status it would exit with."""
+    try:
+        main()
+    except SystemExit as exit_request:
+        code = exit_request.code
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 (the interpreter's own answer to an uncaught error)
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def serve(modules: list[str]) -> None:
+    """The image's loop: fork on each request, report each child's exit; ends with its stdin."""
+    _warm(modules)
+    gc.collect()
+    gc.freeze()  # the collector would otherwise write to every shared page in every child
+    requests, replies = sys.stdin.fileno(), sys.stdout.fileno()
+    pending = b""
+    open_input = True
+    children = 0
+    while open_input or children:
+        if open_input and select.select([requests], [], [], 0.1)[0]:
+            chunk = os.read(requests, 1 << 16)
+            open_input = bool(chunk)
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    _become(request, (requests, replies))
+                children += 1
+                os.write(replies, (json.dumps({"token": request["token"], "pid": pid}) + "\n").encode())
+        elif not open_input:
+            select.select([], [], [], 0.1)
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                children = 0
+                break
+            if pid == 0:
+                break
+            children -= 1
+            os.write(replies, (json.dumps({"pid": pid, "status": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1:])
