@@ -275,7 +275,7 @@ class InstanceMetadataServer:
         self._records = records
         self._tokens = _Tokens(clock)
         self._credentials = _RoleCredentialsCache(issue_credentials)
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), _handler_for(self))
+        self._server = _Server(("127.0.0.1", port), _handler_for(self))
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 
@@ -340,6 +340,12 @@ class InstanceMetadataServer:
             return MetadataReply(HTTPStatus.UNAUTHORIZED, "Unauthorized")
         credentials = self._credentials.for_role(record, record.role_name) if record.role_name else None
         return metadata_reply(record, path, credentials)
+
+
+class _Server(ThreadingHTTPServer):
+    # Hundreds of instances boot at once and each asks for a token: the default backlog of 5
+    # drops their connections, and a dropped SYN is retried only after a second.
+    request_queue_size = 1024
 
 
 def _token_ttl(raw: str | None) -> int | None:

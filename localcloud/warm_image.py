@@ -29,6 +29,7 @@ import os
 import random
 import runpy
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -219,18 +220,20 @@ def _exit_status(main: Any) -> int:
 
 
 def serve(modules: list[str]) -> None:
-    """The image's loop: fork on each request, report each child's exit; ends with its stdin."""
+    """The image's loop: fork on each request, report each child's exit. It ends with its stdin:
+    the fleet ends its instances before that, so children still alive then were left behind by
+    a harness that died, and go with it."""
     _warm(modules)
     gc.collect()
     gc.freeze()  # the collector would otherwise write to every shared page in every child
     requests, replies = sys.stdin.fileno(), sys.stdout.fileno()
     pending = b""
-    open_input = True
-    children = 0
-    while open_input or children:
-        if open_input and select.select([requests], [], [], 0.1)[0]:
+    children: set[int] = set()
+    while True:
+        if select.select([requests], [], [], 0.1)[0]:
             chunk = os.read(requests, 1 << 16)
-            open_input = bool(chunk)
+            if not chunk:
+                break
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
@@ -238,21 +241,24 @@ def serve(modules: list[str]) -> None:
                 pid = os.fork()
                 if pid == 0:
                     _become(request, (requests, replies))
-                children += 1
+                children.add(pid)
                 os.write(replies, (json.dumps({"token": request["token"], "pid": pid}) + "\n").encode())
-        elif not open_input:
-            select.select([], [], [], 0.1)
         while children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                children = 0
-                break
+            pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            children -= 1
+            children.discard(pid)
             os.write(replies, (json.dumps({"pid": pid, "status": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+    for pid in children:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1:])
+    # Run as the imported module, not as __main__: a child's `forked_from_image()` reads the
+    # module the rest of the code imports.
+    from localcloud import warm_image
+
+    warm_image.serve(sys.argv[1:])

@@ -160,6 +160,27 @@ def test_an_unreachable_metadata_service_is_an_agent_error(monkeypatch):
         MetadataClient().identity()
 
 
+class _LateMetadata:
+    """Fails `failures` times, then answers."""
+
+    def __init__(self, failures: int):
+        self.failures = failures
+
+    def identity(self):
+        if self.failures:
+            self.failures -= 1
+            raise AgentError("no IMDSv2 token from the service")
+        return IDENTITY
+
+
+def test_boot_asks_a_slow_metadata_service_again_and_gives_up_only_after_its_patience(monkeypatch):
+    monkeypatch.setattr(agent.time, "sleep", lambda seconds: None)
+    assert agent.boot_identity(_LateMetadata(failures=3)) == IDENTITY
+    now = iter(range(0, 10_000, 50))
+    with pytest.raises(AgentError, match="no IMDSv2 token"):
+        agent.boot_identity(_LateMetadata(failures=10_000), clock=lambda: next(now))
+
+
 def test_stop_ends_torchrun_and_kills_one_that_ignores_sigterm(monkeypatch):
     monkeypatch.setattr(agent, "STOP_GRACE_S", 1.0)
     polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -262,6 +283,27 @@ def test_the_rank_0_node_announces_each_new_commit_once_with_progress(watched_at
         ("TrainingProgress", 21, None)]
     assert events[0]["detail"]["uri"] == store.step_uri(catalog.step_dir_name(20))
     assert all(event["detail"]["attempt"] == 1 and event["source"] == "trainfleet" for event in events)
+
+
+def test_a_commit_asked_for_is_announced_at_once_others_at_the_next_look(watched_attempt):
+    """Between two looks the agent lists the commits only while a checkpoint it asked for (a Spot
+    notice, a departure) is not announced yet: one S3 listing a look otherwise, not two a second."""
+    attempt, store, sent = watched_attempt
+    record = {"step": 21, "loss": 3.5, "tokens_per_s": 900.0, "step_time_s": 0.1}
+    attempt.files.metrics.write_text(json.dumps(record) + "\n")
+    attempt.follow()
+    commit(store, 20)
+    with attempt.files.metrics.open("a") as metrics:
+        metrics.write(json.dumps(record | {"step": 22}) + "\n")
+    attempt.follow()
+    assert [event["detail-type"] for event in sent()] == ["TrainingProgress"], "the interval commit waits for a look"
+    attempt.request_checkpoint("spot interruption notice")
+    commit(store, 23, reason=catalog.SaveReason.REQUESTED)
+    with attempt.files.metrics.open("a") as metrics:
+        metrics.write(json.dumps(record | {"step": 23}) + "\n")
+    attempt.follow()
+    assert sorted(event["detail"]["step"] for event in sent()) == [20, 23]
+    assert attempt.commit_awaited_after is None
 
 
 def test_a_trainer_resumed_at_its_last_step_completes_the_run(watched_attempt):

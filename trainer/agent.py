@@ -120,6 +120,9 @@ STOP_GRACE_S = 30.0
 """How long torchrun gets to stop its ranks after SIGTERM before it is killed."""
 OUTPUT_TAIL_CHARS = 2000
 """How much of torchrun's output a TrainerFailed event carries."""
+METADATA_PATIENCE_S = 120.0
+"""How long the agent keeps asking the metadata service for its identity at boot: right after
+boot, or throttled, it may not answer at once (botocore's fetcher gives up after a few seconds)."""
 
 T = TypeVar("T")
 
@@ -552,6 +555,8 @@ class Attempt:
         self.beaten_metrics_size = 0
         """The metrics file's size at the last heartbeat: it grows by a record a step."""
         self.spot_notice_seen = False
+        self.commit_awaited_after: int | None = None
+        """The last step when a checkpoint was asked for, until a later commit is announced."""
         self.metadata_failing = False
         self.checkpoint_request_seen: datetime | None = None
         self.node_step: int | None = None  # this node's trainer's last step (its progress file)
@@ -642,10 +647,11 @@ class Attempt:
         if steps and now - self.last_progress >= PROGRESS_EVERY_S:
             self.send_progress(steps[-1])
             self.last_progress = now
-        if records:
-            # While its trainer advances, the node that speaks for the world looks for new commits
-            # at once (one S3 listing per look of this node, whatever the node count): a Spot
-            # wait ends on one, and the next attempt resumes from the newest announced.
+        if records and self.commit_awaited_after is not None:
+            # A checkpoint asked for now (a Spot notice, a departure) is announced as soon as it
+            # commits, not at the next look: the Spot wait ends on it, and the next attempt
+            # resumes from the newest announced. Other commits wait for the look (one S3 listing
+            # a look, not two a second).
             self.announce_commits()
         if not self.spot_notice_seen and self.spot_notice() is not None:
             self.spot_notice_seen = True
@@ -696,6 +702,7 @@ class Attempt:
 
     def request_checkpoint(self, why: str) -> None:
         self.files.checkpoint_request.touch()
+        self.commit_awaited_after = self.last_step if self.last_step is not None else -1
         say(f"{why}: asked the trainer to checkpoint now", attempt=self.spec.attempt)
 
     def report_liveness(self) -> None:
@@ -722,6 +729,8 @@ class Attempt:
                     reason=CheckpointReason(manifest.reason))):
                 return  # announced at a later look
             self.announced.add(step)
+            if self.commit_awaited_after is not None and step > self.commit_awaited_after:
+                self.commit_awaited_after = None
 
     def report_exit(self, returncode: int) -> None:
         base = {"run_name": self.spec.run_name, "attempt": self.spec.attempt,
@@ -767,7 +776,7 @@ def serve(settings: AgentSettings) -> None:
     """Boot, preflight, then each attempt that names this node, until the run is over (returns)."""
     deadline = time.monotonic() + settings.lifetime_s if settings.lifetime_s else None
     metadata = MetadataClient()
-    identity = metadata.identity()
+    identity = boot_identity(metadata)
     control = ControlPlane(settings, identity)
     say("agent up", instance_id=identity.instance_id, instance_type=identity.instance_type,
         private_ip=identity.private_ip, run_name=settings.run_name)
@@ -799,6 +808,19 @@ def serve(settings: AgentSettings) -> None:
             raise AgentError("the agent's lifetime is over")
         time.sleep(LOOK_S)
         run = control.look_at_run()
+
+
+def boot_identity(metadata: MetadataClient, clock: Callable[[], float] = time.monotonic) -> Identity:
+    """The instance's identity, asked again for METADATA_PATIENCE_S while the service fails."""
+    give_up = clock() + METADATA_PATIENCE_S
+    while True:
+        try:
+            return metadata.identity()
+        except AgentError as error:
+            if clock() > give_up:
+                raise
+            say("instance metadata unavailable at boot; asking again", error=str(error))
+            time.sleep(2.0)
 
 
 def end_instance(settings: AgentSettings, why: str) -> None:

@@ -315,10 +315,17 @@ def _create_fleet_response(self: Fleets) -> ActionResult:
         return answer
 
 
+_fleet_creation_lock = threading.RLock()
+"""Held while moto creates a fleet: its instances run (and may end) before moto has recorded the
+fleet, and moto's terminate of such an instance fails on the fleet it cannot find yet. On EC2 an
+instance is no one's to end before CreateFleet has answered with its id."""
+
+
 def _create_fleet_with_errors(self: Fleets) -> ActionResult:
     _request.fleet_errors = []
     try:
-        result = _moto_create_fleet_response(self)
+        with _fleet_creation_lock:
+            result = _moto_create_fleet_response(self)
         if _request.fleet_errors:
             result.result["Errors"] = _request.fleet_errors
         return result
@@ -447,7 +454,8 @@ def _known(cloud: LocalCloud, instance_id: str) -> bool:
 
 def _terminate_instances(self: Any, instance_ids: list[str]) -> Any:
     cloud = active_cloud()
-    ended = _moto_terminate(self, instance_ids)
+    with _fleet_creation_lock:
+        ended = _moto_terminate(self, instance_ids)
     if cloud is not None:
         for instance, previous in ended:
             if previous.name not in {"shutting-down", "terminated"} and _known(cloud, instance.id):

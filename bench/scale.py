@@ -1,0 +1,109 @@
+"""The control plane at 8, 64 and 512 nodes, side by side, and what a READY spare saves.
+
+    .venv/bin/python bench/scale.py                          # 8, 64, 512 nodes; 8 nodes with 3 spares
+    .venv/bin/python bench/scale.py --sizes 8,64 --spare-nodes 0
+
+Each size is one run of localcloud.scale (the deployed state machine, real agents with the
+stand-in trainer, forked from a warm image) through a kill, a Spot interruption and a freeze,
+each in a process of its own (the local cloud's handlers are imported once per process). Printed
+per size: allocate -> all ready; each recovery's time from the fault to the next attempt
+training and to its first step; the control plane's counts per training hour and per recovery
+(Lambda invocations, state transitions, DynamoDB reads and writes, events put, S3 requests); the
+largest Step Functions payload, DynamoDB item and event; teardown time. Then the same recoveries
+of a run with spares (each failure promotes a READY spare, which needs no boot) next to the run
+without.
+
+Growth with the node count, as the design intends: per-run control-plane rates stay flat (the
+Lambda invocations, transitions and events of a training hour are those of the run, not of its
+nodes), while the agents' own looks (a run record read and a liveness write each) grow with the
+nodes up to trainfleet.pace's bound (FULL_RATE_NODES), then stay there.
+
+The last line is `recovery_saved_by_spare_s=<median over the failures>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RATES = ("lambda_invocations", "state_transitions", "dynamodb_reads", "dynamodb_writes", "events_put", "s3_requests")
+RUN_TIMEOUT_S = 3600
+
+
+def scale_run(nodes: int, spares: int) -> dict:
+    """One localcloud.scale run in its own process; its figures."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "localcloud.scale", "--nodes", str(nodes), "--spares", str(spares)],
+                          cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if done.returncode != 0 or not done.stdout.strip():
+        raise RuntimeError(f"{nodes} nodes, {spares} spares failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    print(f"  {nodes} nodes, {spares} spares: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows)
+
+
+def print_sizes(runs: list[dict]) -> None:
+    header = ["", *(f"{run['nodes']} nodes" for run in runs)]
+    rows = [header,
+            ["run duration s", *(f"{run['duration_s']:.0f}" for run in runs)],
+            ["allocate -> all ready s", *(f"{run['allocate_to_ready_s']:.1f}" for run in runs)]]
+    for index, recovery in enumerate(runs[0]["recoveries"]):
+        rows.append([f"{recovery['failure']}: fault -> training s",
+                     *(f"{run['recoveries'][index]['to_training_s']:.1f}" for run in runs)])
+        rows.append([f"{recovery['failure']}: fault -> first step s",
+                     *(f"{run['recoveries'][index]['seconds']:.1f}" for run in runs)])
+    for rate in RATES:
+        rows.append([f"{rate} / training hour", *(f"{run['per_training_hour'][rate]:,}" for run in runs)])
+    for rate in RATES:
+        rows.append([f"{rate} / recovery (median)",
+                     *(f"{statistics.median(r[rate] for r in run['recoveries']):,.0f}" for run in runs)])
+    for kind in ("states", "dynamodb", "events"):
+        rows.append([f"largest {kind} payload KB",
+                     *(f"{run['largest_payloads'][kind]['size_bytes'] / 1024:.1f}" for run in runs)])
+    rows.append(["teardown s", *(f"{run['teardown_s']:.1f}" for run in runs)])
+    rows.append(["state", *(run["state"] for run in runs)])
+    print(table(rows))
+    for run in runs:
+        for kind, payload in run["largest_payloads"].items():
+            print(f"  {run['nodes']} nodes, largest {kind}: {payload['size_bytes']:,} B ({payload['what']})")
+
+
+def print_spares(without: dict, with_spares: dict) -> float:
+    rows = [["failure", "no spare: to first step s", f"{with_spares['spares']} spares: to first step s", "saved s"]]
+    saved = []
+    for plain, spared in zip(without["recoveries"], with_spares["recoveries"]):
+        saved.append(plain["seconds"] - spared["seconds"])
+        rows.append([plain["failure"], f"{plain['seconds']:.1f}", f"{spared['seconds']:.1f}", f"{saved[-1]:.1f}"])
+    print(f"\nRecovery at {without['nodes']} nodes with and without READY spares (one run each):")
+    print(table(rows))
+    return statistics.median(saved)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="8,64,512", help="node counts, comma-separated")
+    parser.add_argument("--spare-nodes", type=int, default=8, help="the size run again with spares (0: none)")
+    parser.add_argument("--spares", type=int, default=3, help="spares of that run: one a failure")
+    args = parser.parse_args()
+    sizes = [int(size) for size in args.sizes.split(",")]
+    runs = [scale_run(nodes, 0) for nodes in sizes]
+    print_sizes(runs)
+    if args.spare_nodes:
+        without = next((run for run in runs if run["nodes"] == args.spare_nodes), None) or scale_run(args.spare_nodes, 0)
+        saved = print_spares(without, scale_run(args.spare_nodes, args.spares))
+        print(f"recovery_saved_by_spare_s={saved:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""A run of hundreds of nodes through the real control plane, on the local cloud.
+
+    .venv/bin/python -m localcloud.scale --nodes 512            # one run, its figures as JSON
+    .venv/bin/python bench/scale.py                              # 8, 64 and 512 side by side
+
+The deployed template's state machine, handlers and EventBridge rules drive `nodes` p5.48xlarge
+instances (and `spares` hot spares) whose processes are the real node agent with the stand-in
+trainer (trainer/standin.py), forked from a warm image (localcloud/warm_image.py) so that 512 of
+them fit on a small machine. The run goes allocate -> preflight -> train -> three failures of
+different kinds, each after a checkpoint of the attempt before it -> recover -> complete ->
+teardown:
+
+- kill: node rank 1's instance dies (EC2's state-change event names it);
+- spot: node rank 2 gets a Spot interruption notice (the checkpoint it asks for, then EC2 ends it);
+- freeze: the node that holds global rank 0 stops dead, with no event at all: its heartbeat of
+  the Train task stops and the hang timeout finds it (the stand-in world is not synchronous, so
+  only the node that speaks for the world shows a freeze; lifecycle.liveness names it silent).
+
+What it measures, from the cloud's own counters (harness reads go through internal clients and
+are not counted): time allocate -> all nodes ready (the run trains); per phase (start-up, steady
+training, each recovery, teardown) the Lambda invocations, state transitions, DynamoDB reads and
+writes, EventBridge events put and S3 requests; each recovery's time from the fault to the
+replacement attempt training and to its first step; the largest Step Functions payload, DynamoDB
+item and event; teardown time (the run leaves TRAINING -> every instance terminated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from localcloud.demo import DEMO_RUN_SPEC
+from localcloud.stack import LocalRun, LocalStack, local_stack
+from trainfleet import pace
+from trainfleet.adapters.run_store import RunNotFound, RunStore
+from trainfleet.contracts import LaunchSpec, RunRecord, RunSpec, RunState
+
+__all__ = ["FAILURES", "scale_template", "scale_run", "main"]
+
+INSTANCE_TYPE = "p5.48xlarge"
+FAILURES = ("kill", "spot", "freeze")
+"""The failures a run meets, in order, and which node each strikes (see the module docstring)."""
+VICTIM_RANK = {"kill": 1, "spot": 2, "freeze": 0}
+CHECKPOINT_INTERVAL = 10
+"""Steps between two checkpoints; a failure strikes once its attempt has committed one."""
+STEADY_S = 60.0
+"""The window of steady training, after the last recovery, whose counts give the hourly rates."""
+STEPS = 240
+"""Enough that the run still trains for STEADY_S after the last recovery, at steps of up to 1 s."""
+LOOK_S = 0.5
+DYNAMODB_READS = {"GetItem", "Query", "Scan", "BatchGetItem", "TransactGetItems"}
+DYNAMODB_WRITES = {"PutItem", "UpdateItem", "DeleteItem", "BatchWriteItem", "TransactWriteItems"}
+S3_CALLS = "s3"
+
+
+def scale_template(nodes: int, spares: int) -> dict[str, Any]:
+    """The demo RunSpec at `nodes` p5.48xlarge nodes (8 ranks each: pp=8 x dp=nodes) and spares."""
+    template = json.loads(DEMO_RUN_SPEC.read_text())
+    ranks = nodes * 8
+    template |= {"run_name": f"scale-{nodes}", "instance_type": INSTANCE_TYPE, "node_count": nodes,
+                 "spare_count": spares}
+    template["trainer"]["model"]["n_layers"] = 8
+    template["trainer"]["parallel"] |= {"pp": 8, "dp": ranks // 8, "microbatches": 8}
+    template["trainer"]["training"] |= {"steps": STEPS, "batch_size": ranks // 8 * 8}
+    template["checkpoint"] |= {"interval_steps": CHECKPOINT_INTERVAL, "keep_last": 2}
+    template["recovery"] |= {
+        "max_restarts": len(FAILURES) + 1,
+        # The shortest the pacing allows at this size (agents look less often in large runs),
+        # and no shorter than 30 s: two busy cores must not pass for a hang.
+        "hang_timeout_seconds": max(30, pace.least_hang_timeout(nodes + spares)),
+        "startup_timeout_seconds": 300, "boot_timeout_seconds": 900}
+    return template
+
+
+@dataclass
+class Meter:
+    """The cloud's counters between two moments: what the control plane did in a phase."""
+
+    cloud: Any
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _mark: tuple[float, Counter, Counter, Counter] | None = None
+
+    def start(self) -> None:
+        self._mark = (time.monotonic(), *self.cloud.counters())
+
+    def stop(self, phase: str) -> dict[str, Any]:
+        """The phase since `start`: its seconds and counts; starts the next phase."""
+        started, requests0, transitions0, invocations0 = self._mark
+        now, requests, transitions, invocations = time.monotonic(), *self.cloud.counters()
+        requests.subtract(requests0)
+        counts = {
+            "seconds": round(now - started, 2),
+            "lambda_invocations": sum(invocations.values()) - sum(invocations0.values()),
+            "state_transitions": sum(transitions.values()) - sum(transitions0.values()),
+            "dynamodb_reads": sum(n for (service, op), n in requests.items() if service == "dynamodb" and op in DYNAMODB_READS),
+            "dynamodb_writes": sum(n for (service, op), n in requests.items() if service == "dynamodb" and op in DYNAMODB_WRITES),
+            "events_put": requests[("events", "PutEvents")],
+            "s3_requests": sum(n for (service, _), n in requests.items() if service == S3_CALLS),
+        }
+        self.phases[phase] = counts
+        self._mark = (now, requests0 + requests, transitions, invocations)
+        return counts
+
+
+class RunView:
+    """The run as the harness reads it, without adding to the counts."""
+
+    def __init__(self, stack: LocalStack, run: LocalRun):
+        self.stack, self.run = stack, run
+        self.store = RunStore(stack.cloud.internal_client("dynamodb"), stack.outputs["RunTableName"])
+
+    def record(self) -> RunRecord | None:
+        try:
+            return self.store.run(self.run.run_name)
+        except RunNotFound:
+            return None
+
+    def until(self, what: str, done: Callable[[RunRecord], bool], timeout_s: float) -> RunRecord:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            record = self.record()
+            if record is not None and done(record):
+                return record
+            if record is not None and record.state.is_final and not done(record):
+                raise RuntimeError(f"run {self.run.run_name} ended {record.state.value} before {what}: {record.error}")
+            time.sleep(LOOK_S)
+        raise TimeoutError(f"run {self.run.run_name}: no {what} within {timeout_s:.0f} s")
+
+    def node_of_rank(self, attempt: int, rank: int) -> str:
+        """The instance the attempt's launch spec gives `rank`."""
+        s3 = self.stack.cloud.internal_client("s3")
+        raw = s3.get_object(Bucket=self.stack.bucket, Key=f"runs/{self.run.run_name}/launch-spec.json")["Body"].read()
+        spec = LaunchSpec.model_validate_json(raw)
+        if spec.attempt != attempt:
+            raise RuntimeError(f"the launch spec is attempt {spec.attempt}'s, not attempt {attempt}'s")
+        return next(instance for instance, node_rank in spec.node_ranks.items() if node_rank == rank)
+
+
+def _strike(stack: LocalStack, how: str, instance_id: str) -> None:
+    if how == "kill":
+        stack.cloud.fleet.kill(instance_id)
+    elif how == "spot":
+        stack.cloud.inject_spot_interruption(instance_id)
+    else:
+        stack.cloud.fleet.hang(instance_id)
+
+
+def scale_run(nodes: int, spares: int = 0, *, step_s: float = 0.5, narrate: Callable[[str], None] = print,
+              timeout_s: float = 900.0) -> dict[str, Any]:
+    """One run of `nodes` nodes (and `spares`) through every failure of FAILURES; its figures."""
+    template = scale_template(nodes, spares)
+    RunSpec.model_validate(template)  # a mistake here is the harness's: say so before deploying
+    with local_stack(narrate, standin_step_s=step_s, agent_lifetime_s=3 * timeout_s) as stack:
+        meter = Meter(stack.cloud)
+        meter.start()
+        run = stack.start_run(template)
+        view = RunView(stack, run)
+        view.until("training", lambda record: record.state is RunState.TRAINING, timeout_s)
+        startup = meter.stop("allocate_to_ready")
+        narrate(f"{nodes} nodes ready and training after {startup['seconds']:.1f} s")
+        recoveries, resumed_from = [], 0
+        for attempt, how in enumerate(FAILURES):
+            view.until(f"a checkpoint of attempt {attempt}", lambda record: bool(
+                record.latest_checkpoint) and record.latest_checkpoint.step > resumed_from, timeout_s)
+            meter.stop("training" if attempt == 0 else f"training_{attempt}")
+            victim = view.node_of_rank(attempt, VICTIM_RANK[how])
+            narrate(f"attempt {attempt}: {how} of {victim} (node rank {VICTIM_RANK[how]})")
+            struck = time.monotonic()
+            _strike(stack, how, victim)
+            training = view.until(f"attempt {attempt + 1} training",
+                                  lambda record: record.attempt > attempt and record.state is RunState.TRAINING, timeout_s)
+            trained_again = time.monotonic()
+            stepped = view.until(f"attempt {attempt + 1}'s first step",
+                                 lambda record: record.attempt > attempt and record.first_step_at is not None, timeout_s)
+            resumed_from = stepped.latest_checkpoint.step if stepped.latest_checkpoint else 0
+            counts = meter.stop(f"recovery_{how}")
+            recoveries.append({"failure": how, "victim": victim, "attempt": training.attempt,
+                               "to_training_s": round(trained_again - struck, 2), **counts})
+            narrate(f"attempt {training.attempt} trains {trained_again - struck:.1f} s after the {how}, "
+                    f"first step after {counts['seconds']:.1f} s")
+        time.sleep(STEADY_S)
+        if view.record().state is not RunState.TRAINING:
+            raise RuntimeError(f"the run left TRAINING within {STEADY_S:.0f} s of steady training: too few steps")
+        steady = meter.stop("steady_training")
+        view.until("the end of training", lambda record: record.state in (RunState.TEARING_DOWN, *_FINAL), timeout_s)
+        meter.stop("training_to_end")
+        end = view.until("the end", lambda record: record.state in _FINAL, timeout_s)
+        stack.cloud.wait_until(lambda: all(instance.state == "terminated" for instance in stack.instances(run)),
+                               timeout_s, "every instance to terminate")
+        teardown = meter.stop("teardown")
+        payloads = {kind: payload._asdict() for kind, payload in stack.cloud.largest_payloads.items()}
+        return {
+            "nodes": nodes, "spares": spares, "state": end.state.value, "restarts": end.restarts,
+            "instances_launched": len(stack.instances(run)),
+            "allocate_to_ready_s": startup["seconds"], "teardown_s": teardown["seconds"],
+            "recoveries": recoveries, "phases": meter.phases,
+            "per_training_hour": {name: round(value * 3600 / steady["seconds"])
+                                  for name, value in steady.items() if name != "seconds"},
+            "largest_payloads": payloads,
+        }
+
+
+_FINAL = (RunState.SUCCEEDED, RunState.FAILED)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m localcloud.scale", description=__doc__.split("\n")[0])
+    parser.add_argument("--nodes", type=int, default=64)
+    parser.add_argument("--spares", type=int, default=0)
+    parser.add_argument("--step-s", type=float, default=0.5, help="seconds a stand-in step takes")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    figures = scale_run(args.nodes, args.spares, step_s=args.step_s,
+                        narrate=lambda message: print(f"[{time.monotonic() - started:7.1f}s] {message}",
+                                                      file=sys.stderr, flush=True))
+    print(json.dumps(figures | {"duration_s": round(time.monotonic() - started, 1)}))
+    return 0 if figures["state"] == RunState.SUCCEEDED.value else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
