@@ -4,8 +4,9 @@
     .venv/bin/python bench/scale.py --sizes 8,64 --spare-nodes 0
 
 Each size is one run of localcloud.scale (the deployed state machine, real agents with the
-stand-in trainer, forked from a warm image) through a kill, a Spot interruption and a freeze,
-each in a process of its own (the local cloud's handlers are imported once per process). Printed
+stand-in trainer, forked from a warm image) through a kill, a Spot interruption and an AWS Health
+retirement, each in a process of its own (the local cloud's handlers are imported once per
+process). Printed
 per size: allocate -> all ready; each recovery's time from the fault to the next attempt
 training and to its first step; the control plane's counts per training hour and per recovery
 (Lambda invocations, state transitions, DynamoDB reads and writes, events put, S3 requests); the

@@ -61,7 +61,7 @@ def name_silent_workers(run: RunRecord, nodes: list[NodeRecord], failure: Failur
     cloud = aws()
     workers = [node.instance_id for node in nodes if node.role is NodeRole.WORKER and not node.state.is_retired]
     troubles = instance_troubles(cloud.ec2, workers) if workers else {}
-    records = read_liveness(cloud.s3, cloud.settings.bucket, run.run_name)
+    records = read_liveness(cloud.dynamodb, cloud.settings.liveness_table, run.run_name)
     return blame_silent_workers(failure, nodes, records, datetime.now(timezone.utc),
                                 run.spec.recovery.hang_timeout_seconds, troubles)
 

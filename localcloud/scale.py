@@ -12,9 +12,12 @@ teardown:
 
 - kill: node rank 1's instance dies (EC2's state-change event names it);
 - spot: node rank 2 gets a Spot interruption notice (the checkpoint it asks for, then EC2 ends it);
-- freeze: the node that holds global rank 0 stops dead, with no event at all: its heartbeat of
-  the Train task stops and the hang timeout finds it (the stand-in world is not synchronous, so
-  only the node that speaks for the world shows a freeze; lifecycle.liveness names it silent).
+- health: an AWS Health event schedules node rank 3's retirement (the run replaces it).
+
+A freeze (no event at all) is left out: the stand-in's nodes do not step together, so the
+liveness look after a hang would hold every node that drifted a few steps behind against the
+lead, which in a real world cannot happen (trainer/standin.py). The chaos matrix proves the
+freeze with the real trainer.
 
 What it measures, from the cloud's own counters (harness reads go through internal clients and
 are not counted): time allocate -> all nodes ready (the run trains); per phase (start-up, steady
@@ -44,9 +47,9 @@ from trainfleet.contracts import LaunchSpec, RunRecord, RunSpec, RunState
 __all__ = ["FAILURES", "scale_template", "scale_run", "main"]
 
 INSTANCE_TYPE = "p5.48xlarge"
-FAILURES = ("kill", "spot", "freeze")
+FAILURES = ("kill", "spot", "health")
 """The failures a run meets, in order, and which node each strikes (see the module docstring)."""
-VICTIM_RANK = {"kill": 1, "spot": 2, "freeze": 0}
+VICTIM_RANK = {"kill": 1, "spot": 2, "health": 3}
 CHECKPOINT_INTERVAL = 10
 """Steps between two checkpoints; a failure strikes once its attempt has committed one."""
 STEADY_S = 60.0
@@ -148,7 +151,7 @@ def _strike(stack: LocalStack, how: str, instance_id: str) -> None:
     elif how == "spot":
         stack.cloud.inject_spot_interruption(instance_id)
     else:
-        stack.cloud.fleet.hang(instance_id)
+        stack.cloud.inject_health_event([instance_id])
 
 
 def scale_run(nodes: int, spares: int = 0, *, step_s: float = 0.5, narrate: Callable[[str], None] = print,

@@ -231,6 +231,7 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
             def agent_environment(instance: Any) -> dict[str, str]:
                 return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
                         "TRAINFLEET_RUN_NAME": instance.tags[TAG_RUN], "TRAINFLEET_RUN_TABLE": outputs["RunTableName"],
+                        "TRAINFLEET_LIVENESS_TABLE": outputs["LivenessTableName"],
                         "TRAINFLEET_BUCKET": stack.bucket, "TRAINFLEET_EVENT_BUS": outputs["AgentEventBusName"],
                         "TRAINFLEET_AGENT_LIFETIME_S": str(int(agent_lifetime_s))} | (
                     {"TRAINFLEET_STANDIN_STEP_S": str(standin_step_s)} if standin_step_s else {})

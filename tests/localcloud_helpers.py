@@ -30,6 +30,18 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
+def table_from_template(dynamodb, logical_id: str) -> str:
+    """A new table with the key schema and indexes template.yaml gives `logical_id`; its name."""
+    from trainfleet.validate import load_template
+
+    properties = load_template((TESTS.parent / "template.yaml").read_text())["Resources"][logical_id]["Properties"]
+    name = unique(logical_id.lower())
+    dynamodb.create_table(TableName=name, BillingMode="PAY_PER_REQUEST", KeySchema=properties["KeySchema"],
+                          AttributeDefinitions=properties["AttributeDefinitions"],
+                          **{key: properties[key] for key in ("GlobalSecondaryIndexes",) if key in properties})
+    return name
+
+
 def handlers_zip() -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:

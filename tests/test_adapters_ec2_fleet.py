@@ -17,7 +17,7 @@ from trainfleet.contracts import RunSpec
 from trainfleet.settings import Settings
 
 EXAMPLE = json.loads((Path(__file__).parents[1] / "events" / "example-run.json").read_text())
-SETTINGS = Settings(run_table="runs", bucket="bucket", event_bus="agents", stack_name="trainfleet",
+SETTINGS = Settings(run_table="runs", liveness_table="liveness", bucket="bucket", event_bus="agents", stack_name="trainfleet",
                     node_instance_profile_arn="arn:aws:iam::123456789012:instance-profile/trainfleet-node")
 
 

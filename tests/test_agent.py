@@ -28,11 +28,12 @@ from trainfleet.adapters.run_store import RunStore
 from trainfleet.contracts import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointReason, CheckpointRef, FailureClass,
                                   FailureReport, LaunchSpec, NodeRecord, RunRecord, RunSpec, RunState,
                                   TrainerFailureKind, rendezvous_port)
-from trainfleet.validate import load_template
+
+from localcloud_helpers import table_from_template
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS_ENV = {"TRAINFLEET_RUN_NAME": "run-a", "TRAINFLEET_RUN_TABLE": "table",
-                "TRAINFLEET_BUCKET": "bucket", "TRAINFLEET_EVENT_BUS": "bus"}
+                "TRAINFLEET_LIVENESS_TABLE": "liveness", "TRAINFLEET_BUCKET": "bucket", "TRAINFLEET_EVENT_BUS": "bus"}
 IDENTITY = Identity(instance_id="i-0aaa", instance_type="c5.large", private_ip="127.77.0.11",
                     availability_zone="us-east-1a", region="us-east-1")
 
@@ -245,7 +246,9 @@ def watched_attempt(moto_endpoint, metadata_service, tmp_path):
     queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
     events.put_rule(Name=name, EventBusName=name, EventPattern=json.dumps({"source": ["trainfleet"]}))
     events.put_targets(Rule=name, EventBusName=name, Targets=[{"Id": "queue", "Arn": queue_arn}])
-    settings = AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_BUCKET": name, "TRAINFLEET_EVENT_BUS": name})
+    liveness = table_from_template(boto3.client("dynamodb", region_name="us-east-1"), "LivenessTable")
+    settings = AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_BUCKET": name, "TRAINFLEET_EVENT_BUS": name,
+                                                      "TRAINFLEET_LIVENESS_TABLE": liveness})
     settings = replace(settings, workdir=tmp_path)
     control = ControlPlane(settings, IDENTITY)
     spec = launch_spec(attempt=1, resume_step=10)
@@ -444,7 +447,7 @@ def test_a_checkpoint_the_run_asks_for_is_requested_once_and_liveness_is_reporte
     attempt.files.checkpoint_request.unlink()  # the trainer consumed it
     attempt.look(asked)
     assert not attempt.files.checkpoint_request.exists(), "one request, one checkpoint"
-    (record,) = read_liveness(attempt.control.s3, attempt.control.settings.bucket, "run-a")
+    (record,) = read_liveness(attempt.control.store.db, attempt.control.settings.liveness_table, "run-a")
     assert (record.instance_id, record.attempt, record.step) == ("i-0aaa", 1, 12)
 
 
@@ -479,14 +482,7 @@ def test_each_attempt_rendezvouses_on_a_port_of_its_own():
 
 
 def run_table(cloud) -> str:
-    """A run table with template.yaml's own key schema and index."""
-    properties = load_template((REPO / "template.yaml").read_text())["Resources"]["RunTable"]["Properties"]
-    name = f"runs-{uuid.uuid4().hex[:8]}"
-    cloud.client("dynamodb").create_table(TableName=name, BillingMode="PAY_PER_REQUEST",
-                                          KeySchema=properties["KeySchema"],
-                                          AttributeDefinitions=properties["AttributeDefinitions"],
-                                          GlobalSecondaryIndexes=properties["GlobalSecondaryIndexes"])
-    return name
+    return table_from_template(cloud.client("dynamodb"), "RunTable")
 
 
 def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_service, tmp_path, monkeypatch, capsys):
@@ -498,8 +494,10 @@ def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_se
     local_cloud.client("events").create_event_bus(Name=name)
     table = run_table(local_cloud)
     RunStore(local_cloud.client("dynamodb"), table).create_run(run_record())
+    liveness = table_from_template(local_cloud.client("dynamodb"), "LivenessTable")
     settings = replace(AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_BUCKET": name, "TRAINFLEET_EVENT_BUS": name,
-                                                              "TRAINFLEET_RUN_TABLE": table}), workdir=tmp_path)
+                                                              "TRAINFLEET_RUN_TABLE": table,
+                                                              "TRAINFLEET_LIVENESS_TABLE": liveness}), workdir=tmp_path)
     # botocore's own quick retries out of the way: every throttled answer reaches the agent.
     monkeypatch.setattr(agent, "CLIENT_RETRIES", {"max_attempts": 1, "mode": "standard"})
     control = ControlPlane(settings, IDENTITY, draw=lambda: 0.0)  # the shortest backoff: 1, 2, 4 ... s
@@ -509,20 +507,22 @@ def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_se
     attempt = Attempt(control, MetadataClient(), spec)
     monkeypatch.setattr(agent, "poll_interval", lambda nodes, draw, hang_timeout_s: 0.2)  # many looks in a short test
     # A trainer that writes one metrics record (so this node heartbeats and sends progress) and
-    # trains on for 12 s.
+    # trains on for 16 s.
     trainer = ("import json, sys, time; open(sys.argv[1], 'w').write(json.dumps({'step': 1, 'loss': 1.0, "
-               "'tokens_per_s': 1.0, 'step_time_s': 0.1}) + '\\n'); time.sleep(12)")
+               "'tokens_per_s': 1.0, 'step_time_s': 0.1}) + '\\n'); time.sleep(16)")
     monkeypatch.setattr(agent, "torchrun_command", lambda spec, rank, identity, files: [
         sys.executable, "-c", trainer, str(files.metrics)])
-    for service, seconds in (("dynamodb", 8.0), ("s3", 3.0), ("events", 3.0)):
+    # S3 outlasts DynamoDB: the first look that reads the run record then lists the commits.
+    for service, seconds in (("dynamodb", 8.0), ("s3", 11.0), ("events", 3.0)):
         local_cloud.throttle(service, seconds)
     assert attempt.run() is None, "the attempt ran to torchrun's exit"
     output = capsys.readouterr().out
     logged = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
     failed_calls = {line["call"] for line in logged if line["agent"].startswith("control plane call failed")}
-    assert {"read the run record", "write the liveness record", "send TrainingProgress"} <= failed_calls
+    assert {"read the run record", "write the liveness record", "send TrainingProgress",
+            "list the committed checkpoints"} <= failed_calls
     assert not [line for line in logged if "stopping torchrun" in line["agent"]]
-    assert all(local_cloud.failed_requests[(service, "throttle")] for service in ("dynamodb", "s3", "events"))
+    assert all(local_cloud.failed_requests[(service, "throttle")] for service in ("dynamodb", "s3", "events")), dict(local_cloud.failed_requests)
     assert control.failures == 0, "calls succeed again once the throttling is over"
 
 

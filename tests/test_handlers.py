@@ -19,7 +19,8 @@ from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.contracts import (FAILURE_ERROR, FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole,
                                   NodeState, ParallelPlan, RunRecord, RunSpec, RunState, TaskWait)
-from trainfleet.validate import load_template
+
+from localcloud_helpers import table_from_template
 
 REPO = Path(__file__).resolve().parent.parent
 STACK = "handlers-test"
@@ -36,20 +37,14 @@ def cloud():
 @pytest.fixture(scope="module")
 def resources(cloud):
     """The run table, idempotency table and bucket, created from template.yaml's own properties."""
-    template = load_template((REPO / "template.yaml").read_text())["Resources"]
     dynamodb = cloud.client("dynamodb")
-    names = {"RunTable": f"runs-{uuid.uuid4().hex[:6]}", "IdempotencyTable": f"idem-{uuid.uuid4().hex[:6]}"}
-    for logical_id, table_name in names.items():
-        properties = template[logical_id]["Properties"]
-        dynamodb.create_table(TableName=table_name, BillingMode="PAY_PER_REQUEST",
-                              KeySchema=properties["KeySchema"],
-                              AttributeDefinitions=properties["AttributeDefinitions"],
-                              **{key: properties[key] for key in ("GlobalSecondaryIndexes",) if key in properties})
+    names = {logical_id: table_from_template(dynamodb, logical_id)
+             for logical_id in ("RunTable", "LivenessTable", "IdempotencyTable")}
     bucket = f"checkpoints-{uuid.uuid4().hex[:8]}"
     cloud.client("s3").create_bucket(Bucket=bucket)
     # EC2 refuses a launch naming an instance profile that does not exist.
     profile = cloud.client("iam").create_instance_profile(InstanceProfileName=f"nodes-{uuid.uuid4().hex[:6]}")
-    return {"run_table": names["RunTable"], "idempotency_table": names["IdempotencyTable"], "bucket": bucket,
+    return {"run_table": names["RunTable"], "liveness_table": names["LivenessTable"], "idempotency_table": names["IdempotencyTable"], "bucket": bucket,
             "instance_profile_arn": profile["InstanceProfile"]["Arn"]}
 
 
@@ -58,6 +53,7 @@ def handlers(cloud, resources, monkeypatch):
     """The functions package with the settings template.yaml gives every function; dropped from
     sys.modules afterwards, so that the local cloud can later import the deployed copy."""
     for name, value in {**cloud.env(), "TRAINFLEET_STACK": STACK, "TRAINFLEET_RUN_TABLE": resources["run_table"],
+                        "TRAINFLEET_LIVENESS_TABLE": resources["liveness_table"],
                         "TRAINFLEET_IDEMPOTENCY_TABLE": resources["idempotency_table"],
                         "TRAINFLEET_BUCKET": resources["bucket"], "TRAINFLEET_EVENT_BUS": f"{STACK}-agents",
                         "TRAINFLEET_NODE_INSTANCE_PROFILE_ARN": resources["instance_profile_arn"],
@@ -669,7 +665,7 @@ def test_recover_names_the_workers_that_failed_silently(handlers, cloud, resourc
     answering, silent, frozen = ids
     now = datetime.now(timezone.utc)
     for instance_id, seconds_ago in ((answering, 2), (silent, 300), (frozen, 3)):
-        write_liveness(cloud.client("s3"), resources["bucket"], run.run_name, NodeLiveness(
+        write_liveness(cloud.client("dynamodb"), resources["liveness_table"], run.run_name, NodeLiveness(
             instance_id=instance_id, attempt=0, step=40, reported_at=now - timedelta(seconds=seconds_ago)))
     cloud.wait_until(lambda: cloud.fleet.get(frozen).process is not None, 10, "the frozen node to boot")
     cloud.fleet.hang(frozen)

@@ -7,7 +7,7 @@ import pytest
 from localcloud.deploy import load_template
 from trainfleet.settings import MissingSetting, Settings
 
-ENV = {"TRAINFLEET_RUN_TABLE": "runs", "TRAINFLEET_BUCKET": "bucket", "TRAINFLEET_EVENT_BUS": "agents",
+ENV = {"TRAINFLEET_RUN_TABLE": "runs", "TRAINFLEET_LIVENESS_TABLE": "liveness", "TRAINFLEET_BUCKET": "bucket", "TRAINFLEET_EVENT_BUS": "agents",
        "TRAINFLEET_NODE_INSTANCE_PROFILE_ARN": "arn:aws:iam::123456789012:instance-profile/node",
        "TRAINFLEET_STACK": "trainfleet"}
 

@@ -1,7 +1,7 @@
 """The node agent: what runs on every instance of a run, between the control plane and torchrun.
 
     python -m trainer.agent
-        environment: TRAINFLEET_RUN_NAME, TRAINFLEET_RUN_TABLE, TRAINFLEET_BUCKET,
+        environment: TRAINFLEET_RUN_NAME, TRAINFLEET_RUN_TABLE, TRAINFLEET_LIVENESS_TABLE, TRAINFLEET_BUCKET,
         TRAINFLEET_EVENT_BUS (the user data of trainfleet/adapters/ec2_fleet.py writes them);
         optional TRAINFLEET_SHUTDOWN_COMMAND (how the agent ends its instance, e.g.
         "systemctl poweroff"; unset, it just exits: locally that ends the instance) and
@@ -139,6 +139,8 @@ class AgentSettings:
     """The run this instance belongs to (TRAINFLEET_RUN_NAME)."""
     run_table: str
     """DynamoDB table of run and node records (TRAINFLEET_RUN_TABLE)."""
+    liveness_table: str
+    """DynamoDB table the agent writes its liveness record to (TRAINFLEET_LIVENESS_TABLE)."""
     bucket: str
     """The stack's bucket: launch specs and checkpoints (TRAINFLEET_BUCKET)."""
     event_bus: str
@@ -159,7 +161,8 @@ class AgentSettings:
     @classmethod
     def from_env(cls, env: dict[str, str] | os._Environ = os.environ, workdir: Path | None = None) -> AgentSettings:
         names = {"run_name": "TRAINFLEET_RUN_NAME", "run_table": "TRAINFLEET_RUN_TABLE",
-                 "bucket": "TRAINFLEET_BUCKET", "event_bus": "TRAINFLEET_EVENT_BUS"}
+                 "liveness_table": "TRAINFLEET_LIVENESS_TABLE", "bucket": "TRAINFLEET_BUCKET",
+                 "event_bus": "TRAINFLEET_EVENT_BUS"}
         missing = [variable for variable in names.values() if not env.get(variable)]
         if missing:
             raise AgentError(f"missing environment variable(s): {', '.join(missing)}")
@@ -370,7 +373,7 @@ class ControlPlane:
 
     def report_liveness(self, record: NodeLiveness) -> None:
         self.call("write the liveness record", lambda: write_liveness(
-            self.s3, self.settings.bucket, self.settings.run_name, record))
+            self.store.db, self.settings.liveness_table, self.settings.run_name, record))
 
     def heartbeat(self, token: str) -> None:
         """SendTaskHeartbeat, from the attempt's heartbeat thread. A failure is logged and the next
@@ -481,7 +484,7 @@ def torchrun_command(spec: LaunchSpec, node_rank: int, identity: Identity, files
 
 
 def standin_command(spec: LaunchSpec, node_rank: int, step_seconds: float, files: AttemptFiles) -> list[str]:
-    """The stand-in trainer in torchrun's place (trainer/standin.py): one process for the node."""
+    """The stand-in trainer in torchrun's place (trainer/standin.py): a thread of the agent."""
     return [sys.executable, "-m", "trainer.standin", "--config", str(files.config), f"--node-rank={node_rank}",
             f"--nodes={spec.plan.nodes}", f"--step-seconds={step_seconds}"]
 

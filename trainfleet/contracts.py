@@ -1023,9 +1023,9 @@ class NodeRecord(_Strict):
 
 
 class NodeLiveness(_Strict):
-    """What a node's agent last said about itself: written by the agent to
-    s3://BUCKET/runs/RUN/liveness/<instance>.json at every look at the control plane while its
-    trainer runs (adapters.liveness). Recover reads them to name the nodes behind a crash or a
+    """What a node's agent last said about itself: written by the agent to its item of the
+    liveness table at every look at the control plane while its trainer runs
+    (adapters.liveness). Recover reads them to name the nodes behind a crash or a
     hang that no event pinned on a node (lifecycle.liveness)."""
 
     instance_id: str

@@ -25,6 +25,8 @@ class Settings(BaseModel):
 
     run_table: str
     """DynamoDB table of run and node records (TRAINFLEET_RUN_TABLE)."""
+    liveness_table: str
+    """DynamoDB table of the nodes' liveness records (TRAINFLEET_LIVENESS_TABLE)."""
     bucket: str
     """S3 bucket of checkpoints, run reports and agent artifacts (TRAINFLEET_BUCKET)."""
     event_bus: str
@@ -52,6 +54,7 @@ class Settings(BaseModel):
 
 _REQUIRED = {
     "run_table": "TRAINFLEET_RUN_TABLE",
+    "liveness_table": "TRAINFLEET_LIVENESS_TABLE",
     "bucket": "TRAINFLEET_BUCKET",
     "event_bus": "TRAINFLEET_EVENT_BUS",
     "node_instance_profile_arn": "TRAINFLEET_NODE_INSTANCE_PROFILE_ARN",

@@ -108,6 +108,7 @@ def node_user_data(run_name: str, settings: Settings) -> str:
     env = {
         "TRAINFLEET_RUN_NAME": run_name,
         "TRAINFLEET_RUN_TABLE": settings.run_table,
+        "TRAINFLEET_LIVENESS_TABLE": settings.liveness_table,
         "TRAINFLEET_BUCKET": settings.bucket,
         "TRAINFLEET_EVENT_BUS": settings.event_bus,
         "TRAINFLEET_STACK": settings.stack_name,

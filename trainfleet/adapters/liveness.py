@@ -1,49 +1,45 @@
-"""Node liveness records in S3, and EC2's instance states and status checks: what Recover looks
-at before it decides about a crash or a hang that no event pinned on a node (lifecycle.liveness).
+"""Node liveness records in DynamoDB, and EC2's instance states and status checks: what Recover
+looks at before it decides about a crash or a hang that no event pinned on a node
+(lifecycle.liveness).
 
-    write_liveness(s3, bucket, run_name, record)       the agent, at each look at the control plane
-    read_liveness(s3, bucket, run_name) -> [NodeLiveness]
+    write_liveness(dynamodb, table, run_name, record)    the agent, at each look at the control plane
+    read_liveness(dynamodb, table, run_name) -> [NodeLiveness]
     instance_troubles(ec2, instance_ids) -> {id: trouble}  leaving (its state) or status check "impaired"
 
-One object per node, `runs/RUN/liveness/<instance>.json`, overwritten in place: a node's agent
-is its only writer, and only the newest record matters.
+One item a node in the liveness table (pk `run`, sk `instance`), overwritten in place: a node's
+agent is its only writer, and only the newest record matters. A write is one WCU (the record is
+far under 1 KB); Recover reads a run's records with one Query (512 nodes: about 100 KB, one page
+of DynamoDB's 1 MB). Items expire LIVENESS_TTL_S after their last write (DynamoDB's TTL).
 """
 
-from concurrent.futures import ThreadPoolExecutor
+import time
 from typing import Any
 
 from trainfleet.contracts import NodeLiveness
 from trainfleet.lifecycle import IMPAIRED
 
-__all__ = ["liveness_prefix", "write_liveness", "read_liveness", "instance_troubles"]
+__all__ = ["write_liveness", "read_liveness", "instance_troubles", "LIVENESS_TTL_S"]
 
-_READERS = 16
-"""Parallel GETs when Recover reads a large fleet's records (512 nodes: 32 rounds)."""
+LIVENESS_TTL_S = 86_400
+"""How long a liveness record outlives its last write: a day, far past any run's use of it."""
 _FILTER_VALUES = 200
 """Instance ids per DescribeInstances filter (EC2 takes up to 200 values per filter)."""
 _STATUS_IDS = 100
 """Instance ids per DescribeInstanceStatus call (at most 100 named ids)."""
 
 
-def liveness_prefix(run_name: str) -> str:
-    return f"runs/{run_name}/liveness/"
+def write_liveness(dynamodb: Any, table: str, run_name: str, record: NodeLiveness) -> None:
+    dynamodb.put_item(TableName=table, Item={
+        "run": {"S": run_name}, "instance": {"S": record.instance_id},
+        "record": {"S": record.model_dump_json()}, "expires_at": {"N": str(int(time.time()) + LIVENESS_TTL_S)}})
 
 
-def write_liveness(s3: Any, bucket: str, run_name: str, record: NodeLiveness) -> None:
-    s3.put_object(Bucket=bucket, Key=f"{liveness_prefix(run_name)}{record.instance_id}.json",
-                  Body=record.model_dump_json().encode(), ContentType="application/json")
-
-
-def read_liveness(s3: Any, bucket: str, run_name: str) -> list[NodeLiveness]:
+def read_liveness(dynamodb: Any, table: str, run_name: str) -> list[NodeLiveness]:
     """Every node's newest record (nodes that never reported have none)."""
-    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=liveness_prefix(run_name))
-    keys = [item["Key"] for page in pages for item in page.get("Contents", [])]
-
-    def read(key: str) -> NodeLiveness:
-        return NodeLiveness.model_validate_json(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
-
-    with ThreadPoolExecutor(max_workers=_READERS) as pool:
-        return list(pool.map(read, keys))
+    pages = dynamodb.get_paginator("query").paginate(
+        TableName=table, ConsistentRead=True, KeyConditionExpression="#run = :run",
+        ExpressionAttributeNames={"#run": "run"}, ExpressionAttributeValues={":run": {"S": run_name}})
+    return [NodeLiveness.model_validate_json(item["record"]["S"]) for page in pages for item in page["Items"]]
 
 
 def instance_troubles(ec2: Any, instance_ids: list[str]) -> dict[str, str]:
