@@ -43,7 +43,7 @@ def agent_looks_per_second(nodes: int, hang_timeout_s: float, seconds: float, se
     identity = Identity(instance_id="i-0bench", instance_type="p5.48xlarge", private_ip="10.0.0.1",
                         availability_zone="us-east-1a", region="us-east-1")
     control = ControlPlane(settings, identity, clock=lambda: clock["now"], draw=random.Random(seed).random)
-    control.run_nodes, control.hang_timeout_s = nodes, hang_timeout_s
+    control.run_nodes, control.hang_timeout_s, control.training = nodes, hang_timeout_s, True
     looks = 0
     while clock["now"] < seconds:
         looks += control.take_look()

@@ -19,8 +19,9 @@ An attempt, from the recovery decision at d (as the state machine runs it):
   (replacement workers and spare refills together); RecoveryBackoff waits the decision's backoff;
   AwaitNodes answers once every worker confirmed the attempt: a node that was already up confirms
   at its next look at the run record (pace.longest_look: the last of many agents looks almost a
-  whole interval later), a new instance once booted and through preflight. Train writes the
-  launch spec, which the agents read at their next look; then rendezvous and, after a failure,
+  whole interval later; its trainer may still run, so at the training pace), a new instance once
+  booted and through preflight. Train writes the launch spec, which the agents read at their next
+  look (between attempts: at the full rate, pace.poll_interval); then rendezvous and, after a failure,
   the checkpoint load; then the first step. So a READY spare saves the boot and preflight that a
   new instance costs, and nothing else: refills boot in the background. Checkpoints start every
   interval from the first step (async: training blocks for the stall, and waits for the upload
@@ -70,7 +71,7 @@ from trainfleet.lifecycle import (apply_decision, blame_silent_workers, classify
                                   classify_task_error, decide_recovery, initial_plan, new_node_records,
                                   settle_run_attempt)
 from trainfleet.lifecycle.goodput import STARTUP, give_up_cause, unaccounted_seconds  # noqa: E402
-from trainfleet.pace import longest_look  # noqa: E402
+from trainfleet.pace import FULL_RATE_NODES, longest_look  # noqa: E402
 
 INSTANCE_TYPE = "p5.48xlarge"
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -288,7 +289,9 @@ class Pace:
     boot: timedelta
     """Launch to READY: boot and preflight."""
     look: timedelta
-    """The last of the run's agents to look at the run record after it changed."""
+    """The last of the run's agents to look at the run record after it changed, while training."""
+    between_look: timedelta
+    """The same between attempts, when no trainer runs on the node: the full rate (trainfleet.pace)."""
     rendezvous: timedelta
     load: timedelta
     save: timedelta
@@ -307,6 +310,8 @@ class Pace:
         s = lambda seconds: timedelta(seconds=seconds)  # noqa: E731
         return cls(boot=s(t.boot_s + t.preflight_s),
                    look=s(longest_look(scenario.nodes + scenario.spares, scenario.hang_timeout_s)),
+                   between_look=s(longest_look(min(scenario.nodes + scenario.spares, FULL_RATE_NODES),
+                                               scenario.hang_timeout_s)),
                    rendezvous=s(t.rendezvous_s), load=s(t.load_s), save=s(t.save_s),
                    cadence=s(max(scenario.interval_s, t.save_s)),
                    stall=t.stall_s + max(0.0, t.save_s - scenario.interval_s),
@@ -376,7 +381,7 @@ class Month:
     def simulate(self) -> Outcome:
         pace, outcome = self.pace, self.outcome
         run = outcome.run
-        first_step = T0 + pace.boot + pace.look + pace.rendezvous  # allocate, boot, preflight, launch spec
+        first_step = T0 + pace.boot + pace.between_look + pace.rendezvous  # allocate, boot, preflight, launch spec
         started_by = STARTUP
         recovering_since: datetime | None = None
         strike_at, strike_cause = self.next_strike(T0)
@@ -429,12 +434,13 @@ class Month:
     def first_step(self, run: RunRecord, decided: datetime, decision: RecoveryDecision) -> datetime:
         """When the attempt decided at `decided` trains, if nothing fails first: every worker
         confirmed (one that was up at its next look, a new one once through preflight), the
-        backoff waited, the launch spec read at the agents' next look, rendezvous, load."""
+        backoff waited, the launch spec read at the agents' next look (between attempts: the
+        full rate), rendezvous, load."""
         pace = self.pace
         booting = [ready for instance_id, ready in self.fleet.ready_at.items()
                    if self.fleet.nodes[instance_id].role is NodeRole.WORKER]
         awaited = max(decided + timedelta(seconds=decision.backoff_seconds), decided + pace.look, *booting)
-        return awaited + pace.look + pace.rendezvous + (pace.load if run.latest_checkpoint else timedelta())
+        return awaited + pace.between_look + pace.rendezvous + (pace.load if run.latest_checkpoint else timedelta())
 
     def trained(self, run: RunRecord, first_step: datetime, end: datetime) -> RunRecord:
         """The run record at `end`: the attempt's first step if reached, its latest commit."""

@@ -59,6 +59,11 @@ class LocalCloudConfig:
     is removed on stop when None."""
     boot_seconds: float = 2.0
     """Nominal seconds an instance stays `pending` before it is `running` and boots."""
+    boot_spread_seconds: float = 0.0
+    """Nominal seconds over which the boots of instances launched together spread: each waits
+    boot_seconds plus a uniform draw up to this. EC2's instances of one launch reach `running`
+    over tens of seconds, not in the same instant (hundreds of agents asking the one local
+    metadata service at once overwhelm it)."""
     shutdown_grace_seconds: float = 5.0
     """Real seconds a terminated instance's processes get after SIGTERM before SIGKILL."""
     spot_notice_seconds: float = 120.0
@@ -72,7 +77,7 @@ class LocalCloudConfig:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
-        for name in ("boot_seconds", "shutdown_grace_seconds", "spot_notice_seconds"):
+        for name in ("boot_seconds", "boot_spread_seconds", "shutdown_grace_seconds", "spot_notice_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.delivery_workers < 1:

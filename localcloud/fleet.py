@@ -44,6 +44,7 @@ import binascii
 import ipaddress
 import logging
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -372,6 +373,9 @@ class LocalFleet:
 
     def _start_booting(self, instance: LocalInstance) -> None:
         def boot() -> None:
+            from localcloud.glue.ec2 import after_fleet_creation
+
+            after_fleet_creation()  # a fleet's instances boot once CreateFleet has answered
             with self._lock:
                 if instance.state != "pending":  # terminated or stopped while pending
                     return
@@ -379,7 +383,9 @@ class LocalFleet:
                 instance._ending = False
                 self._start_process(instance)
 
-        self.cloud.submit_later(f"boot {instance.instance_id}", self.cloud.config.boot_seconds, boot)
+        config = self.cloud.config
+        self.cloud.submit_later(f"boot {instance.instance_id}",
+                                config.boot_seconds + random.uniform(0, config.boot_spread_seconds), boot)
 
     def _start_process(self, instance: LocalInstance) -> None:
         argv = self.boot(instance)

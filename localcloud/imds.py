@@ -426,6 +426,7 @@ def fleet_records(cloud: LocalCloud) -> RecordProvider:
 
     ec2, iam = cloud.internal_client("ec2"), cloud.internal_client("iam")
     described: dict[str, dict[str, Any]] = {}
+    models: dict[str, Any] = {}  # EC2's model of each instance (moto finds one by a scan of all)
 
     def describe(instance_id: str) -> dict[str, Any] | None:
         if instance_id not in described:
@@ -448,7 +449,9 @@ def fleet_records(cloud: LocalCloud) -> RecordProvider:
         found = describe(instance_id)
         if found is None:
             return None
-        options = ec2_backend(cloud).get_instance(instance_id).metadata_options
+        if instance_id not in models:
+            models[instance_id] = ec2_backend(cloud).get_instance(instance_id)
+        options = models[instance_id].metadata_options
         tags_in_metadata = options.instance_metadata_tags == "enabled"
         profile = found.get("IamInstanceProfile", {})
         return InstanceMetadata(

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections import Counter
@@ -51,27 +52,41 @@ FAILURES = ("kill", "spot", "health")
 """The failures a run meets, in order, and which node each strikes (see the module docstring)."""
 VICTIM_RANK = {"kill": 1, "spot": 2, "health": 3}
 CHECKPOINT_INTERVAL = 10
-"""Steps between two checkpoints; a failure strikes once its attempt has committed one."""
+"""Steps between two checkpoints up to 128 nodes, proportionally more above: node rank 0 of the
+stand-in writes a part for every node, and the one local S3 takes about two minutes for 513 of
+them while 512 agents look. A failure strikes once its attempt has committed one."""
 STEADY_S = 60.0
 """The window of steady training, after the last recovery, whose counts give the hourly rates."""
-STEPS = 240
-"""Enough that the run still trains for STEADY_S after the last recovery, at steps of up to 1 s."""
+BOOTS_PER_SECOND = 8.0
+"""How fast a fleet's instances reach `running` (LocalCloudConfig.boot_spread_seconds): 512 over a
+minute, about what EC2 shows for a large launch."""
+TIME_SCALE = 1.0
+"""Real time: the agents look for a Spot notice every 5 s, as AWS recommends (scaled time would
+shorten the notice and quicken the looks, hundreds of agents asking the one local metadata
+service every half second)."""
 LOOK_S = 0.5
 DYNAMODB_READS = {"GetItem", "Query", "Scan", "BatchGetItem", "TransactGetItems"}
 DYNAMODB_WRITES = {"PutItem", "UpdateItem", "DeleteItem", "BatchWriteItem", "TransactWriteItems"}
 S3_CALLS = "s3"
 
 
-def scale_template(nodes: int, spares: int) -> dict[str, Any]:
-    """The demo RunSpec at `nodes` p5.48xlarge nodes (8 ranks each: pp=8 x dp=nodes) and spares."""
+def checkpoint_interval(nodes: int) -> int:
+    return CHECKPOINT_INTERVAL * max(1, nodes // 128)
+
+
+def scale_template(nodes: int, spares: int, step_s: float) -> dict[str, Any]:
+    """The demo RunSpec at `nodes` p5.48xlarge nodes (8 ranks each: pp=8 x dp=nodes) and spares,
+    with steps enough to train STEADY_S after the last failure."""
+    interval = checkpoint_interval(nodes)
+    steps = (len(FAILURES) + 1) * interval + math.ceil(STEADY_S / step_s)
     template = json.loads(DEMO_RUN_SPEC.read_text())
     ranks = nodes * 8
     template |= {"run_name": f"scale-{nodes}", "instance_type": INSTANCE_TYPE, "node_count": nodes,
                  "spare_count": spares}
     template["trainer"]["model"]["n_layers"] = 8
     template["trainer"]["parallel"] |= {"pp": 8, "dp": ranks // 8, "microbatches": 8}
-    template["trainer"]["training"] |= {"steps": STEPS, "batch_size": ranks // 8 * 8}
-    template["checkpoint"] |= {"interval_steps": CHECKPOINT_INTERVAL, "keep_last": 2}
+    template["trainer"]["training"] |= {"steps": steps, "batch_size": ranks // 8 * 8}
+    template["checkpoint"] |= {"interval_steps": interval, "keep_last": 2}
     template["recovery"] |= {
         "max_restarts": len(FAILURES) + 1,
         # The shortest the pacing allows at this size (agents look less often in large runs),
@@ -154,12 +169,19 @@ def _strike(stack: LocalStack, how: str, instance_id: str) -> None:
         stack.cloud.inject_health_event([instance_id])
 
 
-def scale_run(nodes: int, spares: int = 0, *, step_s: float = 0.5, narrate: Callable[[str], None] = print,
+def step_seconds(nodes: int) -> float:
+    """A stand-in step: half a second, a second above 128 nodes (more agents share the machine)."""
+    return 0.5 if nodes <= 128 else 1.0
+
+
+def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, narrate: Callable[[str], None] = print,
               timeout_s: float = 900.0) -> dict[str, Any]:
     """One run of `nodes` nodes (and `spares`) through every failure of FAILURES; its figures."""
-    template = scale_template(nodes, spares)
+    step_s = step_s or step_seconds(nodes)
+    template = scale_template(nodes, spares, step_s)
     RunSpec.model_validate(template)  # a mistake here is the harness's: say so before deploying
-    with local_stack(narrate, standin_step_s=step_s, agent_lifetime_s=3 * timeout_s) as stack:
+    with local_stack(narrate, time_scale=TIME_SCALE, standin_step_s=step_s, agent_lifetime_s=3 * timeout_s,
+                     boot_spread_seconds=(nodes + spares) / BOOTS_PER_SECOND) as stack:
         meter = Meter(stack.cloud)
         meter.start()
         run = stack.start_run(template)
@@ -216,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m localcloud.scale", description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=64)
     parser.add_argument("--spares", type=int, default=0)
-    parser.add_argument("--step-s", type=float, default=0.5, help="seconds a stand-in step takes")
+    parser.add_argument("--step-s", type=float, help="seconds a stand-in step takes (default: step_seconds)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     figures = scale_run(args.nodes, args.spares, step_s=args.step_s,

@@ -202,21 +202,23 @@ class LocalStack:
 @contextmanager
 def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, workdir: Path | None = None,
                 spot_notice_seconds: float = 120.0, agent_lifetime_s: float = 600.0,
-                standin_step_s: float | None = None) -> Iterator[LocalStack]:
+                standin_step_s: float | None = None, boot_spread_seconds: float = 0.0) -> Iterator[LocalStack]:
     """A LocalCloud and its instance metadata service, template.yaml deployed into it, the
     agents' artifacts published and instances booting as node agents. `workdir` keeps the
     instances' folders (None: a temporary folder); `spot_notice_seconds` is nominal, like every
     local cloud time: scaled by `time_scale`; an agent exits after `agent_lifetime_s` at most;
     `standin_step_s` set, the agents run the stand-in trainer (trainer/standin.py) with steps
-    that long (real seconds) in place of torchrun."""
+    that long (real seconds) in place of torchrun; `boot_spread_seconds`: LocalCloudConfig's."""
     # The SAM roles attach AWS managed policies; moto knows them only when asked before it loads.
     os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"
     from localcloud import LocalCloud
     from localcloud.deploy import DeployRequest, deploy
     from localcloud.imds import serve_fleet
     from localcloud.node_boot import publish_artifacts
+    from trainer.agent import LOOK_S, METADATA_LOOK_S
 
-    with LocalCloud(time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds) as cloud:
+    with LocalCloud(time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds,
+                    boot_spread_seconds=boot_spread_seconds) as cloud:
         metadata = serve_fleet(cloud)
         try:
             narrate(f"local cloud up at {cloud.endpoint}; instance metadata at 127.0.0.1:{metadata.port}")
@@ -233,7 +235,9 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
                         "TRAINFLEET_RUN_NAME": instance.tags[TAG_RUN], "TRAINFLEET_RUN_TABLE": outputs["RunTableName"],
                         "TRAINFLEET_LIVENESS_TABLE": outputs["LivenessTableName"],
                         "TRAINFLEET_BUCKET": stack.bucket, "TRAINFLEET_EVENT_BUS": outputs["AgentEventBusName"],
-                        "TRAINFLEET_AGENT_LIFETIME_S": str(int(agent_lifetime_s))} | (
+                        "TRAINFLEET_AGENT_LIFETIME_S": str(int(agent_lifetime_s)),
+                        # The notices are as much shorter as time is scaled: so is the pace of the looks.
+                        "TRAINFLEET_METADATA_LOOK_S": str(max(LOOK_S, METADATA_LOOK_S * time_scale))} | (
                     {"TRAINFLEET_STANDIN_STEP_S": str(standin_step_s)} if standin_step_s else {})
 
             # What the user data does on EC2: copy the wheelhouse with the instance's role, then

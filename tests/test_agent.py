@@ -64,6 +64,8 @@ def test_settings_name_every_missing_variable():
     with pytest.raises(AgentError, match="TRAINFLEET_STANDIN_STEP_S must be a positive number of seconds"):
         AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_STANDIN_STEP_S": "0"})
     assert AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_STANDIN_STEP_S": "0.5"}).standin_step_s == 0.5
+    assert AgentSettings.from_env(SETTINGS_ENV).metadata_look_s == agent.METADATA_LOOK_S == 5.0
+    assert AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_METADATA_LOOK_S": "0.5"}).metadata_look_s == 0.5
 
 
 def test_the_trainer_config_resumes_as_the_spec_says_and_logs_to_the_attempt(tmp_path):
@@ -414,12 +416,26 @@ def test_the_save_reasons_of_markers_and_events_are_the_same():
     assert [reason.value for reason in catalog.SaveReason] == [reason.value for reason in CheckpointReason]
 
 
+def on_a_clock(attempt: Attempt) -> dict:
+    """The attempt's clock, moved on by the test."""
+    clock = {"now": 0.0}
+    attempt.control.clock = lambda: clock["now"]
+    return clock
+
+
 def test_a_spot_notice_asks_the_trainer_for_a_checkpoint_now(watched_attempt, metadata_service):
+    """The metadata service is asked every 5 s (AWS's advice for the Spot notice), not at every
+    look at the node."""
     attempt, _, _ = watched_attempt
     record, _ = metadata_service
+    clock = on_a_clock(attempt)
     attempt.follow()
     assert not attempt.files.checkpoint_request.exists()
     record["value"] = replace(record["value"], spot_action={"action": "terminate", "time": "2026-11-29T22:00:00Z"})
+    clock["now"] += agent.LOOK_S
+    attempt.follow()
+    assert not attempt.files.checkpoint_request.exists(), "not asked again yet"
+    clock["now"] += agent.METADATA_LOOK_S
     attempt.follow()
     assert attempt.files.checkpoint_request.exists()
 
@@ -427,9 +443,11 @@ def test_a_spot_notice_asks_the_trainer_for_a_checkpoint_now(watched_attempt, me
 def test_a_metadata_service_that_fails_is_asked_again_and_never_ends_the_agent(watched_attempt, metadata_service):
     attempt, _, _ = watched_attempt
     record, _ = metadata_service
+    clock = on_a_clock(attempt)
     record["value"] = object()  # the service fails every request for this instance
-    attempt.follow()
-    attempt.follow()
+    for _ in range(2):
+        attempt.follow()
+        clock["now"] += agent.METADATA_LOOK_S
     record["value"] = replace(IMDS_RECORD, spot_action={"action": "terminate", "time": "2026-11-29T22:00:00Z"})
     attempt.follow()
     assert attempt.files.checkpoint_request.exists()
@@ -505,15 +523,17 @@ def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_se
     spec = spec.model_copy(update={"trainer_config": {**spec.trainer_config, "checkpoint": {
         "uri": f"s3://{name}/runs/run-a/checkpoints", "resume": "none"}}})
     attempt = Attempt(control, MetadataClient(), spec)
-    monkeypatch.setattr(agent, "poll_interval", lambda nodes, draw, hang_timeout_s: 0.2)  # many looks in a short test
+    monkeypatch.setattr(agent, "poll_interval", lambda nodes, draw, hang_timeout_s, training: 0.2)  # many looks
     # A trainer that writes one metrics record (so this node heartbeats and sends progress) and
-    # trains on for 16 s.
+    # trains on for 20 s.
     trainer = ("import json, sys, time; open(sys.argv[1], 'w').write(json.dumps({'step': 1, 'loss': 1.0, "
-               "'tokens_per_s': 1.0, 'step_time_s': 0.1}) + '\\n'); time.sleep(16)")
+               "'tokens_per_s': 1.0, 'step_time_s': 0.1}) + '\\n'); time.sleep(20)")
     monkeypatch.setattr(agent, "torchrun_command", lambda spec, rank, identity, files: [
         sys.executable, "-c", trainer, str(files.metrics)])
-    # S3 outlasts DynamoDB: the first look that reads the run record then lists the commits.
-    for service, seconds in (("dynamodb", 8.0), ("s3", 11.0), ("events", 3.0)):
+    # S3 outlasts DynamoDB: the first looks that read the run record then list the commits. (The
+    # backoff with draw 0 doubles from 1 s: the liveness write fails at 0 s, the progress at 0.5 s,
+    # the run record read at 2.5 s; the read at 6.5 s succeeds, its look's listing fails.)
+    for service, seconds in (("dynamodb", 6.0), ("s3", 14.0), ("events", 3.0)):
         local_cloud.throttle(service, seconds)
     assert attempt.run() is None, "the attempt ran to torchrun's exit"
     output = capsys.readouterr().out
@@ -591,7 +611,7 @@ def test_a_runs_agents_read_at_a_bounded_rate_whatever_its_node_count(nodes, han
     clock = {"now": 0.0}
     control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV), workdir=Path(".")), IDENTITY,
                            clock=lambda: clock["now"], draw=random.Random(7).random)
-    control.run_nodes, control.hang_timeout_s = nodes, hang_timeout_s
+    control.run_nodes, control.hang_timeout_s, control.training = nodes, hang_timeout_s, True  # a trainer runs
     looks, seconds = 0, 3600 * max(1, nodes // 256)  # about the same number of looks each time
     while clock["now"] < seconds:
         looks += control.take_look()

@@ -769,6 +769,15 @@ def test_the_read_rate_of_a_run_stays_bounded_whatever_its_node_count():
         lc.poll_interval(2, 1.0, HANG_S)
 
 
+def test_between_attempts_every_agent_looks_at_the_full_rate_whatever_the_run_size():
+    """What a node waits for between attempts (the next launch spec) comes at its next look: at
+    2,048 nodes a paced look is 80 s of every GPU idle, so the pace applies only while training."""
+    assert lc.poll_interval(2048, 0.999, HANG_S) == pytest.approx(80.0 * 0.9995, rel=1e-3)
+    assert lc.poll_interval(2048, 0.999, HANG_S, training=False) == pytest.approx(10.0 * 0.9995, rel=1e-3)
+    assert lc.poll_interval(2, 0.5, HANG_S, training=False) == lc.poll_interval(2, 0.5, HANG_S) == 7.5
+    assert lc.poll_interval(2048, 0.0, 10, training=False) == lc.poll_interval(2, 0.0, 10) == 1.25
+
+
 def test_a_short_hang_timeout_quickens_the_heartbeats_and_looks_so_a_silent_agent_is_known_in_time():
     assert [pace.heartbeat_pace(hang) for hang in (5, 10, 20, 600)] == [1.25, 2.5, 5.0, 5.0]
     # 10 s: a beat every 2.5 s; a hang is declared at least 7.5 s after the node froze, when its

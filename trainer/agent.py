@@ -27,7 +27,8 @@ instance's process. It speaks to the control plane only through AWS:
    private IP, the trainer config from the spec written to a YAML file, resume as the spec says,
    and in its environment what NCCL needs to use EFA on this node's type (catalogue.nccl_environment,
    the environment preflight proved NCCL selects EFA in);
-5. while torchrun runs it looks at the trainer's files and the metadata service twice a second
+5. while torchrun runs it looks at the trainer's files twice a second and for a Spot notice in the
+   metadata service every 5 s (TRAINFLEET_METADATA_LOOK_S)
    (no AWS call) and at the control plane at the paced rate: it writes its liveness record (its
    trainer's last step, lifecycle.liveness), asks the trainer for a checkpoint now when the run
    record requests one (a worker's departure was announced) or the metadata service gives a Spot
@@ -95,7 +96,11 @@ from trainfleet.lifecycle import checkpoint_request_answered, poll_interval
 from trainfleet.pace import heartbeat_pace
 
 LOOK_S = 0.5
-"""How often the agent looks at what is on the node: the trainer's files, the metadata service."""
+"""How often the agent looks at what is on the node: the trainer's files."""
+METADATA_LOOK_S = 5.0
+"""How often the agent asks the metadata service for a Spot notice: every 5 s, as AWS recommends
+(the notice comes two minutes ahead). TRAINFLEET_METADATA_LOOK_S sets another pace: the local
+cloud's notices are as much shorter as its time is scaled."""
 RETRY_MAX_S = 60.0
 """Longest wait before a failed control-plane call is tried again (backoff doubles up to it)."""
 UNREACHABLE_LIMIT_S = 900.0
@@ -120,7 +125,7 @@ STOP_GRACE_S = 30.0
 """How long torchrun gets to stop its ranks after SIGTERM before it is killed."""
 OUTPUT_TAIL_CHARS = 2000
 """How much of torchrun's output a TrainerFailed event carries."""
-METADATA_PATIENCE_S = 120.0
+METADATA_PATIENCE_S = 600.0
 """How long the agent keeps asking the metadata service for its identity at boot: right after
 boot, or throttled, it may not answer at once (botocore's fetcher gives up after a few seconds)."""
 
@@ -157,6 +162,8 @@ class AgentSettings:
     """Seconds a step of the stand-in trainer takes (TRAINFLEET_STANDIN_STEP_S); set, the agent
     runs trainer/standin.py instead of torchrun and a stand-in preflight: no torch on the node,
     the same signals to the control plane. None: the real trainer."""
+    metadata_look_s: float = METADATA_LOOK_S
+    """Seconds between two looks for a Spot notice (TRAINFLEET_METADATA_LOOK_S)."""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | os._Environ = os.environ, workdir: Path | None = None) -> AgentSettings:
@@ -169,7 +176,8 @@ class AgentSettings:
         return cls(**{field: env[variable] for field, variable in names.items()},
                    workdir=workdir or Path.cwd(), lifetime_s=_seconds(env, "TRAINFLEET_AGENT_LIFETIME_S"),
                    shutdown_command=tuple(shlex.split(env.get("TRAINFLEET_SHUTDOWN_COMMAND", ""))),
-                   standin_step_s=_seconds(env, "TRAINFLEET_STANDIN_STEP_S"))
+                   standin_step_s=_seconds(env, "TRAINFLEET_STANDIN_STEP_S"),
+                   metadata_look_s=_seconds(env, "TRAINFLEET_METADATA_LOOK_S") or METADATA_LOOK_S)
 
 
 def _seconds(env: dict[str, str] | os._Environ, variable: str) -> float | None:
@@ -278,6 +286,9 @@ class ControlPlane:
         self.hang_timeout_s = math.inf
         """The run's hang timeout, and so the pace of the looks, once a look read the run record
         (unknown before: the usual pace)."""
+        self.training = False
+        """Whether this node runs a trainer now (Attempt.run): the looks are paced by the run's
+        size then, and at the full rate between attempts."""
         self.next_look = 0.0
         self.failures = 0
         self.failing_since: float | None = None
@@ -285,10 +296,12 @@ class ControlPlane:
     # --- pacing and failures ---
 
     def take_look(self) -> bool:
-        """Whether a look at the control plane is due now; if so, the next one is paced."""
+        """Whether a look at the control plane is due now; if so, the next one is paced (at the
+        full rate between attempts: trainfleet.pace)."""
         if self.clock() < self.next_look:
             return False
-        self.next_look = self.clock() + poll_interval(self.run_nodes, self.draw(), self.hang_timeout_s)
+        self.next_look = self.clock() + poll_interval(self.run_nodes, self.draw(), self.hang_timeout_s,
+                                                      training=self.training)
         return True
 
     def call(self, what: str, action: Callable[[], T]) -> T | None:
@@ -558,6 +571,7 @@ class Attempt:
         self.beaten_metrics_size = 0
         """The metrics file's size at the last heartbeat: it grows by a record a step."""
         self.spot_notice_seen = False
+        self.next_metadata_look = -math.inf
         self.commit_awaited_after: int | None = None
         """The last step when a checkpoint was asked for, until a later commit is announced."""
         self.metadata_failing = False
@@ -584,6 +598,7 @@ class Attempt:
             process = launch(command, self.files.folder, torchrun_env(self.files, self.identity), output)
         stop_beating = threading.Event()
         threading.Thread(target=self.beat_until, args=(stop_beating,), name="heartbeat", daemon=True).start()
+        self.control.training = True
         try:
             while process.poll() is None:
                 time.sleep(LOOK_S)
@@ -597,6 +612,7 @@ class Attempt:
                 if self.deadline is not None and time.monotonic() > self.deadline:
                     raise AgentError("the agent's lifetime is over: stopping torchrun")
         finally:
+            self.control.training = False
             stop_beating.set()
             stop(process)
         self.follow()
@@ -656,9 +672,11 @@ class Attempt:
             # resumes from the newest announced. Other commits wait for the look (one S3 listing
             # a look, not two a second).
             self.announce_commits()
-        if not self.spot_notice_seen and self.spot_notice() is not None:
-            self.spot_notice_seen = True
-            self.request_checkpoint("spot interruption notice")
+        if not self.spot_notice_seen and now >= self.next_metadata_look:
+            self.next_metadata_look = now + self.control.settings.metadata_look_s
+            if self.spot_notice() is not None:
+                self.spot_notice_seen = True
+                self.request_checkpoint("spot interruption notice")
 
     def spot_notice(self) -> dict[str, Any] | None:
         """The Spot notice, if the metadata service shows one; a service that does not answer

@@ -16,6 +16,13 @@ asks which worker went silent. Two paces follow from that:
 Every look is one read of the run record, so a run's agents read it nodes / (mean look interval)
 times a second: at most READ_RATE_BOUND (FULL_RATE_NODES / 7.5 s) however large the run. A hang
 timeout short enough to push a large run past that is refused (hang_timeout_problem).
+
+Between attempts (an agent runs no trainer: it boots, waits for its first attempt, or its attempt
+ended) every agent looks at the full rate whatever the run's size: what it waits for then (the
+launch spec of the next attempt) is read at its next look, and a paced look of a 2,048-node run is
+80 s, a recovery's lost minutes on every GPU. That is nodes / 7.5 reads a second for the minutes
+of a start-up or a recovery (2,048 nodes: 273, about 550 RCU of the run partition's 3,000 for a
+run record under 16 KB), while training keeps the bound.
 """
 
 from datetime import timedelta
@@ -56,12 +63,13 @@ def longest_look(nodes: int, hang_timeout_s: float) -> float:
     return min(POLL_MAX_S * _slowdown(nodes), fits)
 
 
-def poll_interval(nodes: int, draw: float, hang_timeout_s: float) -> float:
+def poll_interval(nodes: int, draw: float, hang_timeout_s: float, training: bool = True) -> float:
     """Seconds until an agent's next look; draw in [0, 1) from the caller. Drawn between half the
-    longest look and the longest, so a fleet's looks spread out."""
+    longest look and the longest, so a fleet's looks spread out. `training`: the agent runs a
+    trainer (False: between attempts, the full rate, see above)."""
     if not 0 <= draw < 1:
         raise ValueError(f"draw must be in [0, 1), got {draw}")
-    longest = longest_look(nodes, hang_timeout_s)
+    longest = longest_look(nodes if training else min(nodes, FULL_RATE_NODES), hang_timeout_s)
     return longest * (POLL_MIN_S + (POLL_MAX_S - POLL_MIN_S) * draw) / POLL_MAX_S
 
 

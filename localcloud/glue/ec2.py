@@ -316,9 +316,17 @@ def _create_fleet_response(self: Fleets) -> ActionResult:
 
 
 _fleet_creation_lock = threading.RLock()
-"""Held while moto creates a fleet: its instances run (and may end) before moto has recorded the
-fleet, and moto's terminate of such an instance fails on the fleet it cannot find yet. On EC2 an
-instance is no one's to end before CreateFleet has answered with its id."""
+"""Held while moto creates a fleet. Its instances stay pending until CreateFleet has answered
+(`after_fleet_creation`), as on EC2, where a fleet's instances boot for tens of seconds while
+the call answers in a few: booting agents would otherwise crowd the local endpoint the call
+itself runs on (512 nodes took minutes to allocate). And an instance is no one's to end before
+then (moto's terminate of one fails on the fleet it has not recorded yet)."""
+
+
+def after_fleet_creation() -> None:
+    """Return once no CreateFleet is under way."""
+    with _fleet_creation_lock:
+        pass
 
 
 def _create_fleet_with_errors(self: Fleets) -> ActionResult:
