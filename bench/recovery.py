@@ -129,15 +129,14 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, spares: int, templa
         outcome = run_cell(stack, cell, cell_template(cell, template) | {"spare_count": spares}, reference)
         if outcome["problems"]:
             raise RuntimeError(f"{cell.name}: {outcome['problems']}")
-        if any("loss" in record for record in metrics_records(stack.instances(
-                LocalRun(outcome["run_name"], outcome["arn"], {})), 1)):
+        run = LocalRun(outcome["run_name"], outcome["arn"], {})
+        if any("loss" in record for record in metrics_records(stack.instances(run), 1)):
             break
         # A Spot notice that came with the last steps: the run completed before the interruption,
         # or its emergency checkpoint was the last step and the resumed attempt had none to train.
         print(f"{cell.name}: no step trained after a recovery; measuring again", flush=True)
     else:
         raise RuntimeError(f"{cell.name}: no recovery in {TRIES} runs")
-    run = LocalRun(outcome["run_name"], outcome["arn"], {})
     timeline = _history(stack, run)
     fault_at = outcome["injections"][0]["at"]
     failed = _first(timeline, fault_at, "Train", "TaskFailed", "TaskTimedOut")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal, TypeVar
@@ -30,8 +30,8 @@ from pydantic import BaseModel, ConfigDict
 from functions.errors import CapacityUnavailable, TransientError
 from trainfleet.adapters.ec2_fleet import CAPACITY_ERROR_CODES
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import (FAILURE_ERROR, FailureReport, NodeRecord, NodeState, RecoveryAction, RunRecord,
-                                  RunRef, RunSpec, TaskWait)
+from trainfleet.contracts import (FAILURE_ERROR, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
+                                  RunRecord, RunRef, RunSpec, TaskWait)
 from trainfleet.lifecycle import may_start
 from trainfleet.settings import MissingSetting, Settings
 
@@ -208,6 +208,13 @@ def mark_terminating(run_name: str, instance_id: str, **changes: Any) -> None:
     event handler meanwhile."""
     aws().store.modify_node(run_name, instance_id, lambda node: node if node.state in _ENDING
                             else node.model_copy(update={"state": NodeState.TERMINATING, **changes}))
+
+
+def swap_roles(run_name: str, promote_spare_ids: Iterable[str], demote_worker_ids: Iterable[str]) -> None:
+    """Record a swap of roles: promoted spares become workers, demoted workers spares."""
+    roles = {**dict.fromkeys(promote_spare_ids, NodeRole.WORKER), **dict.fromkeys(demote_worker_ids, NodeRole.SPARE)}
+    for instance_id, role in roles.items():
+        aws().store.modify_node(run_name, instance_id, lambda node, role=role: node.model_copy(update={"role": role}))
 
 
 def fleet_token_prefix(run: RunRecord) -> str:

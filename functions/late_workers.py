@@ -16,10 +16,10 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import (LateWorkersStep, RunPayload, addressed, aws, logger, mark_terminating, metrics, tracer,
-                              transient_errors_named)
+from functions.common import (LateWorkersStep, RunPayload, addressed, aws, logger, mark_terminating, metrics,
+                              swap_roles, tracer, transient_errors_named)
 from trainfleet.adapters.ec2_fleet import terminate
-from trainfleet.contracts import FailureClass, NodeRole, NodeState
+from trainfleet.contracts import FailureClass, NodeState
 from trainfleet.lifecycle import swap_late_workers, world_complete
 
 
@@ -32,16 +32,14 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
     cloud, name, attempt = aws(), event.run.run_name, event.run.attempt
     store = cloud.store
     swap = swap_late_workers(store.nodes(name), attempt)
-    roles = {**dict.fromkeys(swap.promote_spare_ids, NodeRole.WORKER),
-             **dict.fromkeys(swap.demote_worker_ids, NodeRole.SPARE)}
-    for instance_id, role in roles.items():
-        store.modify_node(name, instance_id, lambda node, role=role: node.model_copy(update={"role": role}))
+    swap_roles(name, swap.promote_spare_ids, swap.demote_worker_ids)
     for instance_id in swap.release_instance_ids:
         mark_terminating(name, instance_id, failure_class=FailureClass.NODE_UNHEALTHY,
                          reason=f"passed preflight, then did not confirm attempt {attempt} in time: silent")
-    terminate(cloud.ec2, [node.instance_id for node in store.nodes(name) if node.state is NodeState.TERMINATING])
+    nodes = store.nodes(name)  # as the writes above left them
+    terminate(cloud.ec2, [node.instance_id for node in nodes if node.state is NodeState.TERMINATING])
 
-    run, nodes = store.run(name), addressed(store.nodes(name))
+    run, nodes = store.run(name), addressed(nodes)
     complete = world_complete(nodes, run.plan, attempt)
     waited = datetime.now(timezone.utc) - (run.attempt_started_at or run.created_at)
     step = LateWorkersStep(world_complete=complete,

@@ -32,7 +32,7 @@ from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.common import (CaughtError, RecoveryStep, RunPayload, aws, capacity_unavailable, fleet_token_prefix,
-                              logger, mark_terminating, metrics, tracer, transient_errors_named)
+                              logger, mark_terminating, metrics, swap_roles, tracer, transient_errors_named)
 from functions.errors import RecoveryGaveUp
 from trainfleet.adapters.ec2_fleet import allocate, terminate
 from trainfleet.adapters.liveness import instance_troubles, read_liveness
@@ -84,10 +84,7 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
         raise RecoveryGaveUp(decision.reason)
     for instance_id in decision.terminate_instance_ids:
         mark_terminating(name, instance_id, failure_class=failure.failure_class, reason=failure.message)
-    roles = {**dict.fromkeys(decision.promote_spare_ids, NodeRole.WORKER),
-             **dict.fromkeys(decision.demote_worker_ids, NodeRole.SPARE)}
-    for instance_id, role in roles.items():
-        store.modify_node(name, instance_id, lambda node, role=role: node.model_copy(update={"role": role}))
+    swap_roles(name, decision.promote_spare_ids, decision.demote_worker_ids)
     return decision
 
 
