@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 from localcloud.demo import DEMO_RUN_SPEC
 from localcloud.stack import LocalRun, LocalStack, local_stack
 from trainfleet import pace
@@ -134,21 +136,26 @@ class RunView:
         self.store = RunStore(stack.cloud.internal_client("dynamodb"), stack.outputs["RunTableName"])
 
     def record(self) -> RunRecord | None:
+        """The run record; None before it exists, or while the endpoint is too busy to answer (the
+        harness asks again at its next look, as an agent would)."""
         try:
             return self.store.run(self.run.run_name)
-        except RunNotFound:
+        except (RunNotFound, BotoCoreError, ClientError):
             return None
 
     def until(self, what: str, done: Callable[[RunRecord], bool], timeout_s: float) -> RunRecord:
+        """The run record once `done` holds of it (looked at least once); an error when the run
+        ends first or `timeout_s` passes."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while True:
             record = self.record()
             if record is not None and done(record):
                 return record
-            if record is not None and record.state.is_final and not done(record):
+            if record is not None and record.state.is_final:
                 raise RuntimeError(f"run {self.run.run_name} ended {record.state.value} before {what}: {record.error}")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"run {self.run.run_name}: no {what} within {timeout_s:.0f} s")
             time.sleep(LOOK_S)
-        raise TimeoutError(f"run {self.run.run_name}: no {what} within {timeout_s:.0f} s")
 
     def node_of_rank(self, attempt: int, rank: int) -> str:
         """The instance the attempt's launch spec gives `rank`."""
@@ -210,8 +217,7 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, narra
             narrate(f"attempt {training.attempt} trains {trained_again - struck:.1f} s after the {how}, "
                     f"first step after {counts['seconds']:.1f} s")
         time.sleep(STEADY_S)
-        if view.record().state is not RunState.TRAINING:
-            raise RuntimeError(f"the run left TRAINING within {STEADY_S:.0f} s of steady training: too few steps")
+        view.until("steady training to go on (too few steps?)", lambda record: record.state is RunState.TRAINING, 10.0)
         steady = meter.stop("steady_training")
         view.until("the end of training", lambda record: record.state in (RunState.TEARING_DOWN, *_FINAL), timeout_s)
         meter.stop("training_to_end")
