@@ -58,7 +58,8 @@ CHECKPOINT_INTERVAL = 10
 stand-in writes a part for every node, and the one local S3 takes about two minutes for 513 of
 them while 512 agents look. A failure strikes once its attempt has committed one."""
 STEADY_S = 60.0
-"""The window of steady training, after the last recovery, whose counts give the hourly rates."""
+"""The window of steady training, after the last recovery, whose counts give the hourly rates
+(`--steady-s` sets another)."""
 BOOTS_PER_SECOND = 8.0
 """How fast a fleet's instances reach `running` (LocalCloudConfig.boot_spread_seconds): 512 over a
 minute, about what EC2 shows for a large launch."""
@@ -76,11 +77,12 @@ def checkpoint_interval(nodes: int) -> int:
     return CHECKPOINT_INTERVAL * max(1, nodes // 128)
 
 
-def scale_template(nodes: int, spares: int, step_s: float) -> dict[str, Any]:
+def scale_template(nodes: int, spares: int, step_s: float, steady_s: float) -> dict[str, Any]:
     """The demo RunSpec at `nodes` p5.48xlarge nodes (8 ranks each: pp=8 x dp=nodes) and spares,
-    with steps enough to train STEADY_S after the last failure."""
+    with steps enough to train `steady_s` after the last failure, and as much again (a failure
+    costs the steps since the last commit)."""
     interval = checkpoint_interval(nodes)
-    steps = (len(FAILURES) + 1) * interval + math.ceil(STEADY_S / step_s)
+    steps = (len(FAILURES) + 2) * interval + 2 * math.ceil(steady_s / step_s)
     template = json.loads(DEMO_RUN_SPEC.read_text())
     ranks = nodes * 8
     template |= {"run_name": f"scale-{nodes}", "instance_type": INSTANCE_TYPE, "node_count": nodes,
@@ -181,11 +183,11 @@ def step_seconds(nodes: int) -> float:
     return 0.5 if nodes <= 128 else 1.0
 
 
-def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, narrate: Callable[[str], None] = print,
-              timeout_s: float = 900.0) -> dict[str, Any]:
+def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, steady_s: float = STEADY_S,
+              narrate: Callable[[str], None] = print, timeout_s: float = 900.0) -> dict[str, Any]:
     """One run of `nodes` nodes (and `spares`) through every failure of FAILURES; its figures."""
     step_s = step_s or step_seconds(nodes)
-    template = scale_template(nodes, spares, step_s)
+    template = scale_template(nodes, spares, step_s, steady_s)
     RunSpec.model_validate(template)  # a mistake here is the harness's: say so before deploying
     with local_stack(narrate, time_scale=TIME_SCALE, standin_step_s=step_s, agent_lifetime_s=3 * timeout_s,
                      boot_spread_seconds=(nodes + spares) / BOOTS_PER_SECOND) as stack:
@@ -216,7 +218,7 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, narra
                                "to_training_s": round(trained_again - struck, 2), **counts})
             narrate(f"attempt {training.attempt} trains {trained_again - struck:.1f} s after the {how}, "
                     f"first step after {counts['seconds']:.1f} s")
-        time.sleep(STEADY_S)
+        time.sleep(steady_s)
         view.until("steady training to go on (too few steps?)", lambda record: record.state is RunState.TRAINING, 10.0)
         steady = meter.stop("steady_training")
         view.until("the end of training", lambda record: record.state in (RunState.TEARING_DOWN, *_FINAL), timeout_s)
@@ -245,9 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=64)
     parser.add_argument("--spares", type=int, default=0)
     parser.add_argument("--step-s", type=float, help="seconds a stand-in step takes (default: step_seconds)")
+    parser.add_argument("--steady-s", type=float, default=STEADY_S, help="seconds of steady training measured")
     args = parser.parse_args(argv)
     started = time.monotonic()
-    figures = scale_run(args.nodes, args.spares, step_s=args.step_s,
+    figures = scale_run(args.nodes, args.spares, step_s=args.step_s, steady_s=args.steady_s,
                         narrate=lambda message: print(f"[{time.monotonic() - started:7.1f}s] {message}",
                                                       file=sys.stderr, flush=True))
     print(json.dumps(figures | {"duration_s": round(time.monotonic() - started, 1)}))

@@ -1,4 +1,4 @@
-"""localcloud.scale at eight nodes: the deployed state machine drives stand-in nodes forked from the
+"""localcloud.scale at four nodes: the deployed state machine drives stand-in nodes forked from the
 warm image through a kill, a Spot notice and an AWS Health retirement, and the figures bench/scale.py
 prints are counted (the 512-node run is the same code, too long for the suite)."""
 
@@ -17,7 +17,7 @@ LIMITS = {"states": 256 * 1024, "dynamodb": 400 * 1024, "events": 256 * 1024}
 @pytest.fixture(scope="module")
 def figures() -> dict:
     # A process of its own: the local cloud imports the deployed copy of the handlers.
-    done = subprocess.run([sys.executable, "-m", "localcloud.scale", "--nodes", "8"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "localcloud.scale", "--nodes", "4", "--steady-s", "20"], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-6000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -28,7 +28,7 @@ def test_the_run_recovers_from_each_failure_by_replacing_one_node_and_completes(
     assert figures["state"] == "SUCCEEDED" and figures["restarts"] == 3
     assert [recovery["failure"] for recovery in figures["recoveries"]] == ["kill", "spot", "health"]
     assert [recovery["attempt"] for recovery in figures["recoveries"]] == [1, 2, 3]
-    assert figures["instances_launched"] == 8 + 3, "one replacement a failure, nothing more"
+    assert figures["instances_launched"] == 4 + 3, "one replacement a failure, nothing more"
     for recovery in figures["recoveries"]:
         assert 0 < recovery["to_training_s"] <= recovery["seconds"]
 
