@@ -418,17 +418,18 @@ def fleet_records(cloud: LocalCloud) -> RecordProvider:
     image, zone, tags, metadata options, instance profile) plus the fleet's notices (Spot
     interruption, rebalance recommendation).
 
-    Every instance polls its Spot notice twice a second, so a record must be cheap: what cannot
+    Every instance polls its Spot notice (every 5 s; locally as much faster as time is scaled), so
+    a record must be cheap: what cannot
     change in an instance's life (type, image, zone, address, launch time, profile) is described
     once, with DescribeInstances; what can (metadata options, tags) is read from EC2's model of
     the instance at each request, so a change shows at once, as on EC2."""
     from localcloud.glue.ec2 import ec2_backend
 
     ec2, iam = cloud.internal_client("ec2"), cloud.internal_client("iam")
-    described: dict[str, dict[str, Any]] = {}
-    models: dict[str, Any] = {}  # EC2's model of each instance (moto finds one by a scan of all)
+    described: dict[str, tuple[dict[str, Any], Any]] = {}
+    """Instance id -> its description and EC2's model of it (moto finds one by a scan of all)."""
 
-    def describe(instance_id: str) -> dict[str, Any] | None:
+    def describe(instance_id: str) -> tuple[dict[str, Any], Any] | None:
         if instance_id not in described:
             try:
                 reservations = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
@@ -438,7 +439,8 @@ def fleet_records(cloud: LocalCloud) -> RecordProvider:
                 raise
             found = reservations[0]["Instances"][0]
             profile = found.get("IamInstanceProfile", {})
-            described[instance_id] = found | {"RoleName": _role_of(iam, profile["Arn"]) if profile else None}
+            described[instance_id] = (found | {"RoleName": _role_of(iam, profile["Arn"]) if profile else None},
+                                      ec2_backend(cloud).get_instance(instance_id))
         return described[instance_id]
 
     def lookup(instance_id: str) -> InstanceMetadata | None:
@@ -446,12 +448,10 @@ def fleet_records(cloud: LocalCloud) -> RecordProvider:
             local = cloud.fleet.get(instance_id)
         except KeyError:
             return None
-        found = describe(instance_id)
-        if found is None:
+        if (known := describe(instance_id)) is None:
             return None
-        if instance_id not in models:
-            models[instance_id] = ec2_backend(cloud).get_instance(instance_id)
-        options = models[instance_id].metadata_options
+        found, model = known
+        options = model.metadata_options
         tags_in_metadata = options.instance_metadata_tags == "enabled"
         profile = found.get("IamInstanceProfile", {})
         return InstanceMetadata(

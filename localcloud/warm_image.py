@@ -62,9 +62,6 @@ class ForkedProcess:
         self.returncode = status
         self._exited.set()
 
-    def poll(self) -> int | None:
-        return self.returncode
-
     def wait(self, timeout: float | None = None) -> int:
         if not self._exited.wait(timeout):
             raise subprocess.TimeoutExpired(f"instance process {self.pid}", timeout)

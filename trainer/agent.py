@@ -27,9 +27,9 @@ instance's process. It speaks to the control plane only through AWS:
    private IP, the trainer config from the spec written to a YAML file, resume as the spec says,
    and in its environment what NCCL needs to use EFA on this node's type (catalogue.nccl_environment,
    the environment preflight proved NCCL selects EFA in);
-5. while torchrun runs it looks at the trainer's files twice a second and for a Spot notice in the
-   metadata service every 5 s (TRAINFLEET_METADATA_LOOK_S)
-   (no AWS call) and at the control plane at the paced rate: it writes its liveness record (its
+5. while torchrun runs it looks at the trainer's files twice a second (no AWS call), for a Spot
+   notice in the metadata service every 5 s (TRAINFLEET_METADATA_LOOK_S), and at the control
+   plane at the paced rate: it writes its liveness record (its
    trainer's last step, lifecycle.liveness), asks the trainer for a checkpoint now when the run
    record requests one (a worker's departure was announced) or the metadata service gives a Spot
    notice, and stops torchrun when the run moves to a newer attempt. The agent whose node holds
