@@ -91,9 +91,7 @@ def checkpoint_committed(run: RunRecord, detail: CheckpointCommitted) -> str:
     except CheckpointInvalid as exc:
         logger.warning("checkpoint claim rejected", run_name=run.run_name, step=detail.step, error=str(exc))
         return "ignored: checkpoint not whole"
-    cloud.store.modify_run(run.run_name, lambda current: current if (
-        current.latest_checkpoint and current.latest_checkpoint.step >= checkpoint.step)
-        else current.model_copy(update={"latest_checkpoint": checkpoint}))
+    cloud.store.modify_run(run.run_name, lambda current: current.knowing(checkpoint))
     emit(checkpoint_metrics(detail, cloud.settings.metrics_namespace))
     recorded = f"checkpoint step {checkpoint.step} recorded"
     departure = end_departure_wait(run, committed=detail)

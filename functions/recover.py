@@ -34,6 +34,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from functions.common import (CaughtError, RecoveryStep, RunPayload, aws, capacity_unavailable, fleet_token_prefix,
                               logger, mark_terminating, metrics, swap_roles, tracer, transient_errors_named)
 from functions.errors import RecoveryGaveUp
+from trainfleet.adapters.checkpoints import latest_checkpoint
 from trainfleet.adapters.ec2_fleet import allocate, terminate
 from trainfleet.adapters.liveness import instance_troubles, read_liveness
 from trainfleet.contracts import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
@@ -68,17 +69,25 @@ def name_silent_workers(run: RunRecord, nodes: list[NodeRecord], failure: Failur
 
 def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport) -> RecoveryDecision:
     """Step 2."""
-    store, name = aws().store, run.run_name
+    cloud, name = aws(), run.run_name
     now = datetime.now(timezone.utc)
+    # The newest commit in S3 is where the next attempt resumes (Launch reads it again): a node
+    # lost before its agent announced a commit leaves the run record a checkpoint behind, and the
+    # failure, the crash-loop rule and the time lost would be judged against an older one.
+    newest = latest_checkpoint(cloud.s3, run.spec.checkpoint.s3_uri)
+    run = run.knowing(newest)
     # The cost ceiling is judged with the ended attempt on the books.
     booked = run.model_copy(update={"ledger": book_attempt(run, nodes, now, False, failure.failure_class)})
     decision = decide_recovery(booked, nodes, failure, jitter_draw=random.random())
     # The attempt is booked in the same write as the decision, so a retry books it once. A give-up
     # starts the books afresh too, so Teardown adds only the time after it.
-    store.modify_run(name, lambda current: apply_decision(current, failure, decision, now).model_copy(update={
-        "state": RunState.RECOVERING,
-        "ledger": book_attempt(current, nodes, now, False, failure.failure_class),
-        "attempt_started_at": now, "first_step_at": None}))
+    def record(current: RunRecord) -> RunRecord:
+        current = current.knowing(newest)
+        return apply_decision(current, failure, decision, now).model_copy(update={
+            "state": RunState.RECOVERING, "ledger": book_attempt(current, nodes, now, False, failure.failure_class),
+            "attempt_started_at": now, "first_step_at": None})
+
+    cloud.store.modify_run(name, record)
     logger.info("recovery decided", run_name=name, decision=decision.model_dump(mode="json"))
     if decision.action is RecoveryAction.GIVE_UP:
         raise RecoveryGaveUp(decision.reason)

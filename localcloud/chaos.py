@@ -253,6 +253,7 @@ class _View:
 
     stack: LocalStack
     run: LocalRun
+    commits: _Commits
 
     def states(self) -> list[str]:
         return states_entered(self.stack.client("stepfunctions"), self.run.arn)
@@ -264,10 +265,10 @@ class _View:
         except RunNotFound:
             return None
 
-    def latest_checkpoint(self) -> Any:
-        """The newest committed checkpoint the control plane recorded, if any."""
-        record = self.record()
-        return record.latest_checkpoint if record is not None else None
+    def committed(self) -> bool:
+        """Whether a checkpoint of the run has committed (its marker is in S3), whether or not the
+        control plane has heard of it yet: a fault may strike a node between the two."""
+        return bool(self.commits.markers)
 
     def said(self, instance_id: str, what: str, attempt: int | None = None) -> bool:
         return any(line["agent"] == what and (attempt is None or line.get("attempt") == attempt)
@@ -422,7 +423,7 @@ def disrupt(view: _View, cell: Cell, ended: Callable[[], bool]) -> list[Injectio
         if _first_checkpoint(view, ended):
             hit(view.node_of_rank(0, 1))
     elif phase is Phase.CHECKPOINT_WRITE:
-        if _at_checkpoint_request(view, "write", ended, lambda: view.latest_checkpoint() is not None):
+        if _at_checkpoint_request(view, "write", ended, view.committed):
             hit(view.node_of_rank(0, 1))
     elif phase is Phase.TEARDOWN:
         if _until("Teardown", lambda: "Teardown" in view.states(), ended):
@@ -454,8 +455,8 @@ def _booting(view: _View, instance_id: str, fault: Fault) -> bool:
 
 
 def _first_checkpoint(view: _View, ended: Callable[[], bool]) -> Any:
-    """The first committed checkpoint the control plane recorded (None if the run ended first)."""
-    return _until("first checkpoint", view.latest_checkpoint, ended)
+    """Whether a checkpoint committed before the run ended."""
+    return _until("first checkpoint", view.committed, ended)
 
 
 def _kill_rank_1_after_first_checkpoint(view: _View, ended: Callable[[], bool]) -> Injection | None:
@@ -565,9 +566,9 @@ def run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any], reference:
     """Run `template` with the cell's faults; the outcome, its injections and its problems."""
     started = time.monotonic()
     run = stack.start_run(template)
-    view = _View(stack, run)
-    ended = stack.ended(run)
     commits = _Commits(run.run_name)
+    view = _View(stack, run, commits)
+    ended = stack.ended(run)
     missed: list[str] = []
     try:
         with _S3Requests.listen(commits):

@@ -79,10 +79,11 @@ def checkpoint_interval(nodes: int) -> int:
 
 def scale_template(nodes: int, spares: int, step_s: float, steady_s: float) -> dict[str, Any]:
     """The demo RunSpec at `nodes` p5.48xlarge nodes (8 ranks each: pp=8 x dp=nodes) and spares,
-    with steps enough to train `steady_s` after the last failure, and as much again (a failure
-    costs the steps since the last commit)."""
+    with steps enough to train `steady_s` after the last failure, and twice as much again: each
+    failure is struck a checkpoint after its attempt's first step, and the Spot and Health ones
+    keep the steps trained until the strike, more of them the busier the machine."""
     interval = checkpoint_interval(nodes)
-    steps = (len(FAILURES) + 2) * interval + 2 * math.ceil(steady_s / step_s)
+    steps = (len(FAILURES) + 2) * interval + 3 * math.ceil(steady_s / step_s)
     template = json.loads(DEMO_RUN_SPEC.read_text())
     ranks = nodes * 8
     template |= {"run_name": f"scale-{nodes}", "instance_type": INSTANCE_TYPE, "node_count": nodes,
@@ -188,6 +189,7 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, stead
     """One run of `nodes` nodes (and `spares`) through every failure of FAILURES; its figures."""
     step_s = step_s or step_seconds(nodes)
     template = scale_template(nodes, spares, step_s, steady_s)
+    interval = template["checkpoint"]["interval_steps"]
     RunSpec.model_validate(template)  # a mistake here is the harness's: say so before deploying
     with local_stack(narrate, time_scale=TIME_SCALE, standin_step_s=step_s, agent_lifetime_s=3 * timeout_s,
                      boot_spread_seconds=(nodes + spares) / BOOTS_PER_SECOND) as stack:
@@ -212,14 +214,22 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, stead
             trained_again = time.monotonic()
             stepped = view.until(f"attempt {attempt + 1}'s first step",
                                  lambda record: record.attempt > attempt and record.first_step_at is not None, timeout_s)
+            stepped_seen = time.monotonic()
             resumed_from = stepped.latest_checkpoint.step if stepped.latest_checkpoint else 0
             counts = meter.stop(f"recovery_{how}")
             recoveries.append({"failure": how, "victim": victim, "attempt": training.attempt,
                                "to_training_s": round(trained_again - struck, 2), **counts})
             narrate(f"attempt {training.attempt} trains {trained_again - struck:.1f} s after the {how}, "
                     f"first step after {counts['seconds']:.1f} s")
-        time.sleep(steady_s)
-        view.until("steady training to go on (too few steps?)", lambda record: record.state is RunState.TRAINING, 10.0)
+        # The window ends a checkpoint interval before the last step: the final commit and the
+        # teardown it starts are not steady training.
+        steps = template["trainer"]["training"]["steps"]
+        window_s = min(steady_s, (steps - resumed_from - interval) * step_s - (time.monotonic() - stepped_seen))
+        if window_s < steady_s / 2:
+            raise RuntimeError(f"run {run.run_name}: {window_s:.0f} s of training left after the last recovery, "
+                               f"too few for a {steady_s:.0f} s steady window (more steps)")
+        time.sleep(window_s)
+        view.until("steady training to go on", lambda record: record.state is RunState.TRAINING, 10.0)
         steady = meter.stop("steady_training")
         view.until("the end of training", lambda record: record.state in (RunState.TEARING_DOWN, *_FINAL), timeout_s)
         meter.stop("training_to_end")

@@ -17,8 +17,8 @@ import pytest
 from trainfleet.adapters.ec2_fleet import run_instance_ids
 from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import (FAILURE_ERROR, FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole,
-                                  NodeState, ParallelPlan, RunRecord, RunSpec, RunState, TaskWait)
+from trainfleet.contracts import (FAILURE_ERROR, CheckpointRef, FailureClass, FailureReport, NodeLiveness, NodeRecord,
+                                  NodeRole, NodeState, ParallelPlan, RunRecord, RunSpec, RunState, TaskWait)
 
 from localcloud_helpers import table_from_template
 
@@ -535,6 +535,29 @@ def test_recover_gives_up_when_the_restart_budget_is_spent(handlers, cloud, reso
     after = store.run(run.run_name)
     assert after.error.startswith("restart budget spent") and [f.failure_class for f in after.failures] == [
         FailureClass.INSTANCE_LOST]
+
+
+def test_recover_books_the_newest_commit_in_s3_even_one_no_agent_announced(handlers, cloud, resources):
+    from test_adapters_checkpoints import save
+    store, run, (worker, _) = recorded_run(cloud, resources)
+    every = run.spec.checkpoint.interval_steps
+    for step in (every, 2 * every):  # the node is lost before its agent announced the second
+        save(cloud.client("s3"), run.spec.checkpoint.s3_uri, step)
+    # The record knows the first; the restart budget is spent, so Recover only books the failure.
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={
+        "latest_checkpoint": CheckpointRef(step=every, uri=f"{run.spec.checkpoint.s3_uri}/step-{every:09d}",
+                                           committed_at=current.created_at),
+        "spec": current.spec.model_copy(update={"recovery": current.spec.recovery.model_copy(
+            update={"max_restarts": 0})})}))
+    report = {"failure_class": "INSTANCE_LOST", "attempt": 0, "instance_ids": [worker], "message": "lost"}
+    payload = {"run": {"run_name": run.run_name, "attempt": 0},
+               "timeouts": {"boot_seconds": 60, "late_worker_seconds": 60, "heartbeat_seconds": 60},
+               "failure": {"Error": FAILURE_ERROR, "Cause": json.dumps(report)}}
+    with pytest.raises(handlers.errors.RecoveryGaveUp):
+        handlers.recover.handler(payload, Context())
+    after = store.run(run.run_name)
+    assert after.latest_checkpoint.step == 2 * every
+    assert [(f.failure_class, f.resume_step) for f in after.failures] == [(FailureClass.INSTANCE_LOST, 2 * every)]
 
 
 def test_a_retried_recover_books_the_failure_once_and_keeps_the_replacements(handlers, cloud, resources, monkeypatch):

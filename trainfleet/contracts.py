@@ -976,6 +976,12 @@ class RunRecord(_Strict):
     version: int = Field(default=0, ge=0)
     """Optimistic lock: every write is conditioned on the version it read."""
 
+    def knowing(self, checkpoint: CheckpointRef | None) -> "RunRecord":
+        """The record with `checkpoint` as its latest, unless it knows one as new already."""
+        if checkpoint is None or (self.latest_checkpoint and self.latest_checkpoint.step >= checkpoint.step):
+            return self
+        return self.model_copy(update={"latest_checkpoint": checkpoint})
+
 
 class NodeRecord(_Strict):
     """One instance of a run, a DynamoDB item beside the run's."""
