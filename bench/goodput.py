@@ -18,9 +18,9 @@ An attempt, from the recovery decision at d (as the state machine runs it):
   Recover terminates the blamed nodes, promotes READY spares and launches what is missing at d
   (replacement workers and spare refills together); RecoveryBackoff waits the decision's backoff;
   AwaitNodes answers once every worker confirmed the attempt: a node that was already up confirms
-  at its next look at the run record (pace.longest_look: the last of many agents looks almost a
-  whole interval later; its trainer may still run, so at the training pace), a new instance once
-  booted and through preflight. Train writes the launch spec, which the agents read at their next
+  at its next look at the run record, at the full rate once its trainer stalled (the failure
+  stopped the world's steps; trainfleet.pace.stalled), a new instance once booted and through
+  preflight. Train writes the launch spec, which the agents read at their next
   look (between attempts: at the full rate, pace.poll_interval); then rendezvous and, after a failure,
   the checkpoint load; then the first step. So a READY spare saves the boot and preflight that a
   new instance costs, and nothing else: refills boot in the background. Checkpoints start every
@@ -65,13 +65,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainfleet.catalogue import instance_facts  # noqa: E402
 from trainfleet.contracts import (CheckpointRef, FailureReport, HealthEvent,  # noqa: E402
                                   NodeRecord, NodeRole, NodeState, NodeUnhealthy, RecoveryAction,
-                                  RecoveryDecision, RecoveryPolicy, RunRecord, RunSpec, TaskWait, TrainerFailed,
+                                  RecoveryDecision, RunRecord, RunSpec, TaskWait, TrainerFailed,
                                   TrainerFailureKind)
 from trainfleet.lifecycle import (apply_decision, blame_silent_workers, classify_event,  # noqa: E402
                                   classify_task_error, decide_recovery, initial_plan, new_node_records,
                                   settle_run_attempt)
 from trainfleet.lifecycle.goodput import STARTUP, give_up_cause, unaccounted_seconds  # noqa: E402
-from trainfleet.pace import FULL_RATE_NODES, longest_look  # noqa: E402
+from trainfleet.pace import FULL_RATE_NODES, STALL_MIN_S, STALL_STEPS, longest_look  # noqa: E402
 
 INSTANCE_TYPE = "p5.48xlarge"
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -168,6 +168,9 @@ class Timings:
     half second and the agent's one-second wait for EC2's word on a lost peer."""
     control_plane_s: float = 5.0
     """Recover's Lambda and transitions (bench/recovery.py estimates a few seconds on AWS)."""
+    step_s: float = 6.0
+    """A training step: Llama 3 405B's 16M-token batch (405e9 x 6 x 16M FLOP) on 16,384 H100s at
+    the 40% of 989 TFLOP/s the report gives."""
     save_s: float = 0.0
     """Upload of one checkpoint, until committed (0: from the model's state, see checkpoint_timings)."""
     load_s: float = 0.0
@@ -189,12 +192,15 @@ class Scenario:
     nodes: int = 2048
     spares: int = 0
     days: float = 30.0
-    interval_s: float = 600.0
-    """Checkpoint interval."""
+    interval_s: float = 60.0
+    """Checkpoint interval: a minute (an async save blocks training for 10 ms of it; the sweep
+    shows the others)."""
     seed: int = 0
     max_restarts: int = 1000
     """RecoveryPolicy.max_restarts: a month at this scale has hundreds of failures."""
-    hang_timeout_s: int = RecoveryPolicy().hang_timeout_seconds
+    hang_timeout_s: int = 300
+    """Five minutes, what a run this large would ask for: the RunSpec's default (ten) suits small
+    runs, and trainfleet.pace allows as little as about 250 s at 2,089 nodes."""
     causes: tuple[Cause, ...] = CAUSES
 
 
@@ -288,10 +294,10 @@ class Pace:
 
     boot: timedelta
     """Launch to READY: boot and preflight."""
-    look: timedelta
-    """The last of the run's agents to look at the run record after it changed, while training."""
+    stalled: timedelta
+    """A trainer's time without a step before its agent looks at the full rate (trainfleet.pace)."""
     between_look: timedelta
-    """The same between attempts, when no trainer runs on the node: the full rate (trainfleet.pace)."""
+    """The last of the run's agents to look at the run record after it changed, at the full rate."""
     rendezvous: timedelta
     load: timedelta
     save: timedelta
@@ -309,7 +315,7 @@ class Pace:
         t = checkpoint_timings(timings, scenario.nodes)
         s = lambda seconds: timedelta(seconds=seconds)  # noqa: E731
         return cls(boot=s(t.boot_s + t.preflight_s),
-                   look=s(longest_look(scenario.nodes + scenario.spares, scenario.hang_timeout_s)),
+                   stalled=s(max(STALL_MIN_S, STALL_STEPS * t.step_s)),
                    between_look=s(longest_look(min(scenario.nodes + scenario.spares, FULL_RATE_NODES),
                                                scenario.hang_timeout_s)),
                    rendezvous=s(t.rendezvous_s), load=s(t.load_s), save=s(t.save_s),
@@ -426,20 +432,21 @@ class Month:
                 self.stays.pop(instance_id, None)
             outcome.boot_waits += decision.allocate_workers > 0
             started_by = cause.name
-            first_step = self.first_step(run, decided, decision)
+            first_step = self.first_step(run, failed_at, decided, decision)
             recovering_since = recovering_since or failed_at
         outcome.run = run
         return outcome
 
-    def first_step(self, run: RunRecord, decided: datetime, decision: RecoveryDecision) -> datetime:
-        """When the attempt decided at `decided` trains, if nothing fails first: every worker
-        confirmed (one that was up at its next look, a new one once through preflight), the
-        backoff waited, the launch spec read at the agents' next look (between attempts: the
-        full rate), rendezvous, load."""
+    def first_step(self, run: RunRecord, failed_at: datetime, decided: datetime, decision: RecoveryDecision) -> datetime:
+        """When the attempt decided at `decided` on a failure at `failed_at` trains, if nothing
+        fails first: every worker confirmed (one that was up at its next look after the decision,
+        at the full rate once its trainer stalled; a new one once through preflight), the backoff
+        waited, the launch spec read at the agents' next look (the full rate), rendezvous, load."""
         pace = self.pace
         booting = [ready for instance_id, ready in self.fleet.ready_at.items()
                    if self.fleet.nodes[instance_id].role is NodeRole.WORKER]
-        awaited = max(decided + timedelta(seconds=decision.backoff_seconds), decided + pace.look, *booting)
+        confirmed = max(decided, failed_at + pace.stalled) + pace.between_look
+        awaited = max(decided + timedelta(seconds=decision.backoff_seconds), confirmed, *booting)
         return awaited + pace.between_look + pace.rendezvous + (pace.load if run.latest_checkpoint else timedelta())
 
     def trained(self, run: RunRecord, first_step: datetime, end: datetime) -> RunRecord:
@@ -504,12 +511,12 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=2048, help="workers (p5.48xlarge, 8 GPUs each)")
     parser.add_argument("--spare-fraction", type=float, default=0.02, help="spares as a fraction of the workers")
     parser.add_argument("--days", type=float, default=30.0)
-    parser.add_argument("--interval-min", type=float, default=10.0, help="checkpoint interval")
+    parser.add_argument("--interval-min", type=float, default=Scenario.interval_s / 60, help="checkpoint interval")
     parser.add_argument("--seeds", type=int, default=3, help="months simulated per figure (averaged)")
     parser.add_argument("--max-restarts", type=int, default=Scenario.max_restarts)
     parser.add_argument("--hang-timeout-s", type=int, default=Scenario.hang_timeout_s)
     defaults = Timings()
-    for name in ("boot_s", "preflight_s", "rendezvous_s", "detect_s", "control_plane_s", "save_s", "load_s", "stall_s"):
+    for name in Timings.__dataclass_fields__:
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
     for cause in CAUSES:
         parser.add_argument(f"--rate-{cause.name.replace(' ', '-').replace('/', '-').replace('+-', '')}", type=int,
@@ -531,8 +538,9 @@ def main() -> int:
           f"in {REPORT_DAYS} days on {REPORT_GPUS:,} GPUs, scaled to the fleet")
     print(f"fleet: {args.nodes:,} x {INSTANCE_TYPE} ({args.nodes * gpus:,} GPUs), {args.days:g} days, job MTBF "
           f"{mtbf_s / 3600:.2f} h ({args.days * 86400 / mtbf_s:.0f} failures expected), mean of {args.seeds} seed(s)")
-    print(f"timings (s): boot {t.boot_s:g} + preflight {t.preflight_s:g}; agents' look <= {pace.look.total_seconds():.1f} "
-          f"(trainfleet.pace at {args.nodes + spares:,} nodes); rendezvous {t.rendezvous_s:g}; detection {t.detect_s:g} "
+    print(f"timings (s): boot {t.boot_s:g} + preflight {t.preflight_s:g}; step {t.step_s:g}, stalled after "
+          f"{pace.stalled.total_seconds():g}, then agents' look <= {pace.between_look.total_seconds():.1f} "
+          f"(trainfleet.pace); rendezvous {t.rendezvous_s:g}; detection {t.detect_s:g} "
           f"(a hang: {args.hang_timeout_s}); control plane {t.control_plane_s:g}")
     print(f"checkpoint every {args.interval_min:g} min: save {t.save_s:.2f} s, load {t.load_s:.2f} s, stall "
           f"{t.stall_s:.4f} s ({MODEL_PARAMETERS / 1e9:.0f}B parameters x {STATE_BYTES_PER_PARAMETER} bytes over "

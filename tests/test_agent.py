@@ -22,7 +22,7 @@ from trainer import agent
 from trainer import checkpoint_catalog as catalog
 from trainer.agent import (AgentError, AgentSettings, Attempt, AttemptFiles, ControlPlane, Identity, MetadataClient,
                            MetricsFollower, failure_kind, torchrun_command, torchrun_env, trainer_config)
-from trainer.progress import PROGRESS_FILE_ENV
+from trainer.progress import PROGRESS_FILE_ENV, write_progress
 from trainfleet.adapters.liveness import read_liveness
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.contracts import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointReason, CheckpointRef, FailureClass,
@@ -311,6 +311,25 @@ def test_a_commit_asked_for_is_announced_at_once_others_at_the_next_look(watched
     assert attempt.commit_awaited_after is None
 
 
+def test_a_large_runs_agent_looks_at_the_full_rate_once_its_trainer_stalls(watched_attempt):
+    """At 2,048 nodes a look while training comes every 40-80 s; a trainer that stops stepping (a
+    lost peer blocks the world) brings the next look within 10 s: the run is moving on."""
+    attempt, _, _ = watched_attempt
+    clock = {"now": 1000.0}
+    control = attempt.control
+    control.clock, control.draw = (lambda: clock["now"]), (lambda: 0.999)
+    control.run_nodes, control.hang_timeout_s = 2048, 600
+    for step in range(10, 17):  # joined at its resume step, then a step every 2 s
+        write_progress(attempt.files.progress, step)
+        attempt.follow()
+        control.take_look()  # due at the start, full rate, and 10 s later, paced
+        clock["now"] += 2.0
+    assert control.stepping and control.next_look - clock["now"] > 60
+    clock["now"] += 10.5  # no step for 12.5 s: more than 3 steps and 10 s
+    attempt.follow()
+    assert not control.stepping and control.next_look - clock["now"] < 10
+
+
 def test_a_trainer_resumed_at_its_last_step_completes_the_run(watched_attempt):
     attempt, store, sent = watched_attempt
     # What trainer.train writes when the checkpoint it resumed from is already the last step.
@@ -523,7 +542,7 @@ def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_se
     spec = spec.model_copy(update={"trainer_config": {**spec.trainer_config, "checkpoint": {
         "uri": f"s3://{name}/runs/run-a/checkpoints", "resume": "none"}}})
     attempt = Attempt(control, MetadataClient(), spec)
-    monkeypatch.setattr(agent, "poll_interval", lambda nodes, draw, hang_timeout_s, training: 0.2)  # many looks
+    monkeypatch.setattr(agent, "poll_interval", lambda nodes, draw, hang_timeout_s, stepping: 0.2)  # many looks
     # A trainer that writes one metrics record (so this node heartbeats and sends progress) and
     # trains on for 20 s.
     trainer = ("import json, sys, time; open(sys.argv[1], 'w').write(json.dumps({'step': 1, 'loss': 1.0, "
@@ -581,6 +600,24 @@ def test_the_looks_quicken_with_the_run_hang_timeout_once_the_run_record_is_read
     assert control.next_look - clock["now"] == pytest.approx(2.5, abs=0.01)
 
 
+def test_the_backoff_after_failed_calls_never_outlasts_the_runs_longest_look(tmp_path):
+    """Looks skipped by the backoff would make a healthy agent silent (lifecycle.liveness) once a
+    throttle outlasts a few of them."""
+    from botocore.exceptions import EndpointConnectionError
+    clock = {"now": 0.0}
+    control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV), workdir=tmp_path), IDENTITY,
+                           clock=lambda: clock["now"], draw=lambda: 0.999)
+    control.run_nodes, control.hang_timeout_s = 2, 20  # looks at most 5 s apart
+
+    def unreachable():
+        raise EndpointConnectionError(endpoint_url="http://dynamodb")
+
+    for _ in range(6):  # 1, 2, 4, 8, 16, 32 s uncapped
+        assert control.call("read the run record", unreachable) is None
+        assert control.next_look - clock["now"] <= 5.0
+        clock["now"] = control.next_look
+
+
 def test_an_unreachable_control_plane_ends_the_instance_after_the_limit(local_cloud, metadata_service, tmp_path,
                                                                        monkeypatch):
     table = run_table(local_cloud)
@@ -611,7 +648,7 @@ def test_a_runs_agents_read_at_a_bounded_rate_whatever_its_node_count(nodes, han
     clock = {"now": 0.0}
     control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV), workdir=Path(".")), IDENTITY,
                            clock=lambda: clock["now"], draw=random.Random(7).random)
-    control.run_nodes, control.hang_timeout_s, control.training = nodes, hang_timeout_s, True  # a trainer runs
+    control.run_nodes, control.hang_timeout_s, control.stepping = nodes, hang_timeout_s, True  # a trainer steps
     looks, seconds = 0, 3600 * max(1, nodes // 256)  # about the same number of looks each time
     while clock["now"] < seconds:
         looks += control.take_look()

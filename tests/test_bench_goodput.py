@@ -23,7 +23,7 @@ def test_without_failures_only_the_start_up_and_the_checkpoint_stalls_are_lost()
     timings = goodput.Timings()
     outcome = goodput.simulate(replace(WEEK, causes=()), timings)
     pace = goodput.Pace.of(WEEK, timings)
-    startup = (pace.boot + pace.look + pace.rendezvous).total_seconds()
+    startup = (pace.boot + pace.between_look + pace.rendezvous).total_seconds()
     assert sum(outcome.failures.values()) == 0
     assert outcome.run.ledger.productive_seconds == pytest.approx(outcome.horizon_s - startup)
     assert dict(outcome.lost_s) == pytest.approx({"startup": startup})

@@ -337,6 +337,13 @@ def test_backoff_grows_along_a_streak_in_decisions():
     assert lc.decide_recovery(run, WORKERS, report(FailureClass.HANG), 0.0).backoff_seconds == 20
 
 
+def test_a_replacement_waits_no_backoff_until_it_fails_alike():
+    lost = report(FailureClass.INSTANCE_LOST, "i-3")
+    assert lc.decide_recovery(make_run(), [*WORKERS, SPARE], lost, 0.0).backoff_seconds == 0
+    again = make_run(failures=history(FailureClass.INSTANCE_LOST, 1, step=None))
+    assert lc.decide_recovery(again, [*WORKERS, SPARE], lost, 0.0).backoff_seconds == 20
+
+
 def test_apply_decision_opens_a_new_attempt():
     failure = report(FailureClass.INSTANCE_LOST, "i-3")
     run = make_run(latest_checkpoint=CheckpointRef(step=30, uri="s3://b/step-000000030"), attempt_failure=failure)
@@ -769,13 +776,18 @@ def test_the_read_rate_of_a_run_stays_bounded_whatever_its_node_count():
         lc.poll_interval(2, 1.0, HANG_S)
 
 
-def test_between_attempts_every_agent_looks_at_the_full_rate_whatever_the_run_size():
+def test_unless_its_trainer_steps_every_agent_looks_at_the_full_rate_whatever_the_run_size():
     """What a node waits for between attempts (the next launch spec) comes at its next look: at
-    2,048 nodes a paced look is 80 s of every GPU idle, so the pace applies only while training."""
+    2,048 nodes a paced look is 80 s of every GPU idle, so the pace applies only while it steps."""
     assert lc.poll_interval(2048, 0.999, HANG_S) == pytest.approx(80.0 * 0.9995, rel=1e-3)
-    assert lc.poll_interval(2048, 0.999, HANG_S, training=False) == pytest.approx(10.0 * 0.9995, rel=1e-3)
-    assert lc.poll_interval(2, 0.5, HANG_S, training=False) == lc.poll_interval(2, 0.5, HANG_S) == 7.5
-    assert lc.poll_interval(2048, 0.0, 10, training=False) == lc.poll_interval(2, 0.0, 10) == 1.25
+    assert lc.poll_interval(2048, 0.999, HANG_S, stepping=False) == pytest.approx(10.0 * 0.9995, rel=1e-3)
+    assert lc.poll_interval(2, 0.5, HANG_S, stepping=False) == lc.poll_interval(2, 0.5, HANG_S) == 7.5
+    assert lc.poll_interval(2048, 0.0, 10, stepping=False) == lc.poll_interval(2, 0.0, 10) == 1.25
+
+
+def test_a_trainer_without_a_step_for_three_steps_and_ten_seconds_has_stalled():
+    assert not pace.stalled(9.9, None) and pace.stalled(10.1, None)
+    assert pace.stalled(10.1, 0.5) and not pace.stalled(17.9, 6.0) and pace.stalled(18.1, 6.0)
 
 
 def test_a_short_hang_timeout_quickens_the_heartbeats_and_looks_so_a_silent_agent_is_known_in_time():

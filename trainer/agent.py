@@ -93,7 +93,7 @@ from trainfleet.contracts import (AgentEvent, CheckpointCommitted, CheckpointRea
                                   RunRecord, RunState, TrainerFailed, TrainerFailureKind, TrainingCompleted,
                                   TrainingProgress, put_events_entry)
 from trainfleet.lifecycle import checkpoint_request_answered, poll_interval
-from trainfleet.pace import heartbeat_pace
+from trainfleet.pace import heartbeat_pace, longest_look, stalled
 
 LOOK_S = 0.5
 """How often the agent looks at what is on the node: the trainer's files."""
@@ -102,7 +102,8 @@ METADATA_LOOK_S = 5.0
 (the notice comes two minutes ahead). TRAINFLEET_METADATA_LOOK_S sets another pace: the local
 cloud's notices are as much shorter as its time is scaled."""
 RETRY_MAX_S = 60.0
-"""Longest wait before a failed control-plane call is tried again (backoff doubles up to it)."""
+"""Longest wait before a failed control-plane call is tried again (backoff doubles up to it, or
+up to the run's longest look, if that is shorter)."""
 UNREACHABLE_LIMIT_S = 900.0
 """Control plane unreachable this long: nothing can tell the agent its run is over, so it ends
 its instance rather than leave it running unwatched."""
@@ -286,9 +287,9 @@ class ControlPlane:
         self.hang_timeout_s = math.inf
         """The run's hang timeout, and so the pace of the looks, once a look read the run record
         (unknown before: the usual pace)."""
-        self.training = False
-        """Whether this node runs a trainer now (Attempt.run): the looks are paced by the run's
-        size then, and at the full rate between attempts."""
+        self.stepping = False
+        """Whether this node's trainer steps now (Attempt.follow): the looks are paced by the
+        run's size then, and at the full rate otherwise (trainfleet.pace)."""
         self.next_look = 0.0
         self.failures = 0
         self.failing_since: float | None = None
@@ -296,13 +297,21 @@ class ControlPlane:
     # --- pacing and failures ---
 
     def take_look(self) -> bool:
-        """Whether a look at the control plane is due now; if so, the next one is paced (at the
-        full rate between attempts: trainfleet.pace)."""
+        """Whether a look at the control plane is due now; if so, the next one is paced."""
         if self.clock() < self.next_look:
             return False
-        self.next_look = self.clock() + poll_interval(self.run_nodes, self.draw(), self.hang_timeout_s,
-                                                      training=self.training)
+        self.next_look = self.clock() + self.pace()
         return True
+
+    def pace(self) -> float:
+        return poll_interval(self.run_nodes, self.draw(), self.hang_timeout_s, stepping=self.stepping)
+
+    def pace_for(self, stepping: bool) -> None:
+        """Looks paced for a trainer that steps or not; one that stops stepping (stalled, ended)
+        brings the next look forward to the full rate: the run may be moving on without it."""
+        was, self.stepping = self.stepping, stepping
+        if was and not stepping:
+            self.next_look = min(self.next_look, self.clock() + self.pace())
 
     def call(self, what: str, action: Callable[[], T]) -> T | None:
         """`action()`, or None when it failed: the failure is logged, the next look backs off,
@@ -313,7 +322,10 @@ class ControlPlane:
             now = self.clock()
             self.failures += 1
             self.failing_since = self.failing_since if self.failing_since is not None else now
-            wait = min(RETRY_MAX_S, 2.0 ** min(self.failures, 8)) * (0.5 + self.draw() / 2)
+            # Never beyond the paced look: an agent silent for a few looks counts as lost
+            # (lifecycle.liveness), and one look a pace is the load the pace allows anyway.
+            longest = longest_look(self.run_nodes, self.hang_timeout_s)
+            wait = min(RETRY_MAX_S, 2.0 ** min(self.failures, 8), longest) * (0.5 + self.draw() / 2)
             self.next_look = max(self.next_look, now + wait)
             say("control plane call failed; trying again later", call=what, error=str(exc),
                 failures=self.failures, retry_in_s=round(wait, 1))
@@ -578,6 +590,9 @@ class Attempt:
         self.checkpoint_request_seen: datetime | None = None
         self.node_step: int | None = None  # this node's trainer's last step (its progress file)
         self.node_step_at: datetime | None = None
+        self.progress_changes = 0  # how often its progress file changed
+        self.node_stepped_at = -math.inf  # control.clock() when it changed last
+        self.node_step_s: float | None = None  # the time a step took, from the last two changes
 
     def run(self) -> RunRecord | None:
         """Run torchrun until it exits or the run leaves this attempt; the run record that showed
@@ -598,7 +613,6 @@ class Attempt:
             process = launch(command, self.files.folder, torchrun_env(self.files, self.identity), output)
         stop_beating = threading.Event()
         threading.Thread(target=self.beat_until, args=(stop_beating,), name="heartbeat", daemon=True).start()
-        self.control.training = True
         try:
             while process.poll() is None:
                 time.sleep(LOOK_S)
@@ -612,7 +626,7 @@ class Attempt:
                 if self.deadline is not None and time.monotonic() > self.deadline:
                     raise AgentError("the agent's lifetime is over: stopping torchrun")
         finally:
-            self.control.training = False
+            self.control.pace_for(stepping=False)
             stop_beating.set()
             stop(process)
         self.follow()
@@ -653,10 +667,16 @@ class Attempt:
         steps = [record for record in records if not record.get("finished")]
         now = self.control.clock()
         step = read_progress(self.files.progress)
-        if step != self.node_step:
-            # The first step written is where the trainer joined the world; a change after it is a step.
-            self.stepped = self.stepped or self.node_step is not None
-            self.node_step, self.node_step_at = step, datetime.now(timezone.utc)
+        if step is not None and step != self.node_step:
+            # The first step written is where the trainer joined the world, the next its first
+            # step; each later one times the steps since the one before.
+            self.progress_changes += 1
+            if self.progress_changes > 2:
+                self.node_step_s = (now - self.node_stepped_at) / max(1, step - self.node_step)
+            self.stepped = self.stepped or self.progress_changes > 1
+            self.node_step, self.node_step_at, self.node_stepped_at = step, datetime.now(timezone.utc), now
+        self.control.pace_for(stepping=self.progress_changes > 1
+                              and not stalled(now - self.node_stepped_at, self.node_step_s))
         self.stepped = self.stepped or bool(steps)
         if records:
             self.speaks_for_world = True

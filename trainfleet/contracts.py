@@ -247,7 +247,8 @@ class RecoveryPolicy(_Strict):
     """Give up after this many failures of the same class in a row with no checkpoint committed
     in between (announced AWS events, e.g. Spot interruptions, never count as a loop)."""
     backoff_base_seconds: float = Field(default=30.0, ge=0)
-    """Wait before the first retry of a failure streak."""
+    """Wait before the first retry of a failure streak on the same nodes (a first failure whose
+    blamed nodes are replaced retries at once)."""
     backoff_multiplier: float = Field(default=2.0, ge=1)
     """Growth of the wait with each further failure in the same streak."""
     backoff_max_seconds: float = Field(default=900.0, ge=0)

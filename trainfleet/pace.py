@@ -17,12 +17,14 @@ Every look is one read of the run record, so a run's agents read it nodes / (mea
 times a second: at most READ_RATE_BOUND (FULL_RATE_NODES / 7.5 s) however large the run. A hang
 timeout short enough to push a large run past that is refused (hang_timeout_problem).
 
-Between attempts (an agent runs no trainer: it boots, waits for its first attempt, or its attempt
-ended) every agent looks at the full rate whatever the run's size: what it waits for then (the
-launch spec of the next attempt) is read at its next look, and a paced look of a 2,048-node run is
-80 s, a recovery's lost minutes on every GPU. That is nodes / 7.5 reads a second for the minutes
-of a start-up or a recovery (2,048 nodes: 273, about 550 RCU of the run partition's 3,000 for a
-run record under 16 KB), while training keeps the bound.
+Unless its trainer steps, every agent looks at the full rate whatever the run's size: between
+attempts (it boots, waits for its first attempt, or its attempt ended), and while its trainer
+starts, winds down or has stalled (no step for STALL_STEPS steps, at least STALL_MIN_S: a lost
+peer blocks the world's collectives until the control plane moves the run on). What it waits for
+then (the run's next attempt, its launch spec) is read at its next look, and a paced look of a
+2,048-node run is 80 s, a recovery's lost minutes on every GPU. That is nodes / 7.5 reads a
+second for the minutes of a start-up or a recovery (2,048 nodes: 273, about 550 RCU of the run
+partition's 3,000 for a run record under 16 KB), while training keeps the bound.
 """
 
 from datetime import timedelta
@@ -46,6 +48,10 @@ HEARTBEATS_PER_HANG = 4
 """Heartbeats per hang timeout when it is short: a healthy run never times out on a late one."""
 HANG_TIMEOUT_MIN_S = 5
 """Shortest hang timeout a RunSpec may ask for."""
+STALL_STEPS = 3
+"""Steps' time without a step after which a trainer counts as stalled."""
+STALL_MIN_S = 10.0
+"""Least time without a step for a trainer to count as stalled (a checkpoint save blocks a step)."""
 
 
 def _slowdown(nodes: int) -> float:
@@ -63,14 +69,20 @@ def longest_look(nodes: int, hang_timeout_s: float) -> float:
     return min(POLL_MAX_S * _slowdown(nodes), fits)
 
 
-def poll_interval(nodes: int, draw: float, hang_timeout_s: float, training: bool = True) -> float:
+def poll_interval(nodes: int, draw: float, hang_timeout_s: float, stepping: bool = True) -> float:
     """Seconds until an agent's next look; draw in [0, 1) from the caller. Drawn between half the
-    longest look and the longest, so a fleet's looks spread out. `training`: the agent runs a
-    trainer (False: between attempts, the full rate, see above)."""
+    longest look and the longest, so a fleet's looks spread out. `stepping`: the agent's trainer
+    steps (False: the full rate, see above)."""
     if not 0 <= draw < 1:
         raise ValueError(f"draw must be in [0, 1), got {draw}")
-    longest = longest_look(nodes if training else min(nodes, FULL_RATE_NODES), hang_timeout_s)
+    longest = longest_look(nodes if stepping else min(nodes, FULL_RATE_NODES), hang_timeout_s)
     return longest * (POLL_MIN_S + (POLL_MAX_S - POLL_MIN_S) * draw) / POLL_MAX_S
+
+
+def stalled(seconds_since_step: float, step_seconds: float | None) -> bool:
+    """Whether a trainer whose last step came `seconds_since_step` ago, at steps of `step_seconds`
+    (None: not known yet), has stalled."""
+    return seconds_since_step > max(STALL_MIN_S, STALL_STEPS * (step_seconds or 0.0))
 
 
 def looks_per_second(nodes: int, hang_timeout_s: float) -> float:

@@ -6,7 +6,8 @@ decide_recovery() works in numbered steps, each a rule a person can check:
     3. the restart budget is spent: give up;
     4. a crash loop (the same failure K times in a row, no checkpoint in between): give up;
     5. no node is blamed: restart on the same nodes;
-    6. blamed workers are covered by healthy spares and/or new instances: replace;
+    6. blamed workers are covered by healthy spares and/or new instances: replace (at once on
+       the first failure of a streak: the nodes that failed are gone);
     7. capacity ran out and the run may shrink: re-plan pp x dp on the nodes left, or give up.
 """
 
@@ -105,9 +106,13 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
                                 reason=f"capacity short: continue on {shrunk.nodes} nodes at pp={shrunk.pp} "
                                        f"x dp={shrunk.dp}")
 
-    # 6: replace the blamed nodes; spares first, new instances for the rest.
+    # 6: replace the blamed nodes; spares first, new instances for the rest. The first failure of
+    # a streak does not wait: a backoff is for retrying what may fail the same way again, and
+    # the nodes it blamed are gone (a replacement failing alike starts the waits).
     spares_left = len(spare_pool) - len(promote)
     refill = 0 if failure.failure_class is FailureClass.CAPACITY else max(0, spec.spare_count - spares_left)
+    if streak == 1:
+        common["backoff_seconds"] = 0.0
     return RecoveryDecision(action=RecoveryAction.REPLACE, plan=plan, allocate_workers=uncovered,
                             allocate_spares=refill, **common,
                             reason=f"{failure.failure_class.value}: replace {len(terminate)} node(s), "
