@@ -402,8 +402,11 @@ def _handler_for(service: InstanceMetadataServer) -> type[BaseHTTPRequestHandler
             self.send_header("Content-Length", str(len(body)))
             for name, value in (extra_headers or {}).items():
                 self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the instance gave up waiting (its client timed out) and asks again later
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
             """Quiet: instances poll spot/instance-action every few seconds."""

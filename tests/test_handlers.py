@@ -521,17 +521,25 @@ def test_an_ongoing_health_issue_about_a_worker_fails_the_train_task(handlers, c
     assert report["failure_class"] == failure_class.value and report["instance_ids"] == [worker]
 
 
+def spent_budget(current: RunRecord) -> dict:
+    """The update that leaves a run no restart: Recover only books the failure and gives up."""
+    return {"spec": current.spec.model_copy(update={"recovery": current.spec.recovery.model_copy(
+        update={"max_restarts": 0})})}
+
+
+def lost(run: RunRecord, worker: str) -> dict:
+    """Recover's input for the loss of `worker` in attempt 0."""
+    report = {"failure_class": "INSTANCE_LOST", "attempt": 0, "instance_ids": [worker], "message": "lost"}
+    return {"run": {"run_name": run.run_name, "attempt": 0},
+            "timeouts": {"boot_seconds": 60, "late_worker_seconds": 60, "heartbeat_seconds": 60},
+            "failure": {"Error": FAILURE_ERROR, "Cause": json.dumps(report)}}
+
+
 def test_recover_gives_up_when_the_restart_budget_is_spent(handlers, cloud, resources):
     store, run, (worker, _) = recorded_run(cloud, resources)
-    store.modify_run(run.run_name, lambda current: current.model_copy(update={
-        "spec": current.spec.model_copy(update={"recovery": current.spec.recovery.model_copy(
-            update={"max_restarts": 0})})}))
-    report = {"failure_class": "INSTANCE_LOST", "attempt": 0, "instance_ids": [worker], "message": "lost"}
-    payload = {"run": {"run_name": run.run_name, "attempt": 0},
-               "timeouts": {"boot_seconds": 60, "late_worker_seconds": 60, "heartbeat_seconds": 60},
-               "failure": {"Error": FAILURE_ERROR, "Cause": json.dumps(report)}}
+    store.modify_run(run.run_name, lambda current: current.model_copy(update=spent_budget(current)))
     with pytest.raises(handlers.errors.RecoveryGaveUp, match=r"restart budget spent \(0 of 0\)"):
-        handlers.recover.handler(payload, Context())
+        handlers.recover.handler(lost(run, worker), Context())
     after = store.run(run.run_name)
     assert after.error.startswith("restart budget spent") and [f.failure_class for f in after.failures] == [
         FailureClass.INSTANCE_LOST]
@@ -546,15 +554,9 @@ def test_recover_books_the_newest_commit_in_s3_even_one_no_agent_announced(handl
     # The record knows the first; the restart budget is spent, so Recover only books the failure.
     store.modify_run(run.run_name, lambda current: current.model_copy(update={
         "latest_checkpoint": CheckpointRef(step=every, uri=f"{run.spec.checkpoint.s3_uri}/step-{every:09d}",
-                                           committed_at=current.created_at),
-        "spec": current.spec.model_copy(update={"recovery": current.spec.recovery.model_copy(
-            update={"max_restarts": 0})})}))
-    report = {"failure_class": "INSTANCE_LOST", "attempt": 0, "instance_ids": [worker], "message": "lost"}
-    payload = {"run": {"run_name": run.run_name, "attempt": 0},
-               "timeouts": {"boot_seconds": 60, "late_worker_seconds": 60, "heartbeat_seconds": 60},
-               "failure": {"Error": FAILURE_ERROR, "Cause": json.dumps(report)}}
+                                           committed_at=current.created_at), **spent_budget(current)}))
     with pytest.raises(handlers.errors.RecoveryGaveUp):
-        handlers.recover.handler(payload, Context())
+        handlers.recover.handler(lost(run, worker), Context())
     after = store.run(run.run_name)
     assert after.latest_checkpoint.step == 2 * every
     assert [(f.failure_class, f.resume_step) for f in after.failures] == [(FailureClass.INSTANCE_LOST, 2 * every)]
