@@ -69,7 +69,9 @@ def test_an_instance_forked_from_the_image_is_its_own_process_group_and_dies_wit
     assert node["pid"] == node["pgid"] == instance.process.pid == local_cloud.fleet.process_of(instance_id, "agent")
     assert node["cwd"] == str(instance.workdir) and node["id"] == instance_id
     local_cloud.fleet.hang(instance_id)
-    assert Path(f"/proc/{node['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    # SIGSTOP takes effect when the kernel next schedules the process: not always before the read.
+    local_cloud.wait_until(lambda: Path(f"/proc/{node['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
+                           5.0, "the instance's process to stop")
     local_cloud.fleet.resume(instance_id)
     local_cloud.fleet.kill(instance_id)
     local_cloud.fleet.wait_for_state(instance_id, "terminated")
