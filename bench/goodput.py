@@ -71,7 +71,7 @@ from trainfleet.lifecycle import (apply_decision, blame_silent_workers, classify
                                   classify_task_error, decide_recovery, initial_plan, new_node_records,
                                   settle_run_attempt)
 from trainfleet.lifecycle.goodput import STARTUP, give_up_cause, unaccounted_seconds  # noqa: E402
-from trainfleet.pace import FULL_RATE_NODES, STALL_MIN_S, STALL_STEPS, longest_look  # noqa: E402
+from trainfleet.pace import FULL_RATE_NODES, longest_look, stall_after  # noqa: E402
 
 INSTANCE_TYPE = "p5.48xlarge"
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -315,7 +315,7 @@ class Pace:
         t = checkpoint_timings(timings, scenario.nodes)
         s = lambda seconds: timedelta(seconds=seconds)  # noqa: E731
         return cls(boot=s(t.boot_s + t.preflight_s),
-                   stalled=s(max(STALL_MIN_S, STALL_STEPS * t.step_s)),
+                   stalled=s(stall_after(t.step_s)),
                    between_look=s(longest_look(min(scenario.nodes + scenario.spares, FULL_RATE_NODES),
                                                scenario.hang_timeout_s)),
                    rendezvous=s(t.rendezvous_s), load=s(t.load_s), save=s(t.save_s),

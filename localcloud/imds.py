@@ -422,10 +422,10 @@ def fleet_records(cloud: LocalCloud) -> RecordProvider:
     interruption, rebalance recommendation).
 
     Every instance polls its Spot notice (every 5 s; locally as much faster as time is scaled), so
-    a record must be cheap: what cannot
-    change in an instance's life (type, image, zone, address, launch time, profile) is described
-    once, with DescribeInstances; what can (metadata options, tags) is read from EC2's model of
-    the instance at each request, so a change shows at once, as on EC2."""
+    a record must be cheap: what cannot change in an instance's life (type, image, zone, address,
+    launch time, profile) is described once, with DescribeInstances; what can (metadata options,
+    tags) is read from EC2's model of the instance at each request, so a change shows at once, as
+    on EC2."""
     from localcloud.glue.ec2 import ec2_backend
 
     ec2, iam = cloud.internal_client("ec2"), cloud.internal_client("iam")

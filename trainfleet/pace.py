@@ -79,10 +79,15 @@ def poll_interval(nodes: int, draw: float, hang_timeout_s: float, stepping: bool
     return longest * (POLL_MIN_S + (POLL_MAX_S - POLL_MIN_S) * draw) / POLL_MAX_S
 
 
+def stall_after(step_seconds: float | None) -> float:
+    """Seconds without a step after which a trainer at steps of `step_seconds` (None: not known
+    yet) has stalled."""
+    return max(STALL_MIN_S, STALL_STEPS * (step_seconds or 0.0))
+
+
 def stalled(seconds_since_step: float, step_seconds: float | None) -> bool:
-    """Whether a trainer whose last step came `seconds_since_step` ago, at steps of `step_seconds`
-    (None: not known yet), has stalled."""
-    return seconds_since_step > max(STALL_MIN_S, STALL_STEPS * (step_seconds or 0.0))
+    """Whether a trainer whose last step came `seconds_since_step` ago has stalled."""
+    return seconds_since_step > stall_after(step_seconds)
 
 
 def looks_per_second(nodes: int, hang_timeout_s: float) -> float:
