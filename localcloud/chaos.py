@@ -149,7 +149,9 @@ def chaos_template(template: dict[str, Any]) -> dict[str, Any]:
     """The demo's RunSpec for chaos: short, checkpointed often, timeouts in seconds."""
     spec = json.loads(json.dumps(template))
     spec["run_name"] = "chaos"
-    spec["trainer"]["training"]["steps"] = 40
+    # The demo model trains about 60 steps a second here: 40 steps left a Spot notice given at the
+    # first commit a second or two, and on busy cores the run ended before the notice reached it.
+    spec["trainer"]["training"]["steps"] = 120
     spec["trainer"]["parallel"]["timeout_s"] = 20  # a frozen peer fails the survivor's collectives
     spec["checkpoint"]["interval_steps"] = 10
     # A local attempt starts in ~12 s on two idle cores, ~30 s on busy ones: 60 s of start-up
