@@ -1,5 +1,6 @@
-"""One handler for every EventBridge event: EC2 state changes, Spot warnings, rebalance
-recommendations, AWS Health events, and the node agents' own events.
+"""One handler for every event about a run: EC2 state changes, Spot warnings, rebalance
+recommendations, AWS Health events, and the node agents' own events. EventBridge delivers the
+AWS events here; the agents' events reach the same processing in batches (functions/agent_events.py).
 
 Idempotent on the event id (Powertools, DynamoDB): a redelivered event is answered from the
 idempotency table and acts once. Beyond that, what an event may change is decided from the
@@ -268,7 +269,7 @@ def process_event(event: dict[str, Any]) -> dict[str, str]:
 
 
 @cache
-def _idempotent_process(cloud: Aws) -> tuple[IdempotencyConfig, Callable[..., dict[str, str]]]:
+def idempotent_process(cloud: Aws) -> tuple[IdempotencyConfig, Callable[..., dict[str, str]]]:
     config = IdempotencyConfig(event_key_jmespath="id", expires_after_seconds=24 * 3600)
     persistence = DynamoDBPersistenceLayer(table_name=cloud.idempotency_table, boto3_client=cloud.dynamodb)
     return config, idempotent_function(data_keyword_argument="event", config=config,
@@ -279,6 +280,7 @@ def _idempotent_process(cloud: Aws) -> tuple[IdempotencyConfig, Callable[..., di
 @tracer.capture_lambda_handler
 @metrics.log_metrics
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, str]:
-    config, process = _idempotent_process(aws())
+    config, process = idempotent_process(aws())
     config.register_lambda_context(context)
     return process(event=event)
+

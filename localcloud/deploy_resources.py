@@ -247,6 +247,17 @@ def _event_invoke_config(ctx: Context, props: dict[str, Any]) -> Created:
     return Created(f"{props['FunctionName']}:{props['Qualifier']}", None, {})
 
 
+@_resource("AWS::Lambda::EventSourceMapping", "EventSourceArn", "FunctionName", "BatchSize", "Enabled",
+           "MaximumBatchingWindowInSeconds", "FunctionResponseTypes", "ScalingConfig",
+           required=("EventSourceArn", "FunctionName"))
+def _event_source_mapping(ctx: Context, props: dict[str, Any]) -> Created:
+    mapping = ctx.client("lambda").create_event_source_mapping(
+        **{name: int(props[name]) for name in ("BatchSize", "MaximumBatchingWindowInSeconds") if name in props},
+        **_pick(props, "EventSourceArn", "FunctionName", "Enabled", "FunctionResponseTypes", "ScalingConfig"))
+    arn = mapping["EventSourceMappingArn"]
+    return Created(mapping["UUID"], arn, {"EventSourceMappingArn": arn})
+
+
 @_resource("AWS::Lambda::Permission", "FunctionName", "Action", "Principal", "SourceArn", "SourceAccount",
            "EventSourceToken", "PrincipalOrgID", "FunctionUrlAuthType",
            required=("Action", "FunctionName", "Principal"))

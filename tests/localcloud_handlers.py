@@ -98,3 +98,13 @@ def read_objects(event, context):
         except _s3.exceptions.ClientError as error:
             outcomes[key] = error.response["Error"]["Message"]
     return outcomes
+
+
+def sqs_batch(event, context):
+    """Records the bodies of an SQS batch; reports the records whose body is "fail" as failed."""
+    bodies = [record["body"] for record in event["Records"]]
+    _record({"bodies": bodies, "receive_counts": [record["attributes"]["ApproximateReceiveCount"]
+                                                  for record in event["Records"]],
+             "source": {record["eventSource"] for record in event["Records"]}.pop()})
+    return {"batchItemFailures": [{"itemIdentifier": record["messageId"]} for record in event["Records"]
+                                  if record["body"] == "fail"]}

@@ -207,6 +207,7 @@ def _read_back(cloud, resource):
         "AWS::Lambda::Permission": lambda: pid,  # checked through its function's policy below
         "AWS::Lambda::EventInvokeConfig": lambda: cloud.client("lambda").get_function_event_invoke_config(
             FunctionName=pid.rsplit(":", 1)[0]),
+        "AWS::Lambda::EventSourceMapping": lambda: cloud.client("lambda").get_event_source_mapping(UUID=pid),
         "AWS::StepFunctions::StateMachine": lambda: cloud.client("stepfunctions").describe_state_machine(
             stateMachineArn=pid),
         "AWS::Events::Rule": lambda: cloud.client("events").list_targets_by_rule(
@@ -430,6 +431,10 @@ def test_project_template_deploys_and_every_resource_is_accounted_for(cloud):
     on_failure = cloud.client("lambda").get_function_event_invoke_config(
         FunctionName=stack.outputs["EventsFunctionName"])["DestinationConfig"]["OnFailure"]["Destination"]
     assert on_failure == stack.resources["UndeliveredEvents"].arn
+    # So is an agent event whose record failed five times.
+    queue = cloud.client("sqs").get_queue_attributes(QueueUrl=stack.resources["AgentEventQueue"].physical_id,
+                                                     AttributeNames=["RedrivePolicy"])["Attributes"]
+    assert json.loads(queue["RedrivePolicy"])["deadLetterTargetArn"] == stack.resources["UndeliveredEvents"].arn
 
     # `CodeUri: .` packed the repository's sources, not its virtualenv, and the handlers import.
     bucket, key = stack.packaged[str(REPO)].removeprefix("s3://").split("/", 1)

@@ -46,12 +46,16 @@ def _resolve_stack_name(node):
 
 @pytest.fixture(scope="module")
 def rules(template) -> dict[str, EventPattern]:
-    """Every function's EventBridge rules, by event name."""
-    events = {name: event for resource in template["Resources"].values()
-              if resource["Type"] == "AWS::Serverless::Function"
+    """Every EventBridge rule, by name: the functions' rules by event name, the others by
+    logical id."""
+    resources = template["Resources"]
+    events = {name: event for resource in resources.values() if resource["Type"] == "AWS::Serverless::Function"
               for name, event in resource["Properties"].get("Events", {}).items()}
-    return {name: EventPattern.load(json.dumps(_resolve_stack_name(event["Properties"]["Pattern"])))
-            for name, event in events.items() if event["Type"] == "EventBridgeRule"}
+    patterns = {name: event["Properties"]["Pattern"] for name, event in events.items()
+                if event["Type"] == "EventBridgeRule"}
+    patterns |= {name: resource["Properties"]["EventPattern"] for name, resource in resources.items()
+                 if resource["Type"] == "AWS::Events::Rule"}
+    return {name: EventPattern.load(json.dumps(_resolve_stack_name(pattern))) for name, pattern in patterns.items()}
 
 
 def _matching(rules: dict[str, EventPattern], event: dict) -> list[str]:
@@ -83,11 +87,15 @@ def test_events_that_do_not_concern_a_run_match_no_rule(rules):
         assert _matching(rules, event) == [], event["detail"]
 
 
-def test_every_agent_event_type_reaches_the_handler_on_the_stacks_own_bus(template, rules):
+def test_every_agent_event_type_reaches_the_agents_queue_on_the_stacks_own_bus(template, rules):
     from trainfleet.contracts import DETAIL_MODELS, EVENT_SOURCE, NodeReady, put_events_entry
 
-    agent_event = template["Resources"]["EventsFunction"]["Properties"]["Events"]["AgentEvent"]
-    assert agent_event["Properties"]["EventBusName"] == {"Ref": "AgentEventBus"}
+    resources = template["Resources"]
+    rule = resources["AgentEventRule"]["Properties"]
+    assert rule["EventBusName"] == {"Ref": "AgentEventBus"}
+    assert [target["Arn"] for target in rule["Targets"]] == [{"Fn::GetAtt": ["AgentEventQueue", "Arn"]}]
+    source = resources["AgentEventsFunction"]["Properties"]["Events"]["AgentEvents"]
+    assert source["Type"] == "SQS" and source["Properties"]["Queue"] == {"Fn::GetAtt": ["AgentEventQueue", "Arn"]}
     detail = NodeReady(run_name="demo", attempt=0, instance_id="i-0123456789abcdef0")
     entry = put_events_entry(detail, "trainfleet-test-agents")
     for source, detail_type in DETAIL_MODELS:
@@ -98,7 +106,7 @@ def test_every_agent_event_type_reaches_the_handler_on_the_stacks_own_bus(templa
                  "account": "123456789012", "time": "2026-01-01T00:00:00Z",
                  "region": "us-east-1", "resources": entry["Resources"],
                  "detail": json.loads(entry["Detail"])}
-        assert _matching(rules, event) == ["AgentEvent"], detail_type
+        assert _matching(rules, event) == ["AgentEventRule"], detail_type
 
 
 def _statements(template) -> list[tuple[str, dict]]:

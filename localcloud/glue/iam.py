@@ -115,6 +115,18 @@ def role_credentials(account_id: str, region: str, role_arn: str, session_name: 
         return dict(held[1])
 
 
+def role_allows(account_id: str, role_arn: str, action: str, resource: str) -> bool:
+    """Whether the role's own policies (inline and attached) allow `action` on `resource`: what
+    a service checks of an execution role before it acts for it (Lambda's event source mapping
+    polling a queue, for one)."""
+    iam, _ = _backends(account_id, "")
+    name = iam.get_role_by_arn(role_arn).name
+    inline = [iam.get_role_policy(name, policy_name)[1] for policy_name in iam.list_role_policies(name)]
+    attached, _ = iam.list_attached_role_policies(name)
+    policies = [IAMPolicy(policy)._policy_json for policy in [*inline, *attached]]
+    return evaluate(policies, action, resource, {}, UNEVALUATED_KEYS) == ALLOW
+
+
 def enforce(on: bool) -> None:
     """Switch moto's authentication and authorization of every request on or off."""
     from moto import settings

@@ -1,0 +1,200 @@
+"""SQS event source mappings: Lambda polls a queue and invokes a function with batches.
+
+moto 5.2.5 invoked the function from inside SendMessage, once per message (a batch of one),
+whatever the mapping's BatchSize and MaximumBatchingWindowInSeconds, and ignored the function's
+answer. Now, as the Lambda developer guide documents for Amazon SQS:
+
+- CreateEventSourceMapping refuses what Lambda refuses: a BatchSize outside 1..10000 (1..10 for
+  a FIFO queue), one above 10 without a batching window of at least a second, a window above
+  300 s, a queue whose visibility timeout is shorter than the function's timeout, and an
+  execution role whose policies do not allow sqs:ReceiveMessage, sqs:DeleteMessage and
+  sqs:GetQueueAttributes on the queue.
+- A poller per enabled mapping long-polls the queue; from the first message it gathers more
+  until the batch is full or the window (nominal seconds, scaled) has passed, then invokes the
+  function synchronously with `{"Records": [...]}` in SQS's record format. Up to
+  POLLER_CONCURRENCY batches run at once (Lambda starts with five).
+- A batch the function handled is deleted. With FunctionResponseTypes ReportBatchItemFailures,
+  the records named in `batchItemFailures` stay (all of them when an identifier names no record
+  of the batch); after an error every record stays. What stays becomes visible again when the
+  queue's visibility timeout lapses, and the queue's redrive policy moves a message to its
+  dead-letter queue after maxReceiveCount receives (moto's SQS does that).
+- The poller's ReceiveMessage and DeleteMessageBatch calls are counted in
+  `LocalCloud.requests`, as AWS bills a mapping's SQS requests to the account.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from moto.awslambda.exceptions import InvalidParameterValueException
+from moto.awslambda.models import EventSourceMapping, LambdaBackend
+
+from localcloud.glue import active_cloud
+
+log = logging.getLogger(__name__)
+
+_moto_create = LambdaBackend.create_event_source_mapping
+
+POLLER_CONCURRENCY = 5
+LONG_POLL_S = 20
+GATHER_PAUSE_S = 0.05
+DELETE_BATCH = 10
+QUEUE_ACTIONS = ("sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes")
+
+
+def _queue_of(backend: LambdaBackend, arn: str) -> Any:
+    from moto.sqs.models import sqs_backends
+
+    return next((queue for queue in sqs_backends[backend.account_id][backend.region_name].queues.values()
+                 if queue.queue_arn == arn), None)
+
+
+def check_mapping(spec: dict[str, Any], queue: Any, function: Any) -> None:
+    """Refuse a mapping Lambda would refuse (see the module docstring)."""
+    from localcloud.glue.iam import role_allows
+
+    batch_size = int(spec.get("BatchSize") or 10)
+    window = int(spec.get("MaximumBatchingWindowInSeconds") or 0)
+    largest = 10 if queue.fifo_queue else 10000
+    if not 1 <= batch_size <= largest:
+        raise InvalidParameterValueException(f"BatchSize {batch_size} is outside 1..{largest} for queue {queue.name}")
+    if batch_size > 10 and window < 1:
+        raise InvalidParameterValueException(
+            f"Maximum batch window in seconds must be greater than 0 if maximum batch size is greater than 10 "
+            f"(BatchSize {batch_size})")
+    if not 0 <= window <= 300:
+        raise InvalidParameterValueException(f"MaximumBatchingWindowInSeconds {window} is outside 0..300")
+    visibility = int(queue.visibility_timeout)
+    if visibility < int(function.timeout):
+        raise InvalidParameterValueException(
+            f"Queue visibility timeout: {visibility} seconds is less than Function timeout: {function.timeout} "
+            f"seconds")
+    for action in QUEUE_ACTIONS:
+        if not role_allows(function.account_id, function.role, action, queue.queue_arn):
+            raise InvalidParameterValueException(
+                f"The provided execution role does not have permissions to call {action.split(':')[1]} on SQS")
+
+
+def _create_event_source_mapping(self: LambdaBackend, spec: dict[str, Any]) -> EventSourceMapping:
+    cloud = active_cloud()
+    queue = _queue_of(self, spec.get("EventSourceArn", ""))
+    if cloud is None or queue is None:
+        return _moto_create(self, spec)
+    function = self._lambdas.get_function_by_name_or_arn_with_qualifier(spec.get("FunctionName", ""))
+    check_mapping(spec, queue, function)
+    mapping = _moto_create(self, spec)
+    # The poller below serves the mapping; moto's own would invoke from inside SendMessage.
+    queue.lambda_event_source_mappings.pop(mapping.function_arn, None)
+    QueuePoller(cloud, self, mapping, queue, function).start()
+    return mapping
+
+
+def sqs_record(message: Any, queue: Any) -> dict[str, Any]:
+    """One message as Lambda hands it to a function."""
+    return {
+        "messageId": message.id,
+        "receiptHandle": message.receipt_handle,
+        "body": message.body,
+        "attributes": {
+            "ApproximateReceiveCount": str(message.approximate_receive_count),
+            "SentTimestamp": str(message.sent_timestamp),
+            "SenderId": message.sender_id,
+            "ApproximateFirstReceiveTimestamp": str(message.approximate_first_receive_timestamp),
+        },
+        "messageAttributes": message.message_attributes,
+        "md5OfBody": message.body_md5,
+        "eventSource": "aws:sqs",
+        "eventSourceARN": queue.queue_arn,
+        "awsRegion": queue.region,
+    }
+
+
+def failed_message_ids(answer: str, batch_ids: list[str], reports_failures: bool) -> set[str]:
+    """The records of a handled batch that stay on the queue: those the function named in
+    batchItemFailures (with ReportBatchItemFailures), every one if it named one not in the batch."""
+    if not reports_failures:
+        return set()
+    try:
+        failures = (json.loads(answer) or {}).get("batchItemFailures") or []
+        named = {failure["itemIdentifier"] for failure in failures}
+    except (ValueError, TypeError, AttributeError, KeyError):
+        return set(batch_ids)  # an answer Lambda cannot read fails the whole batch
+    return set(batch_ids) if not named <= set(batch_ids) else named
+
+
+class QueuePoller(threading.Thread):
+    """Gathers batches from one queue for one mapping and invokes its function with them."""
+
+    def __init__(self, cloud: Any, backend: LambdaBackend, mapping: EventSourceMapping, queue: Any,
+                 function: Any) -> None:
+        super().__init__(name=f"sqs-poller-{queue.name}", daemon=True)
+        from moto.sqs.models import sqs_backends
+
+        self.cloud, self.backend, self.mapping, self.queue, self.function = cloud, backend, mapping, queue, function
+        self.sqs = sqs_backends[queue.account_id][queue.region]
+        self.batch_size = int(mapping.batch_size or 10)
+        self.window_s = cloud.scaled(float(mapping.max_batch_window or 0))
+        self.reports_failures = "ReportBatchItemFailures" in (mapping.function_response_types or [])
+        self.slots = threading.BoundedSemaphore(POLLER_CONCURRENCY)
+        self.invokers = ThreadPoolExecutor(POLLER_CONCURRENCY, thread_name_prefix=f"sqs-invoke-{queue.name}")
+
+    def serving(self) -> bool:
+        return active_cloud() is self.cloud and self.mapping.uuid in self.backend._event_source_mappings
+
+    def receive(self, count: int, wait_s: int) -> list[Any]:
+        self.cloud.count(self.cloud.requests, ("sqs", "ReceiveMessage"))
+        return self.sqs.receive_message(self.queue.name, count, wait_s, int(self.queue.visibility_timeout))
+
+    def gather(self) -> list[Any]:
+        """A batch: what a long poll brings, then more until full or the window has passed."""
+        batch = self.receive(self.batch_size, LONG_POLL_S)
+        deadline = time.monotonic() + self.window_s
+        while batch and len(batch) < self.batch_size and time.monotonic() < deadline and self.serving():
+            more = self.receive(self.batch_size - len(batch), 0)
+            batch += more
+            if not more:
+                time.sleep(GATHER_PAUSE_S)
+        return batch
+
+    def run(self) -> None:
+        while self.serving():
+            if not self.mapping.enabled:
+                time.sleep(1)
+                continue
+            self.slots.acquire()
+            batch = self.gather()
+            if not batch:
+                self.slots.release()
+                continue
+            self.invokers.submit(self.invoke, batch)
+        self.invokers.shutdown(wait=False)
+
+    def invoke(self, batch: list[Any]) -> None:
+        from localcloud.glue.awslambda import invoke_function
+
+        try:
+            result = invoke_function(self.function, {"Records": [sqs_record(message, self.queue) for message in batch]})
+            if result.errored:
+                log.warning("Lambda %s failed a batch of %d from %s: %s", self.function.function_name, len(batch),
+                            self.queue.name, result.payload)
+                return
+            kept = failed_message_ids(result.payload, [message.id for message in batch], self.reports_failures)
+            done = [message for message in batch if message.id not in kept]
+            for start in range(0, len(done), DELETE_BATCH):  # SQS deletes ten messages a request
+                self.cloud.count(self.cloud.requests, ("sqs", "DeleteMessageBatch"))
+                for message in done[start:start + DELETE_BATCH]:
+                    self.sqs.delete_message(self.queue.name, message.receipt_handle)
+        except Exception:
+            log.exception("the poller of %s could not hand a batch to %s", self.queue.name,
+                          self.function.function_name)
+        finally:
+            self.slots.release()
+
+
+def apply() -> None:
+    LambdaBackend.create_event_source_mapping = _create_event_source_mapping
