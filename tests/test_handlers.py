@@ -62,6 +62,7 @@ def handlers(cloud, resources, monkeypatch):
     # A copy imported before these settings (by another test in this process) would keep its
     # module-level clients and its Metrics without a namespace.
     _forget_functions()
+    import functions.agent_events
     import functions.allocate
     import functions.await_nodes
     import functions.events
@@ -365,6 +366,30 @@ def test_the_last_ready_worker_succeeds_await_nodes_once(handlers, cloud, resour
     result = finished(cloud, execution)
     assert result["status"] == "SUCCEEDED" and json.loads(result["output"]) == {"ready_workers": 2}
     assert store.run(run.run_name).waiting is None
+
+
+def sqs_batch(*events: dict) -> dict:
+    return {"Records": [{"messageId": f"m-{index}", "receiptHandle": f"h-{index}", "body": json.dumps(event),
+                         "attributes": {"ApproximateReceiveCount": "1"}, "messageAttributes": {},
+                         "md5OfBody": "", "eventSource": "aws:sqs", "awsRegion": "us-east-1",
+                         "eventSourceARN": "arn:aws:sqs:us-east-1:123456789012:agent-events"}
+                        for index, event in enumerate(events)]}
+
+
+def test_a_batch_of_agent_events_completes_the_world_and_returns_only_the_record_that_failed(handlers, cloud,
+                                                                                           resources):
+    store, run, workers = recorded_run(cloud, resources)
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="await_nodes", attempt=0, token=token))
+    ready = [agent_event("NodeReady", {"run_name": run.run_name, "attempt": 0, "instance_id": instance_id})
+             for instance_id in workers]
+    unreadable = agent_event("NodeReady", {"run_name": run.run_name})  # no attempt, no instance
+
+    answer = handlers.agent_events.handler(sqs_batch(ready[0], unreadable, ready[1]), Context())
+
+    assert answer == {"batchItemFailures": [{"itemIdentifier": "m-1"}]}
+    assert finished(cloud, execution)["status"] == "SUCCEEDED"
+    assert {node.state for node in store.nodes(run.run_name)} == {NodeState.READY}
 
 
 def test_an_answer_that_could_not_be_sent_stays_parked_for_the_retry(handlers, cloud, resources, monkeypatch):
