@@ -63,6 +63,9 @@ STEADY_S = 60.0
 BOOTS_PER_SECOND = 8.0
 """How fast a fleet's instances reach `running` (LocalCloudConfig.boot_spread_seconds): 512 over a
 minute, about what EC2 shows for a large launch."""
+BOOT_S = 2.0
+"""Seconds an instance stays pending before its agent starts: the local cloud's default. EC2
+takes minutes to boot a p5 (`--boot-s` sets such a boot, for what a READY spare saves)."""
 TIME_SCALE = 1.0
 """Real time: the agents look for a Spot notice every 5 s, as AWS recommends (scaled time would
 shorten the notice and quicken the looks, hundreds of agents asking the one local metadata
@@ -185,14 +188,16 @@ def step_seconds(nodes: int) -> float:
 
 
 def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, steady_s: float = STEADY_S,
-              narrate: Callable[[str], None] = print, timeout_s: float = 900.0) -> dict[str, Any]:
-    """One run of `nodes` nodes (and `spares`) through every failure of FAILURES; its figures."""
+              boot_s: float = BOOT_S, narrate: Callable[[str], None] = print,
+              timeout_s: float = 900.0) -> dict[str, Any]:
+    """One run of `nodes` nodes (and `spares`) through every failure of FAILURES; its figures.
+    `boot_s`: seconds an instance stays pending before it boots (LocalCloudConfig.boot_seconds)."""
     step_s = step_s or step_seconds(nodes)
     template = scale_template(nodes, spares, step_s, steady_s)
     interval = template["checkpoint"]["interval_steps"]
     RunSpec.model_validate(template)  # a mistake here is the harness's: say so before deploying
     with local_stack(narrate, time_scale=TIME_SCALE, standin_step_s=step_s, agent_lifetime_s=3 * timeout_s,
-                     boot_spread_seconds=(nodes + spares) / BOOTS_PER_SECOND) as stack:
+                     boot_seconds=boot_s, boot_spread_seconds=(nodes + spares) / BOOTS_PER_SECOND) as stack:
         meter = Meter(stack.cloud)
         meter.start()
         run = stack.start_run(template)
@@ -239,7 +244,7 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, stead
         teardown = meter.stop("teardown")
         payloads = {kind: payload._asdict() for kind, payload in stack.cloud.largest_payloads.items()}
         return {
-            "nodes": nodes, "spares": spares, "state": end.state.value, "restarts": end.restarts,
+            "nodes": nodes, "spares": spares, "boot_s": boot_s, "state": end.state.value, "restarts": end.restarts,
             "instances_launched": len(stack.instances(run)),
             "allocate_to_ready_s": startup["seconds"], "teardown_s": teardown["seconds"],
             "recoveries": recoveries, "phases": meter.phases,
@@ -258,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spares", type=int, default=0)
     parser.add_argument("--step-s", type=float, help="seconds a stand-in step takes (default: step_seconds)")
     parser.add_argument("--steady-s", type=float, default=STEADY_S, help="seconds of steady training measured")
+    parser.add_argument("--boot-s", type=float, default=BOOT_S, help="seconds an instance is pending before it boots")
     args = parser.parse_args(argv)
     started = time.monotonic()
-    figures = scale_run(args.nodes, args.spares, step_s=args.step_s, steady_s=args.steady_s,
+    figures = scale_run(args.nodes, args.spares, step_s=args.step_s, steady_s=args.steady_s, boot_s=args.boot_s,
                         narrate=lambda message: print(f"[{time.monotonic() - started:7.1f}s] {message}",
                                                       file=sys.stderr, flush=True))
     print(json.dumps(figures | {"duration_s": round(time.monotonic() - started, 1)}))

@@ -202,13 +202,15 @@ class LocalStack:
 @contextmanager
 def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, workdir: Path | None = None,
                 spot_notice_seconds: float = 120.0, agent_lifetime_s: float = 600.0,
-                standin_step_s: float | None = None, boot_spread_seconds: float = 0.0) -> Iterator[LocalStack]:
+                standin_step_s: float | None = None, boot_seconds: float = 2.0,
+                boot_spread_seconds: float = 0.0) -> Iterator[LocalStack]:
     """A LocalCloud and its instance metadata service, template.yaml deployed into it, the
     agents' artifacts published and instances booting as node agents. `workdir` keeps the
     instances' folders (None: a temporary folder); `spot_notice_seconds` is nominal, like every
     local cloud time: scaled by `time_scale`; an agent exits after `agent_lifetime_s` at most;
     `standin_step_s` set, the agents run the stand-in trainer (trainer/standin.py) with steps
-    that long (real seconds) in place of torchrun; `boot_spread_seconds`: LocalCloudConfig's."""
+    that long (real seconds) in place of torchrun; `boot_seconds`, `boot_spread_seconds`:
+    LocalCloudConfig's."""
     # The SAM roles attach AWS managed policies; moto knows them only when asked before it loads.
     os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"
     from localcloud import LocalCloud
@@ -218,7 +220,7 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
     from trainer.agent import LOOK_S, METADATA_LOOK_S
 
     with LocalCloud(time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds,
-                    boot_spread_seconds=boot_spread_seconds) as cloud:
+                    boot_seconds=boot_seconds, boot_spread_seconds=boot_spread_seconds) as cloud:
         metadata = serve_fleet(cloud)
         try:
             narrate(f"local cloud up at {cloud.endpoint}; instance metadata at 127.0.0.1:{metadata.port}")

@@ -238,6 +238,34 @@ def test_allocate_builds_an_efa_fleet_in_a_cluster_placement_group(cloud, networ
     assert len(data["NetworkInterfaces"]) == 4
 
 
+def test_a_fleet_above_ec2s_per_fleet_target_is_launched_in_several_requests(cloud, network, monkeypatch):
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    spec = make_spec(run_name="split", subnet_ids=subnets, security_group_ids=[group])
+    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    requested_before = cloud.requests[("ec2", "CreateFleet")]
+    monkeypatch.setattr(fleet, "MAX_FLEET_TARGET", 2)
+
+    allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template_id, subnets, target=5, minimum=4,
+                                token_prefix="split-0")
+
+    assert len(set(allocation.instance_ids)) == 5 and allocation.shortfall == 0
+    assert cloud.requests[("ec2", "CreateFleet")] - requested_before == 3  # 2 + 2 + 1
+    again = fleet.allocate(ec2, spec, SETTINGS.stack_name, template_id, subnets, target=5, minimum=4,
+                           token_prefix="split-0")
+    assert sorted(again.instance_ids) == sorted(allocation.instance_ids)  # a retry launches nothing new
+
+
+def test_the_local_cloud_refuses_a_fleet_above_ec2s_per_fleet_target(cloud, network):
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    spec = make_spec(run_name="huge", subnet_ids=subnets, security_group_ids=[group])
+    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    request = fleet.create_fleet_request(spec, SETTINGS.stack_name, template_id, subnets[0], "group", 10_001, 1, "t")
+    with pytest.raises(ec2.exceptions.ClientError, match="InvalidParameterValue.*10,000"):
+        ec2.create_fleet(**request)
+
+
 def test_teardown_terminates_everything_of_the_run_and_nothing_else(cloud, network):
     ec2 = cloud.client("ec2")
     subnets, group = network

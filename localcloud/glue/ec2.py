@@ -297,7 +297,15 @@ def _fleet_answers(backend: Any) -> dict[str, tuple[dict[str, Any], ActionResult
     return backend.localcloud_fleet_answers
 
 
+FLEET_TARGET_CAPACITY_QUOTA = 10_000
+"""EC2's quota on the target capacity of one EC2 Fleet (EC2 Fleet quotas, user guide)."""
+
+
 def _create_fleet_response(self: Fleets) -> ActionResult:
+    target = int(self._get_param("TargetCapacitySpecification", {}).get("TotalTargetCapacity") or 0)
+    if target > FLEET_TARGET_CAPACITY_QUOTA:
+        raise EC2ClientError("InvalidParameterValue", f"TotalTargetCapacity {target} is above the "
+                                                      f"{FLEET_TARGET_CAPACITY_QUOTA:,} an EC2 Fleet may target")
     token = self._get_param("ClientToken")
     if not token:
         return _create_fleet_with_errors(self)

@@ -62,6 +62,8 @@ CAPACITY_ERROR_CODES = frozenset({
 # Errors that mean "never here": the zone does not offer the instance type (EC2 names the zones
 # that do). Another zone may succeed; a retry in this one never will.
 ZONE_ERROR_CODES = frozenset({"Unsupported"})
+MAX_FLEET_TARGET = 10_000
+"""EC2's quota on the target capacity of one EC2 Fleet: a larger fleet takes several requests."""
 
 
 class FleetError(RuntimeError):
@@ -303,6 +305,28 @@ class Allocation:
     """Capacity errors met on the way, zone by zone."""
 
 
+def _launch_in_zone(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, subnet_id: str,
+                    group: str, target: int, minimum: int, token: str) -> FleetOutcome:
+    """One zone's instances, in as many instant fleets as MAX_FLEET_TARGET requires. Each asks
+    for what is still missing of `minimum` as its MinTargetCapacity; one that comes short ends
+    the zone's requests (it has no more)."""
+    outcomes: list[FleetOutcome] = []
+    launched = 0
+    for index, start in enumerate(range(0, target, MAX_FLEET_TARGET)):
+        size = min(MAX_FLEET_TARGET, target - start)
+        request = create_fleet_request(spec, stack_name, launch_template_id, subnet_id, group, size,
+                                       max(1, min(size, minimum - launched)), f"{token}-{index}" if index else token)
+        outcomes.append(interpret_fleet_response(ec2.create_fleet(**request)))
+        launched += len(outcomes[-1].instance_ids)
+        if len(outcomes[-1].instance_ids) < size or outcomes[-1].hard_errors:
+            break
+    return FleetOutcome(instance_ids=[i for outcome in outcomes for i in outcome.instance_ids],
+                        market=next((outcome.market for outcome in outcomes if outcome.market), None),
+                        capacity_errors=[e for outcome in outcomes for e in outcome.capacity_errors],
+                        zone_errors=[e for outcome in outcomes for e in outcome.zone_errors],
+                        hard_errors=[e for outcome in outcomes for e in outcome.hard_errors])
+
+
 def allocate(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, subnet_ids: list[str],
              target: int, minimum: int, token_prefix: str) -> Allocation:
     """Launch `target` instances (at least `minimum`) in the first subnet that has them.
@@ -326,9 +350,8 @@ def allocate(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, 
         ensure_placement_group(ec2, group, spec.run_name, stack_name)
         # ClientToken takes at most 64 characters; a digest keeps it unique and short.
         token = hashlib.sha256(f"{token_prefix}/{subnet_id}".encode()).hexdigest()[:40]
-        request = create_fleet_request(spec, stack_name, launch_template_id, subnet_id, group, target,
-                                       minimum, token)
-        outcome = interpret_fleet_response(ec2.create_fleet(**request))
+        outcome = _launch_in_zone(ec2, spec, stack_name, launch_template_id, subnet_id, group, target, minimum,
+                                  token)
         errors += [f"{zone}: {line}" for line in outcome.capacity_errors + outcome.zone_errors]
         verdict = zone_verdict(outcome, minimum)
         if verdict == "accept":
