@@ -13,21 +13,19 @@ from aws_lambda_powertools.utilities.batch import BatchProcessor, EventType, pro
 from aws_lambda_powertools.utilities.data_classes.sqs_event import SQSRecord
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import aws, logger, metrics, tracer
-from functions.events import idempotent_process
+from functions.common import logger, metrics, tracer
+from functions.events import idempotent_processing
 
 processor = BatchProcessor(event_type=EventType.SQS)
-
-
-def record_handler(record: SQSRecord) -> dict[str, str]:
-    _, process = idempotent_process(aws())
-    return process(event=record.json_body)
 
 
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @metrics.log_metrics
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
-    config, _ = idempotent_process(aws())
-    config.register_lambda_context(context)
+    process = idempotent_processing(context)
+
+    def record_handler(record: SQSRecord) -> dict[str, str]:
+        return process(event=record.json_body)
+
     return process_partial_response(event=event, record_handler=record_handler, processor=processor, context=context)

@@ -269,18 +269,23 @@ def process_event(event: dict[str, Any]) -> dict[str, str]:
 
 
 @cache
-def idempotent_process(cloud: Aws) -> tuple[IdempotencyConfig, Callable[..., dict[str, str]]]:
+def _idempotent_process(cloud: Aws) -> tuple[IdempotencyConfig, Callable[..., dict[str, str]]]:
     config = IdempotencyConfig(event_key_jmespath="id", expires_after_seconds=24 * 3600)
     persistence = DynamoDBPersistenceLayer(table_name=cloud.idempotency_table, boto3_client=cloud.dynamodb)
     return config, idempotent_function(data_keyword_argument="event", config=config,
                                        persistence_store=persistence)(process_event)
 
 
+def idempotent_processing(context: LambdaContext) -> Callable[..., dict[str, str]]:
+    """process_event, idempotent on the event id, for this invocation (Powertools reads its
+    remaining time: a record left in progress by an invocation that timed out expires with it)."""
+    config, process = _idempotent_process(aws())
+    config.register_lambda_context(context)
+    return process
+
+
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @metrics.log_metrics
 def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, str]:
-    config, process = idempotent_process(aws())
-    config.register_lambda_context(context)
-    return process(event=event)
-
+    return idempotent_processing(context)(event=event)
