@@ -59,6 +59,10 @@ S3_PER_WRITE_REQUEST = 0.005 / 1000
 """PUT, COPY, POST, LIST."""
 S3_PER_READ_REQUEST = 0.0004 / 1000
 """GET and the rest."""
+SQS_PER_REQUEST = 0.40 / 1e6
+"""Standard queues, per request (up to 64 KB): EventBridge's sends of the agents' events and
+Lambda's receives and deletes of them. Lambda keeps five pollers on a queue, the local cloud one,
+so an idle queue's long polls here are a fifth of AWS's (5 x 4,320 a day, under a cent)."""
 LOGS_PER_GB = 0.50
 """CloudWatch Logs ingestion (the functions' logs and the EMF metric lines in them)."""
 METRIC_PER_MONTH = 0.30
@@ -95,12 +99,14 @@ class Rates:
                         if service == "s3" and re.match(r"(Put|Copy|Post|List|Create|Complete|Upload)", action))
         s3_reads = sum(n for (service, _), n in self.requests.items() if service == "s3") - s3_writes
         events = sum(n for (service, action), n in self.requests.items() if (service, action) == ("events", "PutEvents"))
+        sqs = sum(n for (service, _), n in self.requests.items() if service == "sqs")
         return {
             "step_functions": self.transitions * STEP_FUNCTIONS_PER_TRANSITION,
             "lambda": self.invocations * LAMBDA_PER_REQUEST + self.gb_seconds * LAMBDA_PER_GB_SECOND,
             "dynamodb": dynamodb_reads * DYNAMODB_PER_READ_UNIT + dynamodb_writes * DYNAMODB_PER_WRITE_UNIT,
             "eventbridge": events * EVENTBRIDGE_PER_EVENT,
             "s3": s3_writes * S3_PER_WRITE_REQUEST + s3_reads * S3_PER_READ_REQUEST,
+            "sqs": sqs * SQS_PER_REQUEST,
             "cloudwatch": self.log_bytes / 1e9 * LOGS_PER_GB + self.metrics * METRIC_PER_MONTH / (30 * 24),
         }
 

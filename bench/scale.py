@@ -9,7 +9,7 @@ retirement, each in a process of its own (the local cloud's handlers are importe
 process). Printed
 per size: allocate -> all ready; each recovery's time from the fault to the next attempt
 training and to its first step; the control plane's counts per training hour and per recovery
-(Lambda invocations, state transitions, DynamoDB reads and writes, events put, S3 requests); the
+(Lambda invocations, state transitions, DynamoDB reads and writes, events put, S3 and SQS requests); the
 largest Step Functions payload, DynamoDB item and event; teardown time. Then the same recoveries
 of a run with spares (each failure promotes a READY spare, which needs no boot) next to the run
 without, both with instances that take `--spare-boot-s` to boot.
@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RATES = ("lambda_invocations", "state_transitions", "dynamodb_reads", "dynamodb_writes", "events_put", "s3_requests")
+RATES = ("lambda_invocations", "state_transitions", "dynamodb_reads", "dynamodb_writes", "events_put", "s3_requests",
+         "sqs_requests")
 RUN_TIMEOUT_S = 3600
 
 

@@ -22,7 +22,7 @@ freeze with the real trainer.
 What it measures, from the cloud's own counters (harness reads go through internal clients and
 are not counted): time allocate -> all nodes ready (the run trains); per phase (start-up, steady
 training, each recovery, teardown) the Lambda invocations, state transitions, DynamoDB reads and
-writes, EventBridge events put and S3 requests; each recovery's time from the fault to the
+writes, EventBridge events put, S3 and SQS requests; each recovery's time from the fault to the
 replacement attempt training and to its first step; the largest Step Functions payload, DynamoDB
 item and event; teardown time (the run leaves TRAINING -> every instance terminated).
 """
@@ -128,6 +128,7 @@ class Meter:
             "dynamodb_writes": sum(n for (service, op), n in requests.items() if service == "dynamodb" and op in DYNAMODB_WRITES),
             "events_put": requests[("events", "PutEvents")],
             "s3_requests": sum(n for (service, _), n in requests.items() if service == S3_CALLS),
+            "sqs_requests": sum(n for (service, _), n in requests.items() if service == "sqs"),
         }
         self.phases[phase] = counts
         self._mark = (now, requests0 + requests, transitions, invocations)

@@ -22,11 +22,12 @@ def test_each_request_is_priced_by_its_service_and_kind():
     rates = cost.Rates(requests=Counter({("dynamodb", "GetItem"): 1e6, ("dynamodb", "TransactWriteItems"): 1e6,
                                          ("s3", "PutObject"): 1000, ("s3", "GetObject"): 1000,
                                          ("s3", "ListObjectsV2"): 1000, ("events", "PutEvents"): 1e6,
+                                         ("sqs", "SendMessage"): 1e6, ("sqs", "ReceiveMessage"): 1e6,
                                          ("states", "SendTaskHeartbeat"): 1e6}),
                        transitions=1000, invocations=1e6, gb_seconds=1.0, log_bytes=1e9, metrics=720)
     assert rates.usd_per_hour() == pytest.approx({
         "step_functions": 0.025, "lambda": 0.20 + 0.0000166667, "dynamodb": 0.125 + 2 * 0.625,
-        "eventbridge": 1.00, "s3": 2 * 0.005 + 0.0004, "cloudwatch": 0.50 + 720 * 0.30 / 720})
+        "eventbridge": 1.00, "s3": 2 * 0.005 + 0.0004, "sqs": 2 * 0.40, "cloudwatch": 0.50 + 720 * 0.30 / 720})
 
 
 def test_a_fleet_is_priced_at_its_look_rate_from_two_measured_sizes():

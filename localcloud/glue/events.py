@@ -9,7 +9,8 @@ Lambda and Step Functions targets and ignores InputPath and Input. Now, as Event
 - Lambda targets get an asynchronous (Event) invocation, retried on a function error as
   Lambda retries those (`glue.awslambda.invoke_event`);
   Step Functions targets start an execution with a generated name; SQS targets and
-  CloudWatch Logs targets get the payload as a message / log event;
+  CloudWatch Logs targets get the payload as a message / log event (a message sent is counted
+  in `LocalCloud.requests` as an SQS SendMessage: SQS bills it to the queue's owner);
 - other targets (event buses, archives, API destinations) keep moto's own delivery.
 
 moto also accepted a rule's ScheduleExpression and never fired it. A `rate(...)` rule now
@@ -88,6 +89,9 @@ def _deliver_to_queue(arn: str, payload: Any, target: dict[str, Any]) -> None:
     body = payload if isinstance(payload, str) else json.dumps(payload)
     sqs_backends[account][region].send_message(queue_name=queue_name, message_body=body,
                                                group_id=group_id)
+    cloud = active_cloud()
+    if cloud is not None:  # SQS bills the queue's owner for what EventBridge sends it
+        cloud.count(cloud.requests, ("sqs", "SendMessage"))
 
 
 def _deliver_to_log_group(arn: str, payload: Any) -> None:
