@@ -16,8 +16,9 @@ answer. Now, as the Lambda developer guide documents for Amazon SQS:
 - A batch the function handled is deleted. With FunctionResponseTypes ReportBatchItemFailures,
   the records named in `batchItemFailures` stay (all of them when an identifier names no record
   of the batch); after an error every record stays. What stays becomes visible again when the
-  queue's visibility timeout lapses, and the queue's redrive policy moves a message to its
-  dead-letter queue after maxReceiveCount receives (moto's SQS does that).
+  queue's visibility timeout lapses (a retry interval, so on the cloud's scaled time, like
+  Lambda's retries of an asynchronous invocation), and the queue's redrive policy moves a
+  message to its dead-letter queue after maxReceiveCount receives (moto's SQS does that).
 - The poller's ReceiveMessage and DeleteMessageBatch calls are counted in
   `LocalCloud.requests`, as AWS bills a mapping's SQS requests to the account.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -179,16 +181,22 @@ class QueuePoller(threading.Thread):
 
         try:
             result = invoke_function(self.function, {"Records": [sqs_record(message, self.queue) for message in batch]})
+            ids = [message.id for message in batch]
             if result.errored:
                 log.warning("Lambda %s failed a batch of %d from %s: %s", self.function.function_name, len(batch),
                             self.queue.name, result.payload)
-                return
-            kept = failed_message_ids(result.payload, [message.id for message in batch], self.reports_failures)
+            kept = set(ids) if result.errored else failed_message_ids(result.payload, ids, self.reports_failures)
             done = [message for message in batch if message.id not in kept]
             for start in range(0, len(done), DELETE_BATCH):  # SQS deletes ten messages a request
                 self.cloud.count(self.cloud.requests, ("sqs", "DeleteMessageBatch"))
                 for message in done[start:start + DELETE_BATCH]:
                     self.sqs.delete_message(self.queue.name, message.receipt_handle)
+            # What stays is tried again once the visibility timeout lapses: a retry interval,
+            # so on the cloud's scaled time (whole seconds, as SQS takes them).
+            again_s = max(1, math.ceil(self.cloud.scaled(int(self.queue.visibility_timeout))))
+            for message in batch:
+                if message.id in kept:
+                    self.sqs.change_message_visibility(self.queue.name, message.receipt_handle, again_s)
         except Exception:
             log.exception("the poller of %s could not hand a batch to %s", self.queue.name,
                           self.function.function_name)
