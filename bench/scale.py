@@ -46,9 +46,11 @@ def scale_run(nodes: int, spares: int, boot_s: float | None = None) -> dict:
                            *boot], cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if done.returncode != 0 or not done.stdout.strip():
         raise RuntimeError(f"{nodes} nodes, {spares} spares failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    print(f"  {nodes} nodes, {spares} spares, boot {boot_s or 'default'}: {time.monotonic() - started:.0f} s",
-          file=sys.stderr, flush=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    figures = done.stdout.strip().splitlines()[-1]
+    # Each run's figures as they come: a later run that fails loses none of them.
+    print(f"  {nodes} nodes, {spares} spares, boot {boot_s or 'default'}: {time.monotonic() - started:.0f} s\n"
+          f"  {figures}", file=sys.stderr, flush=True)
+    return json.loads(figures)
 
 
 def table(rows: list[list[str]]) -> str:
