@@ -108,3 +108,11 @@ def sqs_batch(event, context):
              "source": {record["eventSource"] for record in event["Records"]}.pop()})
     return {"batchItemFailures": [{"itemIdentifier": record["messageId"]} for record in event["Records"]
                                   if record["body"] == "fail"]}
+
+
+def slow_batch(event, context):
+    """Takes a second and a half over a batch; records when it started and ended."""
+    started = time.time()
+    time.sleep(1.5)
+    _record({"started": started, "ended": time.time()})
+    return {}

@@ -119,3 +119,27 @@ def test_a_role_that_cannot_read_the_queue_is_refused(local_cloud):
     function = deploy_function(local_cloud, "sqs_batch", timeout=5)
     with pytest.raises(ClientError, match="does not have permissions to call ReceiveMessage on SQS"):
         local_cloud.client("lambda").create_event_source_mapping(EventSourceArn=arn, FunctionName=function)
+
+
+def most_at_once(spans):
+    moments = sorted([(span["started"], 1) for span in spans] + [(span["ended"], -1) for span in spans])
+    running = most = 0
+    for _, change in moments:
+        running += change
+        most = max(most, running)
+    return most
+
+
+@pytest.mark.parametrize("scaling, expected", [({}, range(6, 21)), ({"MaximumConcurrency": 2}, range(1, 3))])
+def test_batches_run_concurrently_more_of_them_while_messages_wait(local_cloud, queue_role, tmp_path, scaling,
+                                                                     expected):
+    url, arn = queue(local_cloud)
+    record_file = tmp_path / "spans.jsonl"
+    function = deploy_function(local_cloud, "slow_batch", record_file, timeout=5)
+    local_cloud.client("lambda").create_event_source_mapping(
+        EventSourceArn=arn, FunctionName=function, BatchSize=1, **({"ScalingConfig": scaling} if scaling else {}))
+
+    send(local_cloud, url, [f"event-{index}" for index in range(24 if scaling else 40)])
+
+    wait_for(lambda: visible(local_cloud, url) == 0, timeout_s=60)
+    assert most_at_once(records(record_file)) in expected

@@ -11,8 +11,10 @@ answer. Now, as the Lambda developer guide documents for Amazon SQS:
   sqs:GetQueueAttributes on the queue.
 - A poller per enabled mapping long-polls the queue; from the first message it gathers more
   until the batch is full or the window (nominal seconds, scaled) has passed, then invokes the
-  function synchronously with `{"Records": [...]}` in SQS's record format. Up to
-  POLLER_CONCURRENCY batches run at once (Lambda starts with five).
+  function synchronously with `{"Records": [...]}` in SQS's record format. Batches run
+  concurrently as Lambda scales them: five at first, five more each second that every one is
+  busy and messages wait, up to the mapping's ScalingConfig.MaximumConcurrency or LOCAL_CONCURRENCY
+  (Lambda goes on to 1,250; the local endpoints are the limit here).
 - A batch the function handled is deleted. With FunctionResponseTypes ReportBatchItemFailures,
   the records named in `batchItemFailures` stay (all of them when an identifier names no record
   of the batch); after an error every record stays. What stays becomes visible again when the
@@ -42,7 +44,9 @@ log = logging.getLogger(__name__)
 
 _moto_create = LambdaBackend.create_event_source_mapping
 
-POLLER_CONCURRENCY = 5
+INITIAL_CONCURRENCY = 5
+SCALE_UP_PER_SECOND = 5
+LOCAL_CONCURRENCY = 20
 LONG_POLL_S = 20
 GATHER_PAUSE_S = 0.05
 DELETE_BATCH = 10
@@ -142,11 +146,33 @@ class QueuePoller(threading.Thread):
         self.batch_size = int(mapping.batch_size or 10)
         self.window_s = cloud.scaled(float(mapping.max_batch_window or 0))
         self.reports_failures = "ReportBatchItemFailures" in (mapping.function_response_types or [])
-        self.slots = threading.BoundedSemaphore(POLLER_CONCURRENCY)
-        self.invokers = ThreadPoolExecutor(POLLER_CONCURRENCY, thread_name_prefix=f"sqs-invoke-{queue.name}")
+        most = int((mapping.scaling_config or {}).get("MaximumConcurrency") or LOCAL_CONCURRENCY)
+        self.most = min(most, LOCAL_CONCURRENCY)
+        self.concurrency = min(INITIAL_CONCURRENCY, self.most)
+        self.in_flight, self.scaled_at = 0, time.monotonic()
+        self.changed = threading.Condition()
+        self.invokers = ThreadPoolExecutor(self.most, thread_name_prefix=f"sqs-invoke-{queue.name}")
 
     def serving(self) -> bool:
         return active_cloud() is self.cloud and self.mapping.uuid in self.backend._event_source_mappings
+
+    def take_slot(self) -> None:
+        """Wait for a batch's turn; every second all batches are busy while messages wait, five
+        more may run."""
+        with self.changed:
+            while self.in_flight >= self.concurrency:
+                waiting = any(message.visible for message in self.queue.messages)
+                if waiting and self.concurrency < self.most and time.monotonic() - self.scaled_at >= 1:
+                    self.concurrency = min(self.most, self.concurrency + SCALE_UP_PER_SECOND)
+                    self.scaled_at = time.monotonic()
+                    continue
+                self.changed.wait(0.25)
+            self.in_flight += 1
+
+    def release_slot(self) -> None:
+        with self.changed:
+            self.in_flight -= 1
+            self.changed.notify()
 
     def receive(self, count: int, wait_s: int) -> list[Any]:
         self.cloud.count(self.cloud.requests, ("sqs", "ReceiveMessage"))
@@ -168,10 +194,10 @@ class QueuePoller(threading.Thread):
             if not self.mapping.enabled:
                 time.sleep(1)
                 continue
-            self.slots.acquire()
+            self.take_slot()
             batch = self.gather()
             if not batch:
-                self.slots.release()
+                self.release_slot()
                 continue
             self.invokers.submit(self.invoke, batch)
         self.invokers.shutdown(wait=False)
@@ -201,7 +227,7 @@ class QueuePoller(threading.Thread):
             log.exception("the poller of %s could not hand a batch to %s", self.queue.name,
                           self.function.function_name)
         finally:
-            self.slots.release()
+            self.release_slot()
 
 
 def apply() -> None:
