@@ -61,6 +61,7 @@ def test_messages_sent_within_the_window_reach_the_function_as_one_batch(local_c
         FunctionResponseTypes=["ReportBatchItemFailures"])
     bodies = [f"event-{index}" for index in range(25)]
     invoked_before = sum(local_cloud.lambda_invocations.values())
+    received_before = local_cloud.requests[("sqs", "ReceiveMessage")]
 
     send(local_cloud, url, bodies)
 
@@ -69,6 +70,10 @@ def test_messages_sent_within_the_window_reach_the_function_as_one_batch(local_c
     batches = records(record_file)
     assert len(batches) == 1 and batches[0]["source"] == "aws:sqs"
     assert sum(local_cloud.lambda_invocations.values()) - invoked_before == 1
+    # SQS hands out ten messages a request, and a wait inside the window is one long poll per
+    # arrival (three SendMessageBatch calls), not a request every few milliseconds.
+    received = local_cloud.requests[("sqs", "ReceiveMessage")] - received_before
+    assert 3 <= received <= 3 + 3 + 2
 
 
 def test_a_record_the_function_reports_failed_is_retried_then_dead_lettered(local_cloud, queue_role, tmp_path):

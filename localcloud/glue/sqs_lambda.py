@@ -21,8 +21,9 @@ answer. Now, as the Lambda developer guide documents for Amazon SQS:
   queue's visibility timeout lapses (a retry interval, so on the cloud's scaled time, like
   Lambda's retries of an asynchronous invocation), and the queue's redrive policy moves a
   message to its dead-letter queue after maxReceiveCount receives (moto's SQS does that).
-- The poller's ReceiveMessage and DeleteMessageBatch calls are counted in
-  `LocalCloud.requests`, as AWS bills a mapping's SQS requests to the account.
+- The poller's ReceiveMessage calls (at most ten messages each, as SQS returns) and
+  DeleteMessageBatch calls are counted in `LocalCloud.requests`, as AWS bills a mapping's SQS
+  requests to the account.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ INITIAL_CONCURRENCY = 5
 SCALE_UP_PER_SECOND = 5
 LOCAL_CONCURRENCY = 20
 LONG_POLL_S = 20
-GATHER_PAUSE_S = 0.05
+RECEIVE_MOST = 10
 DELETE_BATCH = 10
 QUEUE_ACTIONS = ("sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes")
 
@@ -161,8 +162,7 @@ class QueuePoller(threading.Thread):
         more may run."""
         with self.changed:
             while self.in_flight >= self.concurrency:
-                waiting = any(message.visible for message in self.queue.messages)
-                if waiting and self.concurrency < self.most and time.monotonic() - self.scaled_at >= 1:
+                if self.queue.messages and self.concurrency < self.most and time.monotonic() - self.scaled_at >= 1:
                     self.concurrency = min(self.most, self.concurrency + SCALE_UP_PER_SECOND)
                     self.scaled_at = time.monotonic()
                     continue
@@ -174,19 +174,24 @@ class QueuePoller(threading.Thread):
             self.in_flight -= 1
             self.changed.notify()
 
-    def receive(self, count: int, wait_s: int) -> list[Any]:
+    def receive(self, wanted: int, wait_s: float) -> list[Any]:
+        """One ReceiveMessage: at most ten messages, as SQS returns."""
         self.cloud.count(self.cloud.requests, ("sqs", "ReceiveMessage"))
-        return self.sqs.receive_message(self.queue.name, count, wait_s, int(self.queue.visibility_timeout))
+        return self.sqs.receive_message(self.queue.name, min(RECEIVE_MOST, wanted), wait_s,
+                                        int(self.queue.visibility_timeout))
 
     def gather(self) -> list[Any]:
-        """A batch: what a long poll brings, then more until full or the window has passed."""
+        """A batch: what a long poll brings, then more until full or the window has passed; each
+        wait inside the window is a long poll that ends when a message arrives."""
         batch = self.receive(self.batch_size, LONG_POLL_S)
         deadline = time.monotonic() + self.window_s
-        while batch and len(batch) < self.batch_size and time.monotonic() < deadline and self.serving():
-            more = self.receive(self.batch_size - len(batch), 0)
-            batch += more
-            if not more:
-                time.sleep(GATHER_PAUSE_S)
+        while batch and len(batch) < self.batch_size and self.serving():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if not self.queue.messages:
+                self.queue.wait_for_messages(left)
+            batch += self.receive(self.batch_size - len(batch), 0)
         return batch
 
     def run(self) -> None:
