@@ -511,7 +511,9 @@ def torchrun_command(spec: LaunchSpec, node_rank: int, identity: Identity, files
 def standin_command(spec: LaunchSpec, node_rank: int, step_seconds: float, files: AttemptFiles) -> list[str]:
     """The stand-in trainer in torchrun's place (trainer/standin.py): a thread of the agent."""
     return [sys.executable, "-m", "trainer.standin", "--config", str(files.config), f"--node-rank={node_rank}",
-            f"--nodes={spec.plan.nodes}", f"--step-seconds={step_seconds}"]
+            f"--nodes={spec.plan.nodes}", f"--step-seconds={step_seconds}",
+            f"--rendezvous={spec.rendezvous_host}:{spec.rendezvous_port}",
+            f"--join-timeout-s={RENDEZVOUS_JOIN_TIMEOUT_S}"]
 
 
 def start_process(command: list[str], folder: Path, env: dict[str, str], output: BinaryIO) -> subprocess.Popen:

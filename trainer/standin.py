@@ -1,6 +1,7 @@
 """A stand-in trainer: the real trainer's signals on a schedule, without torch.
 
-    python -m trainer.standin --config trainer.yaml --node-rank 0 --nodes 512 --step-seconds 0.5
+    python -m trainer.standin --config trainer.yaml --node-rank 0 --nodes 512 --step-seconds 0.5 \
+        --rendezvous 127.77.0.1:29500 --join-timeout-s 300
 
 The node agent runs it in place of torchrun and the trainer when TRAINFLEET_STANDIN_STEP_S is set
 (trainer/agent.py), so that the control plane can be driven by fleets this machine could never
@@ -17,12 +18,16 @@ writes for the real trainer and gives what the agent and the control plane read 
   the real layout puts shards, then the commit marker with its manifest, then applies retention:
   the commit protocol of trainer/checkpoint_catalog.py, so the control plane's checks and resume
   logic run unchanged;
+- rendezvous: no node steps before every node of the world has joined, as with torchrun's c10d
+  rendezvous: node rank 0 listens on the attempt's endpoint, the others connect and wait for its
+  word; a world still incomplete after the join timeout ends each node that waited with exit 1,
+  as torchrun's RendezvousTimeoutError does;
 - resume: node rank 0 chooses the resume point as the real trainer does
   (checkpoint_catalog.resume_point); the other nodes take the step the config names;
 - exits: 0 after the final step; 2 with `config error:` for a config it cannot run; on SIGTERM
   it stops within a step and exits 1, as torchrun does (its SignalException ends it with 1).
 
-The world is not synchronous: a node that stops does not stall the others (a real world would
+Past the rendezvous the world is not synchronous: a node that stops does not stall the others (a real world would
 hang or fail in its next collective). Node losses, Spot notices and crashes reach the control
 plane as they do from a real world (EC2's events, the checkpoint request, the failing node's
 exit); a hang of one rank is not what this stand-in can show.
@@ -36,6 +41,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -58,8 +64,89 @@ EXIT_CONFIG = 2
 """The trainer's exit status for a config it refuses (trainer/train.py)."""
 EXIT_KILLED = -signal.SIGKILL
 """What Popen reports for a trainer killed outright."""
+EXIT_RENDEZVOUS = 1
+"""torchrun's exit status when the rendezvous timed out."""
 PART_WRITERS = 8
 """Parts written at once: one per node, a 512-node checkpoint is 512 PUTs."""
+RENDEZVOUS_POLL_S = 0.25
+"""How often a node waiting at the rendezvous looks whether it was stopped or has waited too long."""
+GO = b"go\n"
+
+
+class RendezvousTimeout(RuntimeError):
+    """The world did not gather within the join timeout."""
+
+
+def rendezvous(endpoint: tuple[str, int], node_rank: int, nodes: int, timeout_s: float,
+               stop: threading.Event) -> bool:
+    """Wait until every node of the world has joined; False when stopped first. Node rank 0
+    listens on `endpoint` and answers every node once all have connected."""
+    deadline = time.monotonic() + timeout_s
+    if node_rank == 0:
+        return _host_rendezvous(endpoint, nodes, deadline, stop)
+    while True:
+        try:
+            with socket.create_connection(endpoint, timeout=RENDEZVOUS_POLL_S) as peer:
+                peer.sendall(f"{node_rank}\n".encode())
+                return _await_word(peer, deadline, stop)
+        except (ConnectionRefusedError, ConnectionResetError, socket.timeout):
+            pass  # node rank 0 is not listening yet, or went away: try again
+        if stop.wait(RENDEZVOUS_POLL_S):
+            return False
+        if time.monotonic() > deadline:
+            raise RendezvousTimeout(f"node rank {node_rank}: no rendezvous at {endpoint[0]}:{endpoint[1]} "
+                                    f"within {timeout_s:.0f} s")
+
+
+def _await_word(peer: socket.socket, deadline: float, stop: threading.Event) -> bool:
+    peer.settimeout(RENDEZVOUS_POLL_S)
+    while not stop.is_set():
+        try:
+            word = peer.recv(len(GO))
+        except socket.timeout:
+            if time.monotonic() > deadline:
+                raise RendezvousTimeout("the world did not gather within the join timeout") from None
+            continue
+        if word != GO:
+            raise ConnectionResetError("node rank 0 left the rendezvous")
+        return True
+    return False
+
+
+def _host_rendezvous(endpoint: tuple[str, int], nodes: int, deadline: float, stop: threading.Event) -> bool:
+    joined: dict[int, socket.socket] = {}
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(endpoint)
+        listener.listen(nodes)
+        listener.settimeout(RENDEZVOUS_POLL_S)
+        try:
+            while len(joined) < nodes - 1:
+                if stop.is_set():
+                    return False
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(1, nodes)) - set(joined))
+                    raise RendezvousTimeout(f"{len(joined) + 1} of {nodes} nodes joined; missing node ranks "
+                                            f"{missing[:10]}{' ...' if len(missing) > 10 else ''}")
+                try:
+                    peer, _ = listener.accept()
+                except socket.timeout:
+                    continue
+                peer.settimeout(RENDEZVOUS_POLL_S)
+                try:
+                    rank = int(peer.recv(16).decode())
+                except (socket.timeout, ValueError):
+                    peer.close()
+                    continue
+                if rank in joined:  # a node that came back: its new connection counts
+                    joined.pop(rank).close()
+                joined[rank] = peer
+            for peer in joined.values():
+                peer.sendall(GO)
+            return True
+        finally:
+            for peer in joined.values():
+                peer.close()
 
 
 class ConfigError(ValueError):
@@ -70,7 +157,8 @@ class StandIn:
     """One node's stand-in trainer for one attempt."""
 
     def __init__(self, config: dict[str, Any], node_rank: int, nodes: int, step_seconds: float,
-                 environ: Any, stop: threading.Event, out: TextIO):
+                 environ: Any, stop: threading.Event, out: TextIO, endpoint: tuple[str, int],
+                 join_timeout_s: float):
         training, checkpoint = config.get("training", {}), config.get("checkpoint", {})
         try:
             self.steps = int(training["steps"])
@@ -83,6 +171,7 @@ class StandIn:
         if not 0 <= node_rank < nodes or step_seconds <= 0:
             raise ConfigError(f"node rank {node_rank} of {nodes} nodes, {step_seconds} s a step")
         self.node_rank, self.nodes, self.step_seconds, self.stop = node_rank, nodes, step_seconds, stop
+        self.endpoint, self.join_timeout_s = endpoint, join_timeout_s
         self.out = out
         self.layout = {key: int(value) for key, value in config.get("parallel", {}).items()
                        if key in ("pp", "dp", "tp")}
@@ -94,6 +183,15 @@ class StandIn:
         self.store = catalog.open_store(self.uri) if self.uri and node_rank == 0 else None
 
     def run(self) -> int:
+        try:
+            gathered = rendezvous(self.endpoint, self.node_rank, self.nodes, self.join_timeout_s, self.stop)
+        except (RendezvousTimeout, OSError) as exc:
+            print(f"stand-in trainer: rendezvous failed (as torchrun: RendezvousTimeoutError): {exc}", file=self.out,
+                  flush=True)
+            return EXIT_RENDEZVOUS
+        if not gathered:
+            print("stand-in trainer: got SIGTERM at the rendezvous", file=self.out, flush=True)
+            return EXIT_SIGNALLED
         step = self.resume_step()
         self.show_progress(step)
         if step >= self.steps:
@@ -153,6 +251,13 @@ class StandIn:
         catalog.prune(self.store, self.keep_last)
 
 
+def endpoint(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"not HOST:PORT: {text!r}")
+    return host, int(port)
+
+
 def run(argv: list[str], environ: Any, stop: threading.Event, out: TextIO) -> int:
     """The stand-in for one node: its exit status. Its lines go to `out`."""
     parser = argparse.ArgumentParser(prog="python -m trainer.standin")
@@ -160,10 +265,13 @@ def run(argv: list[str], environ: Any, stop: threading.Event, out: TextIO) -> in
     parser.add_argument("--node-rank", type=int, required=True)
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--step-seconds", type=float, required=True)
+    parser.add_argument("--rendezvous", type=endpoint, required=True, help="HOST:PORT of node rank 0")
+    parser.add_argument("--join-timeout-s", type=float, required=True)
     args = parser.parse_args(argv)
     try:
         config = yaml.safe_load(Path(args.config).read_text())
-        standin = StandIn(config, args.node_rank, args.nodes, args.step_seconds, environ, stop, out)
+        standin = StandIn(config, args.node_rank, args.nodes, args.step_seconds, environ, stop, out,
+                          args.rendezvous, args.join_timeout_s)
     except (OSError, yaml.YAMLError, ConfigError) as exc:
         print(f"config error: {exc}", file=out, flush=True)
         return EXIT_CONFIG
