@@ -33,7 +33,7 @@ from trainfleet.adapters.checkpoints import CheckpointInvalid, verify_checkpoint
 from trainfleet.adapters.metrics import checkpoint_metrics, emit, progress_metrics
 from trainfleet.adapters.run_store import NodeNotFound, RunNotFound
 from trainfleet.contracts import (AgentEvent, CheckpointCommitted, Ec2InstanceStateChange,
-                                  FailureReport, HealthEvent, NodeReady,
+                                  FailureReport, FleetChecked, HealthEvent, NodeReady,
                                   NodeRecord, NodeRegistered, NodeRole, NodeState, RunRecord,
                                   TrainingCompleted, TrainingProgress, parse_event)
 from trainfleet.lifecycle import (checkpoint_before_leaving, classify_event, departure_wait_may_end,
@@ -110,6 +110,16 @@ def training_progress(run: RunRecord, detail: TrainingProgress) -> str:
     return f"progress at step {detail.step}; {departure}" if departure else f"progress at step {detail.step}"
 
 
+def fleet_checked(run: RunRecord, detail: FleetChecked) -> str:
+    """Record the world's figures; below the floor, the slow nodes fail the attempt before it
+    trains (they are replaced, spares first)."""
+    figures = detail.figures
+    aws().store.modify_run(run.run_name, lambda current: current.model_copy(update={"fleet_check": figures}))
+    if figures.passed:
+        return f"fleet check passed: {figures.describe()}"
+    return report_failure(run, classify_event(detail, run.attempt))
+
+
 def training_completed(run: RunRecord, detail: TrainingCompleted) -> str:
     answered = answer_task(run.run_name, "train", run.attempt, output={"final_step": detail.final_step})
     return "training completed" if answered else "ignored: training was not waiting"
@@ -178,6 +188,7 @@ _AGENT_STEPS: dict[type, Callable[[RunRecord, Any], str]] = {
     CheckpointCommitted: checkpoint_committed,
     TrainingProgress: training_progress,
     TrainingCompleted: training_completed,
+    FleetChecked: fleet_checked,
 }
 
 
@@ -214,6 +225,11 @@ def handle_agent_event(detail: AgentEvent) -> str:
     report = classify_event(detail, run.attempt)
     if report is None:
         return "ignored: no failure"
+    return report_failure(run, report)
+
+
+def report_failure(run: RunRecord, report: FailureReport) -> str:
+    """An agent's failure report acted on, unless the nodes it blames are retired already."""
     # Only the nodes the report names are read: a crash of the world names none, and each
     # survivor's agent reports it.
     named = _named_nodes(run.run_name, report.instance_ids)

@@ -11,7 +11,8 @@ the loopback interface) and moto records it as the instance's PrivateIpAddress, 
 can reach a node at the address DescribeInstances reports. Its environment is this process's,
 plus `LocalCloud.env()` (endpoint, region; not its credentials), plus LOCALCLOUD_INSTANCE_ID,
 LOCALCLOUD_PRIVATE_IP and LOCALCLOUD_INSTANCE_TYPE, plus whatever `env_hooks` add (the
-instance metadata server adds its endpoint there). Output goes to `console.log` in the
+instance metadata server adds its endpoint there); instance_site/ on its PYTHONPATH is how a
+network made slow (`slow_network`) reaches its torch.distributed transfers. Output goes to `console.log` in the
 instance's folder, like EC2's console output. With a warm image (`use_warm_image`, for fleets of
 hundreds: localcloud/warm_image.py), a boot command `python -m MODULE ...` is forked from the
 image instead of started afresh; the instance's process is the same to everything below.
@@ -70,6 +71,8 @@ HARNESS_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSIO
 """Credential variables of the harness's environment that an instance's processes never see."""
 LOOPBACK_POOL = ipaddress.ip_network("127.77.0.0/16")
 """Where instances' private addresses come from."""
+INSTANCE_SITE = Path(__file__).resolve().parent / "instance_site"
+"""On every instance's PYTHONPATH: its sitecustomize makes `slow_network` felt."""
 
 
 @dataclass
@@ -108,6 +111,12 @@ class LocalInstance:
     @property
     def console_log(self) -> Path:
         return self.workdir / "console.log"
+
+    @property
+    def network_delay_file(self) -> Path:
+        """Where LocalFleet.slow_network puts the instance's network delay (outside its folder,
+        which is the instance's own disk)."""
+        return self.workdir.with_name(f"{self.workdir.name}.network-delay")
 
 
 def _descendants(pid: int) -> list[int]:
@@ -241,6 +250,14 @@ class LocalFleet:
         pid = self.process_of(instance_id, role)
         os.kill(pid, signal.SIGKILL)
         return pid
+
+    def slow_network(self, instance_id: str, delay_s: float) -> None:
+        """From now on every torch.distributed transfer of the instance's processes waits
+        `delay_s` (real seconds) before it starts (instance_site/sitecustomize.py): a node with
+        a slow network, its agent's calls to the control plane as fast as before. 0 heals it."""
+        if delay_s < 0:
+            raise ValueError(f"delay_s must be >= 0, got {delay_s}")
+        self.get(instance_id).network_delay_file.write_text(str(delay_s))
 
     def process_of(self, instance_id: str, role: str) -> int:
         """The pid of the instance's process of that role: the lowest of those running one of
@@ -395,6 +412,7 @@ class LocalFleet:
             "LOCALCLOUD_INSTANCE_ID": instance.instance_id,
             "LOCALCLOUD_PRIVATE_IP": instance.private_ip,
             "LOCALCLOUD_INSTANCE_TYPE": instance.instance_type,
+            "LOCALCLOUD_NETWORK_DELAY_FILE": str(instance.network_delay_file),
         }
         # An instance holds no credentials but its instance profile's (the metadata server's
         # hook adds them), as on EC2: never the harness's administrator keys.
@@ -403,6 +421,7 @@ class LocalFleet:
         env |= {"AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull}
         for hook in self.env_hooks:
             env |= hook(instance)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INSTANCE_SITE), env.get("PYTHONPATH")]))
         if self.image is not None and self.image.serves(list(argv)):
             instance.process = self.image.fork(list(argv), instance.workdir, env, instance.console_log)
         else:

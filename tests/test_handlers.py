@@ -491,6 +491,40 @@ def test_a_lost_worker_fails_the_train_task_with_a_failure_report(handlers, clou
     assert later == "node terminated" and store.node(run.run_name, lost).state is NodeState.TERMINATED
 
 
+def fleet_checked(run_name: str, reporter: str, passed: bool, slow: list[str]) -> dict:
+    figures = {"attempt": 0, "passed": passed, "busbw_gbytes_per_s": 30.0 if passed else 4.0,
+               "floor_gbytes_per_s": 25.0, "slowest_link_gbytes_per_s": 2.0, "slowest_link": [reporter, *slow][:2],
+               "slow_instance_ids": slow, "seconds": 3.5}
+    return agent_event("FleetChecked", {"run_name": run_name, "attempt": 0, "instance_id": reporter,
+                                        "figures": figures})
+
+
+def test_a_world_below_the_fleet_check_floor_fails_before_training_blaming_the_slow_node(handlers, cloud,
+                                                                                           resources):
+    store, run, (host, slow) = recorded_run(cloud, resources)
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token=token))
+
+    outcome = handlers.events.handler(fleet_checked(run.run_name, host, False, [slow]), Context())["outcome"]
+
+    assert outcome == "SLOW_NETWORK: task failed"
+    report = json.loads(finished(cloud, execution)["cause"])
+    assert report["failure_class"] == "SLOW_NETWORK" and report["instance_ids"] == [slow]
+    assert "fleet all-reduce 4.000 GB/s, floor 25.000 GB/s" in report["message"]
+    assert store.node(run.run_name, slow).state is NodeState.UNHEALTHY
+    assert store.node(run.run_name, host).state is not NodeState.UNHEALTHY
+    assert store.run(run.run_name).fleet_check.slow_instance_ids == [slow]
+
+
+def test_a_world_that_passed_the_fleet_check_trains_on_with_its_figures_recorded(handlers, cloud, resources):
+    store, run, (host, _) = recorded_run(cloud, resources)
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token="token-of-a-live-task"))
+    outcome = handlers.events.handler(fleet_checked(run.run_name, host, True, []), Context())["outcome"]
+    assert outcome.startswith("fleet check passed: fleet all-reduce 30.000 GB/s")
+    recorded = store.run(run.run_name)
+    assert recorded.waiting is not None and recorded.fleet_check.passed and recorded.fleet_check.seconds == 3.5
+
+
 def test_a_lost_spare_is_recorded_without_failing_training(handlers, cloud, resources):
     store, run, (_, _, spare) = recorded_run(cloud, resources, spares=1)
     store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token="token-of-a-live-task"))

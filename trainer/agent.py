@@ -35,7 +35,9 @@ instance's process. It speaks to the control plane only through AWS:
    notice, and stops torchrun when the run moves to a newer attempt. The agent whose node holds
    global rank 0 (the only one whose trainer writes the metrics file) also heartbeats the Train
    task as steps advance, sends sampled TrainingProgress and CheckpointCommitted for every
-   checkpoint committed to S3 with the reason it was saved. Before the attempt's first step
+   checkpoint committed to S3 with the reason it was saved, and the fleet check's figures
+   (FleetChecked: the trainer measures the world's network before its first step,
+   trainer/fleet_check.py; a world below the floor does not train). Before the attempt's first step
    (rendezvous, NCCL set-up, checkpoint load) no trainer writes metrics yet, so the agent of
    node rank 0 heartbeats the start-up, for at most the run's startup timeout after torchrun
    started; a start that outlasts it is declared hung a hang timeout later. Likewise the end:
@@ -84,11 +86,12 @@ from botocore.utils import IMDSFetcher
 
 from trainer import checkpoint_catalog as catalog
 from trainer import standin
-from trainer.progress import PROGRESS_FILE_ENV, read_progress
+from trainer.progress import NODE_NAME_ENV, PROGRESS_FILE_ENV, read_progress
 from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import NodeNotFound, RunStore
 from trainfleet.catalogue import instance_facts, nccl_environment
-from trainfleet.contracts import (AgentEvent, CheckpointCommitted, CheckpointReason, HealthCheckResult,
+from trainfleet.contracts import (AgentEvent, CheckpointCommitted, CheckpointReason, FleetCheckFigures, FleetChecked,
+                                  HealthCheckResult,
                                   LaunchSpec, NodeLiveness, NodeReady, NodeRecord, NodeRegistered, NodeUnhealthy,
                                   RunRecord, RunState, TrainerFailed, TrainerFailureKind, TrainingCompleted,
                                   TrainingProgress, put_events_entry)
@@ -481,11 +484,17 @@ class AttemptFiles:
     def progress(self) -> Path:
         return self.folder / "progress"
 
+    @property
+    def fleet_check(self) -> Path:
+        return self.folder / "fleet-check.json"
+
 
 def trainer_config(spec: LaunchSpec, files: AttemptFiles) -> dict[str, Any]:
     """The spec's trainer config with this attempt's metrics file and the spec's resume point."""
     config = json.loads(json.dumps(spec.trainer_config))  # a deep copy
     config.setdefault("training", {})["metrics_file"] = str(files.metrics)
+    if "fleet_check" in config:
+        config["fleet_check"]["result_file"] = str(files.fleet_check)
     checkpoint = config.setdefault("checkpoint", {})
     if spec.resume_step is not None:
         checkpoint["resume"] = str(spec.resume_step)
@@ -524,14 +533,15 @@ def start_process(command: list[str], folder: Path, env: dict[str, str], output:
 
 def torchrun_env(files: AttemptFiles, identity: Identity) -> dict[str, str]:
     """The agent's environment, plus what NCCL needs to use EFA on this node's type (the same
-    environment preflight proved NCCL selects EFA in) and the attempt's files."""
+    environment preflight proved NCCL selects EFA in), the attempt's files and the node's name."""
     return {**os.environ,
             **nccl_environment(instance_facts(identity.instance_type), os.environ),
             # The rendezvous store is not shared with the ranks' process group: with gloo, a
             # shared one made the first restart fail on stale peer addresses (DESIGN.md, 7).
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             catalog.REQUEST_FILE_ENV: str(files.checkpoint_request),
-            PROGRESS_FILE_ENV: str(files.progress)}
+            PROGRESS_FILE_ENV: str(files.progress),
+            NODE_NAME_ENV: identity.instance_id}
 
 
 def failure_kind(output: str) -> TrainerFailureKind:
@@ -595,6 +605,7 @@ class Attempt:
         self.progress_changes = 0  # how often its progress file changed
         self.node_stepped_at = -math.inf  # control.clock() when it changed last
         self.node_step_s: float | None = None  # the time a step took, from the last two changes
+        self.fleet_check_reported = False
 
     def run(self) -> RunRecord | None:
         """Run torchrun until it exits or the run leaves this attempt; the run record that showed
@@ -694,6 +705,8 @@ class Attempt:
             # resumes from the newest announced. Other commits wait for the look (one S3 listing
             # a look, not two a second).
             self.announce_commits()
+        if not self.fleet_check_reported and self.files.fleet_check.exists():
+            self.report_fleet_check()
         if not self.spot_notice_seen and now >= self.next_metadata_look:
             self.next_metadata_look = now + self.control.settings.metadata_look_s
             if self.spot_notice() is not None:
@@ -752,6 +765,24 @@ class Attempt:
         self.control.report_liveness(NodeLiveness(
             instance_id=self.identity.instance_id, attempt=self.spec.attempt, step=self.node_step,
             step_at=self.node_step_at, reported_at=datetime.now(timezone.utc)))
+
+    def report_fleet_check(self) -> None:
+        """The fleet check's result, which global rank 0 wrote on this node; sent again at the
+        next look if the bus does not take it now."""
+        result = json.loads(self.files.fleet_check.read_text())
+        slowest = result["slowest_link"]
+        figures = FleetCheckFigures(
+            attempt=self.spec.attempt, passed=result["passed"], busbw_gbytes_per_s=result["busbw_gbytes_per_s"],
+            floor_gbytes_per_s=result["floor_gbytes_per_s"],
+            slowest_link_gbytes_per_s=slowest["gbytes_per_s"] if slowest else None,
+            slowest_link=[slowest["source"], slowest["target"]] if slowest else [],
+            slow_instance_ids=result["slow_nodes"], seconds=result["seconds"])
+        if not self.fleet_check_reported:
+            say("fleet check " + ("passed" if figures.passed else "failed"), attempt=self.spec.attempt,
+                figures=figures.describe())
+        self.fleet_check_reported = self.control.send(FleetChecked(
+            run_name=self.spec.run_name, attempt=self.spec.attempt, instance_id=self.identity.instance_id,
+            figures=figures))
 
     def send_progress(self, record: dict[str, Any]) -> None:
         self.control.send(TrainingProgress(

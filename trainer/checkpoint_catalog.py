@@ -117,9 +117,16 @@ def _parse_step_dir(name: str) -> int | None:
     return None
 
 
+UNHASHED_SECTIONS = frozenset({"parallel", "checkpoint", "fleet_check"})
+"""Config sections a checkpoint does not depend on: the layout (checkpoints reshard), where they
+go, and the network check before the first step."""
+
+
 def config_hash(config: Mapping[str, Any]) -> str:
-    """A stable fingerprint of a config (canonical JSON, SHA-256), recorded in the manifest."""
-    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    """A stable fingerprint of a config's sections that shape the training state (canonical
+    JSON, SHA-256), recorded in the manifest."""
+    hashed = {section: fields for section, fields in config.items() if section not in UNHASHED_SECTIONS}
+    canonical = json.dumps(hashed, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 

@@ -159,6 +159,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class FleetCheckConfig:
+    enabled: bool = False
+    """Measure the whole world's network before the first step (trainer/fleet_check.py); the
+    control plane turns it on for worlds of more than one node (RunSpec.preflight)."""
+    size_mib: float = 64.0
+    """The buffer each rank all-reduces and exchanges with its peers."""
+    iterations: int = 5
+    """Timed repetitions of each measurement, after one untimed."""
+    busbw_floor_gbytes_per_s: float = 0.0
+    """The bus bandwidth a healthy world reaches (the catalogue's, or the RunSpec's)."""
+    result_file: str = ""
+    """Where global rank 0 writes the result (JSON); the node agent reports it."""
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The network."""
@@ -172,6 +187,8 @@ class JobConfig:
     """Steps, batch, seed, device, logging."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Saving and resuming the training state."""
+    fleet_check: FleetCheckConfig = field(default_factory=FleetCheckConfig)
+    """The fleet-wide network check at the start of every attempt."""
 
     def validate(self) -> "JobConfig":
         """Raise ConfigError naming the first field that cannot work; return self."""
@@ -194,6 +211,10 @@ def _problems(c: JobConfig):
             value, lowest = getattr(section, f.name), 0 if f.name in _ZERO_ALLOWED else 1
             if f.type is int and value < lowest:
                 yield f"{_name(section)}.{f.name} must be >= {lowest}, got {value}"
+    f = c.fleet_check
+    if f.size_mib <= 0 or f.iterations < 1 or f.busbw_floor_gbytes_per_s < 0:
+        yield (f"fleet_check needs size_mib > 0, iterations >= 1 and busbw_floor_gbytes_per_s >= 0, got "
+               f"{f.size_mib}, {f.iterations}, {f.busbw_floor_gbytes_per_s}")
     if m.d_model % m.n_heads:
         yield f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}"
     if m.n_heads % p.tp or m.vocab_size % p.tp or m.seq_len % p.tp:

@@ -4,16 +4,20 @@ Only global rank 0 writes the metrics file, so without this an agent on any othe
 tell whether its trainer joined the rendezvous or still advances. Local rank 0 of every node
 writes the step it completed (the resume step first, once the world is up) to the file named by
 TRAINFLEET_PROGRESS_FILE, replacing it whole; the agent reads it at each look and reports it in
-its liveness record (trainfleet.contracts.NodeLiveness). Torch-free: the agent imports it.
+its liveness record (trainfleet.contracts.NodeLiveness). The agent also names its node to the
+trainer (TRAINFLEET_NODE_NAME, its instance id): the fleet check reports slow nodes by that name.
+Torch-free: the agent imports it.
 """
 
 import os
 from pathlib import Path
 
-__all__ = ["PROGRESS_FILE_ENV", "progress_file", "write_progress", "read_progress"]
+__all__ = ["PROGRESS_FILE_ENV", "NODE_NAME_ENV", "progress_file", "write_progress", "read_progress"]
 
 PROGRESS_FILE_ENV = "TRAINFLEET_PROGRESS_FILE"
 """Environment variable naming the file; unset, nothing is written."""
+NODE_NAME_ENV = "TRAINFLEET_NODE_NAME"
+"""Environment variable naming the node (trainer/fleet_check.py)."""
 
 
 def progress_file() -> Path | None:

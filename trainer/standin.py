@@ -175,8 +175,7 @@ class StandIn:
         self.out = out
         self.layout = {key: int(value) for key, value in config.get("parallel", {}).items()
                        if key in ("pp", "dp", "tp")}
-        self.config_hash = catalog.config_hash({key: value for key, value in config.items()
-                                                if key not in ("parallel", "checkpoint")})
+        self.config_hash = catalog.config_hash(config)
         self.metrics = Path(training["metrics_file"]) if node_rank == 0 and training.get("metrics_file") else None
         self.progress = Path(environ[PROGRESS_FILE_ENV]) if environ.get(PROGRESS_FILE_ENV) else None
         self.requests = catalog.SaveRequests(environ.get(catalog.REQUEST_FILE_ENV), None)

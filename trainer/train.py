@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainer import checkpoint_catalog
+from trainer import checkpoint_catalog, fleet_check
 from trainer.checkpoint import Checkpointer
 from trainer.config import ConfigError, JobConfig, OptimConfig, check_world_size, load_config
 from trainer.data import DataLoader, load_tokens
@@ -322,11 +322,9 @@ def train(cfg: JobConfig, env: DistributedEnv) -> list[dict]:
 
 
 def _checkpointer(cfg: JobConfig) -> Checkpointer:
-    # The layout may change between save and resume (checkpoints reshard), so it is not hashed.
-    hashed = {k: v for k, v in asdict(cfg).items() if k not in ("parallel", "checkpoint")}
     p = cfg.parallel
     return Checkpointer(cfg.checkpoint, layout={"pp": p.pp, "dp": p.dp, "dp_shard": p.resolved_dp_shard(), "tp": p.tp},
-                        config_hash=checkpoint_catalog.config_hash(hashed),
+                        config_hash=checkpoint_catalog.config_hash(asdict(cfg)),
                         request_file=os.environ.get(checkpoint_catalog.REQUEST_FILE_ENV),
                         timeout=timedelta(seconds=cfg.checkpoint.timeout_s))
 
@@ -350,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     with distributed(cfg) as env:
+        if cfg.fleet_check.enabled and env.world_size > 1:
+            fleet_check.gate(cfg.fleet_check, env.device)
         train(cfg, env)
     return 0
 

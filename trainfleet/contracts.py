@@ -238,6 +238,22 @@ LATE_WORKER_DEFAULT_S = 600
 stuck than slow."""
 
 
+class PreflightPolicy(_Strict):
+    """The fleet-wide check at the start of every attempt (trainer/fleet_check.py)."""
+
+    fleet_check: bool = True
+    """Measure the world's network before it trains (an all-reduce, then every node-to-node link)
+    in every attempt of more than one node; a world below the floor has its slow nodes replaced
+    (spares first) before a step is trained."""
+    busbw_floor_gbytes_per_s: float | None = Field(default=None, gt=0)
+    """The all-reduce bus bandwidth a healthy world reaches; None: the instance type's
+    (catalogue busbw_floor_gbytes_per_s)."""
+    size_mib: float = Field(default=64.0, gt=0, le=4096)
+    """The buffer each rank all-reduces and sends to its partners."""
+    iterations: int = Field(default=5, ge=1, le=100)
+    """Timed repetitions of each measurement."""
+
+
 class RecoveryPolicy(_Strict):
     """How hard the run tries before it gives up."""
 
@@ -341,6 +357,8 @@ class TrainerTraining(_Open):
 # checkpoint section is the control plane's). A misspelt field is refused here, before any
 # instance is paid for, instead of by the trainer on the nodes. tests/test_contracts.py checks
 # this list against JobConfig.
+FILLED_SECTIONS = {"checkpoint": "checkpoint", "fleet_check": "preflight"}
+"""Trainer config sections the control plane fills from the RunSpec's own sections."""
 TRAINER_FIELDS: dict[str, frozenset[str]] = {
     "model": frozenset({"n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "mlp_ratio",
                         "tie_embeddings"}),
@@ -374,8 +392,8 @@ class TrainerConfig(_Open):
         if not isinstance(raw, dict):
             return raw
         for section, fields in raw.items():
-            if section == "checkpoint":
-                raise ValueError("trainer.checkpoint is filled from RunSpec.checkpoint; set it there")
+            if section in FILLED_SECTIONS:
+                raise ValueError(f"trainer.{section} is filled from RunSpec.{FILLED_SECTIONS[section]}; set it there")
             if section not in TRAINER_FIELDS:
                 raise ValueError(f"trainer.{section} is not a section of the trainer config; "
                                  f"known: {', '.join(sorted(TRAINER_FIELDS))}")
@@ -394,11 +412,15 @@ class TrainerConfig(_Open):
             raise ValueError(problem)
         return self
 
-    def as_trainer_mapping(self, pp: int, dp: int, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """The full config for the trainer, with the planned layout and checkpoint section."""
+    def as_trainer_mapping(self, pp: int, dp: int, checkpoint: dict[str, Any],
+                           fleet_check: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The full config for the trainer, with the planned layout and the sections the
+        control plane fills (FILLED_SECTIONS)."""
         doc = self.model_dump(mode="json")
         doc["parallel"].update(pp=pp, dp=dp)
         doc["checkpoint"] = checkpoint
+        if fleet_check is not None:
+            doc["fleet_check"] = fleet_check
         return doc
 
 
@@ -458,6 +480,8 @@ class RunSpec(_Strict):
     """Checkpoint location and cadence."""
     recovery: RecoveryPolicy = Field(default_factory=RecoveryPolicy)
     """Restart budget, crash-loop rule, backoff, hang and boot timeouts."""
+    preflight: PreflightPolicy = Field(default_factory=PreflightPolicy)
+    """The fleet-wide network check before each attempt trains."""
     cost_ceiling_usd: float | None = Field(default=None, gt=0)
     """Stop the run once its instance cost reaches this; None = no ceiling."""
     tags: dict[str, str] = Field(default_factory=dict)
@@ -535,10 +559,14 @@ class RunSpec(_Strict):
     def trainer_mapping(self, pp: int, dp: int, resume_step: int | None) -> dict[str, Any]:
         """The trainer's full config at pp x dp: the trainer section with the checkpoint section
         made from `checkpoint`, resuming from `resume_step` (None: from scratch)."""
-        policy = self.checkpoint
+        policy, preflight = self.checkpoint, self.preflight
+        nodes = pp * dp * self.trainer.parallel.tp // self.facts.ranks_per_node
         return self.trainer.as_trainer_mapping(pp, dp, {
             "uri": policy.s3_uri, "interval": policy.interval_steps, "keep_last": policy.keep_last,
-            "resume": "none" if resume_step is None else str(resume_step)})
+            "resume": "none" if resume_step is None else str(resume_step)}, {
+            "enabled": preflight.fleet_check and nodes > 1, "size_mib": preflight.size_mib,
+            "iterations": preflight.iterations,
+            "busbw_floor_gbytes_per_s": preflight.busbw_floor_gbytes_per_s or self.facts.busbw_floor_gbytes_per_s})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -709,6 +737,8 @@ class FailureClass(StrEnum):
     """The loss became NaN or infinite."""
     CONFIG_ERROR = "CONFIG_ERROR"
     """The trainer refused its config: retrying cannot help."""
+    SLOW_NETWORK = "SLOW_NETWORK"
+    """The fleet-wide check measured the world's network below the floor (trainer/fleet_check.py)."""
     CAPACITY = "CAPACITY"
     """Not enough instances could be allocated."""
     UNKNOWN = "UNKNOWN"
@@ -910,6 +940,33 @@ class TaskWait(_Strict):
     """The Step Functions task token."""
 
 
+class FleetCheckFigures(_Strict):
+    """What the fleet-wide check of one attempt measured (trainer/fleet_check.py)."""
+
+    attempt: int = Field(ge=0)
+    """The attempt whose world was measured."""
+    passed: bool
+    busbw_gbytes_per_s: float = Field(ge=0)
+    """The world's all-reduce bus bandwidth."""
+    floor_gbytes_per_s: float = Field(ge=0)
+    """What it had to reach."""
+    slowest_link_gbytes_per_s: float | None = Field(default=None, ge=0)
+    """The slowest node-to-node link, one direction."""
+    slowest_link: list[str] = Field(default_factory=list)
+    """Its two ends, sender first (instance ids)."""
+    slow_instance_ids: list[str] = Field(default_factory=list)
+    """The nodes to replace: none when the world passed, or when every node was slow."""
+    seconds: float = Field(ge=0)
+    """How long the check took."""
+
+    def describe(self) -> str:
+        link = (f"; slowest link {' -> '.join(self.slowest_link)} {self.slowest_link_gbytes_per_s:.3f} GB/s"
+                if self.slowest_link_gbytes_per_s is not None else "")
+        blamed = f"; slow: {', '.join(self.slow_instance_ids)}" if self.slow_instance_ids else ""
+        return (f"fleet all-reduce {self.busbw_gbytes_per_s:.3f} GB/s, floor {self.floor_gbytes_per_s:.3f} GB/s"
+                f"{link}{blamed}")
+
+
 class RunRecord(_Strict):
     """The run's row in DynamoDB. `version` increments on every write (optimistic locking)."""
 
@@ -964,6 +1021,8 @@ class RunRecord(_Strict):
     (lifecycle.departure_wait_may_end), so they read the run record alone, not every node."""
     last_step: int | None = None
     """Latest step reported by progress events."""
+    fleet_check: FleetCheckFigures | None = None
+    """The latest fleet-wide check's figures."""
     last_progress_at: datetime | None = None
     """When that step was reported."""
     ledger: GoodputLedger = Field(default_factory=GoodputLedger)
@@ -1113,6 +1172,7 @@ class DetailType(StrEnum):
     TRAINER_HUNG = "TrainerHung"
     TRAINING_COMPLETED = "TrainingCompleted"
     TRAINING_PROGRESS = "TrainingProgress"
+    FLEET_CHECKED = "FleetChecked"
 
 
 class Ec2InstanceStateChange(_Open):
@@ -1348,15 +1408,23 @@ class TrainingProgress(AgentEvent):
     """Wall-clock time of the step."""
 
 
+class FleetChecked(AgentEvent):
+    """Node rank 0's agent: the fleet-wide check of the attempt's world is done."""
+
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.FLEET_CHECKED
+
+    figures: FleetCheckFigures
+
+
 AnyDetail = (Ec2InstanceStateChange | Ec2SpotInterruptionWarning | Ec2RebalanceRecommendation
              | HealthEvent | NodeRegistered | NodeReady | NodeUnhealthy | CheckpointCommitted
-             | TrainerFailed | TrainerHung | TrainingCompleted | TrainingProgress)
+             | TrainerFailed | TrainerHung | TrainingCompleted | TrainingProgress | FleetChecked)
 
 DETAIL_MODELS: dict[tuple[str, DetailType], type[BaseModel]] = {
     (model.SOURCE, model.DETAIL_TYPE): model
     for model in (Ec2InstanceStateChange, Ec2SpotInterruptionWarning, Ec2RebalanceRecommendation,
                   HealthEvent, NodeRegistered, NodeReady, NodeUnhealthy, CheckpointCommitted,
-                  TrainerFailed, TrainerHung, TrainingCompleted, TrainingProgress)
+                  TrainerFailed, TrainerHung, TrainingCompleted, TrainingProgress, FleetChecked)
 }
 
 

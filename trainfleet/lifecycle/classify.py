@@ -4,7 +4,7 @@ import json
 
 from trainfleet.contracts import (CAPACITY_ERROR, LOST_STATES, FAILURE_ERROR, AgentEvent, AnyDetail, Ec2InstanceStateChange,
                                   Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning,
-                                  FailureClass, FailureReport, HealthEvent, NodeReady, NodeRegistered, NodeUnhealthy,
+                                  FailureClass, FailureReport, FleetChecked, HealthEvent, NodeReady, NodeRegistered, NodeUnhealthy,
                                   TaskWait, TrainerFailed, TrainerFailureKind, TrainerHung)
 
 # Health categories that announce trouble for the instance itself (accountNotification does not).
@@ -59,6 +59,8 @@ def classify_event(detail: AnyDetail, attempt: int) -> FailureReport | None:
             # A crashed trainer does not blame its node: a sick node reports NodeUnhealthy.
             return _report(_TRAINER_FAILURES[detail.kind], attempt, [],
                            f"trainer {detail.kind.value} on {detail.instance_id or 'the world'}: {detail.message}")
+        case FleetChecked(figures=figures) if not figures.passed:
+            return _report(FailureClass.SLOW_NETWORK, attempt, figures.slow_instance_ids, figures.describe())
         case TrainerHung():
             return _report(FailureClass.HANG, attempt, [],
                            f"no progress for {detail.seconds_since_progress:.0f} s after step {detail.last_step}")
