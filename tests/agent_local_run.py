@@ -61,7 +61,7 @@ def slow_node(template: dict) -> dict:
     forms. The fleet check must name it, the spare take its place, and the run complete."""
     template.update(node_count=3, spare_count=1, preflight=FLEET_CHECK)
     template["trainer"]["parallel"].update(pp=1, dp=3, microbatches=1)
-    template["trainer"]["training"]["batch_size"] = 12
+    template["trainer"]["training"].update(batch_size=12, steps=20)  # what is checked happens before a step
     with local_stack(Narrator(), agent_lifetime_s=PHASE_TIMEOUT_S) as stack:
         run = stack.start_run(template)
         watch = stack.watch(run)

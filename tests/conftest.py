@@ -18,6 +18,12 @@ os.environ.update(
 os.environ.setdefault("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")
 
 
+def pytest_collection_modifyitems(items):
+    """Files with slow tests first: the workers take whole files in collection order (--dist
+    loadfile), and a file of minutes taken last leaves the other worker idle while it runs."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

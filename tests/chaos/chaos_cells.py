@@ -41,6 +41,7 @@ def cell_tests(names: list[str]) -> tuple:
         return run_cells(names)
 
     # The first test waits for every cell (the module's fixture); pytest-timeout counts that.
+    @pytest.mark.slow
     @pytest.mark.timeout(CELL_TIMEOUT_S * len(names) + 600)
     @pytest.mark.parametrize("cell", names)
     def test_the_cell_holds_every_promise(outcomes, cell):
