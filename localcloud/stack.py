@@ -263,6 +263,7 @@ class Watch:
         self.states_seen = 0
         self.instance_states: dict[str, str] = {}
         self.checkpoints_seen: set[int] = set()
+        self.fleet_checks_seen: set[int] = set()
 
     def first_checkpoint(self) -> int | None:
         """The first attempt's latest checkpoint the control plane recorded, while it trains."""
@@ -299,3 +300,8 @@ class Watch:
         if record.latest_checkpoint and record.latest_checkpoint.step not in self.checkpoints_seen:
             self.checkpoints_seen.add(record.latest_checkpoint.step)
             narrate(f"checkpoint step {record.latest_checkpoint.step} recorded by the control plane")
+        checked = record.fleet_check
+        if checked and checked.attempt not in self.fleet_checks_seen:
+            self.fleet_checks_seen.add(checked.attempt)
+            narrate(f"fleet check of attempt {checked.attempt} {'passed' if checked.passed else 'FAILED'}: "
+                    f"{checked.describe()}")
