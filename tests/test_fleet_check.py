@@ -84,9 +84,9 @@ def _slowed(rank: int) -> None:
     fleet_check.dist.all_reduce = slow_all_reduce
 
 
-def _world(rank, port, slow_rank, floor, results):
-    os.environ[NODE_NAME_ENV] = name(rank)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
+def _world(rank, port, slow_rank, floor, results, world=3, per_node=1):
+    os.environ.update({NODE_NAME_ENV: name(rank // per_node), "LOCAL_WORLD_SIZE": str(per_node)})
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
         if rank == slow_rank:
@@ -119,3 +119,14 @@ def test_a_slow_node_of_three_is_named_by_every_rank():
 def test_a_healthy_world_passes_its_floor():
     (result, *_) = three_nodes(slow_rank=None, floor=0.001)
     assert result.passed and result.busbw_gbytes_per_s > 0.001 and result.slow_nodes == []
+
+
+@pytest.mark.slow
+def test_links_join_nodes_and_carry_every_local_rank(tmp_path):
+    with torch_mp.Manager() as manager:
+        results = manager.dict()
+        torch_mp.spawn(_world, args=(free_port(), None, 0.001, results, 4, 2), nprocs=4, join=True)
+        result = results[0]
+    assert result.passed
+    assert {(link.source, link.target) for link in [result.slowest_link]} <= {("node-0", "node-1"),
+                                                                               ("node-1", "node-0")}

@@ -9,8 +9,8 @@ once torchrun has gathered it and before the model is built, every rank:
    ring carries, comparable across world sizes);
 2. sends the buffer to the rank of its local rank `k` nodes on while it receives from the one
    `k` nodes back (k = 1, and 2 from three nodes on: every node gets two different partners
-   each way), timing its send and its receive apart: each node-to-node link is timed by both
-   of its ends, the slower counts.
+   each way), timing its send and its receive apart: each node-to-node link carries the
+   buffers of all local ranks at once, timed by both of its ends, the slowest time counts.
 
 Global rank 0 judges (`verdict`): the world passes when its busbw reaches the floor. Below it,
 the slow nodes are those whose best link is below the floor: all the links of a slow node are
@@ -145,7 +145,9 @@ def run_fleet_check(cfg: FleetCheckConfig, device: torch.device) -> FleetCheckRe
     slowest_time: dict[tuple[int, int], float] = {}
     for source, target, seconds in (entry for _, entries in gathered for entry in entries):
         slowest_time[(source, target)] = max(seconds, slowest_time.get((source, target), 0.0))
-    links = [Link(names[source], names[target], size / seconds / 1e9)
+    # Every local rank of a node sends to its peer on the other node at once: the link carries
+    # all of their buffers in the time the slowest of them took.
+    links = [Link(names[source], names[target], per_node * size / seconds / 1e9)
              for (source, target), seconds in sorted(slowest_time.items())]
     # Rank 0's timing of the all-reduce judges, so that every rank acts on the same verdict.
     judged = [verdict(busbw, cfg.busbw_floor_gbytes_per_s, links, names, time.perf_counter() - started)]
