@@ -777,9 +777,8 @@ class Attempt:
             slowest_link_gbytes_per_s=slowest["gbytes_per_s"] if slowest else None,
             slowest_link=[slowest["source"], slowest["target"]] if slowest else [],
             slow_instance_ids=result["slow_nodes"], seconds=result["seconds"])
-        if not self.fleet_check_reported:
-            say("fleet check " + ("passed" if figures.passed else "failed"), attempt=self.spec.attempt,
-                figures=figures.describe())
+        say("fleet check " + ("passed" if figures.passed else "failed"), attempt=self.spec.attempt,
+            figures=figures.describe())
         self.fleet_check_reported = self.control.send(FleetChecked(
             run_name=self.spec.run_name, attempt=self.spec.attempt, instance_id=self.identity.instance_id,
             figures=figures))

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import FleetCheckConfig
-from trainer.progress import NODE_NAME_ENV
+from trainer.progress import NODE_NAME_ENV, write_whole
 
 __all__ = ["Link", "FleetCheckResult", "verdict", "run_fleet_check", "bus_bandwidth", "gate"]
 
@@ -155,20 +155,12 @@ def run_fleet_check(cfg: FleetCheckConfig, device: torch.device) -> FleetCheckRe
     return judged[0]
 
 
-def write_result(result: FleetCheckResult, path: str) -> None:
-    """Whole or not at all: the agent may read the file the moment it appears."""
-    target = Path(path)
-    partial = target.with_name(target.name + ".partial")
-    partial.write_text(result.to_json())
-    partial.replace(target)
-
-
 def gate(cfg: FleetCheckConfig, device: torch.device) -> None:
     """Check the world; return when it passed, else wait to be stopped (never return)."""
     result = run_fleet_check(cfg, device)
     if dist.get_rank() == 0:
         if cfg.result_file:
-            write_result(result, cfg.result_file)
+            write_whole(Path(cfg.result_file), result.to_json())
         slowest = result.slowest_link
         print(f"fleet check {'passed' if result.passed else 'FAILED'}: all-reduce busbw "
               f"{result.busbw_gbytes_per_s:.3f} GB/s (floor {result.floor_gbytes_per_s:.3f}), slowest link "

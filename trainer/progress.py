@@ -12,7 +12,7 @@ Torch-free: the agent imports it.
 import os
 from pathlib import Path
 
-__all__ = ["PROGRESS_FILE_ENV", "NODE_NAME_ENV", "progress_file", "write_progress", "read_progress"]
+__all__ = ["PROGRESS_FILE_ENV", "NODE_NAME_ENV", "progress_file", "write_whole", "write_progress", "read_progress"]
 
 PROGRESS_FILE_ENV = "TRAINFLEET_PROGRESS_FILE"
 """Environment variable naming the file; unset, nothing is written."""
@@ -26,10 +26,15 @@ def progress_file() -> Path | None:
     return Path(path) if path and os.environ.get("LOCAL_RANK", "0") == "0" else None
 
 
-def write_progress(path: Path, step: int) -> None:
+def write_whole(path: Path, text: str) -> None:
+    """Replace the file at once: the agent reading it never sees half of what was written."""
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(str(step))
-    os.replace(partial, path)  # a reader never sees half a number
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def write_progress(path: Path, step: int) -> None:
+    write_whole(path, str(step))
 
 
 def read_progress(path: Path) -> int | None:
