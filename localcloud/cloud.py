@@ -210,9 +210,10 @@ class LocalCloud:
             self._server = ThreadedMotoServer(ip_address=self.config.host,
                                               port=self.config.port, verbose=False)
             self._server.start()
-            from localcloud.glue import iam
+            from localcloud.glue import cloudwatch, iam
 
             iam.admin_identity(self.account_id, self.region)
+            cloudwatch.evaluate_every_minute(self)
         except BaseException:
             self.stop()
             raise

@@ -21,7 +21,11 @@ The steps, in the order `sam deploy` and CloudFormation take them:
    resources ordered by their references and DependsOn;
 5. create each resource through the local endpoint's AWS APIs (`localcloud.deploy_resources`),
    resolving Ref / Fn::GetAtt / Fn::Sub / ... against what was created before it;
-6. resolve the Outputs.
+6. resolve the Outputs and record the stack in the local CloudFormation, so that DescribeStacks
+   answers with its name, status (CREATE_COMPLETE), description and outputs, which is what
+   clients read of a stack (`trainfleet run`, scripts using the AWS CLI). The record is a stack
+   of the deployed outputs alone: its resources are the deploy's, not CloudFormation's, so it
+   lists none. A stack name recorded before is refused at the start (no updates).
 
 There is no rollback: a failure stops the deploy and names the resource, the cause and what had
 already been created (the local cloud is thrown away between runs anyway).
@@ -210,6 +214,10 @@ def deploy(request: DeployRequest) -> DeployedStack:
         raise DeployError(f"cannot reach the local cloud at {request.endpoint}: {error}") from error
 
     template = load_template(request.template)
+    cloudformation = client("cloudformation")
+    if _stack_exists(cloudformation, request.stack_name):
+        raise DeployError(f"stack {request.stack_name} exists already: the local deploy creates stacks, it does not "
+                          "update them (deploy under another --stack-name, or into a new local cloud)")
     parameters = {**_pseudo_parameters(request, account_id),
                   **parameter_values(template.get("Parameters", {}), request.parameters)}
     bucket = request.artifact_bucket or f"trainfleet-local-artifacts-{account_id}-{request.region}"
@@ -234,8 +242,32 @@ def deploy(request: DeployRequest) -> DeployedStack:
     outputs = {name: _output_value(resolver, name, output)
                for name, output in template.get("Outputs", {}).items()
                if "Condition" not in output or _condition(resolver, output["Condition"], f"Outputs.{name}")}
+    _record_stack(cloudformation, request.stack_name, template, outputs)
     _enforce_iam(request.endpoint)
     return DeployedStack(request.stack_name, request.region, account_id, created, skipped, outputs, packaged)
+
+
+def _stack_exists(cloudformation: Any, stack_name: str) -> bool:
+    try:
+        stacks = cloudformation.describe_stacks(StackName=stack_name)["Stacks"]
+    except ClientError as error:
+        if error.response["Error"]["Code"] == "ValidationError":  # CloudFormation's "does not exist"
+            return False
+        raise
+    return any(stack["StackStatus"] != "DELETE_COMPLETE" for stack in stacks)
+
+
+def _record_stack(cloudformation: Any, stack_name: str, template: Mapping[str, Any], outputs: Mapping[str, Any]) -> None:
+    """DescribeStacks' view of the deployed stack (step 6)."""
+    declared = template.get("Outputs", {})
+    record = {"Resources": {},
+              "Outputs": {name: {"Value": value if isinstance(value, str) else json.dumps(value),
+                                 **({"Description": declared[name]["Description"]}
+                                    if isinstance(declared[name].get("Description"), str) else {})}
+                          for name, value in outputs.items()}}
+    if isinstance(template.get("Description"), str):
+        record["Description"] = template["Description"]
+    cloudformation.create_stack(StackName=stack_name, TemplateBody=json.dumps(record))
 
 
 def _enforce_iam(endpoint: str) -> None:

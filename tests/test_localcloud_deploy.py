@@ -235,6 +235,7 @@ def _read_back(cloud, resource):
             QueueUrl=pid, AttributeNames=["All"])["Attributes"],
         "AWS::SQS::QueuePolicy": lambda: pid,  # checked through its queue in the template test
         "AWS::Events::EventBus": lambda: cloud.client("events").describe_event_bus(Name=pid),
+        "AWS::SNS::Topic": lambda: cloud.client("sns").get_topic_attributes(TopicArn=pid)["Attributes"],
     }
     return readers[resource.resource_type]()
 
@@ -425,6 +426,13 @@ def test_project_template_deploys_and_every_resource_is_accounted_for(cloud):
         assert _read_back(cloud, resource) is not None, logical_id
     for name, value in stack.outputs.items():
         assert value and "${" not in str(value), name
+    # DescribeStacks answers with the deployed outputs, as on AWS; a second deploy of it is refused.
+    (described,) = cloud.client("cloudformation").describe_stacks(StackName=stack.stack_name)["Stacks"]
+    assert described["StackStatus"] == "CREATE_COMPLETE"
+    assert {output["OutputKey"]: output["OutputValue"] for output in described["Outputs"]} == {
+        name: str(value) for name, value in stack.outputs.items()}
+    with pytest.raises(DeployError, match=f"stack {stack.stack_name} exists already"):
+        deploy(DeployRequest(PROJECT_TEMPLATE, cloud.endpoint, stack_name=stack.stack_name))
     machine = cloud.client("stepfunctions").describe_state_machine(stateMachineArn=stack.outputs["StateMachineArn"])
     assert "${" not in machine["definition"]
     # An event the handler fails on every try is kept with those EventBridge could not deliver.

@@ -19,6 +19,9 @@
   function error is retried twice, one and then two (scaled) minutes later, as Lambda does
   (fewer when the function's EventInvokeConfig sets MaximumRetryAttempts); EventBridge
   targets are invoked the same way. DryRun checks the function exists only.
+- LoggingConfig: moto dropped it, and every function logged to /aws/lambda/<name>. A function
+  whose LoggingConfig names a LogGroup now logs there, as on AWS, and GetFunction[Configuration]
+  answers its LoggingConfig (LogFormat Text unless given).
 - moto stored a function's EventInvokeConfig and did nothing with it. When the retries are
   spent, the invocation record (request, response, condition RetriesExhausted) now goes to
   the config's on-failure destination (an SQS queue), as Lambda documents for asynchronous
@@ -177,6 +180,26 @@ def _invoke_in_process(self: LambdaFunction, event: Any = None) -> tuple[str, bo
     return result.payload, result.errored, "\n".join(result.log_lines)
 
 
+_moto_function_init = LambdaFunction.__init__
+_moto_configuration = LambdaFunction.get_configuration
+
+
+def _function_init(self: LambdaFunction, account_id: str, spec: dict[str, Any], region: str,
+                   version: str | int = 1) -> None:
+    _moto_function_init(self, account_id, spec, region, version)
+    given = spec.get("LoggingConfig") or {}
+    self.logging_config = {"LogFormat": given.get("LogFormat", "Text"),
+                           "LogGroup": given.get("LogGroup") or self.logs_group_name,
+                           **{key: given[key] for key in ("ApplicationLogLevel", "SystemLogLevel") if key in given}}
+    self.logs_group_name = self.logging_config["LogGroup"]
+
+
+def _configuration(self: LambdaFunction, on_create: bool = False) -> dict[str, Any]:
+    return _moto_configuration(self, on_create) | {"LoggingConfig": self.logging_config}
+
+
 def apply() -> None:
     LambdaFunction._invoke_lambda = _invoke_in_process
     LambdaFunction.invoke = _invoke
+    LambdaFunction.__init__ = _function_init
+    LambdaFunction.get_configuration = _configuration

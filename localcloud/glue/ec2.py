@@ -28,6 +28,8 @@ Patches to moto, each replacing something it lacks or drops:
 - CreateFleet ClientToken: moto ignored it. As EC2 documents for idempotent requests, a
   repeated token with the same parameters now gets the first answer and launches nothing,
   and with other parameters fails with IdempotentParameterMismatch.
+- GetConsoleOutput: moto answered a fixed sample boot log. A local instance's console is what
+  its processes wrote (the node agent, the trainer), of which EC2 gives the latest 64 KB.
 
 Instance types are checked against moto's catalogue (LocalCloud turns on moto's own
 validation), and EFA requests against the type's network cards.
@@ -35,6 +37,7 @@ validation), and EFA requests against the type's network cards.
 
 from __future__ import annotations
 
+import base64
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -50,6 +53,9 @@ from moto.ec2.responses import EC2Response
 from moto.ec2.responses.fleets import Fleets
 from moto.ec2.responses.instances import InstanceResponse
 from moto.core.responses import ActionResult
+from moto.core.utils import utcnow
+from moto.ec2.responses.general import General
+from moto.ec2.utils import Base64EncodedString
 
 from localcloud.glue import active_cloud
 
@@ -509,11 +515,29 @@ def _instance_status(self: Instance) -> dict[str, Any]:
     return {"Status": "impaired", "Details": [{"Name": "reachability", "Status": "failed"}]}
 
 
+CONSOLE_OUTPUT_BYTES = 64 * 1024
+"""GetConsoleOutput's size: the latest 64 KB of the console."""
+_moto_console_output = General.get_console_output
+
+
+def _console_output(self: EC2Response) -> ActionResult:
+    cloud = active_cloud()
+    instance_id = self._get_param("InstanceId")
+    if cloud is None or not _known(cloud, instance_id):
+        return _moto_console_output(self)
+    self.ec2_backend.get_instance(instance_id)  # an unknown id fails as EC2 fails it
+    log = cloud.fleet.get(instance_id).console_log
+    tail = log.read_bytes()[-CONSOLE_OUTPUT_BYTES:] if log.exists() else b""
+    return ActionResult({"InstanceId": instance_id, "Timestamp": utcnow(),
+                         "Output": Base64EncodedString.from_encoded_bytes(base64.b64encode(tail))})
+
+
 def apply() -> None:
     Instance.instance_status = property(_instance_status)
     EC2Response.create_placement_group = create_placement_group
     EC2Response.describe_placement_groups = describe_placement_groups
     EC2Response.delete_placement_group = delete_placement_group
+    EC2Response.get_console_output = _console_output
     InstanceResponse.run_instances = _run_instances_response
     Fleet.__init__ = _fleet_init
     Fleets.create_fleet = _create_fleet_response
