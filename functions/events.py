@@ -34,7 +34,7 @@ from trainfleet.adapters.metrics import checkpoint_metrics, emit, progress_metri
 from trainfleet.adapters.run_store import NodeNotFound, RunNotFound
 from trainfleet.contracts import (AgentEvent, CheckpointCommitted, Ec2InstanceStateChange,
                                   FailureReport, FleetChecked, HealthEvent, NodeReady,
-                                  NodeRecord, NodeRegistered, NodeRole, NodeState, RunRecord,
+                                  NodeRecord, NodeRegistered, NodeRole, NodeState, RunRecord, ScalingChecked,
                                   TrainingCompleted, TrainingProgress, parse_event)
 from trainfleet.lifecycle import (checkpoint_before_leaving, classify_event, departure_wait_may_end,
                                   departure_wait_over, is_stale, waits_for_emergency_checkpoint)
@@ -101,6 +101,8 @@ def checkpoint_committed(run: RunRecord, detail: CheckpointCommitted) -> str:
 
 def training_progress(run: RunRecord, detail: TrainingProgress) -> str:
     cloud, now = aws(), _now()
+    if detail.samples:
+        cloud.store.record_progress(run.run_name, detail.attempt, detail.samples)
     cloud.store.modify_run(run.run_name, lambda current: current.model_copy(update={
         "last_step": detail.step, "last_progress_at": now,
         "first_step_at": current.first_step_at or now}))
@@ -110,17 +112,21 @@ def training_progress(run: RunRecord, detail: TrainingProgress) -> str:
     return f"progress at step {detail.step}; {departure}" if departure else f"progress at step {detail.step}"
 
 
-def fleet_checked(run: RunRecord, detail: FleetChecked) -> str:
-    """Record the world's figures; below the floor, the slow nodes fail the attempt before it
-    trains (they are replaced, spares first)."""
-    figures = detail.figures
-    aws().store.modify_run(run.run_name, lambda current: current.model_copy(update={"fleet_check": figures}))
-    if figures.passed:
-        return f"fleet check passed: {figures.describe()}"
-    return report_failure(run, classify_event(detail, run.attempt))
+_CHECK_FIELDS: dict[type, str] = {FleetChecked: "fleet_check", ScalingChecked: "scaling_check"}
+"""The run record's field for each world check's figures."""
+
+
+def world_checked(run: RunRecord, detail: FleetChecked | ScalingChecked) -> str | None:
+    """Record a world check's figures; None when the world is below its floor, a failure of the
+    attempt: the fleet check's slow nodes are replaced (spares first) before a step is trained,
+    a world that does not scale ends the run (classify_event, decide_recovery)."""
+    field, figures = _CHECK_FIELDS[type(detail)], detail.figures
+    aws().store.modify_run(run.run_name, lambda current: current.model_copy(update={field: figures}))
+    return f"{field.replace('_', ' ')} passed: {figures.describe()}" if figures.passed else None
 
 
 def training_completed(run: RunRecord, detail: TrainingCompleted) -> str:
+    aws().store.modify_run(run.run_name, lambda current: current.model_copy(update={"last_step": detail.final_step}))
     answered = answer_task(run.run_name, "train", run.attempt, output={"final_step": detail.final_step})
     return "training completed" if answered else "ignored: training was not waiting"
 
@@ -182,14 +188,16 @@ def instance_gone(run: RunRecord, node: NodeRecord, detail: Ec2InstanceStateChan
 
 # --- routing ------------------------------------------------------------------------------
 
-_AGENT_STEPS: dict[type, Callable[[RunRecord, Any], str]] = {
+_AGENT_STEPS: dict[type, Callable[[RunRecord, Any], str | None]] = {
     NodeRegistered: node_registered,
     NodeReady: node_ready,
     CheckpointCommitted: checkpoint_committed,
     TrainingProgress: training_progress,
     TrainingCompleted: training_completed,
-    FleetChecked: fleet_checked,
+    FleetChecked: world_checked,
+    ScalingChecked: world_checked,
 }
+"""What an agent event moves forward; a step's None says the event also reports a failure."""
 
 
 def _named_nodes(run_name: str, instance_ids: list[str]) -> list[NodeRecord]:
@@ -210,7 +218,7 @@ def _aws_event_nodes(detail: Any) -> list[NodeRecord]:
     return [node for node in found if node is not None]
 
 
-def handle_agent_event(detail: AgentEvent) -> str:
+def handle_agent_event(detail: AgentEvent, observed_at: datetime) -> str:
     try:
         run = aws().store.run(detail.run_name)
     except RunNotFound:
@@ -218,11 +226,16 @@ def handle_agent_event(detail: AgentEvent) -> str:
     if run.state.is_final:
         return "ignored: run finished"
     if is_stale(detail, run.attempt):
+        if isinstance(detail, TrainingProgress) and detail.samples:
+            # Its steps stay in the run's history (the report's curves); nothing else of it counts.
+            aws().store.record_progress(run.run_name, detail.attempt, detail.samples)
+            return f"steps of attempt {detail.attempt} recorded; it was replaced by {run.attempt}"
         return f"ignored: attempt {detail.attempt} was replaced by {run.attempt}"
     step = _AGENT_STEPS.get(type(detail))
-    if step is not None:
-        return step(run, detail)
-    report = classify_event(detail, run.attempt)
+    outcome = step(run, detail) if step is not None else None
+    if outcome is not None:
+        return outcome
+    report = classify_event(detail, run.attempt, observed_at)
     if report is None:
         return "ignored: no failure"
     return report_failure(run, report)
@@ -239,7 +252,7 @@ def report_failure(run: RunRecord, report: FailureReport) -> str:
     return failure(run, [node for node in named if node.instance_id not in retired], report)
 
 
-def handle_aws_event(detail: Any) -> str:
+def handle_aws_event(detail: Any, observed_at: datetime) -> str:
     outcomes = []
     by_run: dict[str, list[NodeRecord]] = {}
     for node in _aws_event_nodes(detail):
@@ -251,7 +264,7 @@ def handle_aws_event(detail: Any) -> str:
             outcomes += [instance_gone(run, node, detail) if isinstance(detail, Ec2InstanceStateChange)
                          else "ignored: node already retired" for node in named]
             continue
-        report = classify_event(detail, run.attempt)
+        report = classify_event(detail, run.attempt, observed_at)
         if report is None:
             outcomes.append("ignored: no failure")
             continue
@@ -277,7 +290,8 @@ def process_event(event: dict[str, Any]) -> dict[str, str]:
     """Act on one EventBridge event; the outcome says what it changed (or why nothing)."""
     envelope = parse_event(event)
     detail = envelope.detail
-    outcome = handle_agent_event(detail) if isinstance(detail, AgentEvent) else handle_aws_event(detail)
+    handle = handle_agent_event if isinstance(detail, AgentEvent) else handle_aws_event
+    outcome = handle(detail, envelope.time)
     metrics.add_metric(name="EventsIgnored" if outcome.startswith("ignored") else "EventsActedOn",
                        unit=MetricUnit.Count, value=1)
     logger.info("event handled", event_id=envelope.id, detail_type=envelope.detail_type.value, outcome=outcome)

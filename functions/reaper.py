@@ -9,7 +9,10 @@ the state machine cannot clean up after them. This function does, invoked two wa
 - every few minutes by a schedule, which also catches a lost or undelivered status event:
   each run of this stack that still holds an instance or a placement group (found by the
   stack's tag in EC2) is torn down unless its execution is still RUNNING. That is also how
-  a placement group Teardown left in use is deleted once its instances are gone.
+  a placement group Teardown left in use is deleted once its instances are gone. For each run
+  still RUNNING it publishes how long the run has gone without a step (SecondsSinceProgress),
+  which the no-progress alarm watches: a run can be alive and make no progress (stuck waiting
+  for capacity, recovering in a loop the crash-loop rule does not catch).
 
 The schedule's cost follows what exists in EC2 now, not the number of runs there ever were:
 no scan of the run table. A run recorded but holding nothing in EC2 costs nothing while its
@@ -17,6 +20,7 @@ record waits for the status event.
 """
 
 import json
+from datetime import datetime, timezone
 from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
@@ -26,6 +30,7 @@ from functions.errors import ReapIncomplete
 from functions.report import write_report
 from functions.teardown import tear_down
 from trainfleet.adapters.ec2_fleet import runs_with_resources, teardown
+from trainfleet.adapters.metrics import emit, stall_metrics
 from trainfleet.adapters.run_store import RunNotFound
 
 STATUS_CHANGE = "Step Functions Execution Status Change"
@@ -57,6 +62,7 @@ def reap(run_name: str, execution_arn: str | None = None, execution_status: str 
         except cloud.sfn.exceptions.ExecutionDoesNotExist:  # closed executions are kept 90 days
             execution_status = "EXPIRED"
     if execution_status == "RUNNING":
+        emit(stall_metrics(run, cloud.settings.stack_name, datetime.now(timezone.utc), cloud.settings.metrics_namespace))
         return False
     tear_down(run_name, f"ExecutionEnded: the execution is {execution_status}")
     write_report(run_name)  # the execution that would have written it has ended

@@ -5,7 +5,8 @@
    the state's input names. The input is the same for every retry of an invocation, so the
    retry classifies the same failure of the same attempt, whatever the first try recorded.
    A crash or hang that names no node is checked against the nodes' liveness records and
-   EC2's instance status first: the workers that failed silently are named, and replaced.
+   EC2's instance status first: the workers that failed silently are named, and replaced; a
+   hang's first sign is the world's last step there.
 2. Decide, and record the decision before acting on it: the ended attempt's time on the goodput
    ledger, a new attempt, the failure on the books, the blamed nodes TERMINATING, promoted spares
    made workers. Giving up raises RecoveryGaveUp, which the state machine sends to Teardown.
@@ -39,8 +40,9 @@ from trainfleet.adapters.ec2_fleet import allocate, terminate
 from trainfleet.adapters.liveness import instance_troubles, read_liveness
 from trainfleet.contracts import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                   RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
+from trainfleet.adapters.metrics import detection_metrics, emit
 from trainfleet.lifecycle import (apply_decision, blame_silent_workers, book_attempt, classify_task_error,
-                                  decide_recovery, needs_liveness_look, unready_workers)
+                                  decide_recovery, hang_onset, needs_liveness_look, unready_workers)
 
 def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError, attempt: int) -> FailureReport:
     """Step 1, for the caught task's `attempt`. A timeout leaves the token parked, so `waiting`
@@ -63,8 +65,9 @@ def name_silent_workers(run: RunRecord, nodes: list[NodeRecord], failure: Failur
     workers = [node.instance_id for node in nodes if node.role is NodeRole.WORKER and not node.state.is_retired]
     troubles = instance_troubles(cloud.ec2, workers) if workers else {}
     records = read_liveness(cloud.dynamodb, cloud.settings.liveness_table, run.run_name)
-    return blame_silent_workers(failure, nodes, records, datetime.now(timezone.utc),
-                                run.spec.recovery.hang_timeout_seconds, troubles)
+    named = blame_silent_workers(failure, nodes, records, datetime.now(timezone.utc),
+                                 run.spec.recovery.hang_timeout_seconds, troubles)
+    return hang_onset(named, records)
 
 
 def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport) -> RecoveryDecision:
@@ -87,8 +90,11 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
             "state": RunState.RECOVERING, "ledger": book_attempt(current, nodes, now, False, failure.failure_class),
             "attempt_started_at": now, "first_step_at": None})
 
-    cloud.store.modify_run(name, record)
+    recorded = cloud.store.modify_run(name, record)
     logger.info("recovery decided", run_name=name, decision=decision.model_dump(mode="json"))
+    detected = recorded.failures[-1]
+    if detected.detection_seconds is not None:
+        emit(detection_metrics(name, detected, cloud.settings.metrics_namespace))
     if decision.action is RecoveryAction.GIVE_UP:
         raise RecoveryGaveUp(decision.reason)
     for instance_id in decision.terminate_instance_ids:

@@ -80,3 +80,31 @@ def test_emit_writes_to_the_stdout_of_the_moment(capsys):
     # A runtime that captures a function's output replaces sys.stdout after this module is imported.
     metrics.emit(metrics.emf_document("N", {"RunName": "r"}, {"Restarts": (1, "Count")}, 0))
     assert json.loads(capsys.readouterr().out)["Restarts"] == 1
+
+
+def test_detection_latency_goes_out_by_failure_class():
+    from datetime import datetime, timedelta, timezone
+
+    from trainfleet.contracts import FailureClass, FailureRecord
+
+    decided = datetime(2026, 12, 1, tzinfo=timezone.utc)
+    failure = FailureRecord(failure_class=FailureClass.HANG, resume_step=10, at=decided,
+                            onset_at=decided - timedelta(seconds=612))
+    document = metrics.detection_metrics("r1", failure, "Trainfleet", 0)
+    assert_valid_emf(document)
+    assert document["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["FailureClass", "RunName"]]
+    assert (document["FailureClass"], document["DetectionLatency"]) == ("HANG", 612.0)
+
+
+def test_seconds_since_progress_go_out_per_run_and_per_stack():
+    from datetime import datetime, timedelta, timezone
+
+    now = datetime(2026, 12, 1, tzinfo=timezone.utc)
+    run = RunRecord(run_name="r1", spec=EXAMPLE_SPEC, created_at=now - timedelta(hours=2),
+                    last_progress_at=now - timedelta(seconds=90))
+    document = metrics.stall_metrics(run, "trainfleet", now, "Trainfleet", 0)
+    assert_valid_emf(document)
+    assert document["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["RunName"], ["StackName"]]
+    assert (document["RunName"], document["StackName"], document["SecondsSinceProgress"]) == ("r1", "trainfleet", 90)
+    starting = run.model_copy(update={"last_progress_at": None})
+    assert metrics.stall_metrics(starting, "trainfleet", now, "Trainfleet", 0)["SecondsSinceProgress"] == 7200

@@ -276,7 +276,7 @@ def test_the_rank_0_node_announces_each_new_commit_once_with_progress(watched_at
     attempt.look(run)
     assert sent() == [], "no metrics yet: this node does not hold global rank 0 (so far)"
     attempt.files.metrics.write_text(json.dumps({"step": 21, "loss": 3.5, "tokens_per_s": 900.0,
-                                                 "step_time_s": 0.1}) + "\n")
+                                                 "step_time_s": 0.1, "time": time.time()}) + "\n")
     attempt.follow()
     attempt.look(run)
     commit(store, 30, reason=catalog.SaveReason.REQUESTED)
@@ -294,7 +294,7 @@ def test_a_commit_asked_for_is_announced_at_once_others_at_the_next_look(watched
     """Between two looks the agent lists the commits only while a checkpoint it asked for (a Spot
     notice, a departure) is not announced yet: one S3 listing a look otherwise, not two a second."""
     attempt, store, sent = watched_attempt
-    record = {"step": 21, "loss": 3.5, "tokens_per_s": 900.0, "step_time_s": 0.1}
+    record = {"step": 21, "loss": 3.5, "tokens_per_s": 900.0, "step_time_s": 0.1, "time": time.time()}
     attempt.files.metrics.write_text(json.dumps(record) + "\n")
     attempt.follow()
     commit(store, 20)
@@ -366,7 +366,8 @@ def follow_until(attempt: Attempt, clock: dict, until: float) -> None:
 def step(attempt: Attempt, number: int) -> None:
     """What global rank 0's trainer writes for a step."""
     with attempt.files.metrics.open("a") as metrics:
-        metrics.write(json.dumps({"step": number, "loss": 3.0, "tokens_per_s": 900.0, "step_time_s": 0.1}) + "\n")
+        metrics.write(json.dumps({"step": number, "loss": 3.0, "tokens_per_s": 900.0, "step_time_s": 0.1,
+                                  "time": time.time()}) + "\n")
 
 
 def test_node_rank_0_heartbeats_the_start_up_until_the_startup_timeout_then_lets_the_hang_be_declared(heartbeats):
@@ -546,7 +547,7 @@ def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_se
     # A trainer that writes one metrics record (so this node heartbeats and sends progress) and
     # trains on for 20 s.
     trainer = ("import json, sys, time; open(sys.argv[1], 'w').write(json.dumps({'step': 1, 'loss': 1.0, "
-               "'tokens_per_s': 1.0, 'step_time_s': 0.1}) + '\\n'); time.sleep(20)")
+               "'tokens_per_s': 1.0, 'step_time_s': 0.1, 'time': time.time()}) + '\\n'); time.sleep(20)")
     monkeypatch.setattr(agent, "torchrun_command", lambda spec, rank, identity, files: [
         sys.executable, "-c", trainer, str(files.metrics)])
     # S3 outlasts DynamoDB: the first looks that read the run record then list the commits. (The
@@ -654,3 +655,38 @@ def test_a_runs_agents_read_at_a_bounded_rate_whatever_its_node_count(nodes, han
         looks += control.take_look()
         clock["now"] += agent.LOOK_S
     assert nodes * looks / seconds == pytest.approx(looks_per_s, rel=0.05)
+
+
+def metrics_record(step: int, seconds: float) -> dict:
+    return {"step": step, "loss": 5.0 - step / 100, "tokens_per_s": 1000.0 + step, "step_time_s": 0.25,
+            "time": 1_800_000_000 + seconds}
+
+
+def test_progress_carries_every_step_since_the_last_thinned_to_a_few_kb():
+    few = agent.progress_samples([metrics_record(step, step / 4) for step in range(1, 11)])
+    assert [sample.step for sample in few] == list(range(1, 11))
+    assert few[0].at == datetime.fromtimestamp(1_800_000_000.25, timezone.utc) and few[0].tokens_per_second == 1001
+    many = agent.progress_samples([metrics_record(step, step) for step in range(1, 1001)])
+    steps = [sample.step for sample in many]
+    assert len(steps) == agent.PROGRESS_SAMPLES_MAX and steps[-1] == 1000 and steps == sorted(set(steps))
+    gaps = {later - earlier for earlier, later in zip(steps, steps[1:])}
+    assert gaps <= {31, 32}, "evenly spread over the steps"
+
+
+def test_a_world_checks_result_file_becomes_its_event():
+    files = AttemptFiles(Path("/attempt-3"))
+    assert files.check_result("scaling_check") == Path("/attempt-3/scaling-check.json")
+    result = {"passed": False, "efficiency": 0.2, "efficiency_floor": 0.7, "step_seconds": 1.0,
+              "expected_step_seconds": 0.2, "tokens_per_second": 10.0, "expected_tokens_per_second": 50.0, "steps": 5,
+              "slowest_stages": [1], "slowest_stage_seconds": 0.2, "slowest_stage_nodes": ["i-2"], "slowest_rank": 1,
+              "slowest_rank_node": "i-2", "slowest_rank_seconds": 0.21}
+    figures_of, event = agent.WORLD_CHECKS["scaling_check"]
+    figures = figures_of(result, 3)
+    assert (figures.attempt, figures.slowest_stage_instance_ids, figures.slowest_rank_instance_id) == (3, ["i-2"], "i-2")
+    assert event.__name__ == "ScalingChecked"
+    spec = launch_spec(attempt=3, resume_step=None)
+    spec = spec.model_copy(update={"trainer_config": spec.trainer_config | {
+        "scaling_check": {"enabled": True}, "fleet_check": {"enabled": True}}})
+    config = trainer_config(spec, files)
+    assert config["scaling_check"]["result_file"] == "/attempt-3/scaling-check.json"
+    assert config["fleet_check"]["result_file"] == "/attempt-3/fleet-check.json"

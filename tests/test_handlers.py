@@ -7,6 +7,7 @@ test reads the token from the queue, so success and failure are seen by Step Fun
 """
 
 import json
+import math
 import sys
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -525,6 +526,58 @@ def test_a_world_that_passed_the_fleet_check_trains_on_with_its_figures_recorded
     assert recorded.waiting is not None and recorded.fleet_check.passed and recorded.fleet_check.seconds == 3.5
 
 
+def scaling_checked(run_name: str, reporter: str, passed: bool) -> dict:
+    figures = {"attempt": 0, "passed": passed, "efficiency": 0.85 if passed else 0.12, "efficiency_floor": 0.7,
+               "step_seconds": 2.0, "expected_step_seconds": 1.7 if passed else 0.24, "tokens_per_second": 4096,
+               "expected_tokens_per_second": 4800 if passed else 34000, "steps": 5, "slowest_stages": [1],
+               "slowest_stage_seconds": 0.16, "slowest_stage_instance_ids": [reporter], "slowest_rank": 1,
+               "slowest_rank_instance_id": reporter, "slowest_rank_seconds": 0.17}
+    return agent_event("ScalingChecked", {"run_name": run_name, "attempt": 0, "instance_id": reporter,
+                                          "figures": figures})
+
+
+def test_a_world_that_does_not_scale_fails_the_attempt_blaming_no_node(handlers, cloud, resources):
+    store, run, (host, other) = recorded_run(cloud, resources)
+    execution, token = parked_token(cloud)
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token=token))
+
+    outcome = handlers.events.handler(scaling_checked(run.run_name, host, False), Context())["outcome"]
+
+    assert outcome == "POOR_SCALING: task failed"
+    report = json.loads(finished(cloud, execution)["cause"])
+    assert report["failure_class"] == "POOR_SCALING" and report["instance_ids"] == []
+    assert report["observed_at"].startswith("2026-01-01T00:00:00"), "the first sign is the event's time"
+    assert "scaling efficiency 0.12 (floor 0.70)" in report["message"] and "slowest stage 1" in report["message"]
+    assert {store.node(run.run_name, node).state for node in (host, other)} == {NodeState.REGISTERED}
+    assert not store.run(run.run_name).scaling_check.passed
+
+
+def test_a_world_that_scales_trains_on_and_the_check_is_not_due_again(handlers, cloud, resources):
+    store, run, (host, _) = recorded_run(cloud, resources)
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token="token-of-a-live-task"))
+    outcome = handlers.events.handler(scaling_checked(run.run_name, host, True), Context())["outcome"]
+    assert outcome.startswith("scaling check passed: scaling efficiency 0.85")
+    recorded = store.run(run.run_name)
+    assert recorded.waiting is not None and recorded.scaling_check.passed
+
+
+def test_the_steps_a_progress_event_carries_are_kept_for_the_report(handlers, cloud, resources):
+    store, run, (host, _) = recorded_run(cloud, resources)
+    samples = [{"step": step, "loss": 4.0 - step / 10 if step != 3 else "NaN", "tokens_per_second": 900.0 + step,
+                "step_seconds": 0.5, "at": f"2026-01-01T00:00:{step:02d}Z"} for step in range(1, 6)]
+    detail = {"run_name": run.run_name, "attempt": 0, "instance_id": host, "step": 5, "loss": 3.5,
+              "tokens_per_second": 905.0, "step_seconds": 0.5, "samples": samples}
+    event = agent_event("TrainingProgress", detail)
+    assert handlers.events.handler(event, Context())["outcome"] == "progress at step 5"
+    later = agent_event("TrainingProgress", detail | {"step": 7, "samples": [samples[-1] | {"step": 7}]})
+    handlers.events.handler(later, Context())
+    handlers.events.handler(event | {"id": str(uuid.uuid4())}, Context())  # the same steps again
+    kept = store.progress(run.run_name)
+    assert [(attempt, sample.step) for attempt, sample in kept] == [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 7)]
+    assert math.isnan(kept[2][1].loss) and kept[4][1].tokens_per_second == 905.0
+    assert store.latest_progress(run.run_name)[1].step == 7
+
+
 def test_a_lost_spare_is_recorded_without_failing_training(handlers, cloud, resources):
     store, run, (_, _, spare) = recorded_run(cloud, resources, spares=1)
     store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token="token-of-a-live-task"))
@@ -542,6 +595,16 @@ def test_an_agent_event_of_a_replaced_attempt_changes_nothing(handlers, cloud, r
                                            "kind": "crash", "message": "peer gone"})
     assert handlers.events.handler(failed, Context())["outcome"] == "ignored: attempt 0 was replaced by 1"
     assert store.run(run.run_name).waiting.token == "token-of-attempt-1"
+    # The steps it trained before it was left still belong to the run's history, and only they.
+    steps = [{"step": step, "loss": 3.0, "tokens_per_second": 10.0, "step_seconds": 1.0,
+              "at": f"2026-01-01T00:00:{step:02d}Z"} for step in (11, 12)]
+    progress = agent_event("TrainingProgress", {"run_name": run.run_name, "attempt": 0, "instance_id": worker,
+                                                "step": 12, "loss": 3.0, "tokens_per_second": 10.0,
+                                                "step_seconds": 1.0, "samples": steps})
+    before = store.run(run.run_name)
+    assert handlers.events.handler(progress, Context())["outcome"] == "steps of attempt 0 recorded; it was replaced by 1"
+    assert [(attempt, sample.step) for attempt, sample in store.progress(run.run_name)] == [(0, 11), (0, 12)]
+    assert store.run(run.run_name) == before
 
 
 def test_an_instance_of_no_run_is_ignored(handlers):

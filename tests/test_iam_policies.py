@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from localcloud.deploy import load_template, transform_sam
-from localcloud.deploy_intrinsics import Resolver
+from localcloud.deploy_intrinsics import Resolver, parameter_values
 from localcloud.iam_policy import ALLOW, EXPLICIT_DENY, IMPLICIT_DENY, evaluate
 from trainfleet.adapters.ec2_fleet import TAG_STACK
 from trainfleet.contracts import NODE_READ_PREFIXES, NODE_WRITE_PREFIXES
@@ -47,8 +47,8 @@ def rendered() -> dict[str, Any]:
             if uri in resource.get("Properties", {}):
                 resource["Properties"][uri] = "s3://artifacts/package"
     parameters = {"AWS::Region": REGION, "AWS::AccountId": ACCOUNT, "AWS::StackName": STACK,
-                  "AWS::Partition": "aws", "AWS::URLSuffix": "amazonaws.com", "LogLevel": "INFO",
-                  "LogRetentionDays": 30}
+                  "AWS::Partition": "aws", "AWS::URLSuffix": "amazonaws.com",
+                  **parameter_values(template["Parameters"], {})}
     resources = transform_sam(template, parameters, REGION)["Resources"]
     resolver = Resolver(parameters)
     for logical_id, resource in resources.items():
@@ -180,7 +180,11 @@ def test_validate_may_only_record_runs(rendered):
     ("LaunchFunctionRole", "s3:PutObject", "runs/r/checkpoints/x", IMPLICIT_DENY),
     ("LaunchFunctionRole", "s3:GetObject", "runs/r/checkpoints/step-000000100/.metadata", ALLOW),
     ("ReportFunctionRole", "s3:PutObject", "runs/r/report.json", ALLOW),
+    ("ReportFunctionRole", "s3:PutObject", "runs/r/report.html", ALLOW),
+    ("ReportFunctionRole", "s3:PutObject", "runs/r/report-loss.png", ALLOW),
+    ("ReportFunctionRole", "s3:PutObject", "runs/r/checkpoints/step-000000100/.metadata", IMPLICIT_DENY),
     ("ReportFunctionRole", "s3:GetObject", "runs/r/report.json", IMPLICIT_DENY),
+    ("ReaperFunctionRole", "s3:PutObject", "runs/r/report.html", ALLOW),
     ("EventsFunctionRole", "s3:GetObject", "runs/r/checkpoints/step-000000100/manifest.json", ALLOW),
 ])
 def test_function_objects(rendered, role, action, key, expected):
@@ -195,6 +199,15 @@ def test_function_objects(rendered, role, action, key, expected):
 def test_task_callbacks_reach_only_this_stacks_state_machine(rendered, role, action, expected):
     assert decide(rendered, role, action, STATE_MACHINE) == expected
     assert decide(rendered, role, action, STATE_MACHINE.replace(f":{STACK}-", ":other-")) == IMPLICIT_DENY
+
+
+@pytest.mark.parametrize("role, expected", [
+    ("ReportFunctionRole", ALLOW), ("ReaperFunctionRole", ALLOW), ("EventsFunctionRole", IMPLICIT_DENY)])
+def test_the_report_reads_the_history_of_this_stacks_executions_alone(rendered, role, expected):
+    execution = STATE_MACHINE.replace(":stateMachine:", ":execution:") + ":r1"
+    assert decide(rendered, role, "states:GetExecutionHistory", execution) == expected
+    assert decide(rendered, role, "states:GetExecutionHistory",
+                  execution.replace(f":{STACK}-", ":other-")) == IMPLICIT_DENY
 
 
 def test_the_state_machine_invokes_only_the_stacks_functions(rendered):

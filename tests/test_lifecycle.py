@@ -13,7 +13,7 @@ from trainfleet.contracts import (CAPACITY_ERROR, FAILURE_ERROR, CheckpointCommi
                                   FailureReport, GoodputLedger, HealthEvent, NodeLiveness, NodeReady, NodeRecord, NodeRegistered,
                                   NodeRole, NodeState, NodeUnhealthy, ParallelPlan, RecoveryAction, RecoveryDecision,
                                   RecoveryPolicy, RunRecord, RunSpec, TaskWait, TrainerConfig,
-                                  TrainerFailed, TrainerHung, TrainingProgress)
+                                  ScalingCheckFigures, ScalingChecked, TrainerFailed, TrainerHung, TrainingProgress)
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -345,13 +345,17 @@ def test_a_replacement_waits_no_backoff_until_it_fails_alike():
 
 
 def test_apply_decision_opens_a_new_attempt():
-    failure = report(FailureClass.INSTANCE_LOST, "i-3")
-    run = make_run(latest_checkpoint=CheckpointRef(step=30, uri="s3://b/step-000000030"), attempt_failure=failure)
+    failure = report(FailureClass.INSTANCE_LOST, "i-3").model_copy(update={"observed_at": T0 - timedelta(seconds=4)})
+    run = make_run(latest_checkpoint=CheckpointRef(step=30, uri="s3://b/step-000000030"), attempt_failure=failure,
+                   last_step=34, first_step_at=T0 - timedelta(minutes=5))
     decision = lc.decide_recovery(run, [*WORKERS, SPARE], failure, 0.0)
     after = lc.apply_decision(run, failure, decision, now=T0)
     assert (after.attempt, after.restarts, after.attempt_started_at) == (2, 1, T0)
     assert after.attempt_failure is None  # the failure of the attempt before never fails the new one's waits
-    assert after.failures[-1] == FailureRecord(failure_class=FailureClass.INSTANCE_LOST, resume_step=30, at=T0)
+    assert after.failures[-1] == FailureRecord(
+        failure_class=FailureClass.INSTANCE_LOST, resume_step=30, at=T0, attempt=1, onset_at=T0 - timedelta(seconds=4),
+        last_step=34, instance_ids=["i-3"], message="test")
+    assert after.failures[-1].detection_seconds == 4.0
     gave_up = lc.apply_decision(run, report(FailureClass.CONFIG_ERROR),
                                 lc.decide_recovery(run, WORKERS, report(FailureClass.CONFIG_ERROR), 0.0), T0)
     assert (gave_up.attempt, gave_up.restarts) == (1, 0) and "config" in gave_up.error
@@ -880,3 +884,51 @@ def test_failures_that_name_a_node_or_cannot_hide_one_are_left_alone():
                     report(FailureClass.CONFIG_ERROR)):
         assert not lc.needs_liveness_look(failure)
         assert lc.blame_silent_workers(failure, WORKERS, records, T0, HANG_S, {"i-2": "terminated"}) == failure
+
+
+# --- the world checks, the first sign of a failure ----------------------------------------
+
+def scaling_figures(passed: bool) -> ScalingCheckFigures:
+    return ScalingCheckFigures(
+        attempt=1, passed=passed, efficiency=0.9 if passed else 0.2, efficiency_floor=0.7, step_seconds=1.0,
+        expected_step_seconds=0.9 if passed else 0.2, tokens_per_second=100, expected_tokens_per_second=111,
+        steps=5, slowest_stages=[1], slowest_stage_seconds=0.2, slowest_stage_instance_ids=["i-2"], slowest_rank=1,
+        slowest_rank_instance_id="i-2", slowest_rank_seconds=0.2)
+
+
+def test_a_world_that_does_not_scale_is_a_failure_no_node_is_blamed_for_and_ends_the_run():
+    checked = ScalingChecked(run_name="r1", attempt=1, instance_id="i-1", figures=scaling_figures(False))
+    failure = lc.classify_event(checked, attempt=1, observed_at=T0)
+    assert (failure.failure_class, failure.instance_ids, failure.observed_at) == (FailureClass.POOR_SCALING, [], T0)
+    assert "slowest stage 1" in failure.message
+    assert lc.classify_event(checked.model_copy(update={"figures": scaling_figures(True)}), attempt=1) is None
+    decision = lc.decide_recovery(make_run(), WORKERS, failure, 0.0)
+    assert decision.action is RecoveryAction.GIVE_UP and "does not scale" in decision.reason
+
+
+def test_the_scaling_check_is_due_until_a_world_of_the_run_passed_it():
+    gpu = make_spec(instance_type="p4d.24xlarge", node_count=4, trainer={
+        "model": {"n_layers": 8}, "training": {"batch_size": 32},
+        "parallel": {"pp": 4, "dp": 8, "schedule": "1f1b", "microbatches": 4}})
+    run = make_run(gpu, plan=ParallelPlan(nodes=4, ranks_per_node=8, pp=4, dp=8))
+    assert lc.build_launch_spec(run, WORKERS, None).trainer_config["scaling_check"]["enabled"]
+    passed = run.model_copy(update={"scaling_check": scaling_figures(True)})
+    assert not lc.build_launch_spec(passed, WORKERS, None).trainer_config["scaling_check"]["enabled"]
+    cpu = lc.build_launch_spec(make_run(), WORKERS, None).trainer_config["scaling_check"]
+    assert cpu == {"enabled": False, "warmup_steps": 2, "steps": 5, "efficiency_floor": 0.7}, "off on CPU by default"
+    asked = make_run(make_spec(scaling_check={"enabled": True, "efficiency_floor": 0.5}))
+    assert lc.build_launch_spec(asked, WORKERS, None).trainer_config["scaling_check"]["enabled"]
+
+
+def test_a_hang_no_event_observed_began_at_the_worlds_last_step():
+    hang = report(FailureClass.HANG)
+    stepped = {"i-1": 31, "i-2": 14, "i-3": 12}  # seconds ago each worker's trainer last stepped
+    records = [live(node, 41, 2).model_copy(update={"step_at": T0 - timedelta(seconds=ago)})
+               for node, ago in stepped.items()] + [live("i-4", None, 2)]
+    assert lc.hang_onset(hang, records).observed_at == T0 - timedelta(seconds=12)
+    older_attempt = [record.model_copy(update={"attempt": 0}) for record in records]
+    assert lc.hang_onset(hang, older_attempt).observed_at is None
+    seen = hang.model_copy(update={"observed_at": T0})
+    assert lc.hang_onset(seen, records) == seen
+    crash = report(FailureClass.PROCESS_CRASH)
+    assert lc.hang_onset(crash, records) == crash

@@ -227,7 +227,8 @@ def test_dashboard_body_is_json_and_charts_the_metrics_the_code_emits(template):
     from trainfleet.contracts import CheckpointCommitted, GoodputLedger, RunRecord, RunSpec, TrainingProgress
 
     body = template["Resources"]["Dashboard"]["Properties"]["DashboardBody"]["Fn::Sub"]
-    widgets = json.loads(re.sub(r"\$\{[^}]+\}", "x", body))["widgets"]
+    # A substitution is a string inside quotes, a number (a parameter) outside them.
+    widgets = json.loads(re.sub(r"\$\{[^}]+\}", "x", re.sub(r"(?<=: )\$\{[^}]+\}", "0", body)))["widgets"]
     charted = json.dumps(widgets)
     progress = progress_metrics(TrainingProgress(run_name="r", attempt=0, step=1, loss=2.0,
                                                  tokens_per_second=1.0, step_seconds=1.0), "Trainfleet")
@@ -242,3 +243,21 @@ def test_dashboard_body_is_json_and_charts_the_metrics_the_code_emits(template):
     (lost,) = lost_time_metrics(run, "Trainfleet")
     dimensions = ",".join(lost["_aws"]["CloudWatchMetrics"][0]["Dimensions"][0])
     assert f"SEARCH('{{Trainfleet,{dimensions}}} MetricName=\\\"LostTime\\\"'" in charted
+    # Detection latency and each run's seconds since its last step, with the dimensions Recover's
+    # and the reaper's lines carry; the alarm watches the stack's maximum.
+    from datetime import datetime, timedelta, timezone
+
+    from trainfleet.adapters.metrics import detection_metrics, stall_metrics
+    from trainfleet.contracts import FailureClass, FailureRecord
+
+    now = datetime.now(timezone.utc)
+    detected = detection_metrics("r", FailureRecord(failure_class=FailureClass.HANG, resume_step=None, at=now,
+                                                    onset_at=now - timedelta(seconds=5)), "Trainfleet")
+    stall = stall_metrics(run.model_copy(update={"created_at": now}), "st", now, "Trainfleet")
+    for document, name in ((detected, "DetectionLatency"), (stall, "SecondsSinceProgress")):
+        sets = document["_aws"]["CloudWatchMetrics"][0]["Dimensions"]
+        assert f"SEARCH('{{Trainfleet,{','.join(sets[0])}}} MetricName=\\\"{name}\\\"'" in charted, name
+    alarm = template["Resources"]["NoProgressAlarm"]["Properties"]
+    assert (alarm["MetricName"], [d["Name"] for d in alarm["Dimensions"]]) == ("SecondsSinceProgress", ["StackName"])
+    assert [["StackName"]] == [dims for dims in stall["_aws"]["CloudWatchMetrics"][0]["Dimensions"]
+                               if dims == ["StackName"]]

@@ -90,7 +90,8 @@ from trainer.progress import NODE_NAME_ENV, PROGRESS_FILE_ENV, read_progress
 from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import NodeNotFound, RunStore
 from trainfleet.catalogue import instance_facts, nccl_environment
-from trainfleet.contracts import (AgentEvent, CheckpointCommitted, CheckpointReason, FleetCheckFigures, FleetChecked,
+from trainfleet.contracts import (PROGRESS_SAMPLES_MAX, AgentEvent, CheckpointCommitted, CheckpointReason,
+                                  FleetCheckFigures, FleetChecked, ProgressSample, ScalingCheckFigures, ScalingChecked,
                                   HealthCheckResult,
                                   LaunchSpec, NodeLiveness, NodeReady, NodeRecord, NodeRegistered, NodeUnhealthy,
                                   RunRecord, RunState, TrainerFailed, TrainerFailureKind, TrainingCompleted,
@@ -484,17 +485,59 @@ class AttemptFiles:
     def progress(self) -> Path:
         return self.folder / "progress"
 
-    @property
-    def fleet_check(self) -> Path:
-        return self.folder / "fleet-check.json"
+    def check_result(self, check: str) -> Path:
+        """Where global rank 0 writes the result of one of WORLD_CHECKS."""
+        return self.folder / f"{check.replace('_', '-')}.json"
+
+
+def fleet_check_figures(result: dict[str, Any], attempt: int) -> FleetCheckFigures:
+    """The figures of trainer/fleet_check.py's result file."""
+    slowest = result["slowest_link"]
+    return FleetCheckFigures(
+        attempt=attempt, passed=result["passed"], busbw_gbytes_per_s=result["busbw_gbytes_per_s"],
+        floor_gbytes_per_s=result["floor_gbytes_per_s"],
+        slowest_link_gbytes_per_s=slowest["gbytes_per_s"] if slowest else None,
+        slowest_link=[slowest["source"], slowest["target"]] if slowest else [],
+        slow_instance_ids=result["slow_nodes"], seconds=result["seconds"])
+
+
+def scaling_check_figures(result: dict[str, Any], attempt: int) -> ScalingCheckFigures:
+    """The figures of trainer/scaling_check.py's result file."""
+    return ScalingCheckFigures(
+        attempt=attempt, passed=result["passed"], efficiency=result["efficiency"],
+        efficiency_floor=result["efficiency_floor"], step_seconds=result["step_seconds"],
+        expected_step_seconds=result["expected_step_seconds"], tokens_per_second=result["tokens_per_second"],
+        expected_tokens_per_second=result["expected_tokens_per_second"], steps=result["steps"],
+        slowest_stages=result["slowest_stages"], slowest_stage_seconds=result["slowest_stage_seconds"],
+        slowest_stage_instance_ids=result["slowest_stage_nodes"], slowest_rank=result["slowest_rank"],
+        slowest_rank_instance_id=result["slowest_rank_node"], slowest_rank_seconds=result["slowest_rank_seconds"])
+
+
+WORLD_CHECKS: dict[str, tuple[Callable[[dict[str, Any], int], Any], type[AgentEvent]]] = {
+    "fleet_check": (fleet_check_figures, FleetChecked),
+    "scaling_check": (scaling_check_figures, ScalingChecked),
+}
+"""Checks of the whole world whose result global rank 0 writes on its node, by their trainer
+config section (whose result_file the agent sets): what the agent makes of the result, and the
+event that carries it."""
+
+
+def progress_samples(records: list[dict[str, Any]]) -> list[ProgressSample]:
+    """The steps of metrics records, thinned evenly to PROGRESS_SAMPLES_MAX, the last one kept."""
+    if len(records) > PROGRESS_SAMPLES_MAX:
+        stride = len(records) / PROGRESS_SAMPLES_MAX
+        records = [records[len(records) - 1 - int(index * stride)] for index in reversed(range(PROGRESS_SAMPLES_MAX))]
+    return [ProgressSample(step=record["step"], loss=record["loss"], tokens_per_second=record["tokens_per_s"],
+                           step_seconds=record["step_time_s"], at=datetime.fromtimestamp(record["time"], timezone.utc))
+            for record in records]
 
 
 def trainer_config(spec: LaunchSpec, files: AttemptFiles) -> dict[str, Any]:
     """The spec's trainer config with this attempt's metrics file and the spec's resume point."""
     config = json.loads(json.dumps(spec.trainer_config))  # a deep copy
     config.setdefault("training", {})["metrics_file"] = str(files.metrics)
-    if "fleet_check" in config:
-        config["fleet_check"]["result_file"] = str(files.fleet_check)
+    for check in WORLD_CHECKS.keys() & config.keys():
+        config[check]["result_file"] = str(files.check_result(check))
     checkpoint = config.setdefault("checkpoint", {})
     if spec.resume_step is not None:
         checkpoint["resume"] = str(spec.resume_step)
@@ -592,6 +635,7 @@ class Attempt:
         self.final_step = spec.trainer_config.get("training", {}).get("steps")
         self.finished: float | None = None  # control.clock() when the metrics showed the final step
         self.last_heartbeat = self.last_progress = -math.inf
+        self.unsent_steps: list[dict[str, Any]] = []  # metrics records of steps no TrainingProgress carried yet
         self.beaten_metrics_size = 0
         """The metrics file's size at the last heartbeat: it grows by a record a step."""
         self.spot_notice_seen = False
@@ -605,7 +649,8 @@ class Attempt:
         self.progress_changes = 0  # how often its progress file changed
         self.node_stepped_at = -math.inf  # control.clock() when it changed last
         self.node_step_s: float | None = None  # the time a step took, from the last two changes
-        self.fleet_check_reported = False
+        self.checks_reported: set[str] = set()
+        """WORLD_CHECKS whose result the control plane took."""
 
     def run(self) -> RunRecord | None:
         """Run torchrun until it exits or the run leaves this attempt; the run record that showed
@@ -642,7 +687,11 @@ class Attempt:
             self.control.pace_for(stepping=False)
             stop_beating.set()
             stop(process)
-        self.follow()
+            self.follow()
+            # The steps since the last TrainingProgress belong to the run's history, also those
+            # of an attempt the run has left.
+            if self.unsent_steps and self.send_progress(self.unsent_steps):
+                self.unsent_steps = []
         self.report_exit(process.returncode)
         return None
 
@@ -696,8 +745,11 @@ class Attempt:
             self.last_step = records[-1]["step"]
             if self.finished is None and self.last_step == self.final_step:
                 self.finished = now
-        if steps and now - self.last_progress >= PROGRESS_EVERY_S:
-            self.send_progress(steps[-1])
+        self.unsent_steps += steps
+        # The final step goes out at once: the history and the run record end where training did.
+        if self.unsent_steps and (now - self.last_progress >= PROGRESS_EVERY_S or self.finished is not None):
+            if self.send_progress(self.unsent_steps):
+                self.unsent_steps = []
             self.last_progress = now
         if records and self.commit_awaited_after is not None:
             # A checkpoint asked for now (a Spot notice, a departure) is announced as soon as it
@@ -705,8 +757,9 @@ class Attempt:
             # resumes from the newest announced. Other commits wait for the look (one S3 listing
             # a look, not two a second).
             self.announce_commits()
-        if not self.fleet_check_reported and self.files.fleet_check.exists():
-            self.report_fleet_check()
+        for check in WORLD_CHECKS.keys() - self.checks_reported:
+            if self.files.check_result(check).exists():
+                self.report_check(check)
         if not self.spot_notice_seen and now >= self.next_metadata_look:
             self.next_metadata_look = now + self.control.settings.metadata_look_s
             if self.spot_notice() is not None:
@@ -766,28 +819,24 @@ class Attempt:
             instance_id=self.identity.instance_id, attempt=self.spec.attempt, step=self.node_step,
             step_at=self.node_step_at, reported_at=datetime.now(timezone.utc)))
 
-    def report_fleet_check(self) -> None:
-        """The fleet check's result, which global rank 0 wrote on this node; sent again at the
+    def report_check(self, check: str) -> None:
+        """A world check's result, which global rank 0 wrote on this node; sent again at the
         next look if the bus does not take it now."""
-        result = json.loads(self.files.fleet_check.read_text())
-        slowest = result["slowest_link"]
-        figures = FleetCheckFigures(
-            attempt=self.spec.attempt, passed=result["passed"], busbw_gbytes_per_s=result["busbw_gbytes_per_s"],
-            floor_gbytes_per_s=result["floor_gbytes_per_s"],
-            slowest_link_gbytes_per_s=slowest["gbytes_per_s"] if slowest else None,
-            slowest_link=[slowest["source"], slowest["target"]] if slowest else [],
-            slow_instance_ids=result["slow_nodes"], seconds=result["seconds"])
-        say("fleet check " + ("passed" if figures.passed else "failed"), attempt=self.spec.attempt,
+        figures_of, event = WORLD_CHECKS[check]
+        figures = figures_of(json.loads(self.files.check_result(check).read_text()), self.spec.attempt)
+        say(f"{check.replace('_', ' ')} {'passed' if figures.passed else 'failed'}", attempt=self.spec.attempt,
             figures=figures.describe())
-        self.fleet_check_reported = self.control.send(FleetChecked(
-            run_name=self.spec.run_name, attempt=self.spec.attempt, instance_id=self.identity.instance_id,
-            figures=figures))
+        if self.control.send(event(run_name=self.spec.run_name, attempt=self.spec.attempt,
+                                   instance_id=self.identity.instance_id, figures=figures)):
+            self.checks_reported.add(check)
 
-    def send_progress(self, record: dict[str, Any]) -> None:
-        self.control.send(TrainingProgress(
+    def send_progress(self, records: list[dict[str, Any]]) -> bool:
+        """The steps since the last TrainingProgress (thinned: progress_samples); True if sent."""
+        latest = records[-1]
+        return self.control.send(TrainingProgress(
             run_name=self.spec.run_name, attempt=self.spec.attempt, instance_id=self.identity.instance_id,
-            step=record["step"], loss=record["loss"], tokens_per_second=record["tokens_per_s"],
-            step_seconds=record["step_time_s"]))
+            step=latest["step"], loss=latest["loss"], tokens_per_second=latest["tokens_per_s"],
+            step_seconds=latest["step_time_s"], samples=progress_samples(records)))
 
     def announce_commits(self) -> None:
         committed = self.control.call("list the committed checkpoints",

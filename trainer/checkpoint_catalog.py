@@ -117,9 +117,9 @@ def _parse_step_dir(name: str) -> int | None:
     return None
 
 
-UNHASHED_SECTIONS = frozenset({"parallel", "checkpoint", "fleet_check"})
+UNHASHED_SECTIONS = frozenset({"parallel", "checkpoint", "fleet_check", "scaling_check"})
 """Config sections a checkpoint does not depend on: the layout (checkpoints reshard), where they
-go, and the network check before the first step."""
+go, and the checks of the world (its network, its first steps' speed)."""
 
 
 def config_hash(config: Mapping[str, Any]) -> str:

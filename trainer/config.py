@@ -174,6 +174,22 @@ class FleetCheckConfig:
 
 
 @dataclass
+class ScalingCheckConfig:
+    enabled: bool = False
+    """Judge the whole world's first steps against what its ranks compute alone
+    (trainer/scaling_check.py); the control plane sets it from RunSpec.scaling_check."""
+    warmup_steps: int = 2
+    """Steps of each attempt left untimed first (shape inference, allocator, NCCL set-up)."""
+    steps: int = 5
+    """Steps timed after them."""
+    efficiency_floor: float = 0.7
+    """Step time a rank's compute alone predicts over the step time measured, below which the
+    world does not train on."""
+    result_file: str = ""
+    """Where global rank 0 writes the result (JSON); the node agent reports it."""
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The network."""
@@ -189,6 +205,8 @@ class JobConfig:
     """Saving and resuming the training state."""
     fleet_check: FleetCheckConfig = field(default_factory=FleetCheckConfig)
     """The fleet-wide network check at the start of every attempt."""
+    scaling_check: ScalingCheckConfig = field(default_factory=ScalingCheckConfig)
+    """The judgement of every attempt's first steps."""
 
     def validate(self) -> "JobConfig":
         """Raise ConfigError naming the first field that cannot work; return self."""
@@ -215,6 +233,10 @@ def _problems(c: JobConfig):
     if f.size_mib <= 0 or f.iterations < 1 or f.busbw_floor_gbytes_per_s < 0:
         yield (f"fleet_check needs size_mib > 0, iterations >= 1 and busbw_floor_gbytes_per_s >= 0, got "
                f"{f.size_mib}, {f.iterations}, {f.busbw_floor_gbytes_per_s}")
+    s = c.scaling_check
+    if s.warmup_steps < 0 or s.steps < 1 or not 0 < s.efficiency_floor <= 1:
+        yield (f"scaling_check needs warmup_steps >= 0, steps >= 1 and 0 < efficiency_floor <= 1, got "
+               f"{s.warmup_steps}, {s.steps}, {s.efficiency_floor}")
     if m.d_model % m.n_heads:
         yield f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}"
     if m.n_heads % p.tp or m.vocab_size % p.tp or m.seq_len % p.tp:

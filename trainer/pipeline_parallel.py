@@ -9,7 +9,7 @@ microbatches one after another, which in one process is the reference every layo
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -25,6 +25,7 @@ from trainer.config import JobConfig, ModelConfig
 from trainer.model import GPT, cross_entropy_loss
 from trainer.parallel_dims import SCHEDULES, layer_ranges, schedule_class, split_layers, stage_ids
 from trainer.parallelize import loss_context, materialize, parallelize, tensor_parallel
+from trainer.scaling_check import ComputeClock
 
 __all__ = ["Pipeline", "build_pipeline"]
 
@@ -45,6 +46,16 @@ class Pipeline:
     """The torch.distributed.pipelining schedule; None when pp=1."""
     loss_context: Callable[[], contextlib.AbstractContextManager]
     """What the loss and its backward run under (loss_parallel with tensor parallel)."""
+    stages: list["_TimedStage"] = field(default_factory=list)
+    """The schedule's stages of this rank (none when pp=1)."""
+    clock: ComputeClock | None = None
+    """Times this rank's compute while attached (the scaling check)."""
+
+    def attach(self, clock: ComputeClock | None) -> None:
+        """Time this rank's forward and backward compute on `clock` from now on (None: stop)."""
+        self.clock = clock
+        for stage in self.stages:
+            stage.clock = clock
 
     @property
     def has_first_stage(self) -> bool:
@@ -61,7 +72,8 @@ class Pipeline:
         """
         with self.loss_context():
             if self.schedule is None:
-                return self._accumulate_locally(inputs, targets)
+                with self.clock.timed() if self.clock else contextlib.nullcontext():
+                    return self._accumulate_locally(inputs, targets)
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.has_first_stage else ()
             if self.has_last_stage:
@@ -88,7 +100,30 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
-class _EarlyP2PStage(PipelineStage):
+class _TimedStage(PipelineStage):
+    """A PipelineStage whose forward and backward compute is timed on `clock` when one is
+    attached. The schedule waits for a microbatch's data before it calls these (the early
+    receives below wait first, then call these), so what is timed is this rank's own work."""
+
+    clock: ComputeClock | None = None
+
+    def _timed(self):
+        return self.clock.timed() if self.clock else contextlib.nullcontext()
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with self._timed():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        with self._timed():
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        with self._timed():
+            return super().backward_weight_one_chunk(*args, **kwargs)
+
+
+class _EarlyP2PStage(_TimedStage):
     """A PipelineStage that posts all of a step's receives as soon as the schedule asks for the first.
 
     A gloo send completes only once the receiver has posted the matching receive, and the stock
@@ -225,7 +260,7 @@ def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0, mesh:
     ids = stage_ids(pp_rank, p.pp, p.resolved_stages_per_rank(), spec.placement)
     parts = [_build_part(cfg, ranges[s], s == 0, s == n_stages - 1, device, mesh) for s in ids]
     early_p2p = p.early_p2p and device.type == "cpu"
-    stage_class = _EarlyP2PStage if early_p2p else PipelineStage
+    stage_class = _EarlyP2PStage if early_p2p else _TimedStage
     pp_group = mesh.get_group("pp")
     stages = [stage_class(part, s, n_stages, device, group=pp_group) for part, s in zip(parts, ids)]
     if spec.placement == "single":
@@ -235,4 +270,5 @@ def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0, mesh:
     if early_p2p and spec.placement != "single":
         for stage in stages:
             stage.follow(schedule.pipeline_order[pp_rank])
-    return Pipeline(parts, ids, n_stages, p.microbatches, schedule, loss_context=partial(loss_context, cfg))
+    return Pipeline(parts, ids, n_stages, p.microbatches, schedule, loss_context=partial(loss_context, cfg),
+                    stages=stages)

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer import checkpoint_catalog, fleet_check
+from trainer.scaling_check import ComputeClock, ScalingCheck
 from trainer.checkpoint import Checkpointer
 from trainer.config import ConfigError, JobConfig, OptimConfig, check_world_size, load_config
 from trainer.data import DataLoader, load_tokens
@@ -306,6 +307,7 @@ def train(cfg: JobConfig, env: DistributedEnv) -> list[dict]:
         write_progress(progress, run.state.step)  # this node joined the world
     if run.state.step >= cfg.training.steps:
         run.log_nothing_left()
+    scaling = _scaling_check(run)
     while run.state.step < cfg.training.steps:
         metrics = train_step(run)
         run.log(metrics)
@@ -315,10 +317,26 @@ def train(cfg: JobConfig, env: DistributedEnv) -> list[dict]:
         if checkpointer:
             # The last step is always saved, so a finished run's final state is stored.
             checkpointer.maybe_save(run.state.step, run.state, final=run.state.step == cfg.training.steps)
+        if scaling and scaling.observe(metrics):
+            run.pipeline.attach(None)
+            scaling = None
     if checkpointer:
         checkpointer.close()
     _report_peak_memory(run)
     return history
+
+
+def _scaling_check(run: Run) -> ScalingCheck | None:
+    """The attempt's scaling check, its clock attached, when it is on, the world has more than one
+    rank and enough steps are left to time (trainer/scaling_check.py)."""
+    cfg = run.config
+    check = cfg.scaling_check
+    left = cfg.training.steps - run.state.step
+    if not check.enabled or run.env.world_size == 1 or left < check.warmup_steps + check.steps:
+        return None
+    clock = ComputeClock(run.env.device)
+    run.pipeline.attach(clock)
+    return ScalingCheck(cfg, clock, run.pipeline.stage_ids)
 
 
 def _checkpointer(cfg: JobConfig) -> Checkpointer:

@@ -6,12 +6,14 @@ instance and a Lambda import the same definitions.
 
 Offers:
     RunSpec                      what a user starts a run with (the Step Functions input)
-      CapacitySpec, CheckpointPolicy, RecoveryPolicy, TrainerConfig (+ TrainerParallel,
+      CapacitySpec, CheckpointPolicy, RecoveryPolicy, PreflightPolicy, ScalingCheckPolicy,
+      TrainerConfig (+ TrainerParallel,
       TrainerModel, TrainerTraining)
     RunState, NodeState, NodeRole, CapacityKind, FailureClass, TrainerFailureKind   enums
     RUN_TRANSITIONS, NODE_TRANSITIONS, check_run_transition, check_node_transition,
       InvalidTransition         the allowed state changes
     RunRecord, NodeRecord, TaskWait, FailureRecord, CheckpointRef, GoodputLedger   stored records
+      (+ FleetCheckFigures, ScalingCheckFigures)
     FailureReport, FAILURE_ERROR   a classified failure and the task-failure error name carrying it
     CAPACITY_ERROR              the error name of a task short of instances
     ParallelPlan, RecoveryAction, RecoveryDecision   what the lifecycle decides
@@ -21,7 +23,7 @@ Offers:
     Event details: Ec2InstanceStateChange (LOST_STATES: its states of an instance leaving), Ec2SpotInterruptionWarning,
       Ec2RebalanceRecommendation, HealthEvent (AWS shapes); NodeRegistered, NodeReady,
       NodeUnhealthy, CheckpointCommitted, TrainerFailed, TrainerHung, TrainingCompleted,
-      TrainingProgress (source "trainfleet")
+      TrainingProgress (its ProgressSample steps), FleetChecked, ScalingChecked (source "trainfleet")
     DetailType, EVENT_SOURCE, EventEnvelope, parse_event, put_events_entry
     validation_message(error)   a ValidationError as "field.path: problem" lines, for people
     NODE_READ_PREFIXES, NODE_WRITE_PREFIXES, node_access_problems   what the nodes may touch in
@@ -254,6 +256,26 @@ class PreflightPolicy(_Strict):
     """Timed repetitions of each measurement."""
 
 
+class ScalingCheckPolicy(_Strict):
+    """The judgement of every attempt's first steps on the whole fleet (trainer/scaling_check.py)."""
+
+    enabled: bool | None = None
+    """Time the real model's first steps on the whole world against what its ranks compute alone;
+    a world below the floor does not train on. None: on for instance types with accelerators,
+    off for CPU types (whose timings say little about a GPU fleet)."""
+    warmup_steps: int = Field(default=2, ge=0, le=1000)
+    """Steps of each attempt left untimed first (allocator, NCCL set-up, the first compilation)."""
+    steps: int = Field(default=5, ge=1, le=1000)
+    """Steps timed after them."""
+    efficiency_floor: float = Field(default=0.7, gt=0, le=1)
+    """Step time the ranks' own compute predicts (pipeline bubble included) over the step time
+    measured, below which the run does not go on."""
+
+    def enabled_for(self, facts: InstanceFacts) -> bool:
+        """Whether the check runs on this instance type."""
+        return self.enabled if self.enabled is not None else facts.accelerator != "none"
+
+
 class RecoveryPolicy(_Strict):
     """How hard the run tries before it gives up."""
 
@@ -357,7 +379,7 @@ class TrainerTraining(_Open):
 # checkpoint section is the control plane's). A misspelt field is refused here, before any
 # instance is paid for, instead of by the trainer on the nodes. tests/test_contracts.py checks
 # this list against JobConfig.
-FILLED_SECTIONS = {"checkpoint": "checkpoint", "fleet_check": "preflight"}
+FILLED_SECTIONS = {"checkpoint": "checkpoint", "fleet_check": "preflight", "scaling_check": "scaling_check"}
 """Trainer config sections the control plane fills from the RunSpec's own sections."""
 TRAINER_FIELDS: dict[str, frozenset[str]] = {
     "model": frozenset({"n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "mlp_ratio",
@@ -412,16 +434,15 @@ class TrainerConfig(_Open):
             raise ValueError(problem)
         return self
 
-    def as_trainer_mapping(self, pp: int, dp: int, checkpoint: dict[str, Any],
-                           fleet_check: dict[str, Any] | None = None) -> dict[str, Any]:
+    def as_trainer_mapping(self, pp: int, dp: int, filled: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """The full config for the trainer, with the planned layout and the sections the
         control plane fills (FILLED_SECTIONS)."""
+        unknown = set(filled) - set(FILLED_SECTIONS)
+        if unknown:
+            raise ValueError(f"sections {sorted(unknown)} are not filled by the control plane")
         doc = self.model_dump(mode="json")
         doc["parallel"].update(pp=pp, dp=dp)
-        doc["checkpoint"] = checkpoint
-        if fleet_check is not None:
-            doc["fleet_check"] = fleet_check
-        return doc
+        return doc | filled
 
 
 def layout_problem(config: TrainerConfig, pp: int, dp: int) -> str | None:
@@ -482,6 +503,8 @@ class RunSpec(_Strict):
     """Restart budget, crash-loop rule, backoff, hang and boot timeouts."""
     preflight: PreflightPolicy = Field(default_factory=PreflightPolicy)
     """The fleet-wide network check before each attempt trains."""
+    scaling_check: ScalingCheckPolicy = Field(default_factory=ScalingCheckPolicy)
+    """The judgement of each attempt's first steps on the whole fleet."""
     cost_ceiling_usd: float | None = Field(default=None, gt=0)
     """Stop the run once its instance cost reaches this; None = no ceiling."""
     tags: dict[str, str] = Field(default_factory=dict)
@@ -556,17 +579,22 @@ class RunSpec(_Strict):
         """Fewest nodes the run may continue with."""
         return self.min_nodes or self.node_count
 
-    def trainer_mapping(self, pp: int, dp: int, resume_step: int | None) -> dict[str, Any]:
+    def trainer_mapping(self, pp: int, dp: int, resume_step: int | None, scaling_check_due: bool = True) -> dict[str, Any]:
         """The trainer's full config at pp x dp: the trainer section with the checkpoint section
-        made from `checkpoint`, resuming from `resume_step` (None: from scratch)."""
-        policy, preflight = self.checkpoint, self.preflight
+        made from `checkpoint`, resuming from `resume_step` (None: from scratch), and the world
+        checks; the scaling check only while it is due (no world of the run has passed it)."""
+        policy, preflight, scaling = self.checkpoint, self.preflight, self.scaling_check
         nodes = pp * dp * self.trainer.parallel.tp // self.facts.ranks_per_node
         return self.trainer.as_trainer_mapping(pp, dp, {
-            "uri": policy.s3_uri, "interval": policy.interval_steps, "keep_last": policy.keep_last,
-            "resume": "none" if resume_step is None else str(resume_step)}, {
-            "enabled": preflight.fleet_check and nodes > 1, "size_mib": preflight.size_mib,
-            "iterations": preflight.iterations,
-            "busbw_floor_gbytes_per_s": preflight.busbw_floor_gbytes_per_s or self.facts.busbw_floor_gbytes_per_s})
+            "checkpoint": {"uri": policy.s3_uri, "interval": policy.interval_steps, "keep_last": policy.keep_last,
+                           "resume": "none" if resume_step is None else str(resume_step)},
+            "fleet_check": {"enabled": preflight.fleet_check and nodes > 1, "size_mib": preflight.size_mib,
+                            "iterations": preflight.iterations,
+                            "busbw_floor_gbytes_per_s": (preflight.busbw_floor_gbytes_per_s
+                                                         or self.facts.busbw_floor_gbytes_per_s)},
+            "scaling_check": {"enabled": scaling_check_due and scaling.enabled_for(self.facts),
+                              "warmup_steps": scaling.warmup_steps,
+                              "steps": scaling.steps, "efficiency_floor": scaling.efficiency_floor}})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -739,6 +767,9 @@ class FailureClass(StrEnum):
     """The trainer refused its config: retrying cannot help."""
     SLOW_NETWORK = "SLOW_NETWORK"
     """The fleet-wide check measured the world's network below the floor (trainer/fleet_check.py)."""
+    POOR_SCALING = "POOR_SCALING"
+    """The scaling check found the run's first world below its efficiency floor
+    (trainer/scaling_check.py): the run stops before the fleet is spent on it."""
     CAPACITY = "CAPACITY"
     """Not enough instances could be allocated."""
     UNKNOWN = "UNKNOWN"
@@ -771,6 +802,9 @@ class FailureReport(_Strict):
     """Nodes blamed; empty when the nodes are fine (crash, hang, NaN)."""
     message: str = ""
     """For people: the event or error it came from."""
+    observed_at: datetime | None = None
+    """The failure's first sign: when AWS or an agent observed it (the event's time); None when
+    only its consequence was seen (a task timeout)."""
 
 
 class ParallelPlan(_Strict):
@@ -851,7 +885,7 @@ class LateWorkerSwap(_Strict):
 
 
 class FailureRecord(_Strict):
-    """One handled failure, for the restart budget and the crash-loop rule."""
+    """One handled failure, for the restart budget, the crash-loop rule and the run report."""
 
     failure_class: FailureClass
     """What went wrong."""
@@ -859,6 +893,22 @@ class FailureRecord(_Strict):
     """Latest committed step when it happened: equal steps in a row mean no progress."""
     at: datetime
     """When the recovery decision was taken."""
+    attempt: int | None = Field(default=None, ge=0)
+    """The attempt it ended (None on records from before it was kept)."""
+    onset_at: datetime | None = None
+    """Its first sign: the observing event's time, or for a hang the world's last step."""
+    last_step: int | None = Field(default=None, ge=0)
+    """The last step the attempt reported."""
+    instance_ids: list[str] = Field(default_factory=list)
+    """The nodes blamed."""
+    message: str = ""
+    """For people: what was seen."""
+
+    @property
+    def detection_seconds(self) -> float | None:
+        """From the first sign to the decision: how long the fleet waited on a failure before the
+        control plane acted on it."""
+        return None if self.onset_at is None else max(0.0, (self.at - self.onset_at).total_seconds())
 
 
 class CheckpointRef(_Strict):
@@ -967,6 +1017,45 @@ class FleetCheckFigures(_Strict):
                 f"{link}{blamed}")
 
 
+class ScalingCheckFigures(_Strict):
+    """What the scaling check of one attempt measured (trainer/scaling_check.py)."""
+
+    attempt: int = Field(ge=0)
+    """The attempt whose first steps were timed."""
+    passed: bool
+    efficiency: float = Field(ge=0)
+    """Expected over measured step time."""
+    efficiency_floor: float = Field(gt=0, le=1)
+    step_seconds: float = Field(ge=0)
+    """The measured step (median of the timed steps)."""
+    expected_step_seconds: float = Field(ge=0)
+    """What the ranks' own compute predicts, pipeline bubble included."""
+    tokens_per_second: float = Field(ge=0)
+    expected_tokens_per_second: float = Field(ge=0)
+    steps: int = Field(ge=1)
+    """Steps timed."""
+    slowest_stages: list[int] = Field(default_factory=list)
+    """The pipeline stages whose compute sets the expected step."""
+    slowest_stage_seconds: float = Field(ge=0)
+    """Their compute a step, on the fastest rank that holds them."""
+    slowest_stage_instance_ids: list[str] = Field(default_factory=list)
+    """The nodes that hold them."""
+    slowest_rank: int = Field(ge=0)
+    """The rank that computed longest."""
+    slowest_rank_instance_id: str
+    """Its node."""
+    slowest_rank_seconds: float = Field(ge=0)
+    """Its compute a step."""
+
+    def describe(self) -> str:
+        return (f"scaling efficiency {self.efficiency:.2f} (floor {self.efficiency_floor:.2f}): "
+                f"{self.step_seconds:.3f} s a step against {self.expected_step_seconds:.3f} s expected, "
+                f"{self.tokens_per_second:,.0f} tokens/s against {self.expected_tokens_per_second:,.0f}; "
+                f"slowest stage {', '.join(map(str, self.slowest_stages))} ({self.slowest_stage_seconds:.3f} s "
+                f"of compute a step, on {', '.join(self.slowest_stage_instance_ids)}); slowest rank "
+                f"{self.slowest_rank} ({self.slowest_rank_seconds:.3f} s, on {self.slowest_rank_instance_id})")
+
+
 class RunRecord(_Strict):
     """The run's row in DynamoDB. `version` increments on every write (optimistic locking)."""
 
@@ -1023,6 +1112,8 @@ class RunRecord(_Strict):
     """Latest step reported by progress events."""
     fleet_check: FleetCheckFigures | None = None
     """The latest fleet-wide check's figures."""
+    scaling_check: ScalingCheckFigures | None = None
+    """The latest scaling check's figures."""
     last_progress_at: datetime | None = None
     """When that step was reported."""
     ledger: GoodputLedger = Field(default_factory=GoodputLedger)
@@ -1173,6 +1264,7 @@ class DetailType(StrEnum):
     TRAINING_COMPLETED = "TrainingCompleted"
     TRAINING_PROGRESS = "TrainingProgress"
     FLEET_CHECKED = "FleetChecked"
+    SCALING_CHECKED = "ScalingChecked"
 
 
 class Ec2InstanceStateChange(_Open):
@@ -1393,9 +1485,33 @@ class TrainingCompleted(AgentEvent):
     """The final checkpoint's folder, if one was saved."""
 
 
+class ProgressSample(_Strict):
+    """One training step as global rank 0's trainer recorded it."""
+
+    # JSON has no NaN: a diverged loss travels as the string "NaN" (plain JSON turns it into
+    # null, which no float field takes back), and reads back as NaN.
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
+
+    step: int = Field(ge=0)
+    """The step completed."""
+    loss: float
+    """Its training loss (may be NaN: that is reported, not refused)."""
+    tokens_per_second: float = Field(ge=0)
+    """Throughput of the whole world."""
+    step_seconds: float = Field(ge=0)
+    """Wall-clock time of the step."""
+    at: datetime
+    """When it ended."""
+
+
+PROGRESS_SAMPLES_MAX = 32
+"""Most steps one TrainingProgress carries: at most a few KB, whatever the step rate."""
+
+
 class TrainingProgress(AgentEvent):
     """Sampled progress from global rank 0's agent."""
 
+    model_config = ProgressSample.model_config
     DETAIL_TYPE: ClassVar[DetailType] = DetailType.TRAINING_PROGRESS
 
     step: int = Field(ge=0)
@@ -1406,6 +1522,9 @@ class TrainingProgress(AgentEvent):
     """Throughput of the whole world."""
     step_seconds: float = Field(ge=0)
     """Wall-clock time of the step."""
+    samples: list[ProgressSample] = Field(default_factory=list, max_length=PROGRESS_SAMPLES_MAX)
+    """The steps since the previous TrainingProgress, thinned evenly to at most
+    PROGRESS_SAMPLES_MAX, the last one this step: the run's history (the run report's curves)."""
 
 
 class FleetChecked(AgentEvent):
@@ -1416,15 +1535,23 @@ class FleetChecked(AgentEvent):
     figures: FleetCheckFigures
 
 
+class ScalingChecked(AgentEvent):
+    """The agent of global rank 0's node: the scaling check of the attempt's first steps is done."""
+
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.SCALING_CHECKED
+
+    figures: ScalingCheckFigures
+
+
 AnyDetail = (Ec2InstanceStateChange | Ec2SpotInterruptionWarning | Ec2RebalanceRecommendation
              | HealthEvent | NodeRegistered | NodeReady | NodeUnhealthy | CheckpointCommitted
-             | TrainerFailed | TrainerHung | TrainingCompleted | TrainingProgress | FleetChecked)
+             | TrainerFailed | TrainerHung | TrainingCompleted | TrainingProgress | FleetChecked | ScalingChecked)
 
 DETAIL_MODELS: dict[tuple[str, DetailType], type[BaseModel]] = {
     (model.SOURCE, model.DETAIL_TYPE): model
     for model in (Ec2InstanceStateChange, Ec2SpotInterruptionWarning, Ec2RebalanceRecommendation,
                   HealthEvent, NodeRegistered, NodeReady, NodeUnhealthy, CheckpointCommitted,
-                  TrainerFailed, TrainerHung, TrainingCompleted, TrainingProgress, FleetChecked)
+                  TrainerFailed, TrainerHung, TrainingCompleted, TrainingProgress, FleetChecked, ScalingChecked)
 }
 
 

@@ -8,6 +8,9 @@ PutMetricData call, no extra latency. The event handler turns agent events into 
     emit(run_metrics(run, namespace))              Goodput, LostTime, CostUSD, Restarts
     for document in lost_time_metrics(run, namespace):
         emit(document)                             LostTime by Cause (startup, restart:HANG, ...)
+    emit(detection_metrics(run_name, failure, namespace))   DetectionLatency by FailureClass (Recover)
+    emit(stall_metrics(run, stack, now, namespace))         SecondsSinceProgress by run and by stack
+                                                            (the reaper's sweep; the no-progress alarm)
 
 Every metric carries the dimension RunName. Pure builders return the EMF document (a dict);
 emit() writes it as one line.
@@ -19,17 +22,21 @@ import sys
 import time
 from typing import IO, Any
 
-from trainfleet.contracts import CheckpointCommitted, RunRecord, TrainingProgress
+from datetime import datetime
 
-__all__ = ["emf_document", "progress_metrics", "checkpoint_metrics", "run_metrics", "lost_time_metrics", "emit"]
+from trainfleet.contracts import CheckpointCommitted, FailureRecord, RunRecord, TrainingProgress
+
+__all__ = ["emf_document", "progress_metrics", "checkpoint_metrics", "run_metrics", "lost_time_metrics",
+           "detection_metrics", "stall_metrics", "emit"]
 
 UNITS = frozenset({"Seconds", "Milliseconds", "Count", "Count/Second", "Percent", "None", "Bytes"})
 """CloudWatch standard units used here."""
 
 
 def emf_document(namespace: str, dimensions: dict[str, str], metrics: dict[str, tuple[float, str]],
-                 timestamp_ms: int | None = None) -> dict[str, Any]:
+                 timestamp_ms: int | None = None, dimension_sets: list[list[str]] | None = None) -> dict[str, Any]:
     """An EMF document: `metrics` maps name -> (value, unit); values must be finite numbers.
+    Each metric is published once per dimension set (default: all `dimensions` together).
 
     A NaN loss is dropped rather than sent: CloudWatch rejects non-finite values, and the
     divergence itself is reported as a TrainerFailed event."""
@@ -44,7 +51,7 @@ def emf_document(namespace: str, dimensions: dict[str, str], metrics: dict[str, 
             "Timestamp": timestamp_ms if timestamp_ms is not None else int(time.time() * 1000),
             "CloudWatchMetrics": [{
                 "Namespace": namespace,
-                "Dimensions": [sorted(dimensions)],
+                "Dimensions": dimension_sets or [sorted(dimensions)],
                 "Metrics": [{"Name": name, "Unit": unit} for name, (_, unit) in finite.items()],
             }],
         },
@@ -85,6 +92,23 @@ def lost_time_metrics(run: RunRecord, namespace: str, timestamp_ms: int | None =
     return [emf_document(namespace, {"RunName": run.run_name, "Cause": cause}, {"LostTime": (seconds, "Seconds")},
                          timestamp_ms)
             for cause, seconds in sorted(run.ledger.lost_by_cause.items())]
+
+
+def detection_metrics(run_name: str, failure: FailureRecord, namespace: str,
+                      timestamp_ms: int | None = None) -> dict[str, Any]:
+    """How long a failure went from its first sign to Recover's decision (FailureRecord.detection_seconds)."""
+    return emf_document(namespace, {"RunName": run_name, "FailureClass": failure.failure_class.value},
+                        {"DetectionLatency": (failure.detection_seconds, "Seconds")}, timestamp_ms)
+
+
+def stall_metrics(run: RunRecord, stack_name: str, now: datetime, namespace: str,
+                  timestamp_ms: int | None = None) -> dict[str, Any]:
+    """How long a live run has gone without a reported step (since its creation, before its
+    first): per run for the dashboard, and per stack, whose maximum the no-progress alarm watches."""
+    since = run.last_progress_at or run.created_at or now
+    return emf_document(namespace, {"RunName": run.run_name, "StackName": stack_name},
+                        {"SecondsSinceProgress": (max(0.0, (now - since).total_seconds()), "Seconds")},
+                        timestamp_ms, dimension_sets=[["RunName"], ["StackName"]])
 
 
 def emit(document: dict[str, Any], stream: IO[str] | None = None) -> None:

@@ -1,8 +1,9 @@
 """DynamoDB run store: run and node records, every change a conditional write, task tokens.
 
 Table (template.yaml RunTable): pk = "RUN#<run>", sk = "RUN" for the run, "NODE#<instance id>" for
-each node, "WORLD#<attempt>" for the count of workers ready for that attempt; GSI "by-instance" on
-instance_id finds a node from an EC2 or Health event. The record itself is the item's `doc` (the
+each node, "WORLD#<attempt>" for the count of workers ready for that attempt,
+"PROGRESS#<attempt>#<step>" for the steps one TrainingProgress reported (the run's history: the
+report's curves); GSI "by-instance" on instance_id finds a node from an EC2 or Health event. The record itself is the item's `doc` (the
 contracts model as JSON); `state` and `version` sit beside it so that conditions can name them.
 
     store = RunStore(boto3.client("dynamodb"), settings.run_table)
@@ -12,6 +13,7 @@ contracts model as JSON); `state` and `version` sit beside it so that conditions
     store.add_node(NodeRecord(...)), store.transition_node(name, instance_id, NodeState.READY)
     store.nodes(name), store.node(name, instance_id), store.node_by_instance(instance_id)
     store.ready_workers(name, attempt)                         workers ready for it: one item, any fleet size
+    store.record_progress(name, attempt, samples), store.progress(name), store.latest_progress(name)
     store.park_task(name, TaskWait(...))                       remember the token (StaleAttempt if old)
     store.parked_token(name, "train", attempt)                 the token, still parked
     store.clear_task_token(name, token)                        once its answer was sent
@@ -38,7 +40,9 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from trainfleet.contracts import (NodeRecord, NodeState, RunRecord, RunState, TaskWait,
+from pydantic import TypeAdapter
+
+from trainfleet.contracts import (NodeRecord, NodeState, ProgressSample, RunRecord, RunState, TaskWait,
                                   check_node_transition, check_run_transition)
 from trainfleet.lifecycle import world_attempt
 
@@ -82,6 +86,15 @@ def _node_key(run_name: str, instance_id: str) -> dict[str, Any]:
 
 def _world_key(run_name: str, attempt: int) -> dict[str, Any]:
     return {"pk": {"S": f"RUN#{run_name}"}, "sk": {"S": f"WORLD#{attempt}"}}
+
+
+def _progress_key(run_name: str, attempt: int, step: int) -> dict[str, Any]:
+    # Zero-padded, so that the items sort by attempt, then step.
+    return {"pk": {"S": f"RUN#{run_name}"}, "sk": {"S": f"{_PROGRESS}{attempt:06d}#{step:012d}"}}
+
+
+_PROGRESS = "PROGRESS#"
+_SAMPLES = TypeAdapter(list[ProgressSample])
 
 
 def _now() -> datetime:
@@ -212,6 +225,29 @@ class RunStore:
         return self.modify_node(run_name, instance_id,
                                 lambda node: node.model_copy(update={"state": new_state, **changes}))
 
+    # --- progress ---------------------------------------------------------------------------
+
+    def record_progress(self, run_name: str, attempt: int, samples: list[ProgressSample]) -> None:
+        """Keep the steps one TrainingProgress reported, as one item keyed by its last step: a
+        redelivered event writes the same item again."""
+        if samples:
+            self.db.put_item(TableName=self.table, Item={
+                **_progress_key(run_name, attempt, samples[-1].step), "doc": {"S": _SAMPLES.dump_json(samples).decode()}})
+
+    def progress(self, run_name: str) -> list[tuple[int, ProgressSample]]:
+        """Every step recorded, as (attempt, sample), by attempt, then step."""
+        pages = self.db.get_paginator("query").paginate(**self._progress_query(run_name))
+        return [sample for page in pages for item in page["Items"] for sample in _samples(item)]
+
+    def latest_progress(self, run_name: str) -> tuple[int, ProgressSample] | None:
+        """The newest step recorded, as (attempt, sample)."""
+        items = self.db.query(**self._progress_query(run_name), ScanIndexForward=False, Limit=1)["Items"]
+        return _samples(items[0])[-1] if items else None
+
+    def _progress_query(self, run_name: str) -> dict[str, Any]:
+        return {"TableName": self.table, "KeyConditionExpression": "pk = :pk AND begins_with(sk, :progress)",
+                "ExpressionAttributeValues": {":pk": {"S": f"RUN#{run_name}"}, ":progress": {"S": _PROGRESS}}}
+
     # --- plumbing ---------------------------------------------------------------------------
 
     def _item(self, key: dict[str, Any], record: RunRecord | NodeRecord) -> dict[str, Any]:
@@ -270,3 +306,8 @@ class RunStore:
             except StaleRecord:
                 time.sleep(random.uniform(0, _RETRY_PAUSE_S * 2 ** tries))
         raise StaleRecord(f"{key['pk']['S']} {key['sk']['S']}: {_MODIFY_ATTEMPTS} writes in a row lost a race")
+
+
+def _samples(item: dict[str, Any]) -> list[tuple[int, ProgressSample]]:
+    attempt = int(item["sk"]["S"].removeprefix(_PROGRESS).split("#")[0])
+    return [(attempt, sample) for sample in _SAMPLES.validate_json(item["doc"]["S"])]

@@ -1,7 +1,7 @@
 """Lifecycle core: the control plane's decisions as pure functions over plain data (no boto3).
 
 Offers:
-    classify:  is_stale(detail, attempt), classify_event(detail, attempt) -> FailureReport | None,
+    classify:  is_stale(detail, attempt), classify_event(detail, attempt, observed_at) -> FailureReport | None,
                classify_task_error(error, cause, waiting, not_ready_instance_ids) -> FailureReport
     replan:    plan_layout(trainer_config, ranks_per_node, available_nodes, min_nodes, preferred_pp, memory_gib),
                initial_plan(spec, allocated_nodes)
@@ -26,7 +26,8 @@ Offers:
     liveness:  poll_interval(nodes, draw, hang_timeout_s), looks_per_second(nodes, hang_timeout_s),
                silent_after(nodes, hang_timeout_s) (trainfleet.pace's rules),
                silent_workers(nodes, liveness, attempt, now, hang_timeout_s, ec2_troubles),
-               blame_silent_workers(failure, ...) -> FailureReport, needs_liveness_look(failure), IMPAIRED
+               blame_silent_workers(failure, ...) -> FailureReport, needs_liveness_look(failure), IMPAIRED,
+               hang_onset(failure, liveness) -> FailureReport
 
 Randomness (backoff jitter) and time come in as arguments, so every decision is reproducible.
 """
@@ -38,8 +39,8 @@ from trainfleet.lifecycle.launch import (assign_ranks, build_launch_spec, confir
                                         ready_workers, unready_workers, world_attempt, world_complete)
 from trainfleet.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, backoff_seconds,
                                            decide_recovery, failure_streak)
-from trainfleet.lifecycle.liveness import (IMPAIRED, blame_silent_workers, looks_per_second, needs_liveness_look,
-                                           poll_interval, silent_after, silent_workers)
+from trainfleet.lifecycle.liveness import (IMPAIRED, blame_silent_workers, hang_onset, looks_per_second,
+                                           needs_liveness_look, poll_interval, silent_after, silent_workers)
 from trainfleet.lifecycle.replan import initial_plan, plan_layout
 from trainfleet.lifecycle.spares import swap_late_workers
 from trainfleet.lifecycle.spot import (SPOT_NOTICE, checkpoint_before_leaving, checkpoint_request_answered,
@@ -57,6 +58,6 @@ __all__ = [
     "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "world_attempt",
     "may_start", "assign_ranks",
     "build_launch_spec", "swap_late_workers",
-    "poll_interval", "looks_per_second", "silent_after", "silent_workers", "blame_silent_workers",
+    "poll_interval", "looks_per_second", "silent_after", "silent_workers", "blame_silent_workers", "hang_onset",
     "needs_liveness_look", "IMPAIRED",
 ]

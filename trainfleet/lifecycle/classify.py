@@ -1,11 +1,12 @@
 """Turn what happened (an event, a task error) into a FailureReport, or None when it is no failure."""
 
 import json
+from datetime import datetime
 
 from trainfleet.contracts import (CAPACITY_ERROR, LOST_STATES, FAILURE_ERROR, AgentEvent, AnyDetail, Ec2InstanceStateChange,
                                   Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning,
                                   FailureClass, FailureReport, FleetChecked, HealthEvent, NodeReady, NodeRegistered, NodeUnhealthy,
-                                  TaskWait, TrainerFailed, TrainerFailureKind, TrainerHung)
+                                  ScalingChecked, TaskWait, TrainerFailed, TrainerFailureKind, TrainerHung)
 
 # Health categories that announce trouble for the instance itself (accountNotification does not).
 _HEALTH_CATEGORIES = {"issue", "scheduledChange", "investigation"}
@@ -33,12 +34,18 @@ def is_stale(detail: AnyDetail, current_attempt: int) -> bool:
             and detail.attempt < current_attempt)
 
 
-def classify_event(detail: AnyDetail, attempt: int) -> FailureReport | None:
-    """The failure an event reports for the run's current `attempt`, or None if it reports none.
+def classify_event(detail: AnyDetail, attempt: int, observed_at: datetime | None = None) -> FailureReport | None:
+    """The failure an event reports for the run's current `attempt`, or None if it reports none;
+    `observed_at` is the event's time (the report's first sign of the failure).
 
     Whether an AWS event's instance belongs to the run is the caller's look-up; agent events of
     older attempts should be dropped with is_stale() first.
     """
+    report = _event_report(detail, attempt)
+    return report.model_copy(update={"observed_at": observed_at}) if report else None
+
+
+def _event_report(detail: AnyDetail, attempt: int) -> FailureReport | None:
     match detail:
         case Ec2InstanceStateChange(state=state) if state in LOST_STATES:
             return _report(FailureClass.INSTANCE_LOST, attempt, [detail.instance_id],
@@ -61,6 +68,8 @@ def classify_event(detail: AnyDetail, attempt: int) -> FailureReport | None:
                            f"trainer {detail.kind.value} on {detail.instance_id or 'the world'}: {detail.message}")
         case FleetChecked(figures=figures) if not figures.passed:
             return _report(FailureClass.SLOW_NETWORK, attempt, figures.slow_instance_ids, figures.describe())
+        case ScalingChecked(figures=figures) if not figures.passed:
+            return _report(FailureClass.POOR_SCALING, attempt, [], figures.describe())
         case TrainerHung():
             return _report(FailureClass.HANG, attempt, [],
                            f"no progress for {detail.seconds_since_progress:.0f} s after step {detail.last_step}")

@@ -25,7 +25,7 @@ from trainfleet.pace import (FULL_RATE_NODES, POLL_MAX_S, POLL_MIN_S, SILENT_LOO
                              poll_interval, silent_after)
 
 __all__ = ["FULL_RATE_NODES", "POLL_MAX_S", "POLL_MIN_S", "SILENT_LOOKS", "looks_per_second", "poll_interval",
-           "silent_after", "IMPAIRED", "silent_workers", "blame_silent_workers", "needs_liveness_look"]
+           "silent_after", "IMPAIRED", "silent_workers", "blame_silent_workers", "needs_liveness_look", "hang_onset"]
 
 IMPAIRED = "impaired"
 """What EC2's troubles name an instance whose instance or system status check failed."""
@@ -107,3 +107,13 @@ def blame_silent_workers(failure: FailureReport, nodes: list[NodeRecord], livene
 def needs_liveness_look(failure: FailureReport) -> bool:
     """Whether Recover should look at liveness and instance status before deciding."""
     return not failure.instance_ids and failure.failure_class in _MAY_HIDE_A_NODE
+
+
+def hang_onset(failure: FailureReport, liveness: list[NodeLiveness]) -> FailureReport:
+    """`failure` with its first sign, when it is a hang that has none (a heartbeat timed out: no
+    event observed it): the world's last step, the newest step a worker of the attempt reported."""
+    if failure.failure_class is not FailureClass.HANG or failure.observed_at is not None:
+        return failure
+    last = max((record.step_at for record in liveness if record.attempt == failure.attempt and record.step_at),
+               default=None)
+    return failure.model_copy(update={"observed_at": last})

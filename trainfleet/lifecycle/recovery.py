@@ -1,7 +1,7 @@
 """The recovery decision: restart, replace, shrink or give up; the budget, the crash loop, backoff.
 
 decide_recovery() works in numbered steps, each a rule a person can check:
-    1. a config error never heals: give up;
+    1. a config error never heals, nor does a world that does not scale: give up;
     2. the cost ceiling is reached: give up;
     3. the restart budget is spent: give up;
     4. a crash loop (the same failure K times in a row, no checkpoint in between): give up;
@@ -62,6 +62,8 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
     # 1-4: the reasons to stop.
     if failure.failure_class is FailureClass.CONFIG_ERROR:
         return give_up(f"the trainer refused its config: {failure.message}")
+    if failure.failure_class is FailureClass.POOR_SCALING:
+        return give_up(f"the fleet does not scale: {failure.message}")
     if over_cost_ceiling(spec, run.ledger):
         return give_up(f"cost ${run.ledger.cost_usd:,.2f} reached the ceiling ${spec.cost_ceiling_usd:,.2f}")
     if run.restarts >= policy.max_restarts:
@@ -122,8 +124,11 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
 def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDecision,
                    now: datetime) -> RunRecord:
     """The run record after acting on a decision: a new attempt, the failure on the books."""
-    history = [*run.failures, FailureRecord(failure_class=failure.failure_class, at=now,
-                                            resume_step=run.latest_checkpoint.step if run.latest_checkpoint else None)]
+    history = [*run.failures, FailureRecord(
+        failure_class=failure.failure_class, at=now,
+        resume_step=run.latest_checkpoint.step if run.latest_checkpoint else None, attempt=failure.attempt,
+        onset_at=failure.observed_at, last_step=run.last_step if run.first_step_at else None,
+        instance_ids=failure.instance_ids, message=failure.message)]
     if decision.action is RecoveryAction.GIVE_UP:
         return run.model_copy(update={"failures": history, "error": decision.reason})
     return run.model_copy(update={

@@ -42,7 +42,7 @@ def plan_layout(config: TrainerConfig, ranks_per_node: int, available_nodes: int
 def _fits(config: TrainerConfig, pp: int, dp: int, memory_gib: float) -> bool:
     if not memory_gib:
         return True
-    sections = config.as_trainer_mapping(pp, dp, checkpoint={})
+    sections = config.as_trainer_mapping(pp, dp, {})
     return memory_plan.fits(memory_plan.Workload.from_sections(sections, mixed_precision=True), memory_gib)
 
 

@@ -1,0 +1,197 @@
+"""The scaling check: does the whole world train as fast as its ranks compute?
+
+The fleet check (trainer/fleet_check.py) measures the network before the first step; this one
+times the real model training on the whole fleet, before the fleet is committed for weeks. The
+control plane turns it on for a run's worlds until one has passed (RunSpec.scaling_check). After
+`warmup_steps` untimed steps, every rank times `steps` steps twice over:
+
+- the step, as the training loop does (wall clock; the same on every rank, since a step ends in
+  collectives);
+- its own compute: the forward and backward calls of its pipeline stages (`ComputeClock`; CUDA
+  events on a GPU). The schedule waits for a microbatch's activations or gradients before it
+  calls them, so the pipeline's hand-offs and bubble are not in it; collectives inside a stage
+  (FSDP's gathers, tensor parallel) are, as that stage's own work.
+
+What one rank computes is what it would achieve alone. Ranks that hold the same stages (data and
+tensor parallel peers) do the same work, so a stage needs what the fastest rank holding it
+computes; the slowest stage sets the pace of the pipeline, stretched by its fill and drain, the
+bubble factor 1 + (pp - 1) / (microbatches x stages per rank) of GPipe and 1F1B (zero-bubble
+schedules do better, so they are judged leniently). The efficiency is that expected step over the
+measured one. Below `efficiency_floor` the world spends its time waiting on hand-offs (a slow
+fabric, a layout whose hand-offs cost more than its compute): the result names the slowest
+stage with its nodes, and the slowest rank, and the run stops (the control plane gives up on
+POOR_SCALING). A world that passed trains on without the clock.
+
+Global rank 0 writes the result to `result_file`; its node's agent reports it (ScalingChecked,
+trainer/agent.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import JobConfig, ScalingCheckConfig
+from trainer.progress import NODE_NAME_ENV, write_whole
+
+__all__ = ["ComputeClock", "RankTiming", "ScalingCheckResult", "bubble_factor", "verdict", "ScalingCheck"]
+
+
+class ComputeClock:
+    """Adds up the time this rank spends in `timed()` blocks until the next `take()`."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        if self.device.type == "cuda":
+            # Kernels run after the call returns: the GPU's own clock times them.
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+            return
+        started = time.perf_counter()
+        yield
+        self.seconds += time.perf_counter() - started
+
+    def take(self) -> float:
+        """The seconds timed since the last take."""
+        for start, end in self.events:
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1000
+        taken, self.seconds, self.events = self.seconds, 0.0, []
+        return taken
+
+
+@dataclass(frozen=True)
+class RankTiming:
+    """One rank's medians over the timed steps."""
+
+    rank: int
+    node: str
+    stages: tuple[int, ...]
+    compute_seconds: float
+    step_seconds: float
+
+
+@dataclass(frozen=True)
+class ScalingCheckResult:
+    passed: bool
+    efficiency: float
+    efficiency_floor: float
+    step_seconds: float
+    """The measured step (median)."""
+    expected_step_seconds: float
+    """What the slowest stage's compute predicts, bubble included."""
+    tokens_per_second: float
+    expected_tokens_per_second: float
+    steps: int
+    """Steps timed."""
+    slowest_stages: list[int]
+    slowest_stage_seconds: float
+    """Their compute a step on the fastest rank holding them."""
+    slowest_stage_nodes: list[str]
+    slowest_rank: int
+    slowest_rank_node: str
+    slowest_rank_seconds: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    def describe(self) -> str:
+        return (f"efficiency {self.efficiency:.2f} (floor {self.efficiency_floor:.2f}): {self.step_seconds:.3f} s a "
+                f"step, {self.expected_step_seconds:.3f} s expected; {self.tokens_per_second:,.0f} tokens/s, "
+                f"{self.expected_tokens_per_second:,.0f} expected; slowest stage "
+                f"{', '.join(map(str, self.slowest_stages))} ({self.slowest_stage_seconds:.3f} s on "
+                f"{', '.join(self.slowest_stage_nodes)}); slowest rank {self.slowest_rank} "
+                f"({self.slowest_rank_seconds:.3f} s on {self.slowest_rank_node})")
+
+
+def bubble_factor(pp: int, microbatches: int, stages_per_rank: int) -> float:
+    """Step time over compute time of a pipeline with no communication cost (GPipe, 1F1B)."""
+    return 1.0 if pp == 1 else 1 + (pp - 1) / (microbatches * stages_per_rank)
+
+
+def verdict(timings: list[RankTiming], bubble: float, floor: float, tokens_per_step: int,
+            steps: int) -> ScalingCheckResult:
+    """Pass or fail, and the slowest stage and rank (see the module docstring)."""
+    peers: dict[tuple[int, ...], list[RankTiming]] = {}
+    for timing in timings:
+        peers.setdefault(timing.stages, []).append(timing)
+    needs = {stages: min(t.compute_seconds for t in group) for stages, group in peers.items()}
+    slowest_stages = max(needs, key=needs.__getitem__)
+    step = statistics.median(t.step_seconds for t in timings)
+    expected = needs[slowest_stages] * bubble
+    efficiency = expected / step if step > 0 else 1.0
+    slowest_rank = max(timings, key=lambda t: t.compute_seconds)
+    return ScalingCheckResult(
+        passed=efficiency >= floor, efficiency=efficiency, efficiency_floor=floor, step_seconds=step,
+        expected_step_seconds=expected, tokens_per_second=tokens_per_step / step if step > 0 else 0.0,
+        expected_tokens_per_second=tokens_per_step / expected if expected > 0 else 0.0, steps=steps,
+        slowest_stages=list(slowest_stages), slowest_stage_seconds=needs[slowest_stages],
+        slowest_stage_nodes=sorted({t.node for t in peers[slowest_stages]}), slowest_rank=slowest_rank.rank,
+        slowest_rank_node=slowest_rank.node, slowest_rank_seconds=slowest_rank.compute_seconds)
+
+
+@dataclass
+class ScalingCheck:
+    """Follows an attempt's first steps (`observe` after each) and judges them."""
+
+    config: JobConfig
+    clock: ComputeClock
+    stages: list[int]
+    observed: int = 0
+    compute: list[float] = field(default_factory=list)
+    step: list[float] = field(default_factory=list)
+
+    @property
+    def check(self) -> ScalingCheckConfig:
+        return self.config.scaling_check
+
+    def observe(self, metrics: dict) -> bool:
+        """After each step: True once the check is done and passed (a world that failed waits
+        here to be stopped)."""
+        compute = self.clock.take()
+        if self.observed >= self.check.warmup_steps:
+            self.compute.append(compute)
+            self.step.append(metrics["step_time_s"])
+        self.observed += 1
+        if len(self.step) < self.check.steps:
+            return False
+        self.gate()
+        return True
+
+    def gate(self) -> None:
+        """Gather every rank's timings, judge on rank 0, act alike on every rank."""
+        rank = dist.get_rank()
+        mine = RankTiming(rank, os.environ.get(NODE_NAME_ENV) or socket.gethostname(), tuple(self.stages),
+                          statistics.median(self.compute), statistics.median(self.step))
+        timings: list[RankTiming | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(timings, mine)
+        p, c = self.config.parallel, self.config
+        judged = [verdict(timings, bubble_factor(p.pp, p.microbatches, p.resolved_stages_per_rank()),
+                          self.check.efficiency_floor, c.training.batch_size * c.model.seq_len, len(self.step))]
+        dist.broadcast_object_list(judged, src=0)  # rank 0's verdict, so every rank acts alike
+        result = judged[0]
+        if rank == 0:
+            if self.check.result_file:
+                write_whole(Path(self.check.result_file), result.to_json())
+            print(f"scaling check {'passed' if result.passed else 'FAILED'}: {result.describe()}", flush=True)
+        if not result.passed:
+            threading.Event().wait()  # until torchrun stops the world: the control plane ends the run
