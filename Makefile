@@ -10,7 +10,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[trainer,local,dev]'
+	$(PY) -m pip install -q -e '.[trainer,local,cli,dev]'
 	touch $@
 
 test: install sam-tools
@@ -42,7 +42,9 @@ validate: install sam-tools
 # wheels; each function gets only the control-plane packages, the trainer's torch-free
 # checkpoint catalogue (the commit protocol the control plane reads) and its torch-free config
 # checks with what they import (Validate runs them on the RunSpec's trainer section).
-LAMBDA_WHEELS := --platform manylinux2014_x86_64 --implementation cp --python-version 3.11 --only-binary=:all:
+# Lambda's python3.11 runs on Amazon Linux 2023 (glibc 2.34): manylinux_2_28 wheels load there.
+LAMBDA_WHEELS := --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --implementation cp \
+	--python-version 3.11 --only-binary=:all:
 
 build-LambdaDependencies:
 	$(PYTHON) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > $(ARTIFACTS_DIR)/requirements.txt

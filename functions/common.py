@@ -38,7 +38,7 @@ from trainfleet.settings import MissingSetting, Settings
 __all__ = ["logger", "tracer", "metrics", "Aws", "aws", "answer_task", "fail_attempt", "park_task", "addressed",
            "answer_if_world_complete", "fleet_token_prefix", "capacity_unavailable", "is_transient",
            "transient_errors_named", "mark_terminating", "Timeouts", "CaughtError", "RecoveryStep", "LateWorkersStep",
-           "RunPayload", "TaskPayload", "launch_spec_key", "report_key"]
+           "RunPayload", "TaskPayload", "launch_spec_key", "report_prefix"]
 
 IDEMPOTENCY_TABLE_VARIABLE = "TRAINFLEET_IDEMPOTENCY_TABLE"
 
@@ -237,9 +237,9 @@ def launch_spec_key(run_name: str) -> str:
     return f"runs/{run_name}/launch-spec.json"
 
 
-def report_key(run_name: str) -> str:
-    """S3 key of the run report."""
-    return f"runs/{run_name}/report.json"
+def report_prefix(run_name: str) -> str:
+    """Where the run report's files go in the stack's bucket (trainfleet.run_report's names follow)."""
+    return f"runs/{run_name}/"
 
 
 class _Payload(BaseModel):

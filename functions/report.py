@@ -1,44 +1,16 @@
-"""Report: write the run report (outcome, attempts, failures, checkpoint, goodput, lost time by
-cause, nodes) to S3, and the run's final metrics."""
+"""Report: write the run report (trainfleet/run_report.py: report.json, report.html and its
+plots as PNGs) under s3://BUCKET/runs/RUN/, and the run's final metrics."""
 
-import json
-from collections import Counter
+from datetime import datetime, timezone
 from typing import Any
 
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import RunPayload, aws, logger, report_key, tracer, transient_errors_named
+from functions.common import RunPayload, aws, logger, report_prefix, tracer, transient_errors_named
 from trainfleet.adapters.metrics import emit, lost_time_metrics, run_metrics
-from trainfleet.contracts import NodeRecord, RunRecord
-from trainfleet.lifecycle import unaccounted_seconds
-
-
-def build_report(run: RunRecord, nodes: list[NodeRecord]) -> dict[str, Any]:
-    """The report document: what happened, for people and for tooling."""
-    return {
-        "run_name": run.run_name,
-        "execution_arn": run.execution_arn,
-        "state": run.state.value,
-        "error": run.error,
-        "attempts": run.attempt + 1,
-        "restarts": run.restarts,
-        "failures": [failure.model_dump(mode="json") for failure in run.failures],
-        "plan": run.plan.model_dump() if run.plan else None,
-        "latest_checkpoint": run.latest_checkpoint.model_dump(mode="json") if run.latest_checkpoint else None,
-        "last_step": run.last_step,
-        "goodput": run.ledger.goodput,
-        "ledger": run.ledger.model_dump(mode="json"),
-        # Creation to the last booking less what the books hold: ~0 when every second is booked once.
-        "unaccounted_seconds": unaccounted_seconds(run) if run.created_at else None,
-        "nodes": {
-            "launched": len(nodes),
-            "by_state": dict(Counter(node.state.value for node in nodes)),
-            "replaced": sorted(node.instance_id for node in nodes if node.failure_class is not None),
-        },
-        "created_at": run.created_at.isoformat() if run.created_at else None,
-        "updated_at": run.updated_at.isoformat() if run.updated_at else None,
-    }
+from trainfleet.adapters.run_history import read_history
+from trainfleet.run_report import REPORT_HTML, report_files
 
 
 @transient_errors_named
@@ -50,15 +22,16 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
 
 
 def write_report(run_name: str) -> str:
-    """Write the run's report to S3 and emit its final metrics; the report's URI."""
+    """Write the run's report to S3 and emit its final metrics; the report page's URI."""
     cloud = aws()
-    run = cloud.store.run(run_name)
-    report = build_report(run, cloud.store.nodes(run_name))
-    key = report_key(run_name)
-    cloud.s3.put_object(Bucket=cloud.settings.bucket, Key=key, ContentType="application/json",
-                        Body=json.dumps(report, indent=2).encode())
+    run, nodes = cloud.store.run(run_name), cloud.store.nodes(run_name)
+    history = read_history(cloud.store, cloud.sfn, run, nodes, datetime.now(timezone.utc))
+    prefix = report_prefix(run_name)
+    for name, file in report_files(run, nodes, history).items():
+        cloud.s3.put_object(Bucket=cloud.settings.bucket, Key=prefix + name, ContentType=file.content_type,
+                            Body=file.body)
     emit(run_metrics(run, cloud.settings.metrics_namespace))
     for document in lost_time_metrics(run, cloud.settings.metrics_namespace):
         emit(document)
     logger.info("run report written", run_name=run_name, state=run.state.value, restarts=run.restarts)
-    return f"s3://{cloud.settings.bucket}/{key}"
+    return f"s3://{cloud.settings.bucket}/{prefix}{REPORT_HTML}"

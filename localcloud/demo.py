@@ -14,11 +14,16 @@ it. Once the first checkpoint is committed to the local S3, the instance of node
 killed: EC2 reports it, Recover replaces only it, the new attempt resumes from the latest
 committed checkpoint, the run completes, Teardown terminates every instance.
 
+The run is followed with the live view of `trainfleet run watch` (trainfleet/live_view.py),
+through the same AWS calls the command makes, and ends with the run report written to a folder
+by `trainfleet run report`'s code (its path printed): the HTML page and the PNG plots show the
+kill and the resume.
+
 `run_on_local_cloud` does that (or gives node rank 1 a Spot interruption notice instead, or runs
 the RunSpec undisturbed) and returns what happened (states, nodes, instances, the agents'
 launches and commits, each attempt's losses, the run report); tests/agent_local_run.py asserts
-on it, `main` narrates it. It must run in a process that has not imported `functions` (the local
-cloud imports the deployed copy).
+on it. It must run in a process that has not imported `functions` (the local cloud imports the
+deployed copy).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,9 +39,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ValidationError
+from rich.console import Console
 
-from localcloud.stack import LocalRun, LocalStack, Watch, local_stack
+from localcloud.stack import LocalRun, LocalStack, local_stack
 from trainfleet.contracts import RunSpec, validation_message
+from trainfleet.live_view import watch
+from trainfleet.runs import RunStatus
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RUN_SPEC = REPO / "events" / "local-demo-run.json"
@@ -45,47 +54,70 @@ __all__ = ["run_on_local_cloud", "Narrator", "main", "DEMO_RUN_SPEC"]
 
 @dataclass
 class Narrator:
-    """Prints what happens as it happens, with seconds since the start; silent when quiet."""
+    """Prints what happens as it happens, with seconds since the start; silent when quiet. Given
+    the console of a live view, it prints above the view."""
 
     quiet: bool = False
     started: float = field(default_factory=time.monotonic)
+    console: Console | None = None
 
     def __call__(self, message: str) -> None:
-        if not self.quiet:
-            print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)
+        if self.quiet:
+            return
+        line = f"[{time.monotonic() - self.started:6.1f}s] {message}"
+        if self.console is None:
+            print(line, flush=True)
+        else:
+            self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+LIVE_REFRESH_S = 0.5
+"""The live view's reads of the run: a local run's attempts last seconds."""
 
 
 def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None], *,
                        disruption: Literal["kill", "spot", "freeze"] | None = "kill", workdir: Path | None = None,
                        time_scale: float = 0.02, spot_notice_seconds: float = 120.0,
-                       timeout_s: float = 600.0, standin_step_s: float | None = None) -> dict[str, Any]:
+                       timeout_s: float = 600.0, standin_step_s: float | None = None,
+                       console: Console | None = None, reports: Path | None = None) -> dict[str, Any]:
     """Deploy, run `template` (its nodes are local instances with real agents), disrupt node
     rank 1 once the first checkpoint is recorded (kill its instance, give it a Spot
-    interruption notice, or freeze it: a silent failure), wait for the end; what happened, as
-    plain data. `workdir` keeps the instances' folders (console.log, each attempt's trainer
-    config, torchrun output and metrics); None uses a temporary folder. `spot_notice_seconds` is
-    nominal, like every local cloud time: scaled by `time_scale`. `standin_step_s` set, the agents
-    run the stand-in trainer (trainer/standin.py) with steps that long in place of torchrun."""
+    interruption notice, or freeze it: a silent failure), follow it with the live view on
+    `console` to its end, write its report into a folder named after the run under `reports`
+    (None: a temporary folder); what happened, as plain data (`report_page`: the report's HTML
+    page). `workdir` keeps the instances' folders (console.log, each attempt's trainer config,
+    torchrun output and metrics); None uses a temporary folder.
+    `spot_notice_seconds` is nominal, like every local cloud time: scaled by `time_scale`.
+    `standin_step_s` set, the agents run the stand-in trainer (trainer/standin.py) with steps
+    that long in place of torchrun."""
+    # Made before the local cloud starts: its Lambda runtime then replaces sys.stdout in this
+    # process (capturing each handler thread's output), and the view must write past it.
+    console = console or Console(file=sys.stdout)
     with local_stack(narrate, time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds,
                      agent_lifetime_s=timeout_s, standin_step_s=standin_step_s) as stack:
         run = stack.start_run(template)
         try:
-            watch = stack.watch(run)
-            ended = stack.ended(run)
-            disrupted = None
-            if disruption is not None:
-                watch.until(lambda: ended() or watch.first_checkpoint() is not None, timeout_s)
-                if not ended():
-                    disrupted = _disrupt_node_rank_1(stack, run, watch, disruption)
-            watch.until(ended, timeout_s)
-            watch.until(lambda: all(i.state == "terminated" for i in stack.instances(run)), 60)
-            return stack.outcome(run) | {"disrupted": disrupted}
+            operations = stack.operations()
+            disrupted: dict[str, Any] = {}
+
+            def disrupt_after_first_checkpoint(status: RunStatus) -> None:
+                record = status.record
+                if (disruption is not None and not disrupted and status.running and record is not None
+                        and record.attempt == 0 and record.latest_checkpoint is not None):
+                    disrupted.update(_disrupt_node_rank_1(stack, run, record.latest_checkpoint.step, disruption))
+
+            watch(operations, run.run_name, console, refresh_s=LIVE_REFRESH_S,
+                  on_look=disrupt_after_first_checkpoint, timeout_s=timeout_s)
+            stack.cloud.wait_until(lambda: all(i.state == "terminated" for i in stack.instances(run)), 60,
+                                   f"every instance of {run.run_name} terminated", poll_s=0.5)
+            page = operations.report(run.run_name, (reports or Path(tempfile.mkdtemp(prefix="reports-"))) / run.run_name)
+            return stack.outcome(run) | {"disrupted": disrupted or None, "report_page": str(page)}
         except Exception:
             stack.dump_consoles(run)
             raise
 
 
-def _disrupt_node_rank_1(stack: LocalStack, run: LocalRun, watch: Watch,
+def _disrupt_node_rank_1(stack: LocalStack, run: LocalRun, checkpoint_step: int,
                          how: Literal["kill", "spot", "freeze"]) -> dict[str, Any]:
     cloud, narrate = stack.cloud, stack.narrate
     first_nodes = {node.instance_id: node.node_rank for node in stack.store.nodes(run.run_name)}
@@ -93,60 +125,15 @@ def _disrupt_node_rank_1(stack: LocalStack, run: LocalRun, watch: Watch,
     survivor = next(instance for instance, rank in first_nodes.items() if rank == 0)
     where = f"{victim} (node rank 1, {cloud.fleet.get(victim).private_ip})"
     if how == "kill":
-        narrate(f"checkpoint step {watch.first_checkpoint()} committed: killing {where}")
+        narrate(f"checkpoint step {checkpoint_step} committed: killing {where}")
         cloud.fleet.kill(victim)
     elif how == "freeze":
-        narrate(f"checkpoint step {watch.first_checkpoint()} committed: freezing {where} (no EC2 event)")
+        narrate(f"checkpoint step {checkpoint_step} committed: freezing {where} (no EC2 event)")
         cloud.fleet.hang(victim)
     else:
-        narrate(f"checkpoint step {watch.first_checkpoint()} committed: Spot interruption notice for {where}")
+        narrate(f"checkpoint step {checkpoint_step} committed: Spot interruption notice for {where}")
         cloud.inject_spot_interruption(victim)
     return {"first_nodes": first_nodes, "victim": victim, "survivor": survivor}
-
-
-LOST_TIME_MEANING = {
-    "startup": "allocation, boot, preflight, rendezvous until the first step",
-    "restart": "backoff, replacement, rendezvous, checkpoint load until the first step after the failure",
-    "redone": "training after the last checkpoint, done again after the failure",
-    "give_up": "from giving up on the failure to teardown",
-    "finishing": "after the final checkpoint or last reported step: the trainer's exit, the completion event",
-    "unattributed": "booked before lost time had causes",
-}
-"""What each kind of lost time (GoodputLedger.lost_by_cause, before the ':') stands for."""
-
-
-def narrate_outcome(outcome: dict[str, Any], narrate: Callable[[str], None]) -> None:
-    """The summary at the end: where each attempt started, the losses, instances, goodput."""
-    for instance_id, launches in outcome["launches"].items():
-        for launch in launches:
-            narrate(f"{instance_id}: attempt {launch['attempt']} as node rank {launch['node_rank']}, "
-                    f"resuming from step {launch['resume_step']}" if launch["resume_step"] is not None
-                    else f"{instance_id}: attempt {launch['attempt']} as node rank {launch['node_rank']}, from scratch")
-    timeline: dict[int, float] = {}  # the run as it stands: each step from the last attempt that trained it
-    for attempt, losses in sorted(outcome["losses"].items()):
-        steps = sorted(losses)
-        narrate(f"attempt {attempt} trained steps {steps[0]}-{steps[-1]}")
-        timeline |= losses
-    steps = sorted(timeline)
-    for first in range(0, len(steps), 10):
-        row = steps[first:first + 10]
-        narrate(f"loss, steps {row[0]:>3}-{row[-1]:<3} " + " ".join(f"{timeline[step]:.3f}" for step in row))
-    report = outcome["report"]
-    for failure in report["failures"]:
-        narrate(f"failure handled: {failure['failure_class']}, latest committed step then {failure['resume_step']}")
-    narrate(f"instances: {len(outcome['instances'])} launched, now {sorted(set(outcome['instances'].values()))}; "
-            f"replaced: {', '.join(report['nodes']['replaced']) or 'none'}")
-    narrate(f"run {report['state']} after {report['restarts']} restart(s), last checkpoint step "
-            f"{outcome['run']['latest_checkpoint']}")
-    if outcome["error"]:
-        narrate(f"execution failed: {outcome['error']}: {outcome['cause']}")
-    ledger = report["ledger"]
-    narrate(f"goodput {report['goodput']:.0%} of the run's time: {ledger['productive_seconds']:.1f} s productive, "
-            f"{ledger['lost_seconds']:.1f} s lost")
-    for cause, seconds in sorted(ledger["lost_by_cause"].items(), key=lambda item: -item[1]):
-        kind, _, failure_class = cause.partition(":")
-        narrate(f"  {seconds:6.1f} s lost to {cause}: {LOST_TIME_MEANING.get(kind, kind)}"
-                + (f" ({failure_class})" if failure_class else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="what happens to node rank 1 after the first checkpoint: its instance is killed, "
                              "it gets a Spot interruption notice, or nothing")
     parser.add_argument("--workdir", type=Path, help="keep the instances' folders here (default: a temporary folder)")
+    parser.add_argument("--reports", type=Path, default=Path("reports"),
+                        help="write the run report under this folder, in one named after the run (default: reports)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each phase of the run")
     given = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(given[1:] if given[:1] == ["--"] else given)
@@ -168,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--run-spec {args.run_spec}: {exc}")
     except ValidationError as exc:
         parser.error(f"--run-spec {args.run_spec}:\n{validation_message(exc)}")
-    narrate = Narrator()
     disruption = None if args.disruption == "none" else args.disruption
-    outcome = run_on_local_cloud(template, narrate, disruption=disruption, workdir=args.workdir,
-                                 timeout_s=args.timeout)
-    narrate_outcome(outcome, narrate)
+    console = Console(file=sys.stdout)
+    outcome = run_on_local_cloud(template, Narrator(console=console), disruption=disruption, workdir=args.workdir,
+                                 timeout_s=args.timeout, reports=args.reports, console=console)
+    print(f"run report: {outcome['report_page']} (and its plots as PNGs beside it)", flush=True)
     return 0 if outcome["status"] == "SUCCEEDED" else 1
 
 

@@ -107,6 +107,7 @@ class LocalStack:
     """A deployed stack on a running local cloud."""
 
     cloud: Any
+    stack_name: str
     outputs: dict[str, str]
     narrate: Callable[[str], None]
     network: tuple[str, str] = ("", "")
@@ -136,6 +137,19 @@ class LocalStack:
                      f"pp={spec['trainer']['parallel']['pp']}, {spec['trainer']['training']['steps']} steps, "
                      f"checkpoint every {spec['checkpoint']['interval_steps']} to s3://{self.bucket}/runs/{run_name}/")
         return LocalRun(run_name, arn, spec)
+
+    def operations(self) -> Any:
+        """The stack as `trainfleet run` sees it (trainfleet.runs.Stack), through this cloud's
+        endpoint with the harness's credentials."""
+        import boto3
+
+        from trainfleet.runs import Stack
+
+        env = self.cloud.env()
+        session = boto3.session.Session(aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                                        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+                                        aws_session_token=env.get("AWS_SESSION_TOKEN"), region_name=self.cloud.region)
+        return Stack.find(self.stack_name, session, endpoint_url=self.cloud.endpoint)
 
     def status(self, run: LocalRun) -> str:
         return self.client("stepfunctions").describe_execution(executionArn=run.arn)["status"]
@@ -229,7 +243,7 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
             outputs = deployed.outputs
             narrate(f"deployed template.yaml as stack {deployed.stack_name}: state machine, "
                     f"{len(deployed.resources)} resources")
-            stack = LocalStack(cloud, outputs, narrate)
+            stack = LocalStack(cloud, deployed.stack_name, outputs, narrate)
             publish_artifacts(stack.client("s3"), stack.bucket)
 
             def agent_environment(instance: Any) -> dict[str, str]:

@@ -14,6 +14,7 @@ JSON document: {"outcome": ..., "reference": {step: loss}}.
     python tests/agent_local_run.py node-loss
     python tests/agent_local_run.py standin-node-loss     (eight nodes, the stand-in trainer)
     python tests/agent_local_run.py slow-node             (three nodes, one with a slow network)
+    python tests/agent_local_run.py poor-scaling          (two nodes on a slow network: the run does not scale)
 """
 
 import json
@@ -32,7 +33,11 @@ PHASE_TIMEOUT_S = 240
 
 
 def node_loss(template: dict) -> dict:
-    outcome = run_on_local_cloud(template, Narrator(), timeout_s=PHASE_TIMEOUT_S)
+    """The demo: its live view, its report, and the uninterrupted run to compare its losses with."""
+    with tempfile.TemporaryDirectory(prefix="reports-") as reports:
+        outcome = run_on_local_cloud(template, Narrator(), timeout_s=PHASE_TIMEOUT_S, reports=Path(reports))
+        page = Path(outcome["report_page"])
+        outcome |= {"report_html": page.read_text(), "report_files": sorted(path.name for path in page.parent.iterdir())}
     with tempfile.TemporaryDirectory(prefix="uninterrupted-") as folder:
         return {"outcome": outcome, "reference": reference_losses(template["trainer"], Path(folder))}
 
@@ -84,7 +89,40 @@ def slow_node(template: dict) -> dict:
                                                  .model_dump(mode="json")}}
 
 
-SCENARIOS = {"node-loss": node_loss, "standin-node-loss": standin_node_loss, "slow-node": slow_node}
+SCALING_CHECK = {"enabled": True, "warmup_steps": 2, "steps": 3, "efficiency_floor": 0.5}
+"""A healthy local world of two one-rank nodes reaches about 0.8 (its hand-offs over loopback
+cost little beside its compute); one whose transfers each wait SLOW_DELAY_S reaches a few hundredths."""
+
+
+def poor_scaling(template: dict) -> dict:
+    """The demo's two nodes (pp=2), the network of both made slow before the world forms (a slow
+    fabric, no node to blame), the fleet check off: the scaling check must find the world's steps
+    far slower than its compute predicts and end the run before it trains on, naming the
+    figures and the slowest stage."""
+    template.update(preflight={"fleet_check": False}, scaling_check=SCALING_CHECK)
+    with local_stack(Narrator(), agent_lifetime_s=PHASE_TIMEOUT_S) as stack:
+        run = stack.start_run(template)
+        watch = stack.watch(run)
+        nodes = lambda: stack.store.nodes(run.run_name)  # noqa: E731
+        watch.until(lambda: len(nodes()) == 2, PHASE_TIMEOUT_S)
+        for node in nodes():
+            stack.cloud.fleet.slow_network(node.instance_id, SLOW_DELAY_S)
+        try:
+            watch.until(stack.ended(run), PHASE_TIMEOUT_S)
+            watch.until(lambda: all(i.state == "terminated" for i in stack.instances(run)), 60)
+            with tempfile.TemporaryDirectory(prefix="report-") as folder:
+                page = stack.operations().report(run.run_name, Path(folder))
+                report_page = page.read_text()
+        except Exception:
+            stack.dump_consoles(run)
+            raise
+        said = [line for instance in stack.instances(run) for line in agent_lines(instance)
+                if line["agent"].startswith("scaling check")]
+        return {"outcome": stack.outcome(run) | {"scaling_checks": said, "report_page": report_page}}
+
+
+SCENARIOS = {"node-loss": node_loss, "standin-node-loss": standin_node_loss, "slow-node": slow_node,
+             "poor-scaling": poor_scaling}
 
 if __name__ == "__main__":
     if sys.argv[1:] not in ([name] for name in SCENARIOS):

@@ -119,3 +119,17 @@ def test_teardown_leaves_no_instance_running(run):
     assert len(run["instances"]) == 3
     assert set(run["instances"].values()) == {"terminated"}, run["instances"]
     assert {node["state"] for node in run["nodes"].values()} <= {"TERMINATING", "TERMINATED"}
+
+
+@pytest.mark.slow
+def test_the_demo_writes_the_report_and_it_shows_the_kill_and_the_resume(run):
+    assert {"report.html", "report.json", "report-loss.png", "report-throughput.png", "report-timeline.png",
+            "report-goodput.png"} <= set(run["report_files"])
+    page = run["report_html"]
+    (failure,) = run["report"]["failures"]
+    trained = by_attempt(run["losses"])[0]
+    assert failure["last_step"] is not None and failure["resume_step"] <= failure["last_step"] <= max(trained)
+    assert f"INSTANCE_LOST after step " in page and f"resume from step {failure['resume_step']}" in page
+    assert run["disrupted"]["victim"] in page, "the node replaced"
+    assert failure["detection_seconds"] is not None and 0 <= failure["detection_seconds"] < 30
+    assert run["report"]["steps_lost"] >= 0

@@ -208,8 +208,9 @@ def test_recover_and_teardown_book_each_attempt_and_the_report_shows_the_ledger(
     assert store.run(run.run_name).ledger == booked
     capsys.readouterr()
     uri = functions.report.handler(done, Context())["report_uri"]
-    bucket, key = uri.removeprefix("s3://").split("/", 1)
-    report = json.loads(cloud.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read())
+    bucket, page = uri.removeprefix("s3://").split("/", 1)
+    assert page == f"runs/{run.run_name}/report.html"
+    report = json.loads(cloud.client("s3").get_object(Bucket=bucket, Key=f"runs/{run.run_name}/report.json")["Body"].read())
     assert report["ledger"]["productive_seconds"] == pytest.approx(booked.productive_seconds)
     assert report["ledger"]["lost_seconds"] == pytest.approx(booked.lost_seconds)
     assert report["ledger"]["lost_by_cause"] == pytest.approx(booked.lost_by_cause)

@@ -92,7 +92,7 @@ def test_a_group_still_in_use_does_not_hold_up_the_outcome_or_the_report(handler
     assert {node.state for node in store.nodes(name)} == {NodeState.TERMINATING}
     assert states(cloud, instances) == {"shutting-down"} and group in group_names(cloud)
     report = functions.report.handler(payload(name), Context())
-    assert report["report_uri"].endswith(f"runs/{name}/report.json")
+    assert report["report_uri"].endswith(f"runs/{name}/report.html")
 
     # The reaper deletes the group once its instances are gone, and the outcome stays.
     assert name in functions.reaper.handler({"detail-type": "Scheduled Event"}, Context())["reaped"]

@@ -10,6 +10,9 @@
     trainfleet chaos hang RUN INSTANCE      inject a fault into a running local cloud: kill, freeze
     trainfleet chaos throttle RUN dynamodb --seconds 30   (instance) or hang, crash (one trainer
                                rank), spot, rebalance, health; throttle, error (a service)
+    trainfleet run start|list|status|watch|logs|stop|report ...
+                               the runs of a deployed stack, on AWS or the local cloud
+                               (trainfleet/run_command.py)
 """
 
 import argparse
@@ -287,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_local_up(local_commands)
     _add_local_deploy(local_commands)
     _add_chaos(commands)
+    from trainfleet.run_command import add_run_commands
+
+    add_run_commands(commands)
     return parser
 
 

@@ -1,0 +1,307 @@
+"""The run report's page and plots (trainfleet/report_page.py), from a recorded history and from
+made-up ones at the edges: no steps at all, NaN losses, a live run, weeks of many steps."""
+
+import io
+import math
+import os
+import re
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from trainfleet.contracts import FailureClass, RunState, ScalingCheckFigures
+from trainfleet.report_page import render_html, render_pngs, report_charts
+from trainfleet.run_history import AttemptProgress, FailureMark, Phase, RunHistory
+
+EXAMPLE = Path(__file__).parent / "data" / "run-history-kill.json"
+T0 = datetime(2026, 12, 1, 9, 0, tzinfo=timezone.utc)
+
+
+@pytest.fixture(scope="module")
+def example() -> RunHistory:
+    return RunHistory.model_validate_json(EXAMPLE.read_text())
+
+
+@pytest.fixture(scope="module")
+def page(example) -> ET.Element:
+    return ET.fromstring(render_html(example))
+
+
+def made_up_run(seconds: float, steps: int, state: RunState = RunState.SUCCEEDED) -> RunHistory:
+    """A run of `seconds` and `steps` steps: attempt 0 trains from 5% to 44% of the time and
+    hangs at 40% of the steps; attempt 1 resumes a tenth of the steps back and trains to the end."""
+    def at(fraction: float) -> datetime:
+        return T0 + timedelta(seconds=seconds * fraction)
+
+    hung_at, resume = steps * 2 // 5, steps * 3 // 10
+
+    def attempt(number: int, first: int, last: int, start: float, end: float) -> AttemptProgress:
+        count = last - first + 1
+        return AttemptProgress(attempt=number, resume_step=resume if number else None, samples=[
+            {"step": step, "loss": 8 / (1 + step / 300), "tokens_per_second": 1e5 * (1 + 0.1 * math.sin(step / 40)),
+             "step_seconds": seconds / steps, "at": at(start + (end - start) * (step - first + 1) / count)}
+            for step in range(first, last + 1)])
+
+    spans = [("validate", 0, 0, .001), ("allocate", 0, .001, .01), ("await_nodes", 0, .01, .05),
+             ("train", 0, .05, .45), ("recover", 0, .45, .46), ("backoff", 1, .46, .47), ("await_nodes", 1, .47, .5),
+             ("train", 1, .5, .97), ("teardown", 1, .97, .99), ("report", 1, .99, 1)]
+    hang = FailureMark(attempt=0, failure_class=FailureClass.HANG, onset_at=at(.44), decided_at=at(.45),
+                       detection_seconds=seconds * .01, last_step=hung_at, resume_step=resume,
+                       steps_lost=hung_at - resume, instance_ids=["i-0123456789abcdef0"],
+                       message="no progress for 600 s")
+    return RunHistory(
+        run_name="made-up", state=state, error=None, instance_type="p5.48xlarge", node_count=16, spare_count=2,
+        target_steps=steps, created_at=T0, until=at(1),
+        attempts=[attempt(0, 1, hung_at, .05, .44), attempt(1, resume + 1, steps, .5, .97)],
+        phases=[Phase(name=name, attempt=number, started_at=at(start), ended_at=at(end))
+                for name, number, start, end in spans],
+        failures=[hang], productive_seconds=seconds * .8,
+        lost_by_cause={"startup": seconds * .05, "redone:HANG": seconds * .04, "restart:HANG": seconds * .08,
+                       "finishing": seconds * .03},
+        goodput=.8, cost_usd=seconds / 3600 * 18 * 98.32, node_seconds=seconds * 18, steps_lost=hung_at - resume,
+        last_step=steps, fleet_check=None, scaling_check=None)
+
+
+def figure(page: ET.Element, name: str) -> ET.Element:
+    (found,) = [element for element in page.iter("figure") if element.get("id") == f"{name}-chart"]
+    return found
+
+
+def texts(element: ET.Element) -> list[str]:
+    return ["".join(text.itertext()) for text in element.iter("text")]
+
+
+def header_summary(page: ET.Element) -> dict[str, str]:
+    return {"".join(entry.find("dt").itertext()): "".join(entry.find("dd").itertext())
+            for entry in page.iter("div") if entry.find("dt") is not None}
+
+
+def all_text(element: ET.Element) -> str:
+    return " ".join("".join(element.itertext()).split())
+
+
+# -- The page is whole, and fetches nothing ---------------------------------------------------
+
+def test_the_page_is_well_formed_and_holds_one_svg_per_chart(example):
+    page = ET.fromstring(render_html(example))  # strict XML: every tag closed, every entity known
+    assert page.tag == "html"
+    assert [element.get("id") for element in page.iter("figure")] == [
+        "loss-chart", "throughput-chart", "timeline-chart", "goodput-chart"]
+    assert all(len(list(element.iter("svg"))) == 1 for element in page.iter("figure"))
+
+
+RESOURCE_TAGS = {"script", "link", "img", "iframe", "object", "embed", "source", "video", "audio", "image", "use",
+                 "base", "frame"}
+
+
+def test_the_page_fetches_nothing(example):
+    html = render_html(example)
+    page = ET.fromstring(html)
+    assert not [element.tag for element in page.iter() if element.tag in RESOURCE_TAGS]
+    for element in page.iter():
+        for name, value in element.attrib.items():
+            assert not re.search(r"https?:|//|url\(", value, re.IGNORECASE), f"<{element.tag} {name}={value!r}>"
+            assert not name.lower().endswith(("src", "href")), f"<{element.tag} {name}>"
+    styles = " ".join(" ".join(style.itertext()) for style in page.iter("style"))
+    assert "url(" not in styles and "@import" not in styles and "@font-face" not in styles
+    assert not re.search(r"https?:", html), "nothing on the page names a network address"
+
+
+def test_text_from_the_run_is_escaped(example):
+    name = "<script>alert('x')</script> & co"
+    failure = example.failures[0].model_copy(update={"message": 'EC2 says "<b>gone</b>" & more'})
+    page = ET.fromstring(render_html(example.model_copy(update={"run_name": name, "failures": [failure],
+                                                                "error": "States.TaskFailed: <oops>"})))
+    assert not list(page.iter("script")) and not list(page.iter("b"))
+    assert name in all_text(page.find("body/header/h1")) and name in page.find("head/title").text
+    assert 'EC2 says "<b>gone</b>" & more' in all_text(page) and "States.TaskFailed: <oops>" in all_text(page)
+
+
+# -- It shows what happened -------------------------------------------------------------------
+
+def test_the_loss_chart_marks_the_failure_and_the_resume_where_they_happened(page):
+    loss = figure(page, "loss")
+    labels = texts(loss)
+    assert "INSTANCE_LOST after step 26" in labels and "resume from step 20" in labels
+    assert {"attempt 0", "attempt 1", "steps trained again after a failure"} <= set(labels)
+    ticks = {text.text: float(text.get("x")) for text in loss.iter("text") if text.get("text-anchor") == "middle"}
+    marks = sorted(float(line.get("points").split(",")[0]) for line in loss.iter("polyline")
+                   if line.get("stroke-dasharray"))
+    step = (ticks["30"] - ticks["20"]) / 10
+    assert marks == pytest.approx([ticks["20"], ticks["20"] + 6 * step], abs=0.1), "lines at steps 20 and 26"
+
+
+def test_the_throughput_chart_runs_on_the_runs_clock_with_a_gap_between_attempts(page):
+    throughput = figure(page, "throughput")
+    assert "time since the run's creation (s)" in texts(throughput) and "INSTANCE_LOST" in texts(throughput)
+    lines = [line for line in throughput.iter("polyline") if line.get("stroke-width") == "2"]
+    first, second = ([float(point.split(",")[0]) for point in line.get("points").split()] for line in lines)
+    assert max(first) < min(second), "attempt 1 starts after attempt 0 ends: nothing trained in between"
+
+
+def test_the_timeline_shows_each_phase_and_the_failures_detection_replacement_and_resume(page, example):
+    labels = texts(figure(page, "timeline"))
+    assert {"attempt 0", "attempt 1", "recovery"} <= set(labels)
+    for phase in {phase.name for phase in example.phases}:
+        assert any(label.startswith(phase) for label in labels), phase
+    assert {"INSTANCE_LOST (detected in 1.6 s)", "replace 1 node", "detection (onset to decision)",
+            "resume from step 20"} <= set(labels)
+
+
+def test_goodput_shows_each_cause_steps_lost_and_cost(page, example):
+    labels = texts(figure(page, "goodput"))
+    for cause, seconds in example.lost_by_cause.items():
+        assert cause in labels
+    assert "productive" in labels and "44 s (55%)" in labels and "16 s (20%)" in labels
+    assert "Goodput 55%: 6 steps lost, cost $0.0038 (0.0444 node-hours)" in labels
+    summary = header_summary(page)
+    assert summary["steps lost"] == "6" and summary["cost"].startswith("$0.0038")
+    assert summary["fleet"] == "2 × c5.large" and summary["steps"] == "60 of 60" and summary["goodput"] == "55%"
+    assert summary["attempts"] == "2 (1 failure)" and summary["ended"] == "2026-12-03 09:01:10 UTC (1 min 10 s)"
+
+
+def test_the_failures_table_and_the_world_checks(page, example):
+    (row,) = page.find("body/table/tbody")
+    assert ["".join(cell.itertext()) for cell in row] == [
+        "0", "INSTANCE_LOST", "2026-12-03 09:00:27 UTC", "1.6 s", "26", "20", "6", "i-0a1b2c3d4e5f60718",
+        "EC2 reports i-0a1b2c3d4e5f60718 shutting-down"]
+    assert f"fleet check: passed (attempt 1): {example.fleet_check.describe()}" in all_text(page)
+
+
+def test_a_failed_scaling_check_says_so_with_its_figures(example):
+    check = ScalingCheckFigures(
+        attempt=0, passed=False, efficiency=0.41, efficiency_floor=0.7, step_seconds=1.2, expected_step_seconds=0.49,
+        tokens_per_second=13_600, expected_tokens_per_second=33_400, steps=5, slowest_stages=[1],
+        slowest_stage_seconds=0.3, slowest_stage_instance_ids=["i-0b2"], slowest_rank=3,
+        slowest_rank_instance_id="i-0b2", slowest_rank_seconds=0.31)
+    page = ET.fromstring(render_html(example.model_copy(update={"scaling_check": check})))
+    assert f"scaling check: FAILED (attempt 0): {check.describe()}" in all_text(page)
+
+
+def test_the_pngs_are_pictures_of_the_plots(example):
+    pngs = render_pngs(example)
+    assert set(pngs) == {"loss.png", "throughput.png", "timeline.png", "goodput.png"}
+    for name, body in pngs.items():
+        image = Image.open(io.BytesIO(body))
+        assert image.format == "PNG" and image.width == 1920 and 300 < image.height < 1200, name
+        assert len(body) < 100_000, name
+        assert len(image.convert("RGB").getcolors(maxcolors=1 << 16)) > 20, f"{name} draws something"
+    loss = Image.open(io.BytesIO(pngs["loss.png"])).convert("RGB")
+    assert any(_close(colour, (0xD5, 0x5E, 0x00)) for _, colour in loss.getcolors(1 << 16)), "the failure mark"
+
+
+def _close(rgb, expected) -> bool:
+    return all(abs(a - b) < 12 for a, b in zip(rgb, expected))
+
+
+# -- The edges --------------------------------------------------------------------------------
+
+def test_a_run_that_never_trained(example):
+    validate, allocate = example.phases[:2]
+    ended = allocate.ended_at + timedelta(seconds=3)
+    failed = example.model_copy(update={
+        "state": RunState.FAILED, "error": "CapacityUnavailable: no p5.48xlarge in us-east-1a", "until": ended,
+        "phases": [validate, allocate, Phase(name="teardown", attempt=0, started_at=allocate.ended_at, ended_at=ended)],
+        "attempts": [], "failures": [], "productive_seconds": 0.0, "lost_by_cause": {"startup": 4.5}, "goodput": 0.0,
+        "steps_lost": 0, "last_step": None, "fleet_check": None})
+    page = ET.fromstring(render_html(failed))
+    for name in ("loss", "throughput"):
+        assert "no steps reported" in texts(figure(page, name)), name
+    assert "CapacityUnavailable: no p5.48xlarge in us-east-1a" in all_text(page.find("body/header"))
+    assert header_summary(page)["attempts"] == "1 (0 failures)" and header_summary(page)["steps"] == "none yet"
+    assert "None: no attempt failed." in all_text(page) and "None measured." in all_text(page)
+    assert all(Image.open(io.BytesIO(body)).format == "PNG" for body in render_pngs(failed).values())
+    nothing = failed.model_copy(update={"phases": [], "lost_by_cause": {}})
+    assert "no state entered yet" in texts(figure(ET.fromstring(render_html(nothing)), "timeline"))
+    assert "no time booked yet" in texts(figure(ET.fromstring(render_html(nothing)), "goodput"))
+
+
+def test_losses_that_are_not_finite_are_left_out_of_the_curve(example):
+    diverged = [attempt.model_copy(update={"samples": [
+        sample.model_copy(update={"loss": math.nan if sample.step % 7 == 0 else math.inf if sample.step == 60
+                                  else sample.loss}) for sample in attempt.samples]}) for attempt in example.attempts]
+    history = example.model_copy(update={"attempts": diverged})
+    loss = figure(ET.fromstring(render_html(history)), "loss")
+    drawn = sum(len(line.get("points").split()) for line in loss.iter("polyline") if line.get("stroke-width") == "2")
+    finite = sum(math.isfinite(sample.loss) for sample in history.samples)
+    assert drawn == finite < len(history.samples)
+    assert not re.search(r"nan|inf", " ".join(line.get("points") for line in loss.iter("polyline")), re.IGNORECASE)
+    render_pngs(history)
+
+
+def test_one_attempt_without_failures_has_no_marks():
+    history = made_up_run(3600, 500).model_copy(update={"failures": [], "steps_lost": 0})
+    history = history.model_copy(update={"attempts": history.attempts[:1], "phases": history.phases[:4]})
+    page = ET.fromstring(render_html(history))
+    for name in ("loss", "throughput", "timeline"):
+        assert not [line for line in figure(page, name).iter("polyline") if line.get("stroke-dasharray")], name
+    assert "recovery" not in texts(figure(page, "timeline"))
+    assert "None: no attempt failed." in all_text(page)
+
+
+def test_a_live_run_is_shown_as_of_now():
+    live = made_up_run(7200, 400, state=RunState.TRAINING)
+    page = ET.fromstring(render_html(live))
+    assert "TRAINING" in all_text(page.find("body/header/h1"))
+    summary = header_summary(page)
+    assert summary["running"] == "2 h so far, as of 2026-12-01 11:00:00 UTC" and "ended" not in summary
+    assert summary["goodput"] == "80% so far"
+
+
+def test_weeks_of_ten_thousand_steps_stay_small_and_count_in_days():
+    history = made_up_run(21 * 86400, 10_000)
+    assert len(history.samples) > 10_000
+    html = render_html(history)
+    assert len(html) < 150_000
+    page = ET.fromstring(html)
+    for name in ("throughput", "timeline"):
+        assert "time since the run's creation (d)" in texts(figure(page, name)), name
+    ticks = [text.text for text in figure(page, "throughput").iter("text") if text.get("text-anchor") == "middle"]
+    assert ticks[:4] == ["0", "7", "14", "21"]
+    assert header_summary(page)["cost"] == "$891,959.04 (9,072 node-hours)"
+    assert {"HANG after step 4,000", "resume from step 3,000"} <= set(texts(figure(page, "loss")))
+    assert all(len(body) < 150_000 for body in render_pngs(history).values())
+
+
+def test_a_run_of_seconds_and_one_of_hours_count_in_their_units():
+    assert "time since the run's creation (s)" in texts(_timeline(made_up_run(20, 10)))
+    assert "time since the run's creation (min)" in texts(_timeline(made_up_run(5400, 10)))
+    assert "time since the run's creation (h)" in texts(_timeline(made_up_run(30 * 3600, 10)))
+
+
+def _timeline(history: RunHistory) -> ET.Element:
+    return figure(ET.fromstring(render_html(history)), "timeline")
+
+
+def test_the_charts_are_data_for_other_renderers(example):
+    charts = report_charts(example)
+    assert list(charts) == ["loss", "throughput", "timeline", "goodput"]
+    assert [series.name for series in charts["loss"].series] == ["attempt 0", "attempt 1"]
+    assert len(charts["loss"].series[1].points) == 40
+
+
+# -- In a real browser ------------------------------------------------------------------------
+
+BROWSER = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome", "firefox"))), None)
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no browser on PATH (chromium, chromium-browser, google-chrome, firefox)")
+def test_a_headless_browser_draws_the_page(example, tmp_path):
+    page, shot = tmp_path / "report.html", tmp_path / "screenshot.png"
+    page.write_text(render_html(example))
+    chrome = [] if BROWSER.endswith("firefox") else ["--disable-gpu", "--no-sandbox", "--hide-scrollbars",
+                                                     f"--user-data-dir={tmp_path / 'profile'}"]
+    subprocess.run([BROWSER, "--headless", *chrome, f"--screenshot={shot}", "--window-size=1280,2000", page.as_uri()],
+                   check=True, capture_output=True, timeout=60, env=os.environ | {"HOME": str(tmp_path)})
+    image = Image.open(shot).convert("RGB")
+    assert image.size == (1280, 2000)
+    colours = image.getcolors(maxcolors=1 << 20)
+    white = sum(count for count, colour in colours if colour == (255, 255, 255))
+    assert white < 0.97 * image.width * image.height, "the page is not blank"
+    train_green = sum(count for count, colour in colours if _close(colour, (0x00, 0x9E, 0x73)))
+    assert train_green > 2000, "the lines and the timeline's training bars are drawn"

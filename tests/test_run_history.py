@@ -1,0 +1,96 @@
+"""A run's history (trainfleet/run_history.py) from plain records: phases, attempts, failures."""
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from trainfleet.contracts import (CheckpointRef, FailureClass, FailureRecord, GoodputLedger, NodeRecord,
+                                  ProgressSample, RunRecord, RunSpec, RunState)
+from trainfleet.run_history import StateEntry, build_history, phases_of
+
+T0 = datetime(2026, 12, 1, 9, 0, tzinfo=timezone.utc)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def spec() -> RunSpec:
+    return RunSpec.model_validate({
+        "run_name": "r1", "instance_type": "c5.large", "node_count": 2,
+        "capacity": {"subnet_ids": ["subnet-0123456789abcdef0"], "security_group_ids": ["sg-0123456789abcdef0"]},
+        "image_id": "ami-0123456789abcdef0",
+        "trainer": {"model": {"n_layers": 4}, "training": {"batch_size": 8, "steps": 60},
+                    "parallel": {"pp": 2, "dp": 1, "schedule": "1f1b", "microbatches": 2}},
+        "checkpoint": {"s3_uri": "s3://bucket/runs/r1/checkpoints", "interval_steps": 10}})
+
+
+def sample(step: int, seconds: float) -> ProgressSample:
+    return ProgressSample(step=step, loss=5.0 - step / 20, tokens_per_second=1000.0, step_seconds=0.5, at=at(seconds))
+
+
+STATES = [StateEntry("Validate", at(0), None), StateEntry("Allocate", at(1), 0), StateEntry("AwaitNodes", at(2), 0),
+          StateEntry("Train", at(10), 0), StateEntry("Recover", at(30), 0), StateEntry("ReplacementsShort", at(31), 0),
+          StateEntry("Recover", at(32), 0), StateEntry("RecoveryBackoff", at(33), 1), StateEntry("AwaitNodes", at(34), 1),
+          StateEntry("LateWorkers", at(40), 1), StateEntry("WorldAfterSwap", at(41), 1), StateEntry("Train", at(42), 1),
+          StateEntry("Teardown", at(70), 1), StateEntry("Report", at(72), 1), StateEntry("Outcome", at(73), 1),
+          StateEntry("RunSucceeded", at(74), None), StateEntry("ExecutionSucceeded", at(74), None)]
+
+
+def test_phases_merge_the_states_of_one_phase_and_attempt():
+    phases = phases_of(STATES, until=at(80))
+    assert [(phase.name, phase.attempt) for phase in phases] == [
+        ("validate", 0), ("allocate", 0), ("await_nodes", 0), ("train", 0), ("recover", 0), ("backoff", 1),
+        ("await_nodes", 1), ("train", 1), ("teardown", 1), ("report", 1)]
+    recover, waiting = phases[4], phases[6]
+    assert (recover.started_at, recover.ended_at) == (at(30), at(33)), "the capacity loop is one recovery"
+    assert (waiting.started_at, waiting.ended_at) == (at(34), at(42))
+    assert phases[-1].ended_at == at(74), "the final state ends the last phase"
+
+
+def test_a_live_runs_last_phase_lasts_until_now():
+    phases = phases_of(STATES[:4], until=at(25))
+    assert (phases[-1].name, phases[-1].ended_at) == ("train", at(25))
+    assert phases_of([], until=at(5)) == []
+
+
+def finished_run() -> RunRecord:
+    failure = FailureRecord(failure_class=FailureClass.INSTANCE_LOST, resume_step=20, at=at(30), attempt=0,
+                            onset_at=at(28.5), last_step=25, instance_ids=["i-2"], message="EC2 reports i-2 terminated")
+    ledger = GoodputLedger(productive_seconds=40.0, lost_seconds=34.0,
+                           lost_by_cause={"startup": 12.0, "redone:INSTANCE_LOST": 3.0, "restart:INSTANCE_LOST": 15.0,
+                                          "finishing": 4.0},
+                           booked_until=at(74), node_seconds=150.0, cost_usd=0.004)
+    return RunRecord(run_name="r1", spec=spec(), state=RunState.SUCCEEDED, attempt=1, restarts=1, failures=[failure],
+                     latest_checkpoint=CheckpointRef(step=60, uri="s3://bucket/runs/r1/checkpoints/step-000000060"),
+                     last_step=60, ledger=ledger, created_at=T0, updated_at=at(74))
+
+
+def test_a_finished_run_with_a_failure_and_a_resume():
+    samples = [(0, sample(step, 10 + step)) for step in range(1, 27)]
+    samples += [(1, sample(step, 42 + step - 20)) for step in range(21, 61)]
+    samples += [(1, sample(30, 52))]  # a redelivered event's steps count once
+    history = build_history(finished_run(), [], samples, STATES, now=at(500))
+    assert [(a.attempt, a.resume_step, a.samples[0].step, a.samples[-1].step, len(a.samples))
+            for a in history.attempts] == [(0, None, 1, 26, 26), (1, 20, 21, 60, 40)]
+    (failure,) = history.failures
+    assert failure.detection_seconds == 1.5 and failure.resume_step == 20
+    assert failure.last_step == 26, "the last step the attempt reported, from its samples"
+    assert failure.steps_lost == 6 == history.steps_lost
+    assert history.until == at(74), "a finished run's history ends with its books"
+    assert history.goodput == pytest.approx(40 / 74) and history.target_steps == 60
+    assert len(history.samples) == 66
+
+
+def test_a_live_run_is_booked_up_to_now():
+    run = RunRecord(run_name="r1", spec=spec(), state=RunState.TRAINING, attempt=0, last_step=12,
+                    attempt_started_at=T0, first_step_at=at(10), last_progress_at=at(22), created_at=T0,
+                    updated_at=at(22))
+    nodes = [NodeRecord(run_name="r1", instance_id=f"i-{n}", launched_at=T0) for n in (1, 2)]
+    history = build_history(run, nodes, [(0, sample(12, 22))], STATES[:4], now=at(30))
+    assert history.until == at(30) and history.phases[-1].ended_at == at(30)
+    assert history.productive_seconds == pytest.approx(12.0) and history.lost_by_cause == {"startup": 10.0,
+                                                                                          "finishing": 8.0}
+    assert history.node_seconds == pytest.approx(60.0) and history.failures == []
+    behind = build_history(run, nodes, [], [], now=at(15))
+    assert behind.until == at(22), "a reader's clock behind the record's is taken at the record's last write"

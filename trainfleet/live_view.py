@@ -1,0 +1,144 @@
+"""A run as a person follows it in a terminal: `trainfleet run status` prints the view once,
+`trainfleet run watch` (and `make demo`) keeps it live until the run ends.
+
+    console.print(view(stack.status("my-run")))
+    final = watch(stack, "my-run", console)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+from rich.console import Console, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from trainfleet.runs import RunStatus, Stack
+
+__all__ = ["view", "watch", "REFRESH_S"]
+
+REFRESH_S = 2.0
+"""How often `watch` reads the run: a few reads of DynamoDB and Step Functions each time."""
+
+_STATE_STYLE = {"SUCCEEDED": "bold green", "FAILED": "bold red", "RECOVERING": "bold yellow",
+                "TEARING_DOWN": "yellow", "TRAINING": "bold cyan"}
+
+
+def view(status: RunStatus) -> RenderableType:
+    """The run's state, attempt, nodes, step, loss, throughput, checkpoint, goodput and cost."""
+    rows = Table.grid(padding=(0, 2))
+    rows.add_column(style="dim", justify="right")
+    rows.add_column()
+    record, ledger = status.record, status.ledger
+    if record is not None:
+        rows.add_row("progress", _progress(status))
+        checkpoint = record.latest_checkpoint
+        rows.add_row("checkpoint", f"step {checkpoint.step}" + (f" (committed {_clock(checkpoint.committed_at)})"
+                                                               if checkpoint.committed_at else "")
+                     if checkpoint else "none yet")
+        rows.add_row("nodes", _nodes(status))
+        lost = max(ledger.lost_by_cause.items(), key=lambda item: item[1], default=None)
+        rows.add_row("goodput", f"{ledger.goodput:.0%}{' so far' if status.running else ''}, "
+                     f"{ledger.lost_seconds:,.0f} s lost"
+                     + (f" (most to {lost[0]}: {lost[1]:,.0f} s)" if lost else "")
+                     + f"; cost ${ledger.cost_usd:,.2f} ({ledger.node_seconds / 3600:,.2f} node-hours)")
+        for name, figures in (("fleet check", status.fleet_check), ("scaling check", status.scaling_check)):
+            if figures is not None:
+                verdict = Text("passed" if figures.passed else "FAILED", style="green" if figures.passed else "bold red")
+                rows.add_row(name, Text.assemble(verdict, f" (attempt {figures.attempt}): {figures.describe()}"))
+        for failure in status.failures:
+            detected = (f", detected after {failure.detection_seconds:,.1f} s"
+                        if failure.detection_seconds is not None else "")
+            attempt = f"attempt {failure.attempt}" if failure.attempt is not None else "an attempt"
+            resume = f"step {failure.resume_step}" if failure.resume_step is not None else "scratch"
+            rows.add_row("failure", Text.assemble((failure.failure_class.value, "yellow"),
+                                                  f" ended {attempt}{detected}; resumed from {resume}"))
+    if status.recent_states:
+        rows.add_row("states", " → ".join(f"{entry.name} {_clock(entry.at)}" for entry in status.recent_states[-5:]))
+    if status.error:
+        rows.add_row("error", Text(status.error, style="red"))
+    return Panel(rows, title=_title(status), title_align="left", subtitle=_subtitle(status), subtitle_align="right")
+
+
+def watch(stack: Stack, run_name: str, console: Console, refresh_s: float = REFRESH_S,
+          on_look: Callable[[RunStatus], None] | None = None, timeout_s: float | None = None) -> RunStatus:
+    """Keep the view live until the run's execution ends (Ctrl-C stops watching, not the run);
+    `on_look` sees each status read (the demo acts on it). The last status read; TimeoutError
+    once `timeout_s` passed with the run still going."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    status = stack.status(run_name)
+    # Not redirected: a process that runs the local cloud has its stdout replaced by the Lambda
+    # runtime's per-thread capture, and a second redirection would write into itself. What is
+    # said while the view is live goes through `console`, which prints above it.
+    with Live(view(status), console=console, refresh_per_second=4, transient=False, redirect_stdout=False,
+              redirect_stderr=False) as live:
+        while True:
+            if on_look is not None:
+                on_look(status)
+            if not status.running:
+                return status
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {run_name} still {status.execution_status} after {timeout_s:.0f} s")
+            time.sleep(refresh_s)
+            status = stack.status(run_name)
+            live.update(view(status))
+
+
+def _title(status: RunStatus) -> Text:
+    state = status.state.value if status.state else status.execution_status
+    title = Text.assemble(("run ", "bold"), (status.run_name, "bold"), "  ", (state, _STATE_STYLE.get(state, "bold")))
+    if status.record is not None:
+        title.append(f"  attempt {status.record.attempt}, {status.record.restarts} restart"
+                     f"{'s' if status.record.restarts != 1 else ''}")
+    return title
+
+
+def _subtitle(status: RunStatus) -> str:
+    end = status.stopped_at or status.now
+    return f"execution {status.execution_status}, {_duration((end - status.started_at).total_seconds())}"
+
+
+def _progress(status: RunStatus) -> RenderableType:
+    step = status.record.last_step if status.record else None
+    target = status.target_steps
+    line = Table.grid(padding=(0, 1))
+    line.add_row(ProgressBar(total=target or 1, completed=min(step or 0, target or 1), width=24),
+                 f"step {step if step is not None else '-'}" + (f" of {target}" if target else ""),
+                 *(_sample(status) if status.latest else ["no step yet"]))
+    return line
+
+
+def _sample(status: RunStatus) -> list[str]:
+    attempt, sample = status.latest
+    return [f"loss {sample.loss:.4f}", f"{sample.tokens_per_second:,.0f} tokens/s",
+            f"{sample.step_seconds:.2f} s/step", f"(attempt {attempt}, {_clock(sample.at)})"]
+
+
+def _nodes(status: RunStatus) -> str:
+    parts = []
+    for role, states in status.nodes_by_state.items():
+        live = {state: count for state, count in states.items() if state not in ("TERMINATED",)}
+        if live:
+            parts.append(f"{role.lower()}s " + ", ".join(f"{count} {state}" for state, count in sorted(live.items())))
+    replaced = status.replaced
+    if replaced:
+        parts.append("replaced " + ", ".join(f"{node.instance_id} ({node.failure_class.value})" for node in replaced))
+    ended = sum(states.get("TERMINATED", 0) for states in status.nodes_by_state.values())
+    if ended:
+        parts.append(f"{ended} terminated")
+    return "; ".join(parts) or "none"
+
+
+def _clock(moment: datetime) -> str:
+    return moment.strftime("%H:%M:%S")
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"

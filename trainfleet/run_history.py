@@ -1,0 +1,195 @@
+"""A run's history for people: its progress, its lifecycle, its failures and where its time went.
+
+The run report (trainfleet/report_page.py: an HTML page and PNG plots) and `trainfleet run
+status` / `watch` show it. `build_history` is pure, over what the control plane keeps:
+
+    run, nodes        the run and node records (DynamoDB)
+    samples           the steps the agents reported (TrainingProgress.samples), by attempt
+    states            the states the execution entered, in order (Step Functions' history)
+    now               the end of the history: the run's end, or the present for a live run
+
+The adapter that reads them is trainfleet/adapters/run_history.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Literal, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainfleet.contracts import (FailureClass, FleetCheckFigures, NodeRecord, ProgressSample, RunRecord, RunState,
+                                  ScalingCheckFigures)
+from trainfleet.lifecycle import book_attempt
+
+__all__ = ["StateEntry", "AttemptProgress", "Phase", "PhaseName", "FailureMark", "RunHistory", "build_history",
+           "phases_of", "PHASE_OF_STATE"]
+
+
+class _Shape(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+PhaseName = Literal["validate", "allocate", "await_nodes", "train", "recover", "backoff", "teardown", "report"]
+
+PHASE_OF_STATE: dict[str, PhaseName] = {
+    "Validate": "validate",
+    "Allocate": "allocate",
+    "AwaitNodes": "await_nodes", "LateWorkers": "await_nodes", "WorldAfterSwap": "await_nodes",
+    "BootTimedOut": "recover",
+    "Train": "train",
+    "Recover": "recover", "ReplacementsShort": "recover",
+    "RecoveryBackoff": "backoff",
+    "Teardown": "teardown",
+    "Report": "report", "Outcome": "report",
+}
+"""The lifecycle phase each state of statemachine/training_run.asl.json belongs to; the final
+states (RunSucceeded, RunFailed, TeardownFailed) end the last phase."""
+
+
+class StateEntry(NamedTuple):
+    """A state the execution entered (a StateEntered event of its history)."""
+
+    name: str
+    at: datetime
+    attempt: int | None
+    """The attempt of the state's input (`run.attempt`), None where the input carries none."""
+
+
+class AttemptProgress(_Shape):
+    """The steps one attempt trained, as reported."""
+
+    attempt: int = Field(ge=0)
+    resume_step: int | None
+    """The committed step it resumed from; None: it started from scratch."""
+    samples: list[ProgressSample]
+    """In step order."""
+
+
+class Phase(_Shape):
+    """A span of the run's lifecycle."""
+
+    name: PhaseName
+    attempt: int = Field(ge=0)
+    started_at: datetime
+    ended_at: datetime
+
+
+class FailureMark(_Shape):
+    """A failure the run recovered from (or gave up on), as the report marks it."""
+
+    attempt: int = Field(ge=0)
+    """The attempt it ended."""
+    failure_class: FailureClass
+    onset_at: datetime | None
+    """Its first sign; None when only its consequence was seen."""
+    decided_at: datetime
+    """When Recover decided what to do about it."""
+    detection_seconds: float | None
+    """decided_at - onset_at."""
+    last_step: int | None
+    """The last step the attempt reported."""
+    resume_step: int | None
+    """The committed step the next attempt resumed from."""
+    steps_lost: int = Field(ge=0)
+    """Steps trained after that checkpoint, to be trained again."""
+    instance_ids: list[str]
+    """The nodes blamed (replaced)."""
+    message: str
+
+
+class RunHistory(_Shape):
+    """Everything the run report shows."""
+
+    run_name: str
+    state: RunState
+    error: str | None
+    instance_type: str
+    node_count: int
+    spare_count: int
+    target_steps: int
+    """training.steps of the RunSpec; 0 when it names none (the trainer's default)."""
+    created_at: datetime
+    until: datetime
+    """The end of the history: the run's last booking once it ended, else when it was read."""
+    attempts: list[AttemptProgress]
+    phases: list[Phase]
+    failures: list[FailureMark]
+    productive_seconds: float
+    lost_by_cause: dict[str, float]
+    """Lost seconds by cause (GoodputLedger's causes)."""
+    goodput: float
+    cost_usd: float
+    node_seconds: float
+    steps_lost: int
+    """All failures' steps_lost."""
+    last_step: int | None
+    fleet_check: FleetCheckFigures | None
+    scaling_check: ScalingCheckFigures | None
+
+    @property
+    def samples(self) -> list[ProgressSample]:
+        """Every reported step, attempt after attempt."""
+        return [sample for attempt in self.attempts for sample in attempt.samples]
+
+
+def phases_of(states: Iterable[StateEntry], until: datetime) -> list[Phase]:
+    """Consecutive states of one phase and attempt merged into one span; each ends where the
+    next begins, the last at `until`. A state's attempt is its input's, or the one before it."""
+    phases: list[Phase] = []
+    attempt = 0
+    for entry in sorted(states, key=lambda entry: entry.at):
+        attempt = entry.attempt if entry.attempt is not None else attempt
+        name = PHASE_OF_STATE.get(entry.name)
+        if phases:
+            phases[-1] = phases[-1].model_copy(update={"ended_at": entry.at})
+        if name is None:  # a final state: the run is over
+            break
+        if phases and (phases[-1].name, phases[-1].attempt) == (name, attempt):
+            continue
+        phases.append(Phase(name=name, attempt=attempt, started_at=entry.at, ended_at=entry.at))
+    if phases and phases[-1].ended_at == phases[-1].started_at:
+        phases[-1] = phases[-1].model_copy(update={"ended_at": max(until, phases[-1].started_at)})
+    return phases
+
+
+def build_history(run: RunRecord, nodes: list[NodeRecord], samples: Iterable[tuple[int, ProgressSample]],
+                  states: Iterable[StateEntry], now: datetime) -> RunHistory:
+    """The run's history up to `now` (see the module docstring)."""
+    if run.created_at is None:
+        raise ValueError(f"run {run.run_name!r} has no creation time")
+    by_attempt: dict[int, dict[int, ProgressSample]] = {}
+    for attempt, sample in samples:
+        by_attempt.setdefault(attempt, {})[sample.step] = sample  # a redelivered sample counts once
+    failures = sorted(run.failures, key=lambda failure: failure.at)
+    resumed_from = {attempt: failure.resume_step for attempt, failure in enumerate(failures, start=1)}
+    attempts = [AttemptProgress(attempt=attempt, resume_step=resumed_from.get(attempt),
+                                samples=[steps[step] for step in sorted(steps)])
+                for attempt, steps in sorted(by_attempt.items())]
+    last_steps = {progress.attempt: progress.samples[-1].step for progress in attempts if progress.samples}
+    marks = []
+    for number, failure in enumerate(failures):
+        attempt = failure.attempt if failure.attempt is not None else number
+        last_step = last_steps.get(attempt, failure.last_step)
+        resume = failure.resume_step
+        marks.append(FailureMark(
+            attempt=attempt, failure_class=failure.failure_class, onset_at=failure.onset_at, decided_at=failure.at,
+            detection_seconds=failure.detection_seconds, last_step=last_step, resume_step=resume,
+            steps_lost=max(0, (last_step or 0) - (resume or 0)) if last_step is not None else 0,
+            instance_ids=failure.instance_ids, message=failure.message))
+    # A run still going has its current attempt booked up to now, as if it ended here; `now`, a
+    # reader's clock, is never taken before the record's last write (AWS's clock).
+    now = max(now, run.updated_at or now)
+    ledger = run.ledger if run.state.is_final else book_attempt(run, nodes, now, completed=True)
+    until = (ledger.booked_until or now) if run.state.is_final else now
+    spec = run.spec
+    return RunHistory(
+        run_name=run.run_name, state=run.state, error=run.error, instance_type=spec.instance_type,
+        node_count=spec.node_count, spare_count=spec.spare_count,
+        target_steps=int((spec.trainer.training.model_extra or {}).get("steps", 0)),
+        created_at=run.created_at, until=until, attempts=attempts, phases=phases_of(states, until),
+        failures=marks, productive_seconds=ledger.productive_seconds, lost_by_cause=dict(ledger.lost_by_cause),
+        goodput=ledger.goodput, cost_usd=ledger.cost_usd, node_seconds=ledger.node_seconds,
+        steps_lost=sum(mark.steps_lost for mark in marks), last_step=run.last_step,
+        fleet_check=run.fleet_check, scaling_check=run.scaling_check)
