@@ -26,6 +26,18 @@ def run_scenario(script: str, *args: str, timeout_s: float) -> dict[str, Any]:
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
+def remove_rules(events, name_prefix: str) -> None:
+    """Delete the EventBridge rules (and their targets) whose names start with `name_prefix`, on
+    every bus: a schedule left behind would go on firing into the next local cloud of the process."""
+    for bus in events.list_event_buses()["EventBuses"]:
+        for rule in events.list_rules(EventBusName=bus["Name"], NamePrefix=name_prefix)["Rules"]:
+            targets = events.list_targets_by_rule(Rule=rule["Name"], EventBusName=bus["Name"])["Targets"]
+            if targets:
+                events.remove_targets(Rule=rule["Name"], EventBusName=bus["Name"],
+                                      Ids=[target["Id"] for target in targets])
+            events.delete_rule(Name=rule["Name"], EventBusName=bus["Name"])
+
+
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 

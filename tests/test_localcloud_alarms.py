@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from localcloud_helpers import unique
+from localcloud_helpers import remove_rules, unique
 from moto.cloudwatch.models import MetricAggregatedDatum, MetricDatum
 
 from localcloud.glue.cloudwatch import (
@@ -165,13 +165,7 @@ def cloud():
         alarms = cloudwatch.describe_alarms(AlarmNamePrefix=ALARMS)["MetricAlarms"]
         if alarms:
             cloudwatch.delete_alarms(AlarmNames=[alarm["AlarmName"] for alarm in alarms])
-        for bus in events.list_event_buses()["EventBuses"]:
-            for rule in events.list_rules(EventBusName=bus["Name"], NamePrefix=ALARMS)["Rules"]:
-                targets = events.list_targets_by_rule(Rule=rule["Name"], EventBusName=bus["Name"])["Targets"]
-                if targets:
-                    events.remove_targets(Rule=rule["Name"], EventBusName=bus["Name"],
-                                          Ids=[target["Id"] for target in targets])
-                events.delete_rule(Name=rule["Name"], EventBusName=bus["Name"])
+        remove_rules(events, ALARMS)
 
 
 def topic_with_queue(cloud, topic_arn=None):

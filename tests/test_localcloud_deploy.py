@@ -30,6 +30,7 @@ from localcloud.deploy_intrinsics import (
     parameter_values,
 )
 from localcloud.deploy_resources import ip_permission, lifecycle_rule, physical_name, substitute_definition
+from localcloud_helpers import remove_rules
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_TEMPLATE = REPO / "tests" / "data" / "deploy" / "template.yaml"
@@ -183,17 +184,7 @@ def cloud():
 
     with LocalCloud() as running:
         yield running
-        _remove_rules(running.client("events"), STACKS)
-
-
-def _remove_rules(events, name_prefix):
-    for bus in events.list_event_buses()["EventBuses"]:
-        for rule in events.list_rules(EventBusName=bus["Name"], NamePrefix=name_prefix)["Rules"]:
-            targets = events.list_targets_by_rule(Rule=rule["Name"], EventBusName=bus["Name"])["Targets"]
-            if targets:
-                events.remove_targets(Rule=rule["Name"], EventBusName=bus["Name"],
-                                      Ids=[target["Id"] for target in targets])
-            events.delete_rule(Name=rule["Name"], EventBusName=bus["Name"])
+        remove_rules(running.client("events"), STACKS)
 
 
 def _read_back(cloud, resource):
