@@ -12,7 +12,6 @@ they keep their stack's settings for the life of the process. The last line of s
 JSON document: {"outcome": ..., "reference": {step: loss}}.
 
     python tests/agent_local_run.py node-loss
-    python tests/agent_local_run.py standin-node-loss     (eight nodes, the stand-in trainer)
     python tests/agent_local_run.py slow-node             (three nodes, one with a slow network)
     python tests/agent_local_run.py poor-scaling          (two nodes on a slow network: the run does not scale)
 """
@@ -40,18 +39,6 @@ def node_loss(template: dict) -> dict:
         outcome |= {"report_html": page.read_text(), "report_files": sorted(path.name for path in page.parent.iterdir())}
     with tempfile.TemporaryDirectory(prefix="uninterrupted-") as folder:
         return {"outcome": outcome, "reference": reference_losses(template["trainer"], Path(folder))}
-
-
-STANDIN_NODES, STANDIN_STEP_S = 8, 0.2
-
-
-def standin_node_loss(template: dict) -> dict:
-    """Eight nodes (pp=2 x dp=4) running the stand-in trainer, node rank 1 killed after the first
-    commit: the control plane's whole path with no torch on the nodes."""
-    template["node_count"] = STANDIN_NODES
-    template["trainer"]["parallel"]["dp"] = STANDIN_NODES // template["trainer"]["parallel"]["pp"]
-    return {"outcome": run_on_local_cloud(template, Narrator(), timeout_s=PHASE_TIMEOUT_S,
-                                          standin_step_s=STANDIN_STEP_S)}
 
 
 SLOW_DELAY_S = 0.5
@@ -121,8 +108,7 @@ def poor_scaling(template: dict) -> dict:
         return {"outcome": stack.outcome(run) | {"scaling_checks": said, "report_page": report_page}}
 
 
-SCENARIOS = {"node-loss": node_loss, "standin-node-loss": standin_node_loss, "slow-node": slow_node,
-             "poor-scaling": poor_scaling}
+SCENARIOS = {"node-loss": node_loss, "slow-node": slow_node, "poor-scaling": poor_scaling}
 
 if __name__ == "__main__":
     if sys.argv[1:] not in ([name] for name in SCENARIOS):

@@ -1,10 +1,15 @@
-"""`trainfleet run` as a person uses it, against the local cloud: every command a process of its
-own, pointed at the local endpoint by the environment alone, as the AWS CLI is.
+"""A stand-in run driven with `trainfleet run` as a person drives it, against the local cloud:
+every command a process of its own, pointed at the local endpoint by the environment alone, as
+the AWS CLI is.
 
-template.yaml is deployed into a local cloud whose instances run the stand-in trainer (two nodes,
-fast steps); then the commands start a run, look at it while it trains, follow it to its end,
-list, read logs and a node's console, write the report, stop a second run, and are given bad
-input. The last line of stdout is one JSON document: each command with its exit code and output.
+template.yaml is deployed into a local cloud whose instances run the stand-in trainer
+(trainer/standin.py: the real trainer's signals, no torch). The commands start eight nodes
+(pp=2 x dp=4), look at the run while it trains, and follow it with `watch` while the harness
+kills node rank 1's instance after the first commit (the control plane must replace that node
+alone and resume from the newest commit); then they list, read logs and a node's console, write
+the report, stop a second run, and are given bad input. The last line of stdout is one JSON
+document: each command with its exit code and output, and the run's outcome as
+localcloud.stack gathers it.
 
     python tests/cli_local_run.py
 """
@@ -21,43 +26,54 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from localcloud.demo import DEMO_RUN_SPEC, Narrator  # noqa: E402
-from localcloud.stack import local_run_spec, local_stack  # noqa: E402
+from localcloud.stack import LocalRun, local_run_spec, local_stack  # noqa: E402
 from trainfleet.adapters.run_store import RunNotFound  # noqa: E402
 
-STEP_S = 0.2
-STEPS = 60
-TIMEOUT_S = 240
+NODES, STEP_S = 8, 0.2
+TIMEOUT_S = 300
 
 
-def trained(stack, run_name: str) -> bool:
+def recorded(stack, run_name: str, what: str) -> bool:
+    """Whether the run record shows `what` yet: a first step, a first commit."""
     try:
-        return (stack.store.run(run_name).last_step or 0) > 0
+        record = stack.store.run(run_name)
     except RunNotFound:
         return False
+    return bool(record.last_step) if what == "step" else record.latest_checkpoint is not None
 
 
 def main() -> dict:
     template = json.loads(DEMO_RUN_SPEC.read_text())
-    template["trainer"]["training"]["steps"] = STEPS
+    template["node_count"] = NODES
+    template["trainer"]["parallel"]["dp"] = NODES // template["trainer"]["parallel"]["pp"]
     results: dict[str, dict] = {}
     with local_stack(Narrator(), agent_lifetime_s=TIMEOUT_S, standin_step_s=STEP_S) as stack, \
             tempfile.TemporaryDirectory(prefix="cli-") as folder:
         folder = Path(folder)
         env = {**os.environ, **stack.cloud.env(), "TRAINFLEET_STACK": stack.stack_name, "COLUMNS": "160"}
 
-        def cli(name: str, *args: str, timeout: float = TIMEOUT_S) -> dict:
-            started = time.monotonic()
-            done = subprocess.run([sys.executable, "-m", "trainfleet.cli", "run", *args], env=env, cwd=folder,
-                                  capture_output=True, text=True, timeout=timeout)
+        def command(*args: str) -> list[str]:
+            return [sys.executable, "-m", "trainfleet.cli", "run", *args]
+
+        def finished(name: str, done: subprocess.CompletedProcess, started: float) -> dict:
             results[name] = {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr,
                              "seconds": round(time.monotonic() - started, 1)}
             return results[name]
 
-        def spec_file(run_name: str, **changes) -> str:
-            spec = local_run_spec(template, run_name, stack.bucket, *stack.network) | changes
+        def cli(name: str, *args: str) -> dict:
+            started = time.monotonic()
+            return finished(name, subprocess.run(command(*args), env=env, cwd=folder, capture_output=True, text=True,
+                                                 timeout=TIMEOUT_S), started)
+
+        def spec_file(run_name: str, base: dict = template, **changes) -> str:
+            spec = local_run_spec(base, run_name, stack.bucket, *stack.network) | changes
             path = folder / f"{run_name}.json"
             path.write_text(json.dumps(spec))
             return str(path)
+
+        def until(run_name: str, what: str) -> None:
+            stack.cloud.wait_until(lambda: recorded(stack, run_name, what), TIMEOUT_S, f"{run_name}'s first {what}",
+                                   poll_s=0.5)
 
         (folder / "broken.json").write_text("{ not json")
         cli("start", "start", spec_file("cli-run"))
@@ -67,9 +83,17 @@ def main() -> dict:
         cli("start_invalid", "start", spec_file("cli-invalid", node_count=0))
         cli("start_outside_bucket", "start", spec_file("cli-outside", checkpoint={
             "s3_uri": "s3://another-bucket/runs/x", "interval_steps": 10}))
-        stack.cloud.wait_until(lambda: trained(stack, "cli-run"), TIMEOUT_S, "cli-run's first step", poll_s=0.5)
+        until("cli-run", "step")
         cli("status_training", "status", "cli-run")
-        cli("watch", "watch", "cli-run")
+        started = time.monotonic()
+        with subprocess.Popen(command("watch", "cli-run"), env=env, cwd=folder, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) as watching:
+            until("cli-run", "commit")
+            first_nodes = {node.instance_id: node.node_rank for node in stack.store.nodes("cli-run")}
+            victim = next(instance for instance, rank in first_nodes.items() if rank == 1)
+            stack.cloud.fleet.kill(victim)
+            stdout, stderr = watching.communicate(timeout=TIMEOUT_S)
+        finished("watch", subprocess.CompletedProcess(watching.args, watching.returncode, stdout, stderr), started)
         cli("status_done", "status", "cli-run")
         cli("list", "list")
         cli("logs", "logs", "cli-run")
@@ -77,17 +101,25 @@ def main() -> dict:
         cli("node_log_unknown", "logs", "cli-run", "--node", "i-0000000000000dead")
         cli("report", "report", "cli-run", "--out", str(folder / "report"))
         results["report"]["files"] = sorted(path.name for path in (folder / "report").iterdir())
+        results["report"]["page"] = (folder / "report" / "report.html").read_text()
         cli("stop_finished", "stop", "cli-run")
         cli("status_unknown", "status", "no-such-run")
         cli("report_unknown", "report", "no-such-run")
         cli("list_unknown_stack", "--stack", "no-such-stack", "list")
-        cli("start_second", "start", spec_file("cli-stopped"))
-        stack.cloud.wait_until(lambda: trained(stack, "cli-stopped"), TIMEOUT_S, "cli-stopped's first step", poll_s=0.5)
+        two_nodes = json.loads(json.dumps(template))
+        two_nodes["node_count"], two_nodes["trainer"]["parallel"]["dp"] = 2, 1
+        cli("start_second", "start", spec_file("cli-stopped", two_nodes))
+        until("cli-stopped", "step")
         cli("stop", "stop", "cli-stopped", "--timeout", "120")
         results["stopped_instances"] = sorted({instance.state for instance in stack.cloud.fleet.instances()
                                                if instance.tags.get("trainfleet:run") == "cli-stopped"})
-    return results
+        stack.cloud.wait_until(lambda: all(instance.state == "terminated" for instance in stack.cloud.fleet.instances()
+                                           if instance.tags.get("trainfleet:run") == "cli-run"),
+                               60, "every instance of cli-run terminated", poll_s=0.5)
+        run = LocalRun("cli-run", stack.operations().execution_arn("cli-run"), {})
+        outcome = stack.outcome(run) | {"disrupted": {"first_nodes": first_nodes, "victim": victim}}
+    return {"commands": results, "outcome": outcome}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    print(json.dumps(main(), default=str))

@@ -1,8 +1,12 @@
-"""The stand-in trainer (trainer/standin.py) through the deployed state machine on the local cloud:
-eight real node agents, no torch on them, node rank 1's instance killed after the first commit
-(tests/agent_local_run.py standin-node-loss). The control plane cannot tell it from a real world:
-the lost node alone is replaced, the new attempt resumes from the newest commit, checkpoints verify,
-and the run completes with its books balanced and nothing left running."""
+"""The stand-in trainer (trainer/standin.py) through the deployed state machine on the local cloud,
+driven with `trainfleet run` (tests/cli_local_run.py): eight real node agents, no torch on them,
+node rank 1's instance killed after the first commit while `watch` follows the run.
+
+The control plane cannot tell it from a real world: the lost node alone is replaced, the new
+attempt resumes from the newest commit, checkpoints verify, and the run completes with its books
+balanced and nothing left running. The commands, each a process of its own pointed at the local
+cloud by the environment: start, status, watch, list, logs, a node's console, report, stop; and a
+one-line error, exit 1 and no change for every bad input."""
 
 import pytest
 from localcloud_helpers import run_scenario
@@ -11,9 +15,21 @@ FINAL_STEP, CHECKPOINT_EVERY, NODES = 60, 10, 8
 
 
 @pytest.fixture(scope="module")
-def run() -> dict:
-    return run_scenario("agent_local_run.py", "standin-node-loss", timeout_s=600)["outcome"]
+def scenario() -> dict:
+    return run_scenario("cli_local_run.py", timeout_s=600)
 
+
+@pytest.fixture(scope="module")
+def run(scenario) -> dict:
+    return scenario["outcome"]
+
+
+@pytest.fixture(scope="module")
+def commands(scenario) -> dict:
+    return scenario["commands"]
+
+
+# --- the control plane ----------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_the_lost_node_alone_is_replaced_and_the_run_completes(run):
@@ -45,3 +61,78 @@ def test_every_node_of_the_new_attempt_resumes_from_the_newest_commit(run):
 def test_the_books_balance_and_nothing_is_left_running(run):
     assert run["report"]["unaccounted_seconds"] == pytest.approx(0, abs=1e-3)
     assert set(run["instances"].values()) == {"terminated"} and len(run["instances"]) == NODES + 1
+
+
+# --- the commands ---------------------------------------------------------------------------
+
+def ok(result: dict) -> str:
+    assert result["rc"] == 0, result["stderr"][-3000:]
+    return result["stdout"]
+
+
+def refused(result: dict, *words: str) -> str:
+    """One line on stderr naming the problem, exit 1, nothing on stdout."""
+    assert result["rc"] == 1 and result["stdout"] == "", result
+    (line,) = result["stderr"].splitlines()
+    assert line.startswith("trainfleet run ") and all(word in line for word in words), line
+    return line
+
+
+@pytest.mark.slow
+def test_a_run_is_started_looked_at_while_it_trains_and_followed_to_its_end(commands, run):
+    assert "started run cli-run: arn:aws:states:" in ok(commands["start"])
+    training = ok(commands["status_training"])
+    assert "run cli-run" in training and "TRAINING" in training and "step" in training
+    assert "loss" in training and "tokens/s" in training and "goodput" in training and "cost $" in training
+    assert "workers 8 READY" in training
+    watched = ok(commands["watch"])
+    assert "SUCCEEDED" in watched and "execution SUCCEEDED" in watched and f"step {FINAL_STEP} of {FINAL_STEP}" in watched
+    assert f"replaced {run['disrupted']['victim']} (INSTANCE_LOST)" in watched
+    assert "INSTANCE_LOST ended attempt 0, detected after" in watched
+    done = ok(commands["status_done"])
+    assert "SUCCEEDED" in done and f"{NODES + 1} terminated" in done
+
+
+@pytest.mark.slow
+def test_list_logs_and_a_nodes_console(commands):
+    listed = ok(commands["list"])
+    assert "cli-run" in listed and "SUCCEEDED" in listed and "cli-stopped" not in listed
+    logs = ok(commands["logs"]).splitlines()
+    assert logs and all("cli-run" in line for line in logs)
+    assert any("recovery decided" in line for line in logs) and any("launch spec written" in line for line in logs)
+    console = ok(commands["node_log"])
+    assert '{"agent": "starting torchrun"' in console.replace('{"agent":"', '{"agent": "')
+    refused(commands["node_log_unknown"], "has no node", "i-0000000000000dead", "rank 0")
+
+
+@pytest.mark.slow
+def test_the_report_is_written_to_a_folder_and_shows_the_kill(commands, run):
+    assert "report written:" in ok(commands["report"]) and "report.html" in commands["report"]["stdout"]
+    assert {"report.html", "report.json", "report-loss.png", "report-throughput.png", "report-timeline.png",
+            "report-goodput.png"} <= set(commands["report"]["files"])
+    page = commands["report"]["page"]
+    (failure,) = run["report"]["failures"]
+    assert "INSTANCE_LOST after step" in page and f"resume from step {failure['resume_step']}" in page
+
+
+@pytest.mark.slow
+def test_stop_stops_a_running_run_and_its_teardown_follows(commands):
+    assert "started run cli-stopped" in ok(commands["start_second"])
+    stopped = ok(commands["stop"])
+    assert "stopped run cli-stopped" in stopped and "execution ABORTED" in stopped and "FAILED" in stopped
+    assert commands["stopped_instances"] == ["terminated"]
+
+
+@pytest.mark.slow
+def test_bad_input_is_refused_in_one_line_and_changes_nothing(commands):
+    refused(commands["start_again"], "cli-run", "was started before", "its execution RUNNING")
+    refused(commands["start_missing"], "missing.json")
+    refused(commands["start_broken"], "broken.json is not JSON")
+    refused(commands["start_invalid"], "not a valid RunSpec", "node_count")
+    refused(commands["start_outside_bucket"], "checkpoint.s3_uri", "another-bucket")
+    refused(commands["stop_finished"], "cli-run is not running", "SUCCEEDED")
+    refused(commands["status_unknown"], "no run named 'no-such-run'")
+    refused(commands["report_unknown"], "no run named 'no-such-run'")
+    refused(commands["list_unknown_stack"], "no stack 'no-such-stack'")
+    listed = commands["list"]["stdout"]
+    assert "cli-invalid" not in listed and "cli-outside" not in listed, "a refused start starts nothing"
