@@ -71,11 +71,21 @@ def watch(stack: Stack, run_name: str, console: Console, refresh_s: float = REFR
     `on_look` sees each status read (the demo acts on it). The last status read; TimeoutError
     once `timeout_s` passed with the run still going."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        return _follow(stack, run_name, console, refresh_s, on_look, deadline)
+    finally:
+        if not console.is_terminal:
+            console.line()  # Live leaves its last render unterminated there
+
+
+def _follow(stack: Stack, run_name: str, console: Console, refresh_s: float,
+            on_look: Callable[[RunStatus], None] | None, deadline: float | None) -> RunStatus:
     status = stack.status(run_name)
     # Not redirected: a process that runs the local cloud has its stdout replaced by the Lambda
     # runtime's per-thread capture, and a second redirection would write into itself. What is
-    # said while the view is live goes through `console`, which prints above it.
-    with Live(view(status), console=console, refresh_per_second=4, transient=False, redirect_stdout=False,
+    # said while the view is live goes through `console`, which prints above it. Refreshed after
+    # each read, since nothing changes between reads.
+    with Live(view(status), console=console, auto_refresh=False, transient=False, redirect_stdout=False,
               redirect_stderr=False) as live:
         while True:
             if on_look is not None:
@@ -83,10 +93,10 @@ def watch(stack: Stack, run_name: str, console: Console, refresh_s: float = REFR
             if not status.running:
                 return status
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"run {run_name} still {status.execution_status} after {timeout_s:.0f} s")
+                raise TimeoutError(f"run {run_name} still {status.execution_status} at the deadline")
             time.sleep(refresh_s)
             status = stack.status(run_name)
-            live.update(view(status))
+            live.update(view(status), refresh=True)
 
 
 def _title(status: RunStatus) -> Text:
