@@ -94,3 +94,16 @@ def test_a_live_run_is_booked_up_to_now():
     assert history.node_seconds == pytest.approx(60.0) and history.failures == []
     behind = build_history(run, nodes, [], [], now=at(15))
     assert behind.until == at(22), "a reader's clock behind the record's is taken at the record's last write"
+
+
+def test_an_attempt_reached_at_least_the_checkpoint_it_is_resumed_from():
+    """Global rank 0's node died: its steps since the last report went with it."""
+    history = build_history(finished_run(), [], [(0, sample(step, 10 + step)) for step in range(1, 14)], STATES,
+                            now=at(500))
+    (failure,) = history.failures
+    assert (failure.last_step, failure.resume_step, failure.steps_lost) == (25, 20, 5)
+    unreported = finished_run().model_copy(update={"failures": [finished_run().failures[0].model_copy(
+        update={"last_step": None})]})
+    (failure,) = build_history(unreported, [], [(0, sample(step, 10 + step)) for step in range(1, 14)], STATES,
+                               now=at(500)).failures
+    assert (failure.last_step, failure.steps_lost) == (20, 0)

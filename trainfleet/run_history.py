@@ -89,11 +89,13 @@ class FailureMark(_Shape):
     detection_seconds: float | None
     """decided_at - onset_at."""
     last_step: int | None
-    """The last step the attempt reported."""
+    """The last step the attempt is known to have reached: its last reported step, or the
+    checkpoint resumed from when that is later (steps since the last report die with the node
+    of global rank 0)."""
     resume_step: int | None
     """The committed step the next attempt resumed from."""
     steps_lost: int = Field(ge=0)
-    """Steps trained after that checkpoint, to be trained again."""
+    """Steps trained after that checkpoint, to be trained again (at least)."""
     instance_ids: list[str]
     """The nodes blamed (replaced)."""
     message: str
@@ -171,12 +173,15 @@ def build_history(run: RunRecord, nodes: list[NodeRecord], samples: Iterable[tup
     marks = []
     for number, failure in enumerate(failures):
         attempt = failure.attempt if failure.attempt is not None else number
-        last_step = last_steps.get(attempt, failure.last_step)
         resume = failure.resume_step
+        # The attempt reached its last reported step, and the checkpoint resumed from: a node
+        # that dies with global rank 0 takes the steps since its last report with it.
+        reached = [step for step in (last_steps.get(attempt), failure.last_step, resume) if step is not None]
+        last_step = max(reached, default=None)
         marks.append(FailureMark(
             attempt=attempt, failure_class=failure.failure_class, onset_at=failure.onset_at, decided_at=failure.at,
             detection_seconds=failure.detection_seconds, last_step=last_step, resume_step=resume,
-            steps_lost=max(0, (last_step or 0) - (resume or 0)) if last_step is not None else 0,
+            steps_lost=last_step - (resume or 0) if last_step is not None else 0,
             instance_ids=failure.instance_ids, message=failure.message))
     # A run still going has its current attempt booked up to now, as if it ended here; `now`, a
     # reader's clock, is never taken before the record's last write (AWS's clock).
