@@ -75,7 +75,7 @@ class WarmImage:
         self._process = process
         self._tokens = itertools.count()
         self._lock = threading.Lock()
-        self._forking: dict[int, tuple[threading.Event, list[int]]] = {}
+        self._forking: dict[int, tuple[threading.Event, list[ForkedProcess]]] = {}
         self._children: dict[int, ForkedProcess] = {}
         self._reader = threading.Thread(target=self._read, name="warm-image", daemon=True)
         self._reader.start()
@@ -99,16 +99,17 @@ class WarmImage:
         """A child of the image running `argv` (see `serves`) in `cwd` with `env`, its output
         appended to `console`."""
         token = next(self._tokens)
-        ready, pid = threading.Event(), []
+        ready, forked = threading.Event(), []
         with self._lock:
-            self._forking[token] = (ready, pid)
+            self._forking[token] = (ready, forked)
             request = {"token": token, "argv": argv[1:], "cwd": str(cwd), "env": env, "console": str(console)}
             self._process.stdin.write((json.dumps(request) + "\n").encode())
         if not ready.wait(30):
             raise RuntimeError(f"the warm image did not fork {argv[1:3]} within 30 s")
-        if not pid:
+        if not forked:
             raise RuntimeError("the warm image stopped before it forked")
-        return self._children[pid[0]]
+        # the child itself, not a lookup by pid: one that exits at once is gone from _children
+        return forked[0]
 
     def stop(self) -> None:
         """End the image (its children, the instances, are the fleet's to end)."""
@@ -128,8 +129,8 @@ class WarmImage:
                 if "token" in message:
                     child = ForkedProcess(message["pid"])
                     self._children[child.pid] = child
-                    ready, pid = self._forking.pop(message["token"])
-                    pid.append(child.pid)
+                    ready, forked = self._forking.pop(message["token"])
+                    forked.append(child)
                     ready.set()
                 else:  # the image reports a child's exit after its fork, never before
                     self._children.pop(message["pid"]).exited(message["status"])
