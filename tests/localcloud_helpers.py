@@ -102,8 +102,9 @@ def run_execution(cloud, state_machine_arn: str, payload: Any, timeout_s: float 
 
 
 def history(cloud, execution_arn: str) -> list[dict[str, Any]]:
-    return cloud.client("stepfunctions").get_execution_history(
-        executionArn=execution_arn, maxResults=1000)["events"]
+    from localcloud.stack import execution_history
+
+    return execution_history(cloud.client("stepfunctions"), execution_arn)
 
 
 def event_sink(cloud, pattern: dict[str, Any], **target: Any) -> str:
