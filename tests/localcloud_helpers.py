@@ -43,10 +43,24 @@ def table_from_template(dynamodb, logical_id: str) -> str:
 
 
 def handlers_zip() -> bytes:
+    return zip_of({f"{HANDLERS_MODULE}.py": HANDLERS_FILE.read_text()})
+
+
+def zip_of(files: dict[str, str]) -> bytes:
+    """A deployment package (or layer) holding `files` (path in the zip -> text)."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
-        archive.write(HANDLERS_FILE, f"{HANDLERS_MODULE}.py")
+        for name, text in files.items():
+            archive.writestr(name, text)
     return buffer.getvalue()
+
+
+def create_function(cloud, files: dict[str, str], handler: str = "app.lambda_handler",
+                    runtime: str = "python3.11", **settings: Any) -> str:
+    """A function whose package holds `files`; its ARN."""
+    return cloud.client("lambda").create_function(
+        FunctionName=unique("fn"), Runtime=runtime, Role=lambda_role(cloud), Handler=handler,
+        Code={"ZipFile": zip_of(files)}, **settings)["FunctionArn"]
 
 
 def lambda_role(cloud) -> str:
