@@ -37,7 +37,7 @@ from typing import Any
 
 __all__ = ["FunctionModules", "modules_for", "install"]
 
-_SOURCE_SUFFIXES = tuple(importlib.machinery.all_suffixes())
+_MODULE_SUFFIXES = tuple(importlib.machinery.all_suffixes())
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def top_level_names(folders: Iterable[Path]) -> frozenset[str]:
 def _module_name(entry: Path) -> str | None:
     if entry.is_dir():
         return entry.name
-    if entry.name.endswith(_SOURCE_SUFFIXES):
+    if entry.name.endswith(_MODULE_SUFFIXES):
         return entry.name.split(".", 1)[0]
     return None
 

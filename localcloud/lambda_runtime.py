@@ -266,9 +266,6 @@ def install_thread_output() -> None:
 
 # --- code ---------------------------------------------------------------------------------
 
-_import_lock = threading.Lock()
-
-
 _code_cache: Path | None = None
 
 
@@ -283,6 +280,7 @@ def code_cache_root() -> Path:
 
 
 _unpacked: dict[str, Path | None] = {}
+_unpack_lock = threading.Lock()
 
 
 def unpack_code(code_zip: bytes, digest: str) -> Path | None:
@@ -291,7 +289,7 @@ def unpack_code(code_zip: bytes, digest: str) -> Path | None:
 
     An empty or non-zip package (moto accepts any bytes) gives None: the handler is then
     imported from this process's own path."""
-    with _import_lock:
+    with _unpack_lock:
         if digest not in _unpacked:
             _unpacked[digest] = _extract(code_zip)
         return _unpacked[digest]
@@ -363,15 +361,12 @@ def _run_in_this_process(spec: FunctionSpec, event: Any, request_id: str,
     outcome: dict[str, Any] = {}
     output: list[str] = []
 
-    def load() -> Any:
-        with _import_lock:
-            return load_handler(spec.handler, modules.import_module)
-
     def run() -> None:
         environ.set_overlay(dict(spec.environment))
         _handler_thread.output, _handler_thread.modules = output, modules
         try:
-            outcome.update(run_handler(load, event, _context(spec, request_id, deadline)))
+            outcome.update(run_handler(lambda: load_handler(spec.handler, modules.import_module), event,
+                                       _context(spec, request_id, deadline)))
         finally:
             environ.set_overlay(None)
             _handler_thread.output = _handler_thread.modules = None

@@ -135,17 +135,30 @@ def test_functions_each_have_their_own_modules_and_module_state(local_cloud):
                        for calls in (1, 2) for name in functions]
 
 
+SHOP_APP = """
+import importlib
+from concurrent.futures import ThreadPoolExecutor
+
+import shop.words
+from .words import WORD
+
+
+def lambda_handler(event, context):
+    with ThreadPoolExecutor(1) as pool:  # a thread the handler starts imports as the function does
+        by_name = pool.submit(lambda: importlib.import_module("shop.words").WORD).result()
+    return [WORD, shop.words.WORD, by_name]
+"""
+
+
 def test_packages_and_relative_imports_resolve_inside_the_functions_own_package(local_cloud):
     def package(word):
-        return {"shop/__init__.py": "", "shop/words.py": f"WORD = {word!r}\n",
-                "shop/app.py": "from .words import WORD\nimport shop.words\n\n"
-                               "def lambda_handler(event, context):\n    return [WORD, shop.words.WORD]\n"}
+        return {"shop/__init__.py": "", "shop/words.py": f"WORD = {word!r}\n", "shop/app.py": SHOP_APP}
 
     first = create_function(local_cloud, package("first"), handler="shop.app.lambda_handler")
     second = create_function(local_cloud, package("second"), handler="shop.app.lambda_handler")
 
-    assert invoke(local_cloud, first, {}) == (None, ["first", "first"])
-    assert invoke(local_cloud, second, {}) == (None, ["second", "second"])
+    assert invoke(local_cloud, first, {}) == (None, ["first"] * 3)
+    assert invoke(local_cloud, second, {}) == (None, ["second"] * 3)
 
 
 def test_layers_follow_the_package_and_a_later_layer_wins(local_cloud):
