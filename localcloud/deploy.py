@@ -17,8 +17,9 @@ The steps, in the order `sam deploy` and CloudFormation take them:
 3. transform with the real SAM translator, offline: managed policy names are looked up in the
    map bundled with the translator instead of calling IAM;
 4. plan: Conditions; every resource type, property and AWS managed policy checked against what
-   the local cloud can create (everything refused is listed before anything is created);
-   resources ordered by their references and DependsOn;
+   the local cloud can create, and every function's runtime and layers against what it can run
+   (everything refused is listed before anything is created); resources ordered by their
+   references and DependsOn;
 5. create each resource through the local endpoint's AWS APIs (`localcloud.deploy_resources`),
    resolving Ref / Fn::GetAtt / Fn::Sub / ... against what was created before it;
 6. resolve the Outputs.

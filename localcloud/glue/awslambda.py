@@ -42,10 +42,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from moto.awslambda.models import LambdaFunction
-
 from moto.awslambda.exceptions import InvalidParameterValueException
-from moto.awslambda.models import lambda_backends
+from moto.awslambda.models import LambdaFunction, lambda_backends
 
 from localcloud.emf import metric_data
 from localcloud.glue import active_cloud
@@ -164,8 +162,8 @@ def _layers_data(self: LambdaFunction, layer_arns: list[str]) -> list[dict[str, 
         return _moto_layers_data(self, layer_arns)
     mapped = {arn for arn in layer_arns if public_layer(arn) is not None}
     local = _moto_layers_data(self, [arn for arn in layer_arns if arn not in mapped])
-    size_of = {layer["Arn"]: layer for layer in local} | {arn: {"Arn": arn, "CodeSize": 0} for arn in mapped}
-    return [size_of[arn] for arn in layer_arns]
+    by_arn = {layer["Arn"]: layer for layer in local} | {arn: {"Arn": arn, "CodeSize": 0} for arn in mapped}
+    return [by_arn[arn] for arn in layer_arns]
 
 
 def invoke_function(function: LambdaFunction, event: Any) -> InvocationResult:
