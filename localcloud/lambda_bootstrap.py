@@ -12,13 +12,14 @@ It is used two ways, with the same code:
 So it imports nothing but the standard library and runs on every Python Lambda offers.
 
 Messages on the pipes are JSON, one per line. The host sends `{"init": {"handler": ...,
-"path": [...]}}` once, then `{"invoke": {"event": ..., "context": {...}}}`; the environment
-answers each invocation with `{"payload": "<json>"}` or `{"error": {...}}`, plus `"output"`:
-what the function printed meanwhile.
+"path": [...]}}` once, answered `{"initialised": true}` when Init is done, then
+`{"invoke": {"event": ..., "context": {...}}}` for each invocation, answered `{"payload": "<json>"}`
+or `{"error": {...}}`. Each answer carries `"output"`: what the function printed meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import json
@@ -28,9 +29,9 @@ import threading
 import time
 import traceback
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
-__all__ = ["LambdaContext", "HandlerImportError", "error_object", "load_handler", "run_handler", "serve"]
+__all__ = ["LambdaContext", "Invocation", "INIT_LIMIT_S", "error_object", "initialise", "serve"]
 
 
 class LambdaContext:
@@ -68,6 +69,30 @@ def error_object(error_type: str, message: str, request_id: str,
             "stackTrace": stack or []}
 
 
+INIT_LIMIT_S = 10.0
+"""Lambda's Init phase (the handler's module imported, its code outside the handler run) has
+10 s of its own; an Init that takes longer is retried at the first invocation, within the
+function's timeout (Lambda developer guide, execution environment lifecycle)."""
+
+Invocation = Callable[[Any, LambdaContext], Dict[str, Any]]
+"""What answers an invocation once Init is done: `{"payload": json}` with what the handler
+returned, or `{"error": ...}` with the runtime's error object. It never raises."""
+
+
+def initialise(handler: str, import_module: Callable[[str], ModuleType]) -> Invocation:
+    """Init: import the module a Handler string ("module.function") names and find the function
+    in it. If that fails, every invocation answers with the error, as Lambda's runtime does."""
+    try:
+        function = load_handler(handler, import_module)
+    except HandlerImportError as exc:
+        error_type, message, stack = exc.error_type, str(exc), []
+    except Exception as exc:  # the module's own code raised
+        error_type, message, stack = type(exc).__name__, str(exc), _stack(exc)
+    else:
+        return lambda event, context: _call(function, event, context)
+    return lambda event, context: {"error": error_object(error_type, message, context.aws_request_id, stack)}
+
+
 def load_handler(handler: str, import_module: Callable[[str], ModuleType]) -> Callable[..., Any]:
     """The function a Handler string ("module.function", the module a dotted path) names."""
     module_name, _, function_name = handler.rpartition(".")
@@ -89,22 +114,24 @@ def load_handler(handler: str, import_module: Callable[[str], ModuleType]) -> Ca
     return function
 
 
-def run_handler(handler: Callable[[], Callable[..., Any]], event: Any, context: LambdaContext) -> Dict[str, Any]:
-    """Load and call the handler: `{"payload": json}` with what it returned, or `{"error": ...}`
-    with the runtime's error object. Never raises for the function's own faults."""
+def _call(function: Callable[..., Any], event: Any, context: LambdaContext) -> Dict[str, Any]:
     try:
-        result = handler()(event, context)
-    except HandlerImportError as exc:
-        return {"error": error_object(exc.error_type, str(exc), context.aws_request_id)}
+        result = function(event, context)
     except Exception as exc:  # the runtime reports any exception the handler raises
-        # The first frame is this call, not the function's code: AWS's trace starts in the handler.
-        stack = traceback.format_list(traceback.extract_tb(exc.__traceback__)[1:])
-        return {"error": error_object(type(exc).__name__, str(exc), context.aws_request_id, stack)}
+        return {"error": error_object(type(exc).__name__, str(exc), context.aws_request_id, _stack(exc))}
     try:
         return {"payload": json.dumps(result)}
     except (TypeError, ValueError) as exc:
         return {"error": error_object("Runtime.MarshalError", f"Unable to marshal response: {exc}",
                                       context.aws_request_id)}
+
+
+def _stack(exc: BaseException) -> List[str]:
+    """The exception's trace in the function's code: AWS's starts there, without the runtime's
+    own frames or the import machinery's."""
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__)
+              if frame.filename != __file__ and not frame.filename.startswith("<frozen importlib")]
+    return traceback.format_list(frames)
 
 
 # --- an execution environment of its own (another interpreter) -----------------------------
@@ -134,33 +161,40 @@ class _Capture(io.TextIOBase):
 
 
 def serve(requests: Any, replies: Any) -> None:
-    """Answer invocations read from `requests` on `replies` until the host closes the pipe."""
+    """Answer the host's messages read from `requests` on `replies` until it closes the pipe."""
     outputs = [_Capture(sys.stdout), _Capture(sys.stderr)]
     sys.stdout, sys.stderr = outputs
-    handler_string = ""
-    for line in requests:
-        message = json.loads(line)
-        if "init" in message:
-            handler_string = message["init"]["handler"]
-            sys.path[:0] = message["init"]["path"]
-            continue
-        invocation = message["invoke"]
-        fields = invocation["context"]
-        context = LambdaContext(fields["function_name"], fields["function_version"],
-                                fields["invoked_function_arn"], fields["memory_limit_in_mb"],
-                                fields["aws_request_id"], time.monotonic() + fields["remaining_ms"] / 1000)
+
+    @contextlib.contextmanager
+    def answering() -> Iterator[Dict[str, Any]]:
+        """The reply to one message, sent with what the function printed while it was made."""
         printed: List[str] = []
         for output in outputs:
             output.buffer_of_invocation = printed
+        reply: Dict[str, Any] = {}
         try:
-            answer = run_handler(lambda: load_handler(handler_string, importlib.import_module),
-                                 invocation["event"], context)
+            yield reply
         finally:
             for output in outputs:
                 output.buffer_of_invocation = None
-        answer["output"] = "".join(printed)
-        replies.write(json.dumps(answer) + "\n")
+        reply["output"] = "".join(printed)
+        replies.write(json.dumps(reply) + "\n")
         replies.flush()
+
+    invocation: Optional[Invocation] = None
+    for line in requests:
+        message = json.loads(line)
+        with answering() as reply:
+            if "init" in message:
+                sys.path[:0] = message["init"]["path"]
+                invocation = initialise(message["init"]["handler"], importlib.import_module)
+                reply["initialised"] = True
+                continue
+            fields = message["invoke"]["context"]
+            context = LambdaContext(fields["function_name"], fields["function_version"],
+                                    fields["invoked_function_arn"], fields["memory_limit_in_mb"],
+                                    fields["aws_request_id"], time.monotonic() + fields["remaining_ms"] / 1000)
+            reply.update(invocation(message["invoke"]["event"], context))
 
 
 if __name__ == "__main__":

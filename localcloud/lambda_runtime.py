@@ -21,6 +21,8 @@ depends on the function's Runtime (`localcloud.lambda_runtimes`):
   handler that outlives its timeout is killed with its process, as Lambda resets an
   environment that timed out; the next invocation starts a new one.
 
+Either way the function's Init (its module imported, the code outside the handler run) has 10 s
+of its own, as on Lambda: the timeout counts from its end, so a cold start is not a timeout.
 An invocation can also be told to report a timeout after its handler ran (chaos testing).
 """
 
@@ -40,7 +42,7 @@ import threading
 import time
 import uuid
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +51,7 @@ import boto3
 import botocore.credentials
 
 from localcloud import lambda_bootstrap, lambda_isolation
-from localcloud.lambda_bootstrap import LambdaContext, error_object, load_handler, run_handler
+from localcloud.lambda_bootstrap import INIT_LIMIT_S, LambdaContext, error_object, initialise
 from localcloud.lambda_isolation import FunctionModules
 
 __all__ = ["FunctionSpec", "InvocationResult", "invoke_handler", "unpack_code", "layer_folders",
@@ -327,7 +329,7 @@ def invoke_handler(spec: FunctionSpec, event: Any, time_out: bool = False) -> In
     request_id = str(uuid.uuid4())
     started = time.monotonic()
     run = _run_in_this_process if spec.interpreter is None else _run_in_its_process
-    outcome, printed = run(spec, event, request_id, started + spec.timeout_s)
+    outcome, printed = run(spec, event, request_id)
     elapsed_ms = (time.monotonic() - started) * 1000
     if outcome is None or time_out:
         outcome = {"error": error_object(
@@ -348,16 +350,26 @@ def invoke_handler(spec: FunctionSpec, event: Any, time_out: bool = False) -> In
     return InvocationResult(outcome["payload"], False, logs)
 
 
+def _invocation_deadline(initialised: Callable[[float], bool], timeout_s: float) -> float | None:
+    """When an invocation must end: its timeout counts from the end of its environment's Init
+    (`initialised(seconds)` waits that long for it). An Init not done within its own 10 s goes
+    on within the timeout, as Lambda retries it at the invocation; None if that runs out too."""
+    if initialised(INIT_LIMIT_S):
+        return time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s
+    return deadline if initialised(max(0.0, deadline - time.monotonic())) else None
+
+
 def _context(spec: FunctionSpec, request_id: str, deadline: float) -> LambdaContext:
     return LambdaContext(spec.function_name, spec.version, spec.function_arn, spec.memory_mb, request_id, deadline)
 
 
-def _run_in_this_process(spec: FunctionSpec, event: Any, request_id: str,
-                         deadline: float) -> tuple[dict[str, Any] | None, str]:
-    """The outcome (None if the handler outlived its timeout) and what it printed."""
+def _run_in_this_process(spec: FunctionSpec, event: Any, request_id: str) -> tuple[dict[str, Any] | None, str]:
+    """The outcome (None if the function outlived its timeout) and what it printed."""
     environ = install_sandboxes()
     install_thread_output()
     modules = lambda_isolation.modules_for(spec.environment_key, spec.function_name, spec.search_path)
+    initialised = threading.Event()
     outcome: dict[str, Any] = {}
     output: list[str] = []
 
@@ -365,21 +377,27 @@ def _run_in_this_process(spec: FunctionSpec, event: Any, request_id: str,
         environ.set_overlay(dict(spec.environment))
         _handler_thread.output, _handler_thread.modules = output, modules
         try:
-            outcome.update(run_handler(lambda: load_handler(spec.handler, modules.import_module), event,
-                                       _context(spec, request_id, deadline)))
+            invocation = initialise(spec.handler, modules.import_module)  # cached modules once warm
+            initialised.set()
+            outcome.update(invocation(event, _context(spec, request_id, time.monotonic() + spec.timeout_s)))
         finally:
             environ.set_overlay(None)
             _handler_thread.output = _handler_thread.modules = None
 
     worker = threading.Thread(target=run, name=f"lambda-{spec.function_name}", daemon=True)
     worker.start()
-    worker.join(timeout=max(0.0, deadline - time.monotonic()))
+    deadline = _invocation_deadline(initialised.wait, spec.timeout_s)
+    if deadline is not None:
+        worker.join(timeout=max(0.0, deadline - time.monotonic()))
     return (None if worker.is_alive() else outcome), "".join(output)
 
 
-def _run_in_its_process(spec: FunctionSpec, event: Any, request_id: str,
-                        deadline: float) -> tuple[dict[str, Any] | None, str]:
+def _run_in_its_process(spec: FunctionSpec, event: Any, request_id: str) -> tuple[dict[str, Any] | None, str]:
     environment = _environments.take(spec)
+    deadline = _invocation_deadline(environment.initialised, spec.timeout_s)
+    if deadline is None:
+        environment.close()
+        return None, ""
     context = {"function_name": spec.function_name, "function_version": spec.version,
                "invoked_function_arn": spec.function_arn, "memory_limit_in_mb": spec.memory_mb,
                "aws_request_id": request_id, "remaining_ms": int((deadline - time.monotonic()) * 1000)}
@@ -387,12 +405,13 @@ def _run_in_its_process(spec: FunctionSpec, event: Any, request_id: str,
     if answer is None:
         return None, ""
     _environments.give_back(spec, environment)
-    return answer, answer.pop("output", "")
+    return answer, answer.pop("output")
 
 
 class _EnvironmentProcess:
     """One execution environment of a function on another Python: a process of its interpreter
-    running lambda_bootstrap, which answers one invocation at a time over two pipes."""
+    running lambda_bootstrap, which does its Init as it starts and then answers one invocation
+    at a time over two pipes."""
 
     def __init__(self, spec: FunctionSpec):
         requests_read, requests_write = os.pipe()
@@ -405,20 +424,35 @@ class _EnvironmentProcess:
         os.close(replies_write)
         self.requests = os.fdopen(requests_write, "w", encoding="utf-8")
         self.replies = os.fdopen(replies_read, "r", encoding="utf-8")
+        self._init_output: str | None = None
+        """What Init printed, until the first invocation's log takes it; None while Init runs."""
         self._send({"init": {"handler": spec.handler, "path": [str(folder) for folder in spec.search_path]}})
 
     def _send(self, message: dict[str, Any]) -> None:
         self.requests.write(json.dumps(message) + "\n")
         self.requests.flush()
 
+    def _reply(self, deadline: float) -> str | None:
+        """The next line the environment writes; "" if it ended, None if the deadline came first."""
+        ready, _, _ = select.select([self.replies], [], [], max(0.0, deadline - time.monotonic()))
+        return self.replies.readline() if ready else None
+
+    def initialised(self, wait_s: float) -> bool:
+        """Whether Init is over, waiting up to `wait_s` for it."""
+        if self._init_output is None:
+            line = self._reply(time.monotonic() + wait_s)
+            if line is None:
+                return False
+            self._init_output = json.loads(line)["output"] if line else ""
+        return True
+
     def invoke(self, event: Any, context: dict[str, Any], deadline: float) -> dict[str, Any] | None:
-        """The environment's answer; None when the deadline passed first (the process is then
-        killed: Lambda resets an environment whose invocation timed out)."""
+        """The environment's answer, its "output" led by what Init printed; None when the deadline
+        passed first (the process is then killed: Lambda resets an environment that timed out)."""
         try:
             self._send({"invoke": {"event": event, "context": context}})
-            ready, _, _ = select.select([self.replies], [], [], max(0.0, deadline - time.monotonic()))
-            line = self.replies.readline() if ready else None
-        except (BrokenPipeError, OSError):
+            line = self._reply(deadline)
+        except OSError:  # the pipe broke: the process is gone
             line = ""
         if line is None:
             self.close()
@@ -428,8 +462,11 @@ class _EnvironmentProcess:
             self.close()
             return {"error": error_object("Runtime.ExitError", f"RequestId: {context['aws_request_id']} "
                                           f"Error: Runtime exited with error: exit status {status}",
-                                          context["aws_request_id"])}
-        return json.loads(line)
+                                          context["aws_request_id"]), "output": ""}
+        answer = json.loads(line)
+        answer["output"] = (self._init_output or "") + answer["output"]
+        self._init_output = ""  # in this invocation's log now
+        return answer
 
     def close(self) -> None:
         self.process.kill()

@@ -42,8 +42,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["HOST_RUNTIME", "PublicLayer", "public_layer", "interpreter_for", "function_problems",
-           "host_distributions"]
+__all__ = ["HOST_RUNTIME", "PublicLayer", "public_layer", "interpreter_for", "installed_for", "function_problems",
+           "public_layer_problems", "foreign_distributions", "import_path"]
 
 HOST_RUNTIME = f"python{sys.version_info.major}.{sys.version_info.minor}"
 """The runtime whose functions run in this process."""
@@ -150,16 +150,8 @@ def host_distributions(root: str, with_extras: bool = False) -> dict[str, import
         required, optional = _requirements(found[name])
         pending += required
         if with_extras and name == _normalised(root):
-            pending += [extra for extra in optional if _installed(extra)]
+            pending += optional
     return found
-
-
-def _installed(name: str) -> bool:
-    try:
-        importlib.metadata.distribution(name)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 def _compiled(distribution: importlib.metadata.Distribution) -> bool:

@@ -275,6 +275,28 @@ def test_a_function_on_another_python_runs_on_that_python_with_only_what_aws_giv
     assert f"initialising on ({python[0]}, {python[1]})" in messages
 
 
+SLOW_INIT_APP = """
+import time
+
+time.sleep(1.5)  # the code outside the handler: Lambda's Init phase
+
+
+def lambda_handler(event, context):
+    return context.get_remaining_time_in_millis()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["python3.11", "python3.12"])
+def test_init_has_time_of_its_own_and_the_timeout_counts_from_its_end(local_cloud, runtime):
+    arn = create_function(local_cloud, {"app.py": SLOW_INIT_APP}, runtime=runtime, Timeout=1)
+
+    error, remaining_ms = invoke(local_cloud, arn, {})
+
+    assert error is None, remaining_ms
+    assert 500 < remaining_ms <= 1000
+
+
 @pytest.mark.slow
 def test_a_timed_out_environment_on_another_python_is_replaced(local_cloud):
     arn = create_function(local_cloud, {"app.py": OTHER_PYTHON_APP}, runtime="python3.12", Timeout=2,
