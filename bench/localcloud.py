@@ -1,11 +1,13 @@
 """Startup time of the local cloud and the overhead of one Lambda task state.
 
-    .venv/bin/python bench/localcloud.py [--tasks 20] [--repeats 3]
+    .venv/bin/python bench/localcloud.py [--tasks 20] [--repeats 3] [--runtime python3.12]
 
 Startup: LocalCloud() to a served request, first in the process (imports moto) and again.
-Task overhead: one execution of N Lambda Task states (an identity handler, run in-process)
-against one of N Pass states, side by side in one run; the difference per state is what a
-Lambda task costs over the interpreter's own per-state work. Last line: task_overhead_ms=<x>.
+Task overhead: one execution of N Lambda Task states (an identity handler) against one of N
+Pass states, side by side in one run; the difference per state is what a Lambda task costs over
+the interpreter's own per-state work. The function runs on the local cloud's own Python (in a
+thread, with its own modules) unless --runtime names another, installed one (in a warm process
+of that interpreter). Last line: task_overhead_ms=<x>.
 """
 
 from __future__ import annotations
@@ -51,10 +53,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=20, help="states per execution")
     parser.add_argument("--repeats", type=int, default=3, help="executions of each kind")
+    parser.add_argument("--runtime", default=None, help="the function's Runtime (default: the local cloud's own)")
     args = parser.parse_args()
 
     started = time.perf_counter()
     from localcloud import LocalCloud
+    from localcloud.lambda_runtimes import HOST_RUNTIME
 
     cloud = LocalCloud().start()
     cloud.client("sts").get_caller_identity()
@@ -74,7 +78,7 @@ def main() -> None:
         with zipfile.ZipFile(package, "w") as archive:
             archive.writestr("bench_localcloud_handler.py", HANDLER_SOURCE)
         function_arn = cloud.client("lambda").create_function(
-            FunctionName=f"bench-{uuid.uuid4().hex[:6]}", Runtime="python3.11", Role=role,
+            FunctionName=f"bench-{uuid.uuid4().hex[:6]}", Runtime=args.runtime or HOST_RUNTIME, Role=role,
             Handler="bench_localcloud_handler.handler", Code={"ZipFile": package.getvalue()},
         )["FunctionArn"]
         sfn = cloud.client("stepfunctions")

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from localcloud.chaos import (SPOT_NOTICE_S, Cell, Fault, Phase, cell_template, chaos_template,  # noqa: E402
                               reference_losses, run_cell)
 from localcloud.demo import DEMO_RUN_SPEC  # noqa: E402
-from localcloud.stack import LocalRun, LocalStack, local_stack, metrics_records  # noqa: E402
+from localcloud.stack import LocalRun, LocalStack, execution_history, local_stack, metrics_records  # noqa: E402
 
 FAULTS = {"kill": (Fault.KILL, 0), "kill+spare": (Fault.KILL, 1), "freeze": (Fault.FREEZE, 0),
           "hang": (Fault.HANG, 0), "spot": (Fault.SPOT, 0), "crash": (Fault.CRASH, 0)}
@@ -110,7 +110,7 @@ class CallLog:
 
 def _history(stack: LocalStack, run: LocalRun) -> list[tuple[float, str, str]]:
     """(time, event type, the state it belongs to) for every event of the execution."""
-    events = stack.client("stepfunctions").get_execution_history(executionArn=run.arn, maxResults=1000)["events"]
+    events = execution_history(stack.client("stepfunctions"), run.arn)
     timeline, state = [], ""
     for event in events:
         state = event.get("stateEnteredEventDetails", {}).get("name", state)

@@ -22,6 +22,7 @@ from aws_xray_sdk import global_sdk_config
 from botocore.config import Config
 
 from localcloud import aws_events, glue
+from localcloud.lambda_runtime import close_environments
 
 if TYPE_CHECKING:
     from localcloud.glue.faults import RequestFault
@@ -225,6 +226,7 @@ class LocalCloud:
             timer.cancel()
         self._timers.clear()
         self.fleet.shutdown()
+        close_environments()
         if self._server is not None:
             self._server.stop()
             self._server = None

@@ -17,8 +17,9 @@ The steps, in the order `sam deploy` and CloudFormation take them:
 3. transform with the real SAM translator, offline: managed policy names are looked up in the
    map bundled with the translator instead of calling IAM;
 4. plan: Conditions; every resource type, property and AWS managed policy checked against what
-   the local cloud can create (everything refused is listed before anything is created);
-   resources ordered by their references and DependsOn;
+   the local cloud can create, and every function's runtime and layers against what it can run
+   (everything refused is listed before anything is created); resources ordered by their
+   references and DependsOn;
 5. create each resource through the local endpoint's AWS APIs (`localcloud.deploy_resources`),
    resolving Ref / Fn::GetAtt / Fn::Sub / ... against what was created before it;
 6. resolve the Outputs and record the stack in the local CloudFormation, so that DescribeStacks
@@ -60,6 +61,7 @@ from localcloud.deploy_intrinsics import (
     references,
 )
 from localcloud.deploy_resources import RESOURCE_TYPES, Context
+from localcloud.lambda_runtimes import function_problems
 
 __all__ = ["DeployRequest", "DeployedResource", "DeployedStack", "DeployError", "TemplateError",
            "UnsupportedResourcesError", "ResourceCreateError", "deploy", "format_stack", "load_template",
@@ -232,6 +234,7 @@ def deploy(request: DeployRequest) -> DeployedStack:
                if "Condition" in resource and not _condition(resolver, resource["Condition"], logical_id)}
     to_create = {logical_id: resource for logical_id, resource in resources.items() if logical_id not in skipped}
     _check_supported(to_create)
+    _check_functions_runnable(to_create, resolver, client("lambda"))
     _check_aws_managed_policies(to_create, resolver, client("iam"))
 
     created: dict[str, DeployedResource] = {}
@@ -329,7 +332,7 @@ def _check_supported(resources: Mapping[str, Mapping[str, Any]]) -> None:
         if unknown_keys:
             problems.append(f"{logical_id}: resource attribute(s) {unknown_keys} are not supported")
         given = set(resource.get("Properties", {}))
-        unknown_properties = sorted(given - RESOURCE_TYPES[resource_type].properties)
+        unknown_properties = sorted(given - RESOURCE_TYPES[resource_type].accepted)
         if unknown_properties:
             problems.append(f"{logical_id} ({resource_type}): propert(y/ies) {unknown_properties} not supported")
         missing = sorted(RESOURCE_TYPES[resource_type].required - given)
@@ -337,6 +340,40 @@ def _check_supported(resources: Mapping[str, Mapping[str, Any]]) -> None:
             problems.append(f"{logical_id} ({resource_type}): required propert(y/ies) {missing} missing")
     if problems:
         raise UnsupportedResourcesError(problems)
+
+
+def _check_functions_runnable(resources: Mapping[str, Mapping[str, Any]], resolver: Resolver, lam: Any) -> None:
+    """Refuse, before anything is created, functions the local cloud could not run: a runtime
+    without an interpreter here, another language, a container image, a layer that is neither
+    of this stack, nor of the local cloud, nor a public one it maps (lambda_runtimes)."""
+    problems = []
+    for logical_id, resource in resources.items():
+        if resource.get("Type") != "AWS::Lambda::Function":
+            continue
+        where = f"Resources.{logical_id}.Properties"
+        properties = resource.get("Properties", {})
+        layers = [resolver.resolve(layer, f"{where}.Layers") for layer in properties.get("Layers", [])
+                  if not references(layer) & set(resources)]  # this stack's own layers will exist
+        problems += [f"{logical_id}: {problem}" for problem in function_problems(
+            resolver.resolve(properties.get("Runtime"), f"{where}.Runtime"),
+            resolver.resolve(properties.get("PackageType"), f"{where}.PackageType"),
+            layers, lambda arn: _layer_exists(lam, arn))]
+    if problems:
+        raise UnsupportedResourcesError(problems)
+
+
+def _layer_exists(lam: Any, arn: str) -> bool:
+    """Whether `arn` (arn:aws:lambda:REGION:ACCOUNT:layer:NAME:VERSION) is a layer version of the
+    local cloud; asked by name and version, the one form moto answers."""
+    _, is_layer, layer = arn.partition(":layer:")
+    name, _, version = layer.partition(":")
+    if not is_layer or not version.isdigit():
+        return False
+    try:
+        lam.get_layer_version(LayerName=name, VersionNumber=int(version))
+        return True
+    except lam.exceptions.ResourceNotFoundException:
+        return False
 
 
 def _check_aws_managed_policies(resources: Mapping[str, Mapping[str, Any]], resolver: Resolver, iam: Any) -> None:

@@ -71,6 +71,13 @@ class ResourceType:
     """Properties this function honours; any other is refused before anything is created."""
     required: frozenset[str]
     """Properties without which the resource cannot be created (checked before anything is)."""
+    inert: frozenset[str] = frozenset()
+    """Properties accepted although they change nothing in the local cloud (each type says why);
+    they are not applied."""
+
+    @property
+    def accepted(self) -> frozenset[str]:
+        return self.properties | self.inert
 
 
 RESOURCE_TYPES: dict[str, ResourceType] = {}
@@ -87,9 +94,10 @@ def physical_name(stack_name: str, logical_id: str, max_length: int, lowercase: 
     return name.lower() if lowercase else name
 
 
-def _resource(type_name: str, *properties: str, required: tuple[str, ...] = ()) -> Callable:
+def _resource(type_name: str, *properties: str, required: tuple[str, ...] = (), inert: tuple[str, ...] = ()) -> Callable:
     def register(create: Callable[[Context, dict[str, Any]], Created]) -> Callable:
-        RESOURCE_TYPES[type_name] = ResourceType(create, frozenset(properties) | set(required), frozenset(required))
+        RESOURCE_TYPES[type_name] = ResourceType(create, frozenset(properties) | set(required), frozenset(required),
+                                                 frozenset(inert))
         return create
 
     return register
@@ -199,10 +207,20 @@ def _instance_profile(ctx: Context, props: dict[str, Any]) -> Created:
 
 # --- Lambda ---------------------------------------------------------------------------------
 
+LAMBDA_INERT_PROPERTIES = ("RuntimeManagementConfig", "SnapStart", "RecursiveLoop")
+"""AWS::Lambda::Function properties that change nothing in a local run, accepted and not applied:
+RuntimeManagementConfig chooses when Lambda moves a function to a new runtime version (the
+local interpreter is the one installed); SnapStart snapshots the initialised environment of
+published versions (the local deploy publishes none); RecursiveLoop chooses whether Lambda stops
+a function invoking itself in a loop through SQS, SNS or S3 (the local cloud detects no loops
+either way). Of LoggingConfig, LogGroup is honoured and LogFormat and the log levels are not:
+the local runtime writes text lines whatever they say."""
+
+
 @_resource("AWS::Lambda::Function", "FunctionName", "Handler", "Runtime", "Role", "Code", "Timeout",
            "MemorySize", "Environment", "Description", "Tags", "Architectures", "TracingConfig", "Layers",
            "EphemeralStorage", "LoggingConfig", "PackageType", "DeadLetterConfig", "KmsKeyArn", "VpcConfig",
-           "ReservedConcurrentExecutions", required=("Code", "Role"))
+           "ReservedConcurrentExecutions", required=("Code", "Role"), inert=LAMBDA_INERT_PROPERTIES)
 def _function(ctx: Context, props: dict[str, Any]) -> Created:
     lam = ctx.client("lambda")
     code = dict(props["Code"])

@@ -1,38 +1,45 @@
-"""Run a Lambda function's Python handler in this process, as the Lambda Python runtime would.
+"""Run a Lambda function's Python handler here, as the Lambda Python runtime would.
 
 moto runs Lambda code in Docker, which this machine does not have. Here the handler named by
 the function's `Handler` string ("package.module.function") is imported from the function's
-deployment package and called in a thread of its own, with:
+deployment package and called, with what the real runtime gives it
+(`localcloud.lambda_bootstrap`: the context object, error payloads shaped like the runtime's,
+`errorType` = exception class name, which Step Functions Retry/Catch match on). Where it runs
+depends on the function's Runtime (`localcloud.lambda_runtimes`):
 
-- a context object carrying what the real runtime's does (function_name, function_version,
-  invoked_function_arn, memory_limit_in_mb, aws_request_id, log_group_name, log_stream_name,
-  get_remaining_time_in_millis());
-- the function's configured environment variables, visible to that thread only (several
-  functions with different variables run at the same time in one process);
-- the function's timeout: a handler still running when it expires is reported as AWS reports
-  it (`Sandbox.Timedout`); its thread cannot be killed, so it is left to finish and its result
-  is dropped (an invocation can also be told to report a timeout after its handler ran);
-- error payloads shaped like the runtime's (`errorType` = exception class name,
-  `errorMessage`, `stackTrace`), which is what Step Functions Retry/Catch match on;
-- what the handler's thread prints (print, logging to stdout/stderr, Powertools' JSON logs
-  and EMF metrics) captured into the invocation's log lines, as Lambda sends a function's
-  output to CloudWatch Logs; threads the handler starts itself are not captured.
+- on the local cloud's own Python, in a thread of this process. Each function has its own
+  modules (`localcloud.lambda_isolation`): many functions may each have an `app.py`, and module
+  state is per function, as on AWS. Its environment variables are visible to its threads only
+  (several functions with different variables run at once in one process). Its timeout: a
+  handler still running when it expires is reported as AWS reports it (`Sandbox.Timedout`); its
+  thread cannot be killed, so it is left to finish and its result is dropped. What its threads
+  print (print, logging to stdout/stderr, Powertools' JSON logs and EMF metrics) is captured
+  into the invocation's log lines, as Lambda sends a function's output to CloudWatch Logs.
+- on another Python, in processes of that interpreter, one per execution environment, each
+  serving one invocation at a time and kept for the next (a warm start); more are started
+  while all are busy, as Lambda scales out. The function's environment is the process's, and a
+  handler that outlives its timeout is killed with its process, as Lambda resets an
+  environment that timed out; the next invocation starts a new one.
+
+Either way the function's Init (its module imported, the code outside the handler run) has 10 s
+of its own, as on Lambda: the timeout counts from its end, so a cold start is not a timeout.
+An invocation can also be told to report a timeout after its handler ran (chaos testing).
 """
 
 from __future__ import annotations
 
 import atexit
 import hashlib
-import importlib
 import io
 import json
 import os
+import select
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
 import uuid
 import zipfile
 from collections.abc import Callable, Iterator
@@ -43,8 +50,12 @@ from typing import Any
 import boto3
 import botocore.credentials
 
-__all__ = ["FunctionSpec", "InvocationResult", "LambdaContext", "invoke_handler",
-           "unpack_code", "install_thread_environ"]
+from localcloud import lambda_bootstrap, lambda_isolation
+from localcloud.lambda_bootstrap import INIT_LIMIT_S, LambdaContext, error_object, initialise
+from localcloud.lambda_isolation import FunctionModules
+
+__all__ = ["FunctionSpec", "InvocationResult", "invoke_handler", "unpack_code", "layer_folders",
+           "code_cache_root", "close_environments", "install_sandboxes"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +77,19 @@ class FunctionSpec:
     environment: dict[str, str] = field(default_factory=dict)
     """Environment variables of the function plus those the runtime itself sets."""
     code_dir: Path | None = None
-    """Where the deployment package is unpacked; searched before this process's own path."""
+    """Where the deployment package is unpacked (the task root); None for a package that is no
+    zip, whose handler then comes from this process's own modules."""
+    search_path: tuple[Path, ...] = ()
+    """Where the function's modules come from, first to last: its package, its layers' Python
+    folders, and for another interpreter the SDK and public layers (lambda_runtimes.import_path)."""
+    interpreter: str | None = None
+    """The executable of the function's Python; None for this process's own."""
+
+    @property
+    def environment_key(self) -> tuple[Any, ...]:
+        """What identifies the function's execution environments: new code, new layers or another
+        Python get new ones, as on AWS."""
+        return self.function_arn, self.search_path, self.interpreter
 
 
 @dataclass(frozen=True)
@@ -81,28 +104,11 @@ class InvocationResult:
     """What CloudWatch Logs gets: START, the handler's output, the error if any, END, REPORT."""
 
 
-class LambdaContext:
-    """The context object handed to a handler: the attributes the Python runtime documents."""
-
-    def __init__(self, spec: FunctionSpec, request_id: str, deadline: float):
-        self.function_name = spec.function_name
-        self.function_version = spec.version
-        self.invoked_function_arn = spec.function_arn
-        self.memory_limit_in_mb = spec.memory_mb
-        self.aws_request_id = request_id
-        self.log_group_name = f"/aws/lambda/{spec.function_name}"
-        self.log_stream_name = f"{time.strftime('%Y/%m/%d')}/[{spec.version}]{request_id[:32]}"
-        self.identity = None
-        self.client_context = None
-        self._deadline = deadline
-
-    def get_remaining_time_in_millis(self) -> int:
-        return max(0, int((self._deadline - time.monotonic()) * 1000))
-
-
-# --- per-thread environment ---------------------------------------------------------------
+# --- per-thread sandbox: environment, output, modules --------------------------------------
 
 _handler_thread = threading.local()
+"""What the thread serves: `variables` (the function's environment), `output` (its invocation's
+log buffer), `modules` (its FunctionModules); None outside handler threads."""
 
 
 class _ThreadEnviron(os._Environ):  # type: ignore[name-defined,misc]
@@ -154,24 +160,30 @@ _thread_start = threading.Thread.start
 _thread_bootstrap_inner = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
 
 
+def _current_modules() -> FunctionModules | None:
+    return getattr(_handler_thread, "modules", None)
+
+
 def _start_in_sandbox(self: threading.Thread) -> None:
     # A Lambda sandbox is a process: every thread a handler starts (a thread pool, say) sees the
-    # function's environment and writes to its log, as the handler's own thread does.
-    self._sandbox = (_ThreadEnviron._overlay(), getattr(_handler_thread, "output", None))  # type: ignore[attr-defined]
+    # function's environment and modules and writes to its log, as the handler's own thread does.
+    self._sandbox = (_ThreadEnviron._overlay(), getattr(_handler_thread, "output", None),  # type: ignore[attr-defined]
+                     _current_modules())
     _thread_start(self)
 
 
 def _bootstrap_in_sandbox(self: threading.Thread) -> None:
-    _handler_thread.variables, _handler_thread.output = getattr(self, "_sandbox", (None, None))
+    _handler_thread.variables, _handler_thread.output, _handler_thread.modules = getattr(
+        self, "_sandbox", (None, None, None))
     _thread_bootstrap_inner(self)
 
 
-def install_thread_environ() -> _ThreadEnviron:
-    """Give os.environ its per-thread view, once per process; threads started by a handler
-    thread share its view.
+def install_sandboxes() -> _ThreadEnviron:
+    """Give os.environ its per-thread view and imports their per-function resolution, once per
+    process; threads started by a handler thread share its sandbox.
 
-    The object itself changes class rather than being replaced: botocore and others keep a
-    reference to os.environ taken when their session was created."""
+    The environment object itself changes class rather than being replaced: botocore and others
+    keep a reference to os.environ taken when their session was created."""
     if not isinstance(os.environ, _ThreadEnviron):
         os.environ.__class__ = _ThreadEnviron
         threading.Thread.start = _start_in_sandbox  # type: ignore[method-assign]
@@ -180,15 +192,16 @@ def install_thread_environ() -> _ThreadEnviron:
         # boto3's default session keeps the credentials it resolved first: one the harness used
         # before any function ran holds static keys, which a handler's boto3.client() would get.
         boto3.DEFAULT_SESSION = None
+        lambda_isolation.install(_current_modules)
     return os.environ  # type: ignore[return-value]
 
 
 class _CallerCredentials(botocore.credentials.Credentials):
     """Credentials read from the signing thread's environment at each request.
 
-    Handler modules, and the clients they keep at module level, are shared by every function
-    of the process, while on AWS each function has its own sandbox with its own role: a client
-    made in one function's thread signs, in another's, with that one's role."""
+    boto3 is one copy in this process, and so is its default session: whichever thread first
+    resolved its credentials (the harness's, or another function's) would sign every later
+    function's requests with them, where on AWS each function signs with its own role."""
 
     def __init__(self) -> None:
         self.method = "env"
@@ -255,15 +268,12 @@ def install_thread_output() -> None:
 
 # --- code ---------------------------------------------------------------------------------
 
-_import_lock = threading.Lock()
-
-
 _code_cache: Path | None = None
 
 
-def _code_cache_root() -> Path:
-    """One folder per process for unpacked packages, removed at exit. It outlives any one
-    LocalCloud because an imported handler module stays imported for the process's life."""
+def code_cache_root() -> Path:
+    """One folder per process for unpacked packages and layers, removed at exit. It outlives any
+    one LocalCloud because an imported handler module stays imported for the process's life."""
     global _code_cache
     if _code_cache is None:
         _code_cache = Path(tempfile.mkdtemp(prefix="localcloud-lambda-code-"))
@@ -272,16 +282,16 @@ def _code_cache_root() -> Path:
 
 
 _unpacked: dict[str, Path | None] = {}
+_unpack_lock = threading.Lock()
 
 
 def unpack_code(code_zip: bytes, digest: str) -> Path | None:
-    """Unpack a deployment package once and return its folder; `digest` (the function's
-    CodeSha256) names it, so an invocation does not rehash the package.
+    """Unpack a deployment package or layer once and return its folder; `digest` (its CodeSha256)
+    names it, so an invocation does not rehash the package.
 
     An empty or non-zip package (moto accepts any bytes) gives None: the handler is then
-    imported from this process's own path, which is how a function whose code is this
-    project itself runs."""
-    with _import_lock:
+    imported from this process's own path."""
+    with _unpack_lock:
         if digest not in _unpacked:
             _unpacked[digest] = _extract(code_zip)
         return _unpacked[digest]
@@ -294,7 +304,7 @@ def _extract(code_zip: bytes) -> Path | None:
         archive = zipfile.ZipFile(io.BytesIO(code_zip))
     except zipfile.BadZipFile:
         return None
-    folder = _code_cache_root() / hashlib.sha256(code_zip).hexdigest()[:16]
+    folder = code_cache_root() / hashlib.sha256(code_zip).hexdigest()[:16]
     if not folder.exists():
         staging = folder.with_suffix(".partial")
         archive.extractall(staging)
@@ -302,105 +312,32 @@ def _extract(code_zip: bytes) -> Path | None:
     return folder
 
 
-class HandlerImportError(Exception):
-    """The Handler string does not name an importable function (errorType from the runtime)."""
-
-    def __init__(self, error_type: str, message: str):
-        super().__init__(message)
-        self.error_type = error_type
-
-
-def load_handler(handler: str, code_dir: Path | None) -> Callable[[Any, LambdaContext], Any]:
-    module_name, _, function_name = handler.rpartition(".")
-    if not module_name or not function_name:
-        raise HandlerImportError("Runtime.MalformedHandlerName",
-                                 f"Bad handler '{handler}': expected 'module.function'")
-    with _import_lock:
-        if code_dir is not None and str(code_dir) not in sys.path:
-            sys.path.insert(0, str(code_dir))
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise HandlerImportError("Runtime.ImportModuleError",
-                                     f"Unable to import module '{module_name}': {exc}") from exc
-    if code_dir is not None:
-        _refuse_foreign_module(module, module_name, code_dir)
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise HandlerImportError("Runtime.HandlerNotFound",
-                                 f"Handler '{function_name}' missing on module '{module_name}'")
-    return function
-
-
-def _refuse_foreign_module(module: Any, module_name: str, code_dir: Path) -> None:
-    """Two packages with different code under one module name cannot share a process; the
-    same code loaded from elsewhere (this project's own tree, an identical package) can."""
-    own_file = code_dir.joinpath(*module_name.split("."))
-    packaged = next((path for path in (own_file.with_suffix(".py"), own_file / "__init__.py")
-                     if path.exists()), None)
-    loaded_from = Path(getattr(module, "__file__", "") or "")
-    if packaged is None or loaded_from == packaged:
-        return
-    if loaded_from.is_file() and loaded_from.read_bytes() == packaged.read_bytes():
-        return
-    raise HandlerImportError(
-        "Runtime.ImportModuleError",
-        f"Module '{module_name}' is already loaded from {loaded_from}; this function's "
-        f"package has different code in {packaged} (give it a distinct module name)")
+def layer_folders(layer_dir: Path, runtime: str) -> list[Path]:
+    """A layer's folders on a Python function's path, as Lambda extracts layers to /opt:
+    /opt/python/lib/<runtime>/site-packages, then /opt/python."""
+    return [folder for folder in (layer_dir / "python" / "lib" / runtime / "site-packages", layer_dir / "python")
+            if folder.is_dir()]
 
 
 # --- invocation ---------------------------------------------------------------------------
 
-def _error_object(error_type: str, message: str, request_id: str,
-                  stack: list[str] | None = None) -> dict[str, Any]:
-    return {"errorMessage": message, "errorType": error_type, "requestId": request_id,
-            "stackTrace": stack or []}
-
-
 def invoke_handler(spec: FunctionSpec, event: Any, time_out: bool = False) -> InvocationResult:
-    """Call the function's handler with `event`; never raises for the handler's own faults.
+    """Call the function's handler with `event`; never raises for the function's own faults.
 
     `time_out`: run the handler to its end (its side effects happen) and then report that it
     timed out, as Lambda reports a handler that outlived its timeout."""
-    environ = install_thread_environ()
-    install_thread_output()
     request_id = str(uuid.uuid4())
     started = time.monotonic()
-    deadline = started + spec.timeout_s
-    outcome: dict[str, Any] = {}
-    output: list[str] = []
-
-    def run() -> None:
-        environ.set_overlay(dict(spec.environment))
-        _handler_thread.output = output
-        try:
-            handler = load_handler(spec.handler, spec.code_dir)
-            result = handler(event, LambdaContext(spec, request_id, deadline))
-            try:
-                outcome["payload"] = json.dumps(result)
-            except (TypeError, ValueError) as exc:
-                outcome["error"] = _error_object(
-                    "Runtime.MarshalError", f"Unable to marshal response: {exc}", request_id)
-        except HandlerImportError as exc:
-            outcome["error"] = _error_object(exc.error_type, str(exc), request_id)
-        except Exception as exc:  # the runtime reports any exception the handler raises
-            stack = traceback.format_list(traceback.extract_tb(exc.__traceback__))
-            outcome["error"] = _error_object(type(exc).__name__, str(exc), request_id, stack)
-        finally:
-            environ.set_overlay(None)
-            _handler_thread.output = None
-
-    worker = threading.Thread(target=run, name=f"lambda-{spec.function_name}", daemon=True)
-    worker.start()
-    worker.join(timeout=spec.timeout_s)
+    run = _run_in_this_process if spec.interpreter is None else _run_in_its_process
+    outcome, printed = run(spec, event, request_id)
     elapsed_ms = (time.monotonic() - started) * 1000
-    if worker.is_alive() or time_out:
-        outcome = {"error": _error_object(
+    if outcome is None or time_out:
+        outcome = {"error": error_object(
             "Sandbox.Timedout",
             f"RequestId: {request_id} Error: Task timed out after {spec.timeout_s:.2f} seconds",
             request_id)}
     logs = [f"START RequestId: {request_id} Version: {spec.version}"]
-    logs += "".join(output).splitlines()
+    logs += printed.splitlines()
     if "error" in outcome:
         error = outcome["error"]
         logs.append(f"[ERROR] {error['errorType']}: {error['errorMessage']}")
@@ -411,3 +348,178 @@ def invoke_handler(spec: FunctionSpec, event: Any, time_out: bool = False) -> In
     if "error" in outcome:
         return InvocationResult(json.dumps(outcome["error"]), True, logs)
     return InvocationResult(outcome["payload"], False, logs)
+
+
+def _invocation_deadline(initialised: Callable[[float], bool], timeout_s: float) -> float | None:
+    """When an invocation must end: its timeout counts from the end of its environment's Init
+    (`initialised(seconds)` waits that long for it). An Init not done within its own 10 s goes
+    on within the timeout, as Lambda retries it at the invocation; None if that runs out too."""
+    if initialised(INIT_LIMIT_S):
+        return time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s
+    return deadline if initialised(max(0.0, deadline - time.monotonic())) else None
+
+
+def _context(spec: FunctionSpec, request_id: str, deadline: float) -> LambdaContext:
+    return LambdaContext(spec.function_name, spec.version, spec.function_arn, spec.memory_mb, request_id, deadline)
+
+
+def _run_in_this_process(spec: FunctionSpec, event: Any, request_id: str) -> tuple[dict[str, Any] | None, str]:
+    """The outcome (None if the function outlived its timeout) and what it printed."""
+    environ = install_sandboxes()
+    install_thread_output()
+    modules = lambda_isolation.modules_for(spec.environment_key, spec.function_name, spec.search_path)
+    initialised = threading.Event()
+    outcome: dict[str, Any] = {}
+    output: list[str] = []
+
+    def run() -> None:
+        environ.set_overlay(dict(spec.environment))
+        _handler_thread.output, _handler_thread.modules = output, modules
+        try:
+            invocation = initialise(spec.handler, modules.import_module)  # cached modules once warm
+            initialised.set()
+            outcome.update(invocation(event, _context(spec, request_id, time.monotonic() + spec.timeout_s)))
+        finally:
+            environ.set_overlay(None)
+            _handler_thread.output = _handler_thread.modules = None
+
+    worker = threading.Thread(target=run, name=f"lambda-{spec.function_name}", daemon=True)
+    worker.start()
+    deadline = _invocation_deadline(initialised.wait, spec.timeout_s)
+    if deadline is not None:
+        worker.join(timeout=max(0.0, deadline - time.monotonic()))
+    return (None if worker.is_alive() else outcome), "".join(output)
+
+
+def _run_in_its_process(spec: FunctionSpec, event: Any, request_id: str) -> tuple[dict[str, Any] | None, str]:
+    environment = _environments.take(spec)
+    deadline = _invocation_deadline(environment.initialised, spec.timeout_s)
+    if deadline is None:
+        environment.close()
+        return None, ""
+    context = {"function_name": spec.function_name, "function_version": spec.version,
+               "invoked_function_arn": spec.function_arn, "memory_limit_in_mb": spec.memory_mb,
+               "aws_request_id": request_id, "remaining_ms": int((deadline - time.monotonic()) * 1000)}
+    answer = environment.invoke(event, context, deadline)
+    if answer is None:
+        return None, ""
+    _environments.give_back(spec, environment)
+    return answer, answer.pop("output")
+
+
+class _EnvironmentProcess:
+    """One execution environment of a function on another Python: a process of its interpreter
+    running lambda_bootstrap, which does its Init as it starts and then answers one invocation
+    at a time over two pipes."""
+
+    def __init__(self, spec: FunctionSpec):
+        requests_read, requests_write = os.pipe()
+        replies_read, replies_write = os.pipe()
+        self.process = subprocess.Popen(
+            [spec.interpreter, "-I", lambda_bootstrap.__file__, str(requests_read), str(replies_write)],
+            pass_fds=(requests_read, replies_write), stdin=subprocess.DEVNULL, cwd=spec.code_dir,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **spec.environment})
+        os.close(requests_read)
+        os.close(replies_write)
+        self.requests = os.fdopen(requests_write, "w", encoding="utf-8")
+        self.replies = os.fdopen(replies_read, "r", encoding="utf-8")
+        self._init_output: str | None = None
+        """What Init printed, until the first invocation's log takes it; None while Init runs."""
+        self._send({"init": {"handler": spec.handler, "path": [str(folder) for folder in spec.search_path]}})
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self.requests.write(json.dumps(message) + "\n")
+        self.requests.flush()
+
+    def _reply(self, deadline: float) -> str | None:
+        """The next line the environment writes; "" if it ended, None if the deadline came first."""
+        ready, _, _ = select.select([self.replies], [], [], max(0.0, deadline - time.monotonic()))
+        return self.replies.readline() if ready else None
+
+    def initialised(self, wait_s: float) -> bool:
+        """Whether Init is over, waiting up to `wait_s` for it."""
+        if self._init_output is None:
+            line = self._reply(time.monotonic() + wait_s)
+            if line is None:
+                return False
+            self._init_output = json.loads(line)["output"] if line else ""
+        return True
+
+    def invoke(self, event: Any, context: dict[str, Any], deadline: float) -> dict[str, Any] | None:
+        """The environment's answer, its "output" led by what Init printed; None when the deadline
+        passed first (the process is then killed: Lambda resets an environment that timed out)."""
+        try:
+            self._send({"invoke": {"event": event, "context": context}})
+            line = self._reply(deadline)
+        except OSError:  # the pipe broke: the process is gone
+            line = ""
+        if line is None:
+            self.close()
+            return None
+        if not line:
+            status = self.process.wait()
+            self.close()
+            return {"error": error_object("Runtime.ExitError", f"RequestId: {context['aws_request_id']} "
+                                          f"Error: Runtime exited with error: exit status {status}",
+                                          context["aws_request_id"]), "output": ""}
+        answer = json.loads(line)
+        answer["output"] = (self._init_output or "") + answer["output"]
+        self._init_output = ""  # in this invocation's log now
+        return answer
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        for pipe in (self.requests, self.replies):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+        _environments.forget(self)
+
+
+class _EnvironmentPool:
+    """The warm environments of functions on other interpreters, by environment key."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[Any, ...], list[_EnvironmentProcess]] = {}
+        self._living: set[_EnvironmentProcess] = set()
+
+    def take(self, spec: FunctionSpec) -> _EnvironmentProcess:
+        with self._lock:
+            idle = self._idle.get(spec.environment_key)
+            if idle:
+                return idle.pop()
+        environment = _EnvironmentProcess(spec)  # a cold start, outside the lock
+        with self._lock:
+            self._living.add(environment)
+        return environment
+
+    def give_back(self, spec: FunctionSpec, environment: _EnvironmentProcess) -> None:
+        with self._lock:
+            if environment in self._living:
+                self._idle.setdefault(spec.environment_key, []).append(environment)
+
+    def forget(self, environment: _EnvironmentProcess) -> None:
+        with self._lock:
+            self._living.discard(environment)
+            for idle in self._idle.values():
+                if environment in idle:
+                    idle.remove(environment)
+
+    def close_all(self) -> None:
+        with self._lock:
+            living = list(self._living)
+        for environment in living:
+            environment.close()
+
+
+_environments = _EnvironmentPool()
+atexit.register(_environments.close_all)
+
+
+def close_environments() -> None:
+    """End every process environment: their variables name a local cloud that is stopping."""
+    _environments.close_all()

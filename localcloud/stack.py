@@ -51,9 +51,15 @@ class LocalRun:
     """The RunSpec as started (names, bucket and network filled in)."""
 
 
+def execution_history(sfn: Any, execution_arn: str) -> list[dict[str, Any]]:
+    """Every event of an execution, oldest first (GetExecutionHistory gives at most 1000 a page)."""
+    pages = sfn.get_paginator("get_execution_history").paginate(executionArn=execution_arn)
+    return [event for page in pages for event in page["events"]]
+
+
 def states_entered(sfn: Any, execution_arn: str) -> list[str]:
-    history = sfn.get_execution_history(executionArn=execution_arn, maxResults=1000)["events"]
-    return [event["stateEnteredEventDetails"]["name"] for event in history if "stateEnteredEventDetails" in event]
+    return [event["stateEnteredEventDetails"]["name"] for event in execution_history(sfn, execution_arn)
+            if "stateEnteredEventDetails" in event]
 
 
 def agent_lines(instance: Any) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ from localcloud import LocalCloud  # noqa: E402
 from localcloud.deploy import DeployRequest, deploy  # noqa: E402
 from localcloud.imds import serve_fleet  # noqa: E402
 from localcloud.node_boot import publish_artifacts  # noqa: E402
+from localcloud.stack import states_entered  # noqa: E402
 from trainfleet.adapters.ec2_fleet import TAG_RUN  # noqa: E402
 from trainfleet.adapters.run_store import RunNotFound, RunStore  # noqa: E402
 from trainer.checkpoint_catalog import committed_steps, open_store  # noqa: E402
@@ -93,12 +94,6 @@ def execute(sfn, machine: str, name: str, document: dict) -> dict:
     arn = sfn.start_execution(stateMachineArn=machine, name=name, input=json.dumps(document))["executionArn"]
     wait(f"execution {name}", lambda: sfn.describe_execution(executionArn=arn)["status"] != "RUNNING")
     return sfn.describe_execution(executionArn=arn)
-
-
-def states_entered(sfn, execution_arn: str) -> list[str]:
-    history = sfn.get_execution_history(executionArn=execution_arn, maxResults=1000)["events"]
-    return [event["stateEnteredEventDetails"]["name"] for event in history
-            if "stateEnteredEventDetails" in event]
 
 
 def instances_of(ec2, run_name: str) -> dict[str, str]:

@@ -55,10 +55,24 @@ def table_from_template(dynamodb, logical_id: str) -> str:
 
 
 def handlers_zip() -> bytes:
+    return zip_of({f"{HANDLERS_MODULE}.py": HANDLERS_FILE.read_text()})
+
+
+def zip_of(files: dict[str, str]) -> bytes:
+    """A deployment package (or layer) holding `files` (path in the zip -> text)."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
-        archive.write(HANDLERS_FILE, f"{HANDLERS_MODULE}.py")
+        for name, text in files.items():
+            archive.writestr(name, text)
     return buffer.getvalue()
+
+
+def create_function(cloud, files: dict[str, str], handler: str = "app.lambda_handler",
+                    runtime: str = "python3.11", **settings: Any) -> str:
+    """A function whose package holds `files`; its ARN."""
+    return cloud.client("lambda").create_function(
+        FunctionName=unique("fn"), Runtime=runtime, Role=lambda_role(cloud), Handler=handler,
+        Code={"ZipFile": zip_of(files)}, **settings)["FunctionArn"]
 
 
 def lambda_role(cloud) -> str:
@@ -114,8 +128,9 @@ def run_execution(cloud, state_machine_arn: str, payload: Any, timeout_s: float 
 
 
 def history(cloud, execution_arn: str) -> list[dict[str, Any]]:
-    return cloud.client("stepfunctions").get_execution_history(
-        executionArn=execution_arn, maxResults=1000)["events"]
+    from localcloud.stack import execution_history
+
+    return execution_history(cloud.client("stepfunctions"), execution_arn)
 
 
 def event_sink(cloud, pattern: dict[str, Any], **target: Any) -> str:

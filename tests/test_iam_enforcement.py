@@ -168,8 +168,8 @@ def test_each_lambda_function_runs_with_its_execution_roles_credentials(enforced
             Code={"ZipFile": handlers_zip()}, Timeout=10)
         functions[prefix] = (name, role["RoleName"])
     event = json.dumps({"bucket": bucket, "keys": ["runs/x", "artifacts/w.whl"]})
-    # The module-level client is made by the first function and shared with the second (one
-    # process imports the module once); each still signs with its own role.
+    # Each function makes its own module-level client, from the one boto3 default session of the
+    # process (first resolved by the harness); each still signs with its own role.
     outcomes = {prefix: json.loads(cloud.client("lambda").invoke(FunctionName=name, Payload=event)["Payload"].read())
                 for prefix, (name, _) in functions.items()}
     runs_role, artifacts_role = functions["runs"][1], functions["artifacts"][1]

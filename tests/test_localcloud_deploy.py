@@ -379,6 +379,53 @@ Resources:
     assert cloud.client("logs").describe_log_groups(logGroupNamePrefix="never-created-logs")["logGroups"] == []
 
 
+FUNCTION = """
+  {name}:
+    Type: AWS::Serverless::Function
+    Properties:
+      InlineCode: "def handler(event, context):\\n    return event\\n"
+      Handler: index.handler
+      Runtime: {runtime}
+"""
+
+
+def test_lambda_properties_that_change_nothing_locally_are_accepted_and_the_rest_refused(cloud, tmp_path):
+    template = tmp_path / "template.yaml"
+    template.write_text("Transform: AWS::Serverless-2016-10-31\nResources:" + FUNCTION.format(
+        name="Echo", runtime="python3.11") + """      RuntimeManagementConfig: {UpdateRuntimeOn: Auto}
+      SnapStart: {ApplyOn: None}
+      RecursiveLoop: Terminate
+      LoggingConfig: {LogFormat: JSON, ApplicationLogLevel: INFO}
+""")
+    stack = deploy(DeployRequest(template, cloud.endpoint, stack_name=f"{STACKS}inert"))
+    reply = cloud.client("lambda").invoke(FunctionName=stack.resources["Echo"].physical_id, Payload=b'{"n": 1}')
+    assert json.loads(reply["Payload"].read()) == {"n": 1}
+
+    template.write_text(template.read_text() + "      FileSystemConfigs: [{Arn: arn:aws:efs:x, LocalMountPath: /mnt/x}]\n")
+    with pytest.raises(UnsupportedResourcesError, match=r"Echo \(AWS::Lambda::Function\): propert\(y/ies\) "
+                                                        r"\['FileSystemConfigs'\] not supported"):
+        deploy(DeployRequest(template, cloud.endpoint, stack_name=f"{STACKS}efs"))
+
+
+def test_functions_that_cannot_run_here_are_all_refused_before_anything_is_created(cloud, tmp_path):
+    template = tmp_path / "template.yaml"
+    template.write_text("Transform: AWS::Serverless-2016-10-31\nResources:\n"
+                        "  Logs:\n    Type: AWS::Logs::LogGroup\n    Properties: {LogGroupName: never-created-function-logs}"
+                        + FUNCTION.format(name="Node", runtime="nodejs20.x")
+                        + FUNCTION.format(name="Future", runtime="python3.99")
+                        + FUNCTION.format(name="Layered", runtime="python3.11")
+                        + "      Layers: [!Sub 'arn:aws:lambda:${AWS::Region}:999999999999:layer:elsewhere:1']\n")
+    with pytest.raises(UnsupportedResourcesError) as refused:
+        deploy(DeployRequest(template, cloud.endpoint, stack_name=f"{STACKS}unrunnable"))
+    assert refused.value.problems == [
+        "Node: runtime nodejs20.x is not Python: the local cloud runs Python functions only",
+        "Future: runtime python3.99: no python3.99 interpreter is installed here (looked for `python3.99` on PATH); "
+        "install one, or use python3.11",
+        "Layered: layer arn:aws:lambda:us-east-1:999999999999:layer:elsewhere:1 is unknown here: not a layer version "
+        "of the local cloud, nor a public layer it maps (AWS Lambda Powertools for Python)"]
+    assert cloud.client("logs").describe_log_groups(logGroupNamePrefix="never-created-function-logs")["logGroups"] == []
+
+
 def test_a_failed_create_names_the_resource_and_what_came_before(cloud, tmp_path):
     template = tmp_path / "template.yaml"
     template.write_text("""

@@ -1,14 +1,17 @@
 """Lambda in the local cloud: handlers run in-process, reached through the HTTP endpoint."""
 
-import io
 import json
 import os
 import time
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 
-from localcloud_helpers import HANDLERS_MODULE, deploy_function, lambda_role, receive, records, unique
+import pytest
+from botocore.exceptions import ClientError
+
+from localcloud import lambda_runtimes
+from localcloud.lambda_runtimes import public_layer
+from localcloud_helpers import create_function, deploy_function, lambda_role, receive, records, unique, zip_of
 
 
 def invoke(cloud, function_arn, payload):
@@ -107,20 +110,204 @@ def test_invocations_are_logged_to_cloudwatch(local_cloud):
     assert any(message.startswith("REPORT RequestId") for message in messages)
 
 
-def test_different_code_under_a_loaded_module_name_is_refused(local_cloud):
-    invoke(local_cloud, deploy_function(local_cloud, "double"), {"value": 1})  # loads the module
-    package = io.BytesIO()
-    with zipfile.ZipFile(package, "w") as archive:
-        archive.writestr(f"{HANDLERS_MODULE}.py", "def double(event, context):\n    return 0\n")
-    impostor = local_cloud.client("lambda").create_function(
-        FunctionName=unique("impostor"), Runtime="python3.11", Role=lambda_role(local_cloud),
-        Handler=f"{HANDLERS_MODULE}.double", Code={"ZipFile": package.getvalue()})["FunctionArn"]
+APP = """
+from utils import NAME
 
-    error, payload = invoke(local_cloud, impostor, {"value": 1})
+calls = 0
 
-    assert error == "Unhandled"
-    assert payload["errorType"] == "Runtime.ImportModuleError"
-    assert "different code" in payload["errorMessage"]
+
+def lambda_handler(event, context):
+    global calls
+    calls += 1
+    return {"name": NAME, "calls": calls}
+"""
+
+
+def test_functions_each_have_their_own_modules_and_module_state(local_cloud):
+    """The common SAM layout: a folder per function, each with app.py and its helpers, handler
+    app.lambda_handler; each function imports its own, and its module state is its own."""
+    functions = {name: create_function(local_cloud, {"app.py": APP, "utils.py": f"NAME = {name!r}\n"})
+                 for name in ("orders", "payments", "shipping")}
+
+    answers = [(name, invoke(local_cloud, arn, {})) for _ in range(2) for name, arn in functions.items()]
+
+    assert answers == [(name, (None, {"name": name, "calls": calls}))
+                       for calls in (1, 2) for name in functions]
+
+
+SHOP_APP = """
+import importlib
+from concurrent.futures import ThreadPoolExecutor
+
+import shop.words
+from .words import WORD
+
+
+def lambda_handler(event, context):
+    with ThreadPoolExecutor(1) as pool:  # a thread the handler starts imports as the function does
+        by_name = pool.submit(lambda: importlib.import_module("shop.words").WORD).result()
+    return [WORD, shop.words.WORD, by_name]
+"""
+
+
+def test_packages_and_relative_imports_resolve_inside_the_functions_own_package(local_cloud):
+    def package(word):
+        return {"shop/__init__.py": "", "shop/words.py": f"WORD = {word!r}\n", "shop/app.py": SHOP_APP}
+
+    first = create_function(local_cloud, package("first"), handler="shop.app.lambda_handler")
+    second = create_function(local_cloud, package("second"), handler="shop.app.lambda_handler")
+
+    assert invoke(local_cloud, first, {}) == (None, ["first"] * 3)
+    assert invoke(local_cloud, second, {}) == (None, ["second"] * 3)
+
+
+def test_layers_follow_the_package_and_a_later_layer_wins(local_cloud):
+    lam = local_cloud.client("lambda")
+    first, second = (lam.publish_layer_version(LayerName=unique("shared"), Content={"ZipFile": zip_of(files)})[
+        "LayerVersionArn"] for files in ({"python/shared.py": "SOURCE = 'first layer'\n", "python/extra.py": "X = 1\n"},
+                                         {"python/shared.py": "SOURCE = 'second layer'\n"}))
+    arn = create_function(local_cloud, {"app.py": "import extra, shared\n\n"
+                                                  "def lambda_handler(event, context):\n    return shared.SOURCE\n"},
+                          Layers=[first, second])
+
+    assert invoke(local_cloud, arn, {}) == (None, "second layer")
+
+
+POWERTOOLS_V3 = "arn:aws:lambda:us-east-1:017000801446:layer:AWSLambdaPowertoolsPythonV3-{python}-x86_64:7"
+
+
+def test_the_powertools_public_layer_maps_to_the_installed_package(local_cloud):
+    layer = POWERTOOLS_V3.format(python="python311")
+    arn = create_function(local_cloud, {"app.py": "from aws_lambda_powertools import Logger\n\nlogger = Logger()\n\n"
+                                                  "def lambda_handler(event, context):\n"
+                                                  "    logger.info('hello')\n    return 'logged'\n"},
+                          Layers=[layer])
+
+    assert invoke(local_cloud, arn, {}) == (None, "logged")
+    configuration = local_cloud.client("lambda").get_function_configuration(FunctionName=arn)
+    assert [entry["Arn"] for entry in configuration["Layers"]] == [layer]
+
+
+@pytest.mark.parametrize("runtime, layers, reason", [
+    ("nodejs20.x", [], "runtime nodejs20.x is not Python"),
+    ("python3.99", [], "no python3.99 interpreter is installed here"),
+    ("python3.11", ["arn:aws:lambda:us-east-1:999999999999:layer:somebody-elses:3"],
+     "layer arn:aws:lambda:us-east-1:999999999999:layer:somebody-elses:3 is unknown here"),
+    ("python3.11", [POWERTOOLS_V3.format(python="python312")], "is built for python3.12, the function runs python3.11"),
+    ("python3.11", ["arn:aws:lambda:eu-west-1:017000801446:layer:AWSLambdaPowertoolsPythonV2:79"],
+     "carries aws-lambda-powertools 2.x"),
+])
+def test_a_function_that_cannot_run_here_is_refused_when_created(local_cloud, runtime, layers, reason):
+    name = unique("unrunnable")
+    with pytest.raises(ClientError) as refused:
+        local_cloud.client("lambda").create_function(
+            FunctionName=name, Runtime=runtime, Role=lambda_role(local_cloud), Handler="app.lambda_handler",
+            Code={"ZipFile": zip_of({"app.py": ""})}, Layers=layers)
+    assert refused.value.response["Error"]["Code"] == "InvalidParameterValueException"
+    assert f"function {name} cannot run in the local cloud" in str(refused.value) and reason in str(refused.value)
+
+
+def test_public_layer_arns_name_what_they_carry():
+    v3 = public_layer("arn:aws:lambda:eu-west-1:017000801446:layer:AWSLambdaPowertoolsPythonV3-python313-arm64:12")
+    assert (v3.distribution, v3.major, v3.runtime) == ("aws-lambda-powertools", 3, "python3.13")
+    v2 = public_layer("arn:aws:lambda:us-east-1:017000801446:layer:AWSLambdaPowertoolsPythonV2-Arm64:79")
+    assert (v2.major, v2.runtime) == (2, None)
+    assert public_layer("arn:aws-cn:lambda:cn-north-1:498634801083:layer:AWSLambdaPowertoolsPython:3").major == 1
+    assert public_layer("arn:aws:lambda:us-east-1:123456789012:layer:AWSLambdaPowertoolsPythonV3-python312-x86_64:7") is None
+
+
+def test_a_public_layer_with_parts_built_for_this_python_is_refused_for_another(monkeypatch):
+    """pydantic-core, which the Powertools layer bundles (its parser), is compiled for the local
+    cloud's Python: a function on another Python gets it only where that Python has it installed."""
+    layer = public_layer(POWERTOOLS_V3.format(python="python312"))
+    monkeypatch.setattr(lambda_runtimes, "installed_for", lambda executable: frozenset())
+    monkeypatch.setattr(lambda_runtimes, "interpreter_for", lambda runtime: f"/usr/bin/{runtime}")
+    problems = lambda_runtimes.public_layer_problems(layer, "python3.12")
+    assert any("needs pydantic-core" in problem and "install it for python3.12" in problem for problem in problems)
+
+    compiled = frozenset(lambda_runtimes.foreign_distributions(layer, "python3.12"))
+    monkeypatch.setattr(lambda_runtimes, "installed_for", lambda executable: compiled)
+    assert lambda_runtimes.public_layer_problems(layer, "python3.12") == []
+
+
+OTHER_PYTHON_APP = """
+import os
+import sys
+
+import boto3
+
+type Calls = int  # syntax of Python 3.12 and later
+calls: Calls = 0
+print("initialising on", sys.version_info[:2])
+
+
+def lambda_handler(event, context):
+    global calls
+    calls += 1
+    if "sleep" in event:
+        import time
+        time.sleep(event["sleep"])
+    if "import" in event:
+        __import__(event["import"])
+    queues = boto3.client("sqs").list_queues(QueueNamePrefix=event.get("prefix", "none"))
+    return {"python": list(sys.version_info[:2]), "calls": calls, "colour": os.environ["COLOUR"],
+            "queues": len(queues.get("QueueUrls", []))}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["python3.12", "python3.13"])
+def test_a_function_on_another_python_runs_on_that_python_with_only_what_aws_gives_it(local_cloud, runtime):
+    prefix = unique("seen-from")
+    local_cloud.client("sqs").create_queue(QueueName=f"{prefix}-q")
+    arn = create_function(local_cloud, {"app.py": OTHER_PYTHON_APP}, runtime=runtime, Timeout=20,
+                          Environment={"Variables": {"COLOUR": "teal"}})
+    python = [int(part) for part in runtime.removeprefix("python").split(".")]
+
+    first, second = (invoke(local_cloud, arn, {"prefix": prefix}) for _ in range(2))
+    error, host_package = invoke(local_cloud, arn, {"import": "moto"})
+
+    assert first == (None, {"python": python, "calls": 1, "colour": "teal", "queues": 1})
+    assert second[1]["calls"] == 2, "a warm environment keeps its module state"
+    assert (error, host_package["errorType"]) == ("Unhandled", "ModuleNotFoundError"), host_package
+    group = f"/aws/lambda/{arn.rsplit(':', 1)[1]}"
+    messages = [event["message"] for event in local_cloud.client("logs").filter_log_events(logGroupName=group)["events"]]
+    assert f"initialising on ({python[0]}, {python[1]})" in messages
+
+
+SLOW_INIT_APP = """
+import time
+
+time.sleep(1.5)  # the code outside the handler: Lambda's Init phase
+
+
+def lambda_handler(event, context):
+    return context.get_remaining_time_in_millis()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["python3.11", "python3.12"])
+def test_init_has_time_of_its_own_and_the_timeout_counts_from_its_end(local_cloud, runtime):
+    arn = create_function(local_cloud, {"app.py": SLOW_INIT_APP}, runtime=runtime, Timeout=1)
+
+    error, remaining_ms = invoke(local_cloud, arn, {})
+
+    assert error is None, remaining_ms
+    assert 500 < remaining_ms <= 1000
+
+
+@pytest.mark.slow
+def test_a_timed_out_environment_on_another_python_is_replaced(local_cloud):
+    arn = create_function(local_cloud, {"app.py": OTHER_PYTHON_APP}, runtime="python3.12", Timeout=2,
+                          Environment={"Variables": {"COLOUR": "teal"}})
+    invoke(local_cloud, arn, {})
+
+    error, payload = invoke(local_cloud, arn, {"sleep": 10})
+    after = invoke(local_cloud, arn, {})
+
+    assert (error, payload["errorType"]) == ("Unhandled", "Sandbox.Timedout")
+    assert after == (None, {"python": [3, 12], "calls": 1, "colour": "teal", "queues": 0}), "a new environment"
 
 
 def test_event_invocation_is_queued_and_dry_run_runs_nothing(local_cloud, tmp_path):

@@ -1,6 +1,7 @@
 """Step Functions in the local cloud: moto's interpreter with in-process Lambda and the glue."""
 
 import json
+import re
 import subprocess
 from datetime import datetime
 import sys
@@ -276,3 +277,142 @@ def test_executions_send_their_status_changes_to_the_default_bus(local_cloud, tm
     assert (detail["executionArn"], detail["stateMachineArn"]) == (execution, machine)
     assert json.loads(detail["input"]) == {"run_name": "r1"}
     assert isinstance(detail["startDate"], int) and detail["stopDate"] >= detail["startDate"]
+
+
+AWS_TIMESTAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
+"""How the context object gives times: 2019-03-26T20:14:13.192Z (Step Functions guide, Context object)."""
+
+
+def test_context_object_times_are_iso_text_that_states_pass_on(local_cloud):
+    machine = create_state_machine(local_cloud, {"StartAt": "Stamp", "States": {
+        "Stamp": {"Type": "Pass", "Parameters": {"started.$": "$$.Execution.StartTime",
+                                                 "entered.$": "$$.State.EnteredTime"}, "Next": "Context"},
+        "Context": {"Type": "Pass", "QueryLanguage": "JSONata",
+                    "Output": {"stamped": "{% $states.input %}", "context": "{% $states.context %}"}, "End": True}}})
+
+    done = run_execution(local_cloud, machine, {})
+
+    assert done["status"] == "SUCCEEDED", done
+    output = json.loads(done["output"])
+    started, entered = output["stamped"]["started"], output["stamped"]["entered"]
+    assert re.fullmatch(AWS_TIMESTAMP, started) and re.fullmatch(AWS_TIMESTAMP, entered)
+    assert started <= entered
+    assert output["context"]["Execution"]["StartTime"] == started
+    assert output["context"]["State"]["EnteredTime"] >= entered
+
+
+def test_error_names_of_the_states_prefix_are_accepted_as_step_functions_accepts_them(local_cloud):
+    machine = create_state_machine(local_cloud, {"StartAt": "Try", "States": {
+        "Try": {"Type": "Parallel", "Branches": [{"StartAt": "Refuse", "States": {
+                    "Refuse": {"Type": "Fail", "Error": "States.MyCustomError", "Cause": "made up"}}}],
+                "Retry": [{"ErrorEquals": ["States.TaskFailedId"], "MaxAttempts": 5}],  # misspelt: never matches
+                "Catch": [{"ErrorEquals": ["States.MyCustomError"], "ResultPath": "$.caught", "Next": "Caught"}],
+                "End": True},
+        "Caught": {"Type": "Pass", "End": True}}})
+
+    done = run_execution(local_cloud, machine, {})
+
+    assert done["status"] == "SUCCEEDED", done
+    assert json.loads(done["output"])["caught"] == {"Error": "States.MyCustomError", "Cause": "made up"}
+    uncaught = create_state_machine(local_cloud, {"StartAt": "Refuse", "States": {
+        "Refuse": {"Type": "Fail", "Error": "States.MyCustomError", "Cause": "made up"}}})
+    failed = run_execution(local_cloud, uncaught, {})
+    assert (failed["status"], failed["error"], failed["cause"]) == ("FAILED", "States.MyCustomError", "made up")
+
+
+def test_errors_of_parallel_branches_and_map_iterations_keep_name_cause_and_kind(local_cloud):
+    """A branch's States.Timeout reaches the Parallel's catchers as States.Timeout, which
+    States.TaskFailed does not match; a Map iteration's error keeps its name and cause."""
+    sleep = deploy_function(local_cloud, "sleep")
+    caught_by = {"States.TaskFailed": "TaskFailed", "States.Timeout": "Timeout"}
+    machine = create_state_machine(local_cloud, {"StartAt": "Both", "States": {
+        "Both": {"Type": "Parallel", "ResultPath": None, "Branches": [
+                     {"StartAt": "Slow", "States": {"Slow": {"Type": "Task", "Resource": sleep, "TimeoutSeconds": 1,
+                                                             "End": True}}}],
+                 "Catch": [{"ErrorEquals": [error], "ResultPath": "$.parallel", "Next": state}
+                           for error, state in caught_by.items()],
+                 "End": True},
+        "TaskFailed": {"Type": "Fail", "Error": "WrongCatcher"},
+        "Timeout": {"Type": "Map", "ItemsPath": "$.items", "ResultPath": None,
+                    "ItemProcessor": {"StartAt": "Refuse", "States": {
+                        "Refuse": {"Type": "Fail", "Error": "States.Permissions", "Cause": "item refused"}}},
+                    "Catch": [{"ErrorEquals": ["States.Permissions"], "ResultPath": "$.map", "Next": "Done"}],
+                    "End": True},
+        "Done": {"Type": "Succeed"}}})
+
+    done = run_execution(local_cloud, machine, {"seconds": 3, "items": [1]})
+
+    assert done["status"] == "SUCCEEDED", done
+    output = json.loads(done["output"])
+    assert output["parallel"]["Error"] == "States.Timeout"
+    assert output["map"] == {"Error": "States.Permissions", "Cause": "item refused"}
+
+
+def test_choice_compares_against_a_path_into_the_context_object(local_cloud):
+    machine = create_state_machine(local_cloud, {"StartAt": "Same?", "States": {
+        "Same?": {"Type": "Choice", "Choices": [
+                      {"Variable": "$.seen", "StringEqualsPath": "$$.Execution.Input.expected", "Next": "Same"},
+                      {"Variable": "$.count", "NumericGreaterThanPath": "$$.Execution.Input.limit", "Next": "Over"}],
+                  "Default": "Different"},
+        "Same": {"Type": "Pass", "Result": {"went": "same"}, "End": True},
+        "Over": {"Type": "Pass", "Result": {"went": "over"}, "End": True},
+        "Different": {"Type": "Pass", "Result": {"went": "different"}, "End": True}}})
+
+    outcomes = [json.loads(run_execution(local_cloud, machine, payload)["output"])["went"] for payload in (
+        {"seen": "a", "expected": "a", "count": 0, "limit": 1},
+        {"seen": "a", "expected": "b", "count": 2, "limit": 1},
+        {"seen": "a", "expected": "b", "count": 1, "limit": 1})]
+
+    assert outcomes == ["same", "over", "different"]
+
+
+def test_dynamodb_integrations_carry_binary_attribute_values_as_base64_text(local_cloud):
+    table = unique("binary")
+    dynamodb = local_cloud.client("dynamodb")
+    dynamodb.create_table(TableName=table, BillingMode="PAY_PER_REQUEST",
+                          KeySchema=[{"AttributeName": "pk", "KeyType": "HASH"}],
+                          AttributeDefinitions=[{"AttributeName": "pk", "AttributeType": "S"}])
+    item = {"pk": {"S": "blob"}, "one": {"B": "aGVsbG8="}, "many": {"BS": ["aGk=", "dGhlcmU="]},
+            "nested": {"M": {"inner": {"B": "AAE="}, "flags": {"L": [{"BOOL": True}, {"NULL": True}]}}}}
+    machine = create_state_machine(local_cloud, {"StartAt": "Put", "States": {
+        "Put": {"Type": "Task", "Resource": "arn:aws:states:::dynamodb:putItem",
+                "Parameters": {"TableName": table, "Item": item}, "ResultPath": None, "Next": "Get"},
+        "Get": {"Type": "Task", "Resource": "arn:aws:states:::dynamodb:getItem",
+                "Parameters": {"TableName": table, "Key": {"pk": {"S": "blob"}}}, "ResultPath": "$.optimized",
+                "Next": "GetSdk"},
+        "GetSdk": {"Type": "Task", "Resource": "arn:aws:states:::aws-sdk:dynamodb:getItem",
+                   "Parameters": {"TableName": table, "Key": {"pk": {"S": "blob"}}}, "ResultPath": "$.sdk",
+                   "End": True}}})
+
+    done = run_execution(local_cloud, machine, {})
+
+    assert done["status"] == "SUCCEEDED", done
+    output = json.loads(done["output"])
+    assert output["optimized"]["Item"] == item and output["sdk"]["Item"] == item
+    stored = dynamodb.get_item(TableName=table, Key={"pk": {"S": "blob"}})["Item"]
+    assert stored["one"]["B"] == b"hello" and sorted(stored["many"]["BS"]) == [b"hi", b"there"]
+    assert stored["nested"]["M"]["inner"]["B"] == b"\x00\x01"
+
+
+def test_execution_history_pages_in_either_order(local_cloud):
+    machine = create_state_machine(local_cloud, {"StartAt": "A", "States": {
+        "A": {"Type": "Pass", "Next": "B"}, "B": {"Type": "Pass", "End": True}}})
+    execution = run_execution(local_cloud, machine, {})["executionArn"]
+    sfn = local_cloud.client("stepfunctions")
+    everything = [event["id"] for event in sfn.get_execution_history(executionArn=execution)["events"]]
+
+    newest_first, token = [], None
+    while True:
+        page = sfn.get_execution_history(executionArn=execution, reverseOrder=True, maxResults=2,
+                                         **({"nextToken": token} if token else {}))
+        assert len(page["events"]) <= 2
+        newest_first += [event["id"] for event in page["events"]]
+        token = page.get("nextToken")
+        if token is None:
+            break
+
+    assert everything == list(range(1, 7))
+    assert newest_first == everything[::-1]
+    first = sfn.get_execution_history(executionArn=execution, maxResults=2)
+    with pytest.raises(sfn.exceptions.InvalidToken):
+        sfn.get_execution_history(executionArn=execution, reverseOrder=True, nextToken=first["nextToken"])

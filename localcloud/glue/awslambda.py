@@ -1,14 +1,21 @@
-"""Lambda glue: handlers run in this process instead of in Docker.
+"""Lambda glue: handlers run here instead of in Docker.
 
 - Replaces `moto.awslambda.models.LambdaFunction._invoke_lambda`, which starts the function
   in a Docker container (there is no Docker here), with `localcloud.lambda_runtime`: the
-  handler named by the function's Handler string runs in a thread of the server, with a
-  Lambda-like context, the function's environment and timeout, and the runtime's error
+  handler named by the function's Handler string runs on the function's Python (in a thread of
+  the server, its modules its own, or in a process of another interpreter), with a Lambda-like
+  context, the function's environment and timeout, its layers, and the runtime's error
   payloads, and the STS credentials of its execution role (AWS_ACCESS_KEY_ID, ...), as the
   Lambda runtime sets them. Because the server is multi-threaded, a handler can itself call the local
-  endpoint with boto3. What the handler prints goes to the function's log group, and EMF
-  metric lines in it become CloudWatch metrics (`localcloud.emf`), as CloudWatch Logs
-  extracts them from a Lambda function's output.
+  endpoint with boto3. What the handler prints goes to the function's log group (its
+  LoggingConfig's LogGroup if it names one), and EMF metric lines in it become CloudWatch
+  metrics (`localcloud.emf`), as CloudWatch Logs extracts them from a Lambda function's output.
+- moto created any function. A function that cannot run here (a runtime with no interpreter
+  installed, another language, a container image, an unknown layer) is now refused when it is
+  created or its configuration updated (InvalidParameterValueException naming the function and
+  why), not at its first invocation (`localcloud.lambda_runtimes`). Public layers the local
+  cloud maps (AWS Lambda Powertools for Python) are accepted; moto refused every layer ARN of
+  another account.
 - A synchronous invocation that failed (the handler raised, or timed out) is answered with
   X-Amz-Function-Error `Unhandled`, as Lambda answers; moto said `Handled`.
 - `LocalCloud.time_out_invocations(name_part, count)`: the next invocations of a matching
@@ -30,18 +37,24 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
-from moto.awslambda.models import LambdaFunction
+from moto.awslambda.exceptions import InvalidParameterValueException
+from moto.awslambda.models import LambdaFunction, lambda_backends
 
 from localcloud.emf import metric_data
 from localcloud.glue import active_cloud
 from localcloud.glue.iam import role_credentials
-from localcloud.lambda_runtime import FunctionSpec, InvocationResult, invoke_handler, unpack_code
+from localcloud.lambda_runtime import (FunctionSpec, InvocationResult, code_cache_root, invoke_handler,
+                                       layer_folders, unpack_code)
+from localcloud.lambda_runtimes import (HOST_RUNTIME, PublicLayer, function_problems, import_path,
+                                        interpreter_for, public_layer)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +70,11 @@ def function_spec(function: LambdaFunction) -> FunctionSpec:
     cloud = active_cloud()
     assert cloud is not None, "function_spec needs a running LocalCloud"
     code_dir = unpack_code(function.code_bytes, getattr(function, "code_sha_256", ""))
+    layer_dirs, public_layers = _layers(function)
+    interpreter = None if function.run_time == HOST_RUNTIME else interpreter_for(function.run_time)
+    search_path = ((code_dir,) if code_dir else ()) + layer_dirs
+    if interpreter is not None:
+        search_path += (_import_path(function.run_time, public_layers),)
     # As the Lambda runtime does: the execution role's credentials, never the harness's.
     role = role_credentials(function.account_id, function.region, function.role, function.function_name)
     environment = cloud.env() | role | {
@@ -78,7 +96,82 @@ def function_spec(function: LambdaFunction) -> FunctionSpec:
         memory_mb=int(function.memory_size),
         environment=environment,
         code_dir=code_dir,
+        search_path=search_path,
+        interpreter=interpreter,
     )
+
+
+def _layers(function: LambdaFunction) -> tuple[tuple[Path, ...], tuple[PublicLayer, ...]]:
+    """The folders of the function's layers of this local cloud, and the public layers it maps.
+    Lambda extracts layers into /opt in order, a later one's files over an earlier one's: here
+    the later layer's folders come first."""
+    folders: list[Path] = []
+    public = []
+    for layer in reversed(function.layers):
+        mapped = public_layer(layer["Arn"])
+        if mapped is not None:
+            public.append(mapped)
+            continue
+        version = lambda_backends[function.account_id][function.region].layers_versions_by_arn(layer["Arn"])
+        unpacked = unpack_code(version.code_bytes, version.code_sha_256)
+        if unpacked is not None:
+            folders += layer_folders(unpacked, function.run_time)
+    return tuple(folders), tuple(public)
+
+
+@functools.lru_cache(maxsize=None)
+def _import_path(runtime: str, public_layers: tuple[PublicLayer, ...]) -> Path:
+    return import_path(runtime, public_layers, code_cache_root())
+
+
+# --- functions that cannot run here are refused up front ------------------------------------
+
+_moto_function_init = LambdaFunction.__init__
+_moto_update_configuration = LambdaFunction.update_configuration
+_moto_configuration = LambdaFunction.get_configuration
+_moto_layers_data = LambdaFunction._get_layers_data
+
+
+def refuse_unrunnable(function_name: str, runtime: str | None, package_type: str | None,
+                      layers: list[str], account_id: str, region: str) -> None:
+    """InvalidParameterValueException naming the function and why, if it cannot run here."""
+    backend = lambda_backends[account_id][region]
+    problems = function_problems(runtime, package_type, layers,
+                                 lambda arn: backend.layers_versions_by_arn(arn) is not None)
+    if problems:
+        raise InvalidParameterValueException(
+            f"function {function_name} cannot run in the local cloud: {'; '.join(problems)}")
+
+
+def _create_runnable(self: LambdaFunction, account_id: str, spec: dict[str, Any], region: str,
+                     version: str | int = 1) -> None:
+    if active_cloud() is not None:
+        refuse_unrunnable(spec.get("FunctionName", "?"), spec.get("Runtime"), spec.get("PackageType"),
+                          spec.get("Layers", []), account_id, region)
+    _moto_function_init(self, account_id, spec, region, version)
+    # moto drops LoggingConfig: kept here, and its LogGroup is where the function's logs go.
+    given = spec.get("LoggingConfig") or {}
+    self.logging_config = {"LogFormat": given.get("LogFormat", "Text"),
+                           "LogGroup": given.get("LogGroup") or self.logs_group_name,
+                           **{key: given[key] for key in ("ApplicationLogLevel", "SystemLogLevel") if key in given}}
+    self.logs_group_name = self.logging_config["LogGroup"]
+
+
+def _update_runnable(self: LambdaFunction, config_updates: dict[str, Any]) -> dict[str, Any]:
+    if active_cloud() is not None and ("Runtime" in config_updates or "Layers" in config_updates):
+        current = [layer["Arn"] for layer in self.layers]
+        refuse_unrunnable(self.function_name, config_updates.get("Runtime", self.run_time), self.package_type,
+                          config_updates.get("Layers", current), self.account_id, self.region)
+    return _moto_update_configuration(self, config_updates)
+
+
+def _layers_data(self: LambdaFunction, layer_arns: list[str]) -> list[dict[str, Any]]:
+    if active_cloud() is None:
+        return _moto_layers_data(self, layer_arns)
+    mapped = {arn for arn in layer_arns if public_layer(arn) is not None}
+    local = _moto_layers_data(self, [arn for arn in layer_arns if arn not in mapped])
+    by_arn = {layer["Arn"]: layer for layer in local} | {arn: {"Arn": arn, "CodeSize": 0} for arn in mapped}
+    return [by_arn[arn] for arn in layer_arns]
 
 
 def invoke_function(function: LambdaFunction, event: Any) -> InvocationResult:
@@ -180,20 +273,6 @@ def _invoke_in_process(self: LambdaFunction, event: Any = None) -> tuple[str, bo
     return result.payload, result.errored, "\n".join(result.log_lines)
 
 
-_moto_function_init = LambdaFunction.__init__
-_moto_configuration = LambdaFunction.get_configuration
-
-
-def _function_init(self: LambdaFunction, account_id: str, spec: dict[str, Any], region: str,
-                   version: str | int = 1) -> None:
-    _moto_function_init(self, account_id, spec, region, version)
-    given = spec.get("LoggingConfig") or {}
-    self.logging_config = {"LogFormat": given.get("LogFormat", "Text"),
-                           "LogGroup": given.get("LogGroup") or self.logs_group_name,
-                           **{key: given[key] for key in ("ApplicationLogLevel", "SystemLogLevel") if key in given}}
-    self.logs_group_name = self.logging_config["LogGroup"]
-
-
 def _configuration(self: LambdaFunction, on_create: bool = False) -> dict[str, Any]:
     return _moto_configuration(self, on_create) | {"LoggingConfig": self.logging_config}
 
@@ -201,5 +280,7 @@ def _configuration(self: LambdaFunction, on_create: bool = False) -> dict[str, A
 def apply() -> None:
     LambdaFunction._invoke_lambda = _invoke_in_process
     LambdaFunction.invoke = _invoke
-    LambdaFunction.__init__ = _function_init
+    LambdaFunction.__init__ = _create_runnable
+    LambdaFunction.update_configuration = _update_runnable
     LambdaFunction.get_configuration = _configuration
+    LambdaFunction._get_layers_data = _layers_data

@@ -57,10 +57,35 @@ that. These patches fill the gaps:
 - Payloads: each state's input (as entered) and output (as exited), as the execution history
   records them, is sized in UTF-8 bytes, as Step Functions measures them against its 256 KB
   limit; the largest is kept in `LocalCloud.largest_payloads["states"]`.
+- Context object times: `$$.Execution.StartTime` was a datetime, so any state passing it on
+  (a Parameters field, `$states.context` in JSONata) failed with "Object of type datetime is not
+  JSON serializable", and `$$.State.EnteredTime` had microseconds and "+00:00". Both are now the
+  ISO 8601 text Step Functions gives: UTC, milliseconds, "Z" (2019-03-26T20:14:13.192Z).
+- Error names: the interpreter refused any error name beginning with "States." that the ASL
+  does not define, at parse time in ErrorEquals and at run time in a Fail state, and re-raised
+  a Parallel branch's or Map iteration's error under such a refused name, so a branch that
+  failed with States.Timeout or States.TaskFailed failed its parent with States.Runtime.
+  Step Functions accepts such definitions (a misspelt States.* name in a Retry simply never
+  matches); names now pass through as given, and a branch's error keeps its name, its cause
+  and its kind (a States.Timeout is still not matched by States.TaskFailed).
+- Choice comparators whose `...Path` value is a context path (`"StringEqualsPath":
+  "$$.Execution.Input.expected"`) failed with a JSONPath parse error: the interpreter read the
+  path against the state input only. A `$$.` path now reads the context object, as AWS
+  documents for "variable to variable comparison operators".
+- DynamoDB binary attribute values (B, BS) are base64 text in the JSON Step Functions carries,
+  as in DynamoDB's JSON API; they reached DynamoDB base64-encoded a second time, and a result
+  holding binary (GetItem of such an item) carried raw bytes, which no execution could
+  serialise (DescribeExecution answered 500). Binary now goes in decoded and comes back as
+  base64 text, for the optimized and the aws-sdk integrations alike.
+- GetExecutionHistory returned every event in one page whatever the request said; it now
+  honours maxResults (default 100, at most 1000), reverseOrder and nextToken (a token from
+  other arguments is refused with InvalidToken), as the API documents.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime
 import functools
 import importlib
@@ -76,7 +101,9 @@ from typing import Any
 import botocore.session
 import jsonata
 from botocore import xform_name
+from botocore.model import ListShape, MapShape, Shape, StructureShape
 from moto.stepfunctions.parser.api import HistoryEventType, TaskTimedOutEventDetails
+from moto.stepfunctions.parser.asl.component.common.error_name.error_name import ErrorName
 from moto.stepfunctions.parser.asl.component.common.error_name.failure_event import (
     FailureEvent,
 )
@@ -88,7 +115,11 @@ from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name
 )
 from moto.stepfunctions.parser.asl.component.common.retry import retrier_decl
 from moto.stepfunctions.parser.asl.component.common.timeouts.timeout import Timeout, TimeoutSeconds
+from moto.stepfunctions.parser.asl.component.state import state as state_module
+from moto.stepfunctions.parser.asl.component.state.choice.comparison.operator.factory import Operator
 from moto.stepfunctions.parser.asl.component.state.exec.execute_state import ExecutionState
+from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration import iteration_worker
+from moto.stepfunctions.parser.asl.component.state.exec.state_parallel import branches_decl
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state_task_service import (
     StateTaskService,
 )
@@ -101,6 +132,7 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state
 )
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.state_task import StateTask
 from moto.stepfunctions.parser.asl.component.state.exec.state_task.state_task_lambda import StateTaskLambda
+from moto.stepfunctions.parser.asl.component.state.fail import state_fail
 from moto.stepfunctions.parser.asl.component.state.state import CommonStateField
 from moto.stepfunctions.parser.asl.component.state.wait.wait_function.wait_function import (
     WaitFunction,
@@ -114,13 +146,16 @@ from moto.stepfunctions.parser.asl.eval.callback.callback import (
 )
 from moto.stepfunctions.parser.asl.eval.environment import Environment
 from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
+from moto.stepfunctions.parser.asl.eval.states import StateData
 from moto.stepfunctions.parser.asl.jsonata import jsonata as moto_jsonata
 from moto.stepfunctions.parser.asl.utils import boto_client
 
 from moto.core.exceptions import AWSError
-from moto.core.responses import EmptyResult
+from moto.core.responses import ActionResult, EmptyResult
+from moto.stepfunctions.exceptions import InvalidToken, ValidationException
 from moto.stepfunctions.parser.api import ExecutionStatus, StateMachineType
 from moto.stepfunctions.parser.backend.execution import BaseExecutionWorkerCommunication, Execution
+from moto.stepfunctions.parser.backend.execution_worker import ExecutionWorker
 from moto.stepfunctions.parser.models import StepFunctionsParserBackend
 from moto.stepfunctions.responses import StepFunctionResponse
 
@@ -239,6 +274,27 @@ def _reports_unknown(from_error: Any) -> Any:
     return from_lambda_error
 
 
+# --- error names -------------------------------------------------------------------------
+
+def _any_error_name(self: ErrorName, error_name: str | None) -> None:
+    # CustomErrorName's own check refused names beginning with "States.": the ASL reserves the
+    # prefix for errors the service raises, but Step Functions does not refuse a definition that
+    # uses one of its own making.
+    ErrorName.__init__(self, error_name=error_name)
+
+
+def typed_error_name(error_name: str) -> ErrorName:
+    """The interpreter's ErrorName for an error reported under `error_name`: a name the ASL
+    defines keeps its kind (States.TaskFailed's wildcard passes over them), a heartbeat timeout is
+    also a States.Timeout, and any other name is a custom one."""
+    if error_name == StatesErrorNameType.StatesHeartbeatTimeout.to_name():
+        return HeartbeatTimeoutErrorName()
+    try:
+        return StatesErrorName.from_name(error_name)
+    except ValueError:
+        return CustomErrorName(error_name=error_name)
+
+
 # --- default TimeoutSeconds --------------------------------------------------------------
 
 _moto_execution_state_props = ExecutionState.from_state_props
@@ -268,6 +324,7 @@ def _normalise_parameters(self: StateTaskService, parameters: dict, boto_service
                                  self._get_boto_service_action(service_action_name))
     if operation.input_shape is not None:
         self._to_boto_request(parameters, operation.input_shape)
+        parameters.update(_binary_from_text(parameters, operation.input_shape))
 
 
 def _normalise_response(self: StateTaskService, response: Any, boto_service_name: str | None = None,
@@ -282,9 +339,43 @@ _moto_response_value = StateTaskService._from_boto_response_value
 
 
 def _response_value(response_value: Any) -> Any:
-    if isinstance(response_value, datetime.datetime):
-        return response_value.isoformat()
-    return _moto_response_value(response_value)
+    return _as_json_value(_moto_response_value(response_value))
+
+
+def _as_json_value(value: Any) -> Any:
+    """A result value as Step Functions' JSON carries it: timestamps as ISO 8601 text, binary as
+    base64 text (also inside maps, such as a DynamoDB item's attribute values)."""
+    if isinstance(value, datetime.datetime):
+        return value.isoformat()
+    if isinstance(value, (bytes, bytearray)):
+        return base64.b64encode(value).decode()
+    if isinstance(value, dict):
+        return {key: _as_json_value(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_as_json_value(item) for item in value]
+    return value
+
+
+def _binary_from_text(value: Any, shape: Shape) -> Any:
+    """`value` with every blob given as text decoded from base64, as DynamoDB's JSON API carries
+    its binary attribute values (B, BS) and as they stand in an ASL document.
+
+    moto's own conversion already turned the blobs it reaches into JSON bytes (Lambda's Payload
+    is a JSON document), and it stops at maps, so the text blobs left are those inside maps:
+    DynamoDB's Item, Key and ExpressionAttributeValues."""
+    if isinstance(shape, StructureShape) and isinstance(value, dict):
+        return {key: _binary_from_text(item, shape.members[key]) if key in shape.members else item
+                for key, item in value.items()}
+    if isinstance(shape, ListShape) and isinstance(value, list):
+        return [_binary_from_text(item, shape.member) for item in value]
+    if isinstance(shape, MapShape) and isinstance(value, dict):
+        return {key: _binary_from_text(item, shape.value) for key, item in value.items()}
+    if shape.type_name == "blob" and isinstance(value, str):
+        try:
+            return base64.b64decode(value, validate=True)
+        except binascii.Error as error:
+            raise ValueError(f"binary value {value[:40]!r} is not base64 text: {error}") from error
+    return value
 
 
 # --- StartExecution without a name -------------------------------------------------------
@@ -367,6 +458,105 @@ def _terminated_and_publish(self: BaseExecutionWorkerCommunication) -> None:
         return
     _moto_execution_terminated(self)
     _publish_status(execution)
+
+
+# --- context object times ----------------------------------------------------------------
+
+def aws_timestamp(moment: datetime.datetime) -> str:
+    """A time as the context object gives it: ISO 8601, UTC, milliseconds, "Z"."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    return moment.astimezone(datetime.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+_moto_evaluation_environment = ExecutionWorker._get_evaluation_environment
+
+
+def _environment_with_start_time_text(self: ExecutionWorker) -> Environment:
+    env = _moto_evaluation_environment(self)
+    execution = env.states.context_object.context_object_data["Execution"]
+    execution["StartTime"] = aws_timestamp(execution["StartTime"])
+    return env
+
+
+def _state_data(**fields: Any) -> StateData:
+    """The context's State node, its EnteredTime (moto's isoformat) in the same form."""
+    fields["EnteredTime"] = aws_timestamp(datetime.datetime.fromisoformat(fields["EnteredTime"]))
+    return StateData(**fields)
+
+
+# --- Choice comparators with a context path ------------------------------------------------
+
+def _reading_context_paths(evaluate: Any) -> Any:
+    """A `...Path` comparator's eval that also takes a `$$.` path: for one, the context object
+    stands in for the state input the comparator reads its path from."""
+    def evaluate_path(env: Environment, value: Any) -> None:
+        if not (isinstance(value, str) and value.startswith("$$")):
+            evaluate(env, value)
+            return
+        variable = env.stack.pop()  # on top of the state input, which the comparator peeks at
+        env.stack.extend([env.states.context_object.context_object_data, variable])
+        evaluate(env, "$" + value[2:])
+        outcome = env.stack.pop()
+        env.stack.pop()
+        env.stack.append(outcome)
+
+    return evaluate_path
+
+
+def _path_comparators() -> list[type[Operator]]:
+    found, pending = [], list(Operator.__subclasses__())
+    while pending:
+        operator = pending.pop()
+        pending.extend(operator.__subclasses__())
+        if operator.__name__.endswith("Path"):
+            found.append(operator)
+    return found
+
+
+# --- GetExecutionHistory paging ----------------------------------------------------------
+
+HISTORY_PAGE_DEFAULT = 100
+HISTORY_PAGE_MAX = 1000
+"""GetExecutionHistory's maxResults: 0 or absent means the default; more than the maximum is
+refused (Step Functions API reference)."""
+
+
+def history_page(events: list[Any], reverse: bool, max_results: int,
+                 next_token: str | None) -> tuple[list[Any], str | None]:
+    """One page of an execution's history and the token of the next (None on the last).
+
+    The token records where the next page starts and in which order; one made for the other
+    order is refused, as a token used with changed arguments is."""
+    if not 0 <= max_results <= HISTORY_PAGE_MAX:
+        raise ValidationException(
+            f"1 validation error detected: Value '{max_results}' at 'maxResults' failed to satisfy "
+            f"constraint: Member must have value less than or equal to {HISTORY_PAGE_MAX}")
+    ordered = list(reversed(events)) if reverse else events
+    start = _page_start(next_token, reverse, len(ordered)) if next_token else 0
+    end = start + (max_results or HISTORY_PAGE_DEFAULT)
+    token = None
+    if end < len(ordered):
+        token = base64.urlsafe_b64encode(json.dumps({"start": end, "reverse": reverse}).encode()).decode()
+    return ordered[start:end], token
+
+
+def _page_start(token: str, reverse: bool, count: int) -> int:
+    try:
+        position = json.loads(base64.urlsafe_b64decode(token.encode()))
+        start, same_order = int(position["start"]), position["reverse"] == reverse
+    except (ValueError, TypeError, KeyError, binascii.Error) as error:
+        raise InvalidToken(f"{token!r} is not a token of this history") from error
+    if not same_order or not 0 <= start <= count:
+        raise InvalidToken(f"{token!r} was made for other arguments; keep them unchanged between pages")
+    return start
+
+
+def _get_execution_history(self: StepFunctionResponse) -> ActionResult:
+    history = self.stepfunction_backend.get_execution_history(self._get_param("executionArn"))
+    events, next_token = history_page(history["events"], bool(self._get_param("reverseOrder")),
+                                      int(self._get_param("maxResults") or 0), self._get_param("nextToken"))
+    return ActionResult({"events": events, **({"nextToken": next_token} if next_token else {})})
 
 
 # --- state transitions -----------------------------------------------------------------
@@ -460,3 +650,11 @@ def apply() -> None:
     StateTaskServiceLambda._from_error = _reports_unknown(StateTaskServiceLambda._from_error)
     StateTaskLambda._from_error = _reports_unknown(StateTaskLambda._from_error)
     retrier_decl.time = _ScaledSleepTime
+    CustomErrorName.__init__ = _any_error_name
+    for module in (branches_decl, iteration_worker, state_fail):
+        module.CustomErrorName = typed_error_name  # the name a branch, an iteration or a Fail state reports
+    ExecutionWorker._get_evaluation_environment = _environment_with_start_time_text
+    state_module.StateData = _state_data
+    for comparator in _path_comparators():
+        comparator.eval = staticmethod(_reading_context_paths(comparator.eval))
+    StepFunctionResponse.get_execution_history = _get_execution_history
