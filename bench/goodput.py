@@ -52,7 +52,6 @@ import random
 import statistics
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from enum import Enum
@@ -582,7 +581,7 @@ def main() -> int:
 
     today = month(replace(with_spares, causes=gpu_faults_unnamed(causes)), timings, args.seeds)
     gave_up = today["gave_up_h"]
-    print(f"\ntoday's agent (a GPU fault crashes the trainer and names no node; restarts crash again): "
+    print("\ntoday's agent (a GPU fault crashes the trainer and names no node; restarts crash again): "
           + (f"the run gives up after {statistics.fmean(gave_up):.1f} h (crash loop) in {len(gave_up)} of "
              f"{args.seeds} month(s)" if gave_up else "the run never gives up")
           + f", ETTR {today['ettr']:.4f}")

@@ -129,7 +129,7 @@ def test_the_demo_writes_the_report_and_it_shows_the_kill_and_the_resume(run):
     (failure,) = run["report"]["failures"]
     trained = by_attempt(run["losses"])[0]
     assert failure["last_step"] is not None and failure["resume_step"] <= failure["last_step"] <= max(trained)
-    assert f"INSTANCE_LOST after step " in page and f"resume from step {failure['resume_step']}" in page
+    assert "INSTANCE_LOST after step " in page and f"resume from step {failure['resume_step']}" in page
     assert run["disrupted"]["victim"] in page, "the node replaced"
     assert failure["detection_seconds"] is not None and 0 <= failure["detection_seconds"] < 30
     assert run["report"]["steps_lost"] >= 0

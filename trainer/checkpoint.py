@@ -25,7 +25,6 @@ import dataclasses
 import logging
 import os
 import signal
-import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
