@@ -43,9 +43,10 @@ def node_loss(template: dict) -> dict:
 
 SLOW_DELAY_S = 0.5
 """Each transfer of the slow node waits this long: its links carry at most 8 MB a second."""
-FLEET_CHECK = {"size_mib": 4, "iterations": 2, "busbw_floor_gbytes_per_s": 0.05}
+FLEET_CHECK = {"size_mib": 4, "iterations": 2, "busbw_floor_gbytes_per_s": 0.02}
 """A 4 MiB buffer over loopback all-reduces at hundreds of MB/s on three nodes (0.3 to 0.45
-GB/s measured here); the floor is six times lower, the slow node's links six times lower again."""
+GB/s measured here, on idle cores); the floor is over ten times lower, so a world on cores shared
+with other test runs still passes, and the slow node's links (at most 0.008) are below it."""
 
 
 def slow_node(template: dict) -> dict:

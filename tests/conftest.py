@@ -1,7 +1,9 @@
 """Shared fixtures. AWS is always moto over real HTTP on 127.0.0.1, never hand-written stubs."""
 
+import multiprocessing
 import os
 import socket
+from collections.abc import Callable
 
 import pytest
 
@@ -28,6 +30,20 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+RANK_PRELOAD = ["trainer.train", "trainer.fleet_check"]
+"""What the fork server imports once, so that no rank pays three seconds of importing torch."""
+
+
+def spawn_ranks(function: Callable[..., None], args: tuple, nprocs: int) -> None:
+    """`function(rank, *args)` in `nprocs` processes, joined; an exception in one is raised here.
+    The processes fork from a server that imported torch and the trainer before it ran anything
+    (a fork of this process could inherit a busy thread pool)."""
+    import torch.multiprocessing as torch_mp
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
+    torch_mp.start_processes(function, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 @pytest.fixture(scope="session")

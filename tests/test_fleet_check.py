@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-from conftest import free_port
+from conftest import free_port, spawn_ranks
 from trainer import fleet_check
 from trainer.config import FleetCheckConfig
 from trainer.fleet_check import Link, bus_bandwidth, verdict
@@ -100,7 +100,7 @@ def _world(rank, port, slow_rank, floor, results, world=3, per_node=1):
 def three_nodes(slow_rank: int | None, floor: float) -> list:
     with torch_mp.Manager() as manager:
         results = manager.dict()
-        torch_mp.spawn(_world, args=(free_port(), slow_rank, floor, results), nprocs=3, join=True)
+        spawn_ranks(_world, (free_port(), slow_rank, floor, results), nprocs=3)
         return [results[rank] for rank in range(3)]
 
 
@@ -125,7 +125,7 @@ def test_a_healthy_world_passes_its_floor():
 def test_links_join_nodes_and_carry_every_local_rank(tmp_path):
     with torch_mp.Manager() as manager:
         results = manager.dict()
-        torch_mp.spawn(_world, args=(free_port(), None, 0.001, results, 4, 2), nprocs=4, join=True)
+        spawn_ranks(_world, (free_port(), None, 0.001, results, 4, 2), nprocs=4)
         result = results[0]
     assert result.passed
     assert {(link.source, link.target) for link in [result.slowest_link]} <= {("node-0", "node-1"),

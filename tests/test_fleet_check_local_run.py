@@ -16,7 +16,9 @@ def run() -> dict:
 def test_the_slow_node_is_named_and_replaced_by_the_spare_before_training(run):
     assert run["status"] == "SUCCEEDED", (run["error"], run["cause"])
     slow = run["slow"]
-    (failure,) = run["report"]["failures"]
+    failures = run["report"]["failures"]
+    assert len(failures) == 1, failures
+    (failure,) = failures
     assert failure["failure_class"] == "SLOW_NETWORK" and failure["resume_step"] is None
     blamed = {instance: node["failure"] for instance, node in run["nodes"].items() if node["failure"]}
     assert blamed == {slow: "SLOW_NETWORK"}
@@ -30,14 +32,14 @@ def test_the_slow_node_is_named_and_replaced_by_the_spare_before_training(run):
 
 @pytest.mark.slow
 def test_the_failed_world_trained_no_step_and_its_figures_name_the_slow_node(run):
-    assert list(run["losses"]) == ["1"], "the world that failed its check trained"
+    assert list(run["losses"]) == ["1"], ("the world that failed its check trained", run["report"]["failures"])
     said = [line for lines in run["fleet_checks"].values() for line in lines]
     failed = [line for line in said if line["agent"] == "fleet check failed"]
     assert len(failed) == 1 and failed[0]["attempt"] == 0
     assert f"slow: {run['slow']}" in failed[0]["figures"]
     assert [line["attempt"] for line in said if line["agent"] == "fleet check passed"] == [1]
     latest = run["fleet_check"]
-    assert latest["attempt"] == 1 and latest["passed"] and latest["busbw_gbytes_per_s"] >= 0.05
+    assert latest["attempt"] == 1 and latest["passed"] and latest["busbw_gbytes_per_s"] >= latest["floor_gbytes_per_s"]
 
 
 @pytest.mark.slow

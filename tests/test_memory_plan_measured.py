@@ -19,7 +19,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
-from conftest import free_port
+from conftest import free_port, spawn_ranks
 from trainer.config import load_config
 from trainer.model import GPT
 from trainer.pipeline_parallel import build_pipeline
@@ -195,7 +195,7 @@ def _two_rank_worker(rank: int, port: int, overrides: list[str], layout: list[st
 def test_two_rank_gloo_peak_within_15_percent_on_each_rank(layout):
     with torch_mp.Manager() as manager:
         results = manager.dict()
-        torch_mp.spawn(_two_rank_worker, args=(free_port(), MEASURED[0], layout, results), nprocs=2, join=True)
+        spawn_ranks(_two_rank_worker, (free_port(), MEASURED[0], layout, results), nprocs=2)
         results = dict(results)
     for rank, (measured, planned) in results.items():
         assert abs(planned - measured) <= TOLERANCE * measured, (rank, planned / 2**20, measured / 2**20)

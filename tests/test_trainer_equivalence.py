@@ -1,11 +1,12 @@
 """The core correctness check: parallel training gives the single-process losses.
 
-Same seed and data, 10 steps, fp32 on CPU: one process against pp=2 and pp=4 with every schedule
-the installed torch offers, tensor parallel (tp=2), FSDP (dp=2 sharded, and replicated), and
-their combinations pp=2 x tp=2, pp=2 x FSDP dp=2 and pp=2 x tp=2 x dp=2 (8 ranks). They must agree
-step by step within 1e-4 relative, in the loss and in the gradient norm before clipping (AdamW and
-clipping would hide a wrongly scaled gradient from the loss alone). Each world size is started
-once (gloo, one thread per rank) and trains every layout in turn.
+Same seed and data, 6 steps (two of warm-up, then the decay; resumed at 3), fp32 on CPU: one
+process against pp=2 and pp=4 with every schedule the installed torch offers, tensor parallel
+(tp=2), FSDP (dp=2 sharded, and replicated), and their combinations pp=2 x tp=2, pp=2 x FSDP
+dp=2 and pp=2 x tp=2 x dp=2 (8 ranks). They must agree step by step within 1e-4 relative, in the
+loss and in the gradient norm before clipping (AdamW and clipping would hide a wrongly scaled
+gradient from the loss alone). Each world size is started once (gloo, one thread per rank) and
+trains every layout in turn.
 """
 
 import json
@@ -17,15 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import free_port, spawn_ranks
 from trainer.config import load_config
 from trainer.parallel_dims import SCHEDULES
 from trainer.train import build, environment, train, train_step
 
-STEPS = 10
-RESUME_AT = 5
+STEPS = 6
+RESUME_AT = 3
 
 
 def tiny_config(tmp_path, *overrides: str):
@@ -118,8 +118,7 @@ def curves(history: list[dict]) -> list[list[float]]:
 
 def run_world(world_size: int, tmp_path, single_checkpoint: str) -> dict[str, list[float]]:
     results = tmp_path / f"losses-{world_size}.json"
-    mp.start_processes(_worker, args=(world_size, free_port(), tmp_path, str(results), single_checkpoint),
-                       nprocs=world_size, join=True, start_method="spawn")
+    spawn_ranks(_worker, (world_size, free_port(), tmp_path, str(results), single_checkpoint), nprocs=world_size)
     return json.loads(results.read_text())
 
 
@@ -149,7 +148,7 @@ def assert_same_curves(expected: list[list[float]], actual: list[list[float]], w
 
 
 def test_reference_loss_falls(reference):
-    assert reference[-1][0] < reference[0][0] - 0.5
+    assert reference[-1][0] < reference[0][0] - 0.3
 
 
 # 8 ranks on two cores: about as long as the 2- and 4-rank worlds together.

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import free_port, spawn_ranks
 from trainer import checkpoint_catalog as catalog
 from trainer.checkpoint import Checkpointer
 from trainer.config import CheckpointConfig
@@ -49,7 +48,7 @@ def save_as_replica(rank: int, world: int, port: int, uri: str) -> None:
 
 def test_replicated_tensors_are_written_once_across_data_parallel_ranks(tmp_path: Path):
     uri = str(tmp_path / "checkpoints")
-    mp.start_processes(save_as_replica, args=(2, free_port(), uri), nprocs=2, start_method="spawn")
+    spawn_ranks(save_as_replica, (2, free_port(), uri), nprocs=2)
 
     manifest = catalog.latest_committed(uri)
     one_copy = 3 * PARAMETERS * 4
@@ -61,8 +60,10 @@ def wait_for_a_peer_that_never_comes(rank: int, world: int, port: int, uri: str,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=5))
     checkpointer = Checkpointer(settings(uri), request_signal=None, timeout=timedelta(seconds=3))
-    if rank == 1:
-        time.sleep(20)  # alive, but never joins the checkpoint's collectives
+    if rank == 1:  # alive, but never joins the checkpoint's collectives
+        deadline = time.monotonic() + 20
+        while not Path(elapsed_file).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         return
     started = time.monotonic()
     try:
@@ -74,7 +75,7 @@ def wait_for_a_peer_that_never_comes(rank: int, world: int, port: int, uri: str,
 def test_the_checkpoint_collectives_wait_for_a_peer_as_long_as_their_own_timeout(tmp_path: Path):
     """The Checkpointer's timeout, not the process group's (5 minutes here), bounds its waits."""
     elapsed = tmp_path / "elapsed"
-    mp.start_processes(wait_for_a_peer_that_never_comes, nprocs=2, start_method="spawn",
-                       args=(2, free_port(), str(tmp_path / "checkpoints"), str(elapsed)))
+    spawn_ranks(wait_for_a_peer_that_never_comes, (2, free_port(), str(tmp_path / "checkpoints"), str(elapsed)),
+                nprocs=2)
 
     assert 2.5 < float(elapsed.read_text()) < 15
