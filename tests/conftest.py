@@ -4,6 +4,7 @@ import multiprocessing
 import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -20,10 +21,27 @@ os.environ.update(
 os.environ.setdefault("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")
 
 
+LONGEST_FIRST = (
+    "chaos/test_chaos_fast.py", "test_trainer_equivalence.py", "test_fleet_check_local_run.py",
+    "test_localcloud_scale.py", "checkpoint/test_checkpoint_trainer.py", "test_scaling_check_local_run.py",
+    "test_localcloud_stepfunctions.py", "test_standin_local_run.py", "test_agent_local_run.py",
+    "test_localcloud_faults.py", "test_handlers_capacity_run.py", "test_handlers_local_run.py", "test_agent.py",
+)
+"""The files of a minute or more (measured, longest first), relative to tests/."""
+
+
 def pytest_collection_modifyitems(items):
-    """Files with slow tests first: the workers take whole files in collection order (--dist
-    loadfile), and a file of minutes taken last leaves the other worker idle while it runs."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The longest files first, then the others with slow tests, then the rest: the workers take
+    whole files in collection order (--dist loadfile), and a file of minutes taken last leaves
+    the other workers idle while it runs."""
+    tests = Path(__file__).parent
+
+    def order(item) -> tuple[int, bool]:
+        path = item.path.relative_to(tests).as_posix()
+        rank = LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+        return rank, item.get_closest_marker("slow") is None
+
+    items.sort(key=order)
 
 
 def free_port() -> int:
