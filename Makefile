@@ -16,9 +16,10 @@ $(VENV)/.installed: pyproject.toml
 test: install sam-tools
 	$(PY) -m pytest
 
-# Every fault at every phase of a real local run (tests/chaos, localcloud/chaos.py).
+# Every fault at every phase of a real local run (tests/chaos, localcloud/chaos.py). Two workers:
+# every cell is a real run whose timeouts are seconds, and its modules are split for two.
 chaos: install sam-tools
-	$(PY) -m pytest tests/chaos -m chaos
+	$(PY) -m pytest tests/chaos -m chaos -n 2
 
 demo: install
 	$(PY) -m trainfleet.cli demo

@@ -119,6 +119,25 @@ class LocalInstance:
         return self.workdir.with_name(f"{self.workdir.name}.network-delay")
 
 
+def _strays(instance: LocalInstance, group: int | None) -> list[int]:
+    """The instance's processes besides its process, those that left its process group too
+    (torchrun starts its ranks in sessions of their own): the ones below its process, and those
+    an ended parent left behind, found by working in the instance's folder (its disk). On EC2
+    every one of them ends with the instance. `group`: its process's pid, which leads its group
+    (None: not to be followed)."""
+    folder = str(instance.workdir.resolve())
+    found = set(_descendants(group)) if group is not None else set()
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            where = os.readlink(cwd)
+        except OSError:
+            continue  # ended while listed, or not ours to read
+        if where == folder or where.startswith(folder + os.sep):
+            found.add(int(cwd.parent.name))
+    found.discard(os.getpid())  # never the local cloud itself, whatever its folder
+    return sorted(found - {group})
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below `pid` (its children, theirs, ...), from /proc."""
     children: dict[int, list[int]] = {}
@@ -227,8 +246,12 @@ class LocalFleet:
     # --- fault injection -----------------------------------------------------------------
 
     def kill(self, instance_id: str) -> None:
-        """SIGKILL the instance's processes; the instance then terminates on its own."""
+        """SIGKILL the instance's processes, all of them, as a host that dies; the instance then
+        terminates on its own."""
+        instance = self.get(instance_id)
+        strays = _strays(instance, instance.process.pid if instance.process is not None else None)
         self._signal(instance_id, signal.SIGKILL)
+        _signal_pids(strays, signal.SIGKILL)
 
     def hang(self, instance_id: str) -> None:
         """SIGSTOP the instance's processes: alive, `running`, and doing nothing. All of them, like
@@ -284,11 +307,7 @@ class LocalFleet:
         self.get(instance_id).hung = False
 
     def _signal_descendants(self, instance_id: str, signum: signal.Signals) -> None:
-        for pid in _descendants(self.get(instance_id).process.pid):
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass  # ended meanwhile
+        _signal_pids(_descendants(self.get(instance_id).process.pid), signum)
 
     def _signal(self, instance_id: str, signum: signal.Signals) -> None:
         instance = self.get(instance_id)
@@ -464,16 +483,37 @@ class LocalFleet:
         process = instance.process
         if process is None:
             return
-        if not (isinstance(process, ForkedProcess) and process.returncode is not None):  # see _watch
-            _signal_group(process.pid, signal.SIGCONT)  # a stopped group cannot act on SIGTERM
-            _signal_group(process.pid, signal.SIGTERM)
-            deadline = time.monotonic() + self.cloud.config.shutdown_grace_seconds
-            while _group_alive(process.pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            _signal_group(process.pid, signal.SIGKILL)  # children that outlived their leader
+        group = None if isinstance(process, ForkedProcess) and process.returncode is not None else process.pid
+        strays = _strays(instance, group)  # see _watch: a reaped fork's pid is not ours to follow
+        for signum in (signal.SIGCONT, signal.SIGTERM):  # a stopped process cannot act on SIGTERM
+            if group is not None:
+                _signal_group(group, signum)
+            _signal_pids(strays, signum)
+        deadline = time.monotonic() + self.cloud.config.shutdown_grace_seconds
+        while ((group is not None and _group_alive(group)) or any(map(_alive, strays))) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if group is not None:
+            _signal_group(group, signal.SIGKILL)  # children that outlived their leader
+        _signal_pids(strays, signal.SIGKILL)
         process.wait(timeout=10)
         instance.process = None
         instance.hung = False
+
+
+def _signal_pids(pids: list[int], signum: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass  # ended meanwhile
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _signal_group(pgid: int, signum: signal.Signals) -> None:

@@ -206,6 +206,23 @@ def test_crash_process_kills_one_rank_and_the_instance_lives_on(local_cloud, fak
     assert local_cloud.fleet.process_of(instance_id, "trainer") == pids["trainer"][1]
 
 
+@pytest.mark.parametrize("end", ["terminate", "kill"])
+def test_an_instance_ends_with_every_process_it_ran_a_frozen_one_in_a_session_of_its_own_too(local_cloud, end):
+    """The miniature node's torchrun and ranks run in sessions of their own, as torchrun's ranks
+    do; frozen (a hung host), they cannot act on SIGTERM. On EC2 nothing of an instance outlives it."""
+    instance_id, pids = start_fake_node(local_cloud)
+    everyone = [pid for group in pids.values() for pid in group]
+    local_cloud.fleet.hang(instance_id)
+    local_cloud.wait_until(lambda: all(process_state(pid) == "T" for pid in everyone), 5, "the node to freeze")
+    if end == "kill":
+        local_cloud.fleet.kill(instance_id)
+    else:
+        local_cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
+    local_cloud.fleet.wait_for_state(instance_id, "terminated")
+    local_cloud.wait_until(lambda: all(process_state(pid) in {"Z", "X"} for pid in everyone), 10,
+                           "every process of the instance to end")
+
+
 def test_a_process_fault_names_the_instance_without_such_a_process(local_cloud):
     local_cloud.fleet.boot = lambda instance: [sys.executable, "-c", "import time; time.sleep(60)"]
     instance_id = local_cloud.client("ec2").run_instances(
