@@ -23,9 +23,10 @@ print(json.dumps({"seconds": seconds, "same": dist.isend is distributed_c10d.ise
 
 
 def probe(delay_file) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True,
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(INSTANCE_SITE), "LOCALCLOUD_NETWORK_DELAY_FILE": str(delay_file),
                                "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
