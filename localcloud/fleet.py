@@ -138,15 +138,21 @@ def _strays(instance: LocalInstance, group: int | None) -> list[int]:
     return sorted(found - {group})
 
 
+def _stat(path: Path) -> list[str] | None:
+    """The fields of a /proc/PID/stat after the process's name (state, parent, group, ...); None
+    once the process is gone."""
+    try:
+        return path.read_text().rsplit(")", 1)[1].split()  # the name may hold spaces and parentheses
+    except (OSError, IndexError):
+        return None  # ended while listed
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below `pid` (its children, theirs, ...), from /proc."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name may hold spaces
-        except (OSError, IndexError, ValueError):
-            continue  # ended while listed
-        children.setdefault(parent, []).append(int(stat.parent.name))
+        if (fields := _stat(stat)) is not None:
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
     found, pending = [], [pid]
     while pending:
         for child in children.get(pending.pop(), []):
@@ -510,10 +516,9 @@ def _signal_pids(pids: list[int], signum: signal.Signals) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    """Whether the process runs (or is stopped): neither gone nor a zombie."""
+    fields = _stat(Path(f"/proc/{pid}/stat"))
+    return fields is not None and fields[0] != "Z"
 
 
 def _signal_group(pgid: int, signum: signal.Signals) -> None:
@@ -525,15 +530,8 @@ def _signal_group(pgid: int, signum: signal.Signals) -> None:
 
 def _group_alive(pgid: int) -> bool:
     """Whether the group still has a live (not zombie) member, its leader included."""
-    members = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members += 1
-    return members > 0
+    return any(fields is not None and int(fields[2]) == pgid and fields[0] != "Z"
+               for fields in map(_stat, Path("/proc").glob("[0-9]*/stat")))
 
 
 def _set_reason(backend: Any, instance_id: str, code: str, message: str) -> None:
