@@ -18,7 +18,8 @@ started = time.perf_counter()
 dist.all_reduce(torch.ones(4))
 seconds = time.perf_counter() - started
 operation = dist.P2POp(dist.isend, torch.ones(1), 0)  # refused unless it is c10d's own isend
-print(json.dumps({"seconds": seconds, "same": dist.isend is distributed_c10d.isend}))
+print(json.dumps({"seconds": seconds, "same": dist.isend is distributed_c10d.isend}), flush=True)
+dist.destroy_process_group()  # as the trainer ends: a group left to interpreter exit may abort its threads
 """
 
 
