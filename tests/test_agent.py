@@ -22,7 +22,7 @@ from trainer import agent
 from trainer import checkpoint_catalog as catalog
 from trainer.agent import (AgentError, AgentSettings, Attempt, AttemptFiles, ControlPlane, Identity, MetadataClient,
                            MetricsFollower, failure_kind, torchrun_command, torchrun_env, trainer_config)
-from trainer.progress import PROGRESS_FILE_ENV, write_progress
+from trainer.progress import PROGRESS_FILE_ENV, write_whole
 from trainfleet.adapters.liveness import read_liveness
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.contracts import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointReason, CheckpointRef, FailureClass,
@@ -320,7 +320,7 @@ def test_a_large_runs_agent_looks_at_the_full_rate_once_its_trainer_stalls(watch
     control.clock, control.draw = (lambda: clock["now"]), (lambda: 0.999)
     control.run_nodes, control.hang_timeout_s = 2048, 600
     for step in range(10, 17):  # joined at its resume step, then a step every 2 s
-        write_progress(attempt.files.progress, step)
+        write_whole(attempt.files.progress, f"{step} {step}")
         attempt.follow()
         control.take_look()  # due at the start, full rate, and 10 s later, paced
         clock["now"] += 2.0
@@ -416,8 +416,48 @@ def test_only_node_rank_0_heartbeats_the_start_up(heartbeats):
     peer = Attempt(attempt.control, attempt.metadata, spec)
     peer.files.folder.mkdir(parents=True, exist_ok=True)
     peer.torchrun_started = clock["now"]
-    follow_until(peer, clock, 20.0)
+    for beat in range(8):  # its trainer's signs of life speak for this node alone
+        sign_of_life(peer, None, beat)
+        follow_until(peer, clock, clock["now"] + 2.5)
     assert beats == []
+
+
+def sign_of_life(attempt: Attempt, step: int | None, beats: int) -> None:
+    """What local rank 0's trainer writes after a start-up phase or a microbatch (trainer/progress.py)."""
+    write_whole(attempt.files.progress, f"{'-' if step is None else step} {beats}")
+
+
+def test_a_start_up_that_shows_life_is_heartbeaten_past_the_startup_timeout_until_it_falls_silent(heartbeats):
+    """A start-up of several long phases (imports, the rendezvous, the fleet check, a checkpoint
+    load: on a starved machine each takes long) is not a hang while each phase ends within the
+    startup timeout (60 s here) of the one before: node rank 0 beats on until its trainer has
+    been silent that long."""
+    attempt, clock, beats = heartbeats
+    for phase in range(4):  # a sign of life every 40 s: 160 s of start-up, past the 60 s bound
+        sign_of_life(attempt, None, phase)
+        follow_until(attempt, clock, 40.0 * (phase + 1))
+    follow_until(attempt, clock, 300.0)
+    assert beats == [2.5 * beat for beat in range(72)]  # the last sign at 120 s: beats until 177.5 s
+
+
+def test_a_slow_step_that_shows_life_is_no_hang_and_a_silent_one_is(heartbeats):
+    """Steps of 30 s with a hang timeout of 10 s: global rank 0's trainer gives a sign of life at
+    every microbatch (every 2 s), so its agent beats on between the steps' metrics records; when
+    the trainer falls silent mid-step, so does the heartbeat."""
+    attempt, clock, beats = heartbeats
+    clock["now"] = 100.0  # past the start-up
+    step(attempt, 11)  # its trainer writes metrics: this node speaks for the world
+    follow_until(attempt, clock, 101.0)
+    for microbatch in range(15):  # 30 s of a step, a microbatch every 2 s
+        sign_of_life(attempt, 11, microbatch)
+        follow_until(attempt, clock, clock["now"] + 2.0)
+    step(attempt, 12)
+    for microbatch in range(15, 20):  # then 10 s of the next step, and silence
+        sign_of_life(attempt, 12, microbatch)
+        follow_until(attempt, clock, clock["now"] + 2.0)
+    follow_until(attempt, clock, 200.0)
+    assert all(0 < later - earlier <= 2.5 + agent.LOOK_S for earlier, later in zip(beats, beats[1:]))
+    assert beats[0] == 100.0 and 140.0 <= beats[-1] <= 143.0, beats
 
 
 def test_the_final_save_and_exit_are_heartbeaten_for_at_most_the_startup_timeout(heartbeats):

@@ -92,6 +92,10 @@ def test_local_rank_0_writes_the_nodes_progress_for_its_agent(tmp_path, monkeypa
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert main([*tiny_args(tmp_path), "--training.steps=3"]) == 0
     assert read_progress(progress) == 3
+    # A sign of life for each phase of the start-up (up, world formed, model built, joined at
+    # step 0), each of the 2 microbatches of every step, and each step: the agent tells a slow
+    # step from a silent one by them.
+    assert progress.read_text().split() == ["3", str(4 + 3 * 2 + 3)]
     monkeypatch.setenv("LOCAL_RANK", "1")  # the other ranks of a node leave it to local rank 0
     assert progress_file() is None
 

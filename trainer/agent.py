@@ -40,13 +40,16 @@ instance's process. It speaks to the control plane only through AWS:
    trainer/fleet_check.py; a world below the floor does not train). Before the attempt's first step
    (rendezvous, NCCL set-up, checkpoint load) no trainer writes metrics yet, so the agent of
    node rank 0 heartbeats the start-up, for at most the run's startup timeout after torchrun
-   started; a start that outlasts it is declared hung a hang timeout later. Likewise the end:
-   after the final step the agent that speaks for the world heartbeats while the trainer saves
-   its final checkpoint and exits, for at most the startup timeout. The heartbeat's pace
-   is a quarter of the hang timeout, at most 5 s (trainfleet.pace.heartbeat_pace), and it beats
-   on a thread of its own, judging progress by the metrics file's growth: a call of the watch
-   loop waiting out throttling or an outage (botocore retries, then the agent's backoff) never
-   delays it, so seconds of a slow control plane are not taken for a hang of the world;
+   started or after its trainer's last sign of life; a start that falls silent longer is
+   declared hung a hang timeout later. Likewise the end: after the final step the agent that
+   speaks for the world heartbeats while the trainer saves its final checkpoint and exits, as
+   long. The heartbeat's pace is a quarter of the hang timeout, at most 5 s
+   (trainfleet.pace.heartbeat_pace), and it beats on a thread of its own, judging progress by
+   the metrics file's growth and the speaking trainer's signs of life in its progress file (a
+   microbatch, a start-up phase: trainer/progress.py), so a slow step is not a hang, only a
+   silent world is; and a call of the watch loop waiting out throttling or an outage (botocore
+   retries, then the agent's backoff) never delays it, so seconds of a slow control plane are
+   not taken for a hang of the world either;
 6. torchrun's exit: 0 -> TrainingCompleted; otherwise TrainerFailed with the kind read from its
    output (config error, NaN loss, crash), unless the run has moved on meanwhile: a peer's
    death reaches this node as a crash. EC2's event about a lost peer usually lands within a
@@ -596,6 +599,28 @@ def failure_kind(output: str) -> TrainerFailureKind:
     return TrainerFailureKind.CRASH
 
 
+@dataclass(frozen=True)
+class Life:
+    """What a node's trainer files show of its life at one look: the metrics file's size (global
+    rank 0 appends a record a step) and the progress file's identity (its local rank 0 replaces
+    it whole at every sign of life)."""
+
+    metrics_size: int = 0
+    progress: tuple[int, int] | None = None
+
+    @classmethod
+    def of(cls, files: AttemptFiles) -> Life:
+        try:
+            metrics_size = files.metrics.stat().st_size
+        except FileNotFoundError:
+            metrics_size = 0
+        try:
+            written = files.progress.stat()
+        except FileNotFoundError:
+            return cls(metrics_size)
+        return cls(metrics_size, (written.st_ino, written.st_mtime_ns))
+
+
 class MetricsFollower:
     """New complete lines of the trainer's metrics JSONL (global rank 0 writes one per step)."""
 
@@ -636,8 +661,12 @@ class Attempt:
         self.finished: float | None = None  # control.clock() when the metrics showed the final step
         self.last_heartbeat = self.last_progress = -math.inf
         self.unsent_steps: list[dict[str, Any]] = []  # metrics records of steps no TrainingProgress carried yet
-        self.beaten_metrics_size = 0
-        """The metrics file's size at the last heartbeat: it grows by a record a step."""
+        self.beaten = Life()
+        """What the trainer's files showed at the last heartbeat."""
+        self.seen = Life()
+        """What they showed at the heartbeat thread's last look."""
+        self.alive_at = -math.inf
+        """control.clock() when the heartbeat thread last saw them change: the trainer's last sign of life."""
         self.spot_notice_seen = False
         self.next_metadata_look = -math.inf
         self.commit_awaited_after: int | None = None
@@ -706,18 +735,21 @@ class Attempt:
 
     def beat_if_due(self) -> None:
         """Heartbeat the Train task when a beat is due (heartbeat_every since the last) and the
-        world showed life since: the metrics file grew (global rank 0 appends a record a step),
-        or this node speaks for the world's start-up or wind-down."""
+        world showed life since: the metrics file grew (global rank 0 appends a record a step), or
+        the trainer of the node that speaks for the world gave a sign of life in its progress file
+        (a microbatch, a start-up phase: trainer/progress.py), or the world starts up or winds
+        down and its last sign of life is recent enough. So a world whose steps are slow (a large
+        model, a starved machine) is never taken for a hung one: only a silent one is."""
         token, now = self.spec.heartbeat_task_token, self.control.clock()
+        life = Life.of(self.files)
+        if life != self.seen:
+            self.seen, self.alive_at = life, now
         if token is None or now - self.last_heartbeat < self.heartbeat_every:
             return
-        try:
-            size = self.files.metrics.stat().st_size
-        except FileNotFoundError:
-            size = 0
-        if size > self.beaten_metrics_size or self.starting_up(now) or self.winding_down(now):
+        spoke = life.progress != self.beaten.progress and (self.speaks_for_world or self.speaks_for_start())
+        if life.metrics_size > self.beaten.metrics_size or spoke or self.starting_up(now) or self.winding_down(now):
             self.control.heartbeat(token)
-            self.last_heartbeat, self.beaten_metrics_size = now, size
+            self.last_heartbeat, self.beaten = now, life
 
     def follow(self) -> None:
         """What the node shows since the last look: metrics, this node's progress, a Spot notice.
@@ -780,19 +812,28 @@ class Attempt:
         self.metadata_failing = False
         return notice
 
-    def starting_up(self, now: float) -> bool:
-        """Whether this node heartbeats the attempt's start-up: before the first step no trainer
+    def speaks_for_start(self) -> bool:
+        """Whether this node speaks for the attempt's start-up: before the first step no trainer
         writes metrics, so the agent of node rank 0 (the launch spec's choice, known to every
-        agent) speaks for the world until a step or the startup timeout, whichever comes first."""
-        return (self.node_rank == 0 and not self.stepped and self.torchrun_started is not None
-                and now - self.torchrun_started < self.spec.startup_timeout_seconds)
+        agent) speaks for the world until a step (its trainer's, or one in the metrics file)."""
+        return (self.node_rank == 0 and not self.stepped and self.seen.metrics_size == 0
+                and self.torchrun_started is not None)
+
+    def starting_up(self, now: float) -> bool:
+        """Whether this node heartbeats the attempt's start-up whatever its trainer shows: the
+        phases of a start-up (a rendezvous, NCCL set-up, a checkpoint load from S3) are long and
+        show no step, so node rank 0 beats on until the startup timeout has passed since torchrun
+        started or since its trainer's last sign of life, whichever is later."""
+        return (self.speaks_for_start()
+                and now - max(self.torchrun_started, self.alive_at) < self.spec.startup_timeout_seconds)
 
     def winding_down(self, now: float) -> bool:
         """Whether this node heartbeats the end of a trainer that reached its final step: the final
         checkpoint is saved and the world torn down before torchrun exits (and TrainingCompleted
         answers the task), with no step to show for it. Bounded like the start-up, which it
         mirrors (a checkpoint saved instead of loaded)."""
-        return self.finished is not None and now - self.finished < self.spec.startup_timeout_seconds
+        return (self.finished is not None
+                and now - max(self.finished, self.alive_at) < self.spec.startup_timeout_seconds)
 
     def look(self, run: RunRecord) -> None:
         """At each look at the control plane: this node's liveness, a checkpoint the run asks for,

@@ -50,12 +50,21 @@ class Pipeline:
     """The schedule's stages of this rank (none when pp=1)."""
     clock: ComputeClock | None = None
     """Times this rank's compute while attached (the scaling check)."""
+    on_work: Callable[[], None] | None = None
+    """Called after each microbatch's forward or backward on this rank (its progress file's
+    signs of life: trainer/progress.py)."""
 
     def attach(self, clock: ComputeClock | None) -> None:
         """Time this rank's forward and backward compute on `clock` from now on (None: stop)."""
         self.clock = clock
         for stage in self.stages:
             stage.clock = clock
+
+    def report_work(self, on_work: Callable[[], None]) -> None:
+        """Call `on_work` after each microbatch's forward or backward from now on."""
+        self.on_work = on_work
+        for stage in self.stages:
+            stage.on_work = on_work
 
     @property
     def has_first_stage(self) -> bool:
@@ -92,6 +101,8 @@ class Pipeline:
             loss = cross_entropy_loss(model(x), y)
             (loss / self.microbatches).backward()
             losses.append(loss.detach())
+            if self.on_work:
+                self.on_work()
         return _plain(torch.stack(losses).mean())
 
 
@@ -102,13 +113,19 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
 
 class _TimedStage(PipelineStage):
     """A PipelineStage whose forward and backward compute is timed on `clock` when one is
-    attached. The schedule waits for a microbatch's data before it calls these (the early
-    receives below wait first, then call these), so what is timed is this rank's own work."""
+    attached, and reported to `on_work` when set. The schedule waits for a microbatch's data
+    before it calls these (the early receives below wait first, then call these), so what is
+    timed is this rank's own work."""
 
     clock: ComputeClock | None = None
+    on_work: Callable[[], None] | None = None
 
+    @contextlib.contextmanager
     def _timed(self):
-        return self.clock.timed() if self.clock else contextlib.nullcontext()
+        with self.clock.timed() if self.clock else contextlib.nullcontext():
+            yield
+        if self.on_work:
+            self.on_work()
 
     def forward_one_chunk(self, *args, **kwargs):
         with self._timed():

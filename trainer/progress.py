@@ -2,22 +2,33 @@
 
 Only global rank 0 writes the metrics file, so without this an agent on any other node cannot
 tell whether its trainer joined the rendezvous or still advances. Local rank 0 of every node
-writes the step it completed (the resume step first, once the world is up) to the file named by
-TRAINFLEET_PROGRESS_FILE, replacing it whole; the agent reads it at each look and reports it in
-its liveness record (trainfleet.contracts.NodeLiveness). The agent also names its node to the
-trainer (TRAINFLEET_NODE_NAME, its instance id): the fleet check reports slow nodes by that name.
-Torch-free: the agent imports it.
+writes to the file named by TRAINFLEET_PROGRESS_FILE, replacing it whole, two things:
+- the step it completed (the resume step first, once the world is up), which the agent reports
+  in its liveness record (trainfleet.contracts.NodeLiveness);
+- how many signs of life it gave: each phase of its start-up (the world formed, the fleet
+  checked, the model built) and each microbatch's forward or backward. A step of a large model
+  takes seconds to minutes, and on a starved machine any step can: the agent that speaks for
+  the world takes any change of this file as the world being alive, so that a hang is declared
+  only when the world is silent, not when it is slow (trainer/agent.py, beat_if_due).
+The agent also names its node to the trainer (TRAINFLEET_NODE_NAME, its instance id): the
+fleet check reports slow nodes by that name. Torch-free: the agent imports it.
 """
 
+import math
 import os
+import time
 from pathlib import Path
 
-__all__ = ["PROGRESS_FILE_ENV", "NODE_NAME_ENV", "progress_file", "write_whole", "write_progress", "read_progress"]
+__all__ = ["PROGRESS_FILE_ENV", "NODE_NAME_ENV", "BEAT_WRITE_EVERY_S", "Progress", "progress_file",
+           "write_whole", "read_progress"]
 
 PROGRESS_FILE_ENV = "TRAINFLEET_PROGRESS_FILE"
 """Environment variable naming the file; unset, nothing is written."""
 NODE_NAME_ENV = "TRAINFLEET_NODE_NAME"
 """Environment variable naming the node (trainer/fleet_check.py)."""
+BEAT_WRITE_EVERY_S = 0.5
+"""Signs of life are written at most this often (a microbatch may take a millisecond); a step is
+written at once."""
 
 
 def progress_file() -> Path | None:
@@ -33,13 +44,42 @@ def write_whole(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
-def write_progress(path: Path, step: int) -> None:
-    write_whole(path, str(step))
+class Progress:
+    """This process's progress file, or nothing where it writes none (`path` None)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.step: int | None = None
+        """The last step completed; None before the trainer joined the world."""
+        self.beats = 0
+        self._written_at = -math.inf
+
+    @classmethod
+    def of_this_process(cls) -> "Progress":
+        return cls(progress_file())
+
+    def beat(self) -> None:
+        """A unit of work done (a start-up phase, a microbatch's forward or backward)."""
+        self.beats += 1
+        if time.monotonic() - self._written_at >= BEAT_WRITE_EVERY_S:
+            self._write()
+
+    def reached(self, step: int) -> None:
+        """The world completed `step` (the first call: it joined the world at that step)."""
+        self.step = step
+        self.beats += 1
+        self._write()
+
+    def _write(self) -> None:
+        if self.path is not None:
+            write_whole(self.path, f"{'-' if self.step is None else self.step} {self.beats}")
+        self._written_at = time.monotonic()
 
 
 def read_progress(path: Path) -> int | None:
-    """The last step written, or None before the trainer joined the rendezvous."""
+    """The last step written, or None before the trainer joined the world."""
     try:
-        return int(path.read_text())
-    except FileNotFoundError:
+        step = path.read_text().split()[0]
+    except (FileNotFoundError, IndexError):
         return None
+    return None if step == "-" else int(step)

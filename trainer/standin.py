@@ -54,7 +54,7 @@ from typing import Any, BinaryIO, TextIO
 import yaml
 
 from trainer import checkpoint_catalog as catalog
-from trainer.progress import PROGRESS_FILE_ENV, write_progress
+from trainer.progress import PROGRESS_FILE_ENV, Progress
 
 __all__ = ["StandIn", "StandInThread", "run", "start_thread", "main"]
 
@@ -177,7 +177,7 @@ class StandIn:
                        if key in ("pp", "dp", "tp")}
         self.config_hash = catalog.config_hash(config)
         self.metrics = Path(training["metrics_file"]) if node_rank == 0 and training.get("metrics_file") else None
-        self.progress = Path(environ[PROGRESS_FILE_ENV]) if environ.get(PROGRESS_FILE_ENV) else None
+        self.progress = Progress(Path(environ[PROGRESS_FILE_ENV]) if environ.get(PROGRESS_FILE_ENV) else None)
         self.requests = catalog.SaveRequests(environ.get(catalog.REQUEST_FILE_ENV), None)
         self.store = catalog.open_store(self.uri) if self.uri and node_rank == 0 else None
 
@@ -192,7 +192,7 @@ class StandIn:
             print("stand-in trainer: got SIGTERM at the rendezvous", file=self.out, flush=True)
             return EXIT_SIGNALLED
         step = self.resume_step()
-        self.show_progress(step)
+        self.progress.reached(step)
         if step >= self.steps:
             print(f"nothing to train: resumed at step {step}, training.steps is {self.steps}", file=self.out, flush=True)
             self.record({"step": step, "finished": True})
@@ -204,7 +204,7 @@ class StandIn:
             step += 1
             self.record({"step": step, "loss": 2.0 + 8.0 * math.exp(-step / 200), "grad_norm": 1.0, "lr": 1e-3,
                          "step_time_s": self.step_seconds, "tokens_per_s": self.batch_tokens / self.step_seconds})
-            self.show_progress(step)
+            self.progress.reached(step)
             self.maybe_save(step)
         return 0
 
@@ -218,10 +218,6 @@ class StandIn:
             manifest = catalog.latest_committed(self.uri)
             return manifest.step if manifest else 0
         return 0
-
-    def show_progress(self, step: int) -> None:
-        if self.progress is not None:
-            write_progress(self.progress, step)
 
     def record(self, record: dict[str, Any]) -> None:
         if self.metrics is not None:

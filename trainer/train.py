@@ -38,7 +38,7 @@ from trainer.config import ConfigError, JobConfig, OptimConfig, check_world_size
 from trainer.data import DataLoader, load_tokens
 from trainer.parallel_dims import RankPosition, schedule_class
 from trainer.pipeline_parallel import Pipeline, build_pipeline
-from trainer.progress import progress_file, write_progress
+from trainer.progress import Progress
 
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -295,16 +295,18 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
 
 
-def train(cfg: JobConfig, env: DistributedEnv) -> list[dict]:
-    """Build, train cfg.training.steps steps, return each step's metrics."""
+def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None) -> list[dict]:
+    """Build, train cfg.training.steps steps, return each step's metrics; `progress` hears of
+    every phase, microbatch and step (trainer/progress.py)."""
+    progress = progress or Progress(None)
     run = build(cfg, env)
+    run.pipeline.report_work(progress.beat)
+    progress.beat()
     checkpointer = _checkpointer(cfg) if cfg.checkpoint.uri else None
     if checkpointer:
         checkpointer.resume(run.state)
     history = []
-    progress = progress_file()
-    if progress:
-        write_progress(progress, run.state.step)  # this node joined the world
+    progress.reached(run.state.step)  # this node joined the world
     if run.state.step >= cfg.training.steps:
         run.log_nothing_left()
     scaling = _scaling_check(run)
@@ -312,8 +314,7 @@ def train(cfg: JobConfig, env: DistributedEnv) -> list[dict]:
         metrics = train_step(run)
         run.log(metrics)
         history.append(metrics)
-        if progress:
-            write_progress(progress, run.state.step)
+        progress.reached(run.state.step)
         if checkpointer:
             # The last step is always saved, so a finished run's final state is stored.
             checkpointer.maybe_save(run.state.step, run.state, final=run.state.step == cfg.training.steps)
@@ -365,10 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    progress = Progress.of_this_process()
+    progress.beat()  # the trainer is up (its imports took seconds); the world forms next
     with distributed(cfg) as env:
+        progress.beat()  # the world formed
         if cfg.fleet_check.enabled and env.world_size > 1:
             fleet_check.gate(cfg.fleet_check, env.device)
-        train(cfg, env)
+            progress.beat()
+        train(cfg, env, progress)
     return 0
 
 
