@@ -6,7 +6,8 @@
 A cell is a fault (`Fault`) at a phase (`Phase`) of a two-node pipeline-parallel run with real
 node agents and the real trainer (events/local-demo-run.json made shorter, hang and start-up
 timeouts in seconds), or one of the `EXTRAS` (a second failure during recovery, duplicated and
-out-of-order events, the restart budget spent, a crash loop, StopExecution mid-training). The
+out-of-order events, the restart budget spent, a crash loop, StopExecution mid-training, a
+machine whose CPU is starved). The
 fault hits node rank 1 (its instance, its agent or one trainer rank), or for `recovery` the
 surviving node rank 0, or, for `throttle`, every control-plane service at once. A checkpoint
 load and a recovery happen only after a failure, so those phases start with node rank 1 killed
@@ -16,7 +17,8 @@ Every cell must show (`problems`):
 - the run succeeded (or failed with the reason its policy gives, for the extras that must fail);
 - every attempt's per-step losses equal those of the same training never interrupted (bit for
   bit: CPU, fp32, the same layout and data order);
-- only nodes a fault hit are blamed (and replaced);
+- only nodes a fault hit are blamed (and replaced), and no failure is booked that no fault
+  caused (at most one per fault of a node; none for a throttled or failing control plane);
 - every resume point is a checkpoint whose commit marker S3 had when the attempt's launch spec
   was written (never a partial one), and the newest such (no committed work lost), and after a
   Spot notice not older than the step training had reached when the notice came;
@@ -104,6 +106,9 @@ class Cell:
     phase: Phase | None = None
     must_fail_with: str | None = None
     """Text the execution's failure must name, for a cell whose policy must end the run."""
+    cpu_share: float = 1.0
+    """The share of CPU time the run's instances get (LocalFleet.cpu_share): below 1, a starved
+    machine, slow but never silent, on which no failure may be booked."""
 
 
 SERVICE_FAULTS = (Fault.THROTTLE, Fault.ERROR)
@@ -126,6 +131,7 @@ EXTRAS = [
     Cell("budget-exhausted", must_fail_with="restart budget spent"),
     Cell("crash-loop", must_fail_with="crash loop"),
     Cell("stop-execution"),
+    Cell("starved", cpu_share=0.25),
 ]
 CELLS = {cell.name: cell for cell in MATRIX + EXTRAS}
 
@@ -559,6 +565,7 @@ EXTRA_DISRUPTIONS: dict[str, Callable[[_View, Callable[[], bool]], list[Injectio
     "budget-exhausted": _two_losses,
     "crash-loop": _crash_every_attempt,
     "stop-execution": _stop_mid_training,
+    "starved": lambda view, ended: [],
 }
 
 
@@ -567,6 +574,15 @@ EXTRA_DISRUPTIONS: dict[str, Callable[[_View, Callable[[], bool]], list[Injectio
 def run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any], reference: dict[int, float]) -> dict[str, Any]:
     """Run `template` with the cell's faults; the outcome, its injections and its problems."""
     started = time.monotonic()
+    stack.cloud.fleet.cpu_share = cell.cpu_share  # every instance of the run, replacements too
+    try:
+        return _run_cell(stack, cell, template, reference, started)
+    finally:
+        stack.cloud.fleet.cpu_share = 1.0
+
+
+def _run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any], reference: dict[int, float],
+              started: float) -> dict[str, Any]:
     run = stack.start_run(template)
     commits = _Commits(run.run_name)
     view = _View(stack, run, commits)
@@ -637,6 +653,13 @@ def problems(cell: Cell, outcome: dict[str, Any], reference: dict[int, float], t
     blamed = {instance_id for instance_id, node in outcome["nodes"].items() if node["failure"]}
     if blamed - targets:
         found.append(f"nodes no fault hit were blamed and replaced: {sorted(blamed - targets)}")
+    node_faults = [injection for injection in outcome["injections"] if injection["fault"] not in SERVICE_FAULTS]
+    booked = outcome["report"]["failures"]
+    if len(booked) > len(node_faults):
+        found.append(f"failures booked: {len(booked)}, faults of nodes: {len(node_faults)} (a slow or "
+                     f"throttled world taken for a failed one?): " + "; ".join(
+                         f"attempt {failure['attempt']} {failure['failure_class']}: {failure['message']}"
+                         for failure in booked))
     for kind, names in outcome["leftovers"].items():
         if names:
             found.append(f"{kind} left behind: {names}")

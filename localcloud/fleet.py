@@ -34,6 +34,9 @@ collective or a wedged agent, the host still fine) and crash_process (SIGKILL: a
 by the OOM killer or a segfault), by role: "trainer" is one rank (the lowest-pid process
 running trainer.worker or trainer.train under the instance's torchrun), "agent" the node
 agent alone (trainer.agent, not torchrun or the ranks it started).
+A machine whose cores are shared with others (`cpu_share` below 1) starves every instance
+started after it is set: its processes run only that share of the time (SIGSTOP and SIGCONT in
+turn, as a CPU quota throttles), all of them slower, none of them silent.
 A network cut between two nodes is not provided: it needs packet filtering (root) on the
 shared loopback interface.
 """
@@ -44,6 +47,7 @@ import base64
 import binascii
 import ipaddress
 import logging
+import math
 import os
 import random
 import signal
@@ -217,12 +221,50 @@ def decode_user_data(raw: Any) -> str:
         return text
 
 
+STARVED_PERIOD_S = 0.2
+"""A starved instance's processes run for their share of each such period, and are stopped for the rest."""
+STARVED_LOOKUP_S = 1.0
+"""How often a starved instance's processes are looked up again (/proc is read: a few ms)."""
+
+
+class _Starvation(threading.Thread):
+    """Lets an instance's processes, all of them (its group, and the ranks torchrun starts in
+    sessions of their own), run only `share` of the time: SIGCONT, then SIGSTOP for the rest of
+    each STARVED_PERIOD_S, as a CPU quota does (a container's, or noisy neighbours on shared
+    cores). Ends, leaving them running, when the instance stops running or is frozen."""
+
+    def __init__(self, instance: LocalInstance, process: subprocess.Popen | ForkedProcess, share: float):
+        super().__init__(name=f"starve-{instance.instance_id}", daemon=True)
+        self.instance, self.process, self.share = instance, process, share
+
+    def run(self) -> None:
+        pids: list[int] = []
+        looked_up = -math.inf
+        while self.instance.process is self.process and not self.instance._ending and not self.instance.hung:
+            if time.monotonic() - looked_up > STARVED_LOOKUP_S:
+                pids, looked_up = _descendants(self.process.pid), time.monotonic()
+            _signal_group(self.process.pid, signal.SIGCONT)
+            _signal_pids(pids, signal.SIGCONT)
+            time.sleep(self.share * STARVED_PERIOD_S)
+            if self.instance.process is not self.process or self.instance._ending or self.instance.hung:
+                break
+            _signal_group(self.process.pid, signal.SIGSTOP)
+            _signal_pids(pids, signal.SIGSTOP)
+            time.sleep((1 - self.share) * STARVED_PERIOD_S)
+        if not self.instance.hung:  # a freeze keeps its processes stopped
+            _signal_group(self.process.pid, signal.SIGCONT)
+            _signal_pids(pids, signal.SIGCONT)
+
+
 class LocalFleet:
     def __init__(self, cloud: LocalCloud):
         self.cloud = cloud
         self.boot: BootCommand = boot_user_data
         self.env_hooks: list[Callable[[LocalInstance], dict[str, str]]] = []
         self.image: WarmImage | None = None
+        self.cpu_share = 1.0
+        """The share of CPU time every instance started from now on gets (below 1: starved,
+        _Starvation): a machine whose cores its instances share with others."""
         self._instances: dict[str, LocalInstance] = {}
         self._lock = threading.RLock()
         self._next_address = int(LOOPBACK_POOL.network_address) + 10
@@ -456,6 +498,8 @@ class LocalFleet:
                     stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
         threading.Thread(target=self._watch, args=(instance, instance.process),
                          name=f"watch-{instance.instance_id}", daemon=True).start()
+        if self.cpu_share < 1:
+            _Starvation(instance, instance.process, self.cpu_share).start()
 
     def _watch(self, instance: LocalInstance, process: subprocess.Popen | ForkedProcess) -> None:
         """A process that ends by itself takes its instance down, as a dead host does.

@@ -352,3 +352,32 @@ def test_a_node_boot_rides_out_seconds_of_s3_throttling(local_cloud, tmp_path):
              "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     assert "agent started" in booted.stdout, booted.stdout + booted.stderr
     assert local_cloud.failed_requests[("s3", "throttle")] > 0
+
+
+def test_a_starved_machine_runs_its_instances_their_share_of_the_time_never_none(local_cloud):
+    """cpu_share 0.25: a busy instance gets about a quarter of the CPU time a busy instance
+    started beside it at full share gets (a ratio measured side by side, whatever else loads this
+    machine): slower, never stopped for good."""
+    local_cloud.fleet.boot = lambda instance: [sys.executable, "-c", "while True: pass"]
+    processes = {}
+    for share in (0.25, 1.0):
+        local_cloud.fleet.cpu_share = share
+        instance_id = local_cloud.client("ec2").run_instances(
+            ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+        local_cloud.fleet.wait_for_state(instance_id, "running")
+        local_cloud.wait_until(lambda: local_cloud.fleet.get(instance_id).process is not None, 30, "its process")
+        processes[share] = local_cloud.fleet.get(instance_id).process.pid
+    before = {share: process_cpu_s(pid) for share, pid in processes.items()}
+    local_cloud.wait_until(lambda: process_cpu_s(processes[0.25]) - before[0.25] >= 0.3, 60,
+                           "the starved instance to use 0.3 s of CPU time")
+    used = {share: process_cpu_s(pid) - before[share] for share, pid in processes.items()}
+    assert used[0.25] / used[1.0] < 0.5, f"the starved instance used {used[0.25]:.2f} s, the other {used[1.0]:.2f} s"
+    assert all(process_state(pid) != "X" for pid in processes.values())
+
+
+def process_cpu_s(pid: int) -> float:
+    import os
+    from pathlib import Path
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
