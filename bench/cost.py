@@ -215,7 +215,7 @@ def main() -> int:
         parser.error("--sizes takes two different even node counts (pp=2), e.g. 4,8")
     hang = RecoveryPolicy().hang_timeout_seconds
     rates: dict[int, Rates] = {}
-    with local_stack(lambda message: None, standin_step_s=STEP_S, agent_lifetime_s=3600) as stack:
+    with local_stack(lambda message: None, standin_step_s=STEP_S) as stack:
         for nodes in sizes:
             rates[nodes] = measure(stack, nodes, args.window_s, lambda message: print(message, flush=True))
     for nodes, rate in rates.items():

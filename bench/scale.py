@@ -27,23 +27,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from localcloud.waiting import run_captured
+
 REPO = Path(__file__).resolve().parents[1]
 RATES = ("lambda_invocations", "state_transitions", "dynamodb_reads", "dynamodb_writes", "events_put", "s3_requests",
          "sqs_requests")
-RUN_TIMEOUT_S = 3600
 
 
 def scale_run(nodes: int, spares: int, boot_s: float | None = None) -> dict:
     """One localcloud.scale run in its own process; its figures."""
     started = time.monotonic()
     boot = ["--boot-s", str(boot_s)] if boot_s is not None else []
-    done = subprocess.run([sys.executable, "-m", "localcloud.scale", "--nodes", str(nodes), "--spares", str(spares),
-                           *boot], cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    done = run_captured([sys.executable, "-m", "localcloud.scale", "--nodes", str(nodes), "--spares", str(spares),
+                         *boot], what=f"a scale run of {nodes} nodes", cwd=REPO)
     if done.returncode != 0 or not done.stdout.strip():
         raise RuntimeError(f"{nodes} nodes, {spares} spares failed ({done.returncode}):\n{done.stderr[-4000:]}")
     figures = done.stdout.strip().splitlines()[-1]

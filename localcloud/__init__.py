@@ -29,7 +29,7 @@ LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
       .kill(id) / .hang(id) / .resume(id)     SIGKILL / SIGSTOP / SIGCONT its process group
       .hang_process(id, role) -> pid          SIGSTOP one process: role "trainer" (a rank) or
       .crash_process(id, role) -> pid         "agent"; SIGKILL it (resume continues a hung one)
-      .wait_for_state(id, state, timeout_s)
+      .wait_for_state(id, state)
   .put_event(AwsEvent)                    emit an AWS-service event on the default bus
   .inject_spot_interruption(id, action)   Spot warning, then the interruption
   .inject_rebalance(id)                   EC2 Instance Rebalance Recommendation

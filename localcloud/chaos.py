@@ -34,10 +34,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,7 +49,9 @@ from typing import Any
 import yaml
 
 from localcloud.chaos_route import on_instance
-from localcloud.stack import REPO, LocalRun, LocalStack, agent_lines, local_stack, metrics_records, states_entered
+from localcloud.stack import (REPO, LocalRun, LocalStack, Watch, agent_lines, local_stack, metrics_records,
+                              states_entered)
+from localcloud.waiting import Stalled, run_captured, until
 from trainer.checkpoint_catalog import MARKER_NAME
 
 __all__ = ["Fault", "Phase", "Cell", "MATRIX", "EXTRAS", "CELLS", "chaos_template", "reference_losses",
@@ -138,14 +140,13 @@ CELLS = {cell.name: cell for cell in MATRIX + EXTRAS}
 THROTTLE_S = 4.0
 """How long every control-plane service throttles in a `throttle` cell (real seconds)."""
 CONTROL_PLANE_SERVICES = ("lambda", "dynamodb", "s3", "ec2", "events", "states")
-CELL_TIMEOUT_S = 300.0
-"""Longest a cell may take before it counts as stalled."""
-LEAK_WAIT_S = 60.0
-"""How long the run's placement group may outlive it: the reaper deletes what Teardown found in use."""
+LEAK_STALL_S = 60.0
+"""How long what is left of a run in EC2 may stay as it is before it counts as left behind: the
+reaper (every scaled five minutes: 6 s) deletes what Teardown found still in use."""
 LOOK_S = 0.1
+"""How often the phase watch looks."""
 UNACCOUNTED_TOLERANCE_S = 1e-3
 """The books are exact but for float rounding."""
-"""How often the phase watch looks."""
 SPOT_NOTICE_S = 1500.0
 """Nominal (x time scale 0.02 = 30 s): the two minutes AWS gives would be 2.4 s here, shorter than
 one checkpoint's round trip on these shared cores."""
@@ -166,8 +167,9 @@ def chaos_template(template: dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
-def reference_losses(trainer_config: dict[str, Any], folder: Path, timeout_s: float = 180.0) -> dict[int, float]:
-    """step -> loss of the same training under a plain torchrun on this machine, never interrupted."""
+def reference_losses(trainer_config: dict[str, Any], folder: Path) -> dict[int, float]:
+    """step -> loss of the same training under a plain torchrun on this machine, never interrupted
+    (waited for while its output and metrics grow)."""
     metrics = folder / "metrics.jsonl"
     config = json.loads(json.dumps(trainer_config))
     config["training"]["metrics_file"] = str(metrics)
@@ -178,8 +180,8 @@ def reference_losses(trainer_config: dict[str, Any], folder: Path, timeout_s: fl
                "-m", "trainer.train", "--config", str(folder / "trainer.yaml")]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO)}
-    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout_s,
-                          start_new_session=True)
+    done = run_captured(command, also_watch=[metrics], what="the uninterrupted reference run", cwd=folder, env=env,
+                        start_new_session=True)
     if done.returncode != 0:
         raise RuntimeError(f"the reference run failed ({done.returncode}): {done.stderr[-3000:]}")
     return {record["step"]: record["loss"] for record in map(json.loads, metrics.read_text().splitlines())}
@@ -262,6 +264,11 @@ class _View:
     stack: LocalStack
     run: LocalRun
     commits: _Commits
+    watch: Watch = field(init=False)
+    """Tells whether the run advances (the waits below wait only as long as it does)."""
+
+    def __post_init__(self) -> None:
+        self.watch = self.stack.watch(self.run, narrate=lambda news: self.stack.narrate(f"{self.run.run_name}: {news}"))
 
     def states(self) -> list[str]:
         return states_entered(self.stack.client("stepfunctions"), self.run.arn)
@@ -317,17 +324,16 @@ class _View:
                      if line["agent"] == "starting torchrun" and line["attempt"] == record.attempt), None)
 
 
-def _until(what: str, done: Callable[[], Any], ended: Callable[[], bool], timeout_s: float = CELL_TIMEOUT_S) -> Any:
-    """Poll `done` until it gives something truthy; None when the run ended first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = done()
-        if found:
-            return found
-        if ended():
-            return None
-        time.sleep(LOOK_S)
-    raise TimeoutError(f"no {what} within {timeout_s:.0f} s")
+def _until(view: _View, what: str, done: Callable[[], Any], ended: Callable[[], bool] = lambda: False) -> Any:
+    """Poll `done` until it gives something truthy, while the run advances; None when the run
+    ended first. Stalled once the run showed nothing new for localcloud.waiting.STALL_S."""
+    found: list[Any] = [None]
+
+    def settled() -> bool:
+        found[0] = done()
+        return bool(found[0]) or ended()
+    until(settled, view.watch.progress, what=f"{what} ({view.run.run_name})", poll_s=LOOK_S)
+    return found[0] or None
 
 
 # --- faults -----------------------------------------------------------------------------------
@@ -399,7 +405,7 @@ def _at_checkpoint_request(view: _View, what: str, ended: Callable[[], bool],
             heard.set()
 
     with _S3Requests.listen(listener):
-        return bool(_until(f"checkpoint {what}", heard.is_set, ended))
+        return bool(_until(view, f"checkpoint {what}", heard.is_set, ended))
 
 
 def disrupt(view: _View, cell: Cell, ended: Callable[[], bool]) -> list[Injection]:
@@ -415,9 +421,9 @@ def disrupt(view: _View, cell: Cell, ended: Callable[[], bool]) -> list[Injectio
             done.append(inject(view, fault, target, phase))
 
     if phase is Phase.ALLOCATE:
-        hit(_until("an instance booting", lambda: _first_instance(view, lambda i: _booting(view, i, fault)), ended))
+        hit(_until(view, "an instance booting", lambda: _first_instance(view, lambda i: _booting(view, i, fault)), ended))
     elif phase is Phase.PREFLIGHT:
-        hit(_until("a preflight", lambda: _first_instance(
+        hit(_until(view, "a preflight", lambda: _first_instance(
             view, lambda i: view.said(i, "sent NodeRegistered") and not view.said(i, "sent NodeReady")), ended))
     elif phase is Phase.RENDEZVOUS:
         def starting() -> str | None:
@@ -426,7 +432,7 @@ def disrupt(view: _View, cell: Cell, ended: Callable[[], bool]) -> list[Injectio
             if not target or record is None or record.first_step_at is not None:
                 return None
             return target if fault not in PROCESS_FAULTS or _has_process(view, target, "launcher") else None
-        hit(_until("a rendezvous", starting, ended))
+        hit(_until(view, "a rendezvous", starting, ended))
     elif phase is Phase.TRAINING:
         if _first_checkpoint(view, ended):
             hit(view.node_of_rank(0, 1))
@@ -434,7 +440,7 @@ def disrupt(view: _View, cell: Cell, ended: Callable[[], bool]) -> list[Injectio
         if _at_checkpoint_request(view, "write", ended, view.committed):
             hit(view.node_of_rank(0, 1))
     elif phase is Phase.TEARDOWN:
-        if _until("Teardown", lambda: "Teardown" in view.states(), ended):
+        if _until(view, "Teardown", lambda: "Teardown" in view.states(), ended):
             hit(view.nodes_of_attempt(0)[-1])
     else:
         setup = _kill_rank_1_after_first_checkpoint(view, ended)
@@ -446,7 +452,7 @@ def disrupt(view: _View, cell: Cell, ended: Callable[[], bool]) -> list[Injectio
                 hit(view.node_of_rank(1, 1))
         else:
             state = "RecoveryBackoff" if phase is Phase.BACKOFF else "Recover"
-            if _until(state, lambda: state in view.states(), ended):
+            if _until(view, state, lambda: state in view.states(), ended):
                 hit(next(i for i in view.nodes_of_attempt(0) if i != setup.target))  # the survivor
     return done
 
@@ -464,7 +470,7 @@ def _booting(view: _View, instance_id: str, fault: Fault) -> bool:
 
 def _first_checkpoint(view: _View, ended: Callable[[], bool]) -> Any:
     """Whether a checkpoint committed before the run ended."""
-    return _until("first checkpoint", view.committed, ended)
+    return _until(view, "first checkpoint", view.committed, ended)
 
 
 def _kill_rank_1_after_first_checkpoint(view: _View, ended: Callable[[], bool]) -> Injection | None:
@@ -482,7 +488,7 @@ def _second_failure_in_preflight(view: _View, ended: Callable[[], bool]) -> list
     def replacement_in_preflight() -> str | None:
         return next((i for i in view.nodes_of_attempt(1) if view.said(i, "sent NodeRegistered")
                      and not view.said(i, "sent NodeReady")), None)
-    target = _until("the replacement's preflight", replacement_in_preflight, ended)
+    target = _until(view, "the replacement's preflight", replacement_in_preflight, ended)
     return [setup] + ([inject(view, Fault.KILL, target, Phase.PREFLIGHT)] if target else [])
 
 
@@ -494,7 +500,7 @@ def _with(arm: Callable[[Any], None]) -> Callable[[_View, Callable[[], bool]], l
         arm(cloud)
         try:
             setup = _kill_rank_1_after_first_checkpoint(view, ended)
-            _until("the end of the run", ended, lambda: False)
+            _until(view, "the end of the run", ended)
         finally:
             cloud.clear_event_faults()
         return [setup] if setup else []
@@ -513,7 +519,7 @@ def _two_losses(view: _View, ended: Callable[[], bool]) -> list[Injection]:
     setup = _kill_rank_1_after_first_checkpoint(view, ended)
     if setup is None:
         return []
-    target = _until("attempt 1 training", lambda: view.record() and view.record().attempt == 1
+    target = _until(view, "attempt 1 training", lambda: view.record() and view.record().attempt == 1
                     and view.record().first_step_at and view.node_of_rank(1, 1), ended)
     return [setup] + ([inject(view, Fault.KILL, target, Phase.TRAINING)] if target else [])
 
@@ -525,7 +531,7 @@ def _crash_every_attempt(view: _View, ended: Callable[[], bool]) -> list[Injecti
     step reaches the record after a checkpoint already committed, and the streak is broken.)"""
     done = []
     for attempt in range(CRASH_LOOP_ATTEMPTS):
-        target = _until(f"attempt {attempt}'s trainer", lambda: _trainer_of_rank_1(view, attempt), ended)
+        target = _until(view, f"attempt {attempt}'s trainer", lambda: _trainer_of_rank_1(view, attempt), ended)
         if not target:
             break
         done.append(inject(view, Fault.CRASH, target, Phase.TRAINING))
@@ -574,16 +580,7 @@ EXTRA_DISRUPTIONS: dict[str, Callable[[_View, Callable[[], bool]], list[Injectio
 def run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any], reference: dict[int, float]) -> dict[str, Any]:
     """Run `template` with the cell's faults; the outcome, its injections and its problems."""
     started = time.monotonic()
-    stack.cloud.fleet.cpu_share = cell.cpu_share  # every instance of the run, replacements too
-    try:
-        return _run_cell(stack, cell, template, reference, started)
-    finally:
-        stack.cloud.fleet.cpu_share = 1.0
-
-
-def _run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any], reference: dict[int, float],
-              started: float) -> dict[str, Any]:
-    run = stack.start_run(template)
+    run = stack.start_run(template, cpu_share=cell.cpu_share)
     commits = _Commits(run.run_name)
     view = _View(stack, run, commits)
     ended = stack.ended(run)
@@ -594,9 +591,8 @@ def _run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any], reference
                 injections = disrupt(view, cell, ended)
             except MissedInjection as error:  # the run goes on to its end all the same
                 injections, missed = [], [str(error)]
-            _until("the end of the run", ended, lambda: False)
-            _until("every instance gone", lambda: all(i.state == "terminated" for i in stack.instances(run)),
-                   lambda: False, 60)
+            _until(view, "the end of the run", ended)
+            _until(view, "every instance gone", lambda: all(i.state == "terminated" for i in stack.instances(run)))
         outcome = stack.outcome(run)
     except Exception:
         stack.dump_consoles(run)
@@ -624,10 +620,17 @@ def leftovers(stack: LocalStack, run: LocalRun) -> dict[str, list[str]]:
                                  ec2.describe_launch_templates(Filters=tagged)["LaunchTemplates"]],
         }
 
-    deadline = time.monotonic() + LEAK_WAIT_S
-    while any((found := left()).values()) and time.monotonic() < deadline:
-        time.sleep(1.0)
-    return found
+    snapshot = [left()]
+
+    def progress() -> str:
+        snapshot[0] = left()
+        return json.dumps(snapshot[0], sort_keys=True)
+    try:
+        until(lambda: not any(snapshot[0].values()), progress, what=f"what is left of {run.run_name} to go",
+              stall_s=LEAK_STALL_S, poll_s=1.0)
+    except Stalled:
+        pass  # left behind: the problems name it
+    return snapshot[0]
 
 
 def problems(cell: Cell, outcome: dict[str, Any], reference: dict[int, float], template: dict[str, Any]) -> list[str]:
@@ -697,6 +700,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("cells", nargs="*", help="cells to run (default: all); see --list")
     parser.add_argument("--list", action="store_true", help="print the cells' names and exit")
     parser.add_argument("--quiet", action="store_true", help="no narration on stderr")
+    parser.add_argument("--together", type=int, default=1, metavar="N",
+                        help="run N cells side by side on the one stack (only for cells that fault nodes, not "
+                             "the whole control plane: a throttle would hit every run)")
     args = parser.parse_args(argv)
     if args.list:
         print("\n".join(CELLS))
@@ -712,12 +718,17 @@ def main(argv: list[str] | None = None) -> int:
         if not args.quiet:
             print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="chaos-reference-") as folder:
-        reference = reference_losses(template["trainer"], Path(folder))
-    with local_stack(narrate, spot_notice_seconds=SPOT_NOTICE_S, agent_lifetime_s=CELL_TIMEOUT_S * 2) as stack:
-        for cell in cells:
-            print(json.dumps(run_cell(stack, cell, cell_template(cell, template), reference), default=str),
-                  flush=True)
+    with tempfile.TemporaryDirectory(prefix="chaos-reference-") as folder, ThreadPoolExecutor(1) as beside:
+        # The uninterrupted run trains while the stack is deployed.
+        uninterrupted = beside.submit(reference_losses, template["trainer"], Path(folder))
+        with local_stack(narrate, spot_notice_seconds=SPOT_NOTICE_S) as stack, \
+                ThreadPoolExecutor(max(1, args.together)) as cells_at_once:
+            reference = uninterrupted.result()
+
+            def run(cell: Cell) -> dict[str, Any]:
+                return run_cell(stack, cell, cell_template(cell, template), reference)
+            for outcome in cells_at_once.map(run, cells):
+                print(json.dumps(outcome, default=str), flush=True)
     return 0
 
 

@@ -22,6 +22,7 @@ from aws_xray_sdk import global_sdk_config
 from botocore.config import Config
 
 from localcloud import aws_events, glue
+from localcloud.waiting import sizes
 from localcloud.lambda_runtime import close_environments
 
 if TYPE_CHECKING:
@@ -317,6 +318,16 @@ class LocalCloud:
 
     # --- time and background work --------------------------------------------------------
 
+    def activity(self) -> tuple[Any, ...]:
+        """A snapshot of what advances in this cloud: states entered by executions, the instances'
+        states, what they wrote to their consoles. Not requests or Lambda invocations: agents'
+        looks and schedules (the reaper's) make those while nothing advances."""
+        with self._bookkeeping_lock:
+            transitions = sum(self.state_transitions.values())
+        instances = self.fleet.instances()
+        return (transitions, tuple((instance.instance_id, instance.state) for instance in instances),
+                sizes([instance.console_log for instance in instances]))
+
     def scaled(self, nominal_seconds: float) -> float:
         """Real seconds for a nominal duration (see LocalCloudConfig.time_scale)."""
         return nominal_seconds * self.config.time_scale
@@ -535,15 +546,21 @@ class LocalCloud:
             self.region, self.account_id, instance_ids, event_type_code, category,
             description, event_id=uuid.uuid4().hex))
 
-    def wait_until(self, predicate: Callable[[], bool], timeout_s: float,
-                   what: str, poll_s: float = 0.05) -> None:
-        """Poll `predicate` until true; a TimeoutError names `what` it was waiting for."""
-        deadline = time.monotonic() + timeout_s
+    def wait_until(self, predicate: Callable[[], bool], what: str, poll_s: float = 0.05) -> None:
+        """Poll `predicate` until true, for one event that shows nothing on its way (a state, a
+        process, a delivery): a TimeoutError names `what` it was waiting for once EVENT_WAIT_S
+        passed. A wait for something that advances (a run) waits on its progress instead
+        (localcloud.waiting)."""
+        deadline = time.monotonic() + EVENT_WAIT_S
         while not predicate():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+                raise TimeoutError(f"no sign after {EVENT_WAIT_S:.0f} s of {what}")
             time.sleep(poll_s)
 
+
+EVENT_WAIT_S = 120.0
+"""How long `wait_until` waits for one event: an idle machine shows any of them within seconds, a
+starved one within tens; one that has not come after this will not come."""
 
 INTERNAL_HEADER = "X-Localcloud-Internal"
 """Marks a request of the local cloud's own plumbing (LocalCloud.internal_client)."""

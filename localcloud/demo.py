@@ -42,6 +42,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from localcloud.stack import LocalRun, LocalStack, local_stack
+from localcloud.waiting import Progress
 from trainfleet.contracts import RunSpec, validation_message
 from trainfleet.live_view import watch
 from trainfleet.runs import RunStatus
@@ -78,7 +79,7 @@ LIVE_REFRESH_S = 0.5
 def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None], *,
                        disruption: Literal["kill", "spot", "freeze"] | None = "kill", workdir: Path | None = None,
                        time_scale: float = 0.02, spot_notice_seconds: float = 120.0,
-                       timeout_s: float = 600.0, standin_step_s: float | None = None,
+                       standin_step_s: float | None = None,
                        console: Console | None = None, reports: Path | None = None) -> dict[str, Any]:
     """Deploy, run `template` (its nodes are local instances with real agents), disrupt node
     rank 1 once the first checkpoint is recorded (kill its instance, give it a Spot
@@ -94,22 +95,24 @@ def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None],
     # process (capturing each handler thread's output), and the view must write past it.
     console = console or Console(file=sys.stdout)
     with local_stack(narrate, time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds,
-                     agent_lifetime_s=timeout_s, standin_step_s=standin_step_s) as stack:
+                     standin_step_s=standin_step_s) as stack:
         run = stack.start_run(template)
         try:
             operations = stack.operations()
             disrupted: dict[str, Any] = {}
+            quiet = stack.watch(run, narrate=lambda news: None)
+            advancing = Progress(quiet.progress, what=f"the end of {run.run_name}")
 
-            def disrupt_after_first_checkpoint(status: RunStatus) -> None:
+            def on_look(status: RunStatus) -> None:
+                """Disrupt node rank 1 after the first checkpoint; give up on a run that stopped advancing."""
                 record = status.record
                 if (disruption is not None and not disrupted and status.running and record is not None
                         and record.attempt == 0 and record.latest_checkpoint is not None):
                     disrupted.update(_disrupt_node_rank_1(stack, run, record.latest_checkpoint.step, disruption))
+                advancing.check()
 
-            watch(operations, run.run_name, console, refresh_s=LIVE_REFRESH_S,
-                  on_look=disrupt_after_first_checkpoint, timeout_s=timeout_s)
-            stack.cloud.wait_until(lambda: all(i.state == "terminated" for i in stack.instances(run)), 60,
-                                   f"every instance of {run.run_name} terminated", poll_s=0.5)
+            watch(operations, run.run_name, console, refresh_s=LIVE_REFRESH_S, on_look=on_look)
+            quiet.until(lambda: all(i.state == "terminated" for i in stack.instances(run)), "every instance terminated")
             page = operations.report(run.run_name, (reports or Path(tempfile.mkdtemp(prefix="reports-"))) / run.run_name)
             return stack.outcome(run) | {"disrupted": disrupted or None, "report_page": str(page)}
         except Exception:
@@ -147,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="keep the instances' folders here (default: a temporary folder)")
     parser.add_argument("--reports", type=Path, default=Path("reports"),
                         help="write the run report under this folder, in one named after the run (default: reports)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each phase of the run")
     given = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(given[1:] if given[:1] == ["--"] else given)
     try:
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     disruption = None if args.disruption == "none" else args.disruption
     console = Console(file=sys.stdout)
     outcome = run_on_local_cloud(template, Narrator(console=console), disruption=disruption, workdir=args.workdir,
-                                 timeout_s=args.timeout, reports=args.reports, console=console)
+                                 reports=args.reports, console=console)
     print(f"run report: {outcome['report_page']} (and its plots as PNGs beside it)", flush=True)
     return 0 if outcome["status"] == "SUCCEEDED" else 1
 

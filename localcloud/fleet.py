@@ -34,9 +34,9 @@ collective or a wedged agent, the host still fine) and crash_process (SIGKILL: a
 by the OOM killer or a segfault), by role: "trainer" is one rank (the lowest-pid process
 running trainer.worker or trainer.train under the instance's torchrun), "agent" the node
 agent alone (trainer.agent, not torchrun or the ranks it started).
-A machine whose cores are shared with others (`cpu_share` below 1) starves every instance
-started after it is set: its processes run only that share of the time (SIGSTOP and SIGCONT in
-turn, as a CPU quota throttles), all of them slower, none of them silent.
+A machine whose cores are shared with others (`cpu_share` of an instance below 1) starves the
+instance: its processes run only that share of the time (SIGSTOP and SIGCONT in turn, as a CPU
+quota throttles), all of them slower, none of them silent.
 A network cut between two nodes is not provided: it needs packet filtering (root) on the
 shared loopback interface.
 """
@@ -262,8 +262,8 @@ class LocalFleet:
         self.boot: BootCommand = boot_user_data
         self.env_hooks: list[Callable[[LocalInstance], dict[str, str]]] = []
         self.image: WarmImage | None = None
-        self.cpu_share = 1.0
-        """The share of CPU time every instance started from now on gets (below 1: starved,
+        self.cpu_share: Callable[[LocalInstance], float] = lambda instance: 1.0
+        """The share of CPU time an instance's processes get when it boots (below 1: starved,
         _Starvation): a machine whose cores its instances share with others."""
         self._instances: dict[str, LocalInstance] = {}
         self._lock = threading.RLock()
@@ -287,9 +287,8 @@ class LocalFleet:
         """Boot instances from now on from a warm image with `modules` imported."""
         self.image = WarmImage.start(modules)
 
-    def wait_for_state(self, instance_id: str, state: str, timeout_s: float = 30.0) -> None:
-        self.cloud.wait_until(lambda: self.get(instance_id).state == state, timeout_s,
-                              f"{instance_id} to be {state}")
+    def wait_for_state(self, instance_id: str, state: str) -> None:
+        self.cloud.wait_until(lambda: self.get(instance_id).state == state, f"{instance_id} to be {state}")
 
     # --- fault injection -----------------------------------------------------------------
 
@@ -498,8 +497,9 @@ class LocalFleet:
                     stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
         threading.Thread(target=self._watch, args=(instance, instance.process),
                          name=f"watch-{instance.instance_id}", daemon=True).start()
-        if self.cpu_share < 1:
-            _Starvation(instance, instance.process, self.cpu_share).start()
+        share = self.cpu_share(instance)
+        if share < 1:
+            _Starvation(instance, instance.process, share).start()
 
     def _watch(self, instance: LocalInstance, process: subprocess.Popen | ForkedProcess) -> None:
         """A process that ends by itself takes its instance down, as a dead host does.

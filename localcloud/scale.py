@@ -43,6 +43,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from localcloud.demo import DEMO_RUN_SPEC
 from localcloud.stack import LocalRun, LocalStack, local_stack
+from localcloud.waiting import until
 from trainfleet import pace
 from trainfleet.adapters.run_store import RunNotFound, RunStore
 from trainfleet.contracts import LaunchSpec, RunRecord, RunSpec, RunState
@@ -150,19 +151,24 @@ class RunView:
         except (RunNotFound, BotoCoreError, ClientError):
             return None
 
-    def until(self, what: str, done: Callable[[RunRecord], bool], timeout_s: float) -> RunRecord:
+    def until(self, what: str, done: Callable[[RunRecord], bool]) -> RunRecord:
         """The run record once `done` holds of it (looked at least once); an error when the run
-        ends first or `timeout_s` passes."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            record = self.record()
+        ends first, or when it stopped advancing (localcloud.waiting)."""
+        seen: list[RunRecord | None] = [None]
+
+        def settled() -> RunRecord | None:
+            record = seen[0] = self.record()
             if record is not None and done(record):
                 return record
             if record is not None and record.state.is_final:
                 raise RuntimeError(f"run {self.run.run_name} ended {record.state.value} before {what}: {record.error}")
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"run {self.run.run_name}: no {what} within {timeout_s:.0f} s")
-            time.sleep(LOOK_S)
+            return None
+
+        def progress() -> tuple[Any, ...]:
+            record = seen[0]
+            reached = (record.state, record.attempt, record.last_step, record.latest_checkpoint) if record else None
+            return reached, self.stack.cloud.activity()[0]  # and the states the execution entered
+        return until(settled, progress, what=f"{what} ({self.run.run_name})", poll_s=LOOK_S)
 
     def node_of_rank(self, attempt: int, rank: int) -> str:
         """The instance the attempt's launch spec gives `rank`."""
@@ -189,37 +195,36 @@ def step_seconds(nodes: int) -> float:
 
 
 def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, steady_s: float = STEADY_S,
-              boot_s: float = BOOT_S, narrate: Callable[[str], None] = print,
-              timeout_s: float = 900.0) -> dict[str, Any]:
+              boot_s: float = BOOT_S, narrate: Callable[[str], None] = print) -> dict[str, Any]:
     """One run of `nodes` nodes (and `spares`) through every failure of FAILURES; its figures.
     `boot_s`: seconds an instance stays pending before it boots (LocalCloudConfig.boot_seconds)."""
     step_s = step_s or step_seconds(nodes)
     template = scale_template(nodes, spares, step_s, steady_s)
     interval = template["checkpoint"]["interval_steps"]
     RunSpec.model_validate(template)  # a mistake here is the harness's: say so before deploying
-    with local_stack(narrate, time_scale=TIME_SCALE, standin_step_s=step_s, agent_lifetime_s=3 * timeout_s,
+    with local_stack(narrate, time_scale=TIME_SCALE, standin_step_s=step_s,
                      boot_seconds=boot_s, boot_spread_seconds=(nodes + spares) / BOOTS_PER_SECOND) as stack:
         meter = Meter(stack.cloud)
         meter.start()
         run = stack.start_run(template)
         view = RunView(stack, run)
-        view.until("training", lambda record: record.state is RunState.TRAINING, timeout_s)
+        view.until("training", lambda record: record.state is RunState.TRAINING)
         startup = meter.stop("allocate_to_ready")
         narrate(f"{nodes} nodes ready and training after {startup['seconds']:.1f} s")
         recoveries, resumed_from = [], 0
         for attempt, how in enumerate(FAILURES):
             view.until(f"a checkpoint of attempt {attempt}", lambda record: bool(
-                record.latest_checkpoint) and record.latest_checkpoint.step > resumed_from, timeout_s)
+                record.latest_checkpoint) and record.latest_checkpoint.step > resumed_from)
             meter.stop("training" if attempt == 0 else f"training_{attempt}")
             victim = view.node_of_rank(attempt, VICTIM_RANK[how])
             narrate(f"attempt {attempt}: {how} of {victim} (node rank {VICTIM_RANK[how]})")
             struck = time.monotonic()
             _strike(stack, how, victim)
             training = view.until(f"attempt {attempt + 1} training",
-                                  lambda record: record.attempt > attempt and record.state is RunState.TRAINING, timeout_s)
+                                  lambda record: record.attempt > attempt and record.state is RunState.TRAINING)
             trained_again = time.monotonic()
             stepped = view.until(f"attempt {attempt + 1}'s first step",
-                                 lambda record: record.attempt > attempt and record.first_step_at is not None, timeout_s)
+                                 lambda record: record.attempt > attempt and record.first_step_at is not None)
             stepped_seen = time.monotonic()
             resumed_from = stepped.latest_checkpoint.step if stepped.latest_checkpoint else 0
             counts = meter.stop(f"recovery_{how}")
@@ -235,13 +240,13 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, stead
             raise RuntimeError(f"run {run.run_name}: {window_s:.0f} s of training left after the last recovery, "
                                f"too few for a {steady_s:.0f} s steady window (more steps)")
         time.sleep(window_s)
-        view.until("steady training to go on", lambda record: record.state is RunState.TRAINING, 10.0)
+        view.until("steady training to go on", lambda record: record.state is RunState.TRAINING)
         steady = meter.stop("steady_training")
-        view.until("the end of training", lambda record: record.state in (RunState.TEARING_DOWN, *_FINAL), timeout_s)
+        view.until("the end of training", lambda record: record.state in (RunState.TEARING_DOWN, *_FINAL))
         meter.stop("training_to_end")
-        end = view.until("the end", lambda record: record.state in _FINAL, timeout_s)
-        stack.cloud.wait_until(lambda: all(instance.state == "terminated" for instance in stack.instances(run)),
-                               timeout_s, "every instance to terminate")
+        end = view.until("the end", lambda record: record.state in _FINAL)
+        until(lambda: all(instance.state == "terminated" for instance in stack.instances(run)), stack.cloud.activity,
+              what="every instance to terminate")
         teardown = meter.stop("teardown")
         payloads = {kind: payload._asdict() for kind, payload in stack.cloud.largest_payloads.items()}
         return {

@@ -2,7 +2,7 @@
 
     with local_stack(narrate) as stack:            # LocalCloud + instance metadata + deploy
         run = stack.start_run(template)            # a Step Functions execution of the RunSpec
-        stack.watch(run).until(stack.ended(run), timeout_s)
+        stack.watch(run).until(stack.ended(run), "the end of the run")   # while the run advances
         outcome = stack.outcome(run)               # what happened, as plain data
 
 One stack serves any number of runs, one after another or side by side (each run's instances,
@@ -19,21 +19,27 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from botocore.config import Config
 
+from localcloud.waiting import sizes, until
 from trainfleet.adapters.ec2_fleet import TAG_RUN
 from trainfleet.adapters.run_store import RunNotFound, RunStore
+from trainfleet.contracts import RunRecord
 
 REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
+AGENT_LIFETIME_S = 3600.0
+"""A local agent exits after this long at most, so that none outlives a harness that died without
+ending its instances. Far longer than any local run, however slow the machine: it is no
+timeout of the product's, and one that a slow run could reach would fail it for nothing."""
 PATIENT = Config(retries={"max_attempts": 20, "mode": "standard"})
 """Up to 19 retries with capped exponential backoff: about a minute of a failing service."""
 
@@ -118,6 +124,8 @@ class LocalStack:
     narrate: Callable[[str], None]
     network: tuple[str, str] = ("", "")
     clients: dict[str, Any] = field(default_factory=dict)
+    cpu_shares: dict[str, float] = field(default_factory=dict)
+    """Run name -> the share of CPU time its instances get (LocalFleet.cpu_share; 1 if absent)."""
 
     def client(self, service: str) -> Any:
         """A client that rides out a service throttling or failing for seconds (a chaos cell's
@@ -134,8 +142,11 @@ class LocalStack:
     def store(self) -> RunStore:
         return RunStore(self.client("dynamodb"), self.outputs["RunTableName"])
 
-    def start_run(self, template: dict[str, Any]) -> LocalRun:
+    def start_run(self, template: dict[str, Any], cpu_share: float = 1.0) -> LocalRun:
+        """An execution of `template` under a name of its own; its instances, replacements too,
+        get `cpu_share` of the CPU time (below 1: a starved machine)."""
         run_name = f"{template['run_name']}-{uuid.uuid4().hex[:4]}"
+        self.cpu_shares[run_name] = cpu_share
         spec = local_run_spec(template, run_name, self.bucket, *self.network)
         arn = self.client("stepfunctions").start_execution(
             stateMachineArn=self.outputs["StateMachineArn"], name=run_name, input=json.dumps(spec))["executionArn"]
@@ -167,8 +178,8 @@ class LocalStack:
         """The run's local instances, in launch order."""
         return [instance for instance in self.cloud.fleet.instances() if instance.tags.get(TAG_RUN) == run.run_name]
 
-    def watch(self, run: LocalRun) -> Watch:
-        return Watch(self, run)
+    def watch(self, run: LocalRun, narrate: Callable[[str], None] | None = None) -> Watch:
+        return Watch(self, run, narrate)
 
     def outcome(self, run: LocalRun) -> dict[str, Any]:
         """What happened to `run`, as plain data."""
@@ -221,13 +232,12 @@ class LocalStack:
 
 @contextmanager
 def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, workdir: Path | None = None,
-                spot_notice_seconds: float = 120.0, agent_lifetime_s: float = 600.0,
-                standin_step_s: float | None = None, boot_seconds: float = 2.0,
+                spot_notice_seconds: float = 120.0, standin_step_s: float | None = None, boot_seconds: float = 2.0,
                 boot_spread_seconds: float = 0.0) -> Iterator[LocalStack]:
     """A LocalCloud and its instance metadata service, template.yaml deployed into it, the
     agents' artifacts published and instances booting as node agents. `workdir` keeps the
     instances' folders (None: a temporary folder); `spot_notice_seconds` is nominal, like every
-    local cloud time: scaled by `time_scale`; an agent exits after `agent_lifetime_s` at most;
+    local cloud time: scaled by `time_scale`; an agent exits after AGENT_LIFETIME_S at most;
     `standin_step_s` set, the agents run the stand-in trainer (trainer/standin.py) with steps
     that long (real seconds) in place of torchrun; `boot_seconds`, `boot_spread_seconds`:
     LocalCloudConfig's."""
@@ -257,7 +267,7 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
                         "TRAINFLEET_RUN_NAME": instance.tags[TAG_RUN], "TRAINFLEET_RUN_TABLE": outputs["RunTableName"],
                         "TRAINFLEET_LIVENESS_TABLE": outputs["LivenessTableName"],
                         "TRAINFLEET_BUCKET": stack.bucket, "TRAINFLEET_EVENT_BUS": outputs["AgentEventBusName"],
-                        "TRAINFLEET_AGENT_LIFETIME_S": str(int(agent_lifetime_s)),
+                        "TRAINFLEET_AGENT_LIFETIME_S": str(int(AGENT_LIFETIME_S)),
                         # The notices are as much shorter as time is scaled: so is the pace of the looks.
                         "TRAINFLEET_METADATA_LOOK_S": str(max(LOOK_S, METADATA_LOOK_S * time_scale))} | (
                     {"TRAINFLEET_STANDIN_STEP_S": str(standin_step_s)} if standin_step_s else {})
@@ -267,6 +277,7 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
             cloud.fleet.boot = lambda instance: [sys.executable, "-m", "localcloud.node_boot",
                                                  sys.executable, "-m", "trainer.agent"]
             cloud.fleet.env_hooks.append(agent_environment)
+            cloud.fleet.cpu_share = lambda instance: stack.cpu_shares.get(instance.tags.get(TAG_RUN, ""), 1.0)
             if standin_step_s:  # the large runs: a process of the agent's own a node, forked warm
                 cloud.fleet.use_warm_image(["localcloud.node_boot", "trainer.agent", "trainer.standin"])
             stack.network = _network(stack.client("ec2"))
@@ -276,14 +287,18 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
 
 
 class Watch:
-    """Polls a run's execution, record and instances; narrates what changed."""
+    """Follows a run's execution, record and instances as an operator would; narrates what
+    changed, and tells whether anything did (`progress`)."""
 
-    def __init__(self, stack: LocalStack, run: LocalRun):
+    def __init__(self, stack: LocalStack, run: LocalRun, narrate: Callable[[str], None] | None = None):
         self.stack, self.run = stack, run
+        self.narrate = narrate or stack.narrate
         self.states_seen = 0
         self.instance_states: dict[str, str] = {}
         self.checkpoints_seen: set[int] = set()
         self.fleet_checks_seen: set[int] = set()
+        self.news = "nothing yet"
+        """The last change seen, in words."""
 
     def first_checkpoint(self) -> int | None:
         """The first attempt's latest checkpoint the control plane recorded, while it trains."""
@@ -293,35 +308,46 @@ class Watch:
             return None
         return record.latest_checkpoint.step if record.latest_checkpoint and record.attempt == 0 else None
 
-    def until(self, done: Callable[[], bool], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.look()
-            if done():
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"run {self.run.run_name} did not get there within {timeout_s:.0f} s")
-            time.sleep(0.5)
+    def until(self, done: Callable[[], T], what: str) -> T:
+        """Wait for `done` while the run advances (localcloud.waiting.until)."""
+        return until(done, self.progress, what=f"{what} ({self.run.run_name})")
 
-    def look(self) -> None:
-        narrate = self.stack.narrate
+    def progress(self) -> tuple[Any, ...]:
+        """A snapshot of everything that shows the run advancing: states entered, instance
+        states, the run record's attempt, step and checkpoint, and what its instances wrote (the
+        agents' consoles, the trainers' output, metrics and progress files). Narrates what
+        changed since the last look."""
+        record = self.look()
+        written = sizes([path for instance in self.stack.instances(self.run)
+                         for path in (instance.console_log, *sorted(instance.workdir.glob("attempt-*/*")))])
+        reached = (record.state.value, record.attempt, record.last_step,
+                   record.latest_checkpoint.step if record.latest_checkpoint else None) if record else None
+        return self.states_seen, tuple(sorted(self.instance_states.items())), reached, written, self.news
+
+    def look(self) -> RunRecord | None:
+        """Narrate what changed since the last look; the run record, if there is one yet."""
         states = states_entered(self.stack.client("stepfunctions"), self.run.arn)
         for state in states[self.states_seen:]:
-            narrate(f"state {state}")
+            self._tell(f"state {state}")
         self.states_seen = len(states)
         for instance in self.stack.instances(self.run):
             if self.instance_states.get(instance.instance_id) != instance.state:
                 self.instance_states[instance.instance_id] = instance.state
-                narrate(f"instance {instance.instance_id} ({instance.private_ip}) {instance.state}")
+                self._tell(f"instance {instance.instance_id} ({instance.private_ip}) {instance.state}")
         try:
             record = self.stack.store.run(self.run.run_name)
         except RunNotFound:
-            return
+            return None
         if record.latest_checkpoint and record.latest_checkpoint.step not in self.checkpoints_seen:
             self.checkpoints_seen.add(record.latest_checkpoint.step)
-            narrate(f"checkpoint step {record.latest_checkpoint.step} recorded by the control plane")
+            self._tell(f"checkpoint step {record.latest_checkpoint.step} recorded by the control plane")
         checked = record.fleet_check
         if checked and checked.attempt not in self.fleet_checks_seen:
             self.fleet_checks_seen.add(checked.attempt)
-            narrate(f"fleet check of attempt {checked.attempt} {'passed' if checked.passed else 'FAILED'}: "
-                    f"{checked.describe()}")
+            self._tell(f"fleet check of attempt {checked.attempt} {'passed' if checked.passed else 'FAILED'}: "
+                       f"{checked.describe()}")
+        return record
+
+    def _tell(self, news: str) -> None:
+        self.news = news
+        self.narrate(news)

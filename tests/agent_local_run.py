@@ -28,13 +28,10 @@ from localcloud.chaos import reference_losses  # noqa: E402
 from localcloud.demo import DEMO_RUN_SPEC, Narrator, run_on_local_cloud  # noqa: E402
 from localcloud.stack import agent_lines, local_stack  # noqa: E402
 
-PHASE_TIMEOUT_S = 240
-
-
 def node_loss(template: dict) -> dict:
     """The demo: its live view, its report, and the uninterrupted run to compare its losses with."""
     with tempfile.TemporaryDirectory(prefix="reports-") as reports:
-        outcome = run_on_local_cloud(template, Narrator(), timeout_s=PHASE_TIMEOUT_S, reports=Path(reports))
+        outcome = run_on_local_cloud(template, Narrator(), reports=Path(reports))
         page = Path(outcome["report_page"])
         outcome |= {"report_html": page.read_text(), "report_files": sorted(path.name for path in page.parent.iterdir())}
     with tempfile.TemporaryDirectory(prefix="uninterrupted-") as folder:
@@ -55,17 +52,17 @@ def slow_node(template: dict) -> dict:
     template.update(node_count=3, spare_count=1, preflight=FLEET_CHECK)
     template["trainer"]["parallel"].update(pp=1, dp=3, microbatches=1)
     template["trainer"]["training"].update(batch_size=12, steps=20)  # what is checked happens before a step
-    with local_stack(Narrator(), agent_lifetime_s=PHASE_TIMEOUT_S) as stack:
+    with local_stack(Narrator()) as stack:
         run = stack.start_run(template)
         watch = stack.watch(run)
         nodes = lambda: stack.store.nodes(run.run_name)  # noqa: E731
-        watch.until(lambda: len(nodes()) == 4, PHASE_TIMEOUT_S)
+        watch.until(lambda: len(nodes()) == 4, "the four nodes recorded")
         first = {node.instance_id: node.role.value for node in nodes()}
         slow = min(instance for instance, role in first.items() if role == "WORKER")
         stack.cloud.fleet.slow_network(slow, SLOW_DELAY_S)
         try:
-            watch.until(stack.ended(run), PHASE_TIMEOUT_S)
-            watch.until(lambda: all(i.state == "terminated" for i in stack.instances(run)), 60)
+            watch.until(stack.ended(run), "the end of the run")
+            watch.until(lambda: all(i.state == "terminated" for i in stack.instances(run)), "every instance terminated")
         except Exception:
             stack.dump_consoles(run)
             raise
@@ -88,16 +85,16 @@ def poor_scaling(template: dict) -> dict:
     far slower than its compute predicts and end the run before it trains on, naming the
     figures and the slowest stage."""
     template.update(preflight={"fleet_check": False}, scaling_check=SCALING_CHECK)
-    with local_stack(Narrator(), agent_lifetime_s=PHASE_TIMEOUT_S) as stack:
+    with local_stack(Narrator()) as stack:
         run = stack.start_run(template)
         watch = stack.watch(run)
         nodes = lambda: stack.store.nodes(run.run_name)  # noqa: E731
-        watch.until(lambda: len(nodes()) == 2, PHASE_TIMEOUT_S)
+        watch.until(lambda: len(nodes()) == 2, "the two nodes recorded")
         for node in nodes():
             stack.cloud.fleet.slow_network(node.instance_id, SLOW_DELAY_S)
         try:
-            watch.until(stack.ended(run), PHASE_TIMEOUT_S)
-            watch.until(lambda: all(i.state == "terminated" for i in stack.instances(run)), 60)
+            watch.until(stack.ended(run), "the end of the run")
+            watch.until(lambda: all(i.state == "terminated" for i in stack.instances(run)), "every instance terminated")
             with tempfile.TemporaryDirectory(prefix="report-") as folder:
                 page = stack.operations().report(run.run_name, Path(folder))
                 report_page = page.read_text()

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,10 +28,10 @@ sys.path.insert(0, str(REPO))
 
 from localcloud.demo import DEMO_RUN_SPEC, Narrator  # noqa: E402
 from localcloud.stack import LocalRun, local_run_spec, local_stack  # noqa: E402
+from localcloud.waiting import sizes, until  # noqa: E402
 from trainfleet.adapters.run_store import RunNotFound  # noqa: E402
 
 NODES, STEP_S = 8, 0.2
-TIMEOUT_S = 300
 
 
 def recorded(stack, run_name: str, what: str) -> bool:
@@ -47,7 +48,7 @@ def main() -> dict:
     template["node_count"] = NODES
     template["trainer"]["parallel"]["dp"] = NODES // template["trainer"]["parallel"]["pp"]
     results: dict[str, dict] = {}
-    with local_stack(Narrator(), agent_lifetime_s=TIMEOUT_S, standin_step_s=STEP_S) as stack, \
+    with local_stack(Narrator(), standin_step_s=STEP_S) as stack, \
             tempfile.TemporaryDirectory(prefix="cli-") as folder:
         folder = Path(folder)
         env = {**os.environ, **stack.cloud.env(), "TRAINFLEET_STACK": stack.stack_name, "COLUMNS": "160"}
@@ -61,9 +62,15 @@ def main() -> dict:
             return results[name]
 
         def cli(name: str, *args: str) -> dict:
+            """One command, waited for while it writes or the cloud advances (localcloud.waiting)."""
             started = time.monotonic()
-            return finished(name, subprocess.run(command(*args), env=env, cwd=folder, capture_output=True, text=True,
-                                                 timeout=TIMEOUT_S), started)
+            stdout, stderr = folder / f"{name}.stdout", folder / f"{name}.stderr"
+            with stdout.open("w") as out, stderr.open("w") as err, \
+                    subprocess.Popen(command(*args), env=env, cwd=folder, stdout=out, stderr=err) as process:
+                until(lambda: process.poll() is not None, lambda: (sizes([stdout, stderr]), stack.cloud.activity()),
+                      what=f"trainfleet run {' '.join(args)}", poll_s=0.1)
+            return finished(name, subprocess.CompletedProcess(process.args, process.returncode, stdout.read_text(),
+                                                              stderr.read_text()), started)
 
         def spec_file(run_name: str, base: dict = template, **changes) -> str:
             spec = local_run_spec(base, run_name, stack.bucket, *stack.network) | changes
@@ -71,9 +78,8 @@ def main() -> dict:
             path.write_text(json.dumps(spec))
             return str(path)
 
-        def until(run_name: str, what: str) -> None:
-            stack.cloud.wait_until(lambda: recorded(stack, run_name, what), TIMEOUT_S, f"{run_name}'s first {what}",
-                                   poll_s=0.5)
+        def first(run_name: str, what: str) -> None:
+            until(lambda: recorded(stack, run_name, what), stack.cloud.activity, what=f"{run_name}'s first {what}")
 
         (folder / "broken.json").write_text("{ not json")
         cli("start", "start", spec_file("cli-run"))
@@ -83,17 +89,15 @@ def main() -> dict:
         cli("start_invalid", "start", spec_file("cli-invalid", node_count=0))
         cli("start_outside_bucket", "start", spec_file("cli-outside", checkpoint={
             "s3_uri": "s3://another-bucket/runs/x", "interval_steps": 10}))
-        until("cli-run", "step")
+        first("cli-run", "step")
         cli("status_training", "status", "cli-run")
-        started = time.monotonic()
-        with subprocess.Popen(command("watch", "cli-run"), env=env, cwd=folder, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) as watching:
-            until("cli-run", "commit")
+        with ThreadPoolExecutor(1) as beside:
+            watching = beside.submit(cli, "watch", "watch", "cli-run")
+            first("cli-run", "commit")
             first_nodes = {node.instance_id: node.node_rank for node in stack.store.nodes("cli-run")}
             victim = next(instance for instance, rank in first_nodes.items() if rank == 1)
             stack.cloud.fleet.kill(victim)
-            stdout, stderr = watching.communicate(timeout=TIMEOUT_S)
-        finished("watch", subprocess.CompletedProcess(watching.args, watching.returncode, stdout, stderr), started)
+            watching.result()
         cli("status_done", "status", "cli-run")
         cli("list", "list")
         cli("logs", "logs", "cli-run")
@@ -109,13 +113,13 @@ def main() -> dict:
         two_nodes = json.loads(json.dumps(template))
         two_nodes["node_count"], two_nodes["trainer"]["parallel"]["dp"] = 2, 1
         cli("start_second", "start", spec_file("cli-stopped", two_nodes))
-        until("cli-stopped", "step")
+        first("cli-stopped", "step")
         cli("stop", "stop", "cli-stopped", "--timeout", "120")
         results["stopped_instances"] = sorted({instance.state for instance in stack.cloud.fleet.instances()
                                                if instance.tags.get("trainfleet:run") == "cli-stopped"})
-        stack.cloud.wait_until(lambda: all(instance.state == "terminated" for instance in stack.cloud.fleet.instances()
-                                           if instance.tags.get("trainfleet:run") == "cli-run"),
-                               60, "every instance of cli-run terminated", poll_s=0.5)
+        until(lambda: all(instance.state == "terminated" for instance in stack.cloud.fleet.instances()
+                          if instance.tags.get("trainfleet:run") == "cli-run"), stack.cloud.activity,
+              what="every instance of cli-run terminated")
         run = LocalRun("cli-run", stack.operations().execution_arn("cli-run"), {})
         outcome = stack.outcome(run) | {"disrupted": {"first_nodes": first_nodes, "victim": victim}}
     return {"commands": results, "outcome": outcome}

@@ -31,15 +31,16 @@ os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"
 
 from localcloud import LocalCloud  # noqa: E402
 from localcloud.deploy import DeployRequest, deploy  # noqa: E402
+from localcloud.glue import active_cloud  # noqa: E402
 from localcloud.imds import serve_fleet  # noqa: E402
 from localcloud.node_boot import publish_artifacts  # noqa: E402
 from localcloud.stack import states_entered  # noqa: E402
+from localcloud.waiting import until  # noqa: E402
 from trainfleet.adapters.ec2_fleet import TAG_RUN  # noqa: E402
 from trainfleet.adapters.run_store import RunNotFound, RunStore  # noqa: E402
 from trainer.checkpoint_catalog import committed_steps, open_store  # noqa: E402
 
 AGENT = REPO / "tests" / "handlers_sim_agent.py"
-EXECUTION_TIMEOUT_S = 120
 
 
 def network(ec2, zone: str = "us-east-1a") -> tuple[str, str]:
@@ -65,14 +66,9 @@ def run_spec(run_name: str, bucket: str, subnet: str, group: str) -> dict:
     }
 
 
-def wait(what: str, probe, timeout_s: float = EXECUTION_TIMEOUT_S):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = probe()
-        if found:
-            return found
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out waiting for {what}")
+def wait(what: str, probe):
+    """What `probe` finds, waited for while the local cloud advances (localcloud.waiting)."""
+    return until(probe, active_cloud().activity, what=what, poll_s=0.1)
 
 
 def in_state(store: RunStore, run_name: str, state: str) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
 import sys
 import time
 import uuid
@@ -17,11 +16,14 @@ HANDLERS_FILE = TESTS / "localcloud_handlers.py"
 HANDLERS_MODULE = "localcloud_test_handlers"
 
 
-def run_scenario(script: str, *args: str, timeout_s: float) -> dict[str, Any]:
+def run_scenario(script: str, *args: str) -> dict[str, Any]:
     """Run tests/<script> in a process of its own (a local cloud must import the deployed copy
-    of `functions`, not this process's) and return the JSON summary it prints last."""
-    completed = subprocess.run([sys.executable, str(TESTS / script), *args], cwd=TESTS.parent,
-                               capture_output=True, text=True, timeout=timeout_s)
+    of `functions`, not this process's) and return the JSON summary it prints last; waited for
+    while it narrates (localcloud.waiting), never for a fixed time."""
+    from localcloud.waiting import run_captured
+
+    completed = run_captured([sys.executable, str(TESTS / script), *args], what=f"{script} {' '.join(args)}",
+                             cwd=TESTS.parent)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-8000:]
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
@@ -109,22 +111,24 @@ def create_state_machine(cloud, definition: dict[str, Any]) -> str:
         roleArn=lambda_role(cloud))["stateMachineArn"]
 
 
-def wait_for_execution(cloud, execution_arn: str, timeout_s: float = 30) -> dict[str, Any]:
+def wait_for_execution(cloud, execution_arn: str) -> dict[str, Any]:
+    """The execution once it ended, waited for while its history grows (localcloud.waiting)."""
+    from localcloud.stack import execution_history
+    from localcloud.waiting import until
+
     sfn = cloud.client("stepfunctions")
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def ended() -> dict[str, Any] | None:
         described = sfn.describe_execution(executionArn=execution_arn)
-        if described["status"] != "RUNNING":
-            return described
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"execution {execution_arn} still RUNNING after {timeout_s}s")
-        time.sleep(0.05)
+        return described if described["status"] != "RUNNING" else None
+    return until(ended, lambda: len(execution_history(sfn, execution_arn)), what=f"execution {execution_arn}",
+                 poll_s=0.05)
 
 
-def run_execution(cloud, state_machine_arn: str, payload: Any, timeout_s: float = 30) -> dict[str, Any]:
+def run_execution(cloud, state_machine_arn: str, payload: Any) -> dict[str, Any]:
     execution_arn = cloud.client("stepfunctions").start_execution(
         stateMachineArn=state_machine_arn, name=unique("run"), input=json.dumps(payload))["executionArn"]
-    return wait_for_execution(cloud, execution_arn, timeout_s)
+    return wait_for_execution(cloud, execution_arn)
 
 
 def history(cloud, execution_arn: str) -> list[dict[str, Any]]:
@@ -144,19 +148,23 @@ def event_sink(cloud, pattern: dict[str, Any], **target: Any) -> str:
     return queue_url
 
 
-def receive(cloud, queue_url: str, count: int, timeout_s: float = 20) -> list[Any]:
-    """Exactly `count` JSON messages from the queue (fails on fewer within the timeout)."""
+def receive(cloud, queue_url: str, count: int) -> list[Any]:
+    """Exactly `count` JSON messages from the queue (fails on fewer, once no new one came for
+    the local cloud's EVENT_WAIT_S)."""
+    from localcloud.cloud import EVENT_WAIT_S
+    from localcloud.waiting import until
+
     sqs = cloud.client("sqs")
     bodies: list[Any] = []
-    deadline = time.monotonic() + timeout_s
-    while len(bodies) < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"got {len(bodies)} of {count} messages: {bodies}")
+
+    def all_received() -> bool:
         for message in sqs.receive_message(QueueUrl=queue_url, MaxNumberOfMessages=10,
                                            WaitTimeSeconds=0).get("Messages", []):
             bodies.append(json.loads(message["Body"]))
             sqs.delete_message(QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"])
-        time.sleep(0.05)
+        return len(bodies) >= count
+    until(all_received, lambda: len(bodies), what=f"{count} messages (got {bodies})", stall_s=EVENT_WAIT_S,
+          poll_s=0.05)
     return bodies
 
 
@@ -208,7 +216,7 @@ def start_fake_node(cloud, tags: dict[str, str] | None = None) -> tuple[str, dic
     instance_id = cloud.client("ec2").run_instances(**request)["Instances"][0]["InstanceId"]
     cloud.fleet.wait_for_state(instance_id, "running")
     workdir = cloud.fleet.get(instance_id).workdir
-    cloud.wait_until(lambda: (workdir / "ranks").exists() and (workdir / "ranks").read_text(), 30,
+    cloud.wait_until(lambda: (workdir / "ranks").exists() and (workdir / "ranks").read_text(),
                      "the ranks to start")
     return instance_id, {"agent": [cloud.fleet.get(instance_id).process.pid],
                          "torchrun": [int((workdir / "torchrun").read_text())],

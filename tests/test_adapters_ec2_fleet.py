@@ -282,7 +282,7 @@ def test_teardown_terminates_everything_of_the_run_and_nothing_else(cloud, netwo
     first = fleet.teardown(ec2, "doomed", SETTINGS.stack_name)
     assert sorted(first.terminated) == sorted(launched["doomed"])
     assert fleet.run_instance_ids(ec2, "doomed", SETTINGS.stack_name) == []
-    cloud.wait_until(lambda: _states(ec2, launched["doomed"]) == {"terminated"}, timeout_s=30,
+    cloud.wait_until(lambda: _states(ec2, launched["doomed"]) == {"terminated"},
                      what="the run's instances to be terminated")
     second = fleet.teardown(ec2, "doomed", SETTINGS.stack_name)  # repeatable; the group goes once its instances are gone
     assert second.terminated == [] and second.placement_groups_in_use == []
@@ -326,7 +326,7 @@ def test_a_zone_without_capacity_or_without_the_type_lands_the_fleet_in_the_next
     assert {i["Placement"]["AvailabilityZone"] for r in described for i in r["Instances"]} == {"us-east-1b"}
 
     fleet.teardown(ec2, run_name, SETTINGS.stack_name)
-    cloud.wait_until(lambda: _states(ec2, allocation.instance_ids) == {"terminated"}, timeout_s=30,
+    cloud.wait_until(lambda: _states(ec2, allocation.instance_ids) == {"terminated"},
                      what="the run's instances to be terminated")
     assert fleet.teardown(ec2, run_name, SETTINGS.stack_name).placement_groups_in_use == []
 

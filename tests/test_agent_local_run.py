@@ -6,12 +6,11 @@ config the trainer refuses."""
 import pytest
 from localcloud_helpers import run_scenario
 
-SCENARIO_TIMEOUT_S = 600
 FINAL_STEP, CHECKPOINT_EVERY = 60, 10  # events/local-demo-run.json
 
 
 def agent_scenario(name: str) -> dict:
-    return run_scenario("agent_local_run.py", name, timeout_s=SCENARIO_TIMEOUT_S)
+    return run_scenario("agent_local_run.py", name)
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,13 @@ without failures loses only the start-up and the checkpoint stalls, READY spares
 and a fault that stays on its node ends in the crash-loop rule."""
 
 import importlib.util
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+from localcloud.waiting import run_captured
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("goodput_bench", REPO / "bench" / "goodput.py")
@@ -60,8 +61,8 @@ def test_a_gpu_fault_the_agent_cannot_name_ends_the_run_as_a_crash_loop():
 
 @pytest.mark.slow
 def test_the_bench_prints_its_table_and_last_line():
-    done = subprocess.run([sys.executable, "bench/goodput.py", "--nodes", "64", "--days", "2", "--seeds", "1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = run_captured([sys.executable, "bench/goodput.py", "--nodes", "64", "--days", "2", "--seeds", "1"],
+                        what="bench/goodput.py", cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert any(line.startswith("ETTR") for line in lines)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from localcloud.waiting import run_captured
 from trainfleet import contracts as c
 
 EXAMPLE = json.loads((Path(__file__).parents[1] / "events" / "example-run.json").read_text())
@@ -153,7 +154,7 @@ print(json.dumps({"verdicts": verdicts, "fields": fields}))
 @pytest.fixture(scope="module")
 def trainer_side() -> dict:
     done = subprocess.run([sys.executable, "-c", TRAINER_SIDE], input=json.dumps(LAYOUT_CASES),
-                          capture_output=True, text=True, timeout=180, check=True)
+                          capture_output=True, text=True, check=True)  # it exits when its input ends
     return json.loads(done.stdout)
 
 
@@ -175,8 +176,8 @@ def test_trainer_field_names_match_the_trainers_config(trainer_side):
 
 def test_contracts_import_neither_torch_nor_boto3():
     script = "import sys, trainfleet.contracts; print(sorted({'torch', 'boto3'} & set(sys.modules)))"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
-    assert done.stdout.strip() == "[]"
+    done = run_captured([sys.executable, "-c", script], what="importing trainfleet.contracts")
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
 
 
 def test_run_transitions_follow_the_diagram():

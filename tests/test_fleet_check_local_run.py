@@ -9,7 +9,7 @@ from localcloud_helpers import run_scenario
 
 @pytest.fixture(scope="module")
 def run() -> dict:
-    return run_scenario("agent_local_run.py", "slow-node", timeout_s=600)["outcome"]
+    return run_scenario("agent_local_run.py", "slow-node")["outcome"]
 
 
 @pytest.mark.slow

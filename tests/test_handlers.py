@@ -133,14 +133,13 @@ def parked_token(cloud) -> tuple[str, str]:
                                        roleArn="arn:aws:iam::123456789012:role/sfn")["stateMachineArn"]
     execution = sfn.start_execution(stateMachineArn=machine, name=uuid.uuid4().hex)["executionArn"]
     messages = []
-    cloud.wait_until(lambda: messages.extend(sqs.receive_message(QueueUrl=queue).get("Messages", [])) or messages,
-                     10, "the task token")
+    cloud.wait_until(lambda: messages.extend(sqs.receive_message(QueueUrl=queue).get("Messages", [])) or messages, "the task token")
     return execution, json.loads(messages[0]["Body"])["token"]
 
 
 def finished(cloud, execution: str) -> dict:
     sfn = cloud.client("stepfunctions")
-    cloud.wait_until(lambda: sfn.describe_execution(executionArn=execution)["status"] != "RUNNING", 10,
+    cloud.wait_until(lambda: sfn.describe_execution(executionArn=execution)["status"] != "RUNNING",
                      "the execution to end")
     return sfn.describe_execution(executionArn=execution)
 
@@ -814,7 +813,7 @@ def test_recover_names_the_workers_that_failed_silently(handlers, cloud, resourc
     for instance_id, seconds_ago in ((answering, 2), (silent, 300), (frozen, 3)):
         write_liveness(cloud.client("dynamodb"), resources["liveness_table"], run.run_name, NodeLiveness(
             instance_id=instance_id, attempt=0, step=40, reported_at=now - timedelta(seconds=seconds_ago)))
-    cloud.wait_until(lambda: cloud.fleet.get(frozen).process is not None, 10, "the frozen node to boot")
+    cloud.wait_until(lambda: cloud.fleet.get(frozen).process is not None, "the frozen node to boot")
     cloud.fleet.hang(frozen)
     crash = FailureReport(failure_class=FailureClass.PROCESS_CRASH, attempt=0, message="peer gone")
     named = handlers.recover.name_silent_workers(store.run(run.run_name), store.nodes(run.run_name), crash)

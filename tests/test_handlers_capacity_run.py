@@ -6,13 +6,12 @@ import json
 import pytest
 from localcloud_helpers import run_scenario
 
-SCENARIO_TIMEOUT_S = 240
 GONE = {"shutting-down", "terminated"}
 
 
 @pytest.fixture(scope="module")
 def outcome() -> dict:
-    return run_scenario("handlers_capacity_run.py", timeout_s=SCENARIO_TIMEOUT_S)
+    return run_scenario("handlers_capacity_run.py")
 
 
 @pytest.mark.slow

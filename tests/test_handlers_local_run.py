@@ -6,12 +6,11 @@ import json
 import pytest
 from localcloud_helpers import run_scenario
 
-SCENARIO_TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
 def outcome() -> dict:
-    return run_scenario("handlers_local_run.py", timeout_s=SCENARIO_TIMEOUT_S)
+    return run_scenario("handlers_local_run.py")
 
 
 @pytest.mark.slow

@@ -98,7 +98,7 @@ def test_a_group_still_in_use_does_not_hold_up_the_outcome_or_the_report(handler
     assert name in functions.reaper.handler({"detail-type": "Scheduled Event"}, Context())["reaped"]
     assert group in group_names(cloud), "deleted while in use"
     slow_shutdown.set()
-    cloud.wait_until(lambda: states(cloud, instances) == {"terminated"}, 20, "the instances to terminate")
+    cloud.wait_until(lambda: states(cloud, instances) == {"terminated"}, "the instances to terminate")
     assert name in functions.reaper.handler({"detail-type": "Scheduled Event"}, Context())["reaped"]
     assert group not in group_names(cloud)
     assert name not in functions.reaper.handler({"detail-type": "Scheduled Event"}, Context())["reaped"]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from localcloud.waiting import run_captured
 from trainer.health import (NCCL_MINIMUM, TORCH_MINIMUM, ProbeError, Probes, check_nccl_network_log, parse_fi_info,
                             parse_nccl_log, preflight, system_probes)
 from trainfleet.catalogue import InstanceFacts, instance_facts
@@ -233,8 +234,7 @@ def test_a_skipped_check_cannot_claim_to_have_passed():
 
 
 def test_the_command_prints_the_checks_of_this_machine():
-    done = subprocess.run([sys.executable, "-m", "trainer.health", "--instance-type", "c5.large"],
-                          capture_output=True, text=True, timeout=120)
+    done = run_captured([sys.executable, "-m", "trainer.health", "--instance-type", "c5.large"], what="preflight")
     assert done.returncode == 0, done.stderr
     checks = by_name([HealthCheckResult.model_validate(item) for item in json.loads(done.stdout)])
     assert checks["gloo_allreduce"].passed and checks["efa_devices"].skipped
@@ -242,6 +242,5 @@ def test_the_command_prints_the_checks_of_this_machine():
 
 
 def test_an_unknown_instance_type_is_named():
-    done = subprocess.run([sys.executable, "-m", "trainer.health", "--instance-type", "p9.huge"],
-                          capture_output=True, text=True, timeout=120)
+    done = run_captured([sys.executable, "-m", "trainer.health", "--instance-type", "p9.huge"], what="preflight")
     assert done.returncode == 2 and "'p9.huge' is not in the catalogue" in done.stderr

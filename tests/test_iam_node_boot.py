@@ -40,8 +40,8 @@ def boot_one_node(cloud, outputs) -> str:
     def console() -> str:
         return instance.console_log.read_text() if instance.console_log.exists() else ""
 
-    cloud.wait_until(lambda: "node boot" in console(), 60, "the node boot to report")
-    cloud.wait_until(lambda: "agent started" in console() or "failed" in console(), 30, "the agent or a failure")
+    cloud.wait_until(lambda: "node boot" in console(), "the node boot to report")
+    cloud.wait_until(lambda: "agent started" in console() or "failed" in console(), "the agent or a failure")
     return console()
 
 

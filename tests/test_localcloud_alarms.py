@@ -263,7 +263,7 @@ def test_alarms_are_evaluated_every_scaled_minute(cloud):
     name = put_alarm(cloud, namespace, EvaluationPeriods=2, DatapointsToAlarm=1)
     put_value(cloud, namespace, 11.0, minutes_ago=1)
     # time_scale 0.02: a nominal minute is 1.2 s.
-    cloud.wait_until(lambda: described(cloud, name)["StateValue"] == ALARM, 10, "the alarm's own evaluation")
+    cloud.wait_until(lambda: described(cloud, name)["StateValue"] == ALARM, "the alarm's own evaluation")
 
 
 def test_putting_an_alarm_again_keeps_its_state_and_disabled_actions_do_not_run(cloud):

@@ -51,18 +51,18 @@ def test_chaos_injects_faults_into_a_running_local_cloud(local_cloud, capsys):
 
     code, answer = chaos(capsys, "hang", "run-a", instance_id, *endpoint)
     assert code == 0 and answer["pid"] == pids["trainer"][0] and answer["fault"] == "hang", answer
-    local_cloud.wait_until(lambda: process_state(pids["trainer"][0]) == "T", 5, "the rank to stop")
+    local_cloud.wait_until(lambda: process_state(pids["trainer"][0]) == "T", "the rank to stop")
 
     code, answer = chaos(capsys, "crash", "run-a", instance_id, *endpoint)
     assert code == 0 and answer["pid"] == pids["trainer"][0], answer  # a stopped rank dies too
-    local_cloud.wait_until(lambda: process_state(pids["trainer"][0]) in {"Z", "X"}, 5, "the rank to die")
+    local_cloud.wait_until(lambda: process_state(pids["trainer"][0]) in {"Z", "X"}, "the rank to die")
 
     code, answer = chaos(capsys, "rebalance", "run-a", instance_id, *endpoint)
     assert code == 0 and local_cloud.fleet.get(instance_id).rebalance_notice, answer
 
     code, answer = chaos(capsys, "freeze", "run-a", instance_id, *endpoint)
     assert code == 0 and local_cloud.fleet.get(instance_id).hung, answer
-    local_cloud.wait_until(lambda: process_state(pids["agent"][0]) == "T", 5, "the agent to stop")
+    local_cloud.wait_until(lambda: process_state(pids["agent"][0]) == "T", "the agent to stop")
 
     code, answer = chaos(capsys, "throttle", "run-a", "dynamodb", "--seconds", "30", *endpoint)
     assert code == 0 and answer["service"] == "dynamodb", answer

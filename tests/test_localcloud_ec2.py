@@ -58,7 +58,7 @@ def test_instance_boots_a_process_and_dies_with_it(local_cloud):
     local_cloud.fleet.wait_for_state(instance_id, "running")
     instance = local_cloud.fleet.get(instance_id)
     booted = instance.workdir / "booted.json"
-    local_cloud.wait_until(booted.exists, 20, "the node process to boot")
+    local_cloud.wait_until(booted.exists, "the node process to boot")
 
     assert json.loads(booted.read_text()) == {"LOCALCLOUD_INSTANCE_ID": instance_id,
                                               "LOCALCLOUD_PRIVATE_IP": instance.private_ip,
@@ -87,16 +87,16 @@ def test_hang_freezes_every_process_of_the_instance(local_cloud):
     instance_id = launch(local_cloud)
     local_cloud.fleet.wait_for_state(instance_id, "running")
     child_pid = local_cloud.fleet.get(instance_id).workdir / "child.pid"
-    local_cloud.wait_until(child_pid.exists, 20, "the child to start")
+    local_cloud.wait_until(child_pid.exists, "the child to start")
 
     def state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
     child = int(child_pid.read_text())
     local_cloud.fleet.hang(instance_id)
-    local_cloud.wait_until(lambda: state(child) == "T", 5, "the child to stop")
+    local_cloud.wait_until(lambda: state(child) == "T", "the child to stop")
     local_cloud.fleet.resume(instance_id)
-    local_cloud.wait_until(lambda: state(child) != "T", 5, "the child to go on")
+    local_cloud.wait_until(lambda: state(child) != "T", "the child to go on")
     local_cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
     local_cloud.fleet.wait_for_state(instance_id, "terminated")
     os.kill(child, signal.SIGKILL)
@@ -110,12 +110,11 @@ def test_terminate_hung_instance_and_stop_start(local_cloud):
     hung, stopped = launch(local_cloud), launch(local_cloud)
     for instance_id in (hung, stopped):
         local_cloud.fleet.wait_for_state(instance_id, "running")
-        local_cloud.wait_until((local_cloud.fleet.get(instance_id).workdir / "booted.json").exists, 20, "boot")
+        local_cloud.wait_until((local_cloud.fleet.get(instance_id).workdir / "booted.json").exists, "boot")
 
     process = local_cloud.fleet.get(hung).process
     local_cloud.fleet.hang(hung)
-    local_cloud.wait_until(lambda: Path(f"/proc/{process.pid}/stat").read_text().split()[2] == "T",
-                           5, "the process to stop")
+    local_cloud.wait_until(lambda: Path(f"/proc/{process.pid}/stat").read_text().split()[2] == "T", "the process to stop")
     assert describe(local_cloud, hung)["State"]["Name"] == "running"
     # A frozen instance fails its instance status check, as EC2 reports one that stops responding.
     statuses = {status["InstanceId"]: status for status in ec2.describe_instance_status(
@@ -137,8 +136,7 @@ def test_terminate_hung_instance_and_stop_start(local_cloud):
     assert instance_troubles(ec2, [stopped]) == {stopped: "stopped"}
     ec2.start_instances(InstanceIds=[stopped])
     local_cloud.fleet.wait_for_state(stopped, "running")
-    local_cloud.wait_until(lambda: local_cloud.fleet.get(stopped).process not in (None, first_process),
-                           10, "the process to start again")
+    local_cloud.wait_until(lambda: local_cloud.fleet.get(stopped).process not in (None, first_process), "the process to start again")
 
     events = receive(local_cloud, queue, 10)
     assert states_of(events, hung) == ["pending", "running", "shutting-down", "terminated"]
@@ -164,7 +162,7 @@ def test_terminate_event_reaches_a_lambda_and_a_state_machine(local_cloud, tmp_p
 
     local_cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
 
-    local_cloud.wait_until(lambda: records(record_file), 20, "the Lambda target")
+    local_cloud.wait_until(lambda: records(record_file), "the Lambda target")
     [delivered] = [entry["event"] for entry in records(record_file)
                    if entry["event"]["detail"]["instance-id"] == instance_id]
     assert delivered["source"] == "aws.ec2"
@@ -172,8 +170,7 @@ def test_terminate_event_reaches_a_lambda_and_a_state_machine(local_cloud, tmp_p
     assert set(delivered) == {"version", "id", "detail-type", "source", "account", "time",
                               "region", "resources", "detail"}
     sfn = local_cloud.client("stepfunctions")
-    local_cloud.wait_until(lambda: sfn.list_executions(stateMachineArn=machine_arn)["executions"],
-                           20, "the state machine target")
+    local_cloud.wait_until(lambda: sfn.list_executions(stateMachineArn=machine_arn)["executions"], "the state machine target")
     outputs = [json.loads(wait_for_execution(local_cloud, execution["executionArn"])["output"])
                for execution in sfn.list_executions(stateMachineArn=machine_arn)["executions"]]
     assert {"lost": instance_id} in outputs
@@ -202,7 +199,7 @@ def test_spot_interruption_rebalance_and_health_events(local_cloud):
     assert health["source"] == "aws.health" and health["resources"] == [instance_id]
     assert health["detail"]["service"] == "EC2"
     assert health["detail"]["affectedEntities"] == [{"entityValue": instance_id}]
-    local_cloud.fleet.wait_for_state(instance_id, "terminated", timeout_s=30)
+    local_cloud.fleet.wait_for_state(instance_id, "terminated")
     assert describe(local_cloud, instance_id)["StateReason"]["Code"] == "Server.SpotInstanceTermination"
 
 
@@ -328,8 +325,7 @@ def test_capacity_cap_per_type_and_zone(local_cloud):
     launched.append(run_one())
 
     ec2.terminate_instances(InstanceIds=[launched[0]])  # capacity comes back once it is terminated
-    local_cloud.wait_until(lambda: describe(local_cloud, launched[0])["State"]["Name"] == "terminated",
-                           timeout_s=10, what="terminated")
+    local_cloud.wait_until(lambda: describe(local_cloud, launched[0])["State"]["Name"] == "terminated", what="terminated")
     launched.append(run_one())
     local_cloud.set_capacity(instance_type, zone, None)
     more, errors = fleet(target=2, minimum=2)

@@ -71,11 +71,10 @@ def test_rule_delivers_to_lambda_state_machine_and_queue(local_cloud, tmp_path):
     delivered = receive(local_cloud, queue_url, 2)
     assert sorted(event["detail"]["rank"] for event in delivered) == [3, 4]
     assert delivered[0]["detail-type"] == "NodeReady" and delivered[0]["time"].endswith("Z")
-    local_cloud.wait_until(lambda: records(record_file), 10, "the Lambda target")
+    local_cloud.wait_until(lambda: records(record_file), "the Lambda target")
     assert [entry["event"] for entry in records(record_file)] == [{"node": "i-7"}]
     sfn = local_cloud.client("stepfunctions")
-    local_cloud.wait_until(lambda: sfn.list_executions(stateMachineArn=machine_arn)["executions"],
-                           10, "the state machine target")
+    local_cloud.wait_until(lambda: sfn.list_executions(stateMachineArn=machine_arn)["executions"], "the state machine target")
     [execution] = sfn.list_executions(stateMachineArn=machine_arn)["executions"]
     done = wait_for_execution(local_cloud, execution["executionArn"])
     assert json.loads(done["input"]) == {"node": "i-7", "rank": 3}
@@ -84,7 +83,7 @@ def test_rule_delivers_to_lambda_state_machine_and_queue(local_cloud, tmp_path):
     def logged():
         return logs.filter_log_events(logGroupName=log_group)["events"]
 
-    local_cloud.wait_until(logged, 10, "the log group target")
+    local_cloud.wait_until(logged, "the log group target")
     assert json.loads(logged()[0]["message"])["detail"] == {"node": "i-7", "rank": 3}
     assert local_cloud.delivery_failures == []
 
@@ -113,7 +112,7 @@ def test_unreachable_target_is_recorded(local_cloud):
 
     events.put_events(Entries=[{"Source": source, "DetailType": "X", "Detail": "{}"}])
 
-    local_cloud.wait_until(lambda: local_cloud.delivery_failures, 10, "the failed delivery")
+    local_cloud.wait_until(lambda: local_cloud.delivery_failures, "the failed delivery")
     assert local_cloud.delivery_failures[0].target_arn == missing
 
 
@@ -129,7 +128,7 @@ def test_failed_lambda_target_is_retried_twice(local_cloud, tmp_path):
 
     events.put_events(Entries=[{"Source": source, "DetailType": "X", "Detail": "{}"}])
 
-    local_cloud.wait_until(lambda: len(records(record_file)) == 3, 20, "two retries")
+    local_cloud.wait_until(lambda: len(records(record_file)) == 3, "two retries")
     assert local_cloud.delivery_failures == []
 
 
@@ -142,12 +141,11 @@ def test_a_schedule_rule_sends_scheduled_events_on_scaled_time(local_cloud):
     rule_arn = events.put_rule(Name=name, ScheduleExpression="rate(1 minute)")["RuleArn"]
     events.put_targets(Rule=name, Targets=[{"Id": "queue", "Arn": queue_arn}])
 
-    first, second = receive(local_cloud, queue_url, 2, timeout_s=10)
+    first, second = receive(local_cloud, queue_url, 2)
     assert (first["source"], first["detail-type"], first["detail"]) == ("aws.events", "Scheduled Event", {})
     assert first["resources"] == [rule_arn] and first["id"] != second["id"]
 
     events.disable_rule(Name=name)
-    local_cloud.wait_until(lambda: not sqs.receive_message(QueueUrl=queue_url, WaitTimeSeconds=0).get("Messages"),
-                           10, "the last event of the enabled rule")
+    local_cloud.wait_until(lambda: not sqs.receive_message(QueueUrl=queue_url, WaitTimeSeconds=0).get("Messages"), "the last event of the enabled rule")
     time.sleep(local_cloud.scaled(150))
     assert not sqs.receive_message(QueueUrl=queue_url, WaitTimeSeconds=0).get("Messages"), "a disabled rule fired"

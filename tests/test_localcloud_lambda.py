@@ -319,7 +319,7 @@ def test_event_invocation_is_queued_and_dry_run_runs_nothing(local_cloud, tmp_pa
     queued = lambda_client.invoke(FunctionName=arn, InvocationType="Event", Payload=b'{"queued": 1}')
 
     assert dry["StatusCode"] == 204 and queued["StatusCode"] == 202
-    local_cloud.wait_until(lambda: records(record_file), 10, "the queued invocation")
+    local_cloud.wait_until(lambda: records(record_file), "the queued invocation")
     assert [entry["event"] for entry in records(record_file)] == [{"queued": 1}]
 
 
@@ -379,6 +379,6 @@ def test_retries_of_an_event_invocation_follow_its_maximum_retry_attempts(local_
 
     lambda_client.invoke(FunctionName=arn, InvocationType="Event", Payload=json.dumps({"succeed_on": 2}))
 
-    local_cloud.wait_until(lambda: records(record_file), 10, "the first attempt")
+    local_cloud.wait_until(lambda: records(record_file), "the first attempt")
     time.sleep(local_cloud.scaled(200))
     assert len(records(record_file)) == 1, "retried although MaximumRetryAttempts is 0"

@@ -19,7 +19,7 @@ def test_the_largest_state_input_or_output_is_kept_with_its_state(local_cloud):
     local_cloud.largest_payloads.clear()
     execution = sfn.start_execution(stateMachineArn=machine, name=uuid.uuid4().hex, input=json.dumps({"a": 1}))
     local_cloud.wait_until(lambda: sfn.describe_execution(executionArn=execution["executionArn"])["status"]
-                           != "RUNNING", 10, "the execution to end")
+                           != "RUNNING", "the execution to end")
     largest = local_cloud.largest_payloads["states"]
     # Grow's output is Shrink's input: both the result, as the history writes it.
     assert largest.size_bytes == len(json.dumps(result, separators=(",", ":")).encode())

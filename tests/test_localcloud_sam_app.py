@@ -43,7 +43,7 @@ def test_the_order_workflow_ends_as_aws_documents_each_construct(local_cloud, or
     started = {case: sfn.start_execution(stateMachineArn=orders_app.outputs["OrderStateMachineArn"],
                                          name=unique(case), input=json.dumps(payload))["executionArn"]
                for case, payload in ORDERS.items()}
-    done = {case: wait_for_execution(local_cloud, arn, timeout_s=60) for case, arn in started.items()}
+    done = {case: wait_for_execution(local_cloud, arn) for case, arn in started.items()}
     table = orders_app.outputs["OrdersTableName"]
     items = {item["order_id"]["S"]: item for item in local_cloud.client("dynamodb").scan(TableName=table)["Items"]}
 

@@ -3,11 +3,12 @@ warm image through a kill, a Spot notice and an AWS Health retirement, and the f
 prints are counted (the 512-node run is the same code, too long for the suite)."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from localcloud.waiting import run_captured
 
 REPO = Path(__file__).resolve().parent.parent
 LIMITS = {"states": 256 * 1024, "dynamodb": 400 * 1024, "events": 256 * 1024}
@@ -17,8 +18,8 @@ LIMITS = {"states": 256 * 1024, "dynamodb": 400 * 1024, "events": 256 * 1024}
 @pytest.fixture(scope="module")
 def figures() -> dict:
     # A process of its own: the local cloud imports the deployed copy of the handlers.
-    done = subprocess.run([sys.executable, "-m", "localcloud.scale", "--nodes", "4", "--steady-s", "20"], cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+    done = run_captured([sys.executable, "-m", "localcloud.scale", "--nodes", "4", "--steady-s", "20"],
+                        what="a four-node scale run", cwd=REPO)
     assert done.returncode == 0, done.stderr[-6000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

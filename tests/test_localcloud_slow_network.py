@@ -3,10 +3,10 @@ torch.distributed's transfers wait the delay in every process that starts with t
 environment, and torch itself sees one function where it checks which one an operation names."""
 
 import json
-import subprocess
 import sys
 
 from localcloud.fleet import INSTANCE_SITE
+from localcloud.waiting import run_captured
 
 PROBE = """
 import json, time
@@ -24,9 +24,9 @@ dist.destroy_process_group()  # as the trainer ends: a group left to interpreter
 
 
 def probe(delay_file) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(INSTANCE_SITE), "LOCALCLOUD_NETWORK_DELAY_FILE": str(delay_file),
-                               "PATH": "/usr/bin:/bin"})
+    done = run_captured([sys.executable, "-c", PROBE], what="the network probe",
+                        env={"PYTHONPATH": str(INSTANCE_SITE), "LOCALCLOUD_NETWORK_DELAY_FILE": str(delay_file),
+                             "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from localcloud import LocalCloud
+from localcloud.cloud import EVENT_WAIT_S
 from localcloud_helpers import (create_state_machine, deploy_function, event_sink, history, receive, records,
                                 run_execution, unique, wait_for_execution)
 
@@ -91,8 +92,8 @@ def test_jsonata_and_jsonpath_assign_variables(local_cloud):
                                           "quoted": 'say "hi"\n'}
 
 
-def wait_for_token(record_file: Path, timeout_s: float = 20) -> str:
-    deadline = time.monotonic() + timeout_s
+def wait_for_token(record_file: Path) -> str:
+    deadline = time.monotonic() + EVENT_WAIT_S
     while not records(record_file):
         if time.monotonic() > deadline:
             raise TimeoutError("the task never handed out its token")
@@ -215,7 +216,7 @@ def test_wait_and_retry_run_on_scaled_time():
                     "Retry": [{"ErrorEquals": ["States.ALL"], "MaxAttempts": 1, "IntervalSeconds": 600}],
                     "End": True}}})
         execution = start(cloud, machine)
-        done = wait_for_execution(cloud, execution, timeout_s=30)
+        done = wait_for_execution(cloud, execution)
         attempts = [event for event in history(cloud, execution) if event["type"] == "LambdaFunctionFailed"]
     assert done["status"] == "FAILED" and done["error"] == "CapacityError"
     assert len(attempts) == 2

@@ -54,7 +54,7 @@ def launch(cloud) -> str:
 
 def booted(cloud, instance_id: str) -> dict:
     marker = cloud.fleet.get(instance_id).workdir / "booted.json"
-    cloud.wait_until(marker.exists, 20, "the node process to boot")
+    cloud.wait_until(marker.exists, "the node process to boot")
     return json.loads(marker.read_text())
 
 
@@ -70,8 +70,7 @@ def test_an_instance_forked_from_the_image_is_its_own_process_group_and_dies_wit
     assert node["cwd"] == str(instance.workdir) and node["id"] == instance_id
     local_cloud.fleet.hang(instance_id)
     # SIGSTOP takes effect when the kernel next schedules the process: not always before the read.
-    local_cloud.wait_until(lambda: Path(f"/proc/{node['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
-                           5.0, "the instance's process to stop")
+    local_cloud.wait_until(lambda: Path(f"/proc/{node['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T", "the instance's process to stop")
     local_cloud.fleet.resume(instance_id)
     local_cloud.fleet.kill(instance_id)
     local_cloud.fleet.wait_for_state(instance_id, "terminated")

@@ -2,11 +2,12 @@
 two-rank pipeline under torchrun whose first steps are judged."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from localcloud.waiting import run_captured
 
 from trainer.scaling_check import RankTiming, bubble_factor, verdict
 
@@ -63,7 +64,7 @@ def test_a_two_rank_pipeline_judges_its_first_steps_and_trains_on(tmp_path: Path
     """pp=2 under torchrun: rank 0 writes the verdict after the warm-up and timed steps, and a
     world that passed trains to its last step."""
     result_file = tmp_path / "scaling-check.json"
-    completed = subprocess.run(
+    completed = run_captured(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "trainer.train",
          "--config", "trainer/configs/small.toml", "--model.n_layers=2", "--model.d_model=32", "--model.seq_len=32",
          "--parallel.microbatches=2", "--training.batch_size=4", "--training.steps=8", "--optim.warmup_steps=1",
@@ -71,7 +72,7 @@ def test_a_two_rank_pipeline_judges_its_first_steps_and_trains_on(tmp_path: Path
          "--data.corpus_bytes=50000", "--scaling_check.enabled=true", "--scaling_check.warmup_steps=2",
          "--scaling_check.steps=3", "--scaling_check.efficiency_floor=0.01",
          f"--scaling_check.result_file={result_file}"],
-        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+        what="a two-rank pipeline", cwd=Path(__file__).resolve().parent.parent)
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
     result = json.loads(result_file.read_text())
     assert result["passed"] and result["steps"] == 3 and 0 < result["efficiency"]

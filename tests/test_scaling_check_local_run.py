@@ -10,7 +10,7 @@ from localcloud_helpers import run_scenario
 
 @pytest.fixture(scope="module")
 def run() -> dict:
-    return run_scenario("agent_local_run.py", "poor-scaling", timeout_s=600)["outcome"]
+    return run_scenario("agent_local_run.py", "poor-scaling")["outcome"]
 
 
 @pytest.mark.slow

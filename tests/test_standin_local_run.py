@@ -16,7 +16,7 @@ FINAL_STEP, CHECKPOINT_EVERY, NODES = 60, 10, 8
 
 @pytest.fixture(scope="module")
 def scenario() -> dict:
-    return run_scenario("cli_local_run.py", timeout_s=600)
+    return run_scenario("cli_local_run.py")
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,13 @@
 tag-scoped, the bucket is locked down, and the independent judges pass."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from moto.events.models import EventPattern
 
+from localcloud.waiting import run_captured
 from trainfleet.adapters.ec2_fleet import TAG_STACK
 from trainfleet.validate import ValidationSetup, load_template, substituted_definitions, validate
 
@@ -168,8 +168,9 @@ def test_every_built_function_imports_its_handler_without_torch(template, tmp_pa
     """What `sam build` packs into a function (the Makefile's build-%Function, the same for every
     function) holds every module its handler imports; the layer brings the dependencies, and
     nothing on the way may need torch, which Lambda does not have."""
-    subprocess.run(["make", "-s", "build-ValidateFunction", f"ARTIFACTS_DIR={tmp_path}"], cwd=REPO, check=True,
-                   capture_output=True, timeout=120)
+    built = run_captured(["make", "-s", "build-ValidateFunction", f"ARTIFACTS_DIR={tmp_path}"], what="the build",
+                         cwd=REPO)
+    assert built.returncode == 0, built.stderr
     modules = sorted(resource["Properties"]["Handler"].rpartition(".")[0]
                      for resource in template["Resources"].values()
                      if resource["Type"] == "AWS::Serverless::Function")
@@ -184,7 +185,7 @@ def test_every_built_function_imports_its_handler_without_torch(template, tmp_pa
         "print(json.dumps({name: module.__file__ for name, module in sys.modules.items()",
         "                  if name.split('.')[0] in ours and getattr(module, '__file__', None)}))",
     ])
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = run_captured([sys.executable, "-c", script], what="importing the built functions", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     loaded = json.loads(done.stdout)
     assert set(modules) <= set(loaded)

@@ -1,11 +1,11 @@
 """The trainer config: file formats, precedence, and a clear error for every layout that cannot run."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from localcloud.waiting import run_captured
 from trainer.config import ConfigError, JobConfig, check_world_size, load_config
 from trainer.parallel_dims import SCHEDULES
 from trainer.train import main
@@ -97,7 +97,7 @@ def test_bad_launch_fails_before_any_process_group(monkeypatch, capsys):
 
 
 def test_bad_config_from_the_command_line_exits_with_the_message():
-    result = subprocess.run([sys.executable, "-m", "trainer.train", "--parallel.schedule=nope"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+    result = run_captured([sys.executable, "-m", "trainer.train", "--parallel.schedule=nope"], what="the trainer",
+                          cwd=REPO)
     assert result.returncode == 2
     assert "config error: parallel.schedule='nope' is unknown" in result.stderr

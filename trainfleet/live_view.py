@@ -66,20 +66,19 @@ def view(status: RunStatus) -> RenderableType:
 
 
 def watch(stack: Stack, run_name: str, console: Console, refresh_s: float = REFRESH_S,
-          on_look: Callable[[RunStatus], None] | None = None, timeout_s: float | None = None) -> RunStatus:
+          on_look: Callable[[RunStatus], None] | None = None) -> RunStatus:
     """Keep the view live until the run's execution ends (Ctrl-C stops watching, not the run);
-    `on_look` sees each status read (the demo acts on it). The last status read; TimeoutError
-    once `timeout_s` passed with the run still going."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    `on_look` sees each status read (the demo acts on it, and may stop the watch by raising).
+    The last status read."""
     try:
-        return _follow(stack, run_name, console, refresh_s, on_look, deadline)
+        return _follow(stack, run_name, console, refresh_s, on_look)
     finally:
         if not console.is_terminal:
             console.line()  # Live leaves its last render unterminated there
 
 
 def _follow(stack: Stack, run_name: str, console: Console, refresh_s: float,
-            on_look: Callable[[RunStatus], None] | None, deadline: float | None) -> RunStatus:
+            on_look: Callable[[RunStatus], None] | None) -> RunStatus:
     status = stack.status(run_name)
     # Not redirected: a process that runs the local cloud has its stdout replaced by the Lambda
     # runtime's per-thread capture, and a second redirection would write into itself. What is
@@ -92,8 +91,6 @@ def _follow(stack: Stack, run_name: str, console: Console, refresh_s: float,
                 on_look(status)
             if not status.running:
                 return status
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"run {run_name} still {status.execution_status} at the deadline")
             time.sleep(refresh_s)
             status = stack.status(run_name)
             live.update(view(status), refresh=True)

@@ -1,21 +1,21 @@
 """Runs chaos cells (localcloud.chaos) in a process of their own: the local cloud imports the
 deployed copy of `functions`, which this process must not have imported. One process, one local
-stack, the cells one after another; each cell's outcome carries its `problems`."""
+stack, the cells one after another or side by side; each cell's outcome carries its `problems`.
+The process is waited for while it narrates (localcloud.waiting), never for a fixed time."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-from localcloud.chaos import CELL_TIMEOUT_S
+from localcloud.waiting import run_captured
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_cells(names: list[str]) -> dict[str, dict]:
-    """cell name -> outcome."""
-    completed = subprocess.run([sys.executable, "-m", "localcloud.chaos", *names], cwd=REPO, capture_output=True,
-                               text=True, timeout=CELL_TIMEOUT_S * len(names) + 300)
+def run_cells(names: list[str], together: int = 1) -> dict[str, dict]:
+    """cell name -> outcome; `together` cells at once."""
+    completed = run_captured([sys.executable, "-m", "localcloud.chaos", f"--together={together}", *names],
+                             what=f"the chaos cells {names}", cwd=REPO)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-8000:]
     outcomes = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
     return {outcome["cell"]: outcome | {"narration": completed.stderr} for outcome in outcomes}
@@ -31,18 +31,16 @@ def verdict(outcome: dict) -> str:
     return "\n".join(outcome["problems"] + [f"states: {outcome['states']}"] + failures + said[-40:])
 
 
-def cell_tests(names: list[str]) -> tuple:
+def cell_tests(names: list[str], together: int = 1) -> tuple:
     """A test module's fixture and test for these cells: one process runs them all (module scope),
-    each cell is a test of its own that fails with what went wrong."""
+    `together` at once, each cell is a test of its own that fails with what went wrong."""
     import pytest
 
     @pytest.fixture(scope="module")
     def outcomes() -> dict[str, dict]:
-        return run_cells(names)
+        return run_cells(names, together)
 
-    # The first test waits for every cell (the module's fixture); pytest-timeout counts that.
     @pytest.mark.slow
-    @pytest.mark.timeout(CELL_TIMEOUT_S * len(names) + 600)
     @pytest.mark.parametrize("cell", names)
     def test_the_cell_holds_every_promise(outcomes, cell):
         outcome = outcomes[cell]

@@ -1,13 +1,13 @@
 """The commit protocol without torch: markers, verification, discovery, retention."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from checkpoint_fixtures import bucket, run_uri, s3  # noqa: F401 (fixtures)
 
+from localcloud.waiting import run_captured
 from trainer import checkpoint_catalog as catalog
 from trainer.checkpoint_catalog import CheckpointInvalid, CommitConflict, Manifest, StoredFile
 
@@ -172,8 +172,8 @@ def test_bad_uris_are_named(uri, message):
 
 def test_the_catalog_imports_no_torch():
     code = "import sys, trainer.checkpoint_catalog; print('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert result.stdout.strip() == "False"
+    result = run_captured([sys.executable, "-c", code], what="importing the catalogue")
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
 
 
 def test_config_hash_is_stable_and_order_free():

@@ -7,7 +7,6 @@ the kills land where they are meant to, without sleeps.
 
 import json
 import signal
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 from checkpoint_fixtures import bucket, processes, s3  # noqa: F401 (fixtures)
 
 from conftest import free_port
+from localcloud.waiting import sizes, until
 from trainer import checkpoint_catalog as catalog
 from trainer.config import load_config
 from trainer.model import GPT
@@ -27,7 +27,6 @@ from trainer_rank import launch
 pytestmark = pytest.mark.slow
 
 STEPS = 20
-TIMEOUT_S = 120
 
 
 def trainer_args(tmp_path: Path, uri: str, metrics: str, *overrides: str) -> list[str]:
@@ -41,19 +40,29 @@ def trainer_args(tmp_path: Path, uri: str, metrics: str, *overrides: str) -> lis
     ]
 
 
+def written(log_dir: Path):
+    """What the ranks wrote to their logs and markers: they advance while it grows."""
+    return lambda: sizes(sorted(log_dir.iterdir()))
+
+
+def exit_code(proc, log_dir: Path) -> int:
+    """The rank's exit status, waited for while the ranks write (localcloud.waiting)."""
+    until(lambda: proc.poll() is not None, written(log_dir), what=f"rank {proc.args} to exit", poll_s=0.05)
+    return proc.returncode
+
+
 def run_to_end(procs, log_dir: Path) -> None:
     for rank, proc in enumerate(procs):
-        code = proc.wait(timeout=TIMEOUT_S)
+        code = exit_code(proc, log_dir)
         assert code == 0, f"rank {rank} exited {code}:\n{(log_dir / f'rank{rank}.log').read_text()[-3000:]}"
 
 
-def wait_for(condition, what: str, procs=()) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
+def wait_for(condition, what: str, procs, log_dir: Path) -> None:
+    def reached() -> bool:
         dead = [p.args for p in procs if p.poll() is not None]
         assert not dead, f"a rank exited while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+        return condition()
+    until(reached, written(log_dir), what=what, poll_s=0.05)
 
 
 def losses(tmp_path: Path, metrics: str) -> dict[int, float]:
@@ -102,7 +111,8 @@ def train_until(step: int, tmp_path, processes, uri, metrics, world, layout, res
     """Train with a checkpoint committed at `step`, then kill -9 every rank."""
     procs, log_dir = train(tmp_path, processes, uri, metrics, world=world, layout=layout, resume=resume,
                            hooks=["--hang-after", str(step)])
-    wait_for(lambda: all((log_dir / f"reached.{r}").exists() for r in range(world)), f"step {step} committed", procs)
+    wait_for(lambda: all((log_dir / f"reached.{r}").exists() for r in range(world)), f"step {step} committed", procs,
+             log_dir)
     kill(procs)
     assert catalog.latest_committed(uri).step == step
 
@@ -124,7 +134,7 @@ def test_a_rank_killed_while_writing_leaves_no_checkpoint_and_nothing_hangs(tmp_
     uri = f"s3://{bucket}/runs/killed-mid-write/checkpoints"
     procs, log_dir = train(tmp_path, processes, uri, "first.jsonl", world=2, layout=["--parallel.pp=2"],
                            hooks=["--block-write", "10", "1"])
-    wait_for(lambda: (log_dir / "writing").exists(), "rank 1 writing step 10", procs)
+    wait_for(lambda: (log_dir / "writing").exists(), "rank 1 writing step 10", procs, log_dir)
 
     store = catalog.open_store(uri)
     shard = f"{store.prefix}{catalog.shard_folder(1)}/{catalog.step_dir_name(10)}/__1_0.distcp"
@@ -133,7 +143,7 @@ def test_a_rank_killed_while_writing_leaves_no_checkpoint_and_nothing_hangs(tmp_
 
     procs[1].send_signal(signal.SIGKILL)
 
-    assert procs[0].wait(timeout=TIMEOUT_S) != 0, "rank 0 must fail, not finish, when its peer dies"
+    assert exit_code(procs[0], log_dir) != 0, "rank 0 must fail, not finish, when its peer dies"
     assert not catalog.is_committed(store, 10)
     assert catalog.latest_committed(uri).step == 5
 
@@ -188,7 +198,7 @@ def test_a_truncated_shard_is_refused_by_name_and_resume_falls_back(tmp_path, pr
     s3.put_object(Bucket=bucket, Key=shard_key, Body=body[: len(body) // 2])
 
     procs, log_dir = train(tmp_path, processes, uri, "refused.jsonl", resume="20")
-    assert procs[0].wait(timeout=TIMEOUT_S) != 0
+    assert exit_code(procs[0], log_dir) != 0
     refusal = (log_dir / "rank0.log").read_text()
     assert "cannot resume from step 20" in refusal
     assert f"file {shard_name} has {len(body) // 2} bytes, manifest says {len(body)}" in refusal

@@ -1,0 +1,92 @@
+"""Waiting by progress, never by the clock alone: how local runs, the chaos cells and the tests wait.
+
+A healthy run on a loaded machine takes several times as long as on an idle one, so a deadline
+for a whole run fails it for nothing, and one long enough for the worst machine hides a stuck
+run for as long. `until` waits for `done` as long as `progress` (a snapshot of what shows the
+work advancing: states entered, instance states, steps, bytes written) keeps changing, and gives
+up only once it stood still for `stall_s`, naming what it waited for and the last change it saw.
+`run_captured` does the same for a child process, whose output and files are its progress.
+
+    watch = stack.watch(run)
+    until(stack.ended(run), watch.progress, what=f"the end of {run.run_name}")
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Hashable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = ["STALL_S", "Stalled", "Progress", "until", "run_captured", "sizes"]
+
+T = TypeVar("T")
+
+STALL_S = 300.0
+"""How long a local run may show nothing new before it counts as stuck. Longer than any bound a
+local RunSpec gives the product (boot, start-up and hang timeouts: 120 s at most), by which the
+product itself must act and so show something new, with room for a starved machine's slow
+reaction."""
+
+
+class Stalled(TimeoutError):
+    """Nothing advanced for the stall limit while waiting."""
+
+
+class Progress:
+    """Whether something still advances: `check()` takes a new snapshot from `snapshot` and raises
+    Stalled once the snapshots stood the same for `stall_s` seconds."""
+
+    def __init__(self, snapshot: Callable[[], Hashable], *, what: str, stall_s: float = STALL_S):
+        self.snapshot, self.what, self.stall_s = snapshot, what, stall_s
+        self.seen, self.changed = snapshot(), time.monotonic()
+
+    def check(self) -> None:
+        now = self.snapshot()
+        if now != self.seen:
+            self.seen, self.changed = now, time.monotonic()
+        elif time.monotonic() - self.changed > self.stall_s:
+            raise Stalled(f"nothing advanced for {self.stall_s:.0f} s while waiting for {self.what}; "
+                          f"last seen: {self.seen}")
+
+
+def until(done: Callable[[], T], progress: Callable[[], Hashable], *, what: str, stall_s: float = STALL_S,
+          poll_s: float = 0.5) -> T:
+    """Poll `done` until it gives something truthy, and return that; Stalled once `progress()`
+    gave the same snapshot for `stall_s` seconds."""
+    advancing = Progress(progress, what=what, stall_s=stall_s)
+    while not (found := done()):
+        time.sleep(poll_s)
+        advancing.check()
+    return found
+
+
+def sizes(paths: Sequence[Path]) -> tuple[int, ...]:
+    """The sizes of files (0 for one not there yet): a snapshot of what is being written to them."""
+    found = []
+    for path in paths:
+        try:
+            found.append(path.stat().st_size)
+        except FileNotFoundError:
+            found.append(0)
+    return tuple(found)
+
+
+def run_captured(command: Sequence[str], *, what: str, also_watch: Sequence[Path] = (), stall_s: float = STALL_S,
+                 **popen: Any) -> subprocess.CompletedProcess[str]:
+    """Run `command` until it exits, its stdout and stderr captured; Stalled (the process killed)
+    once neither of them nor the files of `also_watch` grew for `stall_s`."""
+    with tempfile.TemporaryDirectory(prefix="captured-") as folder:
+        stdout, stderr = Path(folder, "stdout"), Path(folder, "stderr")
+        with stdout.open("wb") as out, stderr.open("wb") as err, \
+                subprocess.Popen(command, stdout=out, stderr=err, **popen) as process:
+            try:
+                until(lambda: process.poll() is not None, lambda: sizes([stdout, stderr, *also_watch]), what=what,
+                      stall_s=stall_s, poll_s=0.2)
+            except Stalled:
+                process.kill()
+                raise
+        return subprocess.CompletedProcess(process.args, process.returncode, stdout.read_text(errors="replace"),
+                                           stderr.read_text(errors="replace"))
