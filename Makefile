@@ -3,18 +3,28 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test chaos demo clean sam-tools validate
+.PHONY: install test test-repeat chaos demo clean sam-tools validate
 
 install: $(VENV)/.installed
 
+# --no-compile: a module's bytecode is written when it is first imported. Compiling every module
+# at install (torch's and moto's thousands, most never imported here) took half the install.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[trainer,local,cli,dev]'
+	$(PY) -m pip install -q --no-compile --upgrade pip
+	$(PY) -m pip install -q --no-compile -e '.[trainer,local,cli,dev]'
 	touch $@
 
-test: install sam-tools
+# The two virtualenvs are installed side by side: each is about one core's work.
+test:
+	$(MAKE) -j2 install sam-tools
 	$(PY) -m pytest
+
+# The whole suite N times, each from a fresh clone of HEAD as CI runs it: wall times, the tests
+# that failed in any run and how often, the slowest tests (.ci/repeat.py).
+N ?= 3
+test-repeat:
+	$(PYTHON) .ci/repeat.py $(N)
 
 # Every fault at every phase of a real local run (tests/chaos, localcloud/chaos.py). Two workers:
 # every cell is a real run whose timeouts are seconds, and its modules are split for two.
@@ -32,7 +42,7 @@ sam-tools: $(SAM_VENV)/.installed
 
 $(SAM_VENV)/.installed: Makefile
 	$(PYTHON) -m venv $(SAM_VENV)
-	$(SAM_VENV)/bin/pip install -q $(SAM_TOOLS)
+	$(SAM_VENV)/bin/pip install -q --no-compile $(SAM_TOOLS)
 	touch $@
 
 validate: install sam-tools

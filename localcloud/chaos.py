@@ -159,11 +159,10 @@ def chaos_template(template: dict[str, Any]) -> dict[str, Any]:
     # The demo model trains about 60 steps a second here: 40 steps left a Spot notice given at the
     # first commit a second or two, and on busy cores the run ended before the notice reached it.
     spec["trainer"]["training"]["steps"] = 120
-    spec["trainer"]["parallel"]["timeout_s"] = 20  # a frozen peer fails the survivor's collectives
     spec["checkpoint"]["interval_steps"] = 10
-    # A local attempt starts in ~12 s on two idle cores, ~30 s on busy ones: 60 s of start-up
-    # keeps a freeze before the first step from costing the demo's two minutes.
-    spec["recovery"] |= {"max_restarts": 3, "boot_timeout_seconds": 60, "startup_timeout_seconds": 60}
+    # The local floors (localcloud.stack.TIMEOUT_FLOORS_S): as short as a starved machine allows.
+    spec["trainer"]["parallel"]["timeout_s"] = 60  # a frozen peer fails the survivor's collectives
+    spec["recovery"] |= {"max_restarts": 3, "boot_timeout_seconds": 180, "startup_timeout_seconds": 120}
     return spec
 
 

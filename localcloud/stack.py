@@ -17,6 +17,7 @@ deployed copy).
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import uuid
@@ -31,7 +32,7 @@ from botocore.config import Config
 from localcloud.waiting import sizes, until
 from trainfleet.adapters.ec2_fleet import TAG_RUN
 from trainfleet.adapters.run_store import RunNotFound, RunStore
-from trainfleet.contracts import RunRecord
+from trainfleet.contracts import RunRecord, RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -105,12 +106,37 @@ def _network(ec2: Any) -> tuple[str, str]:
     return subnet["Subnet"]["SubnetId"], group["GroupId"]
 
 
+TIMEOUT_FLOORS_S = {"recovery.hang_timeout_seconds": 30, "recovery.startup_timeout_seconds": 120,
+                    "recovery.boot_timeout_seconds": 180, "trainer.parallel.timeout_s": 60}
+"""The least a local run may give the product's timeouts. A local run's processes share two
+cores with whatever else the machine runs (a test suite's other workers): starved to a small
+share, a node's agent boots and passes preflight in minutes, a rank imports torch in a minute, a
+peer reaches a collective tens of seconds late, and the silence between two signs of life of a
+world that trains can reach seconds. Below these a healthy run could be failed for its
+machine's load; the chaos cell `starved` (a quarter of the CPU, beside the suite) holds them."""
+
+
+def timeout_floor_problems(spec: dict[str, Any]) -> list[str]:
+    """The RunSpec's timeouts below TIMEOUT_FLOORS_S, each named (the defaults are far above)."""
+    recovery = RunSpec.model_validate(spec).recovery
+    given = {"recovery.hang_timeout_seconds": recovery.hang_timeout_seconds,
+             "recovery.startup_timeout_seconds": recovery.startup_timeout_seconds,
+             "recovery.boot_timeout_seconds": recovery.boot_timeout_seconds,
+             "trainer.parallel.timeout_s": spec["trainer"].get("parallel", {}).get("timeout_s", math.inf)}
+    return [f"{name}={given[name]:g} is below the local floor of {floor} s" for name, floor in TIMEOUT_FLOORS_S.items()
+            if given[name] < floor]
+
+
 def local_run_spec(template: dict[str, Any], run_name: str, bucket: str, subnet: str, group: str) -> dict[str, Any]:
-    """The template RunSpec made concrete for one local stack: names, bucket, network."""
+    """The template RunSpec made concrete for one local stack: names, bucket, network. A template
+    whose timeouts a starved machine could reach is refused (TIMEOUT_FLOORS_S)."""
     spec = json.loads(json.dumps(template))
     spec["run_name"] = run_name
     spec["capacity"] |= {"subnet_ids": [subnet], "security_group_ids": [group]}
     spec["checkpoint"]["s3_uri"] = f"s3://{bucket}/runs/{run_name}/checkpoints"
+    problems = timeout_floor_problems(spec)
+    if problems:
+        raise ValueError(f"RunSpec {template['run_name']!r} cannot run locally: " + "; ".join(problems))
     return spec
 
 

@@ -51,12 +51,25 @@ def forked_from_image() -> bool:
 
 
 class ForkedProcess:
-    """An instance's process forked by the image: the part of subprocess.Popen the fleet uses."""
+    """A process forked by the image: the part of subprocess.Popen the fleet and the tests use."""
 
-    def __init__(self, pid: int):
-        self.pid = pid
+    def __init__(self, pid: int, args: list[str]):
+        self.pid, self.args = pid, args
         self.returncode: int | None = None
         self._exited = threading.Event()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:  # the image reaps it at once: its pid is not ours after that
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
     def exited(self, status: int) -> None:
         self.returncode = status
@@ -77,14 +90,16 @@ class WarmImage:
         self._lock = threading.Lock()
         self._forking: dict[int, tuple[threading.Event, list[ForkedProcess]]] = {}
         self._children: dict[int, ForkedProcess] = {}
+        self._argv: dict[int, list[str]] = {}
         self._reader = threading.Thread(target=self._read, name="warm-image", daemon=True)
         self._reader.start()
 
     @classmethod
-    def start(cls, modules: list[str]) -> WarmImage:
-        """An image process with `modules` imported (and the services' models loaded)."""
+    def start(cls, modules: list[str], path: list[str] = ()) -> WarmImage:
+        """An image process with `modules` imported (and the services' models loaded), found on
+        `path` too."""
         repo = str(Path(__file__).resolve().parents[1])
-        path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+        path = os.pathsep.join(filter(None, [repo, *path, os.environ.get("PYTHONPATH")]))
         process = subprocess.Popen([sys.executable, "-m", "localcloud.warm_image", *modules],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
                                    env=os.environ | {"PYTHONPATH": path}, start_new_session=True)
@@ -102,6 +117,7 @@ class WarmImage:
         ready, forked = threading.Event(), []
         with self._lock:
             self._forking[token] = (ready, forked)
+            self._argv[token] = argv
             request = {"token": token, "argv": argv[1:], "cwd": str(cwd), "env": env, "console": str(console)}
             self._process.stdin.write((json.dumps(request) + "\n").encode())
         if not ready.wait(30):
@@ -127,7 +143,7 @@ class WarmImage:
             message = json.loads(line)
             with self._lock:
                 if "token" in message:
-                    child = ForkedProcess(message["pid"])
+                    child = ForkedProcess(message["pid"], self._argv.pop(message["token"]))
                     self._children[child.pid] = child
                     ready, forked = self._forking.pop(message["token"])
                     forked.append(child)

@@ -1,9 +1,14 @@
 """Fixtures for the checkpoint tests (imported by name: a conftest here would shadow tests/conftest.py)."""
 
+import os
+import sys
 import uuid
+from pathlib import Path
 
 import boto3
 import pytest
+
+from localcloud.warm_image import WarmImage
 
 
 @pytest.fixture
@@ -23,12 +28,44 @@ def run_uri(bucket):
     return f"s3://{bucket}/runs/test-run/checkpoints"
 
 
+class Ranks:
+    """Trainer ranks (tests/checkpoint/trainer_rank.py), each a process forked from a warm image
+    that imported torch and the trainer once (a rank started afresh spends about five seconds of
+    CPU importing them); `end` kills any still running."""
+
+    def __init__(self, image: WarmImage):
+        self.image, self.started = image, []
+
+    def launch(self, world: int, port: int, trainer_args: list[str], log_dir: Path, hooks: list[str] = ()) -> list:
+        """Start `world` ranks as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT); rank r's
+        output goes to log_dir/rank{r}.log."""
+        procs = []
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            procs.append(self.image.fork([sys.executable, "-m", "trainer_rank", "--signals", str(log_dir), *hooks, "--",
+                                          *trainer_args], log_dir, env, log_dir / f"rank{rank}.log"))
+        self.started += procs
+        return procs
+
+    def end(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def rank_image():
+    """A warm image of trainer ranks (localcloud.warm_image)."""
+    image = WarmImage.start(["trainer_rank"], path=[str(Path(__file__).resolve().parent)])
+    yield image
+    image.stop()
+
+
 @pytest.fixture
-def processes():
-    """Processes a test starts; any still running at the end are killed."""
-    started = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+def processes(rank_image):
+    """Ranks a test starts; any still running at the end are killed."""
+    ranks = Ranks(rank_image)
+    yield ranks
+    ranks.end()

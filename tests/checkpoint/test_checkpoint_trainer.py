@@ -15,14 +15,13 @@ import boto3
 import pytest
 import torch
 
-from checkpoint_fixtures import bucket, processes, s3  # noqa: F401 (fixtures)
+from checkpoint_fixtures import Ranks, bucket, processes, rank_image, s3  # noqa: F401 (fixtures)
 
 from conftest import free_port
 from localcloud.waiting import sizes, until
 from trainer import checkpoint_catalog as catalog
 from trainer.config import load_config
 from trainer.model import GPT
-from trainer_rank import launch
 
 pytestmark = pytest.mark.slow
 
@@ -74,9 +73,7 @@ def train(tmp_path, processes, uri, metrics, world=1, hooks=(), layout=(), resum
     log_dir = tmp_path / (name or metrics.removesuffix(".jsonl"))
     log_dir.mkdir()
     args = trainer_args(tmp_path, uri, metrics, f"--checkpoint.resume={resume}", *layout)
-    procs = launch(world, free_port(), args, log_dir, list(hooks))
-    processes.extend(procs)
-    return procs, log_dir
+    return processes.launch(world, free_port(), args, log_dir, list(hooks)), log_dir
 
 
 @dataclass
@@ -86,18 +83,17 @@ class Straight:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, moto_endpoint):
+def straight(tmp_path_factory, moto_endpoint, rank_image):
     """20 uninterrupted steps at pp=2, checkpointed every 5 (15 and 20 are kept): the reference."""
     tmp_path = tmp_path_factory.mktemp("straight")
     uri = f"s3://straight-{uuid.uuid4().hex[:12]}/runs/straight/checkpoints"
     boto3.client("s3").create_bucket(Bucket=catalog.open_store(uri).bucket)
-    started = []
+    ranks = Ranks(rank_image)
     try:
-        procs, log_dir = train(tmp_path, started, uri, "straight.jsonl", world=2, layout=["--parallel.pp=2"])
+        procs, log_dir = train(tmp_path, ranks, uri, "straight.jsonl", world=2, layout=["--parallel.pp=2"])
         run_to_end(procs, log_dir)
     finally:
-        for proc in started:
-            proc.kill()
+        ranks.end()
     return Straight(losses(tmp_path, "straight.jsonl"), uri)
 
 

@@ -1,4 +1,5 @@
-"""One rank of trainer.train, as torchrun would start it, with hooks for the checkpoint tests.
+"""One rank of trainer.train, as torchrun would start it, with hooks for the checkpoint tests
+(checkpoint_fixtures.Ranks forks them from a warm image).
 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
         python tests/checkpoint/trainer_rank.py [--hang-after STEP] [--block-write STEP RANK] -- TRAINER ARGS
@@ -11,7 +12,6 @@
 
 import argparse
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -55,19 +55,6 @@ def block_write(step: int, rank: int, signals: Path) -> None:
         return inner
 
     checkpoint.storage_writer = writer
-
-
-def launch(world: int, port: int, trainer_args: list[str], log_dir: Path,
-           hooks: list[str] = ()) -> list[subprocess.Popen]:
-    """Start `world` ranks; rank r's output goes to log_dir/rank{r}.log."""
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        with (log_dir / f"rank{rank}.log").open("w") as log:
-            procs.append(subprocess.Popen([sys.executable, __file__, "--signals", str(log_dir), *hooks, "--",
-                                           *trainer_args], env=env, stdout=log, stderr=subprocess.STDOUT))
-    return procs
 
 
 def main() -> int:
