@@ -35,19 +35,27 @@ class Stalled(TimeoutError):
     """Nothing advanced for the stall limit while waiting."""
 
 
+LOOK_EVERY_S = 2.0
+"""How often a snapshot is taken: one may cost several reads of the local cloud."""
+
+
 class Progress:
-    """Whether something still advances: `check()` takes a new snapshot from `snapshot` and raises
-    Stalled once the snapshots stood the same for `stall_s` seconds."""
+    """Whether something still advances: `check()` takes a new snapshot from `snapshot` (at most
+    every LOOK_EVERY_S) and raises Stalled once the snapshots stood the same for `stall_s` seconds."""
 
     def __init__(self, snapshot: Callable[[], Hashable], *, what: str, stall_s: float = STALL_S):
         self.snapshot, self.what, self.stall_s = snapshot, what, stall_s
         self.seen, self.changed = snapshot(), time.monotonic()
+        self.looked = self.changed
 
     def check(self) -> None:
-        now = self.snapshot()
-        if now != self.seen:
-            self.seen, self.changed = now, time.monotonic()
-        elif time.monotonic() - self.changed > self.stall_s:
+        now = time.monotonic()
+        if now - self.looked < LOOK_EVERY_S:
+            return
+        self.looked, snapshot = now, self.snapshot()
+        if snapshot != self.seen:
+            self.seen, self.changed = snapshot, now
+        elif now - self.changed > self.stall_s:
             raise Stalled(f"nothing advanced for {self.stall_s:.0f} s while waiting for {self.what}; "
                           f"last seen: {self.seen}")
 

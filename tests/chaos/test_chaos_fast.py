@@ -1,4 +1,4 @@
-"""The chaos cells `make test` runs (the whole matrix is `make chaos`), side by side on one stack:
+"""The chaos cells `make test` runs (the whole matrix is `make chaos`), one after another on one stack:
 a node lost while a checkpoint uploads (the partial checkpoint must never be loaded), a Spot
 notice (nothing trained before it may be lost), and a healthy run on a starved machine (a quarter
 of the CPU: slow, and no failure may be booked). See localcloud.chaos for the promises every cell
@@ -7,7 +7,7 @@ keeps; the tests below add what each of these faults must be recorded as."""
 from chaos_cells import cell_tests
 
 outcomes, test_the_cell_holds_every_promise = cell_tests(
-    ["kill@checkpoint-write", "spot@training", "starved"], together=3)
+    ["kill@checkpoint-write", "spot@training", "starved"])
 
 
 def failure_and_victim(outcome: dict) -> tuple[dict, str]:
