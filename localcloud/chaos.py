@@ -39,8 +39,7 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -49,10 +48,11 @@ from typing import Any
 import yaml
 
 from localcloud.chaos_route import on_instance
+from localcloud.glue import s3 as s3_requests
 from localcloud.stack import (REPO, LocalRun, LocalStack, Watch, agent_lines, local_stack, metrics_records,
                               states_entered)
 from localcloud.waiting import Stalled, run_captured, until
-from trainer.checkpoint_catalog import MARKER_NAME
+from trainer.checkpoint_catalog import MARKER_NAME, marker_step
 
 __all__ = ["Fault", "Phase", "Cell", "MATRIX", "EXTRAS", "CELLS", "chaos_template", "reference_losses",
            "run_cell", "problems", "main"]
@@ -188,48 +188,6 @@ def reference_losses(trainer_config: dict[str, Any], folder: Path) -> dict[int, 
 
 # --- seeing phases --------------------------------------------------------------------------
 
-class _S3Requests:
-    """Calls back on every PutObject and GetObject as it reaches the local S3, before it is
-    served: (kind "write" or "read", key, body written). moto's S3 backend is wrapped once;
-    inert while nothing listens."""
-
-    listeners: list[Callable[[str, str, bytes | None], None]] = []
-    _installed = False
-
-    @classmethod
-    @contextmanager
-    def listen(cls, listener: Callable[[str, str, bytes | None], None]) -> Iterator[None]:
-        cls._install()
-        cls.listeners.append(listener)
-        try:
-            yield
-        finally:
-            cls.listeners.remove(listener)
-
-    @classmethod
-    def _install(cls) -> None:
-        if cls._installed:
-            return
-        from moto.s3.models import S3Backend
-        put_object, get_object = S3Backend.put_object, S3Backend.get_object
-
-        def put(self: Any, bucket_name: str, key_name: str, value: bytes, *args: Any, **kwargs: Any) -> Any:
-            cls._heard("write", key_name, value)
-            return put_object(self, bucket_name, key_name, value, *args, **kwargs)
-
-        def get(self: Any, bucket_name: str, key_name: str, *args: Any, **kwargs: Any) -> Any:
-            cls._heard("read", key_name, None)
-            return get_object(self, bucket_name, key_name, *args, **kwargs)
-
-        S3Backend.put_object, S3Backend.get_object = put, get
-        cls._installed = True
-
-    @classmethod
-    def _heard(cls, kind: str, key: str, body: bytes | None) -> None:
-        for listener in list(cls.listeners):
-            listener(kind, key, body)
-
-
 def _is_checkpoint_part(run_name: str, key: str) -> bool:
     return key.startswith(f"runs/{run_name}/checkpoints/") and "/step-" in key and not key.endswith(MARKER_NAME)
 
@@ -248,8 +206,7 @@ class _Commits:
     def __call__(self, kind: str, key: str, body: bytes | None) -> None:
         if kind != "write" or not key.startswith(f"runs/{self.run_name}/"):
             return
-        if key.endswith(f"/{MARKER_NAME}"):
-            step = next(int(part.removeprefix("step-")) for part in key.split("/") if part.startswith("step-"))
+        if (step := marker_step(key)) is not None:
             self.markers.append((time.time(), step))
         elif key == f"runs/{self.run_name}/launch-spec.json" and body is not None:
             spec = json.loads(body)
@@ -403,7 +360,7 @@ def _at_checkpoint_request(view: _View, what: str, ended: Callable[[], bool],
         if kind == what and _is_checkpoint_part(view.run.run_name, key) and after():
             heard.set()
 
-    with _S3Requests.listen(listener):
+    with s3_requests.listen(listener):
         return bool(_until(view, f"checkpoint {what}", heard.is_set, ended))
 
 
@@ -585,7 +542,7 @@ def run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any], reference:
     ended = stack.ended(run)
     missed: list[str] = []
     try:
-        with _S3Requests.listen(commits):
+        with s3_requests.listen(commits):
             try:
                 injections = disrupt(view, cell, ended)
             except MissedInjection as error:  # the run goes on to its end all the same

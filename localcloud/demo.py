@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -41,11 +42,12 @@ from typing import Any, Literal
 from pydantic import ValidationError
 from rich.console import Console
 
+from localcloud.glue import s3 as s3_requests
 from localcloud.stack import LocalRun, LocalStack, local_stack
 from localcloud.waiting import Progress
+from trainer.checkpoint_catalog import marker_step
 from trainfleet.contracts import RunSpec, validation_message
 from trainfleet.live_view import watch
-from trainfleet.runs import RunStatus
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RUN_SPEC = REPO / "events" / "local-demo-run.json"
@@ -102,16 +104,21 @@ def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None],
             disrupted: dict[str, Any] = {}
             quiet = stack.watch(run, narrate=lambda news: None)
             advancing = Progress(quiet.progress, what=f"the end of {run.run_name}")
+            first_commit = Future()
 
-            def on_look(status: RunStatus) -> None:
-                """Disrupt node rank 1 after the first checkpoint; give up on a run that stopped advancing."""
-                record = status.record
-                if (disruption is not None and not disrupted and status.running and record is not None
-                        and record.attempt == 0 and record.latest_checkpoint is not None):
-                    disrupted.update(_disrupt_node_rank_1(stack, run, record.latest_checkpoint.step, disruption))
-                advancing.check()
+            def heard(kind: str, key: str, body: bytes | None) -> None:
+                # The first commit marker as it reaches S3: training goes on meanwhile (a second
+                # or two of the demo's 60 steps), too fast to wait for the control plane's record.
+                step = marker_step(key) if kind == "write" and key.startswith(f"runs/{run.run_name}/") else None
+                if step is not None and not first_commit.done():
+                    first_commit.set_result(step)
 
-            watch(operations, run.run_name, console, refresh_s=LIVE_REFRESH_S, on_look=on_look)
+            if disruption is not None:
+                first_commit.add_done_callback(lambda commit: stack.cloud.submit("disrupt node rank 1", lambda: (
+                    disrupted.update(_disrupt_node_rank_1(stack, run, commit.result(), disruption)))))
+            with s3_requests.listen(heard):
+                watch(operations, run.run_name, console, refresh_s=LIVE_REFRESH_S,
+                      on_look=lambda status: advancing.check())
             quiet.until(lambda: all(i.state == "terminated" for i in stack.instances(run)), "every instance terminated")
             page = operations.report(run.run_name, (reports or Path(tempfile.mkdtemp(prefix="reports-"))) / run.run_name)
             return stack.outcome(run) | {"disrupted": disrupted or None, "report_page": str(page)}

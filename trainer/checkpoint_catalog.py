@@ -110,6 +110,13 @@ def step_folders(step: int) -> list[str]:
     return [step_dir] + [f"{shards}/{step_dir}" for shards in _SHARD_FOLDERS]
 
 
+def marker_step(key: str) -> int | None:
+    """The step whose commit marker `key` (an object key or path ending in
+    `.../step-00000000N/commit.json`) is; None for any other file."""
+    folder, _, name = key.rpartition("/")
+    return _parse_step_dir(folder.rpartition("/")[2]) if name == MARKER_NAME else None
+
+
 def _parse_step_dir(name: str) -> int | None:
     digits = name.removeprefix(_STEP_DIR_PREFIX)
     if name.startswith(_STEP_DIR_PREFIX) and digits.isdigit():
