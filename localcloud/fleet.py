@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from localcloud import aws_events
+from localcloud.procfs import stat_fields
 from localcloud.warm_image import ForkedProcess, WarmImage
 
 if TYPE_CHECKING:
@@ -142,20 +143,11 @@ def _strays(instance: LocalInstance, group: int | None) -> list[int]:
     return sorted(found - {group})
 
 
-def _stat(path: Path) -> list[str] | None:
-    """The fields of a /proc/PID/stat after the process's name (state, parent, group, ...); None
-    once the process is gone."""
-    try:
-        return path.read_text().rsplit(")", 1)[1].split()  # the name may hold spaces and parentheses
-    except (OSError, IndexError):
-        return None  # ended while listed
-
-
 def _descendants(pid: int) -> list[int]:
     """Every process below `pid` (its children, theirs, ...), from /proc."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        if (fields := _stat(stat)) is not None:
+        if (fields := stat_fields(stat)) is not None:
             children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
     found, pending = [], [pid]
     while pending:
@@ -561,7 +553,7 @@ def _signal_pids(pids: list[int], signum: signal.Signals) -> None:
 
 def _alive(pid: int) -> bool:
     """Whether the process runs (or is stopped): neither gone nor a zombie."""
-    fields = _stat(Path(f"/proc/{pid}/stat"))
+    fields = stat_fields(Path(f"/proc/{pid}/stat"))
     return fields is not None and fields[0] != "Z"
 
 
@@ -575,7 +567,7 @@ def _signal_group(pgid: int, signum: signal.Signals) -> None:
 def _group_alive(pgid: int) -> bool:
     """Whether the group still has a live (not zombie) member, its leader included."""
     return any(fields is not None and int(fields[2]) == pgid and fields[0] != "Z"
-               for fields in map(_stat, Path("/proc").glob("[0-9]*/stat")))
+               for fields in map(stat_fields, Path("/proc").glob("[0-9]*/stat")))
 
 
 def _set_reason(backend: Any, instance_id: str, code: str, message: str) -> None:

@@ -37,6 +37,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from localcloud.procfs import cpu_seconds
+from localcloud.waiting import until
+
 __all__ = ["WarmImage", "ForkedProcess", "forked_from_image", "PRELOADED_SERVICES"]
 
 PRELOADED_SERVICES = ("s3", "dynamodb", "events", "stepfunctions", "sts")
@@ -120,8 +123,9 @@ class WarmImage:
             self._argv[token] = argv
             request = {"token": token, "argv": argv[1:], "cwd": str(cwd), "env": env, "console": str(console)}
             self._process.stdin.write((json.dumps(request) + "\n").encode())
-        if not ready.wait(30):
-            raise RuntimeError(f"the warm image did not fork {argv[1:3]} within 30 s")
+        # The first request waits for the image's imports: a minute or more on a loaded machine.
+        until(lambda: ready.wait(0.5), lambda: cpu_seconds(self._process.pid),
+              what=f"the warm image to fork {argv[1:3]} (its CPU time is its progress)", poll_s=0)
         if not forked:
             raise RuntimeError("the warm image stopped before it forked")
         # the child itself, not a lookup by pid: one that exits at once is gone from _children

@@ -84,7 +84,7 @@ def _slowed(rank: int) -> None:
     fleet_check.dist.all_reduce = slow_all_reduce
 
 
-def _world(rank, port, slow_rank, floor, results, world=3, per_node=1):
+def _world(rank, port, slow_rank, floor, results, world=3, per_node=1, works=None):
     os.environ.update({NODE_NAME_ENV: name(rank // per_node), "LOCAL_WORLD_SIZE": str(per_node)})
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
@@ -92,7 +92,10 @@ def _world(rank, port, slow_rank, floor, results, world=3, per_node=1):
         if rank == slow_rank:
             _slowed(rank)
         config = FleetCheckConfig(enabled=True, size_mib=1, iterations=3, busbw_floor_gbytes_per_s=floor)
-        results[rank] = fleet_check.run_fleet_check(config, torch.device("cpu"))
+        done = []
+        results[rank] = fleet_check.run_fleet_check(config, torch.device("cpu"), lambda: done.append(1))
+        if works is not None:
+            works[rank] = len(done)
     finally:
         dist.destroy_process_group()
 
@@ -116,9 +119,14 @@ def test_a_slow_node_of_three_is_named_by_every_rank():
 
 
 @pytest.mark.slow
-def test_a_healthy_world_passes_its_floor():
-    (result, *_) = three_nodes(slow_rank=None, floor=0.001)
+def test_a_healthy_world_passes_its_floor_and_every_transfer_is_a_sign_of_life():
+    with torch_mp.Manager() as manager:
+        results, works = manager.dict(), manager.dict()
+        spawn_ranks(_world, (free_port(), None, 0.001, results, 3, 1, works), nprocs=3)
+        result, works = results[0], dict(works)
     assert result.passed and result.busbw_gbytes_per_s > 0.001 and result.slow_nodes == []
+    # the untimed all-reduce, 3 timed ones, 3 exchanges with the next node and 3 with the one after
+    assert works == {rank: 1 + 3 + 3 + 3 for rank in range(3)}
 
 
 @pytest.mark.slow

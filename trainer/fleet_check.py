@@ -31,6 +31,7 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -85,13 +86,15 @@ def verdict(busbw: float, floor: float, links: list[Link], nodes: list[str], sec
     return FleetCheckResult(False, busbw, floor, slowest, slow if len(slow) < len(nodes) else [], seconds)
 
 
-def _timed_allreduce(buffer: torch.Tensor, iterations: int, device: torch.device) -> float:
+def _timed_allreduce(buffer: torch.Tensor, iterations: int, device: torch.device, on_work: Callable[[], None]) -> float:
     dist.all_reduce(buffer)  # untimed: connections and buffers set up
     _synchronize(device)
+    on_work()
     dist.barrier()
     started = time.perf_counter()
     for _ in range(iterations):
         dist.all_reduce(buffer)
+        on_work()  # a call of a clock at most: beside a transfer of MiB, nothing
     _synchronize(device)
     return (time.perf_counter() - started) / iterations
 
@@ -121,22 +124,27 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_fleet_check(cfg: FleetCheckConfig, device: torch.device) -> FleetCheckResult:
-    """Measure the world (every rank calls this); the result, the same on every rank."""
+def run_fleet_check(cfg: FleetCheckConfig, device: torch.device,
+                    on_work: Callable[[], None] = lambda: None) -> FleetCheckResult:
+    """Measure the world (every rank calls this); the result, the same on every rank. `on_work`
+    is called after each transfer: a slow node makes the check slow, never silent
+    (trainer/progress.py)."""
     started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     nodes = world // per_node
     size = int(cfg.size_mib * 2**20) // 4 * 4
     buffer = torch.ones(size // 4, dtype=torch.float32, device=device)
-    busbw = bus_bandwidth(size, _timed_allreduce(buffer, cfg.iterations, device), world)
+    busbw = bus_bandwidth(size, _timed_allreduce(buffer, cfg.iterations, device, on_work), world)
     inbox = torch.empty_like(buffer)
     node = rank // per_node
     timed: list[tuple[int, int, float]] = []  # (source node, target node, seconds) as this rank saw them
     for k in (1, 2) if nodes >= 3 else (1,):
         shift = k * per_node
-        seconds = [_exchange(buffer, inbox, (rank + shift) % world, (rank - shift) % world, device)
-                   for _ in range(cfg.iterations)]
+        seconds = []
+        for _ in range(cfg.iterations):
+            seconds.append(_exchange(buffer, inbox, (rank + shift) % world, (rank - shift) % world, device))
+            on_work()
         send_s, receive_s = (statistics.median(times) for times in zip(*seconds))
         timed += [(node, (node + k) % nodes, send_s), ((node - k) % nodes, node, receive_s)]
     gathered: list[tuple[str, list[tuple[int, int, float]]] | None] = [None] * world
@@ -155,9 +163,9 @@ def run_fleet_check(cfg: FleetCheckConfig, device: torch.device) -> FleetCheckRe
     return judged[0]
 
 
-def gate(cfg: FleetCheckConfig, device: torch.device) -> None:
+def gate(cfg: FleetCheckConfig, device: torch.device, on_work: Callable[[], None]) -> None:
     """Check the world; return when it passed, else wait to be stopped (never return)."""
-    result = run_fleet_check(cfg, device)
+    result = run_fleet_check(cfg, device, on_work)
     if dist.get_rank() == 0:
         if cfg.result_file:
             write_whole(Path(cfg.result_file), result.to_json())

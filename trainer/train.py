@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     with distributed(cfg) as env:
         progress.beat()  # the world formed
         if cfg.fleet_check.enabled and env.world_size > 1:
-            fleet_check.gate(cfg.fleet_check, env.device)
+            fleet_check.gate(cfg.fleet_check, env.device, progress.beat)
             progress.beat()
         train(cfg, env, progress)
     return 0
