@@ -162,7 +162,7 @@ def chaos_template(template: dict[str, Any]) -> dict[str, Any]:
     spec["checkpoint"]["interval_steps"] = 10
     # The local floors (localcloud.stack.TIMEOUT_FLOORS_S): as short as a starved machine allows.
     spec["trainer"]["parallel"]["timeout_s"] = 60  # a frozen peer fails the survivor's collectives
-    spec["recovery"] |= {"max_restarts": 3, "boot_timeout_seconds": 180, "startup_timeout_seconds": 120}
+    spec["recovery"] |= {"max_restarts": 3, "boot_timeout_seconds": 300, "startup_timeout_seconds": 300}
     return spec
 
 

@@ -24,9 +24,9 @@ __all__ = ["STALL_S", "Stalled", "Progress", "until", "run_captured", "sizes"]
 
 T = TypeVar("T")
 
-STALL_S = 300.0
+STALL_S = 600.0
 """How long a local run may show nothing new before it counts as stuck. Longer than any bound a
-local RunSpec gives the product (boot, start-up and hang timeouts: 120 s at most), by which the
+local RunSpec gives the product (boot, start-up and hang timeouts: 300 s at most), by which the
 product itself must act and so show something new, with room for a starved machine's slow
 reaction."""
 
