@@ -114,8 +114,9 @@ share, a node's agent boots and passes preflight in minutes, a rank imports torc
 peer reaches a collective tens of seconds late, and the silence between two signs of life of a
 world that trains can reach seconds. Measured on the `starved` cell beside the suite: a boot of
 118 s and a silent start-up (torchrun's and a rank's imports) of more than 120 s, which the
-earlier floors of 180 s and 120 s let through as a hang. Below these a healthy run could be failed for its
-machine's load; the chaos cell `starved` (a quarter of the CPU, beside the suite) holds them."""
+earlier floors of 180 s and 120 s let through as a hang. Below these a healthy run could be
+failed for its machine's load; the chaos cell `starved` (a quarter of the CPU, beside the suite)
+holds them."""
 
 
 def timeout_floor_problems(spec: dict[str, Any]) -> list[str]:
