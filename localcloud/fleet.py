@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from localcloud import aws_events
+from localcloud import aws_events, in_place, warm_image
 from localcloud.procfs import stat_fields
 from localcloud.warm_image import ForkedProcess, WarmImage
 
@@ -180,6 +180,19 @@ def python_module(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _module(pid: int) -> str | None:
+    """The module a process runs: its command line's, or, for a command run in place in a
+    warm image's process (whose command line is the image's), the one its name says."""
+    module = python_module(_argv(pid))
+    if module != warm_image.__name__:
+        return module
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+    return in_place.module_of(name, [module for modules in ROLE_MODULES.values() for module in modules])
+
+
 def _argv(pid: int) -> list[str]:
     """A process's command line; empty once it ended (a zombie has none)."""
     try:
@@ -277,7 +290,7 @@ class LocalFleet:
 
     def use_warm_image(self, modules: list[str]) -> None:
         """Boot instances from now on from a warm image with `modules` imported."""
-        self.image = WarmImage.start(modules)
+        self.image = WarmImage.start(modules, path=[str(INSTANCE_SITE)])
 
     def wait_for_state(self, instance_id: str, state: str) -> None:
         self.cloud.wait_until(lambda: self.get(instance_id).state == state, f"{instance_id} to be {state}")
@@ -330,10 +343,8 @@ class LocalFleet:
         process = instance.process
         if process is None or instance.state != "running":
             raise RuntimeError(f"instance {instance_id} ({instance.state}) has no running processes")
-        if isinstance(process, ForkedProcess) and role == "agent":
-            return process.pid  # its command line is the image's: the fork is the agent itself
         found = sorted(pid for pid in (process.pid, *_descendants(process.pid))
-                       if python_module(_argv(pid)) in ROLE_MODULES[role])
+                       if _module(pid) in ROLE_MODULES[role])
         if not found:
             raise RuntimeError(f"instance {instance_id} has no {role} process (python -m "
                                f"{' or '.join(ROLE_MODULES[role])}) yet")

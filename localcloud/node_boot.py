@@ -45,7 +45,8 @@ def main(agent_argv: list[str]) -> None:
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from localcloud.warm_image import forked_from_image, run_module
+    from localcloud.in_place import exec_in_place, runnable
+    from localcloud.warm_image import forked_from_image
     from trainfleet.adapters.ec2_fleet import BOOT_COPY_ATTEMPTS
 
     bucket = os.environ["TRAINFLEET_BUCKET"]
@@ -58,8 +59,8 @@ def main(agent_argv: list[str]) -> None:
         while True:  # the instance stays up without an agent, as after a failed user data script
             time.sleep(3600)
     print(f"node boot: copied {len(copied)} artifacts from s3://{bucket}/{ARTIFACTS}; starting the agent", flush=True)
-    if forked_from_image() and agent_argv[:2] == [sys.executable, "-m"]:
-        sys.exit(run_module(agent_argv[2:]))  # the image has the agent loaded: run it in place
+    if forked_from_image() and runnable(agent_argv):
+        exec_in_place(agent_argv)  # the image has the agent loaded
     os.execvp(agent_argv[0], agent_argv)
 
 

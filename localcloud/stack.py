@@ -41,6 +41,10 @@ AGENT_LIFETIME_S = 3600.0
 """A local agent exits after this long at most, so that none outlives a harness that died without
 ending its instances. Far longer than any local run, however slow the machine: it is no
 timeout of the product's, and one that a slow run could reach would fail it for nothing."""
+NODE_MODULES = ["localcloud.node_boot", "trainer.agent", "trainer.standin"]
+"""What a node's warm image imports: the boot, the agent and the stand-in trainer (a thread of it)."""
+TRAINER_MODULES = ["trainer.health", "torch.distributed.run", "trainer.worker", "trainer.train"]
+"""And where nodes run the real trainer: preflight, torchrun and the ranks, each run in place."""
 PATIENT = Config(retries={"max_attempts": 20, "mode": "standard"})
 """Up to 19 retries with capped exponential backoff: about a minute of a failing service."""
 
@@ -307,8 +311,10 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
                                                  sys.executable, "-m", "trainer.agent"]
             cloud.fleet.env_hooks.append(agent_environment)
             cloud.fleet.cpu_share = lambda instance: stack.cpu_shares.get(instance.tags.get(TAG_RUN, ""), 1.0)
-            if standin_step_s:  # the large runs: a process of the agent's own a node, forked warm
-                cloud.fleet.use_warm_image(["localcloud.node_boot", "trainer.agent", "trainer.standin"])
+            # Every node forked from a warm image, and what it starts run in place: the large runs'
+            # stand-in trainer is a thread of the agent, the real trainer's processes would each
+            # import torch again (localcloud/warm_image.py, localcloud/in_place.py).
+            cloud.fleet.use_warm_image(NODE_MODULES + ([] if standin_step_s else TRAINER_MODULES))
             stack.network = _network(stack.client("ec2"))
             yield stack
         finally:

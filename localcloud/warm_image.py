@@ -1,9 +1,12 @@
-"""Instances that boot from a warm image: hundreds of node agents on one machine.
+"""Instances that boot from a warm image: hundreds of node agents, and trainers, on one machine.
 
 An instance process started from scratch (`python -m localcloud.node_boot ... -m trainer.agent`)
-costs about a second of imports and tens of MB; 512 of them do not fit on a small machine. A warm
-image is one process that has imported what an instance runs (the node boot, the agent, boto3
-with its service models) and forks a child for each instance that boots. The child is the
+costs about a second of imports and tens of MB; 512 of them do not fit on a small machine, and
+each preflight, torchrun and rank it starts imports torch again (seconds each). A warm image is
+one process that has imported what an instance runs (the node boot, the agent, boto3 with its
+service models; the trainer and torch where it trains) and forks a child for each instance that
+boots; what that child starts with the same interpreter runs in place as well, a fork of its
+starter (localcloud/in_place.py). The child is the
 instance's process, as the command would have been: a process group of its own, the instance's
 folder, environment and console, `python -m MODULE ARGS` (or `-c CODE ARGS`) run in it as the
 interpreter runs it, and the image's memory shared until it is written. The fleet signals, freezes, stops and
@@ -27,16 +30,15 @@ import itertools
 import json
 import os
 import random
-import runpy
 import select
 import signal
 import subprocess
 import sys
 import threading
-import traceback
 from pathlib import Path
 from typing import Any
 
+from localcloud import in_place
 from localcloud.procfs import cpu_seconds
 from localcloud.waiting import until
 
@@ -111,7 +113,7 @@ class WarmImage:
     def serves(self, argv: list[str]) -> bool:
         """Whether `argv` is a command the image can run in a child: `python -m MODULE ...` or
         `python -c CODE ...`."""
-        return len(argv) >= 3 and argv[0] == sys.executable and argv[1] in ("-m", "-c")
+        return in_place.runnable(argv)
 
     def fork(self, argv: list[str], cwd: Path, env: dict[str, str], console: Path) -> ForkedProcess:
         """A child of the image running `argv` (see `serves`) in `cwd` with `env`, its output
@@ -183,7 +185,7 @@ def _warm(modules: list[str]) -> None:
 
 
 def _become(request: dict[str, Any], control_fds: tuple[int, int]) -> None:
-    """In the child: be the instance's process, run its module, exit with its status."""
+    """In the child: be the instance's process, run its command in place, exit with its status."""
     global _IN_IMAGE_CHILD
     _IN_IMAGE_CHILD = True
     os.setsid()
@@ -194,47 +196,12 @@ def _become(request: dict[str, Any], control_fds: tuple[int, int]) -> None:
     os.dup2(console, 2)
     for fd in {console, devnull, *control_fds} - {0, 1, 2}:  # the image's pipes are 0 and 1: replaced
         os.close(fd)
-    sys.stdin = open(0, closefd=False)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     random.seed()  # every child would draw the image's sequence: the same jitter fleet-wide
-    option, target, *arguments = request["argv"]
-    status = run_code(target, arguments) if option == "-c" else run_module([target, *arguments])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
-def run_module(argv: list[str]) -> int:
-    """`python -m argv[0] argv[1:]` in this interpreter: its exit status."""
-    module, *arguments = argv
-    sys.argv = [module, *arguments]
-    return _exit_status(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
-
-
-def run_code(code: str, arguments: list[str]) -> int:
-    """`python -c code arguments` in this interpreter: its exit status."""
-    sys.argv = ["-c", *arguments]
-    return _exit_status(lambda: exec(compile(code, "<string>", "exec"), {"__name__": "__main__"}))
-
-
-def _exit_status(main: Any) -> int:
-    """Run `main()` as the interpreter runs a program: the status it would exit with."""
-    try:
-        main()
-    except SystemExit as exit_request:
-        code = exit_request.code
-        if code is None or isinstance(code, int):
-            return code or 0
-        print(code, file=sys.stderr)
-        return 1
-    except BaseException:  # noqa: BLE001 (the interpreter's own answer to an uncaught error)
-        traceback.print_exc()
-        return 1
-    return 0
+    in_place.install()  # what the instance starts with this interpreter runs in place too
+    in_place.exec_in_place([sys.executable, *request["argv"]])
 
 
 def serve(modules: list[str]) -> None:

@@ -9,6 +9,9 @@ import sys
 import boto3
 import pytest
 
+from localcloud.procfs import cpu_seconds
+from localcloud.waiting import run_captured, until
+
 
 @pytest.mark.slow
 def test_local_up_serves_until_interrupted():
@@ -24,7 +27,10 @@ def test_local_up_serves_until_interrupted():
         assert any(url.endswith("/from-another-process") for url in sqs.list_queues()["QueueUrls"])
 
         process.send_signal(signal.SIGINT)
-        output, _ = process.communicate(timeout=30)
+        # Stopping under load can take long: waited for while the process works (its CPU time).
+        until(lambda: process.poll() is not None, lambda: cpu_seconds(process.pid),
+              what="local up to stop after Ctrl-C (its CPU time is its progress)")
+        output = process.stdout.read()
     finally:
         if process.poll() is None:
             os.kill(process.pid, signal.SIGKILL)
@@ -93,9 +99,9 @@ def test_chaos_refuses_an_instance_of_another_run_and_names_both(local_cloud, ca
 
 
 def test_the_chaos_command_reaches_the_endpoint_from_another_process(local_cloud):
-    completed = subprocess.run(
+    completed = run_captured(
         [sys.executable, "-m", "trainfleet.cli", "chaos", "error", "run-a", "s3", "--seconds", "30"],
-        capture_output=True, text=True, timeout=60, env=os.environ | {"AWS_ENDPOINT_URL": local_cloud.endpoint})
+        what="trainfleet chaos", env=os.environ | {"AWS_ENDPOINT_URL": local_cloud.endpoint})
 
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout)["done"] == "every request to s3 answers its internal error for 30 s"

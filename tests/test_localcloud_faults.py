@@ -156,9 +156,12 @@ def test_a_state_machine_task_sees_the_lambda_outage_as_step_functions_reports_i
 
 # --- process faults ----------------------------------------------------------------------
 
-@pytest.fixture
-def fake_node(local_cloud):
-    """A running instance with an agent, torchrun and two ranks: (id, {role: pids})."""
+@pytest.fixture(params=["execd", "run in place"])
+def fake_node(local_cloud, request):
+    """A running instance with an agent, torchrun and two ranks: (id, {role: pids}); each process
+    a new interpreter, or each run in place in a warm image's processes (localcloud/in_place.py)."""
+    if request.param == "run in place":
+        local_cloud.fleet.use_warm_image(["json"])
     instance_id, pids = start_fake_node(local_cloud)
     yield instance_id, pids
     local_cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])

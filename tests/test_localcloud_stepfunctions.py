@@ -2,7 +2,6 @@
 
 import json
 import re
-import subprocess
 from datetime import datetime
 import sys
 import time
@@ -12,6 +11,7 @@ import pytest
 
 from localcloud import LocalCloud
 from localcloud.cloud import EVENT_WAIT_S
+from localcloud.waiting import run_captured
 from localcloud_helpers import (create_state_machine, deploy_function, event_sink, history, receive, records,
                                 run_execution, unique, wait_for_execution)
 
@@ -103,8 +103,9 @@ def wait_for_token(record_file: Path) -> str:
 
 def answer(cloud, token: str, action: str, error: str = "") -> None:
     """Answer a task token from a separate process, through the HTTP endpoint."""
-    subprocess.run([sys.executable, str(TASK_CLIENT), token, action, error],
-                   env=cloud.env() | {"PATH": "/usr/bin:/bin"}, check=True, timeout=60)
+    answered = run_captured([sys.executable, str(TASK_CLIENT), token, action, error],
+                            what=f"the task client's {action}", env=cloud.env() | {"PATH": "/usr/bin:/bin"})
+    assert answered.returncode == 0, answered.stderr
 
 
 def callback_machine(cloud, record_file: Path, heartbeat_s: int | None, catch: list[str],

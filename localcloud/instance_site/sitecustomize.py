@@ -6,7 +6,8 @@ no link is slower than another; `LocalFleet.slow_network` writes a delay into th
 LOCALCLOUD_NETWORK_DELAY_FILE, and from then on every torch.distributed transfer of the
 instance's processes (point-to-point and collective) waits that long before it starts: a node
 whose network is slow, as netem's delay would make it, while its agent's calls to the control
-plane go on as before. The file is read at each transfer; without it nothing waits.
+plane go on as before. The variable and the file are read at each transfer (a warm image's
+processes imported torch before they were an instance's); without them nothing waits.
 """
 
 import functools
@@ -16,14 +17,17 @@ import os
 import sys
 import time
 
-DELAY_FILE = os.environ.get("LOCALCLOUD_NETWORK_DELAY_FILE")
+DELAY_FILE_VARIABLE = "LOCALCLOUD_NETWORK_DELAY_FILE"
 TRANSFERS = ("send", "recv", "isend", "irecv", "all_reduce", "all_gather", "all_gather_object", "broadcast",
              "broadcast_object_list", "reduce_scatter_tensor", "all_gather_into_tensor", "barrier")
 
 
 def delay_s() -> float:
+    delay_file = os.environ.get(DELAY_FILE_VARIABLE)
+    if not delay_file:
+        return 0.0
     try:
-        with open(DELAY_FILE) as delay:
+        with open(delay_file) as delay:
             return float(delay.read() or 0)
     except (OSError, ValueError):
         return 0.0
@@ -68,5 +72,4 @@ class SlowNetworkFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if DELAY_FILE:
-    sys.meta_path.insert(0, SlowNetworkFinder())
+sys.meta_path.insert(0, SlowNetworkFinder())
