@@ -159,7 +159,7 @@ def _local_up(args: argparse.Namespace) -> int:
         print("  " + " ".join(f"{name}={value}" for name, value in cloud.env().items()), flush=True)
         print(f"  instance metadata on port {metadata.port}; instance folders in {cloud.workdir}",
               flush=True)
-        signal.pause()
+        _wait_for_a_signal()
     except KeyboardInterrupt:
         pass
     finally:
@@ -170,6 +170,27 @@ def _local_up(args: argparse.Namespace) -> int:
         metadata.stop()
     print("local cloud stopped", flush=True)
     return 0
+
+
+def _wait_for_a_signal() -> None:
+    """Block until a signal's handler ran (Ctrl-C's raises KeyboardInterrupt). Not signal.pause():
+    that waits for a signal delivered to the main thread, and the kernel may hand a process's
+    signal to any of its threads (the local cloud's servers): `local up` then never stopped."""
+    import select
+    import signal
+    import socket
+
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno())  # whichever thread takes the signal writes here
+    try:
+        while True:
+            select.select([reader], [], [])
+            reader.recv(64)  # the main thread runs the handler before its next instruction
+    finally:
+        signal.set_wakeup_fd(-1)
+        reader.close()
+        writer.close()
 
 
 def _add_local_up(local_commands: argparse._SubParsersAction) -> None:
