@@ -160,6 +160,7 @@ def _descendants(pid: int) -> list[int]:
 ROLE_MODULES = {"trainer": ("trainer.worker", "trainer.train"), "agent": ("trainer.agent",),
                 "launcher": ("torch.distributed.run",)}
 """Process role -> the Python modules (`python -m MODULE`) a process of that role runs."""
+_ROLE_MODULE_NAMES = [module for modules in ROLE_MODULES.values() for module in modules]
 _OPTIONS_WITH_VALUE = {"-W", "-X", "-Q"}
 
 
@@ -190,7 +191,7 @@ def _module(pid: int) -> str | None:
         name = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return None
-    return in_place.module_of(name, [module for modules in ROLE_MODULES.values() for module in modules])
+    return in_place.module_of(name, _ROLE_MODULE_NAMES)
 
 
 def _argv(pid: int) -> list[str]:

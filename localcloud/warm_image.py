@@ -6,11 +6,11 @@ each preflight, torchrun and rank it starts imports torch again (seconds each). 
 one process that has imported what an instance runs (the node boot, the agent, boto3 with its
 service models; the trainer and torch where it trains) and forks a child for each instance that
 boots; what that child starts with the same interpreter runs in place as well, a fork of its
-starter (localcloud/in_place.py). The child is the
-instance's process, as the command would have been: a process group of its own, the instance's
-folder, environment and console, `python -m MODULE ARGS` (or `-c CODE ARGS`) run in it as the
-interpreter runs it, and the image's memory shared until it is written. The fleet signals, freezes, stops and
-watches it as any instance process, so every fault acts on it unchanged.
+starter (localcloud/in_place.py). The child is the instance's process, as the command would have
+been: a process group of its own, the instance's folder, environment and console, `python -m
+MODULE ARGS` (or `-c CODE ARGS`) run in it as the interpreter runs it, and the image's memory
+shared until it is written. The fleet signals, freezes, stops and watches it as any instance
+process, so every fault acts on it unchanged.
 
     image = WarmImage.start(["localcloud.node_boot", "trainer.agent"])
     cloud.fleet.image = image      # instances whose boot command is `python -m ...` fork from it

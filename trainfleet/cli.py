@@ -174,8 +174,8 @@ def _local_up(args: argparse.Namespace) -> int:
 
 def _wait_for_a_signal() -> None:
     """Block until a signal's handler ran (Ctrl-C's raises KeyboardInterrupt). Not signal.pause():
-    that waits for a signal delivered to the main thread, and the kernel may hand a process's
-    signal to any of its threads (the local cloud's servers): `local up` then never stopped."""
+    that returns only for a signal delivered to the main thread, and the kernel may hand a
+    process's signal to any of its threads (the local cloud's servers), leaving it waiting."""
     import select
     import signal
     import socket
