@@ -21,8 +21,9 @@ def threads(pid: int) -> int:
 
 @pytest.mark.slow
 def test_local_up_serves_until_interrupted():
+    # Started as a script's background job is: with SIGINT ignored, which exec keeps.
     process = subprocess.Popen(
-        [sys.executable, "-m", "trainfleet.cli", "local", "up", "--port", "0"],
+        ["sh", "-c", 'trap "" INT; exec "$0" "$@"', sys.executable, "-m", "trainfleet.cli", "local", "up", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         first_line = process.stdout.readline()

@@ -145,6 +145,9 @@ def _local_up(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop_on_sigterm)
+    # A process started in the background of a script inherits SIGINT ignored, and Python then
+    # leaves it so: a `kill -INT` would go unheard. Ctrl-C stops the cloud however it was started.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # `trainfleet local deploy` attaches AWS managed policies to SAM's roles, as IAM has them;
     # moto's IAM knows them only when this is set before it starts.
     os.environ.setdefault("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")
