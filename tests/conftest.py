@@ -22,7 +22,7 @@ os.environ.setdefault("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")
 
 
 LONGEST_FIRST = (
-    "chaos/test_chaos_fast.py", "test_fleet_check_local_run.py", "chaos/test_chaos_starved.py",
+    "chaos/test_chaos_fast.py", "test_fleet_check_local_run.py",
     "test_trainer_equivalence.py", "test_localcloud_scale.py", "checkpoint/test_checkpoint_trainer.py", "test_scaling_check_local_run.py",
     "test_localcloud_stepfunctions.py", "test_standin_local_run.py", "test_agent_local_run.py",
     "test_localcloud_faults.py", "test_handlers_capacity_run.py", "test_handlers_local_run.py", "test_agent.py",

@@ -1,13 +1,15 @@
-"""Two of the chaos cells `make test` runs (the whole matrix is `make chaos`), one after another on
-one stack: a node lost while a checkpoint uploads (the partial checkpoint must never be loaded)
-and a Spot notice (nothing trained before it may be lost); the third, a starved machine, is
-test_chaos_starved.py. See localcloud.chaos for the promises every cell keeps; the tests below
-add what each of these faults must be recorded as."""
+"""The chaos cells `make test` runs (the whole matrix is `make chaos`), side by side on one stack:
+a node lost while a checkpoint uploads (the partial checkpoint must never be loaded), a Spot
+notice (nothing trained before it may be lost), and a starved machine: a healthy run whose
+instances get a quarter of the CPU beside the other two runs and whatever else the machine runs,
+slow but never silent. See localcloud.chaos for the promises every cell keeps; the tests below add
+what each of these faults must be recorded as. The starved run takes several times a healthy
+one's wall time while using little CPU: beside the others, that time is not a worker's alone."""
 
 from chaos_cells import cell_tests
 
 outcomes, test_the_cell_holds_every_promise = cell_tests(
-    ["kill@checkpoint-write", "spot@training"])
+    ["kill@checkpoint-write", "spot@training", "starved"], together=3)
 
 
 def failure_and_victim(outcome: dict) -> tuple[dict, str]:
@@ -32,3 +34,9 @@ def test_a_node_lost_mid_upload_resumes_from_the_commit_before(outcomes):
     outcome = outcomes["kill@checkpoint-write"]
     failure, victim = failure_and_victim(outcome)
     assert failure["failure_class"] == "INSTANCE_LOST" and outcome["nodes"][victim]["failure"] == "INSTANCE_LOST"
+
+
+def test_a_healthy_run_on_a_starved_machine_books_no_failure(outcomes):
+    outcome = outcomes["starved"]
+    assert outcome["report"]["failures"] == [] and outcome["run"]["restarts"] == 0
+    assert outcome["states"][-1] == "RunSucceeded"

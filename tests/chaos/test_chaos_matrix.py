@@ -1,5 +1,5 @@
 """The chaos matrix, process faults: kill, freeze and hang at every phase (`make chaos`; not in
-`make test`, whose subset is test_chaos_fast.py and test_chaos_starved.py). See localcloud.chaos
+`make test`, whose subset is test_chaos_fast.py). See localcloud.chaos
 for what each cell must show. The matrix is split in modules so that two pytest workers share it."""
 
 import pytest
