@@ -2,6 +2,11 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
+# The suite starts hundreds of Python processes (nodes, ranks, Lambda handlers, harnesses): with
+# PYTHONDONTWRITEBYTECODE set, as some machines' environments have it, each compiles every module
+# it imports (torch's, moto's, samtranslator's) from source again. Bytecode goes to the virtualenv
+# and to __pycache__ folders git ignores.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install test test-repeat chaos demo clean sam-tools validate
 

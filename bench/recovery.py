@@ -126,7 +126,7 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, spares: int, templa
             reference: dict) -> dict[str, Any]:
     cell = Cell(f"{fault}@training", fault, Phase.TRAINING)
     for _ in range(TRIES):
-        outcome = run_cell(stack, cell, cell_template(cell, template) | {"spare_count": spares}, reference)
+        outcome = run_cell(stack, cell, cell_template(cell, template) | {"spare_count": spares}, lambda: reference)
         if outcome["problems"]:
             raise RuntimeError(f"{cell.name}: {outcome['problems']}")
         run = LocalRun(outcome["run_name"], outcome["arn"], {})

@@ -51,7 +51,8 @@ from localcloud.chaos_route import on_instance
 from localcloud.glue import s3 as s3_requests
 from localcloud.stack import (REPO, LocalRun, LocalStack, Watch, agent_lines, local_stack, metrics_records,
                               states_entered)
-from localcloud.waiting import Stalled, run_captured, until
+from localcloud.waiting import Stalled, run_captured, sizes, until
+from localcloud.warm_image import WarmImage
 from trainer.checkpoint_catalog import MARKER_NAME, marker_step
 
 __all__ = ["Fault", "Phase", "Cell", "MATRIX", "EXTRAS", "CELLS", "chaos_template", "reference_losses",
@@ -166,9 +167,10 @@ def chaos_template(template: dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
-def reference_losses(trainer_config: dict[str, Any], folder: Path) -> dict[int, float]:
+def reference_losses(trainer_config: dict[str, Any], folder: Path, image: WarmImage | None = None) -> dict[int, float]:
     """step -> loss of the same training under a plain torchrun on this machine, never interrupted
-    (waited for while its output and metrics grow)."""
+    (waited for while its output and metrics grow). With `image` (a local stack's), torchrun and
+    its ranks are forked from it, torch already imported, instead of each importing it afresh."""
     metrics = folder / "metrics.jsonl"
     config = json.loads(json.dumps(trainer_config))
     config["training"]["metrics_file"] = str(metrics)
@@ -179,10 +181,21 @@ def reference_losses(trainer_config: dict[str, Any], folder: Path) -> dict[int, 
                "-m", "trainer.train", "--config", str(folder / "trainer.yaml")]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO)}
-    done = run_captured(command, also_watch=[metrics], what="the uninterrupted reference run", cwd=folder, env=env,
-                        start_new_session=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the reference run failed ({done.returncode}): {done.stderr[-3000:]}")
+    what = "the uninterrupted reference run"
+    if image is None:
+        done = run_captured(command, also_watch=[metrics], what=what, cwd=folder, env=env, start_new_session=True)
+        returncode, output = done.returncode, done.stderr
+    else:
+        console = folder / "console.log"
+        process = image.fork(command, folder, env, console)
+        try:
+            until(lambda: process.poll() is not None, lambda: sizes([console, metrics]), what=what, poll_s=0.2)
+        except Stalled:
+            process.kill()
+            raise
+        returncode, output = process.returncode, console.read_text(errors="replace")
+    if returncode != 0:
+        raise RuntimeError(f"the reference run failed ({returncode}): {output[-3000:]}")
     return {record["step"]: record["loss"] for record in map(json.loads, metrics.read_text().splitlines())}
 
 
@@ -533,8 +546,11 @@ EXTRA_DISRUPTIONS: dict[str, Callable[[_View, Callable[[], bool]], list[Injectio
 
 # --- running a cell ------------------------------------------------------------------------------
 
-def run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any], reference: dict[int, float]) -> dict[str, Any]:
-    """Run `template` with the cell's faults; the outcome, its injections and its problems."""
+def run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any],
+             reference: Callable[[], dict[int, float]]) -> dict[str, Any]:
+    """Run `template` with the cell's faults; the outcome, its injections and its problems.
+    `reference` gives the uninterrupted run's losses, asked for once the cell's run ended (it may
+    train beside the cell until then)."""
     started = time.monotonic()
     run = stack.start_run(template, cpu_share=cell.cpu_share)
     commits = _Commits(run.run_name)
@@ -556,7 +572,7 @@ def run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any], reference:
     outcome |= {"cell": cell.name, "injections": [vars(i) for i in injections],
                 "s3": {"markers": commits.markers, "launches": commits.launches},
                 "leftovers": leftovers(stack, run), "seconds": round(time.monotonic() - started, 1)}
-    outcome["problems"] = missed + problems(cell, outcome, reference, template)
+    outcome["problems"] = missed + problems(cell, outcome, reference(), template)
     return outcome
 
 
@@ -674,17 +690,16 @@ def main(argv: list[str] | None = None) -> int:
         if not args.quiet:
             print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="chaos-reference-") as folder, ThreadPoolExecutor(1) as beside:
-        # The uninterrupted run trains while the stack is deployed.
-        uninterrupted = beside.submit(reference_losses, template["trainer"], Path(folder))
-        with local_stack(narrate, spot_notice_seconds=SPOT_NOTICE_S) as stack, \
-                ThreadPoolExecutor(max(1, args.together)) as cells_at_once:
-            reference = uninterrupted.result()
+    with tempfile.TemporaryDirectory(prefix="chaos-reference-") as folder, \
+            local_stack(narrate, spot_notice_seconds=SPOT_NOTICE_S) as stack, ThreadPoolExecutor(1) as beside, \
+            ThreadPoolExecutor(max(1, args.together)) as cells_at_once:
+        # The uninterrupted run trains beside the cells, forked from the stack's warm image.
+        uninterrupted = beside.submit(reference_losses, template["trainer"], Path(folder), stack.cloud.fleet.image)
 
-            def run(cell: Cell) -> dict[str, Any]:
-                return run_cell(stack, cell, cell_template(cell, template), reference)
-            for outcome in cells_at_once.map(run, cells):
-                print(json.dumps(outcome, default=str), flush=True)
+        def run(cell: Cell) -> dict[str, Any]:
+            return run_cell(stack, cell, cell_template(cell, template), uninterrupted.result)
+        for outcome in cells_at_once.map(run, cells):
+            print(json.dumps(outcome, default=str), flush=True)
     return 0
 
 
