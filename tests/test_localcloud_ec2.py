@@ -214,6 +214,22 @@ def test_placement_groups_are_kept(local_cloud):
     assert described["Tags"] == [{"Key": "run", "Value": "r1"}]
     assert ec2.describe_placement_groups(GroupIds=[described["GroupId"]])["PlacementGroups"] == [described]
     assert created["PlacementGroup"]["GroupId"] == described["GroupId"]
+    other = unique("pg")
+    ec2.create_placement_group(GroupName=other, Strategy="spread",
+                               TagSpecifications=[{"ResourceType": "placement-group",
+                                                   "Tags": [{"Key": "run", "Value": "r2"}]}])
+
+    def filtered(*filters: tuple[str, list[str]]) -> set[str]:
+        found = ec2.describe_placement_groups(Filters=[{"Name": n, "Values": v} for n, v in filters])
+        return {group["GroupName"] for group in found["PlacementGroups"]} & {name, other}
+    assert filtered(("tag:run", ["r1"])) == {name}
+    assert filtered(("tag:run", ["r1", "r2"])) == {name, other}
+    assert filtered(("tag:run", ["r1"]), ("strategy", ["spread"])) == set()
+    assert filtered(("strategy", ["spread"]), ("group-name", [other])) == {other}
+    assert filtered(("tag-key", ["run"])) == {name, other}
+    with pytest.raises(botocore.exceptions.ClientError, match="The filter 'colour' is invalid"):
+        filtered(("colour", ["red"]))
+    ec2.delete_placement_group(GroupName=other)
 
     with pytest.raises(botocore.exceptions.ClientError, match="InvalidPlacementGroup.Duplicate"):
         ec2.create_placement_group(GroupName=name, Strategy="cluster")

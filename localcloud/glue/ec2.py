@@ -14,8 +14,10 @@ Patches to moto, each replacing something it lacks or drops:
 - `terminate_instances` / `stop_instances` / `start_instances`: shutting-down then terminated,
   stopping then stopped, pending then running, with events, ending or restarting processes.
 - Placement groups: Create/Describe/DeletePlacementGroup did not exist (NotImplementedError);
-  they now keep name, strategy, partition count, spread level and tags; RunInstances into an
-  unknown group fails with InvalidPlacementGroup.Unknown, as on AWS.
+  they now keep name, strategy, partition count, spread level and tags, and Describe takes EC2's
+  filters (tag:<key>, tag-key, group-name, group-arn, state, strategy, spread-level; another is
+  InvalidParameterValue); RunInstances into an unknown group fails with
+  InvalidPlacementGroup.Unknown, as on AWS.
 - `Attachment.network_card_index` was always 0; it is now the interface's card.
 - Capacity: moto always has capacity. `LocalCloud.set_capacity(type, zone, n)` caps the
   instances of a type that may be alive (not terminated) in a zone at once. Beyond it,
@@ -234,9 +236,28 @@ def describe_placement_groups(self: EC2Response) -> ActionResult:
     for name in names:
         if name not in groups:
             raise _unknown_group(name)
+    filters = self._filters_from_querystring()
+    for name in filters:
+        if name not in PLACEMENT_GROUP_FILTERS and name != "tag-key" and not name.startswith("tag:"):
+            raise EC2ClientError("InvalidParameterValue", f"The filter '{name}' is invalid")
     selected = [group for group in groups.values()
-                if (not names or group.group_name in names) and (not ids or group.group_id in ids)]
+                if (not names or group.group_name in names) and (not ids or group.group_id in ids)
+                and all(_matches(group, name, values) for name, values in filters.items())]
     return ActionResult({"PlacementGroups": [group.describe() for group in selected]})
+
+
+PLACEMENT_GROUP_FILTERS = {"group-name": "GroupName", "group-arn": "GroupArn", "state": "State",
+                           "strategy": "Strategy", "spread-level": "SpreadLevel"}
+"""DescribePlacementGroups' filters besides tag:<key> and tag-key, and the fields they match."""
+
+
+def _matches(group: PlacementGroup, name: str, values: list[str]) -> bool:
+    """Whether the group passes one filter: any of its values (filters of a request all hold)."""
+    if name.startswith("tag:"):
+        return group.tags.get(name[len("tag:"):]) in values
+    if name == "tag-key":
+        return any(key in values for key in group.tags)
+    return group.describe().get(PLACEMENT_GROUP_FILTERS[name]) in values
 
 
 def delete_placement_group(self: EC2Response) -> ActionResult:
