@@ -16,6 +16,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+import torch.distributed.run as torchrun
 
 from localcloud.imds import InstanceMetadata, InstanceMetadataServer
 from trainer import agent
@@ -90,8 +91,11 @@ def test_torchrun_joins_the_rendezvous_of_node_rank_0(tmp_path):
         assert f"--rdzv-endpoint=127.77.0.11:{RENDEZVOUS_PORT}" in command and "--rdzv-id=run-a-0" in command
         assert "--local-addr=127.77.0.11" in command
         assert command[command.index("-m", 3):] == ["-m", "trainer.worker", "--config", str(files.config)]
-    assert "--rdzv-conf=is_host=true,join_timeout=300" in host
-    assert "--rdzv-conf=is_host=false,join_timeout=300" in peer
+    # As torchrun reads them: a peer waits for the host's store as long as for the whole join.
+    for command, is_host in ((host, "true"), (peer, "false")):
+        launch_config, _, _ = torchrun.config_from_args(torchrun.parse_args(command[3:]))
+        found = launch_config.rdzv_configs
+        assert (found["is_host"], found["join_timeout"], found["read_timeout"]) == (is_host, "300", "300")
 
 
 def test_torchrun_gets_what_nccl_needs_for_efa_on_this_node_type_and_keeps_the_library_path(tmp_path, monkeypatch):

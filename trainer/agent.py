@@ -553,7 +553,11 @@ def trainer_config(spec: LaunchSpec, files: AttemptFiles) -> dict[str, Any]:
 
 def torchrun_command(spec: LaunchSpec, node_rank: int, identity: Identity, files: AttemptFiles) -> list[str]:
     plan = spec.plan
-    rendezvous = {"is_host": "true" if node_rank == 0 else "false", "join_timeout": RENDEZVOUS_JOIN_TIMEOUT_S}
+    # read_timeout bounds a peer's wait for the host's store to listen (torch's default: 60 s): a
+    # host whose torchrun starts late (a replacement still booting its software, a loaded node)
+    # must not crash its peers' launches, as late as the join itself may be.
+    rendezvous = {"is_host": "true" if node_rank == 0 else "false", "join_timeout": RENDEZVOUS_JOIN_TIMEOUT_S,
+                  "read_timeout": RENDEZVOUS_JOIN_TIMEOUT_S}
     return [sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={plan.nodes}", f"--nproc-per-node={plan.ranks_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rendezvous_host}:{spec.rendezvous_port}",
