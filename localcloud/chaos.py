@@ -51,7 +51,7 @@ from localcloud.chaos_route import on_instance
 from localcloud.glue import s3 as s3_requests
 from localcloud.stack import (REPO, LocalRun, LocalStack, Watch, agent_lines, local_stack, metrics_records,
                               states_entered)
-from localcloud.waiting import Stalled, run_captured, sizes, until
+from localcloud.waiting import Stalled, run_captured, until, wait_for_exit
 from localcloud.warm_image import WarmImage
 from trainer.checkpoint_catalog import MARKER_NAME, marker_step
 
@@ -187,13 +187,8 @@ def reference_losses(trainer_config: dict[str, Any], folder: Path, image: WarmIm
         returncode, output = done.returncode, done.stderr
     else:
         console = folder / "console.log"
-        process = image.fork(command, folder, env, console)
-        try:
-            until(lambda: process.poll() is not None, lambda: sizes([console, metrics]), what=what, poll_s=0.2)
-        except Stalled:
-            process.kill()
-            raise
-        returncode, output = process.returncode, console.read_text(errors="replace")
+        returncode = wait_for_exit(image.fork(command, folder, env, console), [console, metrics], what=what)
+        output = console.read_text(errors="replace")
     if returncode != 0:
         raise RuntimeError(f"the reference run failed ({returncode}): {output[-3000:]}")
     return {record["step"]: record["loss"] for record in map(json.loads, metrics.read_text().splitlines())}

@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["STALL_S", "Stalled", "Progress", "until", "run_captured", "sizes"]
+__all__ = ["STALL_S", "Stalled", "Progress", "until", "run_captured", "wait_for_exit", "sizes"]
 
 T = TypeVar("T")
 
@@ -90,11 +90,17 @@ def run_captured(command: Sequence[str], *, what: str, also_watch: Sequence[Path
         stdout, stderr = Path(folder, "stdout"), Path(folder, "stderr")
         with stdout.open("wb") as out, stderr.open("wb") as err, \
                 subprocess.Popen(command, stdout=out, stderr=err, **popen) as process:
-            try:
-                until(lambda: process.poll() is not None, lambda: sizes([stdout, stderr, *also_watch]), what=what,
-                      stall_s=stall_s, poll_s=0.2)
-            except Stalled:
-                process.kill()
-                raise
+            wait_for_exit(process, [stdout, stderr, *also_watch], what=what, stall_s=stall_s)
         return subprocess.CompletedProcess(process.args, process.returncode, stdout.read_text(errors="replace"),
                                            stderr.read_text(errors="replace"))
+
+
+def wait_for_exit(process: Any, watched: Sequence[Path], *, what: str, stall_s: float = STALL_S) -> int:
+    """Wait until `process` (a Popen, or anything with its poll() and kill()) exits; its exit status.
+    Stalled (the process killed) once none of the files of `watched` grew for `stall_s`."""
+    try:
+        until(lambda: process.poll() is not None, lambda: sizes(watched), what=what, stall_s=stall_s, poll_s=0.2)
+    except Stalled:
+        process.kill()
+        raise
+    return process.poll()
