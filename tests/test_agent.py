@@ -21,8 +21,8 @@ import torch.distributed.run as torchrun
 from localcloud.imds import InstanceMetadata, InstanceMetadataServer
 from trainer import agent
 from trainer import checkpoint_catalog as catalog
-from trainer.agent import (AgentError, AgentSettings, Attempt, AttemptFiles, ControlPlane, Identity, MetadataClient,
-                           MetricsFollower, failure_kind, torchrun_command, torchrun_env, trainer_config)
+from trainer.agent import (OUTPUT_TAIL_CHARS, AgentError, AgentSettings, Attempt, AttemptFiles, ControlPlane, Identity, MetadataClient,
+                           MetricsFollower, failure_kind, failure_message, torchrun_command, torchrun_env, trainer_config)
 from trainer.progress import PROGRESS_FILE_ENV, write_whole
 from trainfleet.adapters.liveness import read_liveness
 from trainfleet.adapters.run_store import RunStore
@@ -119,6 +119,23 @@ def test_torchrun_gets_what_nccl_needs_for_efa_on_this_node_type_and_keeps_the_l
 ])
 def test_the_failure_kind_comes_from_the_trainer_output(output, kind):
     assert failure_kind(output) is kind
+
+
+def test_a_failure_message_names_the_exceptions_raised_above_its_tail():
+    """torchrun's rendezvous failure, as it prints it: the cause (the store could not listen) is
+    the first exception of the chain, thousands of characters above the error that ended it."""
+    cause = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+             "address. port: 29555, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
+    ended = ("torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d "
+             "store has failed. See inner exception for details.")
+    frames = "".join(f'  File "/x/torch/run.py", line {line}, in main\n    run(args)\n' for line in range(60))
+    output = (f"Traceback (most recent call last):\n{frames}{cause}\n\nThe above exception was the direct cause "
+              f"of the following exception:\n\nTraceback (most recent call last):\n{frames}{ended}\n")
+    message = failure_message(output)
+    assert message.startswith(f"raised above: {cause}\n") and message.endswith(output[-OUTPUT_TAIL_CHARS:])
+    assert message.count(ended) == 1, "what the tail shows is not repeated"
+    short = "[rank1]: RuntimeError: Connection closed by peer\n"
+    assert failure_message(short) == short, "a short output is the message as it is"
 
 
 def test_metrics_are_read_a_whole_line_at_a_time(tmp_path):

@@ -68,6 +68,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import signal
 import subprocess
@@ -132,7 +133,13 @@ RENDEZVOUS_JOIN_TIMEOUT_S = 300
 STOP_GRACE_S = 30.0
 """How long torchrun gets to stop its ranks after SIGTERM before it is killed."""
 OUTPUT_TAIL_CHARS = 2000
-"""How much of torchrun's output a TrainerFailed event carries."""
+"""How much of torchrun's output a TrainerFailed event carries (after the exceptions it raised
+above that tail: failure_message)."""
+RAISED_CHARS = 1000
+"""How much of a TrainerFailed message the exceptions above its tail may take."""
+EXCEPTION_LINE = re.compile(r"^(?:\[[^\]\n]*\]:?[ \t]*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)\b.*)$",
+                            re.MULTILINE)
+"""A traceback's last line (a rank's prefix, such as "[rank1]:", allowed): the exception raised."""
 METADATA_PATIENCE_S = 600.0
 """How long the agent keeps asking the metadata service for its identity at boot: right after
 boot, or throttled, it may not answer at once (botocore's fetcher gives up after a few seconds)."""
@@ -594,6 +601,22 @@ def torchrun_env(files: AttemptFiles, identity: Identity) -> dict[str, str]:
             NODE_NAME_ENV: identity.instance_id}
 
 
+def failure_message(output: str) -> str:
+    """What a TrainerFailed event says of torchrun's output: its tail, led by the exceptions
+    raised above it. The error that ends torchrun is the last of a chain whose first names the
+    cause (the store that could not listen, the rank that crashed), often further up than a tail
+    reaches."""
+    tail = output[-OUTPUT_TAIL_CHARS:]
+    raised = [line for line in dict.fromkeys(EXCEPTION_LINE.findall(output[:-OUTPUT_TAIL_CHARS]))
+              if line not in tail]
+    if not raised:
+        return tail
+    lead = "raised above: " + " | ".join(raised)
+    if len(lead) > RAISED_CHARS:
+        lead = lead[:RAISED_CHARS - 3] + "..."
+    return f"{lead}\n...\n{tail}"
+
+
 def failure_kind(output: str) -> TrainerFailureKind:
     """Why the trainer failed, from its output (torchrun's own exit code is 1 for all of them)."""
     if "config error:" in output:
@@ -921,7 +944,7 @@ class Attempt:
             return
         output = self.files.output.read_text(errors="replace")[-20 * OUTPUT_TAIL_CHARS:]
         self.control.deliver(TrainerFailed(**base, kind=failure_kind(output), exit_code=returncode,
-                                           message=output[-OUTPUT_TAIL_CHARS:], last_step=self.last_step),
+                                           message=failure_message(output), last_step=self.last_step),
                              self.deadline)
 
 

@@ -1,25 +1,36 @@
 """What the local cloud does to an instance's network, as its trainer feels it.
 
 The local fleet puts this folder on the PYTHONPATH of every instance, so Python imports this
-module at the start of each of the instance's processes. Instances talk over loopback, where
-no link is slower than another; `LocalFleet.slow_network` writes a delay into the file named by
-LOCALCLOUD_NETWORK_DELAY_FILE, and from then on every torch.distributed transfer of the
-instance's processes (point-to-point and collective) waits that long before it starts: a node
-whose network is slow, as netem's delay would make it, while its agent's calls to the control
-plane go on as before. The variable and the file are read at each transfer (a warm image's
-processes imported torch before they were an instance's); without them nothing waits.
+module at the start of each of the instance's processes. It does two things, each read from the
+environment at the moment it acts (a warm image's processes imported torch before they were an
+instance's); a process without the variables runs torch unchanged.
+
+- A slow network. Instances talk over loopback, where no link is slower than another;
+  `LocalFleet.slow_network` writes a delay into the file named by LOCALCLOUD_NETWORK_DELAY_FILE,
+  and from then on every torch.distributed transfer of the instance's processes (point-to-point
+  and collective) waits that long before it starts: a node whose network is slow, as netem's
+  delay would make it, while its agent's calls to the control plane go on as before.
+- Ports of its own. On EC2 each node has its own network stack, so two runs' rendezvous hosts
+  may listen on the same port. Here every instance shares this machine's, and torch's TCPStore
+  listens on every address: the second of two local runs whose attempts drew the same port (one
+  in RENDEZVOUS_PORTS' 500) failed to host its rendezvous (EADDRINUSE, torchrun's "connection to
+  the C10d store has failed") where EC2 would have run both. The c10d rendezvous store an
+  instance hosts at its own address (LOCALCLOUD_PRIVATE_IP) listens on that address alone.
 """
 
 import functools
 import importlib.abc
 import importlib.util
 import os
+import socket
 import sys
 import time
 
 DELAY_FILE_VARIABLE = "LOCALCLOUD_NETWORK_DELAY_FILE"
+ADDRESS_VARIABLE = "LOCALCLOUD_PRIVATE_IP"
 TRANSFERS = ("send", "recv", "isend", "irecv", "all_reduce", "all_gather", "all_gather_object", "broadcast",
              "broadcast_object_list", "reduce_scatter_tensor", "all_gather_into_tensor", "barrier")
+LISTEN_BACKLOG = 4096
 
 
 def delay_s() -> float:
@@ -43,15 +54,48 @@ def delayed(transfer):
     return wait_then_transfer
 
 
-class SlowNetworkFinder(importlib.abc.MetaPathFinder):
-    """Wraps the transfers of torch.distributed's c10d module as it is imported, before
-    torch.distributed re-exports them: every caller, and torch's own checks of which function
-    an operation names (P2POp's), see the same wrapped function."""
+def slow_transfers(module) -> None:
+    for name in TRANSFERS:
+        if hasattr(module, name):
+            setattr(module, name, delayed(getattr(module, name)))
 
-    MODULE = "torch.distributed.distributed_c10d"
+
+def listening_on_own_address(store_class):
+    """`store_class` (TCPStore) whose server, hosted at the instance's own address, is handed a
+    socket listening on that address alone (TCPStore's master_listen_fd) instead of binding all."""
+    @functools.wraps(store_class)
+    def store(host, port, *args, is_master=False, **kwargs):
+        address = os.environ.get(ADDRESS_VARIABLE)
+        if is_master and host == address and port and kwargs.get("master_listen_fd") is None:
+            listener = socket.socket()
+            try:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind((address, port))
+                listener.listen(LISTEN_BACKLOG)
+            except OSError:
+                listener.close()  # taken on this address too: TCPStore fails as it would on EC2
+            else:
+                kwargs["master_listen_fd"] = listener.detach()
+        return store_class(host, port, *args, is_master=is_master, **kwargs)
+    return store
+
+
+def own_ports(module) -> None:
+    module.TCPStore = listening_on_own_address(module.TCPStore)
+
+
+class InstanceNetworkFinder(importlib.abc.MetaPathFinder):
+    """Changes torch.distributed's modules as they are imported, before anything imports names
+    from them: c10d's transfers (torch.distributed re-exports them, so every caller, and torch's
+    own checks of which function an operation names (P2POp's), see the same wrapped function), and
+    the store the c10d rendezvous backend creates."""
+
+    CHANGES = {"torch.distributed.distributed_c10d": slow_transfers,
+               "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend": own_ports}
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != self.MODULE:
+        change = self.CHANGES.get(fullname)
+        if change is None:
             return None
         sys.meta_path.remove(self)
         try:
@@ -64,12 +108,10 @@ class SlowNetworkFinder(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             execute(module)
-            for name in TRANSFERS:
-                if hasattr(module, name):
-                    setattr(module, name, delayed(getattr(module, name)))
+            change(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
-sys.meta_path.insert(0, SlowNetworkFinder())
+sys.meta_path.insert(0, InstanceNetworkFinder())
