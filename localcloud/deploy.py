@@ -35,6 +35,7 @@ already been created (the local cloud is thrown away between runs anyway).
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import io
 import json
@@ -206,6 +207,7 @@ def deploy(request: DeployRequest) -> DeployedStack:
     """Deploy `request.template` into the local cloud and return what was created."""
     session = _session(request.region)
 
+    @functools.cache
     def client(service: str) -> Any:
         # A local endpoint either answers or is broken: retrying only delays the error.
         return session.client(service, endpoint_url=request.endpoint, config=Config(retries={"max_attempts": 1}))

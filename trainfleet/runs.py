@@ -168,6 +168,9 @@ class Stack:
     endpoint_url: str | None = None
     """None: the environment's (AWS_ENDPOINT_URL), as for every command; a process that runs a
     local cloud of its own names it (the demo)."""
+    _clients: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """One client per service, made at first use: a live view asks several a second, and making
+    a client (its service model read and parsed) costs more than the call."""
 
     @classmethod
     def find(cls, stack_name: str, session: Any = None, endpoint_url: str | None = None) -> Stack:
@@ -191,7 +194,10 @@ class Stack:
                    tuple(group for group in outputs["FunctionLogGroups"].split(",") if group), session, endpoint_url)
 
     def client(self, service: str) -> Any:
-        return self.session.client(service, endpoint_url=self.endpoint_url, config=_CLIENT_CONFIG)
+        if service not in self._clients:
+            self._clients[service] = self.session.client(service, endpoint_url=self.endpoint_url,
+                                                         config=_CLIENT_CONFIG)
+        return self._clients[service]
 
     @property
     def store(self) -> RunStore:
