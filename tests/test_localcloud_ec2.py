@@ -12,7 +12,7 @@ import pytest
 
 from trainfleet.adapters.liveness import instance_troubles
 
-from localcloud.glue.ec2 import interface_requests
+from localcloud.glue.ec2 import InterfaceError, interface_requests
 from localcloud_helpers import (create_state_machine, deploy_function, event_sink, receive,
                                 records, unique, wait_for_execution)
 
@@ -294,6 +294,40 @@ def test_interface_requests_name_the_faulty_entry():
         interface_requests("p4d.24xlarge", efa_interfaces(2) + efa_interfaces(2)[1:])
     with pytest.raises(ValueError, match="primary interface"):
         interface_requests("p4d.24xlarge", efa_interfaces(2)[1:])
+
+
+def test_ec2s_rules_for_several_interfaces_are_kept():
+    """What EC2 refuses of an EFA layout: a public address asked for (even refused) with several
+    interfaces, more interfaces on a card than it takes, more EFA interfaces than the type has."""
+    public = [dict(spec, AssociatePublicIpAddress=False) for spec in efa_interfaces(4)]
+    with pytest.raises(InterfaceError, match="associatePublicIPAddress parameter cannot be specified") as refused:
+        interface_requests("p4d.24xlarge", public)
+    assert refused.value.code == "InvalidParameterCombination"
+    assert len(interface_requests("p4d.24xlarge", public[:1])) == 1, "one interface may say it"
+    plain = [{"NetworkCardIndex": 0, "DeviceIndex": device, "InterfaceType": "interface"} for device in range(4)]
+    with pytest.raises(InterfaceError, match="network card 0 of c5.large takes at most 3"):
+        interface_requests("c5.large", plain)
+    two_on_card_0 = efa_interfaces(4) + [{"NetworkCardIndex": 0, "DeviceIndex": 2, "InterfaceType": "efa"}]
+    with pytest.raises(InterfaceError, match="5 EFA interfaces requested; p4d.24xlarge supports at most 4"):
+        interface_requests("p4d.24xlarge", two_on_card_0)
+
+
+def test_a_fleet_whose_template_ec2_refuses_launches_nothing_and_says_why(local_cloud):
+    """CreateFleet (instant) answers a launch EC2 refuses in its Errors, and launches nothing;
+    RunInstances fails with the same code."""
+    ec2 = local_cloud.client("ec2")
+    public = [dict(spec, AssociatePublicIpAddress=False) for spec in efa_interfaces(4)]
+    template = ec2.create_launch_template(LaunchTemplateName="public-efa", LaunchTemplateData={
+        "ImageId": IMAGE, "InstanceType": "p4d.24xlarge", "NetworkInterfaces": public})["LaunchTemplate"]
+    subnet = default_subnet(ec2, "us-east-1a")
+    instances = lambda: len(local_cloud.fleet.instances())  # noqa: E731
+    before = instances()
+    launched, errors = on_demand_fleet(ec2, template["LaunchTemplateId"], "p4d.24xlarge", subnet, target=2, minimum=2)
+    assert launched == [] and [error["ErrorCode"] for error in errors] == ["InvalidParameterCombination"]
+    assert instances() == before
+    with pytest.raises(botocore.exceptions.ClientError, match="InvalidParameterCombination"):
+        ec2.run_instances(MinCount=1, MaxCount=1, ImageId=IMAGE, InstanceType="p4d.24xlarge",
+                          NetworkInterfaces=public)
 
 
 def default_subnet(ec2, zone: str) -> str:

@@ -34,7 +34,10 @@ Patches to moto, each replacing something it lacks or drops:
   its processes wrote (the node agent, the trainer), of which EC2 gives the latest 64 KB.
 
 Instance types are checked against moto's catalogue (LocalCloud turns on moto's own
-validation), and EFA requests against the type's network cards.
+validation), and network interfaces as EC2 checks them (`interface_requests`): each card's
+interface types and count, the type's EFA count, and AssociatePublicIpAddress on a launch with
+several interfaces (InvalidParameterCombination, even set to false). RunInstances fails with the
+error; an instant CreateFleet lists it under `Errors` and launches nothing, as EC2 answers.
 """
 
 from __future__ import annotations
@@ -102,14 +105,28 @@ class InterfaceRequest:
     """"interface" (ENA), "efa" or "efa-only"."""
 
 
-def interface_requests(instance_type: str, specs: list[dict[str, Any]]) -> list[InterfaceRequest]:
-    """Check NetworkInterfaces entries against the instance type's network cards.
+class InterfaceError(ValueError):
+    """NetworkInterfaces that EC2 refuses, with the error code it answers."""
 
-    Raises ValueError naming the entry and field at fault."""
+    def __init__(self, message: str, code: str = "InvalidParameterValue"):
+        super().__init__(message)
+        self.code = code
+
+
+def interface_requests(instance_type: str, specs: list[dict[str, Any]]) -> list[InterfaceRequest]:
+    """Check NetworkInterfaces entries against the instance type's network cards, as EC2 does:
+    each card's interface types and interface count, the type's EFA count, and a public address
+    asked for on a launch with several interfaces (which EC2 refuses even when the answer is no).
+
+    Raises InterfaceError naming the entry and field at fault."""
     catalogue = INSTANCE_TYPES.get(instance_type)
     if catalogue is None:
-        raise ValueError(f"InstanceType: unknown instance type {instance_type!r}")
-    cards = {card["NetworkCardIndex"]: card for card in catalogue["NetworkInfo"]["NetworkCards"]}
+        raise InterfaceError(f"InstanceType: unknown instance type {instance_type!r}")
+    if len(specs) > 1 and any("AssociatePublicIpAddress" in spec for spec in specs):
+        raise InterfaceError("The associatePublicIPAddress parameter cannot be specified when launching with "
+                             "multiple network interfaces.", "InvalidParameterCombination")
+    network = catalogue["NetworkInfo"]
+    cards = {card["NetworkCardIndex"]: card for card in network["NetworkCards"]}
     requests: list[InterfaceRequest] = []
     for position, spec in enumerate(specs):
         where = f"NetworkInterfaces[{position}]"
@@ -117,23 +134,32 @@ def interface_requests(instance_type: str, specs: list[dict[str, Any]]) -> list[
             card_index = int(spec.get("NetworkCardIndex", 0))
             device_index = int(spec.get("DeviceIndex", 0))
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: NetworkCardIndex and DeviceIndex must be integers: {exc}") from exc
+            raise InterfaceError(f"{where}: NetworkCardIndex and DeviceIndex must be integers: {exc}") from exc
         interface_type = spec.get("InterfaceType", "interface")
         if card_index not in cards:
-            raise ValueError(f"{where}.NetworkCardIndex: {card_index} is out of range for "
-                             f"{instance_type} ({len(cards)} network card(s))")
+            raise InterfaceError(f"{where}.NetworkCardIndex: {card_index} is out of range for "
+                                 f"{instance_type} ({len(cards)} network card(s))")
         if interface_type not in cards[card_index]["InterfaceTypes"]:
-            raise ValueError(f"{where}.InterfaceType: {interface_type!r} is not supported by "
-                             f"{instance_type} network card {card_index} "
-                             f"(supports {cards[card_index]['InterfaceTypes']})")
+            raise InterfaceError(f"{where}.InterfaceType: {interface_type!r} is not supported by "
+                                 f"{instance_type} network card {card_index} "
+                                 f"(supports {cards[card_index]['InterfaceTypes']})")
         request = InterfaceRequest(card_index, device_index, interface_type)
         if any((r.network_card_index, r.device_index) == (card_index, device_index) for r in requests):
-            raise ValueError(f"{where}: NetworkCardIndex {card_index} with DeviceIndex "
-                             f"{device_index} is requested twice")
+            raise InterfaceError(f"{where}: NetworkCardIndex {card_index} with DeviceIndex "
+                                 f"{device_index} is requested twice")
+        on_card = sum(1 for r in requests if r.network_card_index == card_index) + 1
+        if on_card > cards[card_index]["MaximumNetworkInterfaces"]:
+            raise InterfaceError(f"{where}: network card {card_index} of {instance_type} takes at most "
+                                 f"{cards[card_index]['MaximumNetworkInterfaces']} network interfaces")
         requests.append(request)
+    efa = sum(1 for r in requests if r.interface_type in ("efa", "efa-only"))
+    efa_limit = network.get("EfaInfo", {}).get("MaximumEfaInterfaces", 0)
+    if efa > efa_limit:
+        raise InterfaceError(f"NetworkInterfaces: {efa} EFA interfaces requested; {instance_type} "
+                             f"supports at most {efa_limit}")
     if requests and not any(r.network_card_index == 0 and r.device_index == 0 for r in requests):
-        raise ValueError("NetworkInterfaces: the primary interface (NetworkCardIndex 0, "
-                         "DeviceIndex 0) is missing")
+        raise InterfaceError("NetworkInterfaces: the primary interface (NetworkCardIndex 0, "
+                             "DeviceIndex 0) is missing")
     return requests
 
 
@@ -443,8 +469,15 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
     specs = kwargs.get("nics") or template.get("NetworkInterfaces") or []
     try:
         requests = interface_requests(instance_type, specs)
-    except ValueError as exc:
-        raise EC2ClientError("InvalidParameterValue", str(exc)) from exc
+    except InterfaceError as exc:
+        if getattr(_request, "fleet", None) is None:
+            raise EC2ClientError(exc.code, str(exc)) from exc
+        # An instant fleet answers a launch it cannot make in its Errors, launching nothing.
+        _request.fleet_errors.append({
+            "LaunchTemplateAndOverrides": {"LaunchTemplateSpecification": template_spec},
+            "Lifecycle": "spot" if kwargs.get("lifecycle") == "spot" else "on-demand",
+            "ErrorCode": exc.code, "ErrorMessage": str(exc)})
+        return Reservation(f"r-{uuid.uuid4().hex[:17]}", cloud.account_id)
     if kwargs.get("nics"):  # moto builds card-0 interfaces; the glue adds the other cards
         kwargs["nics"] = [spec for spec in kwargs["nics"] if int(spec.get("NetworkCardIndex", 0)) == 0]
     with _capacity_lock:

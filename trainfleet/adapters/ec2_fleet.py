@@ -80,16 +80,21 @@ def efa_network_interfaces(facts: InstanceFacts, security_group_ids: list[str]) 
 
     The primary interface (card 0, device 0) is EFA with ENA: it carries the node's one private IP.
     Every other card gets an EFA-only interface at device index 1 (AWS's layout for P5: full EFA
-    bandwidth without an IP address per card). No interface gets a public IP. Types without EFA
+    bandwidth without an IP address per card). No interface gets a public IP: a lone interface
+    says so (a default subnet would give it one); several must not name AssociatePublicIpAddress
+    at all, which EC2 refuses at launch (InvalidParameterCombination) even set to false, and
+    never gives an instance with several interfaces a public address anyway. Types without EFA
     get a single ENA interface.
     """
-    common = {"Groups": list(security_group_ids), "DeleteOnTermination": True,
-              "AssociatePublicIpAddress": False}
+    common = {"Groups": list(security_group_ids), "DeleteOnTermination": True}
     if not facts.efa_supported:
-        return [{"NetworkCardIndex": 0, "DeviceIndex": 0, "InterfaceType": "interface", **common}]
-    interfaces = [{"NetworkCardIndex": 0, "DeviceIndex": 0, "InterfaceType": "efa", **common}]
-    interfaces += [{"NetworkCardIndex": card, "DeviceIndex": 1, "InterfaceType": "efa-only", **common}
-                   for card in range(1, facts.efa_interface_count)]
+        interfaces = [{"NetworkCardIndex": 0, "DeviceIndex": 0, "InterfaceType": "interface", **common}]
+    else:
+        interfaces = [{"NetworkCardIndex": 0, "DeviceIndex": 0, "InterfaceType": "efa", **common}]
+        interfaces += [{"NetworkCardIndex": card, "DeviceIndex": 1, "InterfaceType": "efa-only", **common}
+                       for card in range(1, facts.efa_interface_count)]
+    if len(interfaces) == 1:
+        interfaces[0]["AssociatePublicIpAddress"] = False
     return interfaces
 
 
