@@ -1,9 +1,10 @@
 """Teardown: on every path out of a run, terminate its instances and delete what it created.
 
 Instances are found by their run tag in EC2, not only in the run's records, so one launched by
-an interrupted Allocate is not forgotten. The last attempt's time goes on the goodput ledger
-first, with the move to TEARING_DOWN; the outcome is recorded once the instances are
-terminating. A placement group is still in use while its instances shut down (minutes for
+an interrupted Allocate is not forgotten, and they are terminated even when the records cannot
+be read or written (the teardown then fails for its retry to record). The last attempt's time
+goes on the goodput ledger first, with the move to TEARING_DOWN; the outcome is recorded once
+the instances are terminating. A placement group is still in use while its instances shut down (minutes for
 p4d and p5): it does not hold up the outcome or the report, and the reaper deletes it once its
 instances are gone.
 """
@@ -29,21 +30,26 @@ def tear_down(run_name: str, failure: str | None) -> Teardown:
     keeps its outcome and only has its leftovers removed."""
     cloud = aws()
     store = cloud.store
-    run = store.run(run_name)
-    if not run.state.is_final:
-        now, nodes = datetime.now(timezone.utc), store.nodes(run_name)
+    try:
+        run = store.run(run_name)
+        if not run.state.is_final:
+            now, nodes = datetime.now(timezone.utc), store.nodes(run_name)
 
-        def tearing_down(current: RunRecord) -> RunRecord:
-            if current.state in (RunState.TEARING_DOWN, RunState.SUCCEEDED, RunState.FAILED):
-                return current  # a retry, or another teardown got here first: booked already
-            booked = book_attempt(current, nodes, now, completed=failure is None)
-            return current.model_copy(update={"state": RunState.TEARING_DOWN,
-                                              "error": current.error or failure, "ledger": booked})
-        store.modify_run(run_name, tearing_down)
-    for node in store.nodes(run_name):
-        if node.state not in _LEFT:
-            store.transition_node(run_name, node.instance_id, NodeState.TERMINATING)
-    result = teardown(cloud.ec2, run_name, cloud.settings.stack_name)
+            def tearing_down(current: RunRecord) -> RunRecord:
+                if current.state in (RunState.TEARING_DOWN, RunState.SUCCEEDED, RunState.FAILED):
+                    return current  # a retry, or another teardown got here first: booked already
+                booked = book_attempt(current, nodes, now, completed=failure is None)
+                return current.model_copy(update={"state": RunState.TEARING_DOWN,
+                                                  "error": current.error or failure, "ledger": booked})
+            store.modify_run(run_name, tearing_down)
+        for node in store.nodes(run_name):
+            if node.state not in _LEFT:
+                store.transition_node(run_name, node.instance_id, NodeState.TERMINATING)
+    finally:
+        # Found by tag, not by the records: a record that cannot be read or written now (an
+        # outage, an item at DynamoDB's size limit) must not leave the instances running. The
+        # error still fails the teardown, whose retry records what this one could not.
+        result = teardown(cloud.ec2, run_name, cloud.settings.stack_name)
     outcome = RunState.FAILED if failure else RunState.SUCCEEDED
     store.modify_run(run_name, lambda current: current if current.state.is_final
                      else current.model_copy(update={"state": outcome}))

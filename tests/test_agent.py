@@ -693,11 +693,33 @@ def test_an_unreachable_control_plane_ends_the_instance_after_the_limit(local_cl
     clock["now"] += agent.UNREACHABLE_LIMIT_S - 1
     assert control.look_at_run() is None
     clock["now"] += agent.RETRY_MAX_S  # the backoff is over; the limit too
-    with pytest.raises(agent.Unreachable, match="has not answered for 9[0-9][0-9] s"):
+    with pytest.raises(agent.Unreachable, match="has not answered for 9[0-9][0-9] s and this node's trainer"):
         control.look_at_run()
     local_cloud.stop_failing_requests()
     clock["now"] += agent.RETRY_MAX_S
     assert control.look_at_run().run_name == "run-a" and control.failures == 0
+
+
+def test_an_outage_never_ends_a_node_whose_trainer_makes_progress(local_cloud, tmp_path, monkeypatch):
+    """A DynamoDB outage of an hour (us-east-1 had one of hours): workers that train keep their
+    instances; a trainer that falls silent as long as the limit ends its node as before."""
+    table = run_table(local_cloud)
+    RunStore(local_cloud.client("dynamodb"), table).create_run(run_record())
+    monkeypatch.setattr(agent, "CLIENT_RETRIES", {"max_attempts": 1, "mode": "standard"})
+    clock = {"now": 0.0}
+    control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_RUN_TABLE": table}),
+                                   workdir=tmp_path), IDENTITY, clock=lambda: clock["now"])
+    local_cloud.throttle("dynamodb", 600.0)  # real seconds: far longer than the test
+    while clock["now"] < 3600:
+        control.trainer_alive_at = clock["now"]  # a sign of life every 5 minutes, say
+        assert control.call("read the run record", lambda: control.store.run("run-a")) is None
+        clock["now"] += 300
+    clock["now"] += agent.UNREACHABLE_LIMIT_S - 300  # the trainer fell silent when the clock read 3300
+    assert control.call("read the run record", lambda: control.store.run("run-a")) is None
+    clock["now"] += 1
+    with pytest.raises(agent.Unreachable, match="has not answered for 4[0-9]{3} s"):
+        control.call("read the run record", lambda: control.store.run("run-a"))
+    local_cloud.stop_failing_requests()
 
 
 @pytest.mark.parametrize("nodes, hang_timeout_s, looks_per_s", [

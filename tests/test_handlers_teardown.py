@@ -105,6 +105,24 @@ def test_a_group_still_in_use_does_not_hold_up_the_outcome_or_the_report(handler
     assert store.run(name).state is RunState.SUCCEEDED
 
 
+def test_a_teardown_that_cannot_write_its_records_still_terminates_the_instances(handlers, cloud, resources,
+                                                                                   slow_shutdown):
+    """DynamoDB out (or the run's item at its size limit): the teardown fails, for Step Functions
+    to retry, but the run's instances, found by tag, are terminating; the retry records."""
+    import functions.teardown
+
+    store, name, instances, _ = launched_run(cloud, resources)
+    cloud.fail_requests("dynamodb", 600.0, "error")
+    try:
+        with pytest.raises(Exception, match="InternalServerError"):
+            functions.teardown.handler(payload(name), Context())
+        assert states(cloud, instances) == {"shutting-down"}
+    finally:
+        cloud.stop_failing_requests()
+    functions.teardown.handler(payload(name), Context())
+    assert store.run(name).state is RunState.SUCCEEDED
+
+
 def test_a_run_given_up_has_its_wait_for_teardown_on_the_books_by_cause(handlers, cloud, resources):
     import functions.report
     import functions.teardown

@@ -58,8 +58,11 @@ instance's process. It speaks to the control plane only through AWS:
 
 A failed control-plane call (throttling, a 5xx answer, a connection error, a timeout) is logged
 and tried again at a later look with backoff; it never stops torchrun. When the run is over, or
-the control plane has been unreachable for UNREACHABLE_LIMIT_S, the agent ends its instance
-(the launch template's shutdown behaviour is terminate), so no instance outlives its run.
+the control plane has been unreachable for UNREACHABLE_LIMIT_S while its trainer showed no
+progress as long, the agent ends its instance (the launch template's shutdown behaviour is
+terminate), so no instance outlives its run unwatched. A trainer that makes progress keeps its
+node through any outage (a regional DynamoDB outage would otherwise end every node of every run
+a quarter of an hour in); an instance its run left behind is the reaper's to end.
 """
 
 from __future__ import annotations
@@ -113,8 +116,8 @@ RETRY_MAX_S = 60.0
 """Longest wait before a failed control-plane call is tried again (backoff doubles up to it, or
 up to the run's longest look, if that is shorter)."""
 UNREACHABLE_LIMIT_S = 900.0
-"""Control plane unreachable this long: nothing can tell the agent its run is over, so it ends
-its instance rather than leave it running unwatched."""
+"""Control plane unreachable this long, and the node's trainer silent as long: nothing can tell
+the agent its run is over, so it ends its instance rather than leave it running unwatched."""
 CLIENT_RETRIES = {"max_attempts": 5, "mode": "standard"}
 """botocore's own quick retries of a throttled or failed call, before the agent's backoff."""
 TRANSIENT_ERRORS = (ClientError, BotoCoreError)
@@ -307,6 +310,9 @@ class ControlPlane:
         self.next_look = 0.0
         self.failures = 0
         self.failing_since: float | None = None
+        self.trainer_alive_at = -math.inf
+        """clock() when this node's trainer last showed progress (the attempt's heartbeat thread
+        sets it): while it does, no outage ends the instance."""
 
     # --- pacing and failures ---
 
@@ -329,7 +335,8 @@ class ControlPlane:
 
     def call(self, what: str, action: Callable[[], T]) -> T | None:
         """`action()`, or None when it failed: the failure is logged, the next look backs off,
-        and one that outlasts UNREACHABLE_LIMIT_S raises Unreachable."""
+        and one that outlasts UNREACHABLE_LIMIT_S, with the trainer silent as long, raises
+        Unreachable."""
         try:
             result = action()
         except TRANSIENT_ERRORS as exc:
@@ -343,8 +350,9 @@ class ControlPlane:
             self.next_look = max(self.next_look, now + wait)
             say("control plane call failed; trying again later", call=what, error=str(exc),
                 failures=self.failures, retry_in_s=round(wait, 1))
-            if now - self.failing_since > UNREACHABLE_LIMIT_S:
-                raise Unreachable(f"the control plane has not answered for {now - self.failing_since:.0f} s") from exc
+            if min(now - self.failing_since, now - self.trainer_alive_at) > UNREACHABLE_LIMIT_S:
+                raise Unreachable(f"the control plane has not answered for {now - self.failing_since:.0f} s "
+                                  "and this node's trainer made no progress as long") from exc
             return None
         self.failures, self.failing_since = 0, None
         return result
@@ -771,6 +779,7 @@ class Attempt:
         life = Life.of(self.files)
         if life != self.seen:
             self.seen, self.alive_at = life, now
+            self.control.trainer_alive_at = now
         if token is None or now - self.last_heartbeat < self.heartbeat_every:
             return
         spoke = life.progress != self.beaten.progress and (self.speaks_for_world or self.speaks_for_start())
