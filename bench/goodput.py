@@ -419,7 +419,8 @@ class Month:
             outcome.failures[cause.name] += 1
             if decided >= self.horizon:  # known only as the month ends
                 break
-            decision = decide_recovery(run, list(self.fleet.nodes.values()), failure, jitter_draw=self.draws.random())
+            decision = decide_recovery(run, list(self.fleet.nodes.values()), failure, jitter_draw=self.draws.random(),
+                                       now=decided)
             run = apply_decision(run, failure, decision, decided).model_copy(update={
                 "attempt_started_at": decided, "first_step_at": None})
             if decision.action is RecoveryAction.GIVE_UP:

@@ -81,7 +81,7 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
     run = run.knowing(newest)
     # The cost ceiling is judged with the ended attempt on the books.
     booked = run.model_copy(update={"ledger": book_attempt(run, nodes, now, False, failure.failure_class)})
-    decision = decide_recovery(booked, nodes, failure, jitter_draw=random.random())
+    decision = decide_recovery(booked, nodes, failure, jitter_draw=random.random(), now=now)
     # The attempt is booked in the same write as the decision, so a retry books it once. A give-up
     # starts the books afresh too, so Teardown adds only the time after it.
     def record(current: RunRecord) -> RunRecord:

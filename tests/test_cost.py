@@ -45,9 +45,9 @@ def test_the_booked_attempt_can_spend_the_ceiling():
     run = _run(cost_ceiling_usd=PRICE * 1.5)  # one and a half node-hours
     nodes = [_node("i-a", 0), _node("i-b", 0)]
     failure = report(FailureClass.PROCESS_CRASH)
-    before = decide_recovery(run, nodes, failure, jitter_draw=0.5)
+    before = decide_recovery(run, nodes, failure, jitter_draw=0.5, now=T0)
     assert before.action is not RecoveryAction.GIVE_UP
     booked = run.model_copy(update={"ledger": book_attempt(run, nodes, T0 + timedelta(hours=1), completed=False)})
-    after = decide_recovery(booked, nodes, failure, jitter_draw=0.5)
+    after = decide_recovery(booked, nodes, failure, jitter_draw=0.5, now=T0)
     assert after.action is RecoveryAction.GIVE_UP
     assert "ceiling" in after.reason

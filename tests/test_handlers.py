@@ -659,7 +659,7 @@ def lost(run: RunRecord, worker: str) -> dict:
 def test_recover_gives_up_when_the_restart_budget_is_spent(handlers, cloud, resources):
     store, run, (worker, _) = recorded_run(cloud, resources)
     store.modify_run(run.run_name, lambda current: current.model_copy(update=spent_budget(current)))
-    with pytest.raises(handlers.errors.RecoveryGaveUp, match=r"restart budget spent \(0 of 0\)"):
+    with pytest.raises(handlers.errors.RecoveryGaveUp, match=r"restart budget spent \(0 of 0 in 24 h\)"):
         handlers.recover.handler(lost(run, worker), Context())
     after = store.run(run.run_name)
     assert after.error.startswith("restart budget spent") and [f.failure_class for f in after.failures] == [

@@ -201,19 +201,72 @@ def test_plan_none_below_min_nodes_or_when_pinned():
 # --- recovery decisions ---------------------------------------------------------------------
 
 def test_config_error_gives_up_at_once():
-    decision = lc.decide_recovery(make_run(), WORKERS, report(FailureClass.CONFIG_ERROR), 0.0)
+    decision = lc.decide_recovery(make_run(), WORKERS, report(FailureClass.CONFIG_ERROR), 0.0, now=T0)
     assert decision.action is RecoveryAction.GIVE_UP and "config" in decision.reason
 
 
 def test_cost_ceiling_gives_up():
     run = make_run(make_spec(cost_ceiling_usd=10), ledger=GoodputLedger(cost_usd=10.5))
-    decision = lc.decide_recovery(run, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0)
+    decision = lc.decide_recovery(run, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0, now=T0)
     assert decision.action is RecoveryAction.GIVE_UP and "ceiling" in decision.reason
 
 
-def test_restart_budget_gives_up():
-    decision = lc.decide_recovery(make_run(restarts=5), WORKERS, report(FailureClass.PROCESS_CRASH), 0.0)
-    assert decision.action is RecoveryAction.GIVE_UP and "budget" in decision.reason
+def crashes_hours_ago(*hours: float) -> list[FailureRecord]:
+    """Crashes on healthy nodes, each at a step of its own (no crash loop), `hours` before T0."""
+    return [FailureRecord(failure_class=FailureClass.PROCESS_CRASH, resume_step=step, at=T0 - timedelta(hours=ago))
+            for step, ago in enumerate(hours)]
+
+
+def test_restart_budget_counts_the_window_and_gives_up_when_spent():
+    """max_restarts=5 a day: five recoveries in the last 24 h spend it; the same five spread over
+    three weeks, or older ones, do not (the lifetime count of a long run would)."""
+    spent = make_run(failures=crashes_hours_ago(20, 15, 10, 5, 1), restarts=5)
+    decision = lc.decide_recovery(spent, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0, now=T0)
+    assert decision.action is RecoveryAction.GIVE_UP and "budget spent (5 of 5 in 24 h)" in decision.reason
+    spread = make_run(failures=crashes_hours_ago(*range(500, 20, -24), 10, 1), restarts=22)
+    assert lc.decide_recovery(spread, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0, now=T0).action \
+        is RecoveryAction.RESTART
+
+
+def test_what_aws_announces_and_short_capacity_never_spend_the_budget():
+    spent = make_run(failures=crashes_hours_ago(5, 4, 3, 2, 1), restarts=5)
+    notice = lc.decide_recovery(spent, [*WORKERS, SPARE], report(FailureClass.SPOT_INTERRUPTION, "i-2"), 0.0, now=T0)
+    assert notice.action is RecoveryAction.REPLACE
+    interrupted = make_run(failures=[FailureRecord(failure_class=FailureClass.SPOT_INTERRUPTION, resume_step=step,
+                                                   instance_ids=[f"i-{step}"], at=T0 - timedelta(hours=1))
+                                     for step in range(8)], restarts=8)
+    assert lc.decide_recovery(interrupted, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0, now=T0).action \
+        is RecoveryAction.RESTART
+
+
+def test_different_nodes_lost_one_after_another_are_no_crash_loop():
+    """Three INSTANCE_LOST within one checkpoint interval, each on another (already replaced)
+    node: each is replaced; the same node blamed three times, or nodes never blamed, loop."""
+    lost = [FailureRecord(failure_class=FailureClass.INSTANCE_LOST, resume_step=100, instance_ids=[victim], at=T0)
+            for victim in ("i-1", "i-5")]
+    checkpointed = {"latest_checkpoint": CheckpointRef(step=100, uri="s3://b/step-000000100")}
+    run = make_run(failures=lost, **checkpointed)
+    decision = lc.decide_recovery(run, [*WORKERS, SPARE], report(FailureClass.INSTANCE_LOST, "i-3"), 0.0, now=T0)
+    assert decision.action is RecoveryAction.REPLACE and decision.backoff_seconds == 40, "alike: it waits longer"
+    same = make_run(failures=[record.model_copy(update={"instance_ids": ["i-3"]}) for record in lost], **checkpointed)
+    looped = lc.decide_recovery(same, [*WORKERS, SPARE], report(FailureClass.INSTANCE_LOST, "i-3"), 0.0, now=T0)
+    assert looped.action is RecoveryAction.GIVE_UP and "crash loop" in looped.reason
+
+
+def test_capacity_is_waited_for_with_backoff_until_the_runs_limit():
+    """No min_nodes: a missing replacement is retried, the waits growing, the fleet kept, for
+    capacity_wait_hours (6 by default); three rounds no longer end the run."""
+    run = make_run(make_spec(min_nodes=None))
+    short = [FailureRecord(failure_class=FailureClass.CAPACITY, resume_step=None, at=T0 - timedelta(hours=hours))
+             for hours in (5, 4, 3, 2, 1)]
+    waiting = lc.decide_recovery(run.model_copy(update={"failures": short}), WORKERS[:3],
+                                 report(FailureClass.CAPACITY), 0.0, now=T0)
+    assert waiting.action is RecoveryAction.REPLACE and waiting.allocate_workers == 1
+    assert waiting.backoff_seconds == 100, "the longest wait by now"
+    late = [FailureRecord(failure_class=FailureClass.CAPACITY, resume_step=None, at=T0 - timedelta(hours=7)), *short]
+    given_up = lc.decide_recovery(run.model_copy(update={"failures": late}), WORKERS[:3],
+                                  report(FailureClass.CAPACITY), 0.0, now=T0)
+    assert given_up.action is RecoveryAction.GIVE_UP and "capacity short for 7.0 h" in given_up.reason
 
 
 def history(failure_class, count, step):
@@ -223,35 +276,35 @@ def history(failure_class, count, step):
 def test_crash_loop_gives_up():
     run = make_run(failures=history(FailureClass.PROCESS_CRASH, 2, step=100),
                    latest_checkpoint=CheckpointRef(step=100, uri="s3://b/step-000000100"))
-    decision = lc.decide_recovery(run, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0)
+    decision = lc.decide_recovery(run, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0, now=T0)
     assert decision.action is RecoveryAction.GIVE_UP and "crash loop" in decision.reason
 
 
 def test_progress_or_another_class_breaks_the_streak():
     ckpt = CheckpointRef(step=200, uri="s3://b/step-000000200")
     progressed = make_run(failures=history(FailureClass.PROCESS_CRASH, 2, step=100), latest_checkpoint=ckpt)
-    assert lc.decide_recovery(progressed, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0).action \
+    assert lc.decide_recovery(progressed, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0, now=T0).action \
         is RecoveryAction.RESTART
     mixed = make_run(failures=history(FailureClass.HANG, 2, step=None))
-    assert lc.decide_recovery(mixed, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0).action \
+    assert lc.decide_recovery(mixed, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0, now=T0).action \
         is RecoveryAction.RESTART
 
 
 def test_announced_aws_events_never_make_a_crash_loop():
     run = make_run(failures=history(FailureClass.SPOT_INTERRUPTION, 4, step=None))
-    decision = lc.decide_recovery(run, [*WORKERS, SPARE], report(FailureClass.SPOT_INTERRUPTION, "i-2"), 0.0)
+    decision = lc.decide_recovery(run, [*WORKERS, SPARE], report(FailureClass.SPOT_INTERRUPTION, "i-2"), 0.0, now=T0)
     assert decision.action is RecoveryAction.REPLACE
 
 
 def test_crash_on_healthy_nodes_restarts_them():
-    decision = lc.decide_recovery(make_run(), WORKERS, report(FailureClass.PROCESS_CRASH), 0.0)
+    decision = lc.decide_recovery(make_run(), WORKERS, report(FailureClass.PROCESS_CRASH), 0.0, now=T0)
     assert decision.action is RecoveryAction.RESTART
     assert decision.terminate_instance_ids == [] and decision.plan == make_run().plan
     assert decision.backoff_seconds == 10
 
 
 def test_lost_worker_is_replaced_by_a_spare_and_the_spare_refilled():
-    decision = lc.decide_recovery(make_run(), [*WORKERS, SPARE], report(FailureClass.INSTANCE_LOST, "i-3"), 0.0)
+    decision = lc.decide_recovery(make_run(), [*WORKERS, SPARE], report(FailureClass.INSTANCE_LOST, "i-3"), 0.0, now=T0)
     assert decision.action is RecoveryAction.REPLACE
     assert decision.terminate_instance_ids == ["i-3"] and decision.promote_spare_ids == ["i-9"]
     assert (decision.allocate_workers, decision.allocate_spares) == (0, 1)
@@ -260,14 +313,14 @@ def test_lost_worker_is_replaced_by_a_spare_and_the_spare_refilled():
 def test_lost_worker_without_spare_is_allocated_anew():
     booting_spare = node("i-8", role=NodeRole.SPARE, state=NodeState.REGISTERED)
     decision = lc.decide_recovery(make_run(), [*WORKERS, booting_spare],
-                                  report(FailureClass.NODE_UNHEALTHY, "i-1", "i-2"), 0.0)
+                                  report(FailureClass.NODE_UNHEALTHY, "i-1", "i-2"), 0.0, now=T0)
     assert decision.action is RecoveryAction.REPLACE
     assert decision.terminate_instance_ids == ["i-1", "i-2"] and decision.promote_spare_ids == []
     assert (decision.allocate_workers, decision.allocate_spares) == (2, 0)
 
 
 def test_bad_spare_is_terminated_and_refilled_without_touching_workers():
-    decision = lc.decide_recovery(make_run(), [*WORKERS, SPARE], report(FailureClass.HEALTH_EVENT, "i-9"), 0.0)
+    decision = lc.decide_recovery(make_run(), [*WORKERS, SPARE], report(FailureClass.HEALTH_EVENT, "i-9"), 0.0, now=T0)
     assert decision.action is RecoveryAction.REPLACE
     assert decision.terminate_instance_ids == ["i-9"] and decision.promote_spare_ids == []
     assert (decision.allocate_workers, decision.allocate_spares) == (0, 1)
@@ -275,14 +328,14 @@ def test_bad_spare_is_terminated_and_refilled_without_touching_workers():
 
 def test_worker_already_gone_counts_as_missing():
     gone = [*WORKERS[:3], node("i-4", state=NodeState.TERMINATED)]
-    decision = lc.decide_recovery(make_run(), gone, report(FailureClass.INSTANCE_LOST, "i-4"), 0.0)
+    decision = lc.decide_recovery(make_run(), gone, report(FailureClass.INSTANCE_LOST, "i-4"), 0.0, now=T0)
     assert decision.action is RecoveryAction.REPLACE
     assert decision.terminate_instance_ids == [] and decision.allocate_workers == 1
 
 
 def test_capacity_short_shrinks_when_allowed():
     three = WORKERS[:3]
-    decision = lc.decide_recovery(make_run(), three, report(FailureClass.CAPACITY), 0.0)
+    decision = lc.decide_recovery(make_run(), three, report(FailureClass.CAPACITY), 0.0, now=T0)
     assert decision.action is RecoveryAction.SHRINK
     assert decision.plan == ParallelPlan(nodes=3, ranks_per_node=1, pp=3, dp=1)
     assert decision.allocate_workers == 0 and decision.allocate_spares == 0
@@ -290,7 +343,7 @@ def test_capacity_short_shrinks_when_allowed():
 
 def test_capacity_short_uses_spares_before_shrinking_further():
     two_and_spare = [*WORKERS[:2], SPARE]
-    decision = lc.decide_recovery(make_run(), two_and_spare, report(FailureClass.CAPACITY), 0.0)
+    decision = lc.decide_recovery(make_run(), two_and_spare, report(FailureClass.CAPACITY), 0.0, now=T0)
     assert decision.action is RecoveryAction.SHRINK
     assert decision.plan.nodes == 3 and decision.promote_spare_ids == ["i-9"]
 
@@ -303,7 +356,7 @@ def test_workers_a_smaller_layout_leaves_out_become_spares():
                               "parallel": {"pp": 2, "dp": 3, "schedule": "1f1b", "microbatches": 4}})
     run = make_run(spec)
     six = [node(f"i-{n}", node_rank=n - 1) for n in range(1, 7)]
-    decision = lc.decide_recovery(run, six, report(FailureClass.CAPACITY, "i-2"), 0.0)
+    decision = lc.decide_recovery(run, six, report(FailureClass.CAPACITY, "i-2"), 0.0, now=T0)
     assert decision.action is RecoveryAction.SHRINK
     assert decision.plan == ParallelPlan(nodes=4, ranks_per_node=1, pp=2, dp=2)
     assert decision.terminate_instance_ids == ["i-2"] and decision.demote_worker_ids == ["i-6"]
@@ -311,13 +364,13 @@ def test_workers_a_smaller_layout_leaves_out_become_spares():
 
 def test_capacity_short_without_shrink_retries_allocation():
     run = make_run(make_spec(min_nodes=None))
-    decision = lc.decide_recovery(run, WORKERS[:3], report(FailureClass.CAPACITY), 0.0)
+    decision = lc.decide_recovery(run, WORKERS[:3], report(FailureClass.CAPACITY), 0.0, now=T0)
     assert decision.action is RecoveryAction.REPLACE
     assert (decision.allocate_workers, decision.allocate_spares) == (1, 0)
 
 
 def test_capacity_short_below_min_nodes_gives_up():
-    decision = lc.decide_recovery(make_run(), WORKERS[:1], report(FailureClass.CAPACITY), 0.0)
+    decision = lc.decide_recovery(make_run(), WORKERS[:1], report(FailureClass.CAPACITY), 0.0, now=T0)
     assert decision.action is RecoveryAction.GIVE_UP and "no layout" in decision.reason
 
 
@@ -334,21 +387,21 @@ def test_backoff_grows_caps_and_jitters():
 
 def test_backoff_grows_along_a_streak_in_decisions():
     run = make_run(failures=history(FailureClass.HANG, 1, step=None))
-    assert lc.decide_recovery(run, WORKERS, report(FailureClass.HANG), 0.0).backoff_seconds == 20
+    assert lc.decide_recovery(run, WORKERS, report(FailureClass.HANG), 0.0, now=T0).backoff_seconds == 20
 
 
 def test_a_replacement_waits_no_backoff_until_it_fails_alike():
     lost = report(FailureClass.INSTANCE_LOST, "i-3")
-    assert lc.decide_recovery(make_run(), [*WORKERS, SPARE], lost, 0.0).backoff_seconds == 0
+    assert lc.decide_recovery(make_run(), [*WORKERS, SPARE], lost, 0.0, now=T0).backoff_seconds == 0
     again = make_run(failures=history(FailureClass.INSTANCE_LOST, 1, step=None))
-    assert lc.decide_recovery(again, [*WORKERS, SPARE], lost, 0.0).backoff_seconds == 20
+    assert lc.decide_recovery(again, [*WORKERS, SPARE], lost, 0.0, now=T0).backoff_seconds == 20
 
 
 def test_apply_decision_opens_a_new_attempt():
     failure = report(FailureClass.INSTANCE_LOST, "i-3").model_copy(update={"observed_at": T0 - timedelta(seconds=4)})
     run = make_run(latest_checkpoint=CheckpointRef(step=30, uri="s3://b/step-000000030"), attempt_failure=failure,
                    last_step=34, first_step_at=T0 - timedelta(minutes=5))
-    decision = lc.decide_recovery(run, [*WORKERS, SPARE], failure, 0.0)
+    decision = lc.decide_recovery(run, [*WORKERS, SPARE], failure, 0.0, now=T0)
     after = lc.apply_decision(run, failure, decision, now=T0)
     assert (after.attempt, after.restarts, after.attempt_started_at) == (2, 1, T0)
     assert after.attempt_failure is None  # the failure of the attempt before never fails the new one's waits
@@ -357,7 +410,7 @@ def test_apply_decision_opens_a_new_attempt():
         last_step=34, instance_ids=["i-3"], message="test")
     assert after.failures[-1].detection_seconds == 4.0
     gave_up = lc.apply_decision(run, report(FailureClass.CONFIG_ERROR),
-                                lc.decide_recovery(run, WORKERS, report(FailureClass.CONFIG_ERROR), 0.0), T0)
+                                lc.decide_recovery(run, WORKERS, report(FailureClass.CONFIG_ERROR), 0.0, now=T0), T0)
     assert (gave_up.attempt, gave_up.restarts) == (1, 0) and "config" in gave_up.error
 
 
@@ -599,7 +652,7 @@ def test_the_run_record_alone_tells_when_the_departure_wait_may_be_over():
     assert lc.departure_wait_may_end(run, T0 + lc.SPOT_NOTICE) and lc.departure_wait_over(
         run, nodes, T0 + lc.SPOT_NOTICE) is None, "the run may look, the nodes decide"
     assert lc.apply_decision(run, report(FailureClass.SPOT_INTERRUPTION, "i-2"), lc.decide_recovery(
-        run, nodes, report(FailureClass.SPOT_INTERRUPTION, "i-2"), 0.5), T0).departure_noticed_at is None
+        run, nodes, report(FailureClass.SPOT_INTERRUPTION, "i-2"), 0.5, now=T0), T0).departure_noticed_at is None
 
 
 def test_announced_departures_checkpoint_first_and_fail_with_their_own_class():
@@ -902,7 +955,7 @@ def test_a_world_that_does_not_scale_is_a_failure_no_node_is_blamed_for_and_ends
     assert (failure.failure_class, failure.instance_ids, failure.observed_at) == (FailureClass.POOR_SCALING, [], T0)
     assert "slowest stage 1" in failure.message
     assert lc.classify_event(checked.model_copy(update={"figures": scaling_figures(True)}), attempt=1) is None
-    decision = lc.decide_recovery(make_run(), WORKERS, failure, 0.0)
+    decision = lc.decide_recovery(make_run(), WORKERS, failure, 0.0, now=T0)
     assert decision.action is RecoveryAction.GIVE_UP and "does not scale" in decision.reason
 
 

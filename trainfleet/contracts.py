@@ -280,10 +280,19 @@ class RecoveryPolicy(_Strict):
     """How hard the run tries before it gives up."""
 
     max_restarts: int = Field(default=10, ge=0)
-    """Recoveries allowed over the whole run; one more failure gives up."""
+    """Recoveries allowed within any restart_window_hours; one more failure gives up. Only
+    failures the job may cause count: what AWS announces (Spot, rebalance, Health events) and a
+    shortfall of capacity never do (a three-week run on 512 p5 sees one to three interruptions
+    a day)."""
+    restart_window_hours: float = Field(default=24.0, gt=0)
+    """The window max_restarts counts in."""
     crash_loop_repeats: int = Field(default=3, ge=2)
     """Give up after this many failures of the same class in a row with no checkpoint committed
-    in between (announced AWS events, e.g. Spot interruptions, never count as a loop)."""
+    in between, each blaming the same nodes or none (different nodes failing one after another,
+    each replaced, are no loop; announced AWS events and capacity shortfalls never are)."""
+    capacity_wait_hours: float = Field(default=6.0, gt=0)
+    """How long the run keeps its fleet and waits, with backoff, for capacity it lacks (a
+    replacement EC2 cannot launch, with no min_nodes to shrink to) before it gives up."""
     backoff_base_seconds: float = Field(default=30.0, ge=0)
     """Wait before the first retry of a failure streak on the same nodes (a first failure whose
     blamed nodes are replaced retries at once)."""

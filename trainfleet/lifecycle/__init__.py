@@ -5,7 +5,7 @@ Offers:
                classify_task_error(error, cause, waiting, not_ready_instance_ids) -> FailureReport
     replan:    plan_layout(trainer_config, ranks_per_node, available_nodes, min_nodes, preferred_pp, memory_gib),
                initial_plan(spec, allocated_nodes)
-    recovery:  decide_recovery(run, nodes, failure, jitter_draw) -> RecoveryDecision,
+    recovery:  decide_recovery(run, nodes, failure, jitter_draw, now) -> RecoveryDecision,
                apply_decision(run, failure, decision, now) -> RunRecord,
                failure_streak(history, failure_class, resume_step), backoff_seconds(policy, streak, draw),
                ANNOUNCED_BY_AWS

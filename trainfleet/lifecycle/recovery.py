@@ -3,15 +3,17 @@
 decide_recovery() works in numbered steps, each a rule a person can check:
     1. a config error never heals, nor does a world that does not scale: give up;
     2. the cost ceiling is reached: give up;
-    3. the restart budget is spent: give up;
-    4. a crash loop (the same failure K times in a row, no checkpoint in between): give up;
+    3. the restart budget of the window is spent, or capacity has been short longer than the
+       run waits for it: give up;
+    4. a crash loop (the same failure K times in a row on the same nodes or none, no checkpoint
+       in between): give up;
     5. no node is blamed: restart on the same nodes;
     6. blamed workers are covered by healthy spares and/or new instances: replace (at once on
        the first failure of a streak: the nodes that failed are gone);
     7. capacity ran out and the run may shrink: re-plan pp x dp on the nodes left, or give up.
 """
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from trainfleet.contracts import (FailureClass, FailureRecord, FailureReport, NodeRecord, NodeRole,
                                   NodeState, RecoveryAction, RecoveryDecision, RecoveryPolicy,
@@ -20,20 +22,44 @@ from trainfleet.lifecycle.goodput import over_cost_ceiling
 from trainfleet.lifecycle.launch import rank_order
 from trainfleet.lifecycle.replan import plan_layout
 
-# AWS announces these; they say nothing about the job, so they never make a crash loop.
+# AWS announces these; they say nothing about the job.
 ANNOUNCED_BY_AWS = frozenset({FailureClass.SPOT_INTERRUPTION, FailureClass.SPOT_REBALANCE,
                               FailureClass.HEALTH_EVENT})
+# Nor do these: they never spend the restart budget nor make a crash loop.
+NOT_THE_JOBS = ANNOUNCED_BY_AWS | {FailureClass.CAPACITY}
 
 
-
-def failure_streak(history: list[FailureRecord], failure_class: FailureClass, resume_step: int | None) -> int:
-    """How many failures in a row, counting this one, share its class and made no progress."""
+def failure_streak(history: list[FailureRecord], failure_class: FailureClass, resume_step: int | None,
+                   same_nodes_as: list[str] | None = None) -> int:
+    """How many failures in a row, counting this one, share its class and made no progress; with
+    `same_nodes_as` (the nodes this one blames), only those that blamed some of them, or, like
+    it, none."""
     streak = 1
     for past in reversed(history):
         if past.failure_class != failure_class or past.resume_step != resume_step:
             break
+        if same_nodes_as is not None:
+            related = set(past.instance_ids) & set(same_nodes_as) if same_nodes_as else not past.instance_ids
+            if not related:
+                break
         streak += 1
     return streak
+
+
+def restarts_in_window(history: list[FailureRecord], now: datetime, window: timedelta) -> int:
+    """Recoveries the budget counts in the window up to `now`: those from failures the job may cause."""
+    return sum(1 for past in history if past.at > now - window and past.failure_class not in NOT_THE_JOBS)
+
+
+def capacity_wait(history: list[FailureRecord], now: datetime) -> timedelta:
+    """How long capacity has been short: since the first of the capacity failures the history
+    ends with (zero when it ends with none)."""
+    first = None
+    for past in reversed(history):
+        if past.failure_class is not FailureClass.CAPACITY:
+            break
+        first = past.at
+    return now - first if first else timedelta(0)
 
 
 def backoff_seconds(policy: RecoveryPolicy, streak: int, jitter_draw: float) -> float:
@@ -50,8 +76,8 @@ def backoff_seconds(policy: RecoveryPolicy, streak: int, jitter_draw: float) -> 
 
 
 def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport,
-                    jitter_draw: float) -> RecoveryDecision:
-    """What to do about `failure` (classified for the run's current attempt)."""
+                    jitter_draw: float, now: datetime) -> RecoveryDecision:
+    """What to do about `failure` (classified for the run's current attempt), decided at `now`."""
     spec, policy = run.spec, run.spec.recovery
     resume_step = run.latest_checkpoint.step if run.latest_checkpoint else None
 
@@ -66,12 +92,22 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
         return give_up(f"the fleet does not scale: {failure.message}")
     if over_cost_ceiling(spec, run.ledger):
         return give_up(f"cost ${run.ledger.cost_usd:,.2f} reached the ceiling ${spec.cost_ceiling_usd:,.2f}")
-    if run.restarts >= policy.max_restarts:
-        return give_up(f"restart budget spent ({run.restarts} of {policy.max_restarts}); last: {failure.message}")
-    streak = failure_streak(run.failures, failure.failure_class, resume_step)
-    if failure.failure_class not in ANNOUNCED_BY_AWS and streak >= policy.crash_loop_repeats:
-        return give_up(f"crash loop: {failure.failure_class.value} {streak} times in a row without a "
+    window = timedelta(hours=policy.restart_window_hours)
+    recent = restarts_in_window(run.failures, now, window)
+    if failure.failure_class not in NOT_THE_JOBS and recent >= policy.max_restarts:
+        return give_up(f"restart budget spent ({recent} of {policy.max_restarts} in "
+                       f"{policy.restart_window_hours:g} h); last: {failure.message}")
+    waited = capacity_wait(run.failures, now)
+    if failure.failure_class is FailureClass.CAPACITY and waited > timedelta(hours=policy.capacity_wait_hours):
+        return give_up(f"capacity short for {waited.total_seconds() / 3600:.1f} h, longer than the "
+                       f"{policy.capacity_wait_hours:g} h the run waits; last: {failure.message}")
+    # A loop is the same nodes (or none) failing alike; a replacement failing as the node it
+    # replaced did is no loop, but it waits longer before the next try (the streak's backoff).
+    looped = failure_streak(run.failures, failure.failure_class, resume_step, same_nodes_as=failure.instance_ids)
+    if failure.failure_class not in NOT_THE_JOBS and looped >= policy.crash_loop_repeats:
+        return give_up(f"crash loop: {failure.failure_class.value} {looped} times in a row without a "
                        f"new checkpoint; last: {failure.message}")
+    streak = failure_streak(run.failures, failure.failure_class, resume_step)
 
     blamed = set(failure.instance_ids)
     live = [node for node in nodes if not node.state.is_retired]
