@@ -168,3 +168,31 @@ def test_the_workers_ready_for_each_attempt_are_counted_as_their_records_change(
     store.modify_node(name, spare, lambda node: node.model_copy(update={"role": NodeRole.WORKER}))
     assert counts() == (1, 1), "a promoted spare ready for attempt 0 joins its world"
     assert store.run(name).version == 1, "the counts never write the run record"
+
+
+def test_a_long_runs_failures_stay_within_one_dynamodb_item(store):
+    """A month of failures (300, each with a trainer's 3 KB message): the record keeps the newest
+    and those the rules count, the messages clipped, and DynamoDB (400 KB an item) takes every
+    write; about 175 of them overflowed it before."""
+    from datetime import datetime, timedelta, timezone
+
+    from trainfleet.contracts import CheckpointRef, FailureClass, FailureReport
+    from trainfleet.lifecycle import apply_decision, decide_recovery
+
+    name = new_run(store)
+    start = datetime(2026, 11, 1, tzinfo=timezone.utc)
+    for index in range(300):
+        now = start + timedelta(hours=3 * index)  # 8 a day: within the budget of 10
+        failure = FailureReport(failure_class=FailureClass.PROCESS_CRASH, attempt=store.run(name).attempt,
+                                message="raised above: RuntimeError: NCCL watchdog ... " + "x" * 3000)
+
+        def recover(run: RunRecord) -> RunRecord:
+            trained = run.model_copy(update={"latest_checkpoint": CheckpointRef(step=index, uri=f"s3://b/{index}")})
+            decision = decide_recovery(trained, [], failure, jitter_draw=0.0, now=now)
+            return apply_decision(trained, failure, decision, now)
+        store.modify_run(name, recover)
+    run = store.run(name)
+    assert run.restarts == 300 and len(run.failures) + run.earlier_failures == 300
+    assert len(run.failures) <= 60 and all(len(failure.message) <= 605 for failure in run.failures)
+    assert run.failures[-1].message.startswith("raised above: RuntimeError")
+    assert len(run.model_dump_json()) < 100_000

@@ -1079,7 +1079,10 @@ class RunRecord(_Strict):
     restarts: int = Field(default=0, ge=0)
     """Recoveries so far (the restart budget counts these)."""
     failures: list[FailureRecord] = Field(default_factory=list)
-    """Handled failures, oldest first."""
+    """Handled failures, oldest first: the newest, and those the recovery rules still count
+    (lifecycle.kept_failures); a run record is one DynamoDB item, at most 400 KB."""
+    earlier_failures: int = Field(default=0, ge=0)
+    """Handled failures no longer kept in `failures` (Recover logs each decision)."""
     plan: ParallelPlan | None = None
     """Current world layout."""
     execution_arn: str | None = None

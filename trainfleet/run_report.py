@@ -42,6 +42,7 @@ def build_report(run: RunRecord, nodes: list[NodeRecord], history: RunHistory) -
         "restarts": run.restarts,
         # As the history has them: each with its first sign, detection, last step and steps lost.
         "failures": [failure.model_dump(mode="json") for failure in history.failures],
+        "earlier_failures": run.earlier_failures,  # no longer kept in the record (Recover logged each)
         "steps_lost": history.steps_lost,
         "plan": run.plan.model_dump() if run.plan else None,
         "latest_checkpoint": run.latest_checkpoint.model_dump(mode="json") if run.latest_checkpoint else None,

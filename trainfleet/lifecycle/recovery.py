@@ -22,6 +22,11 @@ from trainfleet.lifecycle.goodput import over_cost_ceiling
 from trainfleet.lifecycle.launch import rank_order
 from trainfleet.lifecycle.replan import plan_layout
 
+FAILURES_KEPT = 50
+"""The newest failures a run record keeps beside those the recovery rules count (kept_failures)."""
+MESSAGE_KEPT_CHARS = 600
+"""How much of a failure's message its record keeps: its start (what was raised) and its end."""
+
 # AWS announces these; they say nothing about the job.
 ANNOUNCED_BY_AWS = frozenset({FailureClass.SPOT_INTERRUPTION, FailureClass.SPOT_REBALANCE,
                               FailureClass.HEALTH_EVENT})
@@ -157,6 +162,28 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
                                    f"{len(promote)} from spares, {uncovered} new; {failure.message}")
 
 
+def kept_failures(history: list[FailureRecord], now: datetime, window: timedelta) -> list[FailureRecord]:
+    """What a run record keeps of its failures: the newest FAILURES_KEPT, every one the restart
+    budget counts in its window, and the first of a capacity shortfall still going on. About 175
+    failures filled the 400 KB item before, and the Recover that could not write failed the run."""
+    keep = set(range(max(0, len(history) - FAILURES_KEPT), len(history)))
+    keep |= {index for index, past in enumerate(history)
+             if past.at > now - window and past.failure_class not in NOT_THE_JOBS}
+    shortfall = len(history)
+    while shortfall > 0 and history[shortfall - 1].failure_class is FailureClass.CAPACITY:
+        shortfall -= 1
+    keep |= {shortfall} - {len(history)}
+    return [history[index] for index in sorted(keep)]
+
+
+def clipped(message: str) -> str:
+    """A message cut to MESSAGE_KEPT_CHARS: its start and its end."""
+    if len(message) <= MESSAGE_KEPT_CHARS:
+        return message
+    half = MESSAGE_KEPT_CHARS // 2
+    return f"{message[:half]} ... {message[-half:]}"
+
+
 def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDecision,
                    now: datetime) -> RunRecord:
     """The run record after acting on a decision: a new attempt, the failure on the books."""
@@ -164,11 +191,13 @@ def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDec
         failure_class=failure.failure_class, at=now,
         resume_step=run.latest_checkpoint.step if run.latest_checkpoint else None, attempt=failure.attempt,
         onset_at=failure.observed_at, last_step=run.last_step if run.first_step_at else None,
-        instance_ids=failure.instance_ids, message=failure.message)]
+        instance_ids=failure.instance_ids, message=clipped(failure.message))]
+    kept = kept_failures(history, now, timedelta(hours=run.spec.recovery.restart_window_hours))
+    books = {"failures": kept, "earlier_failures": run.earlier_failures + len(history) - len(kept)}
     if decision.action is RecoveryAction.GIVE_UP:
-        return run.model_copy(update={"failures": history, "error": decision.reason})
+        return run.model_copy(update={**books, "error": decision.reason})
     return run.model_copy(update={
-        "failures": history,
+        **books,
         "attempt": run.attempt + 1,
         "restarts": run.restarts + 1,
         "plan": decision.plan,
