@@ -402,6 +402,12 @@ class LocalCloud:
                     return True
         return False
 
+    def forget_terminated_instances(self) -> list[str]:
+        """EC2, an hour after each termination: terminated instances are no longer known (glue/ec2.py)."""
+        from localcloud.glue.ec2 import forget_terminated
+
+        return forget_terminated(self)
+
     # --- request faults ------------------------------------------------------------------
 
     def fail_requests(self, service: str, seconds: float, answer: str = "throttle") -> None:

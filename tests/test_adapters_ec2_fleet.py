@@ -294,6 +294,24 @@ def test_teardown_terminates_everything_of_the_run_and_nothing_else(cloud, netwo
     assert _states(ec2, launched["bystander"]) <= {"pending", "running"}
 
 
+def test_terminate_skips_instances_ec2_no_longer_knows(cloud, network):
+    """A node whose termination event was lost stays TERMINATING in the records; an hour later
+    EC2 no longer knows its id and TerminateInstances naming it fails the whole call. Only the
+    instances EC2 still reports alive are asked to end."""
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    spec = make_spec(run_name="forgotten", subnet_ids=subnets, security_group_ids=[group])
+    template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    gone, alive = fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 2, 2, "forgotten-0").instance_ids
+    ec2.terminate_instances(InstanceIds=[gone])
+    cloud.wait_until(lambda: _states(ec2, [gone]) == {"terminated"}, what="the instance to be terminated")
+    assert gone in cloud.forget_terminated_instances()
+    with pytest.raises(ec2.exceptions.ClientError, match="InvalidInstanceID.NotFound"):
+        ec2.terminate_instances(InstanceIds=[gone, alive])  # as EC2 answers: nothing is ended
+    assert fleet.terminate(ec2, [gone, alive]) == [alive]
+    assert _states(ec2, [alive]) <= {"shutting-down", "terminated"}
+
+
 def answer_create_fleet(ec2, answers: dict[str, dict]) -> None:
     """Let EC2 answer CreateFleet in the given subnets with the given (documented) answer.
 

@@ -30,6 +30,9 @@ Patches to moto, each replacing something it lacks or drops:
 - CreateFleet ClientToken: moto ignored it. As EC2 documents for idempotent requests, a
   repeated token with the same parameters now gets the first answer and launches nothing,
   and with other parameters fails with IdempotentParameterMismatch.
+- Terminated instances: moto kept them for ever; EC2 forgets one about an hour after it
+  terminated, and then answers InvalidInstanceID.NotFound for its id. `forget_terminated`
+  (LocalCloud.forget_terminated_instances) does that at once, for all of them.
 - GetConsoleOutput: moto answered a fixed sample boot log. A local instance's console is what
   its processes wrote (the node agent, the trainer), of which EC2 gives the latest 64 KB.
 
@@ -82,6 +85,22 @@ def set_moto_state(cloud: LocalCloud, instance_id: str, state: str) -> None:
     instance = ec2_backend(cloud).get_instance(instance_id)
     instance._state.name = state
     instance._state.code = STATE_CODES[state]
+
+
+def forget_terminated(cloud: LocalCloud) -> list[str]:
+    """Drop every terminated instance from EC2's view, as EC2 does about an hour after an
+    instance terminates: DescribeInstances no longer lists it, and naming it (TerminateInstances,
+    DescribeInstances with InstanceIds) fails with InvalidInstanceID.NotFound. The ids dropped."""
+    backend = ec2_backend(cloud)
+    dropped = []
+    with _fleet_creation_lock:
+        for reservation_id, reservation in list(backend.reservations.items()):
+            gone = [instance for instance in reservation.instances if instance.state == "terminated"]
+            reservation.instances = [instance for instance in reservation.instances if instance not in gone]
+            dropped += [instance.id for instance in gone]
+            if not reservation.instances:
+                del backend.reservations[reservation_id]
+    return dropped
 
 
 def set_private_ip(cloud: LocalCloud, instance_id: str, address: str) -> None:

@@ -49,6 +49,9 @@ TAG_RUN = "trainfleet:run"
 TAG_STACK = "trainfleet:stack"
 """The deploying stack, beside the run tag: two stacks in one account never touch each other's runs."""
 
+ALIVE_STATES = ("pending", "running", "stopping", "stopped")
+"""Instance states TerminateInstances still has something to end in."""
+
 AGENT_MODULE = "trainer.agent"
 """The node agent's entry point (python -m), started by the user data."""
 
@@ -382,7 +385,7 @@ def run_instance_ids(ec2: Any, run_name: str, stack_name: str) -> list[str]:
     pages = paginator.paginate(Filters=[
         {"Name": f"tag:{TAG_RUN}", "Values": [run_name]},
         {"Name": f"tag:{TAG_STACK}", "Values": [stack_name]},
-        {"Name": "instance-state-name", "Values": ["pending", "running", "stopping", "stopped"]}])
+        {"Name": "instance-state-name", "Values": list(ALIVE_STATES)}])
     return sorted(instance["InstanceId"] for page in pages for reservation in page["Reservations"]
                   for instance in reservation["Instances"] if _owned(instance, run_name, stack_name))
 
@@ -402,10 +405,24 @@ def runs_with_resources(ec2: Any, stack_name: str) -> set[str]:
             if tags.get(TAG_STACK) == stack_name and TAG_RUN in tags}
 
 
-def terminate(ec2: Any, instance_ids: list[str]) -> None:
-    """Terminate instances (no call for none); TerminateInstances takes up to 1000 ids at once."""
-    for start in range(0, len(instance_ids), 1000):
-        ec2.terminate_instances(InstanceIds=instance_ids[start:start + 1000])
+def terminate(ec2: Any, instance_ids: list[str]) -> list[str]:
+    """Terminate those of the instances EC2 still reports alive; the ids it was asked to end.
+
+    EC2 forgets an instance about an hour after it terminated, and TerminateInstances naming one
+    it no longer knows fails the whole call (InvalidInstanceID.NotFound): a node recorded as
+    TERMINATING whose event was lost would fail every later Recover. So the ids are looked up
+    first with a filter, which names no unknown id, and only those alive are terminated (up to
+    1000 ids a call)."""
+    alive = []
+    for start in range(0, len(instance_ids), 200):  # a filter takes 200 values
+        pages = ec2.get_paginator("describe_instances").paginate(Filters=[
+            {"Name": "instance-id", "Values": instance_ids[start:start + 200]},
+            {"Name": "instance-state-name", "Values": list(ALIVE_STATES)}])
+        alive += [instance["InstanceId"] for page in pages for reservation in page["Reservations"]
+                  for instance in reservation["Instances"]]
+    for start in range(0, len(alive), 1000):
+        ec2.terminate_instances(InstanceIds=alive[start:start + 1000])
+    return alive
 
 
 @dataclass(frozen=True)
