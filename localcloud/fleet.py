@@ -12,7 +12,9 @@ can reach a node at the address DescribeInstances reports. Its environment is th
 plus `LocalCloud.env()` (endpoint, region; not its credentials), plus LOCALCLOUD_INSTANCE_ID,
 LOCALCLOUD_PRIVATE_IP and LOCALCLOUD_INSTANCE_TYPE, plus whatever `env_hooks` add (the
 instance metadata server adds its endpoint there); instance_site/ on its PYTHONPATH is how a
-network made slow (`slow_network`) reaches its torch.distributed transfers. Output goes to `console.log` in the
+network made slow (`slow_network`) reaches its torch.distributed transfers; image_tools/ first
+on its PATH holds the tools its image brings (the AWS CLI), and TRAINFLEET_ROOT names a folder
+of its own that the node user data uses as the filesystem root. Output goes to `console.log` in the
 instance's folder, like EC2's console output. With a warm image (`use_warm_image`, for fleets of
 hundreds: localcloud/warm_image.py), a boot command `python -m MODULE ...` is forked from the
 image instead of started afresh; the instance's process is the same to everything below.
@@ -52,6 +54,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -76,6 +79,8 @@ HARNESS_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSIO
 """Credential variables of the harness's environment that an instance's processes never see."""
 LOOPBACK_POOL = ipaddress.ip_network("127.77.0.0/16")
 """Where instances' private addresses come from."""
+IMAGE_TOOLS = Path(__file__).resolve().parent / "image_tools"
+"""First on every instance's PATH: the tools its image brings (the AWS CLI: localcloud/aws_cli.py)."""
 INSTANCE_SITE = Path(__file__).resolve().parent / "instance_site"
 """On every instance's PYTHONPATH: its sitecustomize makes `slow_network` felt."""
 
@@ -483,6 +488,11 @@ class LocalFleet:
             "LOCALCLOUD_PRIVATE_IP": instance.private_ip,
             "LOCALCLOUD_INSTANCE_TYPE": instance.instance_type,
             "LOCALCLOUD_NETWORK_DELAY_FILE": str(instance.network_delay_file),
+            # The image's tools first on the PATH (the AWS CLI), run by this interpreter; and the
+            # instance's own filesystem root, for the node user data to write /etc and /opt under.
+            "PATH": os.pathsep.join([str(IMAGE_TOOLS), os.environ.get("PATH", "")]),
+            "LOCALCLOUD_PYTHON": sys.executable,
+            "TRAINFLEET_ROOT": str(instance.workdir / "root"),
         }
         # An instance holds no credentials but its instance profile's (the metadata server's
         # hook adds them), as on EC2: never the harness's administrator keys.

@@ -28,12 +28,12 @@ def publish_artifacts(s3: Any, bucket: str) -> None:
     s3.put_object(Bucket=bucket, Key=MARKER, Body=b"trainfleet wheelhouse (local cloud: the agent runs from the tree)\n")
 
 
-def copy_artifacts(s3: Any, bucket: str, into: Path) -> list[str]:
-    """`aws s3 cp --recursive s3://BUCKET/artifacts/ INTO`: list the prefix, get each object."""
+def copy_objects(s3: Any, bucket: str, prefix: str, into: Path) -> list[str]:
+    """`aws s3 cp --recursive s3://BUCKET/PREFIX INTO`: list the prefix, get each object; the keys."""
     copied = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=ARTIFACTS):
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for item in page.get("Contents", []):
-            target = into / item["Key"][len(ARTIFACTS):]
+            target = into / item["Key"][len(prefix):]
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(s3.get_object(Bucket=bucket, Key=item["Key"])["Body"].read())
             copied.append(item["Key"])
@@ -52,7 +52,7 @@ def main(agent_argv: list[str]) -> None:
     bucket = os.environ["TRAINFLEET_BUCKET"]
     s3 = boto3.client("s3", config=Config(retries={"mode": "standard", "max_attempts": BOOT_COPY_ATTEMPTS}))
     try:
-        copied = copy_artifacts(s3, bucket, Path("wheels"))
+        copied = copy_objects(s3, bucket, ARTIFACTS, Path("wheels"))
     except (BotoCoreError, ClientError) as error:
         print(f"node boot failed: copying s3://{bucket}/{ARTIFACTS} failed: {error}; "
               f"the agent is not started", flush=True)

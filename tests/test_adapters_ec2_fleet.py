@@ -89,15 +89,19 @@ def test_user_data_installs_and_starts_the_agent():
     assert "systemd-run --unit trainfleet-agent" in script and f"-m {fleet.AGENT_MODULE}" in script
 
 
-def test_user_data_installs_the_node_extra_which_leaves_torch_to_the_image():
+def test_user_data_installs_the_projects_python_and_torch_never_the_images():
+    """The Deep Learning AMIs' python3 is 3.10 (Ubuntu 22.04) or 3.9 (AL2023), which pip refuses
+    trainfleet on; the node runs the Python and the pinned torch the artifacts bring."""
     import tomllib
     from pathlib import Path
 
     extras = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
-    assert "'trainfleet[node]'" in fleet.node_user_data("r1", SETTINGS)
-    assert any(requirement.startswith("s3torchconnector") for requirement in extras["node"])
-    assert not any(requirement.startswith("torch") for requirement in extras["node"])  # the AMI's CUDA build
+    script = fleet.node_user_data("r1", SETTINGS)
+    assert f'tar -xzf "$home/artifacts/{fleet.NODE_PYTHON_ARTIFACT}"' in script
+    assert '"$home/python/bin/python3" -m venv "$home/venv"' in script and "--system-site-packages" not in script
+    assert not any(line.lstrip().startswith(("python3", "pip")) for line in script.splitlines())
+    assert "'trainfleet[trainer]'" in script and "torch==2.13.0" in extras["trainer"]
 
 
 def test_user_data_is_a_valid_bash_script(tmp_path):

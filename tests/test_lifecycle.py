@@ -205,6 +205,25 @@ def test_config_error_gives_up_at_once():
     assert decision.action is RecoveryAction.GIVE_UP and "config" in decision.reason
 
 
+def test_a_node_whose_software_did_not_install_ends_the_run_at_once():
+    """The user data's failed step (NodeUnhealthy, check "bootstrap"): the same software fails on
+    every node, so no node is replaced and no restart is spent; the run gives up with the step."""
+    from trainfleet.contracts import BOOT_CHECK, HealthCheckResult, NodeUnhealthy
+
+    detail = NodeUnhealthy(run_name="r1", attempt=0, instance_id="i-2",
+                           reason="bootstrap failed at: unpacking the node's Python (exit 2)",
+                           checks=[HealthCheckResult(name=BOOT_CHECK, passed=False, detail="tar: Cannot open")])
+    report = lc.classify_event(detail, 1, T0)
+    assert report.failure_class is FailureClass.BOOT_FAILED and report.instance_ids == ["i-2"]
+    decision = lc.decide_recovery(make_run(), [*WORKERS, SPARE], report, 0.0, now=T0)
+    assert decision.action is RecoveryAction.GIVE_UP
+    assert decision.reason.startswith("the node software did not install: i-2: bootstrap failed at: unpacking")
+    assert "tar: Cannot open" in decision.reason
+    preflight = NodeUnhealthy(run_name="r1", attempt=1, instance_id="i-2", reason="gpu_count 7 of 8",
+                              checks=[HealthCheckResult(name="gpu_count", passed=False)])
+    assert lc.classify_event(preflight, 1, T0).failure_class is FailureClass.NODE_UNHEALTHY
+
+
 def test_cost_ceiling_gives_up():
     run = make_run(make_spec(cost_ceiling_usd=10), ledger=GoodputLedger(cost_usd=10.5))
     decision = lc.decide_recovery(run, WORKERS, report(FailureClass.PROCESS_CRASH), 0.0, now=T0)

@@ -774,6 +774,9 @@ class FailureClass(StrEnum):
     """The loss became NaN or infinite."""
     CONFIG_ERROR = "CONFIG_ERROR"
     """The trainer refused its config: retrying cannot help."""
+    BOOT_FAILED = "BOOT_FAILED"
+    """A node's software did not install (its user data failed a step, BOOT_CHECK): the same on
+    every node, so no replacement can help."""
     SLOW_NETWORK = "SLOW_NETWORK"
     """The fleet-wide check measured the world's network below the floor (trainer/fleet_check.py)."""
     POOR_SCALING = "POOR_SCALING"
@@ -1429,6 +1432,11 @@ class NodeUnhealthy(AgentEvent):
     """For people: which check failed and how."""
     checks: list[HealthCheckResult] = Field(default_factory=list)
     """The checks run, the failed ones among them."""
+
+
+BOOT_CHECK = "bootstrap"
+"""The check a node's user data reports failed (NodeUnhealthy) when a step of its bootstrap fails:
+its detail names the step and ends with its output."""
 
 
 class CheckpointReason(StrEnum):

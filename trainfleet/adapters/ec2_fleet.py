@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from trainfleet.catalogue import InstanceFacts
-from trainfleet.contracts import CapacityKind, RunSpec
+from trainfleet.contracts import BOOT_CHECK, CapacityKind, RunSpec
 from trainfleet.settings import Settings
 
 __all__ = [
@@ -102,18 +102,30 @@ def efa_network_interfaces(facts: InstanceFacts, security_group_ids: list[str]) 
 
 
 BOOT_COPY_ATTEMPTS = 10
-"""Tries of each request of the wheelhouse copy at boot (standard retry mode: capped exponential
+"""Tries of each request of the artifacts copy at boot (standard retry mode: capped exponential
 backoff, about a minute in all): a node must not be lost to S3 throttling for a few seconds."""
+NODE_PYTHON_ARTIFACT = "python.tar.gz"
+"""The node's own Python in artifacts/ (`make artifacts`): a relocatable CPython 3.11 whose
+top folder is `python/`."""
 
 
 def node_user_data(run_name: str, settings: Settings) -> str:
-    """Cloud-init script: write the agent's settings, install the agent, start it under systemd.
+    """Cloud-init script: the node's own Python and packages from the stack's artifacts, the
+    agent's settings, the agent under systemd.
 
-    The deployment publishes a wheelhouse to s3://BUCKET/artifacts/ (trainfleet with its `node`
-    extra: the trainer dependencies the AMI lacks); the AMI (a Deep Learning AMI) brings Python,
-    the AWS CLI, the GPU driver, the EFA software and its own CUDA build of torch, which the venv
-    sees. The region comes
-    from the instance metadata, asked with an IMDSv2 session token (the only kind the template allows).
+    The node's software is the project's, never the image's: `make artifacts` publishes to
+    s3://BUCKET/artifacts/ a relocatable CPython 3.11 (NODE_PYTHON_ARTIFACT) and a wheelhouse
+    with trainfleet, its `trainer` extra and torch 2.13.0 (its CUDA runtime and NCCL). The image
+    brings the NVIDIA driver, the EFA software with aws-ofi-nccl, curl and the AWS CLI; the Deep
+    Learning AMIs' python3 (3.10 on Ubuntu 22.04, 3.9 on Amazon Linux 2023) cannot run
+    trainfleet, and their torch is not the pinned one.
+
+    A step that fails is reported to the control plane as NodeUnhealthy with a failed BOOT_CHECK
+    naming the step and the end of its output, which ends the run at once (a software fault is
+    the same on every node, not a node to replace), and its output goes to the console.
+    TRAINFLEET_ROOT (unset on EC2) is the filesystem root the script writes under, and
+    AWS_EC2_METADATA_SERVICE_ENDPOINT the metadata service, as the SDKs read it: a local
+    instance runs this same script in its own folder.
     """
     env = {
         "TRAINFLEET_RUN_NAME": run_name,
@@ -128,22 +140,68 @@ def node_user_data(run_name: str, settings: Settings) -> str:
     env_lines = "\n".join(f"{key}={shlex.quote(value)}" for key, value in env.items())
     artifacts = shlex.quote(f"s3://{settings.bucket}/artifacts/")
     return f"""#!/bin/bash
-# trainfleet node bootstrap: settings, agent install, agent start.
-set -euo pipefail
-imds=http://169.254.169.254/latest
-token=$(curl -sf -X PUT "$imds/api/token" -H "X-aws-ec2-metadata-token-ttl-seconds: 300")
-region=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/meta-data/placement/region")
-cat > /etc/trainfleet.env <<'ENV'
+# trainfleet node bootstrap: the node's own Python and packages, the agent's settings, the agent.
+set -eEuo pipefail
+root=${{TRAINFLEET_ROOT:-}}
+imds=${{AWS_EC2_METADATA_SERVICE_ENDPOINT:-http://169.254.169.254}}
+home=$root/opt/trainfleet
+log=$root/var/log/trainfleet-bootstrap.log
+run_name={shlex.quote(run_name)}
+bus={shlex.quote(settings.event_bus)}
+step=starting region= instance_id=
+mkdir -p "$home" "$(dirname "$log")"
+exec 3>&1 >>"$log" 2>&1
+
+json() {{  # standard input as a JSON string
+  printf '"'
+  tr '\\011' ' ' | tr -d '\\000-\\010\\013-\\037' | sed -e 's/\\\\/\\\\\\\\/g' -e 's/"/\\\\"/g' | awk 'BEGIN {{ ORS = "\\\\n" }} {{ print }}'
+  printf '"'
+}}
+
+report_failure() {{  # the failed step and its output: to the console, and as NodeUnhealthy
+  status=$?
+  trap - ERR
+  tail -c 4000 "$log" >&3
+  reason="bootstrap failed at: $step (exit $status)"
+  echo "trainfleet: $reason" >&3
+  if [ -n "$region" ] && [ -n "$instance_id" ]; then
+    output=$(tail -c 1500 "$log" | json)
+    detail="{{\\"run_name\\": \\"$run_name\\", \\"attempt\\": 0, \\"instance_id\\": \\"$instance_id\\", \\"reason\\": \\"$reason\\", \\"checks\\": [{{\\"name\\": \\"{BOOT_CHECK}\\", \\"passed\\": false, \\"detail\\": $output}}]}}"
+    printf '[{{"Source": "trainfleet", "DetailType": "NodeUnhealthy", "EventBusName": "%s", "Resources": ["%s"], "Detail": %s}}]' \\
+      "$bus" "$instance_id" "$(printf '%s' "$detail" | json)" > "$home/bootstrap-failure.json"
+    AWS_RETRY_MODE=standard AWS_MAX_ATTEMPTS={BOOT_COPY_ATTEMPTS} \\
+      aws events put-events --region "$region" --entries "file://$home/bootstrap-failure.json" >&3 2>&1 || true
+  fi
+  exit "$status"
+}}
+trap report_failure ERR
+
+step="reading the instance metadata"
+token=$(curl -sf -X PUT "$imds/latest/api/token" -H "X-aws-ec2-metadata-token-ttl-seconds: 300")
+region=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/latest/meta-data/placement/region")
+instance_id=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/latest/meta-data/instance-id")
+export AWS_DEFAULT_REGION=$region
+
+step="writing the agent's settings"
+mkdir -p "$root/etc"
+cat > "$root/etc/trainfleet.env" <<'ENV'
 {env_lines}
 ENV
-echo "AWS_DEFAULT_REGION=$region" >> /etc/trainfleet.env
-export AWS_DEFAULT_REGION=$region
-mkdir -p /opt/trainfleet/wheels
-AWS_RETRY_MODE=standard AWS_MAX_ATTEMPTS={BOOT_COPY_ATTEMPTS} aws s3 cp --recursive {artifacts} /opt/trainfleet/wheels/
-python3 -m venv --system-site-packages /opt/trainfleet/venv
-/opt/trainfleet/venv/bin/pip install --quiet --no-index --find-links /opt/trainfleet/wheels 'trainfleet[node]'
-systemd-run --unit trainfleet-agent --property=EnvironmentFile=/etc/trainfleet.env \\
-    --property=Restart=on-failure /opt/trainfleet/venv/bin/python -m {AGENT_MODULE}
+echo "AWS_DEFAULT_REGION=$region" >> "$root/etc/trainfleet.env"
+
+step="copying {artifacts}"
+AWS_RETRY_MODE=standard AWS_MAX_ATTEMPTS={BOOT_COPY_ATTEMPTS} aws s3 cp --recursive {artifacts} "$home/artifacts/"
+
+step="unpacking the node's Python (artifacts/{NODE_PYTHON_ARTIFACT})"
+tar -xzf "$home/artifacts/{NODE_PYTHON_ARTIFACT}" -C "$home"
+
+step="installing trainfleet and torch from the artifacts"
+"$home/python/bin/python3" -m venv "$home/venv"
+"$home/venv/bin/pip" install --quiet --no-index --find-links "$home/artifacts" 'trainfleet[trainer]'
+
+step="starting the agent"
+systemd-run --unit trainfleet-agent --property=EnvironmentFile="$root/etc/trainfleet.env" \\
+    --property=Restart=on-failure "$home/venv/bin/python" -m {AGENT_MODULE}
 """
 
 

@@ -3,8 +3,8 @@
 import json
 from datetime import datetime
 
-from trainfleet.contracts import (CAPACITY_ERROR, LOST_STATES, FAILURE_ERROR, AgentEvent, AnyDetail, Ec2InstanceStateChange,
-                                  Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning,
+from trainfleet.contracts import (BOOT_CHECK, CAPACITY_ERROR, LOST_STATES, FAILURE_ERROR, AgentEvent, AnyDetail,
+                                  Ec2InstanceStateChange, Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning,
                                   FailureClass, FailureReport, FleetChecked, HealthEvent, NodeReady, NodeRegistered, NodeUnhealthy,
                                   ScalingChecked, TaskWait, TrainerFailed, TrainerFailureKind, TrainerHung)
 
@@ -60,6 +60,10 @@ def _event_report(detail: AnyDetail, attempt: int) -> FailureReport | None:
                                and detail.event_type_category in _HEALTH_CATEGORIES):
             return _report(FailureClass.HEALTH_EVENT, attempt, detail.instance_ids,
                            f"AWS Health {detail.event_type_code}")
+        case NodeUnhealthy(checks=checks) if any(check.name == BOOT_CHECK and not check.passed for check in checks):
+            failed = next(check for check in checks if check.name == BOOT_CHECK)
+            return _report(FailureClass.BOOT_FAILED, attempt, [detail.instance_id],
+                           f"{detail.instance_id}: {detail.reason}: {failed.detail}")
         case NodeUnhealthy():
             return _report(FailureClass.NODE_UNHEALTHY, attempt, [detail.instance_id], detail.reason)
         case TrainerFailed():

@@ -1,7 +1,8 @@
 """The recovery decision: restart, replace, shrink or give up; the budget, the crash loop, backoff.
 
 decide_recovery() works in numbered steps, each a rule a person can check:
-    1. a config error never heals, nor does a world that does not scale: give up;
+    1. a config error never heals, nor does a node software that does not install, nor a world
+       that does not scale: give up;
     2. the cost ceiling is reached: give up;
     3. the restart budget of the window is spent, or capacity has been short longer than the
        run waits for it: give up;
@@ -93,6 +94,8 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
     # 1-4: the reasons to stop.
     if failure.failure_class is FailureClass.CONFIG_ERROR:
         return give_up(f"the trainer refused its config: {failure.message}")
+    if failure.failure_class is FailureClass.BOOT_FAILED:
+        return give_up(f"the node software did not install: {failure.message}")
     if failure.failure_class is FailureClass.POOR_SCALING:
         return give_up(f"the fleet does not scale: {failure.message}")
     if over_cost_ceiling(spec, run.ledger):

@@ -1,0 +1,55 @@
+"""The node user data as EC2 runs it, run by a local instance: bash, the same script, the image's
+AWS CLI, the instance's own role. A step that fails is reported as NodeUnhealthy with the step
+and its output (and printed to the console), which ends the run at once (test_lifecycle)."""
+
+import json
+
+from localcloud.imds import serve_fleet
+from localcloud_helpers import event_sink, receive, unique
+from trainfleet.adapters.ec2_fleet import NODE_PYTHON_ARTIFACT, node_user_data
+from trainfleet.contracts import BOOT_CHECK, NodeUnhealthy
+from trainfleet.settings import Settings
+
+NODE_POLICY = {"Version": "2012-10-17", "Statement": [
+    {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket", "events:PutEvents"], "Resource": "*"}]}
+
+
+def node_profile(cloud) -> str:
+    """An instance profile whose role may read the bucket and put events; its ARN."""
+    iam, name = cloud.client("iam"), unique("node")
+    trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"},
+                                                     "Action": "sts:AssumeRole"}]}
+    iam.create_role(RoleName=name, AssumeRolePolicyDocument=json.dumps(trust))
+    iam.put_role_policy(RoleName=name, PolicyName="node", PolicyDocument=json.dumps(NODE_POLICY))
+    profile = iam.create_instance_profile(InstanceProfileName=name)["InstanceProfile"]["Arn"]
+    iam.add_role_to_instance_profile(InstanceProfileName=name, RoleName=name)
+    return profile
+
+
+def test_a_bootstrap_step_that_fails_is_reported_with_its_output(local_cloud):
+    """Artifacts without the node's Python: the unpacking step fails; its output, the step's
+    name and the instance reach the control plane's bus within the boot, and the console."""
+    s3, bucket = local_cloud.client("s3"), unique("bucket")
+    s3.create_bucket(Bucket=bucket)
+    s3.put_object(Bucket=bucket, Key="artifacts/trainfleet-0.1.0-py3-none-any.whl", Body=b"wheel")
+    sink = event_sink(local_cloud, {"source": ["trainfleet"], "detail-type": ["NodeUnhealthy"]})
+    settings = Settings(run_table="runs", liveness_table="liveness", bucket=bucket, event_bus="default",
+                        stack_name="trainfleet", node_instance_profile_arn=node_profile(local_cloud))
+    imds = serve_fleet(local_cloud)
+    try:
+        launched = local_cloud.client("ec2").run_instances(
+            ImageId="ami-12c6146b", InstanceType="c5.large", MinCount=1, MaxCount=1,
+            UserData=node_user_data("boot-run", settings), MetadataOptions={"HttpTokens": "required"},
+            IamInstanceProfile={"Arn": settings.node_instance_profile_arn})
+        instance_id = launched["Instances"][0]["InstanceId"]
+        (event,) = receive(local_cloud, sink, 1)
+    finally:
+        imds.stop()
+    report = NodeUnhealthy.model_validate(event["detail"])
+    assert (report.run_name, report.instance_id) == ("boot-run", instance_id)
+    assert report.reason.startswith(f"bootstrap failed at: unpacking the node's Python (artifacts/{NODE_PYTHON_ARTIFACT})")
+    (check,) = report.checks
+    assert check.name == BOOT_CHECK and not check.passed
+    assert "download: s3://" in check.detail and f"{NODE_PYTHON_ARTIFACT}: Cannot open" in check.detail, check.detail
+    console = local_cloud.fleet.get(instance_id).console_log.read_text()
+    assert "trainfleet: bootstrap failed at: unpacking the node's Python" in console
