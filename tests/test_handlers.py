@@ -166,8 +166,15 @@ def test_a_bad_run_spec_is_refused_naming_the_field_and_nothing_is_recorded(hand
     with pytest.raises(handlers.errors.InvalidRunSpec, match=r"^checkpoint\.s3_uri: the nodes write checkpoints only under s3://"):
         handlers.validate.handler({"run_spec": spec_document("another-bucket", "elsewhere"),
                                    "execution_arn": "arn:x"}, Context())
+    # A RunSpec copied under a new name, its checkpoints still another run's: refused, so the
+    # copy cannot resume from, prune or retain that run's steps.
+    copied = spec_document(resources["bucket"], "the-copy")
+    copied["checkpoint"]["s3_uri"] = f"s3://{resources['bucket']}/runs/the-original/checkpoints"
+    with pytest.raises(handlers.errors.InvalidRunSpec, match=rf"^checkpoint\.s3_uri: a run's checkpoints are its own, "
+                                                             rf"under s3://{resources['bucket']}/runs/the-copy/"):
+        handlers.validate.handler({"run_spec": copied, "execution_arn": "arn:x"}, Context())
     items = cloud.client("dynamodb").scan(TableName=resources["run_table"])["Items"]
-    assert not [item for item in items if item["pk"]["S"] in ("RUN#bad-spec", "RUN#elsewhere")]
+    assert not [item for item in items if item["pk"]["S"] in ("RUN#bad-spec", "RUN#elsewhere", "RUN#the-copy")]
 
 
 @pytest.mark.parametrize("section, changes, message", [

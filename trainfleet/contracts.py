@@ -628,9 +628,14 @@ def node_access_problems(spec: RunSpec, bucket: str) -> list[str]:
         return ", ".join(f"s3://{bucket}/{prefix}" for prefix in prefixes)
 
     problems = []
+    own = f"s3://{bucket}/runs/{spec.run_name}/"
     if outside(spec.checkpoint.s3_uri + "/", NODE_WRITE_PREFIXES):
         problems.append(f"checkpoint.s3_uri: the nodes write checkpoints only under "
                         f"{allowed(NODE_WRITE_PREFIXES)} (this stack's bucket, NodeRole) "
+                        f"(got {spec.checkpoint.s3_uri!r})")
+    elif not (spec.checkpoint.s3_uri + "/").startswith(own):
+        # A RunSpec copied under a new name must not resume, prune or retain another run's steps.
+        problems.append(f"checkpoint.s3_uri: a run's checkpoints are its own, under {own} "
                         f"(got {spec.checkpoint.s3_uri!r})")
     shards = (spec.trainer.model_extra or {}).get("data", {}).get("shards", "")
     if str(shards).startswith("s3://") and outside(str(shards).rstrip("/") + "/", NODE_READ_PREFIXES):
