@@ -6,6 +6,7 @@ layout of the trainer (those are terminated: they are paid for and useless), rai
 CapacityUnavailable, which the state machine retries with backoff and a new fleet request.
 """
 
+from datetime import datetime, timezone
 from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
@@ -53,9 +54,11 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
         raise capacity_unavailable(name, f"{workers} nodes launched and no layout of the trainer runs on "
                                          f"{spec.shrink_floor}..{workers} of them; terminated them")
     record_nodes(name, run.attempt, allocation, plan.nodes, spec.capacity.kind)
+    recorded_at = datetime.now(timezone.utc)
     cloud.store.modify_run(name, lambda current: current.model_copy(update={
         "plan": plan, "subnet_id": allocation.subnet_id, "availability_zone": allocation.availability_zone,
-        "placement_group": allocation.placement_group, "launch_template_id": template_id}))
+        "placement_group": allocation.placement_group, "launch_template_id": template_id,
+        "nodes_launched_at": recorded_at}))
     metrics.add_metric(name="InstancesLaunched", unit=MetricUnit.Count, value=len(allocation.instance_ids))
     logger.info("fleet allocated", run_name=name, instances=len(allocation.instance_ids),
                 zone=allocation.availability_zone, shortfall=allocation.shortfall, plan=plan.model_dump())

@@ -41,7 +41,7 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
 
     run, nodes = store.run(name), addressed(nodes)
     complete = world_complete(nodes, run.plan, attempt)
-    waited = datetime.now(timezone.utc) - (run.attempt_started_at or run.created_at)
+    waited = datetime.now(timezone.utc) - (run.nodes_launched_at or run.attempt_started_at or run.created_at)
     step = LateWorkersStep(world_complete=complete,
                            boot_over=not complete and waited >= timedelta(seconds=event.timeouts.boot_seconds))
     metrics.add_metric(name="SparesSwappedIn", unit=MetricUnit.Count, value=len(swap.promote_spare_ids))

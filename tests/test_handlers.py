@@ -873,6 +873,12 @@ def test_late_workers_without_a_spare_waits_another_round_until_the_boot_timeout
         store.modify_run(run.run_name, lambda current, waited=waited: current.model_copy(update={
             "attempt_started_at": datetime.now(timezone.utc) - timedelta(seconds=waited)}))
         assert handlers.late_workers.handler(payload, Context()) == {"world_complete": False, "boot_over": boot_over}
+    # Attempt 0 began at Validate, an hour ago (Allocate's capacity retries); its fleet was
+    # recorded 30 s ago: the boot timeout counts from there.
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={
+        "attempt_started_at": None, "created_at": datetime.now(timezone.utc) - timedelta(hours=1),
+        "nodes_launched_at": datetime.now(timezone.utc) - timedelta(seconds=30)}))
+    assert handlers.late_workers.handler(payload, Context()) == {"world_complete": False, "boot_over": False}
 
 
 def test_a_crash_reported_before_ec2s_event_replaces_the_lost_worker_alone_and_books_one_restart(

@@ -1118,6 +1118,10 @@ class RunRecord(_Strict):
     no token was parked (between Recover and AwaitNodes, or AwaitNodes and Train) is not missed."""
     attempt_started_at: datetime | None = None
     """When the current attempt began (allocation or recovery)."""
+    nodes_launched_at: datetime | None = None
+    """When the current attempt's nodes were in hand: Allocate recorded the fleet, or Recover
+    decided. The boot timeout counts from here, not from Validate: a fleet that took capacity
+    retries to launch is not late for them."""
     first_step_at: datetime | None = None
     """First training step of the current attempt (ends its start-up time)."""
     checkpoint_requested_at: datetime | None = None

@@ -207,6 +207,7 @@ def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDec
         "waiting": None,
         "attempt_failure": None,
         "attempt_started_at": now,
+        "nodes_launched_at": now,
         "first_step_at": None,
         "checkpoint_requested_at": None,
         "departure_noticed_at": None,
