@@ -219,7 +219,7 @@ def test_allocate_builds_an_efa_fleet_in_a_cluster_placement_group(cloud, networ
                                 token_prefix="alloc-0")
     assert len(allocation.instance_ids) == 3 and allocation.shortfall == 0
     assert (allocation.subnet_id, allocation.availability_zone) == (subnets[0], "us-east-1a")
-    assert allocation.placement_group == "trainfleet-alloc-us-east-1a"
+    assert allocation.placement_group == fleet.placement_group_name("alloc", SETTINGS.stack_name, "us-east-1a")
     groups = ec2.describe_placement_groups(GroupNames=[allocation.placement_group])["PlacementGroups"]
     assert groups[0]["Strategy"] == "cluster"
     assert {"Key": fleet.TAG_RUN, "Value": "alloc"} in groups[0]["Tags"]
@@ -271,6 +271,19 @@ def test_the_local_cloud_refuses_a_fleet_above_ec2s_per_fleet_target(cloud, netw
         ec2.create_fleet(**request)
 
 
+def test_the_same_run_name_in_two_stacks_shares_no_template_nor_placement_group(cloud, network):
+    """EC2 finds launch templates and placement groups by name: named by the run alone, a run of
+    another stack with the same name reused them, and its teardown deleted them."""
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    spec = make_spec(run_name="twin", subnet_ids=subnets, security_group_ids=[group])
+    other = SETTINGS.model_copy(update={"stack_name": "another-stack"})
+    assert fleet.ensure_launch_template(ec2, spec, SETTINGS) != fleet.ensure_launch_template(ec2, spec, other)
+    assert (fleet.placement_group_name("twin", SETTINGS.stack_name, "us-east-1a")
+            != fleet.placement_group_name("twin", other.stack_name, "us-east-1a"))
+    assert len(fleet.run_resource_name("x" * 48, "s" * 128)) <= 128  # EC2's limit for a launch template
+
+
 def test_teardown_terminates_everything_of_the_run_and_nothing_else(cloud, network):
     ec2 = cloud.client("ec2")
     subnets, group = network
@@ -292,9 +305,11 @@ def test_teardown_terminates_everything_of_the_run_and_nothing_else(cloud, netwo
     second = fleet.teardown(ec2, "doomed", SETTINGS.stack_name)  # repeatable; the group goes once its instances are gone
     assert second.terminated == [] and second.placement_groups_in_use == []
     names = [g["GroupName"] for g in ec2.describe_placement_groups()["PlacementGroups"]]
-    assert "trainfleet-doomed-us-east-1a" not in names and "trainfleet-bystander-us-east-1a" in names
+    assert fleet.placement_group_name("doomed", SETTINGS.stack_name, "us-east-1a") not in names
+    assert fleet.placement_group_name("bystander", SETTINGS.stack_name, "us-east-1a") in names
     assert not ec2.describe_launch_templates(
-        Filters=[{"Name": "launch-template-name", "Values": ["trainfleet-doomed"]}])["LaunchTemplates"]
+        Filters=[{"Name": "launch-template-name",
+                  "Values": [fleet.run_resource_name("doomed", SETTINGS.stack_name)]}])["LaunchTemplates"]
     assert _states(ec2, launched["bystander"]) <= {"pending", "running"}
 
 
@@ -343,7 +358,8 @@ def test_a_zone_without_capacity_or_without_the_type_lands_the_fleet_in_the_next
 
     allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 2, 2, f"{run_name}-0")
     assert (allocation.subnet_id, allocation.availability_zone) == (subnets[1], "us-east-1b")
-    assert allocation.placement_group == f"trainfleet-{run_name}-us-east-1b" and len(allocation.instance_ids) == 2
+    assert allocation.placement_group == fleet.placement_group_name(run_name, SETTINGS.stack_name, "us-east-1b")
+    assert len(allocation.instance_ids) == 2
     assert allocation.errors == [f"us-east-1a: {answer[0]}: {answer[1]}"]
     described = ec2.describe_instances(InstanceIds=allocation.instance_ids)["Reservations"]
     assert {i["Placement"]["AvailabilityZone"] for r in described for i in r["Instances"]} == {"us-east-1b"}

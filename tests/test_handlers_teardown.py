@@ -45,7 +45,7 @@ def launched_run(cloud, resources, execution_arn: str | None = None):
     if execution_arn is not None:
         store.modify_run(run.run_name, lambda current: current.model_copy(update={"execution_arn": execution_arn}))
     ec2 = cloud.client("ec2")
-    group = placement_group_name(run.run_name, ZONE)
+    group = placement_group_name(run.run_name, STACK, ZONE)
     ensure_placement_group(ec2, group, run.run_name, STACK)
     tags = [{"Key": TAG_RUN, "Value": run.run_name}, {"Key": TAG_STACK, "Value": STACK}]
     reservation = ec2.run_instances(ImageId="ami-0123456789abcdef0", InstanceType="c5.large", MinCount=2, MaxCount=2,

@@ -8,7 +8,7 @@ Pure builders (tested on their output, no AWS):
                          minimum, client_token)
     interpret_fleet_response(response) -> FleetOutcome   instances, capacity shortfall, zone and hard errors
     zone_verdict(outcome, minimum) -> "accept" | "next_zone" | "fail"
-    placement_group_name(run_name, availability_zone)
+    placement_group_name(run_name, stack_name, availability_zone)
 
 Calls (boto3 EC2 client passed in):
     ensure_launch_template(ec2, spec, settings) -> launch template id
@@ -38,7 +38,7 @@ from trainfleet.settings import Settings
 __all__ = [
     "TAG_RUN", "TAG_STACK", "AGENT_MODULE", "CAPACITY_ERROR_CODES", "ZONE_ERROR_CODES", "FleetError",
     "FleetOutcome", "Allocation", "Teardown", "efa_network_interfaces", "launch_template_data", "node_user_data",
-    "create_fleet_request", "interpret_fleet_response", "zone_verdict", "placement_group_name",
+    "create_fleet_request", "interpret_fleet_response", "zone_verdict", "placement_group_name", "run_resource_name",
     "ensure_launch_template", "ensure_placement_group", "allocate", "run_instance_ids", "runs_with_resources",
     "terminate", "teardown",
 ]
@@ -73,9 +73,15 @@ class FleetError(RuntimeError):
     """EC2 refused the request for a reason retrying elsewhere cannot fix (bad parameter, quota)."""
 
 
-def placement_group_name(run_name: str, availability_zone: str) -> str:
-    """One cluster placement group per run and zone."""
-    return f"trainfleet-{run_name}-{availability_zone}"
+def run_resource_name(run_name: str, stack_name: str) -> str:
+    """The name of a run's launch template: the run's, and the stack's in a short digest (EC2
+    finds these by name, and the same run name in two stacks must not share them)."""
+    return f"trainfleet-{run_name}-{hashlib.sha256(stack_name.encode()).hexdigest()[:8]}"
+
+
+def placement_group_name(run_name: str, stack_name: str, availability_zone: str) -> str:
+    """One cluster placement group per run (of its stack) and zone."""
+    return f"{run_resource_name(run_name, stack_name)}-{availability_zone}"
 
 
 def efa_network_interfaces(facts: InstanceFacts, security_group_ids: list[str]) -> list[dict[str, Any]]:
@@ -333,8 +339,8 @@ def zone_verdict(outcome: FleetOutcome, minimum: int) -> Literal["accept", "next
 # --- calls --------------------------------------------------------------------------------
 
 def ensure_launch_template(ec2: Any, spec: RunSpec, settings: Settings) -> str:
-    """Create the run's launch template (or reuse it: the name is the run's); its id."""
-    name = f"trainfleet-{spec.run_name}"
+    """Create the run's launch template (or reuse it: the name is the run's in this stack); its id."""
+    name = run_resource_name(spec.run_name, settings.stack_name)
     existing = ec2.describe_launch_templates(Filters=[{"Name": "launch-template-name", "Values": [name]}])
     if existing["LaunchTemplates"]:
         return existing["LaunchTemplates"][0]["LaunchTemplateId"]
@@ -412,7 +418,7 @@ def allocate(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, 
     offered_somewhere = False
     for subnet_id in subnet_ids:
         zone = zones[subnet_id]
-        group = placement_group_name(spec.run_name, zone)
+        group = placement_group_name(spec.run_name, stack_name, zone)
         ensure_placement_group(ec2, group, spec.run_name, stack_name)
         # ClientToken takes at most 64 characters; a digest keeps it unique and short.
         token = hashlib.sha256(f"{token_prefix}/{subnet_id}".encode()).hexdigest()[:40]
