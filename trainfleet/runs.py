@@ -204,8 +204,14 @@ class Stack:
         return RunStore(self.client("dynamodb"), self.run_table)
 
     def execution_arn(self, run_name: str) -> str:
-        """The execution `start` names after its run (run names are unique in a stack)."""
-        return f"{self.state_machine_arn.replace(':stateMachine:', ':execution:', 1)}:{run_name}"
+        """The run's execution: the one its record names (Validate records it, whatever the
+        execution is called: one started from the console has a name of its own), else the
+        one `start` names after the run (run names are unique in a stack)."""
+        try:
+            recorded = self.store.run(run_name, consistent=False).execution_arn
+        except RunNotFound:
+            recorded = None
+        return recorded or f"{self.state_machine_arn.replace(':stateMachine:', ':execution:', 1)}:{run_name}"
 
     # --- commands ---------------------------------------------------------------------------
 
@@ -239,14 +245,13 @@ class Stack:
         executions = sorted((execution for page in pages for execution in page["executions"]),
                             key=lambda execution: execution["startDate"], reverse=True)[:limit]
         for execution in executions:
-            try:
-                record: RunRecord | None = store.run(execution["name"], consistent=False)
-            except RunNotFound:
-                record = None
+            # `start` names an execution after its run; the console names it as it likes, and
+            # the run's name is in the execution's input.
+            record = _record(store, execution["name"]) or _record(store, _input_run_name(sfn, execution))
             if record is not None and record.execution_arn not in (None, execution["executionArn"]):
                 record = None  # a second execution refused for reusing the run's name
             summaries.append(RunSummary(
-                execution["name"], execution["status"], execution["startDate"], record.state if record else None,
+                record.run_name if record else execution["name"], execution["status"], execution["startDate"], record.state if record else None,
                 record.attempt if record else None, record.last_step if record else None,
                 record.ledger.goodput if record else None))
         return summaries
@@ -353,6 +358,25 @@ class Stack:
         entered = [StateEntry(event["stateEnteredEventDetails"]["name"], event["timestamp"], None)
                    for event in events if "stateEnteredEventDetails" in event]
         return sorted(entered, key=lambda entry: entry.at)[-RECENT_STATES:]
+
+
+def _record(store: RunStore, run_name: str | None) -> RunRecord | None:
+    if not run_name:
+        return None
+    try:
+        return store.run(run_name, consistent=False)
+    except RunNotFound:
+        return None
+
+
+def _input_run_name(sfn: Any, execution: dict[str, Any]) -> str | None:
+    """The run_name of an execution's input, if it has one."""
+    described = sfn.describe_execution(executionArn=execution["executionArn"])
+    try:
+        name = json.loads(described.get("input") or "{}").get("run_name")
+    except (ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
 
 
 def _execution_error(execution: dict[str, Any]) -> str | None:
