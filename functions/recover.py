@@ -36,13 +36,18 @@ from functions.common import (CaughtError, RecoveryStep, RunPayload, aws, capaci
                               logger, mark_terminating, metrics, swap_roles, tracer, transient_errors_named)
 from functions.errors import RecoveryGaveUp
 from trainfleet.adapters.checkpoints import latest_checkpoint
-from trainfleet.adapters.ec2_fleet import allocate, terminate
+from trainfleet.adapters.ec2_fleet import FleetError, allocate, terminate
 from trainfleet.adapters.liveness import instance_troubles, read_liveness
 from trainfleet.contracts import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                   RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
 from trainfleet.adapters.metrics import detection_metrics, emit
 from trainfleet.lifecycle import (apply_decision, blame_silent_workers, book_attempt, classify_task_error,
                                   decide_recovery, hang_onset, needs_liveness_look, unready_workers)
+
+QUOTA_HELD_CODES = frozenset({"VcpuLimitExceeded"})
+"""EC2 refusals of a replacement that instances still shutting down may cause: retried, as a
+shortfall of capacity (at Allocate, nothing is shutting down: there it is the account's quota)."""
+
 
 def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError, attempt: int) -> FailureReport:
     """Step 1, for the caught task's `attempt`. A timeout leaves the token parked, so `waiting`
@@ -119,9 +124,17 @@ def act(run: RunRecord) -> int:
     missing_spares = max(0, spec.spare_count - sum(node.role is NodeRole.SPARE for node in kept))
     if missing_workers + missing_spares == 0:
         return 0
-    allocation = allocate(cloud.ec2, spec, cloud.settings.stack_name, run.launch_template_id, [run.subnet_id],
-                          target=missing_workers + missing_spares, minimum=max(1, missing_workers),
-                          token_prefix=fleet_token_prefix(run))
+    try:
+        allocation = allocate(cloud.ec2, spec, cloud.settings.stack_name, run.launch_template_id, [run.subnet_id],
+                              target=missing_workers + missing_spares, minimum=max(1, missing_workers),
+                              token_prefix=fleet_token_prefix(run))
+    except FleetError as refused:
+        if not refused.codes or not refused.codes <= QUOTA_HELD_CODES:
+            raise
+        # The instances just terminated still hold their vCPUs while they shut down (minutes
+        # for p4d and p5): a shortfall that passes, waited for as capacity is.
+        raise capacity_unavailable(name, FailureReport(
+            failure_class=FailureClass.CAPACITY, attempt=run.attempt, message=str(refused)).model_dump_json())
     if len(allocation.instance_ids) < missing_workers:
         # The report names this attempt, so the Recover that catches it decides once (shrink or
         # give up) and a retry of that Recover carries on instead of deciding again.

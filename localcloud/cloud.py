@@ -183,6 +183,8 @@ class LocalCloud:
         """[function name part, invocations left] of time_out_invocations, oldest first."""
         self.capacity_limits: dict[tuple[str, str], int] = {}
         """(instance type, zone) -> instances of that type that may be alive there (set_capacity)."""
+        self.vcpu_quota: int | None = None
+        """The account's On-Demand vCPU quota in the region (set_vcpu_quota); None: none."""
         from localcloud.fleet import LocalFleet
 
         self.fleet = LocalFleet(self)
@@ -454,6 +456,14 @@ class LocalCloud:
             self.capacity_limits.pop((instance_type, availability_zone), None)
         else:
             self.capacity_limits[(instance_type, availability_zone)] = instances
+
+    def set_vcpu_quota(self, vcpus: int | None) -> None:
+        """The account's On-Demand vCPU quota, as EC2 counts it: the vCPUs of its on-demand
+        instances not yet terminated or stopped, those still shutting down included. A launch
+        beyond it gets VcpuLimitExceeded (glue/ec2.py); None lifts it."""
+        if vcpus is not None and (isinstance(vcpus, bool) or not isinstance(vcpus, int) or vcpus < 0):
+            raise ValueError(f"vcpus must be an integer >= 0 or None, got {vcpus!r}")
+        self.vcpu_quota = vcpus
 
     # --- events --------------------------------------------------------------------------
 

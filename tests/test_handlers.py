@@ -715,6 +715,26 @@ def test_a_retried_recover_books_the_failure_once_and_keeps_the_replacements(han
     cloud.client("ec2").terminate_instances(InstanceIds=run_instance_ids(cloud.client("ec2"), name, STACK))
 
 
+def test_a_replacement_refused_for_the_vcpu_quota_is_waited_for_as_capacity(handlers, cloud, resources, monkeypatch):
+    """The node just terminated still holds its vCPUs while it shuts down (minutes for p4d and
+    p5): EC2 refuses the replacement with VcpuLimitExceeded, which Recover raises as
+    CapacityUnavailable (retried with backoff, then decided as a shortfall), not as an error
+    that ends the run."""
+    payload = validated_run(handlers, cloud, resources, monkeypatch)
+    name = payload["run"]["run_name"]
+    store = RunStore(cloud.client("dynamodb"), resources["run_table"])
+    handlers.allocate.handler(payload, Context())
+    handlers.await_nodes.handler({"run": payload, "task_token": "token-of-await-nodes"}, Context())
+    caught = {**payload, "failure": {"Error": "States.Timeout", "Cause": "AwaitNodes timed out"}}
+    cloud.set_vcpu_quota(0)
+    try:
+        with pytest.raises(handlers.errors.CapacityUnavailable, match="VcpuLimitExceeded"):
+            handlers.recover.handler(caught, Context())
+    finally:
+        cloud.set_vcpu_quota(None)
+    assert store.run(name).attempt == 1 and not run_instance_ids(cloud.client("ec2"), name, STACK)
+
+
 def test_a_recover_cut_off_while_recording_replacements_gets_the_same_fleet_on_retry(
         handlers, cloud, resources, monkeypatch):
     payload = validated_run(handlers, cloud, resources, monkeypatch, nodes=3)

@@ -24,6 +24,10 @@ Patches to moto, each replacing something it lacks or drops:
   RunInstances fails with InsufficientInstanceCapacity; an on-demand CreateFleet (`instant`) launches what fits, or nothing when that is
   below OnDemandOptions.MinTargetCapacity, and lists the rest under `Errors` with ErrorCode
   InsufficientInstanceCapacity, as EC2 answers. Spot launches are not capped.
+- vCPU quota: `LocalCloud.set_vcpu_quota(n)` caps the vCPUs of the account's on-demand
+  instances not terminated or stopped (those shutting down count, as on EC2); beyond it a launch
+  gets VcpuLimitExceeded, RunInstances as an error, an instant fleet in its Errors, launching
+  what fits as for capacity.
 - Instance status checks (DescribeInstanceStatus): moto always answered "ok". An instance the
   local fleet froze (`fleet.hang`) no longer answers, so, as EC2 reports an instance that stops
   responding, its instance status check is now "impaired" (reachability "failed").
@@ -345,6 +349,22 @@ def free_capacity(cloud: LocalCloud, backend: Any, instance_type: str, zone: str
     return max(0, limit - alive)
 
 
+def free_vcpu_instances(cloud: LocalCloud, backend: Any, instance_type: str) -> int | None:
+    """Instances of the type the account's On-Demand vCPU quota still admits; None when unset."""
+    if cloud.vcpu_quota is None:
+        return None
+    used = sum(INSTANCE_TYPES[instance.instance_type]["VCpuInfo"]["DefaultVCpus"]
+               for instance in backend.all_instances()
+               if instance.state not in ("terminated", "stopped") and getattr(instance, "lifecycle", None) != "spot")
+    return max(0, cloud.vcpu_quota - used) // INSTANCE_TYPES[instance_type]["VCpuInfo"]["DefaultVCpus"]
+
+
+def _vcpu_message(cloud: LocalCloud) -> str:
+    return (f"You have requested more vCPU capacity than your current vCPU limit of {cloud.vcpu_quota} allows for "
+            "the instance bucket that the specified instance type belongs to. Please visit "
+            "the Service Quotas console to request an adjustment to this limit.")
+
+
 def _insufficient_message(instance_type: str, zone: str) -> str:
     return (f"We currently do not have sufficient {instance_type} capacity in the Availability Zone "
             f"you requested ({zone}).")
@@ -520,20 +540,26 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
 def _launch_within_capacity(backend: Any, cloud: LocalCloud, instance_type: str, template_spec: dict[str, Any],
                             image_id: str, count: int, user_data: Any, security_group_names: list[str],
                             kwargs: dict[str, Any]) -> Any:
-    """moto's launch, held to the zone's capacity (see the module docstring)."""
+    """moto's launch, held to the zone's capacity and the account's vCPU quota (see the module
+    docstring)."""
     zone = _request_zone(backend, kwargs)
-    free = None if kwargs.get("lifecycle") == "spot" else free_capacity(cloud, backend, instance_type, zone)
+    spot = kwargs.get("lifecycle") == "spot"
+    limits = [] if spot else [
+        (free_capacity(cloud, backend, instance_type, zone), "InsufficientInstanceCapacity",
+         _insufficient_message(instance_type, zone)),
+        (free_vcpu_instances(cloud, backend, instance_type), "VcpuLimitExceeded", _vcpu_message(cloud))]
+    binding = min(((free, code, message) for free, code, message in limits if free is not None and free < count),
+                  default=None, key=lambda limit: limit[0])
     fleet = getattr(_request, "fleet", None)
-    if free is None or count <= free:
+    if binding is None:
         granted = count
     elif fleet is None:
-        raise EC2ClientError("InsufficientInstanceCapacity", _insufficient_message(instance_type, zone))
+        raise EC2ClientError(binding[1], binding[2])
     else:
-        granted = _fleet_grant(fleet, count, free)
+        granted = _fleet_grant(fleet, count, binding[0])
         _request.fleet_errors.append({
             "LaunchTemplateAndOverrides": {"LaunchTemplateSpecification": template_spec},
-            "Lifecycle": "on-demand", "ErrorCode": "InsufficientInstanceCapacity",
-            "ErrorMessage": _insufficient_message(instance_type, zone)})
+            "Lifecycle": "on-demand", "ErrorCode": binding[1], "ErrorMessage": binding[2]})
     if granted == 0:
         return Reservation(f"r-{uuid.uuid4().hex[:17]}", cloud.account_id)  # nothing launched, nothing recorded
     return _moto_run_instances(backend, image_id, granted, user_data, security_group_names, **kwargs)

@@ -72,6 +72,11 @@ MAX_FLEET_TARGET = 10_000
 class FleetError(RuntimeError):
     """EC2 refused the request for a reason retrying elsewhere cannot fix (bad parameter, quota)."""
 
+    def __init__(self, message: str, codes: frozenset[str] = frozenset()):
+        super().__init__(message)
+        self.codes = codes
+        """EC2's error codes of the refusal."""
+
 
 def run_resource_name(run_name: str, stack_name: str) -> str:
     """The name of a run's launch template: the run's, and the stack's in a short digest (EC2
@@ -432,7 +437,8 @@ def allocate(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, 
                               shortfall=target - len(outcome.instance_ids), errors=errors)
         terminate(ec2, outcome.instance_ids)  # too few to be of use here
         if verdict == "fail":
-            raise FleetError(f"CreateFleet in {subnet_id}: {'; '.join(outcome.hard_errors)}")
+            raise FleetError(f"CreateFleet in {subnet_id}: {'; '.join(outcome.hard_errors)}",
+                             frozenset(line.partition(":")[0] for line in outcome.hard_errors))
         if outcome.instance_ids:
             errors.append(f"{zone}: only {len(outcome.instance_ids)} of the {minimum} needed")
         type_refused = bool(outcome.zone_errors) and not outcome.capacity_errors and not outcome.instance_ids
