@@ -27,13 +27,14 @@ from aws_lambda_powertools.utilities.idempotency import (DynamoDBPersistenceLaye
                                                           idempotent_function)
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import (Aws, answer_if_world_complete, answer_task, aws, fail_attempt, logger, metrics,
-                              tracer)
+from functions.common import (Aws, answer_if_world_complete, answer_task, aws, fail_attempt, logger,
+                              mark_terminating, metrics, tracer)
+from trainfleet.adapters.ec2_fleet import terminate
 from trainfleet.adapters.checkpoints import CheckpointInvalid, verify_checkpoint
 from trainfleet.adapters.metrics import checkpoint_metrics, emit, progress_metrics
 from trainfleet.adapters.run_store import NodeNotFound, RunNotFound
 from trainfleet.contracts import (AgentEvent, CheckpointCommitted, Ec2InstanceStateChange,
-                                  FailureReport, FleetChecked, HealthEvent, NodeReady,
+                                  FailureClass, FailureReport, FleetChecked, HealthEvent, NodeReady,
                                   NodeRecord, NodeRegistered, NodeRole, NodeState, RunRecord, ScalingChecked,
                                   TrainingCompleted, TrainingProgress, parse_event)
 from trainfleet.lifecycle import (checkpoint_before_leaving, classify_event, departure_wait_may_end,
@@ -134,12 +135,20 @@ def training_completed(run: RunRecord, detail: TrainingCompleted) -> str:
 # --- failures -----------------------------------------------------------------------------
 
 def failure(run: RunRecord, nodes: list[NodeRecord], report: FailureReport) -> str:
-    """Retire the blamed nodes, then fail the parked task if the failure touches the world."""
-    store = aws().store
+    """Retire the blamed nodes, then fail the parked task if the failure touches the world; a
+    failure of spares alone ends them at once (no recovery runs for it, and an idle node that
+    cannot step in is billed for nothing: the next recovery refills the pool)."""
+    cloud = aws()
     blamed = [node for node in nodes if node.instance_id in report.instance_ids]
     for node in blamed:
-        store.transition_node(run.run_name, node.instance_id, NodeState.UNHEALTHY,
-                              failure_class=report.failure_class, reason=report.message)
+        cloud.store.transition_node(run.run_name, node.instance_id, NodeState.UNHEALTHY,
+                                    failure_class=report.failure_class, reason=report.message)
+    spares_alone = bool(blamed) and all(node.role is NodeRole.SPARE for node in blamed)
+    if spares_alone and report.failure_class is not FailureClass.INSTANCE_LOST:  # a lost one is gone already
+        for node in blamed:
+            mark_terminating(run.run_name, node.instance_id)
+        terminate(cloud.ec2, [node.instance_id for node in blamed])
+        return f"{report.failure_class.value}: spare(s) terminated"
     world_hit = not report.instance_ids or any(node.role is NodeRole.WORKER for node in blamed)
     answered = world_hit and fail_attempt(run.run_name, report)
     return f"{report.failure_class.value}: task failed" if answered else f"{report.failure_class.value} recorded"

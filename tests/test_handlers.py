@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from trainfleet.adapters.ec2_fleet import run_instance_ids
+from trainfleet.adapters.ec2_fleet import TAG_RUN, TAG_STACK, run_instance_ids
 from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.contracts import (FAILURE_ERROR, CheckpointRef, FailureClass, FailureReport, NodeLiveness, NodeRecord,
@@ -591,6 +591,24 @@ def test_a_lost_spare_is_recorded_without_failing_training(handlers, cloud, reso
     assert outcome == "INSTANCE_LOST recorded"
     assert store.run(run.run_name).waiting is not None, "training must go on"
     assert store.node(run.run_name, spare).state is NodeState.TERMINATED
+
+
+def test_an_unhealthy_spare_is_terminated_at_once_and_training_goes_on(handlers, cloud, resources):
+    """No recovery runs for a spare's failure: it was recorded and kept running, billed for
+    nothing. Its instance now ends at once; the world trains on."""
+    store, run, _ = recorded_run(cloud, resources)
+    tags = [{"Key": TAG_RUN, "Value": run.run_name}, {"Key": TAG_STACK, "Value": STACK}]
+    spare = cloud.client("ec2").run_instances(
+        ImageId="ami-0123456789abcdef0", InstanceType="c5.large", MinCount=1, MaxCount=1,
+        TagSpecifications=[{"ResourceType": "instance", "Tags": tags}])["Instances"][0]["InstanceId"]
+    store.add_node(NodeRecord(run_name=run.run_name, instance_id=spare, role=NodeRole.SPARE))
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token="token-of-a-live-task"))
+    unhealthy = agent_event("NodeUnhealthy", {"run_name": run.run_name, "attempt": 0, "instance_id": spare,
+                                              "reason": "gpu_count: 7 of 8"})
+    assert handlers.events.handler(unhealthy, Context())["outcome"] == "NODE_UNHEALTHY: spare(s) terminated"
+    assert store.run(run.run_name).waiting is not None, "training must go on"
+    assert store.node(run.run_name, spare).state is NodeState.TERMINATING
+    assert instance_states(cloud, [spare])[spare] in ("shutting-down", "terminated")
 
 
 def test_an_agent_event_of_a_replaced_attempt_changes_nothing(handlers, cloud, resources):

@@ -367,7 +367,7 @@ def test_capacity_short_uses_spares_before_shrinking_further():
     assert decision.plan.nodes == 3 and decision.promote_spare_ids == ["i-9"]
 
 
-def test_workers_a_smaller_layout_leaves_out_become_spares():
+def test_workers_a_smaller_layout_leaves_out_become_spares_up_to_the_spare_count():
     # 6 workers at pp=2 x dp=3 (batch 24); after one is lost, 5 ranks have no runnable layout
     # (dp=5 does not divide 24, pp=5 starves 1f1b with 4 microbatches), so the run goes to 4.
     spec = make_spec(node_count=6, spare_count=0, min_nodes=2,
@@ -378,7 +378,11 @@ def test_workers_a_smaller_layout_leaves_out_become_spares():
     decision = lc.decide_recovery(run, six, report(FailureClass.CAPACITY, "i-2"), 0.0, now=T0)
     assert decision.action is RecoveryAction.SHRINK
     assert decision.plan == ParallelPlan(nodes=4, ranks_per_node=1, pp=2, dp=2)
-    assert decision.terminate_instance_ids == ["i-2"] and decision.demote_worker_ids == ["i-6"]
+    # No spare wanted (spare_count 0): the worker left out is terminated, not kept idle and billed.
+    assert decision.terminate_instance_ids == ["i-2", "i-6"] and decision.demote_worker_ids == []
+    with_a_spare = make_run(make_spec(**{**spec.model_dump(mode="json"), "spare_count": 1}))
+    kept = lc.decide_recovery(with_a_spare, six, report(FailureClass.CAPACITY, "i-2"), 0.0, now=T0)
+    assert kept.terminate_instance_ids == ["i-2"] and kept.demote_worker_ids == ["i-6"]
 
 
 def test_capacity_short_without_shrink_retries_allocation():

@@ -11,7 +11,8 @@ decide_recovery() works in numbered steps, each a rule a person can check:
     5. no node is blamed: restart on the same nodes;
     6. blamed workers are covered by healthy spares and/or new instances: replace (at once on
        the first failure of a streak: the nodes that failed are gone);
-    7. capacity ran out and the run may shrink: re-plan pp x dp on the nodes left, or give up.
+    7. capacity ran out and the run may shrink: re-plan pp x dp on the nodes left (workers it
+       leaves out become spares up to the spare count, the rest are terminated), or give up.
 """
 
 from datetime import datetime, timedelta
@@ -146,9 +147,14 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
             return give_up(f"only {available} nodes available and no layout runs on "
                            f"{spec.min_nodes}..{available} of them")
         promote = sorted(node.instance_id for node in spares)[:max(0, shrunk.nodes - len(workers))]
-        demote = [node.instance_id for node in sorted(workers, key=rank_order)[shrunk.nodes:]]
+        leaving = [node.instance_id for node in sorted(workers, key=rank_order)[shrunk.nodes:]]
+        # Workers the smaller world leaves out become spares, up to the spare count; the rest
+        # are terminated rather than kept idle and billed.
+        room = max(0, spec.spare_count - (len(spare_pool) - len(promote)))
+        demote, trimmed = leaving[:room], leaving[room:]
         return RecoveryDecision(action=RecoveryAction.SHRINK, plan=shrunk, demote_worker_ids=demote,
-                                **{**common, "promote_spare_ids": promote},
+                                **{**common, "promote_spare_ids": promote,
+                                   "terminate_instance_ids": sorted([*terminate, *trimmed])},
                                 reason=f"capacity short: continue on {shrunk.nodes} nodes at pp={shrunk.pp} "
                                        f"x dp={shrunk.dp}")
 
