@@ -5,7 +5,8 @@ statemachine/training_run.asl.json matches on these. (Failures the event handler
 through SendTaskFailure use trainfleet.contracts.FAILURE_ERROR.)
 """
 
-__all__ = ["InvalidRunSpec", "RecoveryGaveUp", "CapacityUnavailable", "TransientError", "ReapIncomplete"]
+__all__ = ["InvalidRunSpec", "RecoveryGaveUp", "CapacityUnavailable", "TransientError", "ReapIncomplete",
+           "NodeNotRecordedYet"]
 
 
 class InvalidRunSpec(ValueError):
@@ -34,3 +35,9 @@ class TransientError(RuntimeError):
 class ReapIncomplete(RuntimeError):
     """The reaper could not tear down some runs this time (the message names each and why);
     it tore down the others, and its next sweep tries these again."""
+
+
+class NodeNotRecordedYet(RuntimeError):
+    """An AWS event names an instance this stack launched whose node record is not visible yet
+    (Allocate or Recover records it just after the launch): the invocation fails, so Lambda
+    tries the event again later instead of dropping it as another account's instance."""

@@ -29,7 +29,8 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.common import (Aws, answer_if_world_complete, answer_task, aws, fail_attempt, logger,
                               mark_terminating, metrics, tracer)
-from trainfleet.adapters.ec2_fleet import terminate
+from functions.errors import NodeNotRecordedYet
+from trainfleet.adapters.ec2_fleet import TAG_STACK, terminate
 from trainfleet.adapters.checkpoints import CheckpointInvalid, verify_checkpoint
 from trainfleet.adapters.metrics import checkpoint_metrics, emit, progress_metrics
 from trainfleet.adapters.run_store import NodeNotFound, RunNotFound
@@ -220,9 +221,19 @@ def _named_nodes(run_name: str, instance_ids: list[str]) -> list[NodeRecord]:
     return found
 
 
-def _aws_event_nodes(detail: Any) -> list[NodeRecord]:
-    """The run nodes an AWS event names; instances of no run are not ours."""
-    instance_ids = detail.instance_ids if isinstance(detail, HealthEvent) else [detail.instance_id]
+def _ours(instance_ids: list[str]) -> list[str]:
+    """Those of the instances that carry this stack's tag (found by a filter: an id EC2 does
+    not know fails no call)."""
+    cloud = aws()
+    pages = cloud.ec2.get_paginator("describe_instances").paginate(Filters=[
+        {"Name": "instance-id", "Values": instance_ids},
+        {"Name": f"tag:{TAG_STACK}", "Values": [cloud.settings.stack_name]}])
+    return [instance["InstanceId"] for page in pages for reservation in page["Reservations"]
+            for instance in reservation["Instances"]]
+
+
+def _aws_event_nodes(instance_ids: list[str]) -> list[NodeRecord]:
+    """The run nodes of the instances an AWS event names; instances of no run are not ours."""
     found = (aws().store.node_by_instance(instance_id) for instance_id in instance_ids)
     return [node for node in found if node is not None]
 
@@ -264,7 +275,11 @@ def report_failure(run: RunRecord, report: FailureReport) -> str:
 def handle_aws_event(detail: Any, observed_at: datetime) -> str:
     outcomes = []
     by_run: dict[str, list[NodeRecord]] = {}
-    for node in _aws_event_nodes(detail):
+    named = detail.instance_ids if isinstance(detail, HealthEvent) else [detail.instance_id]
+    nodes = _aws_event_nodes(named)
+    if not nodes and named and (unrecorded := _ours(named)):
+        raise NodeNotRecordedYet(f"{', '.join(unrecorded)}: launched by this stack, not recorded by a run yet")
+    for node in nodes:
         by_run.setdefault(node.run_name, []).append(node)
     for run_name, named in by_run.items():
         run = aws().store.run(run_name)

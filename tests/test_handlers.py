@@ -611,6 +611,25 @@ def test_an_unhealthy_spare_is_terminated_at_once_and_training_goes_on(handlers,
     assert instance_states(cloud, [spare])[spare] in ("shutting-down", "terminated")
 
 
+def test_an_event_about_an_instance_launched_but_not_yet_recorded_is_tried_again(handlers, cloud, resources):
+    """EC2's news of an instance this stack launched can come before Allocate or Recover records
+    it: the invocation fails (Lambda tries the event again) rather than drop it as another
+    account's instance, which stays ignored."""
+    ec2 = cloud.client("ec2")
+
+    def launched(tags: list[dict]) -> str:
+        return ec2.run_instances(ImageId="ami-0123456789abcdef0", InstanceType="c5.large", MinCount=1, MaxCount=1,
+                                 TagSpecifications=[{"ResourceType": "instance", "Tags": tags}])["Instances"][0][
+            "InstanceId"]
+    ours = launched([{"Key": TAG_RUN, "Value": "not-recorded-yet"}, {"Key": TAG_STACK, "Value": STACK}])
+    foreign = launched([{"Key": "team", "Value": "someone-else"}])
+    with pytest.raises(handlers.errors.NodeNotRecordedYet, match=f"{ours}: launched by this stack"):
+        handlers.events.handler(state_change(ours, "terminated"), Context())
+    assert handlers.events.handler(state_change(foreign, "terminated"), Context())["outcome"] == \
+        "ignored: no instance of a run"
+    ec2.terminate_instances(InstanceIds=[ours, foreign])
+
+
 def test_an_agent_event_of_a_replaced_attempt_changes_nothing(handlers, cloud, resources):
     store, run, (worker, _) = recorded_run(cloud, resources)
     store.modify_run(run.run_name, lambda current: current.model_copy(update={"attempt": 1}))
