@@ -5,10 +5,11 @@ helpers this uses, for the set-up and why it runs in a process of its own).
 1. 4 nodes at pp=2 x dp=2 with min_nodes=2: once a checkpoint is committed the zone's capacity
    is capped at what is running and node rank 1 is killed. Recover cannot replace it, the
    shortfall comes back to Recover as CAPACITY, the run shrinks to 2 nodes at pp=2 x dp=1 (3
-   nodes run no layout), the worker left out becomes a spare, training resumes from the newest
-   committed step and succeeds; every instance ends terminated;
-2. the same loss on 2 nodes without min_nodes: Recover tries to replace the node again until the
-   crash-loop rule gives up; the run fails through Teardown, every instance terminated.
+   nodes run no layout), the worker left out is terminated (no spare is wanted), training
+   resumes from the newest committed step and succeeds; every instance ends terminated;
+2. the same loss on 2 nodes without min_nodes: Recover tries to replace the node again, the
+   waits growing, until capacity has been short longer than the run waits for it (a few seconds
+   here); the run fails through Teardown, every instance terminated.
 
     python tests/handlers_capacity_run.py
 """
@@ -23,6 +24,9 @@ from localcloud import LocalCloud
 from trainfleet.adapters.run_store import RunStore
 
 INSTANCE_TYPE = "c5.large"
+CAPACITY_WAIT_S = 5.0
+"""How long the run without min_nodes waits for the capacity it lacks (real seconds: the
+decision compares the recorded times of its failures)."""
 
 
 def lose_a_node_without_capacity(cloud, outputs: dict[str, str], zone: str, nodes: int,
@@ -77,7 +81,7 @@ def main() -> None:
                                                                 "microbatches": 2},
                          "training": {"batch_size": 4}})
             gave_up = lose_a_node_without_capacity(cloud, outputs, "us-east-1d", nodes=2,
-                                                   recovery={"crash_loop_repeats": 2})
+                                                   recovery={"capacity_wait_hours": CAPACITY_WAIT_S / 3600})
         except Exception:
             report_failure(cloud, cloud.client("stepfunctions"))
             raise

@@ -82,6 +82,10 @@ def backoff_seconds(policy: RecoveryPolicy, streak: int, jitter_draw: float) -> 
     return wait * (1 - policy.backoff_jitter * jitter_draw)
 
 
+def _hours_or_seconds(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds:.0f} s"
+
+
 def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport,
                     jitter_draw: float, now: datetime) -> RecoveryDecision:
     """What to do about `failure` (classified for the run's current attempt), decided at `now`."""
@@ -108,8 +112,8 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
                        f"{policy.restart_window_hours:g} h); last: {failure.message}")
     waited = capacity_wait(run.failures, now)
     if failure.failure_class is FailureClass.CAPACITY and waited > timedelta(hours=policy.capacity_wait_hours):
-        return give_up(f"capacity short for {waited.total_seconds() / 3600:.1f} h, longer than the "
-                       f"{policy.capacity_wait_hours:g} h the run waits; last: {failure.message}")
+        return give_up(f"capacity short for {_hours_or_seconds(waited.total_seconds())}, longer than the "
+                       f"{_hours_or_seconds(policy.capacity_wait_hours * 3600)} the run waits; last: {failure.message}")
     # A loop is the same nodes (or none) failing alike; a replacement failing as the node it
     # replaced did is no loop, but it waits longer before the next try (the streak's backoff).
     looped = failure_streak(run.failures, failure.failure_class, resume_step, same_nodes_as=failure.instance_ids)
