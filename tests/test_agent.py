@@ -680,14 +680,20 @@ def test_the_backoff_after_failed_calls_never_outlasts_the_runs_longest_look(tmp
         clock["now"] = control.next_look
 
 
-def test_an_unreachable_control_plane_ends_the_instance_after_the_limit(local_cloud, metadata_service, tmp_path,
-                                                                       monkeypatch):
+def control_on_a_clock(local_cloud, tmp_path, monkeypatch) -> tuple[ControlPlane, dict[str, float]]:
+    """A control plane over a recorded run (botocore tries each call once), its clock to set."""
     table = run_table(local_cloud)
     RunStore(local_cloud.client("dynamodb"), table).create_run(run_record())
     monkeypatch.setattr(agent, "CLIENT_RETRIES", {"max_attempts": 1, "mode": "standard"})
     clock = {"now": 0.0}
     control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_RUN_TABLE": table}),
                                    workdir=tmp_path), IDENTITY, clock=lambda: clock["now"])
+    return control, clock
+
+
+def test_an_unreachable_control_plane_ends_the_instance_after_the_limit(local_cloud, metadata_service, tmp_path,
+                                                                       monkeypatch):
+    control, clock = control_on_a_clock(local_cloud, tmp_path, monkeypatch)
     local_cloud.throttle("dynamodb", 30.0)
     assert control.look_at_run() is None  # failed: logged, tried again later
     clock["now"] += agent.UNREACHABLE_LIMIT_S - 1
@@ -703,12 +709,7 @@ def test_an_unreachable_control_plane_ends_the_instance_after_the_limit(local_cl
 def test_an_outage_never_ends_a_node_whose_trainer_makes_progress(local_cloud, tmp_path, monkeypatch):
     """A DynamoDB outage of an hour (us-east-1 had one of hours): workers that train keep their
     instances; a trainer that falls silent as long as the limit ends its node as before."""
-    table = run_table(local_cloud)
-    RunStore(local_cloud.client("dynamodb"), table).create_run(run_record())
-    monkeypatch.setattr(agent, "CLIENT_RETRIES", {"max_attempts": 1, "mode": "standard"})
-    clock = {"now": 0.0}
-    control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_RUN_TABLE": table}),
-                                   workdir=tmp_path), IDENTITY, clock=lambda: clock["now"])
+    control, clock = control_on_a_clock(local_cloud, tmp_path, monkeypatch)
     local_cloud.throttle("dynamodb", 600.0)  # real seconds: far longer than the test
     while clock["now"] < 3600:
         control.trainer_alive_at = clock["now"]  # a sign of life every 5 minutes, say
