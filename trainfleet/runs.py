@@ -42,6 +42,9 @@ __all__ = ["Stack", "RunStatus", "RunSummary", "OperatorError", "load_run_spec",
 
 STACK_OUTPUTS = ("StateMachineArn", "RunTableName", "CheckpointBucketName", "FunctionLogGroups")
 """The outputs of template.yaml the commands use."""
+LOG_FIRST_WINDOW_MS = 3_600_000
+"""`run logs` reads the run's last hour first, then earlier windows (Stack.logs)."""
+LOG_WINDOW_GROWTH = 4
 RECENT_STATES = 8
 """States of the execution a status shows."""
 _CLIENT_CONFIG = Config(retries={"mode": "standard", "max_attempts": 8})
@@ -306,21 +309,33 @@ class Stack:
         return folder / REPORT_HTML
 
     def logs(self, run_name: str, limit: int = 1000) -> list[str]:
-        """The control plane's log lines about the run (its functions' logs that name it), oldest first."""
+        """The control plane's log lines about the run (its functions' logs that name it): the
+        last `limit`, oldest first. FilterLogEvents reads forward only, five requests a second,
+        and a run of weeks logs millions of lines: they are read from the run's end backwards, in
+        windows each LOG_WINDOW_GROWTH times the one before, until `limit` are found."""
         execution = self._execution(run_name)
         logs = self.client("logs")
         since = int(execution["startDate"].timestamp() * 1000)
+        upper = int((execution.get("stopDate") or datetime.now(timezone.utc)).timestamp() * 1000) + 1
+        window, lines = LOG_FIRST_WINDOW_MS, []
+        while len(lines) < limit and upper > since:
+            lower = max(since, upper - window)
+            lines = self._log_lines(logs, run_name, lower, upper) + lines
+            upper, window = lower, window * LOG_WINDOW_GROWTH
+        return [f"{_clock(timestamp)} {group.rsplit('/', 1)[-1]} {message.rstrip()}"
+                for timestamp, group, message in lines[-limit:]]
+
+    def _log_lines(self, logs: Any, run_name: str, start_ms: int, end_ms: int) -> list[tuple[int, str, str]]:
+        """(time, group, message) of the lines naming the run in [start_ms, end_ms), oldest first."""
         lines = []
         for group in self.log_groups:
             try:
                 pages = logs.get_paginator("filter_log_events").paginate(
-                    logGroupName=group, filterPattern=f'"{run_name}"', startTime=since)
+                    logGroupName=group, filterPattern=f'"{run_name}"', startTime=start_ms, endTime=end_ms - 1)
                 lines += [(event["timestamp"], group, event["message"]) for page in pages for event in page["events"]]
             except logs.exceptions.ResourceNotFoundException:
                 continue  # a function never invoked has no log group yet
-        lines.sort()
-        return [f"{_clock(timestamp)} {group.rsplit('/', 1)[-1]} {message.rstrip()}"
-                for timestamp, group, message in lines[-limit:]]
+        return sorted(lines)
 
     def node_log(self, run_name: str, node: str) -> str:
         """A node's console output (its agent and trainer): `node` is an instance id or the node
