@@ -578,7 +578,7 @@ def test_the_steps_a_progress_event_carries_are_kept_for_the_report(handlers, cl
     later = agent_event("TrainingProgress", detail | {"step": 7, "samples": [samples[-1] | {"step": 7}]})
     handlers.events.handler(later, Context())
     handlers.events.handler(event | {"id": str(uuid.uuid4())}, Context())  # the same steps again
-    kept = store.progress(run.run_name)
+    kept = list(store.progress(run.run_name))
     assert [(attempt, sample.step) for attempt, sample in kept] == [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 7)]
     assert math.isnan(kept[2][1].loss) and kept[4][1].tokens_per_second == 905.0
     assert store.latest_progress(run.run_name)[1].step == 7

@@ -107,3 +107,23 @@ def test_an_attempt_reached_at_least_the_checkpoint_it_is_resumed_from():
     (failure,) = build_history(unreported, [], [(0, sample(step, 10 + step)) for step in range(1, 14)], STATES,
                                now=at(500)).failures
     assert (failure.last_step, failure.steps_lost) == (20, 0)
+
+
+def test_a_long_attempts_samples_are_thinned_as_they_come_and_keep_the_newest():
+    """Three weeks of steps (a sample per step, 200,000 of them): the history keeps at most about
+    twice HISTORY_POINTS of them, evenly spread, the first and the newest always, a redelivered
+    one once."""
+    from trainfleet.run_history import HISTORY_POINTS
+    from trainfleet.contracts import ProgressSample
+
+    def sample(step: int) -> ProgressSample:
+        return ProgressSample(step=step, loss=1.0, tokens_per_second=1.0, step_seconds=1.0, at=T0)
+
+    steps = [*range(1, 200_001), 200_000, 199_999]  # two redelivered at the end
+    history = build_history(finished_run(), [], ((0, sample(step)) for step in steps), [], T0)
+    (kept,) = [attempt.samples for attempt in history.attempts]
+    kept_steps = [one.step for one in kept]
+    assert len(kept_steps) <= 2 * HISTORY_POINTS + 2 and kept_steps == sorted(set(kept_steps))
+    assert (kept_steps[0], kept_steps[-1]) == (1, 200_000)
+    gaps = {after - before for before, after in zip(kept_steps[1:], kept_steps[2:-1])}
+    assert len(gaps) == 1, "evenly spread"

@@ -4,7 +4,8 @@ The run report (trainfleet/report_page.py: an HTML page and PNG plots) and `trai
 status` / `watch` show it. `build_history` is pure, over what the control plane keeps:
 
     run, nodes        the run and node records (DynamoDB)
-    samples           the steps the agents reported (TrainingProgress.samples), by attempt
+    samples           the steps the agents reported (TrainingProgress.samples), by attempt,
+                      thinned as they are read (HISTORY_POINTS): its memory is bounded
     states            the states the execution entered, in order (Step Functions' history)
     now               the end of the history: the run's end, or the present for a live run
 
@@ -156,18 +157,48 @@ def phases_of(states: Iterable[StateEntry], until: datetime) -> list[Phase]:
     return phases
 
 
+HISTORY_POINTS = 1000
+"""The steps an attempt's history keeps at full resolution; past them, every 2nd, 4th ... step
+(twice as many at most) and the newest: a run of weeks reports hundreds of thousands."""
+
+
+class _Thinned:
+    """One attempt's samples, thinned as they come: the steps divisible by a stride that doubles
+    whenever more than twice HISTORY_POINTS are kept, and always the first and the newest. A
+    redelivered sample counts once."""
+
+    def __init__(self) -> None:
+        self.stride, self.kept, self.first, self.newest = 1, {}, None, None
+
+    def add(self, sample: ProgressSample) -> None:
+        if self.first is None or sample.step <= self.first.step:
+            self.first = sample
+        if self.newest is None or sample.step >= self.newest.step:
+            self.newest = sample
+        if sample.step % self.stride:
+            return
+        self.kept[sample.step] = sample
+        if len(self.kept) > 2 * HISTORY_POINTS:
+            self.stride *= 2
+            self.kept = {step: kept for step, kept in self.kept.items() if step % self.stride == 0}
+
+    def samples(self) -> list[ProgressSample]:
+        ends = {sample.step: sample for sample in (self.first, self.newest) if sample is not None}
+        kept = {**self.kept, **ends}
+        return [kept[step] for step in sorted(kept)]
+
+
 def build_history(run: RunRecord, nodes: list[NodeRecord], samples: Iterable[tuple[int, ProgressSample]],
                   states: Iterable[StateEntry], now: datetime) -> RunHistory:
     """The run's history up to `now` (see the module docstring)."""
     if run.created_at is None:
         raise ValueError(f"run {run.run_name!r} has no creation time")
-    by_attempt: dict[int, dict[int, ProgressSample]] = {}
+    by_attempt: dict[int, _Thinned] = {}
     for attempt, sample in samples:
-        by_attempt.setdefault(attempt, {})[sample.step] = sample  # a redelivered sample counts once
+        by_attempt.setdefault(attempt, _Thinned()).add(sample)
     failures = sorted(run.failures, key=lambda failure: failure.at)
     resumed_from = {attempt: failure.resume_step for attempt, failure in enumerate(failures, start=1)}
-    attempts = [AttemptProgress(attempt=attempt, resume_step=resumed_from.get(attempt),
-                                samples=[steps[step] for step in sorted(steps)])
+    attempts = [AttemptProgress(attempt=attempt, resume_step=resumed_from.get(attempt), samples=steps.samples())
                 for attempt, steps in sorted(by_attempt.items())]
     last_steps = {progress.attempt: progress.samples[-1].step for progress in attempts if progress.samples}
     marks = []

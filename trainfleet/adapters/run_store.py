@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -234,10 +234,12 @@ class RunStore:
             self.db.put_item(TableName=self.table, Item={
                 **_progress_key(run_name, attempt, samples[-1].step), "doc": {"S": _SAMPLES.dump_json(samples).decode()}})
 
-    def progress(self, run_name: str) -> list[tuple[int, ProgressSample]]:
-        """Every step recorded, as (attempt, sample), by attempt, then step."""
-        pages = self.db.get_paginator("query").paginate(**self._progress_query(run_name))
-        return [sample for page in pages for item in page["Items"] for sample in _samples(item)]
+    def progress(self, run_name: str) -> Iterator[tuple[int, ProgressSample]]:
+        """Every step recorded, as (attempt, sample), by attempt, then step: read a page at a
+        time as they are taken (a run of weeks has hundreds of thousands)."""
+        for page in self.db.get_paginator("query").paginate(**self._progress_query(run_name)):
+            for item in page["Items"]:
+                yield from _samples(item)
 
     def latest_progress(self, run_name: str) -> tuple[int, ProgressSample] | None:
         """The newest step recorded, as (attempt, sample)."""
