@@ -17,9 +17,11 @@ from localcloud_helpers import (create_state_machine, deploy_function, event_sin
                                 records, unique, wait_for_execution)
 
 IMAGE = "ami-12c6146b"
+# booted.json appears whole (written aside, then renamed): a reader that sees it reads all of it.
 NODE_SCRIPT = ("import json, os, pathlib, time\n"
                "keys = ['LOCALCLOUD_INSTANCE_ID', 'LOCALCLOUD_PRIVATE_IP', 'AWS_ENDPOINT_URL']\n"
-               "pathlib.Path('booted.json').write_text(json.dumps({k: os.environ[k] for k in keys}))\n"
+               "pathlib.Path('booted.part').write_text(json.dumps({k: os.environ[k] for k in keys}))\n"
+               "os.replace('booted.part', 'booted.json')\n"
                "time.sleep(120)\n")
 
 

@@ -12,9 +12,11 @@ import pytest
 from localcloud.warm_image import WarmImage
 
 IMAGE = "ami-12c6146b"
+# booted.json appears whole (written aside, then renamed): a reader that sees it reads all of it.
 NODE_SCRIPT = ("import json, os, pathlib, sys, time\n"
-               "pathlib.Path('booted.json').write_text(json.dumps({'pid': os.getpid(), 'pgid': os.getpgid(0),\n"
+               "pathlib.Path('booted.part').write_text(json.dumps({'pid': os.getpid(), 'pgid': os.getpgid(0),\n"
                "    'cwd': os.getcwd(), 'argv': sys.argv, 'id': os.environ['LOCALCLOUD_INSTANCE_ID']}))\n"
+               "os.replace('booted.part', 'booted.json')\n"
                "print('node up', flush=True)\n"
                "time.sleep(float(sys.argv[1]))\n"
                "sys.exit(3)\n")
