@@ -30,7 +30,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from functions.common import (Aws, answer_if_world_complete, answer_task, aws, fail_attempt, logger,
                               mark_terminating, metrics, tracer)
 from functions.errors import NodeNotRecordedYet
-from trainfleet.adapters.ec2_fleet import TAG_STACK, terminate
+from trainfleet.adapters.ec2_fleet import TAG_STACK, instances_among, terminate
 from trainfleet.adapters.checkpoints import CheckpointInvalid, verify_checkpoint
 from trainfleet.adapters.metrics import checkpoint_metrics, emit, progress_metrics
 from trainfleet.adapters.run_store import NodeNotFound, RunNotFound
@@ -221,17 +221,6 @@ def _named_nodes(run_name: str, instance_ids: list[str]) -> list[NodeRecord]:
     return found
 
 
-def _ours(instance_ids: list[str]) -> list[str]:
-    """Those of the instances that carry this stack's tag (found by a filter: an id EC2 does
-    not know fails no call)."""
-    cloud = aws()
-    pages = cloud.ec2.get_paginator("describe_instances").paginate(Filters=[
-        {"Name": "instance-id", "Values": instance_ids},
-        {"Name": f"tag:{TAG_STACK}", "Values": [cloud.settings.stack_name]}])
-    return [instance["InstanceId"] for page in pages for reservation in page["Reservations"]
-            for instance in reservation["Instances"]]
-
-
 def _aws_event_nodes(instance_ids: list[str]) -> list[NodeRecord]:
     """The run nodes of the instances an AWS event names; instances of no run are not ours."""
     found = (aws().store.node_by_instance(instance_id) for instance_id in instance_ids)
@@ -277,7 +266,8 @@ def handle_aws_event(detail: Any, observed_at: datetime) -> str:
     by_run: dict[str, list[NodeRecord]] = {}
     named = detail.instance_ids if isinstance(detail, HealthEvent) else [detail.instance_id]
     nodes = _aws_event_nodes(named)
-    if not nodes and named and (unrecorded := _ours(named)):
+    ours = {"Name": f"tag:{TAG_STACK}", "Values": [aws().settings.stack_name]}
+    if not nodes and named and (unrecorded := instances_among(aws().ec2, named, ours)):
         raise NodeNotRecordedYet(f"{', '.join(unrecorded)}: launched by this stack, not recorded by a run yet")
     for node in nodes:
         by_run.setdefault(node.run_name, []).append(node)

@@ -512,10 +512,7 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
         if getattr(_request, "fleet", None) is None:
             raise EC2ClientError(exc.code, str(exc)) from exc
         # An instant fleet answers a launch it cannot make in its Errors, launching nothing.
-        _request.fleet_errors.append({
-            "LaunchTemplateAndOverrides": {"LaunchTemplateSpecification": template_spec},
-            "Lifecycle": "spot" if kwargs.get("lifecycle") == "spot" else "on-demand",
-            "ErrorCode": exc.code, "ErrorMessage": str(exc)})
+        _fleet_error(template_spec, "spot" if kwargs.get("lifecycle") == "spot" else "on-demand", exc.code, str(exc))
         return Reservation(f"r-{uuid.uuid4().hex[:17]}", cloud.account_id)
     if kwargs.get("nics"):  # moto builds card-0 interfaces; the glue adds the other cards
         kwargs["nics"] = [spec for spec in kwargs["nics"] if int(spec.get("NetworkCardIndex", 0)) == 0]
@@ -535,6 +532,12 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
                                "aws:ec2launchtemplate:version": str(template_version.number)})
         cloud.fleet.launched(instance)
     return reservation
+
+
+def _fleet_error(template_spec: dict[str, Any], lifecycle: str, code: str, message: str) -> None:
+    """One entry of the CreateFleet under way's `Errors`, as EC2 lists a launch it could not make."""
+    _request.fleet_errors.append({"LaunchTemplateAndOverrides": {"LaunchTemplateSpecification": template_spec},
+                                  "Lifecycle": lifecycle, "ErrorCode": code, "ErrorMessage": message})
 
 
 def _launch_within_capacity(backend: Any, cloud: LocalCloud, instance_type: str, template_spec: dict[str, Any],
@@ -557,9 +560,7 @@ def _launch_within_capacity(backend: Any, cloud: LocalCloud, instance_type: str,
         raise EC2ClientError(binding[1], binding[2])
     else:
         granted = _fleet_grant(fleet, count, binding[0])
-        _request.fleet_errors.append({
-            "LaunchTemplateAndOverrides": {"LaunchTemplateSpecification": template_spec},
-            "Lifecycle": "on-demand", "ErrorCode": binding[1], "ErrorMessage": binding[2]})
+        _fleet_error(template_spec, "on-demand", binding[1], binding[2])
     if granted == 0:
         return Reservation(f"r-{uuid.uuid4().hex[:17]}", cloud.account_id)  # nothing launched, nothing recorded
     return _moto_run_instances(backend, image_id, granted, user_data, security_group_names, **kwargs)

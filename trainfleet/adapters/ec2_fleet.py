@@ -40,7 +40,7 @@ __all__ = [
     "FleetOutcome", "Allocation", "Teardown", "efa_network_interfaces", "launch_template_data", "node_user_data",
     "create_fleet_request", "interpret_fleet_response", "zone_verdict", "placement_group_name", "run_resource_name",
     "ensure_launch_template", "ensure_placement_group", "allocate", "run_instance_ids", "runs_with_resources",
-    "terminate", "teardown",
+    "terminate", "teardown", "instances_among",
 ]
 
 TAG_RUN = "trainfleet:run"
@@ -475,6 +475,18 @@ def runs_with_resources(ec2: Any, stack_name: str) -> set[str]:
             if tags.get(TAG_STACK) == stack_name and TAG_RUN in tags}
 
 
+def instances_among(ec2: Any, instance_ids: list[str], *filters: dict[str, Any]) -> list[str]:
+    """Those of the instances DescribeInstances finds with `filters`, looked up by an instance-id
+    filter, which fails no call for an id EC2 does not know (200 values a filter)."""
+    found = []
+    for start in range(0, len(instance_ids), 200):
+        pages = ec2.get_paginator("describe_instances").paginate(Filters=[
+            {"Name": "instance-id", "Values": instance_ids[start:start + 200]}, *filters])
+        found += [instance["InstanceId"] for page in pages for reservation in page["Reservations"]
+                  for instance in reservation["Instances"]]
+    return found
+
+
 def terminate(ec2: Any, instance_ids: list[str]) -> list[str]:
     """Terminate those of the instances EC2 still reports alive; the ids it was asked to end.
 
@@ -483,13 +495,7 @@ def terminate(ec2: Any, instance_ids: list[str]) -> list[str]:
     TERMINATING whose event was lost would fail every later Recover. So the ids are looked up
     first with a filter, which names no unknown id, and only those alive are terminated (up to
     1000 ids a call)."""
-    alive = []
-    for start in range(0, len(instance_ids), 200):  # a filter takes 200 values
-        pages = ec2.get_paginator("describe_instances").paginate(Filters=[
-            {"Name": "instance-id", "Values": instance_ids[start:start + 200]},
-            {"Name": "instance-state-name", "Values": list(ALIVE_STATES)}])
-        alive += [instance["InstanceId"] for page in pages for reservation in page["Reservations"]
-                  for instance in reservation["Instances"]]
+    alive = instances_among(ec2, instance_ids, {"Name": "instance-state-name", "Values": list(ALIVE_STATES)})
     for start in range(0, len(alive), 1000):
         ec2.terminate_instances(InstanceIds=alive[start:start + 1000])
     return alive
