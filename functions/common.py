@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from typing import Any, Literal, TypeVar
 
 import boto3
@@ -49,16 +49,30 @@ metrics = Metrics()
 
 @dataclass(frozen=True)
 class Aws:
-    """The settings and one client per service, shared by every invocation."""
+    """The settings and one client per service, shared by every invocation. A client is made on
+    first use: most functions call one or two of the services, and making one is most of a cold
+    start's work after the imports."""
 
     settings: Settings
     idempotency_table: str
     """DynamoDB table of the event handler's idempotency records (TRAINFLEET_IDEMPOTENCY_TABLE)."""
-    store: RunStore
-    ec2: Any
-    s3: Any
-    sfn: Any
     dynamodb: Any
+
+    @cached_property
+    def store(self) -> RunStore:
+        return RunStore(self.dynamodb, self.settings.run_table)
+
+    @cached_property
+    def ec2(self) -> Any:
+        return boto3.client("ec2", config=_CLIENT_CONFIG)
+
+    @cached_property
+    def s3(self) -> Any:
+        return boto3.client("s3", config=_CLIENT_CONFIG)
+
+    @cached_property
+    def sfn(self) -> Any:
+        return boto3.client("stepfunctions", config=_CLIENT_CONFIG)
 
 
 # Throttling and 5xx answers of EC2, DynamoDB, S3 and Step Functions are retried in the client
@@ -73,11 +87,8 @@ def aws() -> Aws:
     idempotency_table = os.environ.get(IDEMPOTENCY_TABLE_VARIABLE, "").strip()
     if not idempotency_table:
         raise MissingSetting(f"environment variable {IDEMPOTENCY_TABLE_VARIABLE} is not set")
-    dynamodb = boto3.client("dynamodb", config=_CLIENT_CONFIG)
     return Aws(settings=settings, idempotency_table=idempotency_table,
-               store=RunStore(dynamodb, settings.run_table), ec2=boto3.client("ec2", config=_CLIENT_CONFIG),
-               s3=boto3.client("s3", config=_CLIENT_CONFIG),
-               sfn=boto3.client("stepfunctions", config=_CLIENT_CONFIG), dynamodb=dynamodb)
+               dynamodb=boto3.client("dynamodb", config=_CLIENT_CONFIG))
 
 
 # Throttling and transient faults (botocore's standard retry mode retries the same codes, and

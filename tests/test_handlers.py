@@ -337,8 +337,6 @@ def test_aws_errors_are_classified_transient_or_not(handlers, code, status, tran
 def test_a_transient_aws_error_leaves_the_handler_as_transient_error(handlers, cloud, resources, monkeypatch):
     """S3 out of reach while the report is written: the state machine must see TransientError,
     the name it retries with backoff, not the client's own exception, which would end the run."""
-    import dataclasses
-
     import boto3
     import functions.report
     from botocore.config import Config
@@ -348,13 +346,13 @@ def test_a_transient_aws_error_leaves_the_handler_as_transient_error(handlers, c
     working = handlers.common.aws()
     unreachable = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{free_port()}",
                                config=Config(retries={"mode": "standard", "max_attempts": 1}))
-    monkeypatch.setattr(functions.report, "aws", lambda: dataclasses.replace(working, s3=unreachable))
+    monkeypatch.setitem(working.__dict__, "s3", unreachable)  # the function's client, made on first use
     payload = {"run": {"run_name": run.run_name, "attempt": 0}, "timeouts": {"boot_seconds": 60,
                                                                              "late_worker_seconds": 60,
                                                                              "heartbeat_seconds": 60}}
     with pytest.raises(handlers.errors.TransientError, match="EndpointConnectionError"):
         functions.report.handler(payload, Context())
-    monkeypatch.setattr(functions.report, "aws", lambda: working)
+    del working.__dict__["s3"]  # made afresh, reachable, on next use
     with pytest.raises(handlers.errors.InvalidRunSpec):  # any other error keeps its own name
         handlers.validate.handler({"run_spec": {"run_name": "x"}, "execution_arn": "arn:x"}, Context())
 
@@ -402,8 +400,6 @@ def test_a_batch_of_agent_events_completes_the_world_and_returns_only_the_record
 def test_an_answer_that_could_not_be_sent_stays_parked_for_the_retry(handlers, cloud, resources, monkeypatch):
     """Step Functions out of reach (a closed port, no client retries): the invocation fails
     and the token is still parked; the retry of the same event answers the task."""
-    import dataclasses
-
     import boto3
     from botocore.config import Config
     from conftest import free_port
@@ -416,12 +412,12 @@ def test_an_answer_that_could_not_be_sent_stays_parked_for_the_retry(handlers, c
     working = handlers.common.aws()
     unreachable = boto3.client("stepfunctions", endpoint_url=f"http://127.0.0.1:{free_port()}",
                                config=Config(retries={"mode": "standard", "max_attempts": 1}))
-    monkeypatch.setattr(handlers.common, "aws", lambda: dataclasses.replace(working, sfn=unreachable))
+    monkeypatch.setitem(working.__dict__, "sfn", unreachable)  # the function's client, made on first use
     with pytest.raises(Exception, match="Could not connect"):
         handlers.events.handler(completed, Context())
     assert store.run(run.run_name).waiting.token == token, "the token was dropped unanswered"
 
-    monkeypatch.setattr(handlers.common, "aws", lambda: working)
+    del working.__dict__["sfn"]  # made afresh, reachable, on next use
     handlers.events.handler(completed, Context())
     assert finished(cloud, execution)["status"] == "SUCCEEDED"
     assert store.run(run.run_name).waiting is None
