@@ -12,12 +12,15 @@ unexport PYTHONDONTWRITEBYTECODE
 
 install: $(VENV)/.installed
 
-# --no-compile: a module's bytecode is written when it is first imported. Compiling every module
-# at install (torch's and moto's thousands, most never imported here) took half the install.
+# Bytecode is compiled once, on every core, after the install: pip compiles one file at a time
+# (half the install), and left to first imports, the suite's first processes all compile torch
+# and moto at once, each for itself (cold, four imports of both took twice the CPU of warm ones).
+# torch/testing/_internal is torch's own test helpers, one of them in Python 3.12 syntax.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile --upgrade pip
 	$(PY) -m pip install -q --no-compile -e '.[trainer,local,cli,dev]'
+	$(PY) -m compileall -q -j0 -x 'torch/testing/_internal/' $(VENV)/lib
 	touch $@
 
 # The two virtualenvs are installed side by side: each is about one core's work.
