@@ -22,12 +22,14 @@ os.environ.setdefault("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")
 
 
 LONGEST_FIRST = (
-    "chaos/test_chaos_fast.py", "test_fleet_check_local_run.py",
-    "test_trainer_equivalence.py", "test_localcloud_scale.py", "checkpoint/test_checkpoint_trainer.py", "test_scaling_check_local_run.py",
-    "test_localcloud_stepfunctions.py", "test_standin_local_run.py", "test_agent_local_run.py",
-    "test_localcloud_faults.py", "test_handlers_capacity_run.py", "test_handlers_local_run.py", "test_agent.py",
+    "chaos/test_chaos_fast.py", "test_trainer_equivalence.py", "test_fleet_check_local_run.py",
+    "test_localcloud_scale.py", "test_localcloud_stepfunctions.py", "test_standin_local_run.py",
+    "checkpoint/test_checkpoint_trainer.py", "test_agent_local_run.py", "test_localcloud_faults.py",
+    "test_scaling_check_local_run.py", "test_handlers_capacity_run.py", "test_handlers_local_run.py", "test_agent.py",
 )
-"""The files of a minute or more (measured, longest first), relative to tests/."""
+"""The files of a minute or more, longest first, those that mostly wait (on a run's timers, a
+retry's backoff) beside those that keep cores busy: four such files waiting together left half
+of the two cores idle for two minutes."""
 
 
 def pytest_collection_modifyitems(items):
