@@ -7,11 +7,13 @@ covered here: EC2's per-resource checks, aws:ResourceTag on launch templates and
 groups, ec2:CreateAction, iam:PassedToService, iam:AWSServiceName, ssm:GetParameters for
 resolve:ssm image ids, SendTask* on the state machine, aws:SecureTransport=false."""
 
+import json
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+from moto.iam.aws_managed_policies import aws_managed_policies_data
 
 from localcloud.deploy import load_template, transform_sam
 from localcloud.deploy_intrinsics import Resolver, parameter_values
@@ -25,6 +27,7 @@ EC2 = f"arn:aws:ec2:{REGION}:{ACCOUNT}"
 BUCKET = f"{STACK}-checkpointbucket-x"
 TABLE = f"arn:aws:dynamodb:{REGION}:{ACCOUNT}:table/{STACK}-RunTable-x"
 STATE_MACHINE = f"arn:aws:states:{REGION}:{ACCOUNT}:stateMachine:{STACK}-training-run"
+AWS_MANAGED = json.loads(aws_managed_policies_data)
 
 _ARNS = {
     "AWS::S3::Bucket": lambda name: f"arn:aws:s3:::{name}",
@@ -60,7 +63,11 @@ def rendered() -> dict[str, Any]:
 
 
 def policies(rendered: dict[str, Any], role: str) -> list[dict]:
-    return [policy["PolicyDocument"] for policy in rendered[role]["Properties"].get("Policies", [])]
+    """The role's inline policies and the AWS managed ones it attaches (their documents as IAM has them)."""
+    properties = rendered[role]["Properties"]
+    managed = [AWS_MANAGED[arn.rpartition("/")[2]]["Document"] for arn in properties.get("ManagedPolicyArns", [])
+               if arn.startswith("arn:aws:iam::aws:policy/")]
+    return [policy["PolicyDocument"] for policy in properties.get("Policies", [])] + managed
 
 
 def decide(rendered, role, action, resource, **context) -> str:
@@ -130,6 +137,10 @@ def test_node_role_lists_only_its_prefixes(rendered, context, expected):
     ("states:SendTaskSuccess", STATE_MACHINE, {}, IMPLICIT_DENY),
     ("cloudwatch:PutMetricData", "*", {"cloudwatch_namespace": "Trainfleet"}, ALLOW),
     ("cloudwatch:PutMetricData", "*", {"cloudwatch_namespace": "AWS/EC2"}, IMPLICIT_DENY),
+    ("ssmmessages:OpenDataChannel", "*", {}, ALLOW),  # Session Manager's shell on a node
+    ("ssm:UpdateInstanceInformation", "*", {}, ALLOW),
+    ("ssm:GetParameter", f"arn:aws:ssm:{REGION}:{ACCOUNT}:parameter/team/database-password", {}, IMPLICIT_DENY),
+    ("ssm:GetParameters", f"arn:aws:ssm:{REGION}:{ACCOUNT}:parameter/team/api-key", {}, IMPLICIT_DENY),
 ])
 def test_node_role_control_plane_calls(rendered, action, resource, context, expected):
     assert decide(rendered, "NodeRole", action, resource, **context) == expected
