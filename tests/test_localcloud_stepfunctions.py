@@ -322,6 +322,21 @@ def test_error_names_of_the_states_prefix_are_accepted_as_step_functions_accepts
     assert (failed["status"], failed["error"], failed["cause"]) == ("FAILED", "States.MyCustomError", "made up")
 
 
+def test_a_definition_refused_in_a_jsonata_scope_leaves_later_definitions_as_they_are(local_cloud):
+    """The parser's QueryLanguage scopes were shared by every parse in the process: a refused
+    JSONata definition left its scope behind, and every later JSONPath definition with a
+    ResultPath was refused; executions started together parsed into each other's scopes."""
+    from botocore.exceptions import ClientError
+
+    with pytest.raises(ClientError, match="InvalidDefinition"):
+        create_state_machine(local_cloud, {"QueryLanguage": "JSONata", "StartAt": "A", "States": {
+            "A": {"Type": "Pass", "ResultPath": "$.x", "End": True}}})  # ResultPath is JSONPath's alone
+    machine = create_state_machine(local_cloud, {"StartAt": "A", "States": {
+        "A": {"Type": "Pass", "Result": 1, "ResultPath": None, "End": True}}})
+
+    assert run_execution(local_cloud, machine, {"kept": True})["status"] == "SUCCEEDED"
+
+
 def test_errors_of_parallel_branches_and_map_iterations_keep_name_cause_and_kind(local_cloud):
     """A branch's States.Timeout reaches the Parallel's catchers as States.Timeout, which
     States.TaskFailed does not match; a Map iteration's error keeps its name and cause."""

@@ -80,6 +80,14 @@ that. These patches fill the gaps:
 - GetExecutionHistory returned every event in one page whatever the request said; it now
   honours maxResults (default 100, at most 1000), reverseOrder and nextToken (a token from
   other arguments is refused with InvalidToken), as the API documents.
+- Parsing a definition: the parser's stack of QueryLanguage scopes was one list shared by every
+  parse in the process (a class attribute). A definition refused inside a JSONata scope left
+  that scope on it, so every later JSONPath definition with a ResultPath was refused too, and
+  executions started at the same moment parsed into each other's scopes: an execution whose
+  parse failed that way stayed RUNNING, with no history, for ever. Each parse now has its own.
+- A definition refused by CreateStateMachine or UpdateStateMachine came back with no error
+  code (the parser's own exception type, which the API layer does not know); Step Functions
+  answers InvalidDefinition (400), and so does the glue.
 """
 
 from __future__ import annotations
@@ -148,12 +156,13 @@ from moto.stepfunctions.parser.asl.eval.environment import Environment
 from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
 from moto.stepfunctions.parser.asl.eval.states import StateData
 from moto.stepfunctions.parser.asl.jsonata import jsonata as moto_jsonata
+from moto.stepfunctions.parser.asl.parse.preprocessor import Preprocessor
 from moto.stepfunctions.parser.asl.utils import boto_client
 
 from moto.core.exceptions import AWSError
 from moto.core.responses import ActionResult, EmptyResult
 from moto.stepfunctions.exceptions import InvalidToken, ValidationException
-from moto.stepfunctions.parser.api import ExecutionStatus, StateMachineType
+from moto.stepfunctions.parser.api import ExecutionStatus, InvalidDefinition, StateMachineType
 from moto.stepfunctions.parser.backend.execution import BaseExecutionWorkerCommunication, Execution
 from moto.stepfunctions.parser.backend.execution_worker import ExecutionWorker
 from moto.stepfunctions.parser.models import StepFunctionsParserBackend
@@ -376,6 +385,24 @@ def _binary_from_text(value: Any, shape: Shape) -> Any:
         except binascii.Error as error:
             raise ValueError(f"binary value {value[:40]!r} is not base64 text: {error}") from error
     return value
+
+
+# --- parsing a definition: its own QueryLanguage scopes; InvalidDefinition --------------------
+
+_moto_preprocessor_init = Preprocessor.__init__
+_moto_validate_definition = StepFunctionsParserBackend._validate_definition
+
+
+def _preprocessor_with_own_scopes(self: Preprocessor, *args: Any, **kwargs: Any) -> None:
+    _moto_preprocessor_init(self, *args, **kwargs)
+    self._query_language_per_scope = []
+
+
+def _validate_definition(definition: str) -> None:
+    try:
+        _moto_validate_definition(definition)
+    except InvalidDefinition as refused:
+        raise AWSError(refused.message, "InvalidDefinition") from None
 
 
 # --- StartExecution without a name -------------------------------------------------------
@@ -640,6 +667,8 @@ def apply() -> None:
     Execution.stop = _stop_now
     BaseExecutionWorkerCommunication.terminated = _terminated_and_publish
     StepFunctionsParserBackend.start_execution = _start_execution
+    Preprocessor.__init__ = _preprocessor_with_own_scopes
+    StepFunctionsParserBackend._validate_definition = staticmethod(_validate_definition)
     StateTaskService._normalise_parameters = _normalise_parameters
     StateTaskService._normalise_response = _normalise_response
     StateTaskService._from_boto_response_value = staticmethod(_response_value)
