@@ -163,7 +163,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 ROLE_MODULES = {"trainer": ("trainer.worker", "trainer.train"), "agent": ("trainer.agent",),
-                "launcher": ("torch.distributed.run",)}
+                "launcher": ("trainer.torchrun",)}
 """Process role -> the Python modules (`python -m MODULE`) a process of that role runs."""
 _ROLE_MODULE_NAMES = [module for modules in ROLE_MODULES.values() for module in modules]
 _OPTIONS_WITH_VALUE = {"-W", "-X", "-Q"}

@@ -43,7 +43,7 @@ ending its instances. Far longer than any local run, however slow the machine: i
 timeout of the product's, and one that a slow run could reach would fail it for nothing."""
 NODE_MODULES = ["localcloud.node_boot", "trainer.agent", "trainer.standin"]
 """What a node's warm image imports: the boot, the agent and the stand-in trainer (a thread of it)."""
-TRAINER_MODULES = ["trainer.health", "torch.distributed.run", "trainer.worker", "trainer.train"]
+TRAINER_MODULES = ["trainer.health", "trainer.torchrun", "trainer.worker", "trainer.train"]
 """And where nodes run the real trainer: preflight, torchrun and the ranks, each run in place."""
 PATIENT = Config(retries={"max_attempts": 20, "mode": "standard"})
 """Up to 19 retries with capped exponential backoff: about a minute of a failing service."""

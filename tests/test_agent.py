@@ -85,7 +85,7 @@ def test_torchrun_joins_the_rendezvous_of_node_rank_0(tmp_path):
     files = AttemptFiles(tmp_path)
     host = torchrun_command(launch_spec(), 0, IDENTITY, files)
     peer = torchrun_command(launch_spec(), 1, IDENTITY, files)
-    assert host[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert host[:3] == [sys.executable, "-m", "trainer.torchrun"]
     for command in (host, peer):
         assert "--nnodes=2" in command and "--nproc-per-node=1" in command and "--max-restarts=0" in command
         assert f"--rdzv-endpoint=127.77.0.11:{RENDEZVOUS_PORT}" in command and "--rdzv-id=run-a-0" in command
@@ -774,3 +774,18 @@ def test_a_world_checks_result_file_becomes_its_event():
     config = trainer_config(spec, files)
     assert config["scaling_check"]["result_file"] == "/attempt-3/scaling-check.json"
     assert config["fleet_check"]["result_file"] == "/attempt-3/fleet-check.json"
+
+
+def test_torchrun_names_a_rendezvous_event_s_method_as_torch_does_without_inspecting_the_stack():
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import get_method_name
+
+    from trainer.torchrun import caller_name
+
+    def record(name_of) -> str:  # as torch's _record: the name of the method that called it
+        return name_of()
+
+    def keep_alive(name_of) -> str:
+        return record(name_of)
+
+    assert keep_alive(caller_name) == keep_alive(get_method_name) == "keep_alive"
+    assert caller_name(depth=10_000) == get_method_name(depth=10_000) == "no_method_name"

@@ -573,7 +573,7 @@ def torchrun_command(spec: LaunchSpec, node_rank: int, identity: Identity, files
     # must not crash its peers' launches, as late as the join itself may be.
     rendezvous = {"is_host": "true" if node_rank == 0 else "false", "join_timeout": RENDEZVOUS_JOIN_TIMEOUT_S,
                   "read_timeout": RENDEZVOUS_JOIN_TIMEOUT_S}
-    return [sys.executable, "-m", "torch.distributed.run",
+    return [sys.executable, "-m", "trainer.torchrun",
             f"--nnodes={plan.nodes}", f"--nproc-per-node={plan.ranks_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rendezvous_host}:{spec.rendezvous_port}",
             f"--rdzv-id={spec.rendezvous_id}",
