@@ -4,7 +4,9 @@ AWS events here; the agents' events reach the same processing in batches (functi
 
 Idempotent on the event id (Powertools, DynamoDB): a redelivered event is answered from the
 idempotency table and acts once. Beyond that, what an event may change is decided from the
-records: an agent event of an attempt already replaced is ignored (lifecycle.is_stale), and an
+records: an agent event counts only from a node of the run it names, and speaks for its sender
+alone (lifecycle.sender_problem; the node role lets a node put events under its own instance ARN
+only); one of an attempt already replaced is ignored (lifecycle.is_stale), and an
 AWS event about a node the run has already retired only records that the instance is gone.
 A failure answers the parked task token with trainfleet.Failure only when it concerns the
 run's current world: a lost spare is recorded, not fought over. With no token parked, the
@@ -39,7 +41,7 @@ from trainfleet.contracts import (AgentEvent, CheckpointCommitted, Ec2InstanceSt
                                   NodeRecord, NodeRegistered, NodeRole, NodeState, RunRecord, ScalingChecked,
                                   TrainingCompleted, TrainingProgress, parse_event)
 from trainfleet.lifecycle import (checkpoint_before_leaving, classify_event, departure_wait_may_end,
-                                  departure_wait_over, is_stale, waits_for_emergency_checkpoint)
+                                  departure_wait_over, is_stale, sender_problem, waits_for_emergency_checkpoint)
 
 
 
@@ -227,13 +229,34 @@ def _aws_event_nodes(instance_ids: list[str]) -> list[NodeRecord]:
     return [node for node in found if node is not None]
 
 
-def handle_agent_event(detail: AgentEvent, observed_at: datetime) -> str:
+def _this_stacks(instance_ids: list[str]) -> list[str]:
+    """Those of the instances this stack launched (its tag)."""
+    return instances_among(aws().ec2, instance_ids, {"Name": f"tag:{TAG_STACK}", "Values": [aws().settings.stack_name]})
+
+
+def _recorded_node(run_name: str, instance_id: str | None) -> bool:
+    if instance_id is None:
+        return False
+    try:
+        aws().store.node(run_name, instance_id)
+    except NodeNotFound:
+        return False
+    return True
+
+
+def handle_agent_event(detail: AgentEvent, observed_at: datetime, sender: str | None) -> str:
     try:
         run = aws().store.run(detail.run_name)
     except RunNotFound:
         return "ignored: unknown run"
     if run.state.is_final:
         return "ignored: run finished"
+    problem = sender_problem(detail, sender, _recorded_node(run.run_name, sender))
+    if problem is not None:
+        if sender and aws().store.node_by_instance(sender) is None and _this_stacks([sender]):
+            raise NodeNotRecordedYet(f"{sender}: launched by this stack, not recorded by a run yet")
+        logger.warning("agent event refused", run_name=detail.run_name, sender=sender, problem=problem)
+        return f"ignored: {problem}"
     if is_stale(detail, run.attempt):
         if isinstance(detail, TrainingProgress) and detail.samples:
             # Its steps stay in the run's history (the report's curves); nothing else of it counts.
@@ -266,8 +289,7 @@ def handle_aws_event(detail: Any, observed_at: datetime) -> str:
     by_run: dict[str, list[NodeRecord]] = {}
     named = detail.instance_ids if isinstance(detail, HealthEvent) else [detail.instance_id]
     nodes = _aws_event_nodes(named)
-    ours = {"Name": f"tag:{TAG_STACK}", "Values": [aws().settings.stack_name]}
-    if not nodes and named and (unrecorded := instances_among(aws().ec2, named, ours)):
+    if not nodes and named and (unrecorded := _this_stacks(named)):
         raise NodeNotRecordedYet(f"{', '.join(unrecorded)}: launched by this stack, not recorded by a run yet")
     for node in nodes:
         by_run.setdefault(node.run_name, []).append(node)
@@ -304,8 +326,10 @@ def process_event(event: dict[str, Any]) -> dict[str, str]:
     """Act on one EventBridge event; the outcome says what it changed (or why nothing)."""
     envelope = parse_event(event)
     detail = envelope.detail
-    handle = handle_agent_event if isinstance(detail, AgentEvent) else handle_aws_event
-    outcome = handle(detail, envelope.time)
+    if isinstance(detail, AgentEvent):
+        outcome = handle_agent_event(detail, envelope.time, envelope.sender)
+    else:
+        outcome = handle_aws_event(detail, envelope.time)
     metrics.add_metric(name="EventsIgnored" if outcome.startswith("ignored") else "EventsActedOn",
                        unit=MetricUnit.Count, value=1)
     logger.info("event handled", event_id=envelope.id, detail_type=envelope.detail_type.value, outcome=outcome)

@@ -17,6 +17,10 @@ matches the resource (case-sensitive wildcards) and every condition holds. `reso
 means the local cloud does not know the request's resource (see the glue): every Resource
 element then matches, so only actions and conditions are evaluated.
 
+Policy variables (`${aws:userid}`, `${ec2:SourceInstanceARN}`, ...) in a Resource or a condition's
+values are the request's values of those keys, in policies of Version 2012-10-17 (in older ones
+they are plain text); one naming a key the request lacks matches nothing.
+
 A condition key in `unevaluated_keys` is one the local cloud cannot derive from a request; its
 condition is not evaluated locally (holds). Any other key missing from the context makes its
 condition false, except for the negated operators (StringNotEquals, ...), which hold, and Null,
@@ -48,6 +52,49 @@ def matches(glob: str, value: str, ignore_case: bool = False) -> bool:
 
 def _listed(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
+
+
+_VARIABLE = re.compile(r"\$\{([^}]*)\}")
+
+
+def resolve(text: Any, context: Mapping[str, Any]) -> Any:
+    """`text` with each policy variable `${KEY}` replaced by the request's value of KEY; None
+    when the request lacks one (AWS: the element then matches nothing). Not strings: as they are."""
+    if not isinstance(text, str) or "${" not in text:
+        return text
+    missing = False
+
+    def value(match: re.Match) -> str:
+        nonlocal missing
+        key = match.group(1)
+        if key in ("*", "?", "$") or "," in key:
+            raise ValueError(f"policy variable ${{{key}}} is not evaluated by the local cloud")
+        found = next((value for name, value in context.items() if name.lower() == key.lower()), None)
+        missing = missing or found is None
+        return str(found or "")
+
+    resolved = _VARIABLE.sub(value, text)
+    return None if missing else resolved
+
+
+def _resolved(values: Any, context: Mapping[str, Any]) -> list[Any]:
+    return [value for value in (resolve(value, context) for value in _listed(values)) if value is not None]
+
+
+VARIABLES_VERSION = "2012-10-17"
+"""The policy language version that has policy variables."""
+
+
+def _with_variables(statement: Mapping[str, Any], context: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The statement with the policy variables of its resources and condition values resolved."""
+    resolved = dict(statement)
+    for element in ("Resource", "NotResource"):
+        if element in statement:
+            resolved[element] = _resolved(statement[element], context)
+    if "Condition" in statement:
+        resolved["Condition"] = {operator: {key: _resolved(expected, context) for key, expected in keys.items()}
+                                 for operator, keys in statement["Condition"].items()}
+    return resolved
 
 
 def _string_like(expected: str, actual: str) -> bool:
@@ -143,7 +190,10 @@ def evaluate(policies: Iterable[Mapping[str, Any]], action: str, resource: str |
     unevaluated_keys = tuple(unevaluated_keys)
     decision = IMPLICIT_DENY
     for policy in policies:
+        variables = policy.get("Version") == VARIABLES_VERSION
         for statement in _listed(policy.get("Statement", [])):
+            if variables:
+                statement = _with_variables(statement, context)
             if not statement_applies(statement, action, resource, context, unevaluated_keys):
                 continue
             if statement.get("Effect") == "Deny":

@@ -29,6 +29,7 @@ Behaviour follows EC2's instance metadata service:
   then the JSON documents EC2 serves; tags/instance exists only when the instance allows tags
   in metadata (InstanceMetadataTags=enabled);
 - dynamic/instance-identity/document is the instance identity document (JSON);
+  services/partition and services/domain are the commercial partition's;
 - an instance launched with an instance profile has iam/info and
   iam/security-credentials/<role> (temporary credentials, renewed before they expire; under
   `serve_fleet` they are STS credentials of the role, which the local cloud authorizes against
@@ -49,6 +50,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from botocore.exceptions import ClientError
+
+from trainfleet.contracts import instance_arn
 
 if TYPE_CHECKING:
     from localcloud.cloud import LocalCloud
@@ -161,6 +164,7 @@ def metadata_tree(record: InstanceMetadata, credentials: RoleCredentials | None 
         "local-hostname": hostname,
         "local-ipv4": record.local_ipv4,
         "placement": {"availability-zone": record.availability_zone, "region": record.region},
+        "services": {"domain": "amazonaws.com", "partition": "aws"},
     }
     if record.tags_in_metadata:
         meta_data["tags"] = {"instance": dict(record.tags)}
@@ -499,7 +503,8 @@ def role_session_of(cloud: LocalCloud) -> CredentialIssuer:
 
     def issue(record: InstanceMetadata, lifetime: timedelta) -> RoleCredentials:
         role_arn = f"arn:aws:iam::{record.account_id}:role/{record.role_name}"
-        issued = role_credentials(record.account_id, cloud.region, role_arn, record.instance_id)
+        issued = role_credentials(record.account_id, cloud.region, role_arn, record.instance_id,
+                                  instance_arn("aws", cloud.region, record.account_id, record.instance_id))
         expiration = datetime.strptime(issued["AWS_CREDENTIAL_EXPIRATION"], "%Y-%m-%dT%H:%M:%SZ")
         return RoleCredentials(issued["AWS_ACCESS_KEY_ID"], issued["AWS_SECRET_ACCESS_KEY"],
                                issued["AWS_SESSION_TOKEN"], datetime.now(timezone.utc),

@@ -22,7 +22,7 @@ import boto3
 from trainer.checkpoint_catalog import MARKER_NAME, Manifest, StoredFile, open_store, shard_folder, step_dir_name
 from trainfleet.adapters.run_store import NodeNotFound, RunStore
 from trainfleet.contracts import (CheckpointCommitted, LaunchSpec, NodeReady, NodeRegistered,
-                                  TrainingCompleted, put_events_entry)
+                                  TrainingCompleted, instance_arn, put_events_entry)
 
 TOTAL_STEPS = 60
 CHECKPOINT_EVERY = 10
@@ -37,6 +37,7 @@ INSTANCE_ID = os.environ["LOCALCLOUD_INSTANCE_ID"]
 PRIVATE_IP = os.environ["LOCALCLOUD_PRIVATE_IP"]
 
 events = boto3.client("events")
+SENDER = instance_arn("aws", events.meta.region_name, boto3.client("sts").get_caller_identity()["Account"], INSTANCE_ID)
 s3 = boto3.client("s3")
 sfn = boto3.client("stepfunctions")
 store = RunStore(boto3.client("dynamodb"), os.environ["TRAINFLEET_RUN_TABLE"])
@@ -44,7 +45,7 @@ started = time.monotonic()
 
 
 def send(detail) -> None:
-    response = events.put_events(Entries=[put_events_entry(detail, EVENT_BUS)])
+    response = events.put_events(Entries=[put_events_entry(detail, EVENT_BUS, SENDER)])
     assert response["FailedEntryCount"] == 0, response
 
 

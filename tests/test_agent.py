@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 SETTINGS_ENV = {"TRAINFLEET_RUN_NAME": "run-a", "TRAINFLEET_RUN_TABLE": "table",
                 "TRAINFLEET_LIVENESS_TABLE": "liveness", "TRAINFLEET_BUCKET": "bucket", "TRAINFLEET_EVENT_BUS": "bus"}
 IDENTITY = Identity(instance_id="i-0aaa", instance_type="c5.large", private_ip="127.77.0.11",
-                    availability_zone="us-east-1a", region="us-east-1")
+                    availability_zone="us-east-1a", region="us-east-1", account_id="123456789012")
 
 
 def run_record(**fields) -> RunRecord:
@@ -267,7 +267,7 @@ def watched_attempt(moto_endpoint, metadata_service, tmp_path):
     events.create_event_bus(Name=name)
     queue_url = sqs.create_queue(QueueName=name)["QueueUrl"]
     queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
-    events.put_rule(Name=name, EventBusName=name, EventPattern=json.dumps({"source": ["trainfleet"]}))
+    events.put_rule(Name=name, EventBusName=name, EventPattern=json.dumps({"source": [{"prefix": "trainfleet/"}]}))
     events.put_targets(Rule=name, EventBusName=name, Targets=[{"Id": "queue", "Arn": queue_arn}])
     liveness = table_from_template(boto3.client("dynamodb", region_name="us-east-1"), "LivenessTable")
     settings = AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_BUCKET": name, "TRAINFLEET_EVENT_BUS": name,
@@ -308,7 +308,7 @@ def test_the_rank_0_node_announces_each_new_commit_once_with_progress(watched_at
         ("CheckpointCommitted", 20, "interval"), ("CheckpointCommitted", 30, "requested"),
         ("TrainingProgress", 21, None)]
     assert events[0]["detail"]["uri"] == store.step_uri(catalog.step_dir_name(20))
-    assert all(event["detail"]["attempt"] == 1 and event["source"] == "trainfleet" for event in events)
+    assert all(event["detail"]["attempt"] == 1 and event["source"] == f"trainfleet/{IDENTITY.arn}" for event in events)
 
 
 def test_a_commit_asked_for_is_announced_at_once_others_at_the_next_look(watched_attempt):

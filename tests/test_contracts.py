@@ -249,13 +249,26 @@ AGENT_SAMPLES = [
 
 @pytest.mark.parametrize("detail", AGENT_SAMPLES, ids=lambda d: type(d).__name__)
 def test_agent_events_round_trip_through_put_events(detail):
-    entry = c.put_events_entry(detail, event_bus_name="trainfleet")
-    assert entry["Source"] == "trainfleet" and entry["DetailType"] == type(detail).__name__
+    sender = "arn:aws:ec2:us-east-1:123456789012:instance/i-0123456789abcdef0"
+    entry = c.put_events_entry(detail, event_bus_name="trainfleet", sender_arn=sender)
+    assert entry["Source"] == f"trainfleet/{sender}" and entry["DetailType"] == type(detail).__name__
     # What a rule target receives: EventBridge's envelope around the entry.
     delivered = {"version": "0", "id": "e-1", "source": entry["Source"], "detail-type": entry["DetailType"],
                  "time": "2026-01-01T00:00:00Z", "resources": entry["Resources"],
                  "detail": json.loads(entry["Detail"])}
-    assert c.parse_event(delivered).detail == detail
+    parsed = c.parse_event(delivered)
+    assert parsed.detail == detail and parsed.sender == "i-0123456789abcdef0"
+
+
+@pytest.mark.parametrize("source, sender", [
+    ("trainfleet/arn:aws:ec2:us-east-1:123456789012:instance/i-0abc", "i-0abc"),
+    ("trainfleet/arn:aws-cn:ec2:cn-north-1:123456789012:instance/i-0abc", "i-0abc"),
+    ("trainfleet", None),                                              # no sender named
+    ("trainfleet/arn:aws:iam::123456789012:role/node", None),          # not an instance
+    ("aws.ec2", None),
+])
+def test_an_event_s_sender_is_the_instance_its_source_names(source, sender):
+    assert c.event_sender(source) == sender
 
 
 def test_unknown_event_and_bad_detail_are_refused_with_the_field():

@@ -19,7 +19,8 @@ from trainfleet.adapters.ec2_fleet import TAG_RUN, TAG_STACK, run_instance_ids
 from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.contracts import (FAILURE_ERROR, CheckpointRef, FailureClass, FailureReport, NodeLiveness, NodeRecord,
-                                  NodeRole, NodeState, ParallelPlan, RunRecord, RunSpec, RunState, TaskWait)
+                                  NodeRole, NodeState, ParallelPlan, RunRecord, RunSpec, RunState, TaskWait,
+                                  instance_arn, node_event_source)
 
 from localcloud_helpers import table_from_template
 
@@ -144,8 +145,11 @@ def finished(cloud, execution: str) -> dict:
     return sfn.describe_execution(executionArn=execution)
 
 
-def agent_event(detail_type: str, detail: dict) -> dict:
-    return {"version": "0", "id": str(uuid.uuid4()), "source": "trainfleet", "detail-type": detail_type,
+def agent_event(detail_type: str, detail: dict, sender: str | None = None) -> dict:
+    """The event as the agents' rule delivers it, sent by `sender` (default: the instance it names)."""
+    sender = sender or detail.get("instance_id")
+    source = node_event_source(instance_arn("aws", "us-east-1", "123456789012", sender)) if sender else "trainfleet"
+    return {"version": "0", "id": str(uuid.uuid4()), "source": source, "detail-type": detail_type,
             "account": "123456789012", "time": "2026-01-01T00:00:00Z", "region": "us-east-1",
             "resources": [], "detail": detail}
 
@@ -973,6 +977,24 @@ def test_a_crash_reported_before_ec2s_event_replaces_the_lost_worker_alone_and_b
     assert outcome == "node terminated"
     assert (store.run(name).restarts, len(store.run(name).failures)) == (1, 1)
     ec2.terminate_instances(InstanceIds=run_instance_ids(ec2, name, STACK))
+
+
+def test_an_agent_event_counts_only_from_a_node_of_its_run_speaking_for_itself(handlers, cloud, resources):
+    store, run, (worker, peer) = recorded_run(cloud, resources)
+    _, _, (stranger, _) = recorded_run(cloud, resources)  # a node of another run of the stack
+    store.park_task(run.run_name, TaskWait(purpose="train", attempt=0, token="token-of-a-live-task"))
+    completed = {"run_name": run.run_name, "attempt": 0, "final_step": 10}
+    unhealthy = {"run_name": run.run_name, "attempt": 0, "instance_id": worker, "reason": "8 of 8 GPUs"}
+    forged = [(agent_event("TrainingCompleted", completed, sender=stranger),
+               f"ignored: its sender {stranger} is no node of run {run.run_name!r}"),
+              (agent_event("NodeUnhealthy", unhealthy, sender=stranger),
+               f"ignored: its sender {stranger} is no node of run {run.run_name!r}"),
+              (agent_event("NodeUnhealthy", unhealthy, sender=peer), f"ignored: its sender {peer} speaks for {worker}"),
+              (agent_event("TrainingCompleted", completed), "ignored: it names no sending instance")]
+    for event, outcome in forged:
+        assert handlers.events.handler(event, Context())["outcome"] == outcome
+    assert store.run(run.run_name).state is RunState.TRAINING and store.run(run.run_name).waiting is not None
+    assert store.node(run.run_name, worker).state is NodeState.REGISTERED
 
 
 def test_a_report_about_a_node_already_retired_changes_nothing(handlers, cloud, resources):

@@ -30,8 +30,8 @@ def role_with(cloud, statements: list[dict]) -> str:
     return arn
 
 
-def client_as(cloud, role_arn: str, service: str, session: str = "node"):
-    credentials = iam_glue.role_credentials(cloud.account_id, cloud.region, role_arn, session)
+def client_as(cloud, role_arn: str, service: str, session: str = "node", instance_arn: str | None = None):
+    credentials = iam_glue.role_credentials(cloud.account_id, cloud.region, role_arn, session, instance_arn)
     return boto3.client(service, endpoint_url=cloud.endpoint, region_name=cloud.region,
                         aws_access_key_id=credentials["AWS_ACCESS_KEY_ID"],
                         aws_secret_access_key=credentials["AWS_SECRET_ACCESS_KEY"],
@@ -177,3 +177,21 @@ def test_each_lambda_function_runs_with_its_execution_roles_credentials(enforced
     assert outcomes["runs"]["artifacts/w.whl"].startswith(f"User: arn:aws:sts::{cloud.account_id}:assumed-role/{runs_role}/")
     assert outcomes["artifacts"]["artifacts/w.whl"] == "artifacts/w.whl"
     assert f"assumed-role/{artifacts_role}/" in outcomes["artifacts"]["runs/x"]
+
+
+def test_an_instance_profiles_requests_carry_the_instance_so_a_policy_can_name_it(enforced):
+    """ec2:SourceInstanceARN, as a policy variable: each instance may put events under its own
+    ARN only (the node role's rule); a session that is no instance's has no such key."""
+    cloud = enforced
+    bus = f"arn:aws:events:{cloud.region}:{cloud.account_id}:event-bus/default"
+    role = role_with(cloud, [{"Effect": "Allow", "Action": "events:PutEvents", "Resource": bus,
+                              "Condition": {"StringEquals": {"events:source": "trainfleet/${ec2:SourceInstanceARN}"}}}])
+    mine, theirs = (f"arn:aws:ec2:{cloud.region}:{cloud.account_id}:instance/i-0{n}" for n in "ab")
+    events = client_as(cloud, role, "events", session="i-0a", instance_arn=mine)
+    events.put_events(Entries=[{"Source": f"trainfleet/{mine}", "DetailType": "NodeReady", "Detail": "{}"}])
+    for source in (f"trainfleet/{theirs}", "trainfleet/${ec2:SourceInstanceARN}", "trainfleet"):
+        with pytest.raises(ClientError, match="not authorized to perform: events:PutEvents"):
+            events.put_events(Entries=[{"Source": source, "DetailType": "NodeReady", "Detail": "{}"}])
+    not_an_instance = client_as(cloud, role, "events", session="operator")
+    with pytest.raises(ClientError, match="not authorized to perform: events:PutEvents"):
+        not_an_instance.put_events(Entries=[{"Source": f"trainfleet/{mine}", "DetailType": "NodeReady", "Detail": "{}"}])

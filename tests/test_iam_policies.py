@@ -75,6 +75,10 @@ def decide(rendered, role, action, resource, **context) -> str:
     return evaluate(policies(rendered, role), action, resource, context)
 
 
+NODE, PEER = (f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/i-0{n}" for n in "ab")
+"""ec2:SourceInstanceARN of a node's requests, and another node's."""
+
+
 def s3(key: str) -> str:
     return f"arn:aws:s3:::{BUCKET}/{key}"
 
@@ -128,11 +132,15 @@ def test_node_role_lists_only_its_prefixes(rendered, context, expected):
     ("dynamodb:GetItem", TABLE, {}, ALLOW),
     ("dynamodb:PutItem", TABLE, {}, IMPLICIT_DENY),
     ("events:PutEvents", f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{STACK}-AgentEventBus-x",
-     {"events_source": "trainfleet"}, ALLOW),
+     {"events_source": f"trainfleet/{NODE}", "ec2_SourceInstanceARN": NODE}, ALLOW),
     ("events:PutEvents", f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{STACK}-AgentEventBus-x",
-     {"events_source": "aws.ec2"}, IMPLICIT_DENY),  # a node cannot forge AWS's events
+     {"events_source": f"trainfleet/{NODE}", "ec2_SourceInstanceARN": PEER}, IMPLICIT_DENY),  # as another node
+    ("events:PutEvents", f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{STACK}-AgentEventBus-x",
+     {"events_source": "trainfleet", "ec2_SourceInstanceARN": NODE}, IMPLICIT_DENY),  # as no node
+    ("events:PutEvents", f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{STACK}-AgentEventBus-x",
+     {"events_source": "aws.ec2", "ec2_SourceInstanceARN": NODE}, IMPLICIT_DENY),  # a node cannot forge AWS's events
     ("events:PutEvents", f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/default",
-     {"events_source": "trainfleet"}, IMPLICIT_DENY),
+     {"events_source": f"trainfleet/{NODE}", "ec2_SourceInstanceARN": NODE}, IMPLICIT_DENY),
     ("states:SendTaskHeartbeat", STATE_MACHINE, {}, ALLOW),
     ("states:SendTaskSuccess", STATE_MACHINE, {}, IMPLICIT_DENY),
     ("cloudwatch:PutMetricData", "*", {"cloudwatch_namespace": "Trainfleet"}, ALLOW),
@@ -232,3 +240,22 @@ def test_the_state_machine_invokes_only_the_stacks_functions(rendered):
 def test_the_bucket_refuses_requests_without_tls(rendered, secure, expected):
     policy = rendered["CheckpointBucketPolicy"]["Properties"]["PolicyDocument"]
     assert evaluate([policy], "s3:GetObject", s3("runs/r/x"), {"aws:SecureTransport": secure}) == expected
+
+
+# --- the evaluator's policy variables ----------------------------------------------------------
+
+def test_policy_variables_are_the_requests_values_and_a_missing_one_matches_nothing():
+    policy = {"Version": "2012-10-17", "Statement": [
+        {"Effect": "Allow", "Action": "s3:GetObject", "Resource": "arn:aws:s3:::b/home/${aws:userid}/*"},
+        {"Effect": "Allow", "Action": "s3:ListBucket", "Resource": "arn:aws:s3:::b",
+         "Condition": {"StringLike": {"s3:prefix": "home/${aws:userid}/*"}}}]}
+    me = {"aws:userid": "AROAEXAMPLE:i-0a"}
+    assert evaluate([policy], "s3:GetObject", "arn:aws:s3:::b/home/AROAEXAMPLE:i-0a/x", me) == ALLOW
+    assert evaluate([policy], "s3:GetObject", "arn:aws:s3:::b/home/AROAEXAMPLE:i-0b/x", me) == IMPLICIT_DENY
+    assert evaluate([policy], "s3:GetObject", "arn:aws:s3:::b/home/${aws:userid}/x", {}) == IMPLICIT_DENY
+    assert evaluate([policy], "s3:ListBucket", "arn:aws:s3:::b", me | {"s3:prefix": "home/AROAEXAMPLE:i-0a/"}) == ALLOW
+    assert evaluate([policy], "s3:ListBucket", "arn:aws:s3:::b", {"s3:prefix": "home/${aws:userid}/"}) == IMPLICIT_DENY
+    # The 2008 language has no variables: the text is literal.
+    literal = policy | {"Version": "2008-10-17"}
+    assert evaluate([literal], "s3:GetObject", "arn:aws:s3:::b/home/AROAEXAMPLE:i-0a/x", me) == IMPLICIT_DENY
+    assert evaluate([literal], "s3:GetObject", "arn:aws:s3:::b/home/${aws:userid}/x", me) == ALLOW

@@ -7,7 +7,7 @@ import json
 from localcloud.imds import serve_fleet
 from localcloud_helpers import event_sink, receive, unique
 from trainfleet.adapters.ec2_fleet import NODE_PYTHON_ARTIFACT, node_user_data
-from trainfleet.contracts import BOOT_CHECK, NodeUnhealthy
+from trainfleet.contracts import BOOT_CHECK, NodeUnhealthy, event_sender
 from trainfleet.settings import Settings
 
 NODE_POLICY = {"Version": "2012-10-17", "Statement": [
@@ -32,7 +32,7 @@ def test_a_bootstrap_step_that_fails_is_reported_with_its_output(local_cloud):
     s3, bucket = local_cloud.client("s3"), unique("bucket")
     s3.create_bucket(Bucket=bucket)
     s3.put_object(Bucket=bucket, Key="artifacts/trainfleet-0.1.0-py3-none-any.whl", Body=b"wheel")
-    sink = event_sink(local_cloud, {"source": ["trainfleet"], "detail-type": ["NodeUnhealthy"]})
+    sink = event_sink(local_cloud, {"source": [{"prefix": "trainfleet/"}], "detail-type": ["NodeUnhealthy"]})
     settings = Settings(run_table="runs", liveness_table="liveness", bucket=bucket, event_bus="default",
                         stack_name="trainfleet", node_instance_profile_arn=node_profile(local_cloud))
     imds = serve_fleet(local_cloud)
@@ -47,6 +47,7 @@ def test_a_bootstrap_step_that_fails_is_reported_with_its_output(local_cloud):
         imds.stop()
     report = NodeUnhealthy.model_validate(event["detail"])
     assert (report.run_name, report.instance_id) == ("boot-run", instance_id)
+    assert event_sender(event["source"]) == instance_id, "sent as the instance itself"
     assert report.reason.startswith(f"bootstrap failed at: unpacking the node's Python (artifacts/{NODE_PYTHON_ARTIFACT})")
     (check,) = report.checks
     assert check.name == BOOT_CHECK and not check.passed

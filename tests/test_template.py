@@ -97,7 +97,8 @@ def test_every_agent_event_type_reaches_the_agents_queue_on_the_stacks_own_bus(t
     source = resources["AgentEventsFunction"]["Properties"]["Events"]["AgentEvents"]
     assert source["Type"] == "SQS" and source["Properties"]["Queue"] == {"Fn::GetAtt": ["AgentEventQueue", "Arn"]}
     detail = NodeReady(run_name="demo", attempt=0, instance_id="i-0123456789abcdef0")
-    entry = put_events_entry(detail, "trainfleet-test-agents")
+    entry = put_events_entry(detail, "trainfleet-test-agents",
+                             "arn:aws:ec2:us-east-1:123456789012:instance/i-0123456789abcdef0")
     for source, detail_type in DETAIL_MODELS:
         if source != EVENT_SOURCE:
             continue

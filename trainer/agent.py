@@ -102,7 +102,7 @@ from trainfleet.contracts import (PROGRESS_SAMPLES_MAX, AgentEvent, CheckpointCo
                                   HealthCheckResult,
                                   LaunchSpec, NodeLiveness, NodeReady, NodeRecord, NodeRegistered, NodeUnhealthy,
                                   RunRecord, RunState, TrainerFailed, TrainerFailureKind, TrainingCompleted,
-                                  TrainingProgress, put_events_entry)
+                                  TrainingProgress, instance_arn, put_events_entry)
 from trainfleet.lifecycle import checkpoint_request_answered, poll_interval
 from trainfleet.pace import heartbeat_pace, longest_look, stalled
 
@@ -226,6 +226,16 @@ class Identity:
     """meta-data/placement/availability-zone."""
     region: str
     """meta-data/placement/region: where the agent's AWS clients go."""
+    account_id: str
+    """dynamic/instance-identity/document's accountId."""
+    partition: str = "aws"
+    """meta-data/services/partition."""
+
+    @property
+    def arn(self) -> str:
+        """The instance's ARN: the sender named in every event it sends (the node role lets it
+        put events with that source alone)."""
+        return instance_arn(self.partition, self.region, self.account_id, self.instance_id)
 
 
 class MetadataClient(IMDSFetcher):
@@ -266,10 +276,14 @@ class MetadataClient(IMDSFetcher):
                 raise AgentError(f"instance metadata has no meta-data/{path}")
             return value
 
+        document = self.read("dynamic/instance-identity/document")
+        if not document:
+            raise AgentError("instance metadata has no dynamic/instance-identity/document")
         return Identity(instance_id=required("instance-id"), instance_type=required("instance-type"),
                         private_ip=required("local-ipv4"),
                         availability_zone=required("placement/availability-zone"),
-                        region=required("placement/region"))
+                        region=required("placement/region"), account_id=json.loads(document)["accountId"],
+                        partition=required("services/partition"))
 
     def spot_action(self) -> dict[str, Any] | None:
         """The Spot interruption notice, once EC2 has given one."""
@@ -372,7 +386,7 @@ class ControlPlane:
     def send(self, detail: AgentEvent) -> bool:
         """Put the event on the agents' bus; False when it could not be sent (try again later)."""
         response = self.call(f"send {detail.DETAIL_TYPE.value}", lambda: self.events.put_events(
-            Entries=[put_events_entry(detail, self.settings.event_bus)]))
+            Entries=[put_events_entry(detail, self.settings.event_bus, self.identity.arn)]))
         if response is None:
             return False
         if response["FailedEntryCount"]:

@@ -23,8 +23,10 @@ Offers:
     Event details: Ec2InstanceStateChange (LOST_STATES: its states of an instance leaving), Ec2SpotInterruptionWarning,
       Ec2RebalanceRecommendation, HealthEvent (AWS shapes); NodeRegistered, NodeReady,
       NodeUnhealthy, CheckpointCommitted, TrainerFailed, TrainerHung, TrainingCompleted,
-      TrainingProgress (its ProgressSample steps), FleetChecked, ScalingChecked (source "trainfleet")
-    DetailType, EVENT_SOURCE, EventEnvelope, parse_event, put_events_entry
+      TrainingProgress (its ProgressSample steps), FleetChecked, ScalingChecked (source
+      "trainfleet/SENDER-INSTANCE-ARN")
+    DetailType, EVENT_SOURCE, EventEnvelope (.sender), parse_event, put_events_entry,
+      instance_arn, node_event_source, event_sender
     validation_message(error)   a ValidationError as "field.path: problem" lines, for people
     NODE_READ_PREFIXES, NODE_WRITE_PREFIXES, node_access_problems   what the nodes may touch in
       the stack's bucket (template.yaml's NodeRole grants exactly these) and the RunSpec's URIs
@@ -50,7 +52,27 @@ from trainfleet.catalogue import InstanceFacts, UnknownInstanceType, instance_fa
 from trainfleet.pace import HANG_TIMEOUT_MIN_S, hang_timeout_problem
 
 EVENT_SOURCE = "trainfleet"
-"""EventBridge `source` of every event the node agents send."""
+"""The family of the EventBridge `source` of every event a node sends: `trainfleet/INSTANCE-ARN`
+(node_event_source), the sender's own ARN, which the node role lets it put and nothing else."""
+
+
+def instance_arn(partition: str, region: str, account_id: str, instance_id: str) -> str:
+    """An EC2 instance's ARN: what `ec2:SourceInstanceARN` holds in its profile's requests."""
+    return f"arn:{partition}:ec2:{region}:{account_id}:instance/{instance_id}"
+
+
+def node_event_source(sender_arn: str) -> str:
+    """The `source` of an event sent by the instance `sender_arn`."""
+    return f"{EVENT_SOURCE}/{sender_arn}"
+
+
+def event_sender(source: str) -> str | None:
+    """The instance id of the node that sent an event with this `source`; None for any other."""
+    family, _, sender_arn = source.partition("/")
+    resource = sender_arn.rsplit(":", 1)[-1]
+    if family != EVENT_SOURCE or not resource.startswith("instance/i-"):
+        return None
+    return resource.removeprefix("instance/")
 
 RENDEZVOUS_PORT = 29400
 """torchrun's default c10d rendezvous port: the first of RENDEZVOUS_PORTS."""
@@ -1358,7 +1380,7 @@ class HealthEvent(_Open):
 
 
 class AgentEvent(_Strict):
-    """Common part of every event a node agent sends (source "trainfleet")."""
+    """Common part of every event a node agent sends (source "trainfleet/SENDER-INSTANCE-ARN")."""
 
     SOURCE: ClassVar[str] = EVENT_SOURCE
     DETAIL_TYPE: ClassVar[DetailType]
@@ -1596,12 +1618,17 @@ class EventEnvelope(_Open):
     resources: list[str] = Field(default_factory=list)
     detail: AnyDetail
 
+    @property
+    def sender(self) -> str | None:
+        """The instance id of the node that sent it (its source); None for AWS's events."""
+        return event_sender(self.source)
+
     @model_validator(mode="before")
     @classmethod
     def _detail_by_type(cls, raw: Any) -> Any:
         if not isinstance(raw, dict):
             return raw
-        key = (raw.get("source"), raw.get("detail-type"))
+        key = (str(raw.get("source")).partition("/")[0], raw.get("detail-type"))
         model = DETAIL_MODELS.get(key)  # type: ignore[arg-type]
         if model is None:
             raise ValueError(f"no handler for source={key[0]!r} detail-type={key[1]!r}")
@@ -1613,11 +1640,12 @@ def parse_event(raw: dict[str, Any]) -> EventEnvelope:
     return EventEnvelope.model_validate(raw)
 
 
-def put_events_entry(detail: AgentEvent, event_bus_name: str) -> dict[str, Any]:
-    """One PutEvents entry for an agent event (the agent's boto3 call takes a list of these)."""
+def put_events_entry(detail: AgentEvent, event_bus_name: str, sender_arn: str) -> dict[str, Any]:
+    """One PutEvents entry for an agent event sent by the instance `sender_arn` (the agent's
+    boto3 call takes a list of these)."""
     resources = [detail.instance_id] if detail.instance_id else []
     return {
-        "Source": detail.SOURCE,
+        "Source": node_event_source(sender_arn),
         "DetailType": detail.DETAIL_TYPE.value,
         "Detail": detail.model_dump_json(),
         "EventBusName": event_bus_name,

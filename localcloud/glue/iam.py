@@ -62,6 +62,8 @@ local cloud never makes as separate requests: their conditions are not evaluated
 
 _lock = threading.Lock()
 _role_sessions: dict[str, tuple[float, dict[str, str]]] = {}
+_instance_sessions: dict[str, str] = {}
+"""Access key id of an instance profile's session -> the instance's ARN (ec2:SourceInstanceARN)."""
 ROLE_SESSION_SECONDS = 3600
 RENEW_BEFORE_SECONDS = 600
 
@@ -96,16 +98,21 @@ def admin_identity(account_id: str, region: str) -> None:
         session.session_token = FAKE_CREDENTIALS["AWS_SESSION_TOKEN"]
 
 
-def role_credentials(account_id: str, region: str, role_arn: str, session_name: str) -> dict[str, str]:
+def role_credentials(account_id: str, region: str, role_arn: str, session_name: str,
+                     source_instance_arn: str | None = None) -> dict[str, str]:
     """STS credentials of `role_arn`, as AWS_ACCESS_KEY_ID/..._SECRET_.../..._SESSION_TOKEN,
     plus AWS_CREDENTIAL_EXPIRATION; one session per role and session name, renewed before it
-    expires (many requests share it: moto looks keys up in a list)."""
+    expires (many requests share it: moto looks keys up in a list). `source_instance_arn`: the
+    instance whose profile the session is (EC2 names it by the instance id), whose requests then
+    carry ec2:SourceInstanceARN."""
     key = f"{account_id}/{role_arn}/{session_name}"
     with _lock:
         held = _role_sessions.get(key)
         if held is None or held[0] - time.time() < RENEW_BEFORE_SECONDS:
             _, sts = _backends(account_id, region)
             session = sts.assume_role(region, session_name[:64], role_arn, "", ROLE_SESSION_SECONDS, "")
+            if source_instance_arn is not None:
+                _instance_sessions[session.access_key_id] = source_instance_arn
             held = _role_sessions[key] = (time.time() + ROLE_SESSION_SECONDS, {
                 "AWS_ACCESS_KEY_ID": session.access_key_id,
                 "AWS_SECRET_ACCESS_KEY": session.secret_access_key,
@@ -299,7 +306,10 @@ def _check_action_permitted(self: IAMRequestBase, resource: str) -> None:
     if self._action == "sts:GetCallerIdentity":  # AWS allows it whatever the policies say
         return None
     policies = _policies(self)
+    instance = _instance_sessions.get(getattr(self._access_key, "_access_key_id", ""))
     for action, needed, context, unevaluated in authorizations(self, resource):
+        if instance is not None:
+            context = context | {"ec2:SourceInstanceARN": instance}
         decision = evaluate(policies, action, needed, context, unevaluated)
         if decision == ALLOW:
             continue

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from trainfleet.catalogue import InstanceFacts
-from trainfleet.contracts import BOOT_CHECK, CapacityKind, RunSpec
+from trainfleet.contracts import BOOT_CHECK, EVENT_SOURCE, CapacityKind, RunSpec
 from trainfleet.settings import Settings
 
 __all__ = [
@@ -159,7 +159,7 @@ home=$root/opt/trainfleet
 log=$root/var/log/trainfleet-bootstrap.log
 run_name={shlex.quote(run_name)}
 bus={shlex.quote(settings.event_bus)}
-step=starting region= instance_id=
+step=starting region= instance_id= instance_arn=
 mkdir -p "$home" "$(dirname "$log")"
 exec 3>&1 >>"$log" 2>&1
 
@@ -175,11 +175,11 @@ report_failure() {{  # the failed step and its output: to the console, and as No
   tail -c 4000 "$log" >&3
   reason="bootstrap failed at: $step (exit $status)"
   echo "trainfleet: $reason" >&3
-  if [ -n "$region" ] && [ -n "$instance_id" ]; then
+  if [ -n "$instance_arn" ]; then
     output=$(tail -c 1500 "$log" | json)
     detail="{{\\"run_name\\": \\"$run_name\\", \\"attempt\\": 0, \\"instance_id\\": \\"$instance_id\\", \\"reason\\": \\"$reason\\", \\"checks\\": [{{\\"name\\": \\"{BOOT_CHECK}\\", \\"passed\\": false, \\"detail\\": $output}}]}}"
-    printf '[{{"Source": "trainfleet", "DetailType": "NodeUnhealthy", "EventBusName": "%s", "Resources": ["%s"], "Detail": %s}}]' \\
-      "$bus" "$instance_id" "$(printf '%s' "$detail" | json)" > "$home/bootstrap-failure.json"
+    printf '[{{"Source": "{EVENT_SOURCE}/%s", "DetailType": "NodeUnhealthy", "EventBusName": "%s", "Resources": ["%s"], "Detail": %s}}]' \\
+      "$instance_arn" "$bus" "$instance_id" "$(printf '%s' "$detail" | json)" > "$home/bootstrap-failure.json"
     AWS_RETRY_MODE=standard AWS_MAX_ATTEMPTS={BOOT_COPY_ATTEMPTS} \\
       aws events put-events --region "$region" --entries "file://$home/bootstrap-failure.json" >&3 2>&1 || true
   fi
@@ -191,6 +191,10 @@ step="reading the instance metadata"
 token=$(curl -sf -X PUT "$imds/latest/api/token" -H "X-aws-ec2-metadata-token-ttl-seconds: 300")
 region=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/latest/meta-data/placement/region")
 instance_id=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/latest/meta-data/instance-id")
+partition=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/latest/meta-data/services/partition")
+account=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/latest/dynamic/instance-identity/document" |
+  sed -n 's/.*"accountId"[^"]*"\\([0-9]*\\)".*/\\1/p')
+instance_arn="arn:$partition:ec2:$region:$account:instance/$instance_id"  # the sender its events name
 export AWS_DEFAULT_REGION=$region
 
 step="writing the agent's settings"

@@ -1,7 +1,8 @@
 """Lifecycle core: the control plane's decisions as pure functions over plain data (no boto3).
 
 Offers:
-    classify:  is_stale(detail, attempt), classify_event(detail, attempt, observed_at) -> FailureReport | None,
+    classify:  sender_problem(detail, sender, sender_is_runs_node), is_stale(detail, attempt),
+               classify_event(detail, attempt, observed_at) -> FailureReport | None,
                classify_task_error(error, cause, waiting, not_ready_instance_ids) -> FailureReport
     replan:    plan_layout(trainer_config, ranks_per_node, available_nodes, min_nodes, preferred_pp, memory_gib),
                initial_plan(spec, allocated_nodes)
@@ -32,7 +33,7 @@ Offers:
 Randomness (backoff jitter) and time come in as arguments, so every decision is reproducible.
 """
 
-from trainfleet.lifecycle.classify import classify_event, classify_task_error, is_stale
+from trainfleet.lifecycle.classify import classify_event, classify_task_error, is_stale, sender_problem
 from trainfleet.lifecycle.goodput import (accrue_cost, book_attempt, over_cost_ceiling, settle_attempt,
                                          settle_run_attempt, unaccounted_seconds)
 from trainfleet.lifecycle.launch import (assign_ranks, build_launch_spec, confirmed, may_start, new_node_records,
@@ -47,7 +48,7 @@ from trainfleet.lifecycle.spot import (SPOT_NOTICE, checkpoint_before_leaving, c
                                       departure_wait_may_end, departure_wait_over, waits_for_emergency_checkpoint)
 
 __all__ = [
-    "classify_event", "classify_task_error", "is_stale",
+    "classify_event", "classify_task_error", "is_stale", "sender_problem",
     "plan_layout", "initial_plan",
     "decide_recovery", "apply_decision", "failure_streak", "backoff_seconds", "ANNOUNCED_BY_AWS",
     "settle_attempt", "settle_run_attempt", "book_attempt", "unaccounted_seconds", "accrue_cost",

@@ -1,4 +1,5 @@
-"""Turn what happened (an event, a task error) into a FailureReport, or None when it is no failure."""
+"""Turn what happened (an event, a task error) into a FailureReport, or None when it is no failure;
+and whether an agent event may count at all, from who sent it (sender_problem)."""
 
 import json
 from datetime import datetime
@@ -25,6 +26,19 @@ _TIMEOUT_ERRORS = {"States.Timeout", "States.HeartbeatTimeout"}
 # What a node says about itself (booting, preflight, readiness) is judged by the node's record:
 # a node still booting when Recover moved the run on is still one of the run's nodes.
 NODE_LIFECYCLE_EVENTS = (NodeRegistered, NodeReady, NodeUnhealthy)
+
+
+def sender_problem(detail: AgentEvent, sender: str | None, sender_is_runs_node: bool) -> str | None:
+    """Why an agent event must not count, or None: it counts only from a node of the run it
+    names, and says something of one instance only when that is its sender (the node role lets
+    a node put events under its own instance ARN alone, so `sender` is who sent it)."""
+    if sender is None:
+        return "it names no sending instance"
+    if not sender_is_runs_node:
+        return f"its sender {sender} is no node of run {detail.run_name!r}"
+    if detail.instance_id is not None and detail.instance_id != sender:
+        return f"its sender {sender} speaks for {detail.instance_id}"
+    return None
 
 
 def is_stale(detail: AnyDetail, current_attempt: int) -> bool:
