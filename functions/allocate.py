@@ -1,4 +1,5 @@
-"""Allocate: launch template, cluster placement group, CreateFleet; record the nodes and the plan.
+"""Allocate: the run's node role, launch template, cluster placement group, CreateFleet; record
+the nodes and the plan.
 
 Workers first, then spares. Fewer instances than node_count are accepted only down to the
 RunSpec's min_nodes, with pp x dp re-planned for what came; none at all, or too few for any
@@ -13,9 +14,11 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import (RunPayload, aws, capacity_unavailable, fleet_token_prefix, logger, metrics, tracer,
-                              transient_errors_named)
-from trainfleet.adapters.ec2_fleet import Allocation, allocate, ensure_launch_template, terminate
+from functions.common import (RunPayload, aws, capacity_unavailable, count_unfilled_request, fleet_token_prefix,
+                              logger, metrics, tracer, transient_errors_named)
+from functions.errors import TransientError
+from trainfleet.adapters.ec2_fleet import Allocation, FleetError, allocate, ensure_launch_template, terminate
+from trainfleet.adapters.node_roles import ensure_node_profile
 from trainfleet.contracts import CapacityKind, NodeRecord, NodeRole, RunState
 from trainfleet.lifecycle import plan_layout
 
@@ -39,10 +42,17 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
     cloud, name = aws(), event.run.run_name
     run = cloud.store.transition_run(name, RunState.ALLOCATING)
     spec = run.spec
-    template_id = ensure_launch_template(cloud.ec2, spec, cloud.settings)
-    allocation = allocate(cloud.ec2, spec, cloud.settings.stack_name, template_id, spec.capacity.subnet_ids,
-                          target=spec.node_count + spec.spare_count, minimum=spec.shrink_floor,
-                          token_prefix=fleet_token_prefix(run))
+    profile = ensure_node_profile(cloud.iam, name, cloud.settings.stack_name, cloud.settings.node_policy_arn)
+    template_id = ensure_launch_template(cloud.ec2, spec, cloud.settings, profile)
+    try:
+        allocation = allocate(cloud.ec2, spec, cloud.settings.stack_name, template_id, spec.capacity.subnet_ids,
+                              target=spec.node_count + spec.spare_count, minimum=spec.shrink_floor,
+                              token_prefix=fleet_token_prefix(run))
+    except FleetError as refused:
+        if refused.profile_not_visible:  # a profile made seconds ago: the retry, a new request, finds it
+            count_unfilled_request(name)
+            raise TransientError(f"the run's instance profile is not visible to EC2 yet: {refused}") from refused
+        raise
     if not allocation.instance_ids:
         raise capacity_unavailable(name, "; ".join(allocation.errors) or "no subnet launched any instance")
     workers = min(len(allocation.instance_ids), spec.node_count)

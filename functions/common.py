@@ -71,6 +71,10 @@ class Aws:
         return boto3.client("s3", config=_CLIENT_CONFIG)
 
     @cached_property
+    def iam(self) -> Any:
+        return boto3.client("iam", config=_CLIENT_CONFIG)
+
+    @cached_property
     def sfn(self) -> Any:
         return boto3.client("stepfunctions", config=_CLIENT_CONFIG)
 
@@ -234,11 +238,17 @@ def fleet_token_prefix(run: RunRecord) -> str:
     return f"{run.run_name}/{run.attempt}/{run.fleet_requests_unfilled}"
 
 
-def capacity_unavailable(run_name: str, message: str) -> CapacityUnavailable:
-    """The error to raise when a fleet request came up short, counted on the run first so that
-    the state machine's retry asks EC2 anew (fleet_token_prefix)."""
+def count_unfilled_request(run_name: str) -> None:
+    """Count a fleet request that came up short (or was refused) on the run, so that the state
+    machine's retry asks EC2 anew (fleet_token_prefix): EC2 answers a repeated ClientToken with
+    its first answer."""
     aws().store.modify_run(run_name, lambda run: run.model_copy(
         update={"fleet_requests_unfilled": run.fleet_requests_unfilled + 1}))
+
+
+def capacity_unavailable(run_name: str, message: str) -> CapacityUnavailable:
+    """The error to raise when a fleet request came up short, counted on the run first."""
+    count_unfilled_request(run_name)
     return CapacityUnavailable(message)
 
 

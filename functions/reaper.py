@@ -28,8 +28,8 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from functions.common import aws, logger, tracer, transient_errors_named
 from functions.errors import ReapIncomplete
 from functions.report import write_report
-from functions.teardown import tear_down
-from trainfleet.adapters.ec2_fleet import runs_with_resources, teardown
+from functions.teardown import remove_run_resources, tear_down
+from trainfleet.adapters.ec2_fleet import runs_with_resources
 from trainfleet.adapters.metrics import emit, stall_metrics
 from trainfleet.adapters.run_store import RunNotFound
 
@@ -47,7 +47,7 @@ def reap(run_name: str, execution_arn: str | None = None, execution_status: str 
     try:
         run = cloud.store.run(run_name)
     except RunNotFound:
-        teardown(cloud.ec2, run_name, cloud.settings.stack_name)
+        remove_run_resources(run_name)
         return True
     if execution_arn is not None and run.execution_arn != execution_arn:
         return False

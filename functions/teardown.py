@@ -1,4 +1,5 @@
-"""Teardown: on every path out of a run, terminate its instances and delete what it created.
+"""Teardown: on every path out of a run, terminate its instances and delete what it created (its
+launch template, placement groups and node role).
 
 Instances are found by their run tag in EC2, not only in the run's records, so one launched by
 an interrupted Allocate is not forgotten, and they are terminated even when the records cannot
@@ -17,10 +18,20 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.common import RunPayload, aws, logger, tracer, transient_errors_named
 from trainfleet.adapters.ec2_fleet import Teardown, teardown
+from trainfleet.adapters.node_roles import delete_node_profile
 from trainfleet.contracts import NodeState, RunRecord, RunState
 from trainfleet.lifecycle import book_attempt
 
 _LEFT = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
+
+
+def remove_run_resources(run_name: str) -> Teardown:
+    """Terminate the run's instances, delete its launch template, its placement groups (once
+    free) and its node role and instance profile."""
+    cloud = aws()
+    result = teardown(cloud.ec2, run_name, cloud.settings.stack_name)
+    delete_node_profile(cloud.iam, run_name, cloud.settings.stack_name)
+    return result
 
 
 def tear_down(run_name: str, failure: str | None) -> Teardown:
@@ -49,7 +60,7 @@ def tear_down(run_name: str, failure: str | None) -> Teardown:
         # Found by tag, not by the records: a record that cannot be read or written now (an
         # outage, an item at DynamoDB's size limit) must not leave the instances running. The
         # error still fails the teardown, whose retry records what this one could not.
-        result = teardown(cloud.ec2, run_name, cloud.settings.stack_name)
+        result = remove_run_resources(run_name)
     outcome = RunState.FAILED if failure else RunState.SUCCEEDED
     store.modify_run(run_name, lambda current: current if current.state.is_final
                      else current.model_copy(update={"state": outcome}))

@@ -23,7 +23,8 @@ they are plain text); one naming a key the request lacks matches nothing.
 
 A condition key in `unevaluated_keys` is one the local cloud cannot derive from a request; its
 condition is not evaluated locally (holds). Any other key missing from the context makes its
-condition false, except for the negated operators (StringNotEquals, ...), which hold, and Null,
+condition false, except for the negated operators (StringNotEquals, ...) and ForAllValues, which
+hold, and Null,
 which tests for exactly that; `...IfExists` operators hold when the key is missing.
 """
 
@@ -139,8 +140,8 @@ def _condition_holds(operator: str, key: str, expected: Any, context: Mapping[st
     present = key in context
     if name == "Null":  # "true": the key must be absent; "false": present
         return _bool(_listed(expected)[0], "true") != present
-    if not present:
-        return if_exists or name in _NEGATED
+    if not present:  # ForAllValues holds over no values at all (AWS: pair it with Null to refuse)
+        return if_exists or name in _NEGATED or qualifier == "ForAllValues"
     negated = name in _NEGATED
     compare = _OPERATORS.get(_NEGATED.get(name, name))
     if compare is None:

@@ -9,6 +9,8 @@ agents (tests/handlers_sim_agent.py) as the instances' processes.
 3. a run stopped (StopExecution) while it trains: no Catch runs, and the reaper, invoked by
    the execution's status-change event, terminates every instance of the run and writes its
    report.
+While 1 trains, a node of another run reaches for run 1's objects, records and events with its
+own instance's credentials (`hostile`).
 
 It runs in a process of its own (tests/test_handlers_local_run.py starts it) because the local
 cloud imports the deployed handlers from their package: a test process that imported
@@ -22,7 +24,11 @@ import os
 import sys
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
+
+import boto3
+from botocore.exceptions import ClientError
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -37,6 +43,7 @@ from localcloud.node_boot import publish_artifacts  # noqa: E402
 from localcloud.stack import states_entered  # noqa: E402
 from localcloud.waiting import until  # noqa: E402
 from trainfleet.adapters.ec2_fleet import TAG_RUN  # noqa: E402
+from trainfleet.contracts import NodeUnhealthy, TrainingCompleted, instance_arn, put_events_entry  # noqa: E402
 from trainfleet.adapters.run_store import RunNotFound, RunStore  # noqa: E402
 from trainer.checkpoint_catalog import committed_steps, open_store  # noqa: E402
 
@@ -154,10 +161,13 @@ def scenarios(cloud, stack_name: str) -> None:
     subnet, group = network(ec2)
     machine = outputs["StateMachineArn"]
 
-    # 1. A run with one node lost mid-training.
-    run_name = f"run-{uuid.uuid4().hex[:6]}"
-    spec = run_spec(run_name, outputs["CheckpointBucketName"], subnet, group)
-    arn = sfn.start_execution(stateMachineArn=machine, name=run_name, input=json.dumps(spec))["executionArn"]
+    # 1. A run with one node lost mid-training; a node of another run tries to end it, read it
+    # and overwrite it meanwhile.
+    run_name, attacker = f"run-{uuid.uuid4().hex[:6]}", f"other-{uuid.uuid4().hex[:6]}"
+    arn, attacker_arn = (sfn.start_execution(stateMachineArn=machine, name=name, input=json.dumps(
+        run_spec(name, outputs["CheckpointBucketName"], subnet, group)))["executionArn"] for name in (run_name, attacker))
+    wait("both runs to train", lambda: in_state(store, run_name, "TRAINING") and in_state(store, attacker, "TRAINING"))
+    hostile = hostile_node(cloud, outputs, store, attacker=attacker, victim=run_name)
     wait("the first committed checkpoint", lambda: checkpointed(store, run_name))
     first_nodes = {node.instance_id: node.node_rank for node in store.nodes(run_name)}
     killed = next(instance_id for instance_id, rank in first_nodes.items() if rank == 1)
@@ -189,6 +199,9 @@ def scenarios(cloud, stack_name: str) -> None:
                    "lost_by_cause": report["ledger"]["lost_by_cause"],
                    "unaccounted_seconds": report["unaccounted_seconds"]},
     }
+
+    wait("the other run to end", lambda: sfn.describe_execution(executionArn=attacker_arn)["status"] != "RUNNING")
+    hostile["attacker_status"] = sfn.describe_execution(executionArn=attacker_arn)["status"]
 
     # 2. A bad RunSpec.
     bad_name = f"bad-{uuid.uuid4().hex[:6]}"
@@ -229,7 +242,66 @@ def scenarios(cloud, stack_name: str) -> None:
                "run": {"state": stopped_run.state.value, "error": stopped_run.error},
                "report": [entry["Key"] for entry in stopped_report]}
     print(json.dumps({"recovered": recovered, "invalid": invalid, "refused_by_trainer": refused_by_trainer,
-                      "stopped": stopped}, default=str))
+                      "stopped": stopped, "hostile": hostile}, default=str))
+
+
+def hostile_node(cloud, outputs: dict[str, str], store: RunStore, attacker: str, victim: str) -> dict[str, str]:
+    """What a node of run `attacker`, with its instance's own credentials (as its metadata
+    service hands them out), gets when it reaches for run `victim`: each attempt -> "refused"
+    (AccessDenied, AccessDeniedException) or "accepted"; and the same on its own run, which it may."""
+    from localcloud.imds import fleet_records, role_session_of
+
+    mine = next(node for node in store.nodes(attacker) if node.node_rank == 0).instance_id
+    theirs = next(node for node in store.nodes(victim) if node.node_rank == 1).instance_id
+    credentials = role_session_of(cloud)(fleet_records(cloud)(mine), timedelta(hours=1))
+    s3, dynamodb, events = (boto3.client(
+        service, endpoint_url=cloud.endpoint, region_name=cloud.region, aws_access_key_id=credentials.access_key_id,
+        aws_secret_access_key=credentials.secret_access_key, aws_session_token=credentials.token)
+        for service in ("s3", "dynamodb", "events"))
+    bucket, table, bus = outputs["CheckpointBucketName"], outputs["RunTableName"], outputs["AgentEventBusName"]
+    liveness = outputs["LivenessTableName"]
+    sender = instance_arn("aws", cloud.region, cloud.account_id, mine)
+
+    def event(detail, as_instance: str = mine) -> dict:
+        return put_events_entry(detail, bus, instance_arn("aws", cloud.region, cloud.account_id, as_instance))
+
+    def run_record_key(run: str) -> dict:
+        return {"pk": {"S": f"RUN#{run}"}, "sk": {"S": "RUN"}}
+
+    attempts = {
+        "read its launch spec": lambda run: s3.get_object(Bucket=bucket, Key=f"runs/{run}/launch-spec.json"),
+        "write a checkpoint": lambda run: s3.put_object(Bucket=bucket, Key=f"runs/{run}/checkpoints/x", Body=b"x"),
+        "delete its launch spec": lambda run: s3.delete_object(Bucket=bucket, Key=f"runs/{run}/launch-spec.json-x"),
+        "list its objects": lambda run: s3.list_objects_v2(Bucket=bucket, Prefix=f"runs/{run}/"),
+        "read its record and task tokens": lambda run: dynamodb.get_item(TableName=table, Key=run_record_key(run)),
+        "list its nodes": lambda run: dynamodb.query(
+            TableName=table, KeyConditionExpression="pk = :pk", ExpressionAttributeValues={":pk": {"S": f"RUN#{run}"}}),
+        "write a liveness record": lambda run: dynamodb.put_item(TableName=liveness, Item={
+            "run": {"S": run}, "instance": {"S": mine}, "record": {"S": "{}"}}),
+    }
+    outcomes = {}
+    for what, attempt in attempts.items():
+        for whose, run in (("own", attacker), ("other", victim)):
+            try:
+                attempt(run)
+                outcomes[f"{whose}: {what}"] = "accepted"
+            except ClientError as refused:
+                outcomes[f"{whose}: {what}"] = refused.response["Error"]["Code"]
+    forged = {
+        "send as the other run's node": event(NodeUnhealthy(run_name=victim, attempt=0, instance_id=theirs,
+                                                            reason="forged"), as_instance=theirs),
+        "end the other run": event(TrainingCompleted(run_name=victim, attempt=0, final_step=60, instance_id=mine)),
+        "blame the other run's node": event(NodeUnhealthy(run_name=victim, attempt=0, instance_id=theirs,
+                                                          reason="forged")),
+    }
+    for what, entry in forged.items():
+        try:
+            answer = events.put_events(Entries=[entry])
+            outcomes[f"other: {what}"] = "accepted" if answer["FailedEntryCount"] == 0 else "failed"
+        except ClientError as refused:
+            outcomes[f"other: {what}"] = refused.response["Error"]["Code"]
+    outcomes["sender"] = sender
+    return outcomes
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ from trainfleet.settings import Settings
 
 EXAMPLE = json.loads((Path(__file__).parents[1] / "events" / "example-run.json").read_text())
 SETTINGS = Settings(run_table="runs", liveness_table="liveness", bucket="bucket", event_bus="agents", stack_name="trainfleet",
-                    node_instance_profile_arn="arn:aws:iam::123456789012:instance-profile/trainfleet-node")
+                    node_policy_arn="arn:aws:iam::123456789012:policy/trainfleet-node")
+PROFILE = "arn:aws:iam::123456789012:instance-profile/trainfleet-node"
+"""The run's node instance profile (Allocate makes it: trainfleet.adapters.node_roles)."""
 
 
 def make_spec(instance_type="p4d.24xlarge", node_count=2, subnet_ids=("subnet-0123456789abcdef0",),
@@ -54,11 +56,11 @@ def test_cpu_types_get_one_plain_interface():
 
 def test_launch_template_requires_imdsv2_and_tags_everything():
     spec = make_spec()
-    data = fleet.launch_template_data(spec, SETTINGS)
+    data = fleet.launch_template_data(spec, SETTINGS, PROFILE)
     assert data["MetadataOptions"]["HttpTokens"] == "required"
     # The agent ends its instance when the run is over: a shutdown from inside terminates it.
     assert data["InstanceInitiatedShutdownBehavior"] == "terminate"
-    assert data["IamInstanceProfile"] == {"Arn": SETTINGS.node_instance_profile_arn}
+    assert data["IamInstanceProfile"] == {"Arn": PROFILE}
     assert base64.b64decode(data["UserData"]).decode() == fleet.node_user_data("r1", SETTINGS)
     assert {tags["ResourceType"] for tags in data["TagSpecifications"]} == {"instance", "volume", "network-interface"}
     for tags in data["TagSpecifications"]:
@@ -70,12 +72,12 @@ def test_launch_template_requires_imdsv2_and_tags_everything():
 
 def test_capacity_block_and_reservation_go_into_the_template():
     block = make_spec(kind="capacity-block", reservation_id="cr-0123456789abcdef0")
-    data = fleet.launch_template_data(block, SETTINGS)
+    data = fleet.launch_template_data(block, SETTINGS, PROFILE)
     assert data["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
     assert data["CapacityReservationSpecification"]["CapacityReservationTarget"] == \
         {"CapacityReservationId": "cr-0123456789abcdef0"}
     odcr = make_spec(kind="capacity-reservation", reservation_id="cr-0123456789abcdef0")
-    data = fleet.launch_template_data(odcr, SETTINGS)
+    data = fleet.launch_template_data(odcr, SETTINGS, PROFILE)
     assert "InstanceMarketOptions" not in data and "CapacityReservationSpecification" in data
 
 
@@ -192,7 +194,7 @@ def cloud(local_cloud):
     local_cloud.fleet.boot = lambda instance: None
     # EC2 refuses a launch whose instance profile does not exist; moto's IAM outlives a cloud.
     iam = local_cloud.client("iam")
-    profile = SETTINGS.node_instance_profile_arn.rsplit("/", 1)[1]
+    profile = PROFILE.rsplit("/", 1)[1]
     with contextlib.suppress(iam.exceptions.EntityAlreadyExistsException):
         iam.create_instance_profile(InstanceProfileName=profile)
     return local_cloud
@@ -212,8 +214,8 @@ def test_allocate_builds_an_efa_fleet_in_a_cluster_placement_group(cloud, networ
     ec2 = cloud.client("ec2")
     subnets, group = network
     spec = make_spec(run_name="alloc", subnet_ids=subnets, security_group_ids=[group])
-    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS)
-    assert fleet.ensure_launch_template(ec2, spec, SETTINGS) == template_id  # a retry reuses it
+    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
+    assert fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE) == template_id  # a retry reuses it
 
     allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template_id, subnets, target=3, minimum=2,
                                 token_prefix="alloc-0")
@@ -247,7 +249,7 @@ def test_a_fleet_above_ec2s_per_fleet_target_is_launched_in_several_requests(clo
     ec2 = cloud.client("ec2")
     subnets, group = network
     spec = make_spec(run_name="split", subnet_ids=subnets, security_group_ids=[group])
-    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
     requested_before = cloud.requests[("ec2", "CreateFleet")]
     monkeypatch.setattr(fleet, "MAX_FLEET_TARGET", 2)
 
@@ -265,7 +267,7 @@ def test_the_local_cloud_refuses_a_fleet_above_ec2s_per_fleet_target(cloud, netw
     ec2 = cloud.client("ec2")
     subnets, group = network
     spec = make_spec(run_name="huge", subnet_ids=subnets, security_group_ids=[group])
-    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
     request = fleet.create_fleet_request(spec, SETTINGS.stack_name, template_id, subnets[0], "group", 10_001, 1, "t")
     with pytest.raises(ec2.exceptions.ClientError, match="InvalidParameterValue.*10,000"):
         ec2.create_fleet(**request)
@@ -278,7 +280,7 @@ def test_the_same_run_name_in_two_stacks_shares_no_template_nor_placement_group(
     subnets, group = network
     spec = make_spec(run_name="twin", subnet_ids=subnets, security_group_ids=[group])
     other = SETTINGS.model_copy(update={"stack_name": "another-stack"})
-    assert fleet.ensure_launch_template(ec2, spec, SETTINGS) != fleet.ensure_launch_template(ec2, spec, other)
+    assert fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE) != fleet.ensure_launch_template(ec2, spec, other, PROFILE)
     assert (fleet.placement_group_name("twin", SETTINGS.stack_name, "us-east-1a")
             != fleet.placement_group_name("twin", other.stack_name, "us-east-1a"))
     assert len(fleet.run_resource_name("x" * 48, "s" * 128)) <= 128  # EC2's limit for a launch template
@@ -291,7 +293,7 @@ def test_teardown_terminates_everything_of_the_run_and_nothing_else(cloud, netwo
     other = make_spec(run_name="bystander", subnet_ids=subnets, security_group_ids=[group])
     launched = {}
     for spec in (mine, other):
-        template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+        template = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
         launched[spec.run_name] = fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 2, 2,
                                                  f"{spec.run_name}-0").instance_ids
     assert fleet.run_instance_ids(ec2, "doomed", SETTINGS.stack_name) == sorted(launched["doomed"])
@@ -320,7 +322,7 @@ def test_terminate_skips_instances_ec2_no_longer_knows(cloud, network):
     ec2 = cloud.client("ec2")
     subnets, group = network
     spec = make_spec(run_name="forgotten", subnet_ids=subnets, security_group_ids=[group])
-    template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    template = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
     gone, alive = fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 2, 2, "forgotten-0").instance_ids
     ec2.terminate_instances(InstanceIds=[gone])
     cloud.wait_until(lambda: _states(ec2, [gone]) == {"terminated"}, what="the instance to be terminated")
@@ -353,7 +355,7 @@ def test_a_zone_without_capacity_or_without_the_type_lands_the_fleet_in_the_next
     ec2 = cloud.client("ec2")
     subnets, group = network
     spec = make_spec(run_name=run_name, subnet_ids=subnets, security_group_ids=[group])
-    template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    template = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
     answer_create_fleet(ec2, {subnets[0]: fleet_answer([], answer)})
 
     allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 2, 2, f"{run_name}-0")
@@ -374,7 +376,7 @@ def test_no_zone_with_capacity_launches_nothing_and_says_why(cloud, network):
     ec2 = cloud.client("ec2")
     subnets, group = network
     spec = make_spec(run_name="dry", subnet_ids=subnets, security_group_ids=[group])
-    template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    template = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
     answer_create_fleet(ec2, {subnet: fleet_answer([], ICE) for subnet in subnets})
     allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template, subnets, 3, 2, "dry-0")
     assert (allocation.instance_ids, allocation.shortfall, allocation.subnet_id) == ([], 3, None)
@@ -386,7 +388,7 @@ def test_a_type_no_zone_offers_stops_with_each_zones_answer(cloud, network):
     ec2 = cloud.client("ec2")
     subnets, group = network
     spec = make_spec(run_name="nowhere", subnet_ids=subnets, security_group_ids=[group])
-    template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    template = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
     answer_create_fleet(ec2, {subnet: fleet_answer([], UNSUPPORTED) for subnet in subnets})
     # Retrying later cannot make a zone offer a type: this is no capacity shortfall.
     with pytest.raises(fleet.FleetError, match="us-east-1a: Unsupported.*us-east-1b: Unsupported"):
@@ -397,7 +399,7 @@ def test_an_error_no_zone_can_cure_stops_at_once(cloud, network):
     ec2 = cloud.client("ec2")
     subnets, group = network
     spec = make_spec(run_name="quota", subnet_ids=subnets, security_group_ids=[group])
-    template = fleet.ensure_launch_template(ec2, spec, SETTINGS)
+    template = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
     quota = fleet_answer([], ("VcpuLimitExceeded", "You have requested more vCPU capacity than your current vCPU limit"))
     answer_create_fleet(ec2, {subnets[0]: quota})
     with pytest.raises(fleet.FleetError, match="VcpuLimitExceeded"):

@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 
 from trainfleet.adapters.ec2_fleet import TAG_RUN, TAG_STACK, run_instance_ids
+from trainfleet.adapters.node_roles import node_role_name
 from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.contracts import (FAILURE_ERROR, CheckpointRef, FailureClass, FailureReport, NodeLiveness, NodeRecord,
                                   NodeRole, NodeState, ParallelPlan, RunRecord, RunSpec, RunState, TaskWait,
                                   instance_arn, node_event_source)
 
+from localcloud.glue import ec2 as ec2_glue
 from localcloud_helpers import table_from_template
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,10 +46,10 @@ def resources(cloud):
              for logical_id in ("RunTable", "LivenessTable", "IdempotencyTable")}
     bucket = f"checkpoints-{uuid.uuid4().hex[:8]}"
     cloud.client("s3").create_bucket(Bucket=bucket)
-    # EC2 refuses a launch naming an instance profile that does not exist.
-    profile = cloud.client("iam").create_instance_profile(InstanceProfileName=f"nodes-{uuid.uuid4().hex[:6]}")
+    node_policy = cloud.client("iam").create_policy(PolicyName=f"nodes-{uuid.uuid4().hex[:6]}", PolicyDocument=json.dumps(
+        {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:GetObject", "Resource": "*"}]}))
     return {"run_table": names["RunTable"], "liveness_table": names["LivenessTable"], "idempotency_table": names["IdempotencyTable"], "bucket": bucket,
-            "instance_profile_arn": profile["InstanceProfile"]["Arn"]}
+            "node_policy_arn": node_policy["Policy"]["Arn"]}
 
 
 @pytest.fixture
@@ -58,7 +60,7 @@ def handlers(cloud, resources, monkeypatch):
                         "TRAINFLEET_LIVENESS_TABLE": resources["liveness_table"],
                         "TRAINFLEET_IDEMPOTENCY_TABLE": resources["idempotency_table"],
                         "TRAINFLEET_BUCKET": resources["bucket"], "TRAINFLEET_EVENT_BUS": f"{STACK}-agents",
-                        "TRAINFLEET_NODE_INSTANCE_PROFILE_ARN": resources["instance_profile_arn"],
+                        "TRAINFLEET_NODE_POLICY_ARN": resources["node_policy_arn"],
                         "POWERTOOLS_TRACE_DISABLED": "true", "POWERTOOLS_METRICS_NAMESPACE": "Trainfleet"}.items():
         monkeypatch.setenv(name, value)
     # A copy imported before these settings (by another test in this process) would keep its
@@ -255,6 +257,9 @@ def validated_run(handlers, cloud, resources, monkeypatch, nodes: int = 2, paral
     `parallel` settings besides) in ZONE's default subnet; instances boot no agent (EC2 semantics
     only)."""
     monkeypatch.setattr(cloud.fleet, "boot", lambda instance: None)
+    # The handlers are called one by one here: no state machine retries an Allocate that met its
+    # new node profile before IAM showed it to EC2 (test_a_runs_nodes_get_a_role_of_their_own...).
+    monkeypatch.setattr(ec2_glue, "IAM_PROPAGATION_S", 0.0)
     ec2 = cloud.client("ec2")
     subnet = ec2.describe_subnets(Filters=[{"Name": "availability-zone", "Values": [ZONE]},
                                            {"Name": "default-for-az", "Values": ["true"]}])["Subnets"][0]
@@ -296,6 +301,36 @@ def test_allocate_retried_for_capacity_asks_ec2_anew_and_a_retry_after_a_launch_
     assert handlers.allocate.handler(payload, Context())["instances"] == 2
     assert run_instance_ids(ec2, name, STACK) == launched and len(launched) == 2
     ec2.terminate_instances(InstanceIds=launched)
+
+
+def test_a_runs_nodes_get_a_role_of_their_own_made_by_allocate_and_deleted_by_teardown(
+        handlers, cloud, resources, monkeypatch):
+    import functions.teardown
+    payload = validated_run(handlers, cloud, resources, monkeypatch)
+    name, ec2, iam = payload["run"]["run_name"], cloud.client("ec2"), cloud.client("iam")
+    # EC2 does not see a profile IAM made a moment ago: that launch is refused, and tried again.
+    monkeypatch.setattr(ec2_glue, "IAM_PROPAGATION_S", 3600.0)
+    with pytest.raises(handlers.errors.TransientError, match="instance profile is not visible to EC2 yet"):
+        handlers.allocate.handler(payload, Context())
+    assert run_instance_ids(ec2, name, STACK) == []
+    monkeypatch.setattr(ec2_glue, "IAM_PROPAGATION_S", 0.0)
+    assert handlers.allocate.handler(payload, Context())["instances"] == 2
+
+    role_name = node_role_name(name, STACK)
+    role = iam.get_role(RoleName=role_name)["Role"]
+    assert role["Path"] == f"/trainfleet/{STACK}/" and {"Key": "trainfleet:run", "Value": name} in role["Tags"]
+    attached = iam.list_attached_role_policies(RoleName=role_name)["AttachedPolicies"]
+    assert [policy["PolicyArn"] for policy in attached] == [resources["node_policy_arn"]]
+    profile = iam.get_instance_profile(InstanceProfileName=role_name)["InstanceProfile"]
+    assert [role["RoleName"] for role in profile["Roles"]] == [role_name]
+    reservations = ec2.describe_instances(InstanceIds=run_instance_ids(ec2, name, STACK))["Reservations"]
+    assert {instance["IamInstanceProfile"]["Arn"] for reservation in reservations
+            for instance in reservation["Instances"]} == {profile["Arn"]}
+
+    functions.teardown.handler(payload, Context())
+    for lookup in (lambda: iam.get_role(RoleName=role_name), lambda: iam.get_instance_profile(InstanceProfileName=role_name)):
+        with pytest.raises(iam.exceptions.NoSuchEntityException):
+            lookup()
 
 
 def test_allocate_terminates_a_fleet_no_layout_runs_on_and_asks_anew(handlers, cloud, resources, monkeypatch):

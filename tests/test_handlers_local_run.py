@@ -81,3 +81,23 @@ def test_a_stopped_execution_leaves_no_instance_running(outcome):
     assert stopped["launched"] == 2 and set(stopped["instances"].values()) == {"terminated"}
     assert stopped["run"] == {"state": "FAILED", "error": "ExecutionEnded: the execution is ABORTED"}
     assert stopped["report"] == [f"runs/{stopped['name']}/report.json"]
+
+
+@pytest.mark.slow
+def test_a_node_of_one_run_can_read_write_or_end_nothing_of_another(outcome):
+    """A node of the stopped run, with its own instance's credentials, while the recovered run
+    trains: what it may do on its own run it is refused on the other, and what IAM lets it
+    send (events about the other run, as itself) changes nothing there."""
+    hostile = outcome["hostile"]
+    attempts = {key.split(": ", 1)[1] for key in hostile if key.startswith("own: ")}
+    assert len(attempts) == 7
+    for attempt in attempts:
+        assert hostile[f"own: {attempt}"] == "accepted", attempt
+        assert hostile[f"other: {attempt}"] in ("AccessDenied", "AccessDeniedException"), attempt
+    assert hostile["other: send as the other run's node"] == "AccessDeniedException"
+    assert hostile["attacker_status"] == "SUCCEEDED"
+    assert hostile["other: end the other run"] == hostile["other: blame the other run's node"] == "accepted"
+    run = outcome["recovered"]
+    assert run["status"] == "SUCCEEDED" and run["run"]["restarts"] == 1
+    blamed = {instance: node["failure"] for instance, node in run["nodes"].items() if node["failure"]}
+    assert blamed == {run["killed"]: "INSTANCE_LOST"}, "only the node the test killed"

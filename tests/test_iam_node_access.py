@@ -56,7 +56,18 @@ def test_data_shards_the_nodes_cannot_read_are_refused_naming_the_field(shards):
 
 
 def test_shards_in_a_readable_prefix_or_on_local_disk_are_accepted():
-    for shards in (f"s3://{BUCKET}/data/tokens", f"s3://{BUCKET}/runs/gpt/tokens", "runs/data/stdlib-bytes"):
+    for shards in (f"s3://{BUCKET}/data/tokens", f"s3://{BUCKET}/runs/gpt-1b-p5-demo/tokens", "runs/data/stdlib-bytes"):
         document = example()
         document["trainer"]["data"]["shards"] = shards
         assert parse(document).trainer.model_extra["data"]["shards"] == shards
+
+
+def test_shards_in_another_runs_folder_are_refused_naming_the_field():
+    """Under runs/ a run's nodes read their own folder alone (the node role is the run's)."""
+    from functions.errors import InvalidRunSpec
+
+    document = example()
+    document["trainer"]["data"]["shards"] = f"s3://{BUCKET}/runs/gpt/tokens"
+    with pytest.raises(InvalidRunSpec, match=r"^trainer\.data\.shards: under runs/ a run's nodes read their own "
+                                             rf"run's folder alone, s3://{BUCKET}/runs/gpt-1b-p5-demo/ "):
+        parse(document)

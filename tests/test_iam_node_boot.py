@@ -8,10 +8,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from botocore.exceptions import ClientError
 
 from localcloud.deploy import DeployRequest, deploy
 from localcloud.imds import serve_fleet
 from localcloud.node_boot import publish_artifacts
+from trainfleet.adapters.node_roles import ensure_node_profile, node_role_name
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT = "print('agent started', flush=True)"
@@ -26,16 +28,25 @@ def deployed_functions_dropped():
         del sys.modules[module]
 
 
-def boot_one_node(cloud, outputs) -> str:
-    """Launch one instance with the stack's instance profile; its console output once booted."""
+def boot_one_node(cloud, outputs, profile_arn: str) -> str:
+    """Launch one instance with a run's instance profile; its console output once booted."""
     cloud.fleet.boot = lambda instance: [sys.executable, "-m", "localcloud.node_boot", sys.executable, "-c", AGENT]
     cloud.fleet.env_hooks.append(lambda instance: {"PYTHONPATH": str(REPO),
                                                    "TRAINFLEET_BUCKET": outputs["CheckpointBucketName"]})
-    launched = cloud.client("ec2").run_instances(
-        ImageId="ami-12c6146b", InstanceType="c5.large", MinCount=1, MaxCount=1,
-        IamInstanceProfile={"Arn": outputs["NodeInstanceProfileArn"]},
-        MetadataOptions={"HttpTokens": "required"})
-    instance = cloud.fleet.get(launched["Instances"][0]["InstanceId"])
+    launched = []
+
+    def launch() -> bool:  # EC2 sees a new instance profile once IAM has propagated it
+        try:
+            launched.extend(cloud.client("ec2").run_instances(
+                ImageId="ami-12c6146b", InstanceType="c5.large", MinCount=1, MaxCount=1,
+                IamInstanceProfile={"Arn": profile_arn}, MetadataOptions={"HttpTokens": "required"})["Instances"])
+        except ClientError as refused:
+            if "Invalid IAM Instance Profile" not in str(refused):
+                raise
+        return bool(launched)
+
+    cloud.wait_until(launch, "EC2 to launch with the run's new instance profile")
+    instance = cloud.fleet.get(launched[0]["InstanceId"])
 
     def console() -> str:
         return instance.console_log.read_text() if instance.console_log.exists() else ""
@@ -52,19 +63,24 @@ def test_the_node_installs_from_artifacts_with_its_own_role(artifacts_readable):
     with LocalCloud(time_scale=0.02, boot_seconds=0.5, shutdown_grace_seconds=1.0) as cloud:
         imds = serve_fleet(cloud)
         try:
+            stack_name = f"tf-{uuid.uuid4().hex[:8]}"
             outputs = deploy(DeployRequest(template=REPO / "template.yaml", endpoint=cloud.endpoint,
-                                           stack_name=f"tf-{uuid.uuid4().hex[:8]}")).outputs
+                                           stack_name=stack_name)).outputs
             publish_artifacts(cloud.client("s3"), outputs["CheckpointBucketName"])
             iam = cloud.client("iam")
-            role = iam.get_instance_profile(InstanceProfileName=outputs["NodeInstanceProfileArn"].rsplit("/", 1)[1])[
-                "InstanceProfile"]["Roles"][0]["RoleName"]
-            if not artifacts_readable:  # the node role as it was: runs/ only
-                document = iam.get_role_policy(RoleName=role, PolicyName="node-agent")["PolicyDocument"]
+            policy_arn = outputs["NodePolicyArn"]
+            if not artifacts_readable:  # the node policy as it was: runs/ only
+                policy = iam.get_policy(PolicyArn=policy_arn)["Policy"]
+                document = iam.get_policy_version(PolicyArn=policy_arn, VersionId=policy["DefaultVersionId"])[
+                    "PolicyVersion"]["Document"]
                 for statement in document["Statement"]:
                     if statement["Action"] == "s3:GetObject":
                         statement["Resource"] = [r for r in statement["Resource"] if "/artifacts/" not in r]
-                iam.put_role_policy(RoleName=role, PolicyName="node-agent", PolicyDocument=json.dumps(document))
-            console = boot_one_node(cloud, outputs)
+                policy_arn = iam.create_policy(PolicyName=f"{stack_name}-runs-only",
+                                               PolicyDocument=json.dumps(document))["Policy"]["Arn"]
+            profile_arn = ensure_node_profile(iam, "boot", stack_name, policy_arn)
+            role = node_role_name("boot", stack_name)
+            console = boot_one_node(cloud, outputs, profile_arn)
         finally:
             imds.stop()
     if artifacts_readable:

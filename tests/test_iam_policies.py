@@ -35,10 +35,14 @@ _ARNS = {
     "AWS::Events::EventBus": lambda name: f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{name}",
     "AWS::IAM::Role": lambda name: f"arn:aws:iam::{ACCOUNT}:role/{name}",
     "AWS::IAM::InstanceProfile": lambda name: f"arn:aws:iam::{ACCOUNT}:instance-profile/{name}",
+    "AWS::IAM::ManagedPolicy": lambda name: f"arn:aws:iam::{ACCOUNT}:policy/{name}",
     "AWS::Lambda::Function": lambda name: f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:{name}",
     "AWS::SQS::Queue": lambda name: f"arn:aws:sqs:{REGION}:{ACCOUNT}:{name}",
     "AWS::Logs::LogGroup": lambda name: f"arn:aws:logs:{REGION}:{ACCOUNT}:log-group:{name}:*",
 }
+
+_REF_IS_ARN = {"AWS::IAM::ManagedPolicy"}
+"""Types whose Ref is their ARN (CloudFormation's return values)."""
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +61,17 @@ def rendered() -> dict[str, Any]:
     for logical_id, resource in resources.items():
         name = BUCKET if logical_id == "CheckpointBucket" else f"{STACK}-{logical_id}-x"
         arn = _ARNS.get(resource["Type"], lambda name: name)(name)
-        resolver.ref_of[logical_id] = name
+        resolver.ref_of[logical_id] = arn if resource["Type"] in _REF_IS_ARN else name
         resolver.attributes_of[logical_id] = {"Arn": arn, "QueueName": name}
     return {logical_id: resolver.resolve(resource, logical_id) for logical_id, resource in resources.items()}
 
 
 def policies(rendered: dict[str, Any], role: str) -> list[dict]:
-    """The role's inline policies and the AWS managed ones it attaches (their documents as IAM has them)."""
+    """The role's inline policies and the AWS managed ones it attaches (their documents as IAM
+    has them); a managed policy of the template's: its document."""
     properties = rendered[role]["Properties"]
+    if rendered[role]["Type"] == "AWS::IAM::ManagedPolicy":
+        return [properties["PolicyDocument"]]
     managed = [AWS_MANAGED[arn.rpartition("/")[2]]["Document"] for arn in properties.get("ManagedPolicyArns", [])
                if arn.startswith("arn:aws:iam::aws:policy/")]
     return [policy["PolicyDocument"] for policy in properties.get("Policies", [])] + managed
@@ -83,16 +90,28 @@ def s3(key: str) -> str:
     return f"arn:aws:s3:::{BUCKET}/{key}"
 
 
-# --- NodeRole ---------------------------------------------------------------------------------
+# --- NodePolicy: what the nodes of run "r" may do -----------------------------------------------
+
+RUN = {"aws_PrincipalTag__trainfleet:run": "r"}
+"""The run's node role is tagged with the run (trainfleet.adapters.node_roles)."""
+LIVENESS = f"arn:aws:dynamodb:{REGION}:{ACCOUNT}:table/{STACK}-LivenessTable-x"
+
+
+def node(rendered, action: str, resource: str, **context) -> str:
+    """The decision for a node of run r."""
+    return decide(rendered, "NodePolicy", action, resource, **RUN, **context)
+
 
 def node_s3_prefixes(rendered, actions: set[str]) -> set[str]:
     found = set()
-    for document in policies(rendered, "NodeRole"):
+    for document in policies(rendered, "NodePolicy"):
         for statement in document["Statement"]:
             listed = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
             if actions & set(listed):
                 for resource in statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]:
-                    found.add(re.sub(rf"^arn:aws:s3:::{BUCKET}/(.*)\*$", r"\1", resource))
+                    # Under runs/, the run's own folder (the role's tag names the run).
+                    found.add(re.sub(rf"^arn:aws:s3:::{BUCKET}/(.*)\*$", r"\1", resource)
+                              .replace("${aws:PrincipalTag/trainfleet:run}/", ""))
     return found
 
 
@@ -100,10 +119,10 @@ def test_the_node_role_grants_exactly_the_prefixes_validate_checks_run_specs_aga
     assert node_s3_prefixes(rendered, {"s3:GetObject"}) == set(NODE_READ_PREFIXES)
     assert node_s3_prefixes(rendered, {"s3:PutObject"}) == set(NODE_WRITE_PREFIXES)
     for prefix in NODE_READ_PREFIXES:
-        assert decide(rendered, "NodeRole", "s3:GetObject", s3(f"{prefix}x")) == ALLOW
-        assert decide(rendered, "NodeRole", "s3:ListBucket", f"arn:aws:s3:::{BUCKET}", s3_prefix=prefix) == ALLOW
+        assert node(rendered, "s3:GetObject", s3(f"{prefix}r/x")) == ALLOW
+        assert node(rendered, "s3:ListBucket", f"arn:aws:s3:::{BUCKET}", s3_prefix=f"{prefix}r/") == ALLOW
     for prefix in NODE_WRITE_PREFIXES:
-        assert decide(rendered, "NodeRole", "s3:PutObject", s3(f"{prefix}x")) == ALLOW
+        assert node(rendered, "s3:PutObject", s3(f"{prefix}r/x")) == ALLOW
 
 
 @pytest.mark.parametrize("action, key, expected", [
@@ -115,22 +134,35 @@ def test_the_node_role_grants_exactly_the_prefixes_validate_checks_run_specs_aga
     ("s3:PutObject", "artifacts/evil.whl", IMPLICIT_DENY),  # a node cannot change what others install
     ("s3:PutObject", "data/tokens/shard-0", IMPLICIT_DENY),
     ("s3:GetObject", "other/secret", IMPLICIT_DENY),
+    # Another run's objects: its checkpoints, its launch spec.
+    ("s3:GetObject", "runs/other/launch-spec.json", IMPLICIT_DENY),
+    ("s3:PutObject", "runs/other/checkpoints/step-000000100/__0_0.distcp", IMPLICIT_DENY),
+    ("s3:DeleteObject", "runs/other/checkpoints/step-000000100/.metadata", IMPLICIT_DENY),
+    ("s3:GetObject", "runs/rr/launch-spec.json", IMPLICIT_DENY),  # a run whose name starts like r's
 ])
 def test_node_role_objects(rendered, action, key, expected):
-    assert decide(rendered, "NodeRole", action, s3(key)) == expected
+    assert node(rendered, action, s3(key)) == expected
 
 
 @pytest.mark.parametrize("context, expected", [
     ({"s3_prefix": "artifacts/"}, ALLOW), ({"s3_prefix": "runs/r/checkpoints/"}, ALLOW),
+    ({"s3_prefix": "runs/other/checkpoints/"}, IMPLICIT_DENY), ({"s3_prefix": "runs/"}, IMPLICIT_DENY),
     ({"s3_prefix": "other/"}, IMPLICIT_DENY), ({}, IMPLICIT_DENY),  # no prefix lists the whole bucket
 ])
 def test_node_role_lists_only_its_prefixes(rendered, context, expected):
-    assert decide(rendered, "NodeRole", "s3:ListBucket", f"arn:aws:s3:::{BUCKET}", **context) == expected
+    assert node(rendered, "s3:ListBucket", f"arn:aws:s3:::{BUCKET}", **context) == expected
 
 
 @pytest.mark.parametrize("action, resource, context, expected", [
-    ("dynamodb:GetItem", TABLE, {}, ALLOW),
-    ("dynamodb:PutItem", TABLE, {}, IMPLICIT_DENY),
+    ("dynamodb:GetItem", TABLE, {"dynamodb_LeadingKeys": ["RUN#r"]}, ALLOW),
+    ("dynamodb:Query", TABLE, {"dynamodb_LeadingKeys": ["RUN#r"]}, ALLOW),
+    ("dynamodb:GetItem", TABLE, {"dynamodb_LeadingKeys": ["RUN#other"]}, IMPLICIT_DENY),  # another run's records
+    ("dynamodb:Query", TABLE, {"dynamodb_LeadingKeys": ["RUN#other"]}, IMPLICIT_DENY),
+    ("dynamodb:Query", f"{TABLE}/index/by-instance", {"dynamodb_LeadingKeys": ["i-0a"]}, IMPLICIT_DENY),
+    ("dynamodb:Scan", TABLE, {}, IMPLICIT_DENY),
+    ("dynamodb:PutItem", TABLE, {"dynamodb_LeadingKeys": ["RUN#r"]}, IMPLICIT_DENY),
+    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": ["r"]}, ALLOW),
+    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": ["other"]}, IMPLICIT_DENY),
     ("events:PutEvents", f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{STACK}-AgentEventBus-x",
      {"events_source": f"trainfleet/{NODE}", "ec2_SourceInstanceARN": NODE}, ALLOW),
     ("events:PutEvents", f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{STACK}-AgentEventBus-x",
@@ -151,7 +183,7 @@ def test_node_role_lists_only_its_prefixes(rendered, context, expected):
     ("ssm:GetParameters", f"arn:aws:ssm:{REGION}:{ACCOUNT}:parameter/team/api-key", {}, IMPLICIT_DENY),
 ])
 def test_node_role_control_plane_calls(rendered, action, resource, context, expected):
-    assert decide(rendered, "NodeRole", action, resource, **context) == expected
+    assert node(rendered, action, resource, **context) == expected
 
 
 # --- the functions' fleet statements (Allocate and Recover share them) ------------------------
@@ -167,10 +199,10 @@ def test_node_role_control_plane_calls(rendered, action, resource, context, expe
     ("ec2:CreateFleet", f"arn:aws:ec2:{REGION}::image/ami-1", {}, ALLOW),
     ("ec2:CreateTags", f"{EC2}:instance/i-1", {"ec2_CreateAction": "CreateFleet"}, ALLOW),
     ("ec2:CreateTags", f"{EC2}:instance/i-1", {}, IMPLICIT_DENY),  # retagging existing instances
-    ("iam:PassRole", f"arn:aws:iam::{ACCOUNT}:role/{STACK}-NodeRole-x",
+    ("iam:PassRole", f"arn:aws:iam::{ACCOUNT}:role/trainfleet/{STACK}/tf-1-r",
      {"iam_PassedToService": "ec2.amazonaws.com"}, ALLOW),
-    ("iam:PassRole", f"arn:aws:iam::{ACCOUNT}:role/{STACK}-NodeRole-x",
-     {"iam_PassedToService": "lambda.amazonaws.com"}, IMPLICIT_DENY),
+    ("iam:PassRole", f"arn:aws:iam::{ACCOUNT}:role/trainfleet/other/tf-1-r",  # another stack's run
+     {"iam_PassedToService": "ec2.amazonaws.com"}, IMPLICIT_DENY),
     ("iam:PassRole", f"arn:aws:iam::{ACCOUNT}:role/admin", {"iam_PassedToService": "ec2.amazonaws.com"}, IMPLICIT_DENY),
     ("ssm:GetParameters", f"arn:aws:ssm:{REGION}::parameter/aws/service/deeplearning/ami/x86_64/"
                           "base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id", {}, ALLOW),
@@ -185,6 +217,37 @@ def test_node_role_control_plane_calls(rendered, action, resource, context, expe
     ("dynamodb:Query", f"{TABLE}/index/by-instance", {}, ALLOW),
 ])
 def test_fleet_statements(rendered, role, action, resource, context, expected):
+    assert decide(rendered, role, action, resource, **context) == expected
+
+
+NODE_ROLES = f"arn:aws:iam::{ACCOUNT}:role/trainfleet/{STACK}"
+NODE_PROFILES = f"arn:aws:iam::{ACCOUNT}:instance-profile/trainfleet/{STACK}"
+NODE_POLICY = f"arn:aws:iam::{ACCOUNT}:policy/{STACK}-NodePolicy-x"
+
+
+@pytest.mark.parametrize("role, action, resource, context, expected", [
+    ("AllocateFunctionRole", "iam:CreateRole", f"{NODE_ROLES}/tf-1-r", {}, ALLOW),
+    ("AllocateFunctionRole", "iam:CreateRole", f"arn:aws:iam::{ACCOUNT}:role/admin", {}, IMPLICIT_DENY),
+    ("AllocateFunctionRole", "iam:CreateRole", f"arn:aws:iam::{ACCOUNT}:role/trainfleet/other/tf-1-r", {}, IMPLICIT_DENY),
+    ("AllocateFunctionRole", "iam:AttachRolePolicy", f"{NODE_ROLES}/tf-1-r", {"iam_PolicyARN": NODE_POLICY}, ALLOW),
+    # The node role gets the node policy and nothing else: no administrator through Allocate.
+    ("AllocateFunctionRole", "iam:AttachRolePolicy", f"{NODE_ROLES}/tf-1-r",
+     {"iam_PolicyARN": "arn:aws:iam::aws:policy/AdministratorAccess"}, IMPLICIT_DENY),
+    ("AllocateFunctionRole", "iam:PutRolePolicy", f"{NODE_ROLES}/tf-1-r", {}, IMPLICIT_DENY),
+    ("AllocateFunctionRole", "iam:AddRoleToInstanceProfile", f"{NODE_PROFILES}/tf-1-r", {}, ALLOW),
+    ("RecoverFunctionRole", "iam:CreateRole", f"{NODE_ROLES}/tf-1-r", {}, IMPLICIT_DENY),
+    # Recover passes the node role to EC2 alone; Allocate also adds it to its profile, which
+    # passes it to no service (the role trusts EC2 alone either way).
+    ("RecoverFunctionRole", "iam:PassRole", f"{NODE_ROLES}/tf-1-r", {"iam_PassedToService": "lambda.amazonaws.com"},
+     IMPLICIT_DENY),
+    ("AllocateFunctionRole", "iam:PassRole", f"{NODE_ROLES}/tf-1-r", {}, ALLOW),
+    ("TeardownFunctionRole", "iam:DeleteRole", f"{NODE_ROLES}/tf-1-r", {}, ALLOW),
+    ("ReaperFunctionRole", "iam:DeleteInstanceProfile", f"{NODE_PROFILES}/tf-1-r", {}, ALLOW),
+    ("TeardownFunctionRole", "iam:DeleteRole", f"arn:aws:iam::{ACCOUNT}:role/admin", {}, IMPLICIT_DENY),
+    ("AllocateFunctionRole", "iam:DeleteRole", f"{NODE_ROLES}/tf-1-r", {}, IMPLICIT_DENY),
+])
+def test_run_node_roles_are_made_and_deleted_under_the_stacks_path_alone(rendered, role, action, resource, context,
+                                                                         expected):
     assert decide(rendered, role, action, resource, **context) == expected
 
 

@@ -194,6 +194,7 @@ def _read_back(cloud, resource):
         "AWS::IAM::Role": lambda: cloud.client("iam").get_role(RoleName=pid)["Role"],
         "AWS::IAM::Policy": lambda: pid,  # checked through its role below
         "AWS::IAM::InstanceProfile": lambda: cloud.client("iam").get_instance_profile(InstanceProfileName=pid),
+        "AWS::IAM::ManagedPolicy": lambda: cloud.client("iam").get_policy(PolicyArn=pid)["Policy"],
         "AWS::Lambda::Function": lambda: cloud.client("lambda").get_function_configuration(FunctionName=pid),
         "AWS::Lambda::Permission": lambda: pid,  # checked through its function's policy below
         "AWS::Lambda::EventInvokeConfig": lambda: cloud.client("lambda").get_function_event_invoke_config(

@@ -12,6 +12,7 @@ import pytest
 
 from trainfleet.adapters.liveness import instance_troubles
 
+from localcloud.glue import ec2 as ec2_glue
 from localcloud.glue.ec2 import InterfaceError, interface_requests
 from localcloud_helpers import (create_state_machine, deploy_function, event_sink, receive,
                                 records, unique, wait_for_execution)
@@ -418,7 +419,8 @@ def test_create_fleet_client_token_answers_a_repeat_with_the_first_answer(local_
     ec2.terminate_instances(InstanceIds=launched)
 
 
-def test_fleet_instances_get_the_launch_templates_instance_profile(local_cloud):
+def test_fleet_instances_get_the_launch_templates_instance_profile(local_cloud, monkeypatch):
+    monkeypatch.setattr(ec2_glue, "IAM_PROPAGATION_S", 0.0)  # not the point here: see below
     ec2, iam, zone, instance_type = local_cloud.client("ec2"), local_cloud.client("iam"), "us-east-1d", "c5.large"
     profile = iam.create_instance_profile(InstanceProfileName=unique("nodes"))["InstanceProfile"]
     template = ec2.create_launch_template(LaunchTemplateName=unique("lt"), LaunchTemplateData={
@@ -428,3 +430,26 @@ def test_fleet_instances_get_the_launch_templates_instance_profile(local_cloud):
     assert errors == []
     assert describe(local_cloud, launched[0])["IamInstanceProfile"]["Arn"] == profile["Arn"]
     ec2.terminate_instances(InstanceIds=launched)
+
+
+def test_a_launch_naming_a_profile_iam_has_not_shown_ec2_yet_or_at_all_is_refused(local_cloud, monkeypatch):
+    """IAM is eventually consistent: a new instance profile reaches EC2 seconds later, and EC2
+    refuses a launch naming one it does not know (InvalidParameterValue), a fleet in its Errors."""
+    ec2, iam, zone, instance_type = local_cloud.client("ec2"), local_cloud.client("iam"), "us-east-1d", "c5.large"
+    monkeypatch.setattr(ec2_glue, "IAM_PROPAGATION_S", 3600.0)
+    young = iam.create_instance_profile(InstanceProfileName=unique("nodes"))["InstanceProfile"]["Arn"]
+    unknown = young.replace("instance-profile/", "instance-profile/never-")
+    for profile in (young, unknown):
+        with pytest.raises(botocore.exceptions.ClientError,
+                           match=rf"Value \({profile}\) for parameter iamInstanceProfile.arn is invalid"):
+            ec2.run_instances(ImageId=IMAGE, InstanceType=instance_type, MinCount=1, MaxCount=1,
+                              IamInstanceProfile={"Arn": profile})
+        template = ec2.create_launch_template(LaunchTemplateName=unique("lt"), LaunchTemplateData={
+            "ImageId": IMAGE, "InstanceType": instance_type, "IamInstanceProfile": {"Arn": profile}})[
+            "LaunchTemplate"]["LaunchTemplateId"]
+        launched, errors = on_demand_fleet(ec2, template, instance_type, default_subnet(ec2, zone), 1, 1)
+        assert launched == [] and [error["ErrorCode"] for error in errors] == ["InvalidParameterValue"]
+    monkeypatch.setattr(ec2_glue, "IAM_PROPAGATION_S", 0.0)  # propagated
+    launched = ec2.run_instances(ImageId=IMAGE, InstanceType=instance_type, MinCount=1, MaxCount=1,
+                                 IamInstanceProfile={"Arn": young})["Instances"]
+    ec2.terminate_instances(InstanceIds=[instance["InstanceId"] for instance in launched])

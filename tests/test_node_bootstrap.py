@@ -4,6 +4,7 @@ and its output (and printed to the console), which ends the run at once (test_li
 
 import json
 
+from localcloud.glue import ec2 as ec2_glue
 from localcloud.imds import serve_fleet
 from localcloud_helpers import event_sink, receive, unique
 from trainfleet.adapters.ec2_fleet import NODE_PYTHON_ARTIFACT, node_user_data
@@ -26,7 +27,7 @@ def node_profile(cloud) -> str:
     return profile
 
 
-def test_a_bootstrap_step_that_fails_is_reported_with_its_output(local_cloud):
+def test_a_bootstrap_step_that_fails_is_reported_with_its_output(local_cloud, monkeypatch):
     """Artifacts without the node's Python: the unpacking step fails; its output, the step's
     name and the instance reach the control plane's bus within the boot, and the console."""
     s3, bucket = local_cloud.client("s3"), unique("bucket")
@@ -34,13 +35,14 @@ def test_a_bootstrap_step_that_fails_is_reported_with_its_output(local_cloud):
     s3.put_object(Bucket=bucket, Key="artifacts/trainfleet-0.1.0-py3-none-any.whl", Body=b"wheel")
     sink = event_sink(local_cloud, {"source": [{"prefix": "trainfleet/"}], "detail-type": ["NodeUnhealthy"]})
     settings = Settings(run_table="runs", liveness_table="liveness", bucket=bucket, event_bus="default",
-                        stack_name="trainfleet", node_instance_profile_arn=node_profile(local_cloud))
+                        stack_name="trainfleet", node_policy_arn="arn:aws:iam::123456789012:policy/unused")
+    monkeypatch.setattr(ec2_glue, "IAM_PROPAGATION_S", 0.0)  # the profile made just now is visible
     imds = serve_fleet(local_cloud)
     try:
         launched = local_cloud.client("ec2").run_instances(
             ImageId="ami-12c6146b", InstanceType="c5.large", MinCount=1, MaxCount=1,
             UserData=node_user_data("boot-run", settings), MetadataOptions={"HttpTokens": "required"},
-            IamInstanceProfile={"Arn": settings.node_instance_profile_arn})
+            IamInstanceProfile={"Arn": node_profile(local_cloud)})
         instance_id = launched["Instances"][0]["InstanceId"]
         (event,) = receive(local_cloud, sink, 1)
     finally:

@@ -29,7 +29,7 @@ Offers:
       instance_arn, node_event_source, event_sender
     validation_message(error)   a ValidationError as "field.path: problem" lines, for people
     NODE_READ_PREFIXES, NODE_WRITE_PREFIXES, node_access_problems   what the nodes may touch in
-      the stack's bucket (template.yaml's NodeRole grants exactly these) and the RunSpec's URIs
+      the stack's bucket (template.yaml's NodePolicy grants exactly these, the run's own folder under runs/) and the RunSpec's URIs
       that fall outside it
     SCHEDULES, schedule_problem  the pipeline schedules and their rules (torch-free)
 
@@ -629,15 +629,16 @@ class RunSpec(_Strict):
 
 
 # ---------------------------------------------------------------------------------------------
-# What the nodes may touch in the stack's bucket. template.yaml's NodeRole grants exactly these
+# What the nodes may touch in the stack's bucket. template.yaml's NodePolicy grants exactly these
 # prefixes (tests/test_iam_policies.py checks both agree): a RunSpec naming an S3 URI outside
 # them would fail on the nodes with AccessDenied after the fleet was paid for.
 
 NODE_READ_PREFIXES = ("runs/", "data/", "artifacts/")
-"""Readable by the nodes: run folders (launch spec, checkpoints), token shards, and the
-wheelhouse the user data installs."""
+"""Readable by the nodes: their run's folder under runs/ (launch spec, checkpoints), token
+shards, and the wheelhouse the user data installs."""
 NODE_WRITE_PREFIXES = ("runs/",)
-"""Writable (and deletable) by the nodes: checkpoints and what else a run writes."""
+"""Writable (and deletable) by the nodes: their run's folder under runs/ (checkpoints and what
+else a run writes)."""
 
 
 def node_access_problems(spec: RunSpec, bucket: str) -> list[str]:
@@ -653,7 +654,7 @@ def node_access_problems(spec: RunSpec, bucket: str) -> list[str]:
     own = f"s3://{bucket}/runs/{spec.run_name}/"
     if outside(spec.checkpoint.s3_uri + "/", NODE_WRITE_PREFIXES):
         problems.append(f"checkpoint.s3_uri: the nodes write checkpoints only under "
-                        f"{allowed(NODE_WRITE_PREFIXES)} (this stack's bucket, NodeRole) "
+                        f"{allowed(NODE_WRITE_PREFIXES)} (this stack's bucket, NodePolicy) "
                         f"(got {spec.checkpoint.s3_uri!r})")
     elif not (spec.checkpoint.s3_uri + "/").startswith(own):
         # A RunSpec copied under a new name must not resume, prune or retain another run's steps.
@@ -662,7 +663,10 @@ def node_access_problems(spec: RunSpec, bucket: str) -> list[str]:
     shards = (spec.trainer.model_extra or {}).get("data", {}).get("shards", "")
     if str(shards).startswith("s3://") and outside(str(shards).rstrip("/") + "/", NODE_READ_PREFIXES):
         problems.append(f"trainer.data.shards: the nodes read only under "
-                        f"{allowed(NODE_READ_PREFIXES)} (this stack's bucket, NodeRole) (got {shards!r})")
+                        f"{allowed(NODE_READ_PREFIXES)} (this stack's bucket, NodePolicy) (got {shards!r})")
+    elif str(shards).startswith(f"s3://{bucket}/runs/") and not (str(shards).rstrip("/") + "/").startswith(own):
+        problems.append(f"trainer.data.shards: under runs/ a run's nodes read their own run's folder alone, "
+                        f"{own} (got {shards!r})")
     return problems
 
 

@@ -31,8 +31,9 @@ class Settings(BaseModel):
     """S3 bucket of checkpoints, run reports and agent artifacts (TRAINFLEET_BUCKET)."""
     event_bus: str
     """EventBridge bus the node agents send to (TRAINFLEET_EVENT_BUS)."""
-    node_instance_profile_arn: str
-    """Instance profile every node gets (TRAINFLEET_NODE_INSTANCE_PROFILE_ARN)."""
+    node_policy_arn: str
+    """The policy of every run's node role (TRAINFLEET_NODE_POLICY_ARN; the role's trainfleet:run
+    tag names the run it grants)."""
     stack_name: str
     """The stack, prefix of resource names (TRAINFLEET_STACK)."""
     metrics_namespace: str = "Trainfleet"
@@ -57,6 +58,6 @@ _REQUIRED = {
     "liveness_table": "TRAINFLEET_LIVENESS_TABLE",
     "bucket": "TRAINFLEET_BUCKET",
     "event_bus": "TRAINFLEET_EVENT_BUS",
-    "node_instance_profile_arn": "TRAINFLEET_NODE_INSTANCE_PROFILE_ARN",
+    "node_policy_arn": "TRAINFLEET_NODE_POLICY_ARN",
     "stack_name": "TRAINFLEET_STACK",
 }

@@ -43,8 +43,10 @@ Patches to moto, each replacing something it lacks or drops:
 Instance types are checked against moto's catalogue (LocalCloud turns on moto's own
 validation), and network interfaces as EC2 checks them (`interface_requests`): each card's
 interface types and count, the type's EFA count, and AssociatePublicIpAddress on a launch with
-several interfaces (InvalidParameterCombination, even set to false). RunInstances fails with the
-error; an instant CreateFleet lists it under `Errors` and launches nothing, as EC2 answers.
+several interfaces (InvalidParameterCombination, even set to false). So is the instance profile:
+one IAM does not have, or made under IAM_PROPAGATION_S ago (IAM is eventually consistent), is
+InvalidParameterValue. RunInstances fails with the error; an instant CreateFleet lists it under
+`Errors` and launches nothing, as EC2 answers.
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ from moto.ec2.models.instance_types import INSTANCE_TYPES
 from moto.ec2.models.instances import Instance, Reservation
 from moto.ec2.responses import EC2Response
 from moto.ec2.responses.fleets import Fleets
+from moto.ec2.responses import instances as instances_responses
 from moto.ec2.responses.instances import InstanceResponse
+from moto.iam.exceptions import NotFoundException
 from moto.core.responses import ActionResult
 from moto.core.utils import utcnow
 from moto.ec2.responses.general import General
@@ -129,7 +133,8 @@ class InterfaceRequest:
 
 
 class InterfaceError(ValueError):
-    """NetworkInterfaces that EC2 refuses, with the error code it answers."""
+    """A launch EC2 refuses (its NetworkInterfaces, its instance profile), with the error code
+    it answers."""
 
     def __init__(self, message: str, code: str = "InvalidParameterValue"):
         super().__init__(message)
@@ -448,6 +453,7 @@ _request = threading.local()
 
 _moto_run_instances_response = InstanceResponse.run_instances
 _moto_run_instances = EC2Backend.run_instances
+_moto_filter_iam_instance_profiles = instances_responses.filter_iam_instance_profiles
 _moto_terminate = EC2Backend.terminate_instances
 _moto_stop = EC2Backend.stop_instances
 _moto_start = EC2Backend.start_instances
@@ -508,6 +514,9 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
     specs = kwargs.get("nics") or template.get("NetworkInterfaces") or []
     try:
         requests = interface_requests(instance_type, specs)
+        check_instance_profile(cloud, kwargs.get("iam_instance_profile_arn") or kwargs.get("iam_instance_profile_name")
+                               or (template.get("IamInstanceProfile") or {}).get("Arn")
+                               or (template.get("IamInstanceProfile") or {}).get("Name"))
     except InterfaceError as exc:
         if getattr(_request, "fleet", None) is None:
             raise EC2ClientError(exc.code, str(exc)) from exc
@@ -532,6 +541,49 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
                                "aws:ec2launchtemplate:version": str(template_version.number)})
         cloud.fleet.launched(instance)
     return reservation
+
+
+IAM_PROPAGATION_S = 5.0
+"""Seconds (scaled, LocalCloud.scaled) before EC2 sees a new instance profile. IAM documents its
+changes as eventually consistent, taking seconds to reach other services: a launch naming a
+profile made just before is refused as invalid, and must be tried again."""
+
+
+def check_instance_profile(cloud: LocalCloud, profile: str | None) -> None:
+    """Raise InterfaceError (InvalidParameterValue, EC2's words) for a launch's instance profile
+    (an ARN or a name) that IAM does not have, or made under IAM_PROPAGATION_S ago."""
+    if not profile:
+        return
+    from moto.core.utils import utcnow
+    from moto.iam.models import iam_backends
+
+    iam = iam_backends[cloud.account_id]["aws"]
+    name = profile.rsplit("/", 1)[-1]
+    found = next((each for each in iam.instance_profiles.values() if each.name == name), None)
+    young = found is not None and (utcnow() - found.create_date).total_seconds() < cloud.scaled(IAM_PROPAGATION_S)
+    if found is None or young:
+        raise InterfaceError(_invalid_profile(profile))
+
+
+def _invalid_profile(profile: str) -> str:
+    """EC2's InvalidParameterValue message for an instance profile (ARN or name) it does not know."""
+    by_arn = profile.startswith("arn:")
+    return (f"Value ({profile}) for parameter iamInstanceProfile.{'arn' if by_arn else 'name'} is invalid. "
+            f"Invalid IAM Instance Profile {'ARN' if by_arn else 'name'}")
+
+
+def _filter_iam_instance_profiles(account_id: str, partition: str, iam_instance_profile_arn: str | None,
+                                  iam_instance_profile_name: str | None) -> Any:
+    # moto's RunInstances looks the profile up first and answers IAM's NoSuchEntity; EC2 answers
+    # InvalidParameterValue.
+    try:
+        return _moto_filter_iam_instance_profiles(account_id, partition, iam_instance_profile_arn,
+                                                  iam_instance_profile_name)
+    except NotFoundException:
+        if active_cloud() is None:
+            raise
+        raise EC2ClientError("InvalidParameterValue",
+                             _invalid_profile(iam_instance_profile_arn or iam_instance_profile_name or "")) from None
 
 
 def _fleet_error(template_spec: dict[str, Any], lifecycle: str, code: str, message: str) -> None:
@@ -639,6 +691,7 @@ def apply() -> None:
     EC2Response.delete_placement_group = delete_placement_group
     EC2Response.get_console_output = _console_output
     InstanceResponse.run_instances = _run_instances_response
+    instances_responses.filter_iam_instance_profiles = _filter_iam_instance_profiles
     Fleet.__init__ = _fleet_init
     Fleets.create_fleet = _create_fleet_response
     EC2Backend.run_instances = _run_instances

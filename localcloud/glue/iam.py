@@ -6,7 +6,8 @@ condition keys, and a denial names the caller, the action and the resource.
   for each (resource, condition context) the request needs (`authorizations`). The denial is
   AWS's: `User: arn:aws:sts::ACCOUNT:assumed-role/ROLE/SESSION is not authorized to perform:
   ACTION on resource: RESOURCE because no identity-based policy allows the ACTION action`
-  (AccessDenied; UnauthorizedOperation for EC2).
+  (AccessDenied; UnauthorizedOperation for EC2; AccessDeniedException for the JSON-protocol
+  services: DynamoDB, EventBridge, Step Functions, CloudWatch Logs).
 - Replaces `FakeBucket.get_permission`, which checks the bucket policy with moto's evaluator
   (its TLS-only Deny then refused everything, because moto treats the Bool condition as met),
   with the same evaluation; aws:SecureTransport is "true" (see SECURE_TRANSPORT).
@@ -21,6 +22,7 @@ condition keys, and a denial names the caller, the action and the resource.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +30,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 from xml.etree import ElementTree
 
-from moto.core.exceptions import _RESTError
+from moto.core.exceptions import JsonRESTError, _RESTError
 from moto.iam.access_control import IAMPolicy, IAMRequestBase, S3IAMRequest
 from moto.s3.exceptions import S3ClientError
 from moto.s3.models import FakeBucket
@@ -203,6 +205,50 @@ def _ec2_resource_tags(request: IAMRequestBase, query: dict[str, list[str]]) -> 
         yield {f"aws:ResourceTag/{tag['key']}": tag["value"] for tag in tags}
 
 
+def _leading_keys(request: IAMRequestBase, body: dict[str, Any], table: str, index: str | None) -> list[str]:
+    """dynamodb:LeadingKeys: the partition key values a single-item request (Key, Item) or a
+    Query (its KeyConditionExpression's `key = :value`) names; none for the rest (Scan)."""
+    from moto.dynamodb.models import dynamodb_backends
+
+    try:
+        found = dynamodb_backends[request.account_id][request._region].get_table(table)
+    except Exception:  # an unknown table: DynamoDB answers it itself
+        return []
+    hash_key = found.hash_key_attr
+    if index is not None:
+        hash_key = next((element["AttributeName"] for each in found.global_indexes + found.indexes
+                         if each.name == index for element in each.schema if element["KeyType"] == "HASH"), hash_key)
+    item = body.get("Key") or body.get("Item") or {}
+    if hash_key in item:
+        return [str(next(iter(item[hash_key].values())))]
+    names = body.get("ExpressionAttributeNames", {})
+    values = body.get("ExpressionAttributeValues", {})
+    return [str(next(iter(values[value].values())))
+            for name, value in re.findall(r"([#\w]+)\s*=\s*(:\w+)", body.get("KeyConditionExpression", ""))
+            if names.get(name, name) == hash_key and value in values]
+
+
+def _iam_resources(request: IAMRequestBase, query: dict[str, list[str]],
+                   resource: str) -> Iterator[tuple[str, str | None]]:
+    """(action, resource) an IAM request needs, as AWS authorizes it. moto names the role of any
+    request with a RoleName (when it exists), and nothing else: a role to be created is its ARN
+    to be (path and name), an instance profile request is on the profile, and adding a role to
+    a profile also needs iam:PassRole on the role."""
+    account, action = request.account_id, request._action
+    if "InstanceProfileName" in query:
+        name = query["InstanceProfileName"][0]
+        iam, _ = _backends(account, "")
+        existing = next((profile for profile in iam.instance_profiles.values() if profile.name == name), None)
+        path = existing.path if existing is not None else query.get("Path", ["/"])[0]
+        yield action, f"arn:aws:iam::{account}:instance-profile{path}{name}"
+        if action == "iam:AddRoleToInstanceProfile":
+            yield "iam:PassRole", None if resource == "*" else resource
+    elif action == "iam:CreateRole":
+        yield action, f"arn:aws:iam::{account}:role{query.get('Path', ['/'])[0]}{query['RoleName'][0]}"
+    else:
+        yield action, None if resource == "*" else resource
+
+
 def _table_arn(table: str, region: str, account: str) -> str:
     return table if table.startswith("arn:") else f"arn:aws:dynamodb:{region}:{account}:table/{table}"
 
@@ -228,7 +274,13 @@ def authorizations(request: IAMRequestBase,
                 yield (request._action, f"{resource}/{key}", context, unevaluated)
             return
         yield (request._action, resource, context, unevaluated)
-    elif service in ("sqs", "iam", "sts") and resource != "*":
+    elif service == "iam":
+        query = _query(request)
+        if "PolicyArn" in query:  # Attach/DetachRolePolicy: the policy is the condition key iam:PolicyARN
+            context = context | {"iam:PolicyARN": query["PolicyArn"][0]}
+        for action_needed, needed in _iam_resources(request, query, resource):
+            yield (action_needed, needed, context, unevaluated)
+    elif service in ("sqs", "sts") and resource != "*":
         yield (request._action, resource, context, unevaluated)
     elif (service, action) == ("dynamodb", "TransactWriteItems"):
         # DynamoDB authorizes each item's action on its table: PutItem, UpdateItem, DeleteItem,
@@ -246,6 +298,9 @@ def authorizations(request: IAMRequestBase,
             return
         arn = _table_arn(table, region, account)
         index = body.get("IndexName")
+        leading = _leading_keys(request, body, table, index)
+        if leading:
+            context = context | {"dynamodb:LeadingKeys": leading}
         yield (request._action, f"{arn}/index/{index}" if index else arn, context, unevaluated)
     elif (service, action) == ("events", "PutEvents"):
         for entry in _json_body(request).get("Entries", []):
@@ -288,6 +343,15 @@ class UnauthorizedOperation(_RESTError):
     code = 403
 
 
+class JsonAccessDenied(JsonRESTError):
+    code = 400
+
+
+JSON_PROTOCOL = frozenset({"dynamodb", "events", "states", "logs"})
+"""Services of AWS's JSON protocol, whose denial is AccessDeniedException (HTTP 400), where the
+query and REST services answer AccessDenied (403)."""
+
+
 def denial_message(principal: str, action: str, resource: str | None, decision: str) -> str:
     """AWS's AccessDenied message for an identity-policy denial."""
     shown = f" on resource: {resource}" if resource else ""
@@ -300,17 +364,31 @@ def _policies(request: IAMRequestBase) -> list[dict[str, Any]]:
     return [IAMPolicy(policy)._policy_json for policy in request._access_key.collect_policies()]
 
 
+def _principal_context(request: IAMRequestBase) -> dict[str, str]:
+    """What a request's keys say of its caller: aws:PrincipalTag/KEY of a role session (the
+    role's tags), and ec2:SourceInstanceARN of an instance profile's session."""
+    key = request._access_key
+    context = {}
+    role_name = getattr(key, "_owner_role_name", None)
+    if role_name is not None:
+        iam, _ = _backends(request.account_id, "")
+        role = next((role for role in iam.roles.values() if role.name == role_name), None)
+        context = {f"aws:PrincipalTag/{tag['Key']}": tag["Value"] for tag in (role.tags if role else [])}
+    instance = _instance_sessions.get(getattr(key, "_access_key_id", ""))
+    if instance is not None:
+        context["ec2:SourceInstanceARN"] = instance
+    return context
+
+
 def _check_action_permitted(self: IAMRequestBase, resource: str) -> None:
     if active_cloud() is None:
         return _moto_check_action_permitted(self, resource)
     if self._action == "sts:GetCallerIdentity":  # AWS allows it whatever the policies say
         return None
     policies = _policies(self)
-    instance = _instance_sessions.get(getattr(self._access_key, "_access_key_id", ""))
+    principal = _principal_context(self)
     for action, needed, context, unevaluated in authorizations(self, resource):
-        if instance is not None:
-            context = context | {"ec2:SourceInstanceARN": instance}
-        decision = evaluate(policies, action, needed, context, unevaluated)
+        decision = evaluate(policies, action, needed, principal | context, unevaluated)
         if decision == ALLOW:
             continue
         message = denial_message(self._access_key.arn, action, needed, decision)
@@ -318,6 +396,8 @@ def _check_action_permitted(self: IAMRequestBase, resource: str) -> None:
             raise S3ClientError("AccessDenied", message)
         if self._service == "ec2":
             raise UnauthorizedOperation("UnauthorizedOperation", message)
+        if self._service in JSON_PROTOCOL:
+            raise JsonAccessDenied("AccessDeniedException", message)
         raise AccessDenied("AccessDenied", message)
     return None
 

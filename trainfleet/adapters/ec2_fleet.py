@@ -77,6 +77,16 @@ class FleetError(RuntimeError):
         self.codes = codes
         """EC2's error codes of the refusal."""
 
+    @property
+    def profile_not_visible(self) -> bool:
+        """EC2 does not know the launch's instance profile (yet): IAM makes a new one visible
+        to EC2 within seconds, and a launch before that is refused as invalid."""
+        return "InvalidParameterValue" in self.codes and PROFILE_REFUSED in str(self)
+
+
+PROFILE_REFUSED = "Invalid IAM Instance Profile"
+"""What EC2's InvalidParameterValue says of a launch's instance profile it does not know."""
+
 
 def run_resource_name(run_name: str, stack_name: str) -> str:
     """The name of a run's launch template: the run's, and the stack's in a short digest (EC2
@@ -234,12 +244,13 @@ def _owned(resource: dict[str, Any], run_name: str, stack_name: str) -> bool:
     return all(tag in tags for tag in _owner_tags(run_name, stack_name))
 
 
-def launch_template_data(spec: RunSpec, settings: Settings) -> dict[str, Any]:
-    """LaunchTemplateData for the run: EFA interfaces, IMDSv2 only, capacity market, tags."""
+def launch_template_data(spec: RunSpec, settings: Settings, instance_profile_arn: str) -> dict[str, Any]:
+    """LaunchTemplateData for the run: its nodes' instance profile, EFA interfaces, IMDSv2 only,
+    capacity market, tags."""
     data: dict[str, Any] = {
         "ImageId": spec.image_id,
         "InstanceType": spec.instance_type,
-        "IamInstanceProfile": {"Arn": settings.node_instance_profile_arn},
+        "IamInstanceProfile": {"Arn": instance_profile_arn},
         # The agent shuts its instance down when the run is over or the control plane stays
         # unreachable: that must end the instance (and its bill), not just stop it.
         "InstanceInitiatedShutdownBehavior": "terminate",
@@ -347,14 +358,14 @@ def zone_verdict(outcome: FleetOutcome, minimum: int) -> Literal["accept", "next
 
 # --- calls --------------------------------------------------------------------------------
 
-def ensure_launch_template(ec2: Any, spec: RunSpec, settings: Settings) -> str:
+def ensure_launch_template(ec2: Any, spec: RunSpec, settings: Settings, instance_profile_arn: str) -> str:
     """Create the run's launch template (or reuse it: the name is the run's in this stack); its id."""
     name = run_resource_name(spec.run_name, settings.stack_name)
     existing = ec2.describe_launch_templates(Filters=[{"Name": "launch-template-name", "Values": [name]}])
     if existing["LaunchTemplates"]:
         return existing["LaunchTemplates"][0]["LaunchTemplateId"]
     created = ec2.create_launch_template(
-        LaunchTemplateName=name, LaunchTemplateData=launch_template_data(spec, settings),
+        LaunchTemplateName=name, LaunchTemplateData=launch_template_data(spec, settings, instance_profile_arn),
         TagSpecifications=[{"ResourceType": "launch-template", "Tags": _tags(spec, settings.stack_name)}])
     return created["LaunchTemplate"]["LaunchTemplateId"]
 
