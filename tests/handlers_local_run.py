@@ -251,8 +251,7 @@ def hostile_node(cloud, outputs: dict[str, str], store: RunStore, attacker: str,
     (AccessDenied, AccessDeniedException) or "accepted"; and the same on its own run, which it may."""
     from localcloud.imds import fleet_records, role_session_of
 
-    mine = next(node for node in store.nodes(attacker) if node.node_rank == 0).instance_id
-    theirs = next(node for node in store.nodes(victim) if node.node_rank == 1).instance_id
+    mine, theirs = (min(node.instance_id for node in store.nodes(run)) for run in (attacker, victim))
     credentials = role_session_of(cloud)(fleet_records(cloud)(mine), timedelta(hours=1))
     s3, dynamodb, events = (boto3.client(
         service, endpoint_url=cloud.endpoint, region_name=cloud.region, aws_access_key_id=credentials.access_key_id,

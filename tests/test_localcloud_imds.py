@@ -242,8 +242,11 @@ time.sleep(60)  # the interruption ends this process
 
 
 @pytest.mark.slow
-def test_a_fleet_instance_reads_its_metadata_and_its_spot_notice(tmp_path):
+def test_a_fleet_instance_reads_its_metadata_and_its_spot_notice(tmp_path, monkeypatch):
     from localcloud import LocalCloud
+    from localcloud.glue import ec2 as ec2_glue
+
+    monkeypatch.setattr(ec2_glue, "IAM_PROPAGATION_S", 0.0)  # the profile made below is visible at once
 
     with LocalCloud(time_scale=0.02, boot_seconds=0.5, shutdown_grace_seconds=1.0) as cloud:
         imds = serve_fleet(cloud)
