@@ -47,6 +47,11 @@ tracer = Tracer()
 metrics = Metrics()
 
 
+def _client(service: str) -> cached_property:
+    """A client of `service`, made on the first use of the attribute and kept."""
+    return cached_property(lambda _: boto3.client(service, config=_CLIENT_CONFIG))
+
+
 @dataclass(frozen=True)
 class Aws:
     """The settings and one client per service, shared by every invocation. A client is made on
@@ -62,21 +67,10 @@ class Aws:
     def store(self) -> RunStore:
         return RunStore(self.dynamodb, self.settings.run_table)
 
-    @cached_property
-    def ec2(self) -> Any:
-        return boto3.client("ec2", config=_CLIENT_CONFIG)
-
-    @cached_property
-    def s3(self) -> Any:
-        return boto3.client("s3", config=_CLIENT_CONFIG)
-
-    @cached_property
-    def iam(self) -> Any:
-        return boto3.client("iam", config=_CLIENT_CONFIG)
-
-    @cached_property
-    def sfn(self) -> Any:
-        return boto3.client("stepfunctions", config=_CLIENT_CONFIG)
+    ec2 = _client("ec2")
+    s3 = _client("s3")
+    iam = _client("iam")
+    sfn = _client("stepfunctions")
 
 
 # Throttling and 5xx answers of EC2, DynamoDB, S3 and Step Functions are retried in the client

@@ -554,12 +554,9 @@ def check_instance_profile(cloud: LocalCloud, profile: str | None) -> None:
     (an ARN or a name) that IAM does not have, or made under IAM_PROPAGATION_S ago."""
     if not profile:
         return
-    from moto.core.utils import utcnow
-    from moto.iam.models import iam_backends
+    from localcloud.glue.iam import instance_profile_named
 
-    iam = iam_backends[cloud.account_id]["aws"]
-    name = profile.rsplit("/", 1)[-1]
-    found = next((each for each in iam.instance_profiles.values() if each.name == name), None)
+    found = instance_profile_named(cloud.account_id, profile.rsplit("/", 1)[-1])
     young = found is not None and (utcnow() - found.create_date).total_seconds() < cloud.scaled(IAM_PROPAGATION_S)
     if found is None or young:
         raise InterfaceError(_invalid_profile(profile))

@@ -124,6 +124,12 @@ def role_credentials(account_id: str, region: str, role_arn: str, session_name: 
         return dict(held[1])
 
 
+def instance_profile_named(account_id: str, name: str) -> Any:
+    """IAM's instance profile of that name in the account; None if it has none."""
+    iam, _ = _backends(account_id, "")
+    return next((profile for profile in iam.instance_profiles.values() if profile.name == name), None)
+
+
 def role_allows(account_id: str, role_arn: str, action: str, resource: str) -> bool:
     """Whether the role's own policies (inline and attached) allow `action` on `resource`: what
     a service checks of an execution role before it acts for it (Lambda's event source mapping
@@ -208,11 +214,12 @@ def _ec2_resource_tags(request: IAMRequestBase, query: dict[str, list[str]]) -> 
 def _leading_keys(request: IAMRequestBase, body: dict[str, Any], table: str, index: str | None) -> list[str]:
     """dynamodb:LeadingKeys: the partition key values a single-item request (Key, Item) or a
     Query (its KeyConditionExpression's `key = :value`) names; none for the rest (Scan)."""
+    from moto.dynamodb.exceptions import ResourceNotFoundException
     from moto.dynamodb.models import dynamodb_backends
 
     try:
         found = dynamodb_backends[request.account_id][request._region].get_table(table)
-    except Exception:  # an unknown table: DynamoDB answers it itself
+    except ResourceNotFoundException:  # DynamoDB answers it itself
         return []
     hash_key = found.hash_key_attr
     if index is not None:
@@ -237,8 +244,7 @@ def _iam_resources(request: IAMRequestBase, query: dict[str, list[str]],
     account, action = request.account_id, request._action
     if "InstanceProfileName" in query:
         name = query["InstanceProfileName"][0]
-        iam, _ = _backends(account, "")
-        existing = next((profile for profile in iam.instance_profiles.values() if profile.name == name), None)
+        existing = instance_profile_named(account, name)
         path = existing.path if existing is not None else query.get("Path", ["/"])[0]
         yield action, f"arn:aws:iam::{account}:instance-profile{path}{name}"
         if action == "iam:AddRoleToInstanceProfile":
