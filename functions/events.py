@@ -12,9 +12,9 @@ A failure answers the parked task token with trainfleet.Failure only when it con
 run's current world: a lost spare is recorded, not fought over. With no token parked, the
 attempt's next wait fails with it as it parks (common.fail_attempt). A Spot warning, a
 rebalance recommendation or a scheduled retirement for a worker that trains marks the node
-leaving, asks every agent for a checkpoint (through the run record) and lets training go on
-until that checkpoint commits (lifecycle.spot); then the attempt fails with the announcement's
-class.
+leaving and lets training go on until a checkpoint commits: the emergency one, asked of every
+agent through the run record, when the node goes within minutes; the next interval one
+otherwise (lifecycle.spot). Then the attempt fails with the announcement's class.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from trainfleet.contracts import (AgentEvent, CheckpointCommitted, Ec2InstanceSt
                                   FailureClass, FailureReport, FleetChecked, HealthEvent, NodeReady,
                                   NodeRecord, NodeRegistered, NodeRole, NodeState, RunRecord, ScalingChecked,
                                   TrainingCompleted, TrainingProgress, parse_event)
-from trainfleet.lifecycle import (checkpoint_before_leaving, classify_event, departure_wait_may_end,
-                                  departure_wait_over, is_stale, sender_problem, waits_for_emergency_checkpoint)
+from trainfleet.lifecycle import (checkpoint_before_leaving, classify_event, departure_due_at, departure_wait_may_end,
+                                  departure_wait_over, emergency_checkpoint_due, emergency_checkpoint_now, is_stale,
+                                  sender_problem, waits_for_emergency_checkpoint)
 
 
 
@@ -111,8 +112,9 @@ def training_progress(run: RunRecord, detail: TrainingProgress) -> str:
         "last_step": detail.step, "last_progress_at": now,
         "first_step_at": current.first_step_at or now}))
     emit(progress_metrics(detail, cloud.settings.metrics_namespace))
-    # Progress comes every few seconds while training: the tick that ends a notice run out.
-    departure = end_departure_wait(run)
+    # Progress comes every few seconds while training: the tick that asks for a departure's
+    # checkpoint when its time comes, and ends a notice run out.
+    departure = ask_for_emergency_checkpoint(run) or end_departure_wait(run)
     return f"progress at step {detail.step}; {departure}" if departure else f"progress at step {detail.step}"
 
 
@@ -157,23 +159,48 @@ def failure(run: RunRecord, nodes: list[NodeRecord], report: FailureReport) -> s
     return f"{report.failure_class.value}: task failed" if answered else f"{report.failure_class.value} recorded"
 
 
-def departure_notice(run: RunRecord, nodes: list[NodeRecord], report: FailureReport) -> str:
-    """Mark a training worker leaving, ask every agent for a checkpoint now (through the run
-    record) and train on for it; a spare or a world not training yet has nothing to save, so
-    that fails (or is recorded) at once."""
+def departure_notice(run: RunRecord, nodes: list[NodeRecord], report: FailureReport, due_at: datetime | None) -> str:
+    """Mark a training worker leaving (going at `due_at`, where AWS said) and train on: until the
+    emergency checkpoint, asked for now, when it goes within DEFERRED_LEAD; until the next
+    interval checkpoint otherwise (lifecycle.spot). A spare or a world not training yet has
+    nothing to save, so that fails (or is recorded) at once. A later notice for a node already
+    leaving may only bring its time forward (a Spot warning after a rebalance recommendation)."""
     waiting = [node for node in nodes if waits_for_emergency_checkpoint(run, node)]
     if not waiting:
         return failure(run, nodes, report)
     store, now = aws().store, _now()
-    marked = [store.modify_node(run.run_name, node.instance_id, lambda current: current if current.departure_noticed_at
-                                else current.model_copy(update={"departure_noticed_at": now,
-                                                                "departure_class": report.failure_class}))
-              for node in waiting]
-    if all(node.departure_noticed_at != now for node in marked):
+
+    def leaving(node: NodeRecord) -> NodeRecord:
+        return node.model_copy(update={"departure_noticed_at": node.departure_noticed_at or now,
+                                       "departure_class": node.departure_class or report.failure_class,
+                                       "departure_due_at": _earliest(node.departure_due_at, due_at)})
+
+    before = {node.instance_id: node.departure_due_at for node in waiting if node.departure_noticed_at}
+    marked = [store.modify_node(run.run_name, node.instance_id, leaving) for node in waiting]
+    if all(node.instance_id in before and node.departure_due_at == before[node.instance_id] for node in marked):
         return f"ignored: {report.failure_class.value} already recorded"
-    store.modify_run(run.run_name, lambda current: current.model_copy(update={
-        "checkpoint_requested_at": now, "departure_noticed_at": current.departure_noticed_at or now}))
-    return f"{report.failure_class.value}: training on until the emergency checkpoint"
+    after = store.modify_run(run.run_name, lambda current: current.model_copy(update={
+        "departure_noticed_at": current.departure_noticed_at or now,
+        "departure_due_at": _earliest(current.departure_due_at, due_at),
+        "checkpoint_requested_at": current.checkpoint_requested_at or (
+            now if emergency_checkpoint_due(_earliest(current.departure_due_at, due_at), now) else None)}))
+    until = "the emergency checkpoint" if after.checkpoint_requested_at else "the next interval checkpoint"
+    return f"{report.failure_class.value}: training on until {until}"
+
+
+def _earliest(*times: datetime | None) -> datetime | None:
+    return min((at for at in times if at is not None), default=None)
+
+
+def ask_for_emergency_checkpoint(run: RunRecord) -> str | None:
+    """Ask every agent for the checkpoint now when a departure that waited for the next interval
+    checkpoint comes within DEFERRED_LEAD of its time; None when nothing is asked."""
+    now = _now()
+    if not emergency_checkpoint_now(run, now):
+        return None
+    aws().store.modify_run(run.run_name, lambda current: current.model_copy(update={
+        "checkpoint_requested_at": current.checkpoint_requested_at or now}))
+    return f"emergency checkpoint asked for: a leaving node goes at {run.departure_due_at:%Y-%m-%d %H:%M:%S} UTC"
 
 
 def end_departure_wait(run: RunRecord, committed: CheckpointCommitted | None = None,
@@ -308,7 +335,7 @@ def handle_aws_event(detail: Any, observed_at: datetime) -> str:
         live_ids = {node.instance_id for node in live}
         report = report.model_copy(update={"instance_ids": [i for i in report.instance_ids if i in live_ids]})
         if checkpoint_before_leaving(detail):
-            outcomes.append(departure_notice(run, live, report))
+            outcomes.append(departure_notice(run, live, report, departure_due_at(detail, observed_at)))
             continue
         # A node leaving after its departure was announced ends the wait: the failure is the
         # announced one.

@@ -6,6 +6,7 @@ time is booked on the goodput ledger by Recover and Teardown and shown in the ru
 import json
 import uuid
 from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
 
 import pytest
 
@@ -13,23 +14,31 @@ from test_adapters_checkpoints import save
 from test_handlers import (REPO, Context, agent_event, cloud, finished, handlers, parked_token,  # noqa: F401
                            recorded_run, resources, state_change)
 from trainfleet.contracts import FAILURE_ERROR, CheckpointRef, FailureClass, NodeState, RunRecord, TaskWait
-from trainfleet.lifecycle import SPOT_NOTICE, unaccounted_seconds
+from trainfleet.lifecycle import DEFERRED_LEAD, SPOT_NOTICE, unaccounted_seconds
 
 
 SPOT_WARNING = "ec2-spot-instance-interruption-warning.json"
+REBALANCE = "ec2-instance-rebalance-recommendation.json"
+RETIREMENT = "aws-health-ec2-instance-retirement.json"
 ANNOUNCEMENTS = [(SPOT_WARNING, FailureClass.SPOT_INTERRUPTION),
-                 ("ec2-instance-rebalance-recommendation.json", FailureClass.SPOT_REBALANCE),
-                 ("aws-health-ec2-instance-retirement.json", FailureClass.HEALTH_EVENT)]
-"""AWS's announced departures (samples from its documentation), and the class each fails with."""
+                 (RETIREMENT, FailureClass.HEALTH_EVENT)]
+"""AWS's announced departures that are due at once (samples from its documentation: the
+retirement's start time is long past), and the class each fails with."""
+NOT_DUE_YET = [(REBALANCE, FailureClass.SPOT_REBALANCE, None),
+               (RETIREMENT, FailureClass.HEALTH_EVENT, timedelta(days=21))]
+"""Announced departures with time left: a rebalance recommendation (no date), a retirement
+three weeks ahead."""
 
 
-def announcement(instance_id: str, sample: str = SPOT_WARNING) -> dict:
+def announcement(instance_id: str, sample: str = SPOT_WARNING, starts_in: timedelta | None = None) -> dict:
     event = json.loads((REPO / "events" / "aws" / sample).read_text())
     event["id"] = str(uuid.uuid4())
     if "affectedEntities" in event["detail"]:
         event["detail"]["affectedEntities"] = [{"entityValue": instance_id}]
     else:
         event["detail"]["instance-id"] = instance_id
+    if starts_in is not None:
+        event["detail"]["startTime"] = format_datetime(datetime.now(timezone.utc) + starts_in, usegmt=True)
     return event
 
 
@@ -46,16 +55,18 @@ def training_run(cloud, resources):
 
 
 def warned(handlers, store, run, worker, sample: str = SPOT_WARNING,
-           failure_class: FailureClass = FailureClass.SPOT_INTERRUPTION) -> None:
-    """The departure is recorded on the worker, every agent is asked for a checkpoint (the run
-    record), and training goes on (the task stays parked)."""
+           failure_class: FailureClass = FailureClass.SPOT_INTERRUPTION,
+           departure_class: FailureClass | None = None) -> None:
+    """The departure is recorded on the worker (of the first announcement's class), every agent
+    is asked for a checkpoint (the run record), and training goes on (the task stays parked)."""
     assert handlers.events.handler(announcement(worker, sample), Context())["outcome"] == (
         f"{failure_class.value}: training on until the emergency checkpoint")
     node = store.node(run.run_name, worker)
     assert node.state is NodeState.REGISTERED and node.departure_noticed_at is not None
-    assert node.departure_class is failure_class
+    assert node.departure_class is (departure_class or failure_class)
     after = store.run(run.run_name)
-    assert after.waiting is not None and after.checkpoint_requested_at == node.departure_noticed_at
+    assert after.waiting is not None and after.checkpoint_requested_at is not None
+    assert after.checkpoint_requested_at >= node.departure_noticed_at
 
 
 def spot_failure(cloud, execution: str) -> dict:
@@ -126,14 +137,54 @@ def test_a_notice_run_out_fails_train_at_the_next_progress(handlers, cloud, reso
     warned(handlers, store, run, victim)
     assert handlers.events.handler(progress(run, survivor, 14), Context())["outcome"] == "progress at step 14"
     assert store.run(run.run_name).waiting is not None
-    # The notice's two minutes pass: it is dated back on the node and on the run record alike.
-    ran_out = {"departure_noticed_at": store.node(run.run_name, victim).departure_noticed_at - SPOT_NOTICE
+    # The notice's two minutes pass: the request is dated back on the run record.
+    ran_out = {"checkpoint_requested_at": store.run(run.run_name).checkpoint_requested_at - SPOT_NOTICE
                - timedelta(seconds=1)}
-    store.modify_node(run.run_name, victim, lambda node: node.model_copy(update=ran_out))
     store.modify_run(run.run_name, lambda record: record.model_copy(update=ran_out))
     outcome = handlers.events.handler(progress(run, survivor, 15), Context())["outcome"]
     assert outcome == "progress at step 15; SPOT_INTERRUPTION: task failed"
     assert "notice ran out" in spot_failure(cloud, execution)["message"]
+
+
+@pytest.mark.parametrize("sample, failure_class, starts_in", NOT_DUE_YET)
+def test_a_departure_not_due_yet_trains_on_to_the_next_interval_checkpoint_then_swaps_the_node(
+        handlers, cloud, resources, sample, failure_class, starts_in):
+    store, run, (victim, survivor), execution = training_run(cloud, resources)
+    event = announcement(victim, sample, starts_in)
+    outcome = handlers.events.handler(event, Context())["outcome"]
+    assert outcome == f"{failure_class.value}: training on until the next interval checkpoint"
+    after = store.run(run.run_name)
+    assert after.checkpoint_requested_at is None, "no agent is asked to save now"
+    assert after.departure_noticed_at is not None and store.node(run.run_name, victim).departure_class is failure_class
+    assert handlers.events.handler(progress(run, survivor, 7), Context())["outcome"] == "progress at step 7"
+    every = run.spec.checkpoint.interval_steps
+    assert handlers.events.handler(commit(cloud, run, survivor, every + 1, reason="final"), Context())["outcome"] == (
+        f"checkpoint step {every + 1} recorded")
+    outcome = handlers.events.handler(commit(cloud, run, survivor, 2 * every, reason="interval"), Context())["outcome"]
+    assert outcome == f"checkpoint step {2 * every} recorded; {failure_class.value}: task failed"
+    report = spot_failure(cloud, execution)
+    assert report["instance_ids"] == [victim]
+    assert f"interval checkpoint step {2 * every} committed" in report["message"]
+
+
+def test_a_departure_asks_for_its_checkpoint_when_its_time_nears_or_a_spot_warning_brings_it_forward(
+        handlers, cloud, resources):
+    store, run, (victim, survivor), _ = training_run(cloud, resources)
+    assert handlers.events.handler(announcement(victim, REBALANCE), Context())["outcome"] == (
+        "SPOT_REBALANCE: training on until the next interval checkpoint")
+    warned(handlers, store, run, victim, failure_class=FailureClass.SPOT_INTERRUPTION,
+           departure_class=FailureClass.SPOT_REBALANCE)
+    # A retirement three weeks ahead waits; at each progress event it is judged again, and
+    # DEFERRED_LEAD before its time the emergency checkpoint is asked for.
+    store, run, (victim, survivor), _ = training_run(cloud, resources)
+    handlers.events.handler(announcement(victim, RETIREMENT, timedelta(days=21)), Context())
+    assert handlers.events.handler(progress(run, survivor, 14), Context())["outcome"] == "progress at step 14"
+    near = {"departure_due_at": datetime.now(timezone.utc) + DEFERRED_LEAD - timedelta(seconds=1)}
+    store.modify_run(run.run_name, lambda record: record.model_copy(update=near))
+    outcome = handlers.events.handler(progress(run, survivor, 15), Context())["outcome"]
+    assert outcome.startswith("progress at step 15; emergency checkpoint asked for: a leaving node goes at ")
+    assert store.run(run.run_name).checkpoint_requested_at is not None
+    assert handlers.events.handler(progress(run, survivor, 16), Context())["outcome"] == "progress at step 16"
 
 
 def test_a_spot_warning_before_training_fails_the_wait_at_once(handlers, cloud, resources):

@@ -631,7 +631,7 @@ def committed(step: int, reason: CheckpointReason) -> CheckpointCommitted:
 
 
 def test_the_spot_wait_ends_at_the_requested_checkpoint_the_instance_leaving_or_the_notice_running_out():
-    run = make_run()  # checkpoints every 10 steps
+    run = make_run(departure_noticed_at=T0, checkpoint_requested_at=T0)  # checkpoints every 10 steps
     spot = {"departure_noticed_at": T0, "departure_class": FailureClass.SPOT_INTERRUPTION}
     warned = node("i-2", **spot)
     nodes = [WORKERS[0], warned, node("i-3", state=NodeState.UNHEALTHY, **spot)]
@@ -658,7 +658,7 @@ def test_the_run_record_alone_tells_when_the_departure_wait_may_be_over():
     quiet = make_run()
     for trigger in ({}, {"leaving": True}, {"committed": committed(40, CheckpointReason.REQUESTED)}):
         assert not lc.departure_wait_may_end(quiet, T0 + lc.SPOT_NOTICE, **trigger), "no node is leaving"
-    run = make_run(departure_noticed_at=T0)
+    run = make_run(departure_noticed_at=T0, checkpoint_requested_at=T0)
     assert not lc.departure_wait_may_end(run, almost)
     assert not lc.departure_wait_may_end(run, almost, committed=committed(43, CheckpointReason.INTERVAL))
     assert lc.departure_wait_may_end(run, almost, committed=committed(40, CheckpointReason.REQUESTED))
@@ -673,7 +673,7 @@ def test_the_run_record_alone_tells_when_the_departure_wait_may_be_over():
         if lc.departure_wait_over(run, nodes, now) is not None:
             assert lc.departure_wait_may_end(run, now)
     assert lc.departure_wait_may_end(run, T0 + lc.SPOT_NOTICE) and lc.departure_wait_over(
-        run, nodes, T0 + lc.SPOT_NOTICE) is None, "the run may look, the nodes decide"
+        run, WORKERS, T0 + lc.SPOT_NOTICE) is None, "the run may look, the nodes say who leaves"
     assert lc.apply_decision(run, report(FailureClass.SPOT_INTERRUPTION, "i-2"), lc.decide_recovery(
         run, nodes, report(FailureClass.SPOT_INTERRUPTION, "i-2"), 0.5, now=T0), T0).departure_noticed_at is None
 
@@ -689,8 +689,74 @@ def test_announced_departures_checkpoint_first_and_fail_with_their_own_class():
     assert not lc.checkpoint_before_leaving(Ec2InstanceStateChange(instance_id="i-2", state="stopping"))
     rebalanced = node("i-2", departure_noticed_at=T0, departure_class=FailureClass.SPOT_REBALANCE)
     later = node("i-3", departure_noticed_at=T0 + timedelta(seconds=5), departure_class=FailureClass.HEALTH_EVENT)
-    over = lc.departure_wait_over(make_run(), [WORKERS[0], later, rebalanced], T0 + lc.SPOT_NOTICE)
+    over = lc.departure_wait_over(make_run(departure_noticed_at=T0, checkpoint_requested_at=T0),
+                                  [WORKERS[0], later, rebalanced], T0 + lc.SPOT_NOTICE)
     assert (over.failure_class, over.instance_ids) == (FailureClass.SPOT_REBALANCE, ["i-2", "i-3"])
+
+
+def retirement_at(start_time: str | None) -> HealthEvent:
+    return HealthEvent.model_validate({
+        "eventArn": "arn:x", "service": "EC2", "eventTypeCode": "AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED",
+        "eventTypeCategory": "scheduledChange", "affectedEntities": [{"entityValue": "i-2"}],
+        **({"startTime": start_time} if start_time else {})})
+
+
+def test_a_departure_is_due_when_aws_says_and_its_checkpoint_is_asked_for_only_when_it_nears():
+    spot = Ec2SpotInterruptionWarning(instance_id="i-2", instance_action="terminate")
+    assert lc.departure_due_at(spot, T0) == T0 + lc.SPOT_NOTICE
+    assert lc.departure_due_at(Ec2RebalanceRecommendation(instance_id="i-2"), T0) is None, "a rebalance names no time"
+    in_three_weeks = datetime(2026, 1, 22, tzinfo=timezone.utc)
+    assert lc.departure_due_at(retirement_at("Thu, 22 Jan 2026 00:00:00 GMT"), T0) == in_three_weeks  # as Health writes it
+    assert lc.departure_due_at(retirement_at("2026-01-22T00:00:00Z"), T0) == in_three_weeks
+    assert lc.departure_due_at(retirement_at(None), T0) == T0, "an undated retirement is taken as due now"
+    assert lc.departure_due_at(retirement_at("next week"), T0) == T0
+    # Asked for now when the node goes within DEFERRED_LEAD (a Spot warning always), else at the next interval.
+    assert lc.emergency_checkpoint_due(lc.departure_due_at(spot, T0), T0)
+    assert not lc.emergency_checkpoint_due(None, T0 + timedelta(days=30))
+    assert not lc.emergency_checkpoint_due(in_three_weeks, T0)
+    assert lc.emergency_checkpoint_due(in_three_weeks, in_three_weeks - lc.DEFERRED_LEAD)
+    # The run record alone tells when a deferred departure's time has come.
+    deferred = make_run(departure_noticed_at=T0, departure_due_at=in_three_weeks)
+    assert not lc.emergency_checkpoint_now(deferred, T0 + timedelta(days=1))
+    assert lc.emergency_checkpoint_now(deferred, in_three_weeks - lc.DEFERRED_LEAD)
+    for settled in ({"checkpoint_requested_at": T0}, {"attempt_failure": report(FailureClass.HEALTH_EVENT, "i-2")},
+                    {"departure_noticed_at": None}):
+        assert not lc.emergency_checkpoint_now(deferred.model_copy(update=settled), in_three_weeks)
+
+
+def test_a_departure_not_due_yet_swaps_the_node_at_the_next_interval_checkpoint():
+    run = make_run(departure_noticed_at=T0)  # nothing asked for: the node may have weeks left
+    nodes = [WORKERS[0], node("i-2", departure_noticed_at=T0, departure_class=FailureClass.SPOT_REBALANCE)]
+    weeks = T0 + timedelta(days=20)
+    assert lc.departure_wait_over(run, nodes, weeks) is None, "no notice runs out"
+    for reason in (CheckpointReason.FINAL, CheckpointReason.UNKNOWN):
+        assert lc.departure_wait_over(run, nodes, weeks, committed=committed(43, reason)) is None
+        assert not lc.departure_wait_may_end(run, weeks, committed=committed(43, reason))
+    for trigger, why in [({"committed": committed(50, CheckpointReason.INTERVAL)}, "interval checkpoint step 50"),
+                         ({"committed": committed(44, CheckpointReason.REQUESTED)}, "emergency checkpoint step 44"),
+                         ({"leaving_instance_ids": frozenset({"i-2"})}, "instance leaving")]:
+        assert lc.departure_wait_may_end(run, weeks, **{"leaving": bool(trigger.get("leaving_instance_ids")),
+                                                        "committed": trigger.get("committed")})
+        over = lc.departure_wait_over(run, nodes, weeks, **trigger)
+        assert (over.failure_class, over.instance_ids) == (FailureClass.SPOT_REBALANCE, ["i-2"])
+        assert why in over.message
+    # Once the emergency checkpoint was asked for, only it (or the instance leaving, or the
+    # notice running out) ends the wait.
+    asked = run.model_copy(update={"checkpoint_requested_at": weeks})
+    assert lc.departure_wait_over(asked, nodes, weeks, committed=committed(50, CheckpointReason.INTERVAL)) is None
+
+
+def test_a_world_that_restarts_anyway_takes_its_leaving_nodes_out_with_the_blamed():
+    run = make_run(departure_noticed_at=T0)
+    nodes = [*WORKERS[:2], node("i-3", departure_noticed_at=T0, departure_class=FailureClass.SPOT_REBALANCE),
+             WORKERS[3], SPARE]
+    decision = lc.decide_recovery(run, nodes, report(FailureClass.NODE_UNHEALTHY, "i-1"), 0.5, now=T0)
+    assert decision.action is RecoveryAction.REPLACE
+    assert decision.terminate_instance_ids == ["i-1", "i-3"] and decision.promote_spare_ids == ["i-9"]
+    assert decision.allocate_workers == 1
+    after = lc.apply_decision(run.model_copy(update={"departure_due_at": T0, "checkpoint_requested_at": T0}),
+                              report(FailureClass.NODE_UNHEALTHY, "i-1"), decision, T0)
+    assert (after.departure_noticed_at, after.departure_due_at, after.checkpoint_requested_at) == (None, None, None)
 
 
 def test_cost_accrues_and_meets_the_ceiling():

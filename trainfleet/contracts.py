@@ -38,10 +38,11 @@ Bad input raises pydantic.ValidationError; every message names the field (`loc`)
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import math
 import re
-from datetime import datetime
+from datetime import datetime, timezone
 from enum import StrEnum
 from typing import Any, ClassVar, Literal, NamedTuple
 
@@ -1156,8 +1157,12 @@ class RunRecord(_Strict):
     departure_noticed_at: datetime | None = None
     """When the first node of the current attempt was announced leaving (its
     NodeRecord.departure_noticed_at); a new attempt clears it. Progress and checkpoint events
-    judge on it whether the wait for the emergency checkpoint may be over
+    judge on it whether the wait for the departure's checkpoint may be over
     (lifecycle.departure_wait_may_end), so they read the run record alone, not every node."""
+    departure_due_at: datetime | None = None
+    """The earliest time a leaving node of the current attempt goes, where AWS named one (the
+    nodes' departure_due_at); the emergency checkpoint is asked for DEFERRED_LEAD before it
+    (lifecycle.emergency_checkpoint_now). A new attempt clears it."""
     last_step: int | None = None
     """Latest step reported by progress events."""
     fleet_check: FleetCheckFigures | None = None
@@ -1217,10 +1222,14 @@ class NodeRecord(_Strict):
     """For people: the event or check that marked it."""
     departure_noticed_at: datetime | None = None
     """When AWS announced it would leave while it trained (a Spot interruption warning, a
-    rebalance recommendation, a scheduled retirement): the run trains on until the emergency
-    checkpoint commits, then replaces it (lifecycle.departure_wait_over)."""
+    rebalance recommendation, a scheduled retirement): the run trains on until a checkpoint
+    commits (the emergency one, or the next interval one when the departure is not due yet),
+    then replaces it (lifecycle.spot)."""
     departure_class: FailureClass | None = None
     """Which announcement: SPOT_INTERRUPTION, SPOT_REBALANCE or HEALTH_EVENT."""
+    departure_due_at: datetime | None = None
+    """When it goes, where AWS said (lifecycle.departure_due_at); None for a rebalance
+    recommendation."""
     launched_at: datetime | None = None
     """Set by the run store when first recorded."""
     updated_at: datetime | None = None
@@ -1373,9 +1382,23 @@ class HealthEvent(_Open):
     event_type_category: str = Field(alias="eventTypeCategory")
     """issue, accountNotification, scheduledChange or investigation."""
     start_time: str | None = Field(default=None, alias="startTime")
+    """When it happens, as AWS Health writes it: "Mon, 6 Feb 2023 00:00:00 GMT" (RFC 1123)."""
     end_time: str | None = Field(default=None, alias="endTime")
     event_description: list[HealthEventDescription] = Field(default_factory=list, alias="eventDescription")
     affected_entities: list[HealthAffectedEntity] = Field(default_factory=list, alias="affectedEntities")
+
+    @property
+    def starts_at(self) -> datetime | None:
+        """start_time as a datetime; None when absent or unreadable (RFC 1123 or ISO 8601)."""
+        if not self.start_time:
+            return None
+        for parse in (email.utils.parsedate_to_datetime, datetime.fromisoformat):
+            try:
+                parsed = parse(self.start_time)
+            except (TypeError, ValueError):
+                continue
+            return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+        return None
 
     @property
     def instance_ids(self) -> list[str]:

@@ -15,7 +15,8 @@ Offers:
                book_attempt(run, nodes, ended_at, completed, failure_class), unaccounted_seconds(run),
                accrue_cost(ledger, node_count, usd_per_hour, seconds), over_cost_ceiling(spec, ledger)
     spot:      checkpoint_before_leaving(detail), waits_for_emergency_checkpoint(run, node),
-               departure_wait_may_end(run, now, ...),
+               departure_due_at(detail, observed_at), emergency_checkpoint_due(due_at, now),
+               emergency_checkpoint_now(run, now), DEFERRED_LEAD, departure_wait_may_end(run, now, ...),
                departure_wait_over(run, nodes, now, ...) -> FailureReport | None, SPOT_NOTICE,
                checkpoint_request_answered(run, attempt)
     spares:    swap_late_workers(nodes, attempt) -> LateWorkerSwap
@@ -44,8 +45,10 @@ from trainfleet.lifecycle.liveness import (IMPAIRED, blame_silent_workers, hang_
                                            needs_liveness_look, poll_interval, silent_after, silent_workers)
 from trainfleet.lifecycle.replan import initial_plan, plan_layout
 from trainfleet.lifecycle.spares import swap_late_workers
-from trainfleet.lifecycle.spot import (SPOT_NOTICE, checkpoint_before_leaving, checkpoint_request_answered,
-                                      departure_wait_may_end, departure_wait_over, waits_for_emergency_checkpoint)
+from trainfleet.lifecycle.spot import (DEFERRED_LEAD, SPOT_NOTICE, checkpoint_before_leaving,
+                                      checkpoint_request_answered, departure_due_at, departure_wait_may_end,
+                                      departure_wait_over, emergency_checkpoint_due, emergency_checkpoint_now,
+                                      waits_for_emergency_checkpoint)
 
 __all__ = [
     "classify_event", "classify_task_error", "is_stale", "sender_problem",
@@ -54,7 +57,7 @@ __all__ = [
     "settle_attempt", "settle_run_attempt", "book_attempt", "unaccounted_seconds", "accrue_cost",
     "over_cost_ceiling",
     "checkpoint_before_leaving", "waits_for_emergency_checkpoint", "departure_wait_may_end", "departure_wait_over",
-    "SPOT_NOTICE",
+    "departure_due_at", "emergency_checkpoint_due", "emergency_checkpoint_now", "DEFERRED_LEAD", "SPOT_NOTICE",
     "checkpoint_request_answered",
     "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "world_attempt",
     "may_start", "assign_ranks",

@@ -9,8 +9,8 @@ decide_recovery() works in numbered steps, each a rule a person can check:
     4. a crash loop (the same failure K times in a row on the same nodes or none, no checkpoint
        in between): give up;
     5. no node is blamed: restart on the same nodes;
-    6. blamed workers are covered by healthy spares and/or new instances: replace (at once on
-       the first failure of a streak: the nodes that failed are gone);
+    6. blamed workers (and any AWS announced leaving) are covered by healthy spares and/or new
+       instances: replace (at once on the first failure of a streak: the nodes that failed are gone);
     7. capacity ran out and the run may shrink: re-plan pp x dp on the nodes left (workers it
        leaves out become spares up to the spare count, the rest are terminated), or give up.
 """
@@ -122,8 +122,9 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
                        f"new checkpoint; last: {failure.message}")
     streak = failure_streak(run.failures, failure.failure_class, resume_step)
 
-    blamed = set(failure.instance_ids)
     live = [node for node in nodes if not node.state.is_retired]
+    # Nodes AWS announced leaving go with the blamed ones: the world restarts now anyway.
+    blamed = set(failure.instance_ids) | {node.instance_id for node in live if node.departure_noticed_at}
     workers = [node for node in live if node.role is NodeRole.WORKER and node.instance_id not in blamed]
     spare_pool = [node for node in live if node.role is NodeRole.SPARE and node.instance_id not in blamed]
     spares = [node for node in spare_pool if node.state is NodeState.READY]  # only these can step in now
@@ -221,4 +222,5 @@ def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDec
         "first_step_at": None,
         "checkpoint_requested_at": None,
         "departure_noticed_at": None,
+        "departure_due_at": None,
     })

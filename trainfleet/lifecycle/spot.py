@@ -1,19 +1,29 @@
-"""Announced departures: checkpoint during the notice, then replace the node.
+"""Announced departures: checkpoint before the node goes, then replace it.
 
 AWS announces some departures ahead: a Spot interruption warning (two minutes), a rebalance
-recommendation (elevated risk of interruption), a scheduled retirement (an AWS Health event of
-category scheduledChange). For a worker of a world that is training none of them fails the
-attempt at once: the run record asks every agent for a checkpoint now
-(RunRecord.checkpoint_requested_at; a request on any rank is a request on all), and the run
-trains on until that checkpoint commits. The wait ends, and the attempt fails with the
-announcement's class (SPOT_INTERRUPTION, SPOT_REBALANCE or HEALTH_EVENT) naming the leaving
-nodes, at whichever comes first: the requested checkpoint committed, EC2 reporting the instance
-leaving, or the two-minute notice running out (for a rebalance or a retirement too: the wait is
-bounded, and the heartbeat timeout still bounds a world that hangs meanwhile).
+recommendation (elevated risk of interruption, no date), a scheduled retirement (an AWS Health
+event of category scheduledChange, dated by its startTime, often weeks ahead). For a worker of a
+world that is training none of them fails the attempt at once. The node is marked leaving, with
+the time it goes where AWS gave one (departure_due_at), and the run trains on:
+
+- a departure due within DEFERRED_LEAD (a Spot warning always) asks every agent for a checkpoint
+  now (RunRecord.checkpoint_requested_at; a request on any rank is a request on all), and the
+  wait ends when that checkpoint commits;
+- a later one (a rebalance, a retirement days away) waits for the next interval checkpoint and
+  swaps the node then: restarting the world at once would throw away the steps since the last
+  checkpoint for a node that may have weeks left. Should its time come within DEFERRED_LEAD
+  first, the emergency checkpoint is asked for then (emergency_checkpoint_due, judged at each
+  progress event).
+
+The wait also ends, whatever was asked, when EC2 reports the instance leaving, or two minutes
+(SPOT_NOTICE) after the emergency checkpoint was asked for; the heartbeat timeout still bounds a
+world that hangs meanwhile. The attempt then fails with the first announcement's class
+(SPOT_INTERRUPTION, SPOT_REBALANCE or HEALTH_EVENT) naming the leaving nodes; should it fail
+for another reason first, the recovery replaces the leaving nodes with the blamed ones.
 
 The requested checkpoint is told from the others by the reason its commit marker records
-(`CheckpointCommitted.reason`): an interval or final checkpoint committing just after the
-notice does not end the wait before the requested one, whatever its step.
+(`CheckpointCommitted.reason`): once an emergency checkpoint was asked for, an interval or final
+checkpoint committing first does not end the wait, whatever its step.
 """
 
 from datetime import datetime, timedelta
@@ -24,8 +34,10 @@ from trainfleet.contracts import (AnyDetail, CheckpointCommitted, CheckpointReas
 
 SPOT_NOTICE = timedelta(minutes=2)
 """How long EC2 gives between a Spot warning and the interruption; the longest any announced
-departure waits for its checkpoint."""
-
+departure waits for its emergency checkpoint once it was asked for."""
+DEFERRED_LEAD = timedelta(minutes=10)
+"""How long before a dated departure its emergency checkpoint is asked for, when no interval
+checkpoint came first: a checkpoint of a large model takes minutes to stage and upload."""
 
 
 def checkpoint_before_leaving(detail: AnyDetail) -> bool:
@@ -33,6 +45,30 @@ def checkpoint_before_leaving(detail: AnyDetail) -> bool:
     a rebalance recommendation, a scheduled retirement. An ongoing Health issue does not wait."""
     return isinstance(detail, (Ec2SpotInterruptionWarning, Ec2RebalanceRecommendation)) or (
         isinstance(detail, HealthEvent) and detail.event_type_category == "scheduledChange")
+
+
+def departure_due_at(detail: AnyDetail, observed_at: datetime) -> datetime | None:
+    """When an announced node goes: two minutes after a Spot warning, a retirement's start time
+    (or now, when the Health event gives none); None for a rebalance recommendation, which
+    names no time."""
+    if isinstance(detail, Ec2SpotInterruptionWarning):
+        return observed_at + SPOT_NOTICE
+    if isinstance(detail, HealthEvent):
+        return detail.starts_at or observed_at
+    return None
+
+
+def emergency_checkpoint_due(due_at: datetime | None, now: datetime) -> bool:
+    """Whether a departure due at `due_at` needs its checkpoint asked for now rather than at the
+    next interval: it goes within DEFERRED_LEAD."""
+    return due_at is not None and now >= due_at - DEFERRED_LEAD
+
+
+def emergency_checkpoint_now(run: RunRecord, now: datetime) -> bool:
+    """Whether a departure of the current attempt that waited for the next interval checkpoint
+    must ask for the emergency one now (judged on the run record alone, at each progress event)."""
+    return (run.departure_noticed_at is not None and run.checkpoint_requested_at is None
+            and not _failed(run, run.attempt) and emergency_checkpoint_due(run.departure_due_at, now))
 
 
 def waits_for_emergency_checkpoint(run: RunRecord, node: NodeRecord) -> bool:
@@ -57,13 +93,12 @@ def checkpoint_request_answered(run: RunRecord, attempt: int) -> bool:
     latest = run.latest_checkpoint
     committed_since = (latest is not None and latest.committed_at is not None
                        and run.checkpoint_requested_at is not None and latest.committed_at >= run.checkpoint_requested_at)
-    failed = run.attempt_failure is not None and run.attempt_failure.attempt == attempt
-    return committed_since or failed
+    return committed_since or _failed(run, attempt)
 
 
 def departure_wait_may_end(run: RunRecord, now: datetime, *, committed: CheckpointCommitted | None = None,
                            leaving: bool = False) -> bool:
-    """Whether the wait for the emergency checkpoint may be over, judged on the run record alone
+    """Whether the wait for the departure's checkpoint may be over, judged on the run record alone
     (RunRecord.departure_noticed_at, the attempt's first notice): False while no node of the
     current attempt was announced leaving, once the attempt has failed, and while nothing that
     ends the wait happened. Only then need the nodes be read (departure_wait_over decides on
@@ -72,17 +107,16 @@ def departure_wait_may_end(run: RunRecord, now: datetime, *, committed: Checkpoi
     committed: a checkpoint of the current attempt verified just now. leaving: EC2 reports an
     announced node shutting down, stopping or terminated.
     """
-    failed = run.attempt_failure is not None and run.attempt_failure.attempt == run.attempt
-    if run.departure_noticed_at is None or failed:
+    if run.departure_noticed_at is None or _failed(run, run.attempt):
         return False
-    return _why_the_wait_ends(run.departure_noticed_at, now, committed, leaving) is not None
+    return _why_the_wait_ends(run, now, committed, leaving) is not None
 
 
 def departure_wait_over(run: RunRecord, nodes: list[NodeRecord], now: datetime, *,
                         committed: CheckpointCommitted | None = None,
                         leaving_instance_ids: frozenset[str] = frozenset()) -> FailureReport | None:
     """The failure (of the run's current attempt, of the first announcement's class) to report
-    once the wait for the emergency checkpoint is over, naming every leaving node; None while it
+    once the wait for the departure's checkpoint is over, naming every leaving node; None while it
     goes on, or when no node is leaving.
 
     committed: a checkpoint of the current attempt verified just now. leaving_instance_ids:
@@ -92,8 +126,7 @@ def departure_wait_over(run: RunRecord, nodes: list[NodeRecord], now: datetime, 
                      key=lambda node: node.departure_noticed_at)
     if not leaving:
         return None
-    why = _why_the_wait_ends(leaving[0].departure_noticed_at, now, committed,
-                             any(node.instance_id in leaving_instance_ids for node in leaving))
+    why = _why_the_wait_ends(run, now, committed, any(node.instance_id in leaving_instance_ids for node in leaving))
     if why is None:
         return None
     ids = sorted(node.instance_id for node in leaving)
@@ -102,12 +135,19 @@ def departure_wait_over(run: RunRecord, nodes: list[NodeRecord], now: datetime, 
                          message=f"{failure_class.value} of {', '.join(ids)}: {why}")
 
 
-def _why_the_wait_ends(first_noticed_at: datetime, now: datetime, committed: CheckpointCommitted | None,
+def _failed(run: RunRecord, attempt: int) -> bool:
+    return run.attempt_failure is not None and run.attempt_failure.attempt == attempt
+
+
+def _why_the_wait_ends(run: RunRecord, now: datetime, committed: CheckpointCommitted | None,
                        leaving: bool) -> str | None:
+    requested = run.checkpoint_requested_at
     if committed is not None and committed.reason is CheckpointReason.REQUESTED:
         return f"emergency checkpoint step {committed.step} committed"
+    if committed is not None and requested is None and committed.reason is CheckpointReason.INTERVAL:
+        return f"interval checkpoint step {committed.step} committed"
     if leaving:
-        return "instance leaving before its emergency checkpoint"
-    if now >= first_noticed_at + SPOT_NOTICE:
+        return "instance leaving before its checkpoint"
+    if requested is not None and now >= requested + SPOT_NOTICE:
         return "notice ran out before the emergency checkpoint"
     return None
