@@ -1,5 +1,5 @@
 """Allocate: the run's node role, launch template, cluster placement group, CreateFleet; record
-the nodes and the plan.
+the nodes and the plan (and, on a Capacity Block, when the run must stop by).
 
 Workers first, then spares. Fewer instances than node_count are accepted only down to the
 RunSpec's min_nodes, with pp x dp re-planned for what came; none at all, or too few for any
@@ -68,7 +68,7 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
     cloud.store.modify_run(name, lambda current: current.model_copy(update={
         "plan": plan, "subnet_id": allocation.subnet_id, "availability_zone": allocation.availability_zone,
         "placement_group": allocation.placement_group, "launch_template_id": template_id,
-        "nodes_launched_at": recorded_at}))
+        "capacity_stop_by": allocation.stop_by, "nodes_launched_at": recorded_at}))
     metrics.add_metric(name="InstancesLaunched", unit=MetricUnit.Count, value=len(allocation.instance_ids))
     logger.info("fleet allocated", run_name=name, instances=len(allocation.instance_ids),
                 zone=allocation.availability_zone, shortfall=allocation.shortfall, plan=plan.model_dump())

@@ -40,7 +40,8 @@ from trainfleet.contracts import (AgentEvent, CheckpointCommitted, Ec2InstanceSt
                                   FailureClass, FailureReport, FleetChecked, HealthEvent, NodeReady,
                                   NodeRecord, NodeRegistered, NodeRole, NodeState, RunRecord, ScalingChecked,
                                   TrainingCompleted, TrainingProgress, parse_event)
-from trainfleet.lifecycle import (checkpoint_before_leaving, classify_event, departure_due_at, departure_wait_may_end,
+from trainfleet.lifecycle import (block_end_due, block_end_report, checkpoint_before_leaving, classify_event,
+                                  departure_due_at, departure_wait_may_end,
                                   departure_wait_over, emergency_checkpoint_due, emergency_checkpoint_now, is_stale,
                                   sender_problem, waits_for_emergency_checkpoint)
 
@@ -114,7 +115,7 @@ def training_progress(run: RunRecord, detail: TrainingProgress) -> str:
     emit(progress_metrics(detail, cloud.settings.metrics_namespace))
     # Progress comes every few seconds while training: the tick that asks for a departure's
     # checkpoint when its time comes, and ends a notice run out.
-    departure = ask_for_emergency_checkpoint(run) or end_departure_wait(run)
+    departure = block_ending(run) or ask_for_emergency_checkpoint(run) or end_departure_wait(run)
     return f"progress at step {detail.step}; {departure}" if departure else f"progress at step {detail.step}"
 
 
@@ -190,6 +191,17 @@ def departure_notice(run: RunRecord, nodes: list[NodeRecord], report: FailureRep
 
 def _earliest(*times: datetime | None) -> datetime | None:
     return min((at for at in times if at is not None), default=None)
+
+
+def block_ending(run: RunRecord) -> str | None:
+    """Announce every worker leaving when the run's Capacity Block nears its end
+    (lifecycle.reservation): the emergency checkpoint, then the run stops. None until then."""
+    if not block_end_due(run, _now()):
+        return None
+    workers = [node for node in aws().store.nodes(run.run_name)
+               if node.role is NodeRole.WORKER and not node.state.is_retired]
+    return departure_notice(run, workers, block_end_report(run, [node.instance_id for node in workers]),
+                            run.capacity_stop_by)
 
 
 def ask_for_emergency_checkpoint(run: RunRecord) -> str | None:

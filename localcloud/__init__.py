@@ -36,6 +36,8 @@ LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
   .inject_health_event(ids, code, ...)    AWS Health Event for EC2
   .set_capacity(type, zone, n | None)     at most n instances of the type alive in the zone
                                           (InsufficientInstanceCapacity beyond it)
+  .create_capacity_block(type, zone, n, ends_in_s, group=None)  a Capacity Block (its cr- id);
+                                          ODCRs come from CreateCapacityReservation
   .fail_requests(service, seconds, answer)  requests over HTTP to dynamodb, s3, events, lambda,
                                           ec2 or states answer its throttling error
                                           ("throttle") or its 500 ("error") for a while

@@ -457,6 +457,21 @@ class LocalCloud:
         else:
             self.capacity_limits[(instance_type, availability_zone)] = instances
 
+    def create_capacity_block(self, instance_type: str, availability_zone: str, instances: int,
+                              ends_in_s: float, placement_group: str | None = None) -> str:
+        """A Capacity Block for ML that is active now and ends in `ends_in_s` (seconds, not
+        scaled: its end is a date), as buying one leaves it; its reservation id
+        (glue/capacity_reservations.py)."""
+        from datetime import datetime, timedelta, timezone
+
+        from localcloud.glue.capacity_reservations import CapacityReservation, add_reservation
+        from localcloud.glue.ec2 import ec2_backend
+
+        return add_reservation(ec2_backend(self), CapacityReservation(
+            instance_type=instance_type, availability_zone=availability_zone, total=instances, region=self.region,
+            account_id=self.account_id, capacity_block=True, match_criteria="targeted",
+            end_date=datetime.now(timezone.utc) + timedelta(seconds=ends_in_s), placement_group=placement_group))
+
     def set_vcpu_quota(self, vcpus: int | None) -> None:
         """The account's On-Demand vCPU quota, as EC2 counts it: the vCPUs of its on-demand
         instances not yet terminated or stopped, those still shutting down included. A launch

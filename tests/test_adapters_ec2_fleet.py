@@ -5,7 +5,9 @@ import base64
 import contextlib
 import copy
 import json
+import re
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from botocore.awsrequest import AWSResponse
 from trainfleet.adapters import ec2_fleet as fleet
 from trainfleet.catalogue import CATALOGUE, instance_facts
 from trainfleet.contracts import RunSpec
+from trainfleet.lifecycle import BLOCK_TERMINATION_LEAD
 from trainfleet.settings import Settings
 
 EXAMPLE = json.loads((Path(__file__).parents[1] / "events" / "example-run.json").read_text())
@@ -410,3 +413,115 @@ def test_an_error_no_zone_can_cure_stops_at_once(cloud, network):
 def _states(ec2, instance_ids):
     return {instance["State"]["Name"] for reservation in ec2.describe_instances(InstanceIds=instance_ids)["Reservations"]
             for instance in reservation["Instances"]}
+
+
+# --- reserved capacity ----------------------------------------------------------------------
+
+def launched(ec2, instance_ids: list[str]) -> list[dict]:
+    return [instance for reservation in ec2.describe_instances(InstanceIds=instance_ids)["Reservations"]
+            for instance in reservation["Instances"]]
+
+
+def test_a_run_on_a_capacity_block_launches_in_its_zone_and_in_no_group_of_its_own(cloud, network):
+    """EC2 places a Capacity Block's instances together itself; a cluster group the run made
+    could never hold them. The block's end is recorded: the run stops before EC2 ends it."""
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    block = cloud.create_capacity_block("p4d.24xlarge", "us-east-1b", 3, ends_in_s=2 * 86400)
+    spec = make_spec(run_name="block", subnet_ids=subnets, security_group_ids=[group],
+                     kind="capacity-block", reservation_id=block)
+    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
+    allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template_id, subnets, target=3, minimum=2,
+                                token_prefix="block-0")
+    assert len(allocation.instance_ids) == 3 and allocation.market == "capacity-block"
+    assert (allocation.subnet_id, allocation.placement_group) == (subnets[1], None)
+    assert all(instance["Placement"].get("GroupName", "") == "" for instance in launched(ec2, allocation.instance_ids))
+    reservation = fleet.describe_reservation(ec2, block)
+    assert reservation.available == 0 and allocation.stop_by == reservation.end_at - BLOCK_TERMINATION_LEAD
+    assert not ec2.describe_placement_groups(Filters=[{"Name": f"tag:{fleet.TAG_RUN}", "Values": ["block"]}])[
+        "PlacementGroups"], "no group made for the run"
+
+
+def test_an_odcr_made_in_a_cluster_group_is_used_in_that_group(cloud, network):
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    ec2.create_placement_group(GroupName="reserved-ultracluster", Strategy="cluster")
+    arn = ec2.describe_placement_groups(GroupNames=["reserved-ultracluster"])["PlacementGroups"][0]["GroupArn"]
+    odcr = ec2.create_capacity_reservation(
+        InstanceType="p4d.24xlarge", InstancePlatform="Linux/UNIX", AvailabilityZone="us-east-1a", InstanceCount=4,
+        InstanceMatchCriteria="targeted", PlacementGroupArn=arn)["CapacityReservation"]["CapacityReservationId"]
+    spec = make_spec(run_name="odcr", subnet_ids=subnets, security_group_ids=[group],
+                     kind="capacity-reservation", reservation_id=odcr)
+    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
+    allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template_id, subnets, target=3, minimum=2,
+                                token_prefix="odcr-0")
+    assert len(allocation.instance_ids) == 3 and allocation.placement_group == "reserved-ultracluster"
+    assert allocation.stop_by is None, "an ODCR does not end its instances"
+    assert {instance["Placement"]["GroupName"] for instance in launched(ec2, allocation.instance_ids)} == {
+        "reserved-ultracluster"}
+    assert fleet.describe_reservation(ec2, odcr).available == 1
+
+
+def test_the_local_cloud_holds_a_launch_to_its_reservations_terms(cloud, network):
+    """As EC2 documents: a reservation made in a cluster group serves only launches into that
+    group (the per-run group trainfleet made before could never use it), only in its zone, a
+    Capacity Block only with market type capacity-block, and no more instances than it has free."""
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    ec2.create_placement_group(GroupName="reserved", Strategy="cluster")
+    ec2.create_placement_group(GroupName="the-runs-own", Strategy="cluster")
+    arn = ec2.describe_placement_groups(GroupNames=["reserved"])["PlacementGroups"][0]["GroupArn"]
+    odcr = ec2.create_capacity_reservation(
+        InstanceType="p4d.24xlarge", InstancePlatform="Linux/UNIX", AvailabilityZone="us-east-1a", InstanceCount=2,
+        PlacementGroupArn=arn)["CapacityReservation"]["CapacityReservationId"]
+    block = cloud.create_capacity_block("p4d.24xlarge", "us-east-1a", 1, ends_in_s=86400)
+
+    def errors(spec, subnet, placement_group, target=1):
+        template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
+        answer = ec2.create_fleet(**fleet.create_fleet_request(spec, SETTINGS.stack_name, template_id, subnet,
+                                                               placement_group, target, 1, str(uuid.uuid4())))
+        return len(fleet.interpret_fleet_response(answer).instance_ids), [
+            (error["ErrorCode"], error["ErrorMessage"]) for error in answer.get("Errors", [])]
+
+    def run(name, **capacity):
+        return make_spec(run_name=name, subnet_ids=subnets, security_group_ids=[group], **capacity)
+
+    on_odcr = run("terms-odcr", kind="capacity-reservation", reservation_id=odcr)
+    assert errors(on_odcr, subnets[0], "the-runs-own") == (0, [(
+        "InvalidParameterCombination", f"Capacity Reservation {odcr} is in placement group reserved: "
+                                       "launch into it, not the-runs-own")])
+    assert errors(on_odcr, subnets[1], "reserved")[1][0][0] == "InvalidParameterCombination"  # another zone
+    assert errors(on_odcr, subnets[0], "reserved", target=3) == (2, [(
+        "ReservationCapacityExceeded", f"The Capacity Reservation {odcr} has 2 instance(s) free")])
+    block_as_odcr = run("terms-block-as-odcr", kind="capacity-reservation", reservation_id=block)
+    assert "MarketType capacity-block" in errors(block_as_odcr, subnets[0], None)[1][0][1]
+    unknown = run("terms-unknown", kind="capacity-block", reservation_id="cr-0123456789abcdef0")
+    assert errors(unknown, subnets[0], None)[1][0][0] == "InvalidCapacityReservationId.NotFound"
+    with pytest.raises(ec2.exceptions.ClientError, match="InvalidCapacityReservationId.NotFound"):
+        ec2.describe_capacity_reservations(CapacityReservationIds=["cr-0123456789abcdef0"])
+
+
+@pytest.mark.parametrize("reservation, capacity, problem", [
+    ({"instance_type": "p5.48xlarge"}, {}, "holds p5.48xlarge, the run asks for p4d.24xlarge"),
+    ({"zone": "us-east-1c"}, {}, "the reservation is in us-east-1c; no subnet of the run is"),
+    ({"instances": 2}, {}, "holds 2 instances; the run asks for 3 (2 nodes and 1 spares)"),
+    ({"ends_in_s": 35 * 60}, {}, "too soon to train"),
+    ({}, {"kind": "capacity-reservation"}, "is a Capacity Block: capacity.kind must be capacity-block"),
+    (None, {}, "InvalidCapacityReservationId.NotFound"),
+])
+def test_a_reservation_the_run_cannot_use_is_refused_before_anything_launches(cloud, network, reservation, capacity,
+                                                                              problem):
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    terms = {"instance_type": "p4d.24xlarge", "zone": "us-east-1a", "instances": 3, "ends_in_s": 86400,
+             **(reservation or {})}
+    block = ("cr-0123456789abcdef0" if reservation is None else
+             cloud.create_capacity_block(terms["instance_type"], terms["zone"], terms["instances"], terms["ends_in_s"]))
+    spec = make_spec(run_name="refused", subnet_ids=subnets, security_group_ids=[group],
+                     **{"kind": "capacity-block", "reservation_id": block, **capacity})
+    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
+    before = cloud.requests[("ec2", "CreateFleet")]
+    with pytest.raises(fleet.FleetError, match=re.escape(problem)):
+        fleet.allocate(ec2, spec, SETTINGS.stack_name, template_id, subnets, target=3, minimum=2,
+                       token_prefix="refused-0")
+    assert cloud.requests[("ec2", "CreateFleet")] == before, "nothing launched, nothing to undo"

@@ -187,6 +187,27 @@ def test_a_departure_asks_for_its_checkpoint_when_its_time_nears_or_a_spot_warni
     assert handlers.events.handler(progress(run, survivor, 16), Context())["outcome"] == "progress at step 16"
 
 
+def test_a_capacity_block_nearing_its_end_checkpoints_and_ends_the_run(handlers, cloud, resources):
+    """DEFERRED_LEAD before EC2 begins terminating the block's instances, every worker is
+    announced leaving; the emergency checkpoint ends the attempt, and the recovery ends the run."""
+    store, run, (first, second), execution = training_run(cloud, resources)
+    stop_by = datetime.now(timezone.utc) + DEFERRED_LEAD + timedelta(minutes=5)
+    store.modify_run(run.run_name, lambda record: record.model_copy(update={"capacity_stop_by": stop_by}))
+    assert handlers.events.handler(progress(run, first, 20), Context())["outcome"] == "progress at step 20"
+    near = {"capacity_stop_by": datetime.now(timezone.utc) + DEFERRED_LEAD - timedelta(seconds=1)}
+    store.modify_run(run.run_name, lambda record: record.model_copy(update=near))
+    outcome = handlers.events.handler(progress(run, first, 21), Context())["outcome"]
+    assert outcome == "progress at step 21; CAPACITY_BLOCK_END: training on until the emergency checkpoint"
+    assert {store.node(run.run_name, worker).departure_class for worker in (first, second)} == {
+        FailureClass.CAPACITY_BLOCK_END}
+    assert handlers.events.handler(progress(run, first, 22), Context())["outcome"] == "progress at step 22"
+    step = 2 * run.spec.checkpoint.interval_steps
+    outcome = handlers.events.handler(commit(cloud, run, second, step, reason="requested"), Context())["outcome"]
+    assert outcome == f"checkpoint step {step} recorded; CAPACITY_BLOCK_END: task failed"
+    report = spot_failure(cloud, execution)
+    assert report["failure_class"] == "CAPACITY_BLOCK_END" and report["instance_ids"] == sorted([first, second])
+
+
 def test_a_spot_warning_before_training_fails_the_wait_at_once(handlers, cloud, resources):
     store, run, (victim, _) = recorded_run(cloud, resources)
     execution, token = parked_token(cloud)

@@ -196,6 +196,8 @@ def test_node_role_control_plane_calls(rendered, action, resource, context, expe
     ("ec2:CreateFleet", f"{EC2}:launch-template/lt-1", {f"aws_ResourceTag__{TAG_STACK}": STACK}, ALLOW),
     ("ec2:CreateFleet", f"{EC2}:launch-template/lt-1", {f"aws_ResourceTag__{TAG_STACK}": "other"}, IMPLICIT_DENY),
     ("ec2:CreateFleet", f"{EC2}:subnet/subnet-1", {}, ALLOW),
+    ("ec2:CreateFleet", f"{EC2}:placement-group/reserved-ultracluster", {}, ALLOW),  # a reservation's group
+    ("ec2:CreateFleet", f"{EC2}:capacity-reservation/cr-1", {}, ALLOW),
     ("ec2:CreateFleet", f"arn:aws:ec2:{REGION}::image/ami-1", {}, ALLOW),
     ("ec2:CreateTags", f"{EC2}:instance/i-1", {"ec2_CreateAction": "CreateFleet"}, ALLOW),
     ("ec2:CreateTags", f"{EC2}:instance/i-1", {}, IMPLICIT_DENY),  # retagging existing instances

@@ -1074,3 +1074,27 @@ def test_a_hang_no_event_observed_began_at_the_worlds_last_step():
     assert lc.hang_onset(seen, records) == seen
     crash = report(FailureClass.PROCESS_CRASH)
     assert lc.hang_onset(crash, records) == crash
+
+
+def test_a_capacity_block_stops_the_run_before_ec2_ends_its_instances():
+    stop_by = T0 + timedelta(hours=2)
+    run = make_run(capacity_stop_by=stop_by, latest_checkpoint=CheckpointRef(step=40, uri="s3://b/runs/r1/step-40"))
+    assert not lc.block_end_due(run, stop_by - lc.DEFERRED_LEAD - timedelta(seconds=1))
+    assert lc.block_end_due(run, stop_by - lc.DEFERRED_LEAD)
+    assert not lc.block_end_due(make_run(), stop_by), "no block, no end"
+    # A departure already due by then is under way; a rebalance waiting for the interval is not.
+    assert not lc.block_end_due(run.model_copy(update={"departure_noticed_at": T0, "departure_due_at": stop_by}),
+                                stop_by)
+    assert lc.block_end_due(run.model_copy(update={"departure_noticed_at": T0}), stop_by)
+    report = lc.block_end_report(run, ["i-2", "i-1"])
+    assert (report.failure_class, report.instance_ids) == (FailureClass.CAPACITY_BLOCK_END, ["i-1", "i-2"])
+    # Nothing replaces the block: the run ends, naming the step to resume from.
+    decision = lc.decide_recovery(run, WORKERS, report, 0.5, now=stop_by)
+    assert decision.action is RecoveryAction.GIVE_UP
+    assert "stopped with checkpoint step 40: start it again on a new block to resume" in decision.reason
+    # The block's end names the failure whatever was announced first.
+    nodes = [node("i-1", departure_noticed_at=T0, departure_class=FailureClass.SPOT_REBALANCE),
+             node("i-2", departure_noticed_at=T0 + timedelta(seconds=1), departure_class=FailureClass.CAPACITY_BLOCK_END)]
+    asked = run.model_copy(update={"departure_noticed_at": T0, "checkpoint_requested_at": T0})
+    over = lc.departure_wait_over(asked, nodes, T0, committed=committed(41, CheckpointReason.REQUESTED))
+    assert over.failure_class is FailureClass.CAPACITY_BLOCK_END

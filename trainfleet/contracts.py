@@ -816,6 +816,9 @@ class FailureClass(StrEnum):
     (trainer/scaling_check.py): the run stops before the fleet is spent on it."""
     CAPACITY = "CAPACITY"
     """Not enough instances could be allocated."""
+    CAPACITY_BLOCK_END = "CAPACITY_BLOCK_END"
+    """The run's Capacity Block ends: EC2 terminates its instances (lifecycle.reservation); the
+    run checkpoints and stops."""
     UNKNOWN = "UNKNOWN"
     """Anything else (e.g. a States.* error without detail)."""
 
@@ -1127,7 +1130,10 @@ class RunRecord(_Strict):
     subnet_id: str | None = None
     """Subnet of that zone, the only one replacements are requested in."""
     placement_group: str | None = None
-    """Cluster placement group of the fleet."""
+    """Cluster placement group of the fleet (the reservation's own, or none, on reserved capacity)."""
+    capacity_stop_by: datetime | None = None
+    """On a Capacity Block: when EC2 begins terminating its instances, by which the run stops
+    (lifecycle.reservation)."""
     launch_template_id: str | None = None
     """The run's launch template."""
     fleet_requests_unfilled: int = Field(default=0, ge=0)

@@ -26,10 +26,11 @@ def apply_all() -> None:
     with _lock:
         if _applied:
             return
-        from localcloud.glue import (awslambda, cloudwatch, dispatch, dynamodb, ec2, events, faults, iam,
-                                     sqs_lambda, stepfunctions)
+        from localcloud.glue import (awslambda, capacity_reservations, cloudwatch, dispatch, dynamodb, ec2, events,
+                                     faults, iam, sqs_lambda, stepfunctions)
 
-        for service in (awslambda, sqs_lambda, stepfunctions, events, ec2, dynamodb, iam, cloudwatch, faults, dispatch):
+        for service in (awslambda, sqs_lambda, stepfunctions, events, ec2, capacity_reservations, dynamodb, iam,
+                        cloudwatch, faults, dispatch):
             service.apply()
         _applied = True
 

@@ -19,6 +19,8 @@ Patches to moto, each replacing something it lacks or drops:
   InvalidParameterValue); RunInstances into an unknown group fails with
   InvalidPlacementGroup.Unknown, as on AWS.
 - `Attachment.network_card_index` was always 0; it is now the interface's card.
+- Capacity Reservations and Capacity Blocks: glue/capacity_reservations.py (a launch into one
+  is held to its terms and its free instances instead of the zone's capacity).
 - Capacity: moto always has capacity. `LocalCloud.set_capacity(type, zone, n)` caps the
   instances of a type that may be alive (not terminated) in a zone at once. Beyond it,
   RunInstances fails with InsufficientInstanceCapacity; an on-demand CreateFleet (`instant`) launches what fits, or nothing when that is
@@ -77,6 +79,7 @@ from localcloud.glue import active_cloud
 
 if TYPE_CHECKING:
     from localcloud.cloud import LocalCloud
+    from localcloud.glue.capacity_reservations import CapacityReservation
 
 STATE_CODES = {"pending": 0, "running": 16, "shutting-down": 32, "terminated": 48,
                "stopping": 64, "stopped": 80}
@@ -458,6 +461,7 @@ _moto_terminate = EC2Backend.terminate_instances
 _moto_stop = EC2Backend.stop_instances
 _moto_start = EC2Backend.start_instances
 _moto_fleet_init = Fleet.__init__
+_moto_fleet_instances = Fleet.instances
 _moto_create_fleet_response = Fleets.create_fleet
 
 
@@ -469,12 +473,25 @@ def _run_instances_response(self: InstanceResponse) -> ActionResult:
         _request.placement_group = None
 
 
-def _fleet_init(self: Fleet, *args: Any, **kwargs: Any) -> None:
+def _fleet_init(self: Fleet, ec2_backend: Any, fleet_id: str, on_demand_options: dict[str, Any],
+                spot_options: dict[str, Any], target: dict[str, Any], *args: Any) -> None:
+    # moto launches only on-demand and spot targets: a Capacity Block fleet launched nothing. Its
+    # instances launch as on-demand ones do (the template names the block) and are reported
+    # with the lifecycle capacity-block, as EC2 reports them.
+    self.localcloud_lifecycle = "capacity-block" if target.get("DefaultTargetCapacityType") == "capacity-block" else None
+    if self.localcloud_lifecycle:
+        target = {**target, "DefaultTargetCapacityType": "on-demand"}
     _request.fleet = self
     try:
-        _moto_fleet_init(self, *args, **kwargs)
+        _moto_fleet_init(self, ec2_backend, fleet_id, on_demand_options, spot_options, target, *args)
     finally:
         _request.fleet = None
+
+
+def _fleet_instances(self: Fleet) -> list[dict[str, Any]] | None:
+    instances = _moto_fleet_instances.fget(self)
+    lifecycle = getattr(self, "localcloud_lifecycle", None)
+    return instances if not lifecycle or instances is None else [{**item, "Lifecycle": lifecycle} for item in instances]
 
 
 def _fleet_launch_template(backend: Any, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -512,7 +529,11 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
     if instance_type not in INSTANCE_TYPES:
         raise InvalidInstanceTypeError(instance_type)
     specs = kwargs.get("nics") or template.get("NetworkInterfaces") or []
+    # Imported here: the reservations module builds on this one's interface errors and groups.
+    from localcloud.glue.capacity_reservations import launch_terms
+
     try:
+        reservation = launch_terms(self, template, instance_type, _request_zone(self, kwargs), group)
         requests = interface_requests(instance_type, specs)
         check_instance_profile(cloud, kwargs.get("iam_instance_profile_arn") or kwargs.get("iam_instance_profile_name")
                                or (template.get("IamInstanceProfile") or {}).get("Arn")
@@ -526,9 +547,10 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
     if kwargs.get("nics"):  # moto builds card-0 interfaces; the glue adds the other cards
         kwargs["nics"] = [spec for spec in kwargs["nics"] if int(spec.get("NetworkCardIndex", 0)) == 0]
     with _capacity_lock:
-        reservation = _launch_within_capacity(self, cloud, instance_type, template_spec, image_id, count,
-                                              user_data, security_group_names, kwargs)
-    for instance in reservation.instances:
+        launched = _launch_within_capacity(self, cloud, instance_type, template_spec, image_id, count,
+                                           user_data, security_group_names, kwargs, reservation)
+    for instance in launched.instances:
+        instance.localcloud_reservation = reservation.reservation_id if reservation else None
         _attach_interfaces(self, instance, requests)
         instance.placement.group_name = group or ""
         profile = template.get("IamInstanceProfile") or {}
@@ -540,7 +562,7 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
             instance.add_tags({"aws:ec2launchtemplate:id": template_version.template.id,
                                "aws:ec2launchtemplate:version": str(template_version.number)})
         cloud.fleet.launched(instance)
-    return reservation
+    return launched
 
 
 IAM_PROPAGATION_S = 5.0
@@ -591,15 +613,20 @@ def _fleet_error(template_spec: dict[str, Any], lifecycle: str, code: str, messa
 
 def _launch_within_capacity(backend: Any, cloud: LocalCloud, instance_type: str, template_spec: dict[str, Any],
                             image_id: str, count: int, user_data: Any, security_group_names: list[str],
-                            kwargs: dict[str, Any]) -> Any:
-    """moto's launch, held to the zone's capacity and the account's vCPU quota (see the module
-    docstring)."""
+                            kwargs: dict[str, Any], reservation: CapacityReservation | None) -> Any:
+    """moto's launch, held to the zone's capacity (a reservation's free instances instead, for a
+    launch into one) and the account's vCPU quota (see the module docstring)."""
     zone = _request_zone(backend, kwargs)
     spot = kwargs.get("lifecycle") == "spot"
-    limits = [] if spot else [
-        (free_capacity(cloud, backend, instance_type, zone), "InsufficientInstanceCapacity",
-         _insufficient_message(instance_type, zone)),
-        (free_vcpu_instances(cloud, backend, instance_type), "VcpuLimitExceeded", _vcpu_message(cloud))]
+    if reservation is not None:
+        free = reservation.total - reservation.used(backend)
+        limits = [(free, "ReservationCapacityExceeded",
+                   f"The Capacity Reservation {reservation.reservation_id} has {free} instance(s) free")]
+    else:
+        limits = [] if spot else [(free_capacity(cloud, backend, instance_type, zone), "InsufficientInstanceCapacity",
+                                   _insufficient_message(instance_type, zone))]
+    if not spot and not (reservation and reservation.capacity_block):  # Capacity Blocks take no On-Demand quota
+        limits.append((free_vcpu_instances(cloud, backend, instance_type), "VcpuLimitExceeded", _vcpu_message(cloud)))
     binding = min(((free, code, message) for free, code, message in limits if free is not None and free < count),
                   default=None, key=lambda limit: limit[0])
     fleet = getattr(_request, "fleet", None)
@@ -690,6 +717,7 @@ def apply() -> None:
     InstanceResponse.run_instances = _run_instances_response
     instances_responses.filter_iam_instance_profiles = _filter_iam_instance_profiles
     Fleet.__init__ = _fleet_init
+    Fleet.instances = property(_fleet_instances)
     Fleets.create_fleet = _create_fleet_response
     EC2Backend.run_instances = _run_instances
     EC2Backend.terminate_instances = _terminate_instances

@@ -15,12 +15,15 @@ Calls (boto3 EC2 client passed in):
     ensure_placement_group(ec2, name, run_name, stack_name)
     allocate(ec2, spec, stack_name, launch_template_id, subnet_ids, target, minimum, token_prefix)
         -> Allocation
+    describe_reservation(ec2, reservation_id) -> Reservation
     run_instance_ids(ec2, run_name, stack_name) -> the run's instances that are not terminated
     terminate(ec2, instance_ids), teardown(ec2, run_name, stack_name) -> Teardown
 
 Zones: a cluster placement group lives in one Availability Zone, so a run's fleet is in one
 zone. allocate() tries the subnets in order (one group per zone); once a run has landed, its
-replacements go to the same subnet only.
+replacements go to the same subnet only. A run on reserved capacity launches only in its
+reservation's zone, into the reservation's own placement group or none (the instances of a
+Capacity Block are placed together by EC2): a group the run made would never hold it.
 """
 
 from __future__ import annotations
@@ -29,17 +32,20 @@ import base64
 import hashlib
 import shlex
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Literal
 
 from trainfleet.catalogue import InstanceFacts
 from trainfleet.contracts import BOOT_CHECK, EVENT_SOURCE, CapacityKind, RunSpec
+from trainfleet.lifecycle.reservation import Reservation, reservation_problem
 from trainfleet.settings import Settings
 
 __all__ = [
     "TAG_RUN", "TAG_STACK", "AGENT_MODULE", "CAPACITY_ERROR_CODES", "ZONE_ERROR_CODES", "FleetError",
     "FleetOutcome", "Allocation", "Teardown", "efa_network_interfaces", "launch_template_data", "node_user_data",
     "create_fleet_request", "interpret_fleet_response", "zone_verdict", "placement_group_name", "run_resource_name",
-    "ensure_launch_template", "ensure_placement_group", "allocate", "run_instance_ids", "runs_with_resources",
+    "ensure_launch_template", "ensure_placement_group", "allocate", "describe_reservation", "run_instance_ids",
+    "runs_with_resources",
     "terminate", "teardown", "instances_among",
 ]
 
@@ -272,7 +278,7 @@ def launch_template_data(spec: RunSpec, settings: Settings, instance_profile_arn
 
 
 def create_fleet_request(spec: RunSpec, stack_name: str, launch_template_id: str, subnet_id: str,
-                         placement_group: str, target: int, minimum: int, client_token: str) -> dict[str, Any]:
+                         placement_group: str | None, target: int, minimum: int, client_token: str) -> dict[str, Any]:
     """CreateFleet arguments: Type=instant, one instance type, one subnet, the placement group.
 
     `minimum` is the fewest instances worth having: on-demand and Spot fleets are told
@@ -282,8 +288,9 @@ def create_fleet_request(spec: RunSpec, stack_name: str, launch_template_id: str
     if not 1 <= minimum <= target:
         raise ValueError(f"need 1 <= minimum <= target, got minimum={minimum}, target={target}")
     kind = spec.capacity.kind
-    override = {"InstanceType": spec.instance_type, "SubnetId": subnet_id,
-                "Placement": {"GroupName": placement_group}}
+    override: dict[str, Any] = {"InstanceType": spec.instance_type, "SubnetId": subnet_id}
+    if placement_group:
+        override["Placement"] = {"GroupName": placement_group}
     request: dict[str, Any] = {
         "Type": "instant",
         "ClientToken": client_token,
@@ -395,10 +402,31 @@ class Allocation:
     """Instances asked for and not launched."""
     errors: list[str]
     """Capacity errors met on the way, zone by zone."""
+    stop_by: datetime | None = None
+    """When a Capacity Block's terminations begin (Reservation.stop_by); None otherwise."""
+
+
+def describe_reservation(ec2: Any, reservation_id: str) -> Reservation:
+    """The run's Capacity Reservation; FleetError when EC2 does not know it."""
+    try:
+        found = ec2.describe_capacity_reservations(CapacityReservationIds=[reservation_id])["CapacityReservations"]
+    except ec2.exceptions.ClientError as exc:
+        code = exc.response["Error"]["Code"]
+        raise FleetError(f"capacity.reservation_id {reservation_id}: {code}: {exc.response['Error'].get('Message')}",
+                         frozenset({code})) from exc
+    if not found:
+        raise FleetError(f"capacity.reservation_id {reservation_id}: EC2 knows no such Capacity Reservation")
+    item = found[0]
+    group_arn = item.get("PlacementGroupArn")
+    return Reservation(
+        reservation_id=reservation_id, instance_type=item["InstanceType"], availability_zone=item["AvailabilityZone"],
+        total=item["TotalInstanceCount"], available=item["AvailableInstanceCount"], state=item["State"],
+        capacity_block=item.get("ReservationType") == "capacity-block", start_at=item.get("StartDate"),
+        end_at=item.get("EndDate"), placement_group=group_arn.rsplit("/", 1)[-1] if group_arn else None)
 
 
 def _launch_in_zone(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, subnet_id: str,
-                    group: str, target: int, minimum: int, token: str) -> FleetOutcome:
+                    group: str | None, target: int, minimum: int, token: str) -> FleetOutcome:
     """One zone's instances, in as many instant fleets as MAX_FLEET_TARGET requires. Each asks
     for what is still missing of `minimum` as its MinTargetCapacity; one that comes short ends
     the zone's requests (it has no more)."""
@@ -434,12 +462,25 @@ def allocate(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, 
     """
     zones = {subnet["SubnetId"]: subnet["AvailabilityZone"]
              for subnet in ec2.describe_subnets(SubnetIds=subnet_ids)["Subnets"]}
+    reservation = None
+    if spec.capacity.reservation_id:
+        reservation = describe_reservation(ec2, spec.capacity.reservation_id)
+        problem = reservation_problem(spec, reservation, datetime.now(timezone.utc))
+        subnet_ids = [subnet_id for subnet_id in subnet_ids if zones[subnet_id] == reservation.availability_zone]
+        if problem is None and not subnet_ids:
+            problem = (f"the reservation is in {reservation.availability_zone}; no subnet of the run is: "
+                       f"{', '.join(f'{subnet} ({zone})' for subnet, zone in zones.items())}")
+        if problem:
+            raise FleetError(f"capacity.reservation_id: {problem}")
     errors: list[str] = []
     offered_somewhere = False
     for subnet_id in subnet_ids:
         zone = zones[subnet_id]
-        group = placement_group_name(spec.run_name, stack_name, zone)
-        ensure_placement_group(ec2, group, spec.run_name, stack_name)
+        if reservation is not None:
+            group = reservation.placement_group
+        else:
+            group = placement_group_name(spec.run_name, stack_name, zone)
+            ensure_placement_group(ec2, group, spec.run_name, stack_name)
         # ClientToken takes at most 64 characters; a digest keeps it unique and short.
         token = hashlib.sha256(f"{token_prefix}/{subnet_id}".encode()).hexdigest()[:40]
         outcome = _launch_in_zone(ec2, spec, stack_name, launch_template_id, subnet_id, group, target, minimum,
@@ -449,7 +490,8 @@ def allocate(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, 
         if verdict == "accept":
             return Allocation(instance_ids=outcome.instance_ids, subnet_id=subnet_id, availability_zone=zone,
                               placement_group=group, market=outcome.market,
-                              shortfall=target - len(outcome.instance_ids), errors=errors)
+                              shortfall=target - len(outcome.instance_ids), errors=errors,
+                              stop_by=reservation.stop_by if reservation else None)
         terminate(ec2, outcome.instance_ids)  # too few to be of use here
         if verdict == "fail":
             raise FleetError(f"CreateFleet in {subnet_id}: {'; '.join(outcome.hard_errors)}",

@@ -19,6 +19,8 @@ Offers:
                emergency_checkpoint_now(run, now), DEFERRED_LEAD, departure_wait_may_end(run, now, ...),
                departure_wait_over(run, nodes, now, ...) -> FailureReport | None, SPOT_NOTICE,
                checkpoint_request_answered(run, attempt)
+    reservation: Reservation, reservation_problem(spec, reservation, now), block_end_due(run, now),
+               block_end_report(run, worker_ids), BLOCK_TERMINATION_LEAD
     spares:    swap_late_workers(nodes, attempt) -> LateWorkerSwap
     launch:    new_node_records(spec, attempt, instance_ids, workers_wanted, zone, subnet_id),
                confirmed(node, attempt), ready_workers(nodes, attempt), unready_workers(nodes, attempt),
@@ -44,6 +46,8 @@ from trainfleet.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, bac
 from trainfleet.lifecycle.liveness import (IMPAIRED, blame_silent_workers, hang_onset, looks_per_second,
                                            needs_liveness_look, poll_interval, silent_after, silent_workers)
 from trainfleet.lifecycle.replan import initial_plan, plan_layout
+from trainfleet.lifecycle.reservation import (BLOCK_TERMINATION_LEAD, Reservation, block_end_due, block_end_report,
+                                             reservation_problem)
 from trainfleet.lifecycle.spares import swap_late_workers
 from trainfleet.lifecycle.spot import (DEFERRED_LEAD, SPOT_NOTICE, checkpoint_before_leaving,
                                       checkpoint_request_answered, departure_due_at, departure_wait_may_end,
@@ -59,6 +63,7 @@ __all__ = [
     "checkpoint_before_leaving", "waits_for_emergency_checkpoint", "departure_wait_may_end", "departure_wait_over",
     "departure_due_at", "emergency_checkpoint_due", "emergency_checkpoint_now", "DEFERRED_LEAD", "SPOT_NOTICE",
     "checkpoint_request_answered",
+    "Reservation", "reservation_problem", "block_end_due", "block_end_report", "BLOCK_TERMINATION_LEAD",
     "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "world_attempt",
     "may_start", "assign_ranks",
     "build_launch_spec", "swap_late_workers",

@@ -2,7 +2,7 @@
 
 decide_recovery() works in numbered steps, each a rule a person can check:
     1. a config error never heals, nor does a node software that does not install, nor a world
-       that does not scale: give up;
+       that does not scale; a Capacity Block that ends has nothing left to run on: give up;
     2. the cost ceiling is reached: give up;
     3. the restart budget of the window is spent, or capacity has been short longer than the
        run waits for it: give up;
@@ -103,6 +103,9 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
         return give_up(f"the node software did not install: {failure.message}")
     if failure.failure_class is FailureClass.POOR_SCALING:
         return give_up(f"the fleet does not scale: {failure.message}")
+    if failure.failure_class is FailureClass.CAPACITY_BLOCK_END:
+        saved = f"checkpoint step {resume_step}" if resume_step is not None else "no checkpoint"
+        return give_up(f"{failure.message}; stopped with {saved}: start it again on a new block to resume")
     if over_cost_ceiling(spec, run.ledger):
         return give_up(f"cost ${run.ledger.cost_usd:,.2f} reached the ceiling ${spec.cost_ceiling_usd:,.2f}")
     window = timedelta(hours=policy.restart_window_hours)

@@ -29,7 +29,7 @@ checkpoint committing first does not end the wait, whatever its step.
 from datetime import datetime, timedelta
 
 from trainfleet.contracts import (AnyDetail, CheckpointCommitted, CheckpointReason, Ec2RebalanceRecommendation,
-                                  Ec2SpotInterruptionWarning, FailureReport, HealthEvent, NodeRecord, NodeRole,
+                                  Ec2SpotInterruptionWarning, FailureClass, FailureReport, HealthEvent, NodeRecord, NodeRole,
                                   RunRecord)
 
 SPOT_NOTICE = timedelta(minutes=2)
@@ -130,7 +130,9 @@ def departure_wait_over(run: RunRecord, nodes: list[NodeRecord], now: datetime, 
     if why is None:
         return None
     ids = sorted(node.instance_id for node in leaving)
-    failure_class = leaving[0].departure_class
+    # The first announcement names the failure, unless the Capacity Block ends: nothing replaces that.
+    classes = [node.departure_class for node in leaving]
+    failure_class = FailureClass.CAPACITY_BLOCK_END if FailureClass.CAPACITY_BLOCK_END in classes else classes[0]
     return FailureReport(failure_class=failure_class, attempt=run.attempt, instance_ids=ids,
                          message=f"{failure_class.value} of {', '.join(ids)}: {why}")
 
