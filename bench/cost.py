@@ -1,8 +1,8 @@
 """The control plane's own cost per training-day, counted on the local cloud and priced at AWS's
 list prices, beside the fleet's.
 
-    .venv/bin/python bench/cost.py                        # stand-in runs of 4 and 8 nodes, 2 minutes each
-    .venv/bin/python bench/cost.py --sizes 4,12 --window-s 300
+    .venv/bin/python bench/cost.py                        # stand-in runs of 4, 8 and 16 nodes, twice each
+    .venv/bin/python bench/cost.py --sizes 4,12 --repeats 3 --window-s 300
 
 Each size is a run of the deployed state machine on the local cloud whose nodes run the real
 agent with the stand-in trainer (trainer/standin.py: no torch, the real trainer's signals), at
@@ -14,9 +14,12 @@ the bytes and billed durations the functions logged. Those are hourly rates of t
 would see them: the agents' looks and heartbeats run in real time.
 
 What grows with the fleet is the agents' looks (a run record read and a liveness record written
-each), and trainfleet.pace caps a run's looks a second above FULL_RATE_NODES. So the rates of
-two sizes give a per-run part and a per-look part (a line through the two), and a fleet is
-priced at pace.looks_per_second(nodes). A recovery costs a few dozen calls once (bench/recovery.py
+each), and trainfleet.pace caps a run's looks a second above FULL_RATE_NODES. So each service's
+rate is a per-run part plus a per-look part, fitted by least squares through every measured run
+with neither part below zero (`fit`: a cost cannot be negative; a line through two noisy sizes
+gave negative S3, SQS and EventBridge costs at 512 nodes), and a fleet is priced at
+pace.looks_per_second(nodes). Every size is measured `--repeats` times, and each repeat's own
+fit is printed beside the pooled one: the spread says how far to trust the figure. A recovery costs a few dozen calls once (bench/recovery.py
 counts them); at the Llama 3 failure rate of a 64-node fleet (a failure every ~4 days) it is
 left out. Units: a DynamoDB request counts as one read or write unit (an upper bound: the agents'
 reads are eventually consistent, half a unit for an item under 4 KB), a transaction as two
@@ -117,13 +120,33 @@ def priced(per_run: dict[str, float], per_look: dict[str, float], nodes: int, ha
     return {part: per_run[part] + per_look[part] * looks for part in per_run}
 
 
-def fit(measured: dict[int, dict[str, float]], hang_timeout_s: float) -> tuple[dict[str, float], dict[str, float]]:
-    """The per-run and per-look parts (USD an hour, USD an hour per look a second) through two sizes."""
-    (small, low), (large, high) = sorted(measured.items())
-    rate_small, rate_large = (pace.looks_per_second(n, hang_timeout_s) for n in (small, large))
-    per_look = {part: (high[part] - low[part]) / (rate_large - rate_small) for part in low}
-    per_run = {part: low[part] - per_look[part] * rate_small for part in low}
+def fit(measured: list[tuple[int, dict[str, float]]],
+        hang_timeout_s: float) -> tuple[dict[str, float], dict[str, float]]:
+    """The per-run and per-look parts (USD an hour, USD an hour per look a second) of each
+    service, fitted through every (nodes, USD an hour) measured: least squares with both parts at
+    or above zero. When the unconstrained line has a negative part, that part is zero and the
+    other is fitted alone, which for two parameters is the constrained optimum."""
+    looks = [pace.looks_per_second(nodes, hang_timeout_s) for nodes, _ in measured]
+    per_run, per_look = {}, {}
+    for part in measured[0][1]:
+        usd = [rates[part] for _, rates in measured]
+        per_run[part], per_look[part] = _line_at_or_above_zero(looks, usd)
     return per_run, per_look
+
+
+def _line_at_or_above_zero(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (xs, ys) with both >= 0."""
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if spread == 0:
+        raise ValueError("fit needs runs of at least two sizes whose look rates differ")
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
+    intercept = mean_y - slope * mean_x
+    if slope < 0:
+        return max(0.0, mean_y), 0.0
+    if intercept < 0:
+        return 0.0, max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
+    return intercept, slope
 
 
 class Counts:
@@ -155,9 +178,9 @@ def _function_logs(stack: LocalStack) -> tuple[int, float]:
     return total_bytes, gb_seconds
 
 
-def measure(stack: LocalStack, nodes: int, window_s: float, say) -> Rates:
+def measure(stack: LocalStack, nodes: int, window_s: float, repeat: int, say) -> Rates:
     template = json.loads(DEMO_RUN_SPEC.read_text())
-    template["run_name"] = f"cost{nodes}"
+    template["run_name"] = f"cost{nodes}-{repeat}"
     template["node_count"] = nodes
     template["trainer"]["parallel"]["dp"] = nodes // template["trainer"]["parallel"]["pp"]
     template["trainer"]["training"]["steps"] = 1_000_000
@@ -206,36 +229,43 @@ def _stop(stack: LocalStack, run: LocalRun) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="4,8", help="two node counts to measure")
-    parser.add_argument("--window-s", type=float, default=120.0, help="real seconds of training counted per size")
+    parser.add_argument("--sizes", default="4,8,16", help="node counts to measure (at least two, even: pp=2)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each size")
+    parser.add_argument("--window-s", type=float, default=90.0, help="real seconds of training counted per run")
     parser.add_argument("--instance-type", default="p5.48xlarge", help="whose price the fleet's cost uses")
     args = parser.parse_args()
-    sizes = sorted(int(size) for size in args.sizes.split(","))
-    if len(sizes) != 2 or sizes[0] == sizes[1] or any(size < 2 or size % 2 for size in sizes):
-        parser.error("--sizes takes two different even node counts (pp=2), e.g. 4,8")
+    sizes = sorted({int(size) for size in args.sizes.split(",")})
+    if len(sizes) < 2 or any(size < 2 or size % 2 for size in sizes) or args.repeats < 1:
+        parser.error("--sizes takes at least two different even node counts (pp=2), e.g. 4,8,16; --repeats >= 1")
     hang = RecoveryPolicy().hang_timeout_seconds
-    rates: dict[int, Rates] = {}
+    runs: list[tuple[int, int, Rates]] = []
     with local_stack(lambda message: None, standin_step_s=STEP_S) as stack:
-        for nodes in sizes:
-            rates[nodes] = measure(stack, nodes, args.window_s, lambda message: print(message, flush=True))
-    for nodes, rate in rates.items():
-        top = ", ".join(f"{service} {action} {n:,.0f}" for (service, action), n in rate.requests.most_common(8))
-        print(f"{nodes} nodes, per hour: {top}; {rate.invocations:,.0f} Lambda invocations, "
-              f"{rate.gb_seconds:,.1f} GB-s, {rate.transitions:,.0f} transitions, {rate.log_bytes / 1e6:,.1f} MB logged, "
-              f"{rate.metrics} custom metrics")
-    per_run, per_look = fit({nodes: rate.usd_per_hour() for nodes, rate in rates.items()}, hang)
+        for repeat in range(args.repeats):
+            for nodes in sizes:
+                runs.append((repeat, nodes, measure(stack, nodes, args.window_s, repeat,
+                                                    lambda message: print(message, flush=True))))
+    for repeat, nodes, rate in runs:
+        top = ", ".join(f"{service} {action} {n:,.0f}" for (service, action), n in rate.requests.most_common(6))
+        print(f"{nodes} nodes (run {repeat + 1}), per hour: {top}; {rate.invocations:,.0f} Lambda invocations, "
+              f"{rate.gb_seconds:,.1f} GB-s, {rate.transitions:,.0f} transitions, "
+              f"{rate.log_bytes / 1e6:,.1f} MB logged, {rate.metrics} custom metrics")
+    per_run, per_look = fit([(nodes, rate.usd_per_hour()) for _, nodes, rate in runs], hang)
+    each_repeat = [fit([(nodes, rate.usd_per_hour()) for r, nodes, rate in runs if r == repeat], hang)
+                   for repeat in range(args.repeats)]
     facts = instance_facts(args.instance_type)
     parts = list(per_run)
     print(f"\nUSD per training-day (24 h of steady training; list prices us-east-1; looks at trainfleet.pace's "
-          f"rate, hang timeout {hang} s)")
-    print(f"{'nodes':>6}" + "".join(f"{part:>15}" for part in parts) + f"{'control plane':>15}{'fleet':>16}{'share':>10}")
+          f"rate, hang timeout {hang} s); fitted through all {len(runs)} runs, the range of each repeat's own fit")
+    print(f"{'nodes':>6}" + "".join(f"{part:>14}" for part in parts)
+          + f"{'control plane':>15}{'repeats':>16}{'fleet':>14}{'share':>10}")
     day = {}
     for nodes in (*sizes, 64, 512):
         usd = {part: 24 * value for part, value in priced(per_run, per_look, nodes, hang).items()}
         fleet = 24 * nodes * facts.on_demand_usd_per_hour
         day[nodes] = sum(usd.values())
-        print(f"{nodes:>6}" + "".join(f"{usd[part]:>15.4f}" for part in parts)
-              + f"{day[nodes]:>15.2f}{fleet:>16,.0f}{day[nodes] / fleet:>10.2e}")
+        alone = [24 * sum(priced(*fitted, nodes, hang).values()) for fitted in each_repeat]
+        print(f"{nodes:>6}" + "".join(f"{usd[part]:>14.4f}" for part in parts)
+              + f"{day[nodes]:>15.2f}{f'{min(alone):.2f}-{max(alone):.2f}':>16}{fleet:>14,.0f}{day[nodes] / fleet:>10.2e}")
     estimate = " (an estimate: see trainfleet/catalogue.py)" if facts.price_is_estimate else ""
     print(f"fleet: {args.instance_type} on-demand at ${facts.on_demand_usd_per_hour:,.2f} an hour{estimate}")
     print(f"usd_per_training_day={day[64]:.2f}")
