@@ -38,7 +38,7 @@ LocalCloud(config=None, **overrides)      overrides are LocalCloudConfig fields
                                           (InsufficientInstanceCapacity beyond it)
   .create_capacity_block(type, zone, n, ends_in_s, group=None)  a Capacity Block (its cr- id);
                                           ODCRs come from CreateCapacityReservation
-  .fail_requests(service, seconds, answer)  requests over HTTP to dynamodb, s3, events, lambda,
+  .fail_requests(service, seconds, answer)  requests over HTTP to dynamodb, s3, events, lambda, logs,
                                           ec2 or states answer its throttling error
                                           ("throttle") or its 500 ("error") for a while
   .throttle(service, seconds)             fail_requests(service, seconds, "throttle")

@@ -413,7 +413,7 @@ class LocalCloud:
     # --- request faults ------------------------------------------------------------------
 
     def fail_requests(self, service: str, seconds: float, answer: str = "throttle") -> None:
-        """Answer every API request to `service` (dynamodb, s3, events, lambda, ec2, states)
+        """Answer every API request to `service` (dynamodb, s3, events, lambda, logs, ec2, states)
         over HTTP for the next `seconds` real seconds with its throttling error (answer
         "throttle") or its internal error ("error"), as AWS does under load or in an outage
         (glue/faults.py)."""

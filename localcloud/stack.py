@@ -300,6 +300,7 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
                         "TRAINFLEET_RUN_NAME": instance.tags[TAG_RUN], "TRAINFLEET_RUN_TABLE": outputs["RunTableName"],
                         "TRAINFLEET_LIVENESS_TABLE": outputs["LivenessTableName"],
                         "TRAINFLEET_BUCKET": stack.bucket, "TRAINFLEET_EVENT_BUS": outputs["AgentEventBusName"],
+                        "TRAINFLEET_NODE_LOG_GROUP": outputs["NodeLogGroupName"],
                         "TRAINFLEET_AGENT_LIFETIME_S": str(int(AGENT_LIFETIME_S)),
                         # The notices are as much shorter as time is scaled: so is the pace of the looks.
                         "TRAINFLEET_METADATA_LOOK_S": str(max(LOOK_S, METADATA_LOOK_S * time_scale))} | (

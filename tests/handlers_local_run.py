@@ -19,6 +19,7 @@ cloud imports the deployed handlers from their package: a test process that impo
     python tests/handlers_local_run.py
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -43,7 +44,8 @@ from localcloud.node_boot import publish_artifacts  # noqa: E402
 from localcloud.stack import states_entered  # noqa: E402
 from localcloud.waiting import until  # noqa: E402
 from trainfleet.adapters.ec2_fleet import TAG_RUN  # noqa: E402
-from trainfleet.contracts import NodeUnhealthy, TrainingCompleted, instance_arn, put_events_entry  # noqa: E402
+from trainfleet.contracts import (NodeUnhealthy, TrainingCompleted, instance_arn, node_log_stream,  # noqa: E402
+                                  put_events_entry)
 from trainfleet.adapters.run_store import RunNotFound, RunStore  # noqa: E402
 from trainer.checkpoint_catalog import committed_steps, open_store  # noqa: E402
 
@@ -253,13 +255,22 @@ def hostile_node(cloud, outputs: dict[str, str], store: RunStore, attacker: str,
 
     mine, theirs = (min(node.instance_id for node in store.nodes(run)) for run in (attacker, victim))
     credentials = role_session_of(cloud)(fleet_records(cloud)(mine), timedelta(hours=1))
-    s3, dynamodb, events = (boto3.client(
+    s3, dynamodb, events, logs = (boto3.client(
         service, endpoint_url=cloud.endpoint, region_name=cloud.region, aws_access_key_id=credentials.access_key_id,
         aws_secret_access_key=credentials.secret_access_key, aws_session_token=credentials.token)
-        for service in ("s3", "dynamodb", "events"))
+        for service in ("s3", "dynamodb", "events", "logs"))
     bucket, table, bus = outputs["CheckpointBucketName"], outputs["RunTableName"], outputs["AgentEventBusName"]
-    liveness = outputs["LivenessTableName"]
+    liveness, node_logs = outputs["LivenessTableName"], outputs["NodeLogGroupName"]
     sender = instance_arn("aws", cloud.region, cloud.account_id, mine)
+
+    def write_node_log(run: str) -> None:
+        # The group lets any node make a stream (CloudWatch Logs authorizes CreateLogStream on
+        # the group); only its own run's streams take its events.
+        stream = node_log_stream(run, mine if run == attacker else theirs)
+        with contextlib.suppress(logs.exceptions.ResourceAlreadyExistsException):
+            logs.create_log_stream(logGroupName=node_logs, logStreamName=stream)
+        logs.put_log_events(logGroupName=node_logs, logStreamName=stream,
+                            logEvents=[{"timestamp": int(time.time() * 1000), "message": "forged"}])
 
     def event(detail, as_instance: str = mine) -> dict:
         return put_events_entry(detail, bus, instance_arn("aws", cloud.region, cloud.account_id, as_instance))
@@ -277,6 +288,7 @@ def hostile_node(cloud, outputs: dict[str, str], store: RunStore, attacker: str,
             TableName=table, KeyConditionExpression="pk = :pk", ExpressionAttributeValues={":pk": {"S": f"RUN#{run}"}}),
         "write a liveness record": lambda run: dynamodb.put_item(TableName=liveness, Item={
             "run": {"S": run}, "instance": {"S": mine}, "record": {"S": "{}"}}),
+        "write into its node log": write_node_log,
     }
     outcomes = {}
     for what, attempt in attempts.items():

@@ -90,7 +90,7 @@ def test_a_node_of_one_run_can_read_write_or_end_nothing_of_another(outcome):
     send (events about the other run, as itself) changes nothing there."""
     hostile = outcome["hostile"]
     attempts = {key.split(": ", 1)[1] for key in hostile if key.startswith("own: ")}
-    assert len(attempts) == 7
+    assert len(attempts) == 8
     for attempt in attempts:
         assert hostile[f"own: {attempt}"] == "accepted", attempt
         assert hostile[f"other: {attempt}"] in ("AccessDenied", "AccessDeniedException"), attempt

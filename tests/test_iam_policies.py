@@ -93,6 +93,8 @@ def s3(key: str) -> str:
 # --- NodePolicy: what the nodes of run "r" may do -----------------------------------------------
 
 RUN = {"aws_PrincipalTag__trainfleet:run": "r"}
+NODE_LOGS = f"arn:aws:logs:{REGION}:{ACCOUNT}:log-group:/trainfleet/{STACK}/nodes"
+"""The stack's node log group (trainfleet.contracts.node_log_group)."""
 """The run's node role is tagged with the run (trainfleet.adapters.node_roles)."""
 LIVENESS = f"arn:aws:dynamodb:{REGION}:{ACCOUNT}:table/{STACK}-LivenessTable-x"
 
@@ -175,6 +177,13 @@ def test_node_role_lists_only_its_prefixes(rendered, context, expected):
      {"events_source": f"trainfleet/{NODE}", "ec2_SourceInstanceARN": NODE}, IMPLICIT_DENY),
     ("states:SendTaskHeartbeat", STATE_MACHINE, {}, ALLOW),
     ("states:SendTaskSuccess", STATE_MACHINE, {}, IMPLICIT_DENY),
+    # The node's log: its own run's streams in the stack's node log group, no other.
+    ("logs:CreateLogStream", f"{NODE_LOGS}:log-stream:r/i-0a", {}, ALLOW),
+    ("logs:PutLogEvents", f"{NODE_LOGS}:log-stream:r/i-0a", {}, ALLOW),
+    ("logs:PutLogEvents", f"{NODE_LOGS}:log-stream:other/i-0a", {}, IMPLICIT_DENY),  # another run's stream
+    ("logs:PutLogEvents", f"arn:aws:logs:{REGION}:{ACCOUNT}:log-group:/aws/lambda/x:log-stream:r/i-0a", {},
+     IMPLICIT_DENY),
+    ("logs:DeleteLogStream", f"{NODE_LOGS}:log-stream:r/i-0a", {}, IMPLICIT_DENY),
     # The run's metrics come from the handler: a node could write another run's alarm metric.
     ("cloudwatch:PutMetricData", "*", {"cloudwatch_namespace": "Trainfleet"}, IMPLICIT_DENY),
     ("ssmmessages:OpenDataChannel", "*", {}, ALLOW),  # Session Manager's shell on a node

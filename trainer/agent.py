@@ -93,6 +93,7 @@ from botocore.utils import IMDSFetcher
 
 from trainer import checkpoint_catalog as catalog
 from trainer import standin
+from trainer.node_log import NodeLog
 from trainer.progress import NODE_NAME_ENV, PROGRESS_FILE_ENV, read_progress
 from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import NodeNotFound, RunStore
@@ -102,7 +103,7 @@ from trainfleet.contracts import (PROGRESS_SAMPLES_MAX, AgentEvent, CheckpointCo
                                   HealthCheckResult,
                                   LaunchSpec, NodeLiveness, NodeReady, NodeRecord, NodeRegistered, NodeUnhealthy,
                                   RunRecord, RunState, TrainerFailed, TrainerFailureKind, TrainingCompleted,
-                                  TrainingProgress, instance_arn, put_events_entry)
+                                  TrainingProgress, instance_arn, node_log_stream, put_events_entry)
 from trainfleet.lifecycle import checkpoint_request_answered, poll_interval
 from trainfleet.pace import heartbeat_pace, longest_look, stalled
 
@@ -182,6 +183,9 @@ class AgentSettings:
     the same signals to the control plane. None: the real trainer."""
     metadata_look_s: float = METADATA_LOOK_S
     """Seconds between two looks for a Spot notice (TRAINFLEET_METADATA_LOOK_S)."""
+    log_group: str | None = None
+    """The CloudWatch Logs group the node's log goes to (TRAINFLEET_NODE_LOG_GROUP,
+    trainer/node_log.py); None: the console alone."""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | os._Environ = os.environ, workdir: Path | None = None) -> AgentSettings:
@@ -195,7 +199,8 @@ class AgentSettings:
                    workdir=workdir or Path.cwd(), lifetime_s=_seconds(env, "TRAINFLEET_AGENT_LIFETIME_S"),
                    shutdown_command=tuple(shlex.split(env.get("TRAINFLEET_SHUTDOWN_COMMAND", ""))),
                    standin_step_s=_seconds(env, "TRAINFLEET_STANDIN_STEP_S"),
-                   metadata_look_s=_seconds(env, "TRAINFLEET_METADATA_LOOK_S") or METADATA_LOOK_S)
+                   metadata_look_s=_seconds(env, "TRAINFLEET_METADATA_LOOK_S") or METADATA_LOOK_S,
+                   log_group=env.get("TRAINFLEET_NODE_LOG_GROUP") or None)
 
 
 def _seconds(env: dict[str, str] | os._Environ, variable: str) -> float | None:
@@ -451,8 +456,46 @@ class ControlPlane:
 
 
 def say(message: str, /, **fields: Any) -> None:
-    """One JSON line on stdout (the instance's console): what the agent did."""
-    print(json.dumps({"agent": message, **fields}, default=str), flush=True)
+    """One JSON line on stdout (the instance's console) and in the node's log: what the agent did."""
+    line = json.dumps({"agent": message, **fields}, default=str)
+    print(line, flush=True)
+    if _shipping is not None:
+        _shipping.log.add("agent", line)
+
+
+@dataclass(frozen=True)
+class Shipping:
+    """The node's log and the thread that ships it (trainer/node_log.py)."""
+
+    log: NodeLog
+    stop: threading.Event
+    thread: threading.Thread
+
+
+_shipping: Shipping | None = None
+
+
+def start_node_log(settings: AgentSettings, identity: Identity) -> None:
+    """Ship what the agent says and its trainers print to the stack's node log group."""
+    global _shipping
+    if settings.log_group is None:
+        return
+    logs = boto3.client("logs", config=Config(region_name=identity.region, retries=CLIENT_RETRIES,
+                                              connect_timeout=5, read_timeout=30))
+    log = NodeLog(logs, settings.log_group, node_log_stream(settings.run_name, identity.instance_id))
+    stop = threading.Event()
+    thread = threading.Thread(target=log.run, args=(stop,), name="node-log", daemon=True)
+    _shipping = Shipping(log, stop, thread)
+    thread.start()
+
+
+def stop_node_log() -> None:
+    """Ship what is left, once: before the instance ends."""
+    global _shipping
+    shipping, _shipping = _shipping, None
+    if shipping is not None:
+        shipping.stop.set()
+        shipping.thread.join(timeout=30.0)
 
 
 def wait_for(what: str, probe: Callable[[], T | None], deadline: float | None, control: ControlPlane) -> T:
@@ -745,6 +788,8 @@ class Attempt:
             resume_step=self.spec.resume_step, command=" ".join(command[1:]))
         self.torchrun_started = self.control.clock()
         launch = standin.start_thread if step_seconds else start_process
+        if _shipping is not None:
+            _shipping.log.follow("trainer", self.files.output)
         with self.files.output.open("ab") as output:
             process = launch(command, self.files.folder, torchrun_env(self.files, self.identity), output)
         stop_beating = threading.Event()
@@ -991,6 +1036,7 @@ def serve(settings: AgentSettings) -> None:
     metadata = MetadataClient()
     identity = boot_identity(metadata)
     control = ControlPlane(settings, identity)
+    start_node_log(settings, identity)
     say("agent up", instance_id=identity.instance_id, instance_type=identity.instance_type,
         private_ip=identity.private_ip, run_name=settings.run_name)
     node = wait_for("the run's record of this node", control.node, deadline, control)
@@ -1040,6 +1086,7 @@ def end_instance(settings: AgentSettings, why: str) -> None:
     """End this instance: its shutdown behaviour is terminate (launch template). Without a
     shutdown command the agent's exit is what ends it (a local instance)."""
     say(f"{why}: ending this instance", command=" ".join(settings.shutdown_command) or None)
+    stop_node_log()
     if settings.shutdown_command:
         subprocess.run(settings.shutdown_command, check=False)
 
@@ -1058,6 +1105,7 @@ def main() -> int:
         return 0
     except AgentError as exc:
         say("agent stopped", error=str(exc))
+        stop_node_log()
         return 1
     end_instance(settings, "the run is over")
     return 0

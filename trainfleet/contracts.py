@@ -67,6 +67,16 @@ def node_event_source(sender_arn: str) -> str:
     return f"{EVENT_SOURCE}/{sender_arn}"
 
 
+def node_log_group(stack_name: str) -> str:
+    """The CloudWatch Logs group of the stack's nodes (template.yaml's NodeLogGroup)."""
+    return f"/trainfleet/{stack_name}/nodes"
+
+
+def node_log_stream(run_name: str, instance_id: str) -> str:
+    """A node's stream in node_log_group: under its run's name, the prefix its role may write."""
+    return f"{run_name}/{instance_id}"
+
+
 def event_sender(source: str) -> str | None:
     """The instance id of the node that sent an event with this `source`; None for any other."""
     family, _, sender_arn = source.partition("/")

@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from trainfleet.adapters.run_history import read_history
 from trainfleet.adapters.run_store import RunNotFound, RunStore
 from trainfleet.contracts import (FailureRecord, FleetCheckFigures, NodeRecord, NodeRole, ProgressSample, RunRecord,
-                                  RunSpec, RunState, ScalingCheckFigures, node_access_problems)
+                                  RunSpec, RunState, ScalingCheckFigures, node_access_problems, node_log_stream)
 from trainfleet.lifecycle import book_attempt
 from trainfleet.run_history import StateEntry
 from trainfleet.run_report import REPORT_HTML, report_files
@@ -42,6 +42,8 @@ __all__ = ["Stack", "RunStatus", "RunSummary", "OperatorError", "load_run_spec",
 
 STACK_OUTPUTS = ("StateMachineArn", "RunTableName", "CheckpointBucketName", "FunctionLogGroups")
 """The outputs of template.yaml the commands use."""
+NODE_LOG_LINES = 1000
+"""`run logs --node` shows a node's last lines, this many."""
 LOG_FIRST_WINDOW_MS = 3_600_000
 """`run logs` reads the run's last hour first, then earlier windows (Stack.logs)."""
 LOG_WINDOW_GROWTH = 4
@@ -171,6 +173,8 @@ class Stack:
     endpoint_url: str | None = None
     """None: the environment's (AWS_ENDPOINT_URL), as for every command; a process that runs a
     local cloud of its own names it (the demo)."""
+    node_log_group: str | None = None
+    """Where the nodes ship their logs (output NodeLogGroupName; trainer/node_log.py)."""
     _clients: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     """One client per service, made at first use: a live view asks several a second, and making
     a client (its service model read and parsed) costs more than the call."""
@@ -194,7 +198,8 @@ class Stack:
             raise OperatorError(f"stack {stack_name!r} is not a trainfleet stack: it has no output "
                                 f"{', '.join(missing)}")
         return cls(stack_name, outputs["StateMachineArn"], outputs["RunTableName"], outputs["CheckpointBucketName"],
-                   tuple(group for group in outputs["FunctionLogGroups"].split(",") if group), session, endpoint_url)
+                   tuple(group for group in outputs["FunctionLogGroups"].split(",") if group), session, endpoint_url,
+                   outputs.get("NodeLogGroupName"))
 
     def client(self, service: str) -> Any:
         if service not in self._clients:
@@ -337,9 +342,11 @@ class Stack:
                 continue  # a function never invoked has no log group yet
         return sorted(lines)
 
-    def node_log(self, run_name: str, node: str) -> str:
-        """A node's console output (its agent and trainer): `node` is an instance id or the node
-        rank of the run's current world."""
+    def node_log(self, run_name: str, node: str, limit: int = NODE_LOG_LINES) -> str:
+        """A node's log, its last `limit` lines: what its agent said and its trainers printed,
+        from its stream in the nodes' log group; `node` is an instance id or the node rank of
+        the run's current world. A node that shipped nothing (one whose software did not
+        install) has its console output instead, where its bootstrap writes."""
         self._execution(run_name)
         try:
             nodes = self.store.nodes(run_name)
@@ -353,8 +360,20 @@ class Stack:
             known = ", ".join(f"{record.instance_id} (rank {record.node_rank})" if record.node_rank is not None
                               else record.instance_id for record in nodes) or "none"
             raise OperatorError(f"run {run_name} has no node {node!r}; its nodes: {known}")
+        instance_id = chosen[-1].instance_id
+        if self.node_log_group is not None:
+            logs = self.client("logs")
+            try:
+                # startFromHead false: the stream's newest events (a page holds at most 10,000).
+                events = logs.get_log_events(logGroupName=self.node_log_group,
+                                             logStreamName=node_log_stream(run_name, instance_id),
+                                             startFromHead=False, limit=min(limit, 10_000))["events"]
+                return "\n".join(f"{_clock(event['timestamp'])} {event['message']}" for event in events)
+            except logs.exceptions.ResourceNotFoundException:
+                pass
         # The SDKs decode the console's base64 themselves (botocore does for GetConsoleOutput).
-        return self.client("ec2").get_console_output(InstanceId=chosen[-1].instance_id, Latest=True).get("Output", "")
+        console = self.client("ec2").get_console_output(InstanceId=instance_id, Latest=True).get("Output", "")
+        return f"({instance_id} shipped no log; its console:)\n{console}"
 
     # --- plumbing ---------------------------------------------------------------------------
 

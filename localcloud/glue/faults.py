@@ -81,6 +81,7 @@ ANSWERS: dict[tuple[str, str], Answer] = {
         "Type": "User", "message": "Rate Exceeded.", "Reason": "CallerRateLimitExceeded"}),
     ("ec2", "throttle"): _ec2_xml("503 Service Unavailable", "RequestLimitExceeded", "Request limit exceeded."),
     ("states", "throttle"): _json("400 Bad Request", _JSON_10, "ThrottlingException", "Rate exceeded"),
+    ("logs", "throttle"): _json("400 Bad Request", _JSON_11, "ThrottlingException", "Rate exceeded"),
     # ... and its documented internal error (5xx).
     ("dynamodb", "error"): _json("500 Internal Server Error", _JSON_10,
                                  "com.amazonaws.dynamodb.v20120810#InternalServerError",
@@ -94,6 +95,8 @@ ANSWERS: dict[tuple[str, str], Answer] = {
     ("ec2", "error"): _ec2_xml("500 Internal Server Error", "InternalError", "An internal error has occurred."),
     ("states", "error"): _json("500 Internal Server Error", _JSON_10, "InternalFailure",
                                "The request processing has failed because of an unknown error."),
+    ("logs", "error"): _json("500 Internal Server Error", _JSON_11, "ServiceUnavailableException",
+                             "The service cannot complete the request."),
 }
 """(service, answer) -> what the service answers: "throttle" its throttling error, "error"
 its internal error. The codes and statuses are those of each service's API reference

@@ -318,6 +318,11 @@ def authorizations(request: IAMRequestBase,
         name = unquote(request._path.split("/functions/", 1)[-1].split("/", 1)[0])
         arn = name if name.startswith("arn:") else f"arn:aws:lambda:{region}:{account}:function:{name}"
         yield (request._action, arn, context, unevaluated)
+    elif (service, action) in (("logs", "CreateLogStream"), ("logs", "PutLogEvents"), ("logs", "GetLogEvents")):
+        # A log stream's ARN; a policy's log-group:NAME:* covers the group's streams.
+        body = _json_body(request)
+        yield (request._action, f"arn:aws:logs:{region}:{account}:log-group:{body.get('logGroupName')}:log-stream:"
+                                f"{body.get('logStreamName')}", context, unevaluated)
     elif (service, action) == ("states", "StartExecution"):
         yield (request._action, _json_body(request).get("stateMachineArn"), context, unevaluated)
     elif (service, action) == ("cloudwatch", "PutMetricData"):

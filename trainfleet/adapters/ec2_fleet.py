@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from trainfleet.catalogue import InstanceFacts
-from trainfleet.contracts import BOOT_CHECK, EVENT_SOURCE, CapacityKind, RunSpec
+from trainfleet.contracts import BOOT_CHECK, EVENT_SOURCE, CapacityKind, RunSpec, node_log_group
 from trainfleet.lifecycle.reservation import Reservation, reservation_problem
 from trainfleet.settings import Settings
 
@@ -161,6 +161,7 @@ def node_user_data(run_name: str, settings: Settings) -> str:
         "TRAINFLEET_BUCKET": settings.bucket,
         "TRAINFLEET_EVENT_BUS": settings.event_bus,
         "TRAINFLEET_STACK": settings.stack_name,
+        "TRAINFLEET_NODE_LOG_GROUP": node_log_group(settings.stack_name),
         # How the agent ends its instance once the run is over (shutdown behaviour: terminate).
         "TRAINFLEET_SHUTDOWN_COMMAND": "shutdown -h now",
     }
