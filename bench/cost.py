@@ -182,7 +182,10 @@ def measure(stack: LocalStack, nodes: int, window_s: float, repeat: int, say) ->
     template = json.loads(DEMO_RUN_SPEC.read_text())
     template["run_name"] = f"cost{nodes}-{repeat}"
     template["node_count"] = nodes
-    template["trainer"]["parallel"]["dp"] = nodes // template["trainer"]["parallel"]["pp"]
+    parallel = template["trainer"]["parallel"]
+    parallel["dp"] = nodes // parallel["pp"]
+    training = template["trainer"]["training"]
+    training["batch_size"] = max(training["batch_size"], parallel["microbatches"] * parallel["dp"])
     template["trainer"]["training"]["steps"] = 1_000_000
     template["checkpoint"]["interval_steps"] = CHECKPOINT_EVERY_STEPS
     defaults = RecoveryPolicy()

@@ -41,6 +41,9 @@ AGENT_LIFETIME_S = 3600.0
 """A local agent exits after this long at most, so that none outlives a harness that died without
 ending its instances. Far longer than any local run, however slow the machine: it is no
 timeout of the product's, and one that a slow run could reach would fail it for nothing."""
+UNREACHABLE_LIMIT_S_FLOOR = 60.0
+"""The least a local agent waits out an unreachable control plane (with its trainer silent)
+before it ends its instance."""
 NODE_MODULES = ["localcloud.node_boot", "trainer.agent", "trainer.standin"]
 """What a node's warm image imports: the boot, the agent and the stand-in trainer (a thread of it)."""
 TRAINER_MODULES = ["trainer.health", "trainer.torchrun", "trainer.worker", "trainer.train"]
@@ -280,7 +283,7 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
     from localcloud.deploy import DeployRequest, deploy
     from localcloud.imds import serve_fleet
     from localcloud.node_boot import publish_artifacts
-    from trainer.agent import LOOK_S, METADATA_LOOK_S
+    from trainer.agent import LOOK_S, METADATA_LOOK_S, UNREACHABLE_LIMIT_S
 
     with LocalCloud(time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds,
                     boot_seconds=boot_seconds, boot_spread_seconds=boot_spread_seconds) as cloud:
@@ -303,7 +306,10 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
                         "TRAINFLEET_NODE_LOG_GROUP": outputs["NodeLogGroupName"],
                         "TRAINFLEET_AGENT_LIFETIME_S": str(int(AGENT_LIFETIME_S)),
                         # The notices are as much shorter as time is scaled: so is the pace of the looks.
-                        "TRAINFLEET_METADATA_LOOK_S": str(max(LOOK_S, METADATA_LOOK_S * time_scale))} | (
+                        "TRAINFLEET_METADATA_LOOK_S": str(max(LOOK_S, METADATA_LOOK_S * time_scale)),
+                        # Scaled as the cloud's time is, with a floor no starved machine reaches.
+                        "TRAINFLEET_UNREACHABLE_LIMIT_S": str(max(UNREACHABLE_LIMIT_S_FLOOR,
+                                                                  UNREACHABLE_LIMIT_S * time_scale))} | (
                     {"TRAINFLEET_STANDIN_STEP_S": str(standin_step_s)} if standin_step_s else {})
 
             # What the user data does on EC2: copy the wheelhouse with the instance's role, then

@@ -59,6 +59,22 @@ def test_a_role_gets_what_its_policy_allows_and_a_denial_names_role_action_and_r
         f"policy allows the s3:GetObject action")
 
 
+def test_a_session_of_a_deleted_role_is_denied(enforced):
+    """A node's credentials outlive its run's role (Teardown deletes it while the instance shuts
+    down): AWS denies their requests; moto failed them with IAM's NoSuchEntity."""
+    cloud = enforced
+    bucket = f"b-{uuid.uuid4().hex[:8]}"
+    cloud.client("s3").create_bucket(Bucket=bucket)
+    role = role_with(cloud, [{"Effect": "Allow", "Action": "s3:ListBucket", "Resource": f"arn:aws:s3:::{bucket}"}])
+    s3 = client_as(cloud, role, "s3", session="gone")
+    assert s3.list_objects_v2(Bucket=bucket)["KeyCount"] == 0
+    iam, name = cloud.client("iam"), role.rsplit("/", 1)[1]
+    iam.delete_role_policy(RoleName=name, PolicyName="p")
+    iam.delete_role(RoleName=name)
+    with pytest.raises(ClientError, match="AccessDenied"):
+        s3.list_objects_v2(Bucket=bucket)
+
+
 def test_deleting_several_objects_needs_delete_on_each_object_not_on_the_bucket(enforced):
     """DeleteObjects (what a trainer's checkpoint clean-up sends) is authorized per object key."""
     cloud = enforced

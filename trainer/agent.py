@@ -183,6 +183,9 @@ class AgentSettings:
     the same signals to the control plane. None: the real trainer."""
     metadata_look_s: float = METADATA_LOOK_S
     """Seconds between two looks for a Spot notice (TRAINFLEET_METADATA_LOOK_S)."""
+    unreachable_limit_s: float = UNREACHABLE_LIMIT_S
+    """How long the control plane may be out of reach, with the trainer silent as long, before
+    the agent ends its instance (TRAINFLEET_UNREACHABLE_LIMIT_S: a local cloud scales it)."""
     log_group: str | None = None
     """The CloudWatch Logs group the node's log goes to (TRAINFLEET_NODE_LOG_GROUP,
     trainer/node_log.py); None: the console alone."""
@@ -200,6 +203,7 @@ class AgentSettings:
                    shutdown_command=tuple(shlex.split(env.get("TRAINFLEET_SHUTDOWN_COMMAND", ""))),
                    standin_step_s=_seconds(env, "TRAINFLEET_STANDIN_STEP_S"),
                    metadata_look_s=_seconds(env, "TRAINFLEET_METADATA_LOOK_S") or METADATA_LOOK_S,
+                   unreachable_limit_s=_seconds(env, "TRAINFLEET_UNREACHABLE_LIMIT_S") or UNREACHABLE_LIMIT_S,
                    log_group=env.get("TRAINFLEET_NODE_LOG_GROUP") or None)
 
 
@@ -369,7 +373,7 @@ class ControlPlane:
             self.next_look = max(self.next_look, now + wait)
             say("control plane call failed; trying again later", call=what, error=str(exc),
                 failures=self.failures, retry_in_s=round(wait, 1))
-            if min(now - self.failing_since, now - self.trainer_alive_at) > UNREACHABLE_LIMIT_S:
+            if min(now - self.failing_since, now - self.trainer_alive_at) > self.settings.unreachable_limit_s:
                 raise Unreachable(f"the control plane has not answered for {now - self.failing_since:.0f} s "
                                   "and this node's trainer made no progress as long") from exc
             return None

@@ -31,6 +31,7 @@ from urllib.parse import parse_qs, unquote, urlparse
 from xml.etree import ElementTree
 
 from moto.core.exceptions import JsonRESTError, _RESTError
+from moto.iam.exceptions import NotFoundException
 from moto.iam.access_control import IAMPolicy, IAMRequestBase, S3IAMRequest
 from moto.s3.exceptions import S3ClientError
 from moto.s3.models import FakeBucket
@@ -372,7 +373,14 @@ def denial_message(principal: str, action: str, resource: str | None, decision: 
 
 
 def _policies(request: IAMRequestBase) -> list[dict[str, Any]]:
-    return [IAMPolicy(policy)._policy_json for policy in request._access_key.collect_policies()]
+    """The caller's identity-based policies. A session of a role deleted since (a run's node role
+    once Teardown removed it) has none: AWS denies its requests, where moto failed them with
+    IAM's NoSuchEntity from inside the request."""
+    try:
+        held = request._access_key.collect_policies()
+    except NotFoundException:
+        return []
+    return [IAMPolicy(policy)._policy_json for policy in held]
 
 
 def _principal_context(request: IAMRequestBase) -> dict[str, str]:
