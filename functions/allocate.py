@@ -15,22 +15,12 @@ from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.common import (RunPayload, aws, capacity_unavailable, count_unfilled_request, fleet_token_prefix,
-                              logger, metrics, tracer, transient_errors_named)
+                              logger, metrics, record_nodes, tracer, transient_errors_named)
 from functions.errors import TransientError
-from trainfleet.adapters.ec2_fleet import Allocation, FleetError, allocate, ensure_launch_template, terminate
+from trainfleet.adapters.ec2_fleet import FleetError, allocate, ensure_launch_template, terminate
 from trainfleet.adapters.node_roles import ensure_node_profile
-from trainfleet.contracts import CapacityKind, NodeRecord, NodeRole, RunState
+from trainfleet.contracts import RunState
 from trainfleet.lifecycle import plan_layout
-
-
-def record_nodes(run_name: str, attempt: int, allocation: Allocation, workers: int,
-                 market: CapacityKind) -> None:
-    """One node record per instance: the first `workers` are workers, the rest spares."""
-    for index, instance_id in enumerate(allocation.instance_ids):
-        aws().store.add_node(NodeRecord(
-            run_name=run_name, instance_id=instance_id, attempt=attempt,
-            role=NodeRole.WORKER if index < workers else NodeRole.SPARE,
-            availability_zone=allocation.availability_zone, subnet_id=allocation.subnet_id, market=market))
 
 
 @transient_errors_named

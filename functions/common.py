@@ -28,10 +28,10 @@ from aws_lambda_powertools.metrics import MetricUnit
 from pydantic import BaseModel, ConfigDict
 
 from functions.errors import CapacityUnavailable, TransientError
-from trainfleet.adapters.ec2_fleet import CAPACITY_ERROR_CODES
+from trainfleet.adapters.ec2_fleet import CAPACITY_ERROR_CODES, Allocation
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import (FAILURE_ERROR, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
-                                  RunRecord, RunRef, RunSpec, TaskWait)
+from trainfleet.contracts import (FAILURE_ERROR, CapacityKind, FailureReport, NodeRecord, NodeRole, NodeState,
+                                  RecoveryAction, RunRecord, RunRef, RunSpec, TaskWait)
 from trainfleet.lifecycle import may_start
 from trainfleet.settings import MissingSetting, Settings
 
@@ -224,6 +224,16 @@ def swap_roles(run_name: str, promote_spare_ids: Iterable[str], demote_worker_id
     roles = {**dict.fromkeys(promote_spare_ids, NodeRole.WORKER), **dict.fromkeys(demote_worker_ids, NodeRole.SPARE)}
     for instance_id, role in roles.items():
         aws().store.modify_node(run_name, instance_id, lambda node, role=role: node.model_copy(update={"role": role}))
+
+
+def record_nodes(run_name: str, attempt: int, allocation: Allocation, workers: int, market: CapacityKind) -> None:
+    """One node record per launched instance: the first `workers` are workers, the rest spares;
+    a node recorded before (a retry that EC2 answered with the same fleet) is left as it is."""
+    for index, instance_id in enumerate(allocation.instance_ids):
+        aws().store.add_node(NodeRecord(
+            run_name=run_name, instance_id=instance_id, attempt=attempt,
+            role=NodeRole.WORKER if index < workers else NodeRole.SPARE,
+            availability_zone=allocation.availability_zone, subnet_id=allocation.subnet_id, market=market))
 
 
 def fleet_token_prefix(run: RunRecord) -> str:

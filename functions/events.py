@@ -30,18 +30,19 @@ from aws_lambda_powertools.utilities.idempotency import (DynamoDBPersistenceLaye
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.common import (Aws, answer_if_world_complete, answer_task, aws, fail_attempt, logger,
-                              mark_terminating, metrics, tracer)
+                              mark_terminating, metrics, record_nodes, tracer)
 from functions.errors import NodeNotRecordedYet
-from trainfleet.adapters.ec2_fleet import TAG_STACK, instances_among, terminate
+from trainfleet.adapters.ec2_fleet import TAG_STACK, FleetError, allocate, instances_among, terminate
 from trainfleet.adapters.checkpoints import CheckpointInvalid, verify_checkpoint
 from trainfleet.adapters.metrics import checkpoint_metrics, emit, progress_metrics
 from trainfleet.adapters.run_store import NodeNotFound, RunNotFound
-from trainfleet.contracts import (AgentEvent, CheckpointCommitted, Ec2InstanceStateChange,
+from trainfleet.contracts import (AgentEvent, CheckpointCommitted, CheckpointReason, Ec2InstanceStateChange,
                                   FailureClass, FailureReport, FleetChecked, HealthEvent, NodeReady,
                                   NodeRecord, NodeRegistered, NodeRole, NodeState, RunRecord, ScalingChecked,
                                   TrainingCompleted, TrainingProgress, parse_event)
 from trainfleet.lifecycle import (block_end_due, block_end_report, checkpoint_before_leaving, classify_event,
-                                  departure_due_at, departure_wait_may_end,
+                                  departure_due_at, departure_wait_may_end, growth_report, may_grow, missing_nodes,
+                                  spares_to_launch,
                                   departure_wait_over, emergency_checkpoint_due, emergency_checkpoint_now, is_stale,
                                   sender_problem, waits_for_emergency_checkpoint)
 
@@ -101,8 +102,37 @@ def checkpoint_committed(run: RunRecord, detail: CheckpointCommitted) -> str:
     cloud.store.modify_run(run.run_name, lambda current: current.knowing(checkpoint))
     emit(checkpoint_metrics(detail, cloud.settings.metrics_namespace))
     recorded = f"checkpoint step {checkpoint.step} recorded"
-    departure = end_departure_wait(run, committed=detail)
-    return f"{recorded}; {departure}" if departure else recorded
+    then = end_departure_wait(run, committed=detail) or (
+        grow_back(run, detail.step) if detail.reason is CheckpointReason.INTERVAL else None)
+    return f"{recorded}; {then}" if then else recorded
+
+
+def grow_back(run: RunRecord, step: int) -> str | None:
+    """At an interval checkpoint of a run that shrank (lifecycle.growth): end the attempt here,
+    nothing to redo, once READY spares make a larger world; else, at most every GROW_RETRY, ask
+    EC2 for the nodes the world lacks, as spares. None for a run that did not shrink."""
+    if missing_nodes(run) == 0:
+        return None
+    cloud, now = aws(), _now()
+    nodes = cloud.store.nodes(run.run_name)
+    if may_grow(run, nodes):
+        return failure(run, nodes, growth_report(run, step))
+    wanted = spares_to_launch(run, nodes, now)
+    if wanted == 0:
+        return None
+    # The token is the last try's: a retry of this one after a launch gets the same instances.
+    tried = run.grow_tried_at.isoformat() if run.grow_tried_at else "never"
+    try:
+        allocation = allocate(cloud.ec2, run.spec, cloud.settings.stack_name, run.launch_template_id, [run.subnet_id],
+                              target=wanted, minimum=1, token_prefix=f"{run.run_name}/{run.attempt}/grow/{tried}")
+    except FleetError as refused:
+        allocation = None
+        logger.warning("growing back: EC2 refused the spares", run_name=run.run_name, error=str(refused))
+    if allocation is not None:
+        record_nodes(run.run_name, run.attempt, allocation, 0, run.spec.capacity.kind)
+    cloud.store.modify_run(run.run_name, lambda current: current.model_copy(update={"grow_tried_at": now}))
+    launched = len(allocation.instance_ids) if allocation else 0
+    return f"growing back: {launched} of {wanted} spare(s) launched"
 
 
 def training_progress(run: RunRecord, detail: TrainingProgress) -> str:

@@ -33,7 +33,8 @@ from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.common import (CaughtError, RecoveryStep, RunPayload, aws, capacity_unavailable, fleet_token_prefix,
-                              logger, mark_terminating, metrics, swap_roles, tracer, transient_errors_named)
+                              logger, mark_terminating, metrics, record_nodes, swap_roles, tracer,
+                              transient_errors_named)
 from functions.errors import RecoveryGaveUp
 from trainfleet.adapters.checkpoints import latest_checkpoint
 from trainfleet.adapters.ec2_fleet import FleetError, allocate, terminate
@@ -142,11 +143,7 @@ def act(run: RunRecord) -> int:
             failure_class=FailureClass.CAPACITY, attempt=run.attempt,
             message=f"{missing_workers} replacement(s) needed in {run.subnet_id}: "
                     + ("; ".join(allocation.errors) or "none launched")).model_dump_json())
-    for index, instance_id in enumerate(allocation.instance_ids):  # a node recorded before is left as it is
-        cloud.store.add_node(NodeRecord(
-            run_name=name, instance_id=instance_id, attempt=run.attempt,
-            role=NodeRole.WORKER if index < missing_workers else NodeRole.SPARE,
-            availability_zone=run.availability_zone, subnet_id=run.subnet_id, market=spec.capacity.kind))
+    record_nodes(name, run.attempt, allocation, missing_workers, spec.capacity.kind)
     recorded_before = {node.instance_id for node in nodes}
     return sum(instance_id not in recorded_before for instance_id in allocation.instance_ids)
 

@@ -1098,3 +1098,38 @@ def test_a_capacity_block_stops_the_run_before_ec2_ends_its_instances():
     asked = run.model_copy(update={"departure_noticed_at": T0, "checkpoint_requested_at": T0})
     over = lc.departure_wait_over(asked, nodes, T0, committed=committed(41, CheckpointReason.REQUESTED))
     assert over.failure_class is FailureClass.CAPACITY_BLOCK_END
+
+
+def test_a_shrunk_run_asks_for_what_it_lacks_at_most_every_grow_retry_and_grows_once_spares_are_ready():
+    shrunk = make_run(plan=ParallelPlan(nodes=2, ranks_per_node=1, pp=2, dp=1))
+    workers = [node("i-1"), node("i-2")]
+    assert lc.missing_nodes(shrunk) == 2 and lc.missing_nodes(make_run()) == 0
+    # The 2 missing and the pool's 1 spare, less the spares alive already.
+    assert lc.spares_to_launch(shrunk, workers, T0) == 3
+    booting = node("i-8", role=NodeRole.SPARE, state=NodeState.LAUNCHED)
+    assert lc.spares_to_launch(shrunk, [*workers, booting], T0) == 2
+    tried = shrunk.model_copy(update={"grow_tried_at": T0})
+    assert lc.spares_to_launch(tried, workers, T0 + lc.GROW_RETRY - timedelta(seconds=1)) == 0
+    assert lc.spares_to_launch(tried, workers, T0 + lc.GROW_RETRY) == 3
+    assert lc.spares_to_launch(make_run(), workers, T0) == 0, "a run that did not shrink asks for nothing"
+    # A larger world needs READY spares (booting ones do not count) and a layout on more nodes:
+    # one spare makes pp=3 on 3 nodes; a model of 2 layers has none there.
+    ready = [node(f"i-{n}", role=NodeRole.SPARE) for n in (7, 8)]
+    assert not lc.may_grow(shrunk, [*workers, booting])
+    assert lc.may_grow(shrunk, [*workers, ready[0]]) and lc.grown_plan(shrunk, 3).pp == 3
+    two_layers = make_run(make_spec(trainer={"model": {"n_layers": 2}, "training": {"batch_size": 16},
+                                             "parallel": {"pp": 2, "dp": 2, "schedule": "1f1b", "microbatches": 4}}),
+                          plan=ParallelPlan(nodes=2, ranks_per_node=1, pp=2, dp=1))
+    assert lc.grown_plan(two_layers, 3).nodes == 2 and not lc.may_grow(two_layers, [*workers, ready[0]])
+    assert lc.may_grow(shrunk, [*workers, *ready])
+    # The recovery promotes them and re-plans for the planned size; the budget is not spent.
+    report = lc.growth_report(shrunk, 40)
+    assert report.failure_class is FailureClass.CAPACITY_RETURNED and report.instance_ids == []
+    spent = shrunk.model_copy(update={"failures": [
+        FailureRecord(failure_class=FailureClass.PROCESS_CRASH, at=T0, attempt=0, resume_step=30)] * 5})
+    decision = lc.decide_recovery(spent, [*workers, *ready], report, 0.5, now=T0)
+    assert decision.action is RecoveryAction.GROW and decision.backoff_seconds == 0
+    assert (decision.plan.nodes, decision.plan.pp, decision.plan.dp) == (4, 2, 2)
+    assert decision.promote_spare_ids == ["i-7", "i-8"] and decision.allocate_spares == 1
+    after = lc.apply_decision(tried, report, decision, T0)
+    assert after.plan.nodes == 4 and after.grow_tried_at is None

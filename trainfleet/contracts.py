@@ -826,6 +826,9 @@ class FailureClass(StrEnum):
     (trainer/scaling_check.py): the run stops before the fleet is spent on it."""
     CAPACITY = "CAPACITY"
     """Not enough instances could be allocated."""
+    CAPACITY_RETURNED = "CAPACITY_RETURNED"
+    """A run that shrank has READY spares for the nodes it lacks: the attempt ends at an interval
+    checkpoint so that the world grows back to its planned size (lifecycle.growth)."""
     CAPACITY_BLOCK_END = "CAPACITY_BLOCK_END"
     """The run's Capacity Block ends: EC2 terminates its instances (lifecycle.reservation); the
     run checkpoints and stops."""
@@ -899,6 +902,8 @@ class RecoveryAction(StrEnum):
     """Swap the bad nodes for spares and/or new instances, same layout."""
     SHRINK = "shrink"
     """Continue on fewer nodes with a re-planned pp x dp."""
+    GROW = "grow"
+    """Continue on more nodes (spares that came after a shrink) with a re-planned pp x dp."""
     GIVE_UP = "give_up"
     """Stop: the run fails (after teardown)."""
 
@@ -1141,6 +1146,8 @@ class RunRecord(_Strict):
     """Subnet of that zone, the only one replacements are requested in."""
     placement_group: str | None = None
     """Cluster placement group of the fleet (the reservation's own, or none, on reserved capacity)."""
+    grow_tried_at: datetime | None = None
+    """When the run, shrunk, last asked EC2 for the nodes it lacks (lifecycle.growth)."""
     capacity_stop_by: datetime | None = None
     """On a Capacity Block: when EC2 begins terminating its instances, by which the run stops
     (lifecycle.reservation)."""

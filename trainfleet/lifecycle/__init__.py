@@ -19,6 +19,8 @@ Offers:
                emergency_checkpoint_now(run, now), DEFERRED_LEAD, departure_wait_may_end(run, now, ...),
                departure_wait_over(run, nodes, now, ...) -> FailureReport | None, SPOT_NOTICE,
                checkpoint_request_answered(run, attempt)
+    growth:    missing_nodes(run), spares_to_launch(run, nodes, now), may_grow(run, nodes),
+               growth_report(run, step), grown_plan(run, available), GROW_RETRY
     reservation: Reservation, reservation_problem(spec, reservation, now), block_end_due(run, now),
                block_end_report(run, worker_ids), BLOCK_TERMINATION_LEAD
     spares:    swap_late_workers(nodes, attempt) -> LateWorkerSwap
@@ -46,6 +48,8 @@ from trainfleet.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, bac
 from trainfleet.lifecycle.liveness import (IMPAIRED, blame_silent_workers, hang_onset, looks_per_second,
                                            needs_liveness_look, poll_interval, silent_after, silent_workers)
 from trainfleet.lifecycle.replan import initial_plan, plan_layout
+from trainfleet.lifecycle.growth import (GROW_RETRY, growth_report, grown_plan, may_grow, missing_nodes,
+                                        spares_to_launch)
 from trainfleet.lifecycle.reservation import (BLOCK_TERMINATION_LEAD, Reservation, block_end_due, block_end_report,
                                              reservation_problem)
 from trainfleet.lifecycle.spares import swap_late_workers
@@ -63,6 +67,7 @@ __all__ = [
     "checkpoint_before_leaving", "waits_for_emergency_checkpoint", "departure_wait_may_end", "departure_wait_over",
     "departure_due_at", "emergency_checkpoint_due", "emergency_checkpoint_now", "DEFERRED_LEAD", "SPOT_NOTICE",
     "checkpoint_request_answered",
+    "missing_nodes", "spares_to_launch", "may_grow", "growth_report", "grown_plan", "GROW_RETRY",
     "Reservation", "reservation_problem", "block_end_due", "block_end_report", "BLOCK_TERMINATION_LEAD",
     "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "world_attempt",
     "may_start", "assign_ranks",

@@ -12,7 +12,9 @@ decide_recovery() works in numbered steps, each a rule a person can check:
     6. blamed workers (and any AWS announced leaving) are covered by healthy spares and/or new
        instances: replace (at once on the first failure of a streak: the nodes that failed are gone);
     7. capacity ran out and the run may shrink: re-plan pp x dp on the nodes left (workers it
-       leaves out become spares up to the spare count, the rest are terminated), or give up.
+       leaves out become spares up to the spare count, the rest are terminated), or give up;
+    8. capacity came back to a run that shrank: READY spares join and pp x dp is re-planned
+       for the planned size (lifecycle.growth).
 """
 
 from datetime import datetime, timedelta
@@ -21,6 +23,7 @@ from trainfleet.contracts import (FailureClass, FailureRecord, FailureReport, No
                                   NodeState, RecoveryAction, RecoveryDecision, RecoveryPolicy,
                                   RunRecord)
 from trainfleet.lifecycle.goodput import over_cost_ceiling
+from trainfleet.lifecycle.growth import grown_plan
 from trainfleet.lifecycle.launch import rank_order
 from trainfleet.lifecycle.replan import plan_layout
 
@@ -33,7 +36,7 @@ MESSAGE_KEPT_CHARS = 600
 ANNOUNCED_BY_AWS = frozenset({FailureClass.SPOT_INTERRUPTION, FailureClass.SPOT_REBALANCE,
                               FailureClass.HEALTH_EVENT})
 # Nor do these: they never spend the restart budget nor make a crash loop.
-NOT_THE_JOBS = ANNOUNCED_BY_AWS | {FailureClass.CAPACITY}
+NOT_THE_JOBS = ANNOUNCED_BY_AWS | {FailureClass.CAPACITY, FailureClass.CAPACITY_RETURNED}
 
 
 def failure_streak(history: list[FailureRecord], failure_class: FailureClass, resume_step: int | None,
@@ -140,6 +143,17 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
     common = dict(failure_class=failure.failure_class, terminate_instance_ids=terminate,
                   promote_spare_ids=promote, backoff_seconds=backoff_seconds(policy, streak, jitter_draw))
 
+    # 8: the spares that came since a shrink join the world.
+    if failure.failure_class is FailureClass.CAPACITY_RETURNED:
+        grown = grown_plan(run, len(workers) + len(spares))
+        if grown is not None and grown.nodes > len(workers):
+            promote = sorted(node.instance_id for node in spares)[:grown.nodes - len(workers)]
+            refill = max(0, spec.spare_count - (len(spare_pool) - len(promote)))
+            return RecoveryDecision(action=RecoveryAction.GROW, plan=grown, allocate_spares=refill,
+                                    **{**common, "promote_spare_ids": promote, "backoff_seconds": 0.0},
+                                    reason=f"capacity returned: grow to {grown.nodes} nodes at pp={grown.pp} x "
+                                           f"dp={grown.dp}; {failure.message}")
+
     # 5: nothing to swap.
     if not terminate and missing == 0:
         return RecoveryDecision(action=RecoveryAction.RESTART, plan=plan, **common,
@@ -226,4 +240,5 @@ def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDec
         "checkpoint_requested_at": None,
         "departure_noticed_at": None,
         "departure_due_at": None,
+        "grow_tried_at": None if decision.action is RecoveryAction.GROW else run.grow_tried_at,
     })
