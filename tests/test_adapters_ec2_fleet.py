@@ -417,6 +417,15 @@ def _states(ec2, instance_ids):
 
 # --- reserved capacity ----------------------------------------------------------------------
 
+def allocated(ec2, network, run_name: str, **capacity) -> fleet.Allocation:
+    """A run on this capacity, allocated: 3 instances wanted, 2 at least."""
+    subnets, group = network
+    spec = make_spec(run_name=run_name, subnet_ids=subnets, security_group_ids=[group], **capacity)
+    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
+    return fleet.allocate(ec2, spec, SETTINGS.stack_name, template_id, subnets, target=3, minimum=2,
+                          token_prefix=f"{run_name}-0")
+
+
 def launched(ec2, instance_ids: list[str]) -> list[dict]:
     return [instance for reservation in ec2.describe_instances(InstanceIds=instance_ids)["Reservations"]
             for instance in reservation["Instances"]]
@@ -426,15 +435,10 @@ def test_a_run_on_a_capacity_block_launches_in_its_zone_and_in_no_group_of_its_o
     """EC2 places a Capacity Block's instances together itself; a cluster group the run made
     could never hold them. The block's end is recorded: the run stops before EC2 ends it."""
     ec2 = cloud.client("ec2")
-    subnets, group = network
     block = cloud.create_capacity_block("p4d.24xlarge", "us-east-1b", 3, ends_in_s=2 * 86400)
-    spec = make_spec(run_name="block", subnet_ids=subnets, security_group_ids=[group],
-                     kind="capacity-block", reservation_id=block)
-    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
-    allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template_id, subnets, target=3, minimum=2,
-                                token_prefix="block-0")
+    allocation = allocated(ec2, network, "block", kind="capacity-block", reservation_id=block)
     assert len(allocation.instance_ids) == 3 and allocation.market == "capacity-block"
-    assert (allocation.subnet_id, allocation.placement_group) == (subnets[1], None)
+    assert (allocation.subnet_id, allocation.placement_group) == (network[0][1], None)
     assert all(instance["Placement"].get("GroupName", "") == "" for instance in launched(ec2, allocation.instance_ids))
     reservation = fleet.describe_reservation(ec2, block)
     assert reservation.available == 0 and allocation.stop_by == reservation.end_at - BLOCK_TERMINATION_LEAD
@@ -444,17 +448,12 @@ def test_a_run_on_a_capacity_block_launches_in_its_zone_and_in_no_group_of_its_o
 
 def test_an_odcr_made_in_a_cluster_group_is_used_in_that_group(cloud, network):
     ec2 = cloud.client("ec2")
-    subnets, group = network
     ec2.create_placement_group(GroupName="reserved-ultracluster", Strategy="cluster")
     arn = ec2.describe_placement_groups(GroupNames=["reserved-ultracluster"])["PlacementGroups"][0]["GroupArn"]
     odcr = ec2.create_capacity_reservation(
         InstanceType="p4d.24xlarge", InstancePlatform="Linux/UNIX", AvailabilityZone="us-east-1a", InstanceCount=4,
         InstanceMatchCriteria="targeted", PlacementGroupArn=arn)["CapacityReservation"]["CapacityReservationId"]
-    spec = make_spec(run_name="odcr", subnet_ids=subnets, security_group_ids=[group],
-                     kind="capacity-reservation", reservation_id=odcr)
-    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
-    allocation = fleet.allocate(ec2, spec, SETTINGS.stack_name, template_id, subnets, target=3, minimum=2,
-                                token_prefix="odcr-0")
+    allocation = allocated(ec2, network, "odcr", kind="capacity-reservation", reservation_id=odcr)
     assert len(allocation.instance_ids) == 3 and allocation.placement_group == "reserved-ultracluster"
     assert allocation.stop_by is None, "an ODCR does not end its instances"
     assert {instance["Placement"]["GroupName"] for instance in launched(ec2, allocation.instance_ids)} == {
@@ -512,16 +511,11 @@ def test_the_local_cloud_holds_a_launch_to_its_reservations_terms(cloud, network
 def test_a_reservation_the_run_cannot_use_is_refused_before_anything_launches(cloud, network, reservation, capacity,
                                                                               problem):
     ec2 = cloud.client("ec2")
-    subnets, group = network
     terms = {"instance_type": "p4d.24xlarge", "zone": "us-east-1a", "instances": 3, "ends_in_s": 86400,
              **(reservation or {})}
     block = ("cr-0123456789abcdef0" if reservation is None else
              cloud.create_capacity_block(terms["instance_type"], terms["zone"], terms["instances"], terms["ends_in_s"]))
-    spec = make_spec(run_name="refused", subnet_ids=subnets, security_group_ids=[group],
-                     **{"kind": "capacity-block", "reservation_id": block, **capacity})
-    template_id = fleet.ensure_launch_template(ec2, spec, SETTINGS, PROFILE)
     before = cloud.requests[("ec2", "CreateFleet")]
     with pytest.raises(fleet.FleetError, match=re.escape(problem)):
-        fleet.allocate(ec2, spec, SETTINGS.stack_name, template_id, subnets, target=3, minimum=2,
-                       token_prefix="refused-0")
+        allocated(ec2, network, "refused", **{"kind": "capacity-block", "reservation_id": block, **capacity})
     assert cloud.requests[("ec2", "CreateFleet")] == before, "nothing launched, nothing to undo"
