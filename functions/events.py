@@ -14,7 +14,10 @@ attempt's next wait fails with it as it parks (common.fail_attempt). A Spot warn
 rebalance recommendation or a scheduled retirement for a worker that trains marks the node
 leaving and lets training go on until a checkpoint commits: the emergency one, asked of every
 agent through the run record, when the node goes within minutes; the next interval one
-otherwise (lifecycle.spot). Then the attempt fails with the announcement's class.
+otherwise (lifecycle.spot). Then the attempt fails with the announcement's class. A run on a
+Capacity Block announces every worker leaving before EC2 ends the block (lifecycle.reservation);
+a run that shrank asks for the nodes it lacks at its interval checkpoints, and grows back at one
+once they are ready (lifecycle.growth).
 """
 
 from __future__ import annotations
