@@ -6,9 +6,9 @@
 A run of the deployed state machine trains with real agents and the stand-in trainer
 (trainer/standin.py). Once it has trained a while, every DynamoDB request, the functions' and the
 agents' alike, answers DynamoDB's internal error for `--outage-s` real seconds: longer than the
-agents' unreachable limit (UNREACHABLE_LIMIT_S, 900 s on AWS, scaled with the local cloud's time
-to its floor of 60 s here), so an agent that ended its instance whenever the control plane was out
-of reach that long would end every node. At 0.02 time scale, 150 s stands for two hours.
+agents' unreachable limit (900 s on AWS, UNREACHABLE_LIMIT_S = 60 s here), so
+an agent that ended its instance whenever the control plane was out of reach that long would end
+every node. At the local cloud's 0.02 time scale, 150 s stands for two hours.
 
 Printed every 10 s: instances alive and the newest step any trainer took; then how the run
 ended. The last line is `instances_lost_in_outage=<n>`.
@@ -29,6 +29,8 @@ from localcloud.stack import LocalRun, LocalStack, local_stack, metrics_records 
 
 STEP_S = 0.5
 SAMPLE_S = 10.0
+UNREACHABLE_LIMIT_S = 60.0
+"""The agents' unreachable limit in this run: AWS's 900 s scaled down, for an outage of minutes."""
 
 
 def newest_step(stack: LocalStack, run: LocalRun) -> int:
@@ -56,7 +58,7 @@ def main() -> int:
     # Steps for the training before, during and a minute after the outage.
     template["trainer"]["training"]["steps"] = int((args.before_s + args.outage_s + 60) / STEP_S)
     template["checkpoint"]["interval_steps"] = 100
-    with local_stack(lambda message: None, standin_step_s=STEP_S) as stack:
+    with local_stack(lambda message: None, standin_step_s=STEP_S, unreachable_limit_s=UNREACHABLE_LIMIT_S) as stack:
         run = stack.start_run(template)
         while newest_step(stack, run) == 0:
             if not stack.ended(run)():

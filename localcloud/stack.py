@@ -41,9 +41,6 @@ AGENT_LIFETIME_S = 3600.0
 """A local agent exits after this long at most, so that none outlives a harness that died without
 ending its instances. Far longer than any local run, however slow the machine: it is no
 timeout of the product's, and one that a slow run could reach would fail it for nothing."""
-UNREACHABLE_LIMIT_S_FLOOR = 60.0
-"""The least a local agent waits out an unreachable control plane (with its trainer silent)
-before it ends its instance."""
 NODE_MODULES = ["localcloud.node_boot", "trainer.agent", "trainer.standin"]
 """What a node's warm image imports: the boot, the agent and the stand-in trainer (a thread of it)."""
 TRAINER_MODULES = ["trainer.health", "trainer.torchrun", "trainer.worker", "trainer.train"]
@@ -269,21 +266,22 @@ class LocalStack:
 @contextmanager
 def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, workdir: Path | None = None,
                 spot_notice_seconds: float = 120.0, standin_step_s: float | None = None, boot_seconds: float = 2.0,
-                boot_spread_seconds: float = 0.0) -> Iterator[LocalStack]:
+                boot_spread_seconds: float = 0.0, unreachable_limit_s: float | None = None) -> Iterator[LocalStack]:
     """A LocalCloud and its instance metadata service, template.yaml deployed into it, the
     agents' artifacts published and instances booting as node agents. `workdir` keeps the
     instances' folders (None: a temporary folder); `spot_notice_seconds` is nominal, like every
     local cloud time: scaled by `time_scale`; an agent exits after AGENT_LIFETIME_S at most;
     `standin_step_s` set, the agents run the stand-in trainer (trainer/standin.py) with steps
     that long (real seconds) in place of torchrun; `boot_seconds`, `boot_spread_seconds`:
-    LocalCloudConfig's."""
+    LocalCloudConfig's; `unreachable_limit_s`: the agents' (real seconds; None: AWS's 900 s, which
+    no local run reaches however starved its machine is)."""
     # The SAM roles attach AWS managed policies; moto knows them only when asked before it loads.
     os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"
     from localcloud import LocalCloud
     from localcloud.deploy import DeployRequest, deploy
     from localcloud.imds import serve_fleet
     from localcloud.node_boot import publish_artifacts
-    from trainer.agent import LOOK_S, METADATA_LOOK_S, UNREACHABLE_LIMIT_S
+    from trainer.agent import LOOK_S, METADATA_LOOK_S
 
     with LocalCloud(time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds,
                     boot_seconds=boot_seconds, boot_spread_seconds=boot_spread_seconds) as cloud:
@@ -306,10 +304,8 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
                         "TRAINFLEET_NODE_LOG_GROUP": outputs["NodeLogGroupName"],
                         "TRAINFLEET_AGENT_LIFETIME_S": str(int(AGENT_LIFETIME_S)),
                         # The notices are as much shorter as time is scaled: so is the pace of the looks.
-                        "TRAINFLEET_METADATA_LOOK_S": str(max(LOOK_S, METADATA_LOOK_S * time_scale)),
-                        # Scaled as the cloud's time is, with a floor no starved machine reaches.
-                        "TRAINFLEET_UNREACHABLE_LIMIT_S": str(max(UNREACHABLE_LIMIT_S_FLOOR,
-                                                                  UNREACHABLE_LIMIT_S * time_scale))} | (
+                        "TRAINFLEET_METADATA_LOOK_S": str(max(LOOK_S, METADATA_LOOK_S * time_scale))} | (
+                    {"TRAINFLEET_UNREACHABLE_LIMIT_S": str(unreachable_limit_s)} if unreachable_limit_s else {}) | (
                     {"TRAINFLEET_STANDIN_STEP_S": str(standin_step_s)} if standin_step_s else {})
 
             # What the user data does on EC2: copy the wheelhouse with the instance's role, then

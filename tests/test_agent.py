@@ -67,6 +67,11 @@ def test_settings_name_every_missing_variable():
     assert AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_STANDIN_STEP_S": "0.5"}).standin_step_s == 0.5
     assert AgentSettings.from_env(SETTINGS_ENV).metadata_look_s == agent.METADATA_LOOK_S == 5.0
     assert AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_METADATA_LOOK_S": "0.5"}).metadata_look_s == 0.5
+    assert AgentSettings.from_env(SETTINGS_ENV).unreachable_limit_s == agent.UNREACHABLE_LIMIT_S == 900.0
+    assert AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_UNREACHABLE_LIMIT_S": "60"}).unreachable_limit_s == 60.0
+    assert AgentSettings.from_env(SETTINGS_ENV).log_group is None
+    assert AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_NODE_LOG_GROUP": "/trainfleet/s/nodes"}).log_group == (
+        "/trainfleet/s/nodes")
 
 
 def test_the_trainer_config_resumes_as_the_spec_says_and_logs_to_the_attempt(tmp_path):
