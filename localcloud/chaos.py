@@ -162,7 +162,7 @@ def chaos_template(template: dict[str, Any]) -> dict[str, Any]:
     spec["trainer"]["training"]["steps"] = 120
     spec["checkpoint"]["interval_steps"] = 10
     # The local floors (localcloud.stack.TIMEOUT_FLOORS_S): as short as a starved machine allows.
-    spec["trainer"]["parallel"]["timeout_s"] = 60  # a frozen peer fails the survivor's collectives
+    spec["trainer"]["parallel"]["timeout_s"] = 120  # a frozen peer fails the survivor's collectives, after the hang timeout
     spec["recovery"] |= {"max_restarts": 3, "boot_timeout_seconds": 300, "startup_timeout_seconds": 300}
     return spec
 

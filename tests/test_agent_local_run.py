@@ -30,8 +30,10 @@ def by_attempt(losses: dict[str, dict[str, float]]) -> dict[int, dict[int, float
 @pytest.mark.slow
 def test_only_the_lost_node_is_replaced_and_the_run_succeeds(run):
     assert run["status"] == "SUCCEEDED"
+    # A failure besides the one injected names itself: its class, message and nodes.
     assert run["states"] == ["Validate", "Allocate", "AwaitNodes", "Train", "Recover", "RecoveryBackoff",
-                             "AwaitNodes", "Train", "Teardown", "Report", "Outcome", "RunSucceeded"]
+                             "AwaitNodes", "Train", "Teardown", "Report", "Outcome", "RunSucceeded"], (
+        run["report"]["failures"], run["nodes"])
     loss = run["disrupted"]
     killed, survivor = loss["victim"], loss["survivor"]
     assert loss["first_nodes"] == {killed: 1, survivor: 0}
