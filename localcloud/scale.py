@@ -42,7 +42,7 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from localcloud.demo import DEMO_RUN_SPEC
-from localcloud.stack import LocalRun, LocalStack, local_stack
+from localcloud.stack import TIMEOUT_FLOORS_S, LocalRun, LocalStack, local_stack
 from localcloud.waiting import until
 from trainfleet import pace
 from trainfleet.adapters.run_store import RunNotFound, RunStore
@@ -99,8 +99,9 @@ def scale_template(nodes: int, spares: int, step_s: float, steady_s: float) -> d
     template["recovery"] |= {
         "max_restarts": len(FAILURES) + 1,
         # The shortest the pacing allows at this size (agents look less often in large runs),
-        # and no shorter than 30 s: two busy cores must not pass for a hang.
-        "hang_timeout_seconds": max(30, pace.least_hang_timeout(nodes + spares)),
+        # and no shorter than the local floor: two busy cores must not pass for a hang.
+        "hang_timeout_seconds": max(TIMEOUT_FLOORS_S["recovery.hang_timeout_seconds"],
+                                    pace.least_hang_timeout(nodes + spares)),
         "startup_timeout_seconds": 300, "boot_timeout_seconds": 900}
     return template
 
