@@ -180,8 +180,13 @@ def failure(run: RunRecord, nodes: list[NodeRecord], report: FailureReport) -> s
     cloud = aws()
     blamed = [node for node in nodes if node.instance_id in report.instance_ids]
     for node in blamed:
-        cloud.store.transition_node(run.run_name, node.instance_id, NodeState.UNHEALTHY,
-                                    failure_class=report.failure_class, reason=report.message)
+        # Checked on the record as it is now, not as `nodes` saw it: two events about one node
+        # handled at once (a Spot notice's checkpoint committing as EC2 reports the instance
+        # gone) must not let the second overwrite the failure the first blamed it for.
+        cloud.store.modify_node(run.run_name, node.instance_id, lambda current: current if current.state.is_retired
+                                else current.model_copy(update={"state": NodeState.UNHEALTHY,
+                                                                "failure_class": report.failure_class,
+                                                                "reason": report.message}))
     spares_alone = bool(blamed) and all(node.role is NodeRole.SPARE for node in blamed)
     if spares_alone and report.failure_class is not FailureClass.INSTANCE_LOST:  # a lost one is gone already
         for node in blamed:

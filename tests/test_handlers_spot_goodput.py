@@ -13,7 +13,8 @@ import pytest
 from test_adapters_checkpoints import save
 from test_handlers import (REPO, Context, agent_event, cloud, finished, handlers, parked_token,  # noqa: F401
                            recorded_run, resources, state_change)
-from trainfleet.contracts import FAILURE_ERROR, CheckpointRef, FailureClass, NodeState, RunRecord, TaskWait
+from trainfleet.contracts import (FAILURE_ERROR, CheckpointRef, FailureClass, FailureReport, NodeState, RunRecord,
+                                  TaskWait)
 from trainfleet.lifecycle import DEFERRED_LEAD, SPOT_NOTICE, unaccounted_seconds
 
 
@@ -130,6 +131,22 @@ def test_the_interrupted_instance_leaving_first_fails_train_as_a_spot_interrupti
     report = spot_failure(cloud, execution)
     assert report["failure_class"] == FailureClass.SPOT_INTERRUPTION.value and report["instance_ids"] == [victim]
     assert "instance leaving" in report["message"]
+
+
+def test_a_node_blamed_once_keeps_that_failure_when_a_second_event_saw_it_live(handlers, cloud, resources):
+    """The requested checkpoint commits (SPOT_INTERRUPTION) while EC2's report of the instance
+    leaving is handled from a read taken before: the node keeps the failure that retired it."""
+    store, run, (victim, _), execution = training_run(cloud, resources)
+    warned(handlers, store, run, victim)
+    seen_live = store.nodes(run.run_name)
+    requested = commit(cloud, run, victim, 23, reason="requested")
+    assert handlers.events.handler(requested, Context())["outcome"].endswith("SPOT_INTERRUPTION: task failed")
+    lost = FailureReport(failure_class=FailureClass.INSTANCE_LOST, attempt=0, instance_ids=[victim],
+                         message=f"EC2 reports instance {victim} shutting-down")
+    assert handlers.events.failure(store.run(run.run_name), seen_live, lost) == "INSTANCE_LOST recorded"
+    node = store.node(run.run_name, victim)
+    assert (node.state, node.failure_class) == (NodeState.UNHEALTHY, FailureClass.SPOT_INTERRUPTION)
+    assert spot_failure(cloud, execution)["failure_class"] == FailureClass.SPOT_INTERRUPTION.value
 
 
 def test_a_notice_run_out_fails_train_at_the_next_progress(handlers, cloud, resources):
