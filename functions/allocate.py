@@ -53,7 +53,7 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
         terminate(cloud.ec2, allocation.instance_ids)
         raise capacity_unavailable(name, f"{workers} nodes launched and no layout of the trainer runs on "
                                          f"{spec.shrink_floor}..{workers} of them; terminated them")
-    record_nodes(name, run.attempt, allocation, plan.nodes, spec.capacity.kind)
+    record_nodes(spec, run.attempt, allocation, plan.nodes)
     recorded_at = datetime.now(timezone.utc)
     cloud.store.modify_run(name, lambda current: current.model_copy(update={
         "plan": plan, "subnet_id": allocation.subnet_id, "availability_zone": allocation.availability_zone,

@@ -30,9 +30,9 @@ from pydantic import BaseModel, ConfigDict
 from functions.errors import CapacityUnavailable, TransientError
 from trainfleet.adapters.ec2_fleet import CAPACITY_ERROR_CODES, Allocation
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import (FAILURE_ERROR, CapacityKind, FailureReport, NodeRecord, NodeRole, NodeState,
-                                  RecoveryAction, RunRecord, RunRef, RunSpec, TaskWait)
-from trainfleet.lifecycle import may_start
+from trainfleet.contracts import (FAILURE_ERROR, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
+                                  RunRecord, RunRef, RunSpec, TaskWait)
+from trainfleet.lifecycle import may_start, new_node_records
 from trainfleet.settings import MissingSetting, Settings
 
 __all__ = ["logger", "tracer", "metrics", "Aws", "aws", "answer_task", "fail_attempt", "park_task", "addressed",
@@ -226,14 +226,13 @@ def swap_roles(run_name: str, promote_spare_ids: Iterable[str], demote_worker_id
         aws().store.modify_node(run_name, instance_id, lambda node, role=role: node.model_copy(update={"role": role}))
 
 
-def record_nodes(run_name: str, attempt: int, allocation: Allocation, workers: int, market: CapacityKind) -> None:
-    """One node record per launched instance: the first `workers` are workers, the rest spares;
-    a node recorded before (a retry that EC2 answered with the same fleet) is left as it is."""
-    for index, instance_id in enumerate(allocation.instance_ids):
-        aws().store.add_node(NodeRecord(
-            run_name=run_name, instance_id=instance_id, attempt=attempt,
-            role=NodeRole.WORKER if index < workers else NodeRole.SPARE,
-            availability_zone=allocation.availability_zone, subnet_id=allocation.subnet_id, market=market))
+def record_nodes(spec: RunSpec, attempt: int, allocation: Allocation, workers: int) -> None:
+    """Record the instances an allocation launched (lifecycle.new_node_records: the first
+    `workers` are workers, the rest spares); a node recorded before (a retry that EC2 answered
+    with the same fleet) is left as it is."""
+    for record in new_node_records(spec, attempt, allocation.instance_ids, workers, allocation.availability_zone,
+                                   allocation.subnet_id):
+        aws().store.add_node(record)
 
 
 def fleet_token_prefix(run: RunRecord) -> str:

@@ -44,10 +44,10 @@ from trainfleet.contracts import (AgentEvent, CheckpointCommitted, CheckpointRea
                                   NodeRecord, NodeRegistered, NodeRole, NodeState, RunRecord, ScalingChecked,
                                   TrainingCompleted, TrainingProgress, parse_event)
 from trainfleet.lifecycle import (block_end_due, block_end_report, checkpoint_before_leaving, classify_event,
-                                  departure_due_at, departure_wait_may_end, growth_report, may_grow, missing_nodes,
-                                  spares_to_launch,
-                                  departure_wait_over, emergency_checkpoint_due, emergency_checkpoint_now, is_stale,
-                                  sender_problem, waits_for_emergency_checkpoint)
+                                  departure_due_at, departure_wait_may_end, departure_wait_over,
+                                  emergency_checkpoint_due, emergency_checkpoint_now, growth_report, is_stale,
+                                  may_grow, missing_nodes, sender_problem, spares_to_launch,
+                                  waits_for_emergency_checkpoint)
 
 
 
@@ -132,7 +132,7 @@ def grow_back(run: RunRecord, step: int) -> str | None:
         allocation = None
         logger.warning("growing back: EC2 refused the spares", run_name=run.run_name, error=str(refused))
     if allocation is not None:
-        record_nodes(run.run_name, run.attempt, allocation, 0, run.spec.capacity.kind)
+        record_nodes(run.spec, run.attempt, allocation, 0)
     cloud.store.modify_run(run.run_name, lambda current: current.model_copy(update={"grow_tried_at": now}))
     launched = len(allocation.instance_ids) if allocation else 0
     return f"growing back: {launched} of {wanted} spare(s) launched"
@@ -218,11 +218,13 @@ def departure_notice(run: RunRecord, nodes: list[NodeRecord], report: FailureRep
     marked = [store.modify_node(run.run_name, node.instance_id, leaving) for node in waiting]
     if all(node.instance_id in before and node.departure_due_at == before[node.instance_id] for node in marked):
         return f"ignored: {report.failure_class.value} already recorded"
-    after = store.modify_run(run.run_name, lambda current: current.model_copy(update={
-        "departure_noticed_at": current.departure_noticed_at or now,
-        "departure_due_at": _earliest(current.departure_due_at, due_at),
-        "checkpoint_requested_at": current.checkpoint_requested_at or (
-            now if emergency_checkpoint_due(_earliest(current.departure_due_at, due_at), now) else None)}))
+    def departing(current: RunRecord) -> RunRecord:
+        due = _earliest(current.departure_due_at, due_at)
+        asked = current.checkpoint_requested_at or (now if emergency_checkpoint_due(due, now) else None)
+        return current.model_copy(update={"departure_noticed_at": current.departure_noticed_at or now,
+                                          "departure_due_at": due, "checkpoint_requested_at": asked})
+
+    after = store.modify_run(run.run_name, departing)
     until = "the emergency checkpoint" if after.checkpoint_requested_at else "the next interval checkpoint"
     return f"{report.failure_class.value}: training on until {until}"
 

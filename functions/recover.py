@@ -143,7 +143,7 @@ def act(run: RunRecord) -> int:
             failure_class=FailureClass.CAPACITY, attempt=run.attempt,
             message=f"{missing_workers} replacement(s) needed in {run.subnet_id}: "
                     + ("; ".join(allocation.errors) or "none launched")).model_dump_json())
-    record_nodes(name, run.attempt, allocation, missing_workers, spec.capacity.kind)
+    record_nodes(spec, run.attempt, allocation, missing_workers)
     recorded_before = {node.instance_id for node in nodes}
     return sum(instance_id not in recorded_before for instance_id in allocation.instance_ids)
 

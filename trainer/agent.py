@@ -185,7 +185,7 @@ class AgentSettings:
     """Seconds between two looks for a Spot notice (TRAINFLEET_METADATA_LOOK_S)."""
     unreachable_limit_s: float = UNREACHABLE_LIMIT_S
     """How long the control plane may be out of reach, with the trainer silent as long, before
-    the agent ends its instance (TRAINFLEET_UNREACHABLE_LIMIT_S: a local cloud scales it)."""
+    the agent ends its instance (TRAINFLEET_UNREACHABLE_LIMIT_S; bench/outage.py sets it lower)."""
     log_group: str | None = None
     """The CloudWatch Logs group the node's log goes to (TRAINFLEET_NODE_LOG_GROUP,
     trainer/node_log.py); None: the console alone."""

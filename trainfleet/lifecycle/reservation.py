@@ -83,8 +83,9 @@ def block_end_due(run: RunRecord, now: datetime) -> bool:
     the run record alone, at each progress event, until a departure due by then is under way (a
     rebalance recommendation waiting for the next interval checkpoint is not)."""
     stop_by = run.capacity_stop_by
-    announced = run.departure_due_at is not None and run.departure_due_at <= stop_by if stop_by else False
-    return stop_by is not None and not announced and now >= stop_by - DEFERRED_LEAD
+    if stop_by is None or now < stop_by - DEFERRED_LEAD:
+        return False
+    return run.departure_due_at is None or run.departure_due_at > stop_by
 
 
 def block_end_report(run: RunRecord, worker_ids: list[str]) -> FailureReport:

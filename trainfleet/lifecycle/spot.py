@@ -29,8 +29,8 @@ checkpoint committing first does not end the wait, whatever its step.
 from datetime import datetime, timedelta
 
 from trainfleet.contracts import (AnyDetail, CheckpointCommitted, CheckpointReason, Ec2RebalanceRecommendation,
-                                  Ec2SpotInterruptionWarning, FailureClass, FailureReport, HealthEvent, NodeRecord, NodeRole,
-                                  RunRecord)
+                                  Ec2SpotInterruptionWarning, FailureClass, FailureReport, HealthEvent, NodeRecord,
+                                  NodeRole, RunRecord)
 
 SPOT_NOTICE = timedelta(minutes=2)
 """How long EC2 gives between a Spot warning and the interruption; the longest any announced
