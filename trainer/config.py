@@ -91,8 +91,11 @@ class DataConfig:
     shards: str = "runs/data/stdlib-bytes"
     """Where the token shards live: a local directory or s3://bucket/prefix. Built there from the corpus if absent."""
     cache_dir: str = "runs/data/cache"
-    """Local directory that S3 shards are fetched into, and where shards that matched their index are stamped
-    (size, mtime, inode) so that a restart does not hash them again."""
+    """Local directory that S3 shards' blocks are cached in (shared by the ranks of a node), and where shards that
+    matched their index are stamped (size, mtime, inode) so that a restart does not hash them again."""
+    cache_bytes: int = 64 * 2**30
+    """Bound on the blocks of S3 shards cached in cache_dir; the least recently opened are deleted past it. Shard
+    sets whose index has no block digests are fetched whole, outside this bound."""
     corpus_bytes: int = 4_000_000
     """Bytes of text taken from the corpus (the Python standard library's own source, in a fixed order)."""
     shard_tokens: int = 1_000_000
