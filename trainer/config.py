@@ -166,12 +166,15 @@ class FleetCheckConfig:
     enabled: bool = False
     """Measure the whole world's network before the first step (trainer/fleet_check.py); the
     control plane turns it on for worlds of more than one node (RunSpec.preflight)."""
-    size_mib: float = 64.0
-    """The buffer each rank all-reduces and exchanges with its peers."""
+    size_mib: float = 1024.0
+    """The buffer each rank all-reduces and exchanges with its peers: 1 GiB, where NCCL's
+    all-reduce reaches its bandwidth plateau on EFA (a smaller message is latency-bound at scale
+    and falls far below the floor on a healthy world); CPU worlds set a few MiB."""
     iterations: int = 5
     """Timed repetitions of each measurement, after one untimed."""
     busbw_floor_gbytes_per_s: float = 0.0
-    """The bus bandwidth a healthy world reaches (the catalogue's, or the RunSpec's)."""
+    """The two-node floor (the catalogue's, or the RunSpec's): every node-to-node link must reach
+    it, and the all-reduce the same scaled for the world's node count (fleet_check.allreduce_floor)."""
     result_file: str = ""
     """Where global rank 0 writes the result (JSON); the node agent reports it."""
 

@@ -283,8 +283,9 @@ class PreflightPolicy(_Strict):
     busbw_floor_gbytes_per_s: float | None = Field(default=None, gt=0)
     """The all-reduce bus bandwidth a healthy world reaches; None: the instance type's
     (catalogue busbw_floor_gbytes_per_s)."""
-    size_mib: float = Field(default=64.0, gt=0, le=4096)
-    """The buffer each rank all-reduces and sends to its partners."""
+    size_mib: float | None = Field(default=None, gt=0, le=4096)
+    """The buffer each rank all-reduces and exchanges with its partners; None: 1 GiB on types with
+    accelerators (where NCCL's all-reduce reaches its bandwidth plateau), 16 MiB on CPU types."""
     iterations: int = Field(default=5, ge=1, le=100)
     """Timed repetitions of each measurement."""
 
@@ -630,7 +631,8 @@ class RunSpec(_Strict):
         return self.trainer.as_trainer_mapping(pp, dp, {
             "checkpoint": {"uri": policy.s3_uri, "interval": policy.interval_steps, "keep_last": policy.keep_last,
                            "resume": "none" if resume_step is None else str(resume_step)},
-            "fleet_check": {"enabled": preflight.fleet_check and nodes > 1, "size_mib": preflight.size_mib,
+            "fleet_check": {"enabled": preflight.fleet_check and nodes > 1,
+                            "size_mib": preflight.size_mib or (1024.0 if self.facts.accelerator != "none" else 16.0),
                             "iterations": preflight.iterations,
                             "busbw_floor_gbytes_per_s": (preflight.busbw_floor_gbytes_per_s
                                                          or self.facts.busbw_floor_gbytes_per_s)},
