@@ -768,10 +768,11 @@ def test_a_world_checks_result_file_becomes_its_event():
     result = {"passed": False, "efficiency": 0.2, "efficiency_floor": 0.7, "step_seconds": 1.0,
               "expected_step_seconds": 0.2, "tokens_per_second": 10.0, "expected_tokens_per_second": 50.0, "steps": 5,
               "slowest_stages": [1], "slowest_stage_seconds": 0.2, "slowest_stage_nodes": ["i-2"], "slowest_rank": 1,
-              "slowest_rank_node": "i-2", "slowest_rank_seconds": 0.21}
+              "slowest_rank_node": "i-2", "slowest_rank_seconds": 0.21, "slow_nodes": ["i-2"]}
     figures_of, event = agent.WORLD_CHECKS["scaling_check"]
     figures = figures_of(result, 3)
     assert (figures.attempt, figures.slowest_stage_instance_ids, figures.slowest_rank_instance_id) == (3, ["i-2"], "i-2")
+    assert figures.slow_instance_ids == ["i-2"]
     assert event.__name__ == "ScalingChecked"
     spec = launch_spec(attempt=3, resume_step=None)
     spec = spec.model_copy(update={"trainer_config": spec.trainer_config | {

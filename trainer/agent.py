@@ -589,7 +589,8 @@ def scaling_check_figures(result: dict[str, Any], attempt: int) -> ScalingCheckF
         expected_tokens_per_second=result["expected_tokens_per_second"], steps=result["steps"],
         slowest_stages=result["slowest_stages"], slowest_stage_seconds=result["slowest_stage_seconds"],
         slowest_stage_instance_ids=result["slowest_stage_nodes"], slowest_rank=result["slowest_rank"],
-        slowest_rank_instance_id=result["slowest_rank_node"], slowest_rank_seconds=result["slowest_rank_seconds"])
+        slowest_rank_instance_id=result["slowest_rank_node"], slowest_rank_seconds=result["slowest_rank_seconds"],
+        slow_instance_ids=result["slow_nodes"])
 
 
 WORLD_CHECKS: dict[str, tuple[Callable[[dict[str, Any], int], Any], type[AgentEvent]]] = {

@@ -191,6 +191,10 @@ class ScalingCheckConfig:
     efficiency_floor: float = 0.7
     """Step time a rank's compute alone predicts over the step time measured, below which the
     world does not train on."""
+    slow_rank_factor: float = 1.25
+    """A rank computing longer than this times the median of the others holding its stages is
+    slow (a throttled GPU): a world below the floor has its node replaced rather than given up.
+    Healthy peers doing the same work differ by a few percent."""
     result_file: str = ""
     """Where global rank 0 writes the result (JSON); the node agent reports it."""
 
@@ -240,9 +244,9 @@ def _problems(c: JobConfig):
         yield (f"fleet_check needs size_mib > 0, iterations >= 1 and busbw_floor_gbytes_per_s >= 0, got "
                f"{f.size_mib}, {f.iterations}, {f.busbw_floor_gbytes_per_s}")
     s = c.scaling_check
-    if s.warmup_steps < 0 or s.steps < 1 or not 0 < s.efficiency_floor <= 1:
-        yield (f"scaling_check needs warmup_steps >= 0, steps >= 1 and 0 < efficiency_floor <= 1, got "
-               f"{s.warmup_steps}, {s.steps}, {s.efficiency_floor}")
+    if s.warmup_steps < 0 or s.steps < 1 or not 0 < s.efficiency_floor <= 1 or s.slow_rank_factor <= 1:
+        yield (f"scaling_check needs warmup_steps >= 0, steps >= 1, 0 < efficiency_floor <= 1 and "
+               f"slow_rank_factor > 1, got {s.warmup_steps}, {s.steps}, {s.efficiency_floor}, {s.slow_rank_factor}")
     if m.d_model % m.n_heads:
         yield f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}"
     if m.n_heads % p.tp or m.vocab_size % p.tp or m.seq_len % p.tp:

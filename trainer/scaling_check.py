@@ -10,17 +10,28 @@ control plane turns it on for a run's worlds until one has passed (RunSpec.scali
 - its own compute: the forward and backward calls of its pipeline stages (`ComputeClock`; CUDA
   events on a GPU). The schedule waits for a microbatch's activations or gradients before it
   calls them, so the pipeline's hand-offs and bubble are not in it; collectives inside a stage
-  (FSDP's gathers, tensor parallel) are, as that stage's own work.
+  (FSDP's gathers, tensor parallel) are, as that stage's own work;
+- the end of its step: from the end of its last compute to the end of its last optimizer step
+  (an optimizer hook), what follows the schedule: the stage's gradient reduction, the gradient
+  norm's all-reduce, clipping, the optimizer step (trainer/train.py).
 
 What one rank computes is what it would achieve alone. Ranks that hold the same stages (data and
 tensor parallel peers) do the same work, so a stage needs what the fastest rank holding it
 computes; the slowest stage sets the pace of the pipeline, stretched by its fill and drain, the
 bubble factor 1 + (pp - 1) / (microbatches x stages per rank) of GPipe and 1F1B (zero-bubble
-schedules do better, so they are judged leniently). The efficiency is that expected step over the
-measured one. Below `efficiency_floor` the world spends its time waiting on hand-offs (a slow
-fabric, a layout whose hand-offs cost more than its compute): the result names the slowest
-stage with its nodes, and the slowest rank, and the run stops (the control plane gives up on
-POOR_SCALING). A world that passed trains on without the clock.
+schedules do better, so they are judged leniently). The end of the step follows, as the rank that
+reaches its all-reduce last measures it (it waits on no one: the least of the ranks' figures).
+The efficiency is that expected step over the measured one.
+
+Below `efficiency_floor` the world does not train on, and the result says why:
+- a rank computes far longer than the others that hold its stages (`slow_rank_factor` times the
+  median of theirs: a throttled GPU, a sick node): its peers wait on it every step. Its node is
+  named (`slow_nodes`) and replaced (spares first) as the fleet check's slow nodes are, and the
+  new world is checked again;
+- otherwise the world is uniformly poor, waiting on hand-offs (a slow fabric, a layout whose
+  hand-offs cost more than its compute): the result names the slowest stage with its nodes, and
+  the slowest rank, and the run stops (the control plane gives up on POOR_SCALING naming no node).
+A world that passed trains on without the clocks.
 
 Global rank 0 writes the result to `result_file`; its node's agent reports it (ScalingChecked,
 trainer/agent.py).
@@ -41,42 +52,67 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from trainer.config import JobConfig, ScalingCheckConfig
 from trainer.progress import NODE_NAME_ENV, write_whole
 
-__all__ = ["ComputeClock", "RankTiming", "ScalingCheckResult", "bubble_factor", "verdict", "ScalingCheck"]
+__all__ = ["ComputeClock", "RankTiming", "ScalingCheckResult", "bubble_factor", "slow_ranks", "verdict",
+           "ScalingCheck"]
+
+
+Instant = float | torch.cuda.Event
+"""A point in time: the wall clock's on CPU, an event of the GPU's own clock on a GPU."""
 
 
 class ComputeClock:
-    """Adds up the time this rank spends in `timed()` blocks until the next `take()`."""
+    """Adds up the time this rank spends in `timed()` blocks until the next `take()`, and times
+    the end of the step: from the end of the last block to `end_step()`."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.seconds = 0.0
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.compute_ended: Instant | None = None
+        self.step_ended: Instant | None = None
+
+    def _now(self) -> Instant:
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        # Kernels run after the call returns: the GPU's own clock times them.
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[None]:
-        if self.device.type == "cuda":
-            # Kernels run after the call returns: the GPU's own clock times them.
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self.events.append((start, end))
-            return
-        started = time.perf_counter()
+        started = self._now()
         yield
-        self.seconds += time.perf_counter() - started
+        self.compute_ended = self._now()
+        if isinstance(started, float):
+            self.seconds += self.compute_ended - started
+        else:
+            self.events.append((started, self.compute_ended))
 
-    def take(self) -> float:
-        """The seconds timed since the last take."""
+    def end_step(self) -> None:
+        """The step's last work was issued (its last optimizer step)."""
+        self.step_ended = self._now()
+
+    def take(self) -> tuple[float, float]:
+        """The compute timed since the last take, and the end of the last step (0 when unseen)."""
         for start, end in self.events:
             end.synchronize()
             self.seconds += start.elapsed_time(end) / 1000
+        finish = 0.0
+        if self.compute_ended is not None and self.step_ended is not None:
+            if isinstance(self.step_ended, float):
+                finish = self.step_ended - self.compute_ended
+            else:
+                self.step_ended.synchronize()
+                finish = self.compute_ended.elapsed_time(self.step_ended) / 1000
         taken, self.seconds, self.events = self.seconds, 0.0, []
-        return taken
+        self.compute_ended = self.step_ended = None
+        return taken, max(0.0, finish)
 
 
 @dataclass(frozen=True)
@@ -87,6 +123,8 @@ class RankTiming:
     node: str
     stages: tuple[int, ...]
     compute_seconds: float
+    finish_seconds: float
+    """The end of its step, after the schedule (waits on slower ranks included)."""
     step_seconds: float
 
 
@@ -98,7 +136,9 @@ class ScalingCheckResult:
     step_seconds: float
     """The measured step (median)."""
     expected_step_seconds: float
-    """What the slowest stage's compute predicts, bubble included."""
+    """What the slowest stage's compute predicts, bubble and the end of the step included."""
+    finish_seconds: float
+    """The end of the step in it: the least of the ranks' (the last to reach it waits on no one)."""
     tokens_per_second: float
     expected_tokens_per_second: float
     steps: int
@@ -110,6 +150,9 @@ class ScalingCheckResult:
     slowest_rank: int
     slowest_rank_node: str
     slowest_rank_seconds: float
+    slow_nodes: list[str]
+    """The nodes of ranks far slower than their peers, to replace; empty when the world passed or
+    is uniformly poor."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -120,7 +163,8 @@ class ScalingCheckResult:
                 f"{self.expected_tokens_per_second:,.0f} expected; slowest stage "
                 f"{', '.join(map(str, self.slowest_stages))} ({self.slowest_stage_seconds:.3f} s on "
                 f"{', '.join(self.slowest_stage_nodes)}); slowest rank {self.slowest_rank} "
-                f"({self.slowest_rank_seconds:.3f} s on {self.slowest_rank_node})")
+                f"({self.slowest_rank_seconds:.3f} s on {self.slowest_rank_node})"
+                + (f"; slow: {', '.join(self.slow_nodes)}" if self.slow_nodes else ""))
 
 
 def bubble_factor(pp: int, microbatches: int, stages_per_rank: int) -> float:
@@ -128,25 +172,47 @@ def bubble_factor(pp: int, microbatches: int, stages_per_rank: int) -> float:
     return 1.0 if pp == 1 else 1 + (pp - 1) / (microbatches * stages_per_rank)
 
 
-def verdict(timings: list[RankTiming], bubble: float, floor: float, tokens_per_step: int,
-            steps: int) -> ScalingCheckResult:
-    """Pass or fail, and the slowest stage and rank (see the module docstring)."""
+def _by_stages(timings: list[RankTiming]) -> dict[tuple[int, ...], list[RankTiming]]:
     peers: dict[tuple[int, ...], list[RankTiming]] = {}
     for timing in timings:
         peers.setdefault(timing.stages, []).append(timing)
+    return peers
+
+
+def slow_ranks(timings: list[RankTiming], factor: float) -> list[RankTiming]:
+    """The ranks whose compute is over `factor` times the median of the other ranks holding the
+    same stages (a rank with no such peer has none to be compared with)."""
+    slow = []
+    for group in _by_stages(timings).values():
+        for timing in group:
+            others = [peer.compute_seconds for peer in group if peer is not timing]
+            if others and timing.compute_seconds > factor * statistics.median(others):
+                slow.append(timing)
+    return sorted(slow, key=lambda t: t.rank)
+
+
+def verdict(timings: list[RankTiming], bubble: float, floor: float, slow_rank_factor: float, tokens_per_step: int,
+            steps: int) -> ScalingCheckResult:
+    """Pass or fail, the nodes to replace, and the slowest stage and rank (see the module docstring)."""
+    peers = _by_stages(timings)
     needs = {stages: min(t.compute_seconds for t in group) for stages, group in peers.items()}
     slowest_stages = max(needs, key=needs.__getitem__)
     step = statistics.median(t.step_seconds for t in timings)
-    expected = needs[slowest_stages] * bubble
+    finish = min(t.finish_seconds for t in timings)
+    expected = needs[slowest_stages] * bubble + finish
     efficiency = expected / step if step > 0 else 1.0
+    passed = efficiency >= floor
     slowest_rank = max(timings, key=lambda t: t.compute_seconds)
+    slow_nodes = [] if passed else sorted({t.node for t in slow_ranks(timings, slow_rank_factor)})
     return ScalingCheckResult(
-        passed=efficiency >= floor, efficiency=efficiency, efficiency_floor=floor, step_seconds=step,
-        expected_step_seconds=expected, tokens_per_second=tokens_per_step / step if step > 0 else 0.0,
+        passed=passed, efficiency=efficiency, efficiency_floor=floor, step_seconds=step,
+        expected_step_seconds=expected, finish_seconds=finish,
+        tokens_per_second=tokens_per_step / step if step > 0 else 0.0,
         expected_tokens_per_second=tokens_per_step / expected if expected > 0 else 0.0, steps=steps,
         slowest_stages=list(slowest_stages), slowest_stage_seconds=needs[slowest_stages],
         slowest_stage_nodes=sorted({t.node for t in peers[slowest_stages]}), slowest_rank=slowest_rank.rank,
-        slowest_rank_node=slowest_rank.node, slowest_rank_seconds=slowest_rank.compute_seconds)
+        slowest_rank_node=slowest_rank.node, slowest_rank_seconds=slowest_rank.compute_seconds,
+        slow_nodes=slow_nodes)
 
 
 @dataclass
@@ -155,10 +221,16 @@ class ScalingCheck:
 
     config: JobConfig
     clock: ComputeClock
+    """Times the forward and backward compute of this rank's stages (attached to its pipeline)."""
     stages: list[int]
     observed: int = 0
     compute: list[float] = field(default_factory=list)
+    finish: list[float] = field(default_factory=list)
     step: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # After every optimizer step of this process (one per model part): the last ends the step.
+        self._step_hook = register_optimizer_step_post_hook(lambda *_: self.clock.end_step())
 
     @property
     def check(self) -> ScalingCheckConfig:
@@ -167,13 +239,15 @@ class ScalingCheck:
     def observe(self, metrics: dict) -> bool:
         """After each step: True once the check is done and passed (a world that failed waits
         here to be stopped)."""
-        compute = self.clock.take()
+        compute, finish = self.clock.take()
         if self.observed >= self.check.warmup_steps:
             self.compute.append(compute)
+            self.finish.append(finish)
             self.step.append(metrics["step_time_s"])
         self.observed += 1
         if len(self.step) < self.check.steps:
             return False
+        self._step_hook.remove()
         self.gate()
         return True
 
@@ -181,12 +255,13 @@ class ScalingCheck:
         """Gather every rank's timings, judge on rank 0, act alike on every rank."""
         rank = dist.get_rank()
         mine = RankTiming(rank, os.environ.get(NODE_NAME_ENV) or socket.gethostname(), tuple(self.stages),
-                          statistics.median(self.compute), statistics.median(self.step))
+                          statistics.median(self.compute), statistics.median(self.finish), statistics.median(self.step))
         timings: list[RankTiming | None] = [None] * dist.get_world_size()
         dist.all_gather_object(timings, mine)
         p, c = self.config.parallel, self.config
         judged = [verdict(timings, bubble_factor(p.pp, p.microbatches, p.resolved_stages_per_rank()),
-                          self.check.efficiency_floor, c.training.batch_size * c.model.seq_len, len(self.step))]
+                          self.check.efficiency_floor, self.check.slow_rank_factor,
+                          c.training.batch_size * c.model.seq_len, len(self.step))]
         dist.broadcast_object_list(judged, src=0)  # rank 0's verdict, so every rank acts alike
         result = judged[0]
         if rank == 0:
@@ -194,4 +269,4 @@ class ScalingCheck:
                 write_whole(Path(self.check.result_file), result.to_json())
             print(f"scaling check {'passed' if result.passed else 'FAILED'}: {result.describe()}", flush=True)
         if not result.passed:
-            threading.Event().wait()  # until torchrun stops the world: the control plane ends the run
+            threading.Event().wait()  # until torchrun stops the world: the control plane replaces or gives up

@@ -824,8 +824,10 @@ class FailureClass(StrEnum):
     SLOW_NETWORK = "SLOW_NETWORK"
     """The fleet-wide check measured the world's network below the floor (trainer/fleet_check.py)."""
     POOR_SCALING = "POOR_SCALING"
-    """The scaling check found the run's first world below its efficiency floor
-    (trainer/scaling_check.py): the run stops before the fleet is spent on it."""
+    """The scaling check found the run's world below its efficiency floor
+    (trainer/scaling_check.py): with the nodes of ranks far slower than their peers named, those
+    are replaced and the new world checked again; uniformly poor, the run stops before the fleet
+    is spent on it."""
     CAPACITY = "CAPACITY"
     """Not enough instances could be allocated."""
     CAPACITY_RETURNED = "CAPACITY_RETURNED"
@@ -1110,14 +1112,19 @@ class ScalingCheckFigures(_Strict):
     """Its node."""
     slowest_rank_seconds: float = Field(ge=0)
     """Its compute a step."""
+    slow_instance_ids: list[str] = Field(default_factory=list)
+    """The nodes to replace (a rank far slower than its peers): none when the world passed, or
+    when it is uniformly poor (the run stops)."""
 
     def describe(self) -> str:
+        blamed = f"; slow: {', '.join(self.slow_instance_ids)}" if self.slow_instance_ids else ""
         return (f"scaling efficiency {self.efficiency:.2f} (floor {self.efficiency_floor:.2f}): "
                 f"{self.step_seconds:.3f} s a step against {self.expected_step_seconds:.3f} s expected, "
                 f"{self.tokens_per_second:,.0f} tokens/s against {self.expected_tokens_per_second:,.0f}; "
                 f"slowest stage {', '.join(map(str, self.slowest_stages))} ({self.slowest_stage_seconds:.3f} s "
                 f"of compute a step, on {', '.join(self.slowest_stage_instance_ids)}); slowest rank "
-                f"{self.slowest_rank} ({self.slowest_rank_seconds:.3f} s, on {self.slowest_rank_instance_id})")
+                f"{self.slowest_rank} ({self.slowest_rank_seconds:.3f} s, on {self.slowest_rank_instance_id})"
+                f"{blamed}")
 
 
 class RunRecord(_Strict):

@@ -87,7 +87,7 @@ def _event_report(detail: AnyDetail, attempt: int) -> FailureReport | None:
         case FleetChecked(figures=figures) if not figures.passed:
             return _report(FailureClass.SLOW_NETWORK, attempt, figures.slow_instance_ids, figures.describe())
         case ScalingChecked(figures=figures) if not figures.passed:
-            return _report(FailureClass.POOR_SCALING, attempt, [], figures.describe())
+            return _report(FailureClass.POOR_SCALING, attempt, figures.slow_instance_ids, figures.describe())
         case TrainerHung():
             return _report(FailureClass.HANG, attempt, [],
                            f"no progress for {detail.seconds_since_progress:.0f} s after step {detail.last_step}")

@@ -92,7 +92,7 @@ def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_to
         rendezvous_port=rendezvous_port(rendezvous_id),
         rendezvous_id=rendezvous_id,
         trainer_config=run.spec.trainer_mapping(run.plan.pp, run.plan.dp, resume_step,
-                                                scaling_check_due=run.scaling_check is None),
+                                                scaling_check_due=not (run.scaling_check and run.scaling_check.passed)),
         resume_step=resume_step,
         heartbeat_task_token=heartbeat_task_token,
         hang_timeout_seconds=run.spec.recovery.hang_timeout_seconds,

@@ -104,7 +104,8 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
         return give_up(f"the trainer refused its config: {failure.message}")
     if failure.failure_class is FailureClass.BOOT_FAILED:
         return give_up(f"the node software did not install: {failure.message}")
-    if failure.failure_class is FailureClass.POOR_SCALING:
+    if failure.failure_class is FailureClass.POOR_SCALING and not failure.instance_ids:
+        # Uniformly poor: no replacement can help. A slow node named is replaced as a sick one is.
         return give_up(f"the fleet does not scale: {failure.message}")
     if failure.failure_class is FailureClass.CAPACITY_BLOCK_END:
         saved = f"checkpoint step {resume_step}" if resume_step is not None else "no checkpoint"
