@@ -21,6 +21,15 @@ all-reduce test (nccl-tests "busbw" between two nodes), set at roughly half the 
 in bytes: a healthy pair of nodes clears them, a node with a dead EFA card does not. They are
 estimates to tune on real hardware.
 
+GPU facts per accelerator (`_GPU_FACTS`), what preflight's device checks hold each node to: NVLink
+links per GPU (A100 SXM4: 12 of NVLink 3, H100 and H200 SXM5: 18 of NVLink 4), the GPUs' host link
+(PCIe gen4 x16 on P4, gen5 x16 on P5), the dense bf16 tensor-core peak of one GPU (NVIDIA's data
+sheets: A100 312 TFLOPS, H100 and H200 SXM 989; the sheets' larger figures are with sparsity), and
+the floor of an all-reduce across the node's 8 GPUs over NVLink (nccl-tests busbw): about half of
+what NCCL reaches on a healthy node (about 230 GB/s on 8x A100, 370 GB/s on 8x H100 with ring
+algorithms, the effective NVLink rate after protocol overhead), so a node with a link down or a GPU
+clocked down fails it. These floors are estimates to tune on real hardware as well.
+
 NCCL over EFA (`nccl_environment`): NCCL reaches EFA only through the aws-ofi-nccl plugin
 (libnccl-net.so), which it dlopens at start; without it NCCL falls back to TCP sockets without an
 error. The Deep Learning AMI installs the plugin in /opt/amazon/ofi-nccl/lib (the EFA installer's
@@ -92,6 +101,16 @@ class InstanceFacts(BaseModel):
         """Accelerator memory of one trainer process: a whole GPU, half a Trainium chip (one
         NeuronCore); 0 on CPU types."""
         return self.accelerator_memory_gib * self.accelerator_count / self.ranks_per_node
+    nvlink_links_per_gpu: int = Field(default=0, ge=0)
+    """NVLink links each GPU has, all up on a healthy node; 0 where there is no NVLink."""
+    gpu_pcie_generation: int = Field(default=0, ge=0)
+    """PCIe generation of each GPU's host link; 0 on types without GPUs."""
+    gpu_pcie_lanes: int = Field(default=0, ge=0)
+    """PCIe lanes of each GPU's host link; 0 on types without GPUs."""
+    bf16_dense_tflops: float = Field(default=0.0, ge=0)
+    """Peak dense bf16 tensor-core rate of one GPU (TFLOPS, data sheet); 0 on types without GPUs."""
+    nvlink_busbw_floor_gbytes_per_s: float = Field(default=0.0, ge=0)
+    """Minimum bus bandwidth (GB/s) of an all-reduce across all the node's GPUs over NVLink."""
 
     @property
     def efa_interface_count(self) -> int:
@@ -111,7 +130,18 @@ def _gpu(name: str, accelerator: str, count: int, memory_gib: int, cards: int, e
                          accelerator_memory_gib=memory_gib, ranks_per_node=count, vcpus=vcpus,
                          network_cards=cards, efa_supported=True, efa_bandwidth_gbps=efa_gbps,
                          efa_rdma_read=True, busbw_floor_gbytes_per_s=busbw_floor, on_demand_usd_per_hour=price,
-                         price_is_estimate=estimate)
+_GPU_FACTS = {
+    "A100": dict(nvlink_links_per_gpu=12, gpu_pcie_generation=4, gpu_pcie_lanes=16, bf16_dense_tflops=312.0,
+                 nvlink_busbw_floor_gbytes_per_s=115.0),
+    "H100": dict(nvlink_links_per_gpu=18, gpu_pcie_generation=5, gpu_pcie_lanes=16, bf16_dense_tflops=989.0,
+                 nvlink_busbw_floor_gbytes_per_s=185.0),
+    "H200": dict(nvlink_links_per_gpu=18, gpu_pcie_generation=5, gpu_pcie_lanes=16, bf16_dense_tflops=989.0,
+                 nvlink_busbw_floor_gbytes_per_s=185.0),
+}
+"""Per-GPU facts of each SXM accelerator (see the module docstring)."""
+
+
+                         price_is_estimate=estimate, **_GPU_FACTS[accelerator])
 
 
 def _cpu(name: str, vcpus: int, price: float) -> InstanceFacts:
