@@ -26,6 +26,15 @@ the node shows with the catalogue (trainfleet.catalogue):
   every communicator's start, so the choice it logs is the one the training world makes.
 - allreduce_busbw: the cross-node bandwidth probe needs the other nodes, which preflight runs
   before; skipped, saying so.
+- The GPU device checks (CUDA types; trainer.gpu_health judges, this module looks):
+  ecc_errors, remapped_rows, gpu_clocks and gpu_pcie over one `nvidia-smi -q`; nvlink_links over
+  `nvidia-smi nvlink -s`; gpu_xid over the kernel log (dmesg, or journalctl -k when dmesg is
+  refused); gpu_gemm, a bf16 GEMM on each GPU against the catalogue's peak; nvlink_allreduce_busbw,
+  an NCCL all-reduce with one process per GPU against the type's NVLink floor. A GPU type whose
+  nvidia-smi is missing or fails fails these checks, as a missing fi_info fails efa_devices: the
+  driver is what they look at. A kernel log this process may not read skips gpu_xid: that is the
+  looker's limit, not the node's. The measurements run in subprocesses with time limits (a hung GPU
+  must not hang preflight), the all-reduce in the environment the agent gives torchrun.
 
 A check that cannot run here is reported skipped with its reason, never as passed.
 """
@@ -42,15 +51,22 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from trainer import gpu_health
 from trainfleet.catalogue import InstanceFacts, UnknownInstanceType, instance_facts, nccl_environment
 from trainfleet.contracts import HealthCheckResult
 
 __all__ = ["Probes", "ProbeError", "preflight", "system_probes", "parse_fi_info", "parse_nccl_log",
-           "check_nccl_network_log", "NcclLog", "TORCH_MINIMUM", "NCCL_MINIMUM"]
+           "check_nccl_network_log", "NcclLog", "TORCH_MINIMUM", "NCCL_MINIMUM", "GPU_DEVICE_CHECKS"]
 
 FI_INFO_TIMEOUT_S = 30
 NCCL_PROBE_TIMEOUT_S = 120
 """Longest the one-rank NCCL all-reduce may take (CUDA and NCCL start-up are most of it)."""
+NVIDIA_SMI_TIMEOUT_S = 60
+KERNEL_LOG_TIMEOUT_S = 30
+GEMM_PROBE_TIMEOUT_S = 90
+"""Longest the GEMMs of all GPUs, one after the other, may take (a few seconds each when healthy)."""
+NVLINK_ALLREDUCE_TIMEOUT_S = 120
+"""Longest the all-reduce across the node's GPUs may take, eight processes' start-up included."""
 TORCH_MINIMUM = "2.13.0"
 """The torch the trainer is built and tested on: the pin of pyproject.toml's trainer extra (a test
 keeps the two equal). The node's image brings its own CUDA build of torch, so nothing else holds
@@ -82,6 +98,17 @@ class Probes:
     nccl_network_log: Callable[[InstanceFacts], str]
     """The NCCL_DEBUG=INFO output of a one-rank NCCL all-reduce run in the environment the agent
     gives torchrun on a node of this type; raises ProbeError when it could not run."""
+    nvidia_smi_query: Callable[[], str]
+    """`nvidia-smi -q` output; raises ProbeError when nvidia-smi is missing or fails."""
+    nvlink_status: Callable[[], str]
+    """`nvidia-smi nvlink -s` output; raises ProbeError when nvidia-smi is missing or fails."""
+    kernel_log: Callable[[], str]
+    """The kernel log since boot; raises ProbeError when this process may not read it."""
+    gemm_tflops: Callable[[], dict[int, float]]
+    """bf16 GEMM TFLOPS of each GPU by index; raises ProbeError when the measurement failed."""
+    nvlink_allreduce_busbw: Callable[[InstanceFacts], float]
+    """busbw (GB/s) of an NCCL all-reduce with one process per GPU of this node, in the environment
+    the agent gives torchrun on this type; raises ProbeError when it failed."""
 
 
 # --- what NCCL's log says about its network ----------------------------------------------
@@ -235,29 +262,81 @@ def nccl_allreduce_on_one_gpu() -> None:
         dist.destroy_process_group()
 
 
-def _nccl_network_log(facts: InstanceFacts) -> str:
-    # A subprocess: the loader reads LD_LIBRARY_PATH once, when a process starts, and libfabric its
-    # FI_ variables when NCCL first loads it, so the environment must be there from the start.
-    environment = {**os.environ, **nccl_environment(facts, os.environ)}
+def _torchrun_environment(facts: InstanceFacts) -> dict[str, str]:
+    """The environment the agent gives torchrun on this type, for a probe that runs NCCL. It must be
+    there when the probe's process starts: the loader reads LD_LIBRARY_PATH once, and libfabric its
+    FI_ variables when NCCL first loads it."""
+    environment = {**os.environ, **nccl_environment(facts, os.environ, probe=True)}
     for sends_the_log_elsewhere in ("NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS"):
-        environment.pop(sends_the_log_elsewhere, None)  # the lines this probe reads must reach its output
-    command = [sys.executable, "-c", "from trainer.health import nccl_allreduce_on_one_gpu as run; run()"]
+        environment.pop(sends_the_log_elsewhere, None)  # the lines the NCCL probe reads must reach its output
+    return environment
+
+
+def _run_probe(what: str, command: list[str], timeout_s: int,
+               environment: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`command`'s completed run; ProbeError, naming `what`, when it cannot start, times out or fails."""
     try:
-        done = subprocess.run(command, env=environment, capture_output=True, text=True,
-                              timeout=NCCL_PROBE_TIMEOUT_S)
+        done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise ProbeError(f"the NCCL probe did not finish within {NCCL_PROBE_TIMEOUT_S} s") from None
-    log = done.stdout + done.stderr  # NCCL logs to stdout, Python's errors go to stderr
+        raise ProbeError(f"{what} did not finish within {timeout_s} s") from None
+    except OSError as exc:
+        raise ProbeError(f"{what} could not start: {exc}") from None
     if done.returncode != 0:
-        raise ProbeError(f"the NCCL probe exited with {done.returncode}: {log[-1000:]}")
-    return log
+        raise ProbeError(f"{what} exited with {done.returncode}: {(done.stdout + done.stderr)[-1000:]}")
+    return done
+
+
+def _nccl_network_log(facts: InstanceFacts) -> str:
+    command = [sys.executable, "-c", "from trainer.health import nccl_allreduce_on_one_gpu as run; run()"]
+    done = _run_probe("the NCCL probe", command, NCCL_PROBE_TIMEOUT_S, _torchrun_environment(facts))
+    return done.stdout + done.stderr  # NCCL logs to stdout, Python's errors go to stderr
+
+
+def _nvidia_smi(*arguments: str) -> str:
+    if shutil.which("nvidia-smi") is None:
+        raise ProbeError("nvidia-smi is not installed (the NVIDIA driver is missing)")
+    return _run_probe(f"nvidia-smi {' '.join(arguments)}", ["nvidia-smi", *arguments], NVIDIA_SMI_TIMEOUT_S).stdout
+
+
+def _kernel_log() -> str:
+    refusals = []
+    # dmesg reads the ring buffer (root, or kernel.dmesg_restrict=0); journald keeps the boot's kernel
+    # lines for members of systemd-journal as well.
+    for command in (["dmesg"], ["journalctl", "-k", "-b", "--no-pager"]):
+        try:
+            return _run_probe(command[0], command, KERNEL_LOG_TIMEOUT_S).stdout
+        except ProbeError as exc:
+            refusals.append(str(exc).strip())
+    raise ProbeError("; ".join(refusals))
+
+
+def _last_json_line(output: str) -> dict:
+    """The JSON a measurement prints last (NCCL's INFO lines may come before it)."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise ProbeError(f"the measurement printed no result: {output[-500:]}") from None
+
+
+def _gemm_tflops() -> dict[int, float]:
+    done = _run_probe("the GEMM probe", [sys.executable, "-m", "trainer.gpu_health", "gemm"], GEMM_PROBE_TIMEOUT_S)
+    return {int(index): rate for index, rate in _last_json_line(done.stdout).items()}
+
+
+def _nvlink_allreduce_busbw(facts: InstanceFacts) -> float:
+    command = [sys.executable, "-m", "trainer.gpu_health", "allreduce", str(facts.accelerator_count)]
+    done = _run_probe("the NVLink all-reduce", command, NVLINK_ALLREDUCE_TIMEOUT_S, _torchrun_environment(facts))
+    return float(_last_json_line(done.stdout)["busbw_gbytes_per_s"])
 
 
 def system_probes() -> Probes:
     """The probes of the machine this runs on."""
     return Probes(cuda_device_count=_cuda_device_count, efa_devices=_efa_devices,
                   gloo_allreduce_ok=_gloo_allreduce_ok, torch_version=_torch_version, nccl_version=_nccl_version,
-                  nccl_network_log=_nccl_network_log)
+                  nccl_network_log=_nccl_network_log, nvidia_smi_query=lambda: _nvidia_smi("-q"),
+                  nvlink_status=lambda: _nvidia_smi("nvlink", "-s"), kernel_log=_kernel_log,
+                  gemm_tflops=_gemm_tflops, nvlink_allreduce_busbw=_nvlink_allreduce_busbw)
 
 
 def _skipped(name: str, why: str) -> HealthCheckResult:
@@ -346,6 +425,57 @@ def check_nccl_network(facts: InstanceFacts, probes: Probes) -> HealthCheckResul
     return check_nccl_network_log(log)
 
 
+_NVIDIA_SMI_QUERY_CHECKS = ("ecc_errors", "remapped_rows", "gpu_clocks", "gpu_pcie")
+GPU_DEVICE_CHECKS = (*_NVIDIA_SMI_QUERY_CHECKS, "nvlink_links", "gpu_xid", "gpu_gemm", "nvlink_allreduce_busbw")
+"""The device checks of CUDA types, in preflight's order."""
+
+
+def _no_cuda_gpus_here(facts: InstanceFacts) -> str | None:
+    """Why the GPU device checks have nothing to look at on this type, or None on CUDA types."""
+    if facts.accelerator == "none":
+        return f"{facts.name} has no GPUs"
+    if facts.accelerator == "Trainium":
+        return "Trainium chips are not NVIDIA GPUs; these checks read nvidia-smi and the NVIDIA driver's log"
+    return None
+
+
+def _looked(name: str, look: Callable[[], object], judge: Callable[[object], HealthCheckResult],
+            cannot_look: Callable[[str, str], HealthCheckResult]) -> HealthCheckResult:
+    """`judge` over what `look` returns, or `cannot_look(name, why)` when the probe could not look."""
+    try:
+        seen = look()
+    except (ProbeError, OSError) as exc:
+        return cannot_look(name, str(exc))
+    return judge(seen)
+
+
+def _failed_to_look(name: str, why: str) -> HealthCheckResult:
+    return HealthCheckResult(name=name, passed=False, detail=f"could not look: {why}")
+
+
+def check_gpu_devices(facts: InstanceFacts, probes: Probes) -> list[HealthCheckResult]:
+    """The GPU device checks (GPU_DEVICE_CHECKS), skipped together on types without CUDA GPUs."""
+    if why := _no_cuda_gpus_here(facts):
+        return [_skipped(name, why) for name in GPU_DEVICE_CHECKS]
+    try:
+        query = probes.nvidia_smi_query()
+    except (ProbeError, OSError) as exc:
+        query_checks = [_failed_to_look(name, str(exc)) for name in _NVIDIA_SMI_QUERY_CHECKS]
+    else:
+        query_checks = [gpu_health.check_ecc_errors(query), gpu_health.check_remapped_rows(query),
+                        gpu_health.check_clocks(query), gpu_health.check_pcie_link(facts, query)]
+    return [
+        *query_checks,
+        _looked("nvlink_links", probes.nvlink_status, lambda status: gpu_health.check_nvlink_links(facts, status),
+                _failed_to_look),
+        _looked("gpu_xid", probes.kernel_log, gpu_health.check_kernel_xids,
+                lambda name, why: _skipped(name, f"the kernel log cannot be read here: {why}")),
+        _looked("gpu_gemm", probes.gemm_tflops, lambda rates: gpu_health.check_gemm(facts, rates), _failed_to_look),
+        _looked("nvlink_allreduce_busbw", lambda: probes.nvlink_allreduce_busbw(facts),
+                lambda busbw: gpu_health.check_nvlink_allreduce(facts, busbw), _failed_to_look),
+    ]
+
+
 def preflight(facts: InstanceFacts, probes: Probes) -> list[HealthCheckResult]:
     """Every preflight check for a node of type `facts`, in a fixed order."""
     return [
@@ -355,6 +485,7 @@ def preflight(facts: InstanceFacts, probes: Probes) -> list[HealthCheckResult]:
         check_torch(probes),
         check_nccl_version(facts, probes),
         check_nccl_network(facts, probes),
+        *check_gpu_devices(facts, probes),
         _skipped("allreduce_busbw", "the cross-node bandwidth probe needs the other nodes; "
                                     "preflight runs before the world is formed"),
     ]
