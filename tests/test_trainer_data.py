@@ -176,8 +176,9 @@ def block_ranges(starts, length: int) -> set[tuple[str, str]]:
 
 def settle(tokens: TokenShards) -> None:
     """Wait until the blocks asked for ahead have come."""
-    cache = tokens.shards[0].cache
+    cache, deadline = tokens.shards[0].cache, time.monotonic() + 60
     while cache._pending:
+        assert time.monotonic() < deadline, f"blocks still pending: {list(cache._pending)}"
         time.sleep(0.01)
 
 
