@@ -377,7 +377,8 @@ class TokenShards:
                 self.shards[shard].prefetch(offset, offset + piece)
 
     def _pieces(self, starts: np.ndarray, length: int):
-        """(row, filled, shard, offset, n): tokens filled .. filled + n of window `row` are the shard's offset .. offset + n."""
+        """(row, filled, shard, offset, n): tokens filled .. filled + n of window `row` are the shard's tokens
+        offset .. offset + n."""
         shards = np.searchsorted(self.starts, starts, side="right") - 1
         offsets = starts - self.starts[shards]
         for row, (shard, offset) in enumerate(zip(shards.tolist(), offsets.tolist())):
