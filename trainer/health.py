@@ -34,7 +34,7 @@ the node shows with the catalogue (trainfleet.catalogue):
   nvidia-smi is missing or fails fails these checks, as a missing fi_info fails efa_devices: the
   driver is what they look at. A kernel log this process may not read skips gpu_xid: that is the
   looker's limit, not the node's. The measurements run in subprocesses with time limits (a hung GPU
-  must not hang preflight), the all-reduce in the environment the agent gives torchrun.
+  must not hang preflight), the all-reduce in the type's NCCL environment (catalogue.nccl_environment).
 
 A check that cannot run here is reported skipped with its reason, never as passed.
 """
@@ -263,9 +263,10 @@ def nccl_allreduce_on_one_gpu() -> None:
 
 
 def _torchrun_environment(facts: InstanceFacts) -> dict[str, str]:
-    """The environment the agent gives torchrun on this type, for a probe that runs NCCL. It must be
-    there when the probe's process starts: the loader reads LD_LIBRARY_PATH once, and libfabric its
-    FI_ variables when NCCL first loads it."""
+    """The environment of a probe that runs NCCL on this type: the one the agent gives torchrun, with
+    NCCL logging at INFO (the NCCL probe reads the lines; the all-reduce's last line is its result).
+    It must be there when the probe's process starts: the loader reads LD_LIBRARY_PATH once, and
+    libfabric its FI_ variables when NCCL first loads it."""
     environment = {**os.environ, **nccl_environment(facts, os.environ, probe=True)}
     for sends_the_log_elsewhere in ("NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS"):
         environment.pop(sends_the_log_elsewhere, None)  # the lines the NCCL probe reads must reach its output
