@@ -108,7 +108,9 @@ def test_torchrun_gets_what_nccl_needs_for_efa_on_this_node_type_and_keeps_the_l
     monkeypatch.delenv("FI_PROVIDER", raising=False)
     files = AttemptFiles(tmp_path)
     p4d = torchrun_env(files, replace(IDENTITY, instance_type="p4d.24xlarge"))
-    assert (p4d["FI_PROVIDER"], p4d["FI_EFA_USE_DEVICE_RDMA"], p4d["NCCL_DEBUG"]) == ("efa", "1", "INFO")
+    assert (p4d["FI_PROVIDER"], p4d["FI_EFA_USE_DEVICE_RDMA"]) == ("efa", "1")
+    # Warnings only: at INFO every rank of a large world logs its whole topology.
+    assert (p4d["NCCL_DEBUG"], p4d["NCCL_DEBUG_SUBSYS"]) == ("WARN", "INIT,NET")
     libraries = p4d["LD_LIBRARY_PATH"].split(":")
     assert libraries[0] == "/opt/amazon/ofi-nccl/lib" and libraries[-1] == "/usr/local/cuda/lib64"
     assert p4d["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and p4d[PROGRESS_FILE_ENV] == str(files.progress)

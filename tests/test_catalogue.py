@@ -63,9 +63,21 @@ def test_a_gpu_type_with_efa_sends_nccl_over_efa_with_device_rdma(name):
     assert env["FI_PROVIDER"] == "efa"
     assert env["FI_EFA_USE_DEVICE_RDMA"] == "1"  # RDMA read on Nitro v4 and later: GPU memory straight to the wire
     assert env["FI_EFA_FORK_SAFE"] == "1"
-    assert env["NCCL_DEBUG"] == "INFO"
     # The plugin's and libfabric's folders come first; what the node had stays, after them.
     assert env["LD_LIBRARY_PATH"].split(":") == [*DLAMI_PLUGIN_DIRS, "/usr/local/cuda/lib64"]
+
+
+def test_training_ranks_log_nccl_warnings_and_the_preflight_probe_every_info_line():
+    """At INFO each of 4,096 ranks logs its rings, trees and channels; the probe reads the network
+    NCCL chose from those lines, so it alone keeps them, of every subsystem."""
+    facts, inherited = CATALOGUE["p5.48xlarge"], {"LD_LIBRARY_PATH": "/usr/local/cuda/lib64"}
+    training = nccl_environment(facts, inherited)
+    assert (training["NCCL_DEBUG"], training["NCCL_DEBUG_SUBSYS"]) == ("WARN", "INIT,NET")
+    probe = nccl_environment(facts, inherited, probe=True)
+    assert probe["NCCL_DEBUG"] == "INFO" and "NCCL_DEBUG_SUBSYS" not in probe
+    # Only the log differs: the probe proves the network in the environment the ranks train in.
+    assert {k: v for k, v in probe.items() if not k.startswith("NCCL_DEBUG")} == \
+        {k: v for k, v in training.items() if not k.startswith("NCCL_DEBUG")}
 
 
 @pytest.mark.parametrize("name", ["c5.large", "c5.xlarge", "c5.2xlarge", "trn1.32xlarge"])

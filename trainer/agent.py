@@ -659,8 +659,9 @@ def start_process(command: list[str], folder: Path, env: dict[str, str], output:
 
 
 def torchrun_env(files: AttemptFiles, identity: Identity) -> dict[str, str]:
-    """The agent's environment, plus what NCCL needs to use EFA on this node's type (the same
-    environment preflight proved NCCL selects EFA in), the attempt's files and the node's name."""
+    """The agent's environment, plus what NCCL needs to use EFA on this node's type (the
+    environment preflight proved NCCL selects EFA in, but for NCCL's log: warnings only), the
+    attempt's files and the node's name."""
     return {**os.environ,
             **nccl_environment(instance_facts(identity.instance_type), os.environ),
             # The rendezvous store is not shared with the ranks' process group: with gloo, a

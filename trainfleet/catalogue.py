@@ -5,7 +5,7 @@ Offers:
     CATALOGUE                every supported type, keyed by API name
     instance_facts(name)     look one up; an unknown name raises UnknownInstanceType naming it
     UnknownInstanceType      ValueError subclass, lists the supported names
-    nccl_environment(facts, inherited)
+    nccl_environment(facts, inherited, probe=False)
                              what NCCL's processes need in their environment to use EFA on that type
 
 Sources: the Amazon EC2 accelerated computing instance specifications and the EFA user guide
@@ -39,8 +39,11 @@ and the processes it starts never see them; naming them here does not depend on 
 built. The variables are those of AWS's "Get started with EFA
 and NCCL" test: FI_PROVIDER=efa, FI_EFA_USE_DEVICE_RDMA=1 where the EFA supports RDMA read (all
 instances on Nitro v4 and later, which every P4 and P5 type is; libfabric then aborts rather than
-run without it), NCCL_DEBUG=INFO so each rank's log names the network NCCL chose (preflight reads
-it). FI_EFA_FORK_SAFE=1 keeps libfabric from aborting a process that forks (data loader workers)
+run without it). NCCL's log: the preflight probe runs with NCCL_DEBUG=INFO, whose lines name the
+network NCCL chose (preflight reads them); training ranks with NCCL_DEBUG=WARN, and
+NCCL_DEBUG_SUBSYS=INIT,NET for whoever raises the level on a node: at INFO each rank logs its
+rings, trees and channels for every communicator it joins, millions of lines in a world of 4,096
+ranks. FI_EFA_FORK_SAFE=1 keeps libfabric from aborting a process that forks (data loader workers)
 with an old kernel or rdma-core; on current ones libfabric ignores it. NCCL_PROTO=simple, which
 older guides set, is left out: the plugin sets it itself on the platforms that need it, and it
 would slow the platforms that do not.
@@ -60,6 +63,10 @@ NCCL_EFA_LIBRARY_DIRS = ("/opt/amazon/ofi-nccl/lib", "/opt/aws-ofi-nccl/lib", "/
                          "/opt/amazon/efa/lib64")
 """Where the Deep Learning AMI keeps the aws-ofi-nccl plugin and libfabric (see the module docstring);
 a folder an image lacks costs the loader one failed lookup."""
+NCCL_PROBE_LOG = {"NCCL_DEBUG": "INFO"}
+"""The preflight probe's NCCL log: every INFO line of every subsystem (it reads the network's)."""
+NCCL_TRAINING_LOG = {"NCCL_DEBUG": "WARN", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+"""A training rank's NCCL log: warnings only (see the module docstring)."""
 
 
 class InstanceFacts(BaseModel):
@@ -95,12 +102,6 @@ class InstanceFacts(BaseModel):
     """us-east-1 Linux on-demand price per instance-hour."""
     price_is_estimate: bool = False
     """True when the price is not a published on-demand list price (see module docstring)."""
-
-    @property
-    def memory_per_rank_gib(self) -> float:
-        """Accelerator memory of one trainer process: a whole GPU, half a Trainium chip (one
-        NeuronCore); 0 on CPU types."""
-        return self.accelerator_memory_gib * self.accelerator_count / self.ranks_per_node
     nvlink_links_per_gpu: int = Field(default=0, ge=0)
     """NVLink links each GPU has, all up on a healthy node; 0 where there is no NVLink."""
     gpu_pcie_generation: int = Field(default=0, ge=0)
@@ -111,6 +112,12 @@ class InstanceFacts(BaseModel):
     """Peak dense bf16 tensor-core rate of one GPU (TFLOPS, data sheet); 0 on types without GPUs."""
     nvlink_busbw_floor_gbytes_per_s: float = Field(default=0.0, ge=0)
     """Minimum bus bandwidth (GB/s) of an all-reduce across all the node's GPUs over NVLink."""
+
+    @property
+    def memory_per_rank_gib(self) -> float:
+        """Accelerator memory of one trainer process: a whole GPU, half a Trainium chip (one
+        NeuronCore); 0 on CPU types."""
+        return self.accelerator_memory_gib * self.accelerator_count / self.ranks_per_node
 
     @property
     def efa_interface_count(self) -> int:
@@ -124,12 +131,6 @@ class InstanceFacts(BaseModel):
         return self.efa_supported and self.accelerator in CUDA_GPUS
 
 
-def _gpu(name: str, accelerator: str, count: int, memory_gib: int, cards: int, efa_gbps: int,
-         busbw_floor: float, price: float, *, estimate: bool = False, vcpus: int = 96) -> InstanceFacts:
-    return InstanceFacts(name=name, accelerator=accelerator, accelerator_count=count,
-                         accelerator_memory_gib=memory_gib, ranks_per_node=count, vcpus=vcpus,
-                         network_cards=cards, efa_supported=True, efa_bandwidth_gbps=efa_gbps,
-                         efa_rdma_read=True, busbw_floor_gbytes_per_s=busbw_floor, on_demand_usd_per_hour=price,
 _GPU_FACTS = {
     "A100": dict(nvlink_links_per_gpu=12, gpu_pcie_generation=4, gpu_pcie_lanes=16, bf16_dense_tflops=312.0,
                  nvlink_busbw_floor_gbytes_per_s=115.0),
@@ -141,6 +142,12 @@ _GPU_FACTS = {
 """Per-GPU facts of each SXM accelerator (see the module docstring)."""
 
 
+def _gpu(name: str, accelerator: str, count: int, memory_gib: int, cards: int, efa_gbps: int,
+         busbw_floor: float, price: float, *, estimate: bool = False, vcpus: int = 96) -> InstanceFacts:
+    return InstanceFacts(name=name, accelerator=accelerator, accelerator_count=count,
+                         accelerator_memory_gib=memory_gib, ranks_per_node=count, vcpus=vcpus,
+                         network_cards=cards, efa_supported=True, efa_bandwidth_gbps=efa_gbps,
+                         efa_rdma_read=True, busbw_floor_gbytes_per_s=busbw_floor, on_demand_usd_per_hour=price,
                          price_is_estimate=estimate, **_GPU_FACTS[accelerator])
 
 
@@ -194,18 +201,19 @@ def instance_facts(name: str) -> InstanceFacts:
         raise UnknownInstanceType(name) from None
 
 
-def nccl_environment(facts: InstanceFacts, inherited: Mapping[str, str]) -> dict[str, str]:
+def nccl_environment(facts: InstanceFacts, inherited: Mapping[str, str], *, probe: bool = False) -> dict[str, str]:
     """The variables to set, over the `inherited` environment, in every process whose NCCL must
-    reach other nodes over EFA on a node of type `facts` (torchrun's ranks, the preflight probe);
-    none on types whose collectives do not go through NCCL on EFA. The node's own LD_LIBRARY_PATH
-    is kept after the plugin's folders, without empty entries (an empty one means the working
-    directory)."""
+    reach other nodes over EFA on a node of type `facts`: torchrun's ranks, or with `probe` the
+    preflight probe, whose NCCL logs at INFO (see the module docstring); none on types whose
+    collectives do not go through NCCL on EFA. The node's own LD_LIBRARY_PATH is kept after the
+    plugin's folders, without empty entries (an empty one means the working directory)."""
     if not facts.nccl_over_efa:
         return {}
     kept = [folder for folder in inherited.get("LD_LIBRARY_PATH", "").split(":")
             if folder and folder not in NCCL_EFA_LIBRARY_DIRS]
-    environment = {"FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1", "NCCL_DEBUG": "INFO",
-                   "LD_LIBRARY_PATH": ":".join([*NCCL_EFA_LIBRARY_DIRS, *kept])}
+    environment = {"FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1",
+                   "LD_LIBRARY_PATH": ":".join([*NCCL_EFA_LIBRARY_DIRS, *kept]),
+                   **(NCCL_PROBE_LOG if probe else NCCL_TRAINING_LOG)}
     if facts.efa_rdma_read:
         environment["FI_EFA_USE_DEVICE_RDMA"] = "1"
     return environment
