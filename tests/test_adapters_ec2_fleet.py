@@ -94,6 +94,16 @@ def test_user_data_installs_and_starts_the_agent():
     assert "systemd-run --unit trainfleet-agent" in script and f"-m {fleet.AGENT_MODULE}" in script
 
 
+def test_the_agents_unit_may_open_a_socket_to_every_rank_of_the_largest_world():
+    """systemd's default of 1,024 open files is spent by a gloo group's sockets in a world of
+    more than 1,024 ranks; torchrun and its ranks inherit the unit's limit."""
+    script = fleet.node_user_data("r1", SETTINGS)
+    start = script[script.index("systemd-run"):]
+    assert f"--property=LimitNOFILE={fleet.AGENT_OPEN_FILES_LIMIT}" in start.split(f"-m {fleet.AGENT_MODULE}")[0]
+    largest_world = 512 * 8
+    assert fleet.AGENT_OPEN_FILES_LIMIT > 2 * largest_world
+
+
 def test_user_data_installs_the_projects_python_and_torch_never_the_images():
     """The Deep Learning AMIs' python3 is 3.10 (Ubuntu 22.04) or 3.9 (AL2023), which pip refuses
     trainfleet on; the node runs the Python and the pinned torch the artifacts bring."""

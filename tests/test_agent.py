@@ -5,6 +5,7 @@ end to end in tests/test_agent_local_run.py."""
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
@@ -117,6 +118,19 @@ def test_torchrun_gets_what_nccl_needs_for_efa_on_this_node_type_and_keeps_the_l
     cpu = torchrun_env(files, IDENTITY)  # c5.large: gloo, no EFA
     assert "FI_PROVIDER" not in cpu and "NCCL_DEBUG" not in cpu
     assert cpu["LD_LIBRARY_PATH"] == "/usr/local/cuda/lib64"
+
+
+def test_torchrun_and_its_ranks_may_open_as_many_files_as_the_hard_limit_allows():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowered = min(soft, hard // 2)  # a service's default soft limit sits far below its hard one
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowered, hard))
+    try:
+        assert agent.raise_open_files_limit() == hard
+        child = subprocess.run([sys.executable, "-c", "import resource; print(*resource.getrlimit(resource.RLIMIT_NOFILE))"],
+                               capture_output=True, text=True, check=True, timeout=30)
+        assert child.stdout.split() == [str(hard), str(hard)], "torchrun inherits it"
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @pytest.mark.parametrize("output, kind", [

@@ -72,6 +72,7 @@ import math
 import os
 import random
 import re
+import resource
 import shlex
 import signal
 import subprocess
@@ -652,6 +653,18 @@ def standin_command(spec: LaunchSpec, node_rank: int, step_seconds: float, files
             f"--join-timeout-s={RENDEZVOUS_JOIN_TIMEOUT_S}"]
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit, for torchrun and its ranks
+    to inherit; the soft limit now. A gloo group holds a socket to every other rank (4,095 in a
+    world of 4,096) beside NCCL's, the data's and the uploads' files, where a service's soft limit
+    is 1,024 by default. The node's unit sets both limits (ec2_fleet.node_user_data); started
+    otherwise, the agent still takes all its hard limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def start_process(command: list[str], folder: Path, env: dict[str, str], output: BinaryIO) -> subprocess.Popen:
     # Same process group as the agent: whatever ends the instance ends torchrun too.
     return subprocess.Popen(command, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=output,
@@ -1044,7 +1057,7 @@ def serve(settings: AgentSettings) -> None:
     control = ControlPlane(settings, identity)
     start_node_log(settings, identity)
     say("agent up", instance_id=identity.instance_id, instance_type=identity.instance_type,
-        private_ip=identity.private_ip, run_name=settings.run_name)
+        private_ip=identity.private_ip, run_name=settings.run_name, open_files_limit=raise_open_files_limit())
     node = wait_for("the run's record of this node", control.node, deadline, control)
     ids = {"run_name": settings.run_name, "attempt": node.attempt, "instance_id": identity.instance_id}
     control.deliver(NodeRegistered(**ids, private_ip=identity.private_ip,

@@ -60,6 +60,11 @@ ALIVE_STATES = ("pending", "running", "stopping", "stopped")
 
 AGENT_MODULE = "trainer.agent"
 """The node agent's entry point (python -m), started by the user data."""
+AGENT_OPEN_FILES_LIMIT = 1_048_576
+"""The agent's unit's limit on open files (soft and hard), which torchrun and its ranks inherit:
+systemd gives a service 1,024 by default, and a rank holds a socket to every other rank of each
+gloo group (4,095 in a world of 4,096 ranks) beside NCCL's, the data's and the uploads' files.
+1,048,576 is the kernel's default fs.nr_open, the most a process may be allowed."""
 
 # Errors that mean "not here, not now": another zone or a later retry may succeed.
 CAPACITY_ERROR_CODES = frozenset({
@@ -233,7 +238,8 @@ step="installing trainfleet and torch from the artifacts"
 
 step="starting the agent"
 systemd-run --unit trainfleet-agent --property=EnvironmentFile="$root/etc/trainfleet.env" \\
-    --property=Restart=on-failure "$home/venv/bin/python" -m {AGENT_MODULE}
+    --property=LimitNOFILE={AGENT_OPEN_FILES_LIMIT} --property=Restart=on-failure \\
+    "$home/venv/bin/python" -m {AGENT_MODULE}
 """
 
 
