@@ -14,9 +14,17 @@ at the next `maybe_save` or at `close`.
     checkpointer = Checkpointer(cfg.checkpoint, layout={"pp": 4, "dp": 2})
     start = checkpointer.resume(state) or 0
     for step in range(start + 1, total_steps + 1):
-        ...train one step...
-        checkpointer.maybe_save(step, state, final=step == total_steps)
+        ...train one step; its all-reduce also sums checkpointer.vote() over the ranks: votes...
+        checkpointer.maybe_save(step, state, final=step == total_steps, agreed=votes)
     checkpointer.close()
+
+Whether a save is due is decided alike on every rank: each rank votes (its last save failed, it
+was asked to save) and the votes are summed over the world. A training loop rides them on the
+all-reduce it runs every step anyway (trainer/train.py); `maybe_save` without `agreed` sums them
+itself over a gloo group of its own. DCP's collectives run on another gloo group (an
+asynchronous save plans in a background thread, which needs a CPU backend). Both groups are
+created at their first use, never up front: each connects every rank to every other, 4,095
+sockets per rank in a world of 4,096.
 """
 
 from __future__ import annotations
@@ -216,8 +224,10 @@ class ComputeOrderedStager(DefaultStager):
 class Checkpointer:
     """Saves and restores a Stateful training state to one checkpoint location.
 
-    Every rank constructs it with the same arguments, in the same order with respect to other
-    process-group creation (it creates two gloo groups of its own when torch.distributed is up).
+    Every rank constructs it with the same arguments and calls its methods alike, in the same
+    order with respect to other process-group creation: the first resume that loads, the first
+    save and the first `maybe_save` without `agreed` each create a gloo group of its own (see the
+    module docstring).
     """
 
     def __init__(
@@ -246,10 +256,9 @@ class Checkpointer:
         self.config_hash = config_hash
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
-        # DCP's collectives run in the background save thread; on a group of their own they never
-        # interleave with the training loop's, nor with the per-step agreement below.
-        self._save_group = dist.new_group(backend="gloo", timeout=timeout) if self._distributed else None
-        self._control_group = dist.new_group(backend="gloo", timeout=timeout) if self._distributed else None
+        self._timeout = timeout
+        self._dcp_process_group: dist.ProcessGroup | None = None
+        self._vote_group: dist.ProcessGroup | None = None
         self._requests = catalog.SaveRequests(request_file, request_signal)
         cuda = torch.cuda.is_available()
         self._stager = ComputeOrderedStager(
@@ -286,7 +295,7 @@ class Checkpointer:
         state_dict = state.state_dict()
         step_dir = catalog.step_dir_name(decision)
         dcp.load(state_dict, storage_reader=storage_reader(self.store.uri, step_dir),
-                 process_group=self._save_group)
+                 process_group=self._dcp_group())
         state.load_state_dict(state_dict)
         self._last_saved_step = decision
         log.info("resumed from checkpoint %s", self.store.step_uri(step_dir))
@@ -313,7 +322,8 @@ class Checkpointer:
                 message = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
                 outcome, error = [("error", message)], exc
         if self._distributed:
-            dist.broadcast_object_list(outcome, src=0, group=self._control_group)
+            # On the default group: before training starts nothing else runs on it.
+            dist.broadcast_object_list(outcome, src=0)
         kind, value = outcome[0]
         if kind == "error":
             raise CheckpointError(value) from error
@@ -321,15 +331,29 @@ class Checkpointer:
 
     # ---- save ---------------------------------------------------------------------------------
 
-    def maybe_save(self, step: int, state: Stateful, force: bool = False, final: bool = False) -> bool:
+    def vote(self, force: bool = False) -> torch.Tensor:
+        """This rank's say in the next `maybe_save`: [its last save failed, it was asked to save
+        (or `force`)], as 0 or 1. Summed over all ranks, it is `maybe_save`'s `agreed`."""
+        return torch.tensor([float(self._finished_with_error()), float(force or self._requests.pending())])
+
+    def maybe_save(self, step: int, state: Stateful, force: bool = False, final: bool = False,
+                   agreed: torch.Tensor | None = None) -> bool:
         """Save if `step` is on the interval, is the run's last (`final`), or if asked to; True if
         a save was started.
 
-        Call it on every rank after every step. A save on request (force, signal, flag file)
-        returns only once the checkpoint is committed: the node may be about to go away. The
-        manifest records why it was saved (a request wins over the other reasons).
+        Call it on every rank after every step. `agreed`: the ranks' votes (`vote`) summed over
+        all ranks, by a collective the caller runs anyway; without it this rank's vote (with
+        `force`) is summed here. A save on request (force, signal, flag file) returns only once
+        the checkpoint is committed: the node may be about to go away. The manifest records why
+        it was saved (a request wins over the other reasons).
         """
-        requested = self._agree(failed=self._finished_with_error(), requested=force or self._requests.pending())
+        if agreed is None:
+            agreed = self._agree(self.vote(force))
+        any_failed, any_requested = (flag > 0 for flag in agreed.tolist())
+        if any_failed:
+            self._wait_in_flight()  # raises this rank's own error, if it has one
+            raise CheckpointError(f"checkpoint of step {self._in_flight_step} failed on another rank")
+        requested = any_requested or force
         reason = catalog.save_reason(step, self.cfg.interval, requested=requested, final=final)
         if reason is None or step == self._last_saved_step:
             return False
@@ -361,11 +385,11 @@ class Checkpointer:
         try:
             if self.cfg.async_save:
                 response = dcp.async_save(state_dict, storage_writer=storage_writer(self.store.uri, step_dir),
-                                          process_group=self._save_group, async_stager=self._stager)
+                                          process_group=self._dcp_group(), async_stager=self._stager)
                 self._staging = response.staging_completion
                 return response.upload_completion
             uploaded.set_result(dcp.save(state_dict, storage_writer=storage_writer(self.store.uri, step_dir),
-                                         process_group=self._save_group))
+                                         process_group=self._dcp_group()))
         except _SAVE_FAILURES as exc:  # raised as CheckpointError by _wait_in_flight, like a failed upload
             uploaded.set_exception(exc)
         return uploaded
@@ -390,16 +414,21 @@ class Checkpointer:
         except Exception:
             log.warning("retention failed in %s", self.store.uri, exc_info=True)
 
-    def _agree(self, failed: bool, requested: bool) -> bool:
-        """Tell every rank whether any rank's save failed (then raise) or asked for a save."""
-        flags = torch.tensor([int(failed), int(requested)])
+    def _agree(self, votes: torch.Tensor) -> torch.Tensor:
+        """`votes` summed over all ranks."""
         if self._distributed:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group)
-        any_failed, any_requested = bool(flags[0]), bool(flags[1])
-        if any_failed:
-            self._wait_in_flight()  # raises this rank's own error, if it has one
-            raise CheckpointError(f"checkpoint of step {self._in_flight_step} failed on another rank")
-        return any_requested
+            if self._vote_group is None:
+                # Not the DCP group: a save's collectives may be running on that one in the background.
+                self._vote_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            dist.all_reduce(votes, group=self._vote_group)
+        return votes
+
+    def _dcp_group(self) -> dist.ProcessGroup | None:
+        """The group DCP's collectives run on: gloo, with the checkpoint's timeout (the save's last
+        collective waits for the slowest rank's upload); created at the first load or save."""
+        if self._distributed and self._dcp_process_group is None:
+            self._dcp_process_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        return self._dcp_process_group
 
     def _finished_with_error(self) -> bool:
         return self._in_flight is not None and self._in_flight.done() and self._in_flight.exception() is not None

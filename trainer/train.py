@@ -18,6 +18,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -224,8 +225,23 @@ def build(cfg: JobConfig, env: DistributedEnv) -> Run:
     return Run(cfg, env, pipeline, TrainState(pipeline, optimizers, schedulers, loader))
 
 
-def train_step(run: Run) -> dict:
-    """One optimizer step over one global batch; every rank returns the same metrics."""
+@dataclass
+class StepVotes:
+    """Flags each rank raises for every rank to act on after a step (Checkpointer.vote: a save
+    failed, a save is asked for), summed over all ranks by the step's all-reduce of the loss and
+    the gradient norm: a collective of their own every step would cost a round trip of the whole
+    world (on gloo, a ring of 4,096 hops) for two numbers."""
+
+    cast: Callable[[], torch.Tensor]
+    """This rank's flags, asked for just before the all-reduce: a request that comes while the
+    step computes is acted on after this step, not the next."""
+    sums: torch.Tensor | None = None
+    """Their sums over all ranks, once the step is done."""
+
+
+def train_step(run: Run, votes: StepVotes | None = None) -> dict:
+    """One optimizer step over one global batch; every rank returns the same metrics (and has
+    the same `votes.sums`)."""
     cfg, env, state = run.config, run.env, run.state
     started = time.perf_counter()
     inputs, targets = state.loader.next_batch()  # already on the device
@@ -233,7 +249,8 @@ def train_step(run: Run) -> dict:
         opt.zero_grad()
     loss = run.pipeline.forward_backward(inputs, targets)  # gradients come out averaged over dp (FSDP)
     _place_gradients_like_parameters(run.pipeline.model_parts)
-    loss, grad_norm = _loss_and_grad_norm(loss, run.pipeline.model_parts, env, cfg.parallel.dp * cfg.parallel.tp)
+    loss, grad_norm = _loss_and_grad_norm(loss, run.pipeline.model_parts, env, cfg.parallel.dp * cfg.parallel.tp,
+                                          votes)
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise NonFiniteLossError(f"step {state.step + 1}: loss is {loss}, gradient norm is {grad_norm}; stopping "
                                  f"before the optimizer applies it. Lower optim.lr or check the data.")
@@ -260,8 +277,9 @@ def _place_gradients_like_parameters(parts: list[torch.nn.Module]) -> None:
 
 
 def _loss_and_grad_norm(loss: torch.Tensor | None, parts: list[torch.nn.Module], env: DistributedEnv,
-                        ranks_per_stage: int) -> tuple[float, float]:
-    """The batch loss and the global gradient norm, the same on every rank, from one all-reduce.
+                        ranks_per_stage: int, votes: StepVotes | None = None) -> tuple[float, float]:
+    """The batch loss and the global gradient norm, the same on every rank, from one all-reduce
+    (which also sums `votes`).
 
     Each of a stage's dp x tp ranks holds its shard of every gradient (FSDP and tensor parallel
     split them; a plain or replicated one is held whole by all of them). A rank contributes its
@@ -274,9 +292,13 @@ def _loss_and_grad_norm(loss: torch.Tensor | None, parts: list[torch.nn.Module],
               for p in part.parameters()]
     own_loss = loss.to(torch.float32) if loss is not None else torch.zeros((), device=env.device)
     scalars = torch.stack([own_loss, torch.stack(shares).sum()]) / ranks_per_stage
+    if votes is not None:
+        scalars = torch.cat([scalars, votes.cast().to(scalars.device, torch.float32)])
     if env.world_size > 1:
         dist.all_reduce(scalars)
-    mean_loss, squared_norm = scalars.tolist()
+    mean_loss, squared_norm, *vote_sums = scalars.tolist()
+    if votes is not None:
+        votes.sums = torch.tensor(vote_sums)
     return mean_loss, squared_norm ** 0.5
 
 
@@ -311,13 +333,15 @@ def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None)
         run.log_nothing_left()
     scaling = _scaling_check(run)
     while run.state.step < cfg.training.steps:
-        metrics = train_step(run)
+        votes = StepVotes(checkpointer.vote) if checkpointer else None
+        metrics = train_step(run, votes)
         run.log(metrics)
         history.append(metrics)
         progress.reached(run.state.step)
         if checkpointer:
             # The last step is always saved, so a finished run's final state is stored.
-            checkpointer.maybe_save(run.state.step, run.state, final=run.state.step == cfg.training.steps)
+            checkpointer.maybe_save(run.state.step, run.state, final=run.state.step == cfg.training.steps,
+                                    agreed=votes.sums)
         if scaling and scaling.observe(metrics):
             run.pipeline.attach(None)
             scaling = None

@@ -27,10 +27,10 @@ from trainer import checkpoint, train  # noqa: E402
 def hang_after(step: int, signals: Path) -> None:
     real_maybe_save = checkpoint.Checkpointer.maybe_save
 
-    def maybe_save(self, at_step, state, force=False, final=False):
+    def maybe_save(self, at_step, state, force=False, final=False, agreed=None):
         if at_step != step:
-            return real_maybe_save(self, at_step, state, force, final)
-        real_maybe_save(self, at_step, state, force=True, final=final)
+            return real_maybe_save(self, at_step, state, force, final, agreed)
+        real_maybe_save(self, at_step, state, force=True, final=final, agreed=agreed)
         (signals / f"reached.{self.rank}").touch()
         threading.Event().wait()
 
