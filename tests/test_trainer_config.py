@@ -63,6 +63,7 @@ def test_file_overrides_defaults_and_command_line_overrides_file(tmp_path, suffi
     (["--checkpoint.interval=0"], "checkpoint.interval"),
     (["--checkpoint.uri=s3://"], "names no bucket"),
     (["--optim.warmup_steps=500", "--training.steps=100"], "optim.warmup_steps=500"),
+    (["--optim.warmup_steps=50", "--optim.decay_steps=50"], "optim.decay_steps=50 must be 0"),
     (["--training.device=tpu"], "training.device='tpu'"),
     (["--parallel.tp=3"], "parallel.tp=3 must divide model.n_heads=4"),
     (["--parallel.tp=2", "--model.vocab_size=258", "--model.tie_embeddings=true"], "model.tie_embeddings=true needs parallel.tp=1"),

@@ -4,6 +4,7 @@ import collections
 import copy
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +33,46 @@ def test_lr_warms_up_linearly_then_follows_a_cosine_to_the_floor():
     assert lr_factor(8, cfg, 12) == pytest.approx(0.1 + 0.9 * 0.5)
     assert lr_factor(12, cfg, 12) == pytest.approx(0.1)
     assert all(lr_factor(s, cfg, 12) >= lr_factor(s + 1, cfg, 12) for s in range(4, 12))
+
+
+def test_a_decay_shorter_than_the_run_holds_the_floor_after_it():
+    cfg = OptimConfig(warmup_steps=2, decay_steps=6, min_lr_ratio=0.1)
+    assert lr_factor(1, cfg, 10) == 1.0
+    assert lr_factor(4, cfg, 10) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert [lr_factor(s, cfg, 10) for s in range(6, 11)] == pytest.approx([0.1] * 5)
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "trainer" / "configs"
+PUBLISHED_SCHEDULES = {
+    # GPT-3 175B's (Brown et al. 2020, table 2.1, appendix B), which J1-Jumbo's white paper matches
+    # in peak rate and batch: warmup over 375 M tokens, cosine to 10 % over 260 B tokens of 300 B.
+    "jurassic-1-jumbo.toml": {"peak": 0.6e-4, "warmup_tokens": 375e6, "decay_tokens": 260e9, "run_tokens": 300e9},
+    # Llama 2 (Touvron et al. 2023, section 2.2, table 1): 2,000 warmup steps of 4 M tokens,
+    # cosine to 10 % at the end of 2 T tokens.
+    "gpt-7b.toml": {"peak": 3.0e-4, "warmup_tokens": 2000 * 4 * 2**20, "decay_tokens": 2e12, "run_tokens": 2e12},
+    "gpt-70b.toml": {"peak": 1.5e-4, "warmup_tokens": 2000 * 4 * 2**20, "decay_tokens": 2e12, "run_tokens": 2e12},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_SCHEDULES))
+def test_a_large_configs_learning_rate_follows_its_published_schedule(name):
+    """The learning rate the config gives each step, read at the token counts the papers state."""
+    published = PUBLISHED_SCHEDULES[name]
+    cfg = load_config(["--config", str(CONFIGS / name)])
+    tokens_per_step = cfg.training.batch_size * cfg.model.seq_len
+
+    def lr_after(tokens: float) -> float:  # the rate of the step that begins after `tokens`
+        return cfg.optim.lr * lr_factor(round(tokens / tokens_per_step), cfg.optim, cfg.training.steps)
+
+    peak, warmup, decay = published["peak"], published["warmup_tokens"], published["decay_tokens"]
+    warmup_increment = peak * tokens_per_step / warmup  # what one step of warmup adds
+    assert cfg.training.steps * tokens_per_step == pytest.approx(published["run_tokens"], rel=1e-4)
+    assert lr_after(0) == pytest.approx(warmup_increment, rel=0.01)  # linear from 0
+    assert lr_after(warmup / 2) == pytest.approx(peak / 2, abs=2 * warmup_increment)  # to a step
+    assert lr_after(warmup) == pytest.approx(peak, rel=1e-3)
+    assert lr_after((warmup + decay) / 2) == pytest.approx(peak * 0.55, rel=1e-3)  # the cosine's midpoint
+    assert lr_after(decay) == pytest.approx(peak * 0.1, rel=1e-3)
+    assert lr_after(published["run_tokens"]) == pytest.approx(peak * 0.1, rel=1e-3)
 
 
 def test_non_finite_loss_stops_with_a_clear_error(tmp_path):

@@ -107,9 +107,12 @@ class OptimConfig:
     lr: float = 3e-3
     """Peak learning rate of AdamW, reached at the end of warmup."""
     min_lr_ratio: float = 0.1
-    """The cosine schedule decays to lr * min_lr_ratio at the last step."""
+    """The cosine schedule decays to lr * min_lr_ratio at decay_steps, and stays there."""
     warmup_steps: int = 10
     """Steps of linear warmup from 0 to lr."""
+    decay_steps: int = 0
+    """The step at which the cosine reaches its floor, counted from the first step (past
+    warmup_steps); 0 = the last step. GPT-3 decayed over 260 B of its 300 B tokens."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only (not to biases, norms or embeddings)."""
     beta1: float = 0.9
@@ -293,6 +296,8 @@ def _problems(c: JobConfig):
         yield f"optim.lr must be > 0 and optim.min_lr_ratio in [0, 1], got {o.lr}, {o.min_lr_ratio}"
     if not 0 <= o.warmup_steps <= t.steps:
         yield f"optim.warmup_steps={o.warmup_steps} must be between 0 and training.steps={t.steps}"
+    if o.decay_steps and not o.warmup_steps < o.decay_steps:
+        yield f"optim.decay_steps={o.decay_steps} must be 0 (the last step) or past optim.warmup_steps={o.warmup_steps}"
     if o.grad_clip < 0 or o.weight_decay < 0:
         yield f"optim.grad_clip and optim.weight_decay must be >= 0, got {o.grad_clip}, {o.weight_decay}"
     if k.timeout_s <= 0:

@@ -106,10 +106,12 @@ class TrainState(Stateful):
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Multiplier of optim.lr at a 0-based step: linear warmup to 1, then cosine down to min_lr_ratio."""
+    """Multiplier of optim.lr at a 0-based step: linear warmup to 1, then cosine down to min_lr_ratio
+    at optim.decay_steps (or the last step), then flat."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+    decay_end = cfg.decay_steps or total_steps
+    progress = (step - cfg.warmup_steps) / max(1, decay_end - cfg.warmup_steps)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
