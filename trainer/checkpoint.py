@@ -342,10 +342,11 @@ class Checkpointer:
         a save was started.
 
         Call it on every rank after every step. `agreed`: the ranks' votes (`vote`) summed over
-        all ranks, by a collective the caller runs anyway; without it this rank's vote (with
-        `force`) is summed here. A save on request (force, signal, flag file) returns only once
-        the checkpoint is committed: the node may be about to go away. The manifest records why
-        it was saved (a request wins over the other reasons).
+        all ranks, by a collective the caller runs anyway (then `force` must be the same on every
+        rank); without it this rank's vote, `force` included, is summed here. A save on request
+        (force, signal, flag file) returns only once the checkpoint is committed: the node may be
+        about to go away. The manifest records why it was saved (a request wins over the other
+        reasons).
         """
         if agreed is None:
             agreed = self._agree(self.vote(force))
