@@ -3,8 +3,12 @@
 Applied in torchtitan's order, each to the part a pipeline rank holds (or to the whole model):
 
     tensor_parallel(part, mesh["tp"])        split the matrices over tp, on the meta device
-    materialize(part, device, seed, layers)  allocate this rank's shards and fill them
     parallelize(part, cfg, mesh, device)     checkpoint, compile and shard over data parallel
+    materialize(part, device, seed, layers)  allocate this rank's shards and fill them
+
+Everything before `materialize` happens on the meta device, so a rank only ever allocates its own
+shard of each parameter: sharded after materializing, every rank would first hold its whole
+tensor-parallel part in fp32 (35 GB per GPU for a 70B model at tp=8).
 
 The mesh is (pp, dp_replicate, dp_shard, tp), outermost first (trainer/train.py builds it):
 tensor parallel talks twice per layer and stays inside a node; FSDP's all-gathers and
@@ -20,7 +24,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -76,18 +81,30 @@ def loss_context(cfg: JobConfig):
 def materialize(part: nn.Module, device: torch.device, seed: int, n_layers: int) -> None:
     """Allocate the part's parameters on `device` (from the meta device) and fill them.
 
-    Every rank computes a parameter's full initial value from its name and keeps its own shard,
-    without communication, so any layout starts from exactly the single-process weights.
+    Every rank computes a parameter's full initial value from its name on the host and copies
+    only its own shard to `device`, without communication, so any layout starts from exactly the
+    single-process weights, and no full parameter is ever on the GPU (a 178B model's vocabulary
+    head is 14 GB in fp32).
     """
     part.to_empty(device=device)
     with torch.no_grad():
         for name, param in part.named_parameters():
-            full = initial_values(name, param.shape, seed, n_layers)
+            full = initial_values(_model_name(name), param.shape, seed, n_layers)
             if isinstance(param, DTensor):
-                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-                param.to_local().copy_(local)
+                shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+                param.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
             else:
                 param.copy_(full)
+
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _model_name(name: str) -> str:
+    """A parameter's name in trainer/model.py's GPT, without the wrappers' module levels."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def _uses_fsdp(cfg: JobConfig, device: torch.device) -> bool:
@@ -97,7 +114,7 @@ def _uses_fsdp(cfg: JobConfig, device: torch.device) -> bool:
 
 
 def parallelize(part: GPT, cfg: JobConfig, mesh: DeviceMesh | None, device: torch.device) -> None:
-    """Activation checkpointing, torch.compile and FSDP2 on a materialized part, in place."""
+    """Activation checkpointing, torch.compile and FSDP2 on a part still on the meta device, in place."""
     mode = cfg.training.activation_checkpoint
     for name, block in list(part.layers.items()):
         if mode != "none":
@@ -109,22 +126,32 @@ def parallelize(part: GPT, cfg: JobConfig, mesh: DeviceMesh | None, device: torc
         _fully_shard(part, cfg, mesh, device)
 
 
-# Selective activation checkpointing keeps the outputs of the matmuls, attention and the tensor-
-# parallel collectives, and recomputes the cheap elementwise work (norms, GELU, adds, views).
-_SAVED_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
+# Selective activation checkpointing keeps the outputs of the matmuls, attention and tensor
+# parallel's reduce-scatters, and recomputes the cheap elementwise work (norms, GELU, adds, views).
+# Under tensor parallel it keeps nothing of the full sequence: not the all-gathers' outputs (the
+# backward gathers again, as torchtitan's policy does), nor a row-parallel matmul's output, a
+# partial sum of the whole sequence whose reduce-scatter (T/tp of it) is kept instead. Each would
+# hold tp times the memory of what is kept.
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+_SAVED_OPS = _MATMULS | {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops._c10d_functional.all_gather_into_tensor.default,
 }
 
 
+def _is_row_parallel(op, args) -> bool:
+    """A matmul whose input is split along its last (contracted) dimension: its output is partial."""
+    matrix = args[-2]
+    return (op in _MATMULS and isinstance(matrix, DTensor)
+            and any(isinstance(p, Shard) and p.dim in (-1, matrix.ndim - 1) for p in matrix.placements))
+
+
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in _SAVED_OPS and not _is_row_parallel(op, args):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _checkpointed(block: nn.Module, mode: str) -> nn.Module:

@@ -96,8 +96,11 @@ class Pipeline:
         losses = []
         for i, (x, y) in enumerate(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches))):
             if isinstance(model, FSDPModule):
-                # Gradients are reduced over data parallel once, after the last microbatch.
-                model.set_requires_gradient_sync(i == self.microbatches - 1)
+                # Each microbatch's gradients are reduce-scattered as its backward makes them (FSDP2's
+                # default): kept unsharded until the last one, every unit's would stay on the GPU in
+                # fp32, 4 bytes a parameter. Only the all-reduce across dp_replicate waits for the
+                # last microbatch (a sharded partial sum is kept meanwhile).
+                model.set_requires_all_reduce(i == self.microbatches - 1)
             loss = cross_entropy_loss(model(x), y)
             (loss / self.microbatches).backward()
             losses.append(loss.detach())
@@ -251,13 +254,13 @@ def _layers_per_stage(cfg: ModelConfig, n_stages: int, override: list[int]) -> l
 def _build_part(cfg: JobConfig, layers: range, first: bool, last: bool, device: torch.device,
                 mesh: DeviceMesh | None) -> nn.Module:
     # Built on the meta device and split before it is materialised, so no rank ever allocates
-    # layers it does not own, nor more of a matrix than its tensor-parallel shard.
+    # layers it does not own, nor more of a matrix than its tensor-parallel and FSDP shard.
     with torch.device("meta"):
         part = GPT(cfg.model, layers, first=first, last=last)
     if cfg.parallel.tp > 1:
         tensor_parallel(part, mesh["tp"])
-    materialize(part, device, cfg.training.seed, cfg.model.n_layers)
     parallelize(part, cfg, mesh, device)
+    materialize(part, device, cfg.training.seed, cfg.model.n_layers)
     return part
 
 
