@@ -430,8 +430,8 @@ TRAINER_FIELDS: dict[str, frozenset[str]] = {
     "parallel": frozenset({"pp", "dp", "dp_shard", "tp", "reshard_after_forward", "schedule", "microbatches",
                            "stages_per_rank", "layers_per_stage", "timeout_s", "early_p2p"}),
     "data": frozenset({"shards", "cache_dir", "cache_bytes", "corpus_bytes", "shard_tokens"}),
-    "optim": frozenset({"lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
-                        "grad_clip"}),
+    "optim": frozenset({"lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "beta1", "beta2",
+                        "eps", "grad_clip"}),
     "training": frozenset({"steps", "batch_size", "seed", "device", "activation_checkpoint", "compile", "threads",
                            "metrics_file"}),
 }
