@@ -48,7 +48,7 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
     workers = min(len(allocation.instance_ids), spec.node_count)
     plan = plan_layout(spec.trainer, spec.facts.ranks_per_node, available_nodes=workers,
                        min_nodes=spec.shrink_floor, preferred_pp=spec.trainer.parallel.pp,
-                       memory_gib=spec.facts.memory_per_rank_gib)
+                       memory_gib=spec.facts.memory_per_rank_gib, accelerator=spec.facts.accelerator)
     if plan is None:
         terminate(cloud.ec2, allocation.instance_ids)
         raise capacity_unavailable(name, f"{workers} nodes launched and no layout of the trainer runs on "

@@ -66,7 +66,7 @@ def check_memory(spec: RunSpec, config: JobConfig) -> None:
     if facts.accelerator == "none":
         logger.info("memory check skipped: no accelerator", instance_type=facts.name)
         return
-    workload = memory_plan.Workload.from_sections(asdict(config), mixed_precision=True)
+    workload = memory_plan.Workload.from_sections(asdict(config), accelerator=facts.accelerator)
     problem = memory_plan.memory_problem(workload, facts.name, facts.ranks_per_node, facts.memory_per_rank_gib)
     if problem:
         raise InvalidRunSpec(f"trainer: {problem}")

@@ -68,22 +68,60 @@ def test_fsdp_shards_parameters_gradients_and_both_moments_over_dp_shard():
 
 
 def test_a_pipeline_keeps_the_stage_gathered_in_bf16_and_its_gradients_unsharded_in_fp32():
-    piped = mp.rank_memory(_workload(pp=2, dp=4), 0)
-    local_params = piped.components["parameters"] * 4 // mp.FP32  # the shard x dp_shard
-    assert piped.components["gathered parameters"] == pytest.approx(local_params * mp.BF16, rel=1e-3)
-    assert piped.components["unsharded gradients"] == pytest.approx(local_params * mp.FP32, rel=1e-3)
+    for reshard in ("auto", "always"):  # PipelineStage does not reshard after a backward, whatever is asked
+        piped = mp.rank_memory(_workload(pp=2, dp=4, reshard_after_forward=reshard), 0)
+        local_params = piped.components["parameters"] * 4 // mp.FP32  # the shard x dp_shard
+        assert piped.components["gathered parameters"] == pytest.approx(local_params * mp.BF16, rel=1e-3)
+        assert piped.components["unsharded gradients"] == pytest.approx(local_params * mp.FP32, rel=1e-3)
     # Without a pipeline, resharding after forward keeps only the blocks at work gathered.
     flat = mp.rank_memory(_workload(dp=8), 0).components
     assert flat["gathered parameters"] < mp.rank_memory(_workload(dp=8, reshard_after_forward="never"),
                                                         0).components["gathered parameters"]
 
 
+def test_without_a_pipeline_each_microbatch_reduce_scatters_its_gradients():
+    """One unit's unsharded gradient at a time, never the part's: 4 bytes a parameter would be
+    +25 GiB on a 7B model's GPU."""
+    accumulating = mp.rank_memory(_workload(shape=J1, tp=8, dp=8, batch_size=64, microbatches=8,
+                                            activation_checkpoint="full"), 0)
+    local = accumulating.components["parameters"] * 8 // mp.FP32
+    assert accumulating.components["unsharded gradients"] < local * mp.FP32 / 20
+    assert accumulating.components["gradients"] == accumulating.components["parameters"]
+    # With replicas, a sharded partial sum waits for the last microbatch's all-reduce.
+    hybrid = mp.rank_memory(_workload(shape=J1, tp=8, dp=8, dp_shard=4, batch_size=64, microbatches=8,
+                                      activation_checkpoint="full"), 0)
+    assert hybrid.components["gradients"] == 2 * hybrid.components["parameters"]
+
+
+def test_the_peak_is_one_moment_of_the_step():
+    # One microbatch: the gradients grow only as the activations are freed, so the peak holds one or the other.
+    single = mp.rank_memory(_workload(mixed_precision=False, microbatches=1), 0)
+    assert single.peak == "activations" and single.components["gradients"] == 0
+    # Several microbatches: the first's gradients are alive while the next holds its activations.
+    several = mp.rank_memory(_workload(mixed_precision=False, microbatches=8), 0)
+    assert several.peak == "activations" and several.components["gradients"] == several.components["parameters"]
+    # A model of parameters and little else peaks when its gradients are complete.
+    wide = mp.ModelShape(n_layers=2, d_model=2048, n_heads=16, vocab_size=50304, seq_len=8)
+    heavy = mp.rank_memory(_workload(shape=wide, mixed_precision=False, microbatches=1), 0)
+    assert heavy.peak == "gradients" and heavy.components["gradients"] == heavy.components["parameters"]
+    assert mp.grads_alive_at_activation_peak(held=4, stages_here=1, microbatches=8)       # 1F1B past its warm-up
+    assert not mp.grads_alive_at_activation_peak(held=8, stages_here=1, microbatches=8)   # GPipe
+
+
 def test_cpu_runs_are_fp32_without_copies_or_allowance():
     memory = mp.rank_memory(_workload(mixed_precision=False), 0)
     assert memory.components["gathered parameters"] == memory.components["unsharded gradients"] == 0
     assert memory.allowance == 0
-    on_gpu = mp.rank_memory(_workload(), 0)
-    assert on_gpu.allowance == mp.CUDA_CONTEXT_BYTES + int(mp.FRAGMENTATION_FRACTION * on_gpu.tensors)
+
+
+def test_the_gpu_allowance_counts_the_context_each_nccl_communicator_and_fragmentation():
+    on_h100 = mp.rank_memory(_workload(pp=2, dp=4), 0)  # the world, pp and dp_shard: three communicators
+    assert mp.Layout(pp=2, dp=4).communicators == 3 and mp.Layout().communicators == 1
+    assert mp.Layout(pp=2, dp=4, dp_shard=2, tp=8).communicators == 5
+    assert on_h100.allowance == (mp.CUDA_CONTEXT_BYTES + 3 * mp.NCCL_COMMUNICATOR_BYTES["H100"]
+                                 + int(mp.FRAGMENTATION_FRACTION * on_h100.tensors))
+    on_a100 = mp.rank_memory(replace(_workload(pp=2, dp=4), accelerator="A100"), 0)
+    assert on_a100.tensors == on_h100.tensors and on_a100.allowance < on_h100.allowance
 
 
 def test_the_fullest_rank_decides():

@@ -16,6 +16,11 @@ published list prices. The P-type prices are estimates (`price_is_estimate`): AW
 P4de, P5 and P5en on-demand prices by up to 45 % in June 2025, the current list could not be
 checked here, and p5e is sold mainly as Capacity Blocks. Prices feed only the cost ledger and the
 cost ceiling; check the pricing page before relying on a ceiling.
+GPU memory is what CUDA reports as the device's total, which the memory plan holds layouts to: the
+data sheets' 40 GB and 80 GB are 39.39 GiB on an A100 40 GB, 79.35 GiB on an A100 80 GB and 79.18
+GiB on an H100 80 GB (the driver's and ECC's reservations come off). The H200's 139.8 GiB is an
+estimate (nvidia-smi's 143,771 MiB, less the same share as on the H100), to confirm with
+torch.cuda.mem_get_info.
 The all-reduce bus-bandwidth floors are this project's acceptance thresholds for the preflight
 all-reduce test (nccl-tests "busbw" between two nodes), set at roughly half the EFA line rate
 in bytes: a healthy pair of nodes clears them, a node with a dead EFA card does not. They are
@@ -80,8 +85,9 @@ class InstanceFacts(BaseModel):
     """Accelerator model; "none" for the small CPU types used by local runs."""
     accelerator_count: int = Field(ge=0)
     """Accelerators per instance (GPUs, or Trainium chips)."""
-    accelerator_memory_gib: int = Field(ge=0)
-    """Memory of one accelerator in GiB."""
+    accelerator_memory_gib: float = Field(ge=0)
+    """Memory of one accelerator in GiB: on GPUs, what CUDA reports as the device's total
+    (torch.cuda.mem_get_info), a little under the data sheet's figure (see the module docstring)."""
     ranks_per_node: int = Field(ge=1)
     """Trainer processes per instance: one per GPU, one per NeuronCore (2 per Trainium chip),
     one per physical core on CPU types."""
@@ -142,7 +148,7 @@ _GPU_FACTS = {
 """Per-GPU facts of each SXM accelerator (see the module docstring)."""
 
 
-def _gpu(name: str, accelerator: str, count: int, memory_gib: int, cards: int, efa_gbps: int,
+def _gpu(name: str, accelerator: str, count: int, memory_gib: float, cards: int, efa_gbps: int,
          busbw_floor: float, price: float, *, estimate: bool = False, vcpus: int = 96) -> InstanceFacts:
     return InstanceFacts(name=name, accelerator=accelerator, accelerator_count=count,
                          accelerator_memory_gib=memory_gib, ranks_per_node=count, vcpus=vcpus,
@@ -163,15 +169,15 @@ CATALOGUE: MappingProxyType[str, InstanceFacts] = MappingProxyType({
     facts.name: facts for facts in (
         # Every P type here runs on Nitro v4 or later: EFA with RDMA read (_gpu sets it).
         # 8x A100 40 GB, 4 network cards, 400 Gbps EFA.
-        _gpu("p4d.24xlarge", "A100", 8, 40, 4, 400, 25.0, 21.96, estimate=True),
+        _gpu("p4d.24xlarge", "A100", 8, 39.39, 4, 400, 25.0, 21.96, estimate=True),
         # 8x A100 80 GB, same network as p4d.
-        _gpu("p4de.24xlarge", "A100", 8, 80, 4, 400, 25.0, 27.45, estimate=True),
+        _gpu("p4de.24xlarge", "A100", 8, 79.35, 4, 400, 25.0, 27.45, estimate=True),
         # 8x H100 80 GB, 32 network cards, 3200 Gbps EFA (v2).
-        _gpu("p5.48xlarge", "H100", 8, 80, 32, 3200, 200.0, 55.04, estimate=True, vcpus=192),
+        _gpu("p5.48xlarge", "H100", 8, 79.18, 32, 3200, 200.0, 55.04, estimate=True, vcpus=192),
         # 8x H200 141 GB, 32 network cards, 3200 Gbps EFA (v2).
-        _gpu("p5e.48xlarge", "H200", 8, 141, 32, 3200, 200.0, 60.00, estimate=True, vcpus=192),
+        _gpu("p5e.48xlarge", "H200", 8, 139.8, 32, 3200, 200.0, 60.00, estimate=True, vcpus=192),
         # 8x H200 141 GB, 16 network cards, 3200 Gbps EFA (v3).
-        _gpu("p5en.48xlarge", "H200", 8, 141, 16, 3200, 200.0, 63.30, estimate=True, vcpus=192),
+        _gpu("p5en.48xlarge", "H200", 8, 139.8, 16, 3200, 200.0, 63.30, estimate=True, vcpus=192),
         # 16 Trainium chips (32 NeuronCores) with 32 GB each, 8 network cards, 800 Gbps EFA.
         InstanceFacts(name="trn1.32xlarge", accelerator="Trainium", accelerator_count=16,
                       accelerator_memory_gib=32, ranks_per_node=32, vcpus=128, network_cards=8,

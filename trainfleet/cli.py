@@ -58,7 +58,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.schedule is not None:
         given["schedule"] = args.schedule
     gpu = facts.accelerator != "none"
-    workload = mp.Workload.from_sections(asdict(config), mixed_precision=gpu)
+    workload = mp.Workload.from_sections(asdict(config), mixed_precision=gpu, accelerator=facts.accelerator)
     workload = replace(workload, layout=replace(workload.layout, **given))
     shape, rpn = workload.shape, facts.ranks_per_node
     print(f"model {args.model}: {mp.parameter_count(shape) / 1e9:.2f} B parameters ({shape.n_layers} layers, "

@@ -14,13 +14,28 @@ anything is allocated. What is modelled is how the trainer holds memory:
   rows, position embedding and norms replicated; sequence parallel between the matmul regions.
 - FSDP2 over dp_shard: fp32 parameters, gradients and AdamW's two moments sharded, 16 bytes per
   parameter over dp_shard. On CUDA, bf16 unsharded copies of the parameters being computed
-  (mixed precision) and fp32 unsharded gradients until their reduce-scatter; under a pipeline
-  the stage keeps both for the whole step (torch's PipelineStage turns resharding after backward
-  and gradient sync off until the step's last backward).
+  (mixed precision) and fp32 unsharded gradients until their reduce-scatter. Without a pipeline
+  each microbatch's gradients are reduce-scattered as its backward makes them (one unit's
+  unsharded gradient at a time; with dp_replicate a sharded partial sum waits for the last
+  microbatch's all-reduce). Under a pipeline a stage keeps both its unsharded parameters and its
+  unsharded gradients from its first backward to the end of the step (torch's PipelineStage turns
+  resharding after backward and gradient sync off until the step's last backward), whatever
+  reshard_after_forward says.
 - Activations per layer and microbatch derived for this block (`activation_bytes`), times the
   microbatches the schedule keeps in flight on a rank (`in_flight`); the logits of the last
   stage in fp32 for the loss; the pipeline's receive buffers, one per microbatch.
+- The peak is one moment of the step, not the sum of every tensor that ever lives in it: either
+  while the most activations are held (with the gradients of earlier microbatches, when the
+  schedule runs a backward before its last forward) or when the gradients are complete and the
+  activations are gone. Within a moment, the loss's backward and a layer's backward are
+  transients one after the other, never both. The larger moment is the rank's peak.
+- Start-up is never the peak: the trainer shards over FSDP on the meta device and allocates only
+  its shards (trainer/parallelize.py), filling them from full values made on the host.
 - On CPU everything is fp32 and unsharded copies exist only when dp_shard > 1.
+- On CUDA, an allowance outside the tensors (`allowance_bytes`): the CUDA context with cuBLAS's
+  workspaces, NCCL's buffers per communicator the layout opens, and the caching allocator's
+  fragmentation. The device's memory is what CUDA reports as its total (the catalogue's figure),
+  not the data sheet's.
 
 Offers:
     ModelShape, Layout, Workload        the plain inputs (Workload.from_sections reads a trainer config)
@@ -44,11 +59,18 @@ from trainfleet.contracts import SCHEDULES, Placement, pipeline_layout_problem
 
 GIB = 1024 ** 3
 
-CUDA_CONTEXT_BYTES = int(1.0 * GIB)
-"""Per GPU, outside PyTorch's allocator: the CUDA context and kernels (300-800 MiB on A100/H100
-with PyTorch 2.x, per the PyTorch CUDA semantics notes and nvidia-smi after `torch.cuda.init()`),
-cuBLAS workspaces and NCCL's communicator buffers (NCCL_BUFFSIZE, 4 MiB per channel and peer).
-An allowance to confirm with torch.cuda.mem_get_info on the hardware."""
+CUDA_CONTEXT_BYTES = int(0.75 * GIB)
+"""Per GPU, outside PyTorch's allocator: the CUDA context and its kernels (300-800 MiB on A100/H100
+with PyTorch 2.x, per the PyTorch CUDA semantics notes and nvidia-smi after `torch.cuda.init()`) and
+cuBLAS's workspaces (a few tens of MiB per stream). An allowance to confirm with
+torch.cuda.mem_get_info on the hardware (bench/gpu.py prints it)."""
+
+NCCL_COMMUNICATOR_BYTES = {"A100": int(0.7 * GIB), "H100": int(2.0 * GIB), "H200": int(2.0 * GIB)}
+"""GPU memory NCCL allocates per communicator once it has run collectives: 544-688 MB per
+communicator measured on 4x A100 with NVLink (NVIDIA/nccl issue 964); about 1.6 GB for one
+communicator and 6 GB for three or more on H100 systems, whose NVLink SHARP (NVLS) buffers are the
+bulk (NVIDIA/nccl issue 864; NeMo and JAX-Toolbox set NCCL_NVLS_ENABLE=0 to save it). The trainer
+opens one for the world and one per mesh dimension larger than one (`communicators`)."""
 
 FRAGMENTATION_FRACTION = 0.10
 """Memory the caching allocator reserves but cannot hand out (blocks split by differently sized
@@ -116,9 +138,16 @@ class Layout:
 
     @property
     def keeps_gathered_parameters(self) -> bool:
-        """FSDP keeps a stage's unsharded parameters from forward to backward: reshard_after_forward
-        never, or auto under a pipeline (a stage runs forward once per microbatch)."""
-        return self.reshard_after_forward == "never" or (self.reshard_after_forward == "auto" and self.pp > 1)
+        """FSDP keeps a part's unsharded parameters through the step: under a pipeline always (a
+        stage does not reshard after a backward until the step's last), without one when
+        reshard_after_forward is never."""
+        return self.pp > 1 or self.reshard_after_forward == "never"
+
+    @property
+    def communicators(self) -> int:
+        """NCCL communicators a rank opens: the world's, and one per mesh dimension larger than one."""
+        dims = (self.pp, self.dp // self.resolved_dp_shard, self.resolved_dp_shard, self.tp)
+        return 1 + sum(size > 1 for size in dims)
 
     def describe(self) -> str:
         return (f"pp={self.pp} dp={self.dp} tp={self.tp} dp_shard={self.resolved_dp_shard} "
@@ -133,9 +162,11 @@ class Workload:
     shape: ModelShape
     layout: Layout
     mixed_precision: bool = True
+    accelerator: str = "H100"
+    """The GPU (the catalogue's accelerator name): NCCL's buffers per communicator depend on it."""
 
     @classmethod
-    def from_sections(cls, sections: dict, mixed_precision: bool = True) -> Workload:
+    def from_sections(cls, sections: dict, mixed_precision: bool = True, accelerator: str = "H100") -> Workload:
         """From a trainer config as plain sections ({"model": {...}, "parallel": {...}, "training":
         {...}}, e.g. dataclasses.asdict of trainer/config.py's JobConfig); other fields are ignored."""
         model, par, training = sections["model"], sections["parallel"], sections["training"]
@@ -143,7 +174,8 @@ class Workload:
         layout = Layout(**{f: par[f] for f in Layout.__dataclass_fields__ if f in par},
                         activation_checkpoint=training.get("activation_checkpoint", "none"),
                         batch_size=training["batch_size"])
-        return cls(shape, replace(layout, layers_per_stage=tuple(layout.layers_per_stage)), mixed_precision)
+        return cls(shape, replace(layout, layers_per_stage=tuple(layout.layers_per_stage)), mixed_precision,
+                   accelerator)
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,6 +341,10 @@ def _backward_working_bytes(m: ModelShape, microbatch: int, tp: int, mode: str, 
 COMPONENTS = ("parameters", "gradients", "optimizer", "gathered parameters", "unsharded gradients",
               "activations", "pipeline buffers", "logits")
 
+PEAKS = {"activations": "while its most activations are held",
+         "gradients": "when its gradients are complete"}
+"""The moments of a step that can be a rank's peak (see the module docstring)."""
+
 
 @dataclass(frozen=True)
 class RankMemory:
@@ -316,7 +352,10 @@ class RankMemory:
 
     pp_rank: int
     components: dict[str, int]
+    """What is alive at the peak."""
     allowance: int = 0
+    peak: str = "activations"
+    """Which moment of the step (a key of PEAKS)."""
 
     @property
     def tensors(self) -> int:
@@ -327,9 +366,18 @@ class RankMemory:
         return self.tensors + self.allowance
 
 
-def allowance_bytes(tensor_bytes: int) -> int:
-    """CUDA context and allocator fragmentation on top of the tensors (see the constants)."""
-    return CUDA_CONTEXT_BYTES + int(FRAGMENTATION_FRACTION * tensor_bytes)
+def allowance_bytes(tensor_bytes: int, communicators: int, accelerator: str) -> int:
+    """CUDA context, NCCL's buffers and allocator fragmentation on top of the tensors (see the constants)."""
+    return (CUDA_CONTEXT_BYTES + communicators * NCCL_COMMUNICATOR_BYTES.get(accelerator, 0)
+            + int(FRAGMENTATION_FRACTION * tensor_bytes))
+
+
+def grads_alive_at_activation_peak(held: int, stages_here: int, microbatches: int) -> bool:
+    """Whether gradients of an earlier microbatch are alive when a rank holds its most activations:
+    whenever its schedule runs a backward before its last forward (pp=1 with several microbatches,
+    1F1B past its warm-up), the peak comes back with them. Only when every forward comes first
+    (one microbatch, GPipe, looped BFS) do the gradients grow only as the activations shrink."""
+    return held < stages_here * microbatches
 
 
 def rank_memory(w: Workload, pp_rank: int) -> RankMemory:
@@ -349,28 +397,36 @@ def rank_memory(w: Workload, pp_rank: int) -> RankMemory:
     sharded = math.ceil(local / shard)
 
     # FSDP's unsharded copies: bf16 on CUDA (mixed precision); on CPU only when sharded at all.
-    fsdp_copies = w.mixed_precision or shard > 1
+    fsdp = w.mixed_precision or shard > 1
     gathered_dtype = BF16 if w.mixed_precision else FP32
-    if not fsdp_copies:
+    if not fsdp:
         gathered = 0
     elif lay.keeps_gathered_parameters:
         gathered = local * gathered_dtype
     else:
         gathered = (largest_unit + block) * gathered_dtype     # the unit computed and the next, prefetched
-    if not fsdp_copies:
-        unsharded_grads = 0
-    elif lay.pp > 1:
-        unsharded_grads = local * FP32                         # accumulated over the step's microbatches
+    # One unit's gradient in the compute dtype and its fp32 copy for the reduce-scatter, in each backward.
+    unit_gradient = largest_unit * (gathered_dtype + FP32 if w.mixed_precision else FP32) if fsdp else 0
+
+    sharded_grads = sharded * FP32
+    layer_backward = _backward_working_bytes(m, b, tp, lay.activation_checkpoint, w.mixed_precision)
+    if fsdp and lay.pp > 1:
+        # Accumulated unsharded over the step's microbatches; reduce-scattered into the sharded
+        # gradients after the last backward, when no layer's backward is running any more.
+        accumulated = {"unsharded gradients": local * FP32}
+        complete = {**accumulated, **({"gradients": sharded_grads} if sharded_grads > layer_backward
+                                      else {"activations": layer_backward})}
     else:
-        # One unit's gradient in the compute dtype and its fp32 copy for the reduce-scatter.
-        unsharded_grads = largest_unit * (gathered_dtype + FP32 if w.mixed_precision else FP32)
+        replicas = lay.dp // shard
+        partial = sharded * FP32 if fsdp and replicas > 1 and lay.microbatches > 1 else 0
+        accumulated = {"gradients": sharded_grads + partial, "unsharded gradients": unit_gradient}
+        complete = {**accumulated, "activations": layer_backward}  # the first layer's backward, the last to run
 
     e = BF16 if w.mixed_precision else FP32
     hidden = b * m.seq_len * m.d_model * e // tp               # one microbatch of the residual stream
     held = in_flight(lay.schedule, lay.pp, lay.resolved_stages_per_rank, lay.microbatches, pp_rank)
     per_layer = activation_bytes(m, b, tp, lay.activation_checkpoint, w.mixed_precision)
-    activations = held * max(layers[s] for s in mine) * per_layer + _backward_working_bytes(
-        m, b, tp, lay.activation_checkpoint, w.mixed_precision)
+    held_activations = held * max(layers[s] for s in mine) * per_layer
 
     buffers = 0
     if lay.pp > 1:
@@ -380,28 +436,33 @@ def rank_memory(w: Workload, pp_rank: int) -> RankMemory:
             buffers += lay.microbatches * hidden * ((s > 0) + (s < n_stages - 1))
             buffers += held * hidden * (s < n_stages - 1)
 
-    logits = 0
+    logits = loss_backward = 0
     if n_stages - 1 in mine:
         last_held = last_stage_in_flight(lay.schedule, lay.pp, lay.microbatches)
         logit_elems = b * m.seq_len * m.vocab_size // tp
         # The final norm keeps its fp32 input and the head its input (gathered over the sequence).
-        activations += last_held * (FP32 * hidden // e + e * b * m.seq_len * m.d_model)
-        # The head's output (e) and its fp32 log-softmax per microbatch awaiting backward, plus the
-        # fp32 gradients of both while one microbatch's loss is differentiated.
-        logits = (last_held * (e + FP32) + 2 * FP32) * logit_elems
+        held_activations += last_held * (FP32 * hidden // e + e * b * m.seq_len * m.d_model)
+        # The head's output (e) and its fp32 log-softmax per microbatch awaiting backward; the fp32
+        # gradients of both while one microbatch's loss is differentiated, before any layer's backward.
+        logits = last_held * (e + FP32) * logit_elems
+        loss_backward = 2 * FP32 * logit_elems
 
-    components = {
-        "parameters": sharded * FP32,
-        "gradients": sharded * FP32,
-        "optimizer": 2 * sharded * FP32,                       # AdamW exp_avg and exp_avg_sq
-        "gathered parameters": gathered,
-        "unsharded gradients": unsharded_grads,
-        "activations": activations,
-        "pipeline buffers": buffers,
-        "logits": logits,
+    resident = {"parameters": sharded * FP32, "optimizer": 2 * sharded * FP32,  # AdamW exp_avg and exp_avg_sq
+                "gathered parameters": gathered, "pipeline buffers": buffers}
+    transient = max(layer_backward, loss_backward)
+    stages_here = len(mine)
+    moments = {
+        "activations": {**resident, "logits": logits + (loss_backward if transient == loss_backward else 0),
+                        "activations": held_activations + (layer_backward if transient != loss_backward else 0),
+                        **(accumulated if grads_alive_at_activation_peak(held, stages_here, lay.microbatches)
+                           else {"unsharded gradients": unit_gradient if lay.pp == 1 else 0})},
+        "gradients": {**resident, **complete},
     }
+    peak, alive = max(moments.items(), key=lambda moment: sum(moment[1].values()))
+    components = {name: alive.get(name, 0) for name in COMPONENTS}
     tensors = sum(components.values())
-    return RankMemory(pp_rank, components, allowance_bytes(tensors) if w.mixed_precision else 0)
+    allowance = allowance_bytes(tensors, lay.communicators, w.accelerator) if w.mixed_precision else 0
+    return RankMemory(pp_rank, components, allowance, peak)
 
 
 def fullest_rank(w: Workload) -> RankMemory:
@@ -524,10 +585,11 @@ def format_memory(memory: RankMemory, memory_gib: float | None) -> str:
     """A table of the fullest rank's figures in GiB, with its total against the device's memory."""
     rows = [(name, memory.components[name]) for name in COMPONENTS]
     if memory.allowance:
-        rows.append(("CUDA context + fragmentation", memory.allowance))
+        rows.append(("CUDA context, NCCL, fragmentation", memory.allowance))
     width = max(len(name) for name, _ in rows) + 2
     lines = [f"  {name:<{width}}{value / GIB:10.2f} GiB" for name, value in rows]
-    lines.append(f"  {'total (pipeline rank ' + str(memory.pp_rank) + ')':<{width}}{memory.total / GIB:10.2f} GiB")
+    lines.append(f"  {'total (pipeline rank ' + str(memory.pp_rank) + ')':<{width}}{memory.total / GIB:10.2f} GiB"
+                 f"  at its peak, {PEAKS[memory.peak]}")
     if memory_gib is not None:
         lines.append(f"  {'device memory':<{width}}{memory_gib:10.2f} GiB")
     return "\n".join(lines)

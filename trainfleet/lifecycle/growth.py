@@ -57,4 +57,5 @@ def grown_plan(run: RunRecord, available: int) -> ParallelPlan | None:
     """The layout on `available` nodes, up to the planned size; None when none runs there."""
     spec = run.spec
     return plan_layout(spec.trainer, spec.facts.ranks_per_node, min(available, spec.node_count), spec.shrink_floor,
-                       preferred_pp=spec.trainer.parallel.pp, memory_gib=spec.facts.memory_per_rank_gib)
+                       preferred_pp=spec.trainer.parallel.pp, memory_gib=spec.facts.memory_per_rank_gib,
+                       accelerator=spec.facts.accelerator)

@@ -165,7 +165,7 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
         available = len(workers) + len(spares)
         shrunk = plan_layout(spec.trainer, spec.facts.ranks_per_node, available, spec.min_nodes,
                              preferred_pp=plan.pp if plan else spec.trainer.parallel.pp,
-                             memory_gib=spec.facts.memory_per_rank_gib)
+                             memory_gib=spec.facts.memory_per_rank_gib, accelerator=spec.facts.accelerator)
         if shrunk is None:
             return give_up(f"only {available} nodes available and no layout runs on "
                            f"{spec.min_nodes}..{available} of them")
