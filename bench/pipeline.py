@@ -13,8 +13,7 @@ T_single the fastest of its measurements before, between and after: on a machine
 other work the least disturbed step is the truest, and both sides are measured the same way.
 `busy` is CPU time / wall time, averaged over ranks: the bubble allows m / (m + pp - 1); a
 single process below 1.0 means other work took the core.
-All figures come from this one run, side by side. The last line is the 1F1B, pp=2, m=8 ratio;
-"1f1b stock p2p" is the same 1F1B with torch's own send/receive timing (parallel.early_p2p=false).
+All figures come from this one run, side by side. The last line is the 1F1B, pp=2, m=8 ratio.
 pp ranks beyond the machine's cores share them, which the bound does not allow for.
 """
 
@@ -41,16 +40,11 @@ MODEL = ["--model.n_layers=8", "--model.d_model=128", "--model.n_heads=4", "--mo
          "--training.batch_size=16", "--training.threads=1", "--training.device=cpu", "--training.steps=1000"]
 
 
-# 1F1B also runs with torch's own send/receive timing (parallel.early_p2p=false), the "before" figure.
-STOCK_P2P = "1f1b stock p2p"
-
-
 def bench_config(workdir: str, pp: int, schedule: str, microbatches: int):
-    """The benchmark model at this layout; schedule STOCK_P2P is 1F1B without early receives."""
-    early = schedule != STOCK_P2P
+    """The benchmark model at this layout."""
     return load_config([*MODEL, f"--data.shards={workdir}/shards", "--data.corpus_bytes=300000",
                         f"--training.metrics_file={workdir}/metrics.jsonl", f"--parallel.pp={pp}",
-                        f"--parallel.schedule={schedule if early else '1f1b'}", f"--parallel.early_p2p={early}",
+                        f"--parallel.schedule={schedule}",
                         f"--parallel.microbatches={microbatches}"])
 
 
@@ -145,7 +139,7 @@ def main() -> int:
     print(f"{'pp':>2} {'schedule':<24} {'m':>3} {'tokens/s':>9} {'single':>9} {'T_pp ms':>8} {'T_bound ms':>10} "
           f"{'busy':>5} {'pp_bound_ratio':>14}")
     for pp, (measured, skipped) in measured_by_pp.items():
-        for schedule in schedules(args):
+        for schedule in args.schedules:
             for m in args.microbatches:
                 if (schedule, m) in skipped:
                     print(f"{pp:>2} {schedule:<24} {m:>3}  not runnable: {skipped[(schedule, m)]}")
@@ -162,10 +156,6 @@ def main() -> int:
     return 0
 
 
-def schedules(args) -> list[str]:
-    return [*args.schedules, STOCK_P2P] if "1f1b" in args.schedules else args.schedules
-
-
 def best_of(rounds: list[tuple[dict, dict]]) -> tuple[dict, dict]:
     """Per layout, the round with the fastest step (and that round's busy figure)."""
     measured, skipped = rounds[0]
@@ -177,7 +167,7 @@ def best_of(rounds: list[tuple[dict, dict]]) -> tuple[dict, dict]:
 def sweep(workdir: str, pp: int, args) -> tuple[dict, dict]:
     """Time every runnable (schedule, m) at this pp in one set of pp ranks; also return the skipped ones."""
     plan, skipped = [], {}
-    for schedule in schedules(args):
+    for schedule in args.schedules:
         for m in args.microbatches:
             reason = runnable(workdir, pp, schedule, m)
             if reason:

@@ -44,8 +44,6 @@ def layouts_for(world_size: int) -> dict[str, list[str]]:
                                             "--parallel.microbatches=2"]}
     pp = world_size
     layouts = {f"pp={pp} {name}": [f"--parallel.pp={pp}", f"--parallel.schedule={name}"] for name in SCHEDULES}
-    layouts[f"pp={pp} 1f1b without early p2p"] = [f"--parallel.pp={pp}", "--parallel.schedule=1f1b",
-                                                  "--parallel.early_p2p=false"]
     if world_size == 2:
         # Fewer microbatches where the layout allows: gloo runs each of tensor parallel's four
         # collectives per block and microbatch in turn, and the gradients are the same.

@@ -71,10 +71,6 @@ class ParallelConfig:
     """Layers of each stage in order, overriding the split balanced by parameter count; empty = balanced."""
     timeout_s: float = 300.0
     """Process-group timeout: a hung peer fails the job after this long instead of the 30-minute default."""
-    early_p2p: bool = True
-    """On gloo (CPU), stages post a step's receives at once and do not wait on sends; false = torch's own
-    timing. Not used with NCCL, where a pair of ranks shares one stream and a send would queue behind an
-    early receive."""
 
     def resolved_dp_shard(self) -> int:
         return self.dp_shard or self.dp

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -117,8 +116,7 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
 class _TimedStage(PipelineStage):
     """A PipelineStage whose forward and backward compute is timed on `clock` when one is
     attached, and reported to `on_work` when set. The schedule waits for a microbatch's data
-    before it calls these (the early receives below wait first, then call these), so what is
-    timed is this rank's own work."""
+    before it calls these, so what is timed is this rank's own work."""
 
     clock: ComputeClock | None = None
     on_work: Callable[[], None] | None = None
@@ -141,105 +139,6 @@ class _TimedStage(PipelineStage):
     def backward_weight_one_chunk(self, *args, **kwargs):
         with self._timed():
             return super().backward_weight_one_chunk(*args, **kwargs)
-
-
-class _EarlyP2PStage(_TimedStage):
-    """A PipelineStage that posts all of a step's receives as soon as the schedule asks for the first.
-
-    A gloo send completes only once the receiver has posted the matching receive, and the stock
-    schedules post each receive just before the data is needed: every hand-off between ranks then
-    puts a whole transfer on the critical path, once per microbatch and direction. Posted early,
-    the data lands in its microbatch's buffer (each microbatch has its own) while this rank is
-    still computing, and the consumer only waits for what has not arrived yet.
-
-    Sends, likewise, are started and not waited for until the step's gradients are complete: with
-    the receive already posted they finish on their own, and the sender goes on computing. Their
-    tensors are held until then.
-
-    Receives match sends in posting order per pair of ranks and tag. Each stream (activations
-    into stage s, gradients into stage s) gets its own tag, and receives are posted in the order
-    the schedule will use them (LoopedBFS runs backward in reverse), which is the order the
-    sending stage produces them. Only on gloo, which progresses every operation on its own: NCCL
-    runs a pair's operations in order on one stream, where a send would wait behind the early
-    receives and deadlock.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._pending: dict[tuple[str, int], list[dist.Work]] = {}
-        self._posted: set[str] = set()
-        self._sending: list[tuple[dist.Work, torch.Tensor]] = []
-        self._order: dict[str, list[int]] = {}
-
-    def follow(self, rank_actions: list) -> None:
-        """Learn from the actions a runtime schedule executes on this rank in which order microbatches
-        arrive. Without it they arrive in microbatch order, as in GPipe and 1F1B."""
-        flat = [sub for a in rank_actions if a is not None for sub in (a.sub_actions or (a,))]
-        mine = [a for a in flat if a.stage_index == self.stage_index]
-        self._order = {"forward": [a.microbatch_index for a in mine if a.computation_type == "F"],
-                       "backward": [a.microbatch_index for a in mine if a.computation_type in ("B", "I")]}
-
-    @staticmethod
-    def _tag(direction: str, receiving_stage: int) -> int:
-        # Tag 0 stays with torch's own exchanges (shape inference on the first step).
-        return 1 + 2 * receiving_stage + (direction == "backward")
-
-    def clear_runtime_states(self) -> None:
-        self._finish_sends()
-        super().clear_runtime_states()
-        self._posted.clear()
-
-    def _post_all(self, direction: str, recv_infos: dict) -> None:
-        if direction in self._posted:
-            return
-        self._posted.add(direction)
-        tag = self._tag(direction, self.stage_index)
-        for chunk in self._order.get(direction, sorted(recv_infos)):
-            self._pending[(direction, chunk)] = [dist.irecv(op.tensor, group=op.group, group_src=op.group_peer, tag=tag)
-                                                 for op in self._get_recv_ops(recv_infos[chunk])]
-
-    def _wait(self, direction: str, chunk: int) -> None:
-        for work in self._pending.pop((direction, chunk), []):
-            work.wait()
-
-    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        self._post_all("forward", self.args_recv_info)
-        return []
-
-    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        if self.has_backward and not self.is_last:
-            self._post_all("backward", self.grad_recv_info)
-        return []
-
-    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        self._start_sends(super().get_fwd_send_ops(fwd_chunk_id), self._tag("forward", self.stage_index + 1))
-        return []
-
-    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        self._start_sends(super().get_bwd_send_ops(bwd_chunk_id), self._tag("backward", self.stage_index - 1))
-        return []
-
-    def _start_sends(self, ops: list[dist.P2POp], tag: int) -> None:
-        self._sending.extend((dist.isend(op.tensor, group=op.group, group_dst=op.group_peer, tag=tag), op.tensor)
-                             for op in ops)
-
-    def _finish_sends(self) -> None:
-        for work, _ in self._sending:
-            work.wait()
-        self._sending.clear()
-
-    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        # The schedule's last action in a step: every send has a posted receive by now.
-        self._finish_sends()
-        super().perform_reduce_grad(grad_scale_factor)
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
-        self._wait("forward", fwd_chunk_id)
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-        self._wait("backward", bwd_chunk_id)
-        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
 def _layers_per_stage(cfg: ModelConfig, n_stages: int, override: list[int]) -> list[int]:
@@ -279,16 +178,11 @@ def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0, mesh:
     ranges = layer_ranges(_layers_per_stage(cfg.model, n_stages, p.layers_per_stage))
     ids = stage_ids(pp_rank, p.pp, p.resolved_stages_per_rank(), spec.placement)
     parts = [_build_part(cfg, ranges[s], s == 0, s == n_stages - 1, device, mesh) for s in ids]
-    early_p2p = p.early_p2p and device.type == "cpu"
-    stage_class = _EarlyP2PStage if early_p2p else _TimedStage
     pp_group = mesh.get_group("pp")
-    stages = [stage_class(part, s, n_stages, device, group=pp_group) for part, s in zip(parts, ids)]
+    stages = [_TimedStage(part, s, n_stages, device, group=pp_group) for part, s in zip(parts, ids)]
     if spec.placement == "single":
         schedule = schedule_class(p.schedule)(stages[0], p.microbatches, loss_fn=cross_entropy_loss)
     else:
         schedule = schedule_class(p.schedule)(stages, p.microbatches, loss_fn=cross_entropy_loss)
-    if early_p2p and spec.placement != "single":
-        for stage in stages:
-            stage.follow(schedule.pipeline_order[pp_rank])
     return Pipeline(parts, ids, n_stages, p.microbatches, schedule, loss_context=partial(loss_context, cfg),
                     stages=stages)
