@@ -20,6 +20,7 @@ instance's); a process without the variables runs torch unchanged.
 
 import functools
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import socket
@@ -115,3 +116,16 @@ class InstanceNetworkFinder(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, InstanceNetworkFinder())
+
+
+def run_next_sitecustomize() -> None:
+    """The sitecustomize that this one hides, if any: the first in a folder after this one's."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    folders = [os.path.abspath(folder or os.getcwd()) for folder in sys.path]
+    later = folders[folders.index(here) + 1:] if here in folders else []
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", later)
+    if spec is not None and spec.loader is not None:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+run_next_sitecustomize()

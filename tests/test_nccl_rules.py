@@ -1,0 +1,219 @@
+"""The test world's NCCL rules (nccl_rules.py): what NCCL would hang on fails, named, in every
+rank a test starts; what NCCL runs still runs, with the right data.
+
+Each world's ranks report to a JSON file per rank rather than raising: a rank that raises ends
+its world at once, while the point here is what every rank saw."""
+
+import inspect
+import json
+import os
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conftest import free_port, spawn_ranks
+from localcloud.fleet import INSTANCE_SITE
+from localcloud.waiting import run_captured, wait_for_exit
+from localcloud.warm_image import WarmImage
+
+pytestmark = pytest.mark.slow
+
+
+def unbatched_ring(rank: int, world: int) -> torch.Tensor:
+    """The fleet check's first exchange: isend to the next rank, then irecv from the previous one,
+    each waited for on a thread of its own."""
+    buffer, inbox = torch.full((1024,), float(rank)), torch.empty(1024)
+    sending, receiving = dist.isend(buffer, (rank + 1) % world), dist.irecv(inbox, (rank - 1) % world)
+    waiter = threading.Thread(target=sending.wait)
+    waiter.start()
+    receiving.wait()
+    waiter.join()
+    return inbox
+
+
+def batched_ring(rank: int, world: int) -> torch.Tensor:
+    buffer, inbox = torch.full((1024,), float(rank)), torch.empty(1024)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, buffer, (rank + 1) % world),
+                                        dist.P2POp(dist.irecv, inbox, (rank - 1) % world)]):
+        work.wait()
+    return inbox
+
+
+def ordered_pair(rank: int, world: int) -> torch.Tensor:
+    """Blocking send and receive, rank 0 sending first and rank 1 receiving first."""
+    buffer, inbox = torch.full((8,), float(rank)), torch.empty(8)
+    if rank == 0:
+        dist.send(buffer, 1)
+        dist.recv(inbox, 1)
+    else:
+        dist.recv(inbox, 0)
+        dist.send(buffer, 0)
+    return inbox
+
+
+def swapped_tags(rank: int, world: int) -> torch.Tensor:
+    """Two sends told apart by tag, received in the other order: gloo matches them by tag."""
+    first, second = torch.full((8,), 1.0), torch.full((8,), 2.0)
+    if rank == 0:
+        works = [dist.isend(first, 1, tag=1), dist.isend(second, 1, tag=2)]
+    else:
+        works = [dist.irecv(second, 0, tag=2), dist.irecv(first, 0, tag=1)]
+    for work in works:
+        work.wait()
+    return first
+
+
+EXCHANGES = {"unbatched_ring": unbatched_ring, "batched_ring": batched_ring, "ordered_pair": ordered_pair,
+             "swapped_tags": swapped_tags}
+
+
+def _exchange_rank(rank: int, world: int, port: int, exchange: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    report = {"ruled": dist.isend is sys.modules["nccl_rules"].isend}
+    try:
+        report["received"] = EXCHANGES[exchange](rank, world).tolist()
+    except Exception as error:  # noqa: BLE001 (reported to the test)
+        report["error"] = f"{type(error).__name__}: {error}"
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(report))
+    if "error" not in report:
+        dist.destroy_process_group()
+
+
+def run_exchange(exchange: str, world: int, tmp_path) -> list[dict]:
+    spawn_ranks(_exchange_rank, (world, free_port(), exchange, str(tmp_path)), world)
+    return [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(world)]
+
+
+def test_the_unbatched_exchange_of_two_ranks_is_named_a_deadlock_on_each(tmp_path):
+    reports = run_exchange("unbatched_ring", 2, tmp_path)
+    for report in reports:
+        assert report["error"].startswith("NcclDeadlock: NCCL would deadlock"), report
+        assert ("rank 0's isend->1 waits for rank 1 to post its irecv<-0, queued behind its own isend->0"
+                in report["error"]), report
+
+
+def test_the_unbatched_ring_of_three_ranks_is_named_a_deadlock_of_their_communicators(tmp_path):
+    reports = run_exchange("unbatched_ring", 3, tmp_path)
+    for report in reports:
+        assert report["error"].startswith("NcclDeadlock: NCCL would deadlock"), report
+        assert "ranks [0, 1, 2] wait for each other" in report["error"], report
+        assert ("rank 0 creating the communicator of ranks 0 and 1 (process group 0) (for its isend->1) waits for "
+                "rank 1 to create it too" in report["error"]), report
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_batched_exchange_completes_with_each_neighbours_data(tmp_path, world):
+    reports = run_exchange("batched_ring", world, tmp_path)
+    assert [report["received"] for report in reports] == [[float((r - 1) % world)] * 1024 for r in range(world)]
+    assert all(report["ruled"] for report in reports)
+
+
+def test_a_send_met_by_a_receive_posted_first_completes(tmp_path):
+    reports = run_exchange("ordered_pair", 2, tmp_path)
+    assert [report["received"] for report in reports] == [[1.0] * 8, [0.0] * 8]
+
+
+def test_ops_matched_by_tag_out_of_order_are_refused(tmp_path):
+    # gloo delivers each tensor to its tag's receive; NCCL, by order, would swap them.
+    reports = run_exchange("swapped_tags", 2, tmp_path)
+    assert reports[1]["error"].startswith("NcclMismatch: on the communicator of ranks 0 and 1"), reports[1]
+    assert "rank 0's isend->1 (32 bytes, tag 1) with rank 1's irecv<-0 (32 bytes, tag 2)" in reports[1]["error"]
+
+
+# --- torch's own pipeline schedules ---------------------------------------------------------------
+
+def _pipeline_rank(rank: int, port: int, schedule: str, out: str) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 16) for _ in range(4)]
+    part = nn.Sequential(*layers[2 * rank:2 * rank + 2])
+    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    pipeline = schedule_class(stage, 4, loss_fn=lambda output, target: ((output - target) ** 2).mean())
+    inputs, targets = torch.randn(8, 16), torch.randn(8, 16)
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        pipeline.step(inputs)
+    else:
+        pipeline.step(target=targets, losses=losses)
+    # The same model in one process, for the gradients of this rank's layers.
+    whole = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    whole.load_state_dict({f"{i}.{name}": p for i, layer in enumerate(layers) for name, p in layer.state_dict().items()})
+    for x, y in zip(inputs.chunk(4), targets.chunk(4)):
+        (((whole(x) - y) ** 2).mean() / 4).backward()
+    expected = [p.grad for layer in list(whole)[2 * rank:2 * rank + 2] for p in layer.parameters()]
+    record = sys.modules["nccl_rules"]._world.record
+    Path(out, f"rank-{rank}.json").write_text(json.dumps({
+        "gradients_match": all(torch.allclose(p.grad, e, atol=1e-6) for p, e in zip(part.parameters(), expected)),
+        "communicators": sorted(record.queues),
+    }))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_two_stage_pipeline_runs_under_the_rules(tmp_path, schedule):
+    spawn_ranks(_pipeline_rank, (free_port(), schedule, str(tmp_path)), 2)
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert report["gradients_match"], report
+        # Its hand-offs went through the rules: unbatched ones on the pair's communicator.
+        assert "0/0,1" in report["communicators"], report
+
+
+# --- ranks that torchrun starts on a local-cloud instance -----------------------------------------
+
+RANK_MAIN = '''
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+try:
+    unbatched_ring(rank, dist.get_world_size())
+    print(json.dumps({"rank": rank, "error": None}), flush=True)
+except Exception as error:
+    print(json.dumps({"rank": rank, "error": f"{type(error).__name__}: {error}"}), flush=True)
+    os._exit(0)  # its world is deadlocked: nothing to close
+'''
+
+
+def torchrun_command(tmp_path) -> list[str]:
+    """torchrun as a node runs it (trainer/torchrun.py), its two ranks running the unbatched ring."""
+    imports = "import json, os, threading\nimport torch\nimport torch.distributed as dist\n"
+    (tmp_path / "exchange_rank.py").write_text(imports + inspect.getsource(unbatched_ring) + RANK_MAIN)
+    return [sys.executable, "-m", "trainer.torchrun", "--standalone", "--nproc-per-node=2", "-m", "exchange_rank"]
+
+
+def instance_env() -> dict[str, str]:
+    """As the local fleet starts an instance's processes: the session's environment, its own
+    folder first on the PYTHONPATH."""
+    return os.environ | {"PYTHONPATH": os.pathsep.join([str(INSTANCE_SITE), os.environ["PYTHONPATH"]])}
+
+
+def named_deadlocks(output: str) -> list[int]:
+    reports = [json.loads(line) for line in output.splitlines() if line.startswith('{"rank"')]
+    return sorted(report["rank"] for report in reports
+                  if (report["error"] or "").startswith("NcclDeadlock: NCCL would deadlock"))
+
+
+def test_torchrun_ranks_on_an_instance_follow_the_rules(tmp_path):
+    done = run_captured(torchrun_command(tmp_path), what="torchrun's ranks", cwd=tmp_path, env=instance_env())
+    assert named_deadlocks(done.stdout) == [0, 1], done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_torchrun_ranks_forked_from_a_warm_image_follow_the_rules(tmp_path):
+    image = WarmImage.start(["trainer.torchrun"], path=[str(INSTANCE_SITE)])
+    try:
+        console = tmp_path / "console.log"
+        child = image.fork(torchrun_command(tmp_path), tmp_path, instance_env(), console)
+        wait_for_exit(child, [console], what="torchrun's ranks in the warm image")
+    finally:
+        image.stop()
+    assert named_deadlocks(console.read_text()) == [0, 1], console.read_text()[-5000:]
