@@ -247,11 +247,13 @@ def partner_of(other: Queue | None, rank: int, op: Op, ordinal: int) -> tuple[in
 
 
 def check_match(comm: str, rank: int, op: Op, partner: Op) -> None:
-    if partner.nbytes != op.nbytes or partner.tag != op.tag:
-        raise NcclMismatch(
-            f"on {describe_comm(comm)} NCCL matches rank {rank}'s {op.name} ({op.nbytes} bytes, tag {op.tag}) with "
-            f"rank {op.peer}'s {partner.name} ({partner.nbytes} bytes, tag {partner.tag}): NCCL matches a pair's ops "
-            "in issue order and has no tags, where gloo matches them by tag")
+    if partner.nbytes == op.nbytes and partner.tag == op.tag:
+        return
+    (sender, send), (receiver, receive) = sorted([(rank, op), (op.peer, partner)], key=lambda side: side[1].kind)[::-1]
+    raise NcclMismatch(
+        f"on {describe_comm(comm)} NCCL matches rank {sender}'s {send.name} ({send.nbytes} bytes, tag {send.tag}) with "
+        f"rank {receiver}'s {receive.name} ({receive.nbytes} bytes, tag {receive.tag}): NCCL matches a pair's ops in "
+        "issue order and has no tags, where gloo matches them by tag")
 
 
 # --- the wait-for graph -------------------------------------------------------------------------
