@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # and to __pycache__ folders git ignores.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install test test-repeat chaos demo clean sam-tools validate artifacts
+.PHONY: install test test-repeat chaos demo clean sam-tools validate artifacts oldest-torch test-oldest-torch
 
 install: $(VENV)/.installed
 
@@ -23,10 +23,33 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m compileall -q -j0 -x 'torch/testing/_internal/' $(VENV)/lib
 	touch $@
 
-# The two virtualenvs are installed side by side: each is about one core's work.
+# The virtualenvs are installed side by side: each is about one core's work, or a download.
+# The trainer's equivalence tests run again on the oldest torch it supports.
 test:
-	$(MAKE) -j2 install sam-tools
+	$(MAKE) -j3 install sam-tools oldest-torch
 	$(PY) -m pytest
+	$(MAKE) test-oldest-torch
+
+# The oldest torch the trainer supports (trainer/health.py TORCH_MINIMUM, which preflight holds
+# nodes to): images lag the newest release. Its own virtualenv, with torch's Linux wheel and the
+# CUDA libraries it loads (PyPI has no CPU-only build of it: about 5 GB, under a minute).
+TORCH_OLDEST := 2.11.0
+OLDEST_VENV := .venv-torch-oldest
+
+oldest-torch: $(OLDEST_VENV)/.installed
+
+# Only the project's dependencies: the tests import the project from the tree (PYTHONPATH), so
+# the two installs never write the same egg-info at once.
+$(OLDEST_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(PYTHON) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	    print('\n'.join(p['dependencies'] + [r for x in ('node', 'dev') for r in p['optional-dependencies'][x]]))" \
+	    > $(OLDEST_VENV)/requirements.txt
+	$(OLDEST_VENV)/bin/pip install -q --no-compile torch==$(TORCH_OLDEST) -r $(OLDEST_VENV)/requirements.txt
+	touch $@
+
+test-oldest-torch: oldest-torch
+	PYTHONPATH=$(CURDIR) $(OLDEST_VENV)/bin/python -m pytest -p no:cacheprovider -n 2 tests/test_trainer_equivalence.py
 
 # The whole suite N times, each from a fresh clone of HEAD as CI runs it: wall times, the tests
 # that failed in any run and how often, the slowest tests (.ci/repeat.py).
@@ -96,4 +119,4 @@ build-%Function:
 	find $(ARTIFACTS_DIR) -name __pycache__ -prune -exec rm -rf {} +
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache build *.egg-info

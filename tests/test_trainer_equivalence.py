@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import free_port, spawn_ranks
 from trainer.config import load_config
 from trainer.parallel_dims import SCHEDULES
+from trainer.pipeline_parallel import v_schedule_problem
 from trainer.train import build, environment, train, train_step
 
 STEPS = 6
@@ -79,7 +80,10 @@ def _worker(rank: int, world_size: int, port: int, tmp_path, results_path: str, 
         losses = {}
         for name, overrides in layouts_for(world_size).items():
             cfg = tiny_config(tmp_path, *overrides)
-            losses[name] = curves(train(cfg, environment(cfg, torch.device("cpu"))))
+            try:
+                losses[name] = curves(train(cfg, environment(cfg, torch.device("cpu"))))
+            except ValueError as refused:  # this torch cannot run the layout on gloo: said so, nothing trained
+                losses[name] = str(refused)
         saving, resuming = RESHARD[world_size]
         losses["saved"] = _save_midway(tmp_path, saving, f"checkpoint-{world_size}")
         losses["resumed"] = _resume(single_checkpoint, resuming)
@@ -157,6 +161,12 @@ def test_parallel_layouts_match_single_process(world_size, workdir, reference, s
     layouts = layouts_for(world_size)
     assert set(layouts) <= set(results)
     for name in layouts:
+        cfg = tiny_config(workdir, *layouts[name])
+        refusal = v_schedule_problem(torch.__version__, "gloo", SCHEDULES[cfg.parallel.schedule].placement,
+                                     cfg.parallel.schedule) if cfg.parallel.pp > 1 else None
+        if refusal:  # an older torch (CI runs the oldest supported too): refused up front, naming why
+            assert results[name] == refusal, name
+            continue
         assert_same_curves(reference, results[name], name)
     saving, resuming = RESHARD[world_size]
     assert_same_curves(reference[RESUME_AT:], _resume(results["saved"], []),

@@ -6,7 +6,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from trainer.config import load_config
 from trainer.model import GPT
 from trainer.parallel_dims import SCHEDULES, layer_ranges, split_layers, stage_ids
-from trainer.pipeline_parallel import _layers_per_stage
+from trainer.pipeline_parallel import _layers_per_stage, v_schedule_problem
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
@@ -60,3 +60,11 @@ def test_a_stage_keeps_the_full_models_parameter_names():
     names = [set(dict(p.named_parameters())) for p in parts]
     assert set.union(*names) == whole and sum(len(n) for n in names) == len(whole)
     assert "layers.2.mlp.fc.weight" in names[1] and "head.weight" in names[2] and "tok_emb.weight" in names[0]
+
+
+def test_a_v_schedule_on_gloo_needs_a_torch_that_does_not_send_to_itself():
+    refused = v_schedule_problem("2.11.0+cu130", "gloo", "v", "zbv-zero-bubble")
+    assert "'zbv-zero-bubble' on gloo needs torch 2.13 or later" in refused and "2.11.0+cu130" in refused
+    assert v_schedule_problem("2.13.0+cpu", "gloo", "v", "dualpipev") is None
+    assert v_schedule_problem("2.11.0", "nccl", "v", "dualpipev") is None      # NCCL sends to itself
+    assert v_schedule_problem("2.11.0", "gloo", "loop", "interleaved-1f1b") is None

@@ -12,8 +12,8 @@ the node shows with the catalogue (trainfleet.catalogue):
   A missing fi_info on such a type fails: without libfabric the trainer cannot use the cards.
 - gloo_allreduce: torch.distributed works on this node (a one-rank gloo all-reduce gives back
   its input). It proves the libraries load, not the network.
-- torch_version: torch is at least the version the trainer is built and tested on (TORCH_MINIMUM,
-  the pin in pyproject.toml); the Deep Learning AMI brings its own build.
+- torch_version: torch is at least the oldest version the trainer supports and CI tests
+  (TORCH_MINIMUM); the Deep Learning AMI brings its own build.
 - nccl_version: on CUDA types, the NCCL torch carries is at least NCCL_MINIMUM. CPU types train
   with gloo, Trainium with the Neuron runtime: skipped.
 - nccl_network: on CUDA types with EFA, NCCL selects the aws-ofi-nccl plugin with libfabric's efa
@@ -67,10 +67,12 @@ GEMM_PROBE_TIMEOUT_S = 90
 """Longest the GEMMs of all GPUs, one after the other, may take (a few seconds each when healthy)."""
 NVLINK_ALLREDUCE_TIMEOUT_S = 120
 """Longest the all-reduce across the node's GPUs may take, eight processes' start-up included."""
-TORCH_MINIMUM = "2.13.0"
-"""The torch the trainer is built and tested on: the pin of pyproject.toml's trainer extra (a test
-keeps the two equal). The node's image brings its own CUDA build of torch, so nothing else holds
-the node to it."""
+TORCH_MINIMUM = "2.11.0"
+"""The oldest torch the trainer supports: CI runs its equivalence tests on it (the Makefile's
+TORCH_OLDEST; a test keeps the two equal) beside the pin of pyproject.toml's trainer extra. The
+APIs it uses reach back to 2.9 (DCP's DefaultStager and StagingOptions, ScheduleDualPipeV), but on
+2.9 torch's pipelining mismatches a collective at the first GPipe step. The node's image brings its
+own CUDA build of torch, so nothing else holds the node to it."""
 NCCL_MINIMUM = (2, 17, 1)
 """The oldest NCCL the aws-ofi-nccl plugin releases (1.13 to 1.21) keep compatibility with."""
 OFI_NETWORKS = ("Libfabric", "AWS Libfabric")

@@ -8,11 +8,13 @@ microbatches one after another, which in one process is the reference every layo
 """
 
 import contextlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -26,7 +28,7 @@ from trainer.parallel_dims import SCHEDULES, layer_ranges, schedule_class, split
 from trainer.parallelize import loss_context, materialize, parallelize, tensor_parallel
 from trainer.scaling_check import ComputeClock
 
-__all__ = ["Pipeline", "build_pipeline"]
+__all__ = ["Pipeline", "build_pipeline", "v_schedule_problem"]
 
 
 @dataclass
@@ -83,7 +85,9 @@ class Pipeline:
                 with self.clock.timed() if self.clock else contextlib.nullcontext():
                     return self._accumulate_locally(inputs, targets)
             losses: list[torch.Tensor] = []
-            args = (inputs,) if self.has_first_stage else ()
+            # A stage checks each microbatch against the strides it inferred (torch 2.11 does): the
+            # loader's inputs are a view of its windows, one token wider than a row.
+            args = (inputs.contiguous(),) if self.has_first_stage else ()
             if self.has_last_stage:
                 self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
                 return _plain(torch.stack(losses).mean().detach())
@@ -163,6 +167,22 @@ def _build_part(cfg: JobConfig, layers: range, first: bool, last: bool, device: 
     return part
 
 
+SELF_SEND_FREE_TORCH = (2, 13)
+"""The first torch whose runtime schedules hand activations between a rank's own two stages of a V
+without a send to itself. Before it they send to self, which gloo refuses ("Pair is not
+connected"); NCCL allows it."""
+
+
+def v_schedule_problem(torch_version: str, backend: str, placement: str, schedule: str) -> str | None:
+    """Why this torch cannot run a V schedule on this backend, else None."""
+    release = tuple(int(part) for part in re.findall(r"\d+", torch_version)[:2])
+    if placement == "v" and backend == "gloo" and release < SELF_SEND_FREE_TORCH:
+        return (f"parallel.schedule={schedule!r} on gloo needs torch {'.'.join(map(str, SELF_SEND_FREE_TORCH))} or "
+                f"later (torch {torch_version} sends between a rank's own stages, which gloo cannot); "
+                f"choose a schedule of one stage per rank, or a newer torch")
+    return None
+
+
 def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0, mesh: DeviceMesh | None = None) -> Pipeline:
     """This rank's stages and schedule for cfg.parallel (the whole model, unscheduled, when pp=1).
 
@@ -174,11 +194,14 @@ def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0, mesh:
         return Pipeline([model], [0], 1, p.microbatches, schedule=None, loss_context=partial(loss_context, cfg))
 
     spec = SCHEDULES[p.schedule]
+    pp_group = mesh.get_group("pp")
+    problem = v_schedule_problem(torch.__version__, dist.get_backend(pp_group), spec.placement, p.schedule)
+    if problem:
+        raise ValueError(problem)
     n_stages = p.n_stages()
     ranges = layer_ranges(_layers_per_stage(cfg.model, n_stages, p.layers_per_stage))
     ids = stage_ids(pp_rank, p.pp, p.resolved_stages_per_rank(), spec.placement)
     parts = [_build_part(cfg, ranges[s], s == 0, s == n_stages - 1, device, mesh) for s in ids]
-    pp_group = mesh.get_group("pp")
     stages = [_TimedStage(part, s, n_stages, device, group=pp_group) for part, s in zip(parts, ids)]
     if spec.placement == "single":
         schedule = schedule_class(p.schedule)(stages[0], p.microbatches, loss_fn=cross_entropy_loss)
