@@ -284,13 +284,6 @@ def staging_check(run, workdir: str, watchdog: Watchdog) -> tuple[list[str], boo
     cfg.uri, cfg.interval, cfg.async_save = str(Path(workdir) / "checkpoints"), 1, True
     cuda = run.env.device.type == "cuda"
     checkpointer = Checkpointer(cfg, layout={"pp": 1, "dp": 1, "tp": 1})
-    # A first save pins the host buffers staging copies into, and the stager keeps them: the save
-    # checked reuses them, with no page-locked allocation (which CUDA may order after the work
-    # already queued) between the optimizer step and its copy.
-    watchdog.phase = "saving a first checkpoint"
-    train_step(run)
-    checkpointer.maybe_save(run.state.step, run.state)
-    checkpointer.wait()
     watchdog.phase = "copying the state before the staging check's step"
     before = tensors_of(run.state.state_dict())
     delay = None
@@ -354,7 +347,7 @@ def run_checks(args, watchdog: Watchdog, workdir: str) -> dict[str, str]:
     cfg = load_config([*(MODEL_TINY if args.tiny else MODEL_1B), f"--training.device={args.device}",
                        f"--data.shards={workdir}/shards", f"--data.cache_dir={workdir}/cache",
                        f"--training.metrics_file={workdir}/metrics.jsonl",
-                       f"--training.steps={args.warmup + args.steps + 2}", f"--optim.warmup_steps={args.warmup}"])
+                       f"--training.steps={args.warmup + args.steps + 1}", f"--optim.warmup_steps={args.warmup}"])
     per_token = flops_per_token(cfg)
     print(f"model FLOPs per token: {per_token / 1e9:.3f} G (6 x matmul parameters + 12 L T d); "
           + (f"peak {peak:g} TFLOP/s dense bf16 ({name})" if peak else f"no dense bf16 peak for {name!r}: MFU n/a"),

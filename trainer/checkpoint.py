@@ -105,6 +105,16 @@ class _StepLayout:
         return self.fs.concat_path(self.path, f"{self.step_dir}/{_DCP_METADATA_FILE}")
 
 
+class _StepWriterMetadata:
+    """The metadata `dcp.save` returns names where each item went, which the commit's manifest
+    reads. torch before 2.13 records that in FileSystemWriter.finish on a copy of the metadata
+    (S3StorageWriter's too), so the one returned had none: it is recorded on the original here."""
+
+    def finish(self, metadata: Metadata, results: list[Any]) -> None:
+        super().finish(metadata, results)
+        metadata.storage_data = {result.index: result.storage_data for per_rank in results for result in per_rank}
+
+
 class _ShardPrefixes(S3PrefixStrategyBase):
     """The connector's seam for where each rank's shard goes (it calls it with the rank)."""
 
@@ -116,7 +126,7 @@ class _ShardPrefixes(S3PrefixStrategyBase):
         return _shard_prefix(self.step_dir, rank)
 
 
-class _S3StepWriter(_StepLayout, S3StorageWriter):
+class _S3StepWriter(_StepWriterMetadata, _StepLayout, S3StorageWriter):
     def __init__(self, location: str, step_dir: str):
         super().__init__(_region(), location, s3client_config=_s3_client_config(),
                          prefix_strategy=_ShardPrefixes(step_dir))
@@ -130,7 +140,7 @@ class _S3StepReader(_StepLayout, S3StorageReader):
         self.step_dir = step_dir
 
 
-class _LocalStepWriter(_StepLayout, dcp.FileSystemWriter):
+class _LocalStepWriter(_StepWriterMetadata, _StepLayout, dcp.FileSystemWriter):
     def __init__(self, location: str, step_dir: str):
         super().__init__(location, sync_files=True)
         self.step_dir = step_dir
