@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # The virtualenvs are installed side by side: each is about one core's work, or a download.
-# The trainer's equivalence tests run again on the oldest torch it supports.
+# The trainer's equivalence and checkpoint tests run again on the oldest torch it supports.
 test:
 	$(MAKE) -j3 install sam-tools oldest-torch
 	$(PY) -m pytest
@@ -43,13 +43,16 @@ oldest-torch: $(OLDEST_VENV)/.installed
 $(OLDEST_VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(OLDEST_VENV)
 	$(PYTHON) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-	    print('\n'.join(p['dependencies'] + [r for x in ('node', 'dev') for r in p['optional-dependencies'][x]]))" \
+	    print('\n'.join(p['dependencies'] + [r for x in ('node', 'local', 'dev') for r in p['optional-dependencies'][x]]))" \
 	    > $(OLDEST_VENV)/requirements.txt
 	$(OLDEST_VENV)/bin/pip install -q --no-compile torch==$(TORCH_OLDEST) -r $(OLDEST_VENV)/requirements.txt
 	touch $@
 
+# The trainer's equivalence across layouts, and the Checkpointer's own tests (saves, commits,
+# resumes: torch's checkpoint internals move between releases).
 test-oldest-torch: oldest-torch
-	PYTHONPATH=$(CURDIR) $(OLDEST_VENV)/bin/python -m pytest -p no:cacheprovider -n 2 tests/test_trainer_equivalence.py
+	PYTHONPATH=$(CURDIR) $(OLDEST_VENV)/bin/python -m pytest -p no:cacheprovider -n 2 \
+	    tests/test_trainer_equivalence.py tests/checkpoint/test_checkpoint_unit.py
 
 # The whole suite N times, each from a fresh clone of HEAD as CI runs it: wall times, the tests
 # that failed in any run and how often, the slowest tests (.ci/repeat.py).

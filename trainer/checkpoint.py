@@ -48,6 +48,7 @@ from s3torchconnector.dcp import S3PrefixStrategyBase, S3StorageReader, S3Storag
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -228,6 +229,11 @@ class ComputeOrderedStager(DefaultStager):
     def _stage(self, state_dict: dict[str, Any], step_queued: Any = None, **kwargs: Any) -> dict[str, Any]:
         if step_queued is not None:
             step_queued.synchronize()
+        if not self._state_dict_stager._deepcopy_dispatch:
+            # torch before 2.13 closes its state-dict stager after every copy, and a closed one
+            # cannot copy again: the next save gets a new one (its pinned buffers are made anew).
+            self._state_dict_stager = StateDictStager(pin_memory=self._config.use_pinned_memory,
+                                                      share_memory=self._config.use_shared_memory)
         return super()._stage(state_dict, **kwargs)
 
 
