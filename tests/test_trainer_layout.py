@@ -1,10 +1,17 @@
-"""Stage placement and the layer split: pure functions, checked against torch's own mapping."""
+"""Stage placement and the layer split (pure functions, checked against torch's own mapping), and which
+FSDP units reshard after forward."""
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
+from conftest import spawn_ranks
 from trainer.config import load_config
 from trainer.model import GPT
+from trainer.parallelize import _fully_shard
 from trainer.parallel_dims import SCHEDULES, layer_ranges, split_layers, stage_ids
 from trainer.pipeline_parallel import _layers_per_stage, v_schedule_problem
 
@@ -68,3 +75,32 @@ def test_a_v_schedule_on_gloo_needs_a_torch_that_does_not_send_to_itself():
     assert v_schedule_problem("2.13.0+cpu", "gloo", "v", "dualpipev") is None
     assert v_schedule_problem("2.11.0", "nccl", "v", "dualpipev") is None      # NCCL sends to itself
     assert v_schedule_problem("2.11.0", "gloo", "loop", "interleaved-1f1b") is None
+
+
+def _resharding_after_forward(rank: int, reshard: str, results) -> None:
+    """Which FSDP units of the whole model reshard after forward, in a one-rank world."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cfg = load_config(["--model.n_layers=3", "--model.d_model=16", "--model.n_heads=2", "--model.seq_len=8",
+                           "--training.device=cpu", f"--parallel.reshard_after_forward={reshard}"])
+        mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        with torch.device("meta"):
+            part = GPT(cfg.model)
+        _fully_shard(part, cfg, mesh, torch.device("cpu"))
+        units = {"block 0": part.layers["0"], "last block": part.layers["2"], "embeddings": part.tok_emb,
+                 "head": part.head}
+        results[reshard] = {name: module._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+                            for name, module in units.items()}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_without_a_pipeline_the_last_block_and_the_head_keep_their_gather_for_their_backward():
+    """Their backward comes straight after their forward: resharding them would gather them again at once."""
+    with torch_mp.Manager() as manager:
+        results = manager.dict()
+        for reshard in ("auto", "always"):
+            spawn_ranks(_resharding_after_forward, (reshard, results), nprocs=1)
+        results = dict(results)
+    assert results["auto"] == {"block 0": True, "last block": False, "embeddings": True, "head": False}
+    assert all(results["always"].values())

@@ -170,17 +170,27 @@ def _fully_shard(part: GPT, cfg: JobConfig, mesh: DeviceMesh, device: torch.devi
     gathered from forward to backward, and a large vocabulary's tables are the largest units.
     A head tied to the token embedding reads that table outside the embedding's own forward,
     so with tied embeddings both stay in the root.
+
+    reshard_after_forward "auto" reshards without a pipeline (ZeRO-3: each unit is gathered for
+    its forward and again for its backward), except the last block and the norm with the head:
+    their backward comes straight after their forward, so a second gather would fetch what was
+    just freed (torchtitan's default too). Under a pipeline a stage keeps its parameters
+    gathered for the step anyway (PipelineStage does not reshard after backward), so resharding
+    after forward would only gather them again for the first backward.
     """
     p = cfg.parallel
     dp_mesh = mesh["dp_replicate", "dp_shard"] if p.dp // p.resolved_dp_shard() > 1 else mesh["dp_shard"]
     reshard = {"always": True, "never": False, "auto": p.pp == 1}[p.reshard_after_forward]
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
-    units = list(part.layers.values())
+    blocks = list(part.layers.values())
+    units = [(block, reshard) for block in blocks]
+    if p.reshard_after_forward == "auto" and blocks:
+        units[-1] = (blocks[-1], False)
     if part.head is not None:
-        units += [[module for module in (part.tok_emb, part.pos_emb) if module is not None],
-                  [part.norm, part.head]]
-    for unit in units:
+        units += [([module for module in (part.tok_emb, part.pos_emb) if module is not None], reshard),
+                  ([part.norm, part.head], reshard and p.reshard_after_forward != "auto")]
+    for unit, reshard_unit in units:
         if unit:
-            fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+            fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_unit)
     fully_shard(part, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
