@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -84,6 +85,11 @@ def _exchange_rank(rank: int, world: int, port: int, exchange: str, out: str) ->
     Path(out, f"rank-{rank}.json").write_text(json.dumps(report))
     if "error" not in report:
         dist.destroy_process_group()
+    elif rank == 0:
+        # Rank 0 serves the store the rules read: gone, a rank still finding the deadlock would see
+        # its connection reset instead. It stays until every rank has reported.
+        while len(list(Path(out).glob("rank-*.json"))) < world:
+            time.sleep(0.05)
 
 
 def run_exchange(exchange: str, world: int, tmp_path) -> list[dict]:
