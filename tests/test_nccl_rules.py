@@ -7,6 +7,7 @@ its world at once, while the point here is what every rank saw."""
 import inspect
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -206,7 +207,9 @@ def instance_env() -> dict[str, str]:
 
 
 def named_deadlocks(output: str) -> list[int]:
-    reports = [json.loads(line) for line in output.splitlines() if line.startswith('{"rank"')]
+    # Ranks sharing one console can print their lines into each other: read every report where it starts.
+    decoder = json.JSONDecoder()
+    reports = [decoder.raw_decode(output, start.start())[0] for start in re.finditer(r'\{"rank"', output)]
     return sorted(report["rank"] for report in reports
                   if (report["error"] or "").startswith("NcclDeadlock: NCCL would deadlock"))
 
