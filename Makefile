@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # and to __pycache__ folders git ignores.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install test suite test-repeat chaos demo clean sam-tools validate artifacts oldest-torch test-oldest-torch
+.PHONY: install test test-repeat chaos demo clean sam-tools validate artifacts oldest-torch test-oldest-torch
 
 install: $(VENV)/.installed
 
@@ -23,15 +23,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m compileall -q -j0 -x 'torch/testing/_internal/' $(VENV)/lib
 	touch $@
 
-# The virtualenvs are installed side by side: each is about one core's work, or a download.
-# The trainer's equivalence and checkpoint tests run again on the oldest torch it supports,
-# beside the suite, whose local runs leave the cores idle while they wait on their timers; each
-# one's output comes whole when it ends (-O).
+# The two virtualenvs are installed side by side: each is about one core's work.
 test:
-	$(MAKE) -j3 install sam-tools oldest-torch
-	$(MAKE) -j2 -O suite test-oldest-torch
-
-suite: install sam-tools
+	$(MAKE) -j2 install sam-tools
 	$(PY) -m pytest
 
 # The oldest torch the trainer supports (trainer/health.py TORCH_MINIMUM, which preflight holds
@@ -53,7 +47,7 @@ $(OLDEST_VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 # The trainer's equivalence across layouts, and the Checkpointer's own tests (saves, commits,
-# resumes: torch's checkpoint internals move between releases).
+# resumes: torch's checkpoint internals move between releases). CI runs it after `make test`.
 test-oldest-torch: oldest-torch
 	PYTHONPATH=$(CURDIR) $(OLDEST_VENV)/bin/python -m pytest -p no:cacheprovider -n 2 \
 	    tests/test_trainer_equivalence.py tests/checkpoint/test_checkpoint_unit.py

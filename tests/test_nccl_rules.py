@@ -189,13 +189,19 @@ try:
     print(json.dumps({"rank": rank, "error": None}), flush=True)
 except Exception as error:
     print(json.dumps({"rank": rank, "error": f"{type(error).__name__}: {error}"}), flush=True)
+    # Alive until every rank has reported: the rules name a deadlock to each rank in it only once
+    # each of their waiting threads has seen it, and a rank gone takes its threads along.
+    store = dist.distributed_c10d._get_default_store()
+    store.add("reported", 1)
+    while store.add("reported", 0) < dist.get_world_size():
+        time.sleep(0.05)
     os._exit(0)  # its world is deadlocked: nothing to close
 '''
 
 
 def torchrun_command(tmp_path) -> list[str]:
     """torchrun as a node runs it (trainer/torchrun.py), its two ranks running the unbatched ring."""
-    imports = "import json, os, threading\nimport torch\nimport torch.distributed as dist\n"
+    imports = "import json, os, threading, time\nimport torch\nimport torch.distributed as dist\n"
     (tmp_path / "exchange_rank.py").write_text(imports + inspect.getsource(unbatched_ring) + RANK_MAIN)
     return [sys.executable, "-m", "trainer.torchrun", "--standalone", "--nproc-per-node=2", "-m", "exchange_rank"]
 
