@@ -8,18 +8,17 @@ parameters and moments alive before it is the step's peak. The plan must come wi
 """
 
 import itertools
-import json
 import os
-import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch._C._profiler import _EventType
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
@@ -126,24 +125,29 @@ def _step_peak(pipeline, optimizer, inputs, targets) -> int:
         optimizer.zero_grad(set_to_none=True)
 
     step()  # creates AdamW's moments: the next step starts from the steady state
-    with tempfile.TemporaryDirectory() as folder:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-        prof.export_chrome_trace(f"{folder}/trace.json")
-        events = json.loads(Path(f"{folder}/trace.json").read_text())["traceEvents"]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
     params = sum(_local(p).numel() * p.element_size() for part in pipeline.model_parts for p in part.parameters())
-    return _replayed_live_peak(events) + 3 * params  # parameters, exp_avg and exp_avg_sq were alive before
+    events = prof.profiler.kineto_results.experimental_event_tree()
+    allocations = sorted(_allocations(events), key=lambda allocation: allocation[0])
+    return _replayed_live_peak(allocations) + 3 * params  # parameters, exp_avg and exp_avg_sq were alive before
 
 
-def _replayed_live_peak(trace_events: list[dict]) -> int:
+def _allocations(events) -> Iterator[tuple[int, int, int]]:
+    """(time, address, bytes) of every allocation (bytes > 0) and free (bytes < 0) the profiler recorded."""
+    for event in events:
+        if event.tag == _EventType.Allocation:
+            yield event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size
+        yield from _allocations(event.children)
+
+
+def _replayed_live_peak(allocations: list[tuple[int, int, int]]) -> int:
     """The most bytes alive at once, replaying the allocations and frees in time order. A tensor
     whose last reference a gloo thread drops (a collective's input or output) is freed there,
     where the profiler records nothing: its address being allocated again shows it was freed."""
-    memory = sorted((e for e in trace_events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
     alive: dict[int, int] = {}
     live = peak = 0
-    for event in memory:
-        address, size = event["args"]["Addr"], event["args"]["Bytes"]
+    for _, address, size in allocations:
         if size > 0:
             live += size - alive.get(address, 0)
             alive[address] = size
