@@ -449,11 +449,11 @@ def rank_memory(w: Workload, pp_rank: int) -> RankMemory:
 
     resident = {"parameters": sharded * FP32, "optimizer": 2 * sharded * FP32,  # AdamW exp_avg and exp_avg_sq
                 "gathered parameters": gathered, "pipeline buffers": buffers}
-    transient = max(layer_backward, loss_backward)
+    loss_transient = loss_backward >= layer_backward  # the larger of the two, which never overlap
     stages_here = len(mine)
     moments = {
-        "activations": {**resident, "logits": logits + (loss_backward if transient == loss_backward else 0),
-                        "activations": held_activations + (layer_backward if transient != loss_backward else 0),
+        "activations": {**resident, "logits": logits + (loss_backward if loss_transient else 0),
+                        "activations": held_activations + (0 if loss_transient else layer_backward),
                         **(accumulated if grads_alive_at_activation_peak(held, stages_here, lay.microbatches)
                            else {"unsharded gradients": unit_gradient if lay.pp == 1 else 0})},
         "gradients": {**resident, **complete},
