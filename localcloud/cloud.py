@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import shutil
@@ -22,7 +23,7 @@ from aws_xray_sdk import global_sdk_config
 from botocore.config import Config
 
 from localcloud import aws_events, glue
-from localcloud.waiting import sizes
+from localcloud.waiting import DUMP_SIGNAL, sizes
 from localcloud.lambda_runtime import close_environments
 
 if TYPE_CHECKING:
@@ -206,6 +207,8 @@ class LocalCloud:
         # every AWS call of the server's own threads (no Lambda trace header) would warn that
         # its subsegment was discarded; with the SDK off the Tracer records nothing, quietly.
         global_sdk_config.set_sdk_enabled(False)
+        # A process hosting a local cloud that seems stuck can be asked where its threads stand.
+        faulthandler.register(DUMP_SIGNAL, all_threads=True)
         try:
             self._configure_moto()
             self.workdir.mkdir(parents=True, exist_ok=True)
@@ -241,6 +244,7 @@ class LocalCloud:
 
         iam.enforce(False)
         global_sdk_config.set_sdk_enabled(True)  # its default (AWS_XRAY_SDK_ENABLED still wins)
+        faulthandler.unregister(DUMP_SIGNAL)
         glue.deactivate(self)
         if self._owns_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)

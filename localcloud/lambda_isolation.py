@@ -1,10 +1,12 @@
-"""Each function's own modules, for functions whose handlers run in this process.
+"""Each execution environment's own modules, for functions whose handlers run in this process.
 
-On AWS every function has an execution environment of its own: its package (/var/task) and its
-layers (/opt/python) come first on its own sys.path, and its modules and their state are its
-own. The common SAM layout relies on it: a folder per function, each with an `app.py` and the
-handler `app.lambda_handler`. Here all functions share one interpreter, so each gets a package
-of its own that the import system resolves its names into:
+On AWS every execution environment of a function is a sandbox of its own: its package
+(/var/task) and its layers (/opt/python) come first on its own sys.path, and its modules and
+their state are its own, used by one invocation at a time. The common SAM layout relies on it: a
+folder per function, each with an `app.py` and the handler `app.lambda_handler`; so does
+module-level state such as a Powertools BatchProcessor. Here all functions share one
+interpreter, so each environment gets a package of its own that the import system resolves its
+function's names into:
 
 - `FunctionModules` is that package: a synthetic top-level package (`_lambda_3_my_function`)
   whose __path__ is the function's package folder and its layers' Python folders, and the
@@ -35,7 +37,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["FunctionModules", "modules_for", "install"]
+__all__ = ["FunctionModules", "new_modules", "install"]
 
 _MODULE_SUFFIXES = tuple(importlib.machinery.all_suffixes())
 
@@ -75,25 +77,23 @@ def _module_name(entry: Path) -> str | None:
 
 
 _registry_lock = threading.Lock()
-_by_key: dict[Any, FunctionModules] = {}
 _by_package: dict[str, FunctionModules] = {}
 _numbers = itertools.count(1)
 
 
-def modules_for(key: Any, function_name: str, search_path: tuple[Path, ...]) -> FunctionModules:
-    """The modules of the function identified by `key` (its ARN and code: new code, new modules,
-    as a new execution environment), made on first use."""
+def new_modules(function_name: str, search_path: tuple[Path, ...]) -> FunctionModules:
+    """A new, empty set of modules for one execution environment of the function: its modules
+    are imported afresh into it (a cold start), and their state is that environment's alone."""
     with _registry_lock:
-        if key not in _by_key:
-            package = f"_lambda_{next(_numbers)}_{re.sub(r'[^0-9A-Za-z_]', '_', function_name)}"
-            modules = FunctionModules(package, search_path, top_level_names(search_path))
-            holder = ModuleType(package, f"the modules of Lambda function {function_name}")
-            holder.__path__ = [str(folder) for folder in search_path]
-            holder.__spec__ = importlib.machinery.ModuleSpec(package, None, is_package=True)
-            holder.__spec__.submodule_search_locations = holder.__path__
-            sys.modules[package] = holder
-            _by_key[key] = _by_package[package] = modules
-        return _by_key[key]
+        package = f"_lambda_{next(_numbers)}_{re.sub(r'[^0-9A-Za-z_]', '_', function_name)}"
+        modules = FunctionModules(package, search_path, top_level_names(search_path))
+        holder = ModuleType(package, f"the modules of an environment of Lambda function {function_name}")
+        holder.__path__ = [str(folder) for folder in search_path]
+        holder.__spec__ = importlib.machinery.ModuleSpec(package, None, is_package=True)
+        holder.__spec__.submodule_search_locations = holder.__path__
+        sys.modules[package] = holder
+        _by_package[package] = modules
+        return modules
 
 
 # --- the import hook ---------------------------------------------------------------------

@@ -7,12 +7,14 @@ deployment package and called, with what the real runtime gives it
 `errorType` = exception class name, which Step Functions Retry/Catch match on). Where it runs
 depends on the function's Runtime (`localcloud.lambda_runtimes`):
 
-- on the local cloud's own Python, in a thread of this process. Each function has its own
-  modules (`localcloud.lambda_isolation`): many functions may each have an `app.py`, and module
-  state is per function, as on AWS. Its environment variables are visible to its threads only
-  (several functions with different variables run at once in one process). Its timeout: a
-  handler still running when it expires is reported as AWS reports it (`Sandbox.Timedout`); its
-  thread cannot be killed, so it is left to finish and its result is dropped. What its threads
+- on the local cloud's own Python, in a thread of this process. Each execution environment has
+  its own modules (`localcloud.lambda_isolation`): many functions may each have an `app.py`,
+  and module state is per environment, which serves one invocation at a time, as on AWS;
+  concurrent invocations each take an idle environment or start a new one. Its environment
+  variables are visible to its threads only (several functions with different variables run at
+  once in one process). Its timeout: a handler still running when it expires is reported as AWS
+  reports it (`Sandbox.Timedout`); its thread cannot be killed, so it is left to finish, its
+  result dropped and its environment never used again. What its threads
   print (print, logging to stdout/stderr, Powertools' JSON logs and EMF metrics) is captured
   into the invocation's log lines, as Lambda sends a function's output to CloudWatch Logs.
 - on another Python, in processes of that interpreter, one per execution environment, each
@@ -45,7 +47,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import boto3
 import botocore.credentials
@@ -53,6 +55,8 @@ import botocore.credentials
 from localcloud import lambda_bootstrap, lambda_isolation
 from localcloud.lambda_bootstrap import INIT_LIMIT_S, LambdaContext, error_object, initialise
 from localcloud.lambda_isolation import FunctionModules
+
+E = TypeVar("E")
 
 __all__ = ["FunctionSpec", "InvocationResult", "invoke_handler", "unpack_code", "layer_folders",
            "code_cache_root", "close_environments", "install_sandboxes"]
@@ -368,7 +372,7 @@ def _run_in_this_process(spec: FunctionSpec, event: Any, request_id: str) -> tup
     """The outcome (None if the function outlived its timeout) and what it printed."""
     environ = install_sandboxes()
     install_thread_output()
-    modules = lambda_isolation.modules_for(spec.environment_key, spec.function_name, spec.search_path)
+    modules = _thread_environments.take(spec)
     initialised = threading.Event()
     outcome: dict[str, Any] = {}
     output: list[str] = []
@@ -389,11 +393,14 @@ def _run_in_this_process(spec: FunctionSpec, event: Any, request_id: str) -> tup
     deadline = _invocation_deadline(initialised.wait, spec.timeout_s)
     if deadline is not None:
         worker.join(timeout=max(0.0, deadline - time.monotonic()))
-    return (None if worker.is_alive() else outcome), "".join(output)
+    if worker.is_alive():  # timed out: Lambda resets the environment, the next one starts cold
+        return None, "".join(output)
+    _thread_environments.give_back(spec, modules)
+    return outcome, "".join(output)
 
 
 def _run_in_its_process(spec: FunctionSpec, event: Any, request_id: str) -> tuple[dict[str, Any] | None, str]:
-    environment = _environments.take(spec)
+    environment = _process_environments.take(spec)
     deadline = _invocation_deadline(environment.initialised, spec.timeout_s)
     if deadline is None:
         environment.close()
@@ -404,7 +411,7 @@ def _run_in_its_process(spec: FunctionSpec, event: Any, request_id: str) -> tupl
     answer = environment.invoke(event, context, deadline)
     if answer is None:
         return None, ""
-    _environments.give_back(spec, environment)
+    _process_environments.give_back(spec, environment)
     return answer, answer.pop("output")
 
 
@@ -476,50 +483,62 @@ class _EnvironmentProcess:
                 pipe.close()
             except OSError:
                 pass
-        _environments.forget(self)
+        _process_environments.forget(self)
 
 
-class _EnvironmentPool:
-    """The warm environments of functions on other interpreters, by environment key."""
+class _EnvironmentPool(Generic[E]):
+    """The idle execution environments of functions, by environment key. An invocation takes one
+    (a cold start makes a new one with `make`), serves alone in it and gives it back, as Lambda
+    sends each environment one invocation at a time and scales out with more of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, make: Callable[[FunctionSpec], E]) -> None:
+        self._make = make
         self._lock = threading.Lock()
-        self._idle: dict[tuple[Any, ...], list[_EnvironmentProcess]] = {}
-        self._living: set[_EnvironmentProcess] = set()
+        self._idle: dict[tuple[Any, ...], list[E]] = {}
+        self._living: set[E] = set()
 
-    def take(self, spec: FunctionSpec) -> _EnvironmentProcess:
+    def take(self, spec: FunctionSpec) -> E:
         with self._lock:
             idle = self._idle.get(spec.environment_key)
             if idle:
                 return idle.pop()
-        environment = _EnvironmentProcess(spec)  # a cold start, outside the lock
+        environment = self._make(spec)  # a cold start, outside the lock
         with self._lock:
             self._living.add(environment)
         return environment
 
-    def give_back(self, spec: FunctionSpec, environment: _EnvironmentProcess) -> None:
+    def give_back(self, spec: FunctionSpec, environment: E) -> None:
         with self._lock:
             if environment in self._living:
                 self._idle.setdefault(spec.environment_key, []).append(environment)
 
-    def forget(self, environment: _EnvironmentProcess) -> None:
+    def forget(self, environment: E) -> None:
         with self._lock:
             self._living.discard(environment)
             for idle in self._idle.values():
                 if environment in idle:
                     idle.remove(environment)
 
-    def close_all(self) -> None:
+    def living(self) -> list[E]:
         with self._lock:
-            living = list(self._living)
-        for environment in living:
-            environment.close()
+            return list(self._living)
 
 
-_environments = _EnvironmentPool()
-atexit.register(_environments.close_all)
+_thread_environments: _EnvironmentPool[FunctionModules] = _EnvironmentPool(
+    lambda spec: lambda_isolation.new_modules(spec.function_name, spec.search_path))
+"""Environments in this process: each its own modules. Kept across local clouds, as the modules
+stay imported for the process's life."""
+_process_environments: _EnvironmentPool[_EnvironmentProcess] = _EnvironmentPool(_EnvironmentProcess)
+
+
+def _close_process_environments() -> None:
+    for environment in _process_environments.living():
+        environment.close()
+
+
+atexit.register(_close_process_environments)
 
 
 def close_environments() -> None:
     """End every process environment: their variables name a local cloud that is stopping."""
-    _environments.close_all()
+    _close_process_environments()

@@ -13,6 +13,7 @@ up only once it stood still for `stall_s`, naming what it waited for and the las
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import tempfile
 import time
@@ -71,6 +72,11 @@ def until(done: Callable[[], T], progress: Callable[[], Hashable], *, what: str,
     return found
 
 
+def tail(path: Path, most: int = 20_000) -> str:
+    """The end of a text file, at most `most` characters."""
+    return path.read_text(errors="replace")[-most:]
+
+
 def sizes(paths: Sequence[Path]) -> tuple[int, ...]:
     """The sizes of files (0 for one not there yet): a snapshot of what is being written to them."""
     found = []
@@ -84,23 +90,42 @@ def sizes(paths: Sequence[Path]) -> tuple[int, ...]:
 
 def run_captured(command: Sequence[str], *, what: str, also_watch: Sequence[Path] = (), stall_s: float = STALL_S,
                  **popen: Any) -> subprocess.CompletedProcess[str]:
-    """Run `command` until it exits, its stdout and stderr captured; Stalled (the process killed)
-    once neither of them nor the files of `also_watch` grew for `stall_s`."""
+    """Run `command` until it exits, its stdout and stderr captured; Stalled (the process killed,
+    the ends of its stdout and stderr in the message) once neither of them nor the files of
+    `also_watch` grew for `stall_s`."""
     with tempfile.TemporaryDirectory(prefix="captured-") as folder:
         stdout, stderr = Path(folder, "stdout"), Path(folder, "stderr")
         with stdout.open("wb") as out, stderr.open("wb") as err, \
                 subprocess.Popen(command, stdout=out, stderr=err, **popen) as process:
-            wait_for_exit(process, [stdout, stderr, *also_watch], what=what, stall_s=stall_s)
+            try:
+                wait_for_exit(process, [stdout, stderr, *also_watch], what=what, stall_s=stall_s)
+            except Stalled as stalled:
+                process.wait()
+                raise Stalled(f"{stalled}\n--- the end of its stdout:\n{tail(stdout)}\n--- the end of its "
+                              f"stderr:\n{tail(stderr)}") from None
         return subprocess.CompletedProcess(process.args, process.returncode, stdout.read_text(errors="replace"),
                                            stderr.read_text(errors="replace"))
 
 
+DUMP_SIGNAL = signal.SIGUSR1
+"""Asks a stalled process for its threads' stacks before it is killed: a local cloud's process
+writes them to stderr on it (LocalCloud.start registers faulthandler); another one dies of it."""
+DUMP_WAIT_S = 5.0
+
+
 def wait_for_exit(process: Any, watched: Sequence[Path], *, what: str, stall_s: float = STALL_S) -> int:
     """Wait until `process` (a Popen, or anything with its poll() and kill()) exits; its exit status.
-    Stalled (the process killed) once none of the files of `watched` grew for `stall_s`."""
+    Stalled (the process killed) once none of the files of `watched` grew for `stall_s`; a Popen
+    is first sent DUMP_SIGNAL, and given DUMP_WAIT_S to write where it stood."""
     try:
         until(lambda: process.poll() is not None, lambda: sizes(watched), what=what, stall_s=stall_s, poll_s=0.2)
     except Stalled:
+        if isinstance(process, subprocess.Popen) and process.poll() is None:
+            process.send_signal(DUMP_SIGNAL)
+            try:
+                process.wait(DUMP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
         process.kill()
         raise
     return process.poll()

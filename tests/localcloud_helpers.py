@@ -19,11 +19,13 @@ HANDLERS_MODULE = "localcloud_test_handlers"
 def run_scenario(script: str, *args: str) -> dict[str, Any]:
     """Run tests/<script> in a process of its own (a local cloud must import the deployed copy
     of `functions`, not this process's) and return the JSON summary it prints last; waited for
-    while it narrates (localcloud.waiting), never for a fixed time."""
-    from localcloud.waiting import run_captured
+    while it narrates (localcloud.waiting), never for a fixed time. The scenario's own watch of
+    its run stalls first (it then prints the instances' consoles); this wait, a minute later,
+    catches a scenario stuck outside that watch."""
+    from localcloud.waiting import STALL_S, run_captured
 
     completed = run_captured([sys.executable, str(TESTS / script), *args], what=f"{script} {' '.join(args)}",
-                             cwd=TESTS.parent)
+                             stall_s=STALL_S + 60, cwd=TESTS.parent)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-8000:]
     return json.loads(completed.stdout.strip().splitlines()[-1])
 

@@ -135,6 +135,43 @@ def test_functions_each_have_their_own_modules_and_module_state(local_cloud):
                        for calls in (1, 2) for name in functions]
 
 
+RENDEZVOUS_APP = """
+import os
+import time
+from pathlib import Path
+
+serving = None
+calls = 0
+
+
+def lambda_handler(event, context):
+    global serving, calls
+    serving, calls = event["name"], calls + 1
+    folder = Path(event["folder"])
+    (folder / event["name"]).touch()
+    while len(os.listdir(folder)) < event["together"]:  # every invocation of the burst is running
+        time.sleep(0.01)
+    return {"serving": serving, "calls": calls}
+"""
+
+
+@pytest.mark.parametrize("runtime", ["python3.11", "python3.12"])
+def test_concurrent_invocations_of_one_function_each_run_in_an_environment_of_their_own(local_cloud, tmp_path,
+                                                                                         runtime):
+    """An execution environment serves one invocation at a time: module state (a Powertools
+    BatchProcessor's records, a cache) is never shared by two running invocations. An idle
+    environment serves the next one warm."""
+    arn = create_function(local_cloud, {"app.py": RENDEZVOUS_APP}, runtime=runtime, Timeout=60)
+    names = ["first", "second", "third"]
+    with ThreadPoolExecutor(len(names)) as pool:
+        burst = list(pool.map(lambda name: invoke(local_cloud, arn, {"name": name, "folder": str(tmp_path),
+                                                                      "together": len(names)}), names))
+
+    assert burst == [(None, {"serving": name, "calls": 1}) for name in names]
+    assert invoke(local_cloud, arn, {"name": "later", "folder": str(tmp_path), "together": 0}) == (
+        None, {"serving": "later", "calls": 2})
+
+
 SHOP_APP = """
 import importlib
 from concurrent.futures import ThreadPoolExecutor

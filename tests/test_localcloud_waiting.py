@@ -2,6 +2,8 @@
 
 import itertools
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,3 +46,28 @@ def test_a_local_run_spec_below_the_floors_a_starved_machine_can_reach_is_refuse
     assert "recovery.startup_timeout_seconds=120 is below the local floor of 300 s" in str(refused.value)
     assert "recovery.boot_timeout_seconds=180 is below the local floor of 300 s" in str(refused.value)
     assert "hang_timeout" not in str(refused.value)
+
+
+STUCK_CLOUD = """
+import threading
+from localcloud.cloud import LocalCloud
+starting = threading.Event()
+threading.Thread(target=lambda: [print(".", end="", flush=True) for _ in iter(lambda: starting.wait(0.1), True)]).start()
+cloud = LocalCloud().start()
+starting.set()
+print("local cloud up", flush=True)
+threading.Event().wait()  # stuck: never prints again
+"""
+"""A local cloud that starts (printing while it does: the wait counts stillness only from then on)
+and then stands still."""
+
+
+def test_a_stalled_local_cloud_process_is_killed_with_its_threads_stacks_and_output_in_the_error():
+    with pytest.raises(waiting.Stalled) as stalled:
+        waiting.run_captured([sys.executable, "-c", STUCK_CLOUD], what="the stuck cloud", stall_s=3.0,
+                             cwd=Path(__file__).resolve().parent.parent)
+    message = str(stalled.value)
+    assert "while waiting for the stuck cloud" in message
+    output, stacks = message.split("--- the end of its stderr:")
+    assert output.rstrip().endswith("local cloud up")
+    assert 'File "<string>", line 9 in <module>' in stacks  # the main thread, where it stands
