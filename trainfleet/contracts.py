@@ -1075,12 +1075,16 @@ class FleetCheckFigures(_Strict):
     seconds: float = Field(ge=0)
     """How long the check took."""
 
+    def clauses(self) -> list[str]:
+        """What it measured, clause by clause (a view wraps between them)."""
+        link = ([f"slowest link {self.slowest_link_gbytes_per_s:.3f} GB/s, {' -> '.join(self.slowest_link)}"]
+                if self.slowest_link_gbytes_per_s is not None else [])
+        blamed = [f"slow: {', '.join(self.slow_instance_ids)}"] if self.slow_instance_ids else []
+        return [f"fleet all-reduce {self.busbw_gbytes_per_s:.3f} GB/s, floor {self.floor_gbytes_per_s:.3f} GB/s",
+                *link, *blamed]
+
     def describe(self) -> str:
-        link = (f"; slowest link {' -> '.join(self.slowest_link)} {self.slowest_link_gbytes_per_s:.3f} GB/s"
-                if self.slowest_link_gbytes_per_s is not None else "")
-        blamed = f"; slow: {', '.join(self.slow_instance_ids)}" if self.slow_instance_ids else ""
-        return (f"fleet all-reduce {self.busbw_gbytes_per_s:.3f} GB/s, floor {self.floor_gbytes_per_s:.3f} GB/s"
-                f"{link}{blamed}")
+        return "; ".join(self.clauses())
 
 
 class ScalingCheckFigures(_Strict):
@@ -1116,15 +1120,19 @@ class ScalingCheckFigures(_Strict):
     """The nodes to replace (a rank far slower than its peers): none when the world passed, or
     when it is uniformly poor (the run stops)."""
 
-    def describe(self) -> str:
-        blamed = f"; slow: {', '.join(self.slow_instance_ids)}" if self.slow_instance_ids else ""
-        return (f"scaling efficiency {self.efficiency:.2f} (floor {self.efficiency_floor:.2f}): "
+    def clauses(self) -> list[str]:
+        """What it measured, clause by clause (a view wraps between them)."""
+        blamed = [f"slow: {', '.join(self.slow_instance_ids)}"] if self.slow_instance_ids else []
+        return [f"scaling efficiency {self.efficiency:.2f} (floor {self.efficiency_floor:.2f}): "
                 f"{self.step_seconds:.3f} s a step against {self.expected_step_seconds:.3f} s expected, "
-                f"{self.tokens_per_second:,.0f} tokens/s against {self.expected_tokens_per_second:,.0f}; "
+                f"{self.tokens_per_second:,.0f} tokens/s against {self.expected_tokens_per_second:,.0f}",
                 f"slowest stage {', '.join(map(str, self.slowest_stages))} ({self.slowest_stage_seconds:.3f} s "
-                f"of compute a step, on {', '.join(self.slowest_stage_instance_ids)}); slowest rank "
-                f"{self.slowest_rank} ({self.slowest_rank_seconds:.3f} s, on {self.slowest_rank_instance_id})"
-                f"{blamed}")
+                f"of compute a step, on {', '.join(self.slowest_stage_instance_ids)})",
+                f"slowest rank {self.slowest_rank} ({self.slowest_rank_seconds:.3f} s, on "
+                f"{self.slowest_rank_instance_id})", *blamed]
+
+    def describe(self) -> str:
+        return "; ".join(self.clauses())
 
 
 class RunRecord(_Strict):

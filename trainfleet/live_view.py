@@ -8,11 +8,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 
-from rich.console import Console, RenderableType
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.live import Live
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -20,7 +21,7 @@ from rich.text import Text
 
 from trainfleet.runs import RunStatus, Stack
 
-__all__ = ["view", "watch", "REFRESH_S"]
+__all__ = ["view", "watch", "Parts", "REFRESH_S"]
 
 REFRESH_S = 2.0
 """How often `watch` reads the run: a few reads of DynamoDB and Step Functions each time."""
@@ -30,39 +31,78 @@ _STATE_STYLE = {"SUCCEEDED": "bold green", "FAILED": "bold red", "RECOVERING": "
 
 
 def view(status: RunStatus) -> RenderableType:
-    """The run's state, attempt, nodes, step, loss, throughput, checkpoint, goodput and cost."""
+    """The run's state, attempt, progress, loss, throughput, checkpoint, nodes, goodput, cost,
+    checks and failures: one field a line, its label on the left. A value breaks between its
+    parts, never inside one, so the view reads at 80 columns as at 200."""
     rows = Table.grid(padding=(0, 2))
-    rows.add_column(style="dim", justify="right")
+    rows.add_column(style="dim", justify="right", no_wrap=True)
     rows.add_column()
+    for label, value in _fields(status):
+        rows.add_row(label, value)
+    return Panel(rows, title=_title(status), title_align="left", subtitle=_subtitle(status), subtitle_align="right")
+
+
+class Parts:
+    """A value made of parts, laid out in the width it is given: as many parts a line as fit,
+    a line broken only between two parts (a part too long for a line of its own wraps at its
+    words)."""
+
+    def __init__(self, *parts: str | Text, separator: str = ", "):
+        self.parts = [Text(part) if isinstance(part, str) else part for part in parts]
+        self.separator = separator
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        line = Text()
+        for part in self.parts:
+            if line and line.cell_len + len(self.separator) + part.cell_len > options.max_width:
+                yield line.append(self.separator.rstrip())
+                line = Text()
+            elif line:
+                line.append(self.separator)
+            line.append_text(part)
+        yield line
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        whole = sum(part.cell_len for part in self.parts) + len(self.separator) * (len(self.parts) - 1)
+        return Measurement(max((part.cell_len for part in self.parts), default=0), whole).clamp(
+            max_width=options.max_width)
+
+
+def _fields(status: RunStatus) -> Iterator[tuple[str, RenderableType]]:
     record, ledger = status.record, status.ledger
     if record is not None:
-        rows.add_row("progress", _progress(status))
+        yield "progress", _progress(status)
+        if status.latest:
+            attempt, sample = status.latest
+            yield "loss", Parts(f"{sample.loss:.4f}", f"attempt {attempt} at {_clock(sample.at)}")
+            yield "speed", Parts(f"{sample.tokens_per_second:,.0f} tokens/s", f"{sample.step_seconds:.2f} s/step")
         checkpoint = record.latest_checkpoint
-        rows.add_row("checkpoint", f"step {checkpoint.step}" + (f" (committed {_clock(checkpoint.committed_at)})"
-                                                               if checkpoint.committed_at else "")
-                     if checkpoint else "none yet")
-        rows.add_row("nodes", _nodes(status))
+        yield "checkpoint", (Parts(f"step {checkpoint.step}", *([f"committed {_clock(checkpoint.committed_at)}"]
+                                                                 if checkpoint.committed_at else []))
+                             if checkpoint else Text("none yet"))
+        yield "nodes", Parts(*_nodes(status), separator="; ")
         lost = max(ledger.lost_by_cause.items(), key=lambda item: item[1], default=None)
-        rows.add_row("goodput", f"{ledger.goodput:.0%}{' so far' if status.running else ''}, "
-                     f"{ledger.lost_seconds:,.0f} s lost"
-                     + (f" (most to {lost[0]}: {lost[1]:,.0f} s)" if lost else "")
-                     + f"; cost ${ledger.cost_usd:,.2f} ({ledger.node_seconds / 3600:,.2f} node-hours)")
+        yield "goodput", Parts(f"{ledger.goodput:.0%}{' so far' if status.running else ''}",
+                               f"{ledger.lost_seconds:,.0f} s lost",
+                               *([f"most to {lost[0]}: {lost[1]:,.0f} s"] if lost else []))
+        yield "cost", Parts(f"${ledger.cost_usd:,.2f}", f"{ledger.node_seconds / 3600:,.2f} node-hours")
         for name, figures in (("fleet check", status.fleet_check), ("scaling check", status.scaling_check)):
             if figures is not None:
                 verdict = Text("passed" if figures.passed else "FAILED", style="green" if figures.passed else "bold red")
-                rows.add_row(name, Text.assemble(verdict, f" (attempt {figures.attempt}): {figures.describe()}"))
+                yield name, Parts(Text.assemble(verdict, f" (attempt {figures.attempt})"), *figures.clauses(),
+                                  separator="; ")
         for failure in status.failures:
-            detected = (f", detected after {failure.detection_seconds:,.1f} s"
-                        if failure.detection_seconds is not None else "")
             attempt = f"attempt {failure.attempt}" if failure.attempt is not None else "an attempt"
-            resume = f"step {failure.resume_step}" if failure.resume_step is not None else "scratch"
-            rows.add_row("failure", Text.assemble((failure.failure_class.value, "yellow"),
-                                                  f" ended {attempt}{detected}; resumed from {resume}"))
+            yield "failure", Parts(Text.assemble((failure.failure_class.value, "yellow"), f" ended {attempt}"),
+                                   *([f"detected after {failure.detection_seconds:,.1f} s"]
+                                     if failure.detection_seconds is not None else []),
+                                   "resumed from " + (f"step {failure.resume_step}"
+                                                      if failure.resume_step is not None else "scratch"))
     if status.recent_states:
-        rows.add_row("states", " → ".join(f"{entry.name} {_clock(entry.at)}" for entry in status.recent_states[-5:]))
+        yield "states", Parts(*(f"{entry.name} {_clock(entry.at)}" for entry in status.recent_states[-5:]),
+                              separator=" → ")
     if status.error:
-        rows.add_row("error", Text(status.error, style="red"))
-    return Panel(rows, title=_title(status), title_align="left", subtitle=_subtitle(status), subtitle_align="right")
+        yield "error", Text(status.error, style="red")
 
 
 def watch(stack: Stack, run_name: str, console: Console, refresh_s: float = REFRESH_S,
@@ -115,30 +155,22 @@ def _progress(status: RunStatus) -> RenderableType:
     target = status.target_steps
     line = Table.grid(padding=(0, 1))
     line.add_row(ProgressBar(total=target or 1, completed=min(step or 0, target or 1), width=24),
-                 f"step {step if step is not None else '-'}" + (f" of {target}" if target else ""),
-                 *(_sample(status) if status.latest else ["no step yet"]))
+                 Text(f"step {step if step is not None else '-'}" + (f" of {target}" if target else "")
+                      + ("" if status.latest else ", no step yet"), no_wrap=True))
     return line
 
 
-def _sample(status: RunStatus) -> list[str]:
-    attempt, sample = status.latest
-    return [f"loss {sample.loss:.4f}", f"{sample.tokens_per_second:,.0f} tokens/s",
-            f"{sample.step_seconds:.2f} s/step", f"(attempt {attempt}, {_clock(sample.at)})"]
-
-
-def _nodes(status: RunStatus) -> str:
+def _nodes(status: RunStatus) -> list[str]:
     parts = []
     for role, states in status.nodes_by_state.items():
         live = {state: count for state, count in states.items() if state not in ("TERMINATED",)}
         if live:
             parts.append(f"{role.lower()}s " + ", ".join(f"{count} {state}" for state, count in sorted(live.items())))
-    replaced = status.replaced
-    if replaced:
-        parts.append("replaced " + ", ".join(f"{node.instance_id} ({node.failure_class.value})" for node in replaced))
+    parts += [f"replaced {node.instance_id} ({node.failure_class.value})" for node in status.replaced]
     ended = sum(states.get("TERMINATED", 0) for states in status.nodes_by_state.values())
     if ended:
         parts.append(f"{ended} terminated")
-    return "; ".join(parts) or "none"
+    return parts or ["none"]
 
 
 def _clock(moment: datetime) -> str:
