@@ -136,6 +136,15 @@ def test_the_loss_chart_marks_the_failure_and_the_resume_where_they_happened(pag
     assert marks == pytest.approx([ticks["20"], ticks["20"] + 6 * step], abs=0.1), "lines at steps 20 and 26"
 
 
+def test_steps_whose_losses_died_with_rank_0s_node_are_shaded_as_unknown(example):
+    first, *rest = example.attempts
+    cut = first.model_copy(update={"samples": first.samples[:10], "unknown_steps": (11, first.samples[-1].step)})
+    loss = figure(ET.fromstring(render_html(example.model_copy(update={"attempts": [cut, *rest]}))), "loss")
+    assert "losses unknown: rank 0's node lost before reporting them" in texts(loss)
+    assert "losses unknown: rank 0's node lost before reporting them" not in texts(figure(
+        ET.fromstring(render_html(example)), "loss"))
+
+
 def test_the_throughput_chart_runs_on_the_runs_clock_with_a_gap_between_attempts(page):
     throughput = figure(page, "throughput")
     assert "time since the run's creation (s)" in texts(throughput) and "INSTANCE_LOST" in texts(throughput)

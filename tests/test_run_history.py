@@ -76,6 +76,7 @@ def test_a_finished_run_with_a_failure_and_a_resume():
     (failure,) = history.failures
     assert failure.detection_seconds == 1.5 and failure.resume_step == 20
     assert failure.last_step == 26, "the last step the attempt reported, from its samples"
+    assert [a.unknown_steps for a in history.attempts] == [None, None]
     assert failure.steps_lost == 6 == history.steps_lost
     assert history.until == at(74), "a finished run's history ends with its books"
     assert history.goodput == pytest.approx(40 / 74) and history.target_steps == 60
@@ -102,11 +103,18 @@ def test_an_attempt_reached_at_least_the_checkpoint_it_is_resumed_from():
                             now=at(500))
     (failure,) = history.failures
     assert (failure.last_step, failure.resume_step, failure.steps_lost) == (25, 20, 5)
+    assert [(a.attempt, a.unknown_steps) for a in history.attempts] == [(0, (14, 25))], (
+        "steps 14 to 25 were trained: their losses are unknown, not missing without a reason")
     unreported = finished_run().model_copy(update={"failures": [finished_run().failures[0].model_copy(
         update={"last_step": None})]})
-    (failure,) = build_history(unreported, [], [(0, sample(step, 10 + step)) for step in range(1, 14)], STATES,
-                               now=at(500)).failures
+    history = build_history(unreported, [], [(0, sample(step, 10 + step)) for step in range(1, 14)], STATES,
+                            now=at(500))
+    (failure,) = history.failures
     assert (failure.last_step, failure.steps_lost) == (20, 0)
+    assert history.attempts[0].unknown_steps == (14, 20)
+    silent = build_history(unreported, [], [], STATES, now=at(500))
+    assert [(a.attempt, a.samples, a.unknown_steps) for a in silent.attempts] == [(0, [], (1, 20))], (
+        "an attempt that reported nothing still trained up to the checkpoint it saved")
 
 
 def test_a_long_attempts_samples_are_thinned_as_they_come_and_keep_the_newest():

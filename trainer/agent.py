@@ -34,7 +34,7 @@ instance's process. It speaks to the control plane only through AWS:
    record requests one (a worker's departure was announced) or the metadata service gives a Spot
    notice, and stops torchrun when the run moves to a newer attempt. The agent whose node holds
    global rank 0 (the only one whose trainer writes the metrics file) also heartbeats the Train
-   task as steps advance, sends sampled TrainingProgress and CheckpointCommitted for every
+   task as steps advance, sends TrainingProgress (every step) and CheckpointCommitted for every
    checkpoint committed to S3 with the reason it was saved, and the fleet check's figures
    (FleetChecked: the trainer measures the world's network before its first step,
    trainer/fleet_check.py; a world below the floor does not train). Before the attempt's first step
@@ -126,7 +126,7 @@ TRANSIENT_ERRORS = (ClientError, BotoCoreError)
 """What a control-plane call fails with once botocore's own retries are spent (throttling, 5xx,
 connection errors, timeouts, a refused call): logged and tried again later, never fatal."""
 PROGRESS_EVERY_S = 10.0
-"""Least time between two TrainingProgress events (sampled; CloudWatch gets them as metrics)."""
+"""Least time between two reports of TrainingProgress (CloudWatch gets each as metrics)."""
 PEER_LOSS_GRACE_S = 1.0
 """How long a failed trainer waits for the run to move on before it reports the failure: EC2's
 event about a lost peer, on its way when the peer's death broke this world, usually moves it on
@@ -604,10 +604,7 @@ event that carries it."""
 
 
 def progress_samples(records: list[dict[str, Any]]) -> list[ProgressSample]:
-    """The steps of metrics records, thinned evenly to PROGRESS_SAMPLES_MAX, the last one kept."""
-    if len(records) > PROGRESS_SAMPLES_MAX:
-        stride = len(records) / PROGRESS_SAMPLES_MAX
-        records = [records[len(records) - 1 - int(index * stride)] for index in reversed(range(PROGRESS_SAMPLES_MAX))]
+    """The steps of metrics records."""
     return [ProgressSample(step=record["step"], loss=record["loss"], tokens_per_second=record["tokens_per_s"],
                            step_seconds=record["step_time_s"], at=datetime.fromtimestamp(record["time"], timezone.utc))
             for record in records]
@@ -832,8 +829,7 @@ class Attempt:
             self.follow()
             # The steps since the last TrainingProgress belong to the run's history, also those
             # of an attempt the run has left.
-            if self.unsent_steps and self.send_progress(self.unsent_steps):
-                self.unsent_steps = []
+            self.send_progress()
         self.report_exit(process.returncode)
         return None
 
@@ -867,7 +863,7 @@ class Attempt:
 
     def follow(self) -> None:
         """What the node shows since the last look: metrics, this node's progress, a Spot notice.
-        Only the node that speaks for the world calls the control plane here (sampled progress,
+        Only the node that speaks for the world calls the control plane here (progress,
         new commits); the heartbeat has a thread of its own (beat_if_due)."""
         records = self.metrics.new_records()
         # A `finished` record (no loss) is what a trainer resumed at its last step writes instead
@@ -894,8 +890,7 @@ class Attempt:
         self.unsent_steps += steps
         # The final step goes out at once: the history and the run record end where training did.
         if self.unsent_steps and (now - self.last_progress >= PROGRESS_EVERY_S or self.finished is not None):
-            if self.send_progress(self.unsent_steps):
-                self.unsent_steps = []
+            self.send_progress()
             self.last_progress = now
         if records and self.commit_awaited_after is not None:
             # A checkpoint asked for now (a Spot notice, a departure) is announced as soon as it
@@ -985,13 +980,18 @@ class Attempt:
                                    instance_id=self.identity.instance_id, figures=figures)):
             self.checks_reported.add(check)
 
-    def send_progress(self, records: list[dict[str, Any]]) -> bool:
-        """The steps since the last TrainingProgress (thinned: progress_samples); True if sent."""
-        latest = records[-1]
-        return self.control.send(TrainingProgress(
-            run_name=self.spec.run_name, attempt=self.spec.attempt, instance_id=self.identity.instance_id,
-            step=latest["step"], loss=latest["loss"], tokens_per_second=latest["tokens_per_s"],
-            step_seconds=latest["step_time_s"], samples=progress_samples(records)))
+    def send_progress(self) -> None:
+        """Every step since the last TrainingProgress, PROGRESS_SAMPLES_MAX an event: the run's
+        history holds each one. What could not be sent goes at the next try."""
+        while self.unsent_steps:
+            records = self.unsent_steps[:PROGRESS_SAMPLES_MAX]
+            latest = records[-1]
+            if not self.control.send(TrainingProgress(
+                    run_name=self.spec.run_name, attempt=self.spec.attempt, instance_id=self.identity.instance_id,
+                    step=latest["step"], loss=latest["loss"], tokens_per_second=latest["tokens_per_s"],
+                    step_seconds=latest["step_time_s"], samples=progress_samples(records))):
+                return
+            del self.unsent_steps[:len(records)]
 
     def announce_commits(self) -> None:
         committed = self.control.call("list the committed checkpoints",

@@ -1622,12 +1622,14 @@ class ProgressSample(_Strict):
     """When it ended."""
 
 
-PROGRESS_SAMPLES_MAX = 32
-"""Most steps one TrainingProgress carries: at most a few KB, whatever the step rate."""
+PROGRESS_SAMPLES_MAX = 500
+"""Most steps one TrainingProgress carries: about 70 KB (a step is about 135 bytes of JSON),
+within EventBridge's 256 KB an event and DynamoDB's 400 KB an item; more steps since the last
+report go in several events."""
 
 
 class TrainingProgress(AgentEvent):
-    """Sampled progress from global rank 0's agent."""
+    """Progress from global rank 0's agent: every step since the last, sent every few seconds."""
 
     model_config = ProgressSample.model_config
     DETAIL_TYPE: ClassVar[DetailType] = DetailType.TRAINING_PROGRESS
@@ -1641,8 +1643,8 @@ class TrainingProgress(AgentEvent):
     step_seconds: float = Field(ge=0)
     """Wall-clock time of the step."""
     samples: list[ProgressSample] = Field(default_factory=list, max_length=PROGRESS_SAMPLES_MAX)
-    """The steps since the previous TrainingProgress, thinned evenly to at most
-    PROGRESS_SAMPLES_MAX, the last one this step: the run's history (the run report's curves)."""
+    """Every step since the previous TrainingProgress (up to PROGRESS_SAMPLES_MAX; the next event
+    carries the rest), the last one this step: the run's history (the run report's curves)."""
 
 
 class FleetChecked(AgentEvent):

@@ -5,8 +5,8 @@
     pngs = render_pngs(history)        # {"loss.png": b"\\x89PNG...", ...}: the same plots
 
 What the reader sees, without reading a log: a summary (state, fleet, attempts, steps, goodput,
-cost); the loss by step, one line per attempt, each failure and resume marked and the steps that
-were trained again shaded; tokens/s over the run's time; the lifecycle, phase by phase for each
+cost); the loss by step, one line per attempt, each failure and resume marked, the steps that
+were trained again shaded, and those whose losses died with global rank 0's node shaded apart; tokens/s over the run's time; the lifecycle, phase by phase for each
 attempt, with each failure's detection (onset to decision) and the replacement up to the resumed
 training; goodput by cause; a table of the failures; the world checks' figures. Times are UTC.
 """
@@ -67,8 +67,10 @@ def _loss_chart(history: RunHistory) -> Chart:
               for progress in trained if progress.attempt > 0]
     redone = [Span(failure.last_step - failure.steps_lost, failure.last_step, tint(VERMILLION, 0.18),
                    "steps trained again after a failure") for failure in failed if failure.steps_lost]
-    return Chart("Loss by step", Axis("step"), Axis("training loss"), series=series, marks=marks, spans=redone,
-                 empty_note="no steps reported")
+    unknown = [Span(first - 1, last, tint(GREY, 0.35), "losses unknown: rank 0's node lost before reporting them")
+               for first, last in (progress.unknown_steps for progress in history.attempts if progress.unknown_steps)]
+    return Chart("Loss by step", Axis("step"), Axis("training loss"), series=series, marks=marks,
+                 spans=unknown + redone, empty_note="no steps reported")
 
 
 def _throughput_chart(history: RunHistory) -> Chart:

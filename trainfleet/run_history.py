@@ -66,6 +66,10 @@ class AttemptProgress(_Shape):
     """The committed step it resumed from; None: it started from scratch."""
     samples: list[ProgressSample]
     """In step order."""
+    unknown_steps: tuple[int, int] | None = None
+    """First and last of the steps it is known to have trained past its last reported one: their
+    losses died with the node of global rank 0 (the only rank that writes them) before its agent
+    reported them. None when every step it trained was reported."""
 
 
 class Phase(_Shape):
@@ -198,9 +202,8 @@ def build_history(run: RunRecord, nodes: list[NodeRecord], samples: Iterable[tup
         by_attempt.setdefault(attempt, _Thinned()).add(sample)
     failures = sorted(run.failures, key=lambda failure: failure.at)
     resumed_from = {attempt: failure.resume_step for attempt, failure in enumerate(failures, start=1)}
-    attempts = [AttemptProgress(attempt=attempt, resume_step=resumed_from.get(attempt), samples=steps.samples())
-                for attempt, steps in sorted(by_attempt.items())]
-    last_steps = {progress.attempt: progress.samples[-1].step for progress in attempts if progress.samples}
+    reported = {attempt: steps.samples() for attempt, steps in by_attempt.items()}
+    last_steps = {attempt: samples[-1].step for attempt, samples in reported.items() if samples}
     marks = []
     for number, failure in enumerate(failures):
         attempt = failure.attempt if failure.attempt is not None else number
@@ -214,6 +217,14 @@ def build_history(run: RunRecord, nodes: list[NodeRecord], samples: Iterable[tup
             detection_seconds=failure.detection_seconds, last_step=last_step, resume_step=resume,
             steps_lost=last_step - (resume or 0) if last_step is not None else 0,
             instance_ids=failure.instance_ids, message=failure.message))
+    unknown = {}
+    for mark in marks:
+        first = last_steps.get(mark.attempt, resumed_from.get(mark.attempt) or 0) + 1
+        if mark.last_step is not None and mark.last_step >= first:
+            unknown[mark.attempt] = (first, mark.last_step)
+    attempts = [AttemptProgress(attempt=attempt, resume_step=resumed_from.get(attempt),
+                                samples=reported.get(attempt, []), unknown_steps=unknown.get(attempt))
+                for attempt in sorted(reported.keys() | unknown.keys())]
     # A run still going has its current attempt booked up to now, as if it ended here; `now`, a
     # reader's clock, is never taken before the record's last write (AWS's clock).
     now = max(now, run.updated_at or now)
