@@ -3,6 +3,7 @@
 import json
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 from botocore.config import Config
@@ -227,10 +228,20 @@ def test_an_instance_ends_with_every_process_it_ran_a_frozen_one_in_a_session_of
 
 def test_a_process_fault_names_the_instance_without_such_a_process(local_cloud):
     local_cloud.fleet.boot = lambda instance: [sys.executable, "-c", "import time; time.sleep(60)"]
-    instance_id = local_cloud.client("ec2").run_instances(
-        ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+    ec2 = local_cloud.client("ec2")
+
+    def launch() -> str:
+        return ec2.run_instances(ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=1,
+                                 MaxCount=1)["Instances"][0]["InstanceId"]
+
+    booting = local_cloud.config
+    local_cloud.config = replace(booting, boot_seconds=3600.0)  # pending for as long as the test looks
+    instance_id = launch()
+    local_cloud.config = booting
     with pytest.raises(RuntimeError, match=f"instance {instance_id} \\(pending\\) has no running processes"):
         local_cloud.fleet.hang_process(instance_id, "trainer")
+    ec2.terminate_instances(InstanceIds=[instance_id])
+    instance_id = launch()
     local_cloud.fleet.wait_for_state(instance_id, "running")
     with pytest.raises(RuntimeError, match=f"instance {instance_id} has no trainer process"):
         local_cloud.fleet.crash_process(instance_id, "trainer")

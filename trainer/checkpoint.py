@@ -252,6 +252,7 @@ class Checkpointer:
         *,
         layout: Mapping[str, int] | None = None,
         config_hash: str = "",
+        model: Mapping[str, Any] | None = None,
         request_file: str | os.PathLike | None = None,
         request_signal: int | None = signal.SIGUSR1,
         timeout: timedelta = timedelta(minutes=10),
@@ -261,6 +262,7 @@ class Checkpointer:
         layout: the parallel layout recorded in the manifest, e.g. {"pp": 4, "dp": 2}.
         config_hash: fingerprint of the trainer config (checkpoint_catalog.config_hash); a resume
             from a checkpoint with another one is allowed and logged.
+        model: the trainer config's model section, recorded in the manifest (what an export names).
         request_file: a path whose creation or touch asks for a checkpoint now.
         request_signal: a signal that asks for a checkpoint now (None: none).
         timeout: how long a checkpoint collective waits for a peer before failing.
@@ -270,6 +272,7 @@ class Checkpointer:
         self._resume_target = catalog.resume_target(cfg.resume)
         self.layout = dict(layout or {})
         self.config_hash = config_hash
+        self.model = dict(model or {})
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
         self._timeout = timeout
@@ -419,7 +422,7 @@ class Checkpointer:
         where = f"{self.store.uri}/{step_dir}"
         files = manifest_files(metadata, step_dir, catalog.step_files(self.store, step), where)
         manifest = catalog.Manifest(step=step, layout=self.layout, files=files, config_hash=self.config_hash,
-                                    reason=reason)
+                                    reason=reason, model=self.model)
         self.store.create(step_dir, catalog.MARKER_NAME, manifest.to_json())
         log.info("checkpoint committed: %s (%s, %d files, %d bytes)", where, reason, len(files),
                  sum(f.size for f in files))

@@ -178,6 +178,9 @@ class Manifest:
     """Version of this manifest format."""
     reason: SaveReason = SaveReason.UNKNOWN
     """Why it was saved; markers without it read as UNKNOWN."""
+    model: dict[str, Any] = field(default_factory=dict)
+    """The model section of the trainer config that saved it (trainer/config.py ModelConfig): the
+    architecture an export names. Empty on markers written before it was kept."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
@@ -196,6 +199,7 @@ class Manifest:
                 committed_at=str(doc["committed_at"]),
                 format_version=FORMAT_VERSION,
                 reason=SaveReason(doc.get("reason", SaveReason.UNKNOWN)),
+                model=dict(doc.get("model", {})),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointInvalid(f"{where}: unreadable commit marker: {exc!r}") from exc

@@ -369,7 +369,7 @@ def _scaling_check(run: Run) -> ScalingCheck | None:
 def _checkpointer(cfg: JobConfig) -> Checkpointer:
     p = cfg.parallel
     return Checkpointer(cfg.checkpoint, layout={"pp": p.pp, "dp": p.dp, "dp_shard": p.resolved_dp_shard(), "tp": p.tp},
-                        config_hash=checkpoint_catalog.config_hash(asdict(cfg)),
+                        config_hash=checkpoint_catalog.config_hash(asdict(cfg)), model=asdict(cfg.model),
                         request_file=os.environ.get(checkpoint_catalog.REQUEST_FILE_ENV),
                         timeout=timedelta(seconds=cfg.checkpoint.timeout_s))
 

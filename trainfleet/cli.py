@@ -13,6 +13,9 @@
     trainfleet run start|list|status|watch|logs|stop|report ...
                                the runs of a deployed stack, on AWS or the local cloud
                                (trainfleet/run_command.py)
+    trainfleet checkpoint list|export RUN ...   a run's checkpoints; its model as safetensors
+    trainfleet sample --from DIR|RUN --prompt TEXT   text the trained model writes
+                               (trainfleet/checkpoint_command.py)
 """
 
 import argparse
@@ -314,9 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_local_up(local_commands)
     _add_local_deploy(local_commands)
     _add_chaos(commands)
+    from trainfleet.checkpoint_command import add_checkpoint_commands
     from trainfleet.run_command import add_run_commands
 
     add_run_commands(commands)
+    add_checkpoint_commands(commands)
     return parser
 
 
