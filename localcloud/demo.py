@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -44,7 +45,7 @@ from rich.console import Console
 
 from localcloud.glue import s3 as s3_requests
 from localcloud.stack import LocalRun, LocalStack, local_stack
-from localcloud.waiting import Progress
+from localcloud.waiting import Progress, run_captured
 from trainer.checkpoint_catalog import marker_step
 from trainfleet.contracts import RunSpec, validation_message
 from trainfleet.live_view import watch
@@ -82,7 +83,8 @@ def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None],
                        disruption: Literal["kill", "spot", "freeze"] | None = "kill", workdir: Path | None = None,
                        time_scale: float = 0.02, spot_notice_seconds: float = 120.0,
                        standin_step_s: float | None = None,
-                       console: Console | None = None, reports: Path | None = None) -> dict[str, Any]:
+                       console: Console | None = None, reports: Path | None = None,
+                       export_model: bool = False) -> dict[str, Any]:
     """Deploy, run `template` (its nodes are local instances with real agents), disrupt node
     rank 1 once the first checkpoint is recorded (kill its instance, give it a Spot
     interruption notice, or freeze it: a silent failure), follow it with the live view on
@@ -92,7 +94,9 @@ def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None],
     torchrun output and metrics); None uses a temporary folder.
     `spot_notice_seconds` is nominal, like every local cloud time: scaled by `time_scale`.
     `standin_step_s` set, the agents run the stand-in trainer (trainer/standin.py) with steps
-    that long in place of torchrun."""
+    that long in place of torchrun. `export_model`: the run's model exported from its last
+    committed checkpoint by `trainfleet checkpoint export`, into `model/` beside the report
+    (`model`: its folder)."""
     # Made before the local cloud starts: its Lambda runtime then replaces sys.stdout in this
     # process (capturing each handler thread's output), and the view must write past it.
     console = console or Console(file=sys.stdout)
@@ -121,10 +125,24 @@ def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None],
                       on_look=lambda status: advancing.check())
             quiet.until(lambda: all(i.state == "terminated" for i in stack.instances(run)), "every instance terminated")
             page = operations.report(run.run_name, (reports or Path(tempfile.mkdtemp(prefix="reports-"))) / run.run_name)
-            return stack.outcome(run) | {"disrupted": disrupted or None, "report_page": str(page)}
+            model = _export_model(stack, run, page.parent / "model") if export_model else None
+            return stack.outcome(run) | {"disrupted": disrupted or None, "report_page": str(page),
+                                         "model": model and str(model)}
         except Exception:
             stack.dump_consoles(run)
             raise
+
+
+def _export_model(stack: LocalStack, run: LocalRun, folder: Path) -> Path:
+    """`trainfleet checkpoint export` of the run's last committed checkpoint, as a user runs it
+    against the local cloud (AWS_ENDPOINT_URL and the harness's credentials)."""
+    location = stack.store.run(run.run_name).spec.checkpoint.s3_uri
+    done = run_captured([sys.executable, "-m", "trainfleet.cli", "checkpoint", "export", location, "--to", str(folder),
+                         "--dtype", "float32"], what="the model's export", cwd=REPO, env=os.environ | stack.cloud.env())
+    if done.returncode != 0:
+        raise RuntimeError(f"trainfleet checkpoint export {location} failed: {done.stderr[-2000:]}")
+    stack.narrate(done.stdout.strip())
+    return folder
 
 
 def _disrupt_node_rank_1(stack: LocalStack, run: LocalRun, checkpoint_step: int,
@@ -144,6 +162,10 @@ def _disrupt_node_rank_1(stack: LocalStack, run: LocalRun, checkpoint_step: int,
         narrate(f"checkpoint step {checkpoint_step} committed: Spot interruption notice for {where}")
         cloud.inject_spot_interruption(victim)
     return {"first_nodes": first_nodes, "victim": victim, "survivor": survivor}
+
+
+SAMPLE_PROMPT = "def "
+"""What the demo's model continues: it trained on Python's standard library for a minute."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,8 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     disruption = None if args.disruption == "none" else args.disruption
     console = Console(file=sys.stdout)
     outcome = run_on_local_cloud(template, Narrator(console=console), disruption=disruption, workdir=args.workdir,
-                                 reports=args.reports, console=console)
+                                 reports=args.reports, console=console, export_model=True)
     print(f"run report: {outcome['report_page']} (and its plots as PNGs beside it)", flush=True)
+    print(f"the trained model: {outcome['model']} (safetensors; trainfleet sample --from {outcome['model']} "
+          f"--prompt TEXT)", flush=True)
+    from trainer.export import load_exported
+    from trainer.sample import generate
+
+    print(f"a sample, after {SAMPLE_PROMPT!r}:", flush=True)
+    print(SAMPLE_PROMPT + generate(load_exported(Path(outcome["model"])), SAMPLE_PROMPT, new_tokens=160), flush=True)
     return 0 if outcome["status"] == "SUCCEEDED" else 1
 
 

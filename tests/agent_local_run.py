@@ -31,11 +31,22 @@ from localcloud.stack import agent_lines, local_stack  # noqa: E402
 def node_loss(template: dict) -> dict:
     """The demo: its live view, its report, and the uninterrupted run to compare its losses with."""
     with tempfile.TemporaryDirectory(prefix="reports-") as reports:
-        outcome = run_on_local_cloud(template, Narrator(), reports=Path(reports))
+        outcome = run_on_local_cloud(template, Narrator(), reports=Path(reports), export_model=True)
         page = Path(outcome["report_page"])
-        outcome |= {"report_html": page.read_text(), "report_files": sorted(path.name for path in page.parent.iterdir())}
+        outcome |= {"report_html": page.read_text(), "report_files": sorted(path.name for path in page.parent.iterdir()),
+                    "exported": exported_summary(Path(outcome["model"]))}
     with tempfile.TemporaryDirectory(prefix="uninterrupted-") as folder:
         return {"outcome": outcome, "reference": reference_losses(template["trainer"], Path(folder))}
+
+
+def exported_summary(folder: Path) -> dict:
+    """The exported model's config, files, and a sample from it (the demo prints one)."""
+    from trainer.export import load_exported
+    from trainer.sample import generate
+
+    return {"config": json.loads((folder / "config.json").read_text()),
+            "files": sorted(path.name for path in folder.iterdir()),
+            "sample": generate(load_exported(folder), "def ", new_tokens=40, seed=0)}
 
 
 SLOW_DELAY_S = 0.5

@@ -113,6 +113,9 @@ def test_losses_after_the_resume_are_those_of_an_uninterrupted_run(scenario):
     first, second = losses[0], losses[1]
     resumed = min(second) - 1
     assert sorted(second) == list(range(resumed + 1, FINAL_STEP + 1))
+    # Global rank 0's node survived: every step attempt 0 trained is on the record, up to the
+    # checkpoint the next attempt resumed from at least.
+    assert sorted(first) == list(range(1, max(first) + 1)) and max(first) >= resumed
     # Bit for bit: the same layout, the same data order, the state restored exactly.
     assert first == {step: reference[step] for step in first}
     assert second == {step: reference[step] for step in second}
@@ -137,3 +140,12 @@ def test_the_demo_writes_the_report_and_it_shows_the_kill_and_the_resume(run):
     assert run["disrupted"]["victim"] in page, "the node replaced"
     assert failure["detection_seconds"] is not None and 0 <= failure["detection_seconds"] < 30
     assert run["report"]["steps_lost"] >= 0
+
+
+@pytest.mark.slow
+def test_the_demo_exports_its_final_model_and_it_writes_text(run):
+    exported = run["exported"]
+    assert exported["config"]["architectures"] == ["TrainfleetGPT"] and exported["config"]["step"] == FINAL_STEP
+    assert exported["config"]["saved_layout"]["pp"] == 2
+    assert {"config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"} == set(exported["files"])
+    assert exported["sample"], "the model writes after the prompt"
