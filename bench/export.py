@@ -5,7 +5,7 @@
 
 A model of the trainer's GPT is saved as a committed checkpoint in a temporary folder (one
 process, the trainer's Checkpointer), then exported three ways, each in a fresh process whose
-peak resident memory (ru_maxrss) is read as it exits: a process that only reads the checkpoint's
+peak resident memory (VmHWM) is read as it exits: a process that only reads the checkpoint's
 metadata (the baseline: Python, torch, the reader), a streamed export in groups of --group-mib,
 and an export whose one group holds the whole model (what an export that is not streamed holds).
 The last lines are `model_bytes=`, `largest_file_bytes=`, `peak_over_baseline_streamed=` and
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CHILD = """
-import json, resource, sys
+import json, sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
 import torch
@@ -35,7 +35,9 @@ if mode == "metadata":
     storage_reader(location, catalog.step_dir_name(catalog.latest_committed(location).step)).read_metadata()
 else:
     export(location, Path(to), dtype=torch.bfloat16, group_bytes=group)
-print(json.dumps({{"maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}}))
+# VmHWM, not ru_maxrss: the latter keeps the peak of the forked parent across exec.
+peak = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
+print(json.dumps({{"peak_kib": int(peak.split()[1])}}))
 """
 
 
@@ -48,7 +50,7 @@ def save_model(folder: Path, layers: int, width: int) -> int:
     from trainer.train import build, environment
 
     args = [f"--model.n_layers={layers}", f"--model.d_model={width}", "--model.n_heads=16", "--model.seq_len=64",
-            "--training.batch_size=2", "--training.steps=1", f"--data.shards={folder / 'shards'}",
+            "--training.batch_size=4", "--training.steps=1", "--optim.warmup_steps=0", f"--data.shards={folder / 'shards'}",
             "--data.corpus_bytes=20000", f"--checkpoint.uri={folder / 'checkpoints'}", "--checkpoint.async_save=false"]
     cfg = load_config(args)
     run = build(cfg, environment(cfg, torch.device("cpu")))
@@ -62,7 +64,7 @@ def save_model(folder: Path, layers: int, width: int) -> int:
 def peak_kib(mode: str, location: Path, to: Path, group_bytes: int) -> int:
     done = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT)), mode, str(location), str(to),
                            str(group_bytes)], check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])["maxrss_kib"]
+    return json.loads(done.stdout.strip().splitlines()[-1])["peak_kib"]
 
 
 def main() -> None:

@@ -18,6 +18,8 @@ from trainer.export import ExportError, export, load_exported
 from trainer.model import cross_entropy_loss
 from trainer.train import build, environment
 
+pytestmark = pytest.mark.slow
+
 STEPS = 6
 
 

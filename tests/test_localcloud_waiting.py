@@ -62,6 +62,7 @@ threading.Event().wait()  # stuck: never prints again
 and then stands still."""
 
 
+@pytest.mark.slow
 def test_a_stalled_local_cloud_process_is_killed_with_its_threads_stacks_and_output_in_the_error():
     with pytest.raises(waiting.Stalled) as stalled:
         waiting.run_captured([sys.executable, "-c", STUCK_CLOUD], what="the stuck cloud", stall_s=3.0,
