@@ -1,4 +1,6 @@
-"""Validate: parse the RunSpec, record the run. A bad RunSpec fails here, before any allocation,
+"""Validate: complete the RunSpec with the stack's defaults, parse it, record the run. What its
+author may leave out is filled in first (contracts.with_stack_defaults: the checkpoint location
+in the stack's bucket, the default VPC's network). A bad RunSpec fails here, before any allocation,
 and so does a trainer section the trainer itself would refuse: its own checks
 (trainer/config.py, torch-free) run here on the config the nodes would be given, and so does a
 layout that would run out of GPU memory (trainfleet/memory_plan.py)."""
@@ -14,9 +16,10 @@ from functions.common import RunPayload, Timeouts, aws, logger, tracer, transien
 from functions.errors import InvalidRunSpec
 from trainer.config import ConfigError, JobConfig, config_from_sections
 from trainfleet import memory_plan
+from trainfleet.adapters.ec2_fleet import NoDefaultNetwork, default_network
 from trainfleet.adapters.run_store import RunExists
 from trainfleet.contracts import (TRAINER_FIELDS, RunRecord, RunRef, RunSpec, TrainerConfig, node_access_problems,
-                                  validation_message)
+                                  validation_message, with_stack_defaults)
 
 
 class ValidateInput(BaseModel):
@@ -77,7 +80,12 @@ def check_memory(spec: RunSpec, config: JobConfig) -> None:
 @tracer.capture_lambda_handler
 @event_parser(model=ValidateInput)
 def handler(event: ValidateInput, context: LambdaContext) -> dict[str, Any]:
-    spec = parse_run_spec(event.run_spec, aws().settings.bucket)
+    bucket = aws().settings.bucket
+    try:
+        document = with_stack_defaults(event.run_spec, bucket, lambda: default_network(aws().ec2))
+    except NoDefaultNetwork as error:
+        raise InvalidRunSpec(str(error)) from error
+    spec = parse_run_spec(document, bucket)
     record = RunRecord(run_name=spec.run_name, spec=spec, execution_arn=event.execution_arn)
     try:
         aws().store.create_run(record)

@@ -44,10 +44,10 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from localcloud.glue import s3 as s3_requests
-from localcloud.stack import LocalRun, LocalStack, local_stack
+from localcloud.stack import LocalRun, LocalStack, check_template, local_stack
 from localcloud.waiting import Progress, run_captured
 from trainer.checkpoint_catalog import marker_step
-from trainfleet.contracts import RunSpec, validation_message
+from trainfleet.contracts import validation_message
 from trainfleet.live_view import watch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(given[1:] if given[:1] == ["--"] else given)
     try:
         template = json.loads(args.run_spec.read_text())
-        RunSpec.model_validate(template)  # the names, bucket and network filled in later keep it valid
-    except (OSError, json.JSONDecodeError) as exc:
+        check_template(template)  # with the names, bucket and network the local stack fills in
+    except (OSError, json.JSONDecodeError, ValueError) as exc:
         parser.error(f"--run-spec {args.run_spec}: {exc}")
     except ValidationError as exc:
         parser.error(f"--run-spec {args.run_spec}:\n{validation_message(exc)}")

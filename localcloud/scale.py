@@ -42,11 +42,11 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from localcloud.demo import DEMO_RUN_SPEC
-from localcloud.stack import TIMEOUT_FLOORS_S, LocalRun, LocalStack, local_stack
+from localcloud.stack import TIMEOUT_FLOORS_S, LocalRun, LocalStack, check_template, local_stack
 from localcloud.waiting import until
 from trainfleet import pace
 from trainfleet.adapters.run_store import RunNotFound, RunStore
-from trainfleet.contracts import LaunchSpec, RunRecord, RunSpec, RunState
+from trainfleet.contracts import LaunchSpec, RunRecord, RunState
 
 __all__ = ["FAILURES", "scale_template", "scale_run", "main"]
 
@@ -202,7 +202,7 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, stead
     step_s = step_s or step_seconds(nodes)
     template = scale_template(nodes, spares, step_s, steady_s)
     interval = template["checkpoint"]["interval_steps"]
-    RunSpec.model_validate(template)  # a mistake here is the harness's: say so before deploying
+    check_template(template)  # a mistake here is the harness's: say so before deploying
     with local_stack(narrate, time_scale=TIME_SCALE, standin_step_s=step_s,
                      boot_seconds=boot_s, boot_spread_seconds=(nodes + spares) / BOOTS_PER_SECOND) as stack:
         meter = Meter(stack.cloud)

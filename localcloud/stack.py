@@ -136,6 +136,13 @@ def timeout_floor_problems(spec: dict[str, Any]) -> list[str]:
             if given[name] < floor]
 
 
+def check_template(template: dict[str, Any]) -> None:
+    """ValidationError (or ValueError) for a template RunSpec that local_run_spec cannot make a
+    valid RunSpec of, whatever stack it runs in: found before anything is deployed."""
+    RunSpec.model_validate(local_run_spec(template, str(template.get("run_name", "")), "any-bucket",
+                                          "subnet-00000000000000000", "sg-00000000000000000"))
+
+
 def local_run_spec(template: dict[str, Any], run_name: str, bucket: str, subnet: str, group: str) -> dict[str, Any]:
     """The template RunSpec made concrete for one local stack: names, bucket, network. A template
     whose timeouts a starved machine could reach is refused (TIMEOUT_FLOORS_S)."""

@@ -43,6 +43,30 @@ def test_example_run_spec_is_valid_and_round_trips():
     assert spec.trainer.model.model_dump()["d_model"] == 2048
 
 
+def test_a_run_spec_leaves_its_checkpoints_and_network_to_the_stack():
+    asked = []
+
+    def network() -> c.DefaultNetwork:
+        asked.append(True)
+        return c.DefaultNetwork(["subnet-0a1b2c3d4e5f60718"], ["sg-0123456789abcdef0"])
+
+    bare = spec_with(**{"checkpoint.s3_uri": _DELETE, "capacity.subnet_ids": _DELETE,
+                        "capacity.security_group_ids": _DELETE})
+    spec = c.RunSpec.model_validate(c.with_stack_defaults(bare, "stack-bucket", network))
+    assert spec.checkpoint.s3_uri == "s3://stack-bucket/runs/gpt-1b-p5-demo/checkpoints"
+    assert (spec.capacity.subnet_ids, spec.capacity.security_group_ids) == (["subnet-0a1b2c3d4e5f60718"],
+                                                                           ["sg-0123456789abcdef0"])
+    assert spec.checkpoint.interval_steps == EXAMPLE["checkpoint"]["interval_steps"], "what is given stays"
+    assert not [problem for problem in c.node_access_problems(spec, "stack-bucket") if problem.startswith("checkpoint")]
+    asked.clear()
+    assert c.with_stack_defaults(EXAMPLE, "stack-bucket", network) == EXAMPLE and not asked, (
+        "a RunSpec that names them keeps its own, and the network is not looked up")
+    half = c.with_stack_defaults(spec_with(**{"capacity.security_group_ids": _DELETE}), "stack-bucket", network)
+    with pytest.raises(ValidationError, match="capacity.security_group_ids"):
+        c.RunSpec.model_validate(half)  # subnets of another VPC than the default's: its groups are the user's
+    assert c.with_stack_defaults(["not", "a", "spec"], "stack-bucket", network) == ["not", "a", "spec"]
+
+
 def test_short_hang_timeouts_are_accepted_where_the_read_rate_allows():
     spec = c.RunSpec.model_validate(spec_with(**{"recovery.hang_timeout_seconds": 5,
                                                  "recovery.startup_timeout_seconds": 5}))

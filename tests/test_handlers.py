@@ -246,6 +246,20 @@ def test_validate_records_the_trainer_section_with_the_trainers_defaults(handler
     assert model["d_model"] == document["trainer"]["model"]["d_model"]  # what was given stays
 
 
+def test_validate_fills_in_the_stacks_checkpoint_location_and_the_default_vpc(handlers, resources, cloud):
+    document = spec_document(resources["bucket"], "bare-run")
+    del document["checkpoint"]["s3_uri"], document["capacity"]["subnet_ids"], document["capacity"]["security_group_ids"]
+    handlers.validate.handler({"run_spec": document, "execution_arn": "arn:bare-run"}, Context())
+    spec = RunStore(cloud.client("dynamodb"), resources["run_table"]).run("bare-run").spec
+    assert spec.checkpoint.s3_uri == f"s3://{resources['bucket']}/runs/bare-run/checkpoints"
+    ec2 = cloud.client("ec2")
+    vpc = ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"][0]["VpcId"]
+    subnets = ec2.describe_subnets(SubnetIds=spec.capacity.subnet_ids)["Subnets"]
+    assert {subnet["VpcId"] for subnet in subnets} == {vpc} and all(subnet["DefaultForAz"] for subnet in subnets)
+    (group,) = ec2.describe_security_groups(GroupIds=spec.capacity.security_group_ids)["SecurityGroups"]
+    assert group["GroupName"] == "default"
+
+
 # --- Allocate -------------------------------------------------------------------------------
 
 ZONE, INSTANCE_TYPE = "us-east-1c", "c5.large"

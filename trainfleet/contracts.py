@@ -42,6 +42,7 @@ import email.utils
 import hashlib
 import math
 import re
+from collections.abc import Callable
 from datetime import datetime, timezone
 from enum import StrEnum
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -652,6 +653,34 @@ shards, and the wheelhouse the user data installs."""
 NODE_WRITE_PREFIXES = ("runs/",)
 """Writable (and deletable) by the nodes: their run's folder under runs/ (checkpoints and what
 else a run writes)."""
+
+
+class DefaultNetwork(NamedTuple):
+    """The account's default VPC in the region: its default subnet of each zone and its default
+    security group (which allows all traffic among its members: what EFA needs)."""
+
+    subnet_ids: list[str]
+    security_group_ids: list[str]
+
+
+def with_stack_defaults(document: Any, bucket: str, default_network: Callable[[], DefaultNetwork]) -> Any:
+    """The RunSpec document with what its author may leave to the stack filled in, as given
+    otherwise: `checkpoint.s3_uri`, the stack's bucket under runs/RUN/checkpoints; the capacity's
+    subnets and security groups when it names neither, the account's default VPC's
+    (`default_network()`, asked only then), as EC2 launches into them when a request names none.
+    A document that is not a RunSpec is returned as it is: validation names its problems."""
+    if not isinstance(document, dict) or not isinstance(document.get("run_name"), str):
+        return document
+    filled = dict(document)
+    checkpoint = filled.get("checkpoint", {})
+    if isinstance(checkpoint, dict) and "s3_uri" not in checkpoint:
+        filled["checkpoint"] = {**checkpoint, "s3_uri": f"s3://{bucket}/runs/{document['run_name']}/checkpoints"}
+    capacity = filled.get("capacity", {})
+    if isinstance(capacity, dict) and "subnet_ids" not in capacity and "security_group_ids" not in capacity:
+        network = default_network()
+        filled["capacity"] = {"subnet_ids": network.subnet_ids, "security_group_ids": network.security_group_ids,
+                              **capacity}
+    return filled
 
 
 def node_access_problems(spec: RunSpec, bucket: str) -> list[str]:

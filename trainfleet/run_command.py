@@ -32,7 +32,7 @@ STOP_WAIT_S = 600.0
 def _start(stack, args: argparse.Namespace, console) -> int:
     from trainfleet.runs import load_run_spec
 
-    spec = load_run_spec(args.run_spec)
+    spec = load_run_spec(args.run_spec, stack)
     arn = stack.start(spec)
     console.print(f"started run {spec['run_name']}: {arn}")
     return _watch(stack, argparse.Namespace(run=spec["run_name"]), console) if args.watch else 0

@@ -33,7 +33,8 @@ from pydantic import ValidationError
 from trainfleet.adapters.run_history import read_history
 from trainfleet.adapters.run_store import RunNotFound, RunStore
 from trainfleet.contracts import (FailureRecord, FleetCheckFigures, NodeRecord, NodeRole, ProgressSample, RunRecord,
-                                  RunSpec, RunState, ScalingCheckFigures, node_access_problems, node_log_stream)
+                                  RunSpec, RunState, ScalingCheckFigures, node_access_problems, node_log_stream,
+                                  with_stack_defaults)
 from trainfleet.lifecycle import book_attempt
 from trainfleet.run_history import StateEntry
 from trainfleet.run_report import REPORT_HTML, report_files
@@ -56,14 +57,21 @@ class OperatorError(RuntimeError):
     """A command that cannot be done; the message says why, in one line."""
 
 
-def load_run_spec(path: Path) -> dict[str, Any]:
-    """A RunSpec file, validated; OperatorError naming the file and the fields otherwise."""
+def load_run_spec(path: Path, stack: Stack) -> dict[str, Any]:
+    """A RunSpec file completed with the stack's defaults (contracts.with_stack_defaults, as
+    Validate completes it) and validated; OperatorError naming the file and the fields otherwise."""
+    from trainfleet.adapters.ec2_fleet import NoDefaultNetwork, default_network
+
     try:
         document = json.loads(path.read_text())
     except OSError as error:
         raise OperatorError(f"{path}: {error.strerror or error}") from None
     except json.JSONDecodeError as error:
         raise OperatorError(f"{path} is not JSON: {error}") from None
+    try:
+        document = with_stack_defaults(document, stack.bucket, lambda: default_network(stack.client("ec2")))
+    except NoDefaultNetwork as error:
+        raise OperatorError(f"{path}: {error}") from None
     try:
         RunSpec.model_validate(document)
     except ValidationError as error:

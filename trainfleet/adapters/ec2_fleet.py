@@ -36,11 +36,12 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from trainfleet.catalogue import InstanceFacts
-from trainfleet.contracts import BOOT_CHECK, EVENT_SOURCE, CapacityKind, RunSpec, node_log_group
+from trainfleet.contracts import BOOT_CHECK, EVENT_SOURCE, CapacityKind, DefaultNetwork, RunSpec, node_log_group
 from trainfleet.lifecycle.reservation import Reservation, reservation_problem
 from trainfleet.settings import Settings
 
 __all__ = [
+    "default_network", "NoDefaultNetwork",
     "TAG_RUN", "TAG_STACK", "AGENT_MODULE", "CAPACITY_ERROR_CODES", "ZONE_ERROR_CODES", "FleetError",
     "FleetOutcome", "Allocation", "Teardown", "efa_network_interfaces", "launch_template_data", "node_user_data",
     "create_fleet_request", "interpret_fleet_response", "zone_verdict", "placement_group_name", "run_resource_name",
@@ -97,6 +98,29 @@ class FleetError(RuntimeError):
 
 PROFILE_REFUSED = "Invalid IAM Instance Profile"
 """What EC2's InvalidParameterValue says of a launch's instance profile it does not know."""
+
+
+class NoDefaultNetwork(ValueError):
+    """A RunSpec names no network and the account has no default VPC to take."""
+
+
+def default_network(ec2: Any) -> DefaultNetwork:
+    """The region's default VPC: its default subnets (one per zone, in zone order) and its default
+    security group; NoDefaultNetwork where the account has none (deleted, or never had one)."""
+    vpcs = ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"]
+    if not vpcs:
+        raise NoDefaultNetwork("capacity: no subnet_ids and security_group_ids given, and the account has no "
+                               "default VPC in this region to take them from: name them")
+    vpc = vpcs[0]["VpcId"]
+    subnets = ec2.describe_subnets(Filters=[{"Name": "vpc-id", "Values": [vpc]},
+                                            {"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
+    groups = ec2.describe_security_groups(Filters=[{"Name": "vpc-id", "Values": [vpc]},
+                                                   {"Name": "group-name", "Values": ["default"]}])["SecurityGroups"]
+    if not subnets or not groups:
+        raise NoDefaultNetwork(f"capacity: no subnet_ids and security_group_ids given, and the default VPC {vpc} "
+                               "has no default subnet or no default security group: name them")
+    return DefaultNetwork([subnet["SubnetId"] for subnet in sorted(subnets, key=lambda found: found["AvailabilityZone"])],
+                          [groups[0]["GroupId"]])
 
 
 def run_resource_name(run_name: str, stack_name: str) -> str:
