@@ -307,12 +307,13 @@ class LocalCloud:
                 "AWS_DEFAULT_REGION": self.region, **FAKE_CREDENTIALS}
 
     def client(self, service: str, **kwargs: Any) -> Any:
-        """A boto3 client for this endpoint (no retries: a failure shows at once)."""
+        """A boto3 client for this endpoint (no retries: a failure shows at once), in the cloud's
+        region unless `region_name` names another."""
         kwargs.setdefault("config", Config(retries={"max_attempts": 1},
                                            connect_timeout=5, read_timeout=120))
-        return boto3.client(service, endpoint_url=self.endpoint, region_name=self.region,
-                            aws_access_key_id="testing", aws_secret_access_key="testing",
-                            aws_session_token="testing", **kwargs)
+        kwargs.setdefault("region_name", self.region)
+        return boto3.client(service, endpoint_url=self.endpoint, aws_access_key_id="testing",
+                            aws_secret_access_key="testing", aws_session_token="testing", **kwargs)
 
     def internal_client(self, service: str) -> Any:
         """A client for the local cloud's own plumbing, whose calls are no AWS API calls on AWS
