@@ -3,6 +3,7 @@
 import multiprocessing
 import os
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,6 +54,22 @@ def pytest_collection_modifyitems(items):
         return rank, item.get_closest_marker("slow") is None
 
     items.sort(key=order)
+
+
+TIMELINE_VARIABLE = "TRAINFLEET_TEST_TIMELINE"
+"""Set to a file: each worker appends a line per test it ran (worker, file, start, end in seconds
+since the epoch), to see how the files were spread over the workers (.ci/timeline.py)."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    started = time.time()
+    yield
+    path = os.environ.get(TIMELINE_VARIABLE)
+    if path:  # this hook runs where the test ran: a worker, or the one process without xdist
+        with open(path, "a") as timeline:
+            timeline.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {item.nodeid.split('::')[0]} "
+                           f"{started:.1f} {time.time():.1f}\n")
 
 
 def free_port() -> int:

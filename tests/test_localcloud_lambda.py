@@ -155,13 +155,12 @@ def lambda_handler(event, context):
 """
 
 
-@pytest.mark.parametrize("runtime", ["python3.11", "python3.12"])
-def test_concurrent_invocations_of_one_function_each_run_in_an_environment_of_their_own(local_cloud, tmp_path,
-                                                                                         runtime):
+def test_concurrent_invocations_of_one_function_each_run_in_an_environment_of_their_own(local_cloud, tmp_path):
     """An execution environment serves one invocation at a time: module state (a Powertools
     BatchProcessor's records, a cache) is never shared by two running invocations. An idle
-    environment serves the next one warm."""
-    arn = create_function(local_cloud, {"app.py": RENDEZVOUS_APP}, runtime=runtime, Timeout=60)
+    environment serves the next one warm. (On another Python an environment is a process of its
+    own, serving one invocation at a time: test_a_timed_out_environment_on_another_python_is_replaced.)"""
+    arn = create_function(local_cloud, {"app.py": RENDEZVOUS_APP}, Timeout=60)
     names = ["first", "second", "third"]
     with ThreadPoolExecutor(len(names)) as pool:
         burst = list(pool.map(lambda name: invoke(local_cloud, arn, {"name": name, "folder": str(tmp_path),
