@@ -394,6 +394,7 @@ def _run_in_this_process(spec: FunctionSpec, event: Any, request_id: str) -> tup
     if deadline is not None:
         worker.join(timeout=max(0.0, deadline - time.monotonic()))
     if worker.is_alive():  # timed out: Lambda resets the environment, the next one starts cold
+        _thread_environments.forget(modules)
         return None, "".join(output)
     _thread_environments.give_back(spec, modules)
     return outcome, "".join(output)
@@ -531,14 +532,10 @@ stay imported for the process's life."""
 _process_environments: _EnvironmentPool[_EnvironmentProcess] = _EnvironmentPool(_EnvironmentProcess)
 
 
-def _close_process_environments() -> None:
+def close_environments() -> None:
+    """End every process environment: their variables name a local cloud that is stopping."""
     for environment in _process_environments.living():
         environment.close()
 
 
-atexit.register(_close_process_environments)
-
-
-def close_environments() -> None:
-    """End every process environment: their variables name a local cloud that is stopping."""
-    _close_process_environments()
+atexit.register(close_environments)

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from localcloud.chaos import reference_losses  # noqa: E402
-from localcloud.demo import DEMO_RUN_SPEC, Narrator, run_on_local_cloud  # noqa: E402
+from localcloud.demo import DEMO_RUN_SPEC, SAMPLE_PROMPT, Narrator, run_on_local_cloud  # noqa: E402
 from localcloud.stack import agent_lines, local_stack  # noqa: E402
 
 def node_loss(template: dict) -> dict:
@@ -46,7 +46,7 @@ def exported_summary(folder: Path) -> dict:
 
     return {"config": json.loads((folder / "config.json").read_text()),
             "files": sorted(path.name for path in folder.iterdir()),
-            "sample": generate(load_exported(folder), "def ", new_tokens=40, seed=0)}
+            "sample": generate(load_exported(folder), SAMPLE_PROMPT, new_tokens=40, seed=0)}
 
 
 SLOW_DELAY_S = 0.5

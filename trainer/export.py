@@ -85,18 +85,18 @@ def export(location: str, to: Path, *, step: int | None = None, dtype: torch.dty
     entries = reader.read_metadata().state_dict_metadata
     model = {key.removeprefix(_MODEL): meta for key, meta in entries.items()
              if key.startswith(_MODEL) and isinstance(meta, TensorStorageMetadata)}
+    moments = {f"{name}.{moment}": f"{_OPTIMIZER_STATE}{name}.{moment}"
+               for name in model for moment in _MOMENTS} if optimizer else {}
+    missing = sorted(key for key in moments.values() if key not in entries)
+    if missing:
+        raise ExportError(f"{location} step {manifest.step} holds no optimizer state {missing[0]} "
+                          f"({len(missing)} missing)")
     partial = to.with_name(to.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     written = _write_set(reader, "model", {name: _MODEL + name for name in model}, model, partial, dtype,
                          group_bytes)
-    if optimizer:
-        moments = {f"{name}.{moment}": f"{_OPTIMIZER_STATE}{name}.{moment}" for name in model for moment in _MOMENTS}
-        missing = sorted(key for key in moments.values() if key not in entries)
-        if missing:
-            shutil.rmtree(partial)
-            raise ExportError(f"{location} step {manifest.step} holds no optimizer state {missing[0]} "
-                              f"({len(missing)} missing)")
+    if moments:
         written += _write_set(reader, "optimizer", moments, {name: entries[key] for name, key in moments.items()},
                               partial, None, group_bytes)
     config = {"architectures": [ARCHITECTURE], "model_type": "trainfleet-gpt", **manifest.model,

@@ -32,13 +32,10 @@ def checkpoint_location(run_or_location: str, stack_name: str) -> str:
     run's name has no slash), else the location the stack's record of that run names."""
     from trainfleet.runs import OperatorError, Stack
 
-    if run_or_location.startswith("s3://"):
+    if run_or_location.startswith("s3://") or Path(run_or_location).is_dir():
         return run_or_location
-    if "/" in run_or_location or Path(run_or_location).is_dir():
-        if not Path(run_or_location).is_dir():
-            raise OperatorError(f"{run_or_location}: no such folder")
-        return run_or_location
-
+    if "/" in run_or_location:
+        raise OperatorError(f"{run_or_location}: no such folder")
     record = Stack.find(stack_name).status(run_or_location).record
     if record is None:
         raise OperatorError(f"run {run_or_location} has no record in stack {stack_name}")
@@ -115,18 +112,13 @@ def _guarded(func, what: str):
     def run(args: argparse.Namespace) -> int:
         from trainer.checkpoint_catalog import CheckpointInvalid
         from trainer.export import ExportError
-        from trainfleet.runs import OperatorError
+        from trainfleet.runs import OperatorError, failure_line
 
         try:
             return func(args)
-        except (OperatorError, ExportError, CheckpointInvalid, ValueError) as error:
-            message = str(error)
-        except ClientError as error:
-            message = f"{error.response['Error'].get('Code')}: {error.response['Error'].get('Message', error)}"
-        except BotoCoreError as error:
-            message = str(error)
-        print(f"trainfleet {what}: {message}", file=sys.stderr)
-        return 1
+        except (OperatorError, ExportError, CheckpointInvalid, ValueError, ClientError, BotoCoreError) as error:
+            print(f"trainfleet {what}: {failure_line(error)}", file=sys.stderr)
+            return 1
     return run
 
 

@@ -6,9 +6,10 @@
 
 What the reader sees, without reading a log: a summary (state, fleet, attempts, steps, goodput,
 cost); the loss by step, one line per attempt, each failure and resume marked, the steps that
-were trained again shaded, and those whose losses died with global rank 0's node shaded apart; tokens/s over the run's time; the lifecycle, phase by phase for each
-attempt, with each failure's detection (onset to decision) and the replacement up to the resumed
-training; goodput by cause; a table of the failures; the world checks' figures. Times are UTC.
+were trained again shaded, and those whose losses died with global rank 0's node shaded apart;
+tokens/s over the run's time; the lifecycle, phase by phase for each attempt, with each
+failure's detection (onset to decision) and the replacement up to the resumed training; goodput
+by cause; a table of the failures; the world checks' figures. Times are UTC.
 """
 
 from __future__ import annotations

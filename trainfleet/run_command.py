@@ -92,21 +92,16 @@ def _or_dash(value: object) -> str:
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from trainfleet.runs import OperatorError, Stack
+    from trainfleet.runs import OperatorError, Stack, failure_line
 
     console = Console()
     try:
         return args.run_func(Stack.find(args.stack), args, console)
-    except OperatorError as error:
-        message = str(error)
-    except ClientError as error:  # AccessDenied, throttling that outlasted the retries, ...
-        message = f"{error.response['Error'].get('Code')}: {error.response['Error'].get('Message', error)}"
-    except BotoCoreError as error:
-        message = str(error)
+    except (OperatorError, ClientError, BotoCoreError) as error:
+        print(f"trainfleet run {args.run_command}: {failure_line(error)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
-    print(f"trainfleet run {args.run_command}: {message}", file=sys.stderr)
-    return 1
 
 
 def add_run_commands(commands: argparse._SubParsersAction) -> None:

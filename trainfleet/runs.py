@@ -57,6 +57,14 @@ class OperatorError(RuntimeError):
     """A command that cannot be done; the message says why, in one line."""
 
 
+def failure_line(error: Exception) -> str:
+    """Why a command could not be done, in one line: an AWS error (AccessDenied, throttling that
+    outlasted the retries ...) by its code and message, any other by its message."""
+    if isinstance(error, ClientError):
+        return f"{error.response['Error'].get('Code')}: {error.response['Error'].get('Message', error)}"
+    return str(error)
+
+
 def load_run_spec(path: Path, stack: Stack) -> dict[str, Any]:
     """A RunSpec file completed with the stack's defaults (contracts.with_stack_defaults, as
     Validate completes it) and validated; OperatorError naming the file and the fields otherwise."""
