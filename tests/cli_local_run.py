@@ -3,8 +3,8 @@ every command a process of its own, pointed at the local endpoint by the environ
 the AWS CLI is.
 
 template.yaml is deployed into a local cloud whose instances run the stand-in trainer
-(trainer/standin.py: the real trainer's signals, no torch). The commands start eight nodes
-(pp=2 x dp=4), look at the run while it trains, and follow it with `watch` while the harness
+(trainer/standin.py: the real trainer's signals, no torch). The commands start four nodes
+(pp=2 x dp=2), look at the run while it trains, and follow it with `watch` while the harness
 kills node rank 1's instance after the first commit (the control plane must replace that node
 alone and resume from the newest commit); then they list, read logs and a node's console, write
 the report, stop a second run, and are given bad input. The last line of stdout is one JSON
@@ -31,7 +31,7 @@ from localcloud.stack import LocalRun, local_run_spec, local_stack  # noqa: E402
 from localcloud.waiting import sizes, until  # noqa: E402
 from trainfleet.adapters.run_store import RunNotFound  # noqa: E402
 
-NODES, STEP_S = 8, 0.2
+NODES, STEP_S = 4, 0.2
 
 
 def recorded(stack, run_name: str, what: str) -> bool:

@@ -1,5 +1,5 @@
 """The stand-in trainer (trainer/standin.py) through the deployed state machine on the local cloud,
-driven with `trainfleet run` (tests/cli_local_run.py): eight real node agents, no torch on them,
+driven with `trainfleet run` (tests/cli_local_run.py): four real node agents, no torch on them,
 node rank 1's instance killed after the first commit while `watch` follows the run.
 
 The control plane cannot tell it from a real world: the lost node alone is replaced, the new
@@ -13,7 +13,7 @@ import re
 import pytest
 from localcloud_helpers import run_scenario
 
-FINAL_STEP, CHECKPOINT_EVERY, NODES = 60, 10, 8
+FINAL_STEP, CHECKPOINT_EVERY, NODES = 60, 10, 4
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_a_run_is_started_looked_at_while_it_trains_and_followed_to_its_end(comm
     assert "run cli-run" in training and "TRAINING" in training and "step" in training
     assert "loss" in training and "tokens/s" in training and "goodput" in training
     assert re.search(r"cost\s+\$", training)
-    assert "workers 8 READY" in training
+    assert f"workers {NODES} READY" in training
     watched = ok(commands["watch"])
     assert "SUCCEEDED" in watched and "execution SUCCEEDED" in watched and f"step {FINAL_STEP} of {FINAL_STEP}" in watched
     assert f"replaced {run['disrupted']['victim']} (INSTANCE_LOST)" in watched

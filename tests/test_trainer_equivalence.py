@@ -68,8 +68,10 @@ def layouts_for(world_size: int) -> dict[str, list[str]]:
 RESHARD = {
     2: (["--parallel.pp=2", "--parallel.schedule=interleaved-1f1b"], ["--parallel.tp=2"]),
     4: (["--parallel.pp=2", "--parallel.tp=2", "--parallel.microbatches=4"], ["--parallel.pp=2", "--parallel.dp=2"]),
+    # Resumed at pp=2 x HSDP rather than with tensor parallel again: gloo runs tensor parallel's
+    # collectives one after another, and eight ranks on two cores made that resume a third of the file.
     8: (["--parallel.pp=2", "--parallel.tp=2", "--parallel.dp=2", "--parallel.microbatches=2"],
-        ["--parallel.tp=2", "--parallel.dp=4", "--parallel.dp_shard=2", "--parallel.microbatches=2"]),
+        ["--parallel.pp=2", "--parallel.dp=4", "--parallel.dp_shard=2", "--parallel.microbatches=2"]),
 }
 
 
