@@ -111,6 +111,12 @@ build-LambdaDependencies:
 	$(PYTHON) -m pip install -q --target $(ARTIFACTS_DIR)/python $(LAMBDA_WHEELS) -r $(ARTIFACTS_DIR)/requirements.txt
 	rm $(ARTIFACTS_DIR)/requirements.txt
 
+# The Report function's own layer: the `report` extra, beside what LambdaDependencies holds.
+build-ReportDependencies:
+	$(PYTHON) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['report']))" > $(ARTIFACTS_DIR)/requirements.txt
+	$(PYTHON) -m pip install -q --target $(ARTIFACTS_DIR)/python $(LAMBDA_WHEELS) -r $(ARTIFACTS_DIR)/requirements.txt
+	rm $(ARTIFACTS_DIR)/requirements.txt
+
 build-%Function:
 	mkdir -p $(ARTIFACTS_DIR)
 	cp -r functions trainfleet $(ARTIFACTS_DIR)/

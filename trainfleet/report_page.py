@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from html import escape
 
 from trainfleet.charts import (BLUE, GREEN, GREY, LIGHT_GREY, ORANGE, PURPLE, SERIES_COLOURS, SKY_BLUE, VERMILLION,
-                               YELLOW, Axis, Bar, Chart, Mark, Series, Span, layout, tint, to_png, to_svg)
+                               YELLOW, Axis, Bar, Chart, Mark, Series, Span, tint, to_png, to_svg)
 from trainfleet.run_history import FailureMark, PhaseName, RunHistory
 
 __all__ = ["report_charts", "render_html", "render_pngs"]
@@ -42,7 +42,7 @@ def report_charts(history: RunHistory) -> dict[str, Chart]:
 
 def render_pngs(history: RunHistory) -> dict[str, bytes]:
     """Each plot as a PNG, by file name (loss.png, throughput.png, timeline.png, goodput.png)."""
-    return {f"{name}.png": to_png(layout(chart)) for name, chart in report_charts(history).items()}
+    return {f"{name}.png": to_png(chart) for name, chart in report_charts(history).items()}
 
 
 # -- The charts -------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ footer { color: #666; font-size: .8rem; margin-top: 36px; }
 def render_html(history: RunHistory) -> str:
     """The whole page: nothing in it is fetched (no script, style sheet, font or image from
     anywhere), so it reads the same from S3, a local folder or an e-mail attachment."""
-    figures = "\n".join(f'<figure id="{name}-chart">\n{to_svg(layout(chart))}\n</figure>'
+    figures = "\n".join(f'<figure id="{name}-chart">\n{to_svg(chart, name)}\n</figure>'
                         for name, chart in report_charts(history).items())
     state = history.state.value
     error = f'<p class="error">{escape(history.error)}</p>\n' if history.error else ""
