@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # and to __pycache__ folders git ignores.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install test test-repeat chaos demo clean sam-tools validate artifacts oldest-torch test-oldest-torch
+.PHONY: install test test-repeat chaos demo clean sam-tools validate artifacts oldest-torch test-oldest-torch browser
 
 install: $(VENV)/.installed
 
@@ -23,10 +23,19 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m compileall -q -j0 -x 'torch/testing/_internal/' $(VENV)/lib
 	touch $@
 
-# The two virtualenvs are installed side by side: each is about one core's work.
+# The two virtualenvs (and the browser) are installed side by side: each is about one core's work.
 test:
-	$(MAKE) -j2 install sam-tools
+	$(MAKE) -j3 install sam-tools browser
 	$(PY) -m pytest
+
+# Chromium, for the report page's test in a real browser (tests/test_report_page.py): Debian's
+# package, where apt-get is at hand, we are root and no Chromium is installed yet; elsewhere that
+# test says there is no browser. The package lists are refreshed only if the install needs it.
+CHROMIUM := apt-get install -y -q --no-install-recommends chromium >/dev/null
+browser:
+	@if command -v chromium >/dev/null || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ]; then \
+	    command -v chromium >/dev/null || echo "no Chromium installed: the report page's browser test is skipped"; \
+	else $(CHROMIUM) 2>/dev/null || (apt-get update -q >/dev/null && $(CHROMIUM)); fi
 
 # The oldest torch the trainer supports (trainer/health.py TORCH_MINIMUM, which preflight holds
 # nodes to): images lag the newest release. Its own virtualenv, with torch's Linux wheel and the

@@ -1,7 +1,9 @@
 """The run report's page and plots (trainfleet/report_page.py), from a recorded history and from
 made-up ones at the edges: no steps at all, NaN losses, a live run, weeks of many steps."""
 
+import html
 import io
+import json
 import math
 import os
 import re
@@ -308,18 +310,92 @@ def test_the_charts_are_data_for_other_renderers(example):
 BROWSER = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome", "firefox"))), None)
 
 
-@pytest.mark.skipif(BROWSER is None, reason="no browser on PATH (chromium, chromium-browser, google-chrome, firefox)")
-def test_a_headless_browser_draws_the_page(example, tmp_path):
-    page, shot = tmp_path / "report.html", tmp_path / "screenshot.png"
-    page.write_text(render_html(example))
-    chrome = [] if BROWSER.endswith("firefox") else ["--disable-gpu", "--no-sandbox", "--hide-scrollbars",
-                                                     f"--user-data-dir={tmp_path / 'profile'}"]
-    subprocess.run([BROWSER, "--headless", *chrome, f"--screenshot={shot}", "--window-size=1280,2000", page.as_uri()],
-                   check=True, capture_output=True, timeout=60, env=os.environ | {"HOME": str(tmp_path)})
+WINDOW_WIDTH = 1280
+MEASURE = """
+const measured = {height: document.documentElement.scrollHeight, width: document.documentElement.scrollWidth,
+                  figures: {}};
+const rect = (element) => { const r = element.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+for (const figure of document.querySelectorAll("figure")) {
+  const svg = figure.querySelector("svg"), name = figure.id.replace(/-chart$/, "");
+  measured.figures[name] = {
+    box: rect(svg),
+    texts: [...svg.querySelectorAll("text")].map((text) => [text.textContent.trim(), rect(text)]),
+    legend: [...svg.querySelectorAll(`g[id="${name}-legend"] text`)].map(rect),
+    parts: Object.fromEntries([...svg.querySelectorAll(`g[id^="${name}-"]`)].map((g) => [g.id, rect(g)])),
+  };
+}
+const out = document.createElement("pre");
+out.id = "measured";
+out.textContent = JSON.stringify(measured);
+document.body.append(out);
+"""
+"""Where the browser laid out each chart and its parts, in CSS pixels: the test's copy of the page
+runs it (the page itself has no script) and the DOM is dumped with its answer."""
+
+
+def chromium(*arguments: str, profile: Path) -> str:
+    """Headless Chromium with nothing reaching out (this machine's network is closed, and a page
+    that fetches nothing needs none); its stdout."""
+    done = subprocess.run([BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                           "--force-device-scale-factor=1", "--disable-background-networking",
+                           "--disable-component-update", "--disable-sync", "--no-first-run",
+                           f"--user-data-dir={profile}", *arguments],
+                          capture_output=True, text=True, timeout=120, env=os.environ | {"HOME": str(profile)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def overlap(a: list[float], b: list[float]) -> bool:
+    return a[0] < b[2] - 0.5 and b[0] < a[2] - 0.5 and a[1] < b[3] - 0.5 and b[1] < a[3] - 0.5
+
+
+def inside(inner: list[float], outer: list[float]) -> bool:
+    return (inner[0] >= outer[0] - 0.5 and inner[1] >= outer[1] - 0.5 and inner[2] <= outer[2] + 0.5
+            and inner[3] <= outer[3] + 0.5)
+
+
+def pixels_of(image: Image.Image, box: list[float], colour: tuple[int, int, int]) -> int:
+    left, top, right, bottom = (round(value) for value in box)
+    region = image.crop((left - 3, top, right + 3, bottom))
+    return sum(count for count, found in region.getcolors(maxcolors=1 << 20) if _close(found, colour))
+
+
+@pytest.mark.skipif(BROWSER is None or BROWSER.endswith("firefox"),
+                    reason="no Chromium on PATH (chromium, chromium-browser, google-chrome): `make test` installs "
+                           "Debian's where apt-get can")
+def test_a_browser_shows_the_four_charts_their_marks_and_legends_with_no_label_clipped(example, tmp_path):
+    page = render_html(example)
+    measuring = tmp_path / "measuring.html"
+    measuring.write_text(page.replace("</body>", f"<script>{MEASURE}</script>\n</body>"))
+    # Laid out at the width the screenshot is taken at, so that the places measured are those shown.
+    dom = chromium("--virtual-time-budget=5000", f"--window-size={WINDOW_WIDTH},2000", "--dump-dom",
+                   measuring.as_uri(), profile=tmp_path / "profile")
+    laid_out = json.loads(html.unescape(re.search(r'<pre id="measured">(.*?)</pre>', dom, re.DOTALL)[1]))
+    assert list(laid_out["figures"]) == ["loss", "throughput", "timeline", "goodput"]
+    assert laid_out["width"] <= WINDOW_WIDTH, "nothing wider than the window"
+    for name, figure_laid_out in laid_out["figures"].items():
+        box = figure_laid_out["box"]
+        assert box[2] - box[0] > 600 and box[3] - box[1] > 150, (name, box)
+        clipped = [text for text, where in figure_laid_out["texts"] if not inside(where, box)]
+        assert not clipped, f"{name}: labels outside the chart: {clipped}"
+        legend = figure_laid_out["legend"]
+        assert not [(a, b) for i, a in enumerate(legend) for b in legend[i + 1:] if overlap(a, b)], name
+    loss = laid_out["figures"]["loss"]["parts"]
+    assert {"loss-series-0", "loss-series-1", "loss-mark-0", "loss-mark-1", "loss-span-0", "loss-legend"} <= set(loss)
+
+    shown, shot = tmp_path / "report.html", tmp_path / "report.png"
+    shown.write_text(page)
+    chromium(f"--screenshot={shot}", f"--window-size={WINDOW_WIDTH},{laid_out['height']}", shown.as_uri(),
+             profile=tmp_path / "profile")
     image = Image.open(shot).convert("RGB")
-    assert image.size == (1280, 2000)
-    colours = image.getcolors(maxcolors=1 << 20)
-    white = sum(count for count, colour in colours if colour == (255, 255, 255))
-    assert white < 0.97 * image.width * image.height, "the page is not blank"
-    train_green = sum(count for count, colour in colours if _close(colour, (0x00, 0x9E, 0x73)))
-    assert train_green > 2000, "the lines and the timeline's training bars are drawn"
+    # The kill, and the resume in attempt 1's colour, drawn where the browser put their lines.
+    assert pixels_of(image, loss["loss-mark-0"], (0xD5, 0x5E, 0x00)) > 50, "the kill's mark"
+    assert pixels_of(image, loss["loss-mark-1"], (0x00, 0x9E, 0x73)) > 50, "the resume's mark"
+    for name in ("loss", "throughput", "timeline"):  # goodput's bars are named on their rows
+        legend = laid_out["figures"][name]["parts"][f"{name}-legend"]
+        ink = image.crop(tuple(round(value) for value in legend)).convert("L").getextrema()
+        assert ink[0] < 100, f"{name}: the legend is drawn"
+    timeline = laid_out["figures"]["timeline"]["parts"]
+    assert pixels_of(image, timeline["timeline-mark-0"], (0xD5, 0x5E, 0x00)) > 20, "the kill on the timeline"
+
+
