@@ -27,6 +27,10 @@ Lifecycle, as EC2 reports it with state-change events on the default bus:
     StartInstances           -> pending --boot_seconds--> running (process starts again)
     process exits by itself  -> shutting-down -> terminated (instance-initiated shutdown)
 
+A user-data script is not that process: the instance boots into CLOUD_INIT, which runs the script
+and stays up after it, as an EC2 host does; `shutdown` (image_tools/, on the instance's PATH)
+ends the instance from inside.
+
 Fault injection: kill (SIGKILL the process group: the instance dies), hang (SIGSTOP of every
 process of the instance, its process group and whatever left it: the
 instance stays `running` but does nothing, as a wedged host does), resume (SIGCONT), and the
@@ -211,6 +215,16 @@ BootCommand = Callable[[LocalInstance], Sequence[str] | None]
 """Given an instance that just reached `running`, the argv to start for it, or None."""
 
 
+CLOUD_INIT = """"$1"
+echo "cloud-init: the user data script exited with status $?; the instance stays up"
+exec sleep infinity
+"""
+"""The instance's first process when it boots from its user data: it runs the script, as cloud-init
+does once, and the host stays up after it whatever its status (on EC2 a failed user data script
+leaves a running instance). The instance ends when it is terminated, or shut down from inside
+(`shutdown`, image_tools/shutdown, which ends this process with the others)."""
+
+
 def boot_user_data(instance: LocalInstance) -> Sequence[str] | None:
     """What cloud-init would run: a user-data script that starts with '#!'."""
     if not instance.user_data.startswith("#!"):
@@ -218,7 +232,7 @@ def boot_user_data(instance: LocalInstance) -> Sequence[str] | None:
     script = instance.workdir / "user-data"
     script.write_text(instance.user_data)
     script.chmod(0o755)
-    return [str(script)]
+    return ["/bin/sh", "-c", CLOUD_INIT, "cloud-init", str(script)]
 
 
 def decode_user_data(raw: Any) -> str:

@@ -8,7 +8,7 @@
 One stack serves any number of runs, one after another or side by side (each run's instances,
 agents' folders and records are found by its name): the demo runs one, the chaos suite and the
 recovery bench many. Instances boot as real node agents (`python -m trainer.agent`, from this
-tree) with the environment the user data gives them on EC2.
+tree) with the settings their user data gives them (localcloud/node_boot.py), as on EC2.
 
 It must run in a process that has not imported `functions` (the local cloud imports the
 deployed copy).
@@ -41,10 +41,6 @@ AGENT_LIFETIME_S = 3600.0
 """A local agent exits after this long at most, so that none outlives a harness that died without
 ending its instances. Far longer than any local run, however slow the machine: it is no
 timeout of the product's, and one that a slow run could reach would fail it for nothing."""
-NODE_MODULES = ["localcloud.node_boot", "trainer.agent", "trainer.standin"]
-"""What a node's warm image imports: the boot, the agent and the stand-in trainer (a thread of it)."""
-TRAINER_MODULES = ["trainer.health", "trainer.torchrun", "trainer.worker", "trainer.train"]
-"""And where nodes run the real trainer: preflight, torchrun and the ranks, each run in place."""
 PATIENT = Config(retries={"max_attempts": 20, "mode": "standard"})
 """Up to 19 retries with capped exponential backoff: about a minute of a failing service."""
 
@@ -289,7 +285,7 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
     from localcloud import LocalCloud
     from localcloud.deploy import DeployRequest, deploy
     from localcloud.imds import serve_fleet
-    from localcloud.node_boot import publish_artifacts
+    from localcloud.node_boot import boot_as_nodes, publish_artifacts
     from trainer.agent import LOOK_S, METADATA_LOOK_S
 
     with LocalCloud(time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds,
@@ -305,28 +301,19 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
             stack = LocalStack(cloud, deployed.stack_name, outputs, narrate)
             publish_artifacts(stack.client("s3"), stack.bucket)
 
-            def agent_environment(instance: Any) -> dict[str, str]:
-                return {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-                        "TRAINFLEET_RUN_NAME": instance.tags[TAG_RUN], "TRAINFLEET_RUN_TABLE": outputs["RunTableName"],
-                        "TRAINFLEET_LIVENESS_TABLE": outputs["LivenessTableName"],
-                        "TRAINFLEET_BUCKET": stack.bucket, "TRAINFLEET_EVENT_BUS": outputs["AgentEventBusName"],
-                        "TRAINFLEET_NODE_LOG_GROUP": outputs["NodeLogGroupName"],
-                        "TRAINFLEET_AGENT_LIFETIME_S": str(int(AGENT_LIFETIME_S)),
+            def local_settings(instance: Any) -> dict[str, str]:
+                """Beside what the user data gives the agent: its paces and limits on this machine."""
+                return {"TRAINFLEET_AGENT_LIFETIME_S": str(int(AGENT_LIFETIME_S)),
                         # The notices are as much shorter as time is scaled: so is the pace of the looks.
                         "TRAINFLEET_METADATA_LOOK_S": str(max(LOOK_S, METADATA_LOOK_S * time_scale))} | (
                     {"TRAINFLEET_UNREACHABLE_LIMIT_S": str(unreachable_limit_s)} if unreachable_limit_s else {}) | (
                     {"TRAINFLEET_STANDIN_STEP_S": str(standin_step_s)} if standin_step_s else {})
 
-            # What the user data does on EC2: copy the wheelhouse with the instance's role, then
-            # start the agent (no pip here: it runs from this tree).
-            cloud.fleet.boot = lambda instance: [sys.executable, "-m", "localcloud.node_boot",
-                                                 sys.executable, "-m", "trainer.agent"]
-            cloud.fleet.env_hooks.append(agent_environment)
-            cloud.fleet.cpu_share = lambda instance: stack.cpu_shares.get(instance.tags.get(TAG_RUN, ""), 1.0)
             # Every node forked from a warm image, and what it starts run in place: the large runs'
             # stand-in trainer is a thread of the agent, the real trainer's processes would each
             # import torch again (localcloud/warm_image.py, localcloud/in_place.py).
-            cloud.fleet.use_warm_image(NODE_MODULES + ([] if standin_step_s else TRAINER_MODULES))
+            boot_as_nodes(cloud, local_settings, real_trainer=not standin_step_s)
+            cloud.fleet.cpu_share = lambda instance: stack.cpu_shares.get(instance.tags.get(TAG_RUN, ""), 1.0)
             stack.network = _network(stack.client("ec2"))
             yield stack
         finally:

@@ -139,14 +139,14 @@ def history(cloud, execution_arn: str) -> list[dict[str, Any]]:
     return execution_history(cloud.client("stepfunctions"), execution_arn)
 
 
-def event_sink(cloud, pattern: dict[str, Any], **target: Any) -> str:
-    """An EventBridge rule on the default bus sending matches to a new SQS queue; its URL."""
+def event_sink(cloud, pattern: dict[str, Any], bus: str = "default", **target: Any) -> str:
+    """An EventBridge rule on `bus` sending matches to a new SQS queue; its URL."""
     sqs, events = cloud.client("sqs"), cloud.client("events")
     name = unique("sink")
     queue_url = sqs.create_queue(QueueName=name)["QueueUrl"]
     queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
-    events.put_rule(Name=name, EventPattern=json.dumps(pattern))
-    events.put_targets(Rule=name, Targets=[{"Id": "sink", "Arn": queue_arn, **target}])
+    events.put_rule(Name=name, EventPattern=json.dumps(pattern), EventBusName=bus)
+    events.put_targets(Rule=name, EventBusName=bus, Targets=[{"Id": "sink", "Arn": queue_arn, **target}])
     return queue_url
 
 

@@ -94,6 +94,15 @@ def test_user_data_installs_and_starts_the_agent():
     assert "systemd-run --unit trainfleet-agent" in script and f"-m {fleet.AGENT_MODULE}" in script
 
 
+def test_the_agents_settings_are_read_back_from_the_user_data_and_only_from_a_nodes():
+    settings = SETTINGS.model_copy(update={"stack_name": "stack with 'quotes' and $dollars"})
+    read = fleet.user_data_settings(fleet.node_user_data("r1", settings))
+    assert read is not None and read["TRAINFLEET_RUN_NAME"] == "r1" and read["TRAINFLEET_EVENT_BUS"] == "agents"
+    assert read["TRAINFLEET_STACK"] == "stack with 'quotes' and $dollars"
+    assert read["TRAINFLEET_SHUTDOWN_COMMAND"] == "shutdown -h now"
+    assert fleet.user_data_settings("#!/bin/sh\nsleep 60\n") is None
+
+
 def test_the_agents_unit_may_open_a_socket_to_every_rank_of_the_largest_world():
     """systemd's default of 1,024 open files is spent by a gloo group's sockets in a world of
     more than 1,024 ranks; torchrun and its ranks inherit the unit's limit."""

@@ -1,6 +1,7 @@
-"""A local node boots as the user data does on EC2: it copies the wheelhouse from
-s3://BUCKET/artifacts/ with its instance profile's role before the agent starts. A node role
-without read access there leaves the node without an agent, and its console says why."""
+"""A local node boots as the user data does on EC2: with the settings its user data writes, it
+copies the wheelhouse from s3://BUCKET/artifacts/ with its instance profile's role before the
+agent starts. A node role without read access there leaves the node without an agent; its console
+says why, and so does the NodeUnhealthy it sends, as the user data's failed step does."""
 
 import json
 import sys
@@ -13,7 +14,11 @@ from botocore.exceptions import ClientError
 from localcloud.deploy import DeployRequest, deploy
 from localcloud.imds import serve_fleet
 from localcloud.node_boot import publish_artifacts
+from localcloud_helpers import event_sink, receive
+from trainfleet.adapters.ec2_fleet import node_user_data, user_data_settings
 from trainfleet.adapters.node_roles import ensure_node_profile, node_role_name
+from trainfleet.contracts import BOOT_CHECK, NodeUnhealthy
+from trainfleet.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT = "print('agent started', flush=True)"
@@ -28,18 +33,22 @@ def deployed_functions_dropped():
         del sys.modules[module]
 
 
-def boot_one_node(cloud, outputs, profile_arn: str) -> str:
-    """Launch one instance with a run's instance profile; its console output once booted."""
+def boot_one_node(cloud, outputs, stack_name: str, profile_arn: str) -> str:
+    """Launch one instance of run "boot" with its instance profile and user data; its console
+    output once booted."""
+    settings = Settings(run_table=outputs["RunTableName"], liveness_table=outputs["LivenessTableName"],
+                        bucket=outputs["CheckpointBucketName"], event_bus=outputs["AgentEventBusName"],
+                        stack_name=stack_name, node_policy_arn=outputs["NodePolicyArn"])
     cloud.fleet.boot = lambda instance: [sys.executable, "-m", "localcloud.node_boot", sys.executable, "-c", AGENT]
-    cloud.fleet.env_hooks.append(lambda instance: {"PYTHONPATH": str(REPO),
-                                                   "TRAINFLEET_BUCKET": outputs["CheckpointBucketName"]})
+    cloud.fleet.env_hooks.append(lambda instance: user_data_settings(instance.user_data) | {"PYTHONPATH": str(REPO)})
     launched = []
 
     def launch() -> bool:  # EC2 sees a new instance profile once IAM has propagated it
         try:
             launched.extend(cloud.client("ec2").run_instances(
                 ImageId="ami-12c6146b", InstanceType="c5.large", MinCount=1, MaxCount=1,
-                IamInstanceProfile={"Arn": profile_arn}, MetadataOptions={"HttpTokens": "required"})["Instances"])
+                UserData=node_user_data("boot", settings), IamInstanceProfile={"Arn": profile_arn},
+                MetadataOptions={"HttpTokens": "required"})["Instances"])
         except ClientError as refused:
             if "Invalid IAM Instance Profile" not in str(refused):
                 raise
@@ -80,13 +89,21 @@ def test_the_node_installs_from_artifacts_with_its_own_role(artifacts_readable):
                                                PolicyDocument=json.dumps(document))["Policy"]["Arn"]
             profile_arn = ensure_node_profile(iam, "boot", stack_name, policy_arn)
             role = node_role_name("boot", stack_name)
-            console = boot_one_node(cloud, outputs, profile_arn)
+            sink = event_sink(cloud, {"detail-type": ["NodeUnhealthy"]}, bus=outputs["AgentEventBusName"])
+            console = boot_one_node(cloud, outputs, stack_name, profile_arn)
+            reports = [] if artifacts_readable else receive(cloud, sink, 1)
         finally:
             imds.stop()
     if artifacts_readable:
         assert "copied 1 artifacts" in console and "agent started" in console
-    else:
-        assert "agent started" not in console
-        assert (f"User: arn:aws:sts::{cloud.account_id}:assumed-role/{role}/i-" in console
-                and "is not authorized to perform: s3:GetObject on resource: "
-                    f"arn:aws:s3:::{outputs['CheckpointBucketName']}/artifacts/README.txt" in console), console
+        return
+    assert "agent started" not in console
+    denied = (f"User: arn:aws:sts::{cloud.account_id}:assumed-role/{role}/i-",
+              "is not authorized to perform: s3:GetObject on resource: "
+              f"arn:aws:s3:::{outputs['CheckpointBucketName']}/artifacts/README.txt")
+    assert all(part in console for part in denied), console
+    (event,) = reports
+    report = NodeUnhealthy.model_validate(event["detail"])
+    assert report.run_name == "boot" and report.reason.startswith("bootstrap failed at: copying s3://")
+    (check,) = report.checks
+    assert check.name == BOOT_CHECK and not check.passed and all(part in check.detail for part in denied)

@@ -12,6 +12,7 @@ import pytest
 
 from trainfleet.adapters.liveness import instance_troubles
 
+from localcloud.fleet import boot_user_data
 from localcloud.glue import ec2 as ec2_glue
 from localcloud.glue.ec2 import InterfaceError, interface_requests
 from localcloud_helpers import (create_state_machine, deploy_function, event_sink, receive,
@@ -76,6 +77,27 @@ def test_instance_boots_a_process_and_dies_with_it(local_cloud):
     described = describe(local_cloud, instance_id)
     assert described["State"]["Name"] == "terminated"
     assert described["StateReason"]["Code"] == "Client.InstanceInitiatedShutdown"
+
+
+def test_a_user_data_script_that_ends_leaves_its_instance_up_until_it_shuts_down(local_cloud):
+    """As on EC2: cloud-init runs the script once and the host stays up whatever its status (a
+    failed bootstrap must not read as a lost node); `shutdown` from inside ends the instance as
+    an instance-initiated shutdown does."""
+    # What stays behind (the agent, started in the background) ends the instance once told to.
+    script = (b"#!/bin/sh\necho bootstrap step failed\n"
+              b"(while [ ! -e shut-down ]; do sleep 0.05; done; shutdown -h now) &\nexit 3\n")
+    local_cloud.fleet.boot = boot_user_data  # the fleet's own boot, which other tests here replace
+    instance_id = launch(local_cloud, UserData=script.decode())  # boto3 encodes it
+    instance = local_cloud.fleet.get(instance_id)
+    console = instance.console_log
+    local_cloud.wait_until(lambda: console.exists() and "exited with status 3" in console.read_text(),
+                           "the user data to end")
+    assert "bootstrap step failed" in console.read_text()
+    assert describe(local_cloud, instance_id)["State"]["Name"] == "running"
+
+    (instance.workdir / "shut-down").touch()
+    local_cloud.fleet.wait_for_state(instance_id, "terminated")
+    assert describe(local_cloud, instance_id)["StateReason"]["Code"] == "Client.InstanceInitiatedShutdown"
 
 
 @pytest.mark.slow

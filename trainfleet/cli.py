@@ -143,6 +143,7 @@ def _local_up(args: argparse.Namespace) -> int:
 
     from localcloud import LocalCloud
     from localcloud.imds import serve_fleet
+    from localcloud.node_boot import boot_as_nodes
 
     def stop_on_sigterm(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -160,6 +161,7 @@ def _local_up(args: argparse.Namespace) -> int:
         print(f"trainfleet local up: {error}", file=sys.stderr)
         return 2
     metadata = serve_fleet(cloud)  # instances booted here find their IMDSv2, as on EC2
+    boot_as_nodes(cloud)  # a run's instances boot as its nodes, from their user data's settings
     try:
         print(f"local cloud running at {cloud.endpoint}", flush=True)
         print("  " + " ".join(f"{name}={value}" for name, value in cloud.env().items()), flush=True)
@@ -222,6 +224,19 @@ def _local_deploy(args: argparse.Namespace) -> int:
     except (DeployError, TemplateError) as error:
         print(f"trainfleet local deploy: {error}", file=sys.stderr)
         return 1
+    if "CheckpointBucketName" in stack.outputs:  # trainfleet's stack: what its nodes install, as `make artifacts`
+        import boto3
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        from localcloud.node_boot import publish_artifacts
+
+        try:
+            publish_artifacts(boto3.client("s3", endpoint_url=args.endpoint, region_name=request.region),
+                              stack.outputs["CheckpointBucketName"])
+        except (BotoCoreError, ClientError) as error:
+            print(f"trainfleet local deploy: deployed, but the nodes' artifacts were not published "
+                  f"(the credentials `trainfleet local up` prints must be set): {error}", file=sys.stderr)
+            return 1
     print(format_stack(stack))
     return 0
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import shlex
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -44,6 +45,7 @@ __all__ = [
     "default_network", "NoDefaultNetwork",
     "TAG_RUN", "TAG_STACK", "AGENT_MODULE", "CAPACITY_ERROR_CODES", "ZONE_ERROR_CODES", "FleetError",
     "FleetOutcome", "Allocation", "Teardown", "efa_network_interfaces", "launch_template_data", "node_user_data",
+    "user_data_settings",
     "create_fleet_request", "interpret_fleet_response", "zone_verdict", "placement_group_name", "run_resource_name",
     "ensure_launch_template", "ensure_placement_group", "allocate", "describe_reservation", "run_instance_ids",
     "runs_with_resources",
@@ -265,6 +267,22 @@ systemd-run --unit trainfleet-agent --property=EnvironmentFile="$root/etc/trainf
     --property=LimitNOFILE={AGENT_OPEN_FILES_LIMIT} --property=Restart=on-failure \\
     "$home/venv/bin/python" -m {AGENT_MODULE}
 """
+
+
+_SETTINGS_BLOCK = re.compile(r"""cat > "\$root/etc/trainfleet\.env" <<'ENV'\n(.*?)\nENV\n""", re.DOTALL)
+
+
+def user_data_settings(user_data: str) -> dict[str, str] | None:
+    """The agent's settings a node's user data writes (node_user_data's trainfleet.env), or None
+    for user data that is not a trainfleet node's."""
+    found = _SETTINGS_BLOCK.search(user_data)
+    if found is None:
+        return None
+    settings = {}
+    for line in found[1].splitlines():
+        key, _, quoted = line.partition("=")
+        (settings[key],) = shlex.split(quoted)
+    return settings
 
 
 def _owner_tags(run_name: str, stack_name: str) -> list[dict[str, str]]:
