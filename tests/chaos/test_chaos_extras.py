@@ -10,3 +10,9 @@ from localcloud.chaos import EXTRAS
 pytestmark = pytest.mark.chaos
 
 outcomes, test_the_cell_holds_every_promise = cell_tests([cell.name for cell in EXTRAS])
+
+
+def test_a_healthy_run_on_a_starved_machine_books_no_failure(outcomes):
+    outcome = outcomes["starved"]
+    assert outcome["report"]["failures"] == [] and outcome["run"]["restarts"] == 0
+    assert outcome["states"][-1] == "RunSucceeded"

@@ -1,15 +1,14 @@
 """The chaos cells `make test` runs (the whole matrix is `make chaos`), side by side on one stack:
-a node lost while a checkpoint uploads (the partial checkpoint must never be loaded), a Spot
-notice (nothing trained before it may be lost), and a starved machine: a healthy run whose
-instances get a quarter of the CPU beside the other two runs and whatever else the machine runs,
-slow but never silent. See localcloud.chaos for the promises every cell keeps; the tests below add
-what each of these faults must be recorded as. The starved run takes several times a healthy
-one's wall time while using little CPU: beside the others, that time is not a worker's alone."""
+a node lost while a checkpoint uploads (the partial checkpoint must never be loaded), and a Spot
+notice (nothing trained before it may be lost). See localcloud.chaos for the promises every cell
+keeps; the tests below add what each of these faults must be recorded as. The starved machine (a
+healthy run whose instances get a quarter of the CPU) is one of `make chaos`'s extras: here every
+local run is already slowed by the suite's other workers on two cores."""
 
 from chaos_cells import cell_tests
 
 outcomes, test_the_cell_holds_every_promise = cell_tests(
-    ["kill@checkpoint-write", "spot@training", "starved"], together=3)
+    ["kill@checkpoint-write", "spot@training"], together=2)
 
 
 def failure_and_victim(outcome: dict) -> tuple[dict, str]:
@@ -35,8 +34,3 @@ def test_a_node_lost_mid_upload_resumes_from_the_commit_before(outcomes):
     failure, victim = failure_and_victim(outcome)
     assert failure["failure_class"] == "INSTANCE_LOST" and outcome["nodes"][victim]["failure"] == "INSTANCE_LOST"
 
-
-def test_a_healthy_run_on_a_starved_machine_books_no_failure(outcomes):
-    outcome = outcomes["starved"]
-    assert outcome["report"]["failures"] == [] and outcome["run"]["restarts"] == 0
-    assert outcome["states"][-1] == "RunSucceeded"
