@@ -149,8 +149,8 @@ def test_steps_whose_losses_died_with_rank_0s_node_are_shaded_as_unknown(example
     first, *rest = example.attempts
     cut = first.model_copy(update={"samples": first.samples[:10], "unknown_steps": (11, first.samples[-1].step)})
     loss = figure(ET.fromstring(render_html(example.model_copy(update={"attempts": [cut, *rest]}))), "loss")
-    assert "losses unknown: rank 0's node lost before reporting them" in texts(loss)
-    assert "losses unknown: rank 0's node lost before reporting them" not in texts(figure(
+    assert "losses unknown: global rank 0's node lost before reporting them" in texts(loss)
+    assert "losses unknown: global rank 0's node lost before reporting them" not in texts(figure(
         ET.fromstring(render_html(example)), "loss"))
 
 

@@ -68,7 +68,7 @@ def _loss_chart(history: RunHistory) -> Chart:
               for progress in trained if progress.attempt > 0]
     redone = [Span(failure.last_step - failure.steps_lost, failure.last_step, tint(VERMILLION, 0.18),
                    "steps trained again after a failure") for failure in failed if failure.steps_lost]
-    unknown = [Span(first - 1, last, tint(GREY, 0.35), "losses unknown: rank 0's node lost before reporting them")
+    unknown = [Span(first - 1, last, tint(GREY, 0.35), "losses unknown: global rank 0's node lost before reporting them")
                for first, last in (progress.unknown_steps for progress in history.attempts if progress.unknown_steps)]
     return Chart("Loss by step", Axis("step"), Axis("training loss"), series=series, marks=marks,
                  spans=unknown + redone, empty_note="no steps reported")
