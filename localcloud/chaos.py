@@ -48,6 +48,7 @@ from typing import Any
 import yaml
 
 from localcloud.chaos_route import on_instance
+from localcloud.cloud import exit_after_local_cloud
 from localcloud.glue import s3 as s3_requests
 from localcloud.stack import (REPO, LocalRun, LocalStack, Watch, agent_lines, local_stack, metrics_records,
                               states_entered)
@@ -714,4 +715,4 @@ def cell_template(cell: Cell, template: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after_local_cloud(main())

@@ -204,4 +204,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from localcloud.cloud import exit_after_local_cloud
+
+    exit_after_local_cloud(main())

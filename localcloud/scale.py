@@ -41,6 +41,7 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from localcloud.cloud import exit_after_local_cloud
 from localcloud.demo import DEMO_RUN_SPEC
 from localcloud.stack import TIMEOUT_FLOORS_S, LocalRun, LocalStack, check_template, local_stack
 from localcloud.waiting import until
@@ -281,4 +282,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after_local_cloud(main())

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from localcloud.chaos import reference_losses  # noqa: E402
+from localcloud.cloud import exit_after_local_cloud  # noqa: E402
 from localcloud.demo import DEMO_RUN_SPEC, SAMPLE_PROMPT, Narrator, run_on_local_cloud  # noqa: E402
 from localcloud.stack import agent_lines, local_stack  # noqa: E402
 
@@ -123,3 +124,4 @@ if __name__ == "__main__":
     if sys.argv[1:] not in ([name] for name in SCENARIOS):
         sys.exit(f"usage: {sys.argv[0]} {' | '.join(SCENARIOS)}")
     print(json.dumps(SCENARIOS[sys.argv[1]](json.loads(DEMO_RUN_SPEC.read_text())), default=str))
+    exit_after_local_cloud(0)

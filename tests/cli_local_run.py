@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from localcloud.cloud import exit_after_local_cloud  # noqa: E402
 from localcloud.demo import DEMO_RUN_SPEC, Narrator  # noqa: E402
 from localcloud.stack import LocalRun, local_run_spec, local_stack  # noqa: E402
 from localcloud.waiting import sizes, until  # noqa: E402
@@ -127,3 +128,4 @@ def main() -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(main(), default=str))
+    exit_after_local_cloud(0)

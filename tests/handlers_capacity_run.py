@@ -21,6 +21,7 @@ import uuid
 from handlers_local_run import (checkpointed, console_lines, deploy_with_agents, instances_of, network,
                                 report_failure, run_spec, states_entered, wait)
 from localcloud import LocalCloud
+from localcloud.cloud import exit_after_local_cloud
 from trainfleet.adapters.run_store import RunStore
 
 INSTANCE_TYPE = "c5.large"
@@ -90,3 +91,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_after_local_cloud(0)

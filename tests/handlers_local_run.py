@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 os.environ["MOTO_IAM_LOAD_MANAGED_POLICIES"] = "true"
 
 from localcloud import LocalCloud  # noqa: E402
+from localcloud.cloud import exit_after_local_cloud  # noqa: E402
 from localcloud.deploy import DeployRequest, deploy  # noqa: E402
 from localcloud.glue import active_cloud  # noqa: E402
 from localcloud.imds import serve_fleet  # noqa: E402
@@ -317,3 +318,4 @@ def hostile_node(cloud, outputs: dict[str, str], store: RunStore, attacker: str,
 
 if __name__ == "__main__":
     main()
+    exit_after_local_cloud(0)

@@ -29,9 +29,10 @@ def _demo(args: argparse.Namespace) -> int:
         from trainer.demo import main as trainer_demo
 
         return trainer_demo(args.rest)
+    from localcloud.cloud import exit_after_local_cloud
     from localcloud.demo import main as local_cloud_demo
 
-    return local_cloud_demo(args.rest)
+    exit_after_local_cloud(local_cloud_demo(args.rest))
 
 
 def _validate(args: argparse.Namespace) -> int:
