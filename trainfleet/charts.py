@@ -156,10 +156,9 @@ def time_unit(extent_s: float) -> tuple[str, float, tuple[float, ...]]:
 
 def _number(value: float, _position: object = None) -> str:
     """A tick label: from 10,000 up in k, M or G; never in scientific notation."""
-    top = abs(value)
-    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e4, "k")):
-        if top >= scale:
-            return f"{value / (1e3 if suffix == 'k' else scale):,.4g}{suffix}"
+    for threshold, scale, suffix in ((1e9, 1e9, "G"), (1e6, 1e6, "M"), (1e4, 1e3, "k")):
+        if abs(value) >= threshold:
+            return f"{value / scale:,.4g}{suffix}"
     return f"{value:,.6g}"
 
 
@@ -252,11 +251,11 @@ def _draw_series(ax, chart: Chart, size: float, ids: str, legend: dict[str, Line
         points = _thin([(x / size, y) for x, y in line.points if math.isfinite(x)], columns)
         later = sum(1 for other in ranges[index + 1:] if other and ranges[index]
                     and other[0] <= ranges[index][1] and ranges[index][0] <= other[1])
-        ax.plot([x for x, _ in points], [y if math.isfinite(y) else math.nan for _, y in points],
-                color=line.colour, linewidth=min(_LINE_WIDTH + 1.8 * later, 5), alpha=1.0 if later == 0 else 0.55,
+        style = {"color": line.colour, "linewidth": min(_LINE_WIDTH + 1.8 * later, 5),
+                 "alpha": 1.0 if later == 0 else 0.55}
+        ax.plot([x for x, _ in points], [y if math.isfinite(y) else math.nan for _, y in points], **style,
                 solid_capstyle="round", zorder=2, gid=f"{ids}-series-{index}")
-        legend.setdefault(line.name, Line2D([], [], color=line.colour, linewidth=min(_LINE_WIDTH + 1.8 * later, 5),
-                                            alpha=1.0 if later == 0 else 0.55, label=line.name))
+        legend.setdefault(line.name, Line2D([], [], **style, label=line.name))
     # The x range holds every point, drawn or not: a line that stops short of it says that its
     # last values were not finite.
     xs = [end for found in ranges if found for end in found]
