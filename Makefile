@@ -37,7 +37,7 @@ browser:
 	    command -v chromium >/dev/null || echo "no Chromium installed: the report page's browser test is skipped"; \
 	else $(CHROMIUM) 2>/dev/null || (apt-get update -q >/dev/null && $(CHROMIUM)); fi
 
-# The oldest torch the trainer supports (trainer/health.py TORCH_MINIMUM, which preflight holds
+# The oldest torch the trainer supports (node/health.py TORCH_MINIMUM, which preflight holds
 # nodes to): images lag the newest release. Its own virtualenv, with torch's Linux wheel and the
 # CUDA libraries it loads (PyPI has no CPU-only build of it: about 5 GB, under a minute).
 TORCH_OLDEST := 2.11.0

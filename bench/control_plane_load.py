@@ -3,7 +3,7 @@ event handler cost the run's partition (3,000 RCU / 1,000 WCU per partition).
 
     .venv/bin/python bench/control_plane_load.py [--nodes 2 512] [--hours 1] [--hang-timeout 600]
 
-Agents: measured. One agent's ControlPlane (trainer/agent.py) runs its own pacing against a
+Agents: measured. One agent's ControlPlane (node/agent.py) runs its own pacing against a
 simulated clock for the given time, with the run's node count and hang timeout (a short one
 quickens the looks, down to the least hang timeout the node count allows); every look is one eventually
 consistent GetItem of the run record, so a run's reads are nodes x looks / seconds. Liveness
@@ -35,7 +35,7 @@ CHECKPOINT_EVERY_S = 600.0
 
 def agent_looks_per_second(nodes: int, hang_timeout_s: float, seconds: float, seed: int = 7) -> float:
     """The looks a second of a run's `nodes` agents, from one agent's pacing over `seconds`."""
-    from trainer.agent import AgentSettings, ControlPlane, Identity
+    from node.agent import AgentSettings, ControlPlane, Identity
 
     clock = {"now": 0.0}
     settings = AgentSettings(run_name="bench", run_table="t", bucket="b", event_bus="e", workdir=Path("."),
@@ -53,7 +53,7 @@ def agent_looks_per_second(nodes: int, hang_timeout_s: float, seconds: float, se
 
 def handler_load(nodes: int) -> tuple[float, float, float]:
     """(reads, RCU, writes) a second of the event handler while the run trains."""
-    from trainer.agent import PROGRESS_EVERY_S
+    from node.agent import PROGRESS_EVERY_S
 
     events_per_s = 1 / PROGRESS_EVERY_S + 1 / CHECKPOINT_EVERY_S
     # Per event: GetItem run (strong), modify_run = GetItem + PutItem, Query of every node (strong).
@@ -70,9 +70,9 @@ def main() -> int:
     parser.add_argument("--hang-timeout", type=float, default=600.0,
                         help="the runs' recovery.hang_timeout_seconds (raised to the least a node count allows)")
     args = parser.parse_args()
-    from trainer.agent import PROGRESS_EVERY_S
-    from trainfleet.lifecycle import looks_per_second
-    from trainfleet.pace import least_hang_timeout
+    from node.agent import PROGRESS_EVERY_S
+    from trainfleet.core.lifecycle import looks_per_second
+    from trainfleet.core.pace import least_hang_timeout
 
     summary = []
     for nodes in args.nodes:
@@ -81,7 +81,7 @@ def main() -> int:
         agent_rcu = agents * math.ceil(RUN_RECORD_KB / 4) / 2  # eventually consistent: half
         reads, rcu, writes = handler_load(nodes)
         print(f"{nodes} nodes, hang timeout {hang:g} s: agents {agents:.2f} reads/s measured (formula "
-              f"{looks_per_second(nodes, hang):.2f}: nodes / mean look interval, trainfleet.pace), "
+              f"{looks_per_second(nodes, hang):.2f}: nodes / mean look interval, trainfleet.core.pace), "
               f"{agent_rcu:.1f} RCU/s; event handler {reads:.2f} reads/s, {rcu:.1f} RCU/s, {writes:.2f} WCU/s; "
               "agents write no DynamoDB item")
         summary += [f"reads_per_s_{nodes}={agents + reads:.2f}", f"rcu_per_s_{nodes}={agent_rcu + rcu:.1f}",

@@ -5,7 +5,7 @@ list prices, beside the fleet's.
     .venv/bin/python bench/cost.py --sizes 4,12 --repeats 3 --window-s 300
 
 Each size is a run of the deployed state machine on the local cloud whose nodes run the real
-agent with the stand-in trainer (trainer/standin.py: no torch, the real trainer's signals), at
+agent with the stand-in trainer (node/standin.py: no torch, the real trainer's signals), at
 production pacing (the RunSpec's default hang timeout, 600 s, sets how often agents look and
 heartbeat). Once it trains, every request that reaches the local cloud's endpoint is counted
 for `--window-s` real seconds of steady training (the harness makes none then: it reads the
@@ -14,7 +14,7 @@ the bytes and billed durations the functions logged. Those are hourly rates of t
 would see them: the agents' looks and heartbeats run in real time.
 
 What grows with the fleet is the agents' looks (a run record read and a liveness record written
-each), and trainfleet.pace caps a run's looks a second above FULL_RATE_NODES. So each service's
+each), and trainfleet.core.pace caps a run's looks a second above FULL_RATE_NODES. So each service's
 rate is a per-run part plus a per-look part, fitted by least squares through every measured run
 with neither part below zero (`fit`: a cost cannot be negative; a line through two noisy sizes
 gave negative S3, SQS and EventBridge costs at 512 nodes), and a fleet is priced at
@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from localcloud.demo import DEMO_RUN_SPEC  # noqa: E402
 from localcloud.stack import LocalRun, LocalStack, local_stack, metrics_records  # noqa: E402
-from trainfleet import pace  # noqa: E402
-from trainfleet.catalogue import instance_facts  # noqa: E402
-from trainfleet.contracts import RecoveryPolicy  # noqa: E402
+from trainfleet.core import pace  # noqa: E402
+from trainfleet.core.catalogue import instance_facts  # noqa: E402
+from trainfleet.core.runspec import RecoveryPolicy
 
 # us-east-1 list prices (USD), as AWS publishes them.
 STEP_FUNCTIONS_PER_TRANSITION = 0.025 / 1000
@@ -257,7 +257,7 @@ def main() -> int:
                    for repeat in range(args.repeats)]
     facts = instance_facts(args.instance_type)
     parts = list(per_run)
-    print(f"\nUSD per training-day (24 h of steady training; list prices us-east-1; looks at trainfleet.pace's "
+    print(f"\nUSD per training-day (24 h of steady training; list prices us-east-1; looks at trainfleet.core.pace's "
           f"rate, hang timeout {hang} s); fitted through all {len(runs)} runs, the range of each repeat's own fit")
     print(f"{'nodes':>6}" + "".join(f"{part:>14}" for part in parts)
           + f"{'control plane':>15}{'repeats':>16}{'fleet':>14}{'share':>10}")
@@ -269,7 +269,7 @@ def main() -> int:
         alone = [24 * sum(priced(*fitted, nodes, hang).values()) for fitted in each_repeat]
         print(f"{nodes:>6}" + "".join(f"{usd[part]:>14.4f}" for part in parts)
               + f"{day[nodes]:>15.2f}{f'{min(alone):.2f}-{max(alone):.2f}':>16}{fleet:>14,.0f}{day[nodes] / fleet:>10.2e}")
-    estimate = " (an estimate: see trainfleet/catalogue.py)" if facts.price_is_estimate else ""
+    estimate = " (an estimate: see trainfleet/core/catalogue.py)" if facts.price_is_estimate else ""
     print(f"fleet: {args.instance_type} on-demand at ${facts.on_demand_usd_per_hour:,.2f} an hour{estimate}")
     print(f"usd_per_training_day={day[64]:.2f}")
     return 0

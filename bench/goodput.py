@@ -7,19 +7,19 @@ the real lifecycle decisions.
 Nothing here decides what the control plane does. Each failure becomes the event the control
 plane would receive (the agent's NodeUnhealthy or TrainerFailed, EC2's status, an AWS Health
 event, the Train task's heartbeat timeout) and goes through the real code over plain records
-(RunRecord, NodeRecord, FailureReport of trainfleet.contracts): classify_event /
+(RunRecord, NodeRecord, FailureReport of trainfleet/core/records.py): classify_event /
 classify_task_error, blame_silent_workers (a crash that names no node, with EC2's status checks),
 decide_recovery (restart budget, crash loop, backoff, READY spares promoted, replacements and
 refills), apply_decision, new_node_records, and the goodput ledger (settle_run_attempt,
 unaccounted_seconds). The simulator supplies only time: when failures strike, how long a boot,
-a preflight, the agents' looks (trainfleet.pace), a rendezvous and a checkpoint take.
+a preflight, the agents' looks (trainfleet.core.pace), a rendezvous and a checkpoint take.
 
 An attempt, from the recovery decision at d (as the state machine runs it):
   Recover terminates the blamed nodes, promotes READY spares and launches what is missing at d
   (replacement workers and spare refills together); RecoveryBackoff waits the decision's backoff;
   AwaitNodes answers once every worker confirmed the attempt: a node that was already up confirms
   at its next look at the run record, at the full rate once its trainer stalled (the failure
-  stopped the world's steps; trainfleet.pace.stalled), a new instance once booted and through
+  stopped the world's steps; trainfleet.core.pace.stalled), a new instance once booted and through
   preflight. Train writes the launch spec, which the agents read at their next
   look (between attempts: at the full rate, pace.poll_interval); then rendezvous and, after a failure,
   the checkpoint load; then the first step. So a READY spare saves the boot and preflight that a
@@ -61,16 +61,15 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)  # this folder would shadow the packages it drives
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainfleet.catalogue import instance_facts  # noqa: E402
-from trainfleet.contracts import (CheckpointRef, FailureReport, HealthEvent,  # noqa: E402
-                                  NodeRecord, NodeRole, NodeState, NodeUnhealthy, RecoveryAction,
-                                  RecoveryDecision, RunRecord, RunSpec, TaskWait, TrainerFailed,
-                                  TrainerFailureKind)
-from trainfleet.lifecycle import (apply_decision, blame_silent_workers, classify_event,  # noqa: E402
-                                  classify_task_error, decide_recovery, initial_plan, new_node_records,
-                                  settle_run_attempt)
-from trainfleet.lifecycle.goodput import STARTUP, give_up_cause, unaccounted_seconds  # noqa: E402
-from trainfleet.pace import FULL_RATE_NODES, longest_look, stall_after  # noqa: E402
+from trainfleet.core.catalogue import instance_facts  # noqa: E402
+from trainfleet.core.events import HealthEvent, NodeUnhealthy, TrainerFailed
+from trainfleet.core.lifecycle import (apply_decision, blame_silent_workers, classify_event, classify_task_error,
+                                       decide_recovery, initial_plan, new_node_records, settle_run_attempt)
+from trainfleet.core.lifecycle.goodput import STARTUP, give_up_cause, unaccounted_seconds  # noqa: E402
+from trainfleet.core.pace import FULL_RATE_NODES, longest_look, stall_after  # noqa: E402
+from trainfleet.core.records import (CheckpointRef, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
+                                     RecoveryDecision, RunRecord, TaskWait, TrainerFailureKind)
+from trainfleet.core.runspec import RunSpec
 
 INSTANCE_TYPE = "p5.48xlarge"
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -159,7 +158,7 @@ class Timings:
     boot_s: float = 300.0
     """CreateFleet to the agent up: p5 launch, OS and driver start, the wheelhouse install."""
     preflight_s: float = 60.0
-    """trainer.health on a p5: device and EFA checks, the one-rank NCCL probe."""
+    """node.health on a p5: device and EFA checks, the one-rank NCCL probe."""
     rendezvous_s: float = 120.0
     """torchrun's c10d rendezvous and NCCL communicators for 16,384 ranks."""
     detect_s: float = 2.0
@@ -199,7 +198,7 @@ class Scenario:
     """RecoveryPolicy.max_restarts: a month at this scale has hundreds of failures."""
     hang_timeout_s: int = 300
     """Five minutes, what a run this large would ask for: the RunSpec's default (ten) suits small
-    runs, and trainfleet.pace allows as little as about 250 s at 2,089 nodes."""
+    runs, and trainfleet.core.pace allows as little as about 250 s at 2,089 nodes."""
     causes: tuple[Cause, ...] = CAUSES
 
 
@@ -294,7 +293,7 @@ class Pace:
     boot: timedelta
     """Launch to READY: boot and preflight."""
     stalled: timedelta
-    """A trainer's time without a step before its agent looks at the full rate (trainfleet.pace)."""
+    """A trainer's time without a step before its agent looks at the full rate (trainfleet.core.pace)."""
     between_look: timedelta
     """The last of the run's agents to look at the run record after it changed, at the full rate."""
     rendezvous: timedelta
@@ -540,7 +539,7 @@ def main() -> int:
           f"{mtbf_s / 3600:.2f} h ({args.days * 86400 / mtbf_s:.0f} failures expected), mean of {args.seeds} seed(s)")
     print(f"timings (s): boot {t.boot_s:g} + preflight {t.preflight_s:g}; step {t.step_s:g}, stalled after "
           f"{pace.stalled.total_seconds():g}, then agents' look <= {pace.between_look.total_seconds():.1f} "
-          f"(trainfleet.pace); rendezvous {t.rendezvous_s:g}; detection {t.detect_s:g} "
+          f"(trainfleet.core.pace); rendezvous {t.rendezvous_s:g}; detection {t.detect_s:g} "
           f"(a hang: {args.hang_timeout_s}); control plane {t.control_plane_s:g}")
     print(f"checkpoint every {args.interval_min:g} min: save {t.save_s:.2f} s, load {t.load_s:.2f} s, stall "
           f"{t.stall_s:.4f} s ({MODEL_PARAMETERS / 1e9:.0f}B parameters x {STATE_BYTES_PER_PARAMETER} bytes over "

@@ -15,7 +15,7 @@ What it prints, in order:
    sheet for the exact device name (an H100 PCIe is not an H100 SXM); an unknown name: MFU n/a.
    Every step's loss: a non-finite one fails the check, one that does not fall is flagged.
 3. Memory at the peak of a step: torch.cuda.max_memory_allocated against the memory plan's
-   tensors (trainfleet.memory_plan, this device's accelerator) as a ratio, flagged beyond 15 %;
+   tensors (trainfleet.core.memory_plan, this device's accelerator) as a ratio, flagged beyond 15 %;
    beside it the plan's allowance against what CUDA reports: memory outside PyTorch's allocator
    (total - free - reserved: the CUDA context, NCCL, other processes) and fragmentation (the
    allocator's peak reserved - its peak allocated).
@@ -60,7 +60,7 @@ try:
     from trainer.config import load_config
     from trainer.model import GPT
     from trainer.train import NonFiniteLossError, build, distributed, train_step
-    from trainfleet import memory_plan
+    from trainfleet.core import memory_plan
 except ImportError as missing:
     traceback.print_exc()
     print(f"gpu_check=failed: {import_failure(missing)}", flush=True)

@@ -4,7 +4,7 @@
     .venv/bin/python bench/outage.py --nodes 8 --outage-s 300
 
 A run of the deployed state machine trains with real agents and the stand-in trainer
-(trainer/standin.py). Once it has trained a while, every DynamoDB request, the functions' and the
+(node/standin.py). Once it has trained a while, every DynamoDB request, the functions' and the
 agents' alike, answers DynamoDB's internal error for `--outage-s` real seconds: longer than the
 agents' unreachable limit (900 s on AWS, UNREACHABLE_LIMIT_S = 60 s here), so
 an agent that ended its instance whenever the control plane was out of reach that long would end

@@ -17,7 +17,7 @@ without, both with instances that take `--spare-boot-s` to boot.
 Growth with the node count, as the design intends: per-run control-plane rates stay flat (the
 Lambda invocations, transitions and events of a training hour are those of the run, not of its
 nodes), while the agents' own looks (a run record read and a liveness write each) grow with the
-nodes up to trainfleet.pace's bound (FULL_RATE_NODES), then stay there.
+nodes up to trainfleet.core.pace's bound (FULL_RATE_NODES), then stay there.
 
 The last line is `recovery_saved_by_spare_s=<median over the failures>`.
 """

@@ -19,8 +19,8 @@ from functions.common import (RunPayload, aws, capacity_unavailable, count_unfil
 from functions.errors import TransientError
 from trainfleet.adapters.ec2_fleet import FleetError, allocate, ensure_launch_template, terminate
 from trainfleet.adapters.node_roles import ensure_node_profile
-from trainfleet.contracts import RunState
-from trainfleet.lifecycle import plan_layout
+from trainfleet.core.lifecycle import plan_layout
+from trainfleet.core.records import RunState
 
 
 @transient_errors_named

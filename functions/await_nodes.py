@@ -9,7 +9,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.common import (TaskPayload, answer_if_world_complete, aws, logger, metrics, park_task, tracer,
                               transient_errors_named)
-from trainfleet.contracts import RunState, TaskWait
+from trainfleet.core.records import RunState, TaskWait
 
 
 @transient_errors_named

@@ -30,10 +30,11 @@ from pydantic import BaseModel, ConfigDict
 from functions.errors import CapacityUnavailable, TransientError
 from trainfleet.adapters.ec2_fleet import CAPACITY_ERROR_CODES, Allocation
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import (FAILURE_ERROR, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
-                                  RunRecord, RunRef, RunSpec, TaskWait)
-from trainfleet.lifecycle import may_start, new_node_records
-from trainfleet.settings import MissingSetting, Settings
+from trainfleet.core.lifecycle import may_start, new_node_records
+from trainfleet.core.records import (FAILURE_ERROR, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
+                                     RunRecord, RunRef, TaskWait)
+from trainfleet.core.runspec import RunSpec
+from trainfleet.core.settings import MissingSetting, Settings
 
 __all__ = ["logger", "tracer", "metrics", "Aws", "aws", "answer_task", "fail_attempt", "park_task", "addressed",
            "answer_if_world_complete", "fleet_token_prefix", "capacity_unavailable", "is_transient",
@@ -262,7 +263,7 @@ def launch_spec_key(run_name: str) -> str:
 
 
 def report_prefix(run_name: str) -> str:
-    """Where the run report's files go in the stack's bucket (trainfleet.run_report's names follow)."""
+    """Where the run report's files go in the stack's bucket (trainfleet.report.files's names follow)."""
     return f"runs/{run_name}/"
 
 

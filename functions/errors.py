@@ -2,7 +2,7 @@
 
 A Lambda error reaches Step Functions under its exception class name;
 statemachine/training_run.asl.json matches on these. (Failures the event handler reports
-through SendTaskFailure use trainfleet.contracts.FAILURE_ERROR.)
+through SendTaskFailure use trainfleet.core.records.FAILURE_ERROR.)
 """
 
 __all__ = ["InvalidRunSpec", "RecoveryGaveUp", "CapacityUnavailable", "TransientError", "ReapIncomplete",

@@ -35,19 +35,19 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from functions.common import (Aws, answer_if_world_complete, answer_task, aws, fail_attempt, logger,
                               mark_terminating, metrics, record_nodes, tracer)
 from functions.errors import NodeNotRecordedYet
-from trainfleet.adapters.ec2_fleet import TAG_STACK, FleetError, allocate, instances_among, terminate
 from trainfleet.adapters.checkpoints import CheckpointInvalid, verify_checkpoint
+from trainfleet.adapters.ec2_fleet import TAG_STACK, FleetError, allocate, instances_among, terminate
 from trainfleet.adapters.metrics import checkpoint_metrics, emit, progress_metrics
 from trainfleet.adapters.run_store import NodeNotFound, RunNotFound
-from trainfleet.contracts import (AgentEvent, CheckpointCommitted, CheckpointReason, Ec2InstanceStateChange,
-                                  FailureClass, FailureReport, FleetChecked, HealthEvent, NodeReady,
-                                  NodeRecord, NodeRegistered, NodeRole, NodeState, RunRecord, ScalingChecked,
-                                  TrainingCompleted, TrainingProgress, parse_event)
-from trainfleet.lifecycle import (block_end_due, block_end_report, checkpoint_before_leaving, classify_event,
-                                  departure_due_at, departure_wait_may_end, departure_wait_over,
-                                  emergency_checkpoint_due, emergency_checkpoint_now, growth_report, is_stale,
-                                  may_grow, missing_nodes, sender_problem, spares_to_launch,
-                                  waits_for_emergency_checkpoint)
+from trainfleet.core.events import (AgentEvent, CheckpointCommitted, CheckpointReason, Ec2InstanceStateChange,
+                                    FleetChecked, HealthEvent, NodeReady, NodeRegistered, ScalingChecked,
+                                    TrainingCompleted, TrainingProgress, parse_event)
+from trainfleet.core.lifecycle import (block_end_due, block_end_report, checkpoint_before_leaving, classify_event,
+                                       departure_due_at, departure_wait_may_end, departure_wait_over,
+                                       emergency_checkpoint_due, emergency_checkpoint_now, growth_report, is_stale,
+                                       may_grow, missing_nodes, sender_problem, spares_to_launch,
+                                       waits_for_emergency_checkpoint)
+from trainfleet.core.records import FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RunRecord
 
 
 

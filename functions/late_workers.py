@@ -19,8 +19,8 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from functions.common import (LateWorkersStep, RunPayload, addressed, aws, logger, mark_terminating, metrics,
                               swap_roles, tracer, transient_errors_named)
 from trainfleet.adapters.ec2_fleet import terminate
-from trainfleet.contracts import FailureClass, NodeState
-from trainfleet.lifecycle import swap_late_workers, world_complete
+from trainfleet.core.lifecycle import swap_late_workers, world_complete
+from trainfleet.core.records import FailureClass, NodeState
 
 
 @transient_errors_named

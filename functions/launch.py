@@ -13,8 +13,8 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from functions.common import (TaskPayload, addressed, aws, launch_spec_key, logger, park_task, tracer,
                               transient_errors_named)
 from trainfleet.adapters.checkpoints import latest_checkpoint
-from trainfleet.contracts import RunState, TaskWait
-from trainfleet.lifecycle import build_launch_spec, world_complete
+from trainfleet.core.lifecycle import build_launch_spec, world_complete
+from trainfleet.core.records import RunState, TaskWait
 
 
 @transient_errors_named

@@ -39,11 +39,11 @@ from functions.errors import RecoveryGaveUp
 from trainfleet.adapters.checkpoints import latest_checkpoint
 from trainfleet.adapters.ec2_fleet import FleetError, allocate, terminate
 from trainfleet.adapters.liveness import instance_troubles, read_liveness
-from trainfleet.contracts import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
-                                  RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
 from trainfleet.adapters.metrics import detection_metrics, emit
-from trainfleet.lifecycle import (apply_decision, blame_silent_workers, book_attempt, classify_task_error,
-                                  decide_recovery, hang_onset, needs_liveness_look, unready_workers)
+from trainfleet.core.lifecycle import (apply_decision, blame_silent_workers, book_attempt, classify_task_error,
+                                       decide_recovery, hang_onset, needs_liveness_look, unready_workers)
+from trainfleet.core.records import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
+                                     RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
 
 QUOTA_HELD_CODES = frozenset({"VcpuLimitExceeded"})
 """EC2 refusals of a replacement that instances still shutting down may cause: retried, as a

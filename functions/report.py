@@ -1,4 +1,4 @@
-"""Report: write the run report (trainfleet/run_report.py: report.json, report.html and its
+"""Report: write the run report (trainfleet/report/files.py: report.json, report.html and its
 plots as PNGs) under s3://BUCKET/runs/RUN/, and the run's final metrics."""
 
 from datetime import datetime, timezone
@@ -10,7 +10,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from functions.common import RunPayload, aws, logger, report_prefix, tracer, transient_errors_named
 from trainfleet.adapters.metrics import emit, lost_time_metrics, run_metrics
 from trainfleet.adapters.run_history import read_history
-from trainfleet.run_report import REPORT_HTML, report_files
+from trainfleet.report.files import REPORT_HTML, report_files
 
 
 @transient_errors_named

@@ -19,8 +19,8 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 from functions.common import RunPayload, aws, logger, tracer, transient_errors_named
 from trainfleet.adapters.ec2_fleet import Teardown, teardown
 from trainfleet.adapters.node_roles import delete_node_profile
-from trainfleet.contracts import NodeState, RunRecord, RunState
-from trainfleet.lifecycle import book_attempt
+from trainfleet.core.lifecycle import book_attempt
+from trainfleet.core.records import NodeState, RunRecord, RunState
 
 _LEFT = frozenset({NodeState.TERMINATING, NodeState.TERMINATED})
 

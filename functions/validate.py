@@ -1,9 +1,9 @@
 """Validate: complete the RunSpec with the stack's defaults, parse it, record the run. What its
-author may leave out is filled in first (contracts.with_stack_defaults: the checkpoint location
+author may leave out is filled in first (runspec.with_stack_defaults: the checkpoint location
 in the stack's bucket, the default VPC's network). A bad RunSpec fails here, before any allocation,
 and so does a trainer section the trainer itself would refuse: its own checks
 (trainer/config.py, torch-free) run here on the config the nodes would be given, and so does a
-layout that would run out of GPU memory (trainfleet/memory_plan.py)."""
+layout that would run out of GPU memory (trainfleet/core/memory_plan.py)."""
 
 from dataclasses import asdict
 from typing import Any
@@ -15,11 +15,13 @@ from pydantic import BaseModel, ValidationError
 from functions.common import RunPayload, Timeouts, aws, logger, tracer, transient_errors_named
 from functions.errors import InvalidRunSpec
 from trainer.config import ConfigError, JobConfig, config_from_sections
-from trainfleet import memory_plan
 from trainfleet.adapters.ec2_fleet import NoDefaultNetwork, default_network
 from trainfleet.adapters.run_store import RunExists
-from trainfleet.contracts import (TRAINER_FIELDS, RunRecord, RunRef, RunSpec, TrainerConfig, node_access_problems,
-                                  validation_message, with_stack_defaults)
+from trainfleet.core import memory_plan
+from trainfleet.core.node_access import node_access_problems
+from trainfleet.core.records import RunRecord, RunRef
+from trainfleet.core.runspec import TRAINER_FIELDS, RunSpec, TrainerConfig, with_stack_defaults
+from trainfleet.core.shapes import validation_message
 
 
 class ValidateInput(BaseModel):

@@ -9,7 +9,7 @@ processes.
 
     with LocalCloud(time_scale=0.01) as cloud:       # Wait/Retry/boot/Spot notice 100x faster
         sfn = cloud.client("stepfunctions")           # or boto3 with cloud.env() in a child
-        cloud.fleet.boot = lambda instance: ["python", "-m", "trainer.agent"]
+        cloud.fleet.boot = lambda instance: ["python", "-m", "node.agent"]
         ...
         cloud.fleet.kill(instance_id)                 # the instance goes `terminated`
         cloud.inject_spot_interruption(instance_id)  # warning now, interruption after notice
@@ -63,6 +63,15 @@ POST /_localcloud/chaos on the endpoint (`trainfleet chaos FAULT RUN TARGET`) in
 faults from another process (localcloud.chaos_route).
 """
 
-from localcloud.cloud import LocalCloud, LocalCloudConfig
+
+def __getattr__(name: str):
+    # Imported when first asked for, not with the package: `trainfleet` reaches the local cloud's
+    # commands (localcloud.commands) without importing moto, which an operator's machine may lack.
+    if name in __all__:
+        from localcloud import cloud
+
+        return getattr(cloud, name)
+    raise AttributeError(f"module 'localcloud' has no attribute {name!r}")
+
 
 __all__ = ["LocalCloud", "LocalCloudConfig"]

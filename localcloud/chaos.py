@@ -177,7 +177,7 @@ def reference_losses(trainer_config: dict[str, Any], folder: Path, image: WarmIm
     config["training"]["metrics_file"] = str(metrics)
     config["data"]["shards"] = str(folder / "data")
     (folder / "trainer.yaml").write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "trainer.torchrun", "--standalone",
+    command = [sys.executable, "-m", "node.torchrun", "--standalone",
                f"--nproc-per-node={config['parallel']['pp'] * config['parallel'].get('dp', 1)}",
                "-m", "trainer.train", "--config", str(folder / "trainer.yaml")]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",

@@ -1,8 +1,9 @@
 """The chaos control route: fault injection into a running local cloud from another process.
 
-`trainfleet chaos FAULT RUN TARGET` POSTs a fault request (trainfleet.chaos) to
-`/_localcloud/chaos` on the cloud's endpoint; the endpoint's WSGI wrapper (glue/faults.py) hands it to `inject` and answers
-200 with what was done, or 400 with {"error": ...}. The endpoint binds loopback only.
+`trainfleet chaos FAULT RUN TARGET` (localcloud/commands.py) POSTs a fault request, a JSON object
+{"fault", "run", "target", "seconds"}, to CHAOS_PATH on the cloud's endpoint; the endpoint's WSGI
+wrapper (glue/faults.py) hands it to `inject` and answers 200 with what was done, or 400 with
+{"error": ...}. The endpoint binds loopback only.
 
 Faults on an instance of the run (TARGET an instance id tagged trainfleet:run=RUN):
 kill (the instance dies), freeze (every process stopped: a wedged host), hang (one trainer
@@ -17,12 +18,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trainfleet.chaos import CHAOS_PATH, INSTANCE_FAULTS, SERVICE_FAULTS
-
 if TYPE_CHECKING:
     from localcloud.cloud import LocalCloud
 
-__all__ = ["CHAOS_PATH", "ChaosError", "inject", "on_instance"]
+__all__ = ["CHAOS_PATH", "INSTANCE_FAULTS", "SERVICE_FAULTS", "ChaosError", "inject", "on_instance"]
+
+CHAOS_PATH = "/_localcloud/chaos"
+"""The control route (moto's own control routes live under /moto-api/)."""
+INSTANCE_FAULTS = ("kill", "freeze", "hang", "crash", "spot", "rebalance", "health")
+"""Faults on one instance of a run: kill (it dies), freeze (all its processes stop), hang and
+crash (one trainer rank stops / is killed), spot, rebalance, health (the EC2 notice or AWS
+Health event for it)."""
+SERVICE_FAULTS = ("throttle", "error")
+"""Faults on a service (dynamodb, s3, events, lambda, ec2, states) for some seconds: every
+request answers its throttling error / its internal error."""
 
 _ANSWER_NAMES = {"throttle": "throttling error", "error": "internal error"}
 

@@ -8,13 +8,13 @@ What happens, as on AWS: a LocalCloud (moto plus the glue) and its instance meta
 start; `template.yaml` is deployed into it (localcloud.deploy); an execution of the deployed
 state machine starts with the RunSpec of events/local-demo-run.json (run name, bucket, subnet
 and security group filled in); Allocate launches the instances and the local fleet boots each
-as a real node agent (`python -m trainer.agent`, its own folder and loopback address, no shared
+as a real node agent (`python -m node.agent`, its own folder and loopback address, no shared
 filesystem), which registers, passes preflight and starts torchrun when the launch spec names
 it. Once the first checkpoint is committed to the local S3, the instance of node rank 1 is
 killed: EC2 reports it, Recover replaces only it, the new attempt resumes from the latest
 committed checkpoint, the run completes, Teardown terminates every instance.
 
-The run is followed with the live view of `trainfleet run watch` (trainfleet/live_view.py),
+The run is followed with the live view of `trainfleet run watch` (trainfleet/operator/live_view.py),
 through the same AWS calls the command makes, and ends with the run report written to a folder
 by `trainfleet run report`'s code (its path printed): the HTML page and the PNG plots show the
 kill and the resume.
@@ -47,8 +47,8 @@ from localcloud.glue import s3 as s3_requests
 from localcloud.stack import LocalRun, LocalStack, check_template, local_stack
 from localcloud.waiting import Progress, run_captured
 from trainer.checkpoint_catalog import marker_step
-from trainfleet.contracts import validation_message
-from trainfleet.live_view import watch
+from trainfleet.core.shapes import validation_message
+from trainfleet.operator.live_view import watch
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RUN_SPEC = REPO / "events" / "local-demo-run.json"
@@ -93,7 +93,7 @@ def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None],
     page). `workdir` keeps the instances' folders (console.log, each attempt's trainer config,
     torchrun output and metrics); None uses a temporary folder.
     `spot_notice_seconds` is nominal, like every local cloud time: scaled by `time_scale`.
-    `standin_step_s` set, the agents run the stand-in trainer (trainer/standin.py) with steps
+    `standin_step_s` set, the agents run the stand-in trainer (node/standin.py) with steps
     that long in place of torchrun. `export_model`: the run's model exported from its last
     committed checkpoint by `trainfleet checkpoint export`, into `model/` beside the report
     (`model`: its folder)."""

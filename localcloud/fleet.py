@@ -39,7 +39,7 @@ process of a healthy instance can fail alone: hang_process (SIGSTOP: a rank stuc
 collective or a wedged agent, the host still fine) and crash_process (SIGKILL: a rank killed
 by the OOM killer or a segfault), by role: "trainer" is one rank (the lowest-pid process
 running trainer.worker or trainer.train under the instance's torchrun), "agent" the node
-agent alone (trainer.agent, not torchrun or the ranks it started).
+agent alone (node.agent, not torchrun or the ranks it started).
 A machine whose cores are shared with others (`cpu_share` of an instance below 1) starves the
 instance: its processes run only that share of the time (SIGSTOP and SIGCONT in turn, as a CPU
 quota throttles), all of them slower, none of them silent.
@@ -166,8 +166,8 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-ROLE_MODULES = {"trainer": ("trainer.worker", "trainer.train"), "agent": ("trainer.agent",),
-                "launcher": ("trainer.torchrun",)}
+ROLE_MODULES = {"trainer": ("trainer.worker", "trainer.train"), "agent": ("node.agent",),
+                "launcher": ("node.torchrun",)}
 """Process role -> the Python modules (`python -m MODULE`) a process of that role runs."""
 _ROLE_MODULE_NAMES = [module for modules in ROLE_MODULES.values() for module in modules]
 _OPTIONS_WITH_VALUE = {"-W", "-X", "-Q"}

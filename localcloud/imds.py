@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from botocore.exceptions import ClientError
 
-from trainfleet.contracts import instance_arn
+from trainfleet.core.events import instance_arn
 
 if TYPE_CHECKING:
     from localcloud.cloud import LocalCloud

@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 ARTIFACTS = "artifacts/"
 MARKER = "artifacts/README.txt"
 REPO = Path(__file__).resolve().parent.parent
-NODE_MODULES = ["localcloud.node_boot", "trainer.agent", "trainer.standin"]
+NODE_MODULES = ["localcloud.node_boot", "node.agent", "node.standin"]
 """What a node's warm image imports: the boot, the agent and the stand-in trainer (a thread of it)."""
-TRAINER_MODULES = ["trainer.health", "trainer.torchrun", "trainer.worker", "trainer.train"]
+TRAINER_MODULES = ["node.health", "node.torchrun", "trainer.worker", "trainer.train"]
 """And where nodes run the real trainer: preflight, torchrun and the ranks, each run in place."""
 
 
@@ -55,7 +55,7 @@ def boot_as_nodes(cloud: LocalCloud, local_settings: Callable[[LocalInstance], d
     def boot(instance: LocalInstance) -> list[str] | None:
         if user_data_settings(instance.user_data) is None:
             return boot_user_data(instance)
-        return [sys.executable, "-m", "localcloud.node_boot", sys.executable, "-m", "trainer.agent"]
+        return [sys.executable, "-m", "localcloud.node_boot", sys.executable, "-m", "node.agent"]
 
     def environment(instance: LocalInstance) -> dict[str, str]:
         settings = user_data_settings(instance.user_data)
@@ -86,9 +86,9 @@ def report_boot_failure(reason: str, detail: str) -> None:
     import boto3
     from botocore.config import Config
 
-    from trainer.agent import MetadataClient
+    from node.agent import MetadataClient
     from trainfleet.adapters.ec2_fleet import BOOT_COPY_ATTEMPTS
-    from trainfleet.contracts import BOOT_CHECK, HealthCheckResult, NodeUnhealthy, put_events_entry
+    from trainfleet.core.events import BOOT_CHECK, HealthCheckResult, NodeUnhealthy, put_events_entry
 
     try:
         identity = MetadataClient().identity()

@@ -5,7 +5,7 @@
 
 The deployed template's state machine, handlers and EventBridge rules drive `nodes` p5.48xlarge
 instances (and `spares` hot spares) whose processes are the real node agent with the stand-in
-trainer (trainer/standin.py), forked from a warm image (localcloud/warm_image.py) so that 512 of
+trainer (node/standin.py), forked from a warm image (localcloud/warm_image.py) so that 512 of
 them fit on a small machine. The run goes allocate -> preflight -> train -> three failures of
 different kinds, each after a checkpoint of the attempt before it -> recover -> complete ->
 teardown:
@@ -16,7 +16,7 @@ teardown:
 
 A freeze (no event at all) is left out: the stand-in's nodes do not step together, so the
 liveness look after a hang would hold every node that drifted a few steps behind against the
-lead, which in a real world cannot happen (trainer/standin.py). The chaos matrix proves the
+lead, which in a real world cannot happen (node/standin.py). The chaos matrix proves the
 freeze with the real trainer.
 
 What it measures, from the cloud's own counters (harness reads go through internal clients and
@@ -45,9 +45,9 @@ from localcloud.cloud import exit_after_local_cloud
 from localcloud.demo import DEMO_RUN_SPEC
 from localcloud.stack import TIMEOUT_FLOORS_S, LocalRun, LocalStack, check_template, local_stack
 from localcloud.waiting import until
-from trainfleet import pace
 from trainfleet.adapters.run_store import RunNotFound, RunStore
-from trainfleet.contracts import LaunchSpec, RunRecord, RunState
+from trainfleet.core import pace
+from trainfleet.core.records import LaunchSpec, RunRecord, RunState
 
 __all__ = ["FAILURES", "scale_template", "scale_run", "main"]
 

@@ -7,7 +7,7 @@
 
 One stack serves any number of runs, one after another or side by side (each run's instances,
 agents' folders and records are found by its name): the demo runs one, the chaos suite and the
-recovery bench many. Instances boot as real node agents (`python -m trainer.agent`, from this
+recovery bench many. Instances boot as real node agents (`python -m node.agent`, from this
 tree) with the settings their user data gives them (localcloud/node_boot.py), as on EC2.
 
 It must run in a process that has not imported `functions` (the local cloud imports the
@@ -32,7 +32,8 @@ from botocore.config import Config
 from localcloud.waiting import sizes, until
 from trainfleet.adapters.ec2_fleet import TAG_RUN
 from trainfleet.adapters.run_store import RunNotFound, RunStore
-from trainfleet.contracts import RunRecord, RunSpec
+from trainfleet.core.records import RunRecord
+from trainfleet.core.runspec import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -194,11 +195,11 @@ class LocalStack:
         return LocalRun(run_name, arn, spec)
 
     def operations(self) -> Any:
-        """The stack as `trainfleet run` sees it (trainfleet.runs.Stack), through this cloud's
+        """The stack as `trainfleet run` sees it (trainfleet.operator.runs.Stack), through this cloud's
         endpoint with the harness's credentials."""
         import boto3
 
-        from trainfleet.runs import Stack
+        from trainfleet.operator.runs import Stack
 
         env = self.cloud.env()
         session = boto3.session.Session(aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
@@ -276,7 +277,7 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
     agents' artifacts published and instances booting as node agents. `workdir` keeps the
     instances' folders (None: a temporary folder); `spot_notice_seconds` is nominal, like every
     local cloud time: scaled by `time_scale`; an agent exits after AGENT_LIFETIME_S at most;
-    `standin_step_s` set, the agents run the stand-in trainer (trainer/standin.py) with steps
+    `standin_step_s` set, the agents run the stand-in trainer (node/standin.py) with steps
     that long (real seconds) in place of torchrun; `boot_seconds`, `boot_spread_seconds`:
     LocalCloudConfig's; `unreachable_limit_s`: the agents' (real seconds; None: AWS's 900 s, which
     no local run reaches however starved its machine is)."""
@@ -286,7 +287,7 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
     from localcloud.deploy import DeployRequest, deploy
     from localcloud.imds import serve_fleet
     from localcloud.node_boot import boot_as_nodes, publish_artifacts
-    from trainer.agent import LOOK_S, METADATA_LOOK_S
+    from node.agent import LOOK_S, METADATA_LOOK_S
 
     with LocalCloud(time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds,
                     boot_seconds=boot_seconds, boot_spread_seconds=boot_spread_seconds) as cloud:

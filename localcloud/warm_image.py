@@ -1,6 +1,6 @@
 """Instances that boot from a warm image: hundreds of node agents, and trainers, on one machine.
 
-An instance process started from scratch (`python -m localcloud.node_boot ... -m trainer.agent`)
+An instance process started from scratch (`python -m localcloud.node_boot ... -m node.agent`)
 costs about a second of imports and tens of MB; 512 of them do not fit on a small machine, and
 each preflight, torchrun and rank it starts imports torch again (seconds each). A warm image is
 one process that has imported what an instance runs (the node boot, the agent, boto3 with its
@@ -12,7 +12,7 @@ MODULE ARGS` (or `-c CODE ARGS`) run in it as the interpreter runs it, and the i
 shared until it is written. The fleet signals, freezes, stops and watches it as any instance
 process, so every fault acts on it unchanged.
 
-    image = WarmImage.start(["localcloud.node_boot", "trainer.agent"])
+    image = WarmImage.start(["localcloud.node_boot", "node.agent"])
     cloud.fleet.image = image      # instances whose boot command is `python -m ...` fork from it
     ...
     image.stop()

@@ -3,7 +3,7 @@ every command a process of its own, pointed at the local endpoint by the environ
 the AWS CLI is.
 
 template.yaml is deployed into a local cloud whose instances run the stand-in trainer
-(trainer/standin.py: the real trainer's signals, no torch). The commands start four nodes
+(node/standin.py: the real trainer's signals, no torch). The commands start four nodes
 (pp=2 x dp=2), look at the run while it trains, and follow it with `watch` while the harness
 kills node rank 1's instance after the first commit (the control plane must replace that node
 alone and resume from the newest commit); then they list, read logs and a node's console, write

@@ -44,11 +44,11 @@ from localcloud.imds import serve_fleet  # noqa: E402
 from localcloud.node_boot import publish_artifacts  # noqa: E402
 from localcloud.stack import states_entered  # noqa: E402
 from localcloud.waiting import until  # noqa: E402
-from trainfleet.adapters.ec2_fleet import TAG_RUN  # noqa: E402
-from trainfleet.contracts import (NodeUnhealthy, TrainingCompleted, instance_arn, node_log_stream,  # noqa: E402
-                                  put_events_entry)
-from trainfleet.adapters.run_store import RunNotFound, RunStore  # noqa: E402
 from trainer.checkpoint_catalog import committed_steps, open_store  # noqa: E402
+from trainfleet.adapters.ec2_fleet import TAG_RUN  # noqa: E402
+from trainfleet.adapters.run_store import RunNotFound, RunStore  # noqa: E402
+from trainfleet.core.events import NodeUnhealthy, TrainingCompleted, instance_arn, put_events_entry
+from trainfleet.core.node_access import node_log_stream
 
 AGENT = REPO / "tests" / "handlers_sim_agent.py"
 

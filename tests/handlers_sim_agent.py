@@ -21,8 +21,9 @@ import boto3
 
 from trainer.checkpoint_catalog import MARKER_NAME, Manifest, StoredFile, open_store, shard_folder, step_dir_name
 from trainfleet.adapters.run_store import NodeNotFound, RunStore
-from trainfleet.contracts import (CheckpointCommitted, LaunchSpec, NodeReady, NodeRegistered,
-                                  TrainingCompleted, instance_arn, put_events_entry)
+from trainfleet.core.events import (CheckpointCommitted, NodeReady, NodeRegistered, TrainingCompleted, instance_arn,
+                                    put_events_entry)
+from trainfleet.core.records import LaunchSpec
 
 TOTAL_STEPS = 60
 CHECKPOINT_EVERY = 10

@@ -7,10 +7,11 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 from test_adapters_run_store import spec
-from trainfleet.contracts import (CheckpointRef, FailureClass, FailureRecord, FleetCheckFigures, GoodputLedger,
-                                  NodeRecord, NodeRole, NodeState, ProgressSample, RunRecord, RunState)
-from trainfleet.run_history import StateEntry
-from trainfleet.runs import RunStatus
+from trainfleet.core.events import ProgressSample
+from trainfleet.core.records import (CheckpointRef, FailureClass, FailureRecord, FleetCheckFigures, GoodputLedger,
+                                     NodeRecord, NodeRole, NodeState, RunRecord, RunState)
+from trainfleet.core.run_history import StateEntry
+from trainfleet.operator.runs import RunStatus
 
 START = datetime(2026, 12, 5, 3, 12, 1, tzinfo=timezone.utc)
 
@@ -53,6 +54,6 @@ def recovered_run() -> RunStatus:
 if __name__ == "__main__":
     from rich.console import Console
 
-    from trainfleet.live_view import view
+    from trainfleet.operator.live_view import view
 
     Console().print(view(recovered_run()))

@@ -48,7 +48,7 @@ def unique(prefix: str) -> str:
 
 def table_from_template(dynamodb, logical_id: str) -> str:
     """A new table with the key schema and indexes template.yaml gives `logical_id`; its name."""
-    from trainfleet.validate import load_template
+    from trainfleet.operator.validate import load_template
 
     properties = load_template((TESTS.parent / "template.yaml").read_text())["Resources"][logical_id]["Properties"]
     name = unique(logical_id.lower())
@@ -170,12 +170,13 @@ def receive(cloud, queue_url: str, count: int) -> list[Any]:
     return bodies
 
 
-# A node as the agent runs it, in miniature: the agent (python -m trainer.agent) starts
+# A node as the agent runs it, in miniature: the agent (python -m node.agent) starts
 # "torchrun" (here -c code, with torchrun's own `-m trainer.worker` arguments), which starts two
 # ranks (python -u -m trainer.worker) in sessions of their own and reaps them.
 FAKE_NODE = {
     "trainer/__init__.py": "",
-    "trainer/agent.py": (
+    "node/__init__.py": "",
+    "node/agent.py": (
         "import subprocess, sys, time\n"
         "TORCHRUN = ('import subprocess, sys, pathlib\\n'\n"
         "            'ranks = [subprocess.Popen([sys.executable, \"-u\", \"-m\", \"trainer.worker\", \"--config\", \"c\"],'\n"
@@ -196,7 +197,7 @@ def boot_fake_node(instance):
         path = instance.workdir / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    return [sys.executable, "-m", "trainer.agent"]
+    return [sys.executable, "-m", "node.agent"]
 
 
 def process_state(pid: int) -> str:

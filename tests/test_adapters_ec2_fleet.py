@@ -14,10 +14,10 @@ import pytest
 from botocore.awsrequest import AWSResponse
 
 from trainfleet.adapters import ec2_fleet as fleet
-from trainfleet.catalogue import CATALOGUE, instance_facts
-from trainfleet.contracts import RunSpec
-from trainfleet.lifecycle import BLOCK_TERMINATION_LEAD
-from trainfleet.settings import Settings
+from trainfleet.core.catalogue import CATALOGUE, instance_facts
+from trainfleet.core.lifecycle import BLOCK_TERMINATION_LEAD
+from trainfleet.core.runspec import RunSpec
+from trainfleet.core.settings import Settings
 
 EXAMPLE = json.loads((Path(__file__).parents[1] / "events" / "example-run.json").read_text())
 SETTINGS = Settings(run_table="runs", liveness_table="liveness", bucket="bucket", event_bus="agents", stack_name="trainfleet",

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from trainfleet.adapters import metrics
-from trainfleet.contracts import CheckpointCommitted, GoodputLedger, RunRecord, RunSpec, TrainingProgress
+from trainfleet.core.events import CheckpointCommitted, TrainingProgress
+from trainfleet.core.records import GoodputLedger, RunRecord
+from trainfleet.core.runspec import RunSpec
 
 EXAMPLE_SPEC = RunSpec.model_validate_json((Path(__file__).parents[1] / "events" / "example-run.json").read_text())
 
@@ -85,7 +87,7 @@ def test_emit_writes_to_the_stdout_of_the_moment(capsys):
 def test_detection_latency_goes_out_by_failure_class():
     from datetime import datetime, timedelta, timezone
 
-    from trainfleet.contracts import FailureClass, FailureRecord
+    from trainfleet.core.records import FailureClass, FailureRecord
 
     decided = datetime(2026, 12, 1, tzinfo=timezone.utc)
     failure = FailureRecord(failure_class=FailureClass.HANG, resume_step=10, at=decided,

@@ -9,9 +9,9 @@ import pytest
 from localcloud.deploy import load_template
 from trainfleet.adapters.run_store import (NodeNotFound, RunExists, RunNotFound, RunStore,
                                            StaleAttempt, StaleRecord)
-from trainfleet.contracts import (InvalidTransition, NodeRecord, NodeRole, NodeState, RunRecord,
-                                  RunSpec, RunState, TaskWait)
-from trainfleet.lifecycle import ready_workers
+from trainfleet.core.lifecycle import ready_workers
+from trainfleet.core.records import InvalidTransition, NodeRecord, NodeRole, NodeState, RunRecord, RunState, TaskWait
+from trainfleet.core.runspec import RunSpec
 
 TEMPLATE = Path(__file__).parents[1] / "template.yaml"
 
@@ -177,8 +177,8 @@ def test_a_long_runs_failures_stay_within_one_dynamodb_item(store):
     that must fit."""
     from datetime import datetime, timedelta, timezone
 
-    from trainfleet.contracts import CheckpointRef, FailureClass, FailureReport
-    from trainfleet.lifecycle import apply_decision, decide_recovery
+    from trainfleet.core.lifecycle import apply_decision, decide_recovery
+    from trainfleet.core.records import CheckpointRef, FailureClass, FailureReport
 
     name = f"run-{uuid.uuid4().hex[:8]}"
     run = RunRecord(run_name=name, spec=spec(name))

@@ -20,16 +20,18 @@ import pytest
 import torch.distributed.run as torchrun
 
 from localcloud.imds import InstanceMetadata, InstanceMetadataServer
-from trainer import agent
+from node import agent
+from node.agent import (OUTPUT_TAIL_CHARS, AgentError, AgentSettings, Attempt, AttemptFiles, ControlPlane, Identity,
+                        MetadataClient, MetricsFollower, failure_kind, failure_message, torchrun_command, torchrun_env,
+                        trainer_config)
 from trainer import checkpoint_catalog as catalog
-from trainer.agent import (OUTPUT_TAIL_CHARS, AgentError, AgentSettings, Attempt, AttemptFiles, ControlPlane, Identity, MetadataClient,
-                           MetricsFollower, failure_kind, failure_message, torchrun_command, torchrun_env, trainer_config)
 from trainer.progress import PROGRESS_FILE_ENV, write_whole
 from trainfleet.adapters.liveness import read_liveness
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import (PROGRESS_SAMPLES_MAX, RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointReason,
-                                  CheckpointRef, FailureClass, FailureReport, LaunchSpec, NodeRecord, RunRecord, RunSpec,
-                                  RunState, TrainerFailureKind, rendezvous_port)
+from trainfleet.core.events import PROGRESS_SAMPLES_MAX, CheckpointReason
+from trainfleet.core.records import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointRef, FailureClass, FailureReport,
+                                     LaunchSpec, NodeRecord, RunRecord, RunState, TrainerFailureKind, rendezvous_port)
+from trainfleet.core.runspec import RunSpec
 
 from localcloud_helpers import table_from_template
 
@@ -91,7 +93,7 @@ def test_torchrun_joins_the_rendezvous_of_node_rank_0(tmp_path):
     files = AttemptFiles(tmp_path)
     host = torchrun_command(launch_spec(), 0, IDENTITY, files)
     peer = torchrun_command(launch_spec(), 1, IDENTITY, files)
-    assert host[:3] == [sys.executable, "-m", "trainer.torchrun"]
+    assert host[:3] == [sys.executable, "-m", "node.torchrun"]
     for command in (host, peer):
         assert "--nnodes=2" in command and "--nproc-per-node=1" in command and "--max-restarts=0" in command
         assert f"--rdzv-endpoint=127.77.0.11:{RENDEZVOUS_PORT}" in command and "--rdzv-id=run-a-0" in command
@@ -762,7 +764,7 @@ def test_an_outage_never_ends_a_node_whose_trainer_makes_progress(local_cloud, t
 
 @pytest.mark.parametrize("nodes, hang_timeout_s, looks_per_s", [
     (2, 600, 0.27), (512, 600, 34.1), (4096, 600, 34.1),
-    (512, 65, 34.1),  # the shortest hang timeout 512 nodes may have (trainfleet.pace.least_hang_timeout)
+    (512, 65, 34.1),  # the shortest hang timeout 512 nodes may have (trainfleet.core.pace.least_hang_timeout)
 ])
 def test_a_runs_agents_read_at_a_bounded_rate_whatever_its_node_count(nodes, hang_timeout_s, looks_per_s):
     """One agent's own pacing over simulated hours, scaled to the run's agents: each look is one
@@ -812,7 +814,7 @@ def test_a_world_checks_result_file_becomes_its_event():
 def test_torchrun_names_a_rendezvous_event_s_method_as_torch_does_without_inspecting_the_stack():
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import get_method_name
 
-    from trainer.torchrun import caller_name
+    from node.torchrun import caller_name
 
     def record(name_of) -> str:  # as torch's _record: the name of the method that called it
         return name_of()

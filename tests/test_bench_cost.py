@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainfleet import pace
+from trainfleet.core import pace
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("cost_bench", REPO / "bench" / "cost.py")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from localcloud.waiting import run_captured
 from trainer.config import load_config
 from trainer.train import NonFiniteLossError
-from trainfleet import memory_plan
+from trainfleet.core import memory_plan
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("gpu_bench", REPO / "bench" / "gpu.py")

@@ -3,7 +3,7 @@
 import pytest
 from moto.ec2.models.instance_types import INSTANCE_TYPES
 
-from trainfleet.catalogue import CATALOGUE, UnknownInstanceType, instance_facts, nccl_environment
+from trainfleet.core.catalogue import CATALOGUE, UnknownInstanceType, instance_facts, nccl_environment
 
 ISSUE_TYPES = ["p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge", "trn1.32xlarge"]
 

@@ -1,4 +1,4 @@
-"""The report's charts (trainfleet/charts.py) as matplotlib draws them: time units, tick labels,
+"""The report's charts (trainfleet/report/charts.py) as matplotlib draws them: time units, tick labels,
 long and broken lines, lines that coincide, labels on bars, and the SVG and PNG they save as."""
 
 import io
@@ -9,8 +9,8 @@ import xml.etree.ElementTree as ET
 import pytest
 from PIL import Image
 
-from trainfleet.charts import (BLUE, GREEN, VERMILLION, Axis, Bar, Chart, Mark, Series, Span, _number, figure, tint,
-                               to_png, to_svg)
+from trainfleet.report.charts import (BLUE, GREEN, VERMILLION, Axis, Bar, Chart, Mark, Series, Span, _number, figure,
+                                      tint, to_png, to_svg)
 
 
 def line_chart(*series: Series, **chart) -> Chart:

@@ -11,7 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from localcloud.waiting import run_captured
-from trainfleet import contracts as c
+from trainer import schedules
+from trainfleet.core import events, node_access, records, runspec, shapes
 
 EXAMPLE = json.loads((Path(__file__).parents[1] / "events" / "example-run.json").read_text())
 
@@ -35,9 +36,9 @@ _DELETE = object()
 
 
 def test_example_run_spec_is_valid_and_round_trips():
-    spec = c.RunSpec.model_validate(EXAMPLE)
+    spec = runspec.RunSpec.model_validate(EXAMPLE)
     assert spec.facts.accelerator_count == 8
-    assert c.RunSpec.model_validate_json(spec.model_dump_json()) == spec
+    assert runspec.RunSpec.model_validate_json(spec.model_dump_json()) == spec
     # Sections the control plane does not type reach the trainer untouched.
     assert spec.trainer.model_dump(mode="json")["optim"] == EXAMPLE["trainer"]["optim"]
     assert spec.trainer.model.model_dump()["d_model"] == 2048
@@ -46,35 +47,36 @@ def test_example_run_spec_is_valid_and_round_trips():
 def test_a_run_spec_leaves_its_checkpoints_and_network_to_the_stack():
     asked = []
 
-    def network() -> c.DefaultNetwork:
+    def network() -> runspec.DefaultNetwork:
         asked.append(True)
-        return c.DefaultNetwork(["subnet-0a1b2c3d4e5f60718"], ["sg-0123456789abcdef0"])
+        return runspec.DefaultNetwork(["subnet-0a1b2c3d4e5f60718"], ["sg-0123456789abcdef0"])
 
     bare = spec_with(**{"checkpoint.s3_uri": _DELETE, "capacity.subnet_ids": _DELETE,
                         "capacity.security_group_ids": _DELETE})
-    spec = c.RunSpec.model_validate(c.with_stack_defaults(bare, "stack-bucket", network))
+    spec = runspec.RunSpec.model_validate(runspec.with_stack_defaults(bare, "stack-bucket", network))
     assert spec.checkpoint.s3_uri == "s3://stack-bucket/runs/gpt-1b-p5-demo/checkpoints"
     assert (spec.capacity.subnet_ids, spec.capacity.security_group_ids) == (["subnet-0a1b2c3d4e5f60718"],
                                                                            ["sg-0123456789abcdef0"])
     assert spec.checkpoint.interval_steps == EXAMPLE["checkpoint"]["interval_steps"], "what is given stays"
-    assert not [problem for problem in c.node_access_problems(spec, "stack-bucket") if problem.startswith("checkpoint")]
+    assert not [problem for problem in node_access.node_access_problems(spec, "stack-bucket")
+                if problem.startswith("checkpoint")]
     asked.clear()
-    assert c.with_stack_defaults(EXAMPLE, "stack-bucket", network) == EXAMPLE and not asked, (
+    assert runspec.with_stack_defaults(EXAMPLE, "stack-bucket", network) == EXAMPLE and not asked, (
         "a RunSpec that names them keeps its own, and the network is not looked up")
-    half = c.with_stack_defaults(spec_with(**{"capacity.security_group_ids": _DELETE}), "stack-bucket", network)
+    half = runspec.with_stack_defaults(spec_with(**{"capacity.security_group_ids": _DELETE}), "stack-bucket", network)
     with pytest.raises(ValidationError, match="capacity.security_group_ids"):
-        c.RunSpec.model_validate(half)  # subnets of another VPC than the default's: its groups are the user's
-    assert c.with_stack_defaults(["not", "a", "spec"], "stack-bucket", network) == ["not", "a", "spec"]
+        runspec.RunSpec.model_validate(half)  # subnets of another VPC than the default's: its groups are the user's
+    assert runspec.with_stack_defaults(["not", "a", "spec"], "stack-bucket", network) == ["not", "a", "spec"]
 
 
 def test_short_hang_timeouts_are_accepted_where_the_read_rate_allows():
-    spec = c.RunSpec.model_validate(spec_with(**{"recovery.hang_timeout_seconds": 5,
+    spec = runspec.RunSpec.model_validate(spec_with(**{"recovery.hang_timeout_seconds": 5,
                                                  "recovery.startup_timeout_seconds": 5}))
     assert (spec.recovery.hang_timeout_seconds, spec.recovery.startup_timeout_seconds) == (5, 5)
-    defaults = c.RecoveryPolicy()
+    defaults = runspec.RecoveryPolicy()
     assert (defaults.hang_timeout_seconds, defaults.startup_timeout_seconds) == (600, 1800)
     big = {"node_count": 256, "spare_count": 0, "trainer.parallel.dp": 512, "trainer.training.batch_size": 4096}
-    assert c.RunSpec.model_validate(spec_with(**big, **{"recovery.hang_timeout_seconds": 35})).node_count == 256
+    assert runspec.RunSpec.model_validate(spec_with(**big, **{"recovery.hang_timeout_seconds": 35})).node_count == 256
 
 
 @pytest.mark.parametrize("changes, field, words", [
@@ -126,8 +128,8 @@ def test_short_hang_timeouts_are_accepted_where_the_read_rate_allows():
 ])
 def test_bad_run_spec_names_the_field(changes, field, words):
     with pytest.raises(ValidationError) as caught:
-        c.RunSpec.model_validate(spec_with(**changes))
-    message = c.validation_message(caught.value)
+        runspec.RunSpec.model_validate(spec_with(**changes))
+    message = shapes.validation_message(caught.value)
     assert message.startswith(f"{field}: "), message
     assert words in message, message
 
@@ -141,7 +143,7 @@ def _trainer_config(pp, dp, schedule, microbatches, stages_per_rank, n_layers, b
 
 def _accepted(trainer_config: dict) -> bool:
     try:
-        c.TrainerConfig.model_validate(trainer_config)
+        runspec.TrainerConfig.model_validate(trainer_config)
     except ValidationError:
         return False
     return True
@@ -150,7 +152,7 @@ def _accepted(trainer_config: dict) -> bool:
 LAYOUT_CASES = [dict(pp=pp, dp=dp, schedule=schedule, microbatches=mb, stages_per_rank=spr,
                      n_layers=layers, batch_size=batch, tie=tie, dp_shard=shard)
                 for pp, dp, schedule, mb, spr, layers, batch, tie, shard in itertools.product(
-                    (1, 2, 3, 4), (1, 2, 3), sorted(c.SCHEDULES), (1, 2, 4, 6), (0, 1, 2),
+                    (1, 2, 3, 4), (1, 2, 3), sorted(schedules.SCHEDULES), (1, 2, 4, 6), (0, 1, 2),
                     (4, 8), (12, 16), (False, True), (0, 2))]
 
 # The trainer imports torch: ask it in a child process so this process stays torch-free.
@@ -193,94 +195,95 @@ def test_layout_rules_agree_with_the_trainer(trainer_side):
 
 def test_trainer_field_names_match_the_trainers_config(trainer_side):
     fields = dict(trainer_side["fields"])
-    for section in c.FILLED_SECTIONS:  # filled from the RunSpec's own sections
+    for section in runspec.FILLED_SECTIONS:  # filled from the RunSpec's own sections
         assert fields.pop(section)
-    assert {section: sorted(names) for section, names in c.TRAINER_FIELDS.items()} == fields
+    assert {section: sorted(names) for section, names in runspec.TRAINER_FIELDS.items()} == fields
 
 
 def test_contracts_import_neither_torch_nor_boto3():
-    script = "import sys, trainfleet.contracts; print(sorted({'torch', 'boto3'} & set(sys.modules)))"
-    done = run_captured([sys.executable, "-c", script], what="importing trainfleet.contracts")
+    script = ("import sys, trainfleet.core.runspec, trainfleet.core.records, trainfleet.core.events, "
+              "trainfleet.core.node_access; print(sorted({'torch', 'boto3'} & set(sys.modules)))")
+    done = run_captured([sys.executable, "-c", script], what="importing the contracts")
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
 
 
 def test_run_transitions_follow_the_diagram():
-    c.check_run_transition(c.RunState.TRAINING, c.RunState.RECOVERING)
-    for state in c.RunState:
-        if not state.is_final and state is not c.RunState.TEARING_DOWN:
-            c.check_run_transition(state, c.RunState.TEARING_DOWN)
-    with pytest.raises(c.InvalidTransition, match="SUCCEEDED -> TRAINING"):
-        c.check_run_transition(c.RunState.SUCCEEDED, c.RunState.TRAINING)
-    with pytest.raises(c.InvalidTransition, match="REQUESTED -> TRAINING"):
-        c.check_run_transition(c.RunState.REQUESTED, c.RunState.TRAINING)
+    records.check_run_transition(records.RunState.TRAINING, records.RunState.RECOVERING)
+    for state in records.RunState:
+        if not state.is_final and state is not records.RunState.TEARING_DOWN:
+            records.check_run_transition(state, records.RunState.TEARING_DOWN)
+    with pytest.raises(records.InvalidTransition, match="SUCCEEDED -> TRAINING"):
+        records.check_run_transition(records.RunState.SUCCEEDED, records.RunState.TRAINING)
+    with pytest.raises(records.InvalidTransition, match="REQUESTED -> TRAINING"):
+        records.check_run_transition(records.RunState.REQUESTED, records.RunState.TRAINING)
 
 
 def test_node_transitions_follow_the_diagram():
-    c.check_node_transition(c.NodeState.LAUNCHED, c.NodeState.REGISTERED)
-    c.check_node_transition(c.NodeState.READY, c.NodeState.TERMINATED)
-    with pytest.raises(c.InvalidTransition, match="TERMINATED -> READY"):
-        c.check_node_transition(c.NodeState.TERMINATED, c.NodeState.READY)
-    with pytest.raises(c.InvalidTransition, match="UNHEALTHY -> READY"):
-        c.check_node_transition(c.NodeState.UNHEALTHY, c.NodeState.READY)
+    records.check_node_transition(records.NodeState.LAUNCHED, records.NodeState.REGISTERED)
+    records.check_node_transition(records.NodeState.READY, records.NodeState.TERMINATED)
+    with pytest.raises(records.InvalidTransition, match="TERMINATED -> READY"):
+        records.check_node_transition(records.NodeState.TERMINATED, records.NodeState.READY)
+    with pytest.raises(records.InvalidTransition, match="UNHEALTHY -> READY"):
+        records.check_node_transition(records.NodeState.UNHEALTHY, records.NodeState.READY)
 
 
 def test_parallel_plan_and_launch_spec_check_their_numbers():
-    plan = c.ParallelPlan(nodes=2, ranks_per_node=8, pp=4, dp=4)
+    plan = records.ParallelPlan(nodes=2, ranks_per_node=8, pp=4, dp=4)
     assert plan.world_size == 16
     with pytest.raises(ValidationError, match="does not fill"):
-        c.ParallelPlan(nodes=2, ranks_per_node=8, pp=4, dp=3)
-    assert c.ParallelPlan(nodes=2, ranks_per_node=8, pp=2, dp=2, tp=4).world_size == 16
+        records.ParallelPlan(nodes=2, ranks_per_node=8, pp=4, dp=3)
+    assert records.ParallelPlan(nodes=2, ranks_per_node=8, pp=2, dp=2, tp=4).world_size == 16
     base = dict(run_name="r", attempt=1, plan=plan, rendezvous_host="10.0.0.1", rendezvous_id="r-1",
                 trainer_config={}, hang_timeout_seconds=600, startup_timeout_seconds=1800)
-    c.LaunchSpec(node_ranks={"i-1": 0, "i-2": 1}, **base)
+    records.LaunchSpec(node_ranks={"i-1": 0, "i-2": 1}, **base)
     with pytest.raises(ValidationError, match="node_ranks must number"):
-        c.LaunchSpec(node_ranks={"i-1": 0, "i-2": 2}, **base)
+        records.LaunchSpec(node_ranks={"i-1": 0, "i-2": 2}, **base)
 
 
 # The AWS sample events the rules are checked against (events/aws/, shapes from the EC2 and
 # Health user guides), one per detail model.
 AWS_SAMPLES = {model: json.loads((Path(__file__).parents[1] / "events" / "aws" / name).read_text())
                for model, name in {
-                   c.Ec2InstanceStateChange: "ec2-instance-state-change-terminated.json",
-                   c.Ec2SpotInterruptionWarning: "ec2-spot-instance-interruption-warning.json",
-                   c.Ec2RebalanceRecommendation: "ec2-instance-rebalance-recommendation.json",
-                   c.HealthEvent: "aws-health-ec2-instance-retirement.json"}.items()}
+                   events.Ec2InstanceStateChange: "ec2-instance-state-change-terminated.json",
+                   events.Ec2SpotInterruptionWarning: "ec2-spot-instance-interruption-warning.json",
+                   events.Ec2RebalanceRecommendation: "ec2-instance-rebalance-recommendation.json",
+                   events.HealthEvent: "aws-health-ec2-instance-retirement.json"}.items()}
 
 
 @pytest.mark.parametrize("model", list(AWS_SAMPLES), ids=lambda m: m.__name__)
 def test_aws_sample_events_parse(model):
-    event = c.parse_event(AWS_SAMPLES[model])
+    event = events.parse_event(AWS_SAMPLES[model])
     assert isinstance(event.detail, model)
     assert event.detail.model_extra is not None  # unknown AWS fields are kept, not refused
-    if model is c.HealthEvent:
+    if model is events.HealthEvent:
         assert event.detail.instance_ids == ["i-1234567890abcdef0"]
     else:
         assert event.detail.instance_id.startswith("i-")
 
 
 AGENT_SAMPLES = [
-    c.NodeRegistered(run_name="r", attempt=0, instance_id="i-1", private_ip="10.0.0.5"),
-    c.NodeReady(run_name="r", attempt=0, instance_id="i-1",
-                checks=[c.HealthCheckResult(name="gpu_count", passed=True, measured=8, expected=8)]),
-    c.NodeUnhealthy(run_name="r", attempt=0, instance_id="i-1", reason="efa_devices: 3 of 4"),
-    c.CheckpointCommitted(run_name="r", attempt=2, step=1200, uri="s3://b/runs/r/step-000001200"),
-    c.TrainerFailed(run_name="r", attempt=2, instance_id="i-1", kind=c.TrainerFailureKind.NAN_LOSS),
-    c.TrainerHung(run_name="r", attempt=2, last_step=10, seconds_since_progress=930.0),
-    c.TrainingCompleted(run_name="r", attempt=3, final_step=20000),
-    c.TrainingProgress(run_name="r", attempt=3, step=100, loss=2.5, tokens_per_second=1e6, step_seconds=1.2),
+    events.NodeRegistered(run_name="r", attempt=0, instance_id="i-1", private_ip="10.0.0.5"),
+    events.NodeReady(run_name="r", attempt=0, instance_id="i-1",
+                checks=[events.HealthCheckResult(name="gpu_count", passed=True, measured=8, expected=8)]),
+    events.NodeUnhealthy(run_name="r", attempt=0, instance_id="i-1", reason="efa_devices: 3 of 4"),
+    events.CheckpointCommitted(run_name="r", attempt=2, step=1200, uri="s3://b/runs/r/step-000001200"),
+    events.TrainerFailed(run_name="r", attempt=2, instance_id="i-1", kind=records.TrainerFailureKind.NAN_LOSS),
+    events.TrainerHung(run_name="r", attempt=2, last_step=10, seconds_since_progress=930.0),
+    events.TrainingCompleted(run_name="r", attempt=3, final_step=20000),
+    events.TrainingProgress(run_name="r", attempt=3, step=100, loss=2.5, tokens_per_second=1e6, step_seconds=1.2),
 ]
 
 
 @pytest.mark.parametrize("detail", AGENT_SAMPLES, ids=lambda d: type(d).__name__)
 def test_agent_events_round_trip_through_put_events(detail):
     sender = "arn:aws:ec2:us-east-1:123456789012:instance/i-0123456789abcdef0"
-    entry = c.put_events_entry(detail, event_bus_name="trainfleet", sender_arn=sender)
+    entry = events.put_events_entry(detail, event_bus_name="trainfleet", sender_arn=sender)
     assert entry["Source"] == f"trainfleet/{sender}" and entry["DetailType"] == type(detail).__name__
     # What a rule target receives: EventBridge's envelope around the entry.
     delivered = {"version": "0", "id": "e-1", "source": entry["Source"], "detail-type": entry["DetailType"],
                  "time": "2026-01-01T00:00:00Z", "resources": entry["Resources"],
                  "detail": json.loads(entry["Detail"])}
-    parsed = c.parse_event(delivered)
+    parsed = events.parse_event(delivered)
     assert parsed.detail == detail and parsed.sender == "i-0123456789abcdef0"
 
 
@@ -292,32 +295,32 @@ def test_agent_events_round_trip_through_put_events(detail):
     ("aws.ec2", None),
 ])
 def test_an_event_s_sender_is_the_instance_its_source_names(source, sender):
-    assert c.event_sender(source) == sender
+    assert events.event_sender(source) == sender
 
 
 def test_unknown_event_and_bad_detail_are_refused_with_the_field():
     with pytest.raises(ValidationError, match="no handler for source='aws.ec2' detail-type='EC2 Fleet Error'"):
-        c.parse_event({**AWS_SAMPLES[c.Ec2RebalanceRecommendation], "detail-type": "EC2 Fleet Error"})
-    bad = {**AWS_SAMPLES[c.Ec2InstanceStateChange], "detail": {"instance-id": "i-1", "state": "exploded"}}
+        events.parse_event({**AWS_SAMPLES[events.Ec2RebalanceRecommendation], "detail-type": "EC2 Fleet Error"})
+    bad = {**AWS_SAMPLES[events.Ec2InstanceStateChange], "detail": {"instance-id": "i-1", "state": "exploded"}}
     with pytest.raises(ValidationError, match="state"):
-        c.parse_event(bad)
+        events.parse_event(bad)
     with pytest.raises(ValidationError, match="kind"):
-        c.TrainerFailed.model_validate({"run_name": "r", "attempt": 0, "kind": "meh"})
+        events.TrainerFailed.model_validate({"run_name": "r", "attempt": 0, "kind": "meh"})
 
 
 def test_the_ledger_keeps_lost_time_the_sum_of_its_causes_and_reads_older_records():
-    assert c.GoodputLedger(lost_seconds=30, lost_by_cause={"startup": 10, "restart:HANG": 20}).lost_seconds == 30
+    assert records.GoodputLedger(lost_seconds=30, lost_by_cause={"startup": 10, "restart:HANG": 20}).lost_seconds == 30
     with pytest.raises(ValidationError, match="not the sum of lost_by_cause"):
-        c.GoodputLedger(lost_seconds=31, lost_by_cause={"startup": 10, "restart:HANG": 20})
+        records.GoodputLedger(lost_seconds=31, lost_by_cause={"startup": 10, "restart:HANG": 20})
     with pytest.raises(ValidationError, match="negative time"):
-        c.GoodputLedger(lost_seconds=0, lost_by_cause={"startup": 10, "redone:HANG": -10})
+        records.GoodputLedger(lost_seconds=0, lost_by_cause={"startup": 10, "redone:HANG": -10})
     # A record written before causes were kept is read with its loss under one cause.
-    older = c.GoodputLedger.model_validate({"productive_seconds": 90, "lost_seconds": 10})
+    older = records.GoodputLedger.model_validate({"productive_seconds": 90, "lost_seconds": 10})
     assert (older.lost_by_cause, older.booked_until) == ({"unattributed": 10}, None)
-    assert c.GoodputLedger().lost_by_cause == {}
+    assert records.GoodputLedger().lost_by_cause == {}
 
 
 def test_the_late_worker_deadline_defaults_within_the_boot_timeout():
-    assert c.RecoveryPolicy().late_worker_deadline == c.LATE_WORKER_DEFAULT_S
-    assert c.RecoveryPolicy(boot_timeout_seconds=120).late_worker_deadline == 120
-    assert c.RecoveryPolicy(boot_timeout_seconds=900, late_worker_seconds=300).late_worker_deadline == 300
+    assert runspec.RecoveryPolicy().late_worker_deadline == runspec.LATE_WORKER_DEFAULT_S
+    assert runspec.RecoveryPolicy(boot_timeout_seconds=120).late_worker_deadline == 120
+    assert runspec.RecoveryPolicy(boot_timeout_seconds=900, late_worker_seconds=300).late_worker_deadline == 300

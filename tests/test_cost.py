@@ -4,9 +4,9 @@ from datetime import datetime, timedelta, timezone
 
 from test_lifecycle import make_run, make_spec, report
 
-from trainfleet.catalogue import instance_facts
-from trainfleet.contracts import FailureClass, NodeRecord, NodeState, RecoveryAction, RunRecord
-from trainfleet.lifecycle import book_attempt, decide_recovery, settle_run_attempt
+from trainfleet.core.catalogue import instance_facts
+from trainfleet.core.lifecycle import book_attempt, decide_recovery, settle_run_attempt
+from trainfleet.core.records import FailureClass, NodeRecord, NodeState, RecoveryAction, RunRecord
 
 T0 = datetime(2026, 11, 1, tzinfo=timezone.utc)
 PRICE = instance_facts("c5.large").on_demand_usd_per_hour

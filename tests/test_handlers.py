@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from trainfleet.adapters.ec2_fleet import TAG_RUN, TAG_STACK, run_instance_ids
-from trainfleet.adapters.node_roles import node_role_name
 from trainfleet.adapters.liveness import write_liveness
+from trainfleet.adapters.node_roles import node_role_name
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import (FAILURE_ERROR, CheckpointRef, FailureClass, FailureReport, NodeLiveness, NodeRecord,
-                                  NodeRole, NodeState, ParallelPlan, RunRecord, RunSpec, RunState, TaskWait,
-                                  instance_arn, node_event_source)
+from trainfleet.core.events import instance_arn, node_event_source
+from trainfleet.core.records import (FAILURE_ERROR, CheckpointRef, FailureClass, FailureReport, NodeLiveness,
+                                     NodeRecord, NodeRole, NodeState, ParallelPlan, RunRecord, RunState, TaskWait)
+from trainfleet.core.runspec import RunSpec
 
 from localcloud.glue import ec2 as ec2_glue
 from localcloud_helpers import table_from_template

@@ -8,7 +8,7 @@ from test_handlers import (Context, INSTANCE_TYPE, STACK, ZONE, agent_event, clo
                            handlers, parked_token, resources, validated_run)
 from trainfleet.adapters.ec2_fleet import run_instance_ids
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import FAILURE_ERROR, FailureClass, NodeRole, NodeState, RecoveryAction, RunState, TaskWait
+from trainfleet.core.records import FAILURE_ERROR, FailureClass, NodeRole, NodeState, RecoveryAction, RunState, TaskWait
 
 
 def interval_checkpoint(cloud, run, instance_id: str, step: int) -> dict:

@@ -13,9 +13,9 @@ import pytest
 from test_adapters_checkpoints import save
 from test_handlers import (REPO, Context, agent_event, cloud, finished, handlers, parked_token,  # noqa: F401
                            recorded_run, resources, state_change)
-from trainfleet.contracts import (FAILURE_ERROR, CheckpointRef, FailureClass, FailureReport, NodeState, RunRecord,
-                                  TaskWait)
-from trainfleet.lifecycle import DEFERRED_LEAD, SPOT_NOTICE, unaccounted_seconds
+from trainfleet.core.lifecycle import DEFERRED_LEAD, SPOT_NOTICE, unaccounted_seconds
+from trainfleet.core.records import (FAILURE_ERROR, CheckpointRef, FailureClass, FailureReport, NodeState, RunRecord,
+                                     TaskWait)
 
 
 SPOT_WARNING = "ec2-spot-instance-interruption-warning.json"

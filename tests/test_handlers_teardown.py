@@ -16,8 +16,8 @@ from test_handlers import (REPO, STACK, Context, cloud, finished, handlers, park
                            recorded_run, resources)
 from trainfleet.adapters.ec2_fleet import (TAG_RUN, TAG_STACK, ensure_placement_group, placement_group_name,
                                            run_instance_ids)
-from trainfleet.contracts import FAILURE_ERROR, NodeState, RunState
-from trainfleet.lifecycle import unaccounted_seconds
+from trainfleet.core.lifecycle import unaccounted_seconds
+from trainfleet.core.records import FAILURE_ERROR, NodeState, RunState
 
 ZONE = "us-east-1a"
 

@@ -11,14 +11,14 @@ import pytest
 from pydantic import ValidationError
 
 from localcloud.waiting import run_captured
-from trainer.gpu_health import (GEMM_FLOOR_FRACTION, REPLACE_NODE_XIDS, check_clocks, check_ecc_errors, check_gemm,
-                                check_kernel_xids, check_nvlink_allreduce, check_nvlink_links, check_pcie_link,
-                                check_remapped_rows, measure_allreduce_busbw, measure_gemm_tflops,
-                                parse_kernel_xids, parse_nvidia_smi_query, parse_nvlink_status)
-from trainer.health import (GPU_DEVICE_CHECKS, NCCL_MINIMUM, TORCH_MINIMUM, ProbeError, Probes,
-                            check_nccl_network_log, parse_fi_info, parse_nccl_log, preflight, system_probes)
-from trainfleet.catalogue import InstanceFacts, instance_facts
-from trainfleet.contracts import HealthCheckResult
+from node.gpu_health import (GEMM_FLOOR_FRACTION, REPLACE_NODE_XIDS, check_clocks, check_ecc_errors, check_gemm,
+                             check_kernel_xids, check_nvlink_allreduce, check_nvlink_links, check_pcie_link,
+                             check_remapped_rows, measure_allreduce_busbw, measure_gemm_tflops, parse_kernel_xids,
+                             parse_nvidia_smi_query, parse_nvlink_status)
+from node.health import (GPU_DEVICE_CHECKS, NCCL_MINIMUM, TORCH_MINIMUM, ProbeError, Probes, check_nccl_network_log,
+                         parse_fi_info, parse_nccl_log, preflight, system_probes)
+from trainfleet.core.catalogue import InstanceFacts, instance_facts
+from trainfleet.core.events import HealthCheckResult
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data"
@@ -289,7 +289,7 @@ def test_a_skipped_check_cannot_claim_to_have_passed():
 
 
 def test_the_command_prints_the_checks_of_this_machine():
-    done = run_captured([sys.executable, "-m", "trainer.health", "--instance-type", "c5.large"], what="preflight")
+    done = run_captured([sys.executable, "-m", "node.health", "--instance-type", "c5.large"], what="preflight")
     assert done.returncode == 0, done.stderr
     checks = by_name([HealthCheckResult.model_validate(item) for item in json.loads(done.stdout)])
     assert checks["gloo_allreduce"].passed and checks["efa_devices"].skipped
@@ -298,7 +298,7 @@ def test_the_command_prints_the_checks_of_this_machine():
 
 
 def test_an_unknown_instance_type_is_named():
-    done = run_captured([sys.executable, "-m", "trainer.health", "--instance-type", "p9.huge"], what="preflight")
+    done = run_captured([sys.executable, "-m", "node.health", "--instance-type", "p9.huge"], what="preflight")
     assert done.returncode == 2 and "'p9.huge' is not in the catalogue" in done.stderr
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainfleet.contracts import RunSpec
+from trainfleet.core.runspec import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
 BUCKET = "stack-checkpointbucket-abc"

@@ -17,8 +17,8 @@ from localcloud.node_boot import publish_artifacts
 from localcloud_helpers import event_sink, receive
 from trainfleet.adapters.ec2_fleet import node_user_data, user_data_settings
 from trainfleet.adapters.node_roles import ensure_node_profile, node_role_name
-from trainfleet.contracts import BOOT_CHECK, NodeUnhealthy
-from trainfleet.settings import Settings
+from trainfleet.core.events import BOOT_CHECK, NodeUnhealthy
+from trainfleet.core.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT = "print('agent started', flush=True)"

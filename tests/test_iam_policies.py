@@ -19,7 +19,7 @@ from localcloud.deploy import load_template, transform_sam
 from localcloud.deploy_intrinsics import Resolver, parameter_values
 from localcloud.iam_policy import ALLOW, EXPLICIT_DENY, IMPLICIT_DENY, evaluate
 from trainfleet.adapters.ec2_fleet import TAG_STACK
-from trainfleet.contracts import NODE_READ_PREFIXES, NODE_WRITE_PREFIXES
+from trainfleet.core.node_access import NODE_READ_PREFIXES, NODE_WRITE_PREFIXES
 
 REPO = Path(__file__).resolve().parent.parent
 REGION, ACCOUNT, STACK = "us-east-1", "123456789012", "st"
@@ -94,7 +94,7 @@ def s3(key: str) -> str:
 
 RUN = {"aws_PrincipalTag__trainfleet:run": "r"}
 NODE_LOGS = f"arn:aws:logs:{REGION}:{ACCOUNT}:log-group:/trainfleet/{STACK}/nodes"
-"""The stack's node log group (trainfleet.contracts.node_log_group)."""
+"""The stack's node log group (trainfleet.core.node_access.node_log_group)."""
 """The run's node role is tagged with the run (trainfleet.adapters.node_roles)."""
 LIVENESS = f"arn:aws:dynamodb:{REGION}:{ACCOUNT}:table/{STACK}-LivenessTable-x"
 

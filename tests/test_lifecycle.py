@@ -5,15 +5,17 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from trainfleet import lifecycle as lc
-from trainfleet import pace
-from trainfleet.contracts import (CAPACITY_ERROR, FAILURE_ERROR, CheckpointCommitted, CheckpointReason,
-                                  CheckpointRef, Ec2InstanceStateChange, Ec2RebalanceRecommendation,
-                                  Ec2SpotInterruptionWarning, FailureClass, FailureRecord,
-                                  FailureReport, GoodputLedger, HealthEvent, NodeLiveness, NodeReady, NodeRecord, NodeRegistered,
-                                  NodeRole, NodeState, NodeUnhealthy, ParallelPlan, RecoveryAction, RecoveryDecision,
-                                  RecoveryPolicy, RunRecord, RunSpec, TaskWait, TrainerConfig,
-                                  ScalingCheckFigures, ScalingChecked, TrainerFailed, TrainerHung, TrainingProgress)
+from trainfleet.core import lifecycle as lc
+from trainfleet.core import pace
+from trainfleet.core.events import (CheckpointCommitted, CheckpointReason, Ec2InstanceStateChange,
+                                    Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning, HealthEvent, NodeReady,
+                                    NodeRegistered, NodeUnhealthy, ScalingChecked, TrainerFailed, TrainerHung,
+                                    TrainingProgress)
+from trainfleet.core.records import (CAPACITY_ERROR, FAILURE_ERROR, CheckpointRef, FailureClass, FailureRecord,
+                                     FailureReport, GoodputLedger, NodeLiveness, NodeRecord, NodeRole, NodeState,
+                                     ParallelPlan, RecoveryAction, RecoveryDecision, RunRecord, ScalingCheckFigures,
+                                     TaskWait)
+from trainfleet.core.runspec import RecoveryPolicy, RunSpec, TrainerConfig
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -208,7 +210,7 @@ def test_config_error_gives_up_at_once():
 def test_a_node_whose_software_did_not_install_ends_the_run_at_once():
     """The user data's failed step (NodeUnhealthy, check "bootstrap"): the same software fails on
     every node, so no node is replaced and no restart is spent; the run gives up with the step."""
-    from trainfleet.contracts import BOOT_CHECK, HealthCheckResult, NodeUnhealthy
+    from trainfleet.core.events import BOOT_CHECK, HealthCheckResult, NodeUnhealthy
 
     detail = NodeUnhealthy(run_name="r1", attempt=0, instance_id="i-2",
                            reason="bootstrap failed at: unpacking the node's Python (exit 2)",

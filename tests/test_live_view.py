@@ -1,4 +1,4 @@
-"""The live view (trainfleet.live_view) at the widths people read it at: a default terminal's and
+"""The live view (trainfleet.operator.live_view) at the widths people read it at: a default terminal's and
 a CI log's 80 columns, 120, and a wide 200. A value breaks between its parts, never inside one."""
 
 import os
@@ -13,7 +13,7 @@ from rich.console import Console
 
 from live_view_sample import recovered_run
 from localcloud.waiting import until
-from trainfleet.live_view import Parts, view
+from trainfleet.operator.live_view import Parts, view
 
 TESTS = Path(__file__).resolve().parent
 

@@ -171,7 +171,7 @@ def fake_node(local_cloud, request):
 
 def test_python_module_is_the_interpreters_own_not_an_argument():
     assert python_module(["/venv/bin/python3", "-u", "-m", "trainer.worker", "--config", "c"]) == "trainer.worker"
-    assert python_module(["python", "-X", "dev", "-m", "trainer.agent"]) == "trainer.agent"
+    assert python_module(["python", "-X", "dev", "-m", "node.agent"]) == "node.agent"
     assert python_module(["python", "-m", "torch.distributed.run", "-m", "trainer.worker"]) == "torch.distributed.run"
     assert python_module(["python", "-c", "code", "-m", "trainer.worker"]) is None
     assert python_module(["python", "script.py", "-m", "trainer.worker"]) is None

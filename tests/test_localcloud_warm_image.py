@@ -43,7 +43,7 @@ def test_a_module_that_fails_exits_1_with_its_traceback(image, tmp_path):
 
 
 def test_only_python_commands_are_forked(image):
-    assert image.serves([sys.executable, "-m", "trainer.agent"])
+    assert image.serves([sys.executable, "-m", "node.agent"])
     assert image.serves([sys.executable, "-c", "pass"])
     assert not image.serves(["/bin/sh", "-c", "true"])
     assert not image.serves([sys.executable, "script.py"])

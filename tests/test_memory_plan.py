@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainfleet import cli
-from trainfleet import memory_plan as mp
+from trainfleet.core import memory_plan as mp
 
 REPO = Path(__file__).resolve().parent.parent
 J1 = mp.ModelShape(n_layers=76, d_model=13824, n_heads=96, vocab_size=256000, seq_len=2048)
@@ -17,7 +17,7 @@ SMALL = mp.ModelShape(n_layers=8, d_model=256, n_heads=4, vocab_size=512, seq_le
 
 
 def test_the_module_imports_without_torch():
-    code = ("import sys; import trainfleet.memory_plan, functions.validate; "
+    code = ("import sys; import trainfleet.core.memory_plan, functions.validate; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 

@@ -27,9 +27,9 @@ from trainer.config import load_config
 from trainer.model import GPT
 from trainer.pipeline_parallel import build_pipeline
 from trainer.schedules import SCHEDULE_CLASSES
+from trainer.schedules import SCHEDULES, schedule_problem
 from trainer.train import build_optimizer, environment
-from trainfleet import memory_plan
-from trainfleet.contracts import SCHEDULES, schedule_problem
+from trainfleet.core import memory_plan
 
 TOLERANCE = 0.15
 

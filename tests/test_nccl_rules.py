@@ -200,10 +200,10 @@ except Exception as error:
 
 
 def torchrun_command(tmp_path) -> list[str]:
-    """torchrun as a node runs it (trainer/torchrun.py), its two ranks running the unbatched ring."""
+    """torchrun as a node runs it (node/torchrun.py), its two ranks running the unbatched ring."""
     imports = "import json, os, threading, time\nimport torch\nimport torch.distributed as dist\n"
     (tmp_path / "exchange_rank.py").write_text(imports + inspect.getsource(unbatched_ring) + RANK_MAIN)
-    return [sys.executable, "-m", "trainer.torchrun", "--standalone", "--nproc-per-node=2", "-m", "exchange_rank"]
+    return [sys.executable, "-m", "node.torchrun", "--standalone", "--nproc-per-node=2", "-m", "exchange_rank"]
 
 
 def instance_env() -> dict[str, str]:
@@ -226,7 +226,7 @@ def test_torchrun_ranks_on_an_instance_follow_the_rules(tmp_path):
 
 
 def test_torchrun_ranks_forked_from_a_warm_image_follow_the_rules(tmp_path):
-    image = WarmImage.start(["trainer.torchrun"], path=[str(INSTANCE_SITE)])
+    image = WarmImage.start(["node.torchrun"], path=[str(INSTANCE_SITE)])
     try:
         console = tmp_path / "console.log"
         child = image.fork(torchrun_command(tmp_path), tmp_path, instance_env(), console)

@@ -8,8 +8,8 @@ from localcloud.glue import ec2 as ec2_glue
 from localcloud.imds import serve_fleet
 from localcloud_helpers import event_sink, receive, unique
 from trainfleet.adapters.ec2_fleet import NODE_PYTHON_ARTIFACT, node_user_data
-from trainfleet.contracts import BOOT_CHECK, NodeUnhealthy, event_sender
-from trainfleet.settings import Settings
+from trainfleet.core.events import BOOT_CHECK, NodeUnhealthy, event_sender
+from trainfleet.core.settings import Settings
 
 NODE_POLICY = {"Version": "2012-10-17", "Statement": [
     {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket", "events:PutEvents"], "Resource": "*"}]}

@@ -1,4 +1,4 @@
-"""A node's log in CloudWatch Logs (trainer/node_log.py), against the local cloud: what the
+"""A node's log in CloudWatch Logs (node/node_log.py), against the local cloud: what the
 agent says and what its trainer prints reach the node's stream in order, in batches within
 PutLogEvents' limits, and survive CloudWatch Logs being out of reach without filling memory."""
 
@@ -7,8 +7,8 @@ import uuid
 import pytest
 from botocore.config import Config
 
-from trainer import node_log
-from trainer.node_log import NodeLog
+from node import node_log
+from node.node_log import NodeLog
 
 
 @pytest.fixture

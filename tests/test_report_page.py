@@ -1,4 +1,4 @@
-"""The run report's page and plots (trainfleet/report_page.py), from a recorded history and from
+"""The run report's page and plots (trainfleet/report/page.py), from a recorded history and from
 made-up ones at the edges: no steps at all, NaN losses, a live run, weeks of many steps."""
 
 import html
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from trainfleet.contracts import FailureClass, RunState, ScalingCheckFigures
-from trainfleet.report_page import render_html, render_pngs, report_charts
-from trainfleet.run_history import AttemptProgress, FailureMark, Phase, RunHistory
+from trainfleet.core.records import FailureClass, RunState, ScalingCheckFigures
+from trainfleet.core.run_history import AttemptProgress, FailureMark, Phase, RunHistory
+from trainfleet.report.page import render_html, render_pngs, report_charts
 
 EXAMPLE = Path(__file__).parent / "data" / "run-history-kill.json"
 T0 = datetime(2026, 12, 1, 9, 0, tzinfo=timezone.utc)

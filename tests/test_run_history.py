@@ -1,12 +1,14 @@
-"""A run's history (trainfleet/run_history.py) from plain records: phases, attempts, failures."""
+"""A run's history (trainfleet/core/run_history.py) from plain records: phases, attempts, failures."""
 
 from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from trainfleet.contracts import (CheckpointRef, FailureClass, FailureRecord, GoodputLedger, NodeRecord,
-                                  ProgressSample, RunRecord, RunSpec, RunState)
-from trainfleet.run_history import StateEntry, build_history, phases_of
+from trainfleet.core.events import ProgressSample
+from trainfleet.core.records import (CheckpointRef, FailureClass, FailureRecord, GoodputLedger, NodeRecord, RunRecord,
+                                     RunState)
+from trainfleet.core.run_history import StateEntry, build_history, phases_of
+from trainfleet.core.runspec import RunSpec
 
 T0 = datetime(2026, 12, 1, 9, 0, tzinfo=timezone.utc)
 
@@ -121,8 +123,8 @@ def test_a_long_attempts_samples_are_thinned_as_they_come_and_keep_the_newest():
     """Three weeks of steps (a sample per step, 200,000 of them): the history keeps at most about
     twice HISTORY_POINTS of them, evenly spread, the first and the newest always, a redelivered
     one once."""
-    from trainfleet.run_history import HISTORY_POINTS
-    from trainfleet.contracts import ProgressSample
+    from trainfleet.core.events import ProgressSample
+    from trainfleet.core.run_history import HISTORY_POINTS
 
     def sample(step: int) -> ProgressSample:
         return ProgressSample(step=step, loss=1.0, tokens_per_second=1.0, step_seconds=1.0, at=T0)

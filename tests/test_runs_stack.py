@@ -9,8 +9,8 @@ import boto3
 from test_adapters_run_store import TEMPLATE, spec
 from localcloud.deploy import load_template
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import RunRecord
-from trainfleet.runs import Stack
+from trainfleet.core.records import RunRecord
+from trainfleet.operator.runs import Stack
 
 PASS = {"StartAt": "Wait", "States": {"Wait": {"Type": "Wait", "Seconds": 3600, "End": True}}}
 

@@ -13,9 +13,10 @@ import torch
 from localcloud.waiting import run_captured
 
 from test_lifecycle import SPARE, T0, WORKERS, make_run, make_spec, scaling_figures
-from trainfleet import lifecycle as lc
-from trainfleet.contracts import FailureClass, RecoveryAction, ScalingChecked
 from trainer.scaling_check import ComputeClock, RankTiming, bubble_factor, slow_ranks, verdict
+from trainfleet.core import lifecycle as lc
+from trainfleet.core.events import ScalingChecked
+from trainfleet.core.records import FailureClass, RecoveryAction
 
 TOKENS_PER_STEP = 1000
 FACTOR = 1.25

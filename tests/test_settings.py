@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from localcloud.deploy import load_template
-from trainfleet.settings import MissingSetting, Settings
+from trainfleet.core.settings import MissingSetting, Settings
 
 ENV = {"TRAINFLEET_RUN_TABLE": "runs", "TRAINFLEET_LIVENESS_TABLE": "liveness", "TRAINFLEET_BUCKET": "bucket", "TRAINFLEET_EVENT_BUS": "agents",
        "TRAINFLEET_NODE_POLICY_ARN": "arn:aws:iam::123456789012:policy/node",

@@ -1,4 +1,4 @@
-"""The stand-in trainer on a thread of the agent (trainer/standin.py start_thread): the part of
+"""The stand-in trainer on a thread of the agent (node/standin.py start_thread): the part of
 subprocess.Popen the agent uses, and the real trainer's signals."""
 
 import json
@@ -11,8 +11,8 @@ import time
 import pytest
 import yaml
 
+from node.standin import EXIT_CONFIG, EXIT_KILLED, EXIT_RENDEZVOUS, EXIT_SIGNALLED, start_thread
 from trainer.progress import PROGRESS_FILE_ENV, read_progress
-from trainer.standin import EXIT_CONFIG, EXIT_KILLED, EXIT_RENDEZVOUS, EXIT_SIGNALLED, start_thread
 
 
 def free_port() -> int:
@@ -29,7 +29,7 @@ def launch(tmp_path, steps: int, step_s: float = 0.01, config: dict | None = Non
     config_file.write_text(yaml.safe_dump(config or {
         "model": {"seq_len": 16}, "training": {"steps": steps, "batch_size": 2, "metrics_file": str(folder / "m.jsonl")},
         "checkpoint": {"resume": "none"}}))
-    command = [sys.executable, "-m", "trainer.standin", "--config", str(config_file), f"--node-rank={node_rank}",
+    command = [sys.executable, "-m", "node.standin", "--config", str(config_file), f"--node-rank={node_rank}",
                f"--nodes={nodes}", f"--step-seconds={step_s}", f"--rendezvous=127.0.0.1:{port or free_port()}",
                f"--join-timeout-s={join_timeout_s}"]
     with (folder / "torchrun.log").open("ab") as output:

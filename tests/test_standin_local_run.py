@@ -1,4 +1,4 @@
-"""The stand-in trainer (trainer/standin.py) through the deployed state machine on the local cloud,
+"""The stand-in trainer (node/standin.py) through the deployed state machine on the local cloud,
 driven with `trainfleet run` (tests/cli_local_run.py): four real node agents, no torch on them,
 node rank 1's instance killed after the first commit while `watch` follows the run.
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import trainfleet
-from trainfleet.contracts import FAILURE_ERROR
-from trainfleet.validate import substituted_definitions
+from trainfleet.core.records import FAILURE_ERROR
+from trainfleet.operator.validate import substituted_definitions
 
 REPO = Path(__file__).resolve().parent.parent
 ASL_PATH = REPO / "statemachine" / "training_run.asl.json"

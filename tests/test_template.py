@@ -10,7 +10,7 @@ from moto.events.models import EventPattern
 
 from localcloud.waiting import run_captured
 from trainfleet.adapters.ec2_fleet import TAG_STACK
-from trainfleet.validate import ValidationSetup, load_template, substituted_definitions, validate
+from trainfleet.operator.validate import ValidationSetup, load_template, substituted_definitions, validate
 
 REPO = Path(__file__).resolve().parent.parent
 AWS_EVENTS = REPO / "events" / "aws"
@@ -88,7 +88,7 @@ def test_events_that_do_not_concern_a_run_match_no_rule(rules):
 
 
 def test_every_agent_event_type_reaches_the_agents_queue_on_the_stacks_own_bus(template, rules):
-    from trainfleet.contracts import DETAIL_MODELS, EVENT_SOURCE, NodeReady, put_events_entry
+    from trainfleet.core.events import DETAIL_MODELS, EVENT_SOURCE, NodeReady, put_events_entry
 
     resources = template["Resources"]
     rule = resources["AgentEventRule"]["Properties"]
@@ -226,7 +226,9 @@ def test_dashboard_body_is_json_and_charts_the_metrics_the_code_emits(template):
     import re
 
     from trainfleet.adapters.metrics import checkpoint_metrics, lost_time_metrics, progress_metrics
-    from trainfleet.contracts import CheckpointCommitted, GoodputLedger, RunRecord, RunSpec, TrainingProgress
+    from trainfleet.core.events import CheckpointCommitted, TrainingProgress
+    from trainfleet.core.records import GoodputLedger, RunRecord
+    from trainfleet.core.runspec import RunSpec
 
     body = template["Resources"]["Dashboard"]["Properties"]["DashboardBody"]["Fn::Sub"]
     # A substitution is a string inside quotes, a number (a parameter) outside them.
@@ -250,7 +252,7 @@ def test_dashboard_body_is_json_and_charts_the_metrics_the_code_emits(template):
     from datetime import datetime, timedelta, timezone
 
     from trainfleet.adapters.metrics import detection_metrics, stall_metrics
-    from trainfleet.contracts import FailureClass, FailureRecord
+    from trainfleet.core.records import FailureClass, FailureRecord
 
     now = datetime.now(timezone.utc)
     detected = detection_metrics("r", FailureRecord(failure_class=FailureClass.HANG, resume_step=None, at=now,

@@ -497,7 +497,7 @@ def prune(store: Store, keep_last: int) -> None:
         log.info("retention: deleting %s/%s", store.uri, step_dir_name(step))
         delete_step(store, step)
 
-# --- what a trainer decides with it (the real one and trainer/standin.py alike) -------------------
+# --- what a trainer decides with it (the real one and node/standin.py alike) -------------------
 
 def resume_target(resume: str) -> str | int:
     """`"none"`, `"latest"`, or a step number, from the `resume` setting."""

@@ -35,7 +35,7 @@ def metrics_path(overrides: list[str]) -> Path:
 
 
 def torchrun_command(overrides: list[str], metrics: Path, port: int) -> list[str]:
-    return [sys.executable, "-m", "trainer.torchrun", "--nnodes=1", "--nproc-per-node=2",
+    return [sys.executable, "-m", "node.torchrun", "--nnodes=1", "--nproc-per-node=2",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
             "-m", "trainer.train", "--config", str(CONFIG), f"--training.metrics_file={metrics}", *overrides]
 

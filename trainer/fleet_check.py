@@ -1,6 +1,6 @@
 """The fleet-wide preflight: the network of the whole world, measured before the first step.
 
-Each node checks itself before it reports ready (trainer/health.py); what no node can see alone
+Each node checks itself before it reports ready (node/health.py); what no node can see alone
 is the network between them. At the start of every attempt of a world of more than one node,
 once torchrun has gathered it and before the model is built, every rank:
 
@@ -19,7 +19,7 @@ once torchrun has gathered it and before the model is built, every rank:
 
 Global rank 0 judges (`verdict`), by this rule: a world whose every link is healthy passes.
 A link is healthy when it reaches `busbw_floor_gbytes_per_s`, the two-node floor (half what a
-healthy pair of the instance type carries, trainfleet/catalogue.py). A node is slow when all of
+healthy pair of the instance type carries, trainfleet/core/catalogue.py). A node is slow when all of
 its links are below it while some other node keeps a good link: it is named, and the world
 fails for it to be replaced (spares first). When every node is slow there is none to blame
 (the fabric, the placement group, a world of two): the world fails naming none if its all-reduce
@@ -30,7 +30,7 @@ all-reduce is slower than a pair's, and no replacement can make it faster.
 
 Nodes are named by TRAINFLEET_NODE_NAME (the node agent gives its instance id; the host name
 otherwise). Rank 0 writes the result to `result_file` and its node's agent reports it
-(FleetChecked, trainer/agent.py). A world that failed does not train: its ranks wait to be
+(FleetChecked, node/agent.py). A world that failed does not train: its ranks wait to be
 stopped, while the control plane replaces the slow nodes (spares first) for a new attempt.
 """
 

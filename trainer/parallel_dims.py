@@ -1,9 +1,9 @@
 """The parallel layout as plain data: which schedule, which stages on which rank, which layers per stage.
 
 Everything here is a pure function over ints and names, so tests can check placements without
-starting processes. The schedules' rules live in trainfleet.contracts (through trainer/schedules.py),
-which the config and the control plane's Validate check without torch; this module adds the
-installed torch's classes.
+starting processes. The schedules' rules, the layer split and the stage placement live in
+trainer/schedules.py, which the config and the control plane check without torch; this module adds
+the installed torch's classes.
 
 Ranks form a (pp, dp, tp) grid, outermost first, rank = (pp_index * dp + dp_index) * tp + tp_index
 (torchtitan's order): torchrun numbers a node's GPUs consecutively, so tensor parallel, which talks
@@ -20,8 +20,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from trainer.config import ConfigError
 from trainer.schedules import SCHEDULE_CLASSES
 from trainer.schedules import SCHEDULES as KNOWN_SCHEDULES
-from trainer.schedules import Placement, ScheduleRule, schedule_problem
-from trainfleet.memory_plan import split_layers, stage_ids  # one copy, torch-free: the memory plan uses it
+from trainer.schedules import Placement, ScheduleRule, schedule_problem, split_layers, stage_ids
 
 __all__ = ["SCHEDULES", "KNOWN_SCHEDULES", "ScheduleRule", "Placement", "schedule_class", "schedule_problem",
            "stage_ids", "split_layers", "layer_ranges", "RankPosition"]

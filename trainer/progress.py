@@ -4,13 +4,13 @@ Only global rank 0 writes the metrics file, so without this an agent on any othe
 tell whether its trainer joined the rendezvous or still advances. Local rank 0 of every node
 writes to the file named by TRAINFLEET_PROGRESS_FILE, replacing it whole, two things:
 - the step it completed (the resume step first, once the world is up), which the agent reports
-  in its liveness record (trainfleet.contracts.NodeLiveness);
+  in its liveness record (trainfleet.core.records.NodeLiveness);
 - how many signs of life it gave: each phase of its start-up (the world formed, the fleet
   checked, the model built), each transfer of the fleet check (a slow node's take seconds
   each) and each microbatch's forward or backward. A step of a large model
   takes seconds to minutes, and on a starved machine any step can: the agent that speaks for
   the world takes any change of this file as the world being alive, so that a hang is declared
-  only when the world is silent, not when it is slow (trainer/agent.py, beat_if_due).
+  only when the world is silent, not when it is slow (node/agent.py, beat_if_due).
 The agent also names its node to the trainer (TRAINFLEET_NODE_NAME, its instance id): the
 fleet check reports slow nodes by that name. Torch-free: the agent imports it.
 """

@@ -1,14 +1,59 @@
-"""The pipeline schedules the trainer knows, without torch.
+"""The pipeline schedules the trainer knows and the layouts each can run, without torch: the one
+copy of these rules. The trainer's config (trainer/config.py) checks itself with them and
+trainer/parallel_dims.py maps each name to the installed torch's class; the control plane's
+Validate, re-planning and memory plan (trainfleet/core) refuse and plan exactly the same layouts.
 
-Their layout rules are the control plane's own (trainfleet.contracts.SCHEDULES and
-schedule_problem), so the trainer's config and the control plane's Validate and re-planning
-refuse exactly the same layouts; this module adds the torch class that runs each.
-trainer/parallel_dims.py maps them to the installed torch's classes.
+    SCHEDULES, ScheduleRule, Placement, schedule_problem   each schedule's placement and rules
+    SCHEDULE_CLASSES                     the torch class that runs each
+    split_layers, stage_ids              the layers of each stage and the stages of each rank
 """
 
-from trainfleet.contracts import SCHEDULES, Placement, ScheduleRule, schedule_problem
+from typing import Literal, NamedTuple
 
-__all__ = ["SCHEDULES", "SCHEDULE_CLASSES", "Placement", "ScheduleRule", "schedule_problem"]
+Placement = Literal["single", "loop", "v"]
+
+
+class ScheduleRule(NamedTuple):
+    placement: Placement
+    """single: one stage per rank; loop: stage s on rank s % pp; v: rank r holds r and 2pp-1-r."""
+    stages_per_rank: int
+    """Stages per rank when the config leaves parallel.stages_per_rank at 0."""
+    needs_microbatches_ge_stages: bool
+    """Fewer microbatches than stages starve the warm-up."""
+    needs_whole_rounds: bool
+    """Looped schedules run microbatches in rounds of pp."""
+
+
+SCHEDULES: dict[str, ScheduleRule] = {
+    "gpipe": ScheduleRule("single", 1, False, False),
+    "1f1b": ScheduleRule("single", 1, True, False),
+    "interleaved-1f1b": ScheduleRule("loop", 2, False, True),
+    "looped-bfs": ScheduleRule("loop", 2, False, False),
+    "interleaved-zero-bubble": ScheduleRule("loop", 2, False, True),
+    "zbv-zero-bubble": ScheduleRule("v", 2, True, False),
+    "dualpipev": ScheduleRule("v", 2, True, False),
+}
+
+
+def schedule_problem(name: str, pp: int, stages_per_rank: int, microbatches: int) -> str | None:
+    """Why `name` cannot run pp ranks x stages_per_rank (0 = the schedule's default), else None."""
+    rule = SCHEDULES[name]
+    per_rank = stages_per_rank or rule.stages_per_rank
+    stages = pp * per_rank
+    if rule.placement == "single" and per_rank != 1:
+        return f"schedule {name!r} runs exactly one stage per rank, got parallel.stages_per_rank={per_rank}"
+    if rule.placement == "v" and per_rank != 2:
+        return (f"schedule {name!r} needs exactly two stages per rank (a V), "
+                f"got parallel.stages_per_rank={per_rank}")
+    if rule.needs_microbatches_ge_stages and microbatches < stages:
+        return (f"schedule {name!r} needs parallel.microbatches >= number of stages ({stages}), "
+                f"got {microbatches}")
+    rounds = max(1, microbatches // pp)
+    if rule.needs_whole_rounds and microbatches % rounds != 0:
+        return (f"schedule {name!r} runs microbatches in rounds of parallel.pp={pp}: "
+                f"parallel.microbatches={microbatches} must be below pp or a multiple of it")
+    return None
+
 
 SCHEDULE_CLASSES: dict[str, str] = {
     "gpipe": "ScheduleGPipe",
@@ -20,3 +65,33 @@ SCHEDULE_CLASSES: dict[str, str] = {
     "dualpipev": "ScheduleDualPipeV",
 }
 """Class in torch.distributed.pipelining.schedules of each schedule (older torch releases lack some)."""
+
+
+def split_layers(layer_params: int, n_layers: int, first_extra: int, last_extra: int,
+                 n_stages: int) -> list[int]:
+    """Layers per stage so that each stage holds about the same number of parameters.
+
+    Every layer has `layer_params` parameters; the first stage also holds `first_extra` (embeddings)
+    and the last `last_extra` (final norm and head). Greedy over the cumulative count: stage s ends
+    where the running total is nearest to (s + 1) / n_stages of the whole, and every stage keeps at
+    least one layer.
+    """
+    total = first_extra + n_layers * layer_params + last_extra
+    boundaries = []
+    start = 0
+    for stage in range(n_stages - 1):
+        target = total * (stage + 1) / n_stages
+        stages_after = n_stages - stage - 1
+        candidates = range(start + 1, n_layers - stages_after + 1)
+        end = min(candidates, key=lambda e: abs(first_extra + e * layer_params - target))
+        boundaries.append(end)
+        start = end
+    edges = [0, *boundaries, n_layers]
+    return [edges[i + 1] - edges[i] for i in range(n_stages)]
+
+
+def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, placement: Placement) -> list[int]:
+    """The global stage indices this pipeline rank builds, in increasing order."""
+    if placement == "v":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(stages_per_rank)]

@@ -13,7 +13,7 @@ from typing import Any
 
 from trainer.checkpoint_catalog import (CheckpointInvalid, Manifest, latest_committed, open_store,
                                         step_dir_name, verified_manifest)
-from trainfleet.contracts import CheckpointRef
+from trainfleet.core.records import CheckpointRef
 
 __all__ = ["latest_checkpoint", "verify_checkpoint", "CheckpointInvalid"]
 

@@ -36,10 +36,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from trainfleet.catalogue import InstanceFacts
-from trainfleet.contracts import BOOT_CHECK, EVENT_SOURCE, CapacityKind, DefaultNetwork, RunSpec, node_log_group
-from trainfleet.lifecycle.reservation import Reservation, reservation_problem
-from trainfleet.settings import Settings
+from trainfleet.core.catalogue import InstanceFacts
+from trainfleet.core.events import BOOT_CHECK, EVENT_SOURCE
+from trainfleet.core.lifecycle.reservation import Reservation, reservation_problem
+from trainfleet.core.node_access import node_log_group
+from trainfleet.core.runspec import CapacityKind, DefaultNetwork, RunSpec
+from trainfleet.core.settings import Settings
 
 __all__ = [
     "default_network", "NoDefaultNetwork",
@@ -61,7 +63,7 @@ TAG_STACK = "trainfleet:stack"
 ALIVE_STATES = ("pending", "running", "stopping", "stopped")
 """Instance states TerminateInstances still has something to end in."""
 
-AGENT_MODULE = "trainer.agent"
+AGENT_MODULE = "node.agent"
 """The node agent's entry point (python -m), started by the user data."""
 AGENT_OPEN_FILES_LIMIT = 1_048_576
 """The agent's unit's limit on open files (soft and hard), which torchrun and its ranks inherit:

@@ -15,8 +15,8 @@ of DynamoDB's 1 MB). Items expire LIVENESS_TTL_S after their last write (DynamoD
 import time
 from typing import Any
 
-from trainfleet.contracts import NodeLiveness
-from trainfleet.lifecycle import IMPAIRED
+from trainfleet.core.lifecycle import IMPAIRED
+from trainfleet.core.records import NodeLiveness
 
 __all__ = ["write_liveness", "read_liveness", "instance_troubles", "LIVENESS_TTL_S"]
 

@@ -24,7 +24,8 @@ from typing import IO, Any
 
 from datetime import datetime
 
-from trainfleet.contracts import CheckpointCommitted, FailureRecord, RunRecord, TrainingProgress
+from trainfleet.core.events import CheckpointCommitted, TrainingProgress
+from trainfleet.core.records import FailureRecord, RunRecord
 
 __all__ = ["emf_document", "progress_metrics", "checkpoint_metrics", "run_metrics", "lost_time_metrics",
            "detection_metrics", "stall_metrics", "emit"]

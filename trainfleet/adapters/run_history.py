@@ -1,5 +1,5 @@
 """Read a run's history from AWS: its records and reported steps (DynamoDB) and the states its
-execution entered (Step Functions' execution history); trainfleet.run_history builds it.
+execution entered (Step Functions' execution history); trainfleet.core.run_history builds it.
 
     history = read_history(store, sfn, run, nodes, now)
 
@@ -14,8 +14,8 @@ from datetime import datetime
 from typing import Any
 
 from trainfleet.adapters.run_store import RunStore
-from trainfleet.contracts import NodeRecord, RunRecord
-from trainfleet.run_history import RunHistory, StateEntry, build_history
+from trainfleet.core.records import NodeRecord, RunRecord
+from trainfleet.core.run_history import RunHistory, StateEntry, build_history
 
 __all__ = ["read_history", "execution_states"]
 

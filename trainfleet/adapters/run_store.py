@@ -42,9 +42,10 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter
 
-from trainfleet.contracts import (NodeRecord, NodeState, ProgressSample, RunRecord, RunState, TaskWait,
-                                  check_node_transition, check_run_transition)
-from trainfleet.lifecycle import world_attempt
+from trainfleet.core.events import ProgressSample
+from trainfleet.core.lifecycle import world_attempt
+from trainfleet.core.records import (NodeRecord, NodeState, RunRecord, RunState, TaskWait, check_node_transition,
+                                     check_run_transition)
 
 __all__ = ["RunStore", "RunNotFound", "NodeNotFound", "RunExists", "StaleRecord", "StaleAttempt",
            "INSTANCE_INDEX"]

@@ -1,0 +1,120 @@
+"""Node liveness: which nodes a crash or a hang blames when no event named one (a frozen
+instance, a partitioned node, a rendezvous it never joined: failures that produce no EC2 event,
+DESIGN.md section 9), and the pace of the agents' looks that tells it (trainfleet.core.pace).
+
+Every agent looks at the control plane once per `poll_interval` (5-10 s, drawn, so a fleet's
+looks spread out; longer in runs above FULL_RATE_NODES nodes, so that a run's agents together
+make at most about FULL_RATE_NODES / 7.5 = 34 looks a second whatever the node count; shorter
+when the hang timeout is, so a frozen node's agent is known silent by the time its hang is
+declared). A look is one eventually consistent GetItem of the run record (0.5 RCU per 4 KB) and,
+while its trainer runs, one S3 PUT of its own liveness record (NodeLiveness). So a run's
+partition of the run table serves at most 34 reads a second (512 nodes: at most 2 RCU each for a
+run record under 16 KB: 68 RCU of the partition's 3,000), and the agents write nothing to it. The
+liveness records go to S3, one object per node: S3 takes 3,500 PUTs a second per prefix, the
+nodes' role already writes `runs/*`, and it needs no write access to the run table, where a node
+could otherwise overwrite the run's records. (The same records as items of the run's partition
+would be at most 34 WCU of its 1,000, fine for DynamoDB too.)
+"""
+
+from collections.abc import Mapping
+from datetime import datetime
+from types import MappingProxyType
+
+from trainfleet.core.events import LOST_STATES
+from trainfleet.core.pace import (FULL_RATE_NODES, POLL_MAX_S, POLL_MIN_S, SILENT_LOOKS, looks_per_second,
+                                  poll_interval, silent_after)
+from trainfleet.core.records import FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole
+
+__all__ = ["FULL_RATE_NODES", "POLL_MAX_S", "POLL_MIN_S", "SILENT_LOOKS", "looks_per_second", "poll_interval",
+           "silent_after", "IMPAIRED", "silent_workers", "blame_silent_workers", "needs_liveness_look", "hang_onset"]
+
+IMPAIRED = "impaired"
+"""What EC2's troubles name an instance whose instance or system status check failed."""
+
+# Failures that name no node but may hide one: a silent node takes the world down with it.
+_MAY_HIDE_A_NODE = frozenset({FailureClass.PROCESS_CRASH, FailureClass.HANG, FailureClass.UNKNOWN})
+
+
+def silent_workers(nodes: list[NodeRecord], liveness: list[NodeLiveness], attempt: int, now: datetime,
+                   hang_timeout_s: float, ec2_troubles: Mapping[str, str] = MappingProxyType({})) -> dict[str, str]:
+    """Workers of the attempt's world that failed silently, instance id -> why.
+
+    A worker is blamed when EC2 reports its instance leaving (`ec2_troubles`: instance id -> a
+    state of LOST_STATES, or "impaired" for a failed status check), when its agent stopped
+    reporting, when it has no report of this attempt or its trainer never joined the rendezvous
+    while its peers trained (every agent reports before it starts torchrun, and a rendezvous
+    completes only once every node's torchrun joined it), or when its trainer stopped advancing
+    more than a step behind its peers. A report is held against the steps its peers had reported
+    by the time it was written, never against later ones: the world steps together, and a report
+    that is only older (its agent's writes failed for a while, as they do while S3 throttles) is
+    no sign of a node behind. The liveness rules blame no one when every worker looks
+    silent: that says more about the reports' path than about the nodes, and replacing the whole
+    world would not help. What EC2 reports blames its worker all the same.
+    """
+    live = [node for node in nodes if not node.state.is_retired]
+    workers = [node for node in live if node.role is NodeRole.WORKER]
+    reports = {record.instance_id: record for record in liveness if record.attempt == attempt}
+    limit = silent_after(len(live), hang_timeout_s)  # the agents pace their looks by both
+    def lead_by(moment: datetime | None) -> int | None:
+        """The furthest step reported by `moment` (None: ever)."""
+        return max((record.step for record in reports.values() if record.step is not None
+                    and (moment is None or record.reported_at <= moment)), default=None)
+
+    why: dict[str, str] = {}
+    for node in workers:
+        report = reports.get(node.instance_id)
+        lead = lead_by(report.reported_at if report else None)
+        if report is None:
+            if lead is not None:
+                why[node.instance_id] = f"no liveness report in attempt {attempt} while its peers reached step {lead}"
+        elif now - report.reported_at > limit:
+            why[node.instance_id] = f"agent silent for {(now - report.reported_at).total_seconds():.0f} s"
+        elif report.step is None and lead is not None:
+            why[node.instance_id] = f"never joined the rendezvous while its peers reached step {lead}"
+        elif report.step is not None and lead is not None and lead - report.step > 1:
+            why[node.instance_id] = f"stopped advancing at step {report.step} while its peers reached {lead}"
+    if len(why) == len(workers):
+        why = {}
+    for node in workers:
+        trouble = ec2_troubles.get(node.instance_id)
+        if trouble == IMPAIRED:
+            why[node.instance_id] = "EC2 instance status impaired"
+        elif trouble in LOST_STATES:
+            why[node.instance_id] = f"EC2 reports the instance {trouble}"
+    return why
+
+
+def blame_silent_workers(failure: FailureReport, nodes: list[NodeRecord], liveness: list[NodeLiveness],
+                         now: datetime, hang_timeout_s: float,
+                         ec2_troubles: Mapping[str, str] = MappingProxyType({})) -> FailureReport:
+    """`failure` naming the workers that failed silently, when it is a crash or a hang that named
+    no node; unchanged otherwise. The nodes named are replaced on this first failure instead of
+    failing every restart until the crash-loop rule gives up. When EC2 reports one of them
+    leaving, the failure is that instance's loss: the crash was its peers' view of it (the
+    agents report a crash without waiting for EC2's event, which may come later or not at all
+    before Recover looks)."""
+    if not needs_liveness_look(failure):
+        return failure
+    why = silent_workers(nodes, liveness, failure.attempt, now, hang_timeout_s, ec2_troubles)
+    if not why:
+        return failure
+    blamed = "; ".join(f"{instance_id}: {reason}" for instance_id, reason in sorted(why.items()))
+    lost = any(ec2_troubles.get(instance_id) in LOST_STATES for instance_id in why)
+    return failure.model_copy(update={
+        "instance_ids": sorted(why), "message": f"{failure.message} [{blamed}]",
+        "failure_class": FailureClass.INSTANCE_LOST if lost else failure.failure_class})
+
+
+def needs_liveness_look(failure: FailureReport) -> bool:
+    """Whether Recover should look at liveness and instance status before deciding."""
+    return not failure.instance_ids and failure.failure_class in _MAY_HIDE_A_NODE
+
+
+def hang_onset(failure: FailureReport, liveness: list[NodeLiveness]) -> FailureReport:
+    """`failure` with its first sign, when it is a hang that has none (a heartbeat timed out: no
+    event observed it): the world's last step, the newest step a worker of the attempt reported."""
+    if failure.failure_class is not FailureClass.HANG or failure.observed_at is not None:
+        return failure
+    last = max((record.step_at for record in liveness if record.attempt == failure.attempt and record.step_at),
+               default=None)
+    return failure.model_copy(update={"observed_at": last})

@@ -1,0 +1,245 @@
+"""The recovery decision: restart, replace, shrink or give up; the budget, the crash loop, backoff.
+
+decide_recovery() works in numbered steps, each a rule a person can check:
+    1. a config error never heals, nor does a node software that does not install, nor a world
+       that does not scale; a Capacity Block that ends has nothing left to run on: give up;
+    2. the cost ceiling is reached: give up;
+    3. the restart budget of the window is spent, or capacity has been short longer than the
+       run waits for it: give up;
+    4. a crash loop (the same failure K times in a row on the same nodes or none, no checkpoint
+       in between): give up;
+    5. no node is blamed: restart on the same nodes;
+    6. blamed workers (and any AWS announced leaving) are covered by healthy spares and/or new
+       instances: replace (at once on the first failure of a streak: the nodes that failed are gone);
+    7. capacity ran out and the run may shrink: re-plan pp x dp on the nodes left (workers it
+       leaves out become spares up to the spare count, the rest are terminated), or give up;
+    8. capacity came back to a run that shrank: READY spares join and pp x dp is re-planned
+       for the planned size (lifecycle.growth).
+"""
+
+from datetime import datetime, timedelta
+
+from trainfleet.core.lifecycle.goodput import over_cost_ceiling
+from trainfleet.core.lifecycle.growth import grown_plan
+from trainfleet.core.lifecycle.launch import rank_order
+from trainfleet.core.lifecycle.replan import plan_layout
+from trainfleet.core.records import (FailureClass, FailureRecord, FailureReport, NodeRecord, NodeRole, NodeState,
+                                     RecoveryAction, RecoveryDecision, RunRecord)
+from trainfleet.core.runspec import RecoveryPolicy
+
+FAILURES_KEPT = 50
+"""The newest failures a run record keeps beside those the recovery rules count (kept_failures)."""
+MESSAGE_KEPT_CHARS = 600
+"""How much of a failure's message its record keeps: its start (what was raised) and its end."""
+
+# AWS announces these; they say nothing about the job.
+ANNOUNCED_BY_AWS = frozenset({FailureClass.SPOT_INTERRUPTION, FailureClass.SPOT_REBALANCE,
+                              FailureClass.HEALTH_EVENT})
+# Nor do these: they never spend the restart budget nor make a crash loop.
+NOT_THE_JOBS = ANNOUNCED_BY_AWS | {FailureClass.CAPACITY, FailureClass.CAPACITY_RETURNED}
+
+
+def failure_streak(history: list[FailureRecord], failure_class: FailureClass, resume_step: int | None,
+                   same_nodes_as: list[str] | None = None) -> int:
+    """How many failures in a row, counting this one, share its class and made no progress; with
+    `same_nodes_as` (the nodes this one blames), only those that blamed some of them, or, like
+    it, none."""
+    streak = 1
+    for past in reversed(history):
+        if past.failure_class != failure_class or past.resume_step != resume_step:
+            break
+        if same_nodes_as is not None:
+            related = set(past.instance_ids) & set(same_nodes_as) if same_nodes_as else not past.instance_ids
+            if not related:
+                break
+        streak += 1
+    return streak
+
+
+def restarts_in_window(history: list[FailureRecord], now: datetime, window: timedelta) -> int:
+    """Recoveries the budget counts in the window up to `now`: those from failures the job may cause."""
+    return sum(1 for past in history if past.at > now - window and past.failure_class not in NOT_THE_JOBS)
+
+
+def capacity_wait(history: list[FailureRecord], now: datetime) -> timedelta:
+    """How long capacity has been short: since the first of the capacity failures the history
+    ends with (zero when it ends with none)."""
+    first = None
+    for past in reversed(history):
+        if past.failure_class is not FailureClass.CAPACITY:
+            break
+        first = past.at
+    return now - first if first else timedelta(0)
+
+
+def backoff_seconds(policy: RecoveryPolicy, streak: int, jitter_draw: float) -> float:
+    """Wait before retry number `streak` (1 = first) of a streak; jitter_draw in [0, 1) from the caller.
+
+    Exponential, capped, and shortened by up to `backoff_jitter` of itself so that many runs
+    hit by the same outage do not retry in lockstep.
+    """
+    if not 0 <= jitter_draw < 1:
+        raise ValueError(f"jitter_draw must be in [0, 1), got {jitter_draw}")
+    wait = min(policy.backoff_max_seconds,
+               policy.backoff_base_seconds * policy.backoff_multiplier ** (streak - 1))
+    return wait * (1 - policy.backoff_jitter * jitter_draw)
+
+
+def _hours_or_seconds(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds:.0f} s"
+
+
+def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport,
+                    jitter_draw: float, now: datetime) -> RecoveryDecision:
+    """What to do about `failure` (classified for the run's current attempt), decided at `now`."""
+    spec, policy = run.spec, run.spec.recovery
+    resume_step = run.latest_checkpoint.step if run.latest_checkpoint else None
+
+    def give_up(reason: str) -> RecoveryDecision:
+        return RecoveryDecision(action=RecoveryAction.GIVE_UP, failure_class=failure.failure_class,
+                                reason=reason)
+
+    # 1-4: the reasons to stop.
+    if failure.failure_class is FailureClass.CONFIG_ERROR:
+        return give_up(f"the trainer refused its config: {failure.message}")
+    if failure.failure_class is FailureClass.BOOT_FAILED:
+        return give_up(f"the node software did not install: {failure.message}")
+    if failure.failure_class is FailureClass.POOR_SCALING and not failure.instance_ids:
+        # Uniformly poor: no replacement can help. A slow node named is replaced as a sick one is.
+        return give_up(f"the fleet does not scale: {failure.message}")
+    if failure.failure_class is FailureClass.CAPACITY_BLOCK_END:
+        saved = f"checkpoint step {resume_step}" if resume_step is not None else "no checkpoint"
+        return give_up(f"{failure.message}; stopped with {saved}: start it again on a new block to resume")
+    if over_cost_ceiling(spec, run.ledger):
+        return give_up(f"cost ${run.ledger.cost_usd:,.2f} reached the ceiling ${spec.cost_ceiling_usd:,.2f}")
+    window = timedelta(hours=policy.restart_window_hours)
+    recent = restarts_in_window(run.failures, now, window)
+    if failure.failure_class not in NOT_THE_JOBS and recent >= policy.max_restarts:
+        return give_up(f"restart budget spent ({recent} of {policy.max_restarts} in "
+                       f"{policy.restart_window_hours:g} h); last: {failure.message}")
+    waited = capacity_wait(run.failures, now)
+    if failure.failure_class is FailureClass.CAPACITY and waited > timedelta(hours=policy.capacity_wait_hours):
+        return give_up(f"capacity short for {_hours_or_seconds(waited.total_seconds())}, longer than the "
+                       f"{_hours_or_seconds(policy.capacity_wait_hours * 3600)} the run waits; last: {failure.message}")
+    # A loop is the same nodes (or none) failing alike; a replacement failing as the node it
+    # replaced did is no loop, but it waits longer before the next try (the streak's backoff).
+    looped = failure_streak(run.failures, failure.failure_class, resume_step, same_nodes_as=failure.instance_ids)
+    if failure.failure_class not in NOT_THE_JOBS and looped >= policy.crash_loop_repeats:
+        return give_up(f"crash loop: {failure.failure_class.value} {looped} times in a row without a "
+                       f"new checkpoint; last: {failure.message}")
+    streak = failure_streak(run.failures, failure.failure_class, resume_step)
+
+    live = [node for node in nodes if not node.state.is_retired]
+    # Nodes AWS announced leaving go with the blamed ones: the world restarts now anyway.
+    blamed = set(failure.instance_ids) | {node.instance_id for node in live if node.departure_noticed_at}
+    workers = [node for node in live if node.role is NodeRole.WORKER and node.instance_id not in blamed]
+    spare_pool = [node for node in live if node.role is NodeRole.SPARE and node.instance_id not in blamed]
+    spares = [node for node in spare_pool if node.state is NodeState.READY]  # only these can step in now
+    terminate = sorted(node.instance_id for node in live if node.instance_id in blamed)
+    plan = run.plan
+    needed = plan.nodes if plan else spec.node_count
+    missing = max(0, needed - len(workers))
+    promote = sorted(node.instance_id for node in spares)[:missing]
+    uncovered = missing - len(promote)
+    common = dict(failure_class=failure.failure_class, terminate_instance_ids=terminate,
+                  promote_spare_ids=promote, backoff_seconds=backoff_seconds(policy, streak, jitter_draw))
+
+    # 8: the spares that came since a shrink join the world.
+    if failure.failure_class is FailureClass.CAPACITY_RETURNED:
+        grown = grown_plan(run, len(workers) + len(spares))
+        if grown is not None and grown.nodes > len(workers):
+            promote = sorted(node.instance_id for node in spares)[:grown.nodes - len(workers)]
+            refill = max(0, spec.spare_count - (len(spare_pool) - len(promote)))
+            return RecoveryDecision(action=RecoveryAction.GROW, plan=grown, allocate_spares=refill,
+                                    **{**common, "promote_spare_ids": promote, "backoff_seconds": 0.0},
+                                    reason=f"capacity returned: grow to {grown.nodes} nodes at pp={grown.pp} x "
+                                           f"dp={grown.dp}; {failure.message}")
+
+    # 5: nothing to swap.
+    if not terminate and missing == 0:
+        return RecoveryDecision(action=RecoveryAction.RESTART, plan=plan, **common,
+                                reason=f"{failure.failure_class.value} on healthy nodes: restart them; {failure.message}")
+
+    # 7: allocation already came up short; shrink onto what is there, if allowed.
+    if failure.failure_class is FailureClass.CAPACITY and uncovered and spec.min_nodes is not None:
+        available = len(workers) + len(spares)
+        shrunk = plan_layout(spec.trainer, spec.facts.ranks_per_node, available, spec.min_nodes,
+                             preferred_pp=plan.pp if plan else spec.trainer.parallel.pp,
+                             memory_gib=spec.facts.memory_per_rank_gib, accelerator=spec.facts.accelerator)
+        if shrunk is None:
+            return give_up(f"only {available} nodes available and no layout runs on "
+                           f"{spec.min_nodes}..{available} of them")
+        promote = sorted(node.instance_id for node in spares)[:max(0, shrunk.nodes - len(workers))]
+        leaving = [node.instance_id for node in sorted(workers, key=rank_order)[shrunk.nodes:]]
+        # Workers the smaller world leaves out become spares, up to the spare count; the rest
+        # are terminated rather than kept idle and billed.
+        room = max(0, spec.spare_count - (len(spare_pool) - len(promote)))
+        demote, trimmed = leaving[:room], leaving[room:]
+        return RecoveryDecision(action=RecoveryAction.SHRINK, plan=shrunk, demote_worker_ids=demote,
+                                **{**common, "promote_spare_ids": promote,
+                                   "terminate_instance_ids": sorted([*terminate, *trimmed])},
+                                reason=f"capacity short: continue on {shrunk.nodes} nodes at pp={shrunk.pp} "
+                                       f"x dp={shrunk.dp}")
+
+    # 6: replace the blamed nodes; spares first, new instances for the rest. The first failure of
+    # a streak does not wait: a backoff is for retrying what may fail the same way again, and
+    # the nodes it blamed are gone (a replacement failing alike starts the waits).
+    spares_left = len(spare_pool) - len(promote)
+    refill = 0 if failure.failure_class is FailureClass.CAPACITY else max(0, spec.spare_count - spares_left)
+    if streak == 1:
+        common["backoff_seconds"] = 0.0
+    return RecoveryDecision(action=RecoveryAction.REPLACE, plan=plan, allocate_workers=uncovered,
+                            allocate_spares=refill, **common,
+                            reason=f"{failure.failure_class.value}: replace {len(terminate)} node(s), "
+                                   f"{len(promote)} from spares, {uncovered} new; {failure.message}")
+
+
+def kept_failures(history: list[FailureRecord], now: datetime, window: timedelta) -> list[FailureRecord]:
+    """What a run record keeps of its failures: the newest FAILURES_KEPT, every one the restart
+    budget counts in its window, and the first of a capacity shortfall still going on. About 175
+    failures filled the 400 KB item before, and the Recover that could not write failed the run."""
+    keep = set(range(max(0, len(history) - FAILURES_KEPT), len(history)))
+    keep |= {index for index, past in enumerate(history)
+             if past.at > now - window and past.failure_class not in NOT_THE_JOBS}
+    shortfall = len(history)
+    while shortfall > 0 and history[shortfall - 1].failure_class is FailureClass.CAPACITY:
+        shortfall -= 1
+    keep |= {shortfall} - {len(history)}
+    return [history[index] for index in sorted(keep)]
+
+
+def clipped(message: str) -> str:
+    """A message cut to MESSAGE_KEPT_CHARS: its start and its end."""
+    if len(message) <= MESSAGE_KEPT_CHARS:
+        return message
+    half = MESSAGE_KEPT_CHARS // 2
+    return f"{message[:half]} ... {message[-half:]}"
+
+
+def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDecision,
+                   now: datetime) -> RunRecord:
+    """The run record after acting on a decision: a new attempt, the failure on the books."""
+    history = [*run.failures, FailureRecord(
+        failure_class=failure.failure_class, at=now,
+        resume_step=run.latest_checkpoint.step if run.latest_checkpoint else None, attempt=failure.attempt,
+        onset_at=failure.observed_at, last_step=run.last_step if run.first_step_at else None,
+        instance_ids=failure.instance_ids, message=clipped(failure.message))]
+    kept = kept_failures(history, now, timedelta(hours=run.spec.recovery.restart_window_hours))
+    books = {"failures": kept, "earlier_failures": run.earlier_failures + len(history) - len(kept)}
+    if decision.action is RecoveryAction.GIVE_UP:
+        return run.model_copy(update={**books, "error": decision.reason})
+    return run.model_copy(update={
+        **books,
+        "attempt": run.attempt + 1,
+        "restarts": run.restarts + 1,
+        "plan": decision.plan,
+        "waiting": None,
+        "attempt_failure": None,
+        "attempt_started_at": now,
+        "nodes_launched_at": now,
+        "first_step_at": None,
+        "checkpoint_requested_at": None,
+        "departure_noticed_at": None,
+        "departure_due_at": None,
+        "grow_tried_at": None if decision.action is RecoveryAction.GROW else run.grow_tried_at,
+    })

@@ -1,0 +1,61 @@
+"""What a run's nodes may touch: the prefixes of the stack's bucket (template.yaml's NodePolicy
+grants exactly these, tests/test_iam_policies.py checks both agree) and their log streams.
+
+    NODE_READ_PREFIXES, NODE_WRITE_PREFIXES   the bucket's prefixes the nodes read and write
+    node_access_problems(spec, bucket)        the RunSpec's S3 URIs that fall outside them: a
+                                              RunSpec naming one would fail on the nodes with
+                                              AccessDenied after the fleet was paid for
+    node_log_group, node_log_stream           where a node's log goes in CloudWatch Logs
+"""
+
+from __future__ import annotations
+
+from trainfleet.core.runspec import RunSpec
+
+NODE_READ_PREFIXES = ("runs/", "data/", "artifacts/")
+"""Readable by the nodes: their run's folder under runs/ (launch spec, checkpoints), token
+shards, and the wheelhouse the user data installs."""
+NODE_WRITE_PREFIXES = ("runs/",)
+"""Writable (and deletable) by the nodes: their run's folder under runs/ (checkpoints and what
+else a run writes)."""
+
+
+def node_access_problems(spec: RunSpec, bucket: str) -> list[str]:
+    """`field: problem` for each S3 URI of the RunSpec the nodes could not use in `bucket`."""
+
+    def outside(uri: str, prefixes: tuple[str, ...]) -> bool:
+        return not any(uri.startswith(f"s3://{bucket}/{prefix}") for prefix in prefixes)
+
+    def allowed(prefixes: tuple[str, ...]) -> str:
+        return ", ".join(f"s3://{bucket}/{prefix}" for prefix in prefixes)
+
+    problems = []
+    own = f"s3://{bucket}/runs/{spec.run_name}/"
+    if outside(spec.checkpoint.s3_uri + "/", NODE_WRITE_PREFIXES):
+        problems.append(f"checkpoint.s3_uri: the nodes write checkpoints only under "
+                        f"{allowed(NODE_WRITE_PREFIXES)} (this stack's bucket, NodePolicy) "
+                        f"(got {spec.checkpoint.s3_uri!r})")
+    elif not (spec.checkpoint.s3_uri + "/").startswith(own):
+        # A RunSpec copied under a new name must not resume, prune or retain another run's steps.
+        problems.append(f"checkpoint.s3_uri: a run's checkpoints are its own, under {own} "
+                        f"(got {spec.checkpoint.s3_uri!r})")
+    shards = (spec.trainer.model_extra or {}).get("data", {}).get("shards", "")
+    if str(shards).startswith("s3://") and outside(str(shards).rstrip("/") + "/", NODE_READ_PREFIXES):
+        problems.append(f"trainer.data.shards: the nodes read only under "
+                        f"{allowed(NODE_READ_PREFIXES)} (this stack's bucket, NodePolicy) (got {shards!r})")
+    elif str(shards).startswith(f"s3://{bucket}/runs/") and not (str(shards).rstrip("/") + "/").startswith(own):
+        problems.append(f"trainer.data.shards: under runs/ a run's nodes read their own run's folder alone, "
+                        f"{own} (got {shards!r})")
+    return problems
+
+
+def node_log_group(stack_name: str) -> str:
+    """The CloudWatch Logs group of the stack's nodes (template.yaml's NodeLogGroup)."""
+    return f"/trainfleet/{stack_name}/nodes"
+
+
+def node_log_stream(run_name: str, instance_id: str) -> str:
+    """A node's stream in node_log_group: under its run's name, the prefix its role may write."""
+    return f"{run_name}/{instance_id}"
+
+
