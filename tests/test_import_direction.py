@@ -1,0 +1,136 @@
+"""The layout's arrows (README's Layout): every import of the project's code, at the top of a
+module or inside a function, points the way the map allows. A wrong one fails here, named with
+its file and line, before it can make the trainer depend on the control plane, a Lambda on the
+operator's side, or the core on anything above it.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("trainer", "node", "trainfleet", "functions", "localcloud")
+
+TRAINER_TORCH_FREE = frozenset({"trainer", "trainer.config", "trainer.schedules", "trainer.checkpoint_catalog",
+                                "trainer.tokenizer", "trainer.progress"})
+"""The trainer's modules the control plane reads (the Lambda build copies them): no torch."""
+
+PARTS = {  # a module's part: the longest of these prefixes its name starts with
+    "trainer": "trainer", "node": "node", "functions": "functions", "localcloud": "localcloud",
+    "trainfleet": "trainfleet", "trainfleet.core": "core", "trainfleet.adapters": "adapters",
+    "trainfleet.report": "report", "trainfleet.operator": "operator", "trainfleet.cli": "cli",
+}
+EVERY_PART = frozenset(PARTS.values()) | {"trainer-torch-free"}
+
+MAY_IMPORT = {
+    "trainer-torch-free": {"trainer-torch-free"},
+    "trainer": {"trainer", "trainer-torch-free"},
+    "core": {"core", "trainer-torch-free"},
+    "adapters": {"adapters", "core", "trainer-torch-free"},
+    "report": {"report", "core"},
+    "functions": {"functions", "core", "adapters", "report", "trainer-torch-free"},
+    "node": {"node", "trainer", "trainer-torch-free", "core", "adapters"},
+    "operator": {"operator", "core", "adapters", "report", "trainer", "trainer-torch-free"},
+    "localcloud": EVERY_PART - {"cli"},
+    "cli": EVERY_PART,
+    "trainfleet": set(),
+}
+"""What each part may import (its own modules included)."""
+
+LOCAL_CLOUD_SEAM = "localcloud.commands"
+"""The one module of the local cloud that the `trainfleet` command imports."""
+
+TORCH_FREE_PARTS = frozenset({"trainer-torch-free", "core", "adapters", "report", "functions"})
+"""Parts that Lambda runs, or that the control plane reads: torch is not there."""
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def part_of(module: str) -> str:
+    if module in TRAINER_TORCH_FREE:
+        return "trainer-torch-free"
+    prefixes = [prefix for prefix in PARTS if module == prefix or module.startswith(prefix + ".")]
+    return PARTS[max(prefixes, key=len)]
+
+
+def imports_of(path: Path, module: str, known: set[str]) -> list[tuple[int, str]]:
+    """(line, module imported) for every import in the file: `from pkg import name` counts as
+    pkg.name where that is a module of the project."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                found.append((node.lineno, f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base))
+    return found
+
+
+def import_violations(root: Path) -> list[str]:
+    """`file:line: what is wrong` for each import under `root` that the map forbids."""
+    files = {module_name(path, root): path for package in PACKAGES for path in sorted((root / package).rglob("*.py"))}
+    problems = []
+    for module, path in files.items():
+        part = part_of(module)
+        for line, target in imports_of(path, module, set(files)):
+            where = f"{path.relative_to(root)}:{line}"
+            top = target.split(".")[0]
+            if top == "torch" and part in TORCH_FREE_PARTS:
+                problems.append(f"{where}: {module} ({part}) imports torch")
+            if top not in PACKAGES or target in PACKAGES:
+                continue  # another package's, or a package's own __init__ (a docstring)
+            wanted = part_of(target)
+            if wanted not in MAY_IMPORT[part]:
+                problems.append(f"{where}: {module} ({part}) may not import {target} ({wanted})")
+            elif part == "cli" and top == "localcloud" and target != LOCAL_CLOUD_SEAM:
+                problems.append(f"{where}: {module} reaches the local cloud only through {LOCAL_CLOUD_SEAM}, "
+                                f"not {target}")
+    return problems
+
+
+def test_every_import_follows_the_map():
+    assert import_violations(REPO) == []
+
+
+def write(root: Path, module: str, source: str) -> None:
+    path = root / (module.replace(".", "/") + ".py")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for folder in path.relative_to(root).parents:
+        if str(folder) != ".":
+            (root / folder / "__init__.py").touch()
+    path.write_text(source)
+
+
+@pytest.mark.parametrize("module, source, problem", [
+    ("trainer.train", "from trainfleet.core.records import RunRecord\n",
+     "trainer/train.py:1: trainer.train (trainer) may not import trainfleet.core.records (core)"),
+    ("trainfleet.core.lifecycle.recovery", "def later():\n    from trainfleet.adapters import run_store\n",
+     "trainfleet/core/lifecycle/recovery.py:2: trainfleet.core.lifecycle.recovery (core) may not import "
+     "trainfleet.adapters.run_store (adapters)"),
+    ("functions.report", "from trainfleet.operator.runs import Stack\n",
+     "functions/report.py:1: functions.report (functions) may not import trainfleet.operator.runs (operator)"),
+    ("trainfleet.cli", "from localcloud.cloud import LocalCloud\n",
+     "trainfleet/cli.py:1: trainfleet.cli reaches the local cloud only through localcloud.commands, "
+     "not localcloud.cloud"),
+    ("trainer.schedules", "import torch\n", "trainer/schedules.py:1: trainer.schedules (trainer-torch-free) imports torch"),
+    ("trainfleet.report.page", "from ..operator import live_view\n",
+     "trainfleet/report/page.py:1: trainfleet.report.page (report) may not import trainfleet.operator.live_view "
+     "(operator)"),
+])
+def test_a_planted_wrong_import_is_named(tmp_path, module, source, problem):
+    for allowed in ("trainfleet.core.records", "trainfleet.adapters.run_store", "trainfleet.operator.runs",
+                    "trainfleet.operator.live_view", "localcloud.cloud", "localcloud.commands"):
+        write(tmp_path, allowed, "")
+    write(tmp_path, "trainfleet.cli", "from localcloud.commands import add_local_commands\n")
+    assert import_violations(tmp_path) == []
+    write(tmp_path, module, source)
+    assert import_violations(tmp_path) == [problem]
