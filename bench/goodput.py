@@ -26,7 +26,8 @@ An attempt, from the recovery decision at d (as the state machine runs it):
   new instance costs, and nothing else: refills boot in the background. Checkpoints start every
   interval from the first step (async: training blocks for the stall, and waits for the upload
   before the next save when the interval is shorter than the save) and count from their commit,
-  a save later. A failure is known `detect_s` after it strikes (a hang: the hang timeout),
+  a save later. A failure is known `detect_s` after it strikes (a hang: once the agents find the
+  world silent past its cadence, trainfleet.core.pace.hung_after, or the hang timeout if sooner),
   Recover decides `control_plane_s` later; training since the last commit is redone.
 
 Failures: a Poisson process per cause, at the rate of the Llama 3 405B report's table of
@@ -66,10 +67,10 @@ from trainfleet.core.events import HealthEvent, NodeUnhealthy, TrainerFailed
 from trainfleet.core.lifecycle import (apply_decision, blame_silent_workers, classify_event, classify_task_error,
                                        decide_recovery, initial_plan, new_node_records, settle_run_attempt)
 from trainfleet.core.lifecycle.goodput import STARTUP, give_up_cause, unaccounted_seconds  # noqa: E402
-from trainfleet.core.pace import FULL_RATE_NODES, longest_look, stall_after  # noqa: E402
+from trainfleet.core.pace import CADENCE_STEPS_KNOWN, FULL_RATE_NODES, hung_after, longest_look, stall_after  # noqa: E402
 from trainfleet.core.records import (CheckpointRef, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                      RecoveryDecision, RunRecord, TaskWait, TrainerFailureKind)
-from trainfleet.core.runspec import RunSpec
+from trainfleet.core.runspec import RecoveryPolicy, RunSpec
 
 INSTANCE_TYPE = "p5.48xlarge"
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -85,7 +86,7 @@ class Seen(Enum):
     HEALTH = "an AWS Health event (issue) names the instance"
     CRASH = "the trainer crashes on healthy nodes"
     NAN = "the loss turns NaN"
-    HANG = "the world hangs until the Train task's heartbeat times out"
+    HANG = "the world hangs until its agents find it silent past its cadence (TrainerHung)"
     CRASH_STAYS = "the trainer crashes, no node is named, and the fault stays on the node"
 
 
@@ -319,7 +320,9 @@ class Pace:
                    rendezvous=s(t.rendezvous_s), load=s(t.load_s), save=s(t.save_s),
                    cadence=s(max(scenario.interval_s, t.save_s)),
                    stall=t.stall_s + max(0.0, t.save_s - scenario.interval_s),
-                   detect=s(t.detect_s), hang=s(scenario.hang_timeout_s), control_plane=s(t.control_plane_s))
+                   detect=s(t.detect_s), control_plane=s(t.control_plane_s),
+                   hang=s(min(scenario.hang_timeout_s, hung_after([t.step_s] * CADENCE_STEPS_KNOWN,
+                                                                  RecoveryPolicy().stall_floor_seconds))))
 
 
 @dataclass
@@ -540,7 +543,8 @@ def main() -> int:
     print(f"timings (s): boot {t.boot_s:g} + preflight {t.preflight_s:g}; step {t.step_s:g}, stalled after "
           f"{pace.stalled.total_seconds():g}, then agents' look <= {pace.between_look.total_seconds():.1f} "
           f"(trainfleet.core.pace); rendezvous {t.rendezvous_s:g}; detection {t.detect_s:g} "
-          f"(a hang: {args.hang_timeout_s}); control plane {t.control_plane_s:g}")
+          f"(a hang: {pace.hang.total_seconds():g}, its cadence's; the hang timeout {args.hang_timeout_s}); "
+          f"control plane {t.control_plane_s:g}")
     print(f"checkpoint every {args.interval_min:g} min: save {t.save_s:.2f} s, load {t.load_s:.2f} s, stall "
           f"{t.stall_s:.4f} s ({MODEL_PARAMETERS / 1e9:.0f}B parameters x {STATE_BYTES_PER_PARAMETER} bytes over "
           f"{args.nodes:,} nodes)")

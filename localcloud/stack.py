@@ -107,8 +107,9 @@ def _network(ec2: Any) -> tuple[str, str]:
     return subnet["Subnet"]["SubnetId"], group["GroupId"]
 
 
-TIMEOUT_FLOORS_S = {"recovery.hang_timeout_seconds": 60, "recovery.startup_timeout_seconds": 300,
-                    "recovery.boot_timeout_seconds": 300, "trainer.parallel.timeout_s": 60}
+TIMEOUT_FLOORS_S = {"recovery.hang_timeout_seconds": 60, "recovery.stall_floor_seconds": 60,
+                    "recovery.startup_timeout_seconds": 300, "recovery.boot_timeout_seconds": 300,
+                    "trainer.parallel.timeout_s": 60}
 """The least a local run may give the product's timeouts. A local run's processes share two
 cores with whatever else the machine runs (a test suite's other workers): starved to a small
 share, a node's agent boots and passes preflight in minutes, a rank imports torch in a minute, a
@@ -117,7 +118,8 @@ world that trains can reach seconds. Measured on the `starved` cell beside the s
 118 s and a silent start-up (torchrun's and a rank's imports) of more than 120 s, which the
 earlier floors of 180 s and 120 s let through as a hang; and, with three chaos cells beside
 the suite on a slow day, the Train task's 30 s heartbeat timeout passed twice in worlds that
-went on committing checkpoints (the hang floor was 30 s). Below these a healthy run could be
+went on committing checkpoints (the hang floor was 30 s): a world's silence is held to the same
+floor, whether the heartbeat's timeout or its agents' cadence judges it. Below these a healthy run could be
 failed for its machine's load; the chaos cell `starved` (a quarter of the CPU, beside the suite)
 holds them."""
 
@@ -126,6 +128,7 @@ def timeout_floor_problems(spec: dict[str, Any]) -> list[str]:
     """The RunSpec's timeouts below TIMEOUT_FLOORS_S, each named (the defaults are far above)."""
     recovery = RunSpec.model_validate(spec).recovery
     given = {"recovery.hang_timeout_seconds": recovery.hang_timeout_seconds,
+             "recovery.stall_floor_seconds": recovery.stall_floor_seconds,
              "recovery.startup_timeout_seconds": recovery.startup_timeout_seconds,
              "recovery.boot_timeout_seconds": recovery.boot_timeout_seconds,
              "trainer.parallel.timeout_s": spec["trainer"].get("parallel", {}).get("timeout_s", math.inf)}

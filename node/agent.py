@@ -50,6 +50,10 @@ instance's process. It speaks to the control plane only through AWS:
    silent world is; and a call of the watch loop waiting out throttling or an outage (botocore
    retries, then the agent's backoff) never delays it, so seconds of a slow control plane are
    not taken for a hang of the world either;
+   every agent also times its own trainer's steps, and once it knows the world's cadence it
+   sends TrainerHung when its trainer has been silent for HANG_STEPS of the recent median step
+   time (at least the run's stall floor: trainfleet.core.pace.hung_after), so a hung world fails
+   the Train task seconds after it stopped, not a hang timeout later;
 6. torchrun's exit: 0 -> TrainingCompleted; otherwise TrainerFailed with the kind read from its
    output (config error, NaN loss, crash), unless the run has moved on meanwhile: a peer's
    death reaches this node as a crash. EC2's event about a lost peer usually lands within a
@@ -79,6 +83,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -101,11 +106,11 @@ from trainfleet.adapters.run_store import NodeNotFound, RunStore
 from trainfleet.core.catalogue import instance_facts, nccl_environment
 from trainfleet.core.events import (PROGRESS_SAMPLES_MAX, AgentEvent, CheckpointCommitted, CheckpointReason,
                                     FleetChecked, HealthCheckResult, NodeReady, NodeRegistered, NodeUnhealthy,
-                                    ProgressSample, ScalingChecked, TrainerFailed, TrainingCompleted, TrainingProgress,
-                                    instance_arn, put_events_entry)
+                                    ProgressSample, ScalingChecked, TrainerFailed, TrainerHung, TrainingCompleted,
+                                    TrainingProgress, instance_arn, put_events_entry)
 from trainfleet.core.lifecycle import checkpoint_request_answered, poll_interval
 from trainfleet.core.node_access import node_log_stream
-from trainfleet.core.pace import heartbeat_pace, longest_look, stalled
+from trainfleet.core.pace import CADENCE_WINDOW, heartbeat_pace, hung_after, longest_look, stalled
 from trainfleet.core.records import (FleetCheckFigures, LaunchSpec, NodeLiveness, NodeRecord, RunRecord, RunState,
                                      ScalingCheckFigures, TrainerFailureKind)
 
@@ -787,6 +792,9 @@ class Attempt:
         self.progress_changes = 0  # how often its progress file changed
         self.node_stepped_at = -math.inf  # control.clock() when it changed last
         self.node_step_s: float | None = None  # the time a step took, from the last two changes
+        self.step_seconds: deque[float] = deque(maxlen=CADENCE_WINDOW)
+        """node_step_s at each look that saw steps, oldest first: the world's cadence (pace.hung_after)."""
+        self.hang_declared = False
         self.checks_reported: set[str] = set()
         """WORLD_CHECKS whose result the control plane took."""
 
@@ -878,6 +886,7 @@ class Attempt:
             self.progress_changes += 1
             if self.progress_changes > 2:
                 self.node_step_s = (now - self.node_stepped_at) / max(1, step - self.node_step)
+                self.step_seconds.append(self.node_step_s)
             self.stepped = self.stepped or self.progress_changes > 1
             self.node_step, self.node_step_at, self.node_stepped_at = step, datetime.now(timezone.utc), now
         self.control.pace_for(stepping=self.progress_changes > 1
@@ -907,6 +916,24 @@ class Attempt:
             if self.spot_notice() is not None:
                 self.spot_notice_seen = True
                 self.request_checkpoint("spot interruption notice")
+        self.declare_if_hung(now)
+
+    def declare_if_hung(self, now: float) -> None:
+        """TrainerHung, once, when this node's trainer was stepping and has been silent for longer
+        than the world's cadence allows (pace.hung_after): no step, no microbatch, no start-up
+        phase, no sign from a save. A rank that stopped stops the whole world at its next
+        collective, so every node's trainer falls silent and the first agent to tell fails the
+        Train task at once, not a hang timeout later. A world that finished its steps is judged
+        no more: its end (the final save, the exit) is the startup timeout's to bound."""
+        limit = hung_after(self.step_seconds, self.spec.stall_floor_seconds)
+        silent = now - self.alive_at
+        if self.hang_declared or limit is None or silent <= limit or self.node_step == self.final_step:
+            return
+        say("the trainer is silent past the world's cadence: declaring it hung", attempt=self.spec.attempt,
+            last_step=self.node_step, silent_s=round(silent, 1), limit_s=round(limit, 1))
+        self.hang_declared = self.control.send(TrainerHung(
+            run_name=self.spec.run_name, attempt=self.spec.attempt, instance_id=self.identity.instance_id,
+            last_step=self.node_step, seconds_since_progress=silent))
 
     def spot_notice(self) -> dict[str, Any] | None:
         """The Spot notice, if the metadata service shows one; a service that does not answer

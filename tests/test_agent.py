@@ -20,12 +20,13 @@ import pytest
 import torch.distributed.run as torchrun
 
 from localcloud.imds import InstanceMetadata, InstanceMetadataServer
+from localcloud.waiting import until
 from node import agent
 from node.agent import (OUTPUT_TAIL_CHARS, AgentError, AgentSettings, Attempt, AttemptFiles, ControlPlane, Identity,
                         MetadataClient, MetricsFollower, failure_kind, failure_message, torchrun_command, torchrun_env,
                         trainer_config)
 from trainer import checkpoint_catalog as catalog
-from trainer.progress import PROGRESS_FILE_ENV, write_whole
+from trainer.progress import PROGRESS_FILE_ENV, Progress, read_progress, write_whole
 from trainfleet.adapters.liveness import read_liveness
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.core.events import PROGRESS_SAMPLES_MAX, CheckpointReason
@@ -54,7 +55,8 @@ def launch_spec(attempt: int = 0, resume_step: int | None = None, ranks: dict[st
                       plan={"nodes": 2, "ranks_per_node": 1, "pp": 2, "dp": 1},
                       trainer_config={"model": {"n_layers": 2}, "training": {"steps": 30},
                                       "checkpoint": {"uri": "s3://b/runs/run-a/checkpoints", "resume": "none"}},
-                      resume_step=resume_step, hang_timeout_seconds=10, startup_timeout_seconds=60)
+                      resume_step=resume_step, hang_timeout_seconds=10, startup_timeout_seconds=60,
+                      stall_floor_seconds=8)
 
 
 def test_settings_name_every_missing_variable():
@@ -518,6 +520,89 @@ def test_a_slow_step_that_shows_life_is_no_hang_and_a_silent_one_is(heartbeats):
     follow_until(attempt, clock, 200.0)
     assert all(0 < later - earlier <= 2.5 + agent.LOOK_S for earlier, later in zip(beats, beats[1:]))
     assert beats[0] == 100.0 and 140.0 <= beats[-1] <= 143.0, beats
+
+
+def hung_events(sent) -> list[dict]:
+    return [event["detail"] for event in sent() if event["detail-type"] == "TrainerHung"]
+
+
+def steps_every(attempt: Attempt, clock: dict, first: int, last: int, seconds: float) -> None:
+    """This node's trainer completes steps first..last, one every `seconds` (its progress file)."""
+    for number in range(first, last + 1):
+        follow_until(attempt, clock, clock["now"] + seconds)
+        sign_of_life(attempt, number, number)
+
+
+def test_a_trainer_blocked_in_a_save_gives_signs_of_life_until_the_block_ends(tmp_path):
+    """trainer/progress.py's alive_during, as train.py wraps a checkpoint's save and close in it:
+    the progress file keeps changing while the caller blocks, in each block."""
+    progress = Progress(tmp_path / "progress")
+    progress.reached(20)
+    written = (tmp_path / "progress").read_text()
+    with progress.alive_during():
+        until(lambda: (tmp_path / "progress").read_text() != written, lambda: None, what="a beat while blocked",
+              poll_s=0.05)
+    beats_after = progress.beats
+    with progress.alive_during():
+        until(lambda: progress.beats > beats_after, lambda: None, what="a beat in a second block", poll_s=0.05)
+    assert read_progress(tmp_path / "progress") == 20
+
+
+def test_a_world_silent_past_its_cadence_is_declared_hung_once(heartbeats, watched_attempt):
+    """Steps of 2 s: five of them (10 s) of silence is a hang (the stall floor is 8 s here), told
+    with TrainerHung at once, while the Train task's heartbeat timeout would wait its own."""
+    attempt, clock, _ = heartbeats
+    _, _, sent = watched_attempt
+    clock["now"] = 100.0
+    sign_of_life(attempt, 10, 0)  # the world formed at the resume step
+    steps_every(attempt, clock, 11, 20, seconds=2.0)
+    silent_since = clock["now"]
+    follow_until(attempt, clock, silent_since + 9.5)
+    assert hung_events(sent) == []
+    follow_until(attempt, clock, silent_since + 30.0)
+    (hung,) = hung_events(sent)
+    assert hung["instance_id"] == IDENTITY.instance_id and hung["attempt"] == 1 and hung["last_step"] == 20
+    assert 10.0 < hung["seconds_since_progress"] <= 10.0 + 2 * agent.LOOK_S
+
+
+def test_the_stall_floor_bounds_a_fast_worlds_silence(heartbeats, watched_attempt):
+    attempt, clock, _ = heartbeats
+    _, _, sent = watched_attempt
+    clock["now"] = 100.0
+    sign_of_life(attempt, 10, 0)
+    steps_every(attempt, clock, 11, 29, seconds=agent.LOOK_S)  # steps far faster than the 8 s floor allows
+    silent_since = clock["now"]
+    follow_until(attempt, clock, silent_since + 7.5)
+    assert hung_events(sent) == []
+    follow_until(attempt, clock, silent_since + 10.0)
+    assert [hung["last_step"] for hung in hung_events(sent)] == [29], "the final step is 30: the world still had one"
+
+
+def test_a_silent_start_up_or_a_world_that_finished_is_not_judged_by_a_cadence(heartbeats, watched_attempt):
+    """Before CADENCE_STEPS_KNOWN steps are timed the cadence is unknown (the startup timeout
+    bounds a start-up); after the final step (30 here) the end is the startup timeout's too."""
+    attempt, clock, _ = heartbeats
+    _, _, sent = watched_attempt
+    sign_of_life(attempt, 10, 0)
+    steps_every(attempt, clock, 11, 12, seconds=2.0)  # two steps: one timing only
+    follow_until(attempt, clock, clock["now"] + 100.0)
+    assert hung_events(sent) == []
+    steps_every(attempt, clock, 13, 30, seconds=2.0)
+    follow_until(attempt, clock, clock["now"] + 100.0)
+    assert hung_events(sent) == []
+
+
+def test_a_slow_step_that_shows_life_is_not_declared_hung(heartbeats, watched_attempt):
+    attempt, clock, _ = heartbeats
+    _, _, sent = watched_attempt
+    sign_of_life(attempt, 10, 0)
+    steps_every(attempt, clock, 11, 20, seconds=2.0)
+    for microbatch in range(30):  # a step of 60 s, thirty times the cadence, with a sign every 2 s
+        sign_of_life(attempt, 20, 100 + microbatch)
+        follow_until(attempt, clock, clock["now"] + 2.0)
+    sign_of_life(attempt, 21, 200)
+    follow_until(attempt, clock, clock["now"] + 5.0)
+    assert hung_events(sent) == []
 
 
 def test_the_final_save_and_exit_are_heartbeaten_for_at_most_the_startup_timeout(heartbeats):

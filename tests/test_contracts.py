@@ -234,7 +234,7 @@ def test_parallel_plan_and_launch_spec_check_their_numbers():
         records.ParallelPlan(nodes=2, ranks_per_node=8, pp=4, dp=3)
     assert records.ParallelPlan(nodes=2, ranks_per_node=8, pp=2, dp=2, tp=4).world_size == 16
     base = dict(run_name="r", attempt=1, plan=plan, rendezvous_host="10.0.0.1", rendezvous_id="r-1",
-                trainer_config={}, hang_timeout_seconds=600, startup_timeout_seconds=1800)
+                trainer_config={}, hang_timeout_seconds=600, startup_timeout_seconds=1800, stall_floor_seconds=30)
     records.LaunchSpec(node_ranks={"i-1": 0, "i-2": 1}, **base)
     with pytest.raises(ValidationError, match="node_ranks must number"):
         records.LaunchSpec(node_ranks={"i-1": 0, "i-2": 2}, **base)

@@ -80,6 +80,12 @@ def test_failure_events_are_classified(detail, expected, blamed):
     assert (failure.failure_class, failure.instance_ids, failure.attempt) == (expected, blamed, 1)
 
 
+def test_a_hang_an_agent_tells_began_at_the_worlds_last_sign_of_life():
+    told = datetime(2026, 12, 5, 10, 0, 40, tzinfo=timezone.utc)
+    failure = lc.classify_event(TrainerHung(run_name="r1", attempt=1, seconds_since_progress=40.0), 1, told)
+    assert failure.observed_at == datetime(2026, 12, 5, 10, 0, 0, tzinfo=timezone.utc)
+
+
 @pytest.mark.parametrize("detail", [
     Ec2InstanceStateChange(instance_id="i-1", state="running"),
     HealthEvent(eventArn="arn", service="EC2", eventTypeCode="AWS_EC2_OPERATIONAL_NOTIFICATION",
@@ -936,6 +942,14 @@ def test_unless_its_trainer_steps_every_agent_looks_at_the_full_rate_whatever_th
 def test_a_trainer_without_a_step_for_three_steps_and_ten_seconds_has_stalled():
     assert not pace.stalled(9.9, None) and pace.stalled(10.1, None)
     assert pace.stalled(10.1, 0.5) and not pace.stalled(17.9, 6.0) and pace.stalled(18.1, 6.0)
+
+
+def test_a_world_has_hung_after_five_of_its_recent_median_step_times_never_less_than_the_floor():
+    assert pace.hung_after([], 8) is None and pace.hung_after([2.0, 2.0], 8) is None  # the cadence is unknown
+    assert pace.hung_after([2.0, 2.0, 2.0], 8) == 10.0
+    assert pace.hung_after([0.1] * 5, 30) == 30  # fast steps: the floor
+    assert pace.hung_after([2.0] * 19 + [600.0], 8) == 10.0  # one slow step (a save) moves the median little
+    assert pace.hung_after([600.0] * 30 + [2.0] * 20, 8) == 10.0  # only the recent steps count
 
 
 def test_a_short_hang_timeout_quickens_the_heartbeats_and_looks_so_a_silent_agent_is_known_in_time():

@@ -7,7 +7,8 @@ writes to the file named by TRAINFLEET_PROGRESS_FILE, replacing it whole, two th
   in its liveness record (trainfleet.core.records.NodeLiveness);
 - how many signs of life it gave: each phase of its start-up (the world formed, the fleet
   checked, the model built), each transfer of the fleet check (a slow node's take seconds
-  each) and each microbatch's forward or backward. A step of a large model
+  each), each microbatch's forward or backward, and every half second of a checkpoint save
+  that blocks it (alive_during). A step of a large model
   takes seconds to minutes, and on a starved machine any step can: the agent that speaks for
   the world takes any change of this file as the world being alive, so that a hang is declared
   only when the world is silent, not when it is slow (node/agent.py, beat_if_due).
@@ -15,9 +16,12 @@ The agent also names its node to the trainer (TRAINFLEET_NODE_NAME, its instance
 fleet check reports slow nodes by that name. Torch-free: the agent imports it.
 """
 
+import contextlib
 import math
 import os
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["PROGRESS_FILE_ENV", "NODE_NAME_ENV", "BEAT_WRITE_EVERY_S", "Progress", "progress_file",
@@ -54,6 +58,9 @@ class Progress:
         """The last step completed; None before the trainer joined the world."""
         self.beats = 0
         self._written_at = -math.inf
+        self._lock = threading.Lock()  # alive_during's thread beats too
+        self._blocked = threading.Event()
+        self._beater: threading.Thread | None = None
 
     @classmethod
     def of_this_process(cls) -> "Progress":
@@ -61,15 +68,43 @@ class Progress:
 
     def beat(self) -> None:
         """A unit of work done (a start-up phase, a microbatch's forward or backward)."""
-        self.beats += 1
-        if time.monotonic() - self._written_at >= BEAT_WRITE_EVERY_S:
-            self._write()
+        with self._lock:
+            self.beats += 1
+            if time.monotonic() - self._written_at >= BEAT_WRITE_EVERY_S:
+                self._write()
+
+    @contextlib.contextmanager
+    def alive_during(self) -> Iterator[None]:
+        """Signs of life while the caller blocks in work that gives none of its own (a save that
+        waits for the upload before it, or, asked for, returns once committed): the agents judge
+        a world that was stepping hung after a few of its step times of silence
+        (trainfleet.core.pace.hung_after), and a save may take longer. One thread of this
+        process beats while any such block runs. A world stuck inside one (a peer lost during a
+        save's collectives) is ended by the checkpoint's own timeout instead."""
+        if self.path is None:
+            yield
+            return
+        if self._beater is None:
+            self._beater = threading.Thread(target=self._beat_while_blocked, name="progress", daemon=True)
+            self._beater.start()
+        self._blocked.set()
+        try:
+            yield
+        finally:
+            self._blocked.clear()
+
+    def _beat_while_blocked(self) -> None:
+        while self._blocked.wait():
+            time.sleep(BEAT_WRITE_EVERY_S)
+            if self._blocked.is_set():
+                self.beat()
 
     def reached(self, step: int) -> None:
         """The world completed `step` (the first call: it joined the world at that step)."""
-        self.step = step
-        self.beats += 1
-        self._write()
+        with self._lock:
+            self.step = step
+            self.beats += 1
+            self._write()
 
     def _write(self) -> None:
         if self.path is not None:

@@ -328,7 +328,8 @@ def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None)
     progress.beat()
     checkpointer = _checkpointer(cfg) if cfg.checkpoint.uri else None
     if checkpointer:
-        checkpointer.resume(run.state)
+        with progress.alive_during():
+            checkpointer.resume(run.state)
     history = []
     progress.reached(run.state.step)  # this node joined the world
     if run.state.step >= cfg.training.steps:
@@ -342,13 +343,15 @@ def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None)
         progress.reached(run.state.step)
         if checkpointer:
             # The last step is always saved, so a finished run's final state is stored.
-            checkpointer.maybe_save(run.state.step, run.state, final=run.state.step == cfg.training.steps,
-                                    agreed=votes.sums)
+            with progress.alive_during():
+                checkpointer.maybe_save(run.state.step, run.state, final=run.state.step == cfg.training.steps,
+                                        agreed=votes.sums)
         if scaling and scaling.observe(metrics):
             run.pipeline.attach(None)
             scaling = None
     if checkpointer:
-        checkpointer.close()
+        with progress.alive_during():
+            checkpointer.close()
     _report_peak_memory(run)
     return history
 

@@ -25,8 +25,19 @@ then (the run's next attempt, its launch spec) is read at its next look, and a p
 2,048-node run is 80 s, a recovery's lost minutes on every GPU. That is nodes / 7.5 reads a
 second for the minutes of a start-up or a recovery (2,048 nodes: 273, about 550 RCU of the run
 partition's 3,000 for a run record under 16 KB), while training keeps the bound.
+
+A world that trains keeps a cadence, and each agent knows its own trainer's: a world silent for
+HANG_STEPS of its recent median step time (never less than the run's stall floor) has hung, and
+the agent says so at once (hung_after) rather than waiting out the hang timeout, which must stay
+long enough for a start-up, a large checkpoint's save and NCCL's own collective timeout. At a
+failure every three hours on 16,384 GPUs, a 600 s timeout alone would spend more than the whole
+loss a 0.99 goodput allows per failure. The cadence is trusted only after CADENCE_STEPS_KNOWN
+steps of an attempt: its start-up (imports, the rendezvous, NCCL set-up, a checkpoint load) and
+first steps (the allocator's first growth, compilation) are judged by the startup timeout.
 """
 
+import statistics
+from collections.abc import Collection
 from datetime import timedelta
 from itertools import count
 
@@ -52,6 +63,13 @@ STALL_STEPS = 3
 """Steps' time without a step after which a trainer counts as stalled."""
 STALL_MIN_S = 10.0
 """Least time without a step for a trainer to count as stalled (a checkpoint save blocks a step)."""
+HANG_STEPS = 5
+"""Median step times of silence after which a world that was stepping has hung."""
+CADENCE_STEPS_KNOWN = 3
+"""Steps of an attempt timed before its cadence is trusted."""
+CADENCE_WINDOW = 20
+"""The most recent step times whose median is the cadence: one slow step (a save, a fetch) in it
+moves the median little."""
 
 
 def _slowdown(nodes: int) -> float:
@@ -88,6 +106,15 @@ def stall_after(step_seconds: float | None) -> float:
 def stalled(seconds_since_step: float, step_seconds: float | None) -> bool:
     """Whether a trainer whose last step came `seconds_since_step` ago has stalled."""
     return seconds_since_step > stall_after(step_seconds)
+
+
+def hung_after(step_seconds: Collection[float], floor_s: float) -> float | None:
+    """Seconds without a sign of life after which a world whose recent steps took `step_seconds`
+    (oldest first) has hung: HANG_STEPS times their median, at least `floor_s`. None while fewer
+    than CADENCE_STEPS_KNOWN steps are timed: the cadence is not known yet."""
+    if len(step_seconds) < CADENCE_STEPS_KNOWN:
+        return None
+    return max(floor_s, HANG_STEPS * statistics.median(list(step_seconds)[-CADENCE_WINDOW:]))
 
 
 def looks_per_second(nodes: int, hang_timeout_s: float) -> float:

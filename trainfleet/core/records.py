@@ -684,6 +684,9 @@ class LaunchSpec(Strict):
     startup_timeout_seconds: int = Field(ge=HANG_TIMEOUT_MIN_S)
     """The run's RecoveryPolicy.startup_timeout_seconds: how long after torchrun's start node
     rank 0's agent heartbeats before the first step."""
+    stall_floor_seconds: int = Field(ge=HANG_TIMEOUT_MIN_S)
+    """The run's RecoveryPolicy.stall_floor_seconds: the least silence an agent calls a hang of
+    a world that was stepping (trainfleet.core.pace.hung_after)."""
 
     @model_validator(mode="after")
     def _ranks(self) -> LaunchSpec:

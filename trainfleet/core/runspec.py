@@ -194,6 +194,11 @@ class RecoveryPolicy(Strict):
     """Longest time from torchrun's start to the attempt's first step (rendezvous, NCCL set-up,
     checkpoint load): rank 0's agent heartbeats the Train task that long before a step, then a
     hang is declared hang_timeout_seconds later. At least hang_timeout_seconds."""
+    stall_floor_seconds: int = Field(default=30, ge=HANG_TIMEOUT_MIN_S)
+    """Least silence of a world that was stepping for its agents to declare it hung from its own
+    cadence (HANG_STEPS of its recent median step time, trainfleet.core.pace.hung_after), long
+    before the hang timeout. Below it, pauses a healthy world takes (a garbage collection, a
+    data shard fetched, a machine's load) would be taken for a hang."""
     boot_timeout_seconds: int = Field(default=1800, ge=60)
     """Longest wait for the nodes to boot and pass preflight (AwaitNodes and its late-worker rounds)."""
     late_worker_seconds: int | None = Field(default=None, ge=1)

@@ -2,7 +2,7 @@
 and whether an agent event may count at all, from who sent it (sender_problem)."""
 
 import json
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from trainfleet.core.events import (BOOT_CHECK, LOST_STATES, AgentEvent, AnyDetail, Ec2InstanceStateChange,
                                     Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning, FleetChecked, HealthEvent,
@@ -58,7 +58,12 @@ def classify_event(detail: AnyDetail, attempt: int, observed_at: datetime | None
     older attempts should be dropped with is_stale() first.
     """
     report = _event_report(detail, attempt)
-    return report.model_copy(update={"observed_at": observed_at}) if report else None
+    if report is None:
+        return None
+    if isinstance(detail, TrainerHung) and observed_at is not None:
+        # The hang's first sign is the world's last sign of life, not the agent's telling of it.
+        observed_at -= timedelta(seconds=detail.seconds_since_progress)
+    return report.model_copy(update={"observed_at": observed_at})
 
 
 def _event_report(detail: AnyDetail, attempt: int) -> FailureReport | None:

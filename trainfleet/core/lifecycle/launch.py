@@ -98,4 +98,5 @@ def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_to
         heartbeat_task_token=heartbeat_task_token,
         hang_timeout_seconds=run.spec.recovery.hang_timeout_seconds,
         startup_timeout_seconds=run.spec.recovery.startup_timeout_seconds,
+        stall_floor_seconds=run.spec.recovery.stall_floor_seconds,
     )
