@@ -97,13 +97,14 @@ def scale_template(nodes: int, spares: int, step_s: float, steady_s: float) -> d
     template["trainer"]["parallel"] |= {"pp": 8, "dp": ranks // 8, "microbatches": 8}
     template["trainer"]["training"] |= {"steps": steps, "batch_size": ranks // 8 * 8}
     template["checkpoint"] |= {"interval_steps": interval, "keep_last": 2}
-    template["recovery"] |= {
-        "max_restarts": len(FAILURES) + 1,
-        # The shortest the pacing allows at this size (agents look less often in large runs),
-        # and no shorter than the local floor: two busy cores must not pass for a hang.
-        "hang_timeout_seconds": max(TIMEOUT_FLOORS_S["recovery.hang_timeout_seconds"],
-                                    pace.least_hang_timeout(nodes + spares)),
-        "startup_timeout_seconds": 300, "boot_timeout_seconds": 900}
+    # The shortest hang timeout the pacing allows at this size (agents look less often in large
+    # runs), and no shorter than the local floor: two busy cores must not pass for a hang. The
+    # stall floor is the same: each of hundreds of stand-in nodes judges its own thread's cadence,
+    # and a thread the machine starves for a minute is no hang of the world.
+    hang_timeout = max(TIMEOUT_FLOORS_S["recovery.hang_timeout_seconds"], pace.least_hang_timeout(nodes + spares))
+    template["recovery"] |= {"max_restarts": len(FAILURES) + 1, "hang_timeout_seconds": hang_timeout,
+                             "stall_floor_seconds": hang_timeout, "startup_timeout_seconds": 300,
+                             "boot_timeout_seconds": 900}
     return template
 
 
