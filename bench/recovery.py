@@ -27,7 +27,8 @@ clock) it takes, per run:
 and an AWS estimate of control_plane_s: the Lambda invocations, state transitions, EventBridge
 deliveries and EC2 calls counted in the control-plane windows, times AWS's published latencies
 (the constants below), as if each were on the critical path. Medians over the repetitions; the
-last line is `control_plane_recovery_s=<median over fault kinds, local>`.
+last two lines are `steps_redone_per_failure=<median over fault kinds of steps_lost>` and
+`control_plane_recovery_s=<median over fault kinds, local>`.
 """
 
 import argparse
@@ -204,6 +205,8 @@ def main() -> int:
     # Over the fault kinds: the spare variant is a kill again.
     kinds = [runs for row, runs in results.items() if FAULTS[row][1] == 0] or list(results.values())
     control_plane = statistics.median(statistics.median(r["control_plane_s"] for r in runs) for runs in kinds)
+    redone = statistics.median(statistics.median(r["steps_lost"] for r in runs) for runs in kinds)
+    print(f"steps_redone_per_failure={redone:g}")
     print(f"control_plane_recovery_s={control_plane:.2f}")
     return 0
 

@@ -67,3 +67,4 @@ def test_the_bench_prints_its_table_and_last_line():
     lines = done.stdout.splitlines()
     assert any(line.startswith("ETTR") for line in lines)
     assert lines[-1].startswith("ettr=") and 0.0 < float(lines[-1].removeprefix("ettr=")) <= 1.0
+    assert lines[-2].startswith("ettr_s3_30min=") and 0.0 < float(lines[-2].removeprefix("ettr_s3_30min=")) <= 1.0
