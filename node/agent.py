@@ -781,6 +781,10 @@ class Attempt:
         """What they showed at the heartbeat thread's last look."""
         self.alive_at = -math.inf
         """control.clock() when the heartbeat thread last saw them change: the trainer's last sign of life."""
+        self.watched = Life()
+        self.watched_alive_at = -math.inf
+        """The same, as the watch loop sees them at its looks: what a hang is judged by. The heartbeat
+        thread's view stalls while a heartbeat call waits out a slow control plane."""
         self.spot_notice_seen = False
         self.next_metadata_look = -math.inf
         self.commit_awaited_after: int | None = None
@@ -879,6 +883,9 @@ class Attempt:
         # of step records: it speaks for the world all the same.
         steps = [record for record in records if not record.get("finished")]
         now = self.control.clock()
+        life = Life.of(self.files)
+        if life != self.watched:
+            self.watched, self.watched_alive_at = life, now
         step = read_progress(self.files.progress)
         if step is not None and step != self.node_step:
             # The first step written is where the trainer joined the world, the next its first
@@ -926,7 +933,7 @@ class Attempt:
         Train task at once, not a hang timeout later. A world that finished its steps is judged
         no more: its end (the final save, the exit) is the startup timeout's to bound."""
         limit = hung_after(self.step_seconds, self.spec.stall_floor_seconds)
-        silent = now - self.alive_at
+        silent = now - self.watched_alive_at
         if self.hang_declared or limit is None or silent <= limit or self.node_step == self.final_step:
             return
         say("the trainer is silent past the world's cadence: declaring it hung", attempt=self.spec.attempt,

@@ -592,6 +592,20 @@ def test_a_silent_start_up_or_a_world_that_finished_is_not_judged_by_a_cadence(h
     assert hung_events(sent) == []
 
 
+def test_a_hang_is_judged_by_the_watch_loop_whatever_the_heartbeat_thread_waits_on(heartbeats, watched_attempt):
+    """The heartbeat thread may wait out a slow control plane's retries for minutes; the trainer's
+    signs of life meanwhile still count."""
+    attempt, clock, _ = heartbeats
+    _, _, sent = watched_attempt
+    sign_of_life(attempt, 10, 0)
+    steps_every(attempt, clock, 11, 20, seconds=2.0)
+    for microbatch in range(60):  # two minutes of a slow step; no beat_if_due: its thread is stuck
+        sign_of_life(attempt, 20, 100 + microbatch)
+        clock["now"] += 2.0
+        attempt.follow()
+    assert hung_events(sent) == []
+
+
 def test_a_slow_step_that_shows_life_is_not_declared_hung(heartbeats, watched_attempt):
     attempt, clock, _ = heartbeats
     _, _, sent = watched_attempt
