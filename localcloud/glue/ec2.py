@@ -463,6 +463,7 @@ _moto_start = EC2Backend.start_instances
 _moto_fleet_init = Fleet.__init__
 _moto_fleet_instances = Fleet.instances
 _moto_create_fleet_response = Fleets.create_fleet
+_moto_request_spot_instances = EC2Backend.request_spot_instances
 
 
 def _run_instances_response(self: InstanceResponse) -> ActionResult:
@@ -542,7 +543,10 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
         if getattr(_request, "fleet", None) is None:
             raise EC2ClientError(exc.code, str(exc)) from exc
         # An instant fleet answers a launch it cannot make in its Errors, launching nothing.
-        _fleet_error(template_spec, "spot" if kwargs.get("lifecycle") == "spot" else "on-demand", exc.code, str(exc))
+        spot = kwargs.get("lifecycle") == "spot"
+        _fleet_error(template_spec, "spot" if spot else "on-demand", exc.code, str(exc))
+        if spot:
+            raise _SpotLaunchRefused from exc
         return Reservation(f"r-{uuid.uuid4().hex[:17]}", cloud.account_id)
     if kwargs.get("nics"):  # moto builds card-0 interfaces; the glue adds the other cards
         kwargs["nics"] = [spec for spec in kwargs["nics"] if int(spec.get("NetworkCardIndex", 0)) == 0]
@@ -603,6 +607,19 @@ def _filter_iam_instance_profiles(account_id: str, partition: str, iam_instance_
             raise
         raise EC2ClientError("InvalidParameterValue",
                              _invalid_profile(iam_instance_profile_arn or iam_instance_profile_name or "")) from None
+
+
+class _SpotLaunchRefused(Exception):
+    """A fleet's Spot launch that EC2 answers in the fleet's Errors (recorded there): moto makes a
+    Spot request for each instance and takes the instance of every launch (an empty one failed
+    the whole CreateFleet with moto's IndexError, a 500), so the requests end there, none made."""
+
+
+def _request_spot_instances(self: Any, *args: Any, **kwargs: Any) -> list[Any]:
+    try:
+        return _moto_request_spot_instances(self, *args, **kwargs)
+    except _SpotLaunchRefused:
+        return []  # a refused launch refuses them all: they share one template and profile
 
 
 def _fleet_error(template_spec: dict[str, Any], lifecycle: str, code: str, message: str) -> None:
@@ -720,6 +737,7 @@ def apply() -> None:
     Fleet.instances = property(_fleet_instances)
     Fleets.create_fleet = _create_fleet_response
     EC2Backend.run_instances = _run_instances
+    EC2Backend.request_spot_instances = _request_spot_instances
     EC2Backend.terminate_instances = _terminate_instances
     EC2Backend.stop_instances = _stop_instances
     EC2Backend.start_instances = _start_instances
