@@ -480,6 +480,9 @@ def _fleet_init(self: Fleet, ec2_backend: Any, fleet_id: str, on_demand_options:
     # instances launch as on-demand ones do (the template names the block) and are reported
     # with the lifecycle capacity-block, as EC2 reports them.
     self.localcloud_lifecycle = "capacity-block" if target.get("DefaultTargetCapacityType") == "capacity-block" else None
+    if spot_options is not None and "AllocationStrategy" not in spot_options:
+        # Optional in EC2's SpotOptionsRequest (lowest-price when not given); moto requires it.
+        spot_options = {**spot_options, "AllocationStrategy": "lowest-price"}
     if self.localcloud_lifecycle:
         target = {**target, "DefaultTargetCapacityType": "on-demand"}
     _request.fleet = self
