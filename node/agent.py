@@ -1034,7 +1034,16 @@ class Attempt:
         for step in sorted(committed or ()):
             if step in self.announced:
                 continue
-            manifest = self.control.call("read a commit marker", lambda: catalog.read_manifest(self.checkpoints, step))
+            try:
+                manifest = self.control.call("read a commit marker",
+                                             lambda: catalog.read_manifest(self.checkpoints, step))
+            except catalog.CheckpointInvalid as error:
+                # Listed a moment ago and pruned since by the trainer's retention (a newer commit
+                # is listed too), or no commit after all: nothing to announce. It ended the agent,
+                # and so its instance, before.
+                say("a listed checkpoint is gone: not announced", attempt=self.spec.attempt, error=str(error))
+                self.announced.add(step)
+                continue
             if manifest is None or not self.control.send(CheckpointCommitted(
                     run_name=self.spec.run_name, attempt=self.spec.attempt, instance_id=self.identity.instance_id,
                     step=step, uri=self.checkpoints.step_uri(catalog.step_dir_name(step)),

@@ -336,6 +336,20 @@ def test_the_rank_0_node_announces_each_new_commit_once_with_progress(watched_at
     assert all(event["detail"]["attempt"] == 1 and event["source"] == f"trainfleet/{IDENTITY.arn}" for event in events)
 
 
+def test_a_commit_pruned_between_listing_and_reading_is_skipped_not_the_end_of_the_agent(watched_attempt, monkeypatch):
+    """Retention (keep_last) deletes an old step's marker while the agent announces the steps it
+    listed a moment before: the step is gone, a newer one is announced."""
+    attempt, store, sent = watched_attempt
+    commit(store, 30)
+    listed = [30, 20, 10]  # step 20 was there when listed, pruned before it was read
+    monkeypatch.setattr(catalog, "committed_steps", lambda checkpoints: listed)
+    attempt.files.metrics.write_text(json.dumps({"step": 31, "loss": 3.5, "tokens_per_s": 900.0,
+                                                 "step_time_s": 0.1, "time": time.time()}) + "\n")
+    attempt.follow()
+    attempt.look(run_record())
+    assert sorted(event["detail"]["step"] for event in sent() if event["detail-type"] == "CheckpointCommitted") == [30]
+
+
 def test_every_step_since_the_last_report_is_sent_in_events_of_at_most_the_most_steps(watched_attempt):
     """A fast trainer writes hundreds of steps between two reports: each one reaches the run's
     history, PROGRESS_SAMPLES_MAX an event."""
