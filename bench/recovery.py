@@ -198,16 +198,14 @@ def main() -> int:
     print(f"\nmedians over {args.repetitions} run(s) per fault, {datetime.now():%Y-%m-%d %H:%M}, local cloud "
           f"(time scale 0.02), 2 nodes pp=2:")
     print(f"{'fault':12}" + "".join(f"{column:>24}" for column in columns))
-    for fault, runs in results.items():
-        medians = [statistics.median(run[column] for run in runs) if column in runs[0] else float("nan")
-                   for column in columns]
-        print(f"{fault:12}" + "".join(f"{value:>24.2f}" for value in medians))
+    medians = {fault: {column: statistics.median(run[column] for run in runs) if column in runs[0] else float("nan")
+                       for column in columns} for fault, runs in results.items()}
+    for fault, row in medians.items():
+        print(f"{fault:12}" + "".join(f"{row[column]:>24.2f}" for column in columns))
     # Over the fault kinds: the spare variant is a kill again.
-    kinds = [runs for row, runs in results.items() if FAULTS[row][1] == 0] or list(results.values())
-    control_plane = statistics.median(statistics.median(r["control_plane_s"] for r in runs) for runs in kinds)
-    redone = statistics.median(statistics.median(r["steps_lost"] for r in runs) for runs in kinds)
-    print(f"steps_redone_per_failure={redone:g}")
-    print(f"control_plane_recovery_s={control_plane:.2f}")
+    kinds = [row for fault, row in medians.items() if FAULTS[fault][1] == 0] or list(medians.values())
+    print(f"steps_redone_per_failure={statistics.median(row['steps_lost'] for row in kinds):g}")
+    print(f"control_plane_recovery_s={statistics.median(row['control_plane_s'] for row in kinds):.2f}")
     return 0
 
 
