@@ -55,7 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainer import checkpoint_catalog as catalog
 
-__all__ = ["Checkpointer", "CheckpointError", "ComputeOrderedStager", "storage_writer", "storage_reader"]
+__all__ = ["Checkpointer", "CheckpointError", "ComputeOrderedStager", "host_stager", "storage_writer", "storage_reader"]
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +237,15 @@ class ComputeOrderedStager(DefaultStager):
         return super()._stage(state_dict, **kwargs)
 
 
+def host_stager() -> ComputeOrderedStager:
+    """A stager that copies a state dict to host memory (pinned on CUDA) on a thread of its own:
+    `stage` returns a future of the copy."""
+    cuda = torch.cuda.is_available()
+    options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                             use_non_blocking_copy=cuda)
+    return ComputeOrderedStager(options, cuda=cuda)
+
+
 class Checkpointer:
     """Saves and restores a Stateful training state to one checkpoint location.
 
@@ -279,16 +288,7 @@ class Checkpointer:
         self._dcp_process_group: dist.ProcessGroup | None = None
         self._vote_group: dist.ProcessGroup | None = None
         self._requests = catalog.SaveRequests(request_file, request_signal)
-        cuda = torch.cuda.is_available()
-        self._stager = ComputeOrderedStager(
-            StagingOptions(
-                use_pinned_memory=cuda,
-                use_shared_memory=False,
-                use_async_staging=True,
-                use_non_blocking_copy=cuda,
-            ),
-            cuda=cuda,
-        )
+        self._stager = host_stager()
         self._staging: Future | None = None
         self._staging_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
@@ -319,6 +319,15 @@ class Checkpointer:
         self._last_saved_step = decision
         log.info("resumed from checkpoint %s", self.store.step_uri(step_dir))
         return decision
+
+    def adopt(self, step: int) -> list[int]:
+        """Take `step`, restored from elsewhere (host memory), as the resume point: the committed
+        steps S3 holds newer than it, found by listing alone; when there are none, step folders
+        newer than it are deleted as `resume` deletes them."""
+        newer = self._on_rank0_for_all(lambda: catalog.commits_after(self.store, step))
+        if not newer and self.rank == 0:
+            catalog.forget_after(self.store, step)
+        return newer
 
     def _choose_resume_step(self) -> int | None:
         try:

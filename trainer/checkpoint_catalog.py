@@ -530,11 +530,25 @@ def resume_point(store: Store, target: str | int) -> Manifest | None:
             manifest = verified_manifest(store, int(target))
         except CheckpointInvalid as exc:
             raise CheckpointInvalid(f"cannot resume from step {target}: {exc}") from exc
-    for step in saved_steps(store):
-        if manifest is None or step > manifest.step:
-            log.warning("deleting %s/%s: newer than the resume point", store.uri, step_dir_name(step))
-            delete_step(store, step)
+    forget_after(store, manifest.step if manifest else None)
     return manifest
+
+
+def forget_after(store: Store, step: int | None) -> None:
+    """Delete the step folders newer than `step` (all of them for None): the world resumed at
+    `step`, and they belong to an abandoned timeline that this run's saves must never mix with."""
+    for saved in saved_steps(store):
+        if step is None or saved > step:
+            log.warning("deleting %s/%s: newer than the resume point", store.uri, step_dir_name(saved))
+            delete_step(store, saved)
+
+
+def commits_after(store: Store, step: int) -> list[int]:
+    """Committed steps newer than `step`, newest first, told by listing alone (no object is read):
+    whether a copy kept elsewhere at `step` is still the newest state."""
+    newer = [saved for saved in saved_steps(store) if saved > step]
+    markers = _files_in(store, map(step_dir_name, newer))
+    return [saved for saved in newer if f"{step_dir_name(saved)}/{MARKER_NAME}" in markers]
 
 
 def save_reason(step: int, interval: int, *, requested: bool, final: bool) -> SaveReason | None:

@@ -158,6 +158,17 @@ class CheckpointConfig:
     timeout_s: float = 1800.0
     """How long a checkpoint collective waits for a peer: the save's last collective waits for the
     slowest rank's upload, far longer than a training collective may take."""
+    memory_interval: int = 0
+    """Steps between in-memory checkpoints: every rank's shard kept in its node's host memory and
+    on a buddy node (trainer/memory_checkpoint.py); 0: none."""
+    memory_dir: str = ""
+    """The node's host-memory folder for them (/dev/shm on a node: it outlives the trainer's
+    processes, not the instance); the node agent sets it."""
+    memory_resume: bool = False
+    """Resume from the newest step every shard has in some node's memory, S3 only when one lacks
+    it: the control plane's choice after a failure (the launch spec's restore_from_memory)."""
+    result_file: str = ""
+    """Where global rank 0 writes where the resumed state came from (JSON); the node agent reports it."""
 
 
 @dataclass
@@ -298,6 +309,12 @@ def _problems(c: JobConfig):
         yield f"optim.grad_clip and optim.weight_decay must be >= 0, got {o.grad_clip}, {o.weight_decay}"
     if k.timeout_s <= 0:
         yield f"checkpoint.timeout_s must be > 0, got {k.timeout_s}"
+    if k.memory_interval < 0:
+        yield f"checkpoint.memory_interval must be >= 0 (0: no in-memory checkpoints), got {k.memory_interval}"
+    if k.memory_interval and not k.memory_dir:
+        yield "checkpoint.memory_interval needs checkpoint.memory_dir, the node's host-memory folder"
+    if k.memory_resume and not k.memory_interval:
+        yield "checkpoint.memory_resume needs checkpoint.memory_interval > 0"
     if k.interval < 1 or k.keep_last < 1:
         yield f"checkpoint.interval and checkpoint.keep_last must be >= 1, got {k.interval}, {k.keep_last}"
     if k.resume not in ("none", "latest") and not k.resume.isdigit():

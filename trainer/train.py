@@ -37,6 +37,7 @@ from trainer.scaling_check import ComputeClock, ScalingCheck
 from trainer.checkpoint import Checkpointer
 from trainer.config import ConfigError, JobConfig, OptimConfig, check_world_size, load_config
 from trainer.data import DataLoader, load_tokens
+from trainer.memory_checkpoint import MemoryCheckpoints
 from trainer.parallel_dims import RankPosition, schedule_class
 from trainer.pipeline_parallel import Pipeline, build_pipeline
 from trainer.progress import Progress
@@ -327,9 +328,10 @@ def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None)
     run.pipeline.report_work(progress.beat)
     progress.beat()
     checkpointer = _checkpointer(cfg) if cfg.checkpoint.uri else None
+    memory = _memory_checkpoints(cfg, env) if checkpointer and cfg.checkpoint.memory_interval else None
     if checkpointer:
         with progress.alive_during():
-            checkpointer.resume(run.state)
+            restore(run, checkpointer, memory)
     history = []
     progress.reached(run.state.step)  # this node joined the world
     if run.state.step >= cfg.training.steps:
@@ -346,12 +348,16 @@ def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None)
             with progress.alive_during():
                 checkpointer.maybe_save(run.state.step, run.state, final=run.state.step == cfg.training.steps,
                                         agreed=votes.sums)
+        if memory:
+            memory.maybe_copy(run.state.step, run.state)
         if scaling and scaling.observe(metrics):
             run.pipeline.attach(None)
             scaling = None
     if checkpointer:
         with progress.alive_during():
             checkpointer.close()
+            if memory:
+                memory.close()
     _report_peak_memory(run)
     return history
 
@@ -367,6 +373,41 @@ def _scaling_check(run: Run) -> ScalingCheck | None:
     clock = ComputeClock(run.env.device)
     run.pipeline.attach(clock)
     return ScalingCheck(cfg, clock, run.pipeline.stage_ids)
+
+
+def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | None) -> None:
+    """Resume the state from host memory when the launch asks for it and every shard has a copy
+    newer than S3's newest commit, else from S3 as `checkpoint.resume` says; rank 0 writes where
+    it came from to `checkpoint.result_file`."""
+    cfg, state = run.config.checkpoint, run.state
+    started = time.perf_counter()
+    restored, fallback = None, None
+    if memory and cfg.memory_resume:
+        restored = memory.restore(state)
+        newer = checkpointer.adopt(restored.step) if restored else []
+        if newer:  # S3 holds a newer state than any complete in-memory copy: resume from it
+            restored, fallback = None, f"S3 holds step {newer[0]}, newer than every in-memory copy"
+        elif restored is None:
+            fallback = "some shard has no in-memory copy (its node and its buddy's were lost)"
+    if restored is None:
+        checkpointer.resume(state)
+    if memory:
+        memory.forget_after(state.step or None)
+    if run.env.rank == 0 and cfg.result_file:
+        source = "memory" if restored else "s3" if state.step else "none"
+        result = {"step": state.step, "source": source, "seconds": time.perf_counter() - started,
+                  "shards": run.env.world_size, "fallback": fallback}
+        if restored:
+            result |= {"own_memory": restored.own_memory, "peers": restored.peers, "peer_bytes": restored.peer_bytes}
+        Path(cfg.result_file).write_text(json.dumps(result))
+
+
+def _memory_checkpoints(cfg: JobConfig, env: DistributedEnv) -> MemoryCheckpoints:
+    p = cfg.parallel
+    model = checkpoint_catalog.config_hash(asdict(cfg.model))[:12]
+    key = f"w{env.world_size}-pp{p.pp}-dp{p.dp}x{p.resolved_dp_shard()}-tp{p.tp}-{model}"
+    return MemoryCheckpoints(cfg.checkpoint, key=key, timeout=timedelta(seconds=cfg.checkpoint.timeout_s),
+                             ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)))
 
 
 def _checkpointer(cfg: JobConfig) -> Checkpointer:

@@ -3,6 +3,7 @@
 import os
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import boto3
@@ -36,15 +37,20 @@ class Ranks:
     def __init__(self, image: WarmImage):
         self.image, self.started = image, []
 
-    def launch(self, world: int, port: int, trainer_args: list[str], log_dir: Path, hooks: list[str] = ()) -> list:
-        """Start `world` ranks as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT); rank r's
-        output goes to log_dir/rank{r}.log."""
+    def launch(self, world: int, port: int, trainer_args: list[str], log_dir: Path, hooks: list[str] = (),
+               ranks_per_node: int | None = None, node_args: Callable[[int], list[str]] = lambda node: []) -> list:
+        """Start `world` ranks as torchrun would (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+        MASTER_ADDR/PORT), `ranks_per_node` to a node (all on one by default), each node's with
+        `node_args(node)` after `trainer_args`; rank r's output goes to log_dir/rank{r}.log."""
         procs = []
+        per_node = ranks_per_node or world
         for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(world),
+                       LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       OMP_NUM_THREADS="1")
             procs.append(self.image.fork([sys.executable, "-m", "trainer_rank", "--signals", str(log_dir), *hooks, "--",
-                                          *trainer_args], log_dir, env, log_dir / f"rank{rank}.log"))
+                                          *trainer_args, *node_args(rank // per_node)], log_dir, env,
+                                         log_dir / f"rank{rank}.log"))
         self.started += procs
         return procs
 

@@ -8,6 +8,8 @@
     then wait to be killed.
 --block-write STEP RANK: RANK starts its shard of STEP (parts uploaded), touches <signals>/writing,
     and never finishes it.
+--stop-after-copy STEP: finish the in-memory copy of STEP, touch <signals>/reached.<rank>, then wait
+    to be killed.
 """
 
 import argparse
@@ -21,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 import logging  # noqa: E402
 
-from trainer import checkpoint, train  # noqa: E402
+from trainer import checkpoint, memory_checkpoint, train  # noqa: E402
 
 
 def hang_after(step: int, signals: Path) -> None:
@@ -57,11 +59,26 @@ def block_write(step: int, rank: int, signals: Path) -> None:
     checkpoint.storage_writer = writer
 
 
+def stop_after_copy(step: int, signals: Path) -> None:
+    real_maybe_copy = memory_checkpoint.MemoryCheckpoints.maybe_copy
+
+    def maybe_copy(self, at_step, state):
+        started = real_maybe_copy(self, at_step, state)
+        if at_step == step:
+            self._wait()
+            (signals / f"reached.{self.rank}").touch()
+            threading.Event().wait()
+        return started
+
+    memory_checkpoint.MemoryCheckpoints.maybe_copy = maybe_copy
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--signals", type=Path, required=True)
     parser.add_argument("--hang-after", type=int)
     parser.add_argument("--block-write", type=int, nargs=2, metavar=("STEP", "RANK"))
+    parser.add_argument("--stop-after-copy", type=int)
     parser.add_argument("trainer_args", nargs="*")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"rank{os.environ['RANK']} %(levelname)s %(name)s: %(message)s")
@@ -69,6 +86,8 @@ def main() -> int:
         hang_after(args.hang_after, args.signals)
     if args.block_write:
         block_write(*args.block_write, args.signals)
+    if args.stop_after_copy:
+        stop_after_copy(args.stop_after_copy, args.signals)
     return train.main(args.trainer_args)
 
 

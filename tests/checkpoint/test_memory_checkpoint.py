@@ -1,0 +1,120 @@
+"""In-memory checkpoints of the real trainer (trainer/memory_checkpoint.py): six ranks, two to a
+"node" (each node its own host-memory folder), pp=3 x dp=2, a copy every step and an S3
+checkpoint every 5. The world is killed mid-interval and resumed: a lost node's folder is
+emptied, as its replacement's memory would be. S3 is a moto server in this process, so every
+object it serves is heard."""
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+
+from checkpoint_fixtures import bucket, processes, rank_image, s3  # noqa: F401 (fixtures)
+from test_checkpoint_trainer import kill, losses, run_to_end, trainer_args, wait_for
+
+from conftest import free_port
+from localcloud.glue import s3 as s3_glue
+from trainer import checkpoint_catalog as catalog
+from trainer.memory_checkpoint import buddy_of
+
+pytestmark = pytest.mark.slow
+
+WORLD, PER_NODE = 6, 2
+LAYOUT = ["--model.n_layers=6", "--parallel.pp=3", "--parallel.dp=2", "--parallel.microbatches=3",
+          "--training.batch_size=6", "--checkpoint.memory_interval=1"]
+
+
+def memory_of(tmp_path: Path, node: int) -> Path:
+    return tmp_path / f"node{node}-shm"
+
+
+def launch(tmp_path, processes, uri, metrics, *overrides, hooks=()):
+    log_dir = tmp_path / metrics.removesuffix(".jsonl")
+    log_dir.mkdir()
+    args = trainer_args(tmp_path, uri, metrics, *LAYOUT, f"--checkpoint.result_file={log_dir / 'restore.json'}",
+                        *overrides)
+    procs = processes.launch(WORLD, free_port(), args, log_dir, list(hooks), ranks_per_node=PER_NODE,
+                             node_args=lambda node: [f"--checkpoint.memory_dir={memory_of(tmp_path, node)}"])
+    return procs, log_dir
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, moto_endpoint, rank_image):
+    """The uninterrupted run of the same layout: the losses every resumed run must repeat."""
+    import boto3
+
+    from checkpoint_fixtures import Ranks
+    tmp_path = tmp_path_factory.mktemp("straight-memory")
+    uri = f"s3://straight-{uuid.uuid4().hex[:12]}/checkpoints"
+    boto3.client("s3").create_bucket(Bucket=catalog.open_store(uri).bucket)
+    ranks = Ranks(rank_image)
+    try:
+        procs, log_dir = launch(tmp_path, ranks, uri, "straight.jsonl")
+        run_to_end(procs, log_dir)
+    finally:
+        ranks.end()
+    return losses(tmp_path, "straight.jsonl")
+
+
+def killed_at(step: int, tmp_path, processes, uri) -> dict[int, float]:
+    """Train until every rank's in-memory copy of `step` is done (the last S3 commit is step 10),
+    then kill -9 every rank; the losses it trained."""
+    procs, log_dir = launch(tmp_path, processes, uri, "interrupted.jsonl", hooks=["--stop-after-copy", str(step)])
+    wait_for(lambda: all((log_dir / f"reached.{r}").exists() for r in range(WORLD)), f"step {step} copied", procs,
+             log_dir)
+    kill(procs)
+    assert catalog.latest_committed(uri).step == 10
+    return losses(tmp_path, "interrupted.jsonl")
+
+
+def resume(tmp_path, processes, uri):
+    """Resume the world from host memory; the S3 objects read until it trained its first step,
+    and what rank 0 wrote of where the state came from."""
+    heard = []
+    with s3_glue.listen(lambda kind, key, body: heard.append(key) if kind == "read" else None):
+        procs, log_dir = launch(tmp_path, processes, uri, "resumed.jsonl", "--checkpoint.resume=latest",
+                                "--checkpoint.memory_resume=true")
+        wait_for(lambda: (tmp_path / "resumed.jsonl").exists(), "the first step after the resume", procs, log_dir)
+        read_before_training = list(heard)
+    run_to_end(procs, log_dir)
+    return read_before_training, json.loads((log_dir / "restore.json").read_text())
+
+
+def test_buddies_are_the_same_local_rank_on_the_next_node():
+    assert [buddy_of(rank, 2, 6) for rank in range(6)] == [2, 3, 4, 5, 0, 1]
+    assert [buddy_of(rank, 4, 4) for rank in range(4)] == [0, 1, 2, 3]  # one node: no other copy
+
+
+def test_a_lost_node_resumes_from_its_buddy_with_no_step_redone_and_no_s3_read(tmp_path, processes, bucket,
+                                                                                 straight):
+    uri = f"s3://{bucket}/runs/memory/checkpoints"
+    trained = killed_at(13, tmp_path, processes, uri)
+    shutil.rmtree(memory_of(tmp_path, 1))  # node 1 is replaced: ranks 2 and 3 come back with empty memory
+
+    read, restored = resume(tmp_path, processes, uri)
+
+    assert read == []
+    assert restored | {"seconds": 0} == {"step": 13, "source": "memory", "shards": 6, "own_memory": 4, "peers": 2,
+                                         "peer_bytes": restored["peer_bytes"], "seconds": 0, "fallback": None}
+    assert restored["peer_bytes"] > 0
+    assert trained == {s: straight[s] for s in range(1, 14)}
+    assert losses(tmp_path, "resumed.jsonl") == {s: straight[s] for s in range(14, 21)}
+    # The replacement holds its own shards again, and no step of the abandoned timeline is left.
+    assert sorted(p.name for p in (memory_of(tmp_path, 1)).glob("*/shard-00002/*")) == ["step-000000020.pt"]
+
+
+def test_a_node_lost_with_its_buddy_resumes_from_s3_and_says_so(tmp_path, processes, bucket, straight):
+    uri = f"s3://{bucket}/runs/memory-and-buddy/checkpoints"
+    killed_at(13, tmp_path, processes, uri)
+    for node in (1, 2):  # node 1's shards are held by node 2 alone
+        shutil.rmtree(memory_of(tmp_path, node))
+
+    read, restored = resume(tmp_path, processes, uri)
+
+    assert any(key.endswith(".distcp") for key in read)
+    assert restored | {"seconds": 0} == {"step": 10, "source": "s3", "shards": 6, "seconds": 0,
+                                         "fallback": "some shard has no in-memory copy (its node and its buddy's "
+                                                     "were lost)"}
+    assert losses(tmp_path, "resumed.jsonl") == {s: straight[s] for s in range(11, 21)}

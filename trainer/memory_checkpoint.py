@@ -1,0 +1,323 @@
+"""In-memory checkpoints: every rank's shard of the training state in its node's host memory and
+in the host memory of a buddy node, so that a lost node costs at most a step and no S3 read.
+
+Every `memory_interval` steps each rank copies its shard to CPU memory (on a thread, overlapping
+the next forward and backward like the S3 save's staging; the wait is at the next optimizer
+step), serialises it once, writes it to its node's host-memory folder and sends it to its buddy:
+the same local rank on the next node, which writes it into its own node's folder. On a node the
+folder is /dev/shm: it outlives the trainer's processes (a restart finds it) but not the instance.
+A node thus holds its own ranks' shards and its previous node's, twice its share of the state,
+and while the next copy is written beside the last, four times (memory_plan.host_memory_per_node).
+
+    memory = MemoryCheckpoints(cfg.checkpoint, key=..., ranks_per_node=8)
+    restored = memory.restore(state)          # or None: some shard has no copy; resume from S3
+    for step in ...:
+        ...train one step...
+        memory.maybe_copy(step, state)
+    memory.close()
+
+The copies go over a gloo group of their own (host memory to host memory, also on GPU nodes),
+one pair of messages per rank and copy, from the copying thread. At most one copy is in flight:
+a copy still going when the next is due is waited for, so every rank copies the same steps in
+the same order, which is what pairs each send with its receive.
+
+`restore` is collective: every rank says which copies its node holds of its own shard and of its
+ward's (the rank whose buddy it is), all agree on the newest step that every shard of the world
+has somewhere, and each rank loads its shard from its own node's memory or receives it from the
+rank holding it. A world with some shard at no step gets None and resumes from S3.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from trainer.checkpoint import host_stager
+
+__all__ = ["MemoryCheckpoints", "MemoryCheckpointError", "Restored", "buddy_of"]
+
+log = logging.getLogger(__name__)
+
+
+class MemoryCheckpointError(RuntimeError):
+    """An in-memory checkpoint could not be copied or loaded."""
+
+
+def buddy_of(rank: int, ranks_per_node: int, world_size: int) -> int:
+    """The rank whose node holds the second copy of `rank`'s shard: the same local rank on the
+    next node (the world's nodes in a ring), never a rank of the same node; itself alone on one node.
+    So a lost node's shards are all on one other node, and only a node lost together with the
+    node after it loses copies."""
+    return (rank + ranks_per_node) % world_size
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What `restore` loaded: the step, and where the world's shards came from."""
+
+    step: int
+    own_memory: int
+    """Shards loaded from their own node's memory."""
+    peers: int
+    """Shards received from the node holding their copy (a replaced node's)."""
+    peer_bytes: int
+    """Bytes those shards took on the network."""
+
+
+class MemoryCheckpoints:
+    """One rank's in-memory checkpoints (module docstring); every rank constructs it alike and
+    calls `restore` and `maybe_copy` alike."""
+
+    def __init__(self, cfg: Any, *, key: str, ranks_per_node: int, timeout: timedelta = timedelta(minutes=10)):
+        """
+        cfg: the CheckpointConfig (memory_interval, memory_dir).
+        key: names the layout and model the shards belong to; a copy under another key (another
+            pp x dp x tp, another world size) is never loaded.
+        ranks_per_node: how many ranks each node runs (its nodes are consecutive rank blocks).
+        """
+        self.interval = cfg.memory_interval
+        self.folder = Path(cfg.memory_dir) / key
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.buddy = buddy_of(self.rank, ranks_per_node, self.world_size)
+        self.ward = buddy_of(self.rank, -ranks_per_node, self.world_size)
+        """The rank whose shard this rank's node keeps the second copy of."""
+        self._timeout = timeout
+        self._group: dist.ProcessGroup | None = None
+        self._stager = host_stager()
+        self._staging: Future | None = None
+        self._staging_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-checkpoint")
+        self._in_flight: Future | None = None
+        self.blocked_seconds = 0.0
+        """Total time the training loop has waited on copies (staging, and a copy still going)."""
+        self.copy_seconds = 0.0
+        """Total time the copying thread spent on copies (serialise, write, exchange)."""
+        self.copies = 0
+
+    # ---- copy ---------------------------------------------------------------------------------
+
+    def maybe_copy(self, step: int, state: Stateful) -> bool:
+        """Start the in-memory copy of `step` if it is on the interval; True if one was started.
+        Raises MemoryCheckpointError if the previous copy failed."""
+        if step % self.interval:
+            return False
+        started = time.perf_counter()
+        self._wait()
+        group = self._peer_group()
+        staged = self._stager.stage(state.state_dict())
+        self._staging = staged
+        self._in_flight = self._copier.submit(self._copy, step, staged, group)
+        self.blocked_seconds += time.perf_counter() - started
+        return True
+
+    def _copy(self, step: int, staged: Future, group: dist.ProcessGroup | None) -> None:
+        started = time.perf_counter()
+        payload = io.BytesIO()
+        torch.save(dict(_leaves(staged.result())), payload)
+        view = payload.getbuffer()
+        self._write(self.rank, step, view)
+        if self.buddy != self.rank:
+            self._write(self.ward, step, _exchange(view, self.buddy, self.ward, group))
+        self.copy_seconds += time.perf_counter() - started
+        self.copies += 1
+
+    def _write(self, shard: int, step: int, data: memoryview) -> None:
+        """Put `shard`'s copy of `step` in this node's memory, then drop its older copies: the
+        newest complete copy is always there (the new one is renamed into place whole)."""
+        folder = self._shard_folder(shard)
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = folder / f".{_file_name(step)}.{os.getpid()}"
+        partial.write_bytes(data)
+        partial.replace(folder / _file_name(step))
+        for older in self._steps(shard):
+            if older < step:
+                (folder / _file_name(older)).unlink(missing_ok=True)
+
+    def _wait(self) -> None:
+        """Block until the copy in flight is done; MemoryCheckpointError if it failed."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        try:
+            in_flight.result()
+        except Exception as exc:
+            raise MemoryCheckpointError(f"in-memory checkpoint failed on rank {self.rank}: "
+                                        f"{type(exc).__name__}: {exc}") from exc
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        # The optimizer step changes the state in place: the copy being staged must be complete.
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            started = time.perf_counter()
+            staging.exception()  # waits; a failed copy is raised by the next maybe_copy, on this rank
+            self.blocked_seconds += time.perf_counter() - started
+
+    # ---- restore ------------------------------------------------------------------------------
+
+    def restore(self, state: Stateful, below: int | None = None) -> Restored | None:
+        """Load into `state` the newest step that every shard of the world has in some node's
+        memory (collective); None when a shard has no copy, or none below `below` if given."""
+        group = self._peer_group()
+        held = {shard: self._steps(shard) for shard in {self.rank, self.ward}}
+        everyone: list[dict[int, list[int]]] = [held]
+        if group is not None:
+            everyone = [{}] * self.world_size
+            dist.all_gather_object(everyone, held, group=group)
+        holders: dict[tuple[int, int], list[int]] = {}
+        for rank, inventory in enumerate(everyone):
+            for shard, steps in inventory.items():
+                for step in steps:
+                    holders.setdefault((shard, step), []).append(rank)
+        common = set.intersection(*({step for (s, step) in holders if s == shard} for shard in range(self.world_size)))
+        if below is not None:
+            common = {step for step in common if step < below}
+        if not common:
+            missing = [shard for shard in range(self.world_size) if not any(s == shard for s, _ in holders)]
+            log.info("no in-memory checkpoint every shard has (shards with no copy: %s)", missing or "none")
+            return None
+        step = max(common)
+        source = {shard: shard if shard in holders[shard, step] else min(holders[shard, step])
+                  for shard in range(self.world_size)}
+        sends = [shard for shard, rank in source.items() if rank == self.rank and shard != self.rank]
+        own = self._receive_or_read(step, source[self.rank], sends, group)
+        self._apply(state, own)
+        received = source[self.rank] != self.rank
+        if received:
+            self._write(self.rank, step, own.getbuffer())
+        self.forget_after(step)
+        figures = torch.tensor([0 if received else 1, int(received), own.getbuffer().nbytes if received else 0])
+        if group is not None:
+            dist.all_reduce(figures, group=group)
+        own_memory, peers, peer_bytes = figures.tolist()
+        log.info("restored step %d from host memory: %d shards from their own node, %d from a buddy (%d bytes)",
+                 step, own_memory, peers, peer_bytes)
+        return Restored(step, own_memory, peers, peer_bytes)
+
+    def _receive_or_read(self, step: int, source: int, sends: list[int], group: dist.ProcessGroup | None
+                         ) -> io.BytesIO:
+        """This rank's copy of `step`: read from its node's memory, or received from `source`,
+        while this rank sends the copies `sends` of other shards to their ranks."""
+        outgoing = {shard: torch.frombuffer(bytearray((self._shard_folder(shard) / _file_name(step)).read_bytes()),
+                                            dtype=torch.uint8) for shard in sends}
+        receives = {} if source == self.rank else {source: None}
+        incoming = _transfer(outgoing, receives, group)
+        if source != self.rank:
+            return io.BytesIO(incoming[source].numpy().tobytes())
+        return io.BytesIO((self._shard_folder(self.rank) / _file_name(step)).read_bytes())
+
+    def _apply(self, state: Stateful, copy: io.BytesIO) -> None:
+        saved = torch.load(copy, weights_only=True)
+        current = state.state_dict()
+        for path, value in _leaves(current):
+            if path not in saved:
+                raise MemoryCheckpointError(f"the in-memory copy under {self.folder} lacks {'.'.join(map(str, path))}")
+            if isinstance(value, torch.Tensor):
+                target = _local(value)
+                if target.shape != saved[path].shape:
+                    raise MemoryCheckpointError(
+                        f"{'.'.join(map(str, path))}: in-memory copy has shape {tuple(saved[path].shape)}, "
+                        f"this rank holds {tuple(target.shape)}")
+                target.copy_(saved[path])
+            else:
+                _set(current, path, saved[path])
+        state.load_state_dict(current)
+
+    def forget_after(self, step: int | None) -> None:
+        """Drop this rank's and its ward's copies newer than `step` (all for None): the world
+        resumed at `step` and they belong to an abandoned timeline."""
+        for shard in {self.rank, self.ward}:
+            for saved in self._steps(shard):
+                if step is None or saved > step:
+                    (self._shard_folder(shard) / _file_name(saved)).unlink(missing_ok=True)
+
+    # ---- the rest -----------------------------------------------------------------------------
+
+    def _steps(self, shard: int) -> list[int]:
+        """The steps of `shard` this node holds complete, oldest first."""
+        folder = self._shard_folder(shard)
+        names = os.listdir(folder) if folder.is_dir() else []
+        return sorted(int(name[5:-3]) for name in names if name.startswith("step-") and name.endswith(".pt"))
+
+    def _shard_folder(self, shard: int) -> Path:
+        return self.folder / f"shard-{shard:05d}"
+
+    def _peer_group(self) -> dist.ProcessGroup | None:
+        """The gloo group the copies travel on, created on first use (on the training thread, in
+        the same order on every rank); None alone."""
+        if self._group is None and self.world_size > 1:
+            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
+        return self._group
+
+    def close(self) -> None:
+        """Wait for the copy in flight and release resources; raises MemoryCheckpointError if it failed."""
+        try:
+            self._wait()
+        finally:
+            self._staging_hook.remove()
+            self._copier.shutdown(wait=True)
+            self._stager.close()
+
+
+def _file_name(step: int) -> str:
+    return f"step-{step:09d}.pt"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _leaves(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """(path, leaf) of a nested state dict; a tensor leaf as the part this rank holds, on the CPU."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _leaves(value, (*path, key))
+    else:
+        yield path, _local(tree) if isinstance(tree, torch.Tensor) else tree
+
+
+def _set(tree: dict, path: tuple, value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def _exchange(payload: memoryview, to: int, source: int, group: dist.ProcessGroup | None) -> memoryview:
+    """Send `payload` to rank `to` while receiving a payload from rank `source`."""
+    received = _transfer({to: torch.frombuffer(payload, dtype=torch.uint8)}, {source: None}, group)
+    return memoryview(received[source].numpy())
+
+
+def _transfer(sends: dict[int, torch.Tensor], receives: dict[int, None], group: dist.ProcessGroup | None
+              ) -> dict[int, torch.Tensor]:
+    """Send each byte tensor of `sends` to its rank while receiving one from each rank of
+    `receives`: the sizes first, then the bytes, each as one batch (all its sends and receives
+    started together, which needs no order among the peers; under NCCL's rules, single sends
+    around a ring of buddies would each wait for the next)."""
+    sizes = {rank: torch.zeros(1, dtype=torch.int64) for rank in receives}
+    _batch([(dist.isend, torch.tensor([data.numel()]), rank) for rank, data in sends.items()]
+           + [(dist.irecv, size, rank) for rank, size in sizes.items()], group)
+    received = {rank: torch.empty(int(size.item()), dtype=torch.uint8) for rank, size in sizes.items()}
+    _batch([(dist.isend, data, rank) for rank, data in sends.items()]
+           + [(dist.irecv, data, rank) for rank, data in received.items()], group)
+    return received
+
+
+def _batch(ops: list[tuple], group: dist.ProcessGroup | None) -> None:
+    if ops:
+        for request in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group) for op, tensor, peer in ops]):
+            request.wait()
