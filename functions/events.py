@@ -40,7 +40,7 @@ from trainfleet.adapters.ec2_fleet import TAG_STACK, FleetError, allocate, insta
 from trainfleet.adapters.metrics import checkpoint_metrics, emit, progress_metrics
 from trainfleet.adapters.run_store import NodeNotFound, RunNotFound
 from trainfleet.core.events import (AgentEvent, CheckpointCommitted, CheckpointReason, Ec2InstanceStateChange,
-                                    FleetChecked, HealthEvent, NodeReady, NodeRegistered, ScalingChecked,
+                                    FleetChecked, HealthEvent, NodeReady, NodeRegistered, ScalingChecked, StateRestored,
                                     TrainingCompleted, TrainingProgress, parse_event)
 from trainfleet.core.lifecycle import (block_end_due, block_end_report, checkpoint_before_leaving, classify_event,
                                        departure_due_at, departure_wait_may_end, departure_wait_over,
@@ -165,6 +165,12 @@ def world_checked(run: RunRecord, detail: FleetChecked | ScalingChecked) -> str 
     return f"{field.replace('_', ' ')} passed: {figures.describe()}" if figures.passed else None
 
 
+def state_restored(run: RunRecord, detail: StateRestored) -> str:
+    """Record where the attempt's state came from (the run report shows it)."""
+    aws().store.modify_run(run.run_name, lambda current: current.model_copy(update={"restored": detail.figures}))
+    return f"state restored: {detail.figures.describe()}"
+
+
 def training_completed(run: RunRecord, detail: TrainingCompleted) -> str:
     aws().store.modify_run(run.run_name, lambda current: current.model_copy(update={"last_step": detail.final_step}))
     answered = answer_task(run.run_name, "train", run.attempt, output={"final_step": detail.final_step})
@@ -287,6 +293,7 @@ _AGENT_STEPS: dict[type, Callable[[RunRecord, Any], str | None]] = {
     TrainingCompleted: training_completed,
     FleetChecked: world_checked,
     ScalingChecked: world_checked,
+    StateRestored: state_restored,
 }
 """What an agent event moves forward; a step's None says the event also reports a failure."""
 

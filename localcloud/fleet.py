@@ -56,6 +56,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,6 +70,7 @@ from typing import TYPE_CHECKING, Any
 from localcloud import aws_events, in_place, warm_image
 from localcloud.procfs import stat_fields
 from localcloud.warm_image import ForkedProcess, WarmImage
+from trainfleet.core.runspec import HOST_MEMORY_DIR
 
 if TYPE_CHECKING:
     from localcloud.cloud import LocalCloud
@@ -443,6 +445,8 @@ class LocalFleet:
 
         def finish() -> None:
             self._end_process(instance)
+            # Its memory goes with it: the in-memory checkpoints its tmpfs held (runspec.HOST_MEMORY_DIR).
+            shutil.rmtree(instance.workdir / "root" / HOST_MEMORY_DIR.lstrip("/"), ignore_errors=True)
             self._report(instance, final_state)
 
         self.cloud.submit(f"{passing} {instance_id}", finish)

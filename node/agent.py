@@ -106,13 +106,14 @@ from trainfleet.adapters.run_store import NodeNotFound, RunStore
 from trainfleet.core.catalogue import instance_facts, nccl_environment
 from trainfleet.core.events import (PROGRESS_SAMPLES_MAX, AgentEvent, CheckpointCommitted, CheckpointReason,
                                     FleetChecked, HealthCheckResult, NodeReady, NodeRegistered, NodeUnhealthy,
-                                    ProgressSample, ScalingChecked, TrainerFailed, TrainerHung, TrainingCompleted,
-                                    TrainingProgress, instance_arn, put_events_entry)
+                                    ProgressSample, ScalingChecked, StateRestored, TrainerFailed, TrainerHung,
+                                    TrainingCompleted, TrainingProgress, instance_arn, put_events_entry)
 from trainfleet.core.lifecycle import checkpoint_request_answered, poll_interval
 from trainfleet.core.node_access import node_log_stream
 from trainfleet.core.pace import CADENCE_WINDOW, heartbeat_pace, hung_after, longest_look, stalled
 from trainfleet.core.records import (FleetCheckFigures, LaunchSpec, NodeLiveness, NodeRecord, RunRecord, RunState,
-                                     ScalingCheckFigures, TrainerFailureKind)
+                                     ScalingCheckFigures, StateRestoredFigures, TrainerFailureKind)
+from trainfleet.core.runspec import HOST_MEMORY_DIR
 
 LOOK_S = 0.5
 """How often the agent looks at what is on the node: the trainer's files."""
@@ -196,6 +197,10 @@ class AgentSettings:
     log_group: str | None = None
     """The CloudWatch Logs group the node's log goes to (TRAINFLEET_NODE_LOG_GROUP,
     node/node_log.py); None: the console alone."""
+    host_memory_dir: Path = Path(HOST_MEMORY_DIR)
+    """The node's host-memory folder, under the node's filesystem root (TRAINFLEET_ROOT, unset on
+    EC2: a local instance's own folder): the trainer keeps its in-memory checkpoints under
+    RUN_NAME in it (trainer/memory_checkpoint.py)."""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | os._Environ = os.environ, workdir: Path | None = None) -> AgentSettings:
@@ -211,7 +216,8 @@ class AgentSettings:
                    standin_step_s=_seconds(env, "TRAINFLEET_STANDIN_STEP_S"),
                    metadata_look_s=_seconds(env, "TRAINFLEET_METADATA_LOOK_S") or METADATA_LOOK_S,
                    unreachable_limit_s=_seconds(env, "TRAINFLEET_UNREACHABLE_LIMIT_S") or UNREACHABLE_LIMIT_S,
-                   log_group=env.get("TRAINFLEET_NODE_LOG_GROUP") or None)
+                   log_group=env.get("TRAINFLEET_NODE_LOG_GROUP") or None,
+                   host_memory_dir=Path(env.get("TRAINFLEET_ROOT") or "/", HOST_MEMORY_DIR.lstrip("/")))
 
 
 def _seconds(env: dict[str, str] | os._Environ, variable: str) -> float | None:
@@ -600,13 +606,19 @@ def scaling_check_figures(result: dict[str, Any], attempt: int) -> ScalingCheckF
         slow_instance_ids=result["slow_nodes"])
 
 
+def restore_figures(result: dict[str, Any], attempt: int) -> StateRestoredFigures:
+    """The figures of trainer/train.py restore's result file."""
+    return StateRestoredFigures(attempt=attempt, **result)
+
+
 WORLD_CHECKS: dict[str, tuple[Callable[[dict[str, Any], int], Any], type[AgentEvent]]] = {
     "fleet_check": (fleet_check_figures, FleetChecked),
     "scaling_check": (scaling_check_figures, ScalingChecked),
+    "checkpoint": (restore_figures, StateRestored),
 }
-"""Checks of the whole world whose result global rank 0 writes on its node, by their trainer
-config section (whose result_file the agent sets): what the agent makes of the result, and the
-event that carries it."""
+"""Results about the whole world that global rank 0 writes on its node, by their trainer config
+section (whose result_file the agent sets): the world checks, and where the resumed state came
+from; what the agent makes of the result, and the event that carries it."""
 
 
 def progress_samples(records: list[dict[str, Any]]) -> list[ProgressSample]:
@@ -616,13 +628,16 @@ def progress_samples(records: list[dict[str, Any]]) -> list[ProgressSample]:
             for record in records]
 
 
-def trainer_config(spec: LaunchSpec, files: AttemptFiles) -> dict[str, Any]:
-    """The spec's trainer config with this attempt's metrics file and the spec's resume point."""
+def trainer_config(spec: LaunchSpec, files: AttemptFiles, host_memory: Path) -> dict[str, Any]:
+    """The spec's trainer config with this attempt's metrics file, the node's host-memory folder
+    for the run's in-memory checkpoints, and the spec's resume point."""
     config = json.loads(json.dumps(spec.trainer_config))  # a deep copy
     config.setdefault("training", {})["metrics_file"] = str(files.metrics)
     for check in WORLD_CHECKS.keys() & config.keys():
         config[check]["result_file"] = str(files.check_result(check))
     checkpoint = config.setdefault("checkpoint", {})
+    checkpoint["memory_dir"] = str(host_memory / spec.run_name)
+    checkpoint["memory_resume"] = spec.restore_from_memory
     if spec.resume_step is not None:
         checkpoint["resume"] = str(spec.resume_step)
     elif spec.attempt > 0:
@@ -806,7 +821,8 @@ class Attempt:
         """Run torchrun until it exits or the run leaves this attempt; the run record that showed
         the run had left it, if that is what ended it."""
         self.files.folder.mkdir(parents=True, exist_ok=True)
-        self.files.config.write_text(yaml.safe_dump(trainer_config(self.spec, self.files), sort_keys=False))
+        self.files.config.write_text(yaml.safe_dump(
+            trainer_config(self.spec, self.files, self.control.settings.host_memory_dir), sort_keys=False))
         step_seconds = self.control.settings.standin_step_s
         command = (standin_command(self.spec, self.node_rank, step_seconds, self.files) if step_seconds
                    else torchrun_command(self.spec, self.node_rank, self.identity, self.files))
@@ -1009,8 +1025,8 @@ class Attempt:
         next look if the bus does not take it now."""
         figures_of, event = WORLD_CHECKS[check]
         figures = figures_of(json.loads(self.files.check_result(check).read_text()), self.spec.attempt)
-        say(f"{check.replace('_', ' ')} {'passed' if figures.passed else 'failed'}", attempt=self.spec.attempt,
-            figures=figures.describe())
+        verdict = "restored" if isinstance(figures, StateRestoredFigures) else "passed" if figures.passed else "failed"
+        say(f"{check.replace('_', ' ')} {verdict}", attempt=self.spec.attempt, figures=figures.describe())
         if self.control.send(event(run_name=self.spec.run_name, attempt=self.spec.attempt,
                                    instance_id=self.identity.instance_id, figures=figures)):
             self.checks_reported.add(check)

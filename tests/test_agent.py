@@ -82,13 +82,15 @@ def test_settings_name_every_missing_variable():
 def test_the_trainer_config_resumes_as_the_spec_says_and_logs_to_the_attempt(tmp_path):
     files = AttemptFiles(tmp_path / "attempt-1")
     spec = launch_spec(attempt=1, resume_step=20)
-    config = trainer_config(spec, files)
-    assert config["checkpoint"] == {"uri": "s3://b/runs/run-a/checkpoints", "resume": "20"}
+    config = trainer_config(spec, files, Path("/dev/shm/trainfleet"))
+    assert config["checkpoint"] == {"uri": "s3://b/runs/run-a/checkpoints", "resume": "20",
+                                    "memory_dir": "/dev/shm/trainfleet/run-a", "memory_resume": False,
+                                    "result_file": str(files.check_result("checkpoint"))}
     assert config["training"] == {"steps": 30, "metrics_file": str(files.metrics)}
     assert spec.trainer_config["checkpoint"]["resume"] == "none", "the spec itself is left alone"
     # A fresh run refuses a location holding checkpoints; a later attempt takes the newest.
-    assert trainer_config(launch_spec(attempt=0), files)["checkpoint"]["resume"] == "none"
-    assert trainer_config(launch_spec(attempt=2), files)["checkpoint"]["resume"] == "latest"
+    assert trainer_config(launch_spec(attempt=0), files, Path("/dev/shm/trainfleet"))["checkpoint"]["resume"] == "none"
+    assert trainer_config(launch_spec(attempt=2), files, Path("/dev/shm/trainfleet"))["checkpoint"]["resume"] == "latest"
 
 
 def test_torchrun_joins_the_rendezvous_of_node_rank_0(tmp_path):
@@ -919,7 +921,7 @@ def test_a_world_checks_result_file_becomes_its_event():
     spec = launch_spec(attempt=3, resume_step=None)
     spec = spec.model_copy(update={"trainer_config": spec.trainer_config | {
         "scaling_check": {"enabled": True}, "fleet_check": {"enabled": True}}})
-    config = trainer_config(spec, files)
+    config = trainer_config(spec, files, Path("/dev/shm/trainfleet"))
     assert config["scaling_check"]["result_file"] == "/attempt-3/scaling-check.json"
     assert config["fleet_check"]["result_file"] == "/attempt-3/fleet-check.json"
 

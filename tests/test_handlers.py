@@ -582,6 +582,18 @@ def test_a_world_that_passed_the_fleet_check_trains_on_with_its_figures_recorded
     assert recorded.waiting is not None and recorded.fleet_check.passed and recorded.fleet_check.seconds == 3.5
 
 
+def test_where_the_state_came_from_is_recorded(handlers, cloud, resources):
+    store, run, (host, _) = recorded_run(cloud, resources)
+    figures = {"attempt": 0, "step": 13, "source": "memory", "shards": 6, "own_memory": 4, "peers": 2,
+               "peer_bytes": 3 * 2**20, "seconds": 0.8, "fallback": None}
+    outcome = handlers.events.handler(agent_event("StateRestored", {"run_name": run.run_name, "attempt": 0,
+                                                                    "instance_id": host, "figures": figures}),
+                                      Context())["outcome"]
+    assert outcome == ("state restored: step 13 from host memory: 4 of 6 shards on their own node, 2 from a buddy "
+                       "(3.0 MiB), 0.8 s")
+    assert store.run(run.run_name).restored.peers == 2
+
+
 def scaling_checked(run_name: str, reporter: str, passed: bool) -> dict:
     figures = {"attempt": 0, "passed": passed, "efficiency": 0.85 if passed else 0.12, "efficiency_floor": 0.7,
                "step_seconds": 2.0, "expected_step_seconds": 1.7 if passed else 0.24, "tokens_per_second": 4096,

@@ -857,6 +857,63 @@ def test_ranks_keep_survivors_first_and_need_enough_ready_nodes():
         lc.assign_ranks(nodes[:3], plan, attempt=1)
 
 
+def test_a_survivor_keeps_its_rank_and_a_newcomer_takes_the_one_left_free():
+    # Its host memory holds its own shards and its previous node's: another rank would fetch them.
+    nodes = [node("i-1", node_rank=0), node("i-3", node_rank=2), node("i-4", node_rank=3), node("i-9")]
+    plan = ParallelPlan(nodes=4, ranks_per_node=1, pp=2, dp=2)
+    assert lc.assign_ranks(nodes, plan, attempt=1) == {"i-1": 0, "i-9": 1, "i-3": 2, "i-4": 3}
+    # A rank the plan no longer has (a smaller world) is given up.
+    small = ParallelPlan(nodes=2, ranks_per_node=1, pp=2, dp=1)
+    assert lc.assign_ranks(nodes[1:3], small, attempt=1) == {"i-3": 0, "i-4": 1}
+
+
+RANKED = [node(f"i-{n}", node_rank=n - 1) for n in range(1, 5)]
+
+
+def test_a_lost_node_is_restored_from_its_buddys_memory():
+    decision = lc.decide_recovery(make_run(), [*RANKED, SPARE], report(FailureClass.INSTANCE_LOST, "i-3"), 0.0,
+                                  now=T0)
+    assert decision.action is RecoveryAction.REPLACE and decision.restore_from_memory
+    assert "node rank(s) 2 resume from their buddies' memory, the rest from their own" in decision.reason
+    restart = lc.decide_recovery(make_run(), RANKED, report(FailureClass.PROCESS_CRASH), 0.0, now=T0)
+    assert restart.action is RecoveryAction.RESTART and restart.restore_from_memory
+    assert "every node resumes from its own memory" in restart.reason
+    # Non-adjacent losses keep a copy of each: ranks 0 and 2 are held by 1 and 3.
+    apart = lc.decide_recovery(make_run(), [*RANKED, SPARE], report(FailureClass.INSTANCE_LOST, "i-1", "i-3"), 0.0,
+                               now=T0)
+    assert apart.restore_from_memory
+
+
+@pytest.mark.parametrize("lost, why", [
+    (["i-2", "i-3"], "node ranks 1 and 2 lost together, a node and its buddy: resume from S3"),
+    (["i-4", "i-1"], "node ranks 3 and 0 lost together, a node and its buddy: resume from S3"),  # the ring closes
+    (["i-1", "i-2", "i-3", "i-4"], "no node of the world is left: resume from S3"),
+])
+def test_a_node_lost_with_its_buddy_is_restored_from_s3(lost, why):
+    decision = lc.decide_recovery(make_run(), [*RANKED, SPARE], report(FailureClass.INSTANCE_LOST, *lost), 0.0, now=T0)
+    assert decision.action is RecoveryAction.REPLACE and not decision.restore_from_memory
+    assert why in decision.reason
+
+
+def test_a_run_without_in_memory_checkpoints_or_with_a_new_layout_is_restored_from_s3():
+    spec = make_spec(checkpoint={"s3_uri": "s3://bucket/runs/r1/checkpoints", "memory_interval_steps": 0})
+    decision = lc.decide_recovery(make_run(spec), [*RANKED, SPARE], report(FailureClass.INSTANCE_LOST, "i-3"), 0.0,
+                                  now=T0)
+    assert not decision.restore_from_memory and "no in-memory checkpoints: resume from S3" in decision.reason
+    # Capacity short: the world shrinks to a new layout, whose shards the copies do not match.
+    shrunk = lc.decide_recovery(make_run(), RANKED[:3], report(FailureClass.CAPACITY), 0.0, now=T0)
+    assert shrunk.action is RecoveryAction.SHRINK and not shrunk.restore_from_memory
+    # The next attempt's launch spec carries the choice.
+    booked = lc.apply_decision(make_run(), report(FailureClass.INSTANCE_LOST, "i-3"),
+                               lc.decide_recovery(make_run(), [*RANKED, SPARE],
+                                                  report(FailureClass.INSTANCE_LOST, "i-3"), 0.0, now=T0), T0)
+    assert booked.restore_from_memory
+    promoted = SPARE.model_copy(update={"role": NodeRole.WORKER})
+    ready = [n.model_copy(update={"ready_attempt": 2}) for n in [*RANKED[:2], RANKED[3], promoted]]
+    launch = lc.build_launch_spec(booked, ready, heartbeat_task_token=None)
+    assert launch.restore_from_memory and launch.node_ranks == {"i-1": 0, "i-2": 1, "i-9": 2, "i-4": 3}
+
+
 # --- hot spares at the start of an attempt ---------------------------------------------------
 
 def test_a_ready_spare_takes_the_place_of_a_worker_still_booting_which_becomes_a_spare():
@@ -899,7 +956,9 @@ def test_launch_spec_carries_layout_resume_point_and_token():
     config = spec.trainer_config
     assert (config["parallel"]["pp"], config["parallel"]["dp"]) == (2, 2)
     assert config["checkpoint"] == {"uri": "s3://bucket/runs/r1/checkpoints", "interval": 10,
-                                    "keep_last": 3, "resume": "40"}
+                                    "keep_last": 3, "resume": "40", "memory_interval": 1,
+                                    "memory_dir": "/dev/shm/trainfleet/r1"}
+    assert not spec.restore_from_memory  # attempt 1 of a record that no recovery decided
     assert lc.build_launch_spec(make_run(), WORKERS, None).trainer_config["checkpoint"]["resume"] == "none"
 
 

@@ -6,7 +6,7 @@ rebalance notices, AWS Health) and the node agents' (source "trainfleet/SENDER-I
     AgentEvent: NodeRegistered, NodeReady, NodeUnhealthy (HealthCheckResult, BOOT_CHECK),
       CheckpointCommitted (CheckpointReason), TrainerFailed, TrainerHung, TrainingCompleted,
       TrainingProgress (its ProgressSample steps, at most PROGRESS_SAMPLES_MAX), FleetChecked,
-      ScalingChecked             the agents'
+      ScalingChecked, StateRestored             the agents'
     DetailType, EVENT_SOURCE, EventEnvelope (.sender), parse_event, put_events_entry,
       instance_arn, node_event_source, event_sender
 """
@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainfleet.core.records import FleetCheckFigures, ScalingCheckFigures, TrainerFailureKind
+from trainfleet.core.records import FleetCheckFigures, ScalingCheckFigures, StateRestoredFigures, TrainerFailureKind
 from trainfleet.core.shapes import Open, Strict
 
 EVENT_SOURCE = "trainfleet"
@@ -63,6 +63,7 @@ class DetailType(StrEnum):
     TRAINING_PROGRESS = "TrainingProgress"
     FLEET_CHECKED = "FleetChecked"
     SCALING_CHECKED = "ScalingChecked"
+    STATE_RESTORED = "StateRestored"
 
 
 class Ec2InstanceStateChange(Open):
@@ -362,15 +363,26 @@ class ScalingChecked(AgentEvent):
     figures: ScalingCheckFigures
 
 
+class StateRestored(AgentEvent):
+    """The agent of global rank 0's node: where the attempt's trainer took the state it resumed
+    from (host memory, S3, or nothing to resume)."""
+
+    DETAIL_TYPE: ClassVar[DetailType] = DetailType.STATE_RESTORED
+
+    figures: StateRestoredFigures
+
+
 AnyDetail = (Ec2InstanceStateChange | Ec2SpotInterruptionWarning | Ec2RebalanceRecommendation
              | HealthEvent | NodeRegistered | NodeReady | NodeUnhealthy | CheckpointCommitted
-             | TrainerFailed | TrainerHung | TrainingCompleted | TrainingProgress | FleetChecked | ScalingChecked)
+             | TrainerFailed | TrainerHung | TrainingCompleted | TrainingProgress | FleetChecked | ScalingChecked
+             | StateRestored)
 
 DETAIL_MODELS: dict[tuple[str, DetailType], type[BaseModel]] = {
     (model.SOURCE, model.DETAIL_TYPE): model
     for model in (Ec2InstanceStateChange, Ec2SpotInterruptionWarning, Ec2RebalanceRecommendation,
                   HealthEvent, NodeRegistered, NodeReady, NodeUnhealthy, CheckpointCommitted,
-                  TrainerFailed, TrainerHung, TrainingCompleted, TrainingProgress, FleetChecked, ScalingChecked)
+                  TrainerFailed, TrainerHung, TrainingCompleted, TrainingProgress, FleetChecked, ScalingChecked,
+                  StateRestored)
 }
 
 

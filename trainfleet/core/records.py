@@ -293,6 +293,9 @@ class RecoveryDecision(Strict):
     """The layout to resume with; None when giving up."""
     backoff_seconds: float = Field(default=0.0, ge=0)
     """Wait before acting (a Wait state reads it)."""
+    restore_from_memory: bool = False
+    """The next attempt resumes from the nodes' in-memory checkpoints, S3 only for a shard none
+    holds (lifecycle.memory_restore says why or why not, in `reason`)."""
 
 
 class LateWorkerSwap(Strict):
@@ -412,6 +415,35 @@ class TaskWait(Strict):
     """The attempt the task belongs to; events of other attempts must not answer it."""
     token: str = Field(min_length=1)
     """The Step Functions task token."""
+
+
+class StateRestoredFigures(Strict):
+    """Where one attempt's trainer took the state it resumed from (trainer/train.py restore)."""
+
+    attempt: int = Field(ge=0)
+    step: int = Field(ge=0)
+    """The step the world resumed at (0: from scratch)."""
+    source: Literal["memory", "s3", "none"]
+    """memory: every shard from some node's host memory; s3: from the S3 checkpoint; none: nothing to resume."""
+    shards: int = Field(ge=1)
+    """Shards of the world (one per rank)."""
+    own_memory: int = Field(default=0, ge=0)
+    """Shards loaded from their own node's memory."""
+    peers: int = Field(default=0, ge=0)
+    """Shards received from the buddy node holding their copy (a replaced node's)."""
+    peer_bytes: int = Field(default=0, ge=0)
+    """Bytes those shards took on the network."""
+    seconds: float = Field(ge=0)
+    """How long the restore took, as rank 0 timed it."""
+    fallback: str | None = None
+    """Why a restore asked to come from memory came from S3."""
+
+    def describe(self) -> str:
+        if self.source == "memory":
+            return (f"step {self.step} from host memory: {self.own_memory} of {self.shards} shards on their own node, "
+                    f"{self.peers} from a buddy ({self.peer_bytes / 2**20:.1f} MiB), {self.seconds:.1f} s")
+        told = f"step {self.step} from S3" if self.source == "s3" else "from scratch"
+        return f"{told}, {self.seconds:.1f} s" + (f" ({self.fallback})" if self.fallback else "")
 
 
 class FleetCheckFigures(Strict):
@@ -563,6 +595,11 @@ class RunRecord(Strict):
     (lifecycle.emergency_checkpoint_now). A new attempt clears it."""
     last_step: int | None = None
     """Latest step reported by progress events."""
+    restore_from_memory: bool = False
+    """Whether the current attempt resumes from the nodes' in-memory checkpoints (Recover's
+    RecoveryDecision.restore_from_memory): the launch spec's restore_from_memory."""
+    restored: StateRestoredFigures | None = None
+    """Where the latest attempt that resumed took its state from."""
     fleet_check: FleetCheckFigures | None = None
     """The latest fleet-wide check's figures."""
     scaling_check: ScalingCheckFigures | None = None
@@ -676,6 +713,9 @@ class LaunchSpec(Strict):
     """The trainer's full config (pp, dp and the checkpoint section filled in)."""
     resume_step: int | None = None
     """Committed step to resume from; None starts from scratch."""
+    restore_from_memory: bool = False
+    """Resume from the in-memory checkpoints the nodes hold (a replaced node's shards from its
+    buddy), S3 only for a shard that has none: Recover's choice (RecoveryDecision.restore)."""
     heartbeat_task_token: str | None = None
     """Token rank 0's agent sends SendTaskHeartbeat / success with as training advances."""
     hang_timeout_seconds: int = Field(ge=HANG_TIMEOUT_MIN_S)

@@ -98,6 +98,11 @@ class CapacitySpec(Strict):
         return self
 
 
+HOST_MEMORY_DIR = "/dev/shm/trainfleet"
+"""Where a node keeps its in-memory checkpoints, under the run's name: a tmpfs, host memory that
+outlives the trainer's processes and goes with the instance."""
+
+
 class CheckpointPolicy(Strict):
     """Where and how often the trainer checkpoints (fills the trainer's checkpoint section)."""
 
@@ -108,6 +113,10 @@ class CheckpointPolicy(Strict):
     keep_last: int = Field(default=3, ge=2)
     """Committed checkpoints kept. At least 2: with asynchronous saves the only committed
     checkpoint could otherwise be pruned while the next one is still being written."""
+    memory_interval_steps: int = Field(default=1, ge=0)
+    """Steps between in-memory checkpoints (trainer/memory_checkpoint.py): each node's share of
+    the state in its host memory and in its buddy node's, so that recovering a lost node redoes
+    at most this many steps and reads nothing from S3; 0: none (S3 alone)."""
 
     @field_validator("s3_uri")
     @classmethod
@@ -484,7 +493,10 @@ class RunSpec(Strict):
         nodes = pp * dp * self.trainer.parallel.tp // self.facts.ranks_per_node
         return self.trainer.as_trainer_mapping(pp, dp, {
             "checkpoint": {"uri": policy.s3_uri, "interval": policy.interval_steps, "keep_last": policy.keep_last,
-                           "resume": "none" if resume_step is None else str(resume_step)},
+                           "resume": "none" if resume_step is None else str(resume_step),
+                           "memory_interval": policy.memory_interval_steps,
+                           # The node agent puts its own host-memory folder here.
+                           "memory_dir": f"{HOST_MEMORY_DIR}/{self.run_name}"},
             "fleet_check": {"enabled": preflight.fleet_check and nodes > 1,
                             "size_mib": preflight.size_mib or (1024.0 if self.facts.accelerator != "none" else 16.0),
                             "iterations": preflight.iterations,

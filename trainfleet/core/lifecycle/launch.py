@@ -66,11 +66,20 @@ def may_start(run: RunRecord, ready_workers: int) -> bool:
 
 
 def assign_ranks(nodes: list[NodeRecord], plan: ParallelPlan, attempt: int) -> dict[str, int]:
-    """instance id -> node rank for the plan's nodes; ValueError when too few are ready."""
+    """instance id -> node rank for the plan's nodes; ValueError when too few are ready.
+
+    A node keeps the rank it had, where the plan still has it: its host memory holds its own
+    shards and its previous node's (trainer/memory_checkpoint.py), which a rank elsewhere would
+    have to fetch. Newcomers take the ranks left free, in rank_order."""
     chosen = ready_workers(nodes, attempt)[:plan.nodes]
     if len(chosen) < plan.nodes:
         raise ValueError(f"the plan needs {plan.nodes} ready workers, {len(chosen)} are ready")
-    return {node.instance_id: rank for rank, node in enumerate(chosen)}
+    kept: dict[str, int] = {}
+    for node in chosen:
+        if node.node_rank is not None and node.node_rank < plan.nodes and node.node_rank not in kept.values():
+            kept[node.instance_id] = node.node_rank
+    free = iter(sorted(set(range(plan.nodes)) - set(kept.values())))
+    return {node.instance_id: kept[node.instance_id] if node.instance_id in kept else next(free) for node in chosen}
 
 
 def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_token: str | None) -> LaunchSpec:
@@ -95,6 +104,7 @@ def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_to
         trainer_config=run.spec.trainer_mapping(run.plan.pp, run.plan.dp, resume_step,
                                                 scaling_check_due=not (run.scaling_check and run.scaling_check.passed)),
         resume_step=resume_step,
+        restore_from_memory=run.restore_from_memory,
         heartbeat_task_token=heartbeat_task_token,
         hang_timeout_seconds=run.spec.recovery.hang_timeout_seconds,
         startup_timeout_seconds=run.spec.recovery.startup_timeout_seconds,

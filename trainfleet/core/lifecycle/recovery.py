@@ -9,6 +9,8 @@ decide_recovery() works in numbered steps, each a rule a person can check:
     4. a crash loop (the same failure K times in a row on the same nodes or none, no checkpoint
        in between): give up;
     5. no node is blamed: restart on the same nodes;
+       (5 and 6 resume from the nodes' in-memory checkpoints unless a lost node's buddy is lost
+       too: memory_restore);
     6. blamed workers (and any AWS announced leaving) are covered by healthy spares and/or new
        instances: replace (at once on the first failure of a streak: the nodes that failed are gone);
     7. capacity ran out and the run may shrink: re-plan pp x dp on the nodes left (workers it
@@ -24,7 +26,7 @@ from trainfleet.core.lifecycle.growth import grown_plan
 from trainfleet.core.lifecycle.launch import rank_order
 from trainfleet.core.lifecycle.replan import plan_layout
 from trainfleet.core.records import (FailureClass, FailureRecord, FailureReport, NodeRecord, NodeRole, NodeState,
-                                     RecoveryAction, RecoveryDecision, RunRecord)
+                                     ParallelPlan, RecoveryAction, RecoveryDecision, RunRecord)
 from trainfleet.core.runspec import RecoveryPolicy
 
 FAILURES_KEPT = 50
@@ -89,6 +91,30 @@ def _hours_or_seconds(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds:.0f} s"
 
 
+def memory_restore(run: RunRecord, survivors: list[NodeRecord], plan: ParallelPlan | None) -> tuple[bool, str]:
+    """Whether the next attempt may resume from the in-memory checkpoints, and why (or why not),
+    given the workers that stay in the world.
+
+    Node n's shards are kept on node n and on its buddy node n+1 (mod the world's nodes,
+    trainer/memory_checkpoint.py buddy_of), so the copies survive unless a lost node's buddy is
+    lost too. Copies are per layout: a re-planned world cannot use them.
+    """
+    if not run.spec.checkpoint.memory_interval_steps:
+        return False, "no in-memory checkpoints: resume from S3"
+    if plan is None or plan != run.plan:
+        return False, "a new layout: resume from S3"
+    gone = sorted(set(range(plan.nodes)) - {node.node_rank for node in survivors})
+    if len(gone) == plan.nodes:
+        return False, "no node of the world is left: resume from S3"
+    together = [(rank, (rank + 1) % plan.nodes) for rank in gone if (rank + 1) % plan.nodes in gone]
+    if together:
+        pairs = ", ".join(f"{rank} and {buddy}" for rank, buddy in together)
+        return False, f"node ranks {pairs} lost together, a node and its buddy: resume from S3"
+    if gone:
+        return True, f"node rank(s) {', '.join(map(str, gone))} resume from their buddies' memory, the rest from their own"
+    return True, "every node resumes from its own memory"
+
+
 def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport,
                     jitter_draw: float, now: datetime) -> RecoveryDecision:
     """What to do about `failure` (classified for the run's current attempt), decided at `now`."""
@@ -151,14 +177,19 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
             promote = sorted(node.instance_id for node in spares)[:grown.nodes - len(workers)]
             refill = max(0, spec.spare_count - (len(spare_pool) - len(promote)))
             return RecoveryDecision(action=RecoveryAction.GROW, plan=grown, allocate_spares=refill,
-                                    **{**common, "promote_spare_ids": promote, "backoff_seconds": 0.0},
+                                    **{**common, "promote_spare_ids": promote, "backoff_seconds": 0.0,
+                                       "restore_from_memory": False},
                                     reason=f"capacity returned: grow to {grown.nodes} nodes at pp={grown.pp} x "
                                            f"dp={grown.dp}; {failure.message}")
+
+    from_memory, restore = memory_restore(run, workers, plan)
+    common["restore_from_memory"] = from_memory
 
     # 5: nothing to swap.
     if not terminate and missing == 0:
         return RecoveryDecision(action=RecoveryAction.RESTART, plan=plan, **common,
-                                reason=f"{failure.failure_class.value} on healthy nodes: restart them; {failure.message}")
+                                reason=f"{failure.failure_class.value} on healthy nodes: restart them, {restore}; "
+                                       f"{failure.message}")
 
     # 7: allocation already came up short; shrink onto what is there, if allowed.
     if failure.failure_class is FailureClass.CAPACITY and uncovered and spec.min_nodes is not None:
@@ -176,7 +207,7 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
         room = max(0, spec.spare_count - (len(spare_pool) - len(promote)))
         demote, trimmed = leaving[:room], leaving[room:]
         return RecoveryDecision(action=RecoveryAction.SHRINK, plan=shrunk, demote_worker_ids=demote,
-                                **{**common, "promote_spare_ids": promote,
+                                **{**common, "promote_spare_ids": promote, "restore_from_memory": False,
                                    "terminate_instance_ids": sorted([*terminate, *trimmed])},
                                 reason=f"capacity short: continue on {shrunk.nodes} nodes at pp={shrunk.pp} "
                                        f"x dp={shrunk.dp}")
@@ -191,7 +222,7 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
     return RecoveryDecision(action=RecoveryAction.REPLACE, plan=plan, allocate_workers=uncovered,
                             allocate_spares=refill, **common,
                             reason=f"{failure.failure_class.value}: replace {len(terminate)} node(s), "
-                                   f"{len(promote)} from spares, {uncovered} new; {failure.message}")
+                                   f"{len(promote)} from spares, {uncovered} new, {restore}; {failure.message}")
 
 
 def kept_failures(history: list[FailureRecord], now: datetime, window: timedelta) -> list[FailureRecord]:
@@ -233,6 +264,7 @@ def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDec
         "attempt": run.attempt + 1,
         "restarts": run.restarts + 1,
         "plan": decision.plan,
+        "restore_from_memory": decision.restore_from_memory,
         "waiting": None,
         "attempt_failure": None,
         "attempt_started_at": now,
