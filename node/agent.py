@@ -100,7 +100,7 @@ from botocore.utils import IMDSFetcher
 from node import standin
 from node.node_log import NodeLog
 from trainer import checkpoint_catalog as catalog
-from trainer.progress import NODE_NAME_ENV, PROGRESS_FILE_ENV, read_progress
+from trainer.progress import NODE_NAME_ENV, NODE_RANK_ENV, PROGRESS_FILE_ENV, read_progress
 from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import NodeNotFound, RunStore
 from trainfleet.core.catalogue import instance_facts, nccl_environment
@@ -689,10 +689,11 @@ def start_process(command: list[str], folder: Path, env: dict[str, str], output:
                             stderr=subprocess.STDOUT)
 
 
-def torchrun_env(files: AttemptFiles, identity: Identity) -> dict[str, str]:
+def torchrun_env(files: AttemptFiles, identity: Identity, node_rank: int) -> dict[str, str]:
     """The agent's environment, plus what NCCL needs to use EFA on this node's type (the
     environment preflight proved NCCL selects EFA in, but for NCCL's log: warnings only), the
-    attempt's files and the node's name."""
+    attempt's files, the node's name and its rank in the launch spec (where its in-memory
+    checkpoints' buddy is: trainer/memory_checkpoint.py)."""
     return {**os.environ,
             **nccl_environment(instance_facts(identity.instance_type), os.environ),
             # The rendezvous store is not shared with the ranks' process group: with gloo, a
@@ -700,7 +701,8 @@ def torchrun_env(files: AttemptFiles, identity: Identity) -> dict[str, str]:
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             catalog.REQUEST_FILE_ENV: str(files.checkpoint_request),
             PROGRESS_FILE_ENV: str(files.progress),
-            NODE_NAME_ENV: identity.instance_id}
+            NODE_NAME_ENV: identity.instance_id,
+            NODE_RANK_ENV: str(node_rank)}
 
 
 def failure_message(output: str) -> str:
@@ -836,7 +838,8 @@ class Attempt:
         if _shipping is not None:
             _shipping.log.follow("trainer", self.files.output)
         with self.files.output.open("ab") as output:
-            process = launch(command, self.files.folder, torchrun_env(self.files, self.identity), output)
+            process = launch(command, self.files.folder, torchrun_env(self.files, self.identity, self.node_rank),
+                             output)
         stop_beating = threading.Event()
         threading.Thread(target=self.beat_until, args=(stop_beating,), name="heartbeat", daemon=True).start()
         try:

@@ -14,11 +14,13 @@ JSON document: {"outcome": ..., "reference": {step: loss}}.
     python tests/agent_local_run.py node-loss
     python tests/agent_local_run.py slow-node             (three nodes, one with a slow network)
     python tests/agent_local_run.py poor-scaling          (two nodes on a slow network: the run does not scale)
+    python tests/agent_local_run.py memory-restore        (three nodes and a spare: a node lost mid-interval)
 """
 
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,7 +29,9 @@ sys.path.insert(0, str(REPO))
 from localcloud.chaos import reference_losses  # noqa: E402
 from localcloud.cloud import exit_after_local_cloud  # noqa: E402
 from localcloud.demo import DEMO_RUN_SPEC, SAMPLE_PROMPT, Narrator, run_on_local_cloud  # noqa: E402
-from localcloud.stack import agent_lines, local_stack  # noqa: E402
+from localcloud.glue import s3 as s3_requests  # noqa: E402
+from localcloud.stack import agent_lines, local_stack, metrics_records  # noqa: E402
+from trainer.checkpoint_catalog import marker_step  # noqa: E402
 
 def node_loss(template: dict) -> dict:
     """The demo: its live view, its report, and the uninterrupted run to compare its losses with."""
@@ -118,7 +122,54 @@ def poor_scaling(template: dict) -> dict:
         return {"outcome": stack.outcome(run) | {"scaling_checks": said, "report_page": report_page}}
 
 
-SCENARIOS = {"node-loss": node_loss, "slow-node": slow_node, "poor-scaling": poor_scaling}
+def memory_restore(template: dict) -> dict:
+    """Three workers (pp=3) and a spare, an in-memory checkpoint every step and an S3 one every 10;
+    node rank 1's instance killed as soon as step 10's commit reaches S3, mid-interval: the spare
+    takes its place, node ranks 0 and 2 restore from their own memory and the newcomer from node
+    rank 2's (its buddy). Every object S3 serves is heard, with when."""
+    template.update(node_count=3, spare_count=1)
+    template["trainer"]["model"]["n_layers"] = 6
+    template["trainer"]["parallel"].update(pp=3, dp=1, microbatches=3)
+    template["trainer"]["training"]["batch_size"] = 6
+    with local_stack(Narrator()) as stack:
+        run = stack.start_run(template)
+        watch = stack.watch(run)
+        checkpoints = f"runs/{run.run_name}/checkpoints/"
+        reads, killed = [], {}
+
+        def heard(kind: str, key: str, body: bytes | None) -> None:
+            if kind == "read" and key.startswith(checkpoints):
+                reads.append((time.time(), key[len(checkpoints):]))
+            if kind == "write" and not killed and marker_step(key) == 10 and key.startswith(checkpoints):
+                ranks = {node.instance_id: node.node_rank for node in stack.store.nodes(run.run_name)}
+                victim = next(instance for instance, rank in ranks.items() if rank == 1)
+                held = {instance.instance_id: sorted(str(path.relative_to(instance.workdir / "root"))
+                                                     for path in (instance.workdir / "root").glob("dev/shm/**/*.pt"))
+                        for instance in stack.instances(run)}
+                killed.update(at=time.time(), victim=victim, ranks=ranks, held=held)
+                stack.cloud.submit("kill node rank 1", lambda: stack.cloud.fleet.kill(victim))
+
+        try:
+            with s3_requests.listen(heard):
+                watch.until(stack.ended(run), "the end of the run")
+            watch.until(lambda: all(i.state == "terminated" for i in stack.instances(run)), "every instance terminated")
+        except Exception:
+            stack.dump_consoles(run)
+            raise
+        instances = stack.instances(run)
+        trained = [record["step"] for record in metrics_records(instances, 0) if "loss" in record]
+        resumed = [record for record in metrics_records(instances, 1) if "loss" in record]
+        outcome = stack.outcome(run) | {
+            "killed": killed, "last_step_before": max(trained), "first_step_after": resumed[0]["step"],
+            "failure_to_first_step_s": resumed[0]["time"] - killed["at"],
+            "reads_during_recovery": [key for at, key in reads if killed["at"] < at < resumed[0]["time"]],
+            "restored": stack.store.run(run.run_name).restored.model_dump(mode="json")}
+    with tempfile.TemporaryDirectory(prefix="uninterrupted-") as folder:
+        return {"outcome": outcome, "reference": reference_losses(template["trainer"], Path(folder))}
+
+
+SCENARIOS = {"node-loss": node_loss, "slow-node": slow_node, "poor-scaling": poor_scaling,
+             "memory-restore": memory_restore}
 
 if __name__ == "__main__":
     if sys.argv[1:] not in ([name] for name in SCENARIOS):

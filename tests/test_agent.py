@@ -26,7 +26,7 @@ from node.agent import (OUTPUT_TAIL_CHARS, AgentError, AgentSettings, Attempt, A
                         MetadataClient, MetricsFollower, failure_kind, failure_message, torchrun_command, torchrun_env,
                         trainer_config)
 from trainer import checkpoint_catalog as catalog
-from trainer.progress import PROGRESS_FILE_ENV, Progress, read_progress, write_whole
+from trainer.progress import NODE_RANK_ENV, PROGRESS_FILE_ENV, Progress, read_progress, write_whole
 from trainfleet.adapters.liveness import read_liveness
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.core.events import PROGRESS_SAMPLES_MAX, CheckpointReason
@@ -114,14 +114,15 @@ def test_torchrun_gets_what_nccl_needs_for_efa_on_this_node_type_and_keeps_the_l
     monkeypatch.setenv("LD_LIBRARY_PATH", "/usr/local/cuda/lib64")
     monkeypatch.delenv("FI_PROVIDER", raising=False)
     files = AttemptFiles(tmp_path)
-    p4d = torchrun_env(files, replace(IDENTITY, instance_type="p4d.24xlarge"))
+    p4d = torchrun_env(files, replace(IDENTITY, instance_type="p4d.24xlarge"), node_rank=1)
     assert (p4d["FI_PROVIDER"], p4d["FI_EFA_USE_DEVICE_RDMA"]) == ("efa", "1")
     # Warnings only: at INFO every rank of a large world logs its whole topology.
     assert (p4d["NCCL_DEBUG"], p4d["NCCL_DEBUG_SUBSYS"]) == ("WARN", "INIT,NET")
     libraries = p4d["LD_LIBRARY_PATH"].split(":")
     assert libraries[0] == "/opt/amazon/ofi-nccl/lib" and libraries[-1] == "/usr/local/cuda/lib64"
     assert p4d["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and p4d[PROGRESS_FILE_ENV] == str(files.progress)
-    cpu = torchrun_env(files, IDENTITY)  # c5.large: gloo, no EFA
+    assert p4d[NODE_RANK_ENV] == "1"  # where its in-memory checkpoints' buddy is
+    cpu = torchrun_env(files, IDENTITY, node_rank=1)  # c5.large: gloo, no EFA
     assert "FI_PROVIDER" not in cpu and "NCCL_DEBUG" not in cpu
     assert cpu["LD_LIBRARY_PATH"] == "/usr/local/cuda/lib64"
 

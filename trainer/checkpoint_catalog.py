@@ -403,13 +403,20 @@ def saved_steps(store: Store) -> list[int]:
 
 def is_committed(store: Store, step: int) -> bool:
     """Whether the step folder holds a marker (its files are not checked)."""
-    return store.read(step_dir_name(step), MARKER_NAME) is not None
+    return bool(_markers(store, [step]))
 
 
 def committed_steps(store: Store) -> list[int]:
     """Steps whose folder holds a marker, newest first (files not checked; markers are only ever
-    in step folders, so one listing of the location finds them)."""
-    return [step for step in _steps(store.step_dirs()) if is_committed(store, step)]
+    in step folders, so one listing of the location finds the folders)."""
+    return _markers(store, _steps(store.step_dirs()))
+
+
+def _markers(store: Store, steps: list[int]) -> list[int]:
+    """Those of `steps` whose folder holds a marker, in their order: told by listing each folder,
+    no object read (a recovery reads no checkpoint object it does not load)."""
+    listed = _files_in(store, map(step_dir_name, steps))
+    return [step for step in steps if f"{step_dir_name(step)}/{MARKER_NAME}" in listed]
 
 
 def step_files(store: Store, step: int) -> dict[str, StoredFile]:
@@ -544,11 +551,9 @@ def forget_after(store: Store, step: int | None) -> None:
 
 
 def commits_after(store: Store, step: int) -> list[int]:
-    """Committed steps newer than `step`, newest first, told by listing alone (no object is read):
-    whether a copy kept elsewhere at `step` is still the newest state."""
-    newer = [saved for saved in saved_steps(store) if saved > step]
-    markers = _files_in(store, map(step_dir_name, newer))
-    return [saved for saved in newer if f"{step_dir_name(saved)}/{MARKER_NAME}" in markers]
+    """Committed steps newer than `step`, newest first: whether a copy kept elsewhere at `step`
+    is still the newest state."""
+    return _markers(store, [saved for saved in saved_steps(store) if saved > step])
 
 
 def save_reason(step: int, interval: int, *, requested: bool, final: bool) -> SaveReason | None:

@@ -4,12 +4,18 @@ in the host memory of a buddy node, so that a lost node costs at most a step and
 Every `memory_interval` steps each rank copies its shard to CPU memory (on a thread, overlapping
 the next forward and backward like the S3 save's staging; the wait is at the next optimizer
 step), serialises it once, writes it to its node's host-memory folder and sends it to its buddy:
-the same local rank on the next node, which writes it into its own node's folder. On a node the
-folder is /dev/shm: it outlives the trainer's processes (a restart finds it) but not the instance.
-A node thus holds its own ranks' shards and its previous node's, twice its share of the state,
-and while the next copy is written beside the last, four times (memory_plan.host_memory_per_node).
+the same local rank on the next node (by the control plane's node ranks), which writes it into
+its own node's folder. On a node the folder is /dev/shm: it outlives the trainer's processes (a
+restart finds it) but not the instance.
 
-    memory = MemoryCheckpoints(cfg.checkpoint, key=..., ranks_per_node=8)
+A node holds its own ranks' shards and its previous node's, and of each the copies of the last
+three copied steps: the one being written, the last, and the one before it, the newest that every
+rank is known to have finished (each rank waits for its last copy before it starts the next, and
+the step's all-reduce orders every rank's wait before any rank's next step). So the world always
+has a step whose copies all exist, and a node holds six times its share of the state
+(memory_plan.host_memory_per_node).
+
+    memory = MemoryCheckpoints(cfg.checkpoint, key=..., ranks_per_node=8, node_rank=3)
     restored = memory.restore(state)          # or None: some shard has no copy; resume from S3
     for step in ...:
         ...train one step...
@@ -21,8 +27,8 @@ one pair of messages per rank and copy, from the copying thread. At most one cop
 a copy still going when the next is due is waited for, so every rank copies the same steps in
 the same order, which is what pairs each send with its receive.
 
-`restore` is collective: every rank says which copies its node holds of its own shard and of its
-ward's (the rank whose buddy it is), all agree on the newest step that every shard of the world
+`restore` is collective: every rank says which copies its node holds of its own shard, of its
+ward's (the rank whose buddy it is) and of any other shard its node held last time, all agree on the newest step that every shard of the world
 has somewhere, and each rank loads its shard from its own node's memory or receives it from the
 rank holding it. A world with some shard at no step gets None and resumes from S3.
 """
@@ -56,12 +62,17 @@ class MemoryCheckpointError(RuntimeError):
     """An in-memory checkpoint could not be copied or loaded."""
 
 
-def buddy_of(rank: int, ranks_per_node: int, world_size: int) -> int:
+def buddy_of(rank: int, node_ranks: list[int], ranks_per_node: int) -> int:
     """The rank whose node holds the second copy of `rank`'s shard: the same local rank on the
-    next node (the world's nodes in a ring), never a rank of the same node; itself alone on one node.
-    So a lost node's shards are all on one other node, and only a node lost together with the
-    node after it loses copies."""
-    return (rank + ranks_per_node) % world_size
+    next node in the control plane's node ranks (`node_ranks[r]`: rank r's node; the world's nodes
+    in a ring), never a rank of the same node; itself alone on one node. So a lost node's shards
+    are all on one other node, and only a node lost together with the node after it loses copies.
+    Node ranks, not the order torchrun's rendezvous gave the nodes: that order follows their
+    addresses, which the control plane neither chooses nor keeps across attempts."""
+    nodes = len(node_ranks) // ranks_per_node
+    wanted = (node_ranks[rank] + 1) % nodes
+    return next(other for other, node in enumerate(node_ranks)
+                if node == wanted and other % ranks_per_node == rank % ranks_per_node)
 
 
 @dataclass(frozen=True)
@@ -81,23 +92,31 @@ class MemoryCheckpoints:
     """One rank's in-memory checkpoints (module docstring); every rank constructs it alike and
     calls `restore` and `maybe_copy` alike."""
 
-    def __init__(self, cfg: Any, *, key: str, ranks_per_node: int, timeout: timedelta = timedelta(minutes=10)):
+    def __init__(self, cfg: Any, *, key: str, ranks_per_node: int, node_rank: int,
+                 timeout: timedelta = timedelta(minutes=10)):
         """
         cfg: the CheckpointConfig (memory_interval, memory_dir).
         key: names the layout and model the shards belong to; a copy under another key (another
             pp x dp x tp, another world size) is never loaded.
         ranks_per_node: how many ranks each node runs (its nodes are consecutive rank blocks).
+        node_rank: this node's rank in the control plane's launch spec (buddy_of).
+        Collective: the ranks' node ranks are gathered on the copies' own gloo group, made here.
         """
         self.interval = cfg.memory_interval
         self.folder = Path(cfg.memory_dir) / key
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
-        self.buddy = buddy_of(self.rank, ranks_per_node, self.world_size)
-        self.ward = buddy_of(self.rank, -ranks_per_node, self.world_size)
+        self.ranks_per_node = ranks_per_node
+        self._group = dist.new_group(backend="gloo", timeout=timeout) if self.world_size > 1 else None
+        node_ranks = [node_rank]
+        if self._group is not None:
+            node_ranks = [0] * self.world_size
+            dist.all_gather_object(node_ranks, node_rank, group=self._group)
+        self.buddy = buddy_of(self.rank, node_ranks, ranks_per_node)
+        self.ward = next(other for other in range(self.world_size)
+                         if buddy_of(other, node_ranks, ranks_per_node) == self.rank)
         """The rank whose shard this rank's node keeps the second copy of."""
-        self._timeout = timeout
-        self._group: dist.ProcessGroup | None = None
         self._stager = host_stager()
         self._staging: Future | None = None
         self._staging_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -108,6 +127,8 @@ class MemoryCheckpoints:
         self.copy_seconds = 0.0
         """Total time the copying thread spent on copies (serialise, write, exchange)."""
         self.copies = 0
+        self.unavailable = ""
+        """Why the last `restore` found nothing to load."""
 
     # ---- copy ---------------------------------------------------------------------------------
 
@@ -118,10 +139,12 @@ class MemoryCheckpoints:
             return False
         started = time.perf_counter()
         self._wait()
-        group = self._peer_group()
+        # Every rank waited here for its copy two copies back before it joined this step's
+        # all-reduce: that copy is complete everywhere, older ones are no longer needed.
+        self._drop_before(step - 2 * self.interval)
         staged = self._stager.stage(state.state_dict())
         self._staging = staged
-        self._in_flight = self._copier.submit(self._copy, step, staged, group)
+        self._in_flight = self._copier.submit(self._copy, step, staged, self._group)
         self.blocked_seconds += time.perf_counter() - started
         return True
 
@@ -137,16 +160,19 @@ class MemoryCheckpoints:
         self.copies += 1
 
     def _write(self, shard: int, step: int, data: memoryview) -> None:
-        """Put `shard`'s copy of `step` in this node's memory, then drop its older copies: the
-        newest complete copy is always there (the new one is renamed into place whole)."""
+        """Put `shard`'s copy of `step` in this node's memory (renamed into place whole)."""
         folder = self._shard_folder(shard)
         folder.mkdir(parents=True, exist_ok=True)
         partial = folder / f".{_file_name(step)}.{os.getpid()}"
         partial.write_bytes(data)
         partial.replace(folder / _file_name(step))
-        for older in self._steps(shard):
-            if older < step:
-                (folder / _file_name(older)).unlink(missing_ok=True)
+
+    def _drop_before(self, step: int) -> None:
+        """Delete this rank's share of the node's copies older than `step`."""
+        for shard in self._shards_here():
+            for saved in self._steps(shard):
+                if saved < step:
+                    (self._shard_folder(shard) / _file_name(saved)).unlink(missing_ok=True)
 
     def _wait(self) -> None:
         """Block until the copy in flight is done; MemoryCheckpointError if it failed."""
@@ -172,8 +198,10 @@ class MemoryCheckpoints:
     def restore(self, state: Stateful, below: int | None = None) -> Restored | None:
         """Load into `state` the newest step that every shard of the world has in some node's
         memory (collective); None when a shard has no copy, or none below `below` if given."""
-        group = self._peer_group()
-        held = {shard: self._steps(shard) for shard in {self.rank, self.ward}}
+        group = self._group
+        # Every shard on this node with this rank's local rank: the node may have held other
+        # ranks in the last attempt (torchrun orders the nodes by address), its copies still count.
+        held = {shard: self._steps(shard) for shard in self._shards_here()}
         everyone: list[dict[int, list[int]]] = [held]
         if group is not None:
             everyone = [{}] * self.world_size
@@ -188,7 +216,11 @@ class MemoryCheckpoints:
             common = {step for step in common if step < below}
         if not common:
             missing = [shard for shard in range(self.world_size) if not any(s == shard for s, _ in holders)]
-            log.info("no in-memory checkpoint every shard has (shards with no copy: %s)", missing or "none")
+            newest = {shard: max(step for s, step in holders if s == shard) for shard in range(self.world_size)
+                      if shard not in missing}
+            self.unavailable = (f"shards {missing} have no in-memory copy (a node and its buddy were lost)" if missing
+                                else f"no step has an in-memory copy of every shard (newest per shard: {newest})")
+            log.info("%s", self.unavailable)
             return None
         step = max(common)
         source = {shard: shard if shard in holders[shard, step] else min(holders[shard, step])
@@ -199,7 +231,6 @@ class MemoryCheckpoints:
         received = source[self.rank] != self.rank
         if received:
             self._write(self.rank, step, own.getbuffer())
-        self.forget_after(step)
         figures = torch.tensor([0 if received else 1, int(received), own.getbuffer().nbytes if received else 0])
         if group is not None:
             dist.all_reduce(figures, group=group)
@@ -238,11 +269,12 @@ class MemoryCheckpoints:
         state.load_state_dict(current)
 
     def forget_after(self, step: int | None) -> None:
-        """Drop this rank's and its ward's copies newer than `step` (all for None): the world
-        resumed at `step` and they belong to an abandoned timeline."""
-        for shard in {self.rank, self.ward}:
+        """Drop the copies on this node (this rank's share of them) other than `step`'s (all for
+        None): the world resumed at `step`; newer copies belong to an abandoned timeline, older
+        ones will not be needed."""
+        for shard in self._shards_here():
             for saved in self._steps(shard):
-                if step is None or saved > step:
+                if step is None or saved != step:
                     (self._shard_folder(shard) / _file_name(saved)).unlink(missing_ok=True)
 
     # ---- the rest -----------------------------------------------------------------------------
@@ -256,12 +288,13 @@ class MemoryCheckpoints:
     def _shard_folder(self, shard: int) -> Path:
         return self.folder / f"shard-{shard:05d}"
 
-    def _peer_group(self) -> dist.ProcessGroup | None:
-        """The gloo group the copies travel on, created on first use (on the training thread, in
-        the same order on every rank); None alone."""
-        if self._group is None and self.world_size > 1:
-            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
-        return self._group
+    def _shards_here(self) -> set[int]:
+        """The shards this rank looks after in its node's memory: its own, its ward's, and any
+        other left there with its local rank (ranks of a node share one folder)."""
+        names = os.listdir(self.folder) if self.folder.is_dir() else []
+        found = {int(name[6:]) for name in names if name.startswith("shard-")}
+        return {self.rank, self.ward} | {shard for shard in found if shard % self.ranks_per_node
+                                         == self.rank % self.ranks_per_node}
 
     def close(self) -> None:
         """Wait for the copy in flight and release resources; raises MemoryCheckpointError if it failed."""

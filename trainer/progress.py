@@ -24,13 +24,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["PROGRESS_FILE_ENV", "NODE_NAME_ENV", "BEAT_WRITE_EVERY_S", "Progress", "progress_file",
+__all__ = ["PROGRESS_FILE_ENV", "NODE_NAME_ENV", "NODE_RANK_ENV", "BEAT_WRITE_EVERY_S", "Progress", "progress_file",
            "write_whole", "read_progress"]
 
 PROGRESS_FILE_ENV = "TRAINFLEET_PROGRESS_FILE"
 """Environment variable naming the file; unset, nothing is written."""
 NODE_NAME_ENV = "TRAINFLEET_NODE_NAME"
 """Environment variable naming the node (trainer/fleet_check.py)."""
+NODE_RANK_ENV = "TRAINFLEET_NODE_RANK"
+"""Environment variable with the node's rank in the launch spec, which the node agent sets
+(trainer/memory_checkpoint.py's buddies follow it); unset, the node's place in torchrun's order."""
 BEAT_WRITE_EVERY_S = 0.5
 """Signs of life are written at most this often (a microbatch may take a millisecond); a step is
 written at once."""

@@ -40,7 +40,7 @@ from trainer.data import DataLoader, load_tokens
 from trainer.memory_checkpoint import MemoryCheckpoints
 from trainer.parallel_dims import RankPosition, schedule_class
 from trainer.pipeline_parallel import Pipeline, build_pipeline
-from trainer.progress import Progress
+from trainer.progress import NODE_RANK_ENV, Progress
 
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -388,11 +388,11 @@ def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | No
         if newer:  # S3 holds a newer state than any complete in-memory copy: resume from it
             restored, fallback = None, f"S3 holds step {newer[0]}, newer than every in-memory copy"
         elif restored is None:
-            fallback = "some shard has no in-memory copy (its node and its buddy's were lost)"
+            fallback = memory.unavailable
     if restored is None:
         checkpointer.resume(state)
-    if memory:
-        memory.forget_after(state.step or None)
+    if memory:  # copies of another timeline than the one resumed must never be loaded
+        memory.forget_after(restored.step if restored else None)
     if run.env.rank == 0 and cfg.result_file:
         source = "memory" if restored else "s3" if state.step else "none"
         result = {"step": state.step, "source": source, "seconds": time.perf_counter() - started,
@@ -406,8 +406,10 @@ def _memory_checkpoints(cfg: JobConfig, env: DistributedEnv) -> MemoryCheckpoint
     p = cfg.parallel
     model = checkpoint_catalog.config_hash(asdict(cfg.model))[:12]
     key = f"w{env.world_size}-pp{p.pp}-dp{p.dp}x{p.resolved_dp_shard()}-tp{p.tp}-{model}"
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
     return MemoryCheckpoints(cfg.checkpoint, key=key, timeout=timedelta(seconds=cfg.checkpoint.timeout_s),
-                             ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)))
+                             ranks_per_node=ranks_per_node,
+                             node_rank=int(os.environ.get(NODE_RANK_ENV, env.rank // ranks_per_node)))
 
 
 def _checkpointer(cfg: JobConfig) -> Checkpointer:

@@ -38,16 +38,18 @@ class Ranks:
         self.image, self.started = image, []
 
     def launch(self, world: int, port: int, trainer_args: list[str], log_dir: Path, hooks: list[str] = (),
-               ranks_per_node: int | None = None, node_args: Callable[[int], list[str]] = lambda node: []) -> list:
+               ranks_per_node: int | None = None, node_args: Callable[[int], list[str]] = lambda node: [],
+               node_env: Callable[[int], dict[str, str]] = lambda node: {}) -> list:
         """Start `world` ranks as torchrun would (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
         MASTER_ADDR/PORT), `ranks_per_node` to a node (all on one by default), each node's with
-        `node_args(node)` after `trainer_args`; rank r's output goes to log_dir/rank{r}.log."""
+        `node_args(node)` after `trainer_args` and `node_env(node)` in its environment; rank r's
+        output goes to log_dir/rank{r}.log."""
         procs = []
         per_node = ranks_per_node or world
         for rank in range(world):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(world),
                        LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS="1")
+                       OMP_NUM_THREADS="1", **node_env(rank // per_node))
             procs.append(self.image.fork([sys.executable, "-m", "trainer_rank", "--signals", str(log_dir), *hooks, "--",
                                           *trainer_args, *node_args(rank // per_node)], log_dir, env,
                                          log_dir / f"rank{rank}.log"))

@@ -2,7 +2,8 @@
 "node" (each node its own host-memory folder), pp=3 x dp=2, a copy every step and an S3
 checkpoint every 5. The world is killed mid-interval and resumed: a lost node's folder is
 emptied, as its replacement's memory would be. S3 is a moto server in this process, so every
-object it serves is heard."""
+object it serves is heard. The nodes' ranks in the launch spec are not torchrun's order (which
+follows their addresses): ranks 0-1 run on node rank 2, 2-3 on node rank 1, 4-5 on node rank 0."""
 
 import json
 import shutil
@@ -18,10 +19,12 @@ from conftest import free_port
 from localcloud.glue import s3 as s3_glue
 from trainer import checkpoint_catalog as catalog
 from trainer.memory_checkpoint import buddy_of
+from trainer.progress import NODE_RANK_ENV
 
 pytestmark = pytest.mark.slow
 
 WORLD, PER_NODE = 6, 2
+NODES = WORLD // PER_NODE
 LAYOUT = ["--model.n_layers=6", "--parallel.pp=3", "--parallel.dp=2", "--parallel.microbatches=3",
           "--training.batch_size=6", "--checkpoint.memory_interval=1"]
 
@@ -36,7 +39,8 @@ def launch(tmp_path, processes, uri, metrics, *overrides, hooks=()):
     args = trainer_args(tmp_path, uri, metrics, *LAYOUT, f"--checkpoint.result_file={log_dir / 'restore.json'}",
                         *overrides)
     procs = processes.launch(WORLD, free_port(), args, log_dir, list(hooks), ranks_per_node=PER_NODE,
-                             node_args=lambda node: [f"--checkpoint.memory_dir={memory_of(tmp_path, node)}"])
+                             node_args=lambda node: [f"--checkpoint.memory_dir={memory_of(tmp_path, node)}"],
+                             node_env=lambda node: {NODE_RANK_ENV: str(NODES - 1 - node)})
     return procs, log_dir
 
 
@@ -82,9 +86,13 @@ def resume(tmp_path, processes, uri):
     return read_before_training, json.loads((log_dir / "restore.json").read_text())
 
 
-def test_buddies_are_the_same_local_rank_on_the_next_node():
-    assert [buddy_of(rank, 2, 6) for rank in range(6)] == [2, 3, 4, 5, 0, 1]
-    assert [buddy_of(rank, 4, 4) for rank in range(4)] == [0, 1, 2, 3]  # one node: no other copy
+def test_buddies_are_the_same_local_rank_on_the_next_node_by_node_rank():
+    in_order = [0, 0, 1, 1, 2, 2]
+    assert [buddy_of(rank, in_order, 2) for rank in range(6)] == [2, 3, 4, 5, 0, 1]
+    # torchrun ordered the nodes by address: ranks 0-1 are on node rank 2, 4-5 on node rank 0.
+    shuffled = [2, 2, 1, 1, 0, 0]
+    assert [buddy_of(rank, shuffled, 2) for rank in range(6)] == [4, 5, 0, 1, 2, 3]
+    assert [buddy_of(rank, [0] * 4, 4) for rank in range(4)] == [0, 1, 2, 3]  # one node: no other copy
 
 
 def test_a_lost_node_resumes_from_its_buddy_with_no_step_redone_and_no_s3_read(tmp_path, processes, bucket,
@@ -101,20 +109,21 @@ def test_a_lost_node_resumes_from_its_buddy_with_no_step_redone_and_no_s3_read(t
     assert restored["peer_bytes"] > 0
     assert trained == {s: straight[s] for s in range(1, 14)}
     assert losses(tmp_path, "resumed.jsonl") == {s: straight[s] for s in range(14, 21)}
-    # The replacement holds its own shards again, and no step of the abandoned timeline is left.
-    assert sorted(p.name for p in (memory_of(tmp_path, 1)).glob("*/shard-00002/*")) == ["step-000000020.pt"]
+    # The replacement holds its own shards again: the last three copies, all of this timeline.
+    assert sorted(p.name for p in (memory_of(tmp_path, 1)).glob("*/shard-00002/*")) == [
+        "step-000000018.pt", "step-000000019.pt", "step-000000020.pt"]
 
 
 def test_a_node_lost_with_its_buddy_resumes_from_s3_and_says_so(tmp_path, processes, bucket, straight):
     uri = f"s3://{bucket}/runs/memory-and-buddy/checkpoints"
     killed_at(13, tmp_path, processes, uri)
-    for node in (1, 2):  # node 1's shards are held by node 2 alone
+    for node in (1, 0):  # node rank 1's shards are held by node rank 2 alone (ranks 0-1)
         shutil.rmtree(memory_of(tmp_path, node))
 
     read, restored = resume(tmp_path, processes, uri)
 
     assert any(key.endswith(".distcp") for key in read)
     assert restored | {"seconds": 0} == {"step": 10, "source": "s3", "shards": 6, "seconds": 0,
-                                         "fallback": "some shard has no in-memory copy (its node and its buddy's "
+                                         "fallback": "shards [2, 3] have no in-memory copy (a node and its buddy "
                                                      "were lost)"}
     assert losses(tmp_path, "resumed.jsonl") == {s: straight[s] for s in range(11, 21)}
