@@ -75,6 +75,10 @@ def check_memory(spec: RunSpec, config: JobConfig) -> None:
     problem = memory_plan.memory_problem(workload, facts.name, facts.ranks_per_node, facts.memory_per_rank_gib)
     if problem:
         raise InvalidRunSpec(f"trainer: {problem}")
+    if spec.checkpoint.memory_interval_steps:
+        problem = memory_plan.host_memory_problem(workload, facts.name, facts.ranks_per_node, facts.host_memory_gib)
+        if problem:
+            raise InvalidRunSpec(f"checkpoint: {problem}")
 
 
 @transient_errors_named

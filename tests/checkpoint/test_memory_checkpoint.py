@@ -8,6 +8,7 @@ follows their addresses): ranks 0-1 run on node rank 2, 2-3 on node rank 1, 4-5 
 import json
 import shutil
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,9 @@ from test_checkpoint_trainer import kill, losses, run_to_end, trainer_args, wait
 from conftest import free_port
 from localcloud.glue import s3 as s3_glue
 from trainer import checkpoint_catalog as catalog
+from trainer.config import load_config
 from trainer.memory_checkpoint import buddy_of
+from trainfleet.core import memory_plan
 from trainer.progress import NODE_RANK_ENV
 
 pytestmark = pytest.mark.slow
@@ -66,7 +69,9 @@ def killed_at(step: int, tmp_path, processes, uri) -> dict[int, float]:
     """Train until every rank's in-memory copy of `step` is done (the last S3 commit is step 10),
     then kill -9 every rank; the losses it trained."""
     procs, log_dir = launch(tmp_path, processes, uri, "interrupted.jsonl", hooks=["--stop-after-copy", str(step)])
-    wait_for(lambda: all((log_dir / f"reached.{r}").exists() for r in range(WORLD)), f"step {step} copied", procs,
+    # Step 10's S3 checkpoint commits in the background, maybe after step 13 is copied.
+    wait_for(lambda: all((log_dir / f"reached.{r}").exists() for r in range(WORLD))
+             and catalog.is_committed(catalog.open_store(uri), 10), f"step {step} copied, step 10 committed", procs,
              log_dir)
     kill(procs)
     assert catalog.latest_committed(uri).step == 10
@@ -127,3 +132,24 @@ def test_a_node_lost_with_its_buddy_resumes_from_s3_and_says_so(tmp_path, proces
                                          "fallback": "shards [2, 3] have no in-memory copy (a node and its buddy "
                                                      "were lost)"}
     assert losses(tmp_path, "resumed.jsonl") == {s: straight[s] for s in range(11, 21)}
+
+
+def test_the_plan_states_what_a_copy_takes(tmp_path, processes, bucket):
+    """Each shard's copy against the memory plan's state_bytes for its pipeline rank: the plan
+    (which Validate refuses layouts by) must not undercount what the trainer writes."""
+    uri = f"s3://{bucket}/runs/memory-sizes/checkpoints"
+    procs, log_dir = launch(tmp_path, processes, uri, "sized.jsonl", "--training.steps=2")
+    run_to_end(procs, log_dir)
+    config = load_config(trainer_args(tmp_path, uri, "sized.jsonl", *LAYOUT, f"--checkpoint.memory_dir={tmp_path}"))
+    workload = memory_plan.Workload.from_sections(asdict(config), accelerator="none")
+    for rank in range(WORLD):
+        (copy,) = memory_of(tmp_path, rank // PER_NODE).glob(f"*/shard-{rank:05d}/step-000000002.pt")
+        planned = memory_plan.state_bytes(workload, pp_rank=rank // 2)  # pp-major: dp=2 ranks a stage
+        assert planned <= copy.stat().st_size <= planned + OVERHEAD_BYTES, (rank, copy.stat().st_size, planned)
+
+
+OVERHEAD_BYTES = 128 * 2**10
+"""What a copy holds beside the tensors' bytes: a few hundred bytes a tensor (its record in the
+file, its name; AdamW keeps a step counter beside each parameter's two moments), the scheduler's,
+sampler's and RNG's state. It grows with the number of tensors a rank holds (a few hundred), not
+with their size: nothing beside a share of gigabytes."""

@@ -91,6 +91,9 @@ class InstanceFacts(BaseModel):
     ranks_per_node: int = Field(ge=1)
     """Trainer processes per instance: one per GPU, one per NeuronCore (2 per Trainium chip),
     one per physical core on CPU types."""
+    host_memory_gib: float = Field(gt=0)
+    """The instance's own memory (RAM) in GiB: the in-memory checkpoints live in its tmpfs
+    (/dev/shm, half of it by default; memory_plan.host_memory_problem)."""
     vcpus: int = Field(ge=1)
     """vCPUs per instance."""
     network_cards: int = Field(ge=1)
@@ -148,10 +151,10 @@ _GPU_FACTS = {
 """Per-GPU facts of each SXM accelerator (see the module docstring)."""
 
 
-def _gpu(name: str, accelerator: str, count: int, memory_gib: float, cards: int, efa_gbps: int,
+def _gpu(name: str, accelerator: str, count: int, memory_gib: float, host_gib: float, cards: int, efa_gbps: int,
          busbw_floor: float, price: float, *, estimate: bool = False, vcpus: int = 96) -> InstanceFacts:
     return InstanceFacts(name=name, accelerator=accelerator, accelerator_count=count,
-                         accelerator_memory_gib=memory_gib, ranks_per_node=count, vcpus=vcpus,
+                         accelerator_memory_gib=memory_gib, host_memory_gib=host_gib, ranks_per_node=count, vcpus=vcpus,
                          network_cards=cards, efa_supported=True, efa_bandwidth_gbps=efa_gbps,
                          efa_rdma_read=True, busbw_floor_gbytes_per_s=busbw_floor, on_demand_usd_per_hour=price,
                          price_is_estimate=estimate, **_GPU_FACTS[accelerator])
@@ -159,7 +162,9 @@ def _gpu(name: str, accelerator: str, count: int, memory_gib: float, cards: int,
 
 def _cpu(name: str, vcpus: int, price: float) -> InstanceFacts:
     # The CPU types stand in for GPU nodes in local runs: gloo over loopback, one rank per core.
+    # C5: 2 GiB of memory per vCPU.
     return InstanceFacts(name=name, accelerator="none", accelerator_count=0, accelerator_memory_gib=0,
+                         host_memory_gib=2 * vcpus,
                          ranks_per_node=max(1, vcpus // 2), vcpus=vcpus, network_cards=1,
                          efa_supported=False, efa_bandwidth_gbps=0, busbw_floor_gbytes_per_s=0.01,
                          on_demand_usd_per_hour=price)
@@ -168,19 +173,20 @@ def _cpu(name: str, vcpus: int, price: float) -> InstanceFacts:
 CATALOGUE: MappingProxyType[str, InstanceFacts] = MappingProxyType({
     facts.name: facts for facts in (
         # Every P type here runs on Nitro v4 or later: EFA with RDMA read (_gpu sets it).
-        # 8x A100 40 GB, 4 network cards, 400 Gbps EFA.
-        _gpu("p4d.24xlarge", "A100", 8, 39.39, 4, 400, 25.0, 21.96, estimate=True),
-        # 8x A100 80 GB, same network as p4d.
-        _gpu("p4de.24xlarge", "A100", 8, 79.35, 4, 400, 25.0, 27.45, estimate=True),
-        # 8x H100 80 GB, 32 network cards, 3200 Gbps EFA (v2).
-        _gpu("p5.48xlarge", "H100", 8, 79.18, 32, 3200, 200.0, 55.04, estimate=True, vcpus=192),
-        # 8x H200 141 GB, 32 network cards, 3200 Gbps EFA (v2).
-        _gpu("p5e.48xlarge", "H200", 8, 139.8, 32, 3200, 200.0, 60.00, estimate=True, vcpus=192),
-        # 8x H200 141 GB, 16 network cards, 3200 Gbps EFA (v3).
-        _gpu("p5en.48xlarge", "H200", 8, 139.8, 16, 3200, 200.0, 63.30, estimate=True, vcpus=192),
-        # 16 Trainium chips (32 NeuronCores) with 32 GB each, 8 network cards, 800 Gbps EFA.
+        # 8x A100 40 GB, 1152 GiB of host memory, 4 network cards, 400 Gbps EFA.
+        _gpu("p4d.24xlarge", "A100", 8, 39.39, 1152, 4, 400, 25.0, 21.96, estimate=True),
+        # 8x A100 80 GB, same host and network as p4d.
+        _gpu("p4de.24xlarge", "A100", 8, 79.35, 1152, 4, 400, 25.0, 27.45, estimate=True),
+        # 8x H100 80 GB, 2048 GiB of host memory, 32 network cards, 3200 Gbps EFA (v2).
+        _gpu("p5.48xlarge", "H100", 8, 79.18, 2048, 32, 3200, 200.0, 55.04, estimate=True, vcpus=192),
+        # 8x H200 141 GB, 2048 GiB of host memory, 32 network cards, 3200 Gbps EFA (v2).
+        _gpu("p5e.48xlarge", "H200", 8, 139.8, 2048, 32, 3200, 200.0, 60.00, estimate=True, vcpus=192),
+        # 8x H200 141 GB, 2048 GiB of host memory, 16 network cards, 3200 Gbps EFA (v3).
+        _gpu("p5en.48xlarge", "H200", 8, 139.8, 2048, 16, 3200, 200.0, 63.30, estimate=True, vcpus=192),
+        # 16 Trainium chips (32 NeuronCores) with 32 GB each, 512 GiB of host memory, 8 network
+        # cards, 800 Gbps EFA.
         InstanceFacts(name="trn1.32xlarge", accelerator="Trainium", accelerator_count=16,
-                      accelerator_memory_gib=32, ranks_per_node=32, vcpus=128, network_cards=8,
+                      accelerator_memory_gib=32, host_memory_gib=512, ranks_per_node=32, vcpus=128, network_cards=8,
                       efa_supported=True, efa_bandwidth_gbps=800, efa_rdma_read=True, busbw_floor_gbytes_per_s=50.0,
                       on_demand_usd_per_hour=21.50),
         _cpu("c5.large", 2, 0.085),

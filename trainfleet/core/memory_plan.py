@@ -45,6 +45,7 @@ Offers:
     rank_memory, fullest_rank           per-component bytes on one rank / on the fullest rank
     fits, plan_layouts, smallest_fleet  the check and the planner
     memory_problem                      the check with its figures and a proposal, for Validate
+    host_memory_per_node, host_memory_problem   the in-memory checkpoints' share of a node's RAM
     format_memory                       the figures as a table in GiB
 """
 
@@ -528,6 +529,47 @@ def smallest_fleet(w: Workload, ranks_per_node: int, memory_gib: float, max_node
         if found:
             return found
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# Host memory: the in-memory checkpoints (trainer/memory_checkpoint.py)
+
+HOST_COPIES = 6
+"""Copies of a node's share of the training state in its tmpfs: its own ranks' shards and its
+previous node's, each at the last three copied steps."""
+HOST_BUFFERS = 3
+"""And while a copy is made, in its trainer processes: the staged state, its serialised bytes, and
+the buddy's bytes being received."""
+TMPFS_SHARE = 0.5
+"""Of the host's memory, what /dev/shm may hold: a tmpfs's default size."""
+
+
+def state_bytes(w: Workload, pp_rank: int) -> int:
+    """What one rank's shard of the training state takes in a checkpoint: its fp32 parameters and
+    AdamW's two moments."""
+    components = rank_memory(w, pp_rank).components
+    return components["parameters"] + components["optimizer"]
+
+
+def host_memory_per_node(w: Workload, ranks_per_node: int) -> tuple[int, int]:
+    """Bytes of the fullest node's host memory that the in-memory checkpoints take: in its tmpfs,
+    and in its processes while a copy is made (a node runs ranks_per_node ranks of one pipeline
+    rank, the fullest pipeline rank's shards decide)."""
+    share = max(state_bytes(w, r) for r in range(w.layout.pp)) * ranks_per_node
+    return HOST_COPIES * share, HOST_BUFFERS * share
+
+
+def host_memory_problem(w: Workload, instance_name: str, ranks_per_node: int, host_memory_gib: float) -> str | None:
+    """Why the in-memory checkpoints of `w` would not fit a node's host memory, with the figures;
+    None when they fit."""
+    copies, buffers = host_memory_per_node(w, ranks_per_node)
+    tmpfs = TMPFS_SHARE * host_memory_gib * GIB
+    if copies <= tmpfs and copies + buffers <= host_memory_gib * GIB:
+        return None
+    return (f"the in-memory checkpoints need {copies / GIB:.1f} GiB of a node's tmpfs (/dev/shm: {tmpfs / GIB:.0f} "
+            f"GiB, half of {instance_name}'s {host_memory_gib:g} GiB) and {buffers / GIB:.1f} GiB more while a copy "
+            f"is made: {HOST_COPIES} copies of the node's {copies / HOST_COPIES / GIB:.1f} GiB share of the state. "
+            f"Spread the state over more nodes, or set checkpoint.memory_interval_steps to 0 (S3 only)")
 
 
 MAX_PROPOSED_NODES = 512
