@@ -42,7 +42,10 @@ is named, every restart on the same nodes crashes again, and the crash-loop rule
 
 ETTR is productive training time over wall-clock time, productive as the ledger books it (the
 month's end counts as a commit) less the training blocked by checkpoint saves. The last two lines
-are `ettr_s3_30min=<with 2% spares, a checkpoint to S3 every 30 minutes>` and `ettr=<with 2% spares>`.
+are `ettr_s3_30min=<with 2% spares, a checkpoint to S3 every 30 minutes>` and `ettr=<with 2% spares>`,
+both with the in-memory checkpoints (every step; trainer/memory_checkpoint.py) that Recover
+resumes from unless a lost node's buddy was lost with it; the columns "S3 only" are the path
+before them.
 """
 
 from __future__ import annotations
@@ -148,6 +151,12 @@ for each ranged GET: a pessimistic figure for S3)."""
 STALL_VS_SYNC_SAVE = 0.0047
 """Training blocked by an async save over a sync save of the same state (bench/checkpoint.py),
 measured for 252 MiB on one rank: a p5 rank holds about 300 MB of a 405B model's state."""
+NODE_PEER_BYTES_PER_S = 5e9
+"""A replaced node receiving its share of the state from its buddy's host memory, over gloo's TCP
+on the instance's primary network interface: an assumption (half of 100 Gbit/s), not measured here."""
+PROGRESS_EVERY_S = 10.0
+"""How often node rank 0's agent reports steps (node/agent.py PROGRESS_EVERY_S): an attempt
+resumed from memory keeps its training up to the last report (lifecycle.settle_run_attempt)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +183,9 @@ class Timings:
     """Upload of one checkpoint, until committed (0: from the model's state, see checkpoint_timings)."""
     load_s: float = 0.0
     """Load of the checkpoint at resume (0: from the model's state)."""
+    peer_load_s: float = 0.0
+    """Restore of the state from the nodes' host memory, a replaced node's share from its buddy
+    (0: from the model's state)."""
     stall_s: float = 0.0
     """Training blocked by one async save (0: from the model's state)."""
 
@@ -183,6 +195,7 @@ def checkpoint_timings(timings: Timings, nodes: int) -> Timings:
     per_node = MODEL_PARAMETERS * STATE_BYTES_PER_PARAMETER / nodes
     save = timings.save_s or per_node / (NODE_S3_BYTES_PER_S * SAVE_VS_RAW_PUT)
     return replace(timings, save_s=save, load_s=timings.load_s or per_node / (NODE_S3_BYTES_PER_S * LOAD_VS_RAW_GET),
+                   peer_load_s=timings.peer_load_s or per_node / NODE_PEER_BYTES_PER_S,
                    stall_s=timings.stall_s or save * STALL_VS_SYNC_SAVE)
 
 
@@ -201,6 +214,9 @@ class Scenario:
     """Five minutes, what a run this large would ask for: the RunSpec's default (ten) suits small
     runs, and trainfleet.core.pace allows as little as about 250 s at 2,089 nodes."""
     causes: tuple[Cause, ...] = CAUSES
+    memory_copies: bool = True
+    """In-memory checkpoints every step (RunSpec checkpoint.memory_interval_steps=1, the default):
+    Recover resumes from them unless a lost node's buddy was lost too; False: S3 alone."""
 
 
 def run_spec(scenario: Scenario) -> RunSpec:
@@ -213,7 +229,8 @@ def run_spec(scenario: Scenario) -> RunSpec:
         "image_id": "ami-0123456789abcdef0",
         "trainer": {"model": {"n_layers": 126}, "training": {"batch_size": n},
                     "parallel": {"pp": 1, "dp": n, "tp": 8, "schedule": "1f1b", "microbatches": 1}},
-        "checkpoint": {"s3_uri": "s3://bucket/runs/month/checkpoints"},
+        "checkpoint": {"s3_uri": "s3://bucket/runs/month/checkpoints",
+                       "memory_interval_steps": 1 if scenario.memory_copies else 0},
         "recovery": {"max_restarts": scenario.max_restarts, "hang_timeout_seconds": scenario.hang_timeout_s},
     })
 
@@ -229,11 +246,15 @@ class Fleet:
         self.ready_at: dict[str, datetime] = {}
         self.launched = 0
 
-    def launch(self, attempt: int, workers: int, spares: int, at: datetime, boot: timedelta) -> None:
+    def launch(self, attempt: int, workers: int, spares: int, at: datetime, boot: timedelta,
+               free_ranks: list[int] = ()) -> None:
+        """New instances; the workers among them take `free_ranks` (the first launch: 0, 1, ...)."""
         ids = [f"i-{self.launched + index:017x}" for index in range(workers + spares)]
+        ranks = list(free_ranks) or list(range(workers))
         self.launched += len(ids)
         for node in new_node_records(self.spec, attempt, ids, workers, "us-east-1a", "subnet-0123456789abcdef0"):
-            self.nodes[node.instance_id] = node.model_copy(update={"launched_at": at})
+            rank = ranks.pop(0) if node.role is NodeRole.WORKER else None
+            self.nodes[node.instance_id] = node.model_copy(update={"launched_at": at, "node_rank": rank})
             self.ready_at[node.instance_id] = at + boot
         self.worker_ids += ids[:workers]
 
@@ -250,16 +271,19 @@ class Fleet:
         return [self.nodes[instance_id] for instance_id in self.worker_ids]
 
     def act(self, decision: RecoveryDecision, attempt: int, now: datetime, boot: timedelta) -> None:
-        """What Recover does with a decision: the blamed nodes go, spares step in, new instances launch."""
+        """What Recover does with a decision: the blamed nodes go, spares step in, new instances
+        launch; the newcomers take the node ranks of the workers gone (lifecycle.assign_ranks)."""
+        free = sorted(self.nodes[i].node_rank for i in decision.terminate_instance_ids if i in self.worker_ids)
         for instance_id in decision.terminate_instance_ids:
             self.nodes[instance_id] = self.nodes[instance_id].model_copy(
                 update={"state": NodeState.TERMINATED, "updated_at": now})
             self.ready_at.pop(instance_id, None)
         for instance_id in decision.promote_spare_ids:
-            self.nodes[instance_id] = self.nodes[instance_id].model_copy(update={"role": NodeRole.WORKER})
+            self.nodes[instance_id] = self.nodes[instance_id].model_copy(
+                update={"role": NodeRole.WORKER, "node_rank": free.pop(0)})
         gone = set(decision.terminate_instance_ids)
         self.worker_ids = [i for i in self.worker_ids if i not in gone] + decision.promote_spare_ids
-        self.launch(attempt, decision.allocate_workers, decision.allocate_spares, now, boot)
+        self.launch(attempt, decision.allocate_workers, decision.allocate_spares, now, boot, free)
 
 
 def report_of(seen: Seen, run: RunRecord, fleet: Fleet, instance_id: str, now: datetime) -> FailureReport:
@@ -299,12 +323,17 @@ class Pace:
     """The last of the run's agents to look at the run record after it changed, at the full rate."""
     rendezvous: timedelta
     load: timedelta
+    peer_load: timedelta
     save: timedelta
     cadence: timedelta
     """Between two checkpoint starts: the interval, or the save when that is longer (a save
     waits for the previous upload)."""
     stall: float
     """Seconds of training one checkpoint blocks."""
+    copy_stall: float
+    """Seconds of training an in-memory copy blocks a step: the same staging to host memory as an
+    S3 save's (trainer/checkpoint.py host_stager); the rest is off the training thread."""
+    step: timedelta
     detect: timedelta
     hang: timedelta
     control_plane: timedelta
@@ -317,9 +346,10 @@ class Pace:
                    stalled=s(stall_after(t.step_s)),
                    between_look=s(longest_look(min(scenario.nodes + scenario.spares, FULL_RATE_NODES),
                                                scenario.hang_timeout_s)),
-                   rendezvous=s(t.rendezvous_s), load=s(t.load_s), save=s(t.save_s),
+                   rendezvous=s(t.rendezvous_s), load=s(t.load_s), peer_load=s(t.peer_load_s), save=s(t.save_s),
                    cadence=s(max(scenario.interval_s, t.save_s)),
                    stall=t.stall_s + max(0.0, t.save_s - scenario.interval_s),
+                   copy_stall=t.stall_s if scenario.memory_copies else 0.0, step=s(t.step_s),
                    detect=s(t.detect_s), control_plane=s(t.control_plane_s),
                    hang=s(min(scenario.hang_timeout_s, hung_after([t.step_s] * CADENCE_STEPS_KNOWN,
                                                                   RecoveryPolicy().stall_floor_seconds))))
@@ -377,6 +407,8 @@ class Month:
             gpus_per_node=gpus)
         self.stays: dict[str, Cause] = {}
         """Nodes with a fault a restart does not cure, and its cause."""
+        self.restore = timedelta()
+        """How long the current attempt's state takes to restore before its first step."""
 
     def next_strike(self, after: datetime) -> tuple[datetime, Cause]:
         if not self.rate:  # no failures at all: the next one comes after the month
@@ -394,7 +426,7 @@ class Month:
         strike_at, strike_cause = self.next_strike(T0)
         while True:
             # The attempt ends at the next strike, or at its start on a node with a fault that stayed.
-            torchrun_at = first_step - pace.rendezvous - (pace.load if run.latest_checkpoint else timedelta())
+            torchrun_at = first_step - pace.rendezvous - self.restore
             stuck = next((instance_id for instance_id in self.fleet.worker_ids if instance_id in self.stays), None)
             if stuck is not None and torchrun_at < strike_at:
                 failed_at, cause, victim = torchrun_at, self.stays[stuck], stuck
@@ -409,7 +441,7 @@ class Month:
                 recovering_since = None
             if failed_at >= self.horizon:
                 run = run.model_copy(update={"last_progress_at": self.horizon if run.first_step_at else None})
-                run = self.book(run, self.horizon, started_by, None, None)
+                run = self.book(run, self.horizon, started_by, None, None, False)
                 break
             if cause.seen is Seen.CRASH_STAYS:
                 self.stays[victim] = cause
@@ -417,17 +449,21 @@ class Month:
                           self.horizon)
             self.fleet.settle(decided)
             failure = report_of(cause.seen, run, self.fleet, victim, decided)
-            run = self.book(run, decided, started_by, cause.name, failure)
             outcome.failures[cause.name] += 1
             if decided >= self.horizon:  # known only as the month ends
+                run = self.book(run, decided, started_by, cause.name, failure, False)
                 break
-            decision = decide_recovery(run, list(self.fleet.nodes.values()), failure, jitter_draw=self.draws.random(),
-                                       now=decided)
+            # As Recover does: decided with the attempt on the books (the cost ceiling), booked by
+            # where the next attempt resumes from.
+            preview = run.model_copy(update={"ledger": settle_run_attempt(run, decided, False, failure.failure_class)})
+            decision = decide_recovery(preview, list(self.fleet.nodes.values()), failure,
+                                       jitter_draw=self.draws.random(), now=decided)
+            run = self.book(run, decided, started_by, cause.name, failure, decision.restore_from_memory)
             run = apply_decision(run, failure, decision, decided).model_copy(update={
                 "attempt_started_at": decided, "first_step_at": None})
             if decision.action is RecoveryAction.GIVE_UP:
                 outcome.gave_up_at_s = (decided - T0).total_seconds()
-                run = self.book(run, self.horizon, give_up_cause(failure.failure_class), None, None)
+                run = self.book(run, self.horizon, give_up_cause(failure.failure_class), None, None, False)
                 break
             self.fleet.act(decision, run.attempt, decided, pace.boot)
             for instance_id in decision.terminate_instance_ids:
@@ -443,13 +479,16 @@ class Month:
         """When the attempt decided at `decided` on a failure at `failed_at` trains, if nothing
         fails first: every worker confirmed (one that was up at its next look after the decision,
         at the full rate once its trainer stalled; a new one once through preflight), the backoff
-        waited, the launch spec read at the agents' next look (the full rate), rendezvous, load."""
+        waited, the launch spec read at the agents' next look (the full rate), rendezvous, the
+        state restored: from the nodes' memory where Recover chose it, else S3's checkpoint."""
         pace = self.pace
         booting = [ready for instance_id, ready in self.fleet.ready_at.items()
                    if self.fleet.nodes[instance_id].role is NodeRole.WORKER]
         confirmed = max(decided, failed_at + pace.stalled) + pace.between_look
         awaited = max(decided + timedelta(seconds=decision.backoff_seconds), confirmed, *booting)
-        return awaited + pace.between_look + pace.rendezvous + (pace.load if run.latest_checkpoint else timedelta())
+        self.restore = (pace.peer_load if decision.restore_from_memory else pace.load if run.latest_checkpoint
+                        else timedelta())
+        return awaited + pace.between_look + pace.rendezvous + self.restore
 
     def trained(self, run: RunRecord, first_step: datetime, end: datetime) -> RunRecord:
         """The run record at `end`: the attempt's first step if reached, its latest commit."""
@@ -457,7 +496,9 @@ class Month:
             return run
         pace = self.pace
         commits = int(max(timedelta(), end - first_step - pace.save) / pace.cadence)
-        update: dict = {"first_step_at": first_step}
+        # The last report of steps before `end` (every PROGRESS_EVERY_S, half of it on average).
+        reported = end - timedelta(seconds=PROGRESS_EVERY_S / 2)
+        update: dict = {"first_step_at": first_step, "last_progress_at": reported if reported > first_step else None}
         if commits:
             step = (run.latest_checkpoint.step if run.latest_checkpoint else 0) + int((commits * pace.cadence).total_seconds())
             update["latest_checkpoint"] = CheckpointRef(step=step, uri=f"s3://bucket/runs/month/checkpoints/step-{step:09d}",
@@ -465,19 +506,35 @@ class Month:
         return run.model_copy(update=update)
 
     def book(self, run: RunRecord, ended_at: datetime, started_by: str, ended_by: str | None,
-             failure: FailureReport | None) -> RunRecord:
+             failure: FailureReport | None, resumed_from_memory: bool) -> RunRecord:
         """The attempt on the ledger (as Recover and Teardown book it), its losses by root cause:
         the start-up to what started the attempt, the redone training to what ended it."""
         before = run.ledger
         ledger = settle_run_attempt(run, ended_at, completed=failure is None and run.error is None,
-                                    failure_class=failure.failure_class if failure else None)
+                                    failure_class=failure.failure_class if failure else None,
+                                    resumed_from_memory=resumed_from_memory)
         for cause, seconds in ledger.lost_by_cause.items():
             added = seconds - before.lost_by_cause.get(cause, 0.0)
             if added:
                 self.outcome.lost_s[ended_by if cause.startswith("redone:") else started_by] += added
         kept = ledger.productive_seconds - before.productive_seconds
         self.outcome.stall_s += int(kept // self.pace.cadence.total_seconds()) * self.pace.stall
+        self.outcome.stall_s += int(kept // self.pace.step.total_seconds()) * self.pace.copy_stall
         return run.model_copy(update={"ledger": ledger})
+
+
+def failure_to_training(scenario: Scenario, timings: Timings) -> dict[str, float]:
+    """Seconds from a node lost (an event names it) to the world training again, by part, with a
+    READY spare stepping in and the state restored from the nodes' memory: Month.first_step's
+    path for one such failure."""
+    pace = Pace.of(scenario, timings)
+    seconds = lambda delta: delta.total_seconds()  # noqa: E731
+    decided = seconds(pace.detect + pace.control_plane)
+    return {"detection": seconds(pace.detect), "control plane": seconds(pace.control_plane),
+            "survivors confirm (stalled, next look)": max(decided, seconds(pace.stalled)) + seconds(pace.between_look)
+            - decided, "launch spec read (next look)": seconds(pace.between_look),
+            "rendezvous and communicators": seconds(pace.rendezvous), "state from memory": seconds(pace.peer_load),
+            "the first step": seconds(pace.step)}
 
 
 def simulate(scenario: Scenario, timings: Timings) -> Outcome:
@@ -549,8 +606,12 @@ def main() -> int:
           f"{t.stall_s:.4f} s ({MODEL_PARAMETERS / 1e9:.0f}B parameters x {STATE_BYTES_PER_PARAMETER} bytes over "
           f"{args.nodes:,} nodes)")
 
-    figures = {"no spares": month(base, timings, args.seeds), f"{spares} spares": month(with_spares, timings, args.seeds)}
+    s3_only = replace(with_spares, memory_copies=False)
+    figures = {"no spares": month(base, timings, args.seeds), f"{spares} spares": month(with_spares, timings, args.seeds),
+               f"{spares} sp., S3 only": month(s3_only, timings, args.seeds)}
     columns = list(figures)
+    print(f"in-memory checkpoints every step (the first two columns): restore {t.peer_load_s:.2f} s from the nodes' "
+          f"memory, training blocked {t.stall_s:.4f} s a step; 'S3 only' is the path before them")
     print(f"\n{'':40}" + "".join(f"{column:>16}" for column in columns))
 
     def row(label: str, values: list, fmt: str) -> None:
@@ -565,21 +626,22 @@ def main() -> int:
                          key=lambda c: -max(f["lost_gpu_h"].get(c, 0) for f in figures.values()))
     for cause in causes_seen:
         row(f"  {cause}", [f["lost_gpu_h"].get(cause, 0.0) for f in figures.values()], ",.0f")
-    row("  checkpoint saves (training blocked)", [f["stall_gpu_h"] for f in figures.values()], ",.0f")
+    row("  checkpoint saves, copies (blocked)", [f["stall_gpu_h"] for f in figures.values()], ",.0f")
     row("  total", [sum(f["lost_gpu_h"].values()) + f["stall_gpu_h"] for f in figures.values()], ",.0f")
     row("idle spare GPU-hours", [f["spare_gpu_h"] for f in figures.values()], ",.0f")
     row("ledger: seconds not accounted (max)", [f["unaccounted_s"] for f in figures.values()], ".2g")
 
     intervals_min = [0.5, 1, 2, 5, 10, 20, 30, 60]
-    print(f"\ncheckpoint interval sweep ({spares} spares, mean of {args.seeds} seed(s))")
-    print(f"{'interval (min)':>16}{'ETTR':>10}")
-    sweep = {}
+    print(f"\nS3 checkpoint interval sweep ({spares} spares, mean of {args.seeds} seed(s))")
+    print(f"{'interval (min)':>16}{'ETTR':>10}{'S3 only':>10}")
+    sweep, before = {}, {}
     for minutes in intervals_min:
         sweep[minutes] = month(replace(with_spares, interval_s=minutes * 60), timings, args.seeds)["ettr"]
-        print(f"{minutes:>16g}{sweep[minutes]:>10.4f}")
-    best = max(sweep, key=sweep.get)
+        before[minutes] = month(replace(s3_only, interval_s=minutes * 60), timings, args.seeds)["ettr"]
+        print(f"{minutes:>16g}{sweep[minutes]:>10.4f}{before[minutes]:>10.4f}")
+    best = max(before, key=before.get)
     young_daly_s = math.sqrt(2 * mtbf_s * t.stall_s)
-    print(f"best interval: {best:g} min (ETTR {sweep[best]:.4f}); Young/Daly sqrt(2 x MTBF x checkpoint cost) = "
+    print(f"S3 only: best interval {best:g} min (ETTR {before[best]:.4f}); Young/Daly sqrt(2 x MTBF x checkpoint cost) = "
           f"{young_daly_s:.1f} s with MTBF {mtbf_s:,.0f} s and cost = the stall, {t.stall_s:.4f} s (an async save "
           f"blocks training that long; its commit comes {t.save_s:.2f} s later, and the next save waits for it)")
 
@@ -589,6 +651,9 @@ def main() -> int:
           + (f"the run gives up after {statistics.fmean(gave_up):.1f} h (crash loop) in {len(gave_up)} of "
              f"{args.seeds} month(s)" if gave_up else "the run never gives up")
           + f", ETTR {today['ettr']:.4f}")
+    parts = failure_to_training(with_spares, timings)
+    print(f"\na node lost, a READY spare in its place, the state from memory: {sum(parts.values()):.1f} s to training "
+          "again (" + ", ".join(f"{name} {value:.1f}" for name, value in parts.items()) + ")")
     print(f"ettr_s3_30min={sweep[30]:.4f}")
     print(f"ettr={figures[columns[1]]['ettr']:.4f}")
     return 0

@@ -85,7 +85,8 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
     # failure, the crash-loop rule and the time lost would be judged against an older one.
     newest = latest_checkpoint(cloud.s3, run.spec.checkpoint.s3_uri)
     run = run.knowing(newest)
-    # The cost ceiling is judged with the ended attempt on the books.
+    # The cost ceiling is judged with the ended attempt on the books (its cost does not depend on
+    # where the next attempt resumes from; which of its time is kept does).
     booked = run.model_copy(update={"ledger": book_attempt(run, nodes, now, False, failure.failure_class)})
     decision = decide_recovery(booked, nodes, failure, jitter_draw=random.random(), now=now)
     # The attempt is booked in the same write as the decision, so a retry books it once. A give-up
@@ -93,7 +94,8 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
     def record(current: RunRecord) -> RunRecord:
         current = current.knowing(newest)
         return apply_decision(current, failure, decision, now).model_copy(update={
-            "state": RunState.RECOVERING, "ledger": book_attempt(current, nodes, now, False, failure.failure_class),
+            "state": RunState.RECOVERING,
+            "ledger": book_attempt(current, nodes, now, False, failure.failure_class, decision.restore_from_memory),
             "attempt_started_at": now, "first_step_at": None})
 
     recorded = cloud.store.modify_run(name, record)

@@ -459,6 +459,18 @@ def test_goodput_of_a_failed_attempt_counts_redone_work_as_lost():
     assert ledger.goodput == pytest.approx(40 / 55)
 
 
+def test_an_attempt_resumed_from_memory_keeps_its_training_up_to_its_last_reported_step():
+    checkpoint = CheckpointRef(step=40, uri="s3://bucket/runs/r1/checkpoints/step-000000040", committed_at=minutes(45))
+    run = make_run(attempt=0, created_at=T0, attempt_started_at=T0, first_step_at=minutes(5),
+                   latest_checkpoint=checkpoint, last_progress_at=minutes(54))
+    from_s3 = lc.settle_run_attempt(run, minutes(55), completed=False, failure_class=FailureClass.INSTANCE_LOST)
+    assert from_s3.lost_by_cause == {"startup": 300, "redone:INSTANCE_LOST": 600}
+    from_memory = lc.settle_run_attempt(run, minutes(55), completed=False, failure_class=FailureClass.INSTANCE_LOST,
+                                        resumed_from_memory=True)
+    assert from_memory.productive_seconds == 49 * 60
+    assert from_memory.lost_by_cause == {"startup": 300, "redone:INSTANCE_LOST": 60}
+
+
 def test_goodput_of_a_completed_attempt_and_of_attempts_without_progress():
     done = lc.settle_attempt(GoodputLedger(), T0, minutes(5), None, minutes(65), completed=True)
     assert (done.productive_seconds, done.lost_by_cause) == (3600, {"startup": 300})

@@ -59,7 +59,7 @@ def settle_attempt(ledger: GoodputLedger, started_at: datetime, first_step_at: d
 
 
 def settle_run_attempt(run: RunRecord, ended_at: datetime, completed: bool,
-                       failure_class: FailureClass | None = None) -> GoodputLedger:
+                       failure_class: FailureClass | None = None, resumed_from_memory: bool = False) -> GoodputLedger:
     """The run's ledger with its current attempt booked (settle_attempt over the record's times),
     `failure_class` being what ended it (None: completed, or an error no recovery classified).
 
@@ -71,6 +71,9 @@ def settle_run_attempt(run: RunRecord, ended_at: datetime, completed: bool,
     After a give-up (Recover records the failure and its reason as `error`, books the attempt
     and starts the books afresh at the decision) the run only waits for Teardown: all of that is
     lost to give_up_cause, whatever the trainer still reported meanwhile.
+    `resumed_from_memory`: the next attempt resumes from the nodes' in-memory checkpoints, a copy
+    of at most a step before the last one the control plane heard of: training is kept up to
+    that step's report (`last_progress_at`), not the last commit to S3.
     """
     started_at = run.attempt_started_at or run.created_at
     if started_at is None:
@@ -79,13 +82,16 @@ def settle_run_attempt(run: RunRecord, ended_at: datetime, completed: bool,
     if run.error is not None:
         return settle_attempt(run.ledger, started_at, None, None, ended_at, completed, startup=give_up_cause(handled))
     checkpoint = run.latest_checkpoint
-    return settle_attempt(run.ledger, started_at, run.first_step_at, checkpoint.committed_at if checkpoint else None,
+    kept_until = checkpoint.committed_at if checkpoint else None
+    if resumed_from_memory and run.last_progress_at is not None:
+        kept_until = max(kept_until or run.last_progress_at, run.last_progress_at)
+    return settle_attempt(run.ledger, started_at, run.first_step_at, kept_until,
                           ended_at, completed, startup=restart_cause(handled) if run.attempt else STARTUP,
                           redone=redone_cause(failure_class), last_step_at=run.last_progress_at)
 
 
 def book_attempt(run: RunRecord, nodes: Iterable[NodeRecord], ended_at: datetime, completed: bool,
-                 failure_class: FailureClass | None = None) -> GoodputLedger:
+                 failure_class: FailureClass | None = None, resumed_from_memory: bool = False) -> GoodputLedger:
     """settle_run_attempt, plus what the attempt's instances cost.
 
     Each node is paid for from the later of its launch and the attempt's start until the attempt
@@ -93,7 +99,7 @@ def book_attempt(run: RunRecord, nodes: Iterable[NodeRecord], ended_at: datetime
     catalogue's on-demand price: an upper bound for Spot and reserved capacity, whose prices the
     catalogue does not know.
     """
-    ledger = settle_run_attempt(run, ended_at, completed, failure_class)
+    ledger = settle_run_attempt(run, ended_at, completed, failure_class, resumed_from_memory)
     started_at = run.attempt_started_at or run.created_at
     usd_per_hour = instance_facts(run.spec.instance_type).on_demand_usd_per_hour
     for node in nodes:
