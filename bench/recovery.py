@@ -27,12 +27,16 @@ clock) it takes, per run:
 and an AWS estimate of control_plane_s: the Lambda invocations, state transitions, EventBridge
 deliveries and EC2 calls counted in the control-plane windows, times AWS's published latencies
 (the constants below), as if each were on the critical path. Medians over the repetitions; the
-last two lines are `steps_redone_per_failure=<median over fault kinds of steps_lost>` and
-`control_plane_recovery_s=<median over fault kinds, local>`.
+last three lines are `steps_redone_per_failure=<median over fault kinds of steps_lost>`,
+`control_plane_recovery_s=<median over fault kinds, local>` and `aws_failure_to_training_s=<a node
+lost at 512 p5 nodes with a READY spare, to the first step after: bench/goodput.py's timings with
+this control plane's AWS estimate>`. steps_lost counts from where the trainer resumed (the nodes'
+memory, or S3: from_memory says which).
 """
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -49,6 +53,7 @@ from localcloud.chaos import (SPOT_NOTICE_S, Cell, Fault, Phase, cell_template, 
                               reference_losses, run_cell)
 from localcloud.demo import DEMO_RUN_SPEC  # noqa: E402
 from localcloud.stack import LocalRun, LocalStack, execution_history, local_stack, metrics_records  # noqa: E402
+from bench import goodput  # noqa: E402
 
 FAULTS = {"kill": (Fault.KILL, 0), "kill+spare": (Fault.KILL, 1), "freeze": (Fault.FREEZE, 0),
           "hang": (Fault.HANG, 0), "spot": (Fault.SPOT, 0), "crash": (Fault.CRASH, 0)}
@@ -152,8 +157,10 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, spares: int, templa
     instances = stack.instances(run)
     first_step = min(record["time"] for record in metrics_records(instances, 1) if "loss" in record)
     last_before = max(record["step"] for record in metrics_records(instances, 0) if "loss" in record)
-    resumed = next(line["resume_step"] for lines in outcome["launches"].values() for line in lines
-                   if line["attempt"] == 1)
+    # Where the trainer resumed: the nodes' memory or S3 (the launch spec's resume_step is S3's).
+    restored = stack.store.run(run.run_name).restored
+    resumed = restored.step if restored else next(line["resume_step"] for lines in outcome["launches"].values()
+                                                  for line in lines if line["attempt"] == 1)
     counted = calls.between(noticed, decided) + calls.between(ready, spec_written)
     figures = {
         "detection_s": noticed - fault_at,
@@ -162,6 +169,7 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, spares: int, templa
         "resume_s": first_step - spec_written,
         "first_step_s": first_step - fault_at,
         "steps_lost": last_before - (resumed or 0),
+        "from_memory": float(restored is not None and restored.source == "memory"),
         "aws_control_plane_s": sum(counted[name] * seconds for name, seconds in COUNTED.items()),
         **{name: counted[name] for name in COUNTED},
     }
@@ -169,6 +177,17 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, spares: int, templa
         figures["notice_wait_s"] = failed - noticed
         figures["steps_lost"] = max(0, outcome["injections"][0]["step"] - (resumed or 0))
     return figures
+
+
+AWS_NODES = 512
+
+
+def aws_failure_to_training(control_plane_s: float) -> dict[str, float]:
+    """Seconds by part from a node lost to training again at AWS_NODES p5 nodes with a READY
+    spare and the state from memory (bench/goodput.py failure_to_training), with the control
+    plane's time as estimated here."""
+    scenario = goodput.Scenario(nodes=AWS_NODES, spares=math.ceil(AWS_NODES * 0.02))
+    return goodput.failure_to_training(scenario, goodput.Timings(control_plane_s=control_plane_s))
 
 
 def main() -> int:
@@ -194,7 +213,7 @@ def main() -> int:
         finally:
             calls.stop()
     columns = ["detection_s", "notice_wait_s", "control_plane_s", "boot_s", "resume_s", "first_step_s",
-               "steps_lost", "aws_control_plane_s", *COUNTED]
+               "steps_lost", "from_memory", "aws_control_plane_s", *COUNTED]
     print(f"\nmedians over {args.repetitions} run(s) per fault, {datetime.now():%Y-%m-%d %H:%M}, local cloud "
           f"(time scale 0.02), 2 nodes pp=2:")
     print(f"{'fault':12}" + "".join(f"{column:>24}" for column in columns))
@@ -204,8 +223,12 @@ def main() -> int:
         print(f"{fault:12}" + "".join(f"{row[column]:>24.2f}" for column in columns))
     # Over the fault kinds: the spare variant is a kill again.
     kinds = [row for fault, row in medians.items() if FAULTS[fault][1] == 0] or list(medians.values())
+    aws = aws_failure_to_training(statistics.median(row["aws_control_plane_s"] for row in kinds))
+    print(f"\nAWS estimate, a node lost at {AWS_NODES} x p5 with a READY spare (bench/goodput.py's timings, this "
+          "control plane's calls at AWS's latencies): " + ", ".join(f"{name} {value:.1f}" for name, value in aws.items()))
     print(f"steps_redone_per_failure={statistics.median(row['steps_lost'] for row in kinds):g}")
     print(f"control_plane_recovery_s={statistics.median(row['control_plane_s'] for row in kinds):.2f}")
+    print(f"aws_failure_to_training_s={sum(aws.values()):.1f}")
     return 0
 
 
