@@ -166,9 +166,17 @@ def world_checked(run: RunRecord, detail: FleetChecked | ScalingChecked) -> str 
 
 
 def state_restored(run: RunRecord, detail: StateRestored) -> str:
-    """Record where the attempt's state came from (the run report shows it)."""
-    aws().store.modify_run(run.run_name, lambda current: current.model_copy(update={"restored": detail.figures}))
-    return f"state restored: {detail.figures.describe()}"
+    """Record where the attempt's state came from, on the run and on the failure that led to the
+    attempt (the live view and the report show it)."""
+    figures = detail.figures
+
+    def record(current: RunRecord) -> RunRecord:
+        failures = [failure.model_copy(update={"restored": figures}) if failure.attempt == figures.attempt - 1
+                    else failure for failure in current.failures]
+        return current.model_copy(update={"restored": figures, "failures": failures})
+
+    aws().store.modify_run(run.run_name, record)
+    return f"state restored: {figures.describe()}"
 
 
 def training_completed(run: RunRecord, detail: TrainingCompleted) -> str:

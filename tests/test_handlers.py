@@ -20,8 +20,9 @@ from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.node_roles import node_role_name
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.core.events import instance_arn, node_event_source
-from trainfleet.core.records import (FAILURE_ERROR, CheckpointRef, FailureClass, FailureReport, NodeLiveness,
-                                     NodeRecord, NodeRole, NodeState, ParallelPlan, RunRecord, RunState, TaskWait)
+from trainfleet.core.records import (FAILURE_ERROR, CheckpointRef, FailureClass, FailureRecord, FailureReport,
+                                     NodeLiveness, NodeRecord, NodeRole, NodeState, ParallelPlan, RunRecord, RunState,
+                                     TaskWait)
 from trainfleet.core.runspec import RunSpec
 
 from localcloud.glue import ec2 as ec2_glue
@@ -607,6 +608,12 @@ def test_where_the_state_came_from_is_recorded(handlers, cloud, resources):
     assert outcome == ("state restored: step 13 from host memory: 4 of 6 shards on their own node, 2 from a buddy "
                        "(3.0 MiB), 0.8 s")
     assert store.run(run.run_name).restored.peers == 2
+    # The failure that led to the attempt says where it resumed (the report and live view show it).
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={"failures": [FailureRecord(
+        failure_class=FailureClass.INSTANCE_LOST, resume_step=10, at=current.updated_at, attempt=0)]}))
+    handlers.events.handler(agent_event("StateRestored", {"run_name": run.run_name, "attempt": 0, "instance_id": host,
+                                                          "figures": figures | {"attempt": 1}}), Context())
+    assert store.run(run.run_name).failures[0].restored.step == 13
 
 
 def scaling_checked(run_name: str, reporter: str, passed: bool) -> dict:

@@ -6,7 +6,7 @@ import pytest
 
 from trainfleet.core.events import ProgressSample
 from trainfleet.core.records import (CheckpointRef, FailureClass, FailureRecord, GoodputLedger, NodeRecord, RunRecord,
-                                     RunState)
+                                     RunState, StateRestoredFigures)
 from trainfleet.core.run_history import StateEntry, build_history, phases_of
 from trainfleet.core.runspec import RunSpec
 
@@ -83,6 +83,19 @@ def test_a_finished_run_with_a_failure_and_a_resume():
     assert history.until == at(74), "a finished run's history ends with its books"
     assert history.goodput == pytest.approx(40 / 74) and history.target_steps == 60
     assert len(history.samples) == 66
+
+
+def test_an_attempt_restored_from_memory_resumed_where_its_trainer_said():
+    restored = StateRestoredFigures(attempt=1, step=25, source="memory", shards=2, own_memory=1, peers=1,
+                                    peer_bytes=1000, seconds=0.2)
+    run = finished_run()
+    run = run.model_copy(update={"failures": [run.failures[0].model_copy(update={"restored": restored})]})
+    samples = [(0, sample(step, 10 + step)) for step in range(1, 27)]
+    samples += [(1, sample(step, 42 + step - 25)) for step in range(26, 61)]
+    history = build_history(run, [], samples, STATES, now=at(500))
+    (failure,) = history.failures
+    assert (failure.resume_step, failure.from_memory, failure.steps_lost) == (25, True, 1)
+    assert [(a.attempt, a.resume_step) for a in history.attempts] == [(0, None), (1, 25)]
 
 
 def test_a_live_run_is_booked_up_to_now():

@@ -82,18 +82,25 @@ class Straight:
     uri: str
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory, moto_endpoint, rank_image):
-    """20 uninterrupted steps at pp=2, checkpointed every 5 (15 and 20 are kept): the reference."""
+def uninterrupted(tmp_path_factory, rank_image, launch) -> tuple[Path, str]:
+    """A reference run in a bucket of its own: `launch(tmp_path, ranks, uri)` starts its ranks and
+    returns them and their log folder; run to the end. Its folder and checkpoint location."""
     tmp_path = tmp_path_factory.mktemp("straight")
     uri = f"s3://straight-{uuid.uuid4().hex[:12]}/runs/straight/checkpoints"
     boto3.client("s3").create_bucket(Bucket=catalog.open_store(uri).bucket)
     ranks = Ranks(rank_image)
     try:
-        procs, log_dir = train(tmp_path, ranks, uri, "straight.jsonl", world=2, layout=["--parallel.pp=2"])
-        run_to_end(procs, log_dir)
+        run_to_end(*launch(tmp_path, ranks, uri))
     finally:
         ranks.end()
+    return tmp_path, uri
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, moto_endpoint, rank_image):
+    """20 uninterrupted steps at pp=2, checkpointed every 5 (15 and 20 are kept): the reference."""
+    tmp_path, uri = uninterrupted(tmp_path_factory, rank_image, lambda tmp_path, ranks, uri: train(
+        tmp_path, ranks, uri, "straight.jsonl", world=2, layout=["--parallel.pp=2"]))
     return Straight(losses(tmp_path, "straight.jsonl"), uri)
 
 

@@ -7,14 +7,13 @@ follows their addresses): ranks 0-1 run on node rank 2, 2-3 on node rank 1, 4-5 
 
 import json
 import shutil
-import uuid
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from checkpoint_fixtures import bucket, processes, rank_image, s3  # noqa: F401 (fixtures)
-from test_checkpoint_trainer import kill, losses, run_to_end, trainer_args, wait_for
+from test_checkpoint_trainer import kill, losses, run_to_end, trainer_args, uninterrupted, wait_for
 
 from conftest import free_port
 from localcloud.glue import s3 as s3_glue
@@ -50,18 +49,8 @@ def launch(tmp_path, processes, uri, metrics, *overrides, hooks=()):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, moto_endpoint, rank_image):
     """The uninterrupted run of the same layout: the losses every resumed run must repeat."""
-    import boto3
-
-    from checkpoint_fixtures import Ranks
-    tmp_path = tmp_path_factory.mktemp("straight-memory")
-    uri = f"s3://straight-{uuid.uuid4().hex[:12]}/checkpoints"
-    boto3.client("s3").create_bucket(Bucket=catalog.open_store(uri).bucket)
-    ranks = Ranks(rank_image)
-    try:
-        procs, log_dir = launch(tmp_path, ranks, uri, "straight.jsonl")
-        run_to_end(procs, log_dir)
-    finally:
-        ranks.end()
+    tmp_path, _ = uninterrupted(tmp_path_factory, rank_image, lambda tmp_path, ranks, uri: launch(
+        tmp_path, ranks, uri, "straight.jsonl"))
     return losses(tmp_path, "straight.jsonl")
 
 

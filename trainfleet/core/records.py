@@ -311,6 +311,35 @@ class LateWorkerSwap(Strict):
     went silent): terminated."""
 
 
+class StateRestoredFigures(Strict):
+    """Where one attempt's trainer took the state it resumed from (trainer/train.py restore)."""
+
+    attempt: int = Field(ge=0)
+    step: int = Field(ge=0)
+    """The step the world resumed at (0: from scratch)."""
+    source: Literal["memory", "s3", "none"]
+    """memory: every shard from some node's host memory; s3: from the S3 checkpoint; none: nothing to resume."""
+    shards: int = Field(ge=1)
+    """Shards of the world (one per rank)."""
+    own_memory: int = Field(default=0, ge=0)
+    """Shards loaded from their own node's memory."""
+    peers: int = Field(default=0, ge=0)
+    """Shards received from the buddy node holding their copy (a replaced node's)."""
+    peer_bytes: int = Field(default=0, ge=0)
+    """Bytes those shards took on the network."""
+    seconds: float = Field(ge=0)
+    """How long the restore took, as rank 0 timed it."""
+    fallback: str | None = None
+    """Why a restore asked to come from memory came from S3."""
+
+    def describe(self) -> str:
+        if self.source == "memory":
+            return (f"step {self.step} from host memory: {self.own_memory} of {self.shards} shards on their own node, "
+                    f"{self.peers} from a buddy ({self.peer_bytes / 2**20:.1f} MiB), {self.seconds:.1f} s")
+        told = f"step {self.step} from S3" if self.source == "s3" else "from scratch"
+        return f"{told}, {self.seconds:.1f} s" + (f" ({self.fallback})" if self.fallback else "")
+
+
 class FailureRecord(Strict):
     """One handled failure, for the restart budget, the crash-loop rule and the run report."""
 
@@ -326,6 +355,8 @@ class FailureRecord(Strict):
     """Its first sign: the observing event's time, or for a hang the world's last step."""
     last_step: int | None = Field(default=None, ge=0)
     """The last step the attempt reported."""
+    restored: StateRestoredFigures | None = None
+    """Where the attempt after it took its state from (its StateRestored): the nodes' memory or S3."""
     instance_ids: list[str] = Field(default_factory=list)
     """The nodes blamed."""
     message: str = ""
@@ -415,35 +446,6 @@ class TaskWait(Strict):
     """The attempt the task belongs to; events of other attempts must not answer it."""
     token: str = Field(min_length=1)
     """The Step Functions task token."""
-
-
-class StateRestoredFigures(Strict):
-    """Where one attempt's trainer took the state it resumed from (trainer/train.py restore)."""
-
-    attempt: int = Field(ge=0)
-    step: int = Field(ge=0)
-    """The step the world resumed at (0: from scratch)."""
-    source: Literal["memory", "s3", "none"]
-    """memory: every shard from some node's host memory; s3: from the S3 checkpoint; none: nothing to resume."""
-    shards: int = Field(ge=1)
-    """Shards of the world (one per rank)."""
-    own_memory: int = Field(default=0, ge=0)
-    """Shards loaded from their own node's memory."""
-    peers: int = Field(default=0, ge=0)
-    """Shards received from the buddy node holding their copy (a replaced node's)."""
-    peer_bytes: int = Field(default=0, ge=0)
-    """Bytes those shards took on the network."""
-    seconds: float = Field(ge=0)
-    """How long the restore took, as rank 0 timed it."""
-    fallback: str | None = None
-    """Why a restore asked to come from memory came from S3."""
-
-    def describe(self) -> str:
-        if self.source == "memory":
-            return (f"step {self.step} from host memory: {self.own_memory} of {self.shards} shards on their own node, "
-                    f"{self.peers} from a buddy ({self.peer_bytes / 2**20:.1f} MiB), {self.seconds:.1f} s")
-        told = f"step {self.step} from S3" if self.source == "s3" else "from scratch"
-        return f"{told}, {self.seconds:.1f} s" + (f" ({self.fallback})" if self.fallback else "")
 
 
 class FleetCheckFigures(Strict):

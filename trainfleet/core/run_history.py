@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trainfleet.core.events import ProgressSample
 from trainfleet.core.lifecycle import book_attempt
-from trainfleet.core.records import (FailureClass, FleetCheckFigures, NodeRecord, RunRecord, RunState,
+from trainfleet.core.records import (FailureClass, FailureRecord, FleetCheckFigures, NodeRecord, RunRecord, RunState,
                                      ScalingCheckFigures)
 
 __all__ = ["StateEntry", "AttemptProgress", "Phase", "PhaseName", "FailureMark", "RunHistory", "build_history",
@@ -99,9 +99,12 @@ class FailureMark(_Shape):
     checkpoint resumed from when that is later (steps since the last report die with the node
     of global rank 0)."""
     resume_step: int | None
-    """The committed step the next attempt resumed from."""
+    """The step the next attempt resumed from: the nodes' in-memory copy it restored, else the
+    committed checkpoint."""
+    from_memory: bool = False
+    """Whether that state came from the nodes' memory (StateRestored), not S3."""
     steps_lost: int = Field(ge=0)
-    """Steps trained after that checkpoint, to be trained again (at least)."""
+    """Steps trained after that state, to be trained again (at least)."""
     instance_ids: list[str]
     """The nodes blamed (replaced)."""
     message: str
@@ -193,6 +196,14 @@ class _Thinned:
         return [kept[step] for step in sorted(kept)]
 
 
+def resumed_step(failure: FailureRecord) -> int | None:
+    """Where the attempt after `failure` resumed: the step its trainer restored (StateRestored),
+    else the commit Recover knew of."""
+    if failure.restored is not None:
+        return failure.restored.step or None
+    return failure.resume_step
+
+
 def build_history(run: RunRecord, nodes: list[NodeRecord], samples: Iterable[tuple[int, ProgressSample]],
                   states: Iterable[StateEntry], now: datetime) -> RunHistory:
     """The run's history up to `now` (see the module docstring)."""
@@ -202,13 +213,13 @@ def build_history(run: RunRecord, nodes: list[NodeRecord], samples: Iterable[tup
     for attempt, sample in samples:
         by_attempt.setdefault(attempt, _Thinned()).add(sample)
     failures = sorted(run.failures, key=lambda failure: failure.at)
-    resumed_from = {attempt: failure.resume_step for attempt, failure in enumerate(failures, start=1)}
+    resumed_from = {attempt: resumed_step(failure) for attempt, failure in enumerate(failures, start=1)}
     reported = {attempt: steps.samples() for attempt, steps in by_attempt.items()}
     last_steps = {attempt: samples[-1].step for attempt, samples in reported.items() if samples}
     marks = []
     for number, failure in enumerate(failures):
         attempt = failure.attempt if failure.attempt is not None else number
-        resume = failure.resume_step
+        resume = resumed_step(failure)
         # The attempt reached its last reported step, and the checkpoint resumed from: a node
         # that dies with global rank 0 takes the steps since its last report with it.
         reached = [step for step in (last_steps.get(attempt), failure.last_step, resume) if step is not None]
@@ -216,6 +227,7 @@ def build_history(run: RunRecord, nodes: list[NodeRecord], samples: Iterable[tup
         marks.append(FailureMark(
             attempt=attempt, failure_class=failure.failure_class, onset_at=failure.onset_at, decided_at=failure.at,
             detection_seconds=failure.detection_seconds, last_step=last_step, resume_step=resume,
+            from_memory=failure.restored is not None and failure.restored.source == "memory",
             steps_lost=last_step - (resume or 0) if last_step is not None else 0,
             instance_ids=failure.instance_ids, message=failure.message))
     unknown = {}

@@ -19,6 +19,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from trainfleet.core.records import FailureRecord
+from trainfleet.core.run_history import resumed_step
 from trainfleet.operator.runs import RunStatus, Stack
 
 __all__ = ["view", "watch", "Parts", "REFRESH_S"]
@@ -96,8 +98,7 @@ def _fields(status: RunStatus) -> Iterator[tuple[str, RenderableType]]:
             yield "failure", Parts(Text.assemble((failure.failure_class.value, "yellow"), f" ended {attempt}"),
                                    *([f"detected after {failure.detection_seconds:,.1f} s"]
                                      if failure.detection_seconds is not None else []),
-                                   "resumed from " + (f"step {failure.resume_step}"
-                                                      if failure.resume_step is not None else "scratch"))
+                                   _resumed_from(failure))
     if status.recent_states:
         yield "states", Parts(*(f"{entry.name} {_clock(entry.at)}" for entry in status.recent_states[-5:]),
                               separator=" → ")
@@ -181,3 +182,9 @@ def _duration(seconds: float) -> str:
     minutes, seconds = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+
+
+def _resumed_from(failure: FailureRecord) -> str:
+    step = resumed_step(failure)
+    where = " (host memory)" if failure.restored is not None and failure.restored.source == "memory" else ""
+    return f"resumed from step {step}{where}" if step is not None else "resumed from scratch"

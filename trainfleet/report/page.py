@@ -123,8 +123,8 @@ def _timeline_chart(history: RunHistory) -> Chart:
                             f"replace {replaced} node{'s' if replaced != 1 else ''}" if replaced else "restart",
                             "replacement and restart (decision to training)"))
         if resumed:
-            resumed_from = (f"resume from step {failure.resume_step:,}" if failure.resume_step is not None
-                            else "restart from scratch")
+            resumed_from = (f"resume from step {failure.resume_step:,}{' (host memory)' if failure.from_memory else ''}"
+                            if failure.resume_step is not None else "restart from scratch")
             marks.append(Mark(since(ended_at), resumed_from, _attempt_colour(failure.attempt + 1)))
     end = max(since(history.until), 1.0)
     return Chart("Lifecycle", Axis("time since the run's creation", seconds=True, limits=(0.0, end)),
@@ -282,7 +282,8 @@ def _failures_table(history: RunHistory) -> str:
             ("text", _utc(failure.onset_at) if failure.onset_at else "not seen"),
             ("number", _duration(failure.detection_seconds) if failure.detection_seconds is not None else "unknown"),
             ("number", f"{failure.last_step:,}" if failure.last_step is not None else "none"),
-            ("number", f"{failure.resume_step:,}" if failure.resume_step is not None else "scratch"),
+            ("number", (f"{failure.resume_step:,}{' (memory)' if failure.from_memory else ''}"
+                        if failure.resume_step is not None else "scratch")),
             ("number", f"{failure.steps_lost:,}"),
             # An instance id breaks only between ids, never at its hyphen.
             ("text", ", ".join(f'<span class="id">{escape(node)}</span>' for node in failure.instance_ids) or "none"),
