@@ -11,8 +11,9 @@ and security group filled in); Allocate launches the instances and the local fle
 as a real node agent (`python -m node.agent`, its own folder and loopback address, no shared
 filesystem), which registers, passes preflight and starts torchrun when the launch spec names
 it. Once the first checkpoint is committed to the local S3, the instance of node rank 1 is
-killed: EC2 reports it, Recover replaces only it, the new attempt resumes from the latest
-committed checkpoint, the run completes, Teardown terminates every instance.
+killed: EC2 reports it, Recover replaces only it, the new attempt resumes from the nodes'
+in-memory checkpoints (node rank 1's share from node rank 0's memory), the run completes,
+Teardown terminates every instance.
 
 The run is followed with the live view of `trainfleet run watch` (trainfleet/operator/live_view.py),
 through the same AWS calls the command makes, and ends with the run report written to a folder
