@@ -7,7 +7,7 @@ follows their addresses): ranks 0-1 run on node rank 2, 2-3 on node rank 1, 4-5 
 
 import json
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
@@ -51,7 +51,14 @@ def straight(tmp_path_factory, moto_endpoint, rank_image):
     """The uninterrupted run of the same layout: the losses every resumed run must repeat."""
     tmp_path, _ = uninterrupted(tmp_path_factory, rank_image, lambda tmp_path, ranks, uri: launch(
         tmp_path, ranks, uri, "straight.jsonl"))
-    return losses(tmp_path, "straight.jsonl")
+    return Straight(losses(tmp_path, "straight.jsonl"), tmp_path)
+
+
+@dataclass
+class Straight:
+    losses: dict[int, float]
+    folder: Path
+    """Where its nodes' host-memory folders are (memory_of)."""
 
 
 def killed_at(step: int, tmp_path, processes, uri) -> dict[int, float]:
@@ -101,8 +108,8 @@ def test_a_lost_node_resumes_from_its_buddy_with_no_step_redone_and_no_s3_read(t
     assert restored | {"seconds": 0} == {"step": 13, "source": "memory", "shards": 6, "own_memory": 4, "peers": 2,
                                          "peer_bytes": restored["peer_bytes"], "seconds": 0, "fallback": None}
     assert restored["peer_bytes"] > 0
-    assert trained == {s: straight[s] for s in range(1, 14)}
-    assert losses(tmp_path, "resumed.jsonl") == {s: straight[s] for s in range(14, 21)}
+    assert trained == {s: straight.losses[s] for s in range(1, 14)}
+    assert losses(tmp_path, "resumed.jsonl") == {s: straight.losses[s] for s in range(14, 21)}
     # The replacement holds its own shards again: the last three copies, all of this timeline.
     assert sorted(p.name for p in (memory_of(tmp_path, 1)).glob("*/shard-00002/*")) == [
         "step-000000018.pt", "step-000000019.pt", "step-000000020.pt"]
@@ -120,19 +127,16 @@ def test_a_node_lost_with_its_buddy_resumes_from_s3_and_says_so(tmp_path, proces
     assert restored | {"seconds": 0} == {"step": 10, "source": "s3", "shards": 6, "seconds": 0,
                                          "fallback": "shards [2, 3] have no in-memory copy (a node and its buddy "
                                                      "were lost)"}
-    assert losses(tmp_path, "resumed.jsonl") == {s: straight[s] for s in range(11, 21)}
+    assert losses(tmp_path, "resumed.jsonl") == {s: straight.losses[s] for s in range(11, 21)}
 
 
-def test_the_plan_states_what_a_copy_takes(tmp_path, processes, bucket):
-    """Each shard's copy against the memory plan's state_bytes for its pipeline rank: the plan
-    (which Validate refuses layouts by) must not undercount what the trainer writes."""
-    uri = f"s3://{bucket}/runs/memory-sizes/checkpoints"
-    procs, log_dir = launch(tmp_path, processes, uri, "sized.jsonl", "--training.steps=2")
-    run_to_end(procs, log_dir)
-    config = load_config(trainer_args(tmp_path, uri, "sized.jsonl", *LAYOUT, f"--checkpoint.memory_dir={tmp_path}"))
+def test_the_plan_states_what_a_copy_takes(tmp_path, straight):
+    """Each shard's copy of the last step against the memory plan's state_bytes for its pipeline
+    rank: the plan (which Validate refuses layouts by) must not undercount what the trainer writes."""
+    config = load_config(trainer_args(tmp_path, "s3://b/c", "sized.jsonl", *LAYOUT, f"--checkpoint.memory_dir={tmp_path}"))
     workload = memory_plan.Workload.from_sections(asdict(config), accelerator="none")
     for rank in range(WORLD):
-        (copy,) = memory_of(tmp_path, rank // PER_NODE).glob(f"*/shard-{rank:05d}/step-000000002.pt")
+        (copy,) = memory_of(straight.folder, rank // PER_NODE).glob(f"*/shard-{rank:05d}/step-000000020.pt")
         planned = memory_plan.state_bytes(workload, pp_rank=rank // 2)  # pp-major: dp=2 ranks a stage
         assert planned <= copy.stat().st_size <= planned + OVERHEAD_BYTES, (rank, copy.stat().st_size, planned)
 
