@@ -83,13 +83,16 @@ def resume_point(run: dict, survivor: str, lost: str, replacement: str) -> int:
 
 
 def check_resumed_from_the_latest_commit(run: dict, resumed: int) -> None:
-    """The resume point is a checkpoint attempt 0 took, at least the newest the control plane knew
-    when it decided to recover. (Which step that is depends on timing: the lost node may have been
-    the one announcing commits, and an announcement sent after the run moved on is ignored.)"""
+    """The launch's resume point in S3 is a checkpoint attempt 0 took, at least the newest the
+    control plane knew when it decided to recover. (Which step that is depends on timing: the lost
+    node may have been the one announcing commits, and an announcement sent after the run moved on
+    is ignored.) The world resumed later still, from the nodes' memory: node rank 1's share came
+    from node rank 0's."""
     (failure,) = run["report"]["failures"]
     trained = by_attempt(run["losses"])[0]
     assert resumed % CHECKPOINT_EVERY == 0 and resumed in trained
-    assert failure["resume_step"] is not None and resumed >= failure["resume_step"]
+    assert failure["committed_step"] is not None and resumed >= failure["committed_step"]
+    assert failure["from_memory"] and resumed <= failure["resume_step"] <= max(trained)
     # Announced at the agent's looks (one S3 listing each, every few seconds): a commit that
     # retention (keep_last 3) pruned before the next look is never announced.
     announced = [step for attempt, step in run["commits"] if attempt == 1]

@@ -25,8 +25,10 @@ def test_a_spot_notice_is_a_spot_interruption_of_its_node_resumed_from_the_check
     (resumed,) = {line["resume_step"] for lines in outcome["launches"].values() for line in lines
                   if line["attempt"] == 1}
     # Recover books the checkpoint the notice asked for; the nodes left keep training until the
-    # relaunch, and a checkpoint they commit meanwhile is newer still and is the one resumed.
-    assert failure["resume_step"] is not None and resumed >= failure["resume_step"]
+    # relaunch, and a checkpoint they commit meanwhile is newer still and is the S3 resume point.
+    assert failure["committed_step"] is not None and resumed >= failure["committed_step"]
+    # The world resumed from the nodes' memory, not older than that (the leaving node's buddy stayed).
+    assert failure["from_memory"] and failure["resume_step"] >= resumed
 
 
 def test_a_node_lost_mid_upload_resumes_from_the_commit_before(outcomes):

@@ -103,6 +103,8 @@ class FailureMark(_Shape):
     committed checkpoint."""
     from_memory: bool = False
     """Whether that state came from the nodes' memory (StateRestored), not S3."""
+    committed_step: int | None = None
+    """The newest commit to S3 Recover knew of when it decided: the resume point in S3."""
     steps_lost: int = Field(ge=0)
     """Steps trained after that state, to be trained again (at least)."""
     instance_ids: list[str]
@@ -228,6 +230,7 @@ def build_history(run: RunRecord, nodes: list[NodeRecord], samples: Iterable[tup
             attempt=attempt, failure_class=failure.failure_class, onset_at=failure.onset_at, decided_at=failure.at,
             detection_seconds=failure.detection_seconds, last_step=last_step, resume_step=resume,
             from_memory=failure.restored is not None and failure.restored.source == "memory",
+            committed_step=failure.resume_step,
             steps_lost=last_step - (resume or 0) if last_step is not None else 0,
             instance_ids=failure.instance_ids, message=failure.message))
     unknown = {}
