@@ -45,8 +45,8 @@ from trainfleet.core.events import (AgentEvent, CheckpointCommitted, CheckpointR
 from trainfleet.core.lifecycle import (block_end_due, block_end_report, checkpoint_before_leaving, classify_event,
                                        departure_due_at, departure_wait_may_end, departure_wait_over,
                                        emergency_checkpoint_due, emergency_checkpoint_now, growth_report, is_stale,
-                                       may_grow, missing_nodes, sender_problem, spares_to_launch,
-                                       waits_for_emergency_checkpoint)
+                                       may_grow, missing_nodes, redone_cause, sender_problem, spares_to_launch,
+                                       take_back, waits_for_emergency_checkpoint)
 from trainfleet.core.records import FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RunRecord
 
 
@@ -171,9 +171,15 @@ def state_restored(run: RunRecord, detail: StateRestored) -> str:
     figures = detail.figures
 
     def record(current: RunRecord) -> RunRecord:
-        failures = [failure.model_copy(update={"restored": figures}) if failure.attempt == figures.attempt - 1
-                    else failure for failure in current.failures]
-        return current.model_copy(update={"restored": figures, "failures": failures})
+        ledger, failures = current.ledger, []
+        for failure in current.failures:
+            if failure.attempt == figures.attempt - 1:
+                if figures.source != "memory" and failure.kept_on_memory_seconds:
+                    # Recover kept the training since the last commit for a restore from memory.
+                    ledger = take_back(ledger, failure.kept_on_memory_seconds, redone_cause(failure.failure_class))
+                failure = failure.model_copy(update={"restored": figures, "kept_on_memory_seconds": 0.0})
+            failures.append(failure)
+        return current.model_copy(update={"restored": figures, "failures": failures, "ledger": ledger})
 
     aws().store.modify_run(run.run_name, record)
     return f"state restored: {figures.describe()}"

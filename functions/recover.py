@@ -93,10 +93,11 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
     # starts the books afresh too, so Teardown adds only the time after it.
     def record(current: RunRecord) -> RunRecord:
         current = current.knowing(newest)
-        return apply_decision(current, failure, decision, now).model_copy(update={
-            "state": RunState.RECOVERING,
-            "ledger": book_attempt(current, nodes, now, False, failure.failure_class, decision.restore_from_memory),
-            "attempt_started_at": now, "first_step_at": None})
+        ledger = book_attempt(current, nodes, now, False, failure.failure_class, decision.restore_from_memory)
+        kept_on_memory = ledger.productive_seconds - book_attempt(current, nodes, now, False,
+                                                                  failure.failure_class).productive_seconds
+        return apply_decision(current, failure, decision, now, kept_on_memory).model_copy(update={
+            "state": RunState.RECOVERING, "ledger": ledger, "attempt_started_at": now, "first_step_at": None})
 
     recorded = cloud.store.modify_run(name, record)
     logger.info("recovery decided", run_name=name, decision=decision.model_dump(mode="json"))

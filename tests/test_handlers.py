@@ -21,8 +21,8 @@ from trainfleet.adapters.node_roles import node_role_name
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.core.events import instance_arn, node_event_source
 from trainfleet.core.records import (FAILURE_ERROR, CheckpointRef, FailureClass, FailureRecord, FailureReport,
-                                     NodeLiveness, NodeRecord, NodeRole, NodeState, ParallelPlan, RunRecord, RunState,
-                                     TaskWait)
+                                     GoodputLedger, NodeLiveness, NodeRecord, NodeRole, NodeState, ParallelPlan,
+                                     RunRecord, RunState, TaskWait)
 from trainfleet.core.runspec import RunSpec
 
 from localcloud.glue import ec2 as ec2_glue
@@ -614,6 +614,24 @@ def test_where_the_state_came_from_is_recorded(handlers, cloud, resources):
     handlers.events.handler(agent_event("StateRestored", {"run_name": run.run_name, "attempt": 0, "instance_id": host,
                                                           "figures": figures | {"attempt": 1}}), Context())
     assert store.run(run.run_name).failures[0].restored.step == 13
+
+
+def test_time_kept_for_a_restore_from_memory_is_taken_back_when_the_state_came_from_s3(handlers, cloud, resources):
+    store, run, (host, _) = recorded_run(cloud, resources)
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={
+        "ledger": GoodputLedger(productive_seconds=600.0), "failures": [FailureRecord(
+            failure_class=FailureClass.INSTANCE_LOST, resume_step=10, at=current.updated_at, attempt=0,
+            kept_on_memory_seconds=45.0)]}))
+    fallback = {"attempt": 1, "step": 10, "source": "s3", "shards": 2, "seconds": 1.0,
+                "fallback": "shards [1] have no in-memory copy (a node and its buddy were lost)"}
+    event = agent_event("StateRestored", {"run_name": run.run_name, "attempt": 1, "instance_id": host,
+                                          "figures": fallback})
+    for _ in range(2):  # a redelivered event takes nothing back twice
+        handlers.events.handler(event, Context())
+    recorded = store.run(run.run_name)
+    assert recorded.ledger.productive_seconds == 555.0
+    assert recorded.ledger.lost_by_cause == {"redone:INSTANCE_LOST": 45.0}
+    assert recorded.failures[0].kept_on_memory_seconds == 0 and recorded.failures[0].restored.source == "s3"
 
 
 def scaling_checked(run_name: str, reporter: str, passed: bool) -> dict:

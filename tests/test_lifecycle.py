@@ -471,6 +471,13 @@ def test_an_attempt_resumed_from_memory_keeps_its_training_up_to_its_last_report
     assert from_memory.lost_by_cause == {"startup": 300, "redone:INSTANCE_LOST": 60}
 
 
+def test_time_kept_for_a_restore_from_memory_that_came_from_s3_is_taken_back_as_redone():
+    ledger = GoodputLedger(productive_seconds=3000.0, lost_seconds=300.0, lost_by_cause={"startup": 300.0})
+    taken = lc.take_back(ledger, 540.0, lc.redone_cause(FailureClass.INSTANCE_LOST))
+    assert (taken.productive_seconds, taken.lost_seconds) == (2460.0, 840.0)
+    assert taken.lost_by_cause == {"startup": 300.0, "redone:INSTANCE_LOST": 540.0}
+
+
 def test_goodput_of_a_completed_attempt_and_of_attempts_without_progress():
     done = lc.settle_attempt(GoodputLedger(), T0, minutes(5), None, minutes(65), completed=True)
     assert (done.productive_seconds, done.lost_by_cause) == (3600, {"startup": 300})

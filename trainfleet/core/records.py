@@ -357,6 +357,9 @@ class FailureRecord(Strict):
     """The last step the attempt reported."""
     restored: StateRestoredFigures | None = None
     """Where the attempt after it took its state from (its StateRestored): the nodes' memory or S3."""
+    kept_on_memory_seconds: float = Field(default=0.0, ge=0)
+    """Training after the last commit that Recover booked productive because the next attempt was
+    to resume from the nodes' memory; taken back (booked redone) if it resumed from S3 after all."""
     instance_ids: list[str] = Field(default_factory=list)
     """The nodes blamed."""
     message: str = ""

@@ -7,12 +7,14 @@ Offers:
     replan:    plan_layout(trainer_config, ranks_per_node, available_nodes, min_nodes, preferred_pp, memory_gib),
                initial_plan(spec, allocated_nodes)
     recovery:  decide_recovery(run, nodes, failure, jitter_draw, now) -> RecoveryDecision,
-               apply_decision(run, failure, decision, now) -> RunRecord,
+               memory_restore(run, survivors, plan) -> (from memory?, why),
+               apply_decision(run, failure, decision, now, kept_on_memory_seconds) -> RunRecord,
                failure_streak(history, failure_class, resume_step), backoff_seconds(policy, streak, draw),
                ANNOUNCED_BY_AWS
     goodput:   settle_attempt(ledger, started_at, first_step_at, last_checkpoint_at, ended_at, completed, ...),
-               settle_run_attempt(run, ended_at, completed, failure_class),
-               book_attempt(run, nodes, ended_at, completed, failure_class), unaccounted_seconds(run),
+               settle_run_attempt(run, ended_at, completed, failure_class, resumed_from_memory),
+               book_attempt(run, nodes, ended_at, completed, failure_class, resumed_from_memory),
+               take_back(ledger, seconds, cause), redone_cause(failure_class), unaccounted_seconds(run),
                accrue_cost(ledger, node_count, usd_per_hour, seconds), over_cost_ceiling(spec, ledger)
     spot:      checkpoint_before_leaving(detail), waits_for_emergency_checkpoint(run, node),
                departure_due_at(detail, observed_at), emergency_checkpoint_due(due_at, now),
@@ -39,8 +41,8 @@ Randomness (backoff jitter) and time come in as arguments, so every decision is 
 """
 
 from trainfleet.core.lifecycle.classify import classify_event, classify_task_error, is_stale, sender_problem
-from trainfleet.core.lifecycle.goodput import (accrue_cost, book_attempt, over_cost_ceiling, settle_attempt,
-                                               settle_run_attempt, unaccounted_seconds)
+from trainfleet.core.lifecycle.goodput import (accrue_cost, book_attempt, over_cost_ceiling, redone_cause,
+                                               settle_attempt, settle_run_attempt, take_back, unaccounted_seconds)
 from trainfleet.core.lifecycle.growth import (GROW_RETRY, grown_plan, growth_report, may_grow, missing_nodes,
                                               spares_to_launch)
 from trainfleet.core.lifecycle.launch import (assign_ranks, build_launch_spec, confirmed, may_start, new_node_records,
@@ -48,7 +50,7 @@ from trainfleet.core.lifecycle.launch import (assign_ranks, build_launch_spec, c
 from trainfleet.core.lifecycle.liveness import (IMPAIRED, blame_silent_workers, hang_onset, looks_per_second,
                                                 needs_liveness_look, poll_interval, silent_after, silent_workers)
 from trainfleet.core.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, backoff_seconds, decide_recovery,
-                                                failure_streak)
+                                                failure_streak, memory_restore)
 from trainfleet.core.lifecycle.replan import initial_plan, plan_layout
 from trainfleet.core.lifecycle.reservation import (BLOCK_TERMINATION_LEAD, Reservation, block_end_due, block_end_report,
                                                    reservation_problem)
@@ -61,8 +63,9 @@ from trainfleet.core.lifecycle.spot import (DEFERRED_LEAD, SPOT_NOTICE, checkpoi
 __all__ = [
     "classify_event", "classify_task_error", "is_stale", "sender_problem",
     "plan_layout", "initial_plan",
-    "decide_recovery", "apply_decision", "failure_streak", "backoff_seconds", "ANNOUNCED_BY_AWS",
-    "settle_attempt", "settle_run_attempt", "book_attempt", "unaccounted_seconds", "accrue_cost",
+    "decide_recovery", "apply_decision", "failure_streak", "backoff_seconds", "ANNOUNCED_BY_AWS", "memory_restore",
+    "settle_attempt", "settle_run_attempt", "book_attempt", "unaccounted_seconds", "accrue_cost", "take_back",
+    "redone_cause",
     "over_cost_ceiling",
     "checkpoint_before_leaving", "waits_for_emergency_checkpoint", "departure_wait_may_end", "departure_wait_over",
     "departure_due_at", "emergency_checkpoint_due", "emergency_checkpoint_now", "DEFERRED_LEAD", "SPOT_NOTICE",

@@ -90,6 +90,15 @@ def settle_run_attempt(run: RunRecord, ended_at: datetime, completed: bool,
                           redone=redone_cause(failure_class), last_step_at=run.last_progress_at)
 
 
+def take_back(ledger: GoodputLedger, seconds: float, cause: str) -> GoodputLedger:
+    """`ledger` with `seconds` of productive time booked lost to `cause` instead: what an attempt
+    booked as kept on the promise of an in-memory restore that came from S3 after all."""
+    seconds = min(seconds, ledger.productive_seconds)
+    by_cause = {**ledger.lost_by_cause, cause: ledger.lost_by_cause.get(cause, 0.0) + seconds}
+    return ledger.model_copy(update={"productive_seconds": ledger.productive_seconds - seconds,
+                                     "lost_by_cause": by_cause, "lost_seconds": sum(by_cause.values())})
+
+
 def book_attempt(run: RunRecord, nodes: Iterable[NodeRecord], ended_at: datetime, completed: bool,
                  failure_class: FailureClass | None = None, resumed_from_memory: bool = False) -> GoodputLedger:
     """settle_run_attempt, plus what the attempt's instances cost.

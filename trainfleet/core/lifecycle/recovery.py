@@ -248,13 +248,15 @@ def clipped(message: str) -> str:
 
 
 def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDecision,
-                   now: datetime) -> RunRecord:
-    """The run record after acting on a decision: a new attempt, the failure on the books."""
+                   now: datetime, kept_on_memory_seconds: float = 0.0) -> RunRecord:
+    """The run record after acting on a decision: a new attempt, the failure on the books
+    (`kept_on_memory_seconds`: FailureRecord's)."""
     history = [*run.failures, FailureRecord(
         failure_class=failure.failure_class, at=now,
         resume_step=run.latest_checkpoint.step if run.latest_checkpoint else None, attempt=failure.attempt,
         onset_at=failure.observed_at, last_step=run.last_step if run.first_step_at else None,
-        instance_ids=failure.instance_ids, message=clipped(failure.message))]
+        instance_ids=failure.instance_ids, message=clipped(failure.message),
+        kept_on_memory_seconds=kept_on_memory_seconds)]
     kept = kept_failures(history, now, timedelta(hours=run.spec.recovery.restart_window_hours))
     books = {"failures": kept, "earlier_failures": run.earlier_failures + len(history) - len(kept)}
     if decision.action is RecoveryAction.GIVE_UP:
