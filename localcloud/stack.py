@@ -253,6 +253,8 @@ class LocalStack:
                                  if line["agent"] == "sent TrainerFailed"],
             "spot_notices": {instance_id: [line for line in lines if line["agent"].startswith("spot interruption notice")]
                              for instance_id, lines in said.items()},
+            "restores": sorted((line["attempt"], line["figures"]) for lines in said.values() for line in lines
+                               if line["agent"] == "checkpoint restored"),
             "preflight": {instance_id: [line for line in lines if line["agent"] in ("sent NodeReady", "sent NodeUnhealthy")]
                           for instance_id, lines in said.items()},
             "losses": attempt_losses(instances),
