@@ -7,7 +7,8 @@ Two ranks, each a "node" of its own (its own host-memory folder, the other its b
 loopback, fp32 on CPU: an MLP and its AdamW state (parameters x 3), as bench/checkpoint.py. Each
 rank trains the same steps twice, side by side in one run: without copies, then with a copy every
 step (MemoryCheckpoints.maybe_copy after each optimizer step). Figures:
-- the step time of each (the step and maybe_copy, as the training loop waits for them);
+- the step time of each (the step and maybe_copy, as the training loop waits for them), and how
+  many of the steps a copy was taken of (a copy still going makes the next step skip its own);
 - training blocked per copy (MemoryCheckpoints.blocked_seconds: starting it, waiting for the
   staging at the next optimizer step, waiting for the previous copy) and the copying thread's own
   time per copy (serialise, write, exchange with the buddy);
@@ -59,14 +60,16 @@ def rank_main(rank: int, port: int, folder: str, state_mib: int, steps: int, res
 
 
 def timed_steps(state: State, steps: int, memory: MemoryCheckpoints | None) -> float:
-    """Mean seconds a step (and its copy) holds the training loop, over `steps` after a warm-up one."""
+    """Mean seconds a step (and its copy) holds the training loop, over `steps` after a warm-up one;
+    the copies' votes summed by an all-reduce, as the trainer's step all-reduce sums them."""
     times = []
     for _ in range(steps + 1):
-        dist.barrier()
+        votes = memory.vote() if memory else torch.zeros(2)
+        dist.all_reduce(votes)
         started = time.perf_counter()
         train_step(state)
         if memory:
-            memory.maybe_copy(state.step, state)
+            memory.maybe_copy(state.step, state, agreed=votes)
         times.append(time.perf_counter() - started)
     return sum(times[1:]) / steps
 
@@ -98,7 +101,8 @@ def main() -> int:
     share_mib = mean("state") / 2**20
     print(f"{WORLD} nodes of one rank, {share_mib:.0f} MiB of state each (fp32 parameters and AdamW's moments), "
           f"{args.steps} steps, CPU")
-    print(f"step without copies {plain:.3f} s, with a copy every step {copying:.3f} s")
+    print(f"step without copies {plain:.3f} s, with copies {copying:.3f} s; a copy of {copies:.0f} of the "
+          f"{args.steps + 1} steps (every {(args.steps + 1) / copies:.1f})")
     print(f"training blocked per copy {mean('blocked_s') / copies:.4f} s; the copying thread {mean('copy_s') / copies:.3f} s "
           f"a copy ({share_mib / (mean('copy_s') / copies):.0f} MiB/s: serialise, write, exchange with the buddy)")
     tmpfs_mib = max(f["tmpfs"] for f in figures) / 2**20

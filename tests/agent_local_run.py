@@ -130,7 +130,9 @@ def memory_restore(template: dict) -> dict:
     template.update(node_count=3, spare_count=1)
     template["trainer"]["model"]["n_layers"] = 6
     template["trainer"]["parallel"].update(pp=3, dp=1, microbatches=3)
-    template["trainer"]["training"]["batch_size"] = 6
+    # Steps longer than a copy (as on GPUs, where a step takes seconds): a batch of 48 sequences,
+    # a state of about a megabyte and a half per rank.
+    template["trainer"]["training"].update(batch_size=48, steps=30)
     with local_stack(Narrator()) as stack:
         run = stack.start_run(template)
         watch = stack.watch(run)

@@ -222,16 +222,16 @@ def test_a_layout_that_does_not_fit_in_gpu_memory_is_refused_with_the_figures(ha
 
 
 def test_in_memory_checkpoints_that_do_not_fit_host_memory_are_refused(handlers, resources, cloud):
-    # Jurassic-1 Jumbo on 16 p4de: its GPUs hold it, its nodes' tmpfs not six copies of their share.
+    # Jurassic-1 Jumbo on 8 p4de: its GPUs hold it, its nodes' tmpfs not four copies of their share.
     trainer = {"model": {"n_layers": 76, "d_model": 13824, "n_heads": 96, "vocab_size": 256000, "seq_len": 2048},
-               "parallel": {"pp": 8, "dp": 2, "tp": 8, "schedule": "1f1b", "microbatches": 32},
+               "parallel": {"pp": 8, "dp": 1, "tp": 8, "schedule": "1f1b", "microbatches": 32},
                "training": {"batch_size": 64, "activation_checkpoint": "full"},
                "data": {"shards": f"s3://{resources['bucket']}/data/tokens"}}
-    document = spec_document(resources["bucket"], "copies-too-big", instance_type="p4de.24xlarge", node_count=16,
+    document = spec_document(resources["bucket"], "copies-too-big", instance_type="p4de.24xlarge", node_count=8,
                              spare_count=0, min_nodes=None, trainer=trainer)
     with pytest.raises(handlers.errors.InvalidRunSpec) as refused:
         handlers.validate.handler({"run_spec": document, "execution_arn": "arn:x"}, Context())
-    assert str(refused.value).startswith("checkpoint: the in-memory checkpoints need 769.1 GiB"), str(refused.value)
+    assert str(refused.value).startswith("checkpoint: the in-memory checkpoints need 1025.5 GiB"), str(refused.value)
     document["checkpoint"]["memory_interval_steps"] = 0  # S3 alone
     handlers.validate.handler({"run_spec": document, "execution_arn": "arn:y"}, Context())
 

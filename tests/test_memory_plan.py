@@ -173,18 +173,18 @@ def test_memory_problem_gives_the_figures_and_a_proposal():
     assert mp.memory_problem(_workload(), "p5.48xlarge", 8, 80) is None
 
 
-def test_the_in_memory_checkpoints_take_six_copies_of_a_nodes_share_of_the_state():
-    w = _workload(shape=J1, pp=8, dp=2, tp=8, batch_size=64, microbatches=32, activation_checkpoint="full")
+def test_the_in_memory_checkpoints_take_four_copies_of_a_nodes_share_of_the_state():
+    w = _workload(shape=J1, pp=8, dp=1, tp=8, batch_size=64, microbatches=32, activation_checkpoint="full")
     share = max(mp.state_bytes(w, r) for r in range(8)) * 8
     assert mp.state_bytes(w, 0) == sum(mp.rank_memory(w, 0).components[c] for c in ("parameters", "optimizer"))
-    assert mp.host_memory_per_node(w, 8) == (6 * share, 3 * share)
-    # J1 on 16 p4de: 50 GiB of its 79 GiB GPUs, but 769 GiB of copies against a 576 GiB tmpfs.
+    assert mp.host_memory_per_node(w, 8) == (4 * share, 3 * share)
+    # J1 on 8 p4de: 72 GiB of its 79 GiB GPUs, but 1,026 GiB of copies against a 576 GiB tmpfs.
     assert mp.fits(w, 79.35)
     problem = mp.host_memory_problem(w, "p4de.24xlarge", 8, 1152)
-    assert problem.startswith("the in-memory checkpoints need 769.1 GiB of a node's tmpfs (/dev/shm: 576 GiB")
+    assert problem.startswith("the in-memory checkpoints need 1025.5 GiB of a node's tmpfs (/dev/shm: 576 GiB")
     assert "set checkpoint.memory_interval_steps to 0" in problem
     # Twice the nodes halve each one's share.
-    assert mp.host_memory_problem(replace(w, layout=replace(w.layout, dp=4)), "p4de.24xlarge", 8, 1152) is None
+    assert mp.host_memory_problem(replace(w, layout=replace(w.layout, dp=2)), "p4de.24xlarge", 8, 1152) is None
 
 
 # --- trainfleet plan ---------------------------------------------------------------------------

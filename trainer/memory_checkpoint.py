@@ -8,24 +8,25 @@ the same local rank on the next node (by the control plane's node ranks), which 
 its own node's folder. On a node the folder is /dev/shm: it outlives the trainer's processes (a
 restart finds it) but not the instance.
 
-A node holds its own ranks' shards and its previous node's, and of each the copies of the last
-three copied steps: the one being written, the last, and the one before it, the newest that every
-rank is known to have finished (each rank waits for its last copy before it starts the next, and
-the step's all-reduce orders every rank's wait before any rank's next step). So the world always
-has a step whose copies all exist, and a node holds six times its share of the state
-(memory_plan.host_memory_per_node).
+Copies start only when every rank's last one is done, which each rank's vote on the step's
+all-reduce says (as the S3 save's votes do): a copy slower than a step makes the next ones skip a
+step or more on every rank alike, rather than hold training up. So the last copy is whole on every
+node when the next starts, and only then are older ones dropped: a node holds its own ranks'
+shards and its previous node's at two steps, the last whole one and the one being written, four
+times its share of the state (memory_plan.host_memory_per_node), and the world always has a step
+whose copies all exist.
 
     memory = MemoryCheckpoints(cfg.checkpoint, key=..., ranks_per_node=8, node_rank=3)
     restored = memory.restore(state)          # or None: some shard has no copy; resume from S3
     for step in ...:
-        ...train one step...
-        memory.maybe_copy(step, state)
+        ...train one step; its all-reduce also sums memory.vote() over the ranks: agreed...
+        memory.maybe_copy(step, state, agreed)
     memory.close()
 
 The copies go over a gloo group of their own (host memory to host memory, also on GPU nodes),
-one pair of messages per rank and copy, from the copying thread. At most one copy is in flight:
-a copy still going when the next is due is waited for, so every rank copies the same steps in
-the same order, which is what pairs each send with its receive.
+one pair of messages per rank and copy, from the copying thread. At most one copy is in flight,
+and every rank copies the same steps in the same order, which is what pairs each send with its
+receive.
 
 `restore` is collective: every rank says which copies its node holds of its own shard, of its
 ward's (the rank whose buddy it is) and of any other shard its node held last time, all agree on the newest step that every shard of the world
@@ -122,6 +123,7 @@ class MemoryCheckpoints:
         self._staging_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-checkpoint")
         self._in_flight: Future | None = None
+        self._last_copied: int | None = None
         self.blocked_seconds = 0.0
         """Total time the training loop has waited on copies (staging, and a copy still going)."""
         self.copy_seconds = 0.0
@@ -132,19 +134,33 @@ class MemoryCheckpoints:
 
     # ---- copy ---------------------------------------------------------------------------------
 
-    def maybe_copy(self, step: int, state: Stateful) -> bool:
-        """Start the in-memory copy of `step` if it is on the interval; True if one was started.
-        Raises MemoryCheckpointError if the previous copy failed."""
-        if step % self.interval:
+    def vote(self) -> torch.Tensor:
+        """This rank's say in the next `maybe_copy`: [its last copy is done, it failed], as 0 or 1.
+        Summed over all ranks (the step's all-reduce carries them), they are `maybe_copy`'s `agreed`."""
+        done = self._in_flight is None or self._in_flight.done()
+        failed = done and self._in_flight is not None and self._in_flight.exception() is not None
+        return torch.tensor([float(done), float(failed)])
+
+    def maybe_copy(self, step: int, state: Stateful, agreed: torch.Tensor) -> bool:
+        """Start the in-memory copy of `step` if it is on the interval and every rank's last copy
+        is done (`agreed`: the ranks' votes summed); True if one was started. A copy still going
+        somewhere skips this step's on every rank alike (copies slower than steps take every few
+        steps, never hold training up). Raises MemoryCheckpointError if a copy failed on any rank."""
+        done, failed = (int(flag) for flag in agreed.tolist())
+        if failed:
+            self._wait()  # raises this rank's own error, if it has one
+            raise MemoryCheckpointError(f"in-memory checkpoint of step {self._last_copied} failed on another rank")
+        if step % self.interval or done < self.world_size:
             return False
         started = time.perf_counter()
         self._wait()
-        # Every rank waited here for its copy two copies back before it joined this step's
-        # all-reduce: that copy is complete everywhere, older ones are no longer needed.
-        self._drop_before(step - 2 * self.interval)
+        if self._last_copied is not None:
+            # Done on every rank: that copy is whole everywhere, older ones are no longer needed.
+            self._drop_before(self._last_copied)
         staged = self._stager.stage(state.state_dict())
         self._staging = staged
         self._in_flight = self._copier.submit(self._copy, step, staged, self._group)
+        self._last_copied = step
         self.blocked_seconds += time.perf_counter() - started
         return True
 

@@ -138,17 +138,37 @@ def distributed(cfg: JobConfig):
     device = _device(cfg)
     grouped = world_size > 1 or device.type == "cuda"
     if grouped:
+        timeout = timedelta(seconds=cfg.parallel.timeout_s)
         # device_id binds NCCL's communicator to this rank's GPU at once (no guessing, eager init).
         options = {"device_id": device} if device.type == "cuda" else {}
         if world_size == 1:
             options.update(store=dist.HashStore(), rank=0, world_size=1)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=cfg.parallel.timeout_s), **options)
+        elif NODE_RANK_ENV in os.environ:
+            options.update(store=_launch_store(world_size, timeout), rank=rank_by_node(), world_size=world_size)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout, **options)
     try:
         yield environment(cfg, device)
     finally:
         if grouped:
             dist.destroy_process_group()
+
+
+def rank_by_node() -> int:
+    """This process's rank with the nodes in the launch spec's order (NODE_RANK_ENV), not the
+    order torchrun's rendezvous gave them (by address, another in every attempt): a node keeps
+    its ranks across attempts, and with them the shards its host memory holds
+    (trainer/memory_checkpoint.py)."""
+    return int(os.environ[NODE_RANK_ENV]) * int(os.environ["LOCAL_WORLD_SIZE"]) + int(os.environ["LOCAL_RANK"])
+
+
+def _launch_store(world_size: int, timeout: timedelta) -> dist.Store:
+    """The store torchrun's environment names for the world to meet at (MASTER_ADDR and
+    MASTER_PORT), as env:// would open it: hosted by the agent, or by torchrun's rank 0, which is
+    on MASTER_ADDR's node whatever rank it takes here."""
+    hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                         is_master=not hosted_by_agent and os.environ["RANK"] == "0", timeout=timeout,
+                         multi_tenant=True)
 
 
 def _device(cfg: JobConfig) -> torch.device:
@@ -231,7 +251,7 @@ def build(cfg: JobConfig, env: DistributedEnv) -> Run:
 @dataclass
 class StepVotes:
     """Flags each rank raises for every rank to act on after a step (Checkpointer.vote: a save
-    failed, a save is asked for), summed over all ranks by the step's all-reduce of the loss and
+    failed, a save is asked for; MemoryCheckpoints.vote: its last copy is done, it failed), summed over all ranks by the step's all-reduce of the loss and
     the gradient norm: a collective of their own every step would cost a round trip of the whole
     world (on gloo, a ring of 4,096 hops) for two numbers."""
 
@@ -338,7 +358,8 @@ def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None)
         run.log_nothing_left()
     scaling = _scaling_check(run)
     while run.state.step < cfg.training.steps:
-        votes = StepVotes(checkpointer.vote) if checkpointer else None
+        votes = StepVotes(lambda: torch.cat([checkpointer.vote(), *([memory.vote()] if memory else [])])
+                          ) if checkpointer else None
         metrics = train_step(run, votes)
         run.log(metrics)
         history.append(metrics)
@@ -347,9 +368,9 @@ def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None)
             # The last step is always saved, so a finished run's final state is stored.
             with progress.alive_during():
                 checkpointer.maybe_save(run.state.step, run.state, final=run.state.step == cfg.training.steps,
-                                        agreed=votes.sums)
+                                        agreed=votes.sums[:2])
         if memory:
-            memory.maybe_copy(run.state.step, run.state)
+            memory.maybe_copy(run.state.step, run.state, agreed=votes.sums[2:])
         if scaling and scaling.observe(metrics):
             run.pipeline.attach(None)
             scaling = None

@@ -3,7 +3,8 @@
 checkpoint every 5. The world is killed mid-interval and resumed: a lost node's folder is
 emptied, as its replacement's memory would be. S3 is a moto server in this process, so every
 object it serves is heard. The nodes' ranks in the launch spec are not torchrun's order (which
-follows their addresses): ranks 0-1 run on node rank 2, 2-3 on node rank 1, 4-5 on node rank 0."""
+follows their addresses): the processes torchrun would number 0-1 run on node rank 2, and the
+trainer numbers its ranks by node rank (train.rank_by_node), so they are ranks 4-5."""
 
 import json
 import shutil
@@ -61,17 +62,20 @@ class Straight:
     """Where its nodes' host-memory folders are (memory_of)."""
 
 
-def killed_at(step: int, tmp_path, processes, uri) -> dict[int, float]:
-    """Train until every rank's in-memory copy of `step` is done (the last S3 commit is step 10),
-    then kill -9 every rank; the losses it trained."""
+def killed_at(step: int, tmp_path, processes, uri) -> tuple[int, dict[int, float]]:
+    """Train until every rank's in-memory copy of `step` (or the first copy after it) is done and
+    step 10's S3 checkpoint is committed, then kill -9 every rank; the step copied last and the
+    losses trained."""
     procs, log_dir = launch(tmp_path, processes, uri, "interrupted.jsonl", hooks=["--stop-after-copy", str(step)])
+    reached = [log_dir / f"reached.{rank}" for rank in range(WORLD)]
     # Step 10's S3 checkpoint commits in the background, maybe after step 13 is copied.
-    wait_for(lambda: all((log_dir / f"reached.{r}").exists() for r in range(WORLD))
+    wait_for(lambda: all(path.exists() and path.read_text() for path in reached)
              and catalog.is_committed(catalog.open_store(uri), 10), f"step {step} copied, step 10 committed", procs,
              log_dir)
     kill(procs)
     assert catalog.latest_committed(uri).step == 10
-    return losses(tmp_path, "interrupted.jsonl")
+    (copied,) = {int(path.read_text()) for path in reached}
+    return copied, losses(tmp_path, "interrupted.jsonl")
 
 
 def resume(tmp_path, processes, uri):
@@ -87,6 +91,14 @@ def resume(tmp_path, processes, uri):
     return read_before_training, json.loads((log_dir / "restore.json").read_text())
 
 
+def test_ranks_follow_the_launch_specs_node_ranks_not_torchruns_order(straight):
+    # Node rank 0 (the processes torchrun numbered 4-5, folder 2) holds ranks 0-1, its buddy node
+    # rank 1 (folder 1) their second copy; node rank 2 (folder 0) holds ranks 4-5 and 2-3.
+    def shards(folder: int) -> set[int]:
+        return {int(path.name[6:]) for path in memory_of(straight.folder, folder).glob("*/shard-*")}
+    assert (shards(2), shards(1), shards(0)) == ({0, 1, 4, 5}, {2, 3, 0, 1}, {4, 5, 2, 3})
+
+
 def test_buddies_are_the_same_local_rank_on_the_next_node_by_node_rank():
     in_order = [0, 0, 1, 1, 2, 2]
     assert [buddy_of(rank, in_order, 2) for rank in range(6)] == [2, 3, 4, 5, 0, 1]
@@ -99,26 +111,28 @@ def test_buddies_are_the_same_local_rank_on_the_next_node_by_node_rank():
 def test_a_lost_node_resumes_from_its_buddy_with_no_step_redone_and_no_s3_read(tmp_path, processes, bucket,
                                                                                  straight):
     uri = f"s3://{bucket}/runs/memory/checkpoints"
-    trained = killed_at(13, tmp_path, processes, uri)
+    copied, trained = killed_at(13, tmp_path, processes, uri)
     shutil.rmtree(memory_of(tmp_path, 1))  # node 1 is replaced: ranks 2 and 3 come back with empty memory
 
     read, restored = resume(tmp_path, processes, uri)
 
     assert read == []
-    assert restored | {"seconds": 0} == {"step": 13, "source": "memory", "shards": 6, "own_memory": 4, "peers": 2,
-                                         "peer_bytes": restored["peer_bytes"], "seconds": 0, "fallback": None}
-    assert restored["peer_bytes"] > 0
-    assert trained == {s: straight.losses[s] for s in range(1, 14)}
-    assert losses(tmp_path, "resumed.jsonl") == {s: straight.losses[s] for s in range(14, 21)}
-    # The replacement holds its own shards again: the last three copies, all of this timeline.
-    assert sorted(p.name for p in (memory_of(tmp_path, 1)).glob("*/shard-00002/*")) == [
-        "step-000000018.pt", "step-000000019.pt", "step-000000020.pt"]
+    assert restored | {"seconds": 0} == {"step": copied, "source": "memory", "shards": 6, "own_memory": 4,
+                                         "peers": 2, "peer_bytes": restored["peer_bytes"], "seconds": 0,
+                                         "fallback": None}
+    assert restored["peer_bytes"] > 0 and max(trained) - copied <= 1, "the step copied is the last one trained"
+    assert trained == {s: straight.losses[s] for s in range(1, max(trained) + 1)}
+    assert losses(tmp_path, "resumed.jsonl") == {s: straight.losses[s] for s in range(copied + 1, 21)}
+    # The replacement holds its own shards again, of this timeline: the last copy whole everywhere
+    # and the one after it.
+    kept = sorted(int(p.name[5:14]) for p in memory_of(tmp_path, 1).glob("*/shard-00002/*"))
+    assert len(kept) == 2 and copied < kept[0] < kept[1] <= 20, kept
 
 
 def test_a_node_lost_with_its_buddy_resumes_from_s3_and_says_so(tmp_path, processes, bucket, straight):
     uri = f"s3://{bucket}/runs/memory-and-buddy/checkpoints"
     killed_at(13, tmp_path, processes, uri)
-    for node in (1, 0):  # node rank 1's shards are held by node rank 2 alone (ranks 0-1)
+    for node in (1, 0):  # node rank 1 (ranks 2-3, folder 1) and its buddy, node rank 2 (folder 0)
         shutil.rmtree(memory_of(tmp_path, node))
 
     read, restored = resume(tmp_path, processes, uri)
@@ -131,12 +145,12 @@ def test_a_node_lost_with_its_buddy_resumes_from_s3_and_says_so(tmp_path, proces
 
 
 def test_the_plan_states_what_a_copy_takes(tmp_path, straight):
-    """Each shard's copy of the last step against the memory plan's state_bytes for its pipeline
-    rank: the plan (which Validate refuses layouts by) must not undercount what the trainer writes."""
+    """Each shard's last copy against the memory plan's state_bytes for its pipeline rank: the plan
+    (which Validate refuses layouts by) must not undercount what the trainer writes."""
     config = load_config(trainer_args(tmp_path, "s3://b/c", "sized.jsonl", *LAYOUT, f"--checkpoint.memory_dir={tmp_path}"))
     workload = memory_plan.Workload.from_sections(asdict(config), accelerator="none")
     for rank in range(WORLD):
-        (copy,) = memory_of(straight.folder, rank // PER_NODE).glob(f"*/shard-{rank:05d}/step-000000020.pt")
+        copy = max(straight.folder.glob(f"node*-shm/*/shard-{rank:05d}/step-*.pt"), key=lambda path: path.name)
         planned = memory_plan.state_bytes(workload, pp_rank=rank // 2)  # pp-major: dp=2 ranks a stage
         assert planned <= copy.stat().st_size <= planned + OVERHEAD_BYTES, (rank, copy.stat().st_size, planned)
 

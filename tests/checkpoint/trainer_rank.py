@@ -8,8 +8,8 @@
     then wait to be killed.
 --block-write STEP RANK: RANK starts its shard of STEP (parts uploaded), touches <signals>/writing,
     and never finishes it.
---stop-after-copy STEP: finish the in-memory copy of STEP, touch <signals>/reached.<rank>, then wait
-    to be killed.
+--stop-after-copy STEP: finish the first in-memory copy at STEP or after (a copy still going at STEP
+    skips it), write its step to <signals>/reached.<rank>, then wait to be killed.
 """
 
 import argparse
@@ -62,11 +62,11 @@ def block_write(step: int, rank: int, signals: Path) -> None:
 def stop_after_copy(step: int, signals: Path) -> None:
     real_maybe_copy = memory_checkpoint.MemoryCheckpoints.maybe_copy
 
-    def maybe_copy(self, at_step, state):
-        started = real_maybe_copy(self, at_step, state)
-        if at_step == step:
+    def maybe_copy(self, at_step, state, agreed):
+        started = real_maybe_copy(self, at_step, state, agreed)
+        if started and at_step >= step:  # every rank starts the same copies
             self._wait()
-            (signals / f"reached.{self.rank}").touch()
+            (signals / f"reached.{self.rank}").write_text(str(at_step))
             threading.Event().wait()
         return started
 

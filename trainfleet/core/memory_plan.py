@@ -534,9 +534,9 @@ def smallest_fleet(w: Workload, ranks_per_node: int, memory_gib: float, max_node
 # --------------------------------------------------------------------------------------------
 # Host memory: the in-memory checkpoints (trainer/memory_checkpoint.py)
 
-HOST_COPIES = 6
+HOST_COPIES = 4
 """Copies of a node's share of the training state in its tmpfs: its own ranks' shards and its
-previous node's, each at the last three copied steps."""
+previous node's, each at two steps (the last copy whole everywhere and the one being written)."""
 HOST_BUFFERS = 3
 """And while a copy is made, in its trainer processes: the staged state, its serialised bytes, and
 the buddy's bytes being received."""
