@@ -1,5 +1,5 @@
 """In-memory checkpoints: every rank's shard of the training state in its node's host memory and
-in the host memory of a buddy node, so that a lost node costs at most a step and no S3 read.
+in the host memory of a buddy node, so that a lost node costs a step or two and no S3 read.
 
 Every `memory_interval` steps each rank copies its shard to CPU memory (on a thread, overlapping
 the next forward and backward like the S3 save's staging; the wait is at the next optimizer
