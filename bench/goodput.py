@@ -498,7 +498,8 @@ class Month:
         commits = int(max(timedelta(), end - first_step - pace.save) / pace.cadence)
         # The last report of steps before `end` (every PROGRESS_EVERY_S, half of it on average).
         reported = end - timedelta(seconds=PROGRESS_EVERY_S / 2)
-        update: dict = {"first_step_at": first_step, "last_progress_at": reported if reported > first_step else None}
+        update: dict = {"first_step_at": first_step, "last_progress_at": reported if reported > first_step else None,
+                        "last_step": (run.last_step or 0) + int((end - first_step) / pace.step)}
         if commits:
             step = (run.latest_checkpoint.step if run.latest_checkpoint else 0) + int((commits * pace.cadence).total_seconds())
             update["latest_checkpoint"] = CheckpointRef(step=step, uri=f"s3://bucket/runs/month/checkpoints/step-{step:09d}",

@@ -12,9 +12,9 @@ they keep their stack's settings for the life of the process. The last line of s
 JSON document: {"outcome": ..., "reference": {step: loss}}.
 
     python tests/agent_local_run.py node-loss
-    python tests/agent_local_run.py slow-node             (three nodes, one with a slow network)
+    python tests/agent_local_run.py spares                (three nodes and a spare: one with a slow network,
+                                                           then one lost mid-interval)
     python tests/agent_local_run.py poor-scaling          (two nodes on a slow network: the run does not scale)
-    python tests/agent_local_run.py memory-restore        (three nodes and a spare: a node lost mid-interval)
 """
 
 import json
@@ -62,34 +62,6 @@ GB/s measured here, on idle cores); the floor is over ten times lower, so a worl
 with other test runs still passes, and the slow node's links (at most 0.008) are below it."""
 
 
-def slow_node(template: dict) -> dict:
-    """Three workers (dp=3) and a spare; one worker's network made slow before the world first
-    forms. The fleet check must name it, the spare take its place, and the run complete."""
-    template.update(node_count=3, spare_count=1, preflight=FLEET_CHECK)
-    template["trainer"]["parallel"].update(pp=1, dp=3, microbatches=1)
-    template["trainer"]["training"].update(batch_size=12, steps=20)  # what is checked happens before a step
-    with local_stack(Narrator()) as stack:
-        run = stack.start_run(template)
-        watch = stack.watch(run)
-        nodes = lambda: stack.store.nodes(run.run_name)  # noqa: E731
-        watch.until(lambda: len(nodes()) == 4, "the four nodes recorded")
-        first = {node.instance_id: node.role.value for node in nodes()}
-        slow = min(instance for instance, role in first.items() if role == "WORKER")
-        stack.cloud.fleet.slow_network(slow, SLOW_DELAY_S)
-        try:
-            watch.until(stack.ended(run), "the end of the run")
-            watch.until(lambda: all(i.state == "terminated" for i in stack.instances(run)), "every instance terminated")
-        except Exception:
-            stack.dump_consoles(run)
-            raise
-        fleet_checks = {instance.instance_id: [line for line in agent_lines(instance)
-                                               if line["agent"].startswith("fleet check")]
-                        for instance in stack.instances(run)}
-        return {"outcome": stack.outcome(run) | {"first_roles": first, "slow": slow, "fleet_checks": fleet_checks,
-                                                 "fleet_check": stack.store.run(run.run_name).fleet_check
-                                                 .model_dump(mode="json")}}
-
-
 SCALING_CHECK = {"enabled": True, "warmup_steps": 2, "steps": 3, "efficiency_floor": 0.5}
 """A healthy local world of two one-rank nodes reaches about 0.8 (its hand-offs over loopback
 cost little beside its compute); one whose transfers each wait SLOW_DELAY_S reaches a few hundredths."""
@@ -122,12 +94,14 @@ def poor_scaling(template: dict) -> dict:
         return {"outcome": stack.outcome(run) | {"scaling_checks": said, "report_page": report_page}}
 
 
-def memory_restore(template: dict) -> dict:
-    """Three workers (pp=3) and a spare, an in-memory checkpoint every step and an S3 one every 10;
-    node rank 1's instance killed as soon as step 10's commit reaches S3, mid-interval: the spare
+def spares(template: dict) -> dict:
+    """Three workers (pp=3) and a spare, an in-memory checkpoint every step and an S3 one every 10.
+    One worker's network is made slow before the world first forms: the fleet check must name it
+    and the spare take its place before a step is trained. Then, as soon as step 10's commit
+    reaches S3, node rank 1's instance is killed mid-interval: the spare that refilled the pool
     takes its place, node ranks 0 and 2 restore from their own memory and the newcomer from node
     rank 2's (its buddy). Every object S3 serves is heard, with when."""
-    template.update(node_count=3, spare_count=1)
+    template.update(node_count=3, spare_count=1, preflight=FLEET_CHECK)
     template["trainer"]["model"]["n_layers"] = 6
     template["trainer"]["parallel"].update(pp=3, dp=1, microbatches=3)
     # Steps longer than a copy (as on GPUs, where a step takes seconds): a batch of 48 sequences,
@@ -143,14 +117,17 @@ def memory_restore(template: dict) -> dict:
             if kind == "read" and key.startswith(checkpoints):
                 reads.append((time.time(), key[len(checkpoints):]))
             if kind == "write" and not killed and marker_step(key) == 10 and key.startswith(checkpoints):
-                ranks = {node.instance_id: node.node_rank for node in stack.store.nodes(run.run_name)}
+                ranks = {node.instance_id: node.node_rank for node in stack.store.nodes(run.run_name)
+                         if node.role.value == "WORKER" and not node.state.is_retired}
                 victim = next(instance for instance, rank in ranks.items() if rank == 1)
-                held = {instance.instance_id: sorted(str(path.relative_to(instance.workdir / "root"))
-                                                     for path in (instance.workdir / "root").glob("dev/shm/**/*.pt"))
-                        for instance in stack.instances(run)}
-                killed.update(at=time.time(), victim=victim, ranks=ranks, held=held)
+                killed.update(at=time.time(), victim=victim, ranks=ranks)
                 stack.cloud.submit("kill node rank 1", lambda: stack.cloud.fleet.kill(victim))
 
+        nodes = lambda: stack.store.nodes(run.run_name)  # noqa: E731
+        watch.until(lambda: len(nodes()) == 4, "the four nodes recorded")
+        first = {node.instance_id: node.role.value for node in nodes()}
+        slow = min(instance for instance, role in first.items() if role == "WORKER")
+        stack.cloud.fleet.slow_network(slow, SLOW_DELAY_S)
         try:
             with s3_requests.listen(heard):
                 watch.until(stack.ended(run), "the end of the run")
@@ -159,9 +136,13 @@ def memory_restore(template: dict) -> dict:
             stack.dump_consoles(run)
             raise
         instances = stack.instances(run)
-        trained = [record["step"] for record in metrics_records(instances, 0) if "loss" in record]
-        resumed = [record for record in metrics_records(instances, 1) if "loss" in record]
+        trained = [record["step"] for record in metrics_records(instances, 1) if "loss" in record]
+        resumed = [record for record in metrics_records(instances, 2) if "loss" in record]
+        fleet_checks = {instance.instance_id: [line for line in agent_lines(instance)
+                                               if line["agent"].startswith("fleet check")] for instance in instances}
         outcome = stack.outcome(run) | {
+            "first_roles": first, "slow": slow, "fleet_checks": fleet_checks,
+            "fleet_check": stack.store.run(run.run_name).fleet_check.model_dump(mode="json"),
             "killed": killed, "last_step_before": max(trained), "first_step_after": resumed[0]["step"],
             "failure_to_first_step_s": resumed[0]["time"] - killed["at"],
             "reads_during_recovery": [key for at, key in reads if killed["at"] < at < resumed[0]["time"]],
@@ -170,8 +151,7 @@ def memory_restore(template: dict) -> dict:
         return {"outcome": outcome, "reference": reference_losses(template["trainer"], Path(folder))}
 
 
-SCENARIOS = {"node-loss": node_loss, "slow-node": slow_node, "poor-scaling": poor_scaling,
-             "memory-restore": memory_restore}
+SCENARIOS = {"node-loss": node_loss, "spares": spares, "poor-scaling": poor_scaling}
 
 if __name__ == "__main__":
     if sys.argv[1:] not in ([name] for name in SCENARIOS):

@@ -32,11 +32,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(NCCL_SITE), os.envi
 
 
 LONGEST_FIRST = (
-    "chaos/test_chaos_fast.py", "test_trainer_equivalence.py", "test_fleet_check_local_run.py",
+    "chaos/test_chaos_fast.py", "test_trainer_equivalence.py", "test_spares_local_run.py",
     "test_localcloud_scale.py", "test_memory_plan_measured.py", "test_localcloud_stepfunctions.py",
     "test_standin_local_run.py", "checkpoint/test_checkpoint_trainer.py", "test_agent_local_run.py",
     "test_localcloud_faults.py", "test_scaling_check_local_run.py", "test_handlers_capacity_run.py",
-    "test_handlers_local_run.py", "test_agent.py", "test_health.py",
+    "test_handlers_local_run.py", "checkpoint/test_memory_checkpoint.py", "test_agent.py", "test_health.py",
 )
 """The files of a minute or more, longest first, those that mostly wait (on a run's timers, a
 retry's backoff) beside those that keep cores busy: four such files waiting together left half

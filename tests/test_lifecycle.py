@@ -889,18 +889,26 @@ def test_a_survivor_keeps_its_rank_and_a_newcomer_takes_the_one_left_free():
 RANKED = [node(f"i-{n}", node_rank=n - 1) for n in range(1, 5)]
 
 
+def trained_run(spec: RunSpec | None = None) -> RunRecord:
+    """make_run's record of a run that has trained steps (its nodes hold copies)."""
+    return make_run(spec, last_step=12)
+
+
 def test_a_lost_node_is_restored_from_its_buddys_memory():
-    decision = lc.decide_recovery(make_run(), [*RANKED, SPARE], report(FailureClass.INSTANCE_LOST, "i-3"), 0.0,
+    decision = lc.decide_recovery(trained_run(), [*RANKED, SPARE], report(FailureClass.INSTANCE_LOST, "i-3"), 0.0,
                                   now=T0)
     assert decision.action is RecoveryAction.REPLACE and decision.restore_from_memory
     assert "node rank(s) 2 resume from their buddies' memory, the rest from their own" in decision.reason
-    restart = lc.decide_recovery(make_run(), RANKED, report(FailureClass.PROCESS_CRASH), 0.0, now=T0)
+    restart = lc.decide_recovery(trained_run(), RANKED, report(FailureClass.PROCESS_CRASH), 0.0, now=T0)
     assert restart.action is RecoveryAction.RESTART and restart.restore_from_memory
     assert "every node resumes from its own memory" in restart.reason
     # Non-adjacent losses keep a copy of each: ranks 0 and 2 are held by 1 and 3.
-    apart = lc.decide_recovery(make_run(), [*RANKED, SPARE], report(FailureClass.INSTANCE_LOST, "i-1", "i-3"), 0.0,
-                               now=T0)
+    apart = lc.decide_recovery(trained_run(), [*RANKED, SPARE], report(FailureClass.INSTANCE_LOST, "i-1", "i-3"),
+                               0.0, now=T0)
     assert apart.restore_from_memory
+    # A world that never trained a step has nothing in memory.
+    fresh = lc.decide_recovery(make_run(), [*RANKED, SPARE], report(FailureClass.INSTANCE_LOST, "i-3"), 0.0, now=T0)
+    assert not fresh.restore_from_memory and "no step trained yet, nothing in memory" in fresh.reason
 
 
 @pytest.mark.parametrize("lost, why", [
@@ -909,22 +917,23 @@ def test_a_lost_node_is_restored_from_its_buddys_memory():
     (["i-1", "i-2", "i-3", "i-4"], "no node of the world is left: resume from S3"),
 ])
 def test_a_node_lost_with_its_buddy_is_restored_from_s3(lost, why):
-    decision = lc.decide_recovery(make_run(), [*RANKED, SPARE], report(FailureClass.INSTANCE_LOST, *lost), 0.0, now=T0)
+    decision = lc.decide_recovery(trained_run(), [*RANKED, SPARE], report(FailureClass.INSTANCE_LOST, *lost), 0.0,
+                                  now=T0)
     assert decision.action is RecoveryAction.REPLACE and not decision.restore_from_memory
     assert why in decision.reason
 
 
 def test_a_run_without_in_memory_checkpoints_or_with_a_new_layout_is_restored_from_s3():
     spec = make_spec(checkpoint={"s3_uri": "s3://bucket/runs/r1/checkpoints", "memory_interval_steps": 0})
-    decision = lc.decide_recovery(make_run(spec), [*RANKED, SPARE], report(FailureClass.INSTANCE_LOST, "i-3"), 0.0,
-                                  now=T0)
+    decision = lc.decide_recovery(trained_run(spec), [*RANKED, SPARE], report(FailureClass.INSTANCE_LOST, "i-3"),
+                                  0.0, now=T0)
     assert not decision.restore_from_memory and "no in-memory checkpoints: resume from S3" in decision.reason
     # Capacity short: the world shrinks to a new layout, whose shards the copies do not match.
-    shrunk = lc.decide_recovery(make_run(), RANKED[:3], report(FailureClass.CAPACITY), 0.0, now=T0)
+    shrunk = lc.decide_recovery(trained_run(), RANKED[:3], report(FailureClass.CAPACITY), 0.0, now=T0)
     assert shrunk.action is RecoveryAction.SHRINK and not shrunk.restore_from_memory
     # The next attempt's launch spec carries the choice.
-    booked = lc.apply_decision(make_run(), report(FailureClass.INSTANCE_LOST, "i-3"),
-                               lc.decide_recovery(make_run(), [*RANKED, SPARE],
+    booked = lc.apply_decision(trained_run(), report(FailureClass.INSTANCE_LOST, "i-3"),
+                               lc.decide_recovery(trained_run(), [*RANKED, SPARE],
                                                   report(FailureClass.INSTANCE_LOST, "i-3"), 0.0, now=T0), T0)
     assert booked.restore_from_memory
     promoted = SPARE.model_copy(update={"role": NodeRole.WORKER})

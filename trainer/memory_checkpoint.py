@@ -234,8 +234,13 @@ class MemoryCheckpoints:
             missing = [shard for shard in range(self.world_size) if not any(s == shard for s, _ in holders)]
             newest = {shard: max(step for s, step in holders if s == shard) for shard in range(self.world_size)
                       if shard not in missing}
-            self.unavailable = (f"shards {missing} have no in-memory copy (a node and its buddy were lost)" if missing
-                                else f"no step has an in-memory copy of every shard (newest per shard: {newest})")
+            if len(missing) == self.world_size:
+                self.unavailable = "no node holds an in-memory copy"
+            elif missing:
+                self.unavailable = (f"shards {missing} have no in-memory copy (a node and its buddy were lost, or "
+                                    "never held one)")
+            else:
+                self.unavailable = f"no step has an in-memory copy of every shard (newest per shard: {newest})"
             log.info("%s", self.unavailable)
             return None
         step = max(common)

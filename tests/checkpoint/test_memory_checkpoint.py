@@ -140,7 +140,7 @@ def test_a_node_lost_with_its_buddy_resumes_from_s3_and_says_so(tmp_path, proces
     assert any(key.endswith(".distcp") for key in read)
     assert restored | {"seconds": 0} == {"step": 10, "source": "s3", "shards": 6, "seconds": 0,
                                          "fallback": "shards [2, 3] have no in-memory copy (a node and its buddy "
-                                                     "were lost)"}
+                                                     "were lost, or never held one)"}
     assert losses(tmp_path, "resumed.jsonl") == {s: straight.losses[s] for s in range(11, 21)}
 
 

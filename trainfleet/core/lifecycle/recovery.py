@@ -103,6 +103,8 @@ def memory_restore(run: RunRecord, survivors: list[NodeRecord], plan: ParallelPl
         return False, "no in-memory checkpoints: resume from S3"
     if plan is None or plan != run.plan:
         return False, "a new layout: resume from S3"
+    if run.last_step is None:
+        return False, "no step trained yet, nothing in memory: resume from S3"
     gone = sorted(set(range(plan.nodes)) - {node.node_rank for node in survivors})
     if len(gone) == plan.nodes:
         return False, "no node of the world is left: resume from S3"
