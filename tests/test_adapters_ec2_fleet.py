@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from botocore.awsrequest import AWSResponse
 
+from localcloud.glue import ec2 as ec2_glue
 from trainfleet.adapters import ec2_fleet as fleet
 from trainfleet.core.catalogue import CATALOGUE, instance_facts
 from trainfleet.core.lifecycle import BLOCK_TERMINATION_LEAD
@@ -211,10 +212,13 @@ def test_errors_no_zone_can_cure_stop_the_allocation():
 # --- against the local cloud ----------------------------------------------------------------
 
 @pytest.fixture
-def cloud(local_cloud):
+def cloud(local_cloud, monkeypatch):
     # EC2 semantics only: instances boot no process (the user data would run the agent).
     local_cloud.fleet.boot = lambda instance: None
-    # EC2 refuses a launch whose instance profile does not exist; moto's IAM outlives a cloud.
+    # EC2 refuses a launch whose instance profile does not exist, or that IAM made so recently
+    # that EC2 does not see it yet (tests/test_localcloud_ec2.py); the profile made here is taken
+    # as propagated. moto's IAM outlives a cloud: the first test of a worker makes it.
+    monkeypatch.setattr(ec2_glue, "IAM_PROPAGATION_S", 0.0)
     iam = local_cloud.client("iam")
     profile = PROFILE.rsplit("/", 1)[1]
     with contextlib.suppress(iam.exceptions.EntityAlreadyExistsException):
