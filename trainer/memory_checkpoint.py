@@ -17,7 +17,8 @@ times its share of the state (memory_plan.host_memory_per_node), and the world a
 whose copies all exist.
 
     memory = MemoryCheckpoints(cfg.checkpoint, key=..., ranks_per_node=8, node_rank=3)
-    restored = memory.restore(state)          # or None: some shard has no copy; resume from S3
+    found = memory.newest_whole()             # or None: some shard has no copy; resume from S3
+    restored = memory.restore(state, found)
     for step in ...:
         ...train one step; its all-reduce also sums memory.vote() over the ranks: agreed...
         memory.maybe_copy(step, state, agreed)
@@ -28,7 +29,7 @@ one pair of messages per rank and copy, from the copying thread. At most one cop
 and every rank copies the same steps in the same order, which is what pairs each send with its
 receive.
 
-`restore` is collective: every rank says which copies its node holds of its own shard, of its
+`newest_whole` and `restore` are collective: every rank says which copies its node holds of its own shard, of its
 ward's (the rank whose buddy it is) and of any other shard its node held last time, all agree on the newest step that every shard of the world
 has somewhere, and each rank loads its shard from its own node's memory or receives it from the
 rank holding it. A world with some shard at no step gets None and resumes from S3.
@@ -44,17 +45,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainer.checkpoint import host_stager
+from trainer.parallelize import local_part
 
-__all__ = ["MemoryCheckpoints", "MemoryCheckpointError", "Restored", "buddy_of"]
+__all__ = ["MemoryCheckpoints", "MemoryCheckpointError", "Found", "Restored", "buddy_of"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,15 @@ def buddy_of(rank: int, node_ranks: list[int], ranks_per_node: int) -> int:
     wanted = (node_ranks[rank] + 1) % nodes
     return next(other for other, node in enumerate(node_ranks)
                 if node == wanted and other % ranks_per_node == rank % ranks_per_node)
+
+
+@dataclass(frozen=True)
+class Found:
+    """A step every shard has in some node's memory (`newest_whole`)."""
+
+    step: int
+    sources: dict[int, int]
+    """Shard -> the rank that gives it: the shard's own where it holds it, else the lowest holder."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +166,8 @@ class MemoryCheckpoints:
         self._wait()
         if self._last_copied is not None:
             # Done on every rank: that copy is whole everywhere, older ones are no longer needed.
-            self._drop_before(self._last_copied)
+            last = self._last_copied
+            self._drop(lambda saved: saved < last)
         staged = self._stager.stage(state.state_dict())
         self._staging = staged
         self._in_flight = self._copier.submit(self._copy, step, staged, self._group)
@@ -183,11 +194,11 @@ class MemoryCheckpoints:
         partial.write_bytes(data)
         partial.replace(folder / _file_name(step))
 
-    def _drop_before(self, step: int) -> None:
-        """Delete this rank's share of the node's copies older than `step`."""
+    def _drop(self, unwanted: Callable[[int], bool]) -> None:
+        """Delete this rank's share of the node's copies of the steps `unwanted` says."""
         for shard in self._shards_here():
             for saved in self._steps(shard):
-                if saved < step:
+                if unwanted(saved):
                     (self._shard_folder(shard) / _file_name(saved)).unlink(missing_ok=True)
 
     def _wait(self) -> None:
@@ -211,25 +222,23 @@ class MemoryCheckpoints:
 
     # ---- restore ------------------------------------------------------------------------------
 
-    def restore(self, state: Stateful, below: int | None = None) -> Restored | None:
-        """Load into `state` the newest step that every shard of the world has in some node's
-        memory (collective); None when a shard has no copy, or none below `below` if given."""
-        group = self._group
+    def newest_whole(self) -> Found | None:
+        """The newest step that every shard of the world has in some node's memory, and which rank
+        gives each shard (its own, where it holds it); None when there is none, `unavailable`
+        saying why. Collective: every rank says what its node holds."""
         # Every shard on this node with this rank's local rank: the node may have held other
         # ranks in the last attempt (torchrun orders the nodes by address), its copies still count.
         held = {shard: self._steps(shard) for shard in self._shards_here()}
         everyone: list[dict[int, list[int]]] = [held]
-        if group is not None:
+        if self._group is not None:
             everyone = [{}] * self.world_size
-            dist.all_gather_object(everyone, held, group=group)
+            dist.all_gather_object(everyone, held, group=self._group)
         holders: dict[tuple[int, int], list[int]] = {}
         for rank, inventory in enumerate(everyone):
             for shard, steps in inventory.items():
                 for step in steps:
                     holders.setdefault((shard, step), []).append(rank)
         common = set.intersection(*({step for (s, step) in holders if s == shard} for shard in range(self.world_size)))
-        if below is not None:
-            common = {step for step in common if step < below}
         if not common:
             missing = [shard for shard in range(self.world_size) if not any(s == shard for s, _ in holders)]
             newest = {shard: max(step for s, step in holders if s == shard) for shard in range(self.world_size)
@@ -244,17 +253,22 @@ class MemoryCheckpoints:
             log.info("%s", self.unavailable)
             return None
         step = max(common)
-        source = {shard: shard if shard in holders[shard, step] else min(holders[shard, step])
-                  for shard in range(self.world_size)}
+        return Found(step, {shard: shard if shard in holders[shard, step] else min(holders[shard, step])
+                            for shard in range(self.world_size)})
+
+    def restore(self, state: Stateful, found: Found) -> Restored:
+        """Load `found`'s step into `state`: this rank's shard from its node's memory or from the
+        rank `found` names, while it sends the shards it gives (collective)."""
+        step, source = found.step, found.sources
         sends = [shard for shard, rank in source.items() if rank == self.rank and shard != self.rank]
-        own = self._receive_or_read(step, source[self.rank], sends, group)
+        own = self._receive_or_read(step, source[self.rank], sends, self._group)
         self._apply(state, own)
         received = source[self.rank] != self.rank
         if received:
             self._write(self.rank, step, own.getbuffer())
         figures = torch.tensor([0 if received else 1, int(received), own.getbuffer().nbytes if received else 0])
-        if group is not None:
-            dist.all_reduce(figures, group=group)
+        if self._group is not None:
+            dist.all_reduce(figures, group=self._group)
         own_memory, peers, peer_bytes = figures.tolist()
         log.info("restored step %d from host memory: %d shards from their own node, %d from a buddy (%d bytes)",
                  step, own_memory, peers, peer_bytes)
@@ -279,7 +293,7 @@ class MemoryCheckpoints:
             if path not in saved:
                 raise MemoryCheckpointError(f"the in-memory copy under {self.folder} lacks {'.'.join(map(str, path))}")
             if isinstance(value, torch.Tensor):
-                target = _local(value)
+                target = local_part(value)
                 if target.shape != saved[path].shape:
                     raise MemoryCheckpointError(
                         f"{'.'.join(map(str, path))}: in-memory copy has shape {tuple(saved[path].shape)}, "
@@ -293,10 +307,7 @@ class MemoryCheckpoints:
         """Drop the copies on this node (this rank's share of them) other than `step`'s (all for
         None): the world resumed at `step`; newer copies belong to an abandoned timeline, older
         ones will not be needed."""
-        for shard in self._shards_here():
-            for saved in self._steps(shard):
-                if step is None or saved != step:
-                    (self._shard_folder(shard) / _file_name(saved)).unlink(missing_ok=True)
+        self._drop(lambda saved: step is None or saved != step)
 
     # ---- the rest -----------------------------------------------------------------------------
 
@@ -331,17 +342,13 @@ def _file_name(step: int) -> str:
     return f"step-{step:09d}.pt"
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _leaves(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     """(path, leaf) of a nested state dict; a tensor leaf as the part this rank holds, on the CPU."""
     if isinstance(tree, dict):
         for key, value in tree.items():
             yield from _leaves(value, (*path, key))
     else:
-        yield path, _local(tree) if isinstance(tree, torch.Tensor) else tree
+        yield path, local_part(tree) if isinstance(tree, torch.Tensor) else tree
 
 
 def _set(tree: dict, path: tuple, value: Any) -> None:

@@ -100,6 +100,11 @@ def materialize(part: nn.Module, device: torch.device, seed: int, n_layers: int)
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly distributed) tensor this rank holds."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _model_name(name: str) -> str:
     """A parameter's name in trainer/model.py's GPT, without the wrappers' module levels."""
     for prefix in _WRAPPER_PREFIXES:

@@ -39,6 +39,7 @@ from trainer.config import ConfigError, JobConfig, OptimConfig, check_world_size
 from trainer.data import DataLoader, load_tokens
 from trainer.memory_checkpoint import MemoryCheckpoints
 from trainer.parallel_dims import RankPosition, schedule_class
+from trainer.parallelize import local_part
 from trainer.pipeline_parallel import Pipeline, build_pipeline
 from trainer.progress import NODE_RANK_ENV, Progress
 
@@ -193,15 +194,10 @@ def environment(cfg: JobConfig, device: torch.device) -> DistributedEnv:
     return DistributedEnv(rank, world_size, device, RankPosition.of(rank, p.dp, p.tp), mesh)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of a (possibly distributed) tensor this rank holds."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def clip_gradients(parts: list[torch.nn.Module], max_norm: float, norm: float) -> None:
     """Scale all gradients so that their global norm (given, over every stage) is at most max_norm."""
     if max_norm > 0 and norm > max_norm:
-        torch._foreach_mul_([_local(p.grad) for part in parts for p in part.parameters()], max_norm / (norm + 1e-6))
+        torch._foreach_mul_([local_part(p.grad) for part in parts for p in part.parameters()], max_norm / (norm + 1e-6))
 
 
 @dataclass
@@ -311,7 +307,7 @@ def _loss_and_grad_norm(loss: torch.Tensor | None, parts: list[torch.nn.Module],
     their replica's loss over dp x tp (tp ranks compute the same loss). One collective per step
     instead of one for each: it is on the critical path.
     """
-    shares = [_local(p.grad).float().pow(2).sum() * _distinct_shards(p.grad) for part in parts
+    shares = [local_part(p.grad).float().pow(2).sum() * _distinct_shards(p.grad) for part in parts
               for p in part.parameters()]
     own_loss = loss.to(torch.float32) if loss is not None else torch.zeros((), device=env.device)
     scalars = torch.stack([own_loss, torch.stack(shares).sum()]) / ranks_per_stage
@@ -404,12 +400,14 @@ def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | No
     started = time.perf_counter()
     restored, fallback = None, None
     if memory and cfg.memory_resume:
-        restored = memory.restore(state)
-        newer = checkpointer.adopt(restored.step) if restored else []
-        if newer:  # S3 holds a newer state than any complete in-memory copy: resume from it
-            restored, fallback = None, f"S3 holds step {newer[0]}, newer than every in-memory copy"
-        elif restored is None:
+        found = memory.newest_whole()
+        newer = checkpointer.adopt(found.step) if found else []
+        if found is None:
             fallback = memory.unavailable
+        elif newer:  # S3 holds a newer state than any whole in-memory copy: resume from it
+            fallback = f"S3 holds step {newer[0]}, newer than every in-memory copy"
+        else:
+            restored = memory.restore(state, found)
     if restored is None:
         checkpointer.resume(state)
     if memory:  # copies of another timeline than the one resumed must never be loaded

@@ -160,3 +160,21 @@ OVERHEAD_BYTES = 128 * 2**10
 file, its name; AdamW keeps a step counter beside each parameter's two moments), the scheduler's,
 sampler's and RNG's state. It grows with the number of tensors a rank holds (a few hundred), not
 with their size: nothing beside a share of gigabytes."""
+
+
+def test_an_s3_commit_newer_than_every_in_memory_copy_is_resumed_instead(tmp_path, processes, bucket, straight):
+    """Copies every 6 steps (6, 12), S3 every 5: the world is stopped once step 15 is committed.
+    The newest whole copy, 12, is older: it is not loaded, and the world resumes from S3's 15."""
+    uri = f"s3://{bucket}/runs/s3-newer/checkpoints"
+    procs, log_dir = launch(tmp_path, processes, uri, "interrupted.jsonl", "--checkpoint.memory_interval=6",
+                            hooks=["--hang-after", "15"])
+    wait_for(lambda: all((log_dir / f"reached.{rank}").exists() for rank in range(WORLD)), "step 15 committed",
+             procs, log_dir)
+    kill(procs)
+
+    read, restored = resume(tmp_path, processes, uri)
+
+    assert any(key.endswith(".distcp") for key in read)
+    assert restored | {"seconds": 0} == {"step": 15, "source": "s3", "shards": 6, "seconds": 0,
+                                         "fallback": "S3 holds step 15, newer than every in-memory copy"}
+    assert losses(tmp_path, "resumed.jsonl") == {s: straight.losses[s] for s in range(16, 21)}
