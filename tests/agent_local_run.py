@@ -120,8 +120,15 @@ def spares(template: dict) -> dict:
                 ranks = {node.instance_id: node.node_rank for node in stack.store.nodes(run.run_name)
                          if node.role.value == "WORKER" and not node.state.is_retired}
                 victim = next(instance for instance, rank in ranks.items() if rank == 1)
-                killed.update(at=time.time(), victim=victim, ranks=ranks)
-                stack.cloud.submit("kill node rank 1", lambda: stack.cloud.fleet.kill(victim))
+                killed.update(victim=victim, ranks=ranks)
+
+                def kill() -> None:
+                    # When it dies, not when the kill was asked for: on a loaded machine the cloud's
+                    # worker may run it seconds later, the world training and saving meanwhile.
+                    killed["at"] = time.time()
+                    stack.cloud.fleet.kill(victim)
+
+                stack.cloud.submit("kill node rank 1", kill)
 
         nodes = lambda: stack.store.nodes(run.run_name)  # noqa: E731
         watch.until(lambda: len(nodes()) == 4, "the four nodes recorded")
