@@ -21,7 +21,9 @@ underneath moves the data. Each rank publishes in the default group's store what
 on each communicator and what its threads wait for; a rank that has to wait reads every rank's
 record, works out which ops have started and completed, and waits for the next change. When
 what it waits for depends on a cycle (each rank in it waiting for the next), NCCL would hang: it
-raises NcclDeadlock naming the ranks, their ops and why.
+raises NcclDeadlock naming the ranks, their ops and why. A peer that dies does not end a wait
+(NCCL waits for ever; gloo raises once the connection closes): aborting the world's groups
+(`_abort_process_group`, ncclCommAbort) does, with NcclAborted.
 
 Modelled as waits of the host: a rank waits where it calls `Work.wait()` (as on gloo; NCCL
 would stall its stream there and the host at its next synchronisation). Not modelled: the group
@@ -50,7 +52,7 @@ SITE = Path(__file__).resolve().parent / "nccl_site"
 """On the PYTHONPATH with ENABLE_VARIABLE: the folder whose sitecustomize installs the rules."""
 PREFIX = "nccl_rules"
 
-__all__ = ["install", "installed", "NcclDeadlock", "NcclMismatch", "ENABLE_VARIABLE", "SITE"]
+__all__ = ["install", "installed", "NcclDeadlock", "NcclMismatch", "NcclAborted", "ENABLE_VARIABLE", "SITE"]
 
 
 class NcclDeadlock(RuntimeError):
@@ -59,6 +61,10 @@ class NcclDeadlock(RuntimeError):
 
 class NcclMismatch(RuntimeError):
     """A send and the receive NCCL would match it with disagree (size or tag)."""
+
+
+class NcclAborted(RuntimeError):
+    """A point-to-point op waited on communicators that were aborted."""
 
 
 _c10d = None
@@ -81,7 +87,8 @@ def install(c10d) -> None:
         return
     _c10d = c10d
     for name, wrapper in (("isend", isend), ("irecv", irecv), ("batch_isend_irecv", batch_isend_irecv),
-                          ("init_process_group", init_process_group)):
+                          ("init_process_group", init_process_group),
+                          ("_abort_process_group", _abort_process_group)):
         _real[name] = getattr(c10d, name)
         wrapper.__wrapped__ = _real[name]
         wrapper.__doc__ = _real[name].__doc__
@@ -344,6 +351,7 @@ class _World:
         self.known_complete: dict[str, int] = {}
         self.waits = itertools.count()
         self.lock = threading.RLock()
+        self.aborted = False
         self.publish()
 
     @property
@@ -399,9 +407,17 @@ class _World:
             return unit < head
         self._wait(Wait(comm, unit, None, what, _is_main(), next(self.waits)), done)
 
+    def abort(self) -> None:
+        """End this rank's waits, as ncclCommAbort ends what its communicators run."""
+        self.aborted = True
+        self.publish()  # a change: its blocked threads wake
+
     def _wait(self, wait: Wait, done) -> None:
         registered = False
         while True:
+            if self.aborted:
+                raise NcclAborted(f"rank {self.rank}'s {wait.what} on {describe_comm(wait.comm)}: its communicators "
+                                  "were aborted")
             seen = self.store.add(f"{self.prefix}/changes", 0)
             records = self.snapshot()
             if done(records):
@@ -487,9 +503,21 @@ def init_process_group(*args, **kwargs):
     _world = _World(store, rank, size, generation)
 
 
-def _current_world() -> _World:
+def _abort_process_group(group=None):
+    """c10d's; aborting the world's groups also ends this rank's waits (NcclAborted)."""
+    if group is None and _world is not None:
+        _world.abort()
+    _real["_abort_process_group"](group)
+
+
+def _current_world(group) -> _World:
+    """The world `group` (resolved: never None) belongs to, which must be the current one: an
+    op on a group of a world destroyed or aborted since (a thread left behind by a repair) fails,
+    as NCCL fails an op on a communicator that is gone."""
     if _world is None or _c10d.GroupMember.WORLD is None:
         raise RuntimeError("NCCL rules: point-to-point before init_process_group")
+    if group not in _c10d._world.pg_map:
+        raise NcclAborted(f"point-to-point on process group {group.group_name}, of a world destroyed or aborted since")
     return _world
 
 
@@ -521,7 +549,7 @@ def _unbatched(kind: str, name: str, tensor, peer, group, tag, group_peer):
     real = _real[name]
     if _c10d._rank_not_in_group(group_):
         return real(tensor, peer, group, tag, group_peer)
-    world = _current_world()
+    world = _current_world(group_)
     other = _peer(group_, peer, group_peer)
     if other == world.rank:
         return real(tensor, peer, group, tag, group_peer)
@@ -534,8 +562,8 @@ def _unbatched(kind: str, name: str, tensor, peer, group, tag, group_peer):
 
 def batch_isend_irecv(p2p_op_list):
     _c10d._check_p2p_op_list(p2p_op_list)
-    group = p2p_op_list[0].group
-    world = _current_world()
+    group = _c10d._group_or_default_group(p2p_op_list[0].group)
+    world = _current_world(group)
     ops = []
     for p2p in p2p_op_list:
         kind = SEND if p2p.op in (isend, _real["isend"]) else RECV

@@ -71,8 +71,18 @@ def swapped_tags(rank: int, world: int) -> torch.Tensor:
     return first
 
 
+def unanswered(rank: int, world: int) -> torch.Tensor:
+    """Rank 1 never sends (a peer lost: NCCL waits for ever); rank 0 aborts its groups from a
+    thread while it waits, as a repair does (trainer/repair.py)."""
+    inbox = torch.empty(8)
+    if rank == 0:
+        threading.Timer(0.5, dist.distributed_c10d._abort_process_group).start()
+        dist.irecv(inbox, 1).wait()
+    return inbox
+
+
 EXCHANGES = {"unbatched_ring": unbatched_ring, "batched_ring": batched_ring, "ordered_pair": ordered_pair,
-             "swapped_tags": swapped_tags}
+             "swapped_tags": swapped_tags, "unanswered": unanswered}
 
 
 def _exchange_rank(rank: int, world: int, port: int, exchange: str, out: str) -> None:
@@ -84,7 +94,7 @@ def _exchange_rank(rank: int, world: int, port: int, exchange: str, out: str) ->
     except Exception as error:  # noqa: BLE001 (reported to the test)
         report["error"] = f"{type(error).__name__}: {error}"
     Path(out, f"rank-{rank}.json").write_text(json.dumps(report))
-    if "error" not in report:
+    if "error" not in report and dist.is_initialized():
         dist.destroy_process_group()
     elif rank == 0:
         # Rank 0 serves the store the rules read: gone, a rank still finding the deadlock would see
@@ -134,6 +144,12 @@ def test_ops_matched_by_tag_out_of_order_are_refused(tmp_path):
     assert any(error.startswith("NcclMismatch: on the communicator of ranks 0 and 1 (process group 0) NCCL matches "
                                 "rank 0's isend->1 (32 bytes, tag 1) with rank 1's irecv<-0 (32 bytes, tag 2)")
                for error in errors), errors
+
+
+def test_a_wait_on_a_peer_that_never_answers_ends_when_the_groups_are_aborted(tmp_path):
+    waiting, _ = run_exchange("unanswered", 2, tmp_path)
+    assert waiting["error"] == ("NcclAborted: rank 0's irecv<-1 on the communicator of ranks 0 and 1 (process group 0): "
+                                "its communicators were aborted"), waiting
 
 
 # --- torch's own pipeline schedules ---------------------------------------------------------------

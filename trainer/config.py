@@ -71,6 +71,10 @@ class ParallelConfig:
     """Layers of each stage in order, overriding the split balanced by parameter count; empty = balanced."""
     timeout_s: float = 300.0
     """Process-group timeout: a hung peer fails the job after this long instead of the 30-minute default."""
+    repair_file: str = ""
+    """Where the node agent writes the order to repair the world in place when a node is lost
+    (trainer/repair.py): a rank whose step fails waits for it this long at most (timeout_s).
+    Empty: a failed step ends the process, and the control plane restarts the world."""
 
     def resolved_dp_shard(self) -> int:
         return self.dp_shard or self.dp
@@ -315,6 +319,8 @@ def _problems(c: JobConfig):
         yield "checkpoint.memory_interval needs checkpoint.memory_dir, the node's host-memory folder"
     if k.memory_resume and not k.memory_interval:
         yield "checkpoint.memory_resume needs checkpoint.memory_interval > 0"
+    if p.repair_file and not k.memory_interval:
+        yield "parallel.repair_file needs checkpoint.memory_interval > 0: a repaired world resumes from host memory"
     if k.interval < 1 or k.keep_last < 1:
         yield f"checkpoint.interval and checkpoint.keep_last must be >= 1, got {k.interval}, {k.keep_last}"
     if k.resume not in ("none", "latest") and not k.resume.isdigit():

@@ -333,9 +333,18 @@ class MemoryCheckpoints:
         try:
             self._wait()
         finally:
-            self._staging_hook.remove()
-            self._copier.shutdown(wait=True)
-            self._stager.close()
+            self._release(wait=True)
+
+    def abandon(self) -> None:
+        """Release resources without waiting for the copy in flight: its world failed, and it ends
+        on the failed group's errors. A copy it still completes is of the abandoned world's
+        timeline, which a repaired world repeats exactly from its restored step."""
+        self._release(wait=False)
+
+    def _release(self, wait: bool) -> None:
+        self._staging_hook.remove()
+        self._copier.shutdown(wait=wait, cancel_futures=not wait)
+        self._stager.close()
 
 
 def _file_name(step: int) -> str:

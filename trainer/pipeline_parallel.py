@@ -61,6 +61,24 @@ class Pipeline:
         for stage in self.stages:
             stage.clock = clock
 
+    def restage(self, schedule: str, device: torch.device, pp_group: dist.ProcessGroup) -> None:
+        """New stages around this rank's model parts, talking over `pp_group`, and a new schedule
+        named `schedule` over them: the pipeline's start, and its restart in a repaired world,
+        where every stage must infer its neighbours' shapes again with the replacement's."""
+        self.stages = [_TimedStage(part, s, self.n_stages, device, group=pp_group)
+                       for part, s in zip(self.model_parts, self.stage_ids)]
+        if SCHEDULES[schedule].placement == "single":
+            self.schedule = schedule_class(schedule)(self.stages[0], self.microbatches, loss_fn=cross_entropy_loss)
+        else:
+            self.schedule = schedule_class(schedule)(self.stages, self.microbatches, loss_fn=cross_entropy_loss)
+        self.attach(self.clock)
+        if self.on_work:
+            self.report_work(self.on_work)
+
+    def unstage(self) -> None:
+        """Drop the stages and the schedule (a failed world's: they hold its pipeline group)."""
+        self.stages, self.schedule = [], None
+
     def report_work(self, on_work: Callable[[], None]) -> None:
         """Call `on_work` after each microbatch's forward or backward from now on."""
         self.on_work = on_work
@@ -202,10 +220,6 @@ def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0, mesh:
     ranges = layer_ranges(_layers_per_stage(cfg.model, n_stages, p.layers_per_stage))
     ids = stage_ids(pp_rank, p.pp, p.resolved_stages_per_rank(), spec.placement)
     parts = [_build_part(cfg, ranges[s], s == 0, s == n_stages - 1, device, mesh) for s in ids]
-    stages = [_TimedStage(part, s, n_stages, device, group=pp_group) for part, s in zip(parts, ids)]
-    if spec.placement == "single":
-        schedule = schedule_class(p.schedule)(stages[0], p.microbatches, loss_fn=cross_entropy_loss)
-    else:
-        schedule = schedule_class(p.schedule)(stages, p.microbatches, loss_fn=cross_entropy_loss)
-    return Pipeline(parts, ids, n_stages, p.microbatches, schedule, loss_context=partial(loss_context, cfg),
-                    stages=stages)
+    pipeline = Pipeline(parts, ids, n_stages, p.microbatches, None, loss_context=partial(loss_context, cfg))
+    pipeline.restage(p.schedule, device, pp_group)
+    return pipeline

@@ -19,7 +19,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainer import checkpoint_catalog, fleet_check
+from trainer import checkpoint_catalog, fleet_check, repair
 from trainer.scaling_check import ComputeClock, ScalingCheck
 from trainer.checkpoint import Checkpointer
 from trainer.config import ConfigError, JobConfig, OptimConfig, check_world_size, load_config
@@ -61,6 +61,8 @@ class DistributedEnv:
     position: RankPosition
     mesh: DeviceMesh | None
     """Dimensions pp, dp_replicate, dp_shard, tp, outermost first."""
+    generation: int = 0
+    """Repairs in place of this launch's world so far (trainer/repair.py)."""
 
 
 class TrainState(Stateful):
@@ -132,9 +134,11 @@ def distributed(cfg: JobConfig):
     """Start the process group for a torchrun launch and tear it down after.
 
     One process on CPU runs without one. On CUDA even one process gets a one-rank group: FSDP2,
-    whose mixed precision policy gives the bf16 compute, needs a mesh.
+    whose mixed precision policy gives the bf16 compute, needs a mesh. A replacement node's
+    processes, started with a repair order already there, join the world it names.
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    order = _standing_order(cfg)
+    world_size = _world_size(order)
     check_world_size(cfg, world_size)
     device = _device(cfg)
     grouped = world_size > 1 or device.type == "cuda"
@@ -142,16 +146,37 @@ def distributed(cfg: JobConfig):
         timeout = timedelta(seconds=cfg.parallel.timeout_s)
         # device_id binds NCCL's communicator to this rank's GPU at once (no guessing, eager init).
         options = {"device_id": device} if device.type == "cuda" else {}
-        if world_size == 1:
-            options.update(store=dist.HashStore(), rank=0, world_size=1)
-        elif NODE_RANK_ENV in os.environ:
-            options.update(store=_launch_store(world_size, timeout), rank=rank_by_node(), world_size=world_size)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout, **options)
+        if order:
+            repair.join_order(order, rank_by_node(), _ranks_per_node(), _backend(device), timeout, **options)
+        else:
+            if world_size == 1:
+                options.update(store=dist.HashStore(), rank=0, world_size=1)
+            elif NODE_RANK_ENV in os.environ:
+                options.update(store=_launch_store(world_size, timeout), rank=rank_by_node(), world_size=world_size)
+            dist.init_process_group(_backend(device), timeout=timeout, **options)
     try:
-        yield environment(cfg, device)
+        yield replace(environment(cfg, device), generation=order.generation if order else 0)
     finally:
-        if grouped:
+        if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _standing_order(cfg: JobConfig) -> repair.RepairOrder | None:
+    """The repair order this process starts with: there only on a replacement node."""
+    return repair.read_order(Path(cfg.parallel.repair_file)) if cfg.parallel.repair_file else None
+
+
+def _world_size(order: repair.RepairOrder | None) -> int:
+    """Ranks in the world to form: torchrun's, or the order's (a replacement's torchrun knows only its node)."""
+    return order.world_size(_ranks_per_node()) if order else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _ranks_per_node() -> int:
+    return int(os.environ["LOCAL_WORLD_SIZE"])
 
 
 def rank_by_node() -> int:
@@ -159,7 +184,7 @@ def rank_by_node() -> int:
     order torchrun's rendezvous gave them (by address, another in every attempt): a node keeps
     its ranks across attempts, and with them the shards its host memory holds
     (trainer/memory_checkpoint.py)."""
-    return int(os.environ[NODE_RANK_ENV]) * int(os.environ["LOCAL_WORLD_SIZE"]) + int(os.environ["LOCAL_RANK"])
+    return int(os.environ[NODE_RANK_ENV]) * _ranks_per_node() + int(os.environ["LOCAL_RANK"])
 
 
 def _launch_store(world_size: int, timeout: timedelta) -> dist.Store:
@@ -337,46 +362,95 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None) -> list[dict]:
-    """Build, train cfg.training.steps steps, return each step's metrics; `progress` hears of
-    every phase, microbatch and step (trainer/progress.py)."""
+    """Build, train cfg.training.steps steps, return each step's metrics (a step redone after a
+    repair in place twice); `progress` hears of every phase, microbatch and step
+    (trainer/progress.py)."""
     progress = progress or Progress(None)
     run = build(cfg, env)
     run.pipeline.report_work(progress.beat)
     progress.beat()
-    checkpointer = _checkpointer(cfg) if cfg.checkpoint.uri else None
-    memory = _memory_checkpoints(cfg, env) if checkpointer and cfg.checkpoint.memory_interval else None
-    if checkpointer:
-        with progress.alive_during():
-            restore(run, checkpointer, memory)
-    history = []
-    progress.reached(run.state.step)  # this node joined the world
-    if run.state.step >= cfg.training.steps:
-        run.log_nothing_left()
-    scaling = _scaling_check(run)
-    while run.state.step < cfg.training.steps:
-        votes = StepVotes(lambda: torch.cat([checkpointer.vote(), *([memory.vote()] if memory else [])])
-                          ) if checkpointer else None
-        metrics = train_step(run, votes)
-        run.log(metrics)
-        history.append(metrics)
-        progress.reached(run.state.step)
-        if checkpointer:
-            # The last step is always saved, so a finished run's final state is stored.
-            with progress.alive_during():
-                checkpointer.maybe_save(run.state.step, run.state, final=run.state.step == cfg.training.steps,
-                                        agreed=votes.sums[:2])
-        if memory:
-            memory.maybe_copy(run.state.step, run.state, agreed=votes.sums[2:])
-        if scaling and scaling.observe(metrics):
-            run.pipeline.attach(None)
-            scaling = None
-    if checkpointer:
-        with progress.alive_during():
-            checkpointer.close()
-            if memory:
-                memory.close()
+    history: list[dict] = []
+    while True:
+        watcher = repair.OrderWatcher(Path(cfg.parallel.repair_file), run.env.generation) \
+            if cfg.parallel.repair_file else None
+        try:
+            _train_generation(run, progress, history)
+            break
+        except NonFiniteLossError:
+            raise
+        except Exception as exc:
+            if watcher is None:
+                raise
+            failure = exc
+        finally:
+            if watcher:
+                watcher.stop()
+        _repair(run, failure, progress)
     _report_peak_memory(run)
     return history
+
+
+def _train_generation(run: Run, progress: Progress, history: list[dict]) -> None:
+    """Restore, then train to the last step, with this world of processes; what it started (the
+    copies and saves in flight) abandoned if it fails."""
+    cfg = run.config
+    checkpointer = _checkpointer(cfg) if cfg.checkpoint.uri else None
+    memory = _memory_checkpoints(cfg, run.env) if checkpointer and cfg.checkpoint.memory_interval else None
+    try:
+        if checkpointer:
+            with progress.alive_during():
+                restore(run, checkpointer, memory)
+        progress.reached(run.state.step)  # this node joined the world
+        if run.state.step >= cfg.training.steps:
+            run.log_nothing_left()
+        scaling = _scaling_check(run)
+        while run.state.step < cfg.training.steps:
+            votes = StepVotes(lambda: torch.cat([checkpointer.vote(), *([memory.vote()] if memory else [])])
+                              ) if checkpointer else None
+            metrics = train_step(run, votes)
+            run.log(metrics)
+            history.append(metrics)
+            progress.reached(run.state.step)
+            if checkpointer:
+                # The last step is always saved, so a finished run's final state is stored.
+                with progress.alive_during():
+                    checkpointer.maybe_save(run.state.step, run.state, final=run.state.step == cfg.training.steps,
+                                            agreed=votes.sums[:2])
+            if memory:
+                memory.maybe_copy(run.state.step, run.state, agreed=votes.sums[2:])
+            if scaling and scaling.observe(metrics):
+                run.pipeline.attach(None)
+                scaling = None
+        if checkpointer:
+            with progress.alive_during():
+                checkpointer.close()
+                if memory:
+                    memory.close()
+    except BaseException:
+        for owner in (memory, checkpointer):
+            if owner:
+                owner.abandon()
+        run.pipeline.attach(None)
+        raise
+
+
+def _repair(run: Run, failure: Exception, progress: Progress) -> None:
+    """Leave the failed world, wait for the node agent's order and form the next one with the same
+    model (trainer/repair.py); the next generation resumes from host memory, S3's newest
+    commit where the memory lacks a shard."""
+    cfg, env = run.config, run.env
+    path, timeout = Path(cfg.parallel.repair_file), timedelta(seconds=cfg.parallel.timeout_s)
+    run.pipeline.unstage()
+    repair.abandon_step(run.pipeline.model_parts, env.mesh, failure)
+    order = repair.await_order(path, env.generation, timeout, progress.beat, failure)
+    options = {"device_id": env.device} if env.device.type == "cuda" else {}
+    repair.join_order(order, env.rank, _ranks_per_node(), _backend(env.device), timeout, **options)
+    fresh = environment(cfg, env.device)
+    repair.rebind(env.mesh, fresh.mesh, run.pipeline.model_parts)
+    if cfg.parallel.pp > 1:
+        run.pipeline.restage(cfg.parallel.schedule, env.device, env.mesh.get_group("pp"))
+    run.env = replace(fresh, mesh=env.mesh, generation=order.generation)
+    run.config = replace(cfg, checkpoint=replace(cfg.checkpoint, resume="latest", memory_resume=True))
 
 
 def _scaling_check(run: Run) -> ScalingCheck | None:
@@ -452,7 +526,7 @@ def _report_peak_memory(run: Run) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(sys.argv[1:] if argv is None else argv)
-        check_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        check_world_size(cfg, _world_size(_standing_order(cfg)))
         schedule_class(cfg.parallel.schedule)  # a schedule this torch lacks is a config error too
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
@@ -461,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     progress.beat()  # the trainer is up (its imports took seconds); the world forms next
     with distributed(cfg) as env:
         progress.beat()  # the world formed
-        if cfg.fleet_check.enabled and env.world_size > 1:
+        # A replacement joining a repaired world does not check it: the others are training.
+        if cfg.fleet_check.enabled and env.world_size > 1 and env.generation == 0:
             fleet_check.gate(cfg.fleet_check, env.device, progress.beat)
             progress.beat()
         train(cfg, env, progress)

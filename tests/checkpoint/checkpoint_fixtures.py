@@ -39,14 +39,16 @@ class Ranks:
 
     def launch(self, world: int, port: int, trainer_args: list[str], log_dir: Path, hooks: list[str] = (),
                ranks_per_node: int | None = None, node_args: Callable[[int], list[str]] = lambda node: [],
-               node_env: Callable[[int], dict[str, str]] = lambda node: {}) -> list:
+               node_env: Callable[[int], dict[str, str]] = lambda node: {}, nodes: list[int] | None = None) -> list:
         """Start `world` ranks as torchrun would (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
         MASTER_ADDR/PORT), `ranks_per_node` to a node (all on one by default), each node's with
         `node_args(node)` after `trainer_args` and `node_env(node)` in its environment; rank r's
-        output goes to log_dir/rank{r}.log."""
+        output goes to log_dir/rank{r}.log. `nodes`: start only these nodes' ranks."""
         procs = []
         per_node = ranks_per_node or world
         for rank in range(world):
+            if nodes is not None and rank // per_node not in nodes:
+                continue
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(world),
                        LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        OMP_NUM_THREADS="1", **node_env(rank // per_node))

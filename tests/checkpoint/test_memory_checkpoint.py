@@ -36,14 +36,18 @@ def memory_of(tmp_path: Path, node: int) -> Path:
     return tmp_path / f"node{node}-shm"
 
 
-def launch(tmp_path, processes, uri, metrics, *overrides, hooks=()):
-    log_dir = tmp_path / metrics.removesuffix(".jsonl")
+def launch(tmp_path, processes, uri, metrics, *overrides, hooks=(), node_args=lambda node: [], nodes=None,
+           logs: str | None = None):
+    """Start the world's ranks (`nodes`: only these launch folders'), logging to tmp_path/`logs`
+    (the metrics file's name by default)."""
+    log_dir = tmp_path / (logs or metrics.removesuffix(".jsonl"))
     log_dir.mkdir()
     args = trainer_args(tmp_path, uri, metrics, *LAYOUT, f"--checkpoint.result_file={log_dir / 'restore.json'}",
                         *overrides)
     procs = processes.launch(WORLD, free_port(), args, log_dir, list(hooks), ranks_per_node=PER_NODE,
-                             node_args=lambda node: [f"--checkpoint.memory_dir={memory_of(tmp_path, node)}"],
-                             node_env=lambda node: {NODE_RANK_ENV: str(NODES - 1 - node)})
+                             node_args=lambda node: [f"--checkpoint.memory_dir={memory_of(tmp_path, node)}",
+                                                     *node_args(node)],
+                             node_env=lambda node: {NODE_RANK_ENV: str(NODES - 1 - node)}, nodes=nodes)
     return procs, log_dir
 
 
@@ -178,3 +182,60 @@ def test_an_s3_commit_newer_than_every_in_memory_copy_is_resumed_instead(tmp_pat
     assert restored | {"seconds": 0} == {"step": 15, "source": "s3", "shards": 6, "seconds": 0,
                                          "fallback": "S3 holds step 15, newer than every in-memory copy"}
     assert losses(tmp_path, "resumed.jsonl") == {s: straight.losses[s] for s in range(16, 21)}
+
+
+def repair_file(tmp_path: Path, node: int) -> Path:
+    return tmp_path / f"node{node}-repair.json"
+
+
+def test_a_lost_node_is_repaired_in_place_around_its_replacement(tmp_path, processes, bucket, straight):
+    """Node rank 1 (launch folder 1) is killed while the world trains between S3 checkpoints (every
+    10 steps here); its replacement starts with the order of generation 1, the ranks of the other
+    nodes receive it in their processes. They keep those processes, the world resumes from host
+    memory without reading S3, and every loss is the uninterrupted run's."""
+    uri = f"s3://{bucket}/runs/repaired/checkpoints"
+    repair_args = lambda node: [f"--parallel.repair_file={repair_file(tmp_path, node)}"]  # noqa: E731
+    procs, log_dir = launch(tmp_path, processes, uri, "repaired.jsonl", "--checkpoint.interval=10",
+                            hooks=["--mark-copy", "13"], node_args=repair_args)
+    wait_for(lambda: all((log_dir / f"reached.{rank}").exists() for rank in range(WORLD)), "step 13 copied", procs,
+             log_dir)
+    lost, survivors = procs[2:4], procs[:2] + procs[4:]
+    heard = []
+    with s3_glue.listen(lambda kind, key, body: heard.append(key) if kind == "read" else None):
+        kill(lost)
+        shutil.rmtree(memory_of(tmp_path, 1))  # the replacement's memory is empty
+        order = json.dumps({"generation": 1, "store_host": "127.0.0.1", "store_port": free_port(),
+                            "host_node_rank": 0, "nodes": NODES})
+        for node in range(NODES):
+            repair_file(tmp_path, node).write_text(order)
+        replacement, replacement_logs = launch(tmp_path, processes, uri, "repaired.jsonl", "--checkpoint.interval=10",
+                                               "--checkpoint.resume=latest", "--checkpoint.memory_resume=true",
+                                               node_args=repair_args, nodes=[1], logs="replacement")
+        wait_for(lambda: "source" in restored(log_dir) and restored(log_dir)["step"] > 10, "the repaired world restored",
+                 survivors + replacement, replacement_logs)
+        read_on_the_way = list(heard)
+    run_to_end(survivors, log_dir)
+    run_to_end(replacement, replacement_logs)
+
+    assert read_on_the_way == []
+    result = restored(log_dir)
+    assert result | {"seconds": 0, "peer_bytes": 0} == {"step": result["step"], "source": "memory", "shards": 6,
+                                                        "own_memory": 4, "peers": 2, "peer_bytes": 0, "seconds": 0,
+                                                        "fallback": None}
+    # Steps 1..T in the first world, then from the restored step on in the repaired one.
+    logged = [json.loads(line)["step"] for line in (tmp_path / "repaired.jsonl").read_text().splitlines()]
+    after = list(range(result["step"] + 1, 21))
+    trained_before = len(logged) - len(after)
+    assert logged == list(range(1, trained_before + 1)) + after
+    assert 13 <= result["step"] <= trained_before <= result["step"] + 1, (trained_before, result)
+    assert losses(tmp_path, "repaired.jsonl") == straight.losses
+    assert all(proc.returncode == 0 for proc in survivors)  # the processes they started with trained to the end
+    assert "joined generation 1" in (log_dir / "rank4.log").read_text()  # global rank 0
+
+
+def restored(log_dir: Path) -> dict:
+    """What global rank 0 last wrote of where the state came from ({} while it is being written)."""
+    try:
+        return json.loads((log_dir / "restore.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return {}

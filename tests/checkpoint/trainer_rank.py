@@ -10,10 +10,15 @@
     and never finishes it.
 --stop-after-copy STEP: finish the first in-memory copy at STEP or after (a copy still going at STEP
     skips it), write its step to <signals>/reached.<rank>, then wait to be killed.
+--mark-copy STEP: the same, and train on.
+
+A rank prints every thread's stack on SIGUSR2 (`pkill -USR2 -f trainer_rank`: where a stuck world waits).
 """
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -59,15 +64,18 @@ def block_write(step: int, rank: int, signals: Path) -> None:
     checkpoint.storage_writer = writer
 
 
-def stop_after_copy(step: int, signals: Path) -> None:
+def after_copy(step: int, signals: Path, stop: bool) -> None:
     real_maybe_copy = memory_checkpoint.MemoryCheckpoints.maybe_copy
+    marked = threading.Event()
 
     def maybe_copy(self, at_step, state, agreed):
         started = real_maybe_copy(self, at_step, state, agreed)
-        if started and at_step >= step:  # every rank starts the same copies
+        if started and at_step >= step and not marked.is_set():  # every rank starts the same copies
             self._wait()
             (signals / f"reached.{self.rank}").write_text(str(at_step))
-            threading.Event().wait()
+            marked.set()
+            if stop:
+                threading.Event().wait()
         return started
 
     memory_checkpoint.MemoryCheckpoints.maybe_copy = maybe_copy
@@ -79,15 +87,19 @@ def main() -> int:
     parser.add_argument("--hang-after", type=int)
     parser.add_argument("--block-write", type=int, nargs=2, metavar=("STEP", "RANK"))
     parser.add_argument("--stop-after-copy", type=int)
+    parser.add_argument("--mark-copy", type=int)
     parser.add_argument("trainer_args", nargs="*")
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     logging.basicConfig(level=logging.INFO, format=f"rank{os.environ['RANK']} %(levelname)s %(name)s: %(message)s")
     if args.hang_after:
         hang_after(args.hang_after, args.signals)
     if args.block_write:
         block_write(*args.block_write, args.signals)
     if args.stop_after_copy:
-        stop_after_copy(args.stop_after_copy, args.signals)
+        after_copy(args.stop_after_copy, args.signals, stop=True)
+    if args.mark_copy:
+        after_copy(args.mark_copy, args.signals, stop=False)
     return train.main(args.trainer_args)
 
 

@@ -291,7 +291,7 @@ TRAINER_FIELDS: dict[str, frozenset[str]] = {
     "model": frozenset({"n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "mlp_ratio",
                         "tie_embeddings"}),
     "parallel": frozenset({"pp", "dp", "dp_shard", "tp", "reshard_after_forward", "schedule", "microbatches",
-                           "stages_per_rank", "layers_per_stage", "timeout_s"}),
+                           "stages_per_rank", "layers_per_stage", "timeout_s", "repair_file"}),
     "data": frozenset({"shards", "cache_dir", "cache_bytes", "corpus_bytes", "shard_tokens"}),
     "optim": frozenset({"lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "beta1", "beta2",
                         "eps", "grad_clip"}),
