@@ -13,6 +13,7 @@ for overrides: a bare prefix of a torchrun option (e.g. `--d`) is taken by torch
 
 import contextlib
 import json
+import logging
 import math
 import os
 import resource
@@ -44,6 +45,8 @@ from trainer.pipeline_parallel import Pipeline, build_pipeline
 from trainer.progress import NODE_RANK_ENV, Progress
 
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -144,8 +147,7 @@ def distributed(cfg: JobConfig):
     grouped = world_size > 1 or device.type == "cuda"
     if grouped:
         timeout = timedelta(seconds=cfg.parallel.timeout_s)
-        # device_id binds NCCL's communicator to this rank's GPU at once (no guessing, eager init).
-        options = {"device_id": device} if device.type == "cuda" else {}
+        options = _group_options(device)
         if order:
             repair.join_order(order, rank_by_node(), _ranks_per_node(), _backend(device), timeout, **options)
         else:
@@ -169,6 +171,11 @@ def _standing_order(cfg: JobConfig) -> repair.RepairOrder | None:
 def _world_size(order: repair.RepairOrder | None) -> int:
     """Ranks in the world to form: torchrun's, or the order's (a replacement's torchrun knows only its node)."""
     return order.world_size(_ranks_per_node()) if order else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _group_options(device: torch.device) -> dict:
+    # device_id binds NCCL's communicator to this rank's GPU at once (no guessing, eager init).
+    return {"device_id": device} if device.type == "cuda" else {}
 
 
 def _backend(device: torch.device) -> str:
@@ -440,17 +447,22 @@ def _repair(run: Run, failure: Exception, progress: Progress) -> None:
     commit where the memory lacks a shard."""
     cfg, env = run.config, run.env
     path, timeout = Path(cfg.parallel.repair_file), timedelta(seconds=cfg.parallel.timeout_s)
+    started = time.perf_counter()
     run.pipeline.unstage()
     repair.abandon_step(run.pipeline.model_parts, env.mesh, failure)
+    left = time.perf_counter()
     order = repair.await_order(path, env.generation, timeout, progress.beat, failure)
-    options = {"device_id": env.device} if env.device.type == "cuda" else {}
-    repair.join_order(order, env.rank, _ranks_per_node(), _backend(env.device), timeout, **options)
+    ordered = time.perf_counter()
+    repair.join_order(order, env.rank, _ranks_per_node(), _backend(env.device), timeout, **_group_options(env.device))
     fresh = environment(cfg, env.device)
     repair.rebind(env.mesh, fresh.mesh, run.pipeline.model_parts)
     if cfg.parallel.pp > 1:
         run.pipeline.restage(cfg.parallel.schedule, env.device, env.mesh.get_group("pp"))
     run.env = replace(fresh, mesh=env.mesh, generation=order.generation)
     run.config = replace(cfg, checkpoint=replace(cfg.checkpoint, resume="latest", memory_resume=True))
+    log.warning("world repaired: generation %d in %.2f s (leaving the failed one %.2f s, waiting for the order "
+                "%.2f s, forming the new one %.2f s)", order.generation, time.perf_counter() - started,
+                left - started, ordered - left, time.perf_counter() - ordered)
 
 
 def _scaling_check(run: Run) -> ScalingCheck | None:
