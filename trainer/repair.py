@@ -94,9 +94,12 @@ def read_order(path: Path) -> RepairOrder | None:
 
 def join_order(order: RepairOrder, rank: int, ranks_per_node: int, backend: str, timeout: timedelta,
                **options) -> None:
-    """Start this process's default group as `rank` of the world `order` names."""
+    """Start this process's default group as `rank` of the world `order` names, with collectives
+    timing out after `timeout`. The others are waited for twice as long: under gloo a rank leaving
+    the failed world waits for a collective it had in flight there (its group's end joins the
+    thread running it) until that collective's timeout, when the peer it waits on is leaving too."""
     world_size = order.world_size(ranks_per_node)
-    dist.init_process_group(backend, store=order.store(rank, ranks_per_node, timeout), rank=rank,
+    dist.init_process_group(backend, store=order.store(rank, ranks_per_node, 2 * timeout), rank=rank,
                             world_size=world_size, timeout=timeout, **options)
     log.info("joined generation %d of the world as rank %d of %d", order.generation, rank, world_size)
 
