@@ -57,9 +57,13 @@ $(OLDEST_VENV)/.installed: pyproject.toml Makefile
 
 # The trainer's equivalence across layouts, and the Checkpointer's own tests (saves, commits,
 # resumes: torch's checkpoint internals move between releases). CI runs it after `make test`.
+# The eight-rank world (pp x tp x dp at once, 80 CPU-seconds) runs on the newest torch only: what
+# moves between releases (pipeline schedules, FSDP2, DCP) the two- and four-rank layouts exercise,
+# pp x tp and pp x dp and tp x dp among them.
 test-oldest-torch: oldest-torch
 	PYTHONPATH=$(CURDIR) $(OLDEST_VENV)/bin/python -m pytest -p no:cacheprovider -n 2 \
-	    tests/test_trainer_equivalence.py tests/checkpoint/test_checkpoint_unit.py
+	    tests/test_trainer_equivalence.py tests/checkpoint/test_checkpoint_unit.py \
+	    --deselect 'tests/test_trainer_equivalence.py::test_parallel_layouts_match_single_process[8]'
 
 # The whole suite N times, each from a fresh clone of HEAD as CI runs it: wall times, the tests
 # that failed in any run and how often, the slowest tests (.ci/repeat.py).
