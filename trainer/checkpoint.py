@@ -502,15 +502,15 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            self._release(wait=True)
+            self._staging_hook.remove()
+            self._requests.close()
+            self._committer.shutdown(wait=True)
+            self._stager.close()
 
     def abandon(self) -> None:
-        """Release resources without waiting for the save in flight: its world failed, and it ends
-        on the failed groups' errors (never committed: the commit needs every rank's upload)."""
-        self._release(wait=False)
-
-    def _release(self, wait: bool) -> None:
+        """Stop without waiting: the world failed and is being repaired. What the threads started
+        finishes on its own (a save whose upload is whole still commits; one the failure cut short
+        fails on the dead groups)."""
         self._staging_hook.remove()
         self._requests.close()
-        self._committer.shutdown(wait=wait, cancel_futures=not wait)
-        self._stager.close()
+        self._committer.shutdown(wait=False)

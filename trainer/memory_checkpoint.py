@@ -333,18 +333,16 @@ class MemoryCheckpoints:
         try:
             self._wait()
         finally:
-            self._release(wait=True)
+            self._staging_hook.remove()
+            self._copier.shutdown(wait=True)
+            self._stager.close()
 
     def abandon(self) -> None:
-        """Release resources without waiting for the copy in flight: its world failed, and it ends
-        on the failed group's errors. A copy it still completes is of the abandoned world's
-        timeline, which a repaired world repeats exactly from its restored step."""
-        self._release(wait=False)
-
-    def _release(self, wait: bool) -> None:
+        """Stop without waiting: the world failed and is being repaired. A copy in flight finishes
+        on its own or fails on the dead group; one it completes is of the failed world's timeline,
+        which the repaired world repeats exactly from its restored step."""
         self._staging_hook.remove()
-        self._copier.shutdown(wait=wait, cancel_futures=not wait)
-        self._stager.close()
+        self._copier.shutdown(wait=False)
 
 
 def _file_name(step: int) -> str:

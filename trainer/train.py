@@ -434,10 +434,11 @@ def _train_generation(run: Run, progress: Progress, history: list[dict]) -> None
                 if memory:
                     memory.close()
     except BaseException:
-        for owner in (memory, checkpointer):
-            if owner:
-                owner.abandon()
         run.pipeline.attach(None)
+        if cfg.parallel.repair_file:  # the world will be repaired (else the process ends, its threads' work with it)
+            for owner in (memory, checkpointer):
+                if owner:
+                    owner.abandon()
         raise
 
 
