@@ -71,6 +71,7 @@ def test_file_overrides_defaults_and_command_line_overrides_file(tmp_path, suffi
     (["--parallel.reshard_after_forward=sometimes"], "parallel.reshard_after_forward='sometimes'"),
     (["--training.activation_checkpoint=some"], "training.activation_checkpoint='some'"),
     (["--checkpoint.timeout_s=0"], "checkpoint.timeout_s must be > 0"),
+    (["--parallel.repair_file=/tmp/order.json"], "parallel.repair_file needs checkpoint.memory_interval > 0"),
     (["--model.width=3"], "unknown field model.width"),
     (["--modle.n_layers=3"], "unknown config section 'modle'"),
     (["stray"], "unexpected argument 'stray'"),
