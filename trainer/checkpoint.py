@@ -323,9 +323,12 @@ class Checkpointer:
     def adopt(self, step: int) -> list[int]:
         """Take `step`, restored from elsewhere (host memory), as the resume point: the committed
         steps S3 holds newer than it, found by listing alone; when there are none, step folders
-        newer than it are deleted as `resume` deletes them."""
+        newer than it are deleted as `resume` deletes them. When there are, `resume` takes the
+        newest commit, whatever step `cfg.resume` named (the launch's, chosen before it)."""
         newer = self._on_rank0_for_all(lambda: catalog.commits_after(self.store, step))
-        if not newer and self.rank == 0:
+        if newer:
+            self._resume_target = "latest"
+        elif self.rank == 0:
             catalog.forget_after(self.store, step)
         return newer
 

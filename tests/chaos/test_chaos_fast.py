@@ -27,8 +27,11 @@ def test_a_spot_notice_is_a_spot_interruption_of_its_node_resumed_from_the_check
     # Recover books the checkpoint the notice asked for; the nodes left keep training until the
     # relaunch, and a checkpoint they commit meanwhile is newer still and is the S3 resume point.
     assert failure["committed_step"] is not None and resumed >= failure["committed_step"]
-    # The world resumed from the nodes' memory, not older than that (the leaving node's buddy stayed).
-    assert failure["from_memory"] and failure["resume_step"] >= resumed
+    # The world resumed from the newest state, not older than that: the nodes' memory (the leaving
+    # node's buddy stayed), or S3's newest commit where it is newer than every whole in-memory copy
+    # (on a loaded machine copies slower than steps skip steps, and the save the notice asked for
+    # can be the newer).
+    assert failure["resume_step"] >= resumed, failure
 
 
 def test_a_node_lost_mid_upload_resumes_from_the_commit_before(outcomes):
