@@ -67,10 +67,8 @@ class Pipeline:
         where every stage must infer its neighbours' shapes again with the replacement's."""
         self.stages = [_TimedStage(part, s, self.n_stages, device, group=pp_group)
                        for part, s in zip(self.model_parts, self.stage_ids)]
-        if SCHEDULES[schedule].placement == "single":
-            self.schedule = schedule_class(schedule)(self.stages[0], self.microbatches, loss_fn=cross_entropy_loss)
-        else:
-            self.schedule = schedule_class(schedule)(self.stages, self.microbatches, loss_fn=cross_entropy_loss)
+        driven = self.stages[0] if SCHEDULES[schedule].placement == "single" else self.stages
+        self.schedule = schedule_class(schedule)(driven, self.microbatches, loss_fn=cross_entropy_loss)
         self.attach(self.clock)
         if self.on_work:
             self.report_work(self.on_work)

@@ -398,8 +398,8 @@ def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None)
 
 
 def _train_generation(run: Run, progress: Progress, history: list[dict]) -> None:
-    """Restore, then train to the last step, with this world of processes; what it started (the
-    copies and saves in flight) abandoned if it fails."""
+    """Restore, then train to the last step, with this world of processes; if it fails and the
+    world is to be repaired, what it started (the copies and saves in flight) is abandoned."""
     cfg = run.config
     checkpointer = _checkpointer(cfg) if cfg.checkpoint.uri else None
     memory = _memory_checkpoints(cfg, run.env) if checkpointer and cfg.checkpoint.memory_interval else None
