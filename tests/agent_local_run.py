@@ -20,6 +20,7 @@ JSON document: {"outcome": ..., "reference": {step: loss}}.
 import json
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -97,10 +98,10 @@ def poor_scaling(template: dict) -> dict:
 def spares(template: dict) -> dict:
     """Three workers (pp=3) and a spare, an in-memory checkpoint every step and an S3 one every 10.
     One worker's network is made slow before the world first forms: the fleet check must name it
-    and the spare take its place before a step is trained. Then, as soon as step 10's commit
-    reaches S3, node rank 1's instance is killed mid-interval: the spare that refilled the pool
-    takes its place, node ranks 0 and 2 restore from their own memory and the newcomer from node
-    rank 2's (its buddy). Every object S3 serves is heard, with when."""
+    and the spare take its place before a step is trained. Then, once step 10's commit reaches S3
+    and a later step is trained, node rank 1's instance is killed mid-interval: the spare that
+    refilled the pool takes its place, node ranks 0 and 2 restore from their own memory and the
+    newcomer from node rank 2's (its buddy). Every object S3 serves is heard, with when."""
     template.update(node_count=3, spare_count=1, preflight=FLEET_CHECK)
     template["trainer"]["model"]["n_layers"] = 6
     template["trainer"]["parallel"].update(pp=3, dp=1, microbatches=3)
@@ -111,20 +112,19 @@ def spares(template: dict) -> dict:
         run = stack.start_run(template)
         watch = stack.watch(run)
         checkpoints = f"runs/{run.run_name}/checkpoints/"
-        reads, killed = [], {}
+        reads, committed, killed = [], threading.Event(), {}
 
         def heard(kind: str, key: str, body: bytes | None) -> None:
             if kind == "read" and key.startswith(checkpoints):
                 reads.append((time.time(), key[len(checkpoints):]))
-            if kind == "write" and not killed and marker_step(key) == 10 and key.startswith(checkpoints):
-                ranks = {node.instance_id: node.node_rank for node in stack.store.nodes(run.run_name)
-                         if node.role.value == "WORKER" and not node.state.is_retired}
-                victim = next(instance for instance, rank in ranks.items() if rank == 1)
-                # Here, as the commit is stored: the cloud's background worker, loaded, ran a kill
-                # submitted to it seconds later, the world meanwhile saving step 20, whose commit
-                # (reading the step's metadata) then fell after the kill.
-                killed.update(victim=victim, ranks=ranks, at=time.time())
-                stack.cloud.fleet.kill(victim)
+            if kind == "write" and key.startswith(checkpoints) and marker_step(key) == 10:
+                committed.set()
+
+        def past_the_commit() -> bool:
+            # Not at the commit itself: it may be stored before step 11 is trained, and the kill
+            # would fall at the checkpoint, not mid-interval.
+            trained = [record["step"] for record in metrics_records(stack.instances(run), 1) if "loss" in record]
+            return committed.is_set() and max(trained, default=0) > 10
 
         nodes = lambda: stack.store.nodes(run.run_name)  # noqa: E731
         watch.until(lambda: len(nodes()) == 4, "the four nodes recorded")
@@ -133,6 +133,13 @@ def spares(template: dict) -> dict:
         stack.cloud.fleet.slow_network(slow, SLOW_DELAY_S)
         try:
             with s3_requests.listen(heard):
+                watch.until(lambda: past_the_commit() or stack.ended(run)(), "a step trained past step 10's commit")
+                if not stack.ended(run)():
+                    ranks = {node.instance_id: node.node_rank for node in nodes()
+                             if node.role.value == "WORKER" and not node.state.is_retired}
+                    victim = next(instance for instance, rank in ranks.items() if rank == 1)
+                    killed.update(victim=victim, ranks=ranks, at=time.time())
+                    stack.cloud.fleet.kill(victim)
                 watch.until(stack.ended(run), "the end of the run")
             watch.until(lambda: all(i.state == "terminated" for i in stack.instances(run)), "every instance terminated")
         except Exception:

@@ -2,9 +2,9 @@
 agents and the real trainer (pp=3) and a spare, an in-memory checkpoint every step and an S3 one
 every 10 (tests/agent_local_run.py spares). One worker's network is made slow before the world
 first forms: the fleet check names it before a step is trained and the spare takes its place.
-Then node rank 1's instance is killed as soon as step 10's commit reaches S3, mid-interval: the
-spare that refilled the pool takes its place and the world resumes from the nodes' host memory.
-Every object the local S3 serves is heard."""
+Then node rank 1's instance is killed once step 10's commit reaches S3 and a later step is
+trained, mid-interval: the spare that refilled the pool takes its place and the world resumes from
+the nodes' host memory. Every object the local S3 serves is heard."""
 
 import pytest
 from localcloud_helpers import run_scenario
