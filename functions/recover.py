@@ -41,7 +41,8 @@ from trainfleet.adapters.ec2_fleet import FleetError, allocate, terminate
 from trainfleet.adapters.liveness import instance_troubles, read_liveness
 from trainfleet.adapters.metrics import detection_metrics, emit
 from trainfleet.core.lifecycle import (apply_decision, blame_silent_workers, book_attempt, classify_task_error,
-                                       decide_recovery, hang_onset, needs_liveness_look, unready_workers)
+                                       decide_recovery, hang_onset, needs_liveness_look, trainers_alive,
+                                       unready_workers)
 from trainfleet.core.records import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                      RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
 
@@ -88,7 +89,9 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
     # The cost ceiling is judged with the ended attempt on the books (its cost does not depend on
     # where the next attempt resumes from; which of its time is kept does).
     booked = run.model_copy(update={"ledger": book_attempt(run, nodes, now, False, failure.failure_class)})
-    decision = decide_recovery(booked, nodes, failure, jitter_draw=random.random(), now=now)
+    alive = trainers_alive(nodes, read_liveness(cloud.dynamodb, cloud.settings.liveness_table, name), run.attempt,
+                           now, run.spec.recovery.hang_timeout_seconds) if run.spec.repairable else frozenset()
+    decision = decide_recovery(booked, nodes, failure, jitter_draw=random.random(), now=now, trainers_alive=alive)
     # The attempt is booked in the same write as the decision, so a retry books it once. A give-up
     # starts the books afresh too, so Teardown adds only the time after it.
     def record(current: RunRecord) -> RunRecord:

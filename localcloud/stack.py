@@ -168,6 +168,9 @@ class LocalStack:
     clients: dict[str, Any] = field(default_factory=dict)
     cpu_shares: dict[str, float] = field(default_factory=dict)
     """Run name -> the share of CPU time its instances get (LocalFleet.cpu_share; 1 if absent)."""
+    standin: bool = False
+    """The agents run the stand-in trainer (node/standin.py), which no repair order reaches: the
+    runs restart their worlds (RecoveryPolicy.repair_in_place off)."""
 
     def client(self, service: str) -> Any:
         """A client that rides out a service throttling or failing for seconds (a chaos cell's
@@ -190,6 +193,8 @@ class LocalStack:
         run_name = f"{template['run_name']}-{uuid.uuid4().hex[:4]}"
         self.cpu_shares[run_name] = cpu_share
         spec = local_run_spec(template, run_name, self.bucket, *self.network)
+        if self.standin:
+            spec["recovery"] = spec.get("recovery", {}) | {"repair_in_place": False}
         arn = self.client("stepfunctions").start_execution(
             stateMachineArn=self.outputs["StateMachineArn"], name=run_name, input=json.dumps(spec))["executionArn"]
         self.narrate(f"started execution {run_name}: {spec['node_count']} x {spec['instance_type']}, "
@@ -304,7 +309,7 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
             outputs = deployed.outputs
             narrate(f"deployed template.yaml as stack {deployed.stack_name}: state machine, "
                     f"{len(deployed.resources)} resources")
-            stack = LocalStack(cloud, deployed.stack_name, outputs, narrate)
+            stack = LocalStack(cloud, deployed.stack_name, outputs, narrate, standin=bool(standin_step_s))
             publish_artifacts(stack.client("s3"), stack.bucket)
 
             def local_settings(instance: Any) -> dict[str, str]:

@@ -101,6 +101,7 @@ from node import standin
 from node.node_log import NodeLog
 from trainer import checkpoint_catalog as catalog
 from trainer.progress import NODE_NAME_ENV, NODE_RANK_ENV, PROGRESS_FILE_ENV, read_progress
+from trainer.repair_order import REPAIR_ORDER_ENV, RepairOrder, read_failure, write_order
 from trainfleet.adapters.liveness import write_liveness
 from trainfleet.adapters.run_store import NodeNotFound, RunStore
 from trainfleet.core.catalogue import instance_facts, nccl_environment
@@ -577,6 +578,11 @@ class AttemptFiles:
     def progress(self) -> Path:
         return self.folder / "progress"
 
+    @property
+    def repair_order(self) -> Path:
+        """Where the agent orders a running trainer into a repaired world (trainer/repair_order.py)."""
+        return self.folder / "repair-order.json"
+
     def check_result(self, check: str) -> Path:
         """Where global rank 0 writes the result of one of WORLD_CHECKS."""
         return self.folder / f"{check.replace('_', '-')}.json"
@@ -638,7 +644,15 @@ def trainer_config(spec: LaunchSpec, files: AttemptFiles, host_memory: Path) -> 
     checkpoint = config.setdefault("checkpoint", {})
     checkpoint["memory_dir"] = str(host_memory / spec.run_name)
     checkpoint["memory_resume"] = spec.restore_from_memory
-    if spec.resume_step is not None:
+    if spec.repairable:
+        # The control plane ends a trainer it does not repair: the wait is as long as it gives a
+        # world to form.
+        config.setdefault("parallel", {}).update(repair_file=str(files.repair_order),
+                                                 repair_wait_s=spec.startup_timeout_seconds)
+    if spec.repair:
+        # Where the survivors resume (trainer/train.py _repair): the newest step in memory or S3.
+        checkpoint["resume"] = "latest"
+    elif spec.resume_step is not None:
         checkpoint["resume"] = str(spec.resume_step)
     elif spec.attempt > 0:
         # A checkpoint may have committed after the control plane chose the resume point (its
@@ -649,6 +663,12 @@ def trainer_config(spec: LaunchSpec, files: AttemptFiles, host_memory: Path) -> 
 
 def torchrun_command(spec: LaunchSpec, node_rank: int, identity: Identity, files: AttemptFiles) -> list[str]:
     plan = spec.plan
+    if spec.repair:
+        # A node joining a repaired world: its trainer meets the others at the order's store, and
+        # torchrun only supervises this node's processes. (Joining the survivors' rendezvous would
+        # restart their workers.)
+        return [sys.executable, "-m", "node.torchrun", "--standalone", f"--nproc-per-node={plan.ranks_per_node}",
+                "--max-restarts=0", "--monitor-interval=1", "-m", "trainer.worker", "--config", str(files.config)]
     # read_timeout bounds a peer's wait for the host's store to listen (torch's default: 60 s): a
     # host whose torchrun starts late (a replacement still booting its software, a loaded node)
     # must not crash its peers' launches, as late as the join itself may be.
@@ -702,7 +722,8 @@ def torchrun_env(files: AttemptFiles, identity: Identity, node_rank: int) -> dic
             catalog.REQUEST_FILE_ENV: str(files.checkpoint_request),
             PROGRESS_FILE_ENV: str(files.progress),
             NODE_NAME_ENV: identity.instance_id,
-            NODE_RANK_ENV: str(node_rank)}
+            NODE_RANK_ENV: str(node_rank),
+            REPAIR_ORDER_ENV: str(files.repair_order)}
 
 
 def failure_message(output: str) -> str:
@@ -770,12 +791,26 @@ class MetricsFollower:
 
 
 class Attempt:
-    """torchrun for one launch spec on this node, and what the agent reports about it."""
+    """torchrun for one launch spec on this node, and what the agent reports about it; the
+    attempts after it whose worlds repair its world in place, which its trainer joins with the
+    processes it has (trainer/repair.py)."""
 
     def __init__(self, control: ControlPlane, metadata: MetadataClient, spec: LaunchSpec,
-                 deadline: float | None = None):
-        self.control, self.metadata, self.spec, self.deadline = control, metadata, spec, deadline
+                 confirm: Callable[[int], bool], deadline: float | None = None):
+        """`confirm(attempt)` confirms this node for a newer attempt (NodeReady), and says whether it is."""
+        self.control, self.metadata, self.spec, self.confirm, self.deadline = control, metadata, spec, confirm, deadline
         self.identity = control.identity
+        self.world = spec.repair.launched_attempt if spec.repair else spec.attempt
+        """The attempt whose launch formed the world this node's trainer is in (a repair keeps it)."""
+        self.launched_with = frozenset(spec.node_ranks)
+        """The nodes whose torchrun this node's torchrun met (its rendezvous)."""
+        self.generation = spec.repair.generation if spec.repair else 0
+        """The repairs of that world this node's trainer was ordered into."""
+        self.failure_said = -1
+        """The last generation whose failed step the agent reported."""
+        self.failure_seen_at: float | None = None
+        self.trainer_pid: int | None = None
+        """torchrun's process (the stand-in's: the agent's own)."""
         self.node_rank = spec.node_ranks[self.identity.instance_id]
         self.files = AttemptFiles(control.settings.workdir / f"attempt-{spec.attempt}")
         self.metrics = MetricsFollower(self.files.metrics)
@@ -825,14 +860,14 @@ class Attempt:
         self.files.folder.mkdir(parents=True, exist_ok=True)
         self.files.config.write_text(yaml.safe_dump(
             trainer_config(self.spec, self.files, self.control.settings.host_memory_dir), sort_keys=False))
+        if self.spec.repair:  # this node takes a lost node's place: its trainer starts with the order
+            write_order(self.files.repair_order, repair_order(self.spec))
         step_seconds = self.control.settings.standin_step_s
         command = (standin_command(self.spec, self.node_rank, step_seconds, self.files) if step_seconds
                    else torchrun_command(self.spec, self.node_rank, self.identity, self.files))
         # Reported before torchrun starts: a peer's trainer can train only once this node's torchrun
         # joined, so a node without a report while its peers trained has an agent that went silent.
         self.report_liveness()
-        say("starting torchrun", attempt=self.spec.attempt, node_rank=self.node_rank,
-            resume_step=self.spec.resume_step, command=" ".join(command[1:]))
         self.torchrun_started = self.control.clock()
         launch = standin.start_thread if step_seconds else start_process
         if _shipping is not None:
@@ -840,6 +875,9 @@ class Attempt:
         with self.files.output.open("ab") as output:
             process = launch(command, self.files.folder, torchrun_env(self.files, self.identity, self.node_rank),
                              output)
+        self.trainer_pid = process.pid
+        say("starting torchrun", attempt=self.spec.attempt, node_rank=self.node_rank,
+            resume_step=self.spec.resume_step, command=" ".join(command[1:]), pid=process.pid)
         stop_beating = threading.Event()
         threading.Thread(target=self.beat_until, args=(stop_beating,), name="heartbeat", daemon=True).start()
         try:
@@ -847,11 +885,12 @@ class Attempt:
                 time.sleep(LOOK_S)
                 self.follow()
                 run = self.control.look_at_run()
-                if run is not None and self.left_behind(run):
+                if run is not None and self.left_behind(run) and not self.repaired_into(run):
                     say("attempt superseded: stopping torchrun", attempt=self.spec.attempt)
                     return run
-                if run is not None:
+                if run is not None and not self.left_behind(run):
                     self.look(run)
+                    self.report_failed_step()
                 if self.deadline is not None and time.monotonic() > self.deadline:
                     raise AgentError("the agent's lifetime is over: stopping torchrun")
         finally:
@@ -868,6 +907,53 @@ class Attempt:
     def left_behind(self, run: RunRecord) -> bool:
         """Whether the run has left this attempt (a failure moved it on, or it finished)."""
         return run.attempt > self.spec.attempt or run.state.is_final
+
+    def repaired_into(self, run: RunRecord) -> bool:
+        """Whether the run, having left this attempt, repairs this node's world in place and keeps
+        its trainer (Recover's WorldRepair): the node confirms the new attempt, and once its launch
+        spec is there, orders its trainer into the repaired world and follows that attempt. False
+        when the trainer is to stop: no repair, or the launch spec turned out another."""
+        repair = run.repair
+        if (run.state.is_final or repair is None or repair.launched_attempt != self.world
+                or repair.generation <= self.generation or self.identity.instance_id not in repair.survivor_ids
+                or not self.confirm(run.attempt)):
+            return False
+        if run.state is not RunState.TRAINING:
+            return True  # the new world is awaited: its launch spec comes once every node confirmed it
+        spec = self.control.launch_spec_after(self.spec.attempt)
+        if spec is None or spec.attempt != run.attempt:
+            return True
+        if spec.repair is None or self.identity.instance_id not in spec.repair.survivor_ids:
+            return False
+        say("repairing the world in place: the trainer keeps its processes", attempt=spec.attempt,
+            generation=spec.repair.generation, node_rank=spec.node_ranks[self.identity.instance_id],
+            pid=self.trainer_pid)
+        for check in WORLD_CHECKS:  # the repaired world writes its own (its restore)
+            self.files.check_result(check).unlink(missing_ok=True)
+        self.checks_reported.clear()
+        self.spec, self.generation = spec, spec.repair.generation
+        write_order(self.files.repair_order,
+                    repair_order(spec, launch_nodes_gone=len(self.launched_with - set(spec.repair.survivor_ids))))
+        self.report_liveness()
+        return True
+
+    def report_failed_step(self) -> None:
+        """TrainerFailed once for a failed step of this node's world whose ranks wait for a repair
+        order (trainer/repair_order.py): the trainer does not exit, so its exit cannot report it.
+        As with an exit, after PEER_LOSS_GRACE_S: EC2's event about a lost peer usually moves the
+        run on first, and then this attempt's failure is already known."""
+        failed = read_failure(self.files.repair_order) if self.spec.repairable else None
+        if failed is None or failed["generation"] != self.generation or failed["generation"] <= self.failure_said:
+            return
+        now = self.control.clock()
+        self.failure_seen_at = self.failure_seen_at or now
+        if now - self.failure_seen_at < PEER_LOSS_GRACE_S:
+            return
+        say("the trainer's step failed: it waits to be repaired", attempt=self.spec.attempt, error=failed["error"])
+        if self.control.send(TrainerFailed(
+                run_name=self.spec.run_name, attempt=self.spec.attempt, instance_id=self.identity.instance_id,
+                kind=TrainerFailureKind.CRASH, message=failed["error"], last_step=self.last_step)):
+            self.failure_said, self.failure_seen_at = failed["generation"], None
 
     def beat_until(self, stopped: threading.Event) -> None:
         """The heartbeat thread: beat_if_due every LOOK_S until `stopped`."""
@@ -1098,6 +1184,14 @@ class Attempt:
                              self.deadline)
 
 
+def repair_order(spec: LaunchSpec, launch_nodes_gone: int = 0) -> RepairOrder:
+    """The order into the world `spec` repairs: its store on node rank 0, at the attempt's port;
+    `launch_nodes_gone`: RepairOrder's (a replacement's torchrun met no other)."""
+    return RepairOrder(generation=spec.repair.generation, store_host=spec.rendezvous_host,
+                       store_port=spec.rendezvous_port, host_node_rank=0, nodes=spec.plan.nodes,
+                       launch_nodes_gone=launch_nodes_gone)
+
+
 def stop(process: Any) -> None:
     """End torchrun: SIGTERM (it stops its ranks), then SIGKILL (its ranks die with it)."""
     if process.poll() is not None:
@@ -1131,19 +1225,33 @@ def serve(settings: AgentSettings) -> None:
     else:
         control.deliver(NodeReady(**ids, checks=checks), deadline)
     confirmed, ran = node.attempt, -1
+
+    def confirm(attempt: int) -> bool:
+        nonlocal confirmed
+        if attempt > confirmed and control.send(NodeReady(**{**ids, "attempt": attempt}, checks=checks)):
+            confirmed = attempt  # this node answers: it may join that attempt's world
+        return confirmed >= attempt
+
     run = None
     while True:
         if run is not None:
             if run.state.is_final:
                 return
-            if not problem and run.attempt > confirmed and control.send(NodeReady(
-                    **{**ids, "attempt": run.attempt}, checks=checks)):
-                confirmed = run.attempt  # this node answers: it may join that attempt's world
+            if not problem:
+                confirm(run.attempt)
             spec = (control.launch_spec_after(ran) if not problem and run.state is RunState.TRAINING
                     and run.attempt > ran else None)
             if spec is not None and spec.attempt == run.attempt:
                 ran = spec.attempt
-                run = Attempt(control, metadata, spec, deadline).run()
+                if spec.repair and identity.instance_id in spec.repair.survivor_ids:
+                    # Its trainer ended before the order came: the control plane restarts the world.
+                    control.deliver(TrainerFailed(**{**ids, "attempt": spec.attempt}, kind=TrainerFailureKind.CRASH,
+                                                  message="no trainer left on this node to repair the world with"),
+                                    deadline)
+                    continue
+                attempt = Attempt(control, metadata, spec, confirm, deadline)
+                run = attempt.run()
+                ran = attempt.spec.attempt
                 continue
         if deadline is not None and time.monotonic() > deadline:
             raise AgentError("the agent's lifetime is over")

@@ -30,7 +30,8 @@ writes for the real trainer and gives what the agent and the control plane read 
 Past the rendezvous the world is not synchronous: a node that stops does not stall the others (a real world would
 hang or fail in its next collective). Node losses, Spot notices and crashes reach the control
 plane as they do from a real world (EC2's events, the checkpoint request, the failing node's
-exit); a hang of one rank is not what this stand-in can show.
+exit); a hang of one rank is not what this stand-in can show, nor a world repaired in place
+(trainer/repair.py): the local stacks that run it switch repairs off (localcloud/stack.py).
 """
 
 from __future__ import annotations
@@ -280,6 +281,7 @@ class StandInThread:
 
     def __init__(self, argv: list[str], environ: dict[str, str], output: BinaryIO):
         self.returncode: int | None = None
+        self.pid = os.getpid()  # the process it runs in
         self._stop = threading.Event()
         self._done = threading.Event()
         self._out = io.TextIOWrapper(os.fdopen(os.dup(output.fileno()), "ab"), write_through=True)

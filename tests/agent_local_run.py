@@ -100,8 +100,9 @@ def spares(template: dict) -> dict:
     One worker's network is made slow before the world first forms: the fleet check must name it
     and the spare take its place before a step is trained. Then, once step 10's commit reaches S3
     and a later step is trained, node rank 1's instance is killed mid-interval: the spare that
-    refilled the pool takes its place, node ranks 0 and 2 restore from their own memory and the
-    newcomer from node rank 2's (its buddy). Every object S3 serves is heard, with when."""
+    refilled the pool takes its place, and the world is repaired in place: node ranks 0 and 2 keep
+    their trainers' processes and restore from their own memory, the newcomer from node rank 2's
+    (its buddy). Every object S3 serves is heard, with when."""
     template.update(node_count=3, spare_count=1, preflight=FLEET_CHECK)
     template["trainer"]["model"]["n_layers"] = 6
     template["trainer"]["parallel"].update(pp=3, dp=1, microbatches=3)
@@ -146,8 +147,11 @@ def spares(template: dict) -> dict:
             stack.dump_consoles(run)
             raise
         instances = stack.instances(run)
-        trained = [record["step"] for record in metrics_records(instances, 1) if "loss" in record]
-        resumed = [record for record in metrics_records(instances, 2) if "loss" in record]
+        # Repaired in place, node rank 0's trainer goes on writing the files of the launch it started in.
+        steps = sorted((record for attempt in (1, 2) for record in metrics_records(instances, attempt)
+                        if "loss" in record), key=lambda record: record["time"])
+        trained = [record["step"] for record in steps if record["time"] < killed["at"]]
+        resumed = [record for record in steps if record["time"] > killed["at"]]
         fleet_checks = {instance.instance_id: [line for line in agent_lines(instance)
                                                if line["agent"].startswith("fleet check")] for instance in instances}
         outcome = stack.outcome(run) | {
@@ -156,7 +160,13 @@ def spares(template: dict) -> dict:
             "killed": killed, "last_step_before": max(trained), "first_step_after": resumed[0]["step"],
             "failure_to_first_step_s": resumed[0]["time"] - killed["at"],
             "reads_during_recovery": [key for at, key in reads if killed["at"] < at < resumed[0]["time"]],
-            "restored": stack.store.run(run.run_name).restored.model_dump(mode="json")}
+            "restored": stack.store.run(run.run_name).restored.model_dump(mode="json"),
+            "repairs": {instance.instance_id: [line for line in agent_lines(instance)
+                                               if line["agent"].startswith("repairing the world in place")]
+                        for instance in instances},
+            "repaired_trainers": {instance.instance_id: sum(path.read_text(errors="replace").count(
+                "world repaired: generation 1 ") for path in instance.workdir.glob("attempt-*/torchrun.log"))
+                                  for instance in instances}}
     with tempfile.TemporaryDirectory(prefix="uninterrupted-") as folder:
         return {"outcome": outcome, "reference": reference_losses(template["trainer"], Path(folder))}
 

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 from test_adapters_run_store import spec
 from trainfleet.core.events import ProgressSample
 from trainfleet.core.records import (CheckpointRef, FailureClass, FailureRecord, FleetCheckFigures, GoodputLedger,
-                                     NodeRecord, NodeRole, NodeState, RunRecord, RunState)
+                                     NodeRecord, NodeRole, NodeState, RecoveryKind, RunRecord, RunState)
 from trainfleet.core.run_history import StateEntry
 from trainfleet.operator.runs import RunStatus
 
@@ -31,7 +31,8 @@ def recovered_run() -> RunStatus:
         run_name=name, spec=run_spec, state=RunState.SUCCEEDED, attempt=1, restarts=1, last_step=60,
         latest_checkpoint=CheckpointRef(step=60, uri=f"s3://bucket/runs/{name}/step-000000060", committed_at=at(95)),
         failures=[FailureRecord(failure_class=FailureClass.INSTANCE_LOST, resume_step=20, at=at(40), attempt=0,
-                                onset_at=at(37), instance_ids=["i-0a1b2c3d4e5f60718"])],
+                                onset_at=at(37), instance_ids=["i-0a1b2c3d4e5f60718"], recovery=RecoveryKind.RESTARTED,
+                                decision="INSTANCE_LOST: replace 1 node(s), 0 from spares, 1 new, resume from S3")],
         fleet_check=FleetCheckFigures(attempt=1, passed=True, busbw_gbytes_per_s=0.412, floor_gbytes_per_s=0.02,
                                       slowest_link_gbytes_per_s=0.318,
                                       slowest_link=["i-0a1b2c3d4e5f60719", "i-0a1b2c3d4e5f6071a"], seconds=1.4),

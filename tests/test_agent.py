@@ -307,7 +307,7 @@ def watched_attempt(moto_endpoint, metadata_service, tmp_path):
         **spec.trainer_config, "checkpoint": {"uri": f"s3://{name}/runs/run-a/checkpoints", "resume": "10"}}})
     store = catalog.open_store(spec.trainer_config["checkpoint"]["uri"], control.s3)
     commit(store, 10)  # the resume point: already announced by the attempt that saved it
-    attempt = Attempt(control, MetadataClient(), spec)
+    attempt = Attempt(control, MetadataClient(), spec, confirm=lambda attempt: False)
     attempt.files.folder.mkdir(parents=True)
 
     def sent() -> list[dict]:
@@ -492,7 +492,7 @@ def test_the_start_up_heartbeats_end_at_this_node_first_step(heartbeats):
 def test_only_node_rank_0_heartbeats_the_start_up(heartbeats):
     attempt, clock, beats = heartbeats
     spec = attempt.spec.model_copy(update={"node_ranks": {"i-0bbb": 0, "i-0aaa": 1}})
-    peer = Attempt(attempt.control, attempt.metadata, spec)
+    peer = Attempt(attempt.control, attempt.metadata, spec, confirm=lambda attempt: False)
     peer.files.folder.mkdir(parents=True, exist_ok=True)
     peer.torchrun_started = clock["now"]
     for beat in range(8):  # its trainer's signs of life speak for this node alone
@@ -758,7 +758,7 @@ def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_se
     spec = launch_spec(attempt=1)
     spec = spec.model_copy(update={"trainer_config": {**spec.trainer_config, "checkpoint": {
         "uri": f"s3://{name}/runs/run-a/checkpoints", "resume": "none"}}})
-    attempt = Attempt(control, MetadataClient(), spec)
+    attempt = Attempt(control, MetadataClient(), spec, confirm=lambda attempt: False)
     monkeypatch.setattr(agent, "poll_interval", lambda nodes, draw, hang_timeout_s, stepping: 0.2)  # many looks
     # A trainer that writes one metrics record (so this node heartbeats and sends progress) and
     # trains on for 20 s.

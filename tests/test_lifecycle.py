@@ -13,8 +13,8 @@ from trainfleet.core.events import (CheckpointCommitted, CheckpointReason, Ec2In
                                     TrainingProgress)
 from trainfleet.core.records import (CAPACITY_ERROR, FAILURE_ERROR, CheckpointRef, FailureClass, FailureRecord,
                                      FailureReport, GoodputLedger, NodeLiveness, NodeRecord, NodeRole, NodeState,
-                                     ParallelPlan, RecoveryAction, RecoveryDecision, RunRecord, ScalingCheckFigures,
-                                     TaskWait)
+                                     LaunchSpec, ParallelPlan, RecoveryAction, RecoveryDecision, RecoveryKind, RunRecord,
+                                     ScalingCheckFigures, TaskWait, rendezvous_port)
 from trainfleet.core.runspec import RecoveryPolicy, RunSpec, TrainerConfig
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -438,11 +438,12 @@ def test_apply_decision_opens_a_new_attempt():
     assert after.attempt_failure is None  # the failure of the attempt before never fails the new one's waits
     assert after.failures[-1] == FailureRecord(
         failure_class=FailureClass.INSTANCE_LOST, resume_step=30, at=T0, attempt=1, onset_at=T0 - timedelta(seconds=4),
-        last_step=34, instance_ids=["i-3"], message="test")
+        last_step=34, instance_ids=["i-3"], message="test", recovery=RecoveryKind.RESTARTED, decision=decision.reason)
     assert after.failures[-1].detection_seconds == 4.0
     gave_up = lc.apply_decision(run, report(FailureClass.CONFIG_ERROR),
                                 lc.decide_recovery(run, WORKERS, report(FailureClass.CONFIG_ERROR), 0.0, now=T0), T0)
     assert (gave_up.attempt, gave_up.restarts) == (1, 0) and "config" in gave_up.error
+    assert gave_up.failures[-1].recovery is RecoveryKind.GAVE_UP and gave_up.failures[-1].decision == gave_up.error
 
 
 def minutes(m):
@@ -940,6 +941,96 @@ def test_a_run_without_in_memory_checkpoints_or_with_a_new_layout_is_restored_fr
     ready = [n.model_copy(update={"ready_attempt": 2}) for n in [*RANKED[:2], RANKED[3], promoted]]
     launch = lc.build_launch_spec(booked, ready, heartbeat_task_token=None)
     assert launch.restore_from_memory and launch.node_ranks == {"i-1": 0, "i-2": 1, "i-9": 2, "i-4": 3}
+
+
+def training_run(**fields) -> RunRecord:
+    """A run whose current attempt trains (its first step taken), its nodes holding copies."""
+    return make_run(last_step=12, first_step_at=T0, **fields)
+
+
+ALIVE = frozenset(f"i-{n}" for n in range(1, 5))
+"""Every worker's trainer seen alive in the attempt (its agent's liveness reports)."""
+
+
+def test_a_lost_node_is_repaired_in_place_around_a_spare_when_every_survivor_lives():
+    lost = report(FailureClass.INSTANCE_LOST, "i-3")
+    decision = lc.decide_recovery(training_run(), [*RANKED, SPARE], lost, 0.0, now=T0, trainers_alive=ALIVE)
+    assert decision.action is RecoveryAction.REPLACE and decision.restore_from_memory
+    assert decision.repair.model_dump() == {"generation": 1, "launched_attempt": 1, "survivor_ids": ["i-1", "i-2", "i-4"]}
+    assert "repair the world in place (generation 1): the survivors keep their trainers" in decision.reason
+    # The attempt after it records the repair; a second one continues the same world's generations.
+    repaired = lc.apply_decision(training_run(), lost, decision, T0)
+    assert repaired.repair == decision.repair and repaired.attempt == 2
+    again = lc.decide_recovery(repaired.model_copy(update={"first_step_at": T0, "last_step": 15}),
+                               [*RANKED[:2], RANKED[3], SPARE.model_copy(update={"role": NodeRole.WORKER, "node_rank": 2})],
+                               report(FailureClass.INSTANCE_LOST, "i-2", attempt=2), 0.0, now=T0,
+                               trainers_alive=frozenset({"i-1", "i-4", "i-9"}))
+    assert (again.repair.generation, again.repair.launched_attempt, again.repair.survivor_ids) == (2, 1, ["i-1", "i-4", "i-9"])
+    # A restart of every trainer ends the repairs: the next world is a new launch.
+    restart = lc.decide_recovery(repaired.model_copy(update={"first_step_at": T0}), RANKED,
+                                 report(FailureClass.PROCESS_CRASH, attempt=2), 0.0, now=T0, trainers_alive=ALIVE)
+    assert restart.action is RecoveryAction.RESTART and lc.apply_decision(repaired, report(
+        FailureClass.PROCESS_CRASH, attempt=2), restart, T0).repair is None
+
+
+@pytest.mark.parametrize("run, lost, alive, why", [
+    (training_run(), "i-1", ALIVE, "node rank 0, which hosts the rendezvous, is lost"),
+    (training_run(), "i-3", ALIVE - {"i-4"}, "no sign of life from the trainers of i-4"),
+    (make_run(last_step=12), "i-3", ALIVE, "the failed world had not trained"),
+])
+def test_a_world_is_restarted_where_it_cannot_be_repaired_and_the_reason_says_why(run, lost, alive, why):
+    decision = lc.decide_recovery(run, [*RANKED, SPARE], report(FailureClass.INSTANCE_LOST, lost), 0.0, now=T0,
+                                  trainers_alive=alive)
+    assert decision.action is RecoveryAction.REPLACE and decision.restore_from_memory and decision.repair is None
+    assert f"restart every trainer: {why}" in decision.reason
+
+
+def test_only_a_lost_instance_with_copies_in_memory_is_repaired_in_place():
+    # A node AWS announced leaving is still there, its trainer in the world: the world restarts.
+    spot = lc.decide_recovery(training_run(), [*RANKED, SPARE], report(FailureClass.SPOT_INTERRUPTION, "i-3"), 0.0,
+                              now=T0, trainers_alive=ALIVE)
+    assert spot.repair is None and "restart every trainer: SPOT_INTERRUPTION lost no node" in spot.reason
+    # A node lost with its buddy: S3, so no repair (its shards are in no memory), and nothing said of one.
+    both = lc.decide_recovery(training_run(), [*RANKED, SPARE, node("i-8", role=NodeRole.SPARE)],
+                              report(FailureClass.INSTANCE_LOST, "i-2", "i-3"), 0.0, now=T0, trainers_alive=ALIVE)
+    assert both.repair is None and "restart every trainer" not in both.reason
+    for off in ({"checkpoint": {"s3_uri": "s3://bucket/runs/r1/checkpoints", "memory_interval_steps": 0}},
+                {"recovery": {"repair_in_place": False}}):
+        decision = lc.decide_recovery(training_run(spec=make_spec(**off)), [*RANKED, SPARE],
+                                      report(FailureClass.INSTANCE_LOST, "i-3"), 0.0, now=T0, trainers_alive=ALIVE)
+        assert decision.repair is None and "restart every trainer" not in decision.reason, off
+
+
+def test_the_repaired_worlds_launch_spec_keeps_the_survivors_ranks_and_draws_a_port_no_store_holds():
+    lost = report(FailureClass.INSTANCE_LOST, "i-3")
+    repaired = lc.apply_decision(training_run(), lost, lc.decide_recovery(
+        training_run(), [*RANKED, SPARE], lost, 0.0, now=T0, trainers_alive=ALIVE), T0)
+    promoted = SPARE.model_copy(update={"role": NodeRole.WORKER})
+    ready = [n.model_copy(update={"ready_attempt": 2}) for n in [*RANKED[:2], RANKED[3], promoted]]
+    launch = lc.build_launch_spec(repaired, ready, heartbeat_task_token=None)
+    assert launch.repairable and launch.repair == repaired.repair
+    assert launch.node_ranks == {"i-1": 0, "i-2": 1, "i-9": 2, "i-4": 3} and launch.rendezvous_host == "10.0.0.1"
+    assert launch.rendezvous_port != lc.build_launch_spec(training_run(), RANKED, None).rendezvous_port
+    # A draw that falls on the port of a store still open on node rank 0 (the survivors' torchrun
+    # rendezvous, an earlier generation's) is drawn again.
+    for attempt in range(2, 300):
+        confirmed = [n.model_copy(update={"ready_attempt": attempt}) for n in ready]
+        port = lc.build_launch_spec(repaired.model_copy(update={"attempt": attempt}), confirmed, None).rendezvous_port
+        assert port not in {rendezvous_port(f"r1-{earlier}") for earlier in range(1, attempt)}
+    # A spec that would repair a world without its node rank 0 is refused.
+    with pytest.raises(ValueError, match="a repaired world keeps node rank 0"):
+        LaunchSpec.model_validate(launch.model_dump() | {"repair": {"generation": 1, "launched_attempt": 1,
+                                                                    "survivor_ids": ["i-2", "i-4"]}})
+    assert lc.build_launch_spec(make_run(spec=make_spec(recovery={"repair_in_place": False})), RANKED,
+                                None).repairable is False
+
+
+def test_the_trainers_seen_alive_are_the_workers_that_reported_in_the_attempt_lately():
+    def seen(instance_id, attempt=1, ago=0.0):
+        return NodeLiveness(instance_id=instance_id, attempt=attempt, step=10, step_at=T0,
+                            reported_at=T0 - timedelta(seconds=ago))
+    records = [seen("i-1"), seen("i-2", ago=3600), seen("i-3", attempt=0), seen("i-4", ago=5), seen("i-9")]
+    assert lc.trainers_alive([*RANKED, SPARE], records, 1, T0, 60) == {"i-1", "i-4"}
 
 
 # --- hot spares at the start of an attempt ---------------------------------------------------

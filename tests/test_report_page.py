@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from trainfleet.core.records import FailureClass, RunState, ScalingCheckFigures
+from trainfleet.core.records import FailureClass, RecoveryKind, RunState, ScalingCheckFigures
 from trainfleet.core.run_history import AttemptProgress, FailureMark, Phase, RunHistory
 from trainfleet.report.page import render_html, render_pngs, report_charts
 
@@ -186,9 +186,13 @@ def test_goodput_shows_each_cause_steps_lost_and_cost(page, example):
 def test_the_failures_table_and_the_world_checks(page, example):
     (row,) = page.find("body/table/tbody")
     assert ["".join(cell.itertext()) for cell in row] == [
-        "0", "INSTANCE_LOST", "2026-12-03 09:00:27 UTC", "1.6 s", "26", "20", "6", "i-0a1b2c3d4e5f60718",
-        "EC2 reports i-0a1b2c3d4e5f60718 shutting-down"]
+        "0", "INSTANCE_LOST", "2026-12-03 09:00:27 UTC", "1.6 s", "26", "unknown", "20", "6", "i-0a1b2c3d4e5f60718",
+        "EC2 reports i-0a1b2c3d4e5f60718 shutting-down"]  # recorded before the recovery's kind was kept
     assert f"fleet check: passed (attempt 1): {example.fleet_check.describe()}" in all_text(page)
+    (failure,) = example.failures
+    repaired = example.model_copy(update={"failures": [failure.model_copy(update={"recovery": RecoveryKind.REPAIRED})]})
+    (row,) = ET.fromstring(render_html(repaired)).find("body/table/tbody")
+    assert "".join(row[5].itertext()) == "repaired in place"
 
 
 def test_a_failed_scaling_check_says_so_with_its_figures(example):

@@ -3,8 +3,9 @@ agents and the real trainer (pp=3) and a spare, an in-memory checkpoint every st
 every 10 (tests/agent_local_run.py spares). One worker's network is made slow before the world
 first forms: the fleet check names it before a step is trained and the spare takes its place.
 Then node rank 1's instance is killed once step 10's commit reaches S3 and a later step is
-trained, mid-interval: the spare that refilled the pool takes its place and the world resumes from
-the nodes' host memory. Every object the local S3 serves is heard."""
+trained, mid-interval: the spare that refilled the pool takes its place, the world is repaired in
+place (the survivors keep their trainers' processes) and resumes from the nodes' host memory.
+Every object the local S3 serves is heard."""
 
 import pytest
 from localcloud_helpers import run_scenario
@@ -45,9 +46,10 @@ def test_the_failed_world_trained_no_step_and_its_figures_name_the_slow_node(run
     failed = [line for line in said if line["agent"] == "fleet check failed"]
     assert len(failed) == 1 and failed[0]["attempt"] == 0
     assert f"slow: {run['slow']}" in failed[0]["figures"]
-    assert [line["attempt"] for line in said if line["agent"] == "fleet check passed"] == [1, 2]
+    # The world repaired in place in attempt 2 is not checked again: its survivors are training.
+    assert [line["attempt"] for line in said if line["agent"] == "fleet check passed"] == [1]
     latest = run["fleet_check"]
-    assert latest["attempt"] == 2 and latest["passed"] and latest["busbw_gbytes_per_s"] >= latest["floor_gbytes_per_s"]
+    assert latest["attempt"] == 1 and latest["passed"] and latest["busbw_gbytes_per_s"] >= latest["floor_gbytes_per_s"]
 
 
 # --- the lost node, restored from its buddy's memory ---------------------------------------------
@@ -62,10 +64,28 @@ def test_the_lost_nodes_place_is_taken_and_the_world_resumes_from_host_memory(ru
     # ranks follow the launch spec's node ranks, which survivors keep, not torchrun's order.
     assert (restored["own_memory"], restored["peers"], restored["shards"]) == (2, 1, 3)
     assert restored["peer_bytes"] > 0
-    ranks = {launch["node_rank"]: instance for instance, launches in run["launches"].items() for launch in launches
-             if launch["attempt"] == 2}
+    ranks = {line["node_rank"]: instance for instance, lines in run["repairs"].items() for line in lines
+             if line["attempt"] == 2}
     survivors = {instance: rank for instance, rank in run["killed"]["ranks"].items() if instance != run["killed"]["victim"]}
-    assert {instance: rank for rank, instance in ranks.items() if instance in survivors} == survivors
+    assert {instance: rank for rank, instance in ranks.items()} == survivors
+
+
+@pytest.mark.slow
+def test_the_survivors_keep_their_trainer_processes_and_the_spare_joins_their_repaired_world(run):
+    survivors = {instance for instance in run["killed"]["ranks"] if instance != run["killed"]["victim"]}
+    (_, lost) = run["report"]["failures"]
+    assert lost["recovery"] == "repaired in place" and "repair the world in place (generation 1)" in lost["decision"]
+    for instance in survivors:
+        (started,) = [launch for launch in run["launches"][instance] if launch["attempt"] >= 1]
+        (repair,) = run["repairs"][instance]
+        assert (started["attempt"], repair["attempt"], repair["generation"]) == (1, 2, 1)
+        assert repair["pid"] == started["pid"], "the same torchrun, and under it (no restarts) the same ranks"
+        assert run["repaired_trainers"][instance] == 1, "its rank formed generation 1 in the process it had"
+    (joined,) = [instance for instance, launches in run["launches"].items()
+                 if any(launch["attempt"] == 2 for launch in launches)]
+    assert joined not in survivors and run["killed"]["ranks"].get(joined) is None
+    (launch,) = [launch for launch in run["launches"][joined] if launch["attempt"] == 2]
+    assert launch["node_rank"] == 1 and "--standalone" in launch["command"]
 
 
 @pytest.mark.slow

@@ -73,8 +73,13 @@ class ParallelConfig:
     """Process-group timeout: a hung peer fails the job after this long instead of the 30-minute default."""
     repair_file: str = ""
     """Where the node agent writes the order to repair the world in place when a node is lost
-    (trainer/repair.py): a rank whose step fails waits for it this long at most (timeout_s).
-    Empty: a failed step ends the process, and the control plane restarts the world."""
+    (trainer/repair.py). A rank whose step fails says so beside it (for the agent to report) and
+    waits for the order. Empty: a failed step ends the process, and the control plane restarts
+    the world."""
+    repair_wait_s: float = 1800.0
+    """How long a rank whose step failed waits for the repair order before it exits. The agent
+    ends the trainer sooner when the control plane restarts the world instead; it sets this to
+    the run's start-up timeout, the time the control plane gives a world to form."""
 
     def resolved_dp_shard(self) -> int:
         return self.dp_shard or self.dp
@@ -282,6 +287,8 @@ def _problems(c: JobConfig):
         return
     if p.timeout_s <= 0:
         yield f"parallel.timeout_s must be > 0, got {p.timeout_s}"
+    if p.repair_wait_s <= 0:
+        yield f"parallel.repair_wait_s must be > 0, got {p.repair_wait_s}"
     n_stages = p.n_stages()
     if n_stages > m.n_layers:
         yield (f"{n_stages} pipeline stages (parallel.pp={p.pp} x {p.resolved_stages_per_rank()} per rank) "

@@ -12,8 +12,9 @@ names where the order comes). On a rank whose process lives through the loss:
 2. The rank abandons the step: FSDP's state of the iteration is reset (FSDPModule.reset_iter_state)
    and every process group destroyed. Copies and saves still in flight are abandoned by their
    owners (train.py): they end on the dead groups' errors.
-3. It waits for the order (a generation newer than its own), then forms the world the order
-   names: its store, met at by every rank of the surviving nodes and of the replacement.
+3. It says that the step failed (trainer/repair_order.py: the agent reports it to the control
+   plane) and waits for the order (a generation newer than its own), then forms the world the order names:
+   its store, met at by every rank of the surviving nodes and of the replacement.
 4. It creates the process groups again, in the order a fresh process creates them. torch names a
    group by a counter that destroying the world resets, so every group gets the name it had: the
    model's DeviceMesh, its DTensors and the functional collectives resolve groups by name and
@@ -24,19 +25,16 @@ names where the order comes). On a rank whose process lives through the loss:
 
 The replacement's trainer starts with the order already there and joins its generation
 (`join_order`) instead of torchrun's world: torchrun on that node only supervises its processes.
-
-    {"generation": 1, "store_host": "10.0.3.7", "store_port": 29611, "host_node_rank": 0, "nodes": 4}
+The order and the failure file are trainer/repair_order.py's.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -46,8 +44,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["RepairOrder", "RepairError", "read_order", "join_order", "OrderWatcher", "abandon_step",
-           "await_order", "rebind"]
+from trainer.repair_order import RepairOrder, read_order
+
+__all__ = ["RepairError", "order_store", "join_order", "OrderWatcher", "abandon_step", "await_order", "rebind"]
 
 log = logging.getLogger(__name__)
 
@@ -61,35 +60,10 @@ class RepairError(RuntimeError):
     """The world could not be repaired in place."""
 
 
-@dataclass(frozen=True)
-class RepairOrder:
-    """The next world, as the node's agent writes it."""
-
-    generation: int
-    """Counts the repairs of this launch: the world torchrun formed is generation 0."""
-    store_host: str
-    store_port: int
-    """Where the generation's ranks meet: a store that the host node's local rank 0 serves."""
-    host_node_rank: int
-    nodes: int
-    """Nodes in the repaired world (the same as before: the replacement takes the lost node's rank)."""
-
-    def world_size(self, ranks_per_node: int) -> int:
-        return self.nodes * ranks_per_node
-
-    def store(self, rank: int, ranks_per_node: int, timeout: timedelta) -> dist.Store:
-        """The generation's store: served by the host node's first rank, reached by the others."""
-        return dist.TCPStore(self.store_host, self.store_port, self.world_size(ranks_per_node),
-                             is_master=rank == self.host_node_rank * ranks_per_node, timeout=timeout,
-                             multi_tenant=True)
-
-
-def read_order(path: Path) -> RepairOrder | None:
-    """The order in `path`, or None while there is none (the agent renames it into place whole)."""
-    try:
-        return RepairOrder(**json.loads(path.read_text()))
-    except FileNotFoundError:
-        return None
+def order_store(order: RepairOrder, rank: int, ranks_per_node: int, timeout: timedelta) -> dist.Store:
+    """The generation's store: served by the host node's first rank, reached by the others."""
+    return dist.TCPStore(order.store_host, order.store_port, order.world_size(ranks_per_node),
+                         is_master=rank == order.host_node_rank * ranks_per_node, timeout=timeout, multi_tenant=True)
 
 
 def join_order(order: RepairOrder, rank: int, ranks_per_node: int, backend: str, timeout: timedelta,
@@ -99,7 +73,7 @@ def join_order(order: RepairOrder, rank: int, ranks_per_node: int, backend: str,
     the failed world waits for a collective it had in flight there (its group's end joins the
     thread running it) until that collective's timeout, when the peer it waits on is leaving too."""
     world_size = order.world_size(ranks_per_node)
-    dist.init_process_group(backend, store=order.store(rank, ranks_per_node, 2 * timeout), rank=rank,
+    dist.init_process_group(backend, store=order_store(order, rank, ranks_per_node, 2 * timeout), rank=rank,
                             world_size=world_size, timeout=timeout, **options)
     log.info("joined generation %d of the world as rank %d of %d", order.generation, rank, world_size)
 

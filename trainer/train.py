@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainer import checkpoint_catalog, fleet_check, repair
+from trainer import checkpoint_catalog, fleet_check, repair, repair_order
 from trainer.scaling_check import ComputeClock, ScalingCheck
 from trainer.checkpoint import Checkpointer
 from trainer.config import ConfigError, JobConfig, OptimConfig, check_world_size, load_config
@@ -163,12 +163,12 @@ def distributed(cfg: JobConfig):
             dist.destroy_process_group()
 
 
-def _standing_order(cfg: JobConfig) -> repair.RepairOrder | None:
+def _standing_order(cfg: JobConfig) -> repair_order.RepairOrder | None:
     """The repair order this process starts with: there only on a replacement node."""
-    return repair.read_order(Path(cfg.parallel.repair_file)) if cfg.parallel.repair_file else None
+    return repair_order.read_order(Path(cfg.parallel.repair_file)) if cfg.parallel.repair_file else None
 
 
-def _world_size(order: repair.RepairOrder | None) -> int:
+def _world_size(order: repair_order.RepairOrder | None) -> int:
     """Ranks in the world to form: torchrun's, or the order's (a replacement's torchrun knows only its node)."""
     return order.world_size(_ranks_per_node()) if order else int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -452,7 +452,9 @@ def _repair(run: Run, failure: Exception, progress: Progress) -> None:
     run.pipeline.unstage()
     repair.abandon_step(run.pipeline.model_parts, env.mesh, failure)
     left = time.perf_counter()
-    order = repair.await_order(path, env.generation, timeout, progress.beat, failure)
+    repair_order.say_failed(path, env.generation, f"{type(failure).__name__}: {failure}")
+    order = repair.await_order(path, env.generation, timedelta(seconds=cfg.parallel.repair_wait_s), progress.beat,
+                               failure)
     ordered = time.perf_counter()
     repair.join_order(order, env.rank, _ranks_per_node(), _backend(env.device), timeout, **_group_options(env.device))
     fresh = environment(cfg, env.device)

@@ -270,6 +270,19 @@ class RecoveryAction(StrEnum):
     """Stop: the run fails (after teardown)."""
 
 
+class WorldRepair(Strict):
+    """How an attempt's world is formed when it is repaired in place (trainer/repair.py): the
+    surviving workers' trainers keep their processes, and the lost nodes' replacements start
+    trainers that join them."""
+
+    generation: int = Field(ge=1)
+    """Repairs of the world since its torchrun launch: the repair order's generation."""
+    launched_attempt: int = Field(ge=0)
+    """The attempt whose launch started the survivors' torchrun (their files are its)."""
+    survivor_ids: list[str] = Field(min_length=1)
+    """Workers whose trainers keep their processes and their node ranks."""
+
+
 class RecoveryDecision(Strict):
     """The outcome of lifecycle.decide_recovery; small enough for a Step Functions payload."""
 
@@ -296,6 +309,9 @@ class RecoveryDecision(Strict):
     restore_from_memory: bool = False
     """The next attempt resumes from the nodes' in-memory checkpoints, S3 only for a shard none
     holds (lifecycle.memory_restore says why or why not, in `reason`)."""
+    repair: WorldRepair | None = None
+    """The next attempt's world is the failed one repaired in place (lifecycle.repair_in_place);
+    None: every node's trainer starts anew."""
 
 
 class LateWorkerSwap(Strict):
@@ -340,6 +356,17 @@ class StateRestoredFigures(Strict):
         return f"{told}, {self.seconds:.1f} s" + (f" ({self.fallback})" if self.fallback else "")
 
 
+class RecoveryKind(StrEnum):
+    """How a failed world came back."""
+
+    REPAIRED = "repaired in place"
+    """The survivors' trainers kept their processes and formed the next world with the replacements."""
+    RESTARTED = "restarted"
+    """Every node's trainer started anew."""
+    GAVE_UP = "gave up"
+    """The run ended."""
+
+
 class FailureRecord(Strict):
     """One handled failure, for the restart budget, the crash-loop rule and the run report."""
 
@@ -364,6 +391,10 @@ class FailureRecord(Strict):
     """The nodes blamed."""
     message: str = ""
     """For people: what was seen."""
+    recovery: RecoveryKind | None = None
+    """How the world came back, if it did (None on records from before it was kept)."""
+    decision: str = ""
+    """For people: Recover's decision, and why."""
 
     @property
     def detection_seconds(self) -> float | None:
@@ -603,6 +634,10 @@ class RunRecord(Strict):
     restore_from_memory: bool = False
     """Whether the current attempt resumes from the nodes' in-memory checkpoints (Recover's
     RecoveryDecision.restore_from_memory): the launch spec's restore_from_memory."""
+    repair: WorldRepair | None = None
+    """Whether the current attempt's world is the last one repaired in place (Recover's
+    RecoveryDecision.repair): the launch spec's repair, and what the survivors' agents read to
+    keep their trainers running into the new attempt."""
     restored: StateRestoredFigures | None = None
     """Where the latest attempt that resumed took its state from."""
     fleet_check: FleetCheckFigures | None = None
@@ -721,6 +756,13 @@ class LaunchSpec(Strict):
     restore_from_memory: bool = False
     """Resume from the in-memory checkpoints the nodes hold (a replaced node's shards from its
     buddy), S3 only for a shard that has none: Recover's choice (RecoveryDecision.restore)."""
+    repairable: bool = False
+    """The trainers wait for a repair order when a step fails instead of exiting (their config's
+    parallel.repair_file): the run repairs lost nodes in place (RecoveryPolicy.repair_in_place)."""
+    repair: WorldRepair | None = None
+    """This attempt repairs the last world in place: the survivors' agents order their running
+    trainers into generation `repair.generation`, met at rendezvous_host:rendezvous_port (node
+    rank 0 survives), and the other nodes start trainers that join it."""
     heartbeat_task_token: str | None = None
     """Token rank 0's agent sends SendTaskHeartbeat / success with as training advances."""
     hang_timeout_seconds: int = Field(ge=HANG_TIMEOUT_MIN_S)
@@ -738,6 +780,11 @@ class LaunchSpec(Strict):
         if sorted(self.node_ranks.values()) != list(range(self.plan.nodes)):
             raise ValueError(f"node_ranks must number the plan's {self.plan.nodes} nodes "
                              f"0..{self.plan.nodes - 1}, got {sorted(self.node_ranks.values())}")
+        if self.repair:
+            host = next(instance for instance, rank in self.node_ranks.items() if rank == 0)
+            if host not in self.repair.survivor_ids or not set(self.repair.survivor_ids) <= self.node_ranks.keys():
+                raise ValueError(f"a repaired world keeps node rank 0 ({host}) and its survivors "
+                                 f"{self.repair.survivor_ids} among its nodes {sorted(self.node_ranks)}")
         return self
 
 

@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trainfleet.core.events import ProgressSample
 from trainfleet.core.lifecycle import book_attempt
-from trainfleet.core.records import (FailureClass, FailureRecord, FleetCheckFigures, NodeRecord, RunRecord, RunState,
-                                     ScalingCheckFigures)
+from trainfleet.core.records import (FailureClass, FailureRecord, FleetCheckFigures, NodeRecord, RecoveryKind,
+                                     RunRecord, RunState, ScalingCheckFigures)
 
 __all__ = ["StateEntry", "AttemptProgress", "Phase", "PhaseName", "FailureMark", "RunHistory", "build_history",
            "phases_of", "PHASE_OF_STATE"]
@@ -110,6 +110,10 @@ class FailureMark(_Shape):
     instance_ids: list[str]
     """The nodes blamed (replaced)."""
     message: str
+    recovery: RecoveryKind | None = None
+    """How the world came back: repaired in place or restarted, or the run gave up (None: not recorded)."""
+    decision: str = ""
+    """Recover's decision, and why."""
 
 
 class RunHistory(_Shape):
@@ -232,7 +236,8 @@ def build_history(run: RunRecord, nodes: list[NodeRecord], samples: Iterable[tup
             from_memory=failure.restored is not None and failure.restored.source == "memory",
             committed_step=failure.resume_step,
             steps_lost=last_step - (resume or 0) if last_step is not None else 0,
-            instance_ids=failure.instance_ids, message=failure.message))
+            instance_ids=failure.instance_ids, message=failure.message, recovery=failure.recovery,
+            decision=failure.decision))
     unknown = {}
     for mark in marks:
         first = last_steps.get(mark.attempt, resumed_from.get(mark.attempt) or 0) + 1

@@ -208,6 +208,11 @@ class RecoveryPolicy(Strict):
     cadence (HANG_STEPS of its recent median step time, trainfleet.core.pace.hung_after), long
     before the hang timeout. Below it, pauses a healthy world takes (a garbage collection, a
     data shard fetched, a machine's load) would be taken for a hang."""
+    repair_in_place: bool = True
+    """With in-memory checkpoints: a lost node's place is taken without restarting the others'
+    trainers, which keep their processes and form the next world around the replacement
+    (trainer/repair.py; lifecycle.repair_in_place says when it can). False: every recovery
+    restarts every node's trainer."""
     boot_timeout_seconds: int = Field(default=1800, ge=60)
     """Longest wait for the nodes to boot and pass preflight (AwaitNodes and its late-worker rounds)."""
     late_worker_seconds: int | None = Field(default=None, ge=1)
@@ -291,7 +296,8 @@ TRAINER_FIELDS: dict[str, frozenset[str]] = {
     "model": frozenset({"n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "mlp_ratio",
                         "tie_embeddings"}),
     "parallel": frozenset({"pp", "dp", "dp_shard", "tp", "reshard_after_forward", "schedule", "microbatches",
-                           "stages_per_rank", "layers_per_stage", "timeout_s", "repair_file"}),
+                           "stages_per_rank", "layers_per_stage", "timeout_s", "repair_file",
+                           "repair_wait_s"}),
     "data": frozenset({"shards", "cache_dir", "cache_bytes", "corpus_bytes", "shard_tokens"}),
     "optim": frozenset({"lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "beta1", "beta2",
                         "eps", "grad_clip"}),
@@ -479,6 +485,12 @@ class RunSpec(Strict):
     def facts(self) -> InstanceFacts:
         """The catalogue entry of the instance type."""
         return instance_facts(self.instance_type)
+
+    @property
+    def repairable(self) -> bool:
+        """Whether the run's worlds may be repaired in place (lifecycle.repair_in_place): it asks for
+        it and keeps the in-memory checkpoints a repaired world resumes from."""
+        return self.recovery.repair_in_place and self.checkpoint.memory_interval_steps > 0
 
     @property
     def shrink_floor(self) -> int:

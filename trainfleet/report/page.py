@@ -273,7 +273,7 @@ def _failures_table(history: RunHistory) -> str:
     if not history.failures:
         return "<p>None: no attempt failed.</p>"
     head = ("<tr><th>attempt</th><th>failure</th><th>onset</th><th>detected after</th><th>last step</th>"
-            "<th>resumed from</th><th>steps lost</th><th>nodes replaced</th><th>message</th></tr>")
+            "<th>recovery</th><th>resumed from</th><th>steps lost</th><th>nodes replaced</th><th>message</th></tr>")
     rows = []
     for failure in history.failures:
         cells = [
@@ -282,6 +282,7 @@ def _failures_table(history: RunHistory) -> str:
             ("text", _utc(failure.onset_at) if failure.onset_at else "not seen"),
             ("number", _duration(failure.detection_seconds) if failure.detection_seconds is not None else "unknown"),
             ("number", f"{failure.last_step:,}" if failure.last_step is not None else "none"),
+            ("text", escape(failure.recovery or "unknown")),
             ("number", (f"{failure.resume_step:,}{' (memory)' if failure.from_memory else ''}"
                         if failure.resume_step is not None else "scratch")),
             ("number", f"{failure.steps_lost:,}"),

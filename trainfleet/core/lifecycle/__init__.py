@@ -6,8 +6,9 @@ Offers:
                classify_task_error(error, cause, waiting, not_ready_instance_ids) -> FailureReport
     replan:    plan_layout(trainer_config, ranks_per_node, available_nodes, min_nodes, preferred_pp, memory_gib),
                initial_plan(spec, allocated_nodes)
-    recovery:  decide_recovery(run, nodes, failure, jitter_draw, now) -> RecoveryDecision,
+    recovery:  decide_recovery(run, nodes, failure, jitter_draw, now, trainers_alive) -> RecoveryDecision,
                memory_restore(run, survivors, plan) -> (from memory?, why),
+               repair_in_place(run, failure, survivors, trainers_alive) -> (WorldRepair | None, why),
                apply_decision(run, failure, decision, now, kept_on_memory_seconds) -> RunRecord,
                failure_streak(history, failure_class, resume_step), backoff_seconds(policy, streak, draw),
                ANNOUNCED_BY_AWS
@@ -34,6 +35,7 @@ Offers:
     liveness:  poll_interval(nodes, draw, hang_timeout_s), looks_per_second(nodes, hang_timeout_s),
                silent_after(nodes, hang_timeout_s) (trainfleet.core.pace's rules),
                silent_workers(nodes, liveness, attempt, now, hang_timeout_s, ec2_troubles),
+               trainers_alive(nodes, liveness, attempt, now, hang_timeout_s),
                blame_silent_workers(failure, ...) -> FailureReport, needs_liveness_look(failure), IMPAIRED,
                hang_onset(failure, liveness) -> FailureReport
 
@@ -48,9 +50,10 @@ from trainfleet.core.lifecycle.growth import (GROW_RETRY, grown_plan, growth_rep
 from trainfleet.core.lifecycle.launch import (assign_ranks, build_launch_spec, confirmed, may_start, new_node_records,
                                               ready_workers, unready_workers, world_attempt, world_complete)
 from trainfleet.core.lifecycle.liveness import (IMPAIRED, blame_silent_workers, hang_onset, looks_per_second,
-                                                needs_liveness_look, poll_interval, silent_after, silent_workers)
+                                                needs_liveness_look, poll_interval, silent_after, silent_workers,
+                                                trainers_alive)
 from trainfleet.core.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, backoff_seconds, decide_recovery,
-                                                failure_streak, memory_restore)
+                                                failure_streak, memory_restore, repair_in_place)
 from trainfleet.core.lifecycle.replan import initial_plan, plan_layout
 from trainfleet.core.lifecycle.reservation import (BLOCK_TERMINATION_LEAD, Reservation, block_end_due, block_end_report,
                                                    reservation_problem)
@@ -64,6 +67,7 @@ __all__ = [
     "classify_event", "classify_task_error", "is_stale", "sender_problem",
     "plan_layout", "initial_plan",
     "decide_recovery", "apply_decision", "failure_streak", "backoff_seconds", "ANNOUNCED_BY_AWS", "memory_restore",
+    "repair_in_place",
     "settle_attempt", "settle_run_attempt", "book_attempt", "unaccounted_seconds", "accrue_cost", "take_back",
     "redone_cause",
     "over_cost_ceiling",
@@ -75,6 +79,6 @@ __all__ = [
     "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "world_attempt",
     "may_start", "assign_ranks",
     "build_launch_spec", "swap_late_workers",
-    "poll_interval", "looks_per_second", "silent_after", "silent_workers", "blame_silent_workers", "hang_onset",
+    "poll_interval", "looks_per_second", "silent_after", "silent_workers", "trainers_alive", "blame_silent_workers", "hang_onset",
     "needs_liveness_look", "IMPAIRED",
 ]

@@ -1,6 +1,6 @@
 """From launched instances to a launch spec: roles, readiness, node ranks."""
 
-from trainfleet.core.records import (LaunchSpec, NodeRecord, NodeRole, NodeState, ParallelPlan, RunRecord,
+from trainfleet.core.records import (LaunchSpec, NodeRecord, NodeRole, NodeState, ParallelPlan, RunRecord, WorldRepair,
                                      rendezvous_port)
 from trainfleet.core.runspec import RunSpec
 
@@ -92,6 +92,8 @@ def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_to
     if by_id[host].private_ip is None:
         raise ValueError(f"node rank 0 ({host}) has not reported its private IP")
     rendezvous_id = f"{run.run_name}-{run.attempt}"
+    if run.repair:
+        rendezvous_id = _repair_rendezvous_id(run.run_name, run.repair, run.attempt)
     resume_step = run.latest_checkpoint.step if run.latest_checkpoint else None
     return LaunchSpec(
         run_name=run.run_name,
@@ -105,8 +107,21 @@ def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_to
                                                 scaling_check_due=not (run.scaling_check and run.scaling_check.passed)),
         resume_step=resume_step,
         restore_from_memory=run.restore_from_memory,
+        repairable=run.spec.repairable,
+        repair=run.repair,
         heartbeat_task_token=heartbeat_task_token,
         hang_timeout_seconds=run.spec.recovery.hang_timeout_seconds,
         startup_timeout_seconds=run.spec.recovery.startup_timeout_seconds,
         stall_floor_seconds=run.spec.recovery.stall_floor_seconds,
     )
+
+
+def _repair_rendezvous_id(run_name: str, repair: WorldRepair, attempt: int) -> str:
+    """The id that draws a repaired world's store port on node rank 0: not the port of a store
+    still open there (the survivors' torchrun rendezvous, the earlier generations' stores)."""
+    taken = {rendezvous_port(f"{run_name}-{earlier}") for earlier in range(repair.launched_attempt, attempt)}
+    rendezvous_id, salt = f"{run_name}-{attempt}", 0
+    while rendezvous_port(rendezvous_id) in taken:
+        salt += 1
+        rendezvous_id = f"{run_name}-{attempt}-{salt}"
+    return rendezvous_id

@@ -26,7 +26,7 @@ from trainfleet.core.pace import (FULL_RATE_NODES, POLL_MAX_S, POLL_MIN_S, SILEN
 from trainfleet.core.records import FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole
 
 __all__ = ["FULL_RATE_NODES", "POLL_MAX_S", "POLL_MIN_S", "SILENT_LOOKS", "looks_per_second", "poll_interval",
-           "silent_after", "IMPAIRED", "silent_workers", "blame_silent_workers", "needs_liveness_look", "hang_onset"]
+           "silent_after", "IMPAIRED", "silent_workers", "trainers_alive", "blame_silent_workers", "needs_liveness_look", "hang_onset"]
 
 IMPAIRED = "impaired"
 """What EC2's troubles name an instance whose instance or system status check failed."""
@@ -82,6 +82,17 @@ def silent_workers(nodes: list[NodeRecord], liveness: list[NodeLiveness], attemp
         elif trouble in LOST_STATES:
             why[node.instance_id] = f"EC2 reports the instance {trouble}"
     return why
+
+
+def trainers_alive(nodes: list[NodeRecord], liveness: list[NodeLiveness], attempt: int, now: datetime,
+                   hang_timeout_s: float) -> frozenset[str]:
+    """The workers whose agents reported their trainer running in `attempt` recently enough not
+    to count as silent (an agent reports only while its torchrun runs): those that can receive a
+    repair order (recovery.repair_in_place)."""
+    limit = silent_after(sum(not node.state.is_retired for node in nodes), hang_timeout_s)
+    workers = {node.instance_id for node in nodes if node.role is NodeRole.WORKER and not node.state.is_retired}
+    return frozenset(record.instance_id for record in liveness if record.attempt == attempt
+                     and record.instance_id in workers and now - record.reported_at <= limit)
 
 
 def blame_silent_workers(failure: FailureReport, nodes: list[NodeRecord], liveness: list[NodeLiveness],

@@ -10,7 +10,8 @@ decide_recovery() works in numbered steps, each a rule a person can check:
        in between): give up;
     5. no node is blamed: restart on the same nodes;
        (5 and 6 resume from the nodes' in-memory checkpoints unless a lost node's buddy is lost
-       too: memory_restore);
+       too: memory_restore; in 6, the survivors keep their trainers where they can:
+       repair_in_place);
     6. blamed workers (and any AWS announced leaving) are covered by healthy spares and/or new
        instances: replace (at once on the first failure of a streak: the nodes that failed are gone);
     7. capacity ran out and the run may shrink: re-plan pp x dp on the nodes left (workers it
@@ -26,7 +27,8 @@ from trainfleet.core.lifecycle.growth import grown_plan
 from trainfleet.core.lifecycle.launch import rank_order
 from trainfleet.core.lifecycle.replan import plan_layout
 from trainfleet.core.records import (FailureClass, FailureRecord, FailureReport, NodeRecord, NodeRole, NodeState,
-                                     ParallelPlan, RecoveryAction, RecoveryDecision, RunRecord)
+                                     ParallelPlan, RecoveryAction, RecoveryDecision, RecoveryKind, RunRecord,
+                                     WorldRepair)
 from trainfleet.core.runspec import RecoveryPolicy
 
 FAILURES_KEPT = 50
@@ -117,9 +119,39 @@ def memory_restore(run: RunRecord, survivors: list[NodeRecord], plan: ParallelPl
     return True, "every node resumes from its own memory"
 
 
+def repair_in_place(run: RunRecord, failure: FailureReport, survivors: list[NodeRecord],
+                    trainers_alive: frozenset[str]) -> tuple[WorldRepair | None, str]:
+    """Whether the next world may be the failed one repaired in place (trainer/repair.py), and
+    why not; given the workers that stay in the world (the lost ones' places are taken, their
+    shards come from their buddies' memory: memory_restore said yes) and the workers whose
+    trainers were seen alive in the failed attempt (their agents' liveness reports).
+
+    The survivors' trainers keep their processes only where each one is alive to receive the
+    order, the lost nodes' processes are gone with them (an instance lost, not a trainer that
+    failed on a node still there) and node rank 0 survives: it hosts torchrun's rendezvous, which
+    every survivor's torchrun holds on to, and the next generation's store."""
+    if not run.spec.repairable:
+        return None, ""
+    if failure.failure_class is not FailureClass.INSTANCE_LOST:
+        return None, f"restart every trainer: {failure.failure_class.value} lost no node"
+    if run.first_step_at is None:
+        return None, "restart every trainer: the failed world had not trained"
+    if not any(node.node_rank == 0 for node in survivors):
+        return None, "restart every trainer: node rank 0, which hosts the rendezvous, is lost"
+    silent = sorted(node.instance_id for node in survivors if node.instance_id not in trainers_alive)
+    if silent:
+        return None, f"restart every trainer: no sign of life from the trainers of {', '.join(silent)}"
+    repaired = run.repair
+    repair = WorldRepair(generation=repaired.generation + 1 if repaired else 1,
+                         launched_attempt=repaired.launched_attempt if repaired else run.attempt,
+                         survivor_ids=sorted(node.instance_id for node in survivors))
+    return repair, f"repair the world in place (generation {repair.generation}): the survivors keep their trainers"
+
+
 def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport,
-                    jitter_draw: float, now: datetime) -> RecoveryDecision:
-    """What to do about `failure` (classified for the run's current attempt), decided at `now`."""
+                    jitter_draw: float, now: datetime, trainers_alive: frozenset[str] = frozenset()) -> RecoveryDecision:
+    """What to do about `failure` (classified for the run's current attempt), decided at `now`;
+    `trainers_alive`: the workers whose trainers were seen alive in that attempt (repair_in_place)."""
     spec, policy = run.spec, run.spec.recovery
     resume_step = run.latest_checkpoint.step if run.latest_checkpoint else None
 
@@ -221,10 +253,12 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
     refill = 0 if failure.failure_class is FailureClass.CAPACITY else max(0, spec.spare_count - spares_left)
     if streak == 1:
         common["backoff_seconds"] = 0.0
+    repair, how = repair_in_place(run, failure, workers, trainers_alive) if from_memory else (None, "")
     return RecoveryDecision(action=RecoveryAction.REPLACE, plan=plan, allocate_workers=uncovered,
-                            allocate_spares=refill, **common,
+                            allocate_spares=refill, repair=repair, **common,
                             reason=f"{failure.failure_class.value}: replace {len(terminate)} node(s), "
-                                   f"{len(promote)} from spares, {uncovered} new, {restore}; {failure.message}")
+                                   f"{len(promote)} from spares, {uncovered} new, {restore}"
+                                   f"{'; ' + how if how else ''}; {failure.message}")
 
 
 def kept_failures(history: list[FailureRecord], now: datetime, window: timedelta) -> list[FailureRecord]:
@@ -258,7 +292,9 @@ def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDec
         resume_step=run.latest_checkpoint.step if run.latest_checkpoint else None, attempt=failure.attempt,
         onset_at=failure.observed_at, last_step=run.last_step if run.first_step_at else None,
         instance_ids=failure.instance_ids, message=clipped(failure.message),
-        kept_on_memory_seconds=kept_on_memory_seconds)]
+        kept_on_memory_seconds=kept_on_memory_seconds, decision=clipped(decision.reason),
+        recovery=RecoveryKind.GAVE_UP if decision.action is RecoveryAction.GIVE_UP else
+        RecoveryKind.REPAIRED if decision.repair else RecoveryKind.RESTARTED)]
     kept = kept_failures(history, now, timedelta(hours=run.spec.recovery.restart_window_hours))
     books = {"failures": kept, "earlier_failures": run.earlier_failures + len(history) - len(kept)}
     if decision.action is RecoveryAction.GIVE_UP:
@@ -269,6 +305,7 @@ def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDec
         "restarts": run.restarts + 1,
         "plan": decision.plan,
         "restore_from_memory": decision.restore_from_memory,
+        "repair": decision.repair,
         "waiting": None,
         "attempt_failure": None,
         "attempt_started_at": now,
