@@ -170,7 +170,16 @@ class Timings:
     preflight_s: float = 60.0
     """node.health on a p5: device and EFA checks, the one-rank NCCL probe."""
     rendezvous_s: float = 120.0
-    """torchrun's c10d rendezvous and NCCL communicators for 16,384 ranks."""
+    """A world started anew: every node's trainer processes start (imports, CUDA contexts, the
+    model built), torchrun's c10d rendezvous and NCCL communicators for 16,384 ranks."""
+    trainer_start_s: float = 30.0
+    """One node's trainer started on its own, up to joining a world: process start, imports, CUDA
+    contexts, its part of the model built. In a repair it is the replacement's alone."""
+    repair_s: float = 15.0
+    """A world repaired in place (trainer/repair.py): the ranks leave the failed world, meet at the
+    order's store and create their NCCL communicators again, in the processes they have. An
+    assumption for 16,384 ranks: the measured 0.3-0.6 s of six CPU ranks says nothing of NCCL at
+    that scale."""
     detect_s: float = 2.0
     """A failure with an event (EC2, Health, the agent's report) to Recover starting: EventBridge's
     half second and the agent's one-second wait for EC2's word on a lost peer."""
@@ -217,6 +226,9 @@ class Scenario:
     memory_copies: bool = True
     """In-memory checkpoints every step (RunSpec checkpoint.memory_interval_steps=1, the default):
     Recover resumes from them unless a lost node's buddy was lost too; False: S3 alone."""
+    repairs: bool = True
+    """Worlds repaired in place where Recover can (RecoveryPolicy.repair_in_place, the default,
+    with the in-memory checkpoints); False: every recovery restarts every trainer."""
 
 
 def run_spec(scenario: Scenario) -> RunSpec:
@@ -231,7 +243,8 @@ def run_spec(scenario: Scenario) -> RunSpec:
                     "parallel": {"pp": 1, "dp": n, "tp": 8, "schedule": "1f1b", "microbatches": 1}},
         "checkpoint": {"s3_uri": "s3://bucket/runs/month/checkpoints",
                        "memory_interval_steps": 1 if scenario.memory_copies else 0},
-        "recovery": {"max_restarts": scenario.max_restarts, "hang_timeout_seconds": scenario.hang_timeout_s},
+        "recovery": {"max_restarts": scenario.max_restarts, "hang_timeout_seconds": scenario.hang_timeout_s,
+                     "repair_in_place": scenario.repairs},
     })
 
 
@@ -322,6 +335,8 @@ class Pace:
     between_look: timedelta
     """The last of the run's agents to look at the run record after it changed, at the full rate."""
     rendezvous: timedelta
+    trainer_start: timedelta
+    repair: timedelta
     load: timedelta
     peer_load: timedelta
     save: timedelta
@@ -346,7 +361,8 @@ class Pace:
                    stalled=s(stall_after(t.step_s)),
                    between_look=s(longest_look(min(scenario.nodes + scenario.spares, FULL_RATE_NODES),
                                                scenario.hang_timeout_s)),
-                   rendezvous=s(t.rendezvous_s), load=s(t.load_s), peer_load=s(t.peer_load_s), save=s(t.save_s),
+                   rendezvous=s(t.rendezvous_s), trainer_start=s(t.trainer_start_s), repair=s(t.repair_s),
+                   load=s(t.load_s), peer_load=s(t.peer_load_s), save=s(t.save_s),
                    cadence=s(max(scenario.interval_s, t.save_s)),
                    stall=t.stall_s + max(0.0, t.save_s - scenario.interval_s),
                    copy_stall=t.stall_s if scenario.memory_copies else 0.0, step=s(t.step_s),
@@ -375,6 +391,8 @@ class Outcome:
     """Failure -> the next attempt's first step, per recovery whose attempt reached one."""
     boot_waits: int = 0
     """Recoveries that waited for new instances to boot."""
+    repairs: int = 0
+    """Recoveries that repaired the world in place."""
     gave_up_at_s: float | None = None
 
     @property
@@ -456,8 +474,10 @@ class Month:
             # As Recover does: decided with the attempt on the books (the cost ceiling), booked by
             # where the next attempt resumes from.
             preview = run.model_copy(update={"ledger": settle_run_attempt(run, decided, False, failure.failure_class)})
+            # Every worker's trainer is alive at the decision but the victim's (its agent reports).
+            alive = frozenset(self.fleet.worker_ids) - {victim} if self.scenario.repairs else frozenset()
             decision = decide_recovery(preview, list(self.fleet.nodes.values()), failure,
-                                       jitter_draw=self.draws.random(), now=decided)
+                                       jitter_draw=self.draws.random(), now=decided, trainers_alive=alive)
             run = self.book(run, decided, started_by, cause.name, failure, decision.restore_from_memory)
             run = apply_decision(run, failure, decision, decided).model_copy(update={
                 "attempt_started_at": decided, "first_step_at": None})
@@ -469,6 +489,7 @@ class Month:
             for instance_id in decision.terminate_instance_ids:
                 self.stays.pop(instance_id, None)
             outcome.boot_waits += decision.allocate_workers > 0
+            outcome.repairs += decision.repair is not None
             started_by = cause.name
             first_step = self.first_step(run, failed_at, decided, decision)
             recovering_since = recovering_since or failed_at
@@ -479,7 +500,8 @@ class Month:
         """When the attempt decided at `decided` on a failure at `failed_at` trains, if nothing
         fails first: every worker confirmed (one that was up at its next look after the decision,
         at the full rate once its trainer stalled; a new one once through preflight), the backoff
-        waited, the launch spec read at the agents' next look (the full rate), rendezvous, the
+        waited, the launch spec read at the agents' next look (the full rate), the world started
+        (rendezvous) or repaired in place (the replacements' trainers start, the world forms), the
         state restored: from the nodes' memory where Recover chose it, else S3's checkpoint."""
         pace = self.pace
         booting = [ready for instance_id, ready in self.fleet.ready_at.items()
@@ -488,7 +510,8 @@ class Month:
         awaited = max(decided + timedelta(seconds=decision.backoff_seconds), confirmed, *booting)
         self.restore = (pace.peer_load if decision.restore_from_memory else pace.load if run.latest_checkpoint
                         else timedelta())
-        return awaited + pace.between_look + pace.rendezvous + self.restore
+        formed = pace.trainer_start + pace.repair if decision.repair else pace.rendezvous
+        return awaited + pace.between_look + formed + self.restore
 
     def trained(self, run: RunRecord, first_step: datetime, end: datetime) -> RunRecord:
         """The run record at `end`: the attempt's first step if reached, its latest commit."""
@@ -526,16 +549,18 @@ class Month:
 
 def failure_to_training(scenario: Scenario, timings: Timings) -> dict[str, float]:
     """Seconds from a node lost (an event names it) to the world training again, by part, with a
-    READY spare stepping in and the state restored from the nodes' memory: Month.first_step's
-    path for one such failure."""
+    READY spare stepping in and the state restored from the nodes' memory, the world repaired in
+    place where the scenario repairs: Month.first_step's path for one such failure."""
     pace = Pace.of(scenario, timings)
     seconds = lambda delta: delta.total_seconds()  # noqa: E731
     decided = seconds(pace.detect + pace.control_plane)
+    formed = ({"the replacement's trainer starts": seconds(pace.trainer_start),
+               "the world repaired (store, communicators)": seconds(pace.repair)} if scenario.repairs
+              else {"every trainer started, rendezvous and communicators": seconds(pace.rendezvous)})
     return {"detection": seconds(pace.detect), "control plane": seconds(pace.control_plane),
             "survivors confirm (stalled, next look)": max(decided, seconds(pace.stalled)) + seconds(pace.between_look)
             - decided, "launch spec read (next look)": seconds(pace.between_look),
-            "rendezvous and communicators": seconds(pace.rendezvous), "state from memory": seconds(pace.peer_load),
-            "the first step": seconds(pace.step)}
+            **formed, "state from memory": seconds(pace.peer_load), "the first step": seconds(pace.step)}
 
 
 def simulate(scenario: Scenario, timings: Timings) -> Outcome:
@@ -553,6 +578,7 @@ def mean_outcome(outcomes: list[Outcome]) -> dict:
         "ettr": statistics.fmean(o.ettr for o in outcomes),
         "failures": statistics.fmean(sum(o.failures.values()) for o in outcomes),
         "boot_waits": statistics.fmean(o.boot_waits for o in outcomes),
+        "repairs": statistics.fmean(o.repairs for o in outcomes),
         "recovery_min": statistics.fmean(recoveries) / 60 if recoveries else math.nan,
         "lost_gpu_h": lost,
         "stall_gpu_h": statistics.fmean(o.gpu_hours(o.stall_s) for o in outcomes),
@@ -607,12 +633,16 @@ def main() -> int:
           f"{t.stall_s:.4f} s ({MODEL_PARAMETERS / 1e9:.0f}B parameters x {STATE_BYTES_PER_PARAMETER} bytes over "
           f"{args.nodes:,} nodes)")
 
-    s3_only = replace(with_spares, memory_copies=False)
+    s3_only = replace(with_spares, memory_copies=False, repairs=False)
+    restarts = replace(with_spares, repairs=False)
     figures = {"no spares": month(base, timings, args.seeds), f"{spares} spares": month(with_spares, timings, args.seeds),
+               f"{spares} sp., restart": month(restarts, timings, args.seeds),
                f"{spares} sp., S3 only": month(s3_only, timings, args.seeds)}
     columns = list(figures)
-    print(f"in-memory checkpoints every step (the first two columns): restore {t.peer_load_s:.2f} s from the nodes' "
-          f"memory, training blocked {t.stall_s:.4f} s a step; 'S3 only' is the path before them")
+    print(f"in-memory checkpoints every step (the first three columns): restore {t.peer_load_s:.2f} s from the nodes' "
+          f"memory, training blocked {t.stall_s:.4f} s a step; the first two repair the world in place where Recover "
+          f"can (the replacement's trainer starts {t.trainer_start_s:g} s, the world forms {t.repair_s:g} s), "
+          f"'restart' restarts every trainer; 'S3 only' is the path before both")
     print(f"\n{'':40}" + "".join(f"{column:>16}" for column in columns))
 
     def row(label: str, values: list, fmt: str) -> None:
@@ -621,6 +651,7 @@ def main() -> int:
     row("ETTR", [f["ettr"] for f in figures.values()], ".4f")
     row("failures", [f["failures"] for f in figures.values()], ".1f")
     row("recoveries waiting for a boot", [f["boot_waits"] for f in figures.values()], ".1f")
+    row("recoveries repaired in place", [f["repairs"] for f in figures.values()], ".1f")
     row("failure -> next first step (min, mean)", [f["recovery_min"] for f in figures.values()], ".2f")
     print("lost GPU-hours by cause")
     causes_seen = sorted({c for f in figures.values() for c in f["lost_gpu_h"]},
@@ -634,12 +665,13 @@ def main() -> int:
 
     intervals_min = [0.5, 1, 2, 5, 10, 20, 30, 60]
     print(f"\nS3 checkpoint interval sweep ({spares} spares, mean of {args.seeds} seed(s))")
-    print(f"{'interval (min)':>16}{'ETTR':>10}{'S3 only':>10}")
-    sweep, before = {}, {}
+    print(f"{'interval (min)':>16}{'ETTR':>10}{'restart':>10}{'S3 only':>10}")
+    sweep, restarted, before = {}, {}, {}
     for minutes in intervals_min:
         sweep[minutes] = month(replace(with_spares, interval_s=minutes * 60), timings, args.seeds)["ettr"]
+        restarted[minutes] = month(replace(restarts, interval_s=minutes * 60), timings, args.seeds)["ettr"]
         before[minutes] = month(replace(s3_only, interval_s=minutes * 60), timings, args.seeds)["ettr"]
-        print(f"{minutes:>16g}{sweep[minutes]:>10.4f}{before[minutes]:>10.4f}")
+        print(f"{minutes:>16g}{sweep[minutes]:>10.4f}{restarted[minutes]:>10.4f}{before[minutes]:>10.4f}")
     best = max(before, key=before.get)
     young_daly_s = math.sqrt(2 * mtbf_s * t.stall_s)
     print(f"S3 only: best interval {best:g} min (ETTR {before[best]:.4f}); Young/Daly sqrt(2 x MTBF x checkpoint cost) = "
@@ -652,9 +684,10 @@ def main() -> int:
           + (f"the run gives up after {statistics.fmean(gave_up):.1f} h (crash loop) in {len(gave_up)} of "
              f"{args.seeds} month(s)" if gave_up else "the run never gives up")
           + f", ETTR {today['ettr']:.4f}")
-    parts = failure_to_training(with_spares, timings)
-    print(f"\na node lost, a READY spare in its place, the state from memory: {sum(parts.values()):.1f} s to training "
-          "again (" + ", ".join(f"{name} {value:.1f}" for name, value in parts.items()) + ")")
+    for scenario, how in ((with_spares, "the world repaired in place"), (restarts, "every trainer restarted")):
+        parts = failure_to_training(scenario, timings)
+        print(f"\na node lost, a READY spare in its place, the state from memory, {how}: {sum(parts.values()):.1f} s "
+              "to training again (" + ", ".join(f"{name} {value:.1f}" for name, value in parts.items()) + ")")
     print(f"ettr_s3_30min={sweep[30]:.4f}")
     print(f"ettr={figures[columns[1]]['ettr']:.4f}")
     return 0

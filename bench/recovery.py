@@ -20,9 +20,12 @@ clock) it takes, per run:
                     checkpoint load are excluded and printed apart:
   boot_s            Recover done -> every node of the new attempt ready (boot, preflight)
   resume_s          launch spec written -> the first step of the new attempt (torchrun,
-                    rendezvous, checkpoint load, one step)
+                    rendezvous, checkpoint load, one step; repaired: the replacement's
+                    torchrun, the world formed again, the restore, one step)
   first_step_s      fault -> the first step after the resume, the node replaced
   steps_lost        steps trained before the fault and trained again after the resume
+  repaired          1 where Recover repaired the world in place (the survivors kept their
+                    trainers: trainer/repair.py), 0 where it restarted every trainer
 
 and an AWS estimate of control_plane_s: the Lambda invocations, state transitions, EventBridge
 deliveries and EC2 calls counted in the control-plane windows, times AWS's published latencies
@@ -54,6 +57,7 @@ from localcloud.chaos import (SPOT_NOTICE_S, Cell, Fault, Phase, cell_template, 
 from localcloud.demo import DEMO_RUN_SPEC  # noqa: E402
 from localcloud.stack import LocalRun, LocalStack, execution_history, local_stack, metrics_records  # noqa: E402
 from bench import goodput  # noqa: E402
+from trainfleet.core.records import RecoveryKind  # noqa: E402
 
 FAULTS = {"kill": (Fault.KILL, 0), "kill+spare": (Fault.KILL, 1), "freeze": (Fault.FREEZE, 0),
           "hang": (Fault.HANG, 0), "spot": (Fault.SPOT, 0), "crash": (Fault.CRASH, 0)}
@@ -124,6 +128,12 @@ def _history(stack: LocalStack, run: LocalRun) -> list[tuple[float, str, str]]:
     return timeline
 
 
+def trained_steps(stack: LocalStack, run: LocalRun) -> list[dict[str, Any]]:
+    """The step records of the run's first two attempts (a world repaired in place writes on in
+    the files of the attempt that launched it)."""
+    return [record for attempt in (0, 1) for record in metrics_records(stack.instances(run), attempt) if "loss" in record]
+
+
 def _first(timeline: list[tuple[float, str, str]], after: float, state: str, *types: str) -> float:
     return next(t for t, kind, name in timeline if t >= after and name == state and kind in types)
 
@@ -136,16 +146,17 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, spares: int, templa
         if outcome["problems"]:
             raise RuntimeError(f"{cell.name}: {outcome['problems']}")
         run = LocalRun(outcome["run_name"], outcome["arn"], {})
-        if any("loss" in record for record in metrics_records(stack.instances(run), 1)):
+        timeline = _history(stack, run)
+        fault_at = outcome["injections"][0]["at"]
+        failed = _first(timeline, fault_at, "Train", "TaskFailed", "TaskTimedOut")
+        steps = trained_steps(stack, run)
+        if any(record["time"] > failed for record in steps):
             break
         # A Spot notice that came with the last steps: the run completed before the interruption,
         # or its emergency checkpoint was the last step and the resumed attempt had none to train.
         print(f"{cell.name}: no step trained after a recovery; measuring again", flush=True)
     else:
         raise RuntimeError(f"{cell.name}: no recovery in {TRIES} runs")
-    timeline = _history(stack, run)
-    fault_at = outcome["injections"][0]["at"]
-    failed = _first(timeline, fault_at, "Train", "TaskFailed", "TaskTimedOut")
     if fault is Fault.SPOT:
         noticed = min(node.departure_noticed_at.timestamp() for node in stack.store.nodes(run.run_name)
                       if node.departure_noticed_at is not None)
@@ -154,13 +165,13 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, spares: int, templa
     decided = _first(timeline, failed, "Recover", "TaskSucceeded")
     ready = _first(timeline, decided, "AwaitNodes", "TaskSucceeded")
     spec_written = _first(timeline, ready, "Train", "TaskSubmitted")
-    instances = stack.instances(run)
-    first_step = min(record["time"] for record in metrics_records(instances, 1) if "loss" in record)
-    last_before = max(record["step"] for record in metrics_records(instances, 0) if "loss" in record)
+    first_step = min(record["time"] for record in steps if record["time"] > failed)
+    last_before = max(record["step"] for record in steps if record["time"] <= failed)
     # Where the trainer resumed: the nodes' memory or S3 (the launch spec's resume_step is S3's).
     restored = stack.store.run(run.run_name).restored
     resumed = restored.step if restored else next(line["resume_step"] for lines in outcome["launches"].values()
                                                   for line in lines if line["attempt"] == 1)
+    repaired = stack.store.run(run.run_name).failures[-1].recovery is RecoveryKind.REPAIRED
     counted = calls.between(noticed, decided) + calls.between(ready, spec_written)
     figures = {
         "detection_s": noticed - fault_at,
@@ -170,6 +181,7 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, spares: int, templa
         "first_step_s": first_step - fault_at,
         "steps_lost": last_before - (resumed or 0),
         "from_memory": float(restored is not None and restored.source == "memory"),
+        "repaired": float(repaired),
         "aws_control_plane_s": sum(counted[name] * seconds for name, seconds in COUNTED.items()),
         **{name: counted[name] for name in COUNTED},
     }
@@ -213,7 +225,7 @@ def main() -> int:
         finally:
             calls.stop()
     columns = ["detection_s", "notice_wait_s", "control_plane_s", "boot_s", "resume_s", "first_step_s",
-               "steps_lost", "from_memory", "aws_control_plane_s", *COUNTED]
+               "steps_lost", "from_memory", "repaired", "aws_control_plane_s", *COUNTED]
     print(f"\nmedians over {args.repetitions} run(s) per fault, {datetime.now():%Y-%m-%d %H:%M}, local cloud "
           f"(time scale 0.02), 2 nodes pp=2:")
     print(f"{'fault':12}" + "".join(f"{column:>24}" for column in columns))

@@ -192,15 +192,21 @@ class LocalStack:
         get `cpu_share` of the CPU time (below 1: a starved machine)."""
         run_name = f"{template['run_name']}-{uuid.uuid4().hex[:4]}"
         self.cpu_shares[run_name] = cpu_share
-        spec = local_run_spec(template, run_name, self.bucket, *self.network)
-        if self.standin:
-            spec["recovery"] = spec.get("recovery", {}) | {"repair_in_place": False}
+        spec = self.run_spec(template, run_name)
         arn = self.client("stepfunctions").start_execution(
             stateMachineArn=self.outputs["StateMachineArn"], name=run_name, input=json.dumps(spec))["executionArn"]
         self.narrate(f"started execution {run_name}: {spec['node_count']} x {spec['instance_type']}, "
                      f"pp={spec['trainer']['parallel']['pp']}, {spec['trainer']['training']['steps']} steps, "
                      f"checkpoint every {spec['checkpoint']['interval_steps']} to s3://{self.bucket}/runs/{run_name}/")
         return LocalRun(run_name, arn, spec)
+
+    def run_spec(self, template: dict[str, Any], run_name: str) -> dict[str, Any]:
+        """`template` as a RunSpec named `run_name` for this stack (local_run_spec), its repairs off
+        where the agents run the stand-in trainer."""
+        spec = local_run_spec(template, run_name, self.bucket, *self.network)
+        if self.standin:
+            spec["recovery"] = spec.get("recovery", {}) | {"repair_in_place": False}
+        return spec
 
     def operations(self) -> Any:
         """The stack as `trainfleet run` sees it (trainfleet.operator.runs.Stack), through this cloud's
@@ -252,6 +258,8 @@ class LocalStack:
                           for reservation in reservations["Reservations"] for instance in reservation["Instances"]},
             "launches": {instance_id: [line for line in lines if line["agent"] == "starting torchrun"]
                          for instance_id, lines in said.items()},
+            "repairs": {instance_id: [line for line in lines if line["agent"].startswith("repairing the world in place")]
+                        for instance_id, lines in said.items()},
             "commits": sorted({(line["attempt"], line["step"]) for lines in said.values() for line in lines
                                if line["agent"] == "sent CheckpointCommitted"}),
             "trainer_failures": [line for lines in said.values() for line in lines

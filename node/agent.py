@@ -84,7 +84,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -815,9 +815,8 @@ class Attempt:
         self.files = AttemptFiles(control.settings.workdir / f"attempt-{spec.attempt}")
         self.metrics = MetricsFollower(self.files.metrics)
         self.checkpoints = catalog.open_store(spec.trainer_config["checkpoint"]["uri"], control.s3)
-        self.announced = {step for step in control.until_done("list the committed checkpoints", lambda: control.call(
-            "list the committed checkpoints", lambda: catalog.committed_steps(self.checkpoints)), deadline)
-                          if spec.resume_step is None or step <= spec.resume_step}
+        self.announced = announced_before(spec, control.until_done("list the committed checkpoints", lambda: control.call(
+            "list the committed checkpoints", lambda: catalog.committed_steps(self.checkpoints)), deadline))
         self.last_step: int | None = None
         self.speaks_for_world = False  # set once this node's trainer writes metrics (global rank 0)
         self.heartbeat_every = heartbeat_pace(spec.hang_timeout_seconds)
@@ -932,6 +931,8 @@ class Attempt:
             self.files.check_result(check).unlink(missing_ok=True)
         self.checks_reported.clear()
         self.spec, self.generation = spec, spec.repair.generation
+        self.announced |= announced_before(spec, self.control.call(
+            "list the committed checkpoints", lambda: catalog.committed_steps(self.checkpoints)) or ())
         write_order(self.files.repair_order,
                     repair_order(spec, launch_nodes_gone=len(self.launched_with - set(spec.repair.survivor_ids))))
         self.report_liveness()
@@ -1182,6 +1183,12 @@ class Attempt:
         self.control.deliver(TrainerFailed(**base, kind=failure_kind(output), exit_code=returncode,
                                            message=failure_message(output), last_step=self.last_step),
                              self.deadline)
+
+
+def announced_before(spec: LaunchSpec, committed: Iterable[int]) -> set[int]:
+    """The commits the attempts before `spec`'s announced (or could have): those up to its resume
+    point. Its own are announced as they come."""
+    return {step for step in committed if spec.resume_step is None or step <= spec.resume_step}
 
 
 def repair_order(spec: LaunchSpec, launch_nodes_gone: int = 0) -> RepairOrder:

@@ -161,9 +161,6 @@ def spares(template: dict) -> dict:
             "failure_to_first_step_s": resumed[0]["time"] - killed["at"],
             "reads_during_recovery": [key for at, key in reads if killed["at"] < at < resumed[0]["time"]],
             "restored": stack.store.run(run.run_name).restored.model_dump(mode="json"),
-            "repairs": {instance.instance_id: [line for line in agent_lines(instance)
-                                               if line["agent"].startswith("repairing the world in place")]
-                        for instance in instances},
             "repaired_trainers": {instance.instance_id: sum(path.read_text(errors="replace").count(
                 "world repaired: generation 1 ") for path in instance.workdir.glob("attempt-*/torchrun.log"))
                                   for instance in instances}}

@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from localcloud.cloud import exit_after_local_cloud  # noqa: E402
 from localcloud.demo import DEMO_RUN_SPEC, Narrator  # noqa: E402
-from localcloud.stack import LocalRun, local_run_spec, local_stack  # noqa: E402
+from localcloud.stack import LocalRun, local_stack  # noqa: E402
 from localcloud.waiting import sizes, until  # noqa: E402
 from trainfleet.adapters.run_store import RunNotFound  # noqa: E402
 
@@ -74,7 +74,7 @@ def main() -> dict:
                                                               stderr.read_text()), started)
 
         def spec_file(run_name: str, base: dict = template, **changes) -> str:
-            spec = local_run_spec(base, run_name, stack.bucket, *stack.network) | changes
+            spec = stack.run_spec(base, run_name) | changes
             path = folder / f"{run_name}.json"
             path.write_text(json.dumps(spec))
             return str(path)

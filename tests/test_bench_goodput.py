@@ -3,6 +3,7 @@ without failures loses only the start-up and the checkpoint stalls, READY spares
 and a fault that stays on its node ends in the crash-loop rule."""
 
 import importlib.util
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -70,6 +71,23 @@ def test_ready_spares_replace_a_failed_node_without_waiting_for_a_boot():
     boot = goodput.Timings().boot_s + goodput.Timings().preflight_s
     assert max(with_spares.recoveries_s) < min(without.recoveries_s) - boot / 2
     assert with_spares.ettr > without.ettr
+
+
+def test_a_world_repaired_in_place_trains_again_sooner_than_one_restarted():
+    scenario = replace(WEEK, causes=GPU_CHECKS_ONLY, spares=6, seed=1)
+    timings = goodput.Timings()
+    repaired = goodput.simulate(scenario, timings)
+    restarted = goodput.simulate(replace(scenario, repairs=False), timings)
+    assert repaired.failures == restarted.failures and sum(repaired.failures.values()) > 0
+    # Every failure here names one sick node, replaced by a READY spare: each is repaired.
+    assert repaired.repairs == sum(repaired.failures.values()) and restarted.repairs == 0
+    saved = timings.rendezvous_s - timings.trainer_start_s - timings.repair_s
+    assert statistics.fmean(restarted.recoveries_s) - statistics.fmean(repaired.recoveries_s) == pytest.approx(saved)
+    assert repaired.ettr > restarted.ettr
+    parts = goodput.failure_to_training(scenario, timings)
+    assert parts["the world repaired (store, communicators)"] == timings.repair_s
+    assert sum(goodput.failure_to_training(replace(scenario, repairs=False), timings).values()) - sum(
+        parts.values()) == pytest.approx(saved)
 
 
 def test_a_gpu_fault_the_agent_cannot_name_ends_the_run_as_a_crash_loop():

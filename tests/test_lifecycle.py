@@ -985,11 +985,12 @@ def test_a_world_is_restarted_where_it_cannot_be_repaired_and_the_reason_says_wh
     assert f"restart every trainer: {why}" in decision.reason
 
 
-def test_only_a_lost_instance_with_copies_in_memory_is_repaired_in_place():
-    # A node AWS announced leaving is still there, its trainer in the world: the world restarts.
-    spot = lc.decide_recovery(training_run(), [*RANKED, SPARE], report(FailureClass.SPOT_INTERRUPTION, "i-3"), 0.0,
-                              now=T0, trainers_alive=ALIVE)
-    assert spot.repair is None and "restart every trainer: SPOT_INTERRUPTION lost no node" in spot.reason
+def test_any_replaced_node_with_copies_in_memory_is_repaired_in_place():
+    # A node sick or announced leaving is terminated before the new world forms, as a lost one is gone.
+    for failure_class in (FailureClass.SPOT_INTERRUPTION, FailureClass.NODE_UNHEALTHY, FailureClass.HEALTH_EVENT):
+        decision = lc.decide_recovery(training_run(), [*RANKED, SPARE], report(failure_class, "i-3"), 0.0, now=T0,
+                                      trainers_alive=ALIVE)
+        assert decision.terminate_instance_ids == ["i-3"] and decision.repair.survivor_ids == ["i-1", "i-2", "i-4"]
     # A node lost with its buddy: S3, so no repair (its shards are in no memory), and nothing said of one.
     both = lc.decide_recovery(training_run(), [*RANKED, SPARE, node("i-8", role=NodeRole.SPARE)],
                               report(FailureClass.INSTANCE_LOST, "i-2", "i-3"), 0.0, now=T0, trainers_alive=ALIVE)

@@ -126,14 +126,13 @@ def repair_in_place(run: RunRecord, failure: FailureReport, survivors: list[Node
     shards come from their buddies' memory: memory_restore said yes) and the workers whose
     trainers were seen alive in the failed attempt (their agents' liveness reports).
 
-    The survivors' trainers keep their processes only where each one is alive to receive the
-    order, the lost nodes' processes are gone with them (an instance lost, not a trainer that
-    failed on a node still there) and node rank 0 survives: it hosts torchrun's rendezvous, which
-    every survivor's torchrun holds on to, and the next generation's store."""
+    The nodes replaced leave with their instances, which Recover terminates before the new world
+    forms (a node lost, sick or announced leaving alike). The survivors' trainers keep their
+    processes only where each one is alive to receive the order, and node rank 0 survives: it
+    hosts torchrun's rendezvous, which every survivor's torchrun holds on to, and the next
+    generation's store."""
     if not run.spec.repairable:
         return None, ""
-    if failure.failure_class is not FailureClass.INSTANCE_LOST:
-        return None, f"restart every trainer: {failure.failure_class.value} lost no node"
     if run.first_step_at is None:
         return None, "restart every trainer: the failed world had not trained"
     if not any(node.node_rank == 0 for node in survivors):
