@@ -499,14 +499,16 @@ class Month:
     def first_step(self, run: RunRecord, failed_at: datetime, decided: datetime, decision: RecoveryDecision) -> datetime:
         """When the attempt decided at `decided` on a failure at `failed_at` trains, if nothing
         fails first: every worker confirmed (one that was up at its next look after the decision,
-        at the full rate once its trainer stalled; a new one once through preflight), the backoff
+        at the full rate once its trainer stalled, unless Recover confirmed it as a repair's
+        survivor; a new one once through preflight), the backoff
         waited, the launch spec read at the agents' next look (the full rate), the world started
         (rendezvous) or repaired in place (the replacements' trainers start, the world forms), the
         state restored: from the nodes' memory where Recover chose it, else S3's checkpoint."""
         pace = self.pace
         booting = [ready for instance_id, ready in self.fleet.ready_at.items()
                    if self.fleet.nodes[instance_id].role is NodeRole.WORKER]
-        confirmed = max(decided, failed_at + pace.stalled) + pace.between_look
+        # A repair's survivors are confirmed by Recover; the promoted spares confirm at their next look.
+        confirmed = (decided if decision.repair else max(decided, failed_at + pace.stalled)) + pace.between_look
         awaited = max(decided + timedelta(seconds=decision.backoff_seconds), confirmed, *booting)
         self.restore = (pace.peer_load if decision.restore_from_memory else pace.load if run.latest_checkpoint
                         else timedelta())
@@ -557,9 +559,11 @@ def failure_to_training(scenario: Scenario, timings: Timings) -> dict[str, float
     formed = ({"the replacement's trainer starts": seconds(pace.trainer_start),
                "the world repaired (store, communicators)": seconds(pace.repair)} if scenario.repairs
               else {"every trainer started, rendezvous and communicators": seconds(pace.rendezvous)})
+    confirmed = ({"the spare confirms (next look)": seconds(pace.between_look)} if scenario.repairs else
+                 {"survivors confirm (stalled, next look)": max(decided, seconds(pace.stalled))
+                  + seconds(pace.between_look) - decided})
     return {"detection": seconds(pace.detect), "control plane": seconds(pace.control_plane),
-            "survivors confirm (stalled, next look)": max(decided, seconds(pace.stalled)) + seconds(pace.between_look)
-            - decided, "launch spec read (next look)": seconds(pace.between_look),
+            **confirmed, "launch spec read (next look)": seconds(pace.between_look),
             **formed, "state from memory": seconds(pace.peer_load), "the first step": seconds(pace.step)}
 
 

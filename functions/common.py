@@ -220,6 +220,18 @@ def mark_terminating(run_name: str, instance_id: str, **changes: Any) -> None:
                             else node.model_copy(update={"state": NodeState.TERMINATING, **changes}))
 
 
+def confirm_ready(run_name: str, instance_id: str, attempt: int) -> NodeRecord:
+    """The node confirmed READY for `attempt` (what its NodeReady says); confirmations may arrive
+    out of order, so the newest attempt confirmed stays, and a retired node stays retired."""
+    def confirm(current: NodeRecord) -> NodeRecord:
+        if current.state.is_retired:
+            return current
+        newest = max(attempt, current.ready_attempt if current.ready_attempt is not None else -1)
+        return current.model_copy(update={"state": NodeState.READY, "ready_attempt": newest})
+
+    return aws().store.modify_node(run_name, instance_id, confirm)
+
+
 def swap_roles(run_name: str, promote_spare_ids: Iterable[str], demote_worker_ids: Iterable[str]) -> None:
     """Record a swap of roles: promoted spares become workers, demoted workers spares."""
     roles = {**dict.fromkeys(promote_spare_ids, NodeRole.WORKER), **dict.fromkeys(demote_worker_ids, NodeRole.SPARE)}

@@ -32,7 +32,7 @@ from aws_lambda_powertools.utilities.idempotency import (DynamoDBPersistenceLaye
                                                           idempotent_function)
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import (Aws, answer_if_world_complete, answer_task, aws, fail_attempt, logger,
+from functions.common import (Aws, answer_if_world_complete, answer_task, aws, confirm_ready, fail_attempt, logger,
                               mark_terminating, metrics, record_nodes, tracer)
 from functions.errors import NodeNotRecordedYet
 from trainfleet.adapters.checkpoints import CheckpointInvalid, verify_checkpoint
@@ -82,14 +82,7 @@ def node_ready(run: RunRecord, detail: NodeReady) -> str:
     if node.state is NodeState.LAUNCHED:
         store.transition_node(run.run_name, detail.instance_id, NodeState.REGISTERED)
 
-    def confirm(current: NodeRecord) -> NodeRecord:
-        if current.state.is_retired:  # retired meanwhile by another event
-            return current
-        # Confirmations may arrive out of order: the newest attempt confirmed stays.
-        attempt = max(detail.attempt, current.ready_attempt if current.ready_attempt is not None else -1)
-        return current.model_copy(update={"state": NodeState.READY, "ready_attempt": attempt})
-
-    store.modify_node(run.run_name, detail.instance_id, confirm)
+    confirm_ready(run.run_name, detail.instance_id, detail.attempt)
     answered = answer_if_world_complete(run.run_name)
     return "node ready, world complete" if answered else "node ready"
 

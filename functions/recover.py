@@ -12,7 +12,8 @@
    made workers. Giving up raises RecoveryGaveUp, which the state machine sends to Teardown.
 3. Act on the records, not on the decision, so a retried invocation (which finds the attempt
    already advanced and skips step 2) does the same: terminate the nodes the event handler
-   marked UNHEALTHY and those marked TERMINATING (recorded first), launch what the plan and the
+   marked UNHEALTHY and those marked TERMINATING (recorded first), confirm the survivors of a
+   world repaired in place for the new attempt (their trainers were seen alive), launch what the plan and the
    spare count miss beside the nodes of earlier attempts, in the run's zone and placement group:
    a retry that finds part of this attempt's launch recorded asks EC2 the same again and gets
    the same instances back. Too few replacements raise CapacityUnavailable carrying a CAPACITY
@@ -32,9 +33,9 @@ from aws_lambda_powertools.metrics import MetricUnit
 from aws_lambda_powertools.utilities.parser import event_parser
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from functions.common import (CaughtError, RecoveryStep, RunPayload, aws, capacity_unavailable, fleet_token_prefix,
-                              logger, mark_terminating, metrics, record_nodes, swap_roles, tracer,
-                              transient_errors_named)
+from functions.common import (CaughtError, RecoveryStep, RunPayload, aws, capacity_unavailable, confirm_ready,
+                              fleet_token_prefix, logger, mark_terminating, metrics, record_nodes, swap_roles,
+                              tracer, transient_errors_named)
 from functions.errors import RecoveryGaveUp
 from trainfleet.adapters.checkpoints import latest_checkpoint
 from trainfleet.adapters.ec2_fleet import FleetError, allocate, terminate
@@ -121,6 +122,11 @@ def act(run: RunRecord) -> int:
     for node in cloud.store.nodes(name):
         if node.state is NodeState.UNHEALTHY:
             mark_terminating(name, node.instance_id)
+    if run.repair:
+        # The survivors' trainers were seen alive (the repair's condition) and keep running: the
+        # new attempt waits only for the nodes that join, not for the survivors' next looks.
+        for instance_id in run.repair.survivor_ids:
+            confirm_ready(name, instance_id, run.attempt)
     nodes = cloud.store.nodes(name)
     terminate(cloud.ec2, [node.instance_id for node in nodes if node.state is NodeState.TERMINATING])
     # What this attempt launched is left out of the count: a retry that finds some of it recorded

@@ -809,6 +809,8 @@ class Attempt:
         self.failure_said = -1
         """The last generation whose failed step the agent reported."""
         self.failure_seen_at: float | None = None
+        self.failed_step: dict[str, Any] | None = None
+        """What this node's trainer said of its world's failed step (trainer/repair_order.py), while it waits."""
         self.trainer_pid: int | None = None
         """torchrun's process (the stand-in's: the agent's own)."""
         self.node_rank = spec.node_ranks[self.identity.instance_id]
@@ -883,13 +885,13 @@ class Attempt:
             while process.poll() is None:
                 time.sleep(LOOK_S)
                 self.follow()
+                self.report_failed_step()
                 run = self.control.look_at_run()
                 if run is not None and self.left_behind(run) and not self.repaired_into(run):
                     say("attempt superseded: stopping torchrun", attempt=self.spec.attempt)
                     return run
                 if run is not None and not self.left_behind(run):
                     self.look(run)
-                    self.report_failed_step()
                 if self.deadline is not None and time.monotonic() > self.deadline:
                     raise AgentError("the agent's lifetime is over: stopping torchrun")
         finally:
@@ -942,9 +944,10 @@ class Attempt:
         """TrainerFailed once for a failed step of this node's world whose ranks wait for a repair
         order (trainer/repair_order.py): the trainer does not exit, so its exit cannot report it.
         As with an exit, after PEER_LOSS_GRACE_S: EC2's event about a lost peer usually moves the
-        run on first, and then this attempt's failure is already known."""
-        failed = read_failure(self.files.repair_order) if self.spec.repairable else None
-        if failed is None or failed["generation"] != self.generation or failed["generation"] <= self.failure_said:
+        run on first, and then this attempt's failure is already known (the control plane drops
+        the report as stale)."""
+        failed = self.failed_step
+        if failed is None or failed["generation"] <= self.failure_said:
             return
         now = self.control.clock()
         self.failure_seen_at = self.failure_seen_at or now
@@ -1002,7 +1005,10 @@ class Attempt:
                 self.step_seconds.append(self.node_step_s)
             self.stepped = self.stepped or self.progress_changes > 1
             self.node_step, self.node_step_at, self.node_stepped_at = step, datetime.now(timezone.utc), now
-        self.control.pace_for(stepping=self.progress_changes > 1
+        failed = read_failure(self.files.repair_order) if self.spec.repairable else None
+        self.failed_step = failed if failed is not None and failed["generation"] == self.generation else None
+        # A trainer whose step failed waits for the control plane: looks at the full rate at once.
+        self.control.pace_for(stepping=self.progress_changes > 1 and self.failed_step is None
                               and not stalled(now - self.node_stepped_at, self.node_step_s))
         self.stepped = self.stepped or bool(steps)
         if records:

@@ -81,7 +81,10 @@ def test_a_world_repaired_in_place_trains_again_sooner_than_one_restarted():
     assert repaired.failures == restarted.failures and sum(repaired.failures.values()) > 0
     # Every failure here names one sick node, replaced by a READY spare: each is repaired.
     assert repaired.repairs == sum(repaired.failures.values()) and restarted.repairs == 0
-    saved = timings.rendezvous_s - timings.trainer_start_s - timings.repair_s
+    # The survivors, confirmed by Recover, do not wait for their trainers to stall and their next look.
+    pace = goodput.Pace.of(scenario, timings)
+    confirm = max(pace.stalled - pace.detect - pace.control_plane, goodput.timedelta()).total_seconds()
+    saved = timings.rendezvous_s - timings.trainer_start_s - timings.repair_s + confirm
     assert statistics.fmean(restarted.recoveries_s) - statistics.fmean(repaired.recoveries_s) == pytest.approx(saved)
     assert repaired.ettr > restarted.ettr
     parts = goodput.failure_to_training(scenario, timings)

@@ -22,7 +22,7 @@ from trainfleet.adapters.run_store import RunStore
 from trainfleet.core.events import instance_arn, node_event_source
 from trainfleet.core.records import (FAILURE_ERROR, CheckpointRef, FailureClass, FailureRecord, FailureReport,
                                      GoodputLedger, NodeLiveness, NodeRecord, NodeRole, NodeState, ParallelPlan,
-                                     RunRecord, RunState, TaskWait)
+                                     RecoveryKind, RunRecord, RunState, TaskWait, WorldRepair)
 from trainfleet.core.runspec import RunSpec
 
 from localcloud.glue import ec2 as ec2_glue
@@ -987,6 +987,39 @@ def test_recover_names_the_workers_that_failed_silently(handlers, cloud, resourc
     assert f"{silent}: agent silent for 30" in named.message  # 300 s ago when written
     assert f"{frozen}: EC2 instance status impaired" in named.message
     cloud.fleet.resume(frozen)
+    ec2.terminate_instances(InstanceIds=ids)
+
+
+@pytest.mark.parametrize("survivor_reported_s", [2, 3600])
+def test_recover_repairs_the_world_in_place_and_confirms_the_survivors_whose_trainers_live(
+        handlers, cloud, resources, monkeypatch, survivor_reported_s):
+    """Node rank 1 lost mid-training, a READY spare: with node rank 0's trainer seen alive lately,
+    Recover repairs the world in place and confirms node rank 0 for the new attempt itself (its
+    trainer keeps running: the attempt waits only for the spare). Seen an hour ago, it restarts."""
+    ec2, ids, store, run = run_on_real_instances(cloud, resources, monkeypatch, 3)
+    survivor, victim, spare = ids
+    for rank, instance_id in enumerate(ids):
+        store.add_node(NodeRecord(run_name=run.run_name, instance_id=instance_id, state=NodeState.READY,
+                                  ready_attempt=0, private_ip=f"10.0.2.{rank}", node_rank=rank if rank < 2 else None,
+                                  role=NodeRole.WORKER if rank < 2 else NodeRole.SPARE))
+        cloud.fleet.wait_for_state(instance_id, "running")
+    now = datetime.now(timezone.utc)
+    store.modify_run(run.run_name, lambda current: current.model_copy(update={"first_step_at": now, "last_step": 12}))
+    write_liveness(cloud.client("dynamodb"), resources["liveness_table"], run.run_name, NodeLiveness(
+        instance_id=survivor, attempt=0, step=12, reported_at=now - timedelta(seconds=survivor_reported_s)))
+
+    handlers.recover.handler(lost(run, victim), Context())
+    after, nodes = store.run(run.run_name), {node.instance_id: node for node in store.nodes(run.run_name)}
+    (failure,) = after.failures
+    assert after.attempt == 1 and nodes[spare].role is NodeRole.WORKER and nodes[victim].state is NodeState.TERMINATING
+    if survivor_reported_s < 60:
+        assert after.repair == WorldRepair(generation=1, launched_attempt=0, survivor_ids=[survivor])
+        assert failure.recovery is RecoveryKind.REPAIRED and "repair the world in place" in failure.decision
+        assert nodes[survivor].ready_attempt == 1 and nodes[spare].ready_attempt == 0
+    else:
+        assert after.repair is None and failure.recovery is RecoveryKind.RESTARTED
+        assert f"no sign of life from the trainers of {survivor}" in failure.decision
+        assert nodes[survivor].ready_attempt == 0
     ec2.terminate_instances(InstanceIds=ids)
 
 
