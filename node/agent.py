@@ -836,6 +836,8 @@ class Attempt:
         """control.clock() when the heartbeat thread last saw them change: the trainer's last sign of life."""
         self.watched = Life()
         self.watched_alive_at = -math.inf
+        self.watched_alive_wall: datetime | None = None
+        """The same moment in wall-clock time, for the liveness record (NodeLiveness.alive_at)."""
         """The same, as the watch loop sees them at its looks: what a hang is judged by. The heartbeat
         thread's view stalls while a heartbeat call waits out a slow control plane."""
         self.spot_notice_seen = False
@@ -994,7 +996,7 @@ class Attempt:
         now = self.control.clock()
         life = Life.of(self.files)
         if life != self.watched:
-            self.watched, self.watched_alive_at = life, now
+            self.watched, self.watched_alive_at, self.watched_alive_wall = life, now, datetime.now(timezone.utc)
         step = read_progress(self.files.progress)
         if step is not None and step != self.node_step:
             # The first step written is where the trainer joined the world, the next its first
@@ -1114,7 +1116,7 @@ class Attempt:
     def report_liveness(self) -> None:
         self.control.report_liveness(NodeLiveness(
             instance_id=self.identity.instance_id, attempt=self.spec.attempt, step=self.node_step,
-            step_at=self.node_step_at, reported_at=datetime.now(timezone.utc)))
+            step_at=self.node_step_at, alive_at=self.watched_alive_wall, reported_at=datetime.now(timezone.utc)))
 
     def report_check(self, check: str) -> None:
         """A world check's result, which global rank 0 wrote on this node; sent again at the

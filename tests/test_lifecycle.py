@@ -1271,6 +1271,22 @@ def test_a_hang_no_event_observed_began_at_the_worlds_last_step():
     assert lc.hang_onset(crash, records) == crash
 
 
+def test_a_hang_names_the_node_whose_trainer_fell_silent_first():
+    hang = report(FailureClass.HANG).model_copy(update={"observed_at": T0})
+    silent = {"i-1": 3.0, "i-2": 7.5, "i-3": 3.4, "i-4": 3.2}  # seconds ago each trainer last gave a sign of life
+    records = [live(node, 41, 1).model_copy(update={"alive_at": T0 - timedelta(seconds=ago)})
+               for node, ago in silent.items()]
+    assert lc.first_silent(records, 1) == ("i-2", 4.1)
+    named = lc.hang_onset(hang, records)
+    assert named.message == "test [the trainer of i-2 fell silent first, 4.1 s before any other]"
+    assert named.instance_ids == [] and named.observed_at == T0, "named, not blamed"
+    # Silent within the agents' half-second looks of each other: the world stalled as a whole.
+    together = [record.model_copy(update={"alive_at": T0 - timedelta(seconds=3 + index / 4)})
+                for index, record in enumerate(records)]
+    assert lc.first_silent(together, 1) is None and lc.hang_onset(hang, together) == hang
+    assert lc.first_silent(records, 0) is None and lc.first_silent(records[:1], 1) is None
+
+
 def test_a_capacity_block_stops_the_run_before_ec2_ends_its_instances():
     stop_by = T0 + timedelta(hours=2)
     run = make_run(capacity_stop_by=stop_by, latest_checkpoint=CheckpointRef(step=40, uri="s3://b/runs/r1/step-40"))

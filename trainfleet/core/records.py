@@ -728,6 +728,10 @@ class NodeLiveness(Strict):
     rendezvous); None while it has not joined."""
     step_at: datetime | None = None
     """When `step` last changed."""
+    alive_at: datetime | None = None
+    """When its trainer last gave a sign of life (a step, a microbatch, a phase of its start-up or
+    its repair), as the agent saw it: in a hung world the rank that stopped falls silent first,
+    its peers at their next exchange with it (lifecycle.first_silent)."""
     reported_at: datetime
     """When the agent wrote this: an agent that stops writing has stopped answering."""
 

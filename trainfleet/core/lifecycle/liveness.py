@@ -26,7 +26,8 @@ from trainfleet.core.pace import (FULL_RATE_NODES, POLL_MAX_S, POLL_MIN_S, SILEN
 from trainfleet.core.records import FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole
 
 __all__ = ["FULL_RATE_NODES", "POLL_MAX_S", "POLL_MIN_S", "SILENT_LOOKS", "looks_per_second", "poll_interval",
-           "silent_after", "IMPAIRED", "silent_workers", "trainers_alive", "blame_silent_workers", "needs_liveness_look", "hang_onset"]
+           "silent_after", "IMPAIRED", "silent_workers", "trainers_alive", "blame_silent_workers", "needs_liveness_look",
+           "first_silent", "hang_onset"]
 
 IMPAIRED = "impaired"
 """What EC2's troubles name an instance whose instance or system status check failed."""
@@ -121,11 +122,36 @@ def needs_liveness_look(failure: FailureReport) -> bool:
     return not failure.instance_ids and failure.failure_class in _MAY_HIDE_A_NODE
 
 
+FIRST_SILENT_MARGIN_S = 1.0
+"""How much sooner than every other node's trainer one must have fallen silent to be named the one
+that stopped: twice the half second at which agents look at their trainers' files."""
+
+
+def first_silent(liveness: list[NodeLiveness], attempt: int) -> tuple[str, float] | None:
+    """The node whose trainer fell silent first in `attempt`, and how many seconds before any
+    other's; None where none did clearly first (a world stalled as a whole: a network, a store)."""
+    seen = sorted((record.alive_at, record.instance_id) for record in liveness
+                  if record.attempt == attempt and record.alive_at is not None)
+    if len(seen) < 2:
+        return None
+    (stopped_at, stopped), (next_at, _) = seen[:2]
+    lead = (next_at - stopped_at).total_seconds()
+    return (stopped, lead) if lead >= FIRST_SILENT_MARGIN_S else None
+
+
 def hang_onset(failure: FailureReport, liveness: list[NodeLiveness]) -> FailureReport:
-    """`failure` with its first sign, when it is a hang that has none (a heartbeat timed out: no
-    event observed it): the world's last step, the newest step a worker of the attempt reported."""
-    if failure.failure_class is not FailureClass.HANG or failure.observed_at is not None:
+    """A hang with its first sign and, where one node's trainer fell silent clearly first, that
+    node named in its message (not blamed: a hang on healthy hardware would follow it nowhere).
+    The first sign, when the hang has none (a heartbeat timed out: no event observed it), is the
+    world's last step, the newest step a worker of the attempt reported."""
+    if failure.failure_class is not FailureClass.HANG:
         return failure
-    last = max((record.step_at for record in liveness if record.attempt == failure.attempt and record.step_at),
-               default=None)
-    return failure.model_copy(update={"observed_at": last})
+    update = {}
+    if failure.observed_at is None:
+        update["observed_at"] = max((record.step_at for record in liveness
+                                     if record.attempt == failure.attempt and record.step_at), default=None)
+    stopped = first_silent(liveness, failure.attempt)
+    if stopped is not None:
+        update["message"] = (f"{failure.message} [the trainer of {stopped[0]} fell silent first, "
+                             f"{stopped[1]:.1f} s before any other]")
+    return failure.model_copy(update=update)
