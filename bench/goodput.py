@@ -427,6 +427,8 @@ class Month:
         """Nodes with a fault a restart does not cure, and its cause."""
         self.restore = timedelta()
         """How long the current attempt's state takes to restore before its first step."""
+        self.formed = self.pace.rendezvous
+        """How long the current attempt's world takes to form: started anew, or repaired in place."""
 
     def next_strike(self, after: datetime) -> tuple[datetime, Cause]:
         if not self.rate:  # no failures at all: the next one comes after the month
@@ -444,7 +446,7 @@ class Month:
         strike_at, strike_cause = self.next_strike(T0)
         while True:
             # The attempt ends at the next strike, or at its start on a node with a fault that stayed.
-            torchrun_at = first_step - pace.rendezvous - self.restore
+            torchrun_at = first_step - self.formed - self.restore
             stuck = next((instance_id for instance_id in self.fleet.worker_ids if instance_id in self.stays), None)
             if stuck is not None and torchrun_at < strike_at:
                 failed_at, cause, victim = torchrun_at, self.stays[stuck], stuck
@@ -512,8 +514,8 @@ class Month:
         awaited = max(decided + timedelta(seconds=decision.backoff_seconds), confirmed, *booting)
         self.restore = (pace.peer_load if decision.restore_from_memory else pace.load if run.latest_checkpoint
                         else timedelta())
-        formed = pace.trainer_start + pace.repair if decision.repair else pace.rendezvous
-        return awaited + pace.between_look + formed + self.restore
+        self.formed = pace.trainer_start + pace.repair if decision.repair else pace.rendezvous
+        return awaited + pace.between_look + self.formed + self.restore
 
     def trained(self, run: RunRecord, first_step: datetime, end: datetime) -> RunRecord:
         """The run record at `end`: the attempt's first step if reached, its latest commit."""

@@ -1113,10 +1113,11 @@ class Attempt:
         self.commit_awaited_after = self.last_step if self.last_step is not None else -1
         say(f"{why}: asked the trainer to checkpoint now", attempt=self.spec.attempt)
 
-    def report_liveness(self) -> None:
+    def report_liveness(self, trainer_ended: bool = False) -> None:
         self.control.report_liveness(NodeLiveness(
             instance_id=self.identity.instance_id, attempt=self.spec.attempt, step=self.node_step,
-            step_at=self.node_step_at, alive_at=self.watched_alive_wall, reported_at=datetime.now(timezone.utc)))
+            step_at=self.node_step_at, alive_at=self.watched_alive_wall, trainer_ended=trainer_ended,
+            reported_at=datetime.now(timezone.utc)))
 
     def report_check(self, check: str) -> None:
         """A world check's result, which global rank 0 wrote on this node; sent again at the
@@ -1180,6 +1181,9 @@ class Attempt:
                     checkpoint_uri=self.checkpoints.step_uri(catalog.step_dir_name(latest)) if latest else None),
                     self.deadline)
             return
+        # At once: Recover, deciding on the failure that the peers report a grace later, must not
+        # order this node's ended trainer into a repaired world.
+        self.report_liveness(trainer_ended=True)
         time.sleep(PEER_LOSS_GRACE_S)
         run = self.control.call("read the run record",
                                 lambda: self.control.store.run(self.spec.run_name, consistent=False))

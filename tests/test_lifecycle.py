@@ -966,15 +966,15 @@ def test_a_lost_node_is_repaired_in_place_around_a_spare_when_every_survivor_liv
                                report(FailureClass.INSTANCE_LOST, "i-2", attempt=2), 0.0, now=T0,
                                trainers_alive=frozenset({"i-1", "i-4", "i-9"}))
     assert (again.repair.generation, again.repair.launched_attempt, again.repair.survivor_ids) == (2, 1, ["i-1", "i-4", "i-9"])
-    # A restart of every trainer ends the repairs: the next world is a new launch.
+    # A restart of every trainer (a hang's) ends the repairs: the next world is a new launch.
     restart = lc.decide_recovery(repaired.model_copy(update={"first_step_at": T0}), RANKED,
-                                 report(FailureClass.PROCESS_CRASH, attempt=2), 0.0, now=T0, trainers_alive=ALIVE)
+                                 report(FailureClass.HANG, attempt=2), 0.0, now=T0, trainers_alive=ALIVE)
     assert restart.action is RecoveryAction.RESTART and lc.apply_decision(repaired, report(
-        FailureClass.PROCESS_CRASH, attempt=2), restart, T0).repair is None
+        FailureClass.HANG, attempt=2), restart, T0).repair is None
 
 
 @pytest.mark.parametrize("run, lost, alive, why", [
-    (training_run(), "i-1", ALIVE, "node rank 0, which hosts the rendezvous, is lost"),
+    (training_run(), "i-1", ALIVE, "node rank 0, which hosts the rendezvous, is not among the survivors"),
     (training_run(), "i-3", ALIVE - {"i-4"}, "no sign of life from the trainers of i-4"),
     (make_run(last_step=12), "i-3", ALIVE, "the failed world had not trained"),
 ])
@@ -1026,12 +1026,31 @@ def test_the_repaired_worlds_launch_spec_keeps_the_survivors_ranks_and_draws_a_p
                                 None).repairable is False
 
 
+def test_after_a_crash_the_nodes_whose_trainers_live_keep_them_and_the_others_start_new_ones():
+    crash = report(FailureClass.PROCESS_CRASH)
+    decision = lc.decide_recovery(training_run(), RANKED, crash, 0.0, now=T0, trainers_alive=ALIVE - {"i-3"})
+    assert decision.action is RecoveryAction.RESTART and decision.terminate_instance_ids == []
+    assert decision.repair.survivor_ids == ["i-1", "i-2", "i-4"] and "repair the world in place" in decision.reason
+    repaired = lc.apply_decision(training_run(), crash, decision, T0)
+    launch = lc.build_launch_spec(repaired, [n.model_copy(update={"ready_attempt": 2}) for n in RANKED], None)
+    assert launch.node_ranks == {"i-1": 0, "i-2": 1, "i-3": 2, "i-4": 3} and "i-3" not in launch.repair.survivor_ids
+    # Node rank 0's trainer ended: its torchrun held the rendezvous; every trainer restarts.
+    lost_host = lc.decide_recovery(training_run(), RANKED, crash, 0.0, now=T0, trainers_alive=ALIVE - {"i-1"})
+    assert lost_host.repair is None and "node rank 0, which hosts the rendezvous, is not among" in lost_host.reason
+    # A hang or a NaN restarts every trainer: a hung rank may not come to the repaired world.
+    for failure_class in (FailureClass.HANG, FailureClass.NUMERICAL):
+        decision = lc.decide_recovery(training_run(), RANKED, report(failure_class), 0.0, now=T0, trainers_alive=ALIVE)
+        assert decision.action is RecoveryAction.RESTART and decision.repair is None, failure_class
+
+
 def test_the_trainers_seen_alive_are_the_workers_that_reported_in_the_attempt_lately():
     def seen(instance_id, attempt=1, ago=0.0):
         return NodeLiveness(instance_id=instance_id, attempt=attempt, step=10, step_at=T0,
                             reported_at=T0 - timedelta(seconds=ago))
     records = [seen("i-1"), seen("i-2", ago=3600), seen("i-3", attempt=0), seen("i-4", ago=5), seen("i-9")]
     assert lc.trainers_alive([*RANKED, SPARE], records, 1, T0, 60) == {"i-1", "i-4"}
+    ended = records[0].model_copy(update={"trainer_ended": True})  # its torchrun exited: its agent said so
+    assert lc.trainers_alive([*RANKED, SPARE], [ended, *records[1:]], 1, T0, 60) == {"i-4"}
 
 
 # --- hot spares at the start of an attempt ---------------------------------------------------

@@ -88,11 +88,11 @@ def silent_workers(nodes: list[NodeRecord], liveness: list[NodeLiveness], attemp
 def trainers_alive(nodes: list[NodeRecord], liveness: list[NodeLiveness], attempt: int, now: datetime,
                    hang_timeout_s: float) -> frozenset[str]:
     """The workers whose agents reported their trainer running in `attempt` recently enough not
-    to count as silent (an agent reports only while its torchrun runs): those that can receive a
-    repair order (recovery.repair_in_place)."""
+    to count as silent (an agent reports only while its torchrun runs, and says so when it
+    exited): those that can receive a repair order (recovery.repair_in_place)."""
     limit = silent_after(sum(not node.state.is_retired for node in nodes), hang_timeout_s)
     workers = {node.instance_id for node in nodes if node.role is NodeRole.WORKER and not node.state.is_retired}
-    return frozenset(record.instance_id for record in liveness if record.attempt == attempt
+    return frozenset(record.instance_id for record in liveness if record.attempt == attempt and not record.trainer_ended
                      and record.instance_id in workers and now - record.reported_at <= limit)
 
 

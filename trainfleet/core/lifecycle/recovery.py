@@ -10,8 +10,8 @@ decide_recovery() works in numbered steps, each a rule a person can check:
        in between): give up;
     5. no node is blamed: restart on the same nodes;
        (5 and 6 resume from the nodes' in-memory checkpoints unless a lost node's buddy is lost
-       too: memory_restore; in 6, the survivors keep their trainers where they can:
-       repair_in_place);
+       too: memory_restore; the nodes whose trainers live keep them where they can, after a
+       crash in 5 and in 6: repair_in_place);
     6. blamed workers (and any AWS announced leaving) are covered by healthy spares and/or new
        instances: replace (at once on the first failure of a streak: the nodes that failed are gone);
     7. capacity ran out and the run may shrink: re-plan pp x dp on the nodes left (workers it
@@ -127,16 +127,17 @@ def repair_in_place(run: RunRecord, failure: FailureReport, survivors: list[Node
     trainers were seen alive in the failed attempt (their agents' liveness reports).
 
     The nodes replaced leave with their instances, which Recover terminates before the new world
-    forms (a node lost, sick or announced leaving alike). The survivors' trainers keep their
-    processes only where each one is alive to receive the order, and node rank 0 survives: it
-    hosts torchrun's rendezvous, which every survivor's torchrun holds on to, and the next
-    generation's store."""
+    forms (a node lost, sick or announced leaving alike); after a crash on nodes that stay, the
+    nodes whose trainers ended start new ones into the repaired world. The survivors' trainers
+    keep their processes only where each one is alive to receive the order, and node rank 0
+    survives: it hosts torchrun's rendezvous, which every survivor's torchrun holds on to, and
+    the next generation's store."""
     if not run.spec.repairable:
         return None, ""
     if run.first_step_at is None:
         return None, "restart every trainer: the failed world had not trained"
     if not any(node.node_rank == 0 for node in survivors):
-        return None, "restart every trainer: node rank 0, which hosts the rendezvous, is lost"
+        return None, "restart every trainer: node rank 0, which hosts the rendezvous, is not among the survivors"
     silent = sorted(node.instance_id for node in survivors if node.instance_id not in trainers_alive)
     if silent:
         return None, f"restart every trainer: no sign of life from the trainers of {', '.join(silent)}"
@@ -218,11 +219,15 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
     from_memory, restore = memory_restore(run, workers, plan)
     common["restore_from_memory"] = from_memory
 
-    # 5: nothing to swap.
+    # 5: nothing to swap. After a crash, the nodes whose trainers live keep them: those whose
+    # trainers ended start new ones into the repaired world.
     if not terminate and missing == 0:
-        return RecoveryDecision(action=RecoveryAction.RESTART, plan=plan, **common,
-                                reason=f"{failure.failure_class.value} on healthy nodes: restart them, {restore}; "
-                                       f"{failure.message}")
+        repair, how = (repair_in_place(run, failure, [node for node in workers if node.instance_id in trainers_alive],
+                                       trainers_alive)
+                       if from_memory and failure.failure_class is FailureClass.PROCESS_CRASH else (None, ""))
+        return RecoveryDecision(action=RecoveryAction.RESTART, plan=plan, repair=repair, **common,
+                                reason=f"{failure.failure_class.value} on healthy nodes: restart them, {restore}"
+                                       f"{'; ' + how if how else ''}; {failure.message}")
 
     # 7: allocation already came up short; shrink onto what is there, if allowed.
     if failure.failure_class is FailureClass.CAPACITY and uncovered and spec.min_nodes is not None:
