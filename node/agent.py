@@ -58,7 +58,15 @@ instance's process. It speaks to the control plane only through AWS:
    output (config error, NaN loss, crash), unless the run has moved on meanwhile: a peer's
    death reaches this node as a crash. EC2's event about a lost peer usually lands within a
    second, so the agent waits that long first and then stays quiet; when it is later, Recover
-   still blames the lost instance from its EC2 state.
+   still blames the lost instance from its EC2 state. Its liveness record says at once that the
+   trainer ended: it cannot be ordered into a repaired world;
+7. a world repaired in place (trainer/repair.py; Recover's WorldRepair): a trainer whose step
+   failed waits for an order and says so (trainer/repair_order.py), which the agent reports as
+   TrainerFailed (a second later, as above); when the run's next attempt repairs this node's
+   world and names it a survivor, the agent keeps torchrun, confirms the attempt, and once its
+   launch spec is written orders the trainer into it (the store on node rank 0 at the attempt's
+   port) and follows that attempt with the same process. A node that joins a repaired world (a
+   replacement, or one whose trainer ended) starts `torchrun --standalone` with the order.
 
 A failed control-plane call (throttling, a 5xx answer, a connection error, a timeout) is logged
 and tried again at a later look with backoff; it never stops torchrun. When the run is over, or
@@ -836,10 +844,10 @@ class Attempt:
         """control.clock() when the heartbeat thread last saw them change: the trainer's last sign of life."""
         self.watched = Life()
         self.watched_alive_at = -math.inf
-        self.watched_alive_wall: datetime | None = None
-        """The same moment in wall-clock time, for the liveness record (NodeLiveness.alive_at)."""
         """The same, as the watch loop sees them at its looks: what a hang is judged by. The heartbeat
         thread's view stalls while a heartbeat call waits out a slow control plane."""
+        self.watched_alive_wall: datetime | None = None
+        """That moment in wall-clock time, for the liveness record (NodeLiveness.alive_at)."""
         self.spot_notice_seen = False
         self.next_metadata_look = -math.inf
         self.commit_awaited_after: int | None = None
@@ -863,7 +871,7 @@ class Attempt:
         self.files.folder.mkdir(parents=True, exist_ok=True)
         self.files.config.write_text(yaml.safe_dump(
             trainer_config(self.spec, self.files, self.control.settings.host_memory_dir), sort_keys=False))
-        if self.spec.repair:  # this node takes a lost node's place: its trainer starts with the order
+        if self.spec.repair:  # this node joins a repaired world (a replacement, or its trainer ended): with the order
             write_order(self.files.repair_order, repair_order(self.spec))
         step_seconds = self.control.settings.standin_step_s
         command = (standin_command(self.spec, self.node_rank, step_seconds, self.files) if step_seconds
@@ -1205,7 +1213,7 @@ def announced_before(spec: LaunchSpec, committed: Iterable[int]) -> set[int]:
 
 def repair_order(spec: LaunchSpec, launch_nodes_gone: int = 0) -> RepairOrder:
     """The order into the world `spec` repairs: its store on node rank 0, at the attempt's port;
-    `launch_nodes_gone`: RepairOrder's (a replacement's torchrun met no other)."""
+    `launch_nodes_gone`: RepairOrder's (a joining node's torchrun met no other)."""
     return RepairOrder(generation=spec.repair.generation, store_host=spec.rendezvous_host,
                        store_port=spec.rendezvous_port, host_node_rank=0, nodes=spec.plan.nodes,
                        launch_nodes_gone=launch_nodes_gone)
