@@ -70,7 +70,8 @@ from trainfleet.core.events import HealthEvent, NodeUnhealthy, TrainerFailed
 from trainfleet.core.lifecycle import (apply_decision, blame_silent_workers, classify_event, classify_task_error,
                                        decide_recovery, initial_plan, new_node_records, settle_run_attempt)
 from trainfleet.core.lifecycle.goodput import STARTUP, give_up_cause, unaccounted_seconds  # noqa: E402
-from trainfleet.core.pace import CADENCE_STEPS_KNOWN, FULL_RATE_NODES, hung_after, longest_look, stall_after  # noqa: E402
+from trainfleet.core.pace import (CADENCE_STEPS_KNOWN, FULL_RATE_NODES, LAUNCH_SPEC_POLL_S, hung_after,  # noqa: E402
+                                  longest_look, stall_after)
 from trainfleet.core.records import (CheckpointRef, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                      RecoveryDecision, RunRecord, TaskWait, TrainerFailureKind)
 from trainfleet.core.runspec import RecoveryPolicy, RunSpec
@@ -502,20 +503,22 @@ class Month:
         """When the attempt decided at `decided` on a failure at `failed_at` trains, if nothing
         fails first: every worker confirmed (one that was up at its next look after the decision,
         at the full rate once its trainer stalled, unless Recover confirmed it as a repair's
-        survivor; a new one once through preflight), the backoff
+        survivor or a READY spare stepping in; a new one once through preflight), the backoff
         waited, the launch spec read at the agents' next look (the full rate), the world started
         (rendezvous) or repaired in place (the replacements' trainers start, the world forms), the
         state restored: from the nodes' memory where Recover chose it, else S3's checkpoint."""
         pace = self.pace
         booting = [ready for instance_id, ready in self.fleet.ready_at.items()
                    if self.fleet.nodes[instance_id].role is NodeRole.WORKER]
-        # A repair's survivors are confirmed by Recover; the promoted spares confirm at their next look.
-        confirmed = (decided if decision.repair else max(decided, failed_at + pace.stalled)) + pace.between_look
+        # A repair's survivors and the READY spares stepping in are confirmed by Recover, and read
+        # the launch spec every LAUNCH_SPEC_POLL_S; the others at their next looks.
+        confirmed = decided if decision.repair else max(decided, failed_at + pace.stalled) + pace.between_look
         awaited = max(decided + timedelta(seconds=decision.backoff_seconds), confirmed, *booting)
         self.restore = (pace.peer_load if decision.restore_from_memory else pace.load if run.latest_checkpoint
                         else timedelta())
         self.formed = pace.trainer_start + pace.repair if decision.repair else pace.rendezvous
-        return awaited + pace.between_look + self.formed + self.restore
+        read = timedelta(seconds=LAUNCH_SPEC_POLL_S) if decision.repair else pace.between_look
+        return awaited + read + self.formed + self.restore
 
     def trained(self, run: RunRecord, first_step: datetime, end: datetime) -> RunRecord:
         """The run record at `end`: the attempt's first step if reached, its latest commit."""
@@ -561,11 +564,10 @@ def failure_to_training(scenario: Scenario, timings: Timings) -> dict[str, float
     formed = ({"the replacement's trainer starts": seconds(pace.trainer_start),
                "the world repaired (store, communicators)": seconds(pace.repair)} if scenario.repairs
               else {"every trainer started, rendezvous and communicators": seconds(pace.rendezvous)})
-    confirmed = ({"the spare confirms (next look)": seconds(pace.between_look)} if scenario.repairs else
+    confirmed = ({"launch spec read (every second)": LAUNCH_SPEC_POLL_S} if scenario.repairs else
                  {"survivors confirm (stalled, next look)": max(decided, seconds(pace.stalled))
-                  + seconds(pace.between_look) - decided})
-    return {"detection": seconds(pace.detect), "control plane": seconds(pace.control_plane),
-            **confirmed, "launch spec read (next look)": seconds(pace.between_look),
+                  + seconds(pace.between_look) - decided, "launch spec read (next look)": seconds(pace.between_look)})
+    return {"detection": seconds(pace.detect), "control plane": seconds(pace.control_plane), **confirmed,
             **formed, "state from memory": seconds(pace.peer_load), "the first step": seconds(pace.step)}
 
 

@@ -13,7 +13,8 @@
 3. Act on the records, not on the decision, so a retried invocation (which finds the attempt
    already advanced and skips step 2) does the same: terminate the nodes the event handler
    marked UNHEALTHY and those marked TERMINATING (recorded first), confirm the survivors of a
-   world repaired in place for the new attempt (their trainers were seen alive), launch what the plan and the
+   world repaired in place for the new attempt (their trainers were seen alive) and the READY
+   spares stepping into it whose agents reported lately, launch what the plan and the
    spare count miss beside the nodes of earlier attempts, in the run's zone and placement group:
    a retry that finds part of this attempt's launch recorded asks EC2 the same again and gets
    the same instances back. Too few replacements raise CapacityUnavailable carrying a CAPACITY
@@ -41,9 +42,9 @@ from trainfleet.adapters.checkpoints import latest_checkpoint
 from trainfleet.adapters.ec2_fleet import FleetError, allocate, terminate
 from trainfleet.adapters.liveness import instance_troubles, read_liveness
 from trainfleet.adapters.metrics import detection_metrics, emit
-from trainfleet.core.lifecycle import (apply_decision, blame_silent_workers, book_attempt, classify_task_error,
-                                       decide_recovery, hang_onset, needs_liveness_look, trainers_alive,
-                                       unready_workers)
+from trainfleet.core.lifecycle import (agents_alive, apply_decision, blame_silent_workers, book_attempt,
+                                       classify_task_error, decide_recovery, hang_onset, needs_liveness_look,
+                                       trainers_alive, unready_workers)
 from trainfleet.core.records import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                      RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
 
@@ -122,13 +123,18 @@ def act(run: RunRecord) -> int:
     for node in cloud.store.nodes(name):
         if node.state is NodeState.UNHEALTHY:
             mark_terminating(name, node.instance_id)
-    if run.repair:
-        # The survivors' trainers were seen alive (the repair's condition) and keep running: the
-        # new attempt waits only for the nodes that join, not for the survivors' next looks.
-        for instance_id in run.repair.survivor_ids:
-            confirm_ready(name, instance_id, run.attempt)
     nodes = cloud.store.nodes(name)
     terminate(cloud.ec2, [node.instance_id for node in nodes if node.state is NodeState.TERMINATING])
+    if run.repair:
+        # The survivors' trainers were seen alive (the repair's condition) and keep running, and a
+        # READY spare stepping in whose agent reported lately reads the launch spec every second
+        # (node/agent.py): the new attempt waits on none of their looks.
+        alive = agents_alive(nodes, read_liveness(cloud.dynamodb, cloud.settings.liveness_table, name),
+                             datetime.now(timezone.utc), spec.recovery.hang_timeout_seconds)
+        spares_in = [node.instance_id for node in nodes if node.role is NodeRole.WORKER and node.state is NodeState.READY
+                     and node.instance_id in alive and node.instance_id not in run.repair.survivor_ids]
+        for instance_id in [*run.repair.survivor_ids, *spares_in]:
+            confirm_ready(name, instance_id, run.attempt)
     # What this attempt launched is left out of the count: a retry that finds some of it recorded
     # sends EC2 the request the first try sent, under the same ClientToken, and gets the same
     # instances back (EC2 refuses that token with another request: IdempotentParameterMismatch).

@@ -119,7 +119,7 @@ from trainfleet.core.events import (PROGRESS_SAMPLES_MAX, AgentEvent, Checkpoint
                                     TrainingCompleted, TrainingProgress, instance_arn, put_events_entry)
 from trainfleet.core.lifecycle import checkpoint_request_answered, poll_interval
 from trainfleet.core.node_access import node_log_stream
-from trainfleet.core.pace import CADENCE_WINDOW, heartbeat_pace, hung_after, longest_look, stalled
+from trainfleet.core.pace import CADENCE_WINDOW, LAUNCH_SPEC_POLL_S, heartbeat_pace, hung_after, longest_look, stalled
 from trainfleet.core.records import (FleetCheckFigures, LaunchSpec, NodeLiveness, NodeRecord, RunRecord, RunState,
                                      ScalingCheckFigures, StateRestoredFigures, TrainerFailureKind)
 from trainfleet.core.runspec import HOST_MEMORY_DIR
@@ -821,6 +821,12 @@ class Attempt:
         """What this node's trainer said of its world's failed step (trainer/repair_order.py), while it waits."""
         self.trainer_pid: int | None = None
         """torchrun's process (the stand-in's: the agent's own)."""
+        self.repair_pending: int | None = None
+        """The attempt that repairs this node's world and keeps its trainer, until its launch spec is read."""
+        self.next_spec_read = -math.inf
+        """control.clock() when the pending repair's launch spec is read next (LAUNCH_SPEC_POLL_S)."""
+        self.run_seen: RunRecord | None = None
+        """The run record at the last look."""
         self.node_rank = spec.node_ranks[self.identity.instance_id]
         self.files = AttemptFiles(control.settings.workdir / f"attempt-{spec.attempt}")
         self.metrics = MetricsFollower(self.files.metrics)
@@ -897,11 +903,15 @@ class Attempt:
                 self.follow()
                 self.report_failed_step()
                 run = self.control.look_at_run()
-                if run is not None and self.left_behind(run) and not self.repaired_into(run):
+                self.run_seen = run or self.run_seen
+                if run is not None and self.left_behind(run) and not self.awaits_repair(run):
                     say("attempt superseded: stopping torchrun", attempt=self.spec.attempt)
                     return run
                 if run is not None and not self.left_behind(run):
                     self.look(run)
+                if self.repair_pending is not None and not self.take_repaired_spec():
+                    say("attempt superseded, not repaired in place: stopping torchrun", attempt=self.spec.attempt)
+                    return self.run_seen
                 if self.deadline is not None and time.monotonic() > self.deadline:
                     raise AgentError("the agent's lifetime is over: stopping torchrun")
         finally:
@@ -919,21 +929,29 @@ class Attempt:
         """Whether the run has left this attempt (a failure moved it on, or it finished)."""
         return run.attempt > self.spec.attempt or run.state.is_final
 
-    def repaired_into(self, run: RunRecord) -> bool:
+    def awaits_repair(self, run: RunRecord) -> bool:
         """Whether the run, having left this attempt, repairs this node's world in place and keeps
-        its trainer (Recover's WorldRepair): the node confirms the new attempt, and once its launch
-        spec is there, orders its trainer into the repaired world and follows that attempt. False
-        when the trainer is to stop: no repair, or the launch spec turned out another."""
+        its trainer (Recover's WorldRepair): the node confirms the new attempt and reads its
+        launch spec as soon as it is written (take_repaired_spec). False when the trainer is to stop."""
         repair = run.repair
         if (run.state.is_final or repair is None or repair.launched_attempt != self.world
                 or repair.generation <= self.generation or self.identity.instance_id not in repair.survivor_ids
                 or not self.confirm(run.attempt)):
             return False
-        if run.state is not RunState.TRAINING:
-            return True  # the new world is awaited: its launch spec comes once every node confirmed it
-        spec = self.control.launch_spec_after(self.spec.attempt)
-        if spec is None or spec.attempt != run.attempt:
+        self.repair_pending = run.attempt
+        return True
+
+    def take_repaired_spec(self) -> bool:
+        """Read the pending repair's launch spec (every LAUNCH_SPEC_POLL_S) and, once it is there,
+        order the trainer into the repaired world and follow that attempt. False when the spec
+        turned out not to repair this node's world: the trainer is to stop."""
+        now = self.control.clock()
+        if now < self.next_spec_read:
             return True
+        self.next_spec_read = now + LAUNCH_SPEC_POLL_S
+        spec = self.control.launch_spec_after(self.spec.attempt)
+        if spec is None or spec.attempt != self.repair_pending:
+            return True  # not written yet (a newer attempt is the run record's to tell)
         if spec.repair is None or self.identity.instance_id not in spec.repair.survivor_ids:
             return False
         say("repairing the world in place: the trainer keeps its processes", attempt=spec.attempt,
@@ -948,6 +966,7 @@ class Attempt:
         write_order(self.files.repair_order,
                     repair_order(spec, launch_nodes_gone=len(self.launched_with - set(spec.repair.survivor_ids))))
         self.report_liveness()
+        self.repair_pending = None
         return True
 
     def report_failed_step(self) -> None:
@@ -1121,10 +1140,10 @@ class Attempt:
         self.commit_awaited_after = self.last_step if self.last_step is not None else -1
         say(f"{why}: asked the trainer to checkpoint now", attempt=self.spec.attempt)
 
-    def report_liveness(self, trainer_ended: bool = False) -> None:
+    def report_liveness(self, trainer_running: bool = True) -> None:
         self.control.report_liveness(NodeLiveness(
             instance_id=self.identity.instance_id, attempt=self.spec.attempt, step=self.node_step,
-            step_at=self.node_step_at, alive_at=self.watched_alive_wall, trainer_ended=trainer_ended,
+            step_at=self.node_step_at, alive_at=self.watched_alive_wall, trainer_running=trainer_running,
             reported_at=datetime.now(timezone.utc)))
 
     def report_check(self, check: str) -> None:
@@ -1191,7 +1210,7 @@ class Attempt:
             return
         # At once: Recover, deciding on the failure that the peers report a grace later, must not
         # order this node's ended trainer into a repaired world.
-        self.report_liveness(trainer_ended=True)
+        self.report_liveness(trainer_running=False)
         time.sleep(PEER_LOSS_GRACE_S)
         run = self.control.call("read the run record",
                                 lambda: self.control.store.run(self.spec.run_name, consistent=False))
@@ -1259,27 +1278,42 @@ def serve(settings: AgentSettings) -> None:
             confirmed = attempt  # this node answers: it may join that attempt's world
         return confirmed >= attempt
 
-    run = None
+    run = latest = None
+    next_spec_read = -math.inf
     while True:
+        spec = None
         if run is not None:
+            latest = run
             if run.state.is_final:
                 return
             if not problem:
                 confirm(run.attempt)
-            spec = (control.launch_spec_after(ran) if not problem and run.state is RunState.TRAINING
-                    and run.attempt > ran else None)
-            if spec is not None and spec.attempt == run.attempt:
-                ran = spec.attempt
-                if spec.repair and identity.instance_id in spec.repair.survivor_ids:
-                    # Its trainer ended before the order came: the control plane restarts the world.
-                    control.deliver(TrainerFailed(**{**ids, "attempt": spec.attempt}, kind=TrainerFailureKind.CRASH,
-                                                  message="no trainer left on this node to repair the world with"),
-                                    deadline)
-                    continue
-                attempt = Attempt(control, metadata, spec, confirm, deadline)
-                run = attempt.run()
-                ran = attempt.spec.attempt
+                if run.state is RunState.TRAINING:
+                    # Idle while the run trains (a READY spare): Recover confirms a spare seen alive
+                    # for a world repaired around it, which then waits on no look of its agent.
+                    control.report_liveness(NodeLiveness(instance_id=identity.instance_id, attempt=confirmed,
+                                                         trainer_running=False, reported_at=datetime.now(timezone.utc)))
+            if not problem and run.state is RunState.TRAINING and run.attempt > ran:
+                spec = control.launch_spec_after(ran)
+                spec = spec if spec is not None and spec.attempt == run.attempt else None
+        elif not problem and latest is not None and latest.state is RunState.TRAINING \
+                and time.monotonic() >= next_spec_read:
+            # An idle agent of a training run (a READY spare, a node whose trainer ended) reads the
+            # launch spec between its looks too: a world repaired around it waits on no look.
+            next_spec_read = time.monotonic() + LAUNCH_SPEC_POLL_S
+            spec = control.launch_spec_after(ran)
+        if spec is not None:
+            ran = spec.attempt
+            if spec.repair and identity.instance_id in spec.repair.survivor_ids:
+                # Its trainer ended before the order came: the control plane restarts the world.
+                control.deliver(TrainerFailed(**{**ids, "attempt": spec.attempt}, kind=TrainerFailureKind.CRASH,
+                                              message="no trainer left on this node to repair the world with"),
+                                deadline)
                 continue
+            attempt = Attempt(control, metadata, spec, confirm, deadline)
+            run = attempt.run()
+            ran = attempt.spec.attempt
+            continue
         if deadline is not None and time.monotonic() > deadline:
             raise AgentError("the agent's lifetime is over")
         time.sleep(LOOK_S)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import sys
-import time
 import uuid
 import zipfile
 from pathlib import Path

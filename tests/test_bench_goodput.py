@@ -81,10 +81,12 @@ def test_a_world_repaired_in_place_trains_again_sooner_than_one_restarted():
     assert repaired.failures == restarted.failures and sum(repaired.failures.values()) > 0
     # Every failure here names one sick node, replaced by a READY spare: each is repaired.
     assert repaired.repairs == sum(repaired.failures.values()) and restarted.repairs == 0
-    # The survivors, confirmed by Recover, do not wait for their trainers to stall and their next look.
+    # Confirmed by Recover, the survivors and the spare wait for no look: not for the survivors'
+    # trainers to stall, nor their next look; the launch spec is read within a second.
     pace = goodput.Pace.of(scenario, timings)
-    confirm = max(pace.stalled - pace.detect - pace.control_plane, goodput.timedelta()).total_seconds()
-    saved = timings.rendezvous_s - timings.trainer_start_s - timings.repair_s + confirm
+    confirm = (max(pace.stalled - pace.detect - pace.control_plane, goodput.timedelta()) + pace.between_look)
+    saved = (timings.rendezvous_s - timings.trainer_start_s - timings.repair_s + confirm.total_seconds()
+             + pace.between_look.total_seconds() - goodput.LAUNCH_SPEC_POLL_S)
     assert statistics.fmean(restarted.recoveries_s) - statistics.fmean(repaired.recoveries_s) == pytest.approx(saved)
     assert repaired.ettr > restarted.ettr
     parts = goodput.failure_to_training(scenario, timings)

@@ -994,8 +994,9 @@ def test_recover_names_the_workers_that_failed_silently(handlers, cloud, resourc
 def test_recover_repairs_the_world_in_place_and_confirms_the_survivors_whose_trainers_live(
         handlers, cloud, resources, monkeypatch, survivor_reported_s):
     """Node rank 1 lost mid-training, a READY spare: with node rank 0's trainer seen alive lately,
-    Recover repairs the world in place and confirms node rank 0 for the new attempt itself (its
-    trainer keeps running: the attempt waits only for the spare). Seen an hour ago, it restarts."""
+    Recover repairs the world in place and confirms node rank 0 and the spare (its idle agent
+    reported lately) for the new attempt itself: it waits on no agent's look. Node rank 0 seen an
+    hour ago, every trainer restarts, and each node confirms the attempt itself."""
     ec2, ids, store, run = run_on_real_instances(cloud, resources, monkeypatch, 3)
     survivor, victim, spare = ids
     for rank, instance_id in enumerate(ids):
@@ -1007,6 +1008,8 @@ def test_recover_repairs_the_world_in_place_and_confirms_the_survivors_whose_tra
     store.modify_run(run.run_name, lambda current: current.model_copy(update={"first_step_at": now, "last_step": 12}))
     write_liveness(cloud.client("dynamodb"), resources["liveness_table"], run.run_name, NodeLiveness(
         instance_id=survivor, attempt=0, step=12, reported_at=now - timedelta(seconds=survivor_reported_s)))
+    write_liveness(cloud.client("dynamodb"), resources["liveness_table"], run.run_name, NodeLiveness(
+        instance_id=spare, attempt=0, trainer_running=False, reported_at=now))
 
     handlers.recover.handler(lost(run, victim), Context())
     after, nodes = store.run(run.run_name), {node.instance_id: node for node in store.nodes(run.run_name)}
@@ -1015,11 +1018,11 @@ def test_recover_repairs_the_world_in_place_and_confirms_the_survivors_whose_tra
     if survivor_reported_s < 60:
         assert after.repair == WorldRepair(generation=1, launched_attempt=0, survivor_ids=[survivor])
         assert failure.recovery is RecoveryKind.REPAIRED and "repair the world in place" in failure.decision
-        assert nodes[survivor].ready_attempt == 1 and nodes[spare].ready_attempt == 0
+        assert nodes[survivor].ready_attempt == nodes[spare].ready_attempt == 1
     else:
         assert after.repair is None and failure.recovery is RecoveryKind.RESTARTED
         assert f"no sign of life from the trainers of {survivor}" in failure.decision
-        assert nodes[survivor].ready_attempt == 0
+        assert nodes[survivor].ready_attempt == nodes[spare].ready_attempt == 0
     ec2.terminate_instances(InstanceIds=ids)
 
 

@@ -1049,8 +1049,11 @@ def test_the_trainers_seen_alive_are_the_workers_that_reported_in_the_attempt_la
                             reported_at=T0 - timedelta(seconds=ago))
     records = [seen("i-1"), seen("i-2", ago=3600), seen("i-3", attempt=0), seen("i-4", ago=5), seen("i-9")]
     assert lc.trainers_alive([*RANKED, SPARE], records, 1, T0, 60) == {"i-1", "i-4"}
-    ended = records[0].model_copy(update={"trainer_ended": True})  # its torchrun exited: its agent said so
+    ended = records[0].model_copy(update={"trainer_running": False})  # its torchrun exited: its agent said so
     assert lc.trainers_alive([*RANKED, SPARE], [ended, *records[1:]], 1, T0, 60) == {"i-4"}
+    # An agent alive, a trainer or none (an idle spare's reports), in whatever attempt it confirmed.
+    idle = seen("i-9", attempt=0).model_copy(update={"trainer_running": False})
+    assert lc.agents_alive([*RANKED, SPARE], [ended, *records[1:4], idle], T0, 60) == {"i-1", "i-3", "i-4", "i-9"}
 
 
 # --- hot spares at the start of an attempt ---------------------------------------------------

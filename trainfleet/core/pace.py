@@ -24,7 +24,9 @@ peer blocks the world's collectives until the control plane moves the run on). W
 then (the run's next attempt, its launch spec) is read at its next look, and a paced look of a
 2,048-node run is 80 s, a recovery's lost minutes on every GPU. That is nodes / 7.5 reads a
 second for the minutes of a start-up or a recovery (2,048 nodes: 273, about 550 RCU of the run
-partition's 3,000 for a run record under 16 KB), while training keeps the bound.
+partition's 3,000 for a run record under 16 KB), while training keeps the bound. A world repaired
+in place waits on no look: Recover confirms its survivors and the spares stepping in, and their
+agents read the launch spec from S3 every LAUNCH_SPEC_POLL_S.
 
 A world that trains keeps a cadence, and each agent knows its own trainer's: a world silent for
 HANG_STEPS of its recent median step time (never less than the run's stall floor) has hung, and
@@ -67,6 +69,12 @@ HANG_STEPS = 5
 """Median step times of silence after which a world that was stepping has hung."""
 CADENCE_STEPS_KNOWN = 3
 """Steps of an attempt timed before its cadence is trusted."""
+LAUNCH_SPEC_POLL_S = 1.0
+"""How often the agents a world repaired in place waits for (its survivors', its joining nodes')
+and the idle agents of a training run (its READY spares) read the launch spec from S3, rather
+than at their next look: a repair waits on no look. One GET of one object: 2,048 nodes make 2,048
+a second for the seconds a repair takes, within the 5,500 S3 serves on a prefix; a training
+run's spares (2 %: 41 of 2,048) make 41 a second while it trains."""
 CADENCE_WINDOW = 20
 """The most recent step times whose median is the cadence: one slow step (a save, a fetch) in it
 moves the median little."""

@@ -732,9 +732,11 @@ class NodeLiveness(Strict):
     """When its trainer last gave a sign of life (a step, a microbatch, a phase of its start-up or
     its repair), as the agent saw it: in a hung world the rank that stopped falls silent first,
     its peers at their next exchange with it (lifecycle.first_silent)."""
-    trainer_ended: bool = False
-    """Its torchrun exited (the agent's last report of the attempt, written at once): no trainer
-    of this node can take a repair order (lifecycle.trainers_alive)."""
+    trainer_running: bool = True
+    """Whether its torchrun runs. False in the report its agent writes the moment torchrun exits
+    (no trainer of this node can take a repair order: lifecycle.trainers_alive) and in an idle
+    agent's reports while the run trains (a READY spare, alive to step in at once:
+    lifecycle.spares_alive)."""
     reported_at: datetime
     """When the agent wrote this: an agent that stops writing has stopped answering."""
 

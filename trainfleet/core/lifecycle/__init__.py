@@ -36,6 +36,7 @@ Offers:
                silent_after(nodes, hang_timeout_s) (trainfleet.core.pace's rules),
                silent_workers(nodes, liveness, attempt, now, hang_timeout_s, ec2_troubles),
                trainers_alive(nodes, liveness, attempt, now, hang_timeout_s),
+               agents_alive(nodes, liveness, now, hang_timeout_s),
                blame_silent_workers(failure, ...) -> FailureReport, needs_liveness_look(failure), IMPAIRED,
                first_silent(liveness, attempt), hang_onset(failure, liveness) -> FailureReport
 
@@ -49,9 +50,9 @@ from trainfleet.core.lifecycle.growth import (GROW_RETRY, grown_plan, growth_rep
                                               spares_to_launch)
 from trainfleet.core.lifecycle.launch import (assign_ranks, build_launch_spec, confirmed, may_start, new_node_records,
                                               ready_workers, unready_workers, world_attempt, world_complete)
-from trainfleet.core.lifecycle.liveness import (IMPAIRED, blame_silent_workers, first_silent, hang_onset,
-                                                looks_per_second, needs_liveness_look, poll_interval, silent_after,
-                                                silent_workers, trainers_alive)
+from trainfleet.core.lifecycle.liveness import (IMPAIRED, agents_alive, blame_silent_workers, first_silent,
+                                                hang_onset, looks_per_second, needs_liveness_look, poll_interval,
+                                                silent_after, silent_workers, trainers_alive)
 from trainfleet.core.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, backoff_seconds, decide_recovery,
                                                 failure_streak, memory_restore, repair_in_place)
 from trainfleet.core.lifecycle.replan import initial_plan, plan_layout
@@ -79,6 +80,6 @@ __all__ = [
     "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "world_attempt",
     "may_start", "assign_ranks",
     "build_launch_spec", "swap_late_workers",
-    "poll_interval", "looks_per_second", "silent_after", "silent_workers", "trainers_alive", "blame_silent_workers", "first_silent", "hang_onset",
+    "poll_interval", "looks_per_second", "silent_after", "silent_workers", "trainers_alive", "agents_alive", "blame_silent_workers", "first_silent", "hang_onset",
     "needs_liveness_look", "IMPAIRED",
 ]

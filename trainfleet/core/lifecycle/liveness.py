@@ -26,7 +26,7 @@ from trainfleet.core.pace import (FULL_RATE_NODES, POLL_MAX_S, POLL_MIN_S, SILEN
 from trainfleet.core.records import FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole
 
 __all__ = ["FULL_RATE_NODES", "POLL_MAX_S", "POLL_MIN_S", "SILENT_LOOKS", "looks_per_second", "poll_interval",
-           "silent_after", "IMPAIRED", "silent_workers", "trainers_alive", "blame_silent_workers", "needs_liveness_look",
+           "silent_after", "IMPAIRED", "silent_workers", "trainers_alive", "agents_alive", "blame_silent_workers", "needs_liveness_look",
            "first_silent", "hang_onset"]
 
 IMPAIRED = "impaired"
@@ -92,8 +92,19 @@ def trainers_alive(nodes: list[NodeRecord], liveness: list[NodeLiveness], attemp
     exited): those that can receive a repair order (recovery.repair_in_place)."""
     limit = silent_after(sum(not node.state.is_retired for node in nodes), hang_timeout_s)
     workers = {node.instance_id for node in nodes if node.role is NodeRole.WORKER and not node.state.is_retired}
-    return frozenset(record.instance_id for record in liveness if record.attempt == attempt and not record.trainer_ended
+    return frozenset(record.instance_id for record in liveness if record.attempt == attempt and record.trainer_running
                      and record.instance_id in workers and now - record.reported_at <= limit)
+
+
+def agents_alive(nodes: list[NodeRecord], liveness: list[NodeLiveness], now: datetime,
+                 hang_timeout_s: float) -> frozenset[str]:
+    """The nodes whose agents reported lately, with a trainer running or idle (a READY spare's
+    agent reports while the run trains): a spare promoted into a world repaired in place that
+    is alive to join it at once (Recover confirms it for the new attempt)."""
+    limit = silent_after(sum(not node.state.is_retired for node in nodes), hang_timeout_s)
+    live = {node.instance_id for node in nodes if not node.state.is_retired}
+    return frozenset(record.instance_id for record in liveness
+                     if record.instance_id in live and now - record.reported_at <= limit)
 
 
 def blame_silent_workers(failure: FailureReport, nodes: list[NodeRecord], liveness: list[NodeLiveness],
