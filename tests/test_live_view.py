@@ -21,7 +21,7 @@ WHOLE = ["step 60 of 60", "5.6630", "attempt 1 at 03:13:35", "5,663 tokens/s", "
          "committed 03:13:36", "replaced i-0a1b2c3d4e5f60718 (INSTANCE_LOST)", "3 terminated", "64%", "34 s lost",
          "most to restart:INSTANCE_LOST: 19 s", "$0.00", "0.05 node-hours", "passed (attempt 1)",
          "fleet all-reduce 0.412 GB/s, floor 0.020 GB/s", "INSTANCE_LOST ended attempt 0", "detected after 3.0 s",
-         "resumed from step 20", "AwaitNodes 03:12:53", "Train 03:13:01", "Teardown 03:13:37", "Report 03:13:40",
+         "restarted", "resumed from step 20", "AwaitNodes 03:12:53", "Train 03:13:01", "Teardown 03:13:37", "Report 03:13:40",
          "Outcome 03:13:42"]
 """Every value of the sample, each of which must be read on one line."""
 

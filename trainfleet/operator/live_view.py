@@ -98,6 +98,7 @@ def _fields(status: RunStatus) -> Iterator[tuple[str, RenderableType]]:
             yield "failure", Parts(Text.assemble((failure.failure_class.value, "yellow"), f" ended {attempt}"),
                                    *([f"detected after {failure.detection_seconds:,.1f} s"]
                                      if failure.detection_seconds is not None else []),
+                                   *([failure.recovery.value] if failure.recovery is not None else []),
                                    _resumed_from(failure))
     if status.recent_states:
         yield "states", Parts(*(f"{entry.name} {_clock(entry.at)}" for entry in status.recent_states[-5:]),
