@@ -131,7 +131,8 @@ def _history(stack: LocalStack, run: LocalRun) -> list[tuple[float, str, str]]:
 def trained_steps(stack: LocalStack, run: LocalRun) -> list[dict[str, Any]]:
     """The step records of the run's first two attempts (a world repaired in place writes on in
     the files of the attempt that launched it)."""
-    return [record for attempt in (0, 1) for record in metrics_records(stack.instances(run), attempt) if "loss" in record]
+    instances = stack.instances(run)
+    return [record for attempt in (0, 1) for record in metrics_records(instances, attempt) if "loss" in record]
 
 
 def _first(timeline: list[tuple[float, str, str]], after: float, state: str, *types: str) -> float:

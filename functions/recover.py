@@ -76,7 +76,7 @@ def name_silent_workers(run: RunRecord, nodes: list[NodeRecord], failure: Failur
     records = read_liveness(cloud.dynamodb, cloud.settings.liveness_table, run.run_name)
     named = blame_silent_workers(failure, nodes, records, datetime.now(timezone.utc),
                                  run.spec.recovery.hang_timeout_seconds, troubles)
-    return hang_onset(named, records)
+    return hang_onset(named, records, nodes, run.plan.ranks_per_node if run.plan else 1)
 
 
 def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport) -> RecoveryDecision:
@@ -131,7 +131,8 @@ def act(run: RunRecord) -> int:
         # (node/agent.py): the new attempt waits on none of their looks.
         alive = agents_alive(nodes, read_liveness(cloud.dynamodb, cloud.settings.liveness_table, name),
                              datetime.now(timezone.utc), spec.recovery.hang_timeout_seconds)
-        spares_in = [node.instance_id for node in nodes if node.role is NodeRole.WORKER and node.state is NodeState.READY
+        spares_in = [node.instance_id for node in nodes
+                     if node.role is NodeRole.WORKER and node.state is NodeState.READY
                      and node.instance_id in alive and node.instance_id not in run.repair.survivor_ids]
         for instance_id in [*run.repair.survivor_ids, *spares_in]:
             confirm_ready(name, instance_id, run.attempt)

@@ -258,7 +258,8 @@ class LocalStack:
                           for reservation in reservations["Reservations"] for instance in reservation["Instances"]},
             "launches": {instance_id: [line for line in lines if line["agent"] == "starting torchrun"]
                          for instance_id, lines in said.items()},
-            "repairs": {instance_id: [line for line in lines if line["agent"].startswith("repairing the world in place")]
+            "repairs": {instance_id: [line for line in lines
+                                      if line["agent"].startswith("repairing the world in place")]
                         for instance_id, lines in said.items()},
             "commits": sorted({(line["attempt"], line["step"]) for lines in said.values() for line in lines
                                if line["agent"] == "sent CheckpointCommitted"}),

@@ -831,8 +831,9 @@ class Attempt:
         self.files = AttemptFiles(control.settings.workdir / f"attempt-{spec.attempt}")
         self.metrics = MetricsFollower(self.files.metrics)
         self.checkpoints = catalog.open_store(spec.trainer_config["checkpoint"]["uri"], control.s3)
-        self.announced = announced_before(spec, control.until_done("list the committed checkpoints", lambda: control.call(
-            "list the committed checkpoints", lambda: catalog.committed_steps(self.checkpoints)), deadline))
+        committed = control.until_done("list the committed checkpoints", lambda: control.call(
+            "list the committed checkpoints", lambda: catalog.committed_steps(self.checkpoints)), deadline)
+        self.announced = announced_before(spec, committed)
         self.last_step: int | None = None
         self.speaks_for_world = False  # set once this node's trainer writes metrics (global rank 0)
         self.heartbeat_every = heartbeat_pace(spec.hang_timeout_seconds)

@@ -1299,8 +1299,9 @@ def test_a_hang_names_the_node_whose_trainer_fell_silent_first():
     records = [live(node, 41, 1).model_copy(update={"alive_at": T0 - timedelta(seconds=ago)})
                for node, ago in silent.items()]
     assert lc.first_silent(records, 1) == ("i-2", 4.1)
-    named = lc.hang_onset(hang, records)
-    assert named.message == "test [the trainer of i-2 fell silent first, 4.1 s before any other]"
+    named = lc.hang_onset(hang, records, RANKED, ranks_per_node=8)
+    assert named.message == "test [the trainer of i-2 (node rank 1: ranks 8-15) fell silent first, 4.1 s before any other]"
+    assert "the trainer of i-2 fell silent first" in lc.hang_onset(hang, records).message  # no node record at hand
     assert named.instance_ids == [] and named.observed_at == T0, "named, not blamed"
     # Silent within the agents' half-second looks of each other: the world stalled as a whole.
     together = [record.model_copy(update={"alive_at": T0 - timedelta(seconds=3 + index / 4)})

@@ -38,7 +38,7 @@ Offers:
                trainers_alive(nodes, liveness, attempt, now, hang_timeout_s),
                agents_alive(nodes, liveness, now, hang_timeout_s),
                blame_silent_workers(failure, ...) -> FailureReport, needs_liveness_look(failure), IMPAIRED,
-               first_silent(liveness, attempt), hang_onset(failure, liveness) -> FailureReport
+               first_silent(liveness, attempt), hang_onset(failure, liveness, nodes, ranks_per_node) -> FailureReport
 
 Randomness (backoff jitter) and time come in as arguments, so every decision is reproducible.
 """
@@ -80,6 +80,7 @@ __all__ = [
     "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "world_attempt",
     "may_start", "assign_ranks",
     "build_launch_spec", "swap_late_workers",
-    "poll_interval", "looks_per_second", "silent_after", "silent_workers", "trainers_alive", "agents_alive", "blame_silent_workers", "first_silent", "hang_onset",
+    "poll_interval", "looks_per_second", "silent_after", "silent_workers", "trainers_alive", "agents_alive",
+    "blame_silent_workers", "first_silent", "hang_onset",
     "needs_liveness_look", "IMPAIRED",
 ]

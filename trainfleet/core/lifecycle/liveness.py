@@ -26,8 +26,8 @@ from trainfleet.core.pace import (FULL_RATE_NODES, POLL_MAX_S, POLL_MIN_S, SILEN
 from trainfleet.core.records import FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole
 
 __all__ = ["FULL_RATE_NODES", "POLL_MAX_S", "POLL_MIN_S", "SILENT_LOOKS", "looks_per_second", "poll_interval",
-           "silent_after", "IMPAIRED", "silent_workers", "trainers_alive", "agents_alive", "blame_silent_workers", "needs_liveness_look",
-           "first_silent", "hang_onset"]
+           "silent_after", "IMPAIRED", "silent_workers", "trainers_alive", "agents_alive", "blame_silent_workers",
+           "needs_liveness_look", "first_silent", "hang_onset"]
 
 IMPAIRED = "impaired"
 """What EC2's troubles name an instance whose instance or system status check failed."""
@@ -150,11 +150,13 @@ def first_silent(liveness: list[NodeLiveness], attempt: int) -> tuple[str, float
     return (stopped, lead) if lead >= FIRST_SILENT_MARGIN_S else None
 
 
-def hang_onset(failure: FailureReport, liveness: list[NodeLiveness]) -> FailureReport:
+def hang_onset(failure: FailureReport, liveness: list[NodeLiveness], nodes: list[NodeRecord] = (),
+               ranks_per_node: int = 1) -> FailureReport:
     """A hang with its first sign and, where one node's trainer fell silent clearly first, that
-    node named in its message (not blamed: a hang on healthy hardware would follow it nowhere).
-    The first sign, when the hang has none (a heartbeat timed out: no event observed it), is the
-    world's last step, the newest step a worker of the attempt reported."""
+    node named in its message with its ranks (`nodes`' node ranks, `ranks_per_node` each); not
+    blamed: a hang on healthy hardware would follow it nowhere. The first sign, when the hang has
+    none (a heartbeat timed out: no event observed it), is the world's last step, the newest step
+    a worker of the attempt reported."""
     if failure.failure_class is not FailureClass.HANG:
         return failure
     update = {}
@@ -163,6 +165,10 @@ def hang_onset(failure: FailureReport, liveness: list[NodeLiveness]) -> FailureR
                                      if record.attempt == failure.attempt and record.step_at), default=None)
     stopped = first_silent(liveness, failure.attempt)
     if stopped is not None:
-        update["message"] = (f"{failure.message} [the trainer of {stopped[0]} fell silent first, "
-                             f"{stopped[1]:.1f} s before any other]")
+        instance_id, lead = stopped
+        rank = next((node.node_rank for node in nodes if node.instance_id == instance_id), None)
+        ranks = (f" (node rank {rank}: ranks {rank * ranks_per_node}-{(rank + 1) * ranks_per_node - 1})"
+                 if rank is not None else "")
+        update["message"] = (f"{failure.message} [the trainer of {instance_id}{ranks} fell silent first, "
+                             f"{lead:.1f} s before any other]")
     return failure.model_copy(update=update)

@@ -149,7 +149,8 @@ def repair_in_place(run: RunRecord, failure: FailureReport, survivors: list[Node
 
 
 def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport,
-                    jitter_draw: float, now: datetime, trainers_alive: frozenset[str] = frozenset()) -> RecoveryDecision:
+                    jitter_draw: float, now: datetime,
+                    trainers_alive: frozenset[str] = frozenset()) -> RecoveryDecision:
     """What to do about `failure` (classified for the run's current attempt), decided at `now`;
     `trainers_alive`: the workers whose trainers were seen alive in that attempt (repair_in_place)."""
     spec, policy = run.spec, run.spec.recovery
