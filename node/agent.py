@@ -353,6 +353,8 @@ class ControlPlane:
         """Whether this node's trainer steps now (Attempt.follow): the looks are paced by the
         run's size then, and at the full rate otherwise (trainfleet.core.pace)."""
         self.next_look = 0.0
+        self.next_spec_read = -math.inf
+        """clock() when read_launch_spec_soon reads the launch spec next."""
         self.failures = 0
         self.failing_since: float | None = None
         self.trainer_alive_at = -math.inf
@@ -462,6 +464,16 @@ class ControlPlane:
             return None
         spec = LaunchSpec.model_validate_json(raw)
         return spec if spec.attempt > attempt and self.identity.instance_id in spec.node_ranks else None
+
+    def read_launch_spec_soon(self, attempt: int) -> LaunchSpec | None:
+        """launch_spec_after(attempt), read between the looks at most every LAUNCH_SPEC_POLL_S: what
+        the agents a world repaired in place waits for, and the idle agents of a training run, read
+        so that the repair waits on none of their looks."""
+        now = self.clock()
+        if now < self.next_spec_read:
+            return None
+        self.next_spec_read = now + LAUNCH_SPEC_POLL_S
+        return self.launch_spec_after(attempt)
 
     def report_liveness(self, record: NodeLiveness) -> None:
         self.call("write the liveness record", lambda: write_liveness(
@@ -823,8 +835,6 @@ class Attempt:
         """torchrun's process (the stand-in's: the agent's own)."""
         self.repair_pending: int | None = None
         """The attempt that repairs this node's world and keeps its trainer, until its launch spec is read."""
-        self.next_spec_read = -math.inf
-        """control.clock() when the pending repair's launch spec is read next (LAUNCH_SPEC_POLL_S)."""
         self.run_seen: RunRecord | None = None
         """The run record at the last look."""
         self.node_rank = spec.node_ranks[self.identity.instance_id]
@@ -943,14 +953,10 @@ class Attempt:
         return True
 
     def take_repaired_spec(self) -> bool:
-        """Read the pending repair's launch spec (every LAUNCH_SPEC_POLL_S) and, once it is there,
-        order the trainer into the repaired world and follow that attempt. False when the spec
-        turned out not to repair this node's world: the trainer is to stop."""
-        now = self.control.clock()
-        if now < self.next_spec_read:
-            return True
-        self.next_spec_read = now + LAUNCH_SPEC_POLL_S
-        spec = self.control.launch_spec_after(self.spec.attempt)
+        """Read the pending repair's launch spec (ControlPlane.read_launch_spec_soon) and, once it
+        is there, order the trainer into the repaired world and follow that attempt. False when the
+        spec turned out not to repair this node's world: the trainer is to stop."""
+        spec = self.control.read_launch_spec_soon(self.spec.attempt)
         if spec is None or spec.attempt != self.repair_pending:
             return True  # not written yet (a newer attempt is the run record's to tell)
         if spec.repair is None or self.identity.instance_id not in spec.repair.survivor_ids:
@@ -1280,7 +1286,6 @@ def serve(settings: AgentSettings) -> None:
         return confirmed >= attempt
 
     run = latest = None
-    next_spec_read = -math.inf
     while True:
         spec = None
         if run is not None:
@@ -1297,12 +1302,10 @@ def serve(settings: AgentSettings) -> None:
             if not problem and run.state is RunState.TRAINING and run.attempt > ran:
                 spec = control.launch_spec_after(ran)
                 spec = spec if spec is not None and spec.attempt == run.attempt else None
-        elif not problem and latest is not None and latest.state is RunState.TRAINING \
-                and time.monotonic() >= next_spec_read:
+        elif not problem and latest is not None and latest.state is RunState.TRAINING:
             # An idle agent of a training run (a READY spare, a node whose trainer ended) reads the
             # launch spec between its looks too: a world repaired around it waits on no look.
-            next_spec_read = time.monotonic() + LAUNCH_SPEC_POLL_S
-            spec = control.launch_spec_after(ran)
+            spec = control.read_launch_spec_soon(ran)
         if spec is not None:
             ran = spec.attempt
             if spec.repair and identity.instance_id in spec.repair.survivor_ids:

@@ -90,10 +90,9 @@ def trainers_alive(nodes: list[NodeRecord], liveness: list[NodeLiveness], attemp
     """The workers whose agents reported their trainer running in `attempt` recently enough not
     to count as silent (an agent reports only while its torchrun runs, and says so when it
     exited): those that can receive a repair order (recovery.repair_in_place)."""
-    limit = silent_after(sum(not node.state.is_retired for node in nodes), hang_timeout_s)
-    workers = {node.instance_id for node in nodes if node.role is NodeRole.WORKER and not node.state.is_retired}
-    return frozenset(record.instance_id for record in liveness if record.attempt == attempt and record.trainer_running
-                     and record.instance_id in workers and now - record.reported_at <= limit)
+    workers = {node.instance_id for node in nodes if node.role is NodeRole.WORKER}
+    return frozenset(record.instance_id for record in _reported_lately(nodes, liveness, now, hang_timeout_s)
+                     if record.attempt == attempt and record.trainer_running and record.instance_id in workers)
 
 
 def agents_alive(nodes: list[NodeRecord], liveness: list[NodeLiveness], now: datetime,
@@ -101,10 +100,15 @@ def agents_alive(nodes: list[NodeRecord], liveness: list[NodeLiveness], now: dat
     """The nodes whose agents reported lately, with a trainer running or idle (a READY spare's
     agent reports while the run trains): a spare promoted into a world repaired in place that
     is alive to join it at once (Recover confirms it for the new attempt)."""
+    return frozenset(record.instance_id for record in _reported_lately(nodes, liveness, now, hang_timeout_s))
+
+
+def _reported_lately(nodes: list[NodeRecord], liveness: list[NodeLiveness], now: datetime,
+                     hang_timeout_s: float) -> list[NodeLiveness]:
+    """The reports of the nodes not retired, written too lately for their agents to count as silent."""
     limit = silent_after(sum(not node.state.is_retired for node in nodes), hang_timeout_s)
     live = {node.instance_id for node in nodes if not node.state.is_retired}
-    return frozenset(record.instance_id for record in liveness
-                     if record.instance_id in live and now - record.reported_at <= limit)
+    return [record for record in liveness if record.instance_id in live and now - record.reported_at <= limit]
 
 
 def blame_silent_workers(failure: FailureReport, nodes: list[NodeRecord], liveness: list[NodeLiveness],
