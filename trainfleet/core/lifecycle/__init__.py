@@ -8,7 +8,7 @@ Offers:
                initial_plan(spec, allocated_nodes)
     recovery:  decide_recovery(run, nodes, failure, jitter_draw, now, trainers_alive) -> RecoveryDecision,
                memory_restore(run, survivors, plan) -> (from memory?, why),
-               repair_in_place(run, failure, survivors, trainers_alive) -> (WorldRepair | None, why),
+               repair_in_place(run, survivors, trainers_alive) -> (WorldRepair | None, why),
                apply_decision(run, failure, decision, now, kept_on_memory_seconds) -> RunRecord,
                failure_streak(history, failure_class, resume_step), backoff_seconds(policy, streak, draw),
                ANNOUNCED_BY_AWS

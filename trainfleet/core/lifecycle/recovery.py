@@ -119,7 +119,7 @@ def memory_restore(run: RunRecord, survivors: list[NodeRecord], plan: ParallelPl
     return True, "every node resumes from its own memory"
 
 
-def repair_in_place(run: RunRecord, failure: FailureReport, survivors: list[NodeRecord],
+def repair_in_place(run: RunRecord, survivors: list[NodeRecord],
                     trainers_alive: frozenset[str]) -> tuple[WorldRepair | None, str]:
     """Whether the next world may be the failed one repaired in place (trainer/repair.py), and
     why not; given the workers that stay in the world (the lost ones' places are taken, their
@@ -223,7 +223,7 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
     # 5: nothing to swap. After a crash, the nodes whose trainers live keep them: those whose
     # trainers ended start new ones into the repaired world.
     if not terminate and missing == 0:
-        repair, how = (repair_in_place(run, failure, [node for node in workers if node.instance_id in trainers_alive],
+        repair, how = (repair_in_place(run, [node for node in workers if node.instance_id in trainers_alive],
                                        trainers_alive)
                        if from_memory and failure.failure_class is FailureClass.PROCESS_CRASH else (None, ""))
         return RecoveryDecision(action=RecoveryAction.RESTART, plan=plan, repair=repair, **common,
@@ -258,7 +258,7 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
     refill = 0 if failure.failure_class is FailureClass.CAPACITY else max(0, spec.spare_count - spares_left)
     if streak == 1:
         common["backoff_seconds"] = 0.0
-    repair, how = repair_in_place(run, failure, workers, trainers_alive) if from_memory else (None, "")
+    repair, how = repair_in_place(run, workers, trainers_alive) if from_memory else (None, "")
     return RecoveryDecision(action=RecoveryAction.REPLACE, plan=plan, allocate_workers=uncovered,
                             allocate_spares=refill, repair=repair, **common,
                             reason=f"{failure.failure_class.value}: replace {len(terminate)} node(s), "
