@@ -272,11 +272,16 @@ def test_the_runs_not_held_are_only_those_said_in_the_docstring():
                        "MPT's Triton attention kernel does most of the work"}
 
 
+def _calibrated(sustained: float, contention: float) -> None:
+    st.SUSTAINED, st.CONTENTION = sustained, contention
+    for cached in (st._block_costs, st._stage, st._ring_seconds, st._unit_collectives):
+        cached.cache_clear()
+
+
 def _rms_log_error(monkeypatch, sustained: float, contention: float) -> float:
     monkeypatch.setattr(st, "SUSTAINED", sustained)
     monkeypatch.setattr(st, "CONTENTION", contention)
-    for cached in (st._block_costs, st._stage, st._ring_seconds, st._unit_collectives):
-        cached.cache_clear()
+    _calibrated(sustained, contention)
     return math.sqrt(sum(math.log1p(row.error) ** 2 for row in HELD) / len(HELD))
 
 
@@ -287,8 +292,7 @@ def test_the_two_calibrated_constants_are_the_least_squares_fit(monkeypatch):
     sustained, contention = st.SUSTAINED, st.CONTENTION
     for ds, dc in ((0.01, 0), (-0.01, 0), (0, 0.05), (0, -0.05)):
         assert _rms_log_error(monkeypatch, sustained + ds, contention + dc) >= fitted
-    for cached in (st._block_costs, st._stage, st._ring_seconds, st._unit_collectives):
-        cached.cache_clear()
+    _calibrated(sustained, contention)
 
 
 def table() -> str:
@@ -303,5 +307,27 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def left_out() -> str:
+    """Each source left out of the fit: the constants refitted on the others (the same grid) and
+    that source's worst error under them."""
+    fitted = st.SUSTAINED, st.CONTENTION
+    grid = [(s / 100, c / 20) for s in range(76, 96) for c in range(21)]
+    errors = {}
+    for sustained, contention in grid:
+        _calibrated(sustained, contention)
+        errors[sustained, contention] = [math.log1p(row.error) for row in HELD]
+    _calibrated(*fitted)
+    sources = sorted({(row.source, row.cluster.gpu.name.split()[0]) for row in HELD})
+    lines = []
+    for source in sources:
+        mine = [i for i, row in enumerate(HELD) if (row.source, row.cluster.gpu.name.split()[0]) == source]
+        best = min(grid, key=lambda g: sum(e * e for i, e in enumerate(errors[g]) if i not in mine))
+        worst = max(abs(math.expm1(errors[best][i])) for i in mine)
+        lines.append(f"{' '.join(source)} left out: SUSTAINED {best[0]:.2f}, CONTENTION {best[1]:.2f}; "
+                     f"its runs within {worst:.1%}")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print(table())
+    print(left_out())

@@ -40,10 +40,10 @@ slowest pipeline stage, each term on the critical path:
 
 What it rests on: the GPUs' measured rates (hardware.py), NCCL's own latency model (`NCCL_*`,
 NVIDIA/nccl src/graph/tuning.cc: ring steps with the Simple protocol, trees for small
-all-reduces), two efficiencies estimated from measurements (`NETWORK_EFFICIENCY`,
-`MEMORY_EFFICIENCY`), and two calibrated to published training runs (`SUSTAINED`, `CONTENTION`),
-one number each for every GPU, model and layout: tests/test_step_time_validation.py holds the
-predictions within 20 % of every run it cites.
+all-reduces), two efficiencies estimated (`NETWORK_EFFICIENCY`, `MEMORY_EFFICIENCY`), and two
+calibrated to published training runs (`SUSTAINED`, `CONTENTION`), one number each for every GPU,
+model and layout: tests/test_step_time_validation.py holds the predictions within 20 % of every
+run it cites.
 
 Offers:
     Matmul, Architecture            a model as the step time sees it
@@ -70,22 +70,20 @@ from trainfleet.core.hardware import Cluster, GPU
 from trainfleet.core.memory_plan import BF16, FP32, Layout, ModelShape, Workload
 
 NETWORK_EFFICIENCY = 0.8
-"""Of a node's line rate to other nodes, what NCCL's rings reach with large messages. nccl-tests
-between nodes reach 80-95 % of InfiniBand's line rate, and about the same on EFA with the
-aws-ofi-nccl plugin (AWS's EFA documentation reports p4d and p5 busbw in this range); taken at
-the low end, as a training job's collectives share the fabric. An estimate, stated, not fitted."""
+"""Of a node's line rate to other nodes, what NCCL's rings carry of a large message: less than the
+line, for the protocol's headers and flow control, and the job's collectives sharing the fabric.
+An estimate, not fitted."""
 
 MEMORY_EFFICIENCY = 0.8
-"""Of the HBM bandwidth, what a memory-bound kernel (elementwise, a copy, the fused AdamW)
-reaches: STREAM-like copies reach 85-92 % of the data sheet's figure on A100 and H100, the
-elementwise kernels of eager PyTorch a little less. An estimate, stated, not fitted."""
+"""Of the HBM bandwidth of the data sheet, what a memory-bound kernel (elementwise, a copy, the
+fused AdamW) moves: most of it, not all. An estimate, not fitted."""
 
 SUSTAINED = 0.86
 """Calibrated. Of the kernels' isolated rates (the GEMMs' and FlashAttention's measured in hardware.py,
 memory-bound kernels' above), what they sustain inside a training step: clocks held lower under a
 step's sustained power, the gaps an eager step leaves between kernels, the tail of each kernel's
 last wave. Fitted with CONTENTION to the published runs of tests/test_step_time_validation.py
-(least squares of the log error; each source left out in turn is still predicted within 19 %)."""
+(least squares of the log error; how each source fares left out of the fit: BENCHMARKS.md)."""
 
 CONTENTION = 0.65
 """Calibrated. While NCCL's collectives run beside compute (FSDP prefetching its next unit,
@@ -101,8 +99,9 @@ ATTENTION_BACKWARD_RATIO = 2.5
 """FlashAttention-2's backward runs five matmuls of the forward's size to its two."""
 
 NCCL_RING_BASE_US, NCCL_NVLINK_HOP_US, NCCL_NET_HOP_US = 8.4, 3.4, 9.6
-"""NCCL's latency model of a ring with the Simple protocol (src/graph/tuning.cc, baseLat and
-hwLat): a base, plus each step of the ring over NVLink or the network."""
+"""NCCL's own latency model of a ring with the Simple protocol (NVIDIA/nccl src/graph/tuning.cc,
+baseLat and hwLat, as of the releases with Tree, Ring and CollNet): a base, plus each step of the
+ring over NVLink or the network."""
 NCCL_TREE_LL_BASE_US, NCCL_TREE_LL_NVLINK_US, NCCL_TREE_LL_NET_US = 4.4, 0.52, 5.0
 """And of a tree with the LL protocol, which NCCL picks for a small all-reduce."""
 
