@@ -23,8 +23,9 @@ slowest pipeline stage, each term on the critical path:
 - FSDP: all-gathers of bf16 parameters and reduce-scatters of fp32 gradients (the trainer's
   mixed-precision policy) over dp_shard, and HSDP's all-reduce over the replicas, as NCCL's rings
   run them (`_ring_seconds`). Each FSDP unit's collective overlaps the compute of its neighbours
-  (prefetch), so a pass costs the larger of its compute and its communication, plus the first
-  unit's gather and the last unit's reduction, which nothing hides; gathering copies out of the
+  (prefetch), so a pass costs the larger of its compute (slowed while collectives run beside it:
+  `CONTENTION`) and its communication, plus the first unit's gather and the last unit's
+  reduction, which nothing hides; gathering copies out of the
   flat buffer on the compute stream. Without a pipeline every microbatch gathers its units
   (twice when they reshard after forward) and reduce-scatters its gradients. Under a pipeline a
   stage gathers once a step, and reduces only after its last backward (torch's REDUCE_GRAD), so
@@ -42,8 +43,8 @@ What it rests on: the GPUs' measured rates (hardware.py), NCCL's own latency mod
 NVIDIA/nccl src/graph/tuning.cc: ring steps with the Simple protocol, trees for small
 all-reduces), two efficiencies estimated (`NETWORK_EFFICIENCY`, `MEMORY_EFFICIENCY`), and two
 calibrated to published training runs (`SUSTAINED`, `CONTENTION`), one number each for every GPU,
-model and layout: tests/test_step_time_validation.py holds the predictions within 20 % of every
-run it cites.
+model and layout: tests/test_step_time_validation.py holds the predictions within 20 % of the 80
+published runs it holds (and says why it holds none of the others it cites).
 
 Offers:
     Matmul, Architecture            a model as the step time sees it
