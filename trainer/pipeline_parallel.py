@@ -98,7 +98,8 @@ class Pipeline:
         """
         with self.loss_context():
             if self.schedule is None:
-                with self.clock.timed() if self.clock else contextlib.nullcontext():
+                # One stage: no bubble, so its compute need not be told apart by kind.
+                with self.clock.timed("forward") if self.clock else contextlib.nullcontext():
                     return self._accumulate_locally(inputs, targets)
             losses: list[torch.Tensor] = []
             # A stage checks each microbatch against the strides it inferred (torch 2.11 does): the
@@ -134,30 +135,30 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
 
 
 class _TimedStage(PipelineStage):
-    """A PipelineStage whose forward and backward compute is timed on `clock` when one is
-    attached, and reported to `on_work` when set. The schedule waits for a microbatch's data
-    before it calls these, so what is timed is this rank's own work."""
+    """A PipelineStage whose forward, backward and weight-gradient compute is timed, each kind
+    apart, on `clock` when one is attached, and reported to `on_work` when set. The schedule waits
+    for a microbatch's data before it calls these, so what is timed is this rank's own work."""
 
     clock: ComputeClock | None = None
     on_work: Callable[[], None] | None = None
 
     @contextlib.contextmanager
-    def _timed(self):
-        with self.clock.timed() if self.clock else contextlib.nullcontext():
+    def _timed(self, kind: str):
+        with self.clock.timed(kind) if self.clock else contextlib.nullcontext():
             yield
         if self.on_work:
             self.on_work()
 
     def forward_one_chunk(self, *args, **kwargs):
-        with self._timed():
+        with self._timed("forward"):
             return super().forward_one_chunk(*args, **kwargs)
 
     def backward_one_chunk(self, *args, **kwargs):
-        with self._timed():
+        with self._timed("backward"):
             return super().backward_one_chunk(*args, **kwargs)
 
     def backward_weight_one_chunk(self, *args, **kwargs):
-        with self._timed():
+        with self._timed("weight"):
             return super().backward_weight_one_chunk(*args, **kwargs)
 
 
