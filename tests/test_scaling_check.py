@@ -13,6 +13,7 @@ import torch
 from localcloud.waiting import run_captured
 
 from test_lifecycle import SPARE, T0, WORKERS, make_run, make_spec, scaling_figures
+from trainer import scaling_check
 from trainer.scaling_check import ComputeClock, Pipeline, RankTiming, slow_ranks, verdict
 from trainfleet.core import lifecycle as lc
 from trainfleet.core.events import ScalingChecked
@@ -105,17 +106,23 @@ def test_a_world_that_passed_names_no_node_even_with_a_slow_rank():
     assert result.passed and result.slow_nodes == [] and result.slowest_rank == 1
 
 
-def test_the_clock_times_each_kind_of_compute_and_the_end_of_the_step_apart():
+def test_the_clock_times_each_kind_of_compute_and_the_end_of_the_step_apart(monkeypatch):
+    now = [100.0]  # the host's clock, moved by hand: a loaded machine cannot stretch the figures
+
+    def spend(seconds: float) -> None:
+        now[0] += seconds
+
+    monkeypatch.setattr(scaling_check.time, "perf_counter", lambda: now[0])
     clock = ComputeClock(torch.device("cpu"))
     with clock.timed("forward"):
-        time.sleep(0.05)
+        spend(0.05)
     with clock.timed("backward"):
-        time.sleep(0.02)
-    time.sleep(0.03)  # gradient reduction, optimizer
+        spend(0.02)
+    spend(0.03)  # gradient reduction, optimizer
     clock.end_step()
     compute, finish = clock.take()
-    assert 0.05 <= compute["forward"] < 0.5 and 0.02 <= compute["backward"] < compute["forward"]
-    assert compute["weight"] == 0.0 and 0.03 <= finish < compute["forward"]
+    assert compute == pytest.approx({"forward": 0.05, "backward": 0.02, "weight": 0.0})
+    assert finish == pytest.approx(0.03)
     assert clock.take() == ({"forward": 0.0, "backward": 0.0, "weight": 0.0}, 0.0), \
         "taken: the next step starts from nothing"
 
