@@ -135,6 +135,7 @@ build-%Function:
 	cp -r functions trainfleet $(ARTIFACTS_DIR)/
 	mkdir -p $(ARTIFACTS_DIR)/trainer
 	cp trainer/__init__.py trainer/checkpoint_catalog.py trainer/config.py trainer/schedules.py trainer/tokenizer.py \
+		trainer/shards.py \
 		$(ARTIFACTS_DIR)/trainer/
 	find $(ARTIFACTS_DIR) -name __pycache__ -prune -exec rm -rf {} +
 
