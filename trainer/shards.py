@@ -108,7 +108,8 @@ class ShardStore:
             self.s3 = None
             self.root = Path(location)
 
-    def _key(self, name: str) -> str:
+    def key(self, name: str) -> str:
+        """The S3 key of `name`."""
         return f"{self.prefix}/{name}" if self.prefix else name
 
     def read(self, name: str) -> bytes | None:
@@ -116,19 +117,19 @@ class ShardStore:
             path = self.root / name
             return path.read_bytes() if path.exists() else None
         try:
-            return self.s3.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
+            return self.s3.get_object(Bucket=self.bucket, Key=self.key(name))["Body"].read()
         except self.s3.exceptions.NoSuchKey:
             return None
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         """Bytes start..end (inclusive, as HTTP ranges count) of an S3 object."""
-        body = self.s3.get_object(Bucket=self.bucket, Key=self._key(name), Range=f"bytes={start}-{end}")["Body"]
+        body = self.s3.get_object(Bucket=self.bucket, Key=self.key(name), Range=f"bytes={start}-{end}")["Body"]
         return body.read()
 
     def write(self, name: str, data: bytes) -> None:
         """Whole or not at all: a PUT is, and a local file is written aside and renamed into place."""
         if self.s3 is not None:
-            self.s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
+            self.s3.put_object(Bucket=self.bucket, Key=self.key(name), Body=data)
             return
         path = self.root / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,6 +139,12 @@ class ShardStore:
         os.chmod(tmp.name, 0o644)
         os.replace(tmp.name, path)
 
+    def delete(self, name: str) -> None:
+        if self.s3 is not None:
+            self.s3.delete_object(Bucket=self.bucket, Key=self.key(name))
+        else:
+            (self.root / name).unlink(missing_ok=True)
+
     def names(self, prefix: str) -> list[str]:
         """The names under `prefix` (e.g. ".prepare/part-"), sorted."""
         if self.s3 is None:
@@ -146,8 +153,8 @@ class ShardStore:
                 return []
             return sorted(f"{prefix.rpartition('/')[0]}/{p.name}".lstrip("/") for p in Path(folder).iterdir()
                           if p.name.startswith(start) and not p.name.startswith(".partial-"))
-        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
-        cut = len(self._key("")) if self.prefix else 0
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.key(prefix))
+        cut = len(self.key("")) if self.prefix else 0
         return sorted(item["Key"][cut:] for page in pages for item in page.get("Contents", []))
 
     def read_index(self) -> dict | None:
