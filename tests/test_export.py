@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import free_port, spawn_ranks
-from trainer import tokenizer
+from trainer.tokenizer import ByteTokenizer
 from trainer.checkpoint import Checkpointer
 from trainer.config import load_config
 from trainer.export import ExportError, export, load_exported
@@ -27,7 +27,7 @@ def trainer_args(folder: Path, *overrides: str) -> list[str]:
     return ["--model.n_layers=2", "--model.d_model=32", "--model.n_heads=2", "--model.seq_len=16", "--model.vocab_size=258",
             "--training.batch_size=4", "--parallel.microbatches=1", f"--training.steps={STEPS}",
             "--optim.warmup_steps=2", "--training.threads=1", "--training.device=cpu",
-            f"--data.shards={folder / 'shards'}", "--data.corpus_bytes=20000",
+            f"--data.shards={folder / 'shards'}", "--data.corpus=stdlib", "--data.corpus_bytes=20000",
             f"--training.metrics_file={folder / 'metrics.jsonl'}", f"--checkpoint.uri={folder / 'checkpoints'}",
             "--checkpoint.interval=3", *overrides]
 
@@ -49,7 +49,7 @@ def trained(tmp_path_factory) -> Path:
 
 def a_batch(seq_len: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     text = "def export(location, to):\n    return written  # the model, out of its checkpoint\n" * 2
-    tokens = torch.tensor(tokenizer.encode(text)[:2 * (seq_len + 1)]).view(2, seq_len + 1)
+    tokens = torch.tensor(ByteTokenizer().encode(text)[:2 * (seq_len + 1)]).view(2, seq_len + 1)
     return tokens[:, :-1], tokens[:, 1:]
 
 

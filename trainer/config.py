@@ -33,8 +33,9 @@ class ModelConfig:
     """Width of the residual stream."""
     n_heads: int = 4
     """Attention heads; must divide d_model."""
-    vocab_size: int = tokenizer.VOCAB_SIZE
-    """Embedding rows; at least the tokenizer's vocabulary (257 for bytes + end of document)."""
+    vocab_size: int = tokenizer.ByteTokenizer.vocab_size
+    """Embedding rows; at least the tokenizer's vocabulary (257 for bytes + end of document), and at
+    least the vocabulary the shards were tokenised with (their index says)."""
     seq_len: int = 128
     """Tokens per training sequence (and rows of the position embedding)."""
     mlp_ratio: int = 4
@@ -94,17 +95,26 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     shards: str = "runs/data/stdlib-bytes"
-    """Where the token shards live: a local directory or s3://bucket/prefix. Built there from the corpus if absent."""
+    """Where the token shards live: a local directory or s3://bucket/prefix holding a shard set (its
+    index.json), as `trainfleet data prepare` writes one. A location without one is refused, unless
+    data.corpus names the corpus to build it from."""
+    tokenizer: str = "bytes"
+    """The tokenizer: bytes (every UTF-8 byte a token, plus an end of document; no file) or a Hugging Face
+    tokenizer.json, a path or s3:// URI (trainer/tokenizer.py). The shards must have been tokenised with it."""
     cache_dir: str = "runs/data/cache"
     """Local directory that S3 shards' blocks are cached in (shared by the ranks of a node), and where shards that
     matched their index are stamped (size, mtime, inode) so that a restart does not hash them again."""
     cache_bytes: int = 64 * 2**30
     """Bound on the blocks of S3 shards cached in cache_dir; the least recently opened are deleted past it. Shard
     sets whose index has no block digests are fetched whole, outside this bound."""
+    corpus: str = ""
+    """The built-in corpus to build data.shards from when they hold no shard set: stdlib (the Python
+    standard library's own source, in a fixed order), tokenised with data.tokenizer. Empty: none,
+    data.shards must hold a prepared set."""
     corpus_bytes: int = 4_000_000
-    """Bytes of text taken from the corpus (the Python standard library's own source, in a fixed order)."""
+    """Bytes of text taken from the corpus."""
     shard_tokens: int = 1_000_000
-    """Tokens per shard file (little-endian uint32 each) when the shards are built from the corpus."""
+    """Tokens per shard file when the shards are built from the corpus."""
 
 
 @dataclass
@@ -244,6 +254,8 @@ class JobConfig:
         return self
 
 
+CORPORA = ("stdlib",)
+"""What data.corpus may name (trainer/data.py builds it)."""
 # Integer fields where 0 means something (a seed, "torch's default", "what the schedule needs").
 _ZERO_ALLOWED = {"seed", "threads", "stages_per_rank", "dp_shard"}
 ACTIVATION_CHECKPOINT_MODES = ("none", "selective", "full")
@@ -280,8 +292,13 @@ def _problems(c: JobConfig):
     if t.activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
         yield (f"training.activation_checkpoint={t.activation_checkpoint!r} must be one of "
                f"{', '.join(ACTIVATION_CHECKPOINT_MODES)}")
-    if m.vocab_size < tokenizer.VOCAB_SIZE:
-        yield f"model.vocab_size={m.vocab_size} is below the tokenizer's vocabulary ({tokenizer.VOCAB_SIZE})"
+    if c.data.tokenizer == tokenizer.BYTES and m.vocab_size < tokenizer.ByteTokenizer.vocab_size:
+        yield (f"model.vocab_size={m.vocab_size} is below the byte tokenizer's vocabulary "
+               f"({tokenizer.ByteTokenizer.vocab_size})")
+    if not c.data.tokenizer:
+        yield "data.tokenizer is empty: bytes, or a tokenizer.json path or s3:// URI"
+    if c.data.corpus not in ("", *CORPORA):
+        yield f"data.corpus={c.data.corpus!r} is not a built-in corpus: {', '.join(CORPORA)}, or empty for none"
     if p.schedule not in SCHEDULES:
         yield f"parallel.schedule={p.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}"
         return

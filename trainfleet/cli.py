@@ -18,6 +18,10 @@
     trainfleet checkpoint list|export RUN ...   a run's checkpoints; its model as safetensors
     trainfleet sample --from DIR|RUN --prompt TEXT   text the trained model writes
                                (trainfleet/operator/checkpoint_command.py)
+    trainfleet data prepare INPUT... --tokenizer FILE --to DEST [--on-stack]
+                               token shards from JSON Lines, Parquet or text, on this machine's
+                               cores or the stack's DataPrep state machine
+                               (trainfleet/operator/data_command.py)
 """
 
 import argparse
@@ -226,11 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(commands)
     from localcloud.commands import add_local_commands
     from trainfleet.operator.checkpoint_command import add_checkpoint_commands
+    from trainfleet.operator.data_command import add_data_commands
     from trainfleet.operator.run_command import add_run_commands
 
     add_local_commands(commands)
     add_run_commands(commands)
     add_checkpoint_commands(commands)
+    add_data_commands(commands)
     return parser
 
 
