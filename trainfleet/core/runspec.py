@@ -293,8 +293,10 @@ class TrainerTraining(Open):
 FILLED_SECTIONS = {"checkpoint": "checkpoint", "fleet_check": "preflight", "scaling_check": "scaling_check"}
 """Trainer config sections the control plane fills from the RunSpec's own sections."""
 TRAINER_FIELDS: dict[str, frozenset[str]] = {
-    "model": frozenset({"n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "mlp_ratio",
-                        "tie_embeddings"}),
+    "model": frozenset({"architecture", "n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "tie_embeddings",
+                        "norm_eps", "mlp_ratio", "activation", "n_kv_heads", "ffn_hidden", "ffn_dim_multiplier",
+                        "multiple_of", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
+                        "rope_high_freq_factor", "rope_original_seq_len"}),
     "parallel": frozenset({"pp", "dp", "dp_shard", "tp", "reshard_after_forward", "schedule", "microbatches",
                            "stages_per_rank", "layers_per_stage", "timeout_s", "repair_file",
                            "repair_wait_s"}),
