@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import free_port, spawn_ranks
-from trainer import tokenizer
+from trainer.tokenizer import ByteTokenizer
 from trainer.checkpoint import Checkpointer
 from trainer.config import load_config
 from trainer.export import ExportError, export, load_exported
@@ -49,7 +49,7 @@ def trained(tmp_path_factory) -> Path:
 
 def a_batch(seq_len: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     text = "def export(location, to):\n    return written  # the model, out of its checkpoint\n" * 2
-    tokens = torch.tensor(tokenizer.encode(text)[:2 * (seq_len + 1)]).view(2, seq_len + 1)
+    tokens = torch.tensor(ByteTokenizer().encode(text)[:2 * (seq_len + 1)]).view(2, seq_len + 1)
     return tokens[:, :-1], tokens[:, 1:]
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import trainer.data
-from trainer import tokenizer
+from trainer.tokenizer import ByteTokenizer
 from trainer.config import DataConfig
 from trainer.data import (BatchSampler, DataLoader, ShardStore, TokenShards, corpus_documents, ensure_shards,
                           load_tokens, tokenize_corpus, write_shards)
@@ -33,12 +33,6 @@ def age(folder, seconds=60):
         os.utime(path, (past, past))
 
 
-def test_byte_tokens_round_trip_any_text():
-    text = "déjà vu — 日本語\n"
-    tokens = tokenizer.encode(text)
-    assert max(tokens) < 256 and tokenizer.decode(tokens + [tokenizer.END_OF_DOCUMENT]) == text
-
-
 def test_corpus_is_real_python_source_in_a_fixed_order():
     documents = corpus_documents(50_000)
     assert sum(map(len, documents)) == 50_000
@@ -53,7 +47,7 @@ def test_local_shards_are_built_once_and_read_back(tmp_path):
     assert index["dtype"] == "uint32" and (tmp_path / "shards" / "shard-00000.bin").stat().st_size == 4 * 8_000
     tokens = load_tokens(cfg)
     assert len(tokens) == sum(s["tokens"] for s in index["shards"])
-    assert tokenizer.decode(all_tokens(tokens)[:200].tolist()) == corpus_documents(200)[0]
+    assert ByteTokenizer().decode(all_tokens(tokens)[:200].tolist()) == corpus_documents(200)[0]
     assert ensure_shards(cfg) == index
 
 
@@ -153,7 +147,7 @@ def s3_shard_set(bucket: str, tmp_path, block_digests=True, **config) -> DataCon
     digests, the index a writer of the whole-shard era left."""
     boto3.client("s3").create_bucket(Bucket=bucket)
     cfg = DataConfig(shards=f"s3://{bucket}/v1", cache_dir=str(tmp_path / "cache"), **config)
-    index = write_shards(ShardStore(cfg.shards), corpus(), SHARD_TOKENS, tokenizer.VOCAB_SIZE, "bytes+eod",
+    index = write_shards(ShardStore(cfg.shards), corpus(), SHARD_TOKENS, ByteTokenizer.vocab_size, "bytes+eod",
                          block_bytes=BLOCK_BYTES)
     if not block_digests:
         del index["block_bytes"]
@@ -200,7 +194,7 @@ def test_a_window_fetches_only_the_blocks_that_hold_it(moto_endpoint, tmp_path, 
 def test_s3_blocks_read_the_tokens_of_local_and_whole_fetched_shards(moto_endpoint, tmp_path):
     by_block = load_tokens(s3_shard_set("corpus-same", tmp_path / "blocks"))
     whole = load_tokens(s3_shard_set("corpus-same-whole", tmp_path / "whole", block_digests=False))
-    write_shards(ShardStore(str(tmp_path / "local")), corpus(), SHARD_TOKENS, tokenizer.VOCAB_SIZE, "bytes+eod")
+    write_shards(ShardStore(str(tmp_path / "local")), corpus(), SHARD_TOKENS, ByteTokenizer.vocab_size, "bytes+eod")
     local = load_tokens(DataConfig(shards=str(tmp_path / "local")))
     assert np.array_equal(all_tokens(by_block), corpus()) and np.array_equal(all_tokens(whole), corpus())
     assert np.array_equal(all_tokens(local), corpus())

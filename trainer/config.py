@@ -40,8 +40,9 @@ class ModelConfig:
     """Width of the residual stream."""
     n_heads: int = 4
     """Attention (query) heads; must divide d_model."""
-    vocab_size: int = tokenizer.VOCAB_SIZE
-    """Embedding rows; at least the tokenizer's vocabulary (257 for bytes + end of document)."""
+    vocab_size: int = tokenizer.ByteTokenizer.vocab_size
+    """Embedding rows; at least the tokenizer's vocabulary (257 for bytes + end of document), and at
+    least the vocabulary the shards were tokenised with (their index says)."""
     seq_len: int = 128
     """Tokens per training sequence (the rows of gpt's position embedding, of llama's rotary table)."""
     tie_embeddings: bool = False
@@ -147,6 +148,9 @@ class ParallelConfig:
 class DataConfig:
     shards: str = "runs/data/stdlib-bytes"
     """Where the token shards live: a local directory or s3://bucket/prefix. Built there from the corpus if absent."""
+    tokenizer: str = "bytes"
+    """The tokenizer: bytes (every UTF-8 byte a token, plus an end of document; no file) or a Hugging Face
+    tokenizer.json, a path or s3:// URI (trainer/tokenizer.py). The shards must have been tokenised with it."""
     cache_dir: str = "runs/data/cache"
     """Local directory that S3 shards' blocks are cached in (shared by the ranks of a node), and where shards that
     matched their index are stamped (size, mtime, inode) so that a restart does not hash them again."""
@@ -334,8 +338,11 @@ def _problems(c: JobConfig):
     if t.activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
         yield (f"training.activation_checkpoint={t.activation_checkpoint!r} must be one of "
                f"{', '.join(ACTIVATION_CHECKPOINT_MODES)}")
-    if m.vocab_size < tokenizer.VOCAB_SIZE:
-        yield f"model.vocab_size={m.vocab_size} is below the tokenizer's vocabulary ({tokenizer.VOCAB_SIZE})"
+    if c.data.tokenizer == tokenizer.BYTES and m.vocab_size < tokenizer.ByteTokenizer.vocab_size:
+        yield (f"model.vocab_size={m.vocab_size} is below the byte tokenizer's vocabulary "
+               f"({tokenizer.ByteTokenizer.vocab_size})")
+    if not c.data.tokenizer:
+        yield "data.tokenizer is empty: bytes, or a tokenizer.json path or s3:// URI"
     if p.schedule not in SCHEDULES:
         yield f"parallel.schedule={p.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}"
         return

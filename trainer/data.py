@@ -97,11 +97,8 @@ def corpus_documents(max_bytes: int) -> list[str]:
 
 
 def tokenize_corpus(max_bytes: int) -> np.ndarray:
-    tokens: list[int] = []
-    for document in corpus_documents(max_bytes):
-        tokens.extend(tokenizer.encode(document))
-        tokens.append(tokenizer.END_OF_DOCUMENT)
-    return np.array(tokens, dtype=np.int64)
+    documents = tokenizer.ByteTokenizer().encode_documents(corpus_documents(max_bytes))
+    return np.array([token for document in documents for token in document], dtype=np.int64)
 
 
 class ShardStore:
@@ -176,8 +173,8 @@ def ensure_shards(cfg: DataConfig) -> dict:
     existing = store.read(INDEX_NAME)
     if existing is not None:
         return json.loads(existing)
-    return write_shards(store, tokenize_corpus(cfg.corpus_bytes), cfg.shard_tokens, tokenizer.VOCAB_SIZE,
-                        "bytes+eod")
+    return write_shards(store, tokenize_corpus(cfg.corpus_bytes), cfg.shard_tokens,
+                        tokenizer.ByteTokenizer.vocab_size, "bytes+eod")
 
 
 def sha256_of_file(path: Path) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer import tokenizer
+from trainer.tokenizer import ByteTokenizer
 from trainer.model import GPT
 
 __all__ = ["generate"]
@@ -25,6 +25,7 @@ def generate(model: GPT, prompt: str, *, new_tokens: int = 200, temperature: flo
     """The prompt's continuation (without the prompt)."""
     if not prompt:
         raise ValueError("the prompt is empty: the model continues a text")
+    tokenizer = ByteTokenizer()
     device = next(model.parameters()).device
     seq_len = model.pos_emb.num_embeddings
     tokens = torch.tensor([tokenizer.encode(prompt)], device=device)
@@ -32,14 +33,14 @@ def generate(model: GPT, prompt: str, *, new_tokens: int = 200, temperature: flo
     produced: list[int] = []
     for _ in range(new_tokens):
         logits = model(tokens[:, -seq_len:])[0, -1].float()
-        logits[tokenizer.VOCAB_SIZE:] = -torch.inf  # rows past the tokenizer's (a vocabulary padded for tp)
+        logits[tokenizer.vocab_size:] = -torch.inf  # rows past the tokenizer's (a vocabulary padded for tp)
         if temperature <= 0:
             token = int(logits.argmax())
         else:
-            kept = torch.topk(logits, min(top_k, tokenizer.VOCAB_SIZE))
+            kept = torch.topk(logits, min(top_k, tokenizer.vocab_size))
             probabilities = torch.softmax(kept.values / temperature, dim=-1)
             token = int(kept.indices[torch.multinomial(probabilities, 1, generator=generator)])
-        if token == tokenizer.END_OF_DOCUMENT:
+        if token == tokenizer.eos_id:
             break
         produced.append(token)
         tokens = torch.cat([tokens, torch.tensor([[token]], device=device)], dim=1)
