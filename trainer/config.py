@@ -200,6 +200,11 @@ class TrainingConfig:
     """Recompute activations in backward instead of keeping them: none, selective (the attention
     and MLP internals of each block; keeps the block inputs and the matmul outputs cheap to store)
     or full (everything but each block's input)."""
+    init_from: str = ""
+    """A checkpoint location (a folder or s3://bucket/prefix) whose newest committed step gives the
+    model's initial weights when checkpoint.uri holds no step to resume: an imported model
+    (`trainfleet checkpoint import`) or another run's. Its model section must be this run's; the
+    optimizer, schedule and data start afresh. Needs checkpoint.uri. Empty: initialised by seed."""
     compile: bool = False
     """torch.compile each transformer block (CUDA; slow to start, faster per step)."""
     threads: int = 0
@@ -395,6 +400,10 @@ def _problems(c: JobConfig):
         yield f"checkpoint.resume={k.resume!r} must be none, latest or a step number"
     if k.uri.startswith("s3://") and not k.uri[len("s3://"):].split("/")[0]:
         yield f"checkpoint.uri={k.uri!r} names no bucket"
+    if t.init_from and not k.uri:
+        yield "training.init_from needs checkpoint.uri, where the run's own steps go"
+    if t.init_from.startswith("s3://") and not t.init_from[len("s3://"):].split("/")[0]:
+        yield f"training.init_from={t.init_from!r} names no bucket"
     if k.resume != "none" and not k.uri:
         yield f"checkpoint.resume={k.resume!r} needs checkpoint.uri"
     if k.async_save and k.keep_last == 1:

@@ -51,7 +51,7 @@ from trainer.checkpoint import storage_reader
 from trainer.config import ModelConfig
 from trainer.model import Decoder, build
 
-__all__ = ["export", "load_exported", "ExportError", "Exported", "GROUP_BYTES", "DTYPES", "FILE_MODE"]
+__all__ = ["export", "load_exported", "exported_tokenizer", "ExportError", "Exported", "GROUP_BYTES", "DTYPES", "FILE_MODE"]
 
 GROUP_BYTES = 2 * 2**30
 """Most bytes of saved parameters read (and held) at once: an output file's worth."""
@@ -221,6 +221,14 @@ def _write_tokenizer(tok, model: ModelConfig, folder: Path) -> list[str]:
 
 def _write_json(path: Path, document: dict) -> None:
     path.write_text(json.dumps(document, indent=1) + "\n")
+
+
+def exported_tokenizer(folder: Path) -> tokenizer.Tokenizer:
+    """The tokenizer of a stock model folder (its tokenizer.json)."""
+    try:
+        return tokenizer.load(str(folder / "tokenizer.json"))
+    except tokenizer.TokenizerError as error:
+        raise ExportError(f"{folder}: {error}") from error
 
 
 def load_exported(folder: Path, dtype: torch.dtype = torch.float32) -> Decoder:

@@ -15,8 +15,9 @@
     trainfleet run start|list|status|watch|logs|stop|report ...
                                the runs of a deployed stack, on AWS or the local cloud
                                (trainfleet/operator/run_command.py)
-    trainfleet checkpoint list|export RUN ...   a run's checkpoints; its model as safetensors
-    trainfleet sample --from DIR|RUN --prompt TEXT   text the trained model writes
+    trainfleet checkpoint list|export RUN ...   a run's checkpoints; its model as Hugging Face's
+    trainfleet checkpoint import SOURCE --to LOCATION --config FILE   and a Hugging Face model in
+    trainfleet sample --from DIR|RUN --prompt TEXT [--greedy]   text the trained model writes
                                (trainfleet/operator/checkpoint_command.py)
 """
 
