@@ -303,8 +303,8 @@ TRAINER_FIELDS: dict[str, frozenset[str]] = {
     "data": frozenset({"shards", "tokenizer", "cache_dir", "cache_bytes", "corpus_bytes", "shard_tokens"}),
     "optim": frozenset({"lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "beta1", "beta2",
                         "eps", "grad_clip"}),
-    "training": frozenset({"steps", "batch_size", "seed", "device", "activation_checkpoint", "compile", "threads",
-                           "metrics_file"}),
+    "training": frozenset({"steps", "batch_size", "seed", "device", "activation_checkpoint", "init_from", "compile",
+                           "threads", "metrics_file"}),
 }
 
 
