@@ -182,8 +182,9 @@ def stock_tensors(folder: Path) -> dict[str, torch.Tensor]:
 def test_a_model_made_by_transformers_comes_back_bit_identical(family, dtype, tmp_path):
     source = hf_llama(tmp_path / "hf", dtype) if family == "llama" else hf_gpt2(tmp_path / "hf")
     run = load_config(LLAMA_RUN if family == "llama" else GPT2_RUN).model
-    imported = import_checkpoint(str(source), str(tmp_path / "imported"), run)
+    imported = import_checkpoint(str(source), str(tmp_path / "imported"), run, group_bytes=100_000)
     assert imported.step == 0 and imported.parameters == sum(t.numel() for t in stock_tensors(source).values())
+    assert len(list((tmp_path / "imported").glob("shards-*/step-000000000"))) > 4, "written a group at a time"
     written = export(str(tmp_path / "imported"), tmp_path / "out", dtype=dtype)
     assert written.step == 0
     before, after = stock_tensors(source), stock_tensors(tmp_path / "out")

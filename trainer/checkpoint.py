@@ -128,9 +128,9 @@ class _ShardPrefixes(S3PrefixStrategyBase):
 
 
 class _S3StepWriter(_StepWriterMetadata, _StepLayout, S3StorageWriter):
-    def __init__(self, location: str, step_dir: str, files: int = 1):
+    def __init__(self, location: str, step_dir: str):
         super().__init__(_region(), location, s3client_config=_s3_client_config(),
-                         prefix_strategy=_ShardPrefixes(step_dir), thread_count=files)
+                         prefix_strategy=_ShardPrefixes(step_dir))
         self.step_dir = step_dir
 
 
@@ -142,8 +142,8 @@ class _S3StepReader(_StepLayout, S3StorageReader):
 
 
 class _LocalStepWriter(_StepWriterMetadata, _StepLayout, dcp.FileSystemWriter):
-    def __init__(self, location: str, step_dir: str, files: int = 1):
-        super().__init__(location, sync_files=True, thread_count=files)
+    def __init__(self, location: str, step_dir: str):
+        super().__init__(location, sync_files=True)
         self.step_dir = step_dir
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
@@ -165,13 +165,12 @@ class _LocalStepReader(_StepLayout, dcp.FileSystemReader):
         self.step_dir = step_dir
 
 
-def storage_writer(location: str, step_dir: str, files: int = 1) -> dcp.StorageWriter:
+def storage_writer(location: str, step_dir: str) -> dcp.StorageWriter:
     """The DCP writer of one step at a checkpoint location: s3torchconnector's on S3, the stock
-    one on a filesystem, both writing the catalogue's layout. Each rank writes its shard as
-    `files` files, each by a thread of its own (the trainer's ranks write one each)."""
+    one on a filesystem, both writing the catalogue's layout."""
     if location.startswith("s3://"):
-        return _S3StepWriter(location, step_dir, files)
-    return _LocalStepWriter(location, step_dir, files)
+        return _S3StepWriter(location, step_dir)
+    return _LocalStepWriter(location, step_dir)
 
 
 def storage_reader(location: str, step_dir: str) -> dcp.StorageReader:

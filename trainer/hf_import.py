@@ -15,22 +15,22 @@ resumed from it takes the weights and starts its optimizer, learning-rate schedu
 position afresh, at step 0. The source's tokenizer.json, if any, is copied beside the steps
 (`tokenizer/tokenizer.json`) and named in the marker.
 
-Streaming: DCP plans the save from meta tensors (shapes, no data), and each tensor is read from
-its source when DCP writes it: a ranged read of its bytes (S3 GetObject with a Range, or a file
-read), made into the trainer's tensor and dropped once written. A writing thread holds one tensor
-at a time, so host memory holds a few tensors, never the model (a 405B model is 810 GB in bf16,
-1.6 TB as written in fp32).
+Streaming: the step is written as if by many ranks, each a group of at most `group_bytes` of
+parameters, one after another, with DCP's own planner and storage writer (dcp.save's protocol,
+its collectives replaced by a loop): DCP's file writer keeps a file's tensors until it is closed,
+so one save of the whole model would hold all of it. Each group is planned from meta tensors
+(shapes, no data), and each tensor is read from its source when DCP writes it: a ranged read of its
+bytes (S3 GetObject with a Range, or a file read), made into the trainer's tensor. Host memory holds
+one group, never the model (a 405B model is 810 GB in bf16, 1.6 TB as written in fp32); the
+metadata the groups share is written last, as the coordinator's.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import threading
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
@@ -40,13 +40,11 @@ from trainer.checkpoint import manifest_files, storage_writer
 from trainer.config import ModelConfig
 from trainer.model import build
 
-__all__ = ["import_checkpoint", "Imported", "ImportRefused", "SafetensorsSource", "FILE_BYTES", "TOKENIZER_FOLDER"]
+__all__ = ["import_checkpoint", "Imported", "ImportRefused", "SafetensorsSource", "GROUP_BYTES", "TOKENIZER_FOLDER"]
 
-FILE_BYTES = 64 * 2**30
-"""Bytes of the step's data per file, about: the writer splits it into that many files, up to
-MAX_FILES, each written by a thread of its own. On S3 a file is one multipart upload, at most
-10,000 parts of trainer/checkpoint.py's S3_PART_BYTES (671 GB); 405B in fp32 is eight of 203 GB."""
-MAX_FILES = 8
+GROUP_BYTES = 2 * 2**30
+"""Most bytes of the step (fp32) written as one pretended rank's shard: what host memory holds at
+once, since DCP's file writer keeps every tensor of a file until the file is closed."""
 TOKENIZER_FOLDER = "tokenizer"
 """Where, under the destination, the source's tokenizer.json is kept."""
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -99,7 +97,6 @@ class SafetensorsSource:
             self._bucket, _, prefix = self.source.removeprefix("s3://").partition("/")
             self._prefix = f"{prefix}/" if prefix else ""
         self.bytes_read = 0
-        self._lock = threading.Lock()
 
     def read_text(self, name: str) -> str | None:
         """A small file's text (config.json, an index, tokenizer.json), or None when absent."""
@@ -133,8 +130,7 @@ class SafetensorsSource:
         for at in range(0, len(view), _READ_BYTES):
             part = self._read(entry.file, entry.begin + at, entry.begin + min(at + _READ_BYTES, len(view)))
             view[at:at + len(part)] = part
-        with self._lock:
-            self.bytes_read += len(view)
+        self.bytes_read += len(view)
         return buffer.view(entry.dtype).view(entry.shape)
 
     def _read(self, name: str, begin: int, end: int | None) -> bytes | None:
@@ -167,9 +163,10 @@ class _StreamedSavePlanner(DefaultSavePlanner):
         return self._make(write_item.index.fqn)
 
 
-def import_checkpoint(source: str, to: str, model: ModelConfig) -> Imported:
+def import_checkpoint(source: str, to: str, model: ModelConfig, *, group_bytes: int = GROUP_BYTES) -> Imported:
     """Import the Hugging Face checkpoint at `source` into the checkpoint location `to` as step 0
-    of a run whose model section is `model`. ImportRefused says why not, before anything is written."""
+    of a run whose model section is `model`, at most `group_bytes` held at once. ImportRefused says
+    why not, before anything is written."""
     origin = SafetensorsSource(source)
     config_text = origin.read_text("config.json")
     if config_text is None:
@@ -195,25 +192,23 @@ def import_checkpoint(source: str, to: str, model: ModelConfig) -> Imported:
         raise ImportRefused(f"{to} holds checkpoints already: import into a location of its own")
 
     by_name = {name: (link, position) for link in links for position, name in enumerate(link.trainer)}
-    recent = threading.local()  # each writing thread keeps the source tensor it read last (GPT-2's c_attn: q, k, v)
+    recent: dict[str, torch.Tensor] = {}  # the source tensor read last: GPT-2's c_attn makes q, k and v
 
     def make(key: str) -> torch.Tensor:
         link, position = by_name[key.removeprefix("model.")]
-        if getattr(recent, "name", None) != link.hf:
-            recent.name, recent.tensor = link.hf, origin.tensor(entries[link.hf])
-        return hf.from_hf(link, recent.tensor)[position].float()
+        if link.hf not in recent:
+            recent.clear()
+            recent[link.hf] = origin.tensor(entries[link.hf])
+        return hf.from_hf(link, recent[link.hf])[position].float()
 
-    state = {"model": {name: torch.empty(param.shape, dtype=torch.float32, device="meta") for name, param in params.items()}}
     total = 4 * sum(param.numel() for param in params.values())
-    files = max(1, min(MAX_FILES, math.ceil(total / FILE_BYTES)))
     step_dir = catalog.step_dir_name(0)
     tokenizer_text = origin.read_text("tokenizer.json")
     tokenizer = f"{store.step_uri(TOKENIZER_FOLDER)}/tokenizer.json" if tokenizer_text is not None else ""
     try:
         if tokenizer_text is not None:
             store.create(TOKENIZER_FOLDER, "tokenizer.json", tokenizer_text.encode())
-        metadata = dcp.save(state, storage_writer=storage_writer(to, step_dir, files),
-                            planner=_StreamedSavePlanner(make), no_dist=True)
+        metadata = _save_in_groups(params, make, storage_writer(to, step_dir), group_bytes)
         stored = manifest_files(metadata, step_dir, catalog.step_files(store, 0), f"{to}/{step_dir}")
         manifest = catalog.Manifest(step=0, layout={"pp": 1, "dp": 1, "dp_shard": 1, "tp": 1}, files=stored,
                                     reason=catalog.SaveReason.IMPORTED, model=asdict(model), tokenizer=tokenizer)
@@ -227,3 +222,31 @@ def import_checkpoint(source: str, to: str, model: ModelConfig) -> Imported:
     return Imported(to, 0, total // 4, origin.bytes_read, sum(file.size for file in stored), tokenizer,
                     tuple(sorted(set(entries) - used)))
 
+
+
+def _save_in_groups(params: dict[str, torch.Tensor], make, writer, group_bytes: int):
+    """DCP's save of {"model": params} (their fp32 values made by `make`), a group of at most
+    `group_bytes` after another, each as one rank's shard; DCP's metadata of the whole."""
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    held = 0
+    for name, param in params.items():
+        size = 4 * param.numel()
+        if groups[-1] and held + size > group_bytes:
+            groups.append({})
+            held = 0
+        groups[-1][name] = torch.empty(param.shape, dtype=torch.float32, device="meta")
+        held += size
+    planners = [_StreamedSavePlanner(make) for _ in groups]
+    for rank, (planner, group) in enumerate(zip(planners, groups)):
+        planner.set_up_planner({"model": group}, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+    writer.set_up_storage_writer(True)
+    plans = [writer.prepare_local_plan(planner.create_local_plan()) for planner in planners]
+    plans, metadata = planners[0].create_global_plan(plans)
+    plans = writer.prepare_global_plan(plans)
+    results = []
+    for planner, plan in zip(planners, plans):
+        written = writer.write_data(planner.finish_plan(plan), planner)
+        written.wait()
+        results.append(written.value())
+    writer.finish(metadata, results)
+    return metadata
