@@ -111,8 +111,9 @@ def export(location: str, to: Path, *, step: int | None = None, dtype: torch.dty
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     size = {name: meta.size.numel() * meta.properties.dtype.itemsize for name, meta in saved.items()}
+    by_name = {link.hf: link for link in links}
     written = _write_set(reader, "model", [(link.hf, link.trainer) for link in links], saved, size, partial,
-                         lambda name, tensors: hf.to_hf(_link_named(links, name), tensors), dtype, group_bytes)
+                         lambda name, tensors: hf.to_hf(by_name[name], tensors), dtype, group_bytes)
     if moments:
         moment_meta = {key: entries[_OPTIMIZER_STATE + key] for key in moments}
         written += _write_set(reader, "optimizer", [(key, (key,)) for key in moments], moment_meta,
@@ -165,10 +166,6 @@ def _reader(location: str, step: int) -> dcp.StorageReader:
     metadata: Metadata = reader.read_metadata()
     reader.read_metadata = lambda *args, **kwargs: metadata
     return reader
-
-
-def _link_named(links: list[hf.Link], name: str) -> hf.Link:
-    return next(link for link in links if link.hf == name)
 
 
 def _write_set(reader: dcp.StorageReader, prefix: str, outputs: list[tuple[str, tuple[str, ...]]],
