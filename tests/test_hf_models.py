@@ -31,7 +31,7 @@ from trainer.config import load_config
 from trainer.export import export, exported_tokenizer, load_exported
 from trainer.hf_import import ImportRefused, import_checkpoint
 from trainer.sample import generate_ids
-from trainer.train import build, environment, train
+from trainer.train import build, environment
 
 pytestmark = pytest.mark.slow
 warnings.filterwarnings("ignore", module="transformers")
@@ -200,25 +200,37 @@ def test_a_model_made_by_transformers_comes_back_bit_identical(family, dtype, tm
         assert (tmp_path / "out" / "tokenizer.json").read_text() == (source / "tokenizer.json").read_text()
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt"])
-def test_a_run_from_an_imported_checkpoint_reports_the_loss_transformers_computes(family, tmp_path):
+def _run_rank(rank: int, port: int, world: int, args: list[str]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from trainer.train import main
+
+    assert main(args) == 0
+
+
+@pytest.mark.parametrize("family, layout", [("llama", []), ("gpt", []), ("llama", ["--parallel.tp=2"])],
+                         ids=["llama", "gpt", "llama tp=2"])
+def test_a_run_from_an_imported_checkpoint_reports_the_loss_transformers_computes(family, layout, tmp_path):
     from transformers import AutoModelForCausalLM
 
     source = hf_llama(tmp_path / "hf") if family == "llama" else hf_gpt2(tmp_path / "hf")
-    args = [*(LLAMA_RUN if family == "llama" else GPT2_RUN), "--training.steps=2", "--optim.warmup_steps=1", "--training.batch_size=4",
-            "--parallel.microbatches=1", "--training.device=cpu", "--training.threads=1",
+    args = [*(LLAMA_RUN if family == "llama" else GPT2_RUN), "--training.steps=2", "--optim.warmup_steps=1",
+            "--training.batch_size=4", "--parallel.microbatches=1", "--training.device=cpu", "--training.threads=1",
             f"--data.shards={tmp_path / 'shards'}", "--data.corpus_bytes=20000",
             f"--training.metrics_file={tmp_path / 'metrics.jsonl'}", f"--checkpoint.uri={tmp_path / 'run'}",
-            f"--training.init_from={tmp_path / 'imported'}"]
+            f"--training.init_from={tmp_path / 'imported'}", *layout]
     cfg = load_config(args)
     import_checkpoint(str(source), str(tmp_path / "imported"), cfg.model)
-    inputs, targets = (t.contiguous() for t in build(cfg, environment(cfg, torch.device("cpu"))).state.loader.next_batch())
+    one = load_config([*args, "--parallel.tp=1"])
+    inputs, targets = (t.contiguous() for t in build(one, environment(one, torch.device("cpu"))).state.loader.next_batch())
     model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = model(input_ids=inputs, labels=targets, shift_labels=targets).loss.item()
         assert theirs == pytest.approx(F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten()).item())
-    history = train(cfg, environment(cfg, torch.device("cpu")))
-    assert history[0]["loss"] == pytest.approx(theirs, rel=1e-5)
+    world = cfg.parallel.tp
+    spawn_ranks(_run_rank, (free_port(), world, args), nprocs=world)
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert (first["step"], first["loss"]) == (1, pytest.approx(theirs, rel=1e-5))
 
 
 def test_an_import_from_s3_and_its_export(moto_endpoint, tmp_path):
@@ -281,3 +293,22 @@ def test_an_import_refuses_a_missing_tensor_and_a_location_in_use(tmp_path):
     with pytest.raises(ImportRefused, match="holds no model.layers.1.mlp.up_proj.weight"):
         import_checkpoint(str(source), str(tmp_path / "other"), run)
     assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_generation_with_the_kv_cache_is_generation_without_it(family, tmp_path):
+    """Past a context of 16 positions, twice over: the cache begins again from the last half."""
+    cfg = load_config([*trainer_args(tmp_path, family), "--model.seq_len=16"])
+    torch.manual_seed(0)
+    model = build(cfg, environment(cfg, torch.device("cpu"))).pipeline.model_parts[0].eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.5)  # far from uniform: each step's likeliest token is clear
+    prompt, window, expected = [5, 17, 99, 3, 42], [5, 17, 99, 3, 42], []
+    with torch.no_grad():
+        for _ in range(30):
+            logits = model(torch.tensor([window]))[0, -1]
+            token = int(logits[:257].argmax())
+            expected.append(token)
+            window = (window + [token])[-16 // 2:] if len(window) == 16 else window + [token]
+    assert generate_ids(model, prompt, new_tokens=30, vocab_size=257, eos_id=None) == expected
