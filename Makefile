@@ -131,11 +131,23 @@ build-ReportDependencies:
 	$(PYTHON) -m pip install -q --target $(ARTIFACTS_DIR)/python $(LAMBDA_WHEELS) -r $(ARTIFACTS_DIR)/requirements.txt
 	rm $(ARTIFACTS_DIR)/requirements.txt
 
+# The DataPrep functions' layer: the `data` extra without the dependencies it does not load
+# (tokenizers' huggingface_hub serves from_pretrained only), and pyarrow without what reading
+# Parquet never loads (Flight, Gandiva, its tests and C++ headers): about 150 MB
+# unpacked beside LambdaDependencies' 58, under Lambda's 250 MB for a function and its layers.
+build-DataDependencies:
+	$(PYTHON) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['data']))" > $(ARTIFACTS_DIR)/requirements.txt
+	$(PYTHON) -m pip install -q --no-deps --target $(ARTIFACTS_DIR)/python $(LAMBDA_WHEELS) -r $(ARTIFACTS_DIR)/requirements.txt
+	rm $(ARTIFACTS_DIR)/requirements.txt
+	cd $(ARTIFACTS_DIR)/python/pyarrow && rm -rf tests include *flight* *gandiva* \
+	    libarrow_python.so libarrow_python.so.*.*.*
+
 build-%Function:
 	mkdir -p $(ARTIFACTS_DIR)
 	cp -r functions trainfleet $(ARTIFACTS_DIR)/
 	mkdir -p $(ARTIFACTS_DIR)/trainer
 	cp trainer/__init__.py trainer/checkpoint_catalog.py trainer/config.py trainer/schedules.py trainer/tokenizer.py \
+		trainer/shards.py trainer/prepare.py \
 		$(ARTIFACTS_DIR)/trainer/
 	find $(ARTIFACTS_DIR) -name __pycache__ -prune -exec rm -rf {} +
 

@@ -28,7 +28,7 @@ def trainer_args(folder: Path, *overrides: str) -> list[str]:
     return ["--model.n_layers=2", "--model.d_model=32", "--model.n_heads=2", "--model.seq_len=16", "--model.vocab_size=258",
             "--training.batch_size=4", "--parallel.microbatches=1", f"--training.steps={STEPS}",
             "--optim.warmup_steps=2", "--training.threads=1", "--training.device=cpu",
-            f"--data.shards={folder / 'shards'}", "--data.corpus_bytes=20000",
+            f"--data.shards={folder / 'shards'}", "--data.corpus=stdlib", "--data.corpus_bytes=20000",
             f"--training.metrics_file={folder / 'metrics.jsonl'}", f"--checkpoint.uri={folder / 'checkpoints'}",
             "--checkpoint.interval=3", *overrides]
 

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("trainer", "node", "trainfleet", "functions", "localcloud")
 
 TRAINER_TORCH_FREE = frozenset({"trainer", "trainer.config", "trainer.schedules", "trainer.checkpoint_catalog",
-                                "trainer.tokenizer", "trainer.progress"})
+                                "trainer.tokenizer", "trainer.progress", "trainer.shards", "trainer.prepare"})
 """The trainer's modules the control plane reads (the Lambda build copies them): no torch."""
 
 PARTS = {  # a module's part: the longest of these prefixes its name starts with

@@ -154,7 +154,7 @@ def test_a_two_rank_pipeline_judges_its_first_steps_and_trains_on(tmp_path: Path
          "--config", "trainer/configs/small.toml", "--model.n_layers=2", "--model.d_model=32", "--model.seq_len=32",
          "--parallel.microbatches=2", "--training.batch_size=4", "--training.steps=8", "--optim.warmup_steps=1",
          f"--training.metrics_file={tmp_path / 'metrics.jsonl'}", f"--data.shards={tmp_path / 'data'}",
-         "--data.corpus_bytes=50000", "--scaling_check.enabled=true", "--scaling_check.warmup_steps=2",
+         "--data.corpus=stdlib", "--data.corpus_bytes=50000", "--scaling_check.enabled=true", "--scaling_check.warmup_steps=2",
          "--scaling_check.steps=3", "--scaling_check.efficiency_floor=0.01",
          f"--scaling_check.result_file={result_file}"],
         what="a two-rank pipeline", cwd=Path(__file__).resolve().parent.parent)

@@ -46,7 +46,7 @@ def tiny_config(tmp_path, *overrides: str, family: str = "gpt"):
         "--training.batch_size=16", "--parallel.microbatches=8", f"--training.steps={STEPS}",
         "--optim.warmup_steps=2", "--training.threads=1", "--training.device=cpu",
         f"--training.metrics_file={tmp_path}/metrics.jsonl",
-        f"--data.shards={tmp_path}/shards", "--data.corpus_bytes=60000", *overrides,
+        f"--data.shards={tmp_path}/shards", "--data.corpus=stdlib", "--data.corpus_bytes=60000", *overrides,
     ])
 
 

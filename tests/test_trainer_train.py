@@ -19,7 +19,7 @@ from trainer.train import NonFiniteLossError, build, environment, lr_factor, mai
 def tiny_args(tmp_path) -> list[str]:
     return ["--model.n_layers=2", "--model.d_model=32", "--model.n_heads=2", "--model.seq_len=16",
             "--training.batch_size=4", "--parallel.microbatches=2", "--training.steps=4", "--optim.warmup_steps=2",
-            f"--data.shards={tmp_path}/shards", "--data.corpus_bytes=20000",
+            f"--data.shards={tmp_path}/shards", "--data.corpus=stdlib", "--data.corpus_bytes=20000",
             f"--training.metrics_file={tmp_path}/metrics.jsonl"]
 
 

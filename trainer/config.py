@@ -147,7 +147,9 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     shards: str = "runs/data/stdlib-bytes"
-    """Where the token shards live: a local directory or s3://bucket/prefix. Built there from the corpus if absent."""
+    """Where the token shards live: a local directory or s3://bucket/prefix holding a shard set (its
+    index.json), as `trainfleet data prepare` writes one. A location without one is refused, unless
+    data.corpus names the corpus to build it from."""
     tokenizer: str = "bytes"
     """The tokenizer: bytes (every UTF-8 byte a token, plus an end of document; no file) or a Hugging Face
     tokenizer.json, a path or s3:// URI (trainer/tokenizer.py). The shards must have been tokenised with it."""
@@ -157,10 +159,14 @@ class DataConfig:
     cache_bytes: int = 64 * 2**30
     """Bound on the blocks of S3 shards cached in cache_dir; the least recently opened are deleted past it. Shard
     sets whose index has no block digests are fetched whole, outside this bound."""
+    corpus: str = ""
+    """The built-in corpus to build data.shards from when they hold no shard set: stdlib (the Python
+    standard library's own source, in a fixed order), tokenised with data.tokenizer. Empty: none,
+    data.shards must hold a prepared set."""
     corpus_bytes: int = 4_000_000
-    """Bytes of text taken from the corpus (the Python standard library's own source, in a fixed order)."""
+    """Bytes of text taken from the corpus."""
     shard_tokens: int = 1_000_000
-    """Tokens per shard file (little-endian uint32 each) when the shards are built from the corpus."""
+    """Tokens per shard file when the shards are built from the corpus."""
 
 
 @dataclass
@@ -305,6 +311,8 @@ class JobConfig:
         return self
 
 
+CORPORA = ("stdlib",)
+"""What data.corpus may name (trainer/data.py builds it)."""
 # Integer fields where 0 means something (a seed, "torch's default", "what the schedule needs").
 _ZERO_ALLOWED = {"seed", "threads", "stages_per_rank", "dp_shard", "n_kv_heads", "ffn_hidden"}
 ACTIVATION_CHECKPOINT_MODES = ("none", "selective", "full")
@@ -348,6 +356,8 @@ def _problems(c: JobConfig):
                f"({tokenizer.ByteTokenizer.vocab_size})")
     if not c.data.tokenizer:
         yield "data.tokenizer is empty: bytes, or a tokenizer.json path or s3:// URI"
+    if c.data.corpus not in ("", *CORPORA):
+        yield f"data.corpus={c.data.corpus!r} is not a built-in corpus: {', '.join(CORPORA)}, or empty for none"
     if p.schedule not in SCHEDULES:
         yield f"parallel.schedule={p.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}"
         return

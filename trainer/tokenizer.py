@@ -39,7 +39,7 @@ class TokenizerError(ValueError):
 class ByteTokenizer:
     """Every UTF-8 byte a token (0-255), then 256 for the end of a document. Round-trips any text."""
 
-    name = BYTES
+    name = label = BYTES
     vocab_size = 257
     eos_id = 256
     bos_id = None
@@ -83,6 +83,8 @@ class FileTokenizer:
         from tokenizers import Tokenizer  # here: the byte tokenizer's users need no `tokenizers`
 
         self.name, self._text = name, text
+        self.label = name.rpartition("/")[2]
+        """The file's name without its folder: what a shard index names it by, the same wherever it was read from."""
         try:
             self._tokenizer = Tokenizer.from_str(text)
         except Exception as error:  # the library raises a bare Exception for a malformed file
@@ -131,6 +133,13 @@ def load(spec: str) -> Tokenizer:
     if spec == BYTES:
         return ByteTokenizer()
     return FileTokenizer(spec, read_text(spec))
+
+
+def sha256_of(spec: str) -> str:
+    """The tokenizer's sha256 without parsing it: what Validate matches against a shard index."""
+    if spec == BYTES:
+        return ByteTokenizer().sha256
+    return hashlib.sha256(read_text(spec).encode()).hexdigest()
 
 
 def read_text(spec: str) -> str:

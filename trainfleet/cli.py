@@ -19,6 +19,10 @@
     trainfleet checkpoint import SOURCE --to LOCATION --config FILE   and a Hugging Face model in
     trainfleet sample --from DIR|RUN --prompt TEXT [--greedy]   text the trained model writes
                                (trainfleet/operator/checkpoint_command.py)
+    trainfleet data prepare INPUT... --tokenizer FILE --to DEST [--on-stack]
+                               token shards from JSON Lines, Parquet or text, on this machine's
+                               cores or the stack's DataPrep state machine
+                               (trainfleet/operator/data_command.py)
 """
 
 import argparse
@@ -156,11 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(commands)
     from localcloud.commands import add_local_commands
     from trainfleet.operator.checkpoint_command import add_checkpoint_commands
+    from trainfleet.operator.data_command import add_data_commands
     from trainfleet.operator.run_command import add_run_commands
 
     add_local_commands(commands)
     add_run_commands(commands)
     add_checkpoint_commands(commands)
+    add_data_commands(commands)
     return parser
 
 

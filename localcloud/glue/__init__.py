@@ -27,9 +27,9 @@ def apply_all() -> None:
         if _applied:
             return
         from localcloud.glue import (awslambda, capacity_reservations, cloudwatch, dispatch, dynamodb, ec2, events,
-                                     faults, iam, sqs_lambda, stepfunctions)
+                                     faults, iam, sqs_lambda, stepfunctions, stepfunctions_map)
 
-        for service in (awslambda, sqs_lambda, stepfunctions, events, ec2, capacity_reservations, dynamodb, iam,
+        for service in (awslambda, sqs_lambda, stepfunctions, stepfunctions_map, events, ec2, capacity_reservations, dynamodb, iam,
                         cloudwatch, faults, dispatch):
             service.apply()
         _applied = True

@@ -300,7 +300,7 @@ TRAINER_FIELDS: dict[str, frozenset[str]] = {
     "parallel": frozenset({"pp", "dp", "dp_shard", "tp", "reshard_after_forward", "schedule", "microbatches",
                            "stages_per_rank", "layers_per_stage", "timeout_s", "repair_file",
                            "repair_wait_s"}),
-    "data": frozenset({"shards", "tokenizer", "cache_dir", "cache_bytes", "corpus_bytes", "shard_tokens"}),
+    "data": frozenset({"shards", "tokenizer", "corpus", "cache_dir", "cache_bytes", "corpus_bytes", "shard_tokens"}),
     "optim": frozenset({"lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "beta1", "beta2",
                         "eps", "grad_clip"}),
     "training": frozenset({"steps", "batch_size", "seed", "device", "activation_checkpoint", "init_from", "compile",
