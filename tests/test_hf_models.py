@@ -49,7 +49,7 @@ def trainer_args(folder: Path, family: str, *overrides: str) -> list[str]:
     return [*MODELS[family], "--model.seq_len=32", "--model.vocab_size=258", "--training.batch_size=4",
             "--parallel.microbatches=2", f"--training.steps={STEPS}", "--optim.warmup_steps=1", "--training.threads=1",
             "--training.device=cpu", f"--data.shards={folder.parent / 'shards'}",
-            "--data.corpus_bytes=20000", f"--training.metrics_file={folder / 'metrics.jsonl'}",
+            "--data.corpus=stdlib", "--data.corpus_bytes=20000", f"--training.metrics_file={folder / 'metrics.jsonl'}",
             f"--checkpoint.uri={folder / 'checkpoints'}", f"--checkpoint.interval={STEPS}", *overrides]
 
 
@@ -216,13 +216,14 @@ def test_a_run_from_an_imported_checkpoint_reports_the_loss_transformers_compute
     source = hf_llama(tmp_path / "hf") if family == "llama" else hf_gpt2(tmp_path / "hf")
     args = [*(LLAMA_RUN if family == "llama" else GPT2_RUN), "--training.steps=2", "--optim.warmup_steps=1",
             "--training.batch_size=4", "--parallel.microbatches=1", "--training.device=cpu", "--training.threads=1",
-            f"--data.shards={tmp_path / 'shards'}", "--data.corpus_bytes=20000",
+            f"--data.shards={tmp_path / 'shards'}", "--data.corpus=stdlib", "--data.corpus_bytes=20000",
             f"--training.metrics_file={tmp_path / 'metrics.jsonl'}", f"--checkpoint.uri={tmp_path / 'run'}",
             f"--training.init_from={tmp_path / 'imported'}", *layout]
     cfg = load_config(args)
     import_checkpoint(str(source), str(tmp_path / "imported"), cfg.model)
     one = load_config([*args, "--parallel.tp=1"])
-    inputs, targets = (t.contiguous() for t in build(one, environment(one, torch.device("cpu"))).state.loader.next_batch())
+    batch = build(one, environment(one, torch.device("cpu"))).state.loader.next_batch()
+    inputs, targets = (t.contiguous() for t in batch)
     model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = model(input_ids=inputs, labels=targets, shift_labels=targets).loss.item()
@@ -262,7 +263,8 @@ def test_an_import_unlike_the_runs_model_is_refused_naming_the_field(change, fie
         import_checkpoint(str(source), str(tmp_path / "imported"), load_config([*LLAMA_RUN, change]).model)
     config = tmp_path / "run.toml"
     fields = dict(arg.removeprefix("--model.").split("=") for arg in [*LLAMA_RUN, change])
-    config.write_text("[model]\n" + "".join(f"{name} = {json.dumps(_typed(value))}\n" for name, value in fields.items()))
+    config.write_text("[model]\n" + "".join(f"{name} = {json.dumps(_typed(value))}\n"
+                                            for name, value in fields.items()))
     capsys.readouterr()
     assert main(["checkpoint", "import", str(source), "--to", str(tmp_path / "imported"), "--config", str(config)]) == 1
     error = capsys.readouterr().err

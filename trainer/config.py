@@ -445,7 +445,8 @@ def _model_problems(m: ModelConfig):
     for name, value in positive.items():
         if not value > 0:
             yield f"model.{name} must be > 0, got {value}"
-    if m.rope_scaling_factor and not (m.rope_scaling_factor >= 1 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor):
+    bands = 0 < m.rope_low_freq_factor < m.rope_high_freq_factor
+    if m.rope_scaling_factor and not (m.rope_scaling_factor >= 1 and bands):
         yield (f"model.rope_scaling_factor={m.rope_scaling_factor} (0: none) must be >= 1, with "
                f"0 < model.rope_low_freq_factor={m.rope_low_freq_factor} < model.rope_high_freq_factor="
                f"{m.rope_high_freq_factor}")

@@ -51,7 +51,8 @@ from trainer.checkpoint import storage_reader
 from trainer.config import ModelConfig
 from trainer.model import Decoder, build
 
-__all__ = ["export", "load_exported", "exported_tokenizer", "ExportError", "Exported", "GROUP_BYTES", "DTYPES", "FILE_MODE"]
+__all__ = ["export", "load_exported", "exported_tokenizer", "ExportError", "Exported", "GROUP_BYTES", "DTYPES",
+           "FILE_MODE"]
 
 GROUP_BYTES = 2 * 2**30
 """Most bytes of saved parameters read (and held) at once: an output file's worth."""
@@ -235,10 +236,12 @@ def load_exported(folder: Path, dtype: torch.dtype = torch.float32) -> Decoder:
         config = json.loads((folder / "config.json").read_text())
         model_config = hf.model_config(config)
     except (OSError, ValueError, KeyError) as error:  # HfError is a ValueError
-        raise ExportError(f"{folder}: not a model folder of {' or '.join(hf.STOCK_CLASSES.values())}: {error}") from error
+        classes = " or ".join(hf.STOCK_CLASSES.values())
+        raise ExportError(f"{folder}: not a model folder of {classes}: {error}") from error
     model = build(model_config)
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
     stock: dict[str, str] = {}
     for file in files:
         with safe_open(folder / file, "pt") as opened:

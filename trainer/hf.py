@@ -56,14 +56,17 @@ def links(model: ModelConfig) -> list[Link]:
     if model.architecture == "llama":
         per_layer = {"attn_norm.weight": "input_layernorm.weight", "attn.q.weight": "self_attn.q_proj.weight",
                      "attn.k.weight": "self_attn.k_proj.weight", "attn.v.weight": "self_attn.v_proj.weight",
-                     "attn.proj.weight": "self_attn.o_proj.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
+                     "attn.proj.weight": "self_attn.o_proj.weight",
+                     "mlp_norm.weight": "post_attention_layernorm.weight",
                      "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.up.weight": "mlp.up_proj.weight",
                      "mlp.proj.weight": "mlp.down_proj.weight"}
         found = [Link("model.embed_tokens.weight", ("tok_emb.weight",))]
-        found += [Link(f"model.layers.{i}.{hf}", (f"layers.{i}.{ours}",)) for i in layers for ours, hf in per_layer.items()]
+        found += [Link(f"model.layers.{i}.{hf}", (f"layers.{i}.{ours}",))
+                  for i in layers for ours, hf in per_layer.items()]
         found.append(Link("model.norm.weight", ("norm.weight",)))
     else:
-        found = [Link("transformer.wte.weight", ("tok_emb.weight",)), Link("transformer.wpe.weight", ("pos_emb.weight",))]
+        found = [Link("transformer.wte.weight", ("tok_emb.weight",)),
+                 Link("transformer.wpe.weight", ("pos_emb.weight",))]
         for i in layers:
             ours, hf = f"layers.{i}.", f"transformer.h.{i}."
             found += [Link(hf + f"ln_1.{p}", (ours + f"attn_norm.{p}",)) for p in ("weight", "bias")]

@@ -111,13 +111,15 @@ class SafetensorsSource:
         for file in files:
             prefix = self._read(file, 0, 8)
             if prefix is None:
-                raise ImportRefused(f"{self.source}: holds no {file}" + ("" if index else " (and no model.safetensors.index.json)"))
+                raise ImportRefused(f"{self.source}: holds no {file}"
+                                    + ("" if index else " (and no model.safetensors.index.json)"))
             length = int.from_bytes(prefix, "little")
             header = json.loads(self._read(file, 8, 8 + length))
             header.pop("__metadata__", None)
             for name, entry in header.items():
                 if entry["dtype"] not in _DTYPES:
-                    raise ImportRefused(f"{self.source}/{file}: {name} is {entry['dtype']}, not a float the model holds")
+                    raise ImportRefused(f"{self.source}/{file}: {name} is {entry['dtype']}, "
+                                        f"not a float the model holds")
                 begin, end = entry["data_offsets"]
                 found[name] = _Entry(file, _DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + length + begin,
                                      8 + length + end)
