@@ -314,3 +314,18 @@ def test_generation_with_the_kv_cache_is_generation_without_it(family, tmp_path)
             expected.append(token)
             window = (window + [token])[-16 // 2:] if len(window) == 16 else window + [token]
     assert generate_ids(model, prompt, new_tokens=30, vocab_size=257, eos_id=None) == expected
+
+
+def test_the_cli_imports_with_the_runs_runspec_as_its_config(tmp_path, capsys):
+    from trainfleet.cli import main
+
+    source = hf_llama(tmp_path / "hf")
+    model = {arg.removeprefix("--model.").split("=")[0]: _typed(arg.split("=")[1]) for arg in LLAMA_RUN}
+    (tmp_path / "run.json").write_text(json.dumps({"run_name": "llama", "trainer": {"model": model}}))
+    capsys.readouterr()
+    assert main(["checkpoint", "import", str(source), "--to", str(tmp_path / "imported"),
+                 "--config", str(tmp_path / "run.json")]) == 0
+    out = capsys.readouterr().out
+    assert "as committed step 0" in out and f"{tmp_path / 'imported'}/tokenizer/tokenizer.json" in out
+    listing = main(["checkpoint", "list", str(tmp_path / "imported")])
+    assert listing == 0 and "resume=latest takes step 0" in capsys.readouterr().out
