@@ -48,6 +48,7 @@ def resources(cloud):
              for logical_id in ("RunTable", "LivenessTable", "IdempotencyTable")}
     bucket = f"checkpoints-{uuid.uuid4().hex[:8]}"
     cloud.client("s3").create_bucket(Bucket=bucket)
+    write_shard_set(cloud, bucket, "data/tokens", vocab_size=257)  # where the RunSpecs here train: Validate reads it
     node_policy = cloud.client("iam").create_policy(PolicyName=f"nodes-{uuid.uuid4().hex[:6]}", PolicyDocument=json.dumps(
         {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:GetObject", "Resource": "*"}]}))
     return {"run_table": names["RunTable"], "liveness_table": names["LivenessTable"], "idempotency_table": names["IdempotencyTable"], "bucket": bucket,
@@ -234,6 +235,46 @@ def test_in_memory_checkpoints_that_do_not_fit_host_memory_are_refused(handlers,
     assert str(refused.value).startswith("checkpoint: the in-memory checkpoints need 1025.5 GiB"), str(refused.value)
     document["checkpoint"]["memory_interval_steps"] = 0  # S3 alone
     handlers.validate.handler({"run_spec": document, "execution_arn": "arn:y"}, Context())
+
+
+def write_shard_set(cloud, bucket: str, prefix: str, vocab_size: int, tokenizer_spec: str = "bytes") -> None:
+    """An index at s3://bucket/prefix as `trainfleet data prepare` writes one (its shards need not be there:
+    Validate reads the index alone)."""
+    from trainer import tokenizer
+    from trainer.shards import index_of
+
+    index = index_of([], "tokenizer.json", tokenizer.sha256_of(tokenizer_spec), vocab_size)
+    cloud.client("s3").put_object(Bucket=bucket, Key=f"{prefix}/index.json", Body=json.dumps(index).encode())
+
+
+def test_a_shard_location_without_an_index_is_refused_before_anything_is_allocated(handlers, resources, cloud):
+    document = spec_document(resources["bucket"], "typo")
+    document["trainer"]["data"] = {"shards": f"s3://{resources['bucket']}/data/tokns"}
+    with pytest.raises(handlers.errors.InvalidRunSpec, match=(
+            rf"^trainer.data.shards: s3://{resources['bucket']}/data/tokns holds no index.json: no shard set is there")):
+        handlers.validate.handler({"run_spec": document, "execution_arn": "arn:typo"}, Context())
+    items = cloud.client("dynamodb").scan(TableName=resources["run_table"])["Items"]
+    assert not [item for item in items if item["pk"]["S"] == "RUN#typo"]
+
+
+def test_a_vocabulary_or_tokenizer_that_does_not_fit_the_shards_is_refused_naming_both(handlers, resources, cloud):
+    write_shard_set(cloud, resources["bucket"], "data/llama", vocab_size=128_256)
+    document = spec_document(resources["bucket"], "small-vocab")
+    document["trainer"]["model"].pop("vocab_size", None)  # the default: the byte tokenizer's 257
+    document["trainer"]["data"] = {"shards": f"s3://{resources['bucket']}/data/llama"}
+    with pytest.raises(handlers.errors.InvalidRunSpec) as refused:
+        handlers.validate.handler({"run_spec": document, "execution_arn": "arn:small"}, Context())
+    assert str(refused.value).startswith(
+        f"trainer: model.vocab_size=257 is smaller than the vocabulary of the shards at s3://{resources['bucket']}"
+        "/data/llama (128256, tokenizer tokenizer.json)"), str(refused.value)
+    write_shard_set(cloud, resources["bucket"], "data/other", vocab_size=257, tokenizer_spec="bytes")
+    cloud.client("s3").put_object(Bucket=resources["bucket"], Key="data/tok/tokenizer.json", Body=b"{}")
+    document["trainer"]["data"] = {"shards": f"s3://{resources['bucket']}/data/other",
+                                   "tokenizer": f"s3://{resources['bucket']}/data/tok/tokenizer.json"}
+    with pytest.raises(handlers.errors.InvalidRunSpec, match=(
+            rf"^trainer: data.tokenizer=s3://{resources['bucket']}/data/tok/tokenizer.json \(sha256 44136fa355b3\) "
+            r"is not the tokenizer the shards at .*/data/other were made with \(tokenizer.json, sha256 ")):
+        handlers.validate.handler({"run_spec": document, "execution_arn": "arn:tok"}, Context())
 
 
 def test_validate_records_the_run_and_passes_on_a_reference_of_constant_size(handlers, resources):

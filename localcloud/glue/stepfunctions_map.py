@@ -14,6 +14,11 @@ MaxConcurrency(Path) and its child workflows, with their own Retry. Two things i
   Name, Input, Output, Status, StartDate, StopDate, and a failed child's Error and Cause) into
   `<Prefix>/<map run id>/SUCCEEDED_0.json` and `FAILED_0.json` (JSON arrays), and lists them with
   their sizes in `manifest.json`; the Map's output is the Map Run's ARN and where the manifest is.
+- ResultWriter Parameters: their paths were read from the children's results; Step Functions reads
+  them, as the ItemReader's, from the Map state's input.
+- ToleratedFailurePercentage as a whole number: its grammar took only a number with a fraction
+  ("5.0") and refused the definition for "5"; Step Functions takes any number from 0 to 100. A
+  whole number is now read as that number.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration.item
 from moto.stepfunctions.parser.asl.component.state.exec.state_map.result_writer.resource_eval.resource_eval_s3 import (
     ResourceEvalS3,
 )
+from moto.stepfunctions.parser.asl.component.state.exec.state_map.result_writer.result_writer_decl import ResultWriter
 from moto.stepfunctions.parser.asl.component.state.exec.state_map.state_map import StateMap
 from moto.stepfunctions.parser.asl.component.state.exec.state_map.tolerated_failure import (
     ToleratedFailureCountDecl,
@@ -48,10 +54,13 @@ from moto.stepfunctions.parser.asl.component.state.exec.state_map.tolerated_fail
 from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
 from moto.stepfunctions.parser.asl.eval.program_state import ProgramError
 
+from moto.stepfunctions.parser.asl.parse.asl_parser import AmazonStateLanguageParser
+
 from localcloud.glue.stepfunctions import aws_timestamp
 
 _given = threading.local()
-"""The thresholds the Map state being run names, for its Map Run (run on the same thread)."""
+"""The thresholds the Map state being run names and its input, for its Map Run and its ResultWriter
+(run on the same thread)."""
 
 
 class _Child:
@@ -98,12 +107,24 @@ def _remember_thresholds(from_state_props: Any) -> Any:
 
 def _with_thresholds(eval_execution: Any) -> Any:
     def evaluated(self: StateMap, env: Any) -> None:
-        outer = getattr(_given, "thresholds", None)
+        outer = getattr(_given, "thresholds", None), getattr(_given, "state_input", None)
         _given.thresholds = getattr(self, "thresholds_given", (False, False))
+        _given.state_input = env.states.get_input()
         try:
             eval_execution(self, env)
         finally:
-            _given.thresholds = outer
+            _given.thresholds, _given.state_input = outer
+    return evaluated
+
+
+def _parameters_from_the_state_input(eval_body: Any) -> Any:
+    def evaluated(self: ResultWriter, env: Any) -> None:
+        env.stack.append(_given.state_input)
+        self.parargs.eval(env=env)
+        parameters = env.stack.pop()
+        env.stack.pop()
+        env.stack.append(parameters)
+        self.resource_eval.eval_resource(env=env)
     return evaluated
 
 
@@ -111,6 +132,7 @@ def _recording_children(eval_job: Any) -> Any:
     def recorded(self: DistributedItemProcessorWorker, env: Any, job: Any) -> None:
         child = _Child(self._map_run_record.map_run_arn, job.job_input)
         _children(self._map_run_record).append(child)
+        _given.child = child
         eval_job(self, env, job)
         state = env.program_state()
         if isinstance(state, ProgramError):
@@ -121,6 +143,13 @@ def _recording_children(eval_job: Any) -> Any:
         else:
             child.end("SUCCEEDED", output=job.job_output)
     return recorded
+
+
+def _recording_child_input(eval_input: Any) -> Any:
+    def evaluated(self: DistributedItemProcessorWorker, env_frame: Any) -> None:
+        eval_input(self, env_frame)
+        _given.child.input = env_frame.states.get_input()  # the child's input: the item as ItemSelector made it
+    return evaluated
 
 
 def exceeds_tolerance(failed: int, total: int, count: int, percentage: float, given: tuple[bool, bool]) -> bool:
@@ -178,9 +207,31 @@ def _write_results(env: Any, resource_runtime_part: Any, state_credentials: Any)
                       "ResultWriterDetails": {"Bucket": parameters["Bucket"], "Key": manifest}})
 
 
+def _percentages_as_fractions(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: float(item) if key == "ToleratedFailurePercentage" and type(item) is int
+                else _percentages_as_fractions(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_percentages_as_fractions(item) for item in value]
+    return value
+
+
+def _parsing_whole_percentages(parse: Any) -> Any:
+    def parsed(definition: str) -> Any:
+        try:
+            document = json.loads(definition)
+        except ValueError:
+            return parse(definition)  # the parser names what is wrong with it
+        return parse(json.dumps(_percentages_as_fractions(document)))
+    return parsed
+
+
 def apply() -> None:
+    AmazonStateLanguageParser.parse = staticmethod(_parsing_whole_percentages(AmazonStateLanguageParser.parse))
     StateMap.from_state_props = _remember_thresholds(StateMap.from_state_props)
     StateMap._eval_execution = _with_thresholds(StateMap._eval_execution)
     DistributedItemProcessorWorker._eval_job = _recording_children(DistributedItemProcessorWorker._eval_job)
+    DistributedItemProcessorWorker._eval_input = _recording_child_input(DistributedItemProcessorWorker._eval_input)
     DistributedIterationComponent._map_run = _failing_past_tolerance(DistributedIterationComponent._map_run)
     ResourceEvalS3._handle_put_object = staticmethod(_write_results)
+    ResultWriter._eval_body = _parameters_from_the_state_input(ResultWriter._eval_body)
