@@ -329,3 +329,19 @@ def test_the_cli_imports_with_the_runs_runspec_as_its_config(tmp_path, capsys):
     assert "as committed step 0" in out and f"{tmp_path / 'imported'}/tokenizer/tokenizer.json" in out
     listing = main(["checkpoint", "list", str(tmp_path / "imported")])
     assert listing == 0 and "resume=latest takes step 0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"attention_bias": True}, "attention_bias=True is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ({"head_dim": 16}, "head_dim=16 is not supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type='yarn'"),
+    ({"architectures": ["MistralForCausalLM"]}, "holds none of LlamaForCausalLM, GPT2LMHeadModel"),
+])
+def test_a_config_the_trainer_cannot_hold_is_refused_naming_its_field(change, named, tmp_path):
+    source = hf_llama(tmp_path / "hf")
+    config = json.loads((source / "config.json").read_text()) | change
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ImportRefused, match=named):
+        import_checkpoint(str(source), str(tmp_path / "imported"), load_config(LLAMA_RUN).model)
+    assert not (tmp_path / "imported").exists()

@@ -109,7 +109,8 @@ def model_section(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _require(config: dict[str, Any], key: str, wanted: Any, why: str) -> None:
-    if config.get(key, wanted) != wanted:
+    """Refuse a value the trainer cannot hold; absent (or null: the class's default) is `wanted`."""
+    if config.get(key) not in (None, wanted):
         raise HfError(f"config.json: {key}={config[key]!r} is not supported: {why}")
 
 
