@@ -149,7 +149,9 @@ def test_the_demo_writes_the_report_and_it_shows_the_kill_and_the_resume(run):
 @pytest.mark.slow
 def test_the_demo_exports_its_final_model_and_it_writes_text(run):
     exported = run["exported"]
-    assert exported["config"]["architectures"] == ["TrainfleetGPT"] and exported["config"]["step"] == FINAL_STEP
-    assert exported["config"]["saved_layout"]["pp"] == 2
-    assert {"config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"} == set(exported["files"])
+    config = exported["config"]
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["trainfleet"]["step"] == FINAL_STEP
+    assert config["trainfleet"]["saved_layout"]["pp"] == 2
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors",
+            "tokenizer.json", "tokenizer_config.json"} == set(exported["files"])
     assert exported["sample"], "the model writes after the prompt"

@@ -280,3 +280,17 @@ def test_plan_bad_arguments_are_usage_errors(capsys, args, message):
     with pytest.raises(SystemExit) as exited:
         cli.main(["plan", "--model", J1_CONFIG, "--instance-type", "p5.48xlarge", *args])
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, nodes, billions, hidden", [
+    ("llama3-8b", 4, 8.03, 14336), ("llama3-70b", 16, 70.55, 28672), ("llama3-405b", 128, 405.85, 53248)])
+def test_the_llama_3_configs_have_their_published_shapes_and_fit_their_fleets(capsys, name, nodes, billions, hidden):
+    from trainer.config import load_config
+
+    model = load_config(["--config", str(REPO / "trainer" / "configs" / f"{name}.toml")]).model
+    shape = mp.ModelShape.of(model)
+    assert (shape.architecture, shape.n_kv_heads, shape.hidden, shape.vocab_size) == ("llama", 8, hidden, 128256)
+    assert round(mp.parameter_count(shape) / 1e9, 2) == billions
+    code, out, _ = _plan(capsys, "--model", str(REPO / "trainer" / "configs" / f"{name}.toml"),
+                         "--instance-type", "p5.48xlarge", "--nodes", str(nodes))
+    assert code == 0 and "layout (as configured)" in out and "sharing 8 key/value heads" in out

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: this rank's stages of the GPT and the schedule that drives them.
+"""Pipeline parallelism: this rank's stages of the model and the schedule that drives them.
 
 Each rank builds only its own stages (a contiguous layer range each; the embedding on stage 0,
 norm + head + loss on the last) straight from the config, parallelizes each
@@ -23,7 +23,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from torch.distributed.tensor import DTensor
 
 from trainer.config import JobConfig, ModelConfig
-from trainer.model import GPT, cross_entropy_loss
+from trainer.model import build, cross_entropy_loss
 from trainer.parallel_dims import SCHEDULES, layer_ranges, schedule_class, split_layers, stage_ids
 from trainer.parallelize import loss_context, materialize, parallelize, tensor_parallel
 from trainer.scaling_check import ComputeClock
@@ -165,9 +165,10 @@ class _TimedStage(PipelineStage):
 def _layers_per_stage(cfg: ModelConfig, n_stages: int, override: list[int]) -> list[int]:
     if override:
         return override
-    block_params = sum(p.numel() for p in GPT(cfg, range(1), first=False, last=False).parameters())
-    embed_params = (cfg.vocab_size + cfg.seq_len) * cfg.d_model
-    head_params = 2 * cfg.d_model + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    with torch.device("meta"):
+        block_params, embed_params, head_params = (
+            sum(p.numel() for p in build(cfg, layers, first=first, last=last).parameters())
+            for layers, first, last in ((range(1), False, False), (range(0), True, False), (range(0), False, True)))
     return split_layers(block_params, cfg.n_layers, embed_params, head_params, n_stages)
 
 
@@ -176,7 +177,7 @@ def _build_part(cfg: JobConfig, layers: range, first: bool, last: bool, device: 
     # Built on the meta device and split before it is materialised, so no rank ever allocates
     # layers it does not own, nor more of a matrix than its tensor-parallel and FSDP shard.
     with torch.device("meta"):
-        part = GPT(cfg.model, layers, first=first, last=last)
+        part = build(cfg.model, layers, first=first, last=last)
     if cfg.parallel.tp > 1:
         tensor_parallel(part, mesh["tp"])
     parallelize(part, cfg, mesh, device)

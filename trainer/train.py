@@ -99,10 +99,19 @@ class TrainState(Stateful):
         return {"model": model, "optimizer": optimizer, "lr_scheduler": self.lr_schedulers[0].state_dict(),
                 "sampler": self.loader.sampler.state_dict(), "rng": rng, "step": self.step}
 
-    def load_state_dict(self, state: dict) -> None:
-        for part, opt in zip(self.pipeline.model_parts, self.optimizers):
+    def model_state_dict(self) -> dict:
+        """The weights alone (what an imported step holds: trainer/hf_import.py)."""
+        return {key: value for part in self.pipeline.model_parts
+                for key, value in get_model_state_dict(part, options=_STATE_DICT_OPTIONS).items()}
+
+    def load_model_state_dict(self, model: dict) -> None:
+        for part in self.pipeline.model_parts:
             own_keys = get_model_state_dict(part).keys()
-            set_model_state_dict(part, {k: state["model"][k] for k in own_keys}, options=_STATE_DICT_OPTIONS)
+            set_model_state_dict(part, {k: model[k] for k in own_keys}, options=_STATE_DICT_OPTIONS)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load_model_state_dict(state["model"])
+        for part, opt in zip(self.pipeline.model_parts, self.optimizers):
             # Entries of other parts are ignored: the optimizer looks up its own parameters by name.
             set_optimizer_state_dict(part, opt, state["optimizer"], options=_STATE_DICT_OPTIONS)
         for scheduler in self.lr_schedulers:
@@ -501,12 +510,13 @@ def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | No
             fallback = f"S3 holds step {newer[0]}, newer than every in-memory copy"
         else:
             restored = memory.restore(state, found)
+    resumed = None
     if restored is None:
-        checkpointer.resume(state)
+        resumed = checkpointer.resume(state)
     if memory:  # copies of another timeline than the one resumed must never be loaded
         memory.forget_after(restored.step if restored else None)
     if run.env.rank == 0 and cfg.result_file:
-        source = "memory" if restored else "s3" if state.step else "none"
+        source = "memory" if restored else "s3" if resumed is not None else "none"
         result = {"step": state.step, "source": source, "seconds": time.perf_counter() - started,
                   "shards": run.env.world_size, "fallback": fallback}
         if restored:
@@ -528,6 +538,7 @@ def _checkpointer(cfg: JobConfig) -> Checkpointer:
     p = cfg.parallel
     return Checkpointer(cfg.checkpoint, layout={"pp": p.pp, "dp": p.dp, "dp_shard": p.resolved_dp_shard(), "tp": p.tp},
                         config_hash=checkpoint_catalog.config_hash(asdict(cfg)), model=asdict(cfg.model),
+                        tokenizer=cfg.data.tokenizer, init_from=cfg.training.init_from,
                         request_file=os.environ.get(checkpoint_catalog.REQUEST_FILE_ENV),
                         timeout=timedelta(seconds=cfg.checkpoint.timeout_s))
 

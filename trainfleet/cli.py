@@ -15,8 +15,9 @@
     trainfleet run start|list|status|watch|logs|stop|report ...
                                the runs of a deployed stack, on AWS or the local cloud
                                (trainfleet/operator/run_command.py)
-    trainfleet checkpoint list|export RUN ...   a run's checkpoints; its model as safetensors
-    trainfleet sample --from DIR|RUN --prompt TEXT   text the trained model writes
+    trainfleet checkpoint list|export RUN ...   a run's checkpoints; its model as Hugging Face's
+    trainfleet checkpoint import SOURCE --to LOCATION --config FILE   and a Hugging Face model in
+    trainfleet sample --from DIR|RUN --prompt TEXT [--greedy]   text the trained model writes
                                (trainfleet/operator/checkpoint_command.py)
     trainfleet data prepare INPUT... --tokenizer FILE --to DEST [--on-stack]
                                token shards from JSON Lines, Parquet or text, on this machine's
@@ -71,9 +72,10 @@ def _plan(args: argparse.Namespace) -> int:
     workload = mp.Workload.from_sections(asdict(config), mixed_precision=gpu, accelerator=facts.accelerator)
     workload = replace(workload, layout=replace(workload.layout, **given))
     shape, rpn = workload.shape, facts.ranks_per_node
-    print(f"model {args.model}: {mp.parameter_count(shape) / 1e9:.2f} B parameters ({shape.n_layers} layers, "
-          f"d_model {shape.d_model}, {shape.n_heads} heads, vocab {shape.vocab_size}, seq {shape.seq_len}); "
-          f"global batch {workload.layout.batch_size} sequences")
+    kv = f" sharing {shape.n_kv_heads} key/value heads" if shape.n_kv_heads not in (0, shape.n_heads) else ""
+    print(f"model {args.model}: {mp.parameter_count(shape) / 1e9:.2f} B parameters ({shape.architecture}: "
+          f"{shape.n_layers} layers, d_model {shape.d_model}, {shape.n_heads} heads{kv}, MLP {shape.hidden}, "
+          f"vocab {shape.vocab_size}, seq {shape.seq_len}); global batch {workload.layout.batch_size} sequences")
     print(f"fleet: {args.nodes} x {facts.name} ({rpn} ranks per node"
           + (f", {facts.memory_per_rank_gib:g} GiB of {facts.accelerator} each)" if gpu else ", CPU)"))
     # The config file's own layout is checked as it is when it fills the fleet and the command

@@ -293,16 +293,18 @@ class TrainerTraining(Open):
 FILLED_SECTIONS = {"checkpoint": "checkpoint", "fleet_check": "preflight", "scaling_check": "scaling_check"}
 """Trainer config sections the control plane fills from the RunSpec's own sections."""
 TRAINER_FIELDS: dict[str, frozenset[str]] = {
-    "model": frozenset({"n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "mlp_ratio",
-                        "tie_embeddings"}),
+    "model": frozenset({"architecture", "n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "tie_embeddings",
+                        "norm_eps", "mlp_ratio", "activation", "n_kv_heads", "ffn_hidden", "ffn_dim_multiplier",
+                        "multiple_of", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
+                        "rope_high_freq_factor", "rope_original_seq_len"}),
     "parallel": frozenset({"pp", "dp", "dp_shard", "tp", "reshard_after_forward", "schedule", "microbatches",
                            "stages_per_rank", "layers_per_stage", "timeout_s", "repair_file",
                            "repair_wait_s"}),
     "data": frozenset({"shards", "tokenizer", "corpus", "cache_dir", "cache_bytes", "corpus_bytes", "shard_tokens"}),
     "optim": frozenset({"lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "beta1", "beta2",
                         "eps", "grad_clip"}),
-    "training": frozenset({"steps", "batch_size", "seed", "device", "activation_checkpoint", "compile", "threads",
-                           "metrics_file"}),
+    "training": frozenset({"steps", "batch_size", "seed", "device", "activation_checkpoint", "init_from", "compile",
+                           "threads", "metrics_file"}),
 }
 
 
