@@ -19,6 +19,8 @@ from trainer.prepare import Preparation, PrepareError
 from trainer.shards import ShardStore
 
 POLL_S = 5.0
+"""The longest wait between two looks at the execution; the first looks come sooner (from 0.5 s,
+doubling), so a small preparation is reported as soon as it ends."""
 
 
 def prepare_on_stack(args: argparse.Namespace):
@@ -35,13 +37,14 @@ def prepare_on_stack(args: argparse.Namespace):
     except (ClientError, BotoCoreError) as error:
         raise PrepareError(f"cannot start the preparation on stack {args.stack}: {error}") from None
     print(f"started {arn}", flush=True)
-    store, seen = ShardStore(args.to), -1
+    store, seen, wait = ShardStore(args.to), -1, 0.5
     while (execution := sfn.describe_execution(executionArn=arn))["status"] == "RUNNING":
         done = len(store.names(prepare.PART_PREFIX))
         if done != seen:
             print(f"  {done} items done", flush=True)
             seen = done
-        time.sleep(POLL_S)
+        time.sleep(wait)
+        wait = min(2 * wait, POLL_S)
     if execution["status"] != "SUCCEEDED":
         failures = [json.loads(store.read(name))["error"] for name in store.names(".prepare/failed-")]
         cause = failures[0] if failures else f"{execution.get('error')}: {execution.get('cause')}"
