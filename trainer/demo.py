@@ -2,6 +2,7 @@
 
     trainfleet demo --trainer-only
     trainfleet demo --trainer-only -- --training.steps=100 --parallel.schedule=zbv-zero-bubble  # trainer overrides
+    trainfleet demo --trainer-only -- --config trainer/configs/llama-tiny.toml --parallel.pp=2  # another config
 
 It launches two ranks with torchrun (c10d rendezvous on 127.0.0.1, gloo) exactly as an instance
 would, streams the per-step log, then summarises the loss curve from the metrics file.
@@ -34,10 +35,16 @@ def metrics_path(overrides: list[str]) -> Path:
     return REPO / given[-1] if given else DEFAULT_METRICS
 
 
+def config_given(overrides: list[str]) -> bool:
+    return any(o == "--config" or o.startswith("--config=") for o in overrides)
+
+
 def torchrun_command(overrides: list[str], metrics: Path, port: int) -> list[str]:
+    """Two ranks of the trainer on the small GPT's config, or on the one the overrides name."""
+    config = [] if config_given(overrides) else ["--config", str(CONFIG)]
     return [sys.executable, "-m", "node.torchrun", "--nnodes=1", "--nproc-per-node=2",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
-            "-m", "trainer.train", "--config", str(CONFIG), f"--training.metrics_file={metrics}", *overrides]
+            "-m", "trainer.train", *config, f"--training.metrics_file={metrics}", *overrides]
 
 
 def summarise(records: list[dict]) -> str:
@@ -55,7 +62,8 @@ def main(argv: list[str]) -> int:
     metrics = metrics_path(overrides)
     metrics.unlink(missing_ok=True)
     command = torchrun_command(overrides, metrics, _free_port())
-    print("training the small GPT with pp=2 (two processes, gloo):\n  " + " ".join(command[1:]), flush=True)
+    what = "the config given" if config_given(overrides) else "the small GPT with pp=2"
+    print(f"training {what} on two processes (gloo):\n  " + " ".join(command[1:]), flush=True)
     # The rendezvous store is not shared with the ranks' process group: restarts with gloo then work.
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     started = time.monotonic()
