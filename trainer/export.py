@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,16 @@ GROUP_BYTES = 2 * 2**30
 """Most bytes of saved parameters read (and held) at once: an output file's worth."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MODEL, _OPTIMIZER_STATE = "model.", "optimizer.state."
+
+
+def _new_file_mode() -> int:
+    """The mode open() gives a new file: 0666 less the umask (read by setting it, so once, at import)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+_NEW_FILE_MODE = _new_file_mode()
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -79,6 +90,8 @@ def export(location: str, to: Path, *, step: int | None = None, dtype: torch.dty
     if not manifest.model:
         raise ExportError(f"{location} step {manifest.step}: its commit marker does not name the model's "
                           "architecture (saved before markers recorded it)")
+    if to.exists() and not to.is_dir():
+        raise ExportError(f"{to} is a file, not a folder: export into a new folder")
     if to.exists() and any(to.iterdir()):
         raise ExportError(f"{to} is not empty: export into a new folder")
     reader = _reader(location, manifest.step)
@@ -148,11 +161,17 @@ def _write_set(reader: dcp.StorageReader, prefix: str, keys: dict[str, str], met
     files, weight_map, total = [], {}, 0
     for number, group in enumerate(groups, start=1):
         tensors = {name: torch.empty(tuple(metas[name].size), dtype=metas[name].properties.dtype) for name in group}
-        dcp.load({keys[name]: tensor for name, tensor in tensors.items()}, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():
+            # dcp.load warns that it loads in one process even when told to (no_dist): it is meant.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load({keys[name]: tensor for name, tensor in tensors.items()}, storage_reader=reader, no_dist=True)
         if dtype is not None:
             tensors = {name: tensor.to(dtype) for name, tensor in tensors.items()}
         file = f"{prefix}-{number:05d}-of-{len(groups):05d}.safetensors"
         save_file(tensors, folder / file, metadata={"format": "pt"})
+        # safetensors writes its file owner-only (0600); a server running as another user must
+        # read it as it reads the index and config beside it: the mode open() gives them.
+        os.chmod(folder / file, _NEW_FILE_MODE)
         files.append(file)
         weight_map |= {name: file for name in group}
         total += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
@@ -162,9 +181,10 @@ def _write_set(reader: dcp.StorageReader, prefix: str, keys: dict[str, str], met
     return [*files, index]
 
 
-def load_exported(folder: Path, dtype: torch.dtype = torch.float32) -> GPT:
+def load_exported(folder: str | Path, dtype: torch.dtype = torch.float32) -> GPT:
     """The trainer's GPT with an export's weights, on the CPU in `dtype`: plain safetensors, one
     file at a time."""
+    folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     if config.get("architectures") != [ARCHITECTURE]:
         raise ExportError(f"{folder}/config.json names {config.get('architectures')}, not {ARCHITECTURE}")
