@@ -630,7 +630,8 @@ class RunRecord(Strict):
     nodes' departure_due_at); the emergency checkpoint is asked for DEFERRED_LEAD before it
     (lifecycle.emergency_checkpoint_now). A new attempt clears it."""
     last_step: int | None = None
-    """Latest step reported by progress events."""
+    """Latest step trained, as the control plane knows it: reported by progress events, never
+    below the latest checkpoint (a committed step was trained)."""
     restore_from_memory: bool = False
     """Whether the current attempt resumes from the nodes' in-memory checkpoints (Recover's
     RecoveryDecision.restore_from_memory): the launch spec's restore_from_memory."""
@@ -658,10 +659,13 @@ class RunRecord(Strict):
     """Optimistic lock: every write is conditioned on the version it read."""
 
     def knowing(self, checkpoint: CheckpointRef | None) -> "RunRecord":
-        """The record with `checkpoint` as its latest, unless it knows one as new already."""
+        """The record with `checkpoint` as its latest, unless it knows one as new already. A
+        committed step was trained: the last step is at least it (progress is reported every few
+        seconds, a commit as soon as an agent looks)."""
         if checkpoint is None or (self.latest_checkpoint and self.latest_checkpoint.step >= checkpoint.step):
             return self
-        return self.model_copy(update={"latest_checkpoint": checkpoint})
+        return self.model_copy(update={"latest_checkpoint": checkpoint,
+                                       "last_step": max(self.last_step or 0, checkpoint.step)})
 
 
 class NodeRecord(Strict):
