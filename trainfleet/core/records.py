@@ -52,13 +52,14 @@ class RunState(StrEnum):
     """Where a run is. Every change is a conditional write on the previous state.
 
         REQUESTED ─▶ ALLOCATING ─▶ AWAITING_NODES ─▶ TRAINING ─▶ TEARING_DOWN ─▶ SUCCEEDED
-                         ▲               │              │             ▲        └─▶ FAILED
-                         │               ▼              ▼             │
+                         ▲               │              │             ▲        ├─▶ FAILED
+                         │               ▼              ▼             │        └─▶ STOPPED
                          └────────── RECOVERING ◀───────┘             │
            (any state that is not final) ─────────────────────────────┘
 
     RECOVERING goes back to ALLOCATING (replacements) or straight to AWAITING_NODES (spares
     or a shrink cover it). TEARING_DOWN is on every path: no instance outlives its run.
+    STOPPED: someone stopped its execution (StopExecution, `trainfleet run stop`); nothing failed.
     """
 
     REQUESTED = "REQUESTED"
@@ -69,10 +70,11 @@ class RunState(StrEnum):
     TEARING_DOWN = "TEARING_DOWN"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
+    STOPPED = "STOPPED"
 
     @property
     def is_final(self) -> bool:
-        return self in (RunState.SUCCEEDED, RunState.FAILED)
+        return self in (RunState.SUCCEEDED, RunState.FAILED, RunState.STOPPED)
 
 
 _R = RunState
@@ -83,9 +85,10 @@ RUN_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     _R.AWAITING_NODES: frozenset({_R.TRAINING, _R.RECOVERING, _R.TEARING_DOWN}),
     _R.TRAINING: frozenset({_R.RECOVERING, _R.TEARING_DOWN}),
     _R.RECOVERING: frozenset({_R.ALLOCATING, _R.AWAITING_NODES, _R.TEARING_DOWN}),
-    _R.TEARING_DOWN: frozenset({_R.SUCCEEDED, _R.FAILED}),
+    _R.TEARING_DOWN: frozenset({_R.SUCCEEDED, _R.FAILED, _R.STOPPED}),
     _R.SUCCEEDED: frozenset(),
     _R.FAILED: frozenset(),
+    _R.STOPPED: frozenset(),
 }
 
 
