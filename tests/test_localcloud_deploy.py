@@ -497,11 +497,11 @@ def test_project_template_deploys_and_every_resource_is_accounted_for(cloud):
 # --- the command ----------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_local_deploy_command_prints_resources_and_outputs(cloud, capsys):
+def test_local_deploy_command_prints_a_summary_and_the_outputs_or_every_resource_as_json(cloud, capsys):
     from trainfleet.cli import main
 
     code = main(["local", "deploy", "--template", str(TEST_TEMPLATE), "--endpoint", cloud.endpoint,
-                 "--stack-name", f"{STACKS}cli", "--param", "Stage=prod"])
+                 "--stack", f"{STACKS}cli", "--param", "Stage=prod", "--json"])
     printed = json.loads(capsys.readouterr().out)
     assert code == 0
     assert printed["stack_name"] == f"{STACKS}cli"
