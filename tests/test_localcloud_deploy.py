@@ -509,6 +509,14 @@ def test_local_deploy_command_prints_a_summary_and_the_outputs_or_every_resource
     assert printed["outputs"]["StateMachineArn"] == printed["resources"]["TrainingRun"]["arn"]
     assert printed["skipped"] == {}
 
+    assert main(["local", "deploy", "--template", str(TEST_TEMPLATE), "--endpoint", cloud.endpoint,
+                 "--stack", f"{STACKS}cli-summary", "--param", "Stage=prod"]) == 0
+    summary = capsys.readouterr().out.splitlines()
+    assert summary[0].startswith(f"deployed stack {STACKS}cli-summary in us-east-1: {len(printed['resources'])} "
+                                 "resources (") and "StepFunctions::StateMachine" in summary[0]
+    assert len(summary) == 1 + len(printed["outputs"]) and all(len(line) < 200 for line in summary[1:])
+    assert summary[1:] and all(line.split()[0] in printed["outputs"] for line in summary[1:])
+
 
 def test_local_deploy_command_names_a_bad_parameter(cloud, capsys):
     from trainfleet.cli import main
