@@ -528,6 +528,15 @@ class DefaultNetwork(NamedTuple):
     security_group_ids: list[str]
 
 
+STACK_DEFAULTS = {
+    "checkpoint.s3_uri": "the stack's bucket, under runs/RUN/checkpoints",
+    "capacity.subnet_ids": "with security_group_ids left out too: the default VPC's default subnets",
+    "capacity.security_group_ids": "with subnet_ids left out too: the default VPC's default security group",
+}
+"""The fields a RunSpec may leave to the stack it runs in (with_stack_defaults), and what they
+then are: docs/RUNSPEC.md shows them."""
+
+
 def with_stack_defaults(document: Any, bucket: str, default_network: Callable[[], DefaultNetwork]) -> Any:
     """The RunSpec document with what its author may leave to the stack filled in, as given
     otherwise: `checkpoint.s3_uri`, the stack's bucket under runs/RUN/checkpoints; the capacity's
