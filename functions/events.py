@@ -140,7 +140,7 @@ def grow_back(run: RunRecord, step: int) -> str | None:
 def training_progress(run: RunRecord, detail: TrainingProgress) -> str:
     cloud, now = aws(), _now()
     if detail.samples:
-        cloud.store.record_progress(run.run_name, detail.attempt, detail.samples)
+        cloud.store.record_progress(run.run_name, detail.attempt, detail.samples, detail.instance_id)
     # A commit may have been announced since the steps this event carries (commits go out at
     # the agent's look, progress every PROGRESS_EVERY_S): the last step is never below it.
     cloud.store.modify_run(run.run_name, lambda current: current.model_copy(update={
@@ -361,7 +361,7 @@ def handle_agent_event(detail: AgentEvent, observed_at: datetime, sender: str | 
     if is_stale(detail, run.attempt):
         if isinstance(detail, TrainingProgress) and detail.samples:
             # Its steps stay in the run's history (the report's curves); nothing else of it counts.
-            aws().store.record_progress(run.run_name, detail.attempt, detail.samples)
+            aws().store.record_progress(run.run_name, detail.attempt, detail.samples, detail.instance_id)
             return f"steps of attempt {detail.attempt} recorded; it was replaced by {run.attempt}"
         return f"ignored: attempt {detail.attempt} was replaced by {run.attempt}"
     step = _AGENT_STEPS.get(type(detail))

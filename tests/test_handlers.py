@@ -685,6 +685,7 @@ def test_the_steps_a_progress_event_carries_are_kept_for_the_report(handlers, cl
     assert [(attempt, sample.step) for attempt, sample in kept] == [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 7)]
     assert math.isnan(kept[2][1].loss) and kept[4][1].tokens_per_second == 905.0
     assert store.latest_progress(run.run_name)[1].step == 7
+    assert {report.reporter for report in store.progress_reports(run.run_name)} == {host}, "who reported them"
 
 
 def test_a_lost_spare_is_recorded_without_failing_training(handlers, cloud, resources):

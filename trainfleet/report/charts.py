@@ -221,9 +221,10 @@ def figure(chart: Chart, ids: str = "chart") -> Figure:
     else:
         _draw_bars(ax, chart, rows, size, ids, legend)
     for index, mark in enumerate(chart.marks):
-        ax.axvline(mark.x / size, color=mark.colour, linewidth=1.3, linestyle=(0, (5, 3)), zorder=3,
+        dashes = _dashes(mark, chart.marks)
+        ax.axvline(mark.x / size, color=mark.colour, linewidth=1.3, linestyle=dashes, zorder=3,
                    gid=f"{ids}-mark-{index}")
-        legend.setdefault(mark.label, Line2D([], [], color=mark.colour, linewidth=1.3, linestyle=(0, (5, 3)),
+        legend.setdefault(mark.label, Line2D([], [], color=mark.colour, linewidth=1.3, linestyle=dashes,
                                              label=mark.label))
     if not chart.series and not chart.bars:
         ax.text(0.5, 0.5, chart.empty_note, transform=ax.transAxes, ha="center", va="center", fontsize=11,
@@ -233,6 +234,18 @@ def figure(chart: Chart, ids: str = "chart") -> Figure:
                            frameon=False, handlelength=2.4)
         drawn.set_gid(f"{ids}-legend")
     return fig
+
+
+_DASH, _GAP = 5, 3
+
+
+def _dashes(mark: Mark, marks: Sequence[Mark]) -> tuple[int, tuple[int, int]]:
+    """A mark's dash pattern. Marks at one x (a failure after step 19 and the resume from step 19)
+    take turns along the line, each dash in the others' gaps, so that none hides another."""
+    colours = sorted({other.colour for other in marks if other.x == mark.x})
+    if len(colours) == 1:
+        return 0, (_DASH, _GAP)
+    return colours.index(mark.colour) * _DASH, (_DASH, _DASH * (len(colours) - 1))
 
 
 def _draw_series(ax, chart: Chart, size: float, ids: str, legend: dict[str, Line2D | Patch]) -> None:
