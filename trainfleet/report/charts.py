@@ -303,12 +303,15 @@ def _draw_bars(ax, chart: Chart, rows: list[str], size: float, ids: str,
             ax.set_xlim(left=min(0.0, ax.get_xlim()[0]))
     renderer = ax.figure.canvas.get_renderer()
     ax.figure.draw_without_rendering()  # the final scales, to measure labels against the bars
-    to_pixels = ax.transData.transform
-    right_edge = ax.get_window_extent(renderer).x1
+    to_pixels, from_pixels = ax.transData.transform, ax.transData.inverted().transform
+    left_edge, right_edge = ax.get_window_extent(renderer).x0, ax.get_window_extent(renderer).x1
     for bar, row in placed:
-        left, right = (to_pixels((x / size, row))[0] for x in (bar.start, bar.end))
-        text = ax.text((bar.start + bar.end) / 2 / size, row, bar.label, ha="center", va="center", fontsize=8.5,
-                       color=_ink_on(bar.colour))
+        # Only the part of a bar within the axes is drawn (a state entered before the x range began).
+        left, right = (min(max(to_pixels((x / size, row))[0], left_edge), right_edge) for x in (bar.start, bar.end))
+        if right <= left:
+            continue
+        middle = from_pixels(((left + right) / 2, 0))[0]
+        text = ax.text(middle, row, bar.label, ha="center", va="center", fontsize=8.5, color=_ink_on(bar.colour))
         width = text.get_window_extent(renderer).width
         if width + 6 <= right - left:
             continue
