@@ -84,6 +84,9 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"{facts.name} has no accelerator: local runs use host memory, which is not checked")
         return 0
     memory_gib = facts.memory_per_rank_gib
+    # Said where the figures are read: what they rest on (README, "What has been proven").
+    print("estimates: the GPU constants (CUDA's usable memory, NCCL's buffers) are published figures, "
+          "not yet measured on a GPU (bench/gpu.py, docs/BENCHMARKS.md)")
     candidates = list(mp.plan_layouts(workload, args.nodes, rpn, fixed))
     if not candidates:
         print(f"trainfleet plan: no layout of this config runs on {args.nodes} x {rpn} GPUs "
