@@ -9,9 +9,9 @@
     trainfleet run report RUN [--out DIR]
 
 AWS or the local cloud, one code path: the endpoint, region and credentials come from the
-environment as the AWS CLI takes them (AWS_ENDPOINT_URL=http://127.0.0.1:4566 for `trainfleet
-local up`); --stack after the command (or TRAINFLEET_STACK) names the deployed stack. A command that cannot be
-done says why in one line and exits 1, having changed nothing.
+environment as the AWS CLI takes them (`trainfleet local up` prints the lines that point them at
+it); --stack after the command (or TRAINFLEET_STACK) names the deployed stack. A command that
+cannot be done says why in one line and exits 1, having changed nothing.
 """
 
 from __future__ import annotations

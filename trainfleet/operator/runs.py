@@ -313,10 +313,11 @@ class Stack:
         deadline = time.monotonic() + wait_s
         while True:
             status = self.status(run_name)
-            left = self.not_terminated(status.nodes) if status.record is not None and status.state.is_final else None
-            if status.record is None or left == [] or time.monotonic() >= deadline:
-                return status, left if left is not None else [node.instance_id for node in status.nodes
-                                                               if node.state is not NodeState.TERMINATED]
+            ended = status.record is None or status.state.is_final
+            left = (self.not_terminated(status.nodes) if ended else
+                    [node.instance_id for node in status.nodes if node.state is not NodeState.TERMINATED])
+            if (ended and not left) or time.monotonic() >= deadline:
+                return status, left
             time.sleep(1.0)
 
     def not_terminated(self, nodes: list[NodeRecord]) -> list[str]:
