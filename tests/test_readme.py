@@ -98,7 +98,7 @@ def local_flow(tmp_path_factory) -> dict:
 
 
 def done(results: dict, command: str) -> str:
-    (line,) = [line for line in results if isinstance(line, str) and line.startswith(".venv/bin/trainfleet " + command)]
+    line = ".venv/bin/trainfleet " + command
     result = results[line]
     assert result.returncode == 0, (line, result.stdout[-3000:], result.stderr[-3000:])
     return result.stdout
