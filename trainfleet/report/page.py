@@ -221,6 +221,7 @@ h2 { font-size: 1.1rem; margin: 32px 0 8px; }
          background: #0072B2; }
 .state.SUCCEEDED { background: #007A5A; }
 .state.FAILED { background: #B34E00; }
+.state.STOPPED { background: #555555; }
 .error { border-left: 4px solid #D55E00; background: #FBEEE6; padding: 8px 12px; white-space: pre-wrap;
          overflow-wrap: anywhere; }
 dl.summary { display: grid; grid-template-columns: repeat(auto-fill, minmax(210px, 1fr)); gap: 10px 24px;
