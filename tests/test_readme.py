@@ -109,7 +109,7 @@ def test_the_local_flow_deploys_the_stack_and_trains_the_run_to_its_end(local_fl
     assert local_flow["local up"][0].startswith("local cloud running at http://127.0.0.1:")
     deployed = done(local_flow, "local deploy").splitlines()
     assert deployed[0].startswith("deployed stack trainfleet in us-east-1: ") and len(deployed) < 40
-    watched = done(local_flow, "run start")
+    watched = done(local_flow, "run start events/local-demo-run.json --watch")
     assert "execution SUCCEEDED" in watched and "step 60 of 60" in watched, watched[-3000:]
     assert "local-demo" in done(local_flow, "run list")
 
