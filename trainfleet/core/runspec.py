@@ -418,7 +418,9 @@ class RunSpec(Strict):
     scaling_check: ScalingCheckPolicy = Field(default_factory=ScalingCheckPolicy)
     """The judgement of each attempt's first steps on the whole fleet."""
     cost_ceiling_usd: float | None = Field(default=None, gt=0)
-    """Stop the run once its instance cost reaches this; None = no ceiling."""
+    """Give the run up once its instance cost (at on-demand prices) has reached this, when a
+    failure brings it to Recover; a world that trains without failing is not stopped by it (its
+    training.steps bound it). None = no ceiling."""
     tags: dict[str, str] = Field(default_factory=dict)
     """Extra tags on every instance (besides the trainfleet ones)."""
 
