@@ -245,9 +245,9 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, stead
         time.sleep(window_s)
         view.until("steady training to go on", lambda record: record.state is RunState.TRAINING)
         steady = meter.stop("steady_training")
-        view.until("the end of training", lambda record: record.state in (RunState.TEARING_DOWN, *_FINAL))
+        view.until("the end of training", lambda record: record.state is RunState.TEARING_DOWN or record.state.is_final)
         meter.stop("training_to_end")
-        end = view.until("the end", lambda record: record.state in _FINAL)
+        end = view.until("the end", lambda record: record.state.is_final)
         until(lambda: all(instance.state == "terminated" for instance in stack.instances(run)), stack.cloud.activity,
               what="every instance to terminate")
         teardown = meter.stop("teardown")
@@ -261,9 +261,6 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, stead
                                   for name, value in steady.items() if name != "seconds"},
             "largest_payloads": payloads,
         }
-
-
-_FINAL = (RunState.SUCCEEDED, RunState.FAILED)
 
 
 def main(argv: list[str] | None = None) -> int:

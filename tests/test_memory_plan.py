@@ -200,6 +200,7 @@ def test_plan_accepts_a_layout_that_fits(capsys):
                          "p5.48xlarge", "--nodes", "64")
     assert code == 0
     assert "layout (as configured): pp=8 dp=8 tp=8" in out and "fits:" in out and "GiB" in out
+    assert "not yet measured on a GPU" in out, "what the figures rest on, where they are read"
 
 
 def test_plan_refuses_a_layout_that_does_not_fit_and_proposes_the_smallest_fleet(capsys):

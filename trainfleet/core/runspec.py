@@ -420,7 +420,9 @@ class RunSpec(Strict):
     scaling_check: ScalingCheckPolicy = Field(default_factory=ScalingCheckPolicy)
     """The judgement of each attempt's first steps on the whole fleet."""
     cost_ceiling_usd: float | None = Field(default=None, gt=0)
-    """Stop the run once its instance cost reaches this; None = no ceiling."""
+    """Give the run up once its instance cost (at on-demand prices) has reached this, when a
+    failure brings it to Recover; a world that trains without failing is not stopped by it (its
+    training.steps bound it). None = no ceiling."""
     tags: dict[str, str] = Field(default_factory=dict)
     """Extra tags on every instance (besides the trainfleet ones)."""
 
@@ -528,6 +530,15 @@ class DefaultNetwork(NamedTuple):
 
     subnet_ids: list[str]
     security_group_ids: list[str]
+
+
+STACK_DEFAULTS = {
+    "checkpoint.s3_uri": "the stack's bucket, under runs/RUN/checkpoints",
+    "capacity.subnet_ids": "with security_group_ids left out too: the default VPC's default subnets",
+    "capacity.security_group_ids": "with subnet_ids left out too: the default VPC's default security group",
+}
+"""The fields a RunSpec may leave to the stack it runs in (with_stack_defaults), and what they
+then are: docs/RUNSPEC.md shows them."""
 
 
 def with_stack_defaults(document: Any, bucket: str, default_network: Callable[[], DefaultNetwork]) -> Any:
