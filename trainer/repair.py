@@ -131,12 +131,15 @@ def _reset_fsdp(model_parts: list[torch.nn.Module]) -> None:
     """FSDP's state as a new model has it, wherever each rank was in the failed step: the next
     step must issue the same collectives on every rank (the new stages' metadata inference runs a
     backward before it)."""
+    _settle_all_gathers(model_parts)
     for part in model_parts:
         if isinstance(part, FSDPModule):
             try:
                 part.reset_iter_state()
-            except Exception as exc:  # waiting on a collective of the dead world: it failed too
-                log.info("reset of the failed iteration: %s", exc)
+            except Exception as exc:
+                raise RepairError(f"FSDP's state of the failed step could not be reset ({type(exc).__name__}: "
+                                  f"{exc}): the ranks of a stage could issue different collectives in the next "
+                                  "world, so it restarts instead") from exc
             # The pipeline turns these off for every microbatch's backward but the last.
             part.set_is_last_backward(True)
             part.set_reshard_after_backward(True)
@@ -151,6 +154,21 @@ def _reset_fsdp(model_parts: list[torch.nn.Module]) -> None:
             fsdp_param.unsharded_accumulated_grad = None
             if hasattr(fsdp_param, "_unsharded_param"):
                 fsdp_param._unsharded_param.grad = None
+
+
+def _settle_all_gathers(model_parts: list[torch.nn.Module]) -> None:
+    """Wait out the all-gathers the failed step left in flight, which FSDP's reset waits on too: a
+    collective of the world being left fails with it (its error is that world's failure, already
+    known), and the reset must not stop at it halfway."""
+    for group in _fsdp_param_groups(model_parts):
+        result = group._all_gather_result
+        if result is None or not isinstance(result.all_gather_work, dist.distributed_c10d.Work):
+            continue
+        try:
+            result.all_gather_work.wait()
+        except Exception as exc:  # noqa: BLE001 (the failed world's own error)
+            log.info("an all-gather of the failed step failed with it: %s", exc)
+        group._all_gather_result = result._replace(all_gather_work=None)
 
 
 _FSDP_GROUPS = ("shard_process_group", "replicate_process_group", "reduce_scatter_process_group")
