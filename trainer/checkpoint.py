@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainer import checkpoint_catalog as catalog
+from trainer.world_failure import current_world, raise_if_failed
 
 __all__ = ["Checkpointer", "CheckpointError", "ComputeOrderedStager", "host_stager", "storage_writer", "storage_reader"]
 
@@ -283,6 +284,7 @@ class Checkpointer:
         self.config_hash = config_hash
         self.model = dict(model or {})
         self._distributed = dist.is_available() and dist.is_initialized()
+        self._world = current_world()
         self.rank = dist.get_rank() if self._distributed else 0
         self._timeout = timeout
         self._dcp_process_group: dist.ProcessGroup | None = None
@@ -355,6 +357,7 @@ class Checkpointer:
         if self._distributed:
             # On the default group: before training starts nothing else runs on it.
             dist.broadcast_object_list(outcome, src=0)
+            raise_if_failed(self._world, "the checkpoint decision's broadcast")
         kind, value = outcome[0]
         if kind == "error":
             raise CheckpointError(value) from error

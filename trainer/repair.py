@@ -7,10 +7,13 @@ names where the order comes). On a rank whose process lives through the loss:
 
 1. The step fails. Under gloo a collective with a lost peer raises once the peer's connection
    closes, and a rank that leaves its groups closes its own, so the error reaches every rank.
-   Under NCCL a collective with a lost peer never returns: the watcher thread, seeing the order
-   arrive, aborts every group, which makes what the main thread waits on raise.
+   Under NCCL (TORCH_NCCL_ASYNC_ERROR_HANDLING=2) the group's watchdog aborts a collective whose
+   peer is lost, a few seconds after NCCL reports it, or past the collective timeout; the watcher
+   thread, seeing the order arrive, aborts every group. Either way what the main thread waits on
+   returns with partial values, which the check after every host synchronisation refuses
+   (trainer/world_failure.py), and the next call on an aborted group raises.
 2. The rank abandons the step: FSDP's state of the iteration is reset (FSDPModule.reset_iter_state)
-   and every process group destroyed. Copies and saves still in flight are abandoned by their
+   and every process group aborted. Copies and saves still in flight are abandoned by their
    owners (train.py): they end on the dead groups' errors.
 3. It says that the step failed (trainer/repair_order.py: the agent reports it to the control
    plane) and waits for the order (a generation newer than its own), then forms the world the order names:
@@ -114,7 +117,9 @@ def abandon_step(model_parts: list[torch.nn.Module], mesh: DeviceMesh, failure: 
     log.warning("step failed (%s: %s): leaving the world to repair it", type(failure).__name__, failure)
     _reset_fsdp(model_parts)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        # Aborted, not destroyed: destroying a group waits for its communicators' kernels to end
+        # (ProcessGroupNCCL::shutdown), and those waiting on a lost peer never do.
+        dist.distributed_c10d._abort_process_group()
     mesh._pg_registry = {}
     for info in _fsdp_mesh_infos(model_parts):
         for name in _FSDP_GROUPS:

@@ -43,6 +43,7 @@ from trainer.parallel_dims import RankPosition, schedule_class
 from trainer.parallelize import local_part
 from trainer.pipeline_parallel import Pipeline, build_pipeline
 from trainer.progress import NODE_RANK_ENV, Progress
+from trainer.world_failure import current_world, raise_if_failed
 
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -66,6 +67,9 @@ class DistributedEnv:
     """Dimensions pp, dp_replicate, dp_shard, tp, outermost first."""
     generation: int = 0
     """Repairs in place of this launch's world so far (trainer/repair.py)."""
+    world: dist.ProcessGroup | None = None
+    """The default group this world formed with: a collective's values are used only while it
+    has not failed (trainer/world_failure.py)."""
 
 
 class TrainState(Stateful):
@@ -223,7 +227,7 @@ def environment(cfg: JobConfig, device: torch.device) -> DistributedEnv:
     shard = p.resolved_dp_shard()
     mesh = init_device_mesh(device.type, (p.pp, p.dp // shard, shard, p.tp),
                             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-    return DistributedEnv(rank, world_size, device, RankPosition.of(rank, p.dp, p.tp), mesh)
+    return DistributedEnv(rank, world_size, device, RankPosition.of(rank, p.dp, p.tp), mesh, world=current_world())
 
 
 def clip_gradients(parts: list[torch.nn.Module], max_norm: float, norm: float) -> None:
@@ -348,6 +352,7 @@ def _loss_and_grad_norm(loss: torch.Tensor | None, parts: list[torch.nn.Module],
     if env.world_size > 1:
         dist.all_reduce(scalars)
     mean_loss, squared_norm, *vote_sums = scalars.tolist()
+    raise_if_failed(env.world, "the step's all-reduce")  # else a lost peer's partial sums would be used
     if votes is not None:
         votes.sums = torch.tensor(vote_sums)
     return mean_loss, squared_norm ** 0.5
@@ -534,6 +539,7 @@ def _report_peak_memory(run: Run) -> None:
     if run.env.world_size > 1:
         peaks = [None] * run.env.world_size
         dist.all_gather_object(peaks, peak)
+        raise_if_failed(run.env.world, "the peak memory's gather")
     if run.env.rank == 0:
         print("peak memory per rank (MiB): " + ", ".join(f"{r}: {m:.0f}" for r, m in enumerate(peaks)), flush=True)
 
