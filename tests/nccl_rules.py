@@ -136,10 +136,10 @@ def _native():
     return _distributed_c10d
 
 
-def _dist_backend_error() -> type:
-    """The error NCCL's failures raise (torch.distributed.DistBackendError)."""
-    from torch.distributed import DistBackendError
-    return DistBackendError
+def _torch_distributed():
+    """torch.distributed, once it has re-exported c10d (its DistBackendError, DistNetworkError)."""
+    import torch.distributed
+    return torch.distributed
 
 
 @dataclass(frozen=True)
@@ -552,8 +552,15 @@ class _World:
             return unit < head
         for work in works:
             work.watch()
-        if self._wait(Wait(comm, unit, None, what, _is_main(), next(self.waits)), done):
-            return
+        try:
+            if self._wait(Wait(comm, unit, None, what, _is_main(), next(self.waits)), done):
+                return
+        except _torch_distributed().DistNetworkError:
+            # The store went with its host, a peer that went on and exited: gloo's op ending well
+            # says that every rank posted its part, which the records can no longer show.
+            if all(work.finished.wait() and work.failure is None for work in works):
+                return
+            raise
         for work in works:
             while not work.finished.wait(SETTLE_POLL_S):
                 if self.ended(comm):
@@ -673,15 +680,15 @@ class _World:
             except _c10d.DistStoreError as error:  # the store's timeout: the process group's
                 raise NcclDeadlock(f"rank {self.rank}'s {wait.what} on {describe_comm(wait.comm)} saw no progress "
                                    f"of any rank within the store's timeout ({error})") from error
-        # Only once it ended: after an error the store may be gone with the rank that hosted it.
+        # Only once it ended: after an error the store may be gone with the rank that hosted it,
+        # and so it may be after a peer whose op completed with this one's went on and exited.
         if registered:
             with self.lock:
                 self.record.waits.remove(wait)
             try:
                 self.publish()
-            except Exception:  # noqa: BLE001 (an aborted world's store may be gone)
-                if not ended:
-                    raise
+            except Exception:  # noqa: BLE001 (the op ended all the same)
+                pass
         return ended
 
     def _named_deadlock(self) -> str | None:
@@ -934,7 +941,7 @@ class _RuledWorkMixin:
         group = group_of(self._comm)
         if self.failure is not None and group in self._world.errors:
             # WorkNCCL::wait: the watchdog has found this work failed; it raises in the caller.
-            raise _dist_backend_error()(f"NCCL error in {self._what} on process group {group} "
+            raise _torch_distributed().DistBackendError(f"NCCL error in {self._what} on process group {group} "
                                          f"({self._world.errors[group]}): {self.failure}")
         self.wait_in_progress()
         return True

@@ -138,7 +138,8 @@ def _reset_fsdp(model_parts: list[torch.nn.Module]) -> None:
     backward before it)."""
     _settle_all_gathers(model_parts)
     for part in model_parts:
-        if isinstance(part, FSDPModule):
+        # A part that never ran forward in this process (a replacement's) has no iteration to reset.
+        if isinstance(part, FSDPModule) and part._get_fsdp_state()._is_root is not None:
             try:
                 part.reset_iter_state()
             except Exception as exc:

@@ -55,6 +55,11 @@ class NonFiniteLossError(RuntimeError):
     would write it into the weights."""
 
 
+class StepsDisagree(RuntimeError):
+    """The world's ranks hold different steps after a restore: they would train different batches
+    and stop at different steps, the first to finish waiting for the others for ever."""
+
+
 @dataclass
 class DistributedEnv:
     """This process's place in the job and the mesh it talks over (None when alone)."""
@@ -388,8 +393,8 @@ def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None)
         try:
             _train_generation(run, progress, history)
             break
-        except NonFiniteLossError:
-            raise
+        except (NonFiniteLossError, repair.RepairError, StepsDisagree):
+            raise  # no repair in place can help: the process ends, and the control plane restarts the world
         except Exception as exc:
             if watcher is None:
                 raise
@@ -489,10 +494,11 @@ def _scaling_check(run: Run) -> ScalingCheck | None:
 def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | None) -> None:
     """Resume the state from host memory when the launch asks for it and every shard has a copy
     newer than S3's newest commit, else from S3 as `checkpoint.resume` says; rank 0 writes where
-    it came from to `checkpoint.result_file`."""
+    it came from to `checkpoint.result_file`. The world then agrees on the step (StepsDisagree);
+    a repaired world that found nothing to restore raises RepairError."""
     cfg, state = run.config.checkpoint, run.state
     started = time.perf_counter()
-    restored, fallback = None, None
+    restored, resumed, fallback = None, None, None
     if memory and cfg.memory_resume:
         found = memory.newest_whole()
         newer = checkpointer.adopt(found.step) if found else []
@@ -503,9 +509,15 @@ def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | No
         else:
             restored = memory.restore(state, found)
     if restored is None:
-        checkpointer.resume(state)
+        resumed = checkpointer.resume(state)
     if memory:  # copies of another timeline than the one resumed must never be loaded
         memory.forget_after(restored.step if restored else None)
+    if run.env.generation and restored is None and resumed is None:
+        # The survivors would keep their step and weights, the replacement start from step 0.
+        raise repair.RepairError(f"the repaired world (generation {run.env.generation}) has nothing to restore: "
+                                 f"{fallback or 'no in-memory copy was asked for'}, and S3 holds no commit; it "
+                                 "cannot train on, and the world restarts")
+    _agree_on_step(run)
     if run.env.rank == 0 and cfg.result_file:
         source = "memory" if restored else "s3" if state.step else "none"
         result = {"step": state.step, "source": source, "seconds": time.perf_counter() - started,
@@ -513,6 +525,21 @@ def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | No
         if restored:
             result |= {"own_memory": restored.own_memory, "peers": restored.peers, "peer_bytes": restored.peer_bytes}
         Path(cfg.result_file).write_text(json.dumps(result))
+
+
+def _agree_on_step(run: Run) -> None:
+    """StepsDisagree unless every rank holds the same step (the highest and the lowest, from one
+    all-reduce)."""
+    if run.env.world_size == 1:
+        return
+    extremes = torch.tensor([run.state.step, -run.state.step], device=run.env.device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    highest, negated_lowest = extremes.tolist()
+    lowest = -negated_lowest
+    raise_if_failed(run.env.world, "the restored step's all-reduce")
+    if highest != lowest:
+        raise StepsDisagree(f"after the restore the world's ranks hold steps {lowest} to {highest} (this rank "
+                            f"{run.state.step}): they would train different batches; the world restarts")
 
 
 def _memory_checkpoints(cfg: JobConfig, env: DistributedEnv) -> MemoryCheckpoints:
