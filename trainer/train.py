@@ -273,11 +273,12 @@ class Run:
             out.write(json.dumps(record | {"time": time.time()}) + "\n")
 
 
-def build(cfg: JobConfig, env: DistributedEnv) -> Run:
+def build(cfg: JobConfig, env: DistributedEnv, initialised: bool = True) -> Run:
+    """What this rank trains with; its weights unfilled unless `initialised` (a restore follows)."""
     torch.manual_seed(cfg.training.seed)
     if cfg.training.threads:
         torch.set_num_threads(cfg.training.threads)
-    pipeline = build_pipeline(cfg, env.device, env.position.pp_index, env.mesh)
+    pipeline = build_pipeline(cfg, env.device, env.position.pp_index, env.mesh, initialised)
     optimizers = [build_optimizer(part, cfg.optim) for part in pipeline.model_parts]
     schedulers = [LambdaLR(opt, lambda step: lr_factor(step, cfg.optim, cfg.training.steps)) for opt in optimizers]
     loader = DataLoader(load_tokens(cfg.data), cfg.model.seq_len, cfg.training.batch_size, cfg.parallel.dp,
@@ -383,7 +384,7 @@ def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None)
     repair in place twice); `progress` hears of every phase, microbatch and step
     (trainer/progress.py)."""
     progress = progress or Progress(None)
-    run = build(cfg, env)
+    run = build(cfg, env, initialised=False)  # filled only if no restore does (_train_generation)
     run.pipeline.report_work(progress.beat)
     progress.beat()
     history: list[dict] = []
@@ -414,9 +415,12 @@ def _train_generation(run: Run, progress: Progress, history: list[dict]) -> None
     checkpointer = _checkpointer(cfg) if cfg.checkpoint.uri else None
     memory = _memory_checkpoints(cfg, run.env) if checkpointer and cfg.checkpoint.memory_interval else None
     try:
+        loaded = False
         if checkpointer:
             with progress.alive_during():
-                restore(run, checkpointer, memory)
+                loaded = restore(run, checkpointer, memory)
+        if not loaded and run.env.generation == 0:  # a repaired world restores, or raises
+            run.pipeline.initialise(cfg.training.seed, cfg.model.n_layers)
         progress.reached(run.state.step)  # this node joined the world
         if run.state.step >= cfg.training.steps:
             run.log_nothing_left()
@@ -491,11 +495,11 @@ def _scaling_check(run: Run) -> ScalingCheck | None:
     return ScalingCheck(cfg, clock, run.pipeline.stage_ids)
 
 
-def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | None) -> None:
+def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | None) -> bool:
     """Resume the state from host memory when the launch asks for it and every shard has a copy
     newer than S3's newest commit, else from S3 as `checkpoint.resume` says; rank 0 writes where
     it came from to `checkpoint.result_file`. The world then agrees on the step (StepsDisagree);
-    a repaired world that found nothing to restore raises RepairError."""
+    a repaired world that found nothing to restore raises RepairError. Whether a state was loaded."""
     cfg, state = run.config.checkpoint, run.state
     started = time.perf_counter()
     restored, resumed, fallback = None, None, None
@@ -525,6 +529,7 @@ def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | No
         if restored:
             result |= {"own_memory": restored.own_memory, "peers": restored.peers, "peer_bytes": restored.peer_bytes}
         Path(cfg.result_file).write_text(json.dumps(result))
+    return restored is not None or resumed is not None
 
 
 def _agree_on_step(run: Run) -> None:
