@@ -7,8 +7,10 @@ follows their addresses): the processes torchrun would number 0-1 run on node ra
 trainer numbers its ranks by node rank (train.rank_by_node), so they are ranks 4-5."""
 
 import json
+import os
 import shutil
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -17,8 +19,9 @@ from checkpoint_fixtures import bucket, processes, rank_image, s3  # noqa: F401 
 from test_checkpoint_trainer import kill, losses, run_to_end, trainer_args, uninterrupted, wait_for
 from trainer_rank import LOST_IN_ALL_REDUCE_ENV
 
-from conftest import free_port
+from conftest import free_port, spawn_ranks
 from localcloud.glue import s3 as s3_glue
+from localcloud.waiting import until
 from trainer import checkpoint_catalog as catalog
 from trainer.config import load_config
 from trainer.memory_checkpoint import buddy_of
@@ -332,3 +335,63 @@ def restored(log_dir: Path) -> dict:
         return json.loads((log_dir / "restore.json").read_text())
     except (FileNotFoundError, ValueError):
         return {}
+
+
+# --- the copies' own group and their memory --------------------------------------------------------
+
+def _sockets() -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+def _grouped_rank(rank: int, world: int, port: int, memory_dir: str, out: str) -> None:
+    """Make the in-memory copies' group (and gather the node ranks on it), counting the sockets
+    that opened: the connections the group made."""
+    import torch.distributed as dist
+
+    from trainer.config import CheckpointConfig
+    from trainer.memory_checkpoint import MemoryCheckpoints
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    before = _sockets()
+    MemoryCheckpoints(CheckpointConfig(memory_interval=1, memory_dir=memory_dir), key="k", ranks_per_node=1,
+                      node_rank=rank)
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(_sockets() - before))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_the_copies_group_connects_a_rank_to_its_neighbours_alone(tmp_path):
+    """Eager, gloo would connect each of 6 ranks to the 5 others in every world the copies make;
+    the copies' group connects the peers a rank talks to (its neighbours in the ring its gathers
+    take, and its buddy and ward: here the same)."""
+    spawn_ranks(_grouped_rank, (6, free_port(), str(tmp_path / "memory"), str(tmp_path)), 6)
+    opened = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(6)]
+    assert max(opened) <= 3, opened
+
+
+def test_an_abandoned_copy_releases_the_staged_state(tmp_path):
+    """The copies' stager keeps the staged state from one copy to the next; a repair that abandons
+    the copies releases it (off the repair's path), the copy in flight finishing with what it holds."""
+    import torch
+
+    from trainer.config import CheckpointConfig
+    from trainer.memory_checkpoint import MemoryCheckpoints
+
+    class State:
+        def __init__(self):
+            self.weights = torch.ones(1024, 1024)
+
+        def state_dict(self):
+            return {"weights": self.weights}
+
+    memory = MemoryCheckpoints(CheckpointConfig(memory_interval=1, memory_dir=str(tmp_path)), key="k",
+                               ranks_per_node=1, node_rank=0)
+    state = State()  # the stager keeps a staged copy of each storage while the storage lives
+    assert memory.maybe_copy(1, state, agreed=torch.tensor([1.0, 0.0]))
+    memory._wait()
+    cache = memory._stager._state_dict_stager._cached_storage_mapping
+    assert len(cache) == 1  # the staged state, kept for the next copy
+    memory.abandon()
+    until(lambda: len(cache) == 0, lambda: len(cache), what="the staged state released", poll_s=0.05)
