@@ -72,6 +72,8 @@ def test_file_overrides_defaults_and_command_line_overrides_file(tmp_path, suffi
     (["--training.activation_checkpoint=some"], "training.activation_checkpoint='some'"),
     (["--checkpoint.timeout_s=0"], "checkpoint.timeout_s must be > 0"),
     (["--parallel.repair_file=/tmp/order.json"], "parallel.repair_file needs checkpoint.memory_interval > 0"),
+    (["--checkpoint.memory_interval=1", "--checkpoint.memory_dir=/dev/shm/x"], "checkpoint.memory_interval needs "
+                                                                                  "checkpoint.uri"),
     (["--parallel.repair_file=/tmp/order.json", "--checkpoint.memory_interval=1", "--parallel.timeout_s=600",
       "--parallel.repair_wait_s=600"], "parallel.repair_wait_s=600 must exceed parallel.timeout_s=600: a rank that "
                                        "left a failed world waits for the repair order longer"),

@@ -334,6 +334,9 @@ def _problems(c: JobConfig):
         yield f"checkpoint.memory_interval must be >= 0 (0: no in-memory checkpoints), got {k.memory_interval}"
     if k.memory_interval and not k.memory_dir:
         yield "checkpoint.memory_interval needs checkpoint.memory_dir, the node's host-memory folder"
+    if k.memory_interval and not k.uri:
+        # Without it the copies would be silently off, and a repaired world would have nothing to restore.
+        yield "checkpoint.memory_interval needs checkpoint.uri: the in-memory copies come beside the S3 checkpoints"
     if k.memory_resume and not k.memory_interval:
         yield "checkpoint.memory_resume needs checkpoint.memory_interval > 0"
     if p.repair_file and not k.memory_interval:
