@@ -52,7 +52,8 @@ async_op (as on gloo; NCCL would stall its stream there and the host at its next
 synchronisation). Not modelled: the group communicators are taken as created (the trainer binds
 NCCL to its device, which creates them eagerly); DTensor's functional collectives (tensor
 parallel's), which go from C++ to the backend where these wrappers do not see them, keep gloo's
-progress and errors.
+progress and errors; and once the store is gone with the rank that hosted it (torchrun's rank 0,
+on any node), progress is no longer checked, while failures still go as the watchdog takes them.
 
 tests/nccl_site/sitecustomize.py installs this in every process of a test session that imports
 torch (ENABLE_VARIABLE, set by tests/conftest.py).
@@ -489,6 +490,9 @@ class _World:
         """Group -> the ErrorType name its watchdog set (COMM_ERROR, TIMEOUT)."""
         self.aborted_groups: set[str] = set()
         """Groups whose communicators the watchdog aborted."""
+        self.waker = store.clone()
+        """A connection for the threads that end waits (`wake`), made while the store is there."""
+        self.waker_lock = threading.Lock()
         self.publish()
 
     @property
@@ -508,14 +512,17 @@ class _World:
         """Whether `group` stands for an NCCL group (not one of gloo by name)."""
         return group.group_name not in self.real_gloo
 
-    def publish(self) -> None:
+    def publish(self, store=None) -> None:
+        """This rank's record, and a change for every rank's waits to look at (through `store`, a
+        connection of the calling thread's own by default)."""
+        store = store or self.store
         with self.lock:
             for comm, index in self.known_complete.items():
                 self.record.queues[comm].drop_until(index)
             self.record.version += 1
-            self.store.set(self.key(self.rank), self.record.to_json())
-            change = self.store.add(f"{self.prefix}/changes", 1)
-        self.store.set(f"{self.prefix}/change/{change}", "")
+            store.set(self.key(self.rank), self.record.to_json())
+            change = store.add(f"{self.prefix}/changes", 1)
+        store.set(f"{self.prefix}/change/{change}", "")
 
     def snapshot(self) -> dict[int, Record]:
         raws = self.store.multi_get([self.key(rank) for rank in range(self.world_size)])
@@ -526,7 +533,10 @@ class _World:
             queue = self.record.queues.setdefault(comm, Queue())
             queue.units.append(ops)
             index = queue.done + len(queue.units) - 1
-            self.publish()
+            try:
+                self.publish()
+            except _torch_distributed().DistNetworkError:
+                pass  # the store is gone with its host: NCCL's ops do not need it (see complete)
         return index
 
     def create(self, comm: str, peer: int, what: str) -> None:
@@ -556,11 +566,9 @@ class _World:
             if self._wait(Wait(comm, unit, None, what, _is_main(), next(self.waits)), done):
                 return
         except _torch_distributed().DistNetworkError:
-            # The store went with its host, a peer that went on and exited: gloo's op ending well
-            # says that every rank posted its part, which the records can no longer show.
-            if all(work.finished.wait() and work.failure is None for work in works):
-                return
-            raise
+            # The store went with its host (torchrun's rank 0, on any node), which NCCL's ops do
+            # not need: gloo's ops underneath say what the records no longer can.
+            pass
         for work in works:
             while not work.finished.wait(SETTLE_POLL_S):
                 if self.ended(comm):
@@ -572,21 +580,29 @@ class _World:
     def until_ended(self, comm: str, what: str) -> None:
         """Wait, as a host synchronised on a failed op waits, until the watchdog or the program
         aborts the communicator (or the watchdog ends the process)."""
+        give_up = time.monotonic() + self.main_store.timeout.total_seconds()
         while not self.ended(comm):
-            seen = self.store.add(f"{self.prefix}/changes", 0)
-            if self.ended(comm):
-                return
-            try:
-                self.store.wait([f"{self.prefix}/change/{seen + 1}"])
-            except _c10d.DistStoreError as error:
+            if time.monotonic() > give_up:
                 raise NcclDeadlock(f"rank {self.rank}'s {what} on {describe_comm(comm)} failed and no abort ended it "
-                                   f"(TORCH_NCCL_ASYNC_ERROR_HANDLING={self.settings.error_handling}): NCCL waits "
-                                   f"for ever ({error})") from error
+                                   f"within the store's timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING="
+                                   f"{self.settings.error_handling}): NCCL waits for ever")
+            time.sleep(SETTLE_POLL_S)  # the aborts that end it are this process's own
 
     def abort(self) -> None:
-        """The program aborts every group (ncclCommAbort): their waits end."""
+        """The program aborts every group (ncclCommAbort): its waits end."""
         self.aborted = True
-        self.publish()  # a change: its blocked threads wake
+        self.wake()
+
+    def wake(self) -> None:
+        """A change, for this rank's threads blocked on the store to look again, through the
+        connection made for it while the store was there: the store may be gone since with the
+        rank that hosted it (torchrun's rank 0, on any node), and a new connection to it would
+        wait out its timeout; on the one made, a call fails at once, and so do the waits."""
+        with self.waker_lock:
+            try:
+                self.publish(self.waker)
+            except _torch_distributed().DistNetworkError:
+                pass
 
     def ended(self, comm: str) -> bool:
         """Whether waits on `comm` end because its communicators were aborted."""
@@ -603,24 +619,24 @@ class _World:
                          daemon=True).start()
 
     def _watchdog(self, group_name: str, error: BaseException) -> None:
-        try:
-            self.publish()  # the group's error is set: waits begun from now on raise
-            if self.settings.dump_on_timeout:
-                self.store.set(f"{self.prefix}/exception_dump", str(self.rank))  # every rank's monitor sees it
-        except Exception:  # noqa: BLE001 (the store's host may be the rank that is gone)
-            pass
+        if self.settings.dump_on_timeout:  # every rank's monitor sees it; the store may be gone
+            threading.Thread(target=self._signal_dump, name="nccl-rules-dump-signal", daemon=True).start()
         time.sleep(4 * self.settings.dump_timeout_ms / 1000)  # the flight recorders' time to dump
         if self.settings.aborts:
             self.aborted_groups.add(group_name)
-            try:
-                self.publish()  # its waits end
-            except Exception:  # noqa: BLE001
-                pass
+            self.wake()  # its waits end
         if self.settings.ends_process:
             print(f"[rank {self.rank}] NCCL's watchdog found process group {group_name} failed ({error}); "
                   f"TORCH_NCCL_ASYNC_ERROR_HANDLING={self.settings.error_handling}: to avoid data inconsistency, the "
                   "entire process is taken down", file=sys.stderr, flush=True)
             os.abort()
+
+    def _signal_dump(self) -> None:
+        with self.waker_lock:
+            try:
+                self.waker.set(f"{self.prefix}/exception_dump", str(self.rank))
+            except _torch_distributed().DistNetworkError:
+                pass  # the store's host may be the rank that is gone
 
     def monitor(self) -> None:
         """The heartbeat monitor of this process's first world: once any rank's watchdog found a

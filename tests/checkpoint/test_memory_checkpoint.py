@@ -193,26 +193,30 @@ def repair_file(tmp_path: Path, node: int) -> Path:
     return tmp_path / f"node{node}-repair.json"
 
 
-def test_a_lost_node_is_repaired_in_place_around_its_replacement(tmp_path, processes, bucket, straight):
-    """Node rank 1 (launch folder 1) is killed once step 13 is copied, before the first S3
-    checkpoint (step 18: no save of the failed world may still be reading S3 when the node dies);
-    its replacement starts with the order of generation 1, the ranks of the other nodes receive it
-    in their processes. They keep those processes, the world resumes from host memory without
-    reading S3, and every loss is the uninterrupted run's."""
+@pytest.mark.parametrize("lost_folder", [1, 0])
+def test_a_lost_node_is_repaired_in_place_around_its_replacement(tmp_path, processes, bucket, straight, lost_folder):
+    """A node is killed once step 13 is copied, before the first S3 checkpoint (step 18: no save
+    of the failed world may still be reading S3 when the node dies): node rank 1 (launch folder 1),
+    or node rank 2 (launch folder 0), whose first rank hosts the world's store, as torchrun's rank 0
+    does on whichever node has the lowest address. Its replacement starts with the order of
+    generation 1, the ranks of the other nodes receive it in their processes. They keep those
+    processes, the world resumes from host memory without reading S3, and every loss is the
+    uninterrupted run's."""
     uri = f"s3://{bucket}/runs/repaired/checkpoints"
     procs, log_dir = launch(tmp_path, processes, uri, "repaired.jsonl", "--checkpoint.interval=18",
                             hooks=["--mark-copy", "13"], node_args=repair_args(tmp_path))
     wait_for(lambda: all((log_dir / f"reached.{rank}").exists() for rank in range(WORLD)), "step 13 copied", procs,
              log_dir)
-    lost, survivors = procs[2:4], procs[:2] + procs[4:]
+    lost = procs[PER_NODE * lost_folder:PER_NODE * (lost_folder + 1)]
+    survivors = [proc for proc in procs if proc not in lost]
     heard = []
     with s3_glue.listen(lambda kind, key, body: heard.append(key) if kind == "read" else None):
         kill(lost)
-        shutil.rmtree(memory_of(tmp_path, 1))  # the replacement's memory is empty
+        shutil.rmtree(memory_of(tmp_path, lost_folder))  # the replacement's memory is empty
         order_the_repair(tmp_path)
         replacement, replacement_logs = launch(tmp_path, processes, uri, "repaired.jsonl", "--checkpoint.interval=18",
                                                "--checkpoint.resume=latest", "--checkpoint.memory_resume=true",
-                                               node_args=repair_args(tmp_path), nodes=[1], logs="replacement")
+                                               node_args=repair_args(tmp_path), nodes=[lost_folder], logs="replacement")
         wait_for(lambda: "source" in restored(log_dir) and restored(log_dir)["step"] > 10, "the repaired world restored",
                  survivors + replacement, replacement_logs)
         read_on_the_way = list(heard)
