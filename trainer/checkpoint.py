@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import os
 import signal
+import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -516,7 +517,10 @@ class Checkpointer:
     def abandon(self) -> None:
         """Stop without waiting: the world failed and is being repaired. What the threads started
         finishes on its own (a save whose upload is whole still commits; one the failure cut short
-        fails on the dead groups)."""
+        fails on the dead groups). The staged state is released once a staging in progress ends
+        (the stager closes off the repair's path): the next world's saves stage their own."""
         self._staging_hook.remove()
         self._requests.close()
         self._committer.shutdown(wait=False)
+        self._staging = None
+        threading.Thread(target=self._stager.close, name="checkpoint-release", daemon=True).start()
