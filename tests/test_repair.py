@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import spawn_ranks
+from conftest import free_port, spawn_ranks
 
 from trainer.repair import RepairError, await_order
 from trainer.repair_order import RepairOrder, read_failure, read_order, say_failed, write_order
@@ -87,3 +87,40 @@ def test_a_failed_reset_of_fsdps_state_is_a_repair_error_not_a_log_line(tmp_path
     assert json.loads(out.read_text())["error"] == (
         "FSDP's state of the failed step could not be reset (RuntimeError: waiting on an all-gather of the dead "
         "world): the ranks of a stage could issue different collectives in the next world, so it restarts instead")
+
+
+def _restored_rank(rank: int, port: int, steps: list[int], out: str) -> None:
+    """Two ranks that restored `steps[rank]` check that they agree."""
+    import os
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from trainer.train import StepsDisagree, _agree_on_step
+    from trainer.world_failure import current_world
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    run = SimpleNamespace(env=SimpleNamespace(world_size=2, device=torch.device("cpu"), world=current_world()),
+                          state=SimpleNamespace(step=steps[rank]))
+    try:
+        _agree_on_step(run)
+        outcome = "agreed"
+    except StepsDisagree as error:
+        outcome = str(error)
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(outcome))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("steps, disagree", [([13, 13], False), ([13, 0], True)])
+def test_after_a_restore_the_world_agrees_on_its_step_or_stops(tmp_path, steps, disagree):
+    """The highest and the lowest step, from one all-reduce: a world whose ranks restored different
+    steps would train different batches and wait for each other at the end for ever."""
+    spawn_ranks(_restored_rank, (free_port(), steps, str(tmp_path)), 2)
+    outcomes = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(2)]
+    if disagree:
+        assert outcomes == [f"after the restore the world's ranks hold steps 0 to 13 (this rank {step}): they would "
+                            "train different batches; the world restarts" for step in steps]
+    else:
+        assert outcomes == ["agreed", "agreed"]
