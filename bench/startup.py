@@ -75,7 +75,7 @@ def trainer_args(workdir: Path, args: argparse.Namespace) -> list[str]:
             "--parallel.dp=2", "--parallel.microbatches=1", "--training.batch_size=2", "--training.steps=1",
             "--optim.warmup_steps=0", "--fleet_check.enabled=false", "--scaling_check.enabled=false",
             "--training.threads=1", "--training.device=cpu", "--parallel.timeout_s=1800",
-            f"--data.shards={workdir / 'shards'}", "--data.corpus_bytes=200000",
+            f"--data.shards={workdir / 'shards'}", "--data.corpus=stdlib", "--data.corpus_bytes=200000",
             f"--training.metrics_file={workdir / 'metrics.jsonl'}"]
 
 

@@ -6,9 +6,12 @@ import torch
 
 from trainer import model
 from trainer.config import load_config
-from trainer.model import INIT_BLOCK, initial_values
-from trainer.pipeline_parallel import Pipeline
+from trainer.model import INIT_BLOCK, INIT_STD, initial_values
+from trainer.pipeline_parallel import Pipeline, build_pipeline
 from trainer.train import environment, train
+
+LLAMA = ["--model.architecture=llama", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.multiple_of=16"]
+"""The llama family, grouped-query attention and a SwiGLU MLP by Llama's rule."""
 
 
 @pytest.mark.parametrize("shape, offset, size", [
@@ -37,16 +40,37 @@ def test_values_are_normal_scaled_per_name_and_differ_by_name_and_seed(monkeypat
     assert torch.equal(initial_values("layers.0.attn.q.bias", torch.Size((8,)), 0, 4), torch.zeros(8))
 
 
-def test_a_run_that_resumes_draws_no_initial_values(tmp_path, monkeypatch):
+def test_the_llama_family_starts_by_the_rules_of_its_parameters_names():
+    """Built on the meta device and filled where its shards are, as GPT is: RMSNorm's weights
+    ones, every matrix normal, the output projections (attention's and SwiGLU's down, both
+    `proj`) scaled by depth; no parameter left as to_empty's memory."""
+    cfg = load_config([*LLAMA, "--model.n_layers=4", "--model.d_model=64", "--model.vocab_size=512"])
+    (part,) = build_pipeline(cfg, torch.device("cpu")).model_parts
+    params = dict(part.named_parameters())
+    assert {name for name in params if name.startswith("layers.0.")} == {
+        f"layers.0.{name}.weight" for name in ("attn_norm", "attn.q", "attn.k", "attn.v", "attn.proj", "mlp_norm",
+                                               "mlp.gate", "mlp.up", "mlp.proj")}
+    assert params["layers.0.attn.k.weight"].shape == (32, 64)  # two key/value heads of 16
+    for name, param in params.items():
+        if name.endswith("norm.weight"):
+            assert torch.equal(param, torch.ones_like(param)), name
+            continue
+        std = INIT_STD / 8 ** 0.5 if name.endswith("proj.weight") else INIT_STD
+        assert param.std().item() == pytest.approx(std, rel=0.1) and abs(param.mean().item()) < std / 10, name
+        assert torch.equal(param, initial_values(name, param.shape, cfg.training.seed, 4)), name
+
+
+@pytest.mark.parametrize("family", [[], LLAMA], ids=["gpt", "llama"])
+def test_a_run_that_resumes_draws_no_initial_values(tmp_path, monkeypatch, family):
     drawn = []
     fill = Pipeline.initialise
     monkeypatch.setattr(Pipeline, "initialise", lambda self, seed, n_layers: drawn.append(1) or fill(self, seed,
                                                                                                      n_layers))
     args = ["--model.n_layers=2", "--model.d_model=32", "--model.n_heads=2", "--model.seq_len=16",
             "--training.batch_size=4", "--parallel.microbatches=2", "--optim.warmup_steps=1",
-            f"--data.shards={tmp_path}/shards", "--data.corpus_bytes=20000",
+            f"--data.shards={tmp_path}/shards", "--data.corpus=stdlib", "--data.corpus_bytes=20000",
             f"--training.metrics_file={tmp_path}/metrics.jsonl", f"--checkpoint.uri={tmp_path}/checkpoints",
-            "--checkpoint.interval=2", "--checkpoint.async_save=false"]
+            "--checkpoint.interval=2", "--checkpoint.async_save=false", *family]
     first = load_config([*args, "--training.steps=2", "--checkpoint.resume=none"])
     train(first, environment(first, torch.device("cpu")))
     assert drawn == [1]  # a fresh start draws them
