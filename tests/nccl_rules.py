@@ -622,14 +622,17 @@ class _World:
         if self.settings.dump_on_timeout:  # every rank's monitor sees it; the store may be gone
             threading.Thread(target=self._signal_dump, name="nccl-rules-dump-signal", daemon=True).start()
         time.sleep(4 * self.settings.dump_timeout_ms / 1000)  # the flight recorders' time to dump
-        if self.settings.aborts:
-            self.aborted_groups.add(group_name)
-            self.wake()  # its waits end
         if self.settings.ends_process:
+            # Under 1 the watchdog's abort of the communicators and its rethrow come back to back on
+            # its thread: no wait of the rank is let go in between to use the values (as one here,
+            # released before this message was written, did on a busy machine).
             print(f"[rank {self.rank}] NCCL's watchdog found process group {group_name} failed ({error}); "
                   f"TORCH_NCCL_ASYNC_ERROR_HANDLING={self.settings.error_handling}: to avoid data inconsistency, the "
                   "entire process is taken down", file=sys.stderr, flush=True)
             os.abort()
+        if self.settings.aborts:
+            self.aborted_groups.add(group_name)
+            self.wake()  # its waits end
 
     def _signal_dump(self) -> None:
         with self.waker_lock:
