@@ -276,11 +276,13 @@ def order_the_repair(tmp_path: Path) -> None:
         repair_file(tmp_path, node).write_text(order)
 
 
-def repair_lost_in_all_reduce(tmp_path, processes, uri, at_step: int, hooks=()) -> tuple[list, Path, list, Path]:
+def repair_lost_in_all_reduce(tmp_path, processes, uri, at_step: int, *model: str,
+                              hooks=()) -> tuple[list, Path, list, Path]:
     """Node LOST's ranks end where step `at_step` all-reduces its loss, the others waiting in it;
-    its memory is emptied, the repair ordered and its replacement started. The survivors and the
-    replacement, and their log folders."""
-    procs, log_dir = launch(tmp_path, processes, uri, "repaired.jsonl", "--checkpoint.interval=18", hooks=hooks,
+    its memory is emptied, the repair ordered and its replacement started (`model`: its
+    overrides). The survivors and the replacement, and their log folders."""
+    procs, log_dir = launch(tmp_path, processes, uri, "repaired.jsonl", "--checkpoint.interval=18", *model,
+                            hooks=hooks,
                             node_args=repair_args(tmp_path),
                             node_env=lambda node: {LOST_IN_ALL_REDUCE_ENV: str(at_step)} if node == LOST else {})
     lost, survivors = procs[2 * LOST:2 * LOST + 2], procs[:2 * LOST] + procs[2 * LOST + 2:]
@@ -291,7 +293,7 @@ def repair_lost_in_all_reduce(tmp_path, processes, uri, at_step: int, hooks=()) 
     shutil.rmtree(memory_of(tmp_path, LOST), ignore_errors=True)  # the replacement's memory is empty
     order_the_repair(tmp_path)
     replacement, replacement_logs = launch(tmp_path, processes, uri, "repaired.jsonl", "--checkpoint.interval=18",
-                                           "--checkpoint.resume=latest", "--checkpoint.memory_resume=true",
+                                           "--checkpoint.resume=latest", "--checkpoint.memory_resume=true", *model,
                                            hooks=hooks, node_args=repair_args(tmp_path), nodes=[LOST],
                                            logs="replacement")
     return survivors, log_dir, replacement, replacement_logs
@@ -306,13 +308,16 @@ LOST_AT = 14
 """The step in whose all-reduce node LOST is lost."""
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_a_node_lost_in_the_steps_all_reduce_is_repaired_and_no_partial_value_is_used(tmp_path, processes, bucket,
-                                                                                      straight):
+                                                                                      request, family):
     """Under NCCL the survivors' all-reduce returns with partial sums (after the watchdog's abort,
     or the order's): the step checks its world and raises, so no loss but the uninterrupted run's
-    is ever logged, and the world resumes from host memory."""
+    is ever logged, and the world resumes from host memory. Either family: the check is the step's."""
+    straight = request.getfixturevalue({"gpt": "straight", "llama": "straight_llama"}[family])
     survivors, log_dir, replacement, replacement_logs = repair_lost_in_all_reduce(
-        tmp_path, processes, f"s3://{bucket}/runs/lost-in-all-reduce/checkpoints", LOST_AT)
+        tmp_path, processes, f"s3://{bucket}/runs/lost-in-all-reduce/checkpoints", LOST_AT,
+        *(LLAMA if family == "llama" else []))
     run_to_end(survivors, log_dir)
     run_to_end(replacement, replacement_logs)
 
