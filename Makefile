@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # and to __pycache__ folders git ignores.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install test test-repeat chaos demo clean sam-tools validate artifacts oldest-torch test-oldest-torch browser
+.PHONY: install test test-repeat chaos demo clean sam-tools validate artifacts oldest-torch test-oldest-torch browser docs
 
 install: $(VENV)/.installed
 
@@ -96,6 +96,10 @@ chaos: install sam-tools
 
 demo: install
 	$(PY) -m trainfleet.cli demo
+
+# The reference pages made from the code: docs/RUNSPEC.md and docs/CLI.md (tests/test_reference_pages.py).
+docs: install
+	$(PY) -c "from trainfleet.cli import write_reference_pages; write_reference_pages()"
 
 # aws-sam-cli pins its own boto3, so the deployment judges get a virtualenv of their own.
 SAM_VENV := .venv-sam

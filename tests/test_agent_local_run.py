@@ -3,6 +3,8 @@
 nodes at pp=2, node rank 1's instance killed after the first committed checkpoint; and a trainer
 config the trainer refuses."""
 
+from datetime import datetime
+
 import pytest
 from localcloud_helpers import run_scenario
 
@@ -144,6 +146,15 @@ def test_the_demo_writes_the_report_and_it_shows_the_kill_and_the_resume(run):
     assert run["disrupted"]["victim"] in page, "the node replaced"
     assert failure["detection_seconds"] is not None and 0 <= failure["detection_seconds"] < 30
     assert run["report"]["steps_lost"] >= 0
+    # Each step with the attempt that trained it (the survivor kept its trainer, and its agent
+    # reported attempt 0's last steps as attempt 0's), nothing unknown: every step was reported.
+    first, second = run["report"]["progress"]
+    assert (first["attempt"], first["steps"], first["unknown_steps"]) == (0, [1, failure["last_step"]], None)
+    assert (second["attempt"], second["steps"], second["unknown_steps"]) == (
+        1, [failure["resume_step"] + 1, FINAL_STEP], None)
+    assert datetime.fromisoformat(second["from"]) > datetime.fromisoformat(failure["decided_at"]), (
+        "attempt 1's steps after it began")
+    assert first["reporter"] == second["reporter"] == run["disrupted"]["survivor"]
 
 
 @pytest.mark.slow

@@ -4,6 +4,8 @@ gives the loss the trainer itself gives once it resumed the same checkpoint."""
 
 import json
 import os
+import stat
+import warnings
 from pathlib import Path
 
 import pytest
@@ -69,7 +71,7 @@ def test_the_export_gives_the_loss_of_the_checkpoint_resumed_by_the_trainer(trai
 
     inputs, targets = a_batch()
     with torch.no_grad():
-        exported_loss = cross_entropy_loss(load_exported(tmp_path / "model")(inputs), targets).item()
+        exported_loss = cross_entropy_loss(load_exported(str(tmp_path / "model"))(inputs), targets).item()
 
     cfg = load_config(trainer_args(trained, "--checkpoint.resume=latest"))
     run = build(cfg, environment(cfg, torch.device("cpu")))
@@ -101,6 +103,29 @@ def test_an_export_is_refused_whole_into_a_folder_in_use_or_of_a_step_not_commit
     with pytest.raises(ExportError, match="no commit marker"):
         export(str(trained / "checkpoints"), tmp_path / "model", step=4)
     assert not (tmp_path / "model").exists() and not (tmp_path / "model.partial").exists()
+
+
+def test_every_file_of_an_export_has_the_mode_a_new_file_gets_and_no_warning_is_printed(trained, tmp_path):
+    """A server running as another user reads the weights as it reads the config beside them."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's or safetensors' warnings would be the user's to read
+        written = export(str(trained / "checkpoints"), tmp_path / "model", optimizer=True)
+    modes = {name: stat.S_IMODE((tmp_path / "model" / name).stat().st_mode) for name in written.files}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def test_the_cli_refuses_an_export_onto_a_file_in_one_line_and_leaves_it(trained, tmp_path, capsys):
+    from trainfleet.cli import main
+
+    readme = tmp_path / "README.md"
+    readme.write_text("mine")
+    assert main(["checkpoint", "export", str(trained / "checkpoints"), "--to", str(readme)]) == 1
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err == (f"trainfleet checkpoint export: {readme} is a file, not a folder: "
+                                                 "export into a new folder\n")
+    assert readme.read_text() == "mine" and sorted(path.name for path in tmp_path.iterdir()) == ["README.md"]
 
 
 def test_the_cli_lists_the_steps_exports_and_samples(trained, tmp_path, capsys):

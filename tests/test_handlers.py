@@ -7,6 +7,7 @@ test reads the token from the queue, so success and failure are seen by Step Fun
 """
 
 import json
+import logging
 import math
 import sys
 import uuid
@@ -725,6 +726,7 @@ def test_the_steps_a_progress_event_carries_are_kept_for_the_report(handlers, cl
     assert [(attempt, sample.step) for attempt, sample in kept] == [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 7)]
     assert math.isnan(kept[2][1].loss) and kept[4][1].tokens_per_second == 905.0
     assert store.latest_progress(run.run_name)[1].step == 7
+    assert {report.reporter for report in store.progress_reports(run.run_name)} == {host}, "who reported them"
 
 
 def test_a_lost_spare_is_recorded_without_failing_training(handlers, cloud, resources):
@@ -805,6 +807,48 @@ def test_a_checkpoint_claim_is_checked_against_s3(handlers, cloud, resources):
         "uri": f"{run.spec.checkpoint.s3_uri}/step-000000100"})
     assert handlers.events.handler(claim, Context())["outcome"] == "ignored: checkpoint not whole"
     assert store.run(run.run_name).latest_checkpoint is None
+
+
+def test_the_last_step_is_never_below_the_newest_commit_and_a_claim_of_a_pruned_step_is_no_warning(
+        handlers, cloud, resources):
+    """Progress goes out every few seconds, commits as soon as an agent looks: `run status` must
+    not say step 10 beside checkpoint step 60. A step keep_last pruned after the agent listed it
+    is no failed save."""
+    from test_adapters_checkpoints import save
+    store, run, (worker, _) = recorded_run(cloud, resources)
+    every, uri = run.spec.checkpoint.interval_steps, run.spec.checkpoint.s3_uri
+    save(cloud.client("s3"), uri, 2 * every)
+
+    def claim(step: int) -> dict:
+        return agent_event("CheckpointCommitted", {"run_name": run.run_name, "attempt": 0, "instance_id": worker,
+                                                   "step": step, "uri": f"{uri}/step-{step:09d}"})
+
+    assert handlers.events.handler(claim(2 * every), Context())["outcome"].startswith(f"checkpoint step {2 * every}")
+    assert store.run(run.run_name).last_step == 2 * every
+    sample = {"step": 3, "loss": 4.0, "tokens_per_second": 900.0, "step_seconds": 0.5, "at": "2026-01-01T00:00:03Z"}
+    progress = agent_event("TrainingProgress", {"run_name": run.run_name, "attempt": 0, "instance_id": worker,
+                                                "step": 3, "loss": 4.0, "tokens_per_second": 900.0,
+                                                "step_seconds": 0.5, "samples": [sample]})
+    handlers.events.handler(progress, Context())
+    assert store.run(run.run_name).last_step == 2 * every
+    heard = Heard()
+    functions_log = logging.getLogger(handlers.common.logger.service)  # Powertools' logger, by its service
+    functions_log.addHandler(heard)
+    try:
+        outcome = handlers.events.handler(claim(every), Context())["outcome"]
+    finally:
+        functions_log.removeHandler(heard)
+    assert outcome == f"ignored: step {every} pruned since, step {2 * every} recorded"
+    assert heard.levels == ["INFO", "INFO"], heard.levels  # the claim's line and the event's
+
+
+class Heard(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.levels: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.levels.append(record.levelname)
 
 
 @pytest.mark.parametrize("sample, failure_class", [

@@ -1,4 +1,4 @@
-"""The layout's arrows (README's Layout): every import of the project's code, at the top of a
+"""The layout's arrows (docs/ARCHITECTURE.md's Layout): every import of the project's code, at the top of a
 module or inside a function, points the way the map allows. A wrong one fails here, named with
 its file and line, before it can make the trainer depend on the control plane, a Lambda on the
 operator's side, or the core on anything above it.

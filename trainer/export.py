@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 FILE_MODE = 0o644
 """Every file an export writes: readable by whoever serves the model, whatever the umask."""
 _MODEL, _OPTIMIZER_STATE = "model.", "optimizer.state."
+
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -90,6 +92,8 @@ def export(location: str, to: Path, *, step: int | None = None, dtype: torch.dty
     if not manifest.model:
         raise ExportError(f"{location} step {manifest.step}: its commit marker does not name the model's "
                           "architecture (saved before markers recorded it)")
+    if to.exists() and not to.is_dir():
+        raise ExportError(f"{to} is a file, not a folder: export into a new folder")
     if to.exists() and any(to.iterdir()):
         raise ExportError(f"{to} is not empty: export into a new folder")
     model = ModelConfig(**manifest.model)
@@ -188,7 +192,10 @@ def _write_set(reader: dcp.StorageReader, prefix: str, outputs: list[tuple[str, 
     for number, group in enumerate(groups, start=1):
         saved = {name: torch.empty(tuple(metas[name].size), dtype=metas[name].properties.dtype)
                  for _, names in group for name in names}
-        dcp.load({key_prefix + name: tensor for name, tensor in saved.items()}, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():
+            # dcp.load warns that it loads in one process even when told to (no_dist): it is meant.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load({key_prefix + name: tensor for name, tensor in saved.items()}, storage_reader=reader, no_dist=True)
         tensors = {}
         for output, names in group:
             tensor = make(output, [saved.pop(name) for name in names])
@@ -229,9 +236,10 @@ def exported_tokenizer(folder: Path) -> tokenizer.Tokenizer:
         raise ExportError(f"{folder}: {error}") from error
 
 
-def load_exported(folder: Path, dtype: torch.dtype = torch.float32) -> Decoder:
+def load_exported(folder: str | Path, dtype: torch.dtype = torch.float32) -> Decoder:
     """The trainer's model of a stock model folder (an export, or one transformers saved), on the
     CPU in `dtype`: its safetensors read a tensor at a time."""
+    folder = Path(folder)
     try:
         config = json.loads((folder / "config.json").read_text())
         model_config = hf.model_config(config)

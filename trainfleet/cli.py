@@ -92,6 +92,9 @@ def _plan(args: argparse.Namespace) -> int:
         print(mp.format_memory(candidate.memory, None))
         print(f"{facts.name} has no accelerator: local runs use host memory, which is not checked")
         return 0
+    # Said where the figures are read: what they rest on (README, "What has been proven").
+    print("estimates: the GPU constants (CUDA's usable memory, NCCL's buffers, the kernels' rates) are "
+          "published figures, not yet measured on a GPU (bench/gpu.py, docs/BENCHMARKS.md)")
     try:
         cluster = ec2_cluster(facts)
     except UnmodelledInstanceType as error:
@@ -221,13 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainfleet", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="a training run on the local cloud, a node lost and replaced")
+    what = "a training run on the local cloud, a node lost and replaced"
+    demo = commands.add_parser("demo", help=what, description=what)
     demo.add_argument("--trainer-only", action="store_true",
                       help="only the trainer: pp=2 under torchrun on this machine, no cloud")
     demo.add_argument("rest", nargs=argparse.REMAINDER,
                       help="after --: the local run's --run-spec/--workdir/--timeout, or with --trainer-only the trainer's overrides")
     demo.set_defaults(func=_demo)
-    validate = commands.add_parser("validate", help="check template.yaml and the state machine")
+    what = "check template.yaml and the state machine: sam validate --lint and statelint"
+    validate = commands.add_parser("validate", help=what, description=what)
     validate.set_defaults(func=_validate)
     _add_plan(commands)
     from localcloud.commands import add_local_commands
@@ -240,6 +245,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_commands(commands)
     add_data_commands(commands)
     return parser
+
+
+REFERENCE_PAGES = {"docs/RUNSPEC.md": "runspec", "docs/CLI.md": "cli"}
+"""The reference pages made from the code (trainfleet/operator/reference.py), by path in the repository."""
+
+
+def reference_pages() -> dict[str, str]:
+    """Each reference page's text, by its path in the repository."""
+    from trainfleet.operator.reference import cli_page, runspec_page
+
+    made = {"runspec": runspec_page, "cli": lambda: cli_page(build_parser())}
+    return {path: made[page]() for path, page in REFERENCE_PAGES.items()}
+
+
+def write_reference_pages(root: Path = Path(__file__).resolve().parent.parent) -> None:
+    """`make docs`: write the reference pages into the repository at `root`."""
+    for path, text in reference_pages().items():
+        (root / path).write_text(text)
+        print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:

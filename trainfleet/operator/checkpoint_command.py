@@ -23,7 +23,6 @@ says why in one line and exits 1, having written nothing.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -168,9 +167,9 @@ def _size(size: int) -> str:
 
 
 def add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
-    stack = argparse.ArgumentParser(add_help=False)
-    stack.add_argument("--stack", default=os.environ.get("TRAINFLEET_STACK", "trainfleet"),
-                       help="the deployed stack whose run RUN is (default: $TRAINFLEET_STACK or trainfleet)")
+    from trainfleet.operator.stack_option import stack_option
+
+    stack = stack_option("the deployed stack whose run RUN is")
     checkpoint = commands.add_parser("checkpoint", help="a run's checkpoints: list them, export the model, "
                                                         "import one",
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
