@@ -35,7 +35,8 @@ class ValidateInput(BaseModel):
 
 
 def parse_run_spec(raw: Any, bucket: str) -> RunSpec:
-    """The RunSpec, or InvalidRunSpec with one `field: problem` line per problem."""
+    """The RunSpec, or InvalidRunSpec with one `field: problem` line per problem: what can be
+    decided from the document alone (the shard set it names is read by check_shard_set)."""
     try:
         spec = RunSpec.model_validate(raw)
     except ValidationError as exc:
@@ -45,7 +46,6 @@ def parse_run_spec(raw: Any, bucket: str) -> RunSpec:
         raise InvalidRunSpec("\n".join(problems))
     config = check_trainer_config(spec)
     check_memory(spec, config)
-    check_shard_set(config)
     return resolved(spec, config)
 
 
@@ -119,6 +119,7 @@ def handler(event: ValidateInput, context: LambdaContext) -> dict[str, Any]:
     except NoDefaultNetwork as error:
         raise InvalidRunSpec(str(error)) from error
     spec = parse_run_spec(document, bucket)
+    check_shard_set(check_trainer_config(spec))
     record = RunRecord(run_name=spec.run_name, spec=spec, execution_arn=event.execution_arn)
     try:
         aws().store.create_run(record)

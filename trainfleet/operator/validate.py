@@ -6,12 +6,8 @@
 Both tools live in their own virtualenv (`make sam-tools` creates .venv-sam): aws-sam-cli pins
 its own boto3, which must not leak into the project's environment.
 
-statelint (3.1.0, the newest release) knows only MaxItems(Path) in an ItemReader's ReaderConfig.
-Step Functions reads a JSON array stored in S3 as a Distributed Map's items through
-`arn:aws:states:::s3:getObject` with `ReaderConfig.InputType` "JSON" (AWS Step Functions Developer
-Guide, "ItemReader (Map)": InputType takes CSV, JSON, JSONL, PARQUET or MANIFEST and names how the
-object is read). Its complaint about that one field, where a definition sets it on an s3:getObject
-reader, is the tool's gap and is excused by name; every other problem statelint reports fails.
+statelint runs with ReaderConfig's InputType added as the Step Functions guide documents it
+(statemachine/statelint_documented.py says why); every other check is its own.
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ValidationSetup", "load_template", "statelint_gaps", "statelint_passes", "substituted_definitions",
-           "validate"]
+__all__ = ["ValidationSetup", "load_template", "statelint_command", "substituted_definitions", "validate"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z0-9_]+)\}")
@@ -35,6 +30,7 @@ PLACEHOLDER = re.compile(r"\$\{([A-Za-z0-9_]+)\}")
 EXAMPLE_REGION = "us-east-1"
 EXAMPLE_ACCOUNT = "123456789012"
 TOOL_TIMEOUT_S = 300
+STATELINT_DOCUMENTED = REPO_ROOT / "statemachine" / "statelint_documented.py"
 
 
 @dataclass(frozen=True)
@@ -109,40 +105,9 @@ def substituted_definitions(template: Path) -> dict[str, str]:
     return definitions
 
 
-def statelint_gaps(definition: dict[str, Any], path: str = "State Machine") -> set[str]:
-    """statelint's messages for what Step Functions documents and statelint does not know: the
-    InputType of each s3:getObject ItemReader in `definition` (nested states included), worded as
-    statelint words them."""
-    gaps = set()
-    for name, state in definition.get("States", {}).items():
-        here = f"{path}.States.{name}"
-        reader = state.get("ItemReader", {})
-        reads_an_object = reader.get("Resource", "").endswith(":states:::s3:getObject")
-        if reads_an_object and "InputType" in reader.get("ReaderConfig", {}):
-            gaps.add(f'Field "InputType" not allowed in {here}.ItemReader.ReaderConfig')
-        for inner in ("ItemProcessor", "Iterator"):
-            if inner in state:
-                gaps |= statelint_gaps(state[inner], f"{here}.{inner}")
-        for number, branch in enumerate(state.get("Branches", [])):
-            gaps |= statelint_gaps(branch, f"{here}.Branches[{number}]")
-    return gaps
-
-
-def statelint_passes(returncode: int, output: str, definition: dict[str, Any]) -> bool:
-    """Whether statelint's verdict on `definition` passes once its known gaps are excused: it
-    found nothing, or every problem it printed (one a line, after its "N errors:" header) is one
-    of `statelint_gaps(definition)`."""
-    if returncode == 0:
-        return True
-    lines = output.strip().splitlines()
-    if not lines or not re.fullmatch(r"(One error|\d+ errors):", lines[0]):
-        return False  # not a list of problems: statelint itself failed
-    problems = {line.strip() for line in lines[1:]}
-    excused = problems & statelint_gaps(definition)
-    for problem in sorted(excused):
-        print(f"excused (statelint lacks ReaderConfig.InputType, which Step Functions documents for s3:getObject): "
-              f"{problem}", flush=True)
-    return problems == excused
+def statelint_command(setup: ValidationSetup, asl_file: Path) -> list[str]:
+    """statelint on `asl_file`, knowing what the Step Functions guide documents and it lacks."""
+    return [str(setup.tools_venv / "bin" / "python"), str(STATELINT_DOCUMENTED), str(asl_file)]
 
 
 def _run(command: list[str], label: str) -> subprocess.CompletedProcess[str]:
@@ -166,10 +131,8 @@ def validate(setup: ValidationSetup = ValidationSetup()) -> int:
                    "--region", EXAMPLE_REGION], "sam validate --lint").returncode == 0
     with tempfile.TemporaryDirectory(prefix="trainfleet-asl-") as folder:
         for logical_id, asl_text in substituted_definitions(setup.template).items():
-            definition = json.loads(asl_text)
             asl_file = Path(folder) / f"{logical_id}.asl.json"
-            asl_file.write_text(json.dumps(definition, indent=2))
-            linted = _run([str(tools / "statelint"), str(asl_file)], f"statelint {logical_id}")
-            passed &= statelint_passes(linted.returncode, linted.stdout + linted.stderr, definition)
+            asl_file.write_text(json.dumps(json.loads(asl_text), indent=2))
+            passed &= _run(statelint_command(setup, asl_file), f"statelint {logical_id}").returncode == 0
     print("validate: all checks passed" if passed else "validate: FAILED", flush=True)
     return 0 if passed else 1
