@@ -41,6 +41,7 @@ def test_the_demo_run_spec_keeps_the_local_floors():
 def test_a_local_run_spec_below_the_floors_a_starved_machine_can_reach_is_refused_naming_each():
     template = demo_template()
     template["recovery"] |= {"startup_timeout_seconds": 120, "boot_timeout_seconds": 180}
+    template["trainer"]["parallel"]["timeout_s"] = 90  # still between the hang and start-up timeouts, as RunSpec wants
     with pytest.raises(ValueError) as refused:
         local_run_spec(template, "demo-1", "bucket", "subnet-0123abcd", "sg-0123abcd")
     assert "recovery.startup_timeout_seconds=120 is below the local floor of 300 s" in str(refused.value)
