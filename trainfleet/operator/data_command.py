@@ -5,10 +5,14 @@
     trainfleet data prepare books.jsonl.zst --tokenizer bytes --to runs/data/books --text-field body --skip-bad
 
 Here: the work items (trainer/prepare.py) go to one process per core, each tokenising whole items
-with the tokenizer's batch encoding, so every core works on reading, parsing and encoding alike; a
-progress bar shows the input read, tokens a second and the time left. Killed and run again, it
-goes on where it stopped. --on-stack: the stack's DataPrep state machine does the same with a
-Lambda function per item (a Distributed Map), and this command follows it.
+with the tokenizer's batch encoding, so every core works on reading, parsing and encoding alike.
+While every core has an item, each process encodes on one thread: the library's own threads on top
+would only contend, and one model a thread is what a process holds. Once fewer items are in hand
+than cores (the last of a corpus, or a corpus of fewer items), the processes still working encode
+on the library's threads too, so the cores the others left idle are used. A progress bar shows the
+input read, tokens a second and the time left. Killed and run again, it goes on where it stopped.
+--on-stack: the stack's DataPrep state machine does the same with a Lambda function per item (a
+Distributed Map), and this command follows it.
 
 A command that cannot be done says why in one line and exits 1.
 """
@@ -70,11 +74,11 @@ def _clear_partial_files(destination: str) -> None:
 def _tokenise(preparation: Preparation, items: list[dict], skip_bad: bool, workers: int, show: bool) -> None:
     """Every item in `items`, on `workers` processes; the first failure ends them all and is raised."""
     context = multiprocessing.get_context("spawn")  # the parent holds threads (the progress bar, AWS clients)
-    counts = context.Queue()
+    counts, busy = context.Queue(), context.Value("i", 0)
     total_bytes = sum(item["end"] - item["start"] for item in items)
     with _Bar(show, total_bytes, len(preparation.plan["items"]) - len(items)) as bar, \
             context.Pool(min(workers, len(items)), _start_worker,
-                         (preparation.store.location, skip_bad, counts)) as pool:
+                         (preparation.store.location, skip_bad, counts, busy, workers)) as pool:
         results = [pool.apply_async(_tokenise_one, (item,)) for item in items]
         try:
             while not all(result.ready() for result in results):
@@ -99,21 +103,40 @@ def _drain(counts, bar: _Bar, wait: float) -> None:
 
 
 _worker: dict = {}
-"""In each worker process: its preparation, tokenizer, what to do with bad records and where counts go."""
+"""In each worker process: its preparation, tokenizer, what to do with bad records, where counts go,
+how many processes are tokenising an item now and on how many cores."""
 
 
-def _start_worker(destination: str, skip_bad: bool, counts) -> None:
-    # One thread a process: the processes already fill the cores, and the library's own threads
-    # on top of them would only contend.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+def _start_worker(destination: str, skip_bad: bool, counts, busy, cores: int) -> None:
+    os.environ["RAYON_NUM_THREADS"] = str(cores)  # the library's threads, when they are used: read once, here
     preparation = Preparation.resume(destination)
-    _worker.update(preparation=preparation, tokenizer=preparation.tokenizer(), skip_bad=skip_bad, counts=counts)
+    _worker.update(preparation=preparation, tokenizer=preparation.tokenizer(), skip_bad=skip_bad, counts=counts,
+                   busy=busy, cores=cores)
 
 
 def _tokenise_one(item: dict) -> None:
-    preparation = _worker["preparation"]
-    prepare.tokenise_item(item, _worker["tokenizer"], preparation.store, _worker["skip_bad"],
-                          progress=_worker["counts"].put)
+    preparation, busy = _worker["preparation"], _worker["busy"]
+    with busy.get_lock():
+        busy.value += 1
+    try:
+        _use_idle_cores()
+        prepare.tokenise_item(item, _worker["tokenizer"], preparation.store, _worker["skip_bad"], progress=_encoded)
+    finally:
+        with busy.get_lock():
+            busy.value -= 1
+
+
+def _encoded(counts: Counts) -> None:
+    """After each batch encoded: its counts to the progress bar, and the threads for the next batch."""
+    _worker["counts"].put(counts)
+    _use_idle_cores()
+
+
+def _use_idle_cores() -> None:
+    # The library reads TOKENIZERS_PARALLELISM at each batch encoding: off, it encodes on the
+    # calling thread; on, on its pool of RAYON_NUM_THREADS threads.
+    idle = _worker["busy"].value < _worker["cores"]
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if idle else "false"
 
 
 class _Bar:
