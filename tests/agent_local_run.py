@@ -18,6 +18,7 @@ JSON document: {"outcome": ..., "reference": {step: loss}}.
 """
 
 import json
+import re
 import sys
 import tempfile
 import threading
@@ -113,13 +114,15 @@ def spares(template: dict) -> dict:
         run = stack.start_run(template)
         watch = stack.watch(run)
         checkpoints = f"runs/{run.run_name}/checkpoints/"
-        reads, committed, killed = [], threading.Event(), {}
+        reads, markers, committed, killed = [], [], threading.Event(), {}
 
         def heard(kind: str, key: str, body: bytes | None) -> None:
             if kind == "read" and key.startswith(checkpoints):
                 reads.append((time.time(), key[len(checkpoints):]))
-            if kind == "write" and key.startswith(checkpoints) and marker_step(key) == 10:
-                committed.set()
+            if kind == "write" and key.startswith(checkpoints) and (step := marker_step(key)) is not None:
+                markers.append((time.time(), step))
+                if step == 10:
+                    committed.set()
 
         def past_the_commit() -> bool:
             # Not at the commit itself: it may be stored before step 11 is trained, and the kill
@@ -148,24 +151,40 @@ def spares(template: dict) -> dict:
             raise
         instances = stack.instances(run)
         # Repaired in place, node rank 0's trainer goes on writing the files of the launch it started in.
-        steps = sorted((record for attempt in (1, 2) for record in metrics_records(instances, attempt)
-                        if "loss" in record), key=lambda record: record["time"])
-        trained = [record["step"] for record in steps if record["time"] < killed["at"]]
-        resumed = [record for record in steps if record["time"] > killed["at"]]
+        (host,) = [instance for instance in instances if killed["ranks"].get(instance.instance_id) == 0]
+        before, after = rank_zero_steps(host.workdir / "attempt-1" / "torchrun.log")
+        # The new world's first step: the last record of that step (the failed world may have
+        # trained it too, and its record may even be written after the kill).
+        first_after = [record for record in metrics_records([host], 1) if record.get("step") == after[0]][-1]
         fleet_checks = {instance.instance_id: [line for line in agent_lines(instance)
                                                if line["agent"].startswith("fleet check")] for instance in instances}
         outcome = stack.outcome(run) | {
             "first_roles": first, "slow": slow, "fleet_checks": fleet_checks,
             "fleet_check": stack.store.run(run.run_name).fleet_check.model_dump(mode="json"),
-            "killed": killed, "last_step_before": max(trained), "first_step_after": resumed[0]["step"],
-            "failure_to_first_step_s": resumed[0]["time"] - killed["at"],
-            "reads_during_recovery": [key for at, key in reads if killed["at"] < at < resumed[0]["time"]],
+            "killed": killed, "last_step_before": before[-1], "first_step_after": after[0],
+            "failure_to_first_step_s": first_after["time"] - killed["at"],
+            "newest_commit_at_kill": max(step for at, step in markers if at < killed["at"]),
+            "reads_during_recovery": [key for at, key in reads if killed["at"] < at < first_after["time"]],
             "restored": stack.store.run(run.run_name).restored.model_dump(mode="json"),
             "repaired_trainers": {instance.instance_id: sum(path.read_text(errors="replace").count(
                 "world repaired: generation 1 ") for path in instance.workdir.glob("attempt-*/torchrun.log"))
                                   for instance in instances}}
     with tempfile.TemporaryDirectory(prefix="uninterrupted-") as folder:
         return {"outcome": outcome, "reference": reference_losses(template["trainer"], Path(folder))}
+
+
+def rank_zero_steps(output: Path) -> tuple[list[int], list[int]]:
+    """The steps global rank 0 printed in its torchrun's output before its world was repaired and
+    after: one file, in the order written, whatever the wall clock stamped on the records said
+    (under load a step of the failed world can end after the kill)."""
+    before, after = [], []
+    steps = before
+    for line in output.read_text(errors="replace").splitlines():
+        if "world repaired: generation 1 " in line:
+            steps = after
+        elif (printed := re.search(r"\bstep +(\d+) \| loss", line)) is not None:
+            steps.append(int(printed[1]))
+    return before, after
 
 
 SCENARIOS = {"node-loss": node_loss, "spares": spares, "poor-scaling": poor_scaling}
