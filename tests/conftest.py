@@ -2,7 +2,6 @@
 
 import multiprocessing
 import os
-import resource
 import socket
 import time
 from collections.abc import Callable
@@ -59,24 +58,24 @@ def pytest_collection_modifyitems(items):
 
 TIMELINE_VARIABLE = "TRAINFLEET_TEST_TIMELINE"
 """Set to a file: each worker appends a line per test it ran (worker, file, start, end in seconds
-since the epoch, CPU seconds of the worker and the children it reaped), to see how the files were
+since the epoch, CPU seconds of the worker and every process below it), to see how the files were
 spread over the workers and what each cost (.ci/timeline.py)."""
-
-
-def cpu_seconds() -> float:
-    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    return sum(usage.ru_utime + usage.ru_stime for usage in used)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    started, cpu_before = time.time(), cpu_seconds()
-    yield
     path = os.environ.get(TIMELINE_VARIABLE)
-    if path:  # this hook runs where the test ran: a worker, or the one process without xdist
-        with open(path, "a") as timeline:
-            timeline.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {item.nodeid.split('::')[0]} "
-                           f"{started:.1f} {time.time():.1f} {cpu_seconds() - cpu_before:.1f}\n")
+    if not path:
+        yield
+        return
+    from localcloud.procfs import tree_cpu_seconds
+
+    started, cpu_before = time.time(), tree_cpu_seconds(os.getpid())
+    yield
+    # This hook runs where the test ran: a worker, or the one process without xdist.
+    with open(path, "a") as timeline:
+        timeline.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {item.nodeid.split('::')[0]} "
+                       f"{started:.1f} {time.time():.1f} {tree_cpu_seconds(os.getpid()) - cpu_before:.1f}\n")
 
 
 def free_port() -> int:
