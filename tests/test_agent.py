@@ -9,6 +9,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import replace
@@ -740,10 +741,17 @@ def run_table(cloud) -> str:
     return table_from_template(cloud.client("dynamodb"), "RunTable")
 
 
-def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_service, tmp_path, monkeypatch, capsys):
-    """DynamoDB, S3 and EventBridge answer with their throttling errors for a while (real HTTP:
-    the local cloud's fault injection) while torchrun runs: each failed call is logged and tried
-    again later with backoff, and the trainer runs to its end."""
+THROTTLED_CALLS = {"dynamodb": {"read the run record", "write the liveness record"},
+                   "events": {"send TrainingProgress"}, "s3": {"list the committed checkpoints"}}
+"""What each throttled service's outage must have failed before it ends."""
+
+
+def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_service, tmp_path, monkeypatch):
+    """DynamoDB, S3 and EventBridge answer with their throttling errors while torchrun runs: each
+    failed call is logged and tried again later with backoff, and the trainer runs to its end. Each
+    outage lasts until the agent has logged the failure of the calls it answers (THROTTLED_CALLS),
+    and the trainer until every outage is over and a call succeeded again: on a loaded machine
+    the agent's calls come later, never in a fixed window."""
     name = f"agent-{uuid.uuid4().hex[:8]}"
     local_cloud.client("s3").create_bucket(Bucket=name)
     local_cloud.client("events").create_event_bus(Name=name)
@@ -761,25 +769,53 @@ def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_se
         "uri": f"s3://{name}/runs/run-a/checkpoints", "resume": "none"}}})
     attempt = Attempt(control, MetadataClient(), spec, confirm=lambda attempt: False)
     monkeypatch.setattr(agent, "poll_interval", lambda nodes, draw, hang_timeout_s, stepping: 0.2)  # many looks
+    logged: list[dict] = []
+    say = agent.say
+    monkeypatch.setattr(agent, "say", lambda message, /, **fields: (logged.append({"agent": message, **fields}),
+                                                                    say(message, **fields)))
     # A trainer that writes one metrics record (so this node heartbeats and sends progress) and
-    # trains on for 20 s.
-    trainer = ("import json, sys, time; open(sys.argv[1], 'w').write(json.dumps({'step': 1, 'loss': 1.0, "
-               "'tokens_per_s': 1.0, 'step_time_s': 0.1, 'time': time.time()}) + '\\n'); time.sleep(20)")
+    # trains on until told to end.
+    end = tmp_path / "end"
+    trainer = ("import json, os, sys, time; open(sys.argv[1], 'w').write(json.dumps({'step': 1, 'loss': 1.0, "
+               "'tokens_per_s': 1.0, 'step_time_s': 0.1, 'time': time.time()}) + '\\n')\n"
+               "while not os.path.exists(sys.argv[2]): time.sleep(0.1)")
     monkeypatch.setattr(agent, "torchrun_command", lambda spec, rank, identity, files: [
-        sys.executable, "-c", trainer, str(files.metrics)])
-    # S3 outlasts DynamoDB: the first looks that read the run record then list the commits. (The
-    # backoff with draw 0 doubles from 1 s: the liveness write fails at 0 s, the progress at 0.5 s,
-    # the run record read at 2.5 s; the read at 6.5 s succeeds, its look's listing fails.)
-    for service, seconds in (("dynamodb", 6.0), ("s3", 14.0), ("events", 3.0)):
-        local_cloud.throttle(service, seconds)
-    assert attempt.run() is None, "the attempt ran to torchrun's exit"
-    output = capsys.readouterr().out
-    logged = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
-    failed_calls = {line["call"] for line in logged if line["agent"].startswith("control plane call failed")}
-    assert {"read the run record", "write the liveness record", "send TrainingProgress",
-            "list the committed checkpoints"} <= failed_calls
+        sys.executable, "-c", trainer, str(files.metrics), str(end)])
+    # S3 outlasts DynamoDB: the listing of the commits comes at a look that read the run record.
+    for service in THROTTLED_CALLS:
+        local_cloud.throttle(service, 3600.0)
+    failed_calls: set[str] = set()
+    stalled: list[Exception] = []
+
+    def outages() -> None:
+        try:
+            throttled = set(THROTTLED_CALLS)
+            while throttled or control.failures:
+                until(lambda: [line for line in logged if line["agent"].startswith("control plane call failed")
+                               and line["call"] not in failed_calls] or (not throttled and not control.failures),
+                      lambda: len(logged), what="the agent's next call failed or succeeded", poll_s=0.05)
+                failed_calls.update(line["call"] for line in logged
+                                    if line["agent"].startswith("control plane call failed"))
+                for service in [service for service in throttled if THROTTLED_CALLS[service] <= failed_calls]:
+                    local_cloud.stop_failing_requests(service)
+                    throttled.discard(service)
+        except Exception as error:  # raised by the test, after the attempt it ends
+            stalled.append(error)
+        finally:
+            end.touch()
+
+    watching = threading.Thread(target=outages)
+    watching.start()
+    try:
+        assert attempt.run() is None, "the attempt ran to torchrun's exit"
+    finally:
+        end.touch()
+        watching.join()
+    if stalled:
+        raise stalled[0]
+    assert set().union(*THROTTLED_CALLS.values()) <= failed_calls
     assert not [line for line in logged if "stopping torchrun" in line["agent"]]
-    assert all(local_cloud.failed_requests[(service, "throttle")] for service in ("dynamodb", "s3", "events")), dict(local_cloud.failed_requests)
+    assert all(local_cloud.failed_requests[(service, "throttle")] for service in THROTTLED_CALLS), dict(local_cloud.failed_requests)
     assert control.failures == 0, "calls succeed again once the throttling is over"
 
 
