@@ -93,7 +93,8 @@ class Phase(StrEnum):
     CHECKPOINT_WRITE = "checkpoint-write"
     """A checkpoint after the first is being uploaded."""
     CHECKPOINT_LOAD = "checkpoint-load"
-    """After a node loss, the new attempt reads the checkpoint it resumes from."""
+    """After a node loss, the new attempt reads the checkpoint it resumes from S3 (the cell's run
+    keeps no copies in the nodes' memory, which it would resume from instead)."""
     RECOVERY = "recovery"
     """After a node loss, the control plane is in Recover (or its backoff or the wait for the
     replacement)."""
@@ -700,11 +701,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cell_template(cell: Cell, template: dict[str, Any]) -> dict[str, Any]:
-    """The RunSpec a cell runs: Spot capacity for a Spot notice, a budget of one restart where
-    it must run out."""
+    """The RunSpec a cell runs: Spot capacity for a Spot notice, no in-memory copies where the
+    checkpoint's load from S3 is hit, a budget of one restart where it must run out."""
     spec = json.loads(json.dumps(template))
     if cell.fault is Fault.SPOT:
         spec["capacity"]["kind"] = "spot"
+    if cell.phase is Phase.CHECKPOINT_LOAD:
+        # A world restored from the nodes' memory reads nothing from S3: without the copies the next
+        # attempt loads the checkpoint S3 holds, the load this phase hits (as after a change of layout,
+        # or a shard no node kept).
+        spec["checkpoint"]["memory_interval_steps"] = 0
     if cell.phase is Phase.BACKOFF:  # nominal, x time scale 0.02: a few seconds of wait to hit
         spec["recovery"] |= {"backoff_base_seconds": 300, "backoff_max_seconds": 300}
     if cell.name == "budget-exhausted":
