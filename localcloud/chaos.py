@@ -562,6 +562,8 @@ def run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any],
                 injections, missed = [], [str(error)]
             _until(view, "the end of the run", ended)
             _until(view, "every instance gone", lambda: all(i.state == "terminated" for i in stack.instances(run)))
+            # A stopped run's report is the reaper's, written after it terminated the instances.
+            _until(view, "the run's report", lambda: stack.report_written(run))
         outcome = stack.outcome(run)
     except Exception:
         stack.dump_consoles(run)
