@@ -32,6 +32,7 @@ the run record, and requests reaching S3 (a checkpoint part being written or rea
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -115,9 +116,17 @@ class Cell:
     """The share of CPU time the run's instances get (LocalFleet.cpu_share): below 1, a starved
     machine, slow but never silent, on which no failure may be booked."""
 
+    @property
+    def faults_every_run(self) -> bool:
+        """Whether the cell's faults reach every run of the stack (a throttled control plane,
+        events delayed or duplicated, a function timing out), so that it runs alone."""
+        return self.fault in SERVICE_FAULTS or self.name in CLOUD_WIDE_EXTRAS
+
 
 SERVICE_FAULTS = (Fault.THROTTLE, Fault.ERROR)
 """Faults of the whole control plane rather than of a node."""
+CLOUD_WIDE_EXTRAS = frozenset({"duplicate-events", "late-events", "out-of-order-events", "recover-times-out"})
+"""Extras that arm the local cloud itself (its event delivery, a function's invocations)."""
 PROCESS_FAULTS = (Fault.HANG, Fault.CRASH)
 """Faults of one process of a node (process_role says which)."""
 MATRIX_FAULTS = (Fault.KILL, Fault.FREEZE, Fault.HANG, Fault.SPOT, Fault.HEALTH, Fault.THROTTLE)
@@ -672,8 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the cells' names and exit")
     parser.add_argument("--quiet", action="store_true", help="no narration on stderr")
     parser.add_argument("--together", type=int, default=1, metavar="N",
-                        help="run N cells side by side on the one stack (only for cells that fault nodes, not "
-                             "the whole control plane: a throttle would hit every run)")
+                        help="run N cells side by side on the one stack; those whose faults reach every run (a "
+                             "throttled control plane, events delayed) run alone, after the others")
     args = parser.parse_args(argv)
     if args.list:
         print("\n".join(CELLS))
@@ -697,7 +706,9 @@ def main(argv: list[str] | None = None) -> int:
 
         def run(cell: Cell) -> dict[str, Any]:
             return run_cell(stack, cell, cell_template(cell, template), uninterrupted.result)
-        for outcome in cells_at_once.map(run, cells):
+        beside = cells_at_once.map(run, [cell for cell in cells if not cell.faults_every_run])
+        alone = map(run, [cell for cell in cells if cell.faults_every_run])
+        for outcome in itertools.chain(beside, alone):
             print(json.dumps(outcome, default=str), flush=True)
     return 0
 

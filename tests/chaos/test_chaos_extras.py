@@ -3,13 +3,13 @@ out-of-order events, the restart budget spent, a crash loop, StopExecution mid-t
 (`make chaos`). See localcloud.chaos."""
 
 import pytest
-from chaos_cells import cell_tests
+from chaos_cells import TOGETHER, cell_tests
 
 from localcloud.chaos import EXTRAS
 
 pytestmark = pytest.mark.chaos
 
-outcomes, test_the_cell_holds_every_promise = cell_tests([cell.name for cell in EXTRAS])
+outcomes, test_the_cell_holds_every_promise = cell_tests([cell.name for cell in EXTRAS], together=TOGETHER)
 
 
 def test_a_healthy_run_on_a_starved_machine_books_no_failure(outcomes):
