@@ -7,7 +7,7 @@ A cell is a fault (`Fault`) at a phase (`Phase`) of a two-node pipeline-parallel
 node agents and the real trainer (events/local-demo-run.json made shorter, hang and start-up
 timeouts in seconds), or one of the `EXTRAS` (a second failure during recovery, duplicated and
 out-of-order events, the restart budget spent, a crash loop, StopExecution mid-training, a
-machine whose CPU is starved). The
+machine whose CPU is starved, a Spot notice near the run's end). The
 fault hits node rank 1 (its instance, its agent or one trainer rank), or for `recovery` the
 surviving node rank 0, or, for `throttle`, every control-plane service at once. A checkpoint
 load and a recovery happen only after a failure, so those phases start with node rank 1 killed
@@ -146,6 +146,7 @@ EXTRAS = [
     Cell("crash-loop", must_fail_with="crash loop"),
     Cell("stop-execution"),
     Cell("starved", cpu_share=0.25),
+    Cell("spot-near-the-end", Fault.SPOT),
 ]
 CELLS = {cell.name: cell for cell in MATRIX + EXTRAS}
 
@@ -385,7 +386,7 @@ def _at_checkpoint_request(view: _View, what: str, ended: Callable[[], bool],
 
 def disrupt(view: _View, cell: Cell, ended: Callable[[], bool]) -> list[Injection]:
     """Wait for the cell's phase and inject its fault; the injections, in order."""
-    if cell.fault is None:
+    if cell.name in EXTRA_DISRUPTIONS:
         return EXTRA_DISRUPTIONS[cell.name](view, ended)
     fault, phase = cell.fault, cell.phase
     assert phase is not None
@@ -521,6 +522,16 @@ def _trainer_of_rank_1(view: _View, attempt: int) -> str | None:
     return target if _has_process(view, target, "trainer") else None
 
 
+def _spot_near_the_end(view: _View, ended: Callable[[], bool]) -> list[Injection]:
+    """A Spot notice for node rank 1 a few steps before the run's last: its world trains on until
+    the leaving node is terminated, and may train the last step while the control plane handles
+    the notice (the run must end with its last step committed and recorded, one failure booked)."""
+    last = view.run.spec["trainer"]["training"]["steps"]
+    target = _until(view, f"step {last - NEAR_THE_END_STEPS}", lambda: (view.step() or 0) >= last - NEAR_THE_END_STEPS
+                    and view.node_of_rank(0, 1), ended)
+    return [inject(view, Fault.SPOT, target, Phase.TRAINING)] if target else []
+
+
 def _stop_mid_training(view: _View, ended: Callable[[], bool]) -> list[Injection]:
     if _first_checkpoint(view, ended):
         view.stack.client("stepfunctions").stop_execution(executionArn=view.run.arn, error="Operator",
@@ -529,6 +540,9 @@ def _stop_mid_training(view: _View, ended: Callable[[], bool]) -> list[Injection
     return []
 
 
+NEAR_THE_END_STEPS = 15
+"""How many steps before the last the `spot-near-the-end` notice comes: its emergency checkpoint
+commits and the attempt fails a few steps later, as the world trains its last ones."""
 EVENTS_FAULTED = 3000
 """More events than a cell's run sends: every one of them gets the fault."""
 EC2_STATE_CHANGE = "EC2 Instance State-change Notification"
@@ -547,6 +561,7 @@ EXTRA_DISRUPTIONS: dict[str, Callable[[_View, Callable[[], bool]], list[Injectio
     "crash-loop": _crash_every_attempt,
     "stop-execution": _stop_mid_training,
     "starved": lambda view, ended: [],
+    "spot-near-the-end": _spot_near_the_end,
 }
 
 

@@ -1,6 +1,6 @@
 """The chaos cells beyond the matrix: a second failure during recovery, duplicated and
-out-of-order events, the restart budget spent, a crash loop, StopExecution mid-training
-(`make chaos`). See localcloud.chaos."""
+out-of-order events, the restart budget spent, a crash loop, StopExecution mid-training, a
+starved machine, a Spot notice near the run's end (`make chaos`). See localcloud.chaos."""
 
 import pytest
 from chaos_cells import TOGETHER, cell_tests
