@@ -8,14 +8,13 @@ place (the survivors keep their trainers' processes) and resumes from the nodes'
 Every object the local S3 serves is heard."""
 
 import pytest
-from localcloud_helpers import run_scenario
 
 from trainer.checkpoint_catalog import MARKER_NAME, step_dir_name
 
 
 @pytest.fixture(scope="module")
-def scenario() -> dict:
-    return run_scenario("agent_local_run.py", "spares")
+def scenario(local_run) -> dict:
+    return local_run
 
 
 @pytest.fixture(scope="module")
