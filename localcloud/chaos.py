@@ -586,6 +586,10 @@ def run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any],
                 injections, missed = [], [str(error)]
             _until(view, "the end of the run", ended)
             _until(view, "every instance gone", lambda: all(i.state == "terminated" for i in stack.instances(run)))
+            if view.record() is None:  # it ended before Validate recorded it: no report will come
+                execution = stack.client("stepfunctions").describe_execution(executionArn=run.arn)
+                raise RuntimeError(f"{run.run_name} ended {execution['status']} before its run was recorded: "
+                                   f"{execution.get('error')}: {execution.get('cause')}")
             # A stopped run's report is the reaper's, written after it terminated the instances.
             _until(view, "the run's report", lambda: stack.report_written(run))
         outcome = stack.outcome(run)
