@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # and to __pycache__ folders git ignores.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install test test-repeat chaos demo clean sam-tools validate artifacts oldest-torch test-oldest-torch browser docs
+.PHONY: install test test-repeat test-loaded chaos demo clean sam-tools validate artifacts oldest-torch test-oldest-torch browser docs
 
 install: $(VENV)/.installed
 
@@ -71,6 +71,12 @@ test-oldest-torch: oldest-torch
 N ?= 3
 test-repeat:
 	$(PYTHON) .ci/repeat.py $(N)
+
+# The suite from a fresh clone of HEAD while a busy loop keeps one core busy the whole time, as a
+# developer's machine has other work running: it must pass, however long it takes (a product
+# timeout that fires on a healthy but slow machine is a defect).
+test-loaded:
+	$(PYTHON) .ci/repeat.py 1 --loaded
 
 # What a node installs (trainfleet/adapters/ec2_fleet.py node_user_data), into build/artifacts/,
 # and with BUCKET=... to s3://BUCKET/artifacts/: a relocatable CPython 3.11 (python.tar.gz, its

@@ -23,7 +23,8 @@ clock) it takes, per run:
                     rendezvous, checkpoint load, one step; repaired: the replacement's
                     torchrun, the world formed again, the restore, one step)
   first_step_s      fault -> the first step after the resume, the node replaced
-  steps_lost        steps trained before the fault and trained again after the resume
+  steps_lost        steps the failed world trained and the new one trained again (after a Spot
+                    notice the failed world trains on until the leaving node is terminated)
   repaired          1 where Recover repaired the world in place (the survivors kept their
                     trainers: trainer/repair.py), 0 where it restarted every trainer
 
@@ -135,8 +136,11 @@ def trained_steps(stack: LocalStack, run: LocalRun) -> list[dict[str, Any]]:
     return [record for attempt in (0, 1) for record in metrics_records(instances, attempt) if "loss" in record]
 
 
-def _first(timeline: list[tuple[float, str, str]], after: float, state: str, *types: str) -> float:
-    return next(t for t, kind, name in timeline if t >= after and name == state and kind in types)
+def _first(timeline: list[tuple[float, str, str]], after: float | None, state: str, *types: str) -> float | None:
+    """When `state` first had an event of `types` at or after `after`; None if it had none (or
+    `after` is None)."""
+    return None if after is None else next(
+        (t for t, kind, name in timeline if t >= after and name == state and kind in types), None)
 
 
 def measure(stack: LocalStack, calls: CallLog, fault: Fault, spares: int, template: dict,
@@ -150,11 +154,20 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, spares: int, templa
         timeline = _history(stack, run)
         fault_at = outcome["injections"][0]["at"]
         failed = _first(timeline, fault_at, "Train", "TaskFailed", "TaskTimedOut")
+        decided = _first(timeline, failed, "Recover", "TaskSucceeded")
+        ready = _first(timeline, decided, "AwaitNodes", "TaskSucceeded")
+        spec_written = _first(timeline, ready, "Train", "TaskSubmitted")
         steps = trained_steps(stack, run)
-        if any(record["time"] > failed for record in steps):
+        # The new world steps only once its launch spec is written; the failed one never after: its
+        # lost or leaving node is terminated before (a world left by a Spot notice trains on until
+        # Recover terminates the leaving node, after the attempt failed).
+        before = [record for record in steps if spec_written is None or record["time"] < spec_written]
+        after = [record for record in steps if spec_written is not None and record["time"] > spec_written]
+        if after:
             break
-        # A Spot notice that came with the last steps: the run completed before the interruption,
-        # or its emergency checkpoint was the last step and the resumed attempt had none to train.
+        # A Spot notice that came with the last steps: the run completed before the interruption
+        # (no failure), or its emergency checkpoint was the last step and the resumed attempt had
+        # none to train.
         print(f"{cell.name}: no step trained after a recovery; measuring again", flush=True)
     else:
         raise RuntimeError(f"{cell.name}: no recovery in {TRIES} runs")
@@ -163,11 +176,7 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, spares: int, templa
                       if node.departure_noticed_at is not None)
     else:
         noticed = failed
-    decided = _first(timeline, failed, "Recover", "TaskSucceeded")
-    ready = _first(timeline, decided, "AwaitNodes", "TaskSucceeded")
-    spec_written = _first(timeline, ready, "Train", "TaskSubmitted")
-    first_step = min(record["time"] for record in steps if record["time"] > failed)
-    last_before = max(record["step"] for record in steps if record["time"] <= failed)
+    first_step = min(record["time"] for record in after)
     # Where the trainer resumed: the nodes' memory or S3 (the launch spec's resume_step is S3's).
     restored = stack.store.run(run.run_name).restored
     resumed = restored.step if restored else next(line["resume_step"] for lines in outcome["launches"].values()
@@ -180,7 +189,7 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, spares: int, templa
         "boot_s": ready - decided,
         "resume_s": first_step - spec_written,
         "first_step_s": first_step - fault_at,
-        "steps_lost": last_before - (resumed or 0),
+        "steps_lost": max(0, max(record["step"] for record in before) - (resumed or 0)),
         "from_memory": float(restored is not None and restored.source == "memory"),
         "repaired": float(repaired),
         "aws_control_plane_s": sum(counted[name] * seconds for name, seconds in COUNTED.items()),
@@ -188,7 +197,6 @@ def measure(stack: LocalStack, calls: CallLog, fault: Fault, spares: int, templa
     }
     if fault is Fault.SPOT:
         figures["notice_wait_s"] = failed - noticed
-        figures["steps_lost"] = max(0, outcome["injections"][0]["step"] - (resumed or 0))
     return figures
 
 

@@ -7,7 +7,7 @@ A cell is a fault (`Fault`) at a phase (`Phase`) of a two-node pipeline-parallel
 node agents and the real trainer (events/local-demo-run.json made shorter, hang and start-up
 timeouts in seconds), or one of the `EXTRAS` (a second failure during recovery, duplicated and
 out-of-order events, the restart budget spent, a crash loop, StopExecution mid-training, a
-machine whose CPU is starved). The
+machine whose CPU is starved, a Spot notice near the run's end). The
 fault hits node rank 1 (its instance, its agent or one trainer rank), or for `recovery` the
 surviving node rank 0, or, for `throttle`, every control-plane service at once. A checkpoint
 load and a recovery happen only after a failure, so those phases start with node rank 1 killed
@@ -32,6 +32,7 @@ the run record, and requests reaching S3 (a checkpoint part being written or rea
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -93,7 +94,8 @@ class Phase(StrEnum):
     CHECKPOINT_WRITE = "checkpoint-write"
     """A checkpoint after the first is being uploaded."""
     CHECKPOINT_LOAD = "checkpoint-load"
-    """After a node loss, the new attempt reads the checkpoint it resumes from."""
+    """After a node loss, the new attempt reads the checkpoint it resumes from S3 (the cell's run
+    keeps no copies in the nodes' memory, which it would resume from instead)."""
     RECOVERY = "recovery"
     """After a node loss, the control plane is in Recover (or its backoff or the wait for the
     replacement)."""
@@ -114,9 +116,17 @@ class Cell:
     """The share of CPU time the run's instances get (LocalFleet.cpu_share): below 1, a starved
     machine, slow but never silent, on which no failure may be booked."""
 
+    @property
+    def faults_every_run(self) -> bool:
+        """Whether the cell's faults reach every run of the stack (a throttled control plane,
+        events delayed or duplicated, a function timing out), so that it runs alone."""
+        return self.fault in SERVICE_FAULTS or self.name in CLOUD_WIDE_EXTRAS
+
 
 SERVICE_FAULTS = (Fault.THROTTLE, Fault.ERROR)
 """Faults of the whole control plane rather than of a node."""
+CLOUD_WIDE_EXTRAS = frozenset({"duplicate-events", "late-events", "out-of-order-events", "recover-times-out"})
+"""Extras that arm the local cloud itself (its event delivery, a function's invocations)."""
 PROCESS_FAULTS = (Fault.HANG, Fault.CRASH)
 """Faults of one process of a node (process_role says which)."""
 MATRIX_FAULTS = (Fault.KILL, Fault.FREEZE, Fault.HANG, Fault.SPOT, Fault.HEALTH, Fault.THROTTLE)
@@ -136,6 +146,7 @@ EXTRAS = [
     Cell("crash-loop", must_fail_with="crash loop"),
     Cell("stop-execution"),
     Cell("starved", cpu_share=0.25),
+    Cell("spot-near-the-end", Fault.SPOT),
 ]
 CELLS = {cell.name: cell for cell in MATRIX + EXTRAS}
 
@@ -375,7 +386,7 @@ def _at_checkpoint_request(view: _View, what: str, ended: Callable[[], bool],
 
 def disrupt(view: _View, cell: Cell, ended: Callable[[], bool]) -> list[Injection]:
     """Wait for the cell's phase and inject its fault; the injections, in order."""
-    if cell.fault is None:
+    if cell.name in EXTRA_DISRUPTIONS:
         return EXTRA_DISRUPTIONS[cell.name](view, ended)
     fault, phase = cell.fault, cell.phase
     assert phase is not None
@@ -511,6 +522,16 @@ def _trainer_of_rank_1(view: _View, attempt: int) -> str | None:
     return target if _has_process(view, target, "trainer") else None
 
 
+def _spot_near_the_end(view: _View, ended: Callable[[], bool]) -> list[Injection]:
+    """A Spot notice for node rank 1 a few steps before the run's last: its world trains on until
+    the leaving node is terminated, and may train the last step while the control plane handles
+    the notice (the run must end with its last step committed and recorded, one failure booked)."""
+    last = view.run.spec["trainer"]["training"]["steps"]
+    target = _until(view, f"step {last - NEAR_THE_END_STEPS}", lambda: (view.step() or 0) >= last - NEAR_THE_END_STEPS
+                    and view.node_of_rank(0, 1), ended)
+    return [inject(view, Fault.SPOT, target, Phase.TRAINING)] if target else []
+
+
 def _stop_mid_training(view: _View, ended: Callable[[], bool]) -> list[Injection]:
     if _first_checkpoint(view, ended):
         view.stack.client("stepfunctions").stop_execution(executionArn=view.run.arn, error="Operator",
@@ -519,6 +540,9 @@ def _stop_mid_training(view: _View, ended: Callable[[], bool]) -> list[Injection
     return []
 
 
+NEAR_THE_END_STEPS = 15
+"""How many steps before the last the `spot-near-the-end` notice comes: its emergency checkpoint
+commits and the attempt fails a few steps later, as the world trains its last ones."""
 EVENTS_FAULTED = 3000
 """More events than a cell's run sends: every one of them gets the fault."""
 EC2_STATE_CHANGE = "EC2 Instance State-change Notification"
@@ -537,6 +561,7 @@ EXTRA_DISRUPTIONS: dict[str, Callable[[_View, Callable[[], bool]], list[Injectio
     "crash-loop": _crash_every_attempt,
     "stop-execution": _stop_mid_training,
     "starved": lambda view, ended: [],
+    "spot-near-the-end": _spot_near_the_end,
 }
 
 
@@ -561,6 +586,12 @@ def run_cell(stack: LocalStack, cell: Cell, template: dict[str, Any],
                 injections, missed = [], [str(error)]
             _until(view, "the end of the run", ended)
             _until(view, "every instance gone", lambda: all(i.state == "terminated" for i in stack.instances(run)))
+            if view.record() is None:  # it ended before Validate recorded it: no report will come
+                execution = stack.client("stepfunctions").describe_execution(executionArn=run.arn)
+                raise RuntimeError(f"{run.run_name} ended {execution['status']} before its run was recorded: "
+                                   f"{execution.get('error')}: {execution.get('cause')}")
+            # A stopped run's report is the reaper's, written after it terminated the instances.
+            _until(view, "the run's report", lambda: stack.report_written(run))
         outcome = stack.outcome(run)
     except Exception:
         stack.dump_consoles(run)
@@ -670,8 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the cells' names and exit")
     parser.add_argument("--quiet", action="store_true", help="no narration on stderr")
     parser.add_argument("--together", type=int, default=1, metavar="N",
-                        help="run N cells side by side on the one stack (only for cells that fault nodes, not "
-                             "the whole control plane: a throttle would hit every run)")
+                        help="run N cells side by side on the one stack; those whose faults reach every run (a "
+                             "throttled control plane, events delayed) run alone, after the others")
     args = parser.parse_args(argv)
     if args.list:
         print("\n".join(CELLS))
@@ -695,17 +726,24 @@ def main(argv: list[str] | None = None) -> int:
 
         def run(cell: Cell) -> dict[str, Any]:
             return run_cell(stack, cell, cell_template(cell, template), uninterrupted.result)
-        for outcome in cells_at_once.map(run, cells):
+        beside = cells_at_once.map(run, [cell for cell in cells if not cell.faults_every_run])
+        alone = map(run, [cell for cell in cells if cell.faults_every_run])
+        for outcome in itertools.chain(beside, alone):
             print(json.dumps(outcome, default=str), flush=True)
     return 0
 
 
 def cell_template(cell: Cell, template: dict[str, Any]) -> dict[str, Any]:
-    """The RunSpec a cell runs: Spot capacity for a Spot notice, a budget of one restart where
-    it must run out."""
+    """The RunSpec a cell runs: Spot capacity for a Spot notice, no in-memory copies where the
+    checkpoint's load from S3 is hit, a budget of one restart where it must run out."""
     spec = json.loads(json.dumps(template))
     if cell.fault is Fault.SPOT:
         spec["capacity"]["kind"] = "spot"
+    if cell.phase is Phase.CHECKPOINT_LOAD:
+        # A world restored from the nodes' memory reads nothing from S3: without the copies the next
+        # attempt loads the checkpoint S3 holds, the load this phase hits (as after a change of layout,
+        # or a shard no node kept).
+        spec["checkpoint"]["memory_interval_steps"] = 0
     if cell.phase is Phase.BACKOFF:  # nominal, x time scale 0.02: a few seconds of wait to hit
         spec["recovery"] |= {"backoff_base_seconds": 300, "backoff_max_seconds": 300}
     if cell.name == "budget-exhausted":

@@ -54,7 +54,7 @@ from trainfleet.operator.live_view import watch
 REPO = Path(__file__).resolve().parent.parent
 DEMO_RUN_SPEC = REPO / "events" / "local-demo-run.json"
 
-__all__ = ["run_on_local_cloud", "Narrator", "main", "DEMO_RUN_SPEC"]
+__all__ = ["run_on_local_cloud", "run_on_stack", "Narrator", "main", "DEMO_RUN_SPEC"]
 
 
 @dataclass
@@ -86,52 +86,60 @@ def run_on_local_cloud(template: dict[str, Any], narrate: Callable[[str], None],
                        standin_step_s: float | None = None,
                        console: Console | None = None, reports: Path | None = None,
                        export_model: bool = False) -> dict[str, Any]:
-    """Deploy, run `template` (its nodes are local instances with real agents), disrupt node
-    rank 1 once the first checkpoint is recorded (kill its instance, give it a Spot
-    interruption notice, or freeze it: a silent failure), follow it with the live view on
-    `console` to its end, write its report into a folder named after the run under `reports`
-    (None: a temporary folder); what happened, as plain data (`report_page`: the report's HTML
-    page). `workdir` keeps the instances' folders (console.log, each attempt's trainer config,
-    torchrun output and metrics); None uses a temporary folder.
+    """Deploy, then run_on_stack. `workdir` keeps the instances' folders (console.log, each
+    attempt's trainer config, torchrun output and metrics); None uses a temporary folder.
     `spot_notice_seconds` is nominal, like every local cloud time: scaled by `time_scale`.
     `standin_step_s` set, the agents run the stand-in trainer (node/standin.py) with steps
-    that long in place of torchrun. `export_model`: the run's model exported from its last
-    committed checkpoint by `trainfleet checkpoint export`, into `model/` beside the report
-    (`model`: its folder)."""
+    that long in place of torchrun."""
     # Made before the local cloud starts: its Lambda runtime then replaces sys.stdout in this
     # process (capturing each handler thread's output), and the view must write past it.
     console = console or Console(file=sys.stdout)
     with local_stack(narrate, time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds,
                      standin_step_s=standin_step_s) as stack:
-        run = stack.start_run(template)
-        try:
-            operations = stack.operations()
-            disrupted: dict[str, Any] = {}
-            quiet = stack.watch(run, narrate=lambda news: None)
-            advancing = Progress(quiet.progress, what=f"the end of {run.run_name}")
-            first_commit = Future()
+        return run_on_stack(stack, template, disruption=disruption, console=console, reports=reports,
+                            export_model=export_model)
 
-            def heard(kind: str, key: str, body: bytes | None) -> None:
-                # The first commit marker as it reaches S3: training goes on meanwhile (a second
-                # or two of the demo's 60 steps), too fast to wait for the control plane's record.
-                step = marker_step(key) if kind == "write" and key.startswith(f"runs/{run.run_name}/") else None
-                if step is not None and not first_commit.done():
-                    first_commit.set_result(step)
 
-            if disruption is not None:
-                first_commit.add_done_callback(lambda commit: stack.cloud.submit("disrupt node rank 1", lambda: (
-                    disrupted.update(_disrupt_node_rank_1(stack, run, commit.result(), disruption)))))
-            with s3_requests.listen(heard):
-                watch(operations, run.run_name, console, refresh_s=LIVE_REFRESH_S,
-                      on_look=lambda status: advancing.check())
-            quiet.until(lambda: all(i.state == "terminated" for i in stack.instances(run)), "every instance terminated")
-            page = operations.report(run.run_name, (reports or Path(tempfile.mkdtemp(prefix="reports-"))) / run.run_name)
-            model = _export_model(stack, run, page.parent / "model") if export_model else None
-            return stack.outcome(run) | {"disrupted": disrupted or None, "report_page": str(page),
-                                         "model": model and str(model)}
-        except Exception:
-            stack.dump_consoles(run)
-            raise
+def run_on_stack(stack: LocalStack, template: dict[str, Any], *, console: Console,
+                 disruption: Literal["kill", "spot", "freeze"] | None = "kill", reports: Path | None = None,
+                 export_model: bool = False) -> dict[str, Any]:
+    """Run `template` on a deployed stack (its nodes are local instances with real agents),
+    disrupt node rank 1 once the first checkpoint is recorded (kill its instance, give it a Spot
+    interruption notice, or freeze it: a silent failure), follow it with the live view on
+    `console` (made before the local cloud started) to its end, write its report into a folder
+    named after the run under `reports` (None: a temporary folder); what happened, as plain data
+    (`report_page`: the report's HTML page). `export_model`: the run's model exported from its last
+    committed checkpoint by `trainfleet checkpoint export`, into `model/` beside the report
+    (`model`: its folder)."""
+    run = stack.start_run(template)
+    try:
+        operations = stack.operations()
+        disrupted: dict[str, Any] = {}
+        quiet = stack.watch(run, narrate=lambda news: None)
+        advancing = Progress(quiet.progress, what=f"the end of {run.run_name}")
+        first_commit = Future()
+
+        def heard(kind: str, key: str, body: bytes | None) -> None:
+            # The first commit marker as it reaches S3: training goes on meanwhile (a second
+            # or two of the demo's 60 steps), too fast to wait for the control plane's record.
+            step = marker_step(key) if kind == "write" and key.startswith(f"runs/{run.run_name}/") else None
+            if step is not None and not first_commit.done():
+                first_commit.set_result(step)
+
+        if disruption is not None:
+            first_commit.add_done_callback(lambda commit: stack.cloud.submit("disrupt node rank 1", lambda: (
+                disrupted.update(_disrupt_node_rank_1(stack, run, commit.result(), disruption)))))
+        with s3_requests.listen(heard):
+            watch(operations, run.run_name, console, refresh_s=LIVE_REFRESH_S,
+                  on_look=lambda status: advancing.check())
+        quiet.until(lambda: all(i.state == "terminated" for i in stack.instances(run)), "every instance terminated")
+        page = operations.report(run.run_name, (reports or Path(tempfile.mkdtemp(prefix="reports-"))) / run.run_name)
+        model = _export_model(stack, run, page.parent / "model") if export_model else None
+        return stack.outcome(run) | {"disrupted": disrupted or None, "report_page": str(page),
+                                     "model": model and str(model)}
+    except Exception:
+        stack.dump_consoles(run)
+        raise
 
 
 def _export_model(stack: LocalStack, run: LocalRun, folder: Path) -> Path:

@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from localcloud import aws_events, in_place, warm_image
-from localcloud.procfs import stat_fields
+from localcloud.procfs import descendants, stat_fields
 from localcloud.warm_image import ForkedProcess, WarmImage
 from trainfleet.core.runspec import HOST_MEMORY_DIR
 
@@ -142,7 +142,7 @@ def _strays(instance: LocalInstance, group: int | None) -> list[int]:
     every one of them ends with the instance. `group`: its process's pid, which leads its group
     (None: not to be followed)."""
     folder = str(instance.workdir.resolve())
-    found = set(_descendants(group)) if group is not None else set()
+    found = set(descendants(group)) if group is not None else set()
     for cwd in Path("/proc").glob("[0-9]*/cwd"):
         try:
             where = os.readlink(cwd)
@@ -152,20 +152,6 @@ def _strays(instance: LocalInstance, group: int | None) -> list[int]:
             found.add(int(cwd.parent.name))
     found.discard(os.getpid())  # never the local cloud itself, whatever its folder
     return sorted(found - {group})
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (its children, theirs, ...), from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        if (fields := stat_fields(stat)) is not None:
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, pending = [], [pid]
-    while pending:
-        for child in children.get(pending.pop(), []):
-            found.append(child)
-            pending.append(child)
-    return found
 
 
 ROLE_MODULES = {"trainer": ("trainer.worker", "trainer.train"), "agent": ("node.agent",),
@@ -269,7 +255,7 @@ class _Starvation(threading.Thread):
         looked_up = -math.inf
         while self.instance.process is self.process and not self.instance._ending and not self.instance.hung:
             if time.monotonic() - looked_up > STARVED_LOOKUP_S:
-                pids, looked_up = _descendants(self.process.pid), time.monotonic()
+                pids, looked_up = descendants(self.process.pid), time.monotonic()
             _signal_group(self.process.pid, signal.SIGCONT)
             _signal_pids(pids, signal.SIGCONT)
             time.sleep(self.share * STARVED_PERIOD_S)
@@ -365,7 +351,7 @@ class LocalFleet:
         process = instance.process
         if process is None or instance.state != "running":
             raise RuntimeError(f"instance {instance_id} ({instance.state}) has no running processes")
-        found = sorted(pid for pid in (process.pid, *_descendants(process.pid))
+        found = sorted(pid for pid in (process.pid, *descendants(process.pid))
                        if _module(pid) in ROLE_MODULES[role])
         if not found:
             raise RuntimeError(f"instance {instance_id} has no {role} process (python -m "
@@ -379,7 +365,7 @@ class LocalFleet:
         self.get(instance_id).hung = False
 
     def _signal_descendants(self, instance_id: str, signum: signal.Signals) -> None:
-        _signal_pids(_descendants(self.get(instance_id).process.pid), signum)
+        _signal_pids(descendants(self.get(instance_id).process.pid), signum)
 
     def _signal(self, instance_id: str, signum: signal.Signals) -> None:
         instance = self.get(instance_id)

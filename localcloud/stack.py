@@ -234,12 +234,20 @@ class LocalStack:
     def watch(self, run: LocalRun, narrate: Callable[[str], None] | None = None) -> Watch:
         return Watch(self, run, narrate)
 
+    def report_written(self, run: LocalRun) -> bool:
+        """Whether the run's report is in S3: Report writes it, or after an execution that ended
+        without Teardown (stopped, timed out) the reaper, once it has terminated the instances."""
+        return bool(self.client("s3").list_objects_v2(Bucket=self.bucket, Prefix=self.report_key(run)).get("Contents"))
+
+    def report_key(self, run: LocalRun) -> str:
+        return f"runs/{run.run_name}/report.json"
+
     def outcome(self, run: LocalRun) -> dict[str, Any]:
-        """What happened to `run`, as plain data."""
+        """What happened to `run`, as plain data; its report must be written."""
         sfn, s3, ec2, store = self.client("stepfunctions"), self.client("s3"), self.client("ec2"), self.store
         execution = sfn.describe_execution(executionArn=run.arn)
         record = store.run(run.run_name)
-        report = json.loads(s3.get_object(Bucket=self.bucket, Key=f"runs/{run.run_name}/report.json")["Body"].read())
+        report = json.loads(s3.get_object(Bucket=self.bucket, Key=self.report_key(run))["Body"].read())
         reservations = ec2.describe_instances(Filters=[{"Name": f"tag:{TAG_RUN}", "Values": [run.run_name]}])
         instances = self.instances(run)
         said = {instance.instance_id: agent_lines(instance) for instance in instances}

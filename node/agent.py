@@ -834,6 +834,8 @@ class Attempt:
         """What this node's trainer said of its world's failed step (trainer/repair_order.py), while it waits."""
         self.trainer_pid: int | None = None
         """torchrun's process (the stand-in's: the agent's own)."""
+        self.returncode: int | None = None
+        """torchrun's exit status, once it ended."""
         self.repair_pending: int | None = None
         """The attempt that repairs this node's world and keeps its trainer, until its launch spec is read."""
         self.run_seen: RunRecord | None = None
@@ -936,6 +938,7 @@ class Attempt:
             # The steps since the last TrainingProgress belong to the run's history, also those
             # of an attempt the run has left.
             self.send_progress()
+        self.returncode = process.returncode
         self.report_exit(process.returncode)
         return None
 
@@ -972,13 +975,39 @@ class Attempt:
         self.checks_reported.clear()
         self.send_progress()  # the failed attempt's last steps, ahead of the new one's
         self.spec, self.generation = spec, spec.repair.generation
-        self.announced |= announced_before(spec, self.control.call(
-            "list the committed checkpoints", lambda: catalog.committed_steps(self.checkpoints)) or ())
+        self.announce_from(spec)
         write_order(self.files.repair_order,
                     repair_order(spec, launch_nodes_gone=len(self.launched_with - set(spec.repair.survivor_ids))))
         self.report_liveness()
         self.repair_pending = None
         return True
+
+    def announce_from(self, spec: LaunchSpec) -> None:
+        """Take the commits up to `spec`'s resume point as announced, and only those: one this node
+        announced for the attempt the run has since left (its world trained on after the attempt
+        failed, as a world leaving a Spot notice does) was dropped as stale, and is the new
+        attempt's to announce, or the run's last commit goes unrecorded."""
+        self.announced = announced_before(spec, self.control.call(
+            "list the committed checkpoints", lambda: catalog.committed_steps(self.checkpoints)) or ())
+
+    @property
+    def trained_to_the_end(self) -> bool:
+        """Whether torchrun ended well after this node's trainer trained the run's last step (its
+        progress file: every node's, not only the one whose metrics show it)."""
+        return self.returncode == 0 and self.node_step == self.final_step
+
+    def complete(self, spec: LaunchSpec) -> None:
+        """Answer `spec`, a repair of this node's world, after its trainer trained the run's last
+        step and ended before the order came (the world trained on while the control plane
+        repaired it, as after a Spot notice near the end): nothing is left to train. The node that
+        speaks for the world announces the commits the new attempt has not heard of and completes
+        it; the others have nothing to say."""
+        if not self.speaks_for_world:
+            return
+        say("the world trained its last step before it was repaired: nothing left to train", attempt=spec.attempt)
+        self.spec = spec
+        self.announce_from(spec)
+        self.report_exit(0)
 
     def report_failed_step(self) -> None:
         """TrainerFailed once for a failed step of this node's world whose ranks wait for a repair
@@ -1292,7 +1321,7 @@ def serve(settings: AgentSettings) -> None:
             confirmed = attempt  # this node answers: it may join that attempt's world
         return confirmed >= attempt
 
-    run = latest = None
+    run = latest = attempt = None
     while True:
         spec = None
         if run is not None:
@@ -1316,6 +1345,9 @@ def serve(settings: AgentSettings) -> None:
         if spec is not None:
             ran = spec.attempt
             if spec.repair and identity.instance_id in spec.repair.survivor_ids:
+                if attempt is not None and attempt.trained_to_the_end:
+                    attempt.complete(spec)
+                    continue
                 # Its trainer ended before the order came: the control plane restarts the world.
                 control.deliver(TrainerFailed(**{**ids, "attempt": spec.attempt}, kind=TrainerFailureKind.CRASH,
                                               message="no trainer left on this node to repair the world with"),

@@ -15,20 +15,33 @@ torchrun of its rendezvous checked in: the rendezvous store lives in node rank 0
 it must not go while another node's torchrun still reads it. In a world repaired in place
 (trainer/repair.py) the lost nodes' torchrun never checks in (their replacements run their own),
 so every survivor waited out the 300 s after the last step. `exit_barrier` waits for the nodes
-still there: the order the agent wrote says how many of the launched world are gone.
+still there: the order the agent wrote says how many of the launched world are gone. The order
+can come while a node already waits there: a world that trained its last step while the control
+plane repaired it (a Spot notice near the end: the world trains on until the leaving node is
+terminated) reached the barrier before its agent wrote the order, and waited out the 300 s for
+the node that had left. So the barrier reads the order again every EXIT_BARRIER_LOOK_S.
 """
 
+import logging
 import os
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
-from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+from torch.distributed import DistError, DistStoreError
+from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID, SimpleElasticAgent
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN, _NUM_MEMBERS
 from torch.distributed.run import main
 
 from trainer.repair_order import REPAIR_ORDER_ENV, read_order
 
-torch_exit_barrier = SimpleElasticAgent._exit_barrier
+log = logging.getLogger(__name__)
+
+EXIT_BARRIER_LOOK_S = 2.0
+"""How often a node waiting at the exit barrier reads the repair order again (each wait that
+ends unanswered logs two lines of c10d's)."""
 
 
 def caller_name(depth: int = 2) -> str:
@@ -40,12 +53,36 @@ def caller_name(depth: int = 2) -> str:
         return "no_method_name"
 
 
-def exit_barrier(agent: SimpleElasticAgent) -> None:
-    """torch's exit barrier, counting only the launched world's nodes that are still there."""
+def nodes_gone() -> int:
+    """How many of the launched world's nodes the repair order says are gone (0 without one)."""
     order = read_order(Path(os.environ[REPAIR_ORDER_ENV])) if REPAIR_ORDER_ENV in os.environ else None
-    if order is not None:
-        agent._worker_group.group_world_size -= order.launch_nodes_gone  # noqa: SLF001 (the barrier's count)
-    torch_exit_barrier(agent)
+    return order.launch_nodes_gone if order is not None else 0
+
+
+def exit_barrier(agent: SimpleElasticAgent) -> None:
+    """torch's exit barrier (each node's torchrun adds itself to a count in the rendezvous store,
+    and the one that makes it whole sets the key the others wait on), counting only the launched
+    world's nodes still there, as the order says now. Like torch's, it gives up after the agent's
+    exit barrier timeout with the error logged, and torchrun exits as it would have."""
+    store, world = agent._store, agent._worker_group.group_world_size  # noqa: SLF001 (what torch's barrier reads)
+    members, last = _TERMINAL_STATE_SYNC_ID + _NUM_MEMBERS, _TERMINAL_STATE_SYNC_ID + _LAST_MEMBER_CHECKIN
+    started = time.monotonic()
+    agent._in_exit_barrier = True  # noqa: SLF001 (torch's health check: the workers' silence is no hang now)
+    try:
+        checked_in = store.add(members, 1)
+        while checked_in < world - nodes_gone():
+            try:
+                store.wait([last], timedelta(seconds=EXIT_BARRIER_LOOK_S))
+                return
+            except DistStoreError:  # not made whole within the look: read the order again
+                if time.monotonic() - started > agent._exit_barrier_timeout:  # noqa: SLF001
+                    raise
+            checked_in = store.add(members, 0)
+        store.set(last, "<val_ignored>")
+    except DistError:
+        log.exception("Error waiting on exit barrier. Elapsed: %.0f seconds", time.monotonic() - started)
+    finally:
+        agent._in_exit_barrier = False  # noqa: SLF001
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ the AWS CLI is.
 template.yaml is deployed into a local cloud whose instances run the stand-in trainer
 (node/standin.py: the real trainer's signals, no torch). The commands start four nodes
 (pp=2 x dp=2), look at the run while it trains, and follow it with `watch` while the harness
-kills node rank 1's instance after the first commit (the control plane must replace that node
-alone and resume from the newest commit); then they list, read logs and a node's console, write
+kills node rank 1's instance as the next commit after that reaches S3 (the control plane must
+replace that node alone and resume from the newest commit); then they list, read logs and a node's console, write
 the report, stop a second run, and are given bad input. The last line of stdout is one JSON
 document: each command with its exit code and output, and the run's outcome as
 localcloud.stack gathers it.
@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,20 +29,24 @@ sys.path.insert(0, str(REPO))
 
 from localcloud.cloud import exit_after_local_cloud  # noqa: E402
 from localcloud.demo import DEMO_RUN_SPEC, Narrator  # noqa: E402
+from localcloud.glue import s3 as s3_requests  # noqa: E402
 from localcloud.stack import LocalRun, local_stack  # noqa: E402
 from localcloud.waiting import sizes, until  # noqa: E402
+from trainer.checkpoint_catalog import marker_step  # noqa: E402
 from trainfleet.adapters.run_store import RunNotFound  # noqa: E402
 
-NODES, STEP_S = 4, 0.2
+NODES, STEP_S = 4, 0.4
+"""Steps of 0.4 s: from the first step the run record shows to the last commit before the final
+one, about 20 s for the commands that look at the run while it trains to start."""
 
 
 def recorded(stack, run_name: str, what: str) -> bool:
-    """Whether the run record shows `what` yet: a first step, a first commit."""
+    """Whether the run record shows `what` yet: a first step, its end."""
     try:
         record = stack.store.run(run_name)
     except RunNotFound:
         return False
-    return bool(record.last_step) if what == "step" else record.latest_checkpoint is not None
+    return bool(record.last_step) if what == "step" else record.state.is_final
 
 
 def main() -> dict:
@@ -94,10 +99,25 @@ def main() -> dict:
         cli("status_training", "status", "cli-run")
         with ThreadPoolExecutor(1) as beside:
             watching = beside.submit(cli, "watch", "watch", "cli-run")
-            first("cli-run", "commit")
             first_nodes = {node.instance_id: node.node_rank for node in stack.store.nodes("cli-run")}
             victim = next(instance for instance, rank in first_nodes.items() if rank == 1)
-            stack.cloud.fleet.kill(victim)
+            killed = threading.Event()
+            final_step = template["trainer"]["training"]["steps"]
+
+            def kill_at_the_next_commit(kind: str, key: str, body: bytes | None) -> None:
+                # As the marker is stored, not once the control plane hears of it (its events take
+                # seconds on a loaded machine): a commit the run makes after the commands above,
+                # never its final one, so that the kill falls while it trains.
+                step = marker_step(key) if kind == "write" and key.startswith("runs/cli-run/") else None
+                if step is not None and step < final_step and not killed.is_set():
+                    stack.cloud.fleet.kill(victim)
+                    killed.set()
+            with s3_requests.listen(kill_at_the_next_commit):
+                until(lambda: killed.is_set() or recorded(stack, "cli-run", "end"), stack.cloud.activity,
+                      what="cli-run's next commit, to kill node rank 1 at")
+            if not killed.is_set():
+                raise RuntimeError(f"cli-run trained to its end before the commands that look at it while it "
+                                   f"trains were done: steps of {STEP_S} s are too short for this machine")
             watching.result()
         cli("status_done", "status", "cli-run")
         cli("list", "list")

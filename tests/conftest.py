@@ -2,7 +2,6 @@
 
 import multiprocessing
 import os
-import resource
 import socket
 import time
 from collections.abc import Callable
@@ -60,26 +59,74 @@ def pytest_collection_modifyitems(items):
     items.sort(key=order)
 
 
+SHARED_LOCAL_RUNS = {"tests/test_agent_local_run.py": ("agent_local_run.py", "node-loss"),
+                     "tests/test_spares_local_run.py": ("agent_local_run.py", "spares"),
+                     "tests/test_scaling_check_local_run.py": ("agent_local_run.py", "poor-scaling")}
+"""Test modules whose local runs one script runs side by side on one deployed stack (tests/
+<script> SCENARIO ...): module -> (script, scenario). The runs do not meet, and a stack's set-up
+(a local cloud, a deploy, a warm image with torch, the instances' boots) is paid once for them
+all, their waits overlapping."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, the modules of one shared local run taken as one file: the worker that runs
+    the script runs every module that reads it."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedRunScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return SHARED_LOCAL_RUNS[file][0] if file in SHARED_LOCAL_RUNS else file
+
+    return SharedRunScheduling(config, log)
+
+
+_local_runs: dict[str, dict[str, dict]] = {}
+"""script -> scenario -> what the script printed for it, once a session (an xdist worker)."""
+
+
+def _repo_path(module) -> str:
+    return Path(module.__file__).relative_to(Path(__file__).parent.parent).as_posix()
+
+
+@pytest.fixture(scope="module")
+def local_run(request) -> dict:
+    """The requesting module's scenario of a shared local run (SHARED_LOCAL_RUNS), as its script
+    printed it. The first module to ask starts the script with the scenarios of every module of
+    the session that reads it (run alone, a module runs only its own)."""
+    from localcloud_helpers import run_scenario
+
+    script, scenario = SHARED_LOCAL_RUNS[_repo_path(request.module)]
+    if script not in _local_runs:
+        collected = {_repo_path(item.module) for item in request.session.items}
+        wanted = sorted(name for module, (of, name) in SHARED_LOCAL_RUNS.items() if of == script and module in collected)
+        _local_runs[script] = run_scenario(script, *wanted)
+    return _local_runs[script][scenario]
+
+
 TIMELINE_VARIABLE = "TRAINFLEET_TEST_TIMELINE"
 """Set to a file: each worker appends a line per test it ran (worker, file, start, end in seconds
-since the epoch, CPU seconds of the worker and the children it reaped), to see how the files were
+since the epoch, CPU seconds of the worker and every process below it), to see how the files were
 spread over the workers and what each cost (.ci/timeline.py)."""
-
-
-def cpu_seconds() -> float:
-    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    return sum(usage.ru_utime + usage.ru_stime for usage in used)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    started, cpu_before = time.time(), cpu_seconds()
-    yield
     path = os.environ.get(TIMELINE_VARIABLE)
-    if path:  # this hook runs where the test ran: a worker, or the one process without xdist
-        with open(path, "a") as timeline:
-            timeline.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {item.nodeid.split('::')[0]} "
-                           f"{started:.1f} {time.time():.1f} {cpu_seconds() - cpu_before:.1f}\n")
+    if not path:
+        yield
+        return
+    from localcloud.procfs import tree_cpu_seconds
+
+    started, cpu_before = time.time(), tree_cpu_seconds(os.getpid())
+    yield
+    # This hook runs where the test ran: a worker, or the one process without xdist.
+    with open(path, "a") as timeline:
+        timeline.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {item.nodeid.split('::')[0]} "
+                       f"{started:.1f} {time.time():.1f} {tree_cpu_seconds(os.getpid()) - cpu_before:.1f}\n")
 
 
 def free_port() -> int:

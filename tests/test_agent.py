@@ -9,15 +9,20 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import replace
+from types import SimpleNamespace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import boto3
 import pytest
+import torch.distributed as torch_store
 import torch.distributed.run as torchrun
+from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN, _NUM_MEMBERS
 
 from localcloud.imds import InstanceMetadata, InstanceMetadataServer
 from localcloud.waiting import until
@@ -27,6 +32,7 @@ from node.agent import (OUTPUT_TAIL_CHARS, AgentError, AgentSettings, Attempt, A
                         trainer_config)
 from trainer import checkpoint_catalog as catalog
 from trainer.progress import NODE_RANK_ENV, PROGRESS_FILE_ENV, Progress, read_progress, write_whole
+from trainer.repair_order import REPAIR_ORDER_ENV, RepairOrder, write_order
 from trainfleet.adapters.liveness import read_liveness
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.core.events import PROGRESS_SAMPLES_MAX, CheckpointReason
@@ -36,6 +42,9 @@ from trainfleet.core.records import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, Checkpoi
 from trainfleet.core.runspec import RunSpec
 
 from localcloud_helpers import table_from_template
+
+BARRIER_MEMBERS, BARRIER_LAST = _TERMINAL_STATE_SYNC_ID + _NUM_MEMBERS, _TERMINAL_STATE_SYNC_ID + _LAST_MEMBER_CHECKIN
+"""The keys of torchrun's exit barrier in the rendezvous store."""
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS_ENV = {"TRAINFLEET_RUN_NAME": "run-a", "TRAINFLEET_RUN_TABLE": "table",
@@ -370,6 +379,65 @@ def test_the_rank_0_node_announces_each_new_commit_once_with_progress(watched_at
         ("TrainingProgress", 21, None)]
     assert events[0]["detail"]["uri"] == store.step_uri(catalog.step_dir_name(20))
     assert all(event["detail"]["attempt"] == 1 and event["source"] == f"trainfleet/{IDENTITY.arn}" for event in events)
+
+
+def step_record(step: int) -> str:
+    return json.dumps({"step": step, "loss": 3.5, "tokens_per_s": 900.0, "step_time_s": 0.1, "time": time.time()}) + "\n"
+
+
+def repair_of(attempt, resume_step: int) -> LaunchSpec:
+    """The launch spec of the run's next attempt, repairing `attempt`'s world around this node,
+    written where the agent reads it."""
+    spec = launch_spec(attempt=attempt.spec.attempt + 1, resume_step=resume_step).model_copy(update={
+        "trainer_config": attempt.spec.trainer_config,
+        "repair": WorldRepair(generation=1, launched_attempt=attempt.spec.attempt, survivor_ids=[IDENTITY.instance_id])})
+    control = attempt.control
+    control.s3.put_object(Bucket=control.settings.bucket, Key="runs/run-a/launch-spec.json",
+                          Body=spec.model_dump_json().encode())
+    return spec
+
+
+def commits_sent(events: list[dict]) -> list[tuple[int, int]]:
+    return sorted((event["detail"]["step"], event["detail"]["attempt"]) for event in events
+                  if event["detail-type"] == "CheckpointCommitted")
+
+
+def test_a_repaired_world_announces_again_what_its_agent_announced_for_the_attempt_the_run_left(watched_attempt):
+    """A world trains on after its attempt failed (a Spot notice: until the leaving node is
+    terminated), and its commits are announced under the attempt the run left, which the control
+    plane drops as stale. The repaired attempt resumes from the commit Train found, older: the
+    commits past it are the new attempt's to announce, or the run's last commit goes unrecorded."""
+    attempt, store, sent = watched_attempt
+    attempt.files.metrics.write_text(step_record(21))
+    commit(store, 20)
+    attempt.follow()
+    attempt.look(run_record())
+    assert commits_sent(sent()) == [(20, 1)]
+    repair_of(attempt, resume_step=10)
+    attempt.repair_pending = 2
+    assert attempt.take_repaired_spec()
+    attempt.look(run_record())
+    assert commits_sent(sent()) == [(20, 2)]
+
+
+def test_a_world_that_trained_its_last_step_before_the_repair_order_completes_the_repaired_attempt(watched_attempt):
+    """Its trainer ended well at the run's last step while the control plane repaired its world
+    (the step committed after Train listed S3): nothing is left to train, which the node that
+    speaks for the world tells the repaired attempt, its last commit included; no crash."""
+    attempt, store, sent = watched_attempt
+    assert not attempt.trained_to_the_end
+    attempt.files.metrics.write_text(step_record(30))
+    write_whole(attempt.files.progress, "30")
+    commit(store, 30, reason=catalog.SaveReason.FINAL)
+    attempt.follow()
+    attempt.returncode = 0
+    assert attempt.trained_to_the_end
+    attempt.complete(repair_of(attempt, resume_step=20))
+    events = sent()
+    assert commits_sent(events) == [(30, 2)]
+    (completed,) = [event["detail"] for event in events if event["detail-type"] == "TrainingCompleted"]
+    assert (completed["attempt"], completed["final_step"]) == (2, 30)
+    assert completed["checkpoint_uri"] == store.step_uri(catalog.step_dir_name(30))
 
 
 def test_a_commit_pruned_between_listing_and_reading_is_skipped_not_the_end_of_the_agent(watched_attempt, monkeypatch):
@@ -773,10 +841,17 @@ def run_table(cloud) -> str:
     return table_from_template(cloud.client("dynamodb"), "RunTable")
 
 
-def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_service, tmp_path, monkeypatch, capsys):
-    """DynamoDB, S3 and EventBridge answer with their throttling errors for a while (real HTTP:
-    the local cloud's fault injection) while torchrun runs: each failed call is logged and tried
-    again later with backoff, and the trainer runs to its end."""
+THROTTLED_CALLS = {"dynamodb": {"read the run record", "write the liveness record"},
+                   "events": {"send TrainingProgress"}, "s3": {"list the committed checkpoints"}}
+"""What each throttled service's outage must have failed before it ends."""
+
+
+def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_service, tmp_path, monkeypatch):
+    """DynamoDB, S3 and EventBridge answer with their throttling errors while torchrun runs: each
+    failed call is logged and tried again later with backoff, and the trainer runs to its end. Each
+    outage lasts until the agent has logged the failure of the calls it answers (THROTTLED_CALLS),
+    and the trainer until every outage is over and a call succeeded again: on a loaded machine
+    the agent's calls come later, never in a fixed window."""
     name = f"agent-{uuid.uuid4().hex[:8]}"
     local_cloud.client("s3").create_bucket(Bucket=name)
     local_cloud.client("events").create_event_bus(Name=name)
@@ -794,25 +869,53 @@ def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_se
         "uri": f"s3://{name}/runs/run-a/checkpoints", "resume": "none"}}})
     attempt = Attempt(control, MetadataClient(), spec, confirm=lambda attempt: False)
     monkeypatch.setattr(agent, "poll_interval", lambda nodes, draw, hang_timeout_s, stepping: 0.2)  # many looks
+    logged: list[dict] = []
+    say = agent.say
+    monkeypatch.setattr(agent, "say", lambda message, /, **fields: (logged.append({"agent": message, **fields}),
+                                                                    say(message, **fields)))
     # A trainer that writes one metrics record (so this node heartbeats and sends progress) and
-    # trains on for 20 s.
-    trainer = ("import json, sys, time; open(sys.argv[1], 'w').write(json.dumps({'step': 1, 'loss': 1.0, "
-               "'tokens_per_s': 1.0, 'step_time_s': 0.1, 'time': time.time()}) + '\\n'); time.sleep(20)")
+    # trains on until told to end.
+    end = tmp_path / "end"
+    trainer = ("import json, os, sys, time; open(sys.argv[1], 'w').write(json.dumps({'step': 1, 'loss': 1.0, "
+               "'tokens_per_s': 1.0, 'step_time_s': 0.1, 'time': time.time()}) + '\\n')\n"
+               "while not os.path.exists(sys.argv[2]): time.sleep(0.1)")
     monkeypatch.setattr(agent, "torchrun_command", lambda spec, rank, identity, files: [
-        sys.executable, "-c", trainer, str(files.metrics)])
-    # S3 outlasts DynamoDB: the first looks that read the run record then list the commits. (The
-    # backoff with draw 0 doubles from 1 s: the liveness write fails at 0 s, the progress at 0.5 s,
-    # the run record read at 2.5 s; the read at 6.5 s succeeds, its look's listing fails.)
-    for service, seconds in (("dynamodb", 6.0), ("s3", 14.0), ("events", 3.0)):
-        local_cloud.throttle(service, seconds)
-    assert attempt.run() is None, "the attempt ran to torchrun's exit"
-    output = capsys.readouterr().out
-    logged = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
-    failed_calls = {line["call"] for line in logged if line["agent"].startswith("control plane call failed")}
-    assert {"read the run record", "write the liveness record", "send TrainingProgress",
-            "list the committed checkpoints"} <= failed_calls
+        sys.executable, "-c", trainer, str(files.metrics), str(end)])
+    # S3 outlasts DynamoDB: the listing of the commits comes at a look that read the run record.
+    for service in THROTTLED_CALLS:
+        local_cloud.throttle(service, 3600.0)
+    failed_calls: set[str] = set()
+    stalled: list[Exception] = []
+
+    def outages() -> None:
+        try:
+            throttled = set(THROTTLED_CALLS)
+            while throttled or control.failures:
+                until(lambda: [line for line in logged if line["agent"].startswith("control plane call failed")
+                               and line["call"] not in failed_calls] or (not throttled and not control.failures),
+                      lambda: len(logged), what="the agent's next call failed or succeeded", poll_s=0.05)
+                failed_calls.update(line["call"] for line in logged
+                                    if line["agent"].startswith("control plane call failed"))
+                for service in [service for service in throttled if THROTTLED_CALLS[service] <= failed_calls]:
+                    local_cloud.stop_failing_requests(service)
+                    throttled.discard(service)
+        except Exception as error:  # raised by the test, after the attempt it ends
+            stalled.append(error)
+        finally:
+            end.touch()
+
+    watching = threading.Thread(target=outages)
+    watching.start()
+    try:
+        assert attempt.run() is None, "the attempt ran to torchrun's exit"
+    finally:
+        end.touch()
+        watching.join()
+    if stalled:
+        raise stalled[0]
+    assert set().union(*THROTTLED_CALLS.values()) <= failed_calls
     assert not [line for line in logged if "stopping torchrun" in line["agent"]]
-    assert all(local_cloud.failed_requests[(service, "throttle")] for service in ("dynamodb", "s3", "events")), dict(local_cloud.failed_requests)
+    assert all(local_cloud.failed_requests[(service, "throttle")] for service in THROTTLED_CALLS), dict(local_cloud.failed_requests)
     assert control.failures == 0, "calls succeed again once the throttling is over"
 
 
@@ -974,3 +1077,43 @@ def test_torchrun_names_a_rendezvous_event_s_method_as_torch_does_without_inspec
 
     assert keep_alive(caller_name) == keep_alive(get_method_name) == "keep_alive"
     assert caller_name(depth=10_000) == get_method_name(depth=10_000) == "no_method_name"
+
+
+def _barrier_agent(store, nodes: int, timeout_s: float) -> SimpleNamespace:
+    """What torch's exit barrier reads of its elastic agent."""
+    return SimpleNamespace(_store=store, _worker_group=SimpleNamespace(group_world_size=nodes, state="SUCCEEDED"),
+                           _exit_barrier_timeout=timeout_s, _in_exit_barrier=False)
+
+
+def test_torchrun_s_exit_barrier_waits_for_every_node_of_its_world(monkeypatch, tmp_path):
+    from node.torchrun import exit_barrier
+
+    monkeypatch.setenv(REPAIR_ORDER_ENV, str(tmp_path / "no-order"))
+    host = torch_store.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=60), wait_for_workers=False)
+    peer, observer = (torch_store.TCPStore("127.0.0.1", host.port, 2, False, timedelta(seconds=60)) for _ in range(2))
+    arrived = threading.Thread(target=exit_barrier, args=(_barrier_agent(host, 2, 600),))
+    arrived.start()
+    until(lambda: observer.add(BARRIER_MEMBERS, 0) == 1, lambda: 0, what="the host at the barrier", poll_s=0.05)
+    assert arrived.is_alive(), "one of two nodes at the barrier: it waits"
+    exit_barrier(_barrier_agent(peer, 2, 600))
+    arrived.join()
+    assert observer.check([BARRIER_LAST])
+
+
+def test_torchrun_s_exit_barrier_counts_the_nodes_an_order_written_while_it_waits_says_are_gone(monkeypatch, tmp_path):
+    """A world that trained its last step while the control plane repaired it (a Spot notice near
+    the end) reached the barrier before its agent wrote the order: it must not wait out the
+    barrier's timeout for the node that left."""
+    from node.torchrun import exit_barrier
+
+    order = tmp_path / "repair-order.json"
+    monkeypatch.setenv(REPAIR_ORDER_ENV, str(order))
+    host = torch_store.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=60), wait_for_workers=False)
+    observer = torch_store.TCPStore("127.0.0.1", host.port, 2, False, timedelta(seconds=60))
+    waiting = threading.Thread(target=exit_barrier, args=(_barrier_agent(host, 2, 60),))
+    waiting.start()
+    until(lambda: observer.add(BARRIER_MEMBERS, 0) == 1, lambda: 0, what="the host at the barrier", poll_s=0.05)
+    write_order(order, RepairOrder(generation=1, store_host="127.0.0.1", store_port=1, host_node_rank=0, nodes=2,
+                                   launch_nodes_gone=1))
+    waiting.join()
+    assert observer.check([BARRIER_LAST]), "made whole by the nodes still there, not given up at its timeout"

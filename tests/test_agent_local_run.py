@@ -1,23 +1,18 @@
 """Real node agents and the real trainer through the deployed state machine on the local cloud
-(tests/agent_local_run.py runs each scenario in a process of its own; see its docstring): two
-nodes at pp=2, node rank 1's instance killed after the first committed checkpoint; and a trainer
-config the trainer refuses."""
+(tests/agent_local_run.py node-loss, run beside the session's other agent scenarios on one stack:
+tests/conftest.py local_run): two nodes at pp=2, node rank 1's instance killed after the first
+committed checkpoint."""
 
 from datetime import datetime
 
 import pytest
-from localcloud_helpers import run_scenario
 
 FINAL_STEP, CHECKPOINT_EVERY = 60, 10  # events/local-demo-run.json
 
 
-def agent_scenario(name: str) -> dict:
-    return run_scenario("agent_local_run.py", name)
-
-
 @pytest.fixture(scope="module")
-def scenario() -> dict:
-    return agent_scenario("node-loss")
+def scenario(local_run) -> dict:
+    return local_run
 
 
 @pytest.fixture(scope="module")

@@ -40,11 +40,10 @@ def test_the_demo_run_spec_keeps_the_local_floors():
 
 def test_a_local_run_spec_below_the_floors_a_starved_machine_can_reach_is_refused_naming_each():
     template = demo_template()
-    template["recovery"] |= {"startup_timeout_seconds": 120, "boot_timeout_seconds": 180}
-    template["trainer"]["parallel"]["timeout_s"] = 90  # still between the hang and start-up timeouts, as RunSpec wants
+    template["recovery"] |= {"startup_timeout_seconds": 200, "boot_timeout_seconds": 180}
     with pytest.raises(ValueError) as refused:
         local_run_spec(template, "demo-1", "bucket", "subnet-0123abcd", "sg-0123abcd")
-    assert "recovery.startup_timeout_seconds=120 is below the local floor of 300 s" in str(refused.value)
+    assert "recovery.startup_timeout_seconds=200 is below the local floor of 300 s" in str(refused.value)
     assert "recovery.boot_timeout_seconds=180 is below the local floor of 300 s" in str(refused.value)
     assert "hang_timeout" not in str(refused.value)
 

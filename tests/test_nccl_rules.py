@@ -269,11 +269,14 @@ def _lost_peer_rank(rank: int, port: int, environment: dict, scenario: str, out:
     except Exception as error:  # noqa: BLE001 (reported to the test)
         report["error"] = f"{type(error).__name__}: {error}"
     report |= {"value": value.tolist(), "failure": failure(world)}
-    try:
-        dist.all_reduce(value)
-        report["next"] = "ran"
-    except Exception as error:  # noqa: BLE001
-        report["next"] = f"{type(error).__name__}: {error}"
+    # Under no handling nothing aborts the failed group: a next op would wait out the store's
+    # timeout (120 s) for the lost peer, and the test of that scenario asks only for the wait's error.
+    if scenario != "wait after the failure was found":
+        try:
+            dist.all_reduce(value)
+            report["next"] = "ran"
+        except Exception as error:  # noqa: BLE001
+            report["next"] = f"{type(error).__name__}: {error}"
     Path(out, f"rank-{rank}.json").write_text(json.dumps(report))
     os._exit(0)  # its world is broken: nothing to close
 

@@ -5,12 +5,11 @@ its ranks' compute predicts, uniformly (no node to replace): the run ends there,
 figures and the slowest stage named, before it trains on, and every instance terminated."""
 
 import pytest
-from localcloud_helpers import run_scenario
 
 
 @pytest.fixture(scope="module")
-def run() -> dict:
-    return run_scenario("agent_local_run.py", "poor-scaling")["outcome"]
+def run(local_run) -> dict:
+    return local_run["outcome"]
 
 
 @pytest.mark.slow

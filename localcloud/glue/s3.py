@@ -5,11 +5,15 @@
   key nowhere, neither in Contents nor under a common prefix: a checkpoint step that retention
   pruned is gone from a listing, on S3 and here.
 - moto serves S3 without telling anyone what it was asked. `listen(listener)` calls
-  `listener(kind, key, body)` on every PutObject ("write", with the body written) and GetObject
-  ("read", body None) as it reaches the local S3, before it is served: the chaos cells see a
-  checkpoint being written or read from it, and the demo a checkpoint's commit the moment its
-  marker is written. The backend is wrapped when the first listener comes, and is inert while
-  none listens.
+  `listener(kind, key, body)` on every object stored ("write", with the body written: a
+  PutObject, a multipart upload completed) and every GetObject ("read", body None) as it reaches
+  the local S3, before it is served: the chaos cells see a checkpoint being written or read from
+  it, the demo a checkpoint's commit the moment its marker is written, the spares run that no
+  checkpoint state is read on its recovery path. A read is the GetObject request itself, not
+  moto's lookups of a key: moto looks the key up for every request naming one (an upload's parts
+  and completion, a conditional put, a HEAD), and a checkpoint being uploaded was heard as read.
+  The backend and the handler are wrapped when the first listener comes, and are inert while none
+  listens.
 """
 
 from __future__ import annotations
@@ -46,17 +50,18 @@ def _install() -> None:
         if _installed:
             return
         from moto.s3.models import S3Backend
-        put_object, get_object = S3Backend.put_object, S3Backend.get_object
+        from moto.s3.responses import S3Response
+        put_object, get_object = S3Backend.put_object, S3Response.get_object
 
         def put(self: Any, bucket_name: str, key_name: str, value: bytes, *args: Any, **kwargs: Any) -> Any:
             _heard("write", key_name, value)
             return put_object(self, bucket_name, key_name, value, *args, **kwargs)
 
-        def get(self: Any, bucket_name: str, key_name: str, *args: Any, **kwargs: Any) -> Any:
-            _heard("read", key_name, None)
-            return get_object(self, bucket_name, key_name, *args, **kwargs)
+        def get(self: Any) -> Any:
+            _heard("read", self.parse_key_name(), None)
+            return get_object(self)
 
-        S3Backend.put_object, S3Backend.get_object = put, get
+        S3Backend.put_object, S3Response.get_object = put, get
         _installed = True
 
 

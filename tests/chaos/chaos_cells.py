@@ -10,6 +10,11 @@ from pathlib import Path
 from localcloud.waiting import run_captured
 
 REPO = Path(__file__).resolve().parents[2]
+TOGETHER = 3
+"""Cells a module's process runs side by side (`make chaos` runs two modules at once): most of a
+cell's time is a wait for the product to tell a fault (a hang timeout, a frozen node's boot
+timeout, minutes), which one after another made the matrix of process faults alone run past 47
+minutes. Cells whose faults reach every run run alone (localcloud.chaos Cell.faults_every_run)."""
 
 
 def run_cells(names: list[str], together: int = 1) -> dict[str, dict]:

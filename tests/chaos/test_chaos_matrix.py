@@ -3,14 +3,14 @@
 for what each cell must show. The matrix is split in modules so that two pytest workers share it."""
 
 import pytest
-from chaos_cells import cell_tests
+from chaos_cells import TOGETHER, cell_tests
 
 from localcloud.chaos import MATRIX, Fault
 
 pytestmark = pytest.mark.chaos
 
 outcomes, test_the_cell_holds_every_promise = cell_tests(
-    [cell.name for cell in MATRIX if cell.fault in (Fault.KILL, Fault.FREEZE, Fault.HANG)])
+    [cell.name for cell in MATRIX if cell.fault in (Fault.KILL, Fault.FREEZE, Fault.HANG)], together=TOGETHER)
 
 
 def test_a_frozen_instance_is_a_hang_blamed_on_it_alone(outcomes):
