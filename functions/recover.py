@@ -6,7 +6,8 @@
    retry classifies the same failure of the same attempt, whatever the first try recorded.
    A crash or hang that names no node is checked against the nodes' liveness records and
    EC2's instance status first: the workers that failed silently are named, and replaced; a
-   hang's first sign is the world's last step there.
+   hang's first sign is the world's last step there, and a node named the first to fall silent
+   in an earlier hang too is replaced.
 2. Decide, and record the decision before acting on it: the ended attempt's time on the goodput
    ledger, a new attempt, the failure on the books, the blamed nodes TERMINATING, promoted spares
    made workers. Giving up raises RecoveryGaveUp, which the state machine sends to Teardown.
@@ -76,7 +77,7 @@ def name_silent_workers(run: RunRecord, nodes: list[NodeRecord], failure: Failur
     records = read_liveness(cloud.dynamodb, cloud.settings.liveness_table, run.run_name)
     named = blame_silent_workers(failure, nodes, records, datetime.now(timezone.utc),
                                  run.spec.recovery.hang_timeout_seconds, troubles)
-    return hang_onset(named, records, nodes, run.plan.ranks_per_node if run.plan else 1)
+    return hang_onset(named, records, nodes, run.plan.ranks_per_node if run.plan else 1, run.failures)
 
 
 def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport) -> RecoveryDecision:

@@ -1310,6 +1310,32 @@ def test_a_hang_names_the_node_whose_trainer_fell_silent_first():
     assert lc.first_silent(records, 0) is None and lc.first_silent(records[:1], 1) is None
 
 
+def test_a_node_named_the_first_to_fall_silent_in_a_second_hang_is_replaced():
+    silent = {"i-1": 3.0, "i-2": 7.5, "i-3": 3.4, "i-4": 3.2}  # seconds ago each trainer last gave a sign of life
+    records = [live(node_id, 41, 1).model_copy(update={"alive_at": T0 - timedelta(seconds=ago)})
+               for node_id, ago in silent.items()]
+    first = lc.hang_onset(report(FailureClass.HANG), records, RANKED, 8)
+    assert (first.first_silent, first.instance_ids) == ("i-2", []), "named once: not blamed"
+    run = make_run(latest_checkpoint=CheckpointRef(step=40, uri="s3://b/runs/r1/step-40"))
+    run = lc.apply_decision(run, first, lc.decide_recovery(run, RANKED, first, 0.0, T0), T0)
+    assert run.failures[-1].first_silent == "i-2" and run.failures[-1].instance_ids == []
+
+    # The next attempt hangs again with i-2's trainer silent first (after a commit: no loop).
+    again = [record.model_copy(update={"attempt": 2}) for record in records]
+    second = lc.hang_onset(report(FailureClass.HANG, attempt=2), again, RANKED, 8, run.failures)
+    assert second.instance_ids == ["i-2"] and "named so in attempt 1's hang too: replaced" in second.message
+    run = run.model_copy(update={"latest_checkpoint": CheckpointRef(step=50, uri="s3://b/runs/r1/step-50")})
+    decision = lc.decide_recovery(run, [*RANKED, SPARE], second, 0.0, T0 + timedelta(hours=1))
+    assert decision.action is RecoveryAction.REPLACE and decision.terminate_instance_ids == ["i-2"]
+    assert decision.promote_spare_ids == ["i-9"]
+    # Another node falling silent first is named, not blamed; a hang already blaming a node keeps it.
+    other = [record.model_copy(update={"alive_at": T0 - timedelta(seconds=9)}) if record.instance_id == "i-3"
+             else record for record in again]
+    assert lc.hang_onset(report(FailureClass.HANG, attempt=2), other, RANKED, 8, run.failures).instance_ids == []
+    blamed = report(FailureClass.HANG, "i-4", attempt=2)
+    assert lc.hang_onset(blamed, again, RANKED, 8, run.failures).instance_ids == ["i-4"]
+
+
 def test_a_capacity_block_stops_the_run_before_ec2_ends_its_instances():
     stop_by = T0 + timedelta(hours=2)
     run = make_run(capacity_stop_by=stop_by, latest_checkpoint=CheckpointRef(step=40, uri="s3://b/runs/r1/step-40"))

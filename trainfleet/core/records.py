@@ -227,6 +227,8 @@ class FailureReport(Strict):
     observed_at: datetime | None = None
     """The failure's first sign: when AWS or an agent observed it (the event's time); None when
     only its consequence was seen (a task timeout)."""
+    first_silent: str | None = None
+    """A hang's node whose trainer fell silent clearly first (lifecycle.first_silent), if one did."""
 
 
 class ParallelPlan(Strict):
@@ -389,6 +391,8 @@ class FailureRecord(Strict):
     to resume from the nodes' memory; taken back (booked redone) if it resumed from S3 after all."""
     instance_ids: list[str] = Field(default_factory=list)
     """The nodes blamed."""
+    first_silent: str | None = None
+    """A hang's node whose trainer fell silent clearly first: named a second time, it is blamed."""
     message: str = ""
     """For people: what was seen."""
     recovery: RecoveryKind | None = None

@@ -296,7 +296,7 @@ def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDec
         failure_class=failure.failure_class, at=now,
         resume_step=run.latest_checkpoint.step if run.latest_checkpoint else None, attempt=failure.attempt,
         onset_at=failure.observed_at, last_step=run.last_step if run.first_step_at else None,
-        instance_ids=failure.instance_ids, message=clipped(failure.message),
+        instance_ids=failure.instance_ids, first_silent=failure.first_silent, message=clipped(failure.message),
         kept_on_memory_seconds=kept_on_memory_seconds, decision=clipped(decision.reason),
         recovery=RecoveryKind.GAVE_UP if decision.action is RecoveryAction.GIVE_UP else
         RecoveryKind.REPAIRED if decision.repair else RecoveryKind.RESTARTED)]
