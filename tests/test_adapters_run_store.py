@@ -1,5 +1,6 @@
 """DynamoDB run store on moto, with the table exactly as template.yaml declares it."""
 
+import threading
 import uuid
 from pathlib import Path
 
@@ -195,3 +196,68 @@ def test_a_long_runs_failures_stay_within_one_dynamodb_item(store):
     assert len(run.failures) <= 60 and all(len(failure.message) <= 605 for failure in run.failures)
     assert run.failures[-1].message.startswith("raised above: RuntimeError")
     assert len(run.model_dump_json()) < 100_000
+
+
+def _run_table(client) -> str:
+    props = load_template(TEMPLATE)["Resources"]["RunTable"]["Properties"]
+    name = f"runs-{uuid.uuid4().hex[:8]}"
+    client.create_table(TableName=name, BillingMode=props["BillingMode"], KeySchema=props["KeySchema"],
+                        AttributeDefinitions=props["AttributeDefinitions"],
+                        GlobalSecondaryIndexes=props["GlobalSecondaryIndexes"])
+    return name
+
+
+def test_workers_confirming_at_once_never_conflict_and_are_counted_exactly(local_cloud):
+    """Hundreds of NodeReady at a (re)start, in concurrent batches: DynamoDB (and the local cloud)
+    cancels concurrent transactions on one item, and a count kept in the node write's transaction
+    made every confirmation meet on the WORLD item until some lost all their tries."""
+    client = local_cloud.client("dynamodb")
+    store = RunStore(client, _run_table(client))
+    name = new_run(store)
+    ids = [f"i-{n:03d}" for n in range(192)]
+    for instance_id in ids:
+        store.add_node(NodeRecord(run_name=name, instance_id=instance_id, role=NodeRole.WORKER,
+                                  state=NodeState.REGISTERED, private_ip="10.0.0.1"))
+    lost, barrier = [], threading.Barrier(32)
+
+    def confirm_some(share: list[str]) -> None:
+        own = RunStore(local_cloud.client("dynamodb"), store.table)  # a handler of its own
+        barrier.wait(timeout=60)
+        for instance_id in share:
+            try:
+                own.transition_node(name, instance_id, NodeState.READY, ready_attempt=0)
+            except StaleRecord as exc:
+                lost.append(str(exc))
+
+    threads = [threading.Thread(target=confirm_some, args=(ids[n::32],)) for n in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert lost == [] and store.ready_workers(name, 0) == len(ids)
+
+
+def test_a_count_change_its_write_left_unsettled_is_made_once_by_the_next_write(store, monkeypatch):
+    """The node write records what the count owes: an invocation that fails after it (DynamoDB
+    down, a timeout) leaves the count to the event's retry, which finds nothing to change."""
+    name = new_run(store)
+    instance_id = f"i-1-{name}"
+    store.add_node(NodeRecord(run_name=name, instance_id=instance_id, role=NodeRole.WORKER,
+                              state=NodeState.REGISTERED, private_ip="10.0.0.1"))
+    update_item = store.db.update_item
+
+    def down(**request):
+        raise store.db.exceptions.InternalServerError({"Error": {"Code": "InternalServerError"}}, "UpdateItem")
+
+    monkeypatch.setattr(store.db, "update_item", down)
+    with pytest.raises(store.db.exceptions.InternalServerError):
+        store.transition_node(name, instance_id, NodeState.READY, ready_attempt=0)
+    assert store.ready_workers(name, 0) == 0 and store.node(name, instance_id).state is NodeState.READY
+    monkeypatch.setattr(store.db, "update_item", update_item)
+    store.transition_node(name, instance_id, NodeState.READY, ready_attempt=0)  # the event's retry: no change
+    assert store.ready_workers(name, 0) == 1
+    store.transition_node(name, instance_id, NodeState.READY, ready_attempt=0)
+    store.modify_node(name, instance_id, lambda node: node.model_copy(update={"reason": "again"}))
+    assert store.ready_workers(name, 0) == 1, "counted once"
+    store.transition_node(name, instance_id, NodeState.UNHEALTHY)
+    assert store.ready_workers(name, 0) == 0
