@@ -69,12 +69,15 @@ instance's process. It speaks to the control plane only through AWS:
    replacement, or one whose trainer ended) starts `torchrun --standalone` with the order.
 
 A failed control-plane call (throttling, a 5xx answer, a connection error, a timeout) is logged
-and tried again at a later look with backoff; it never stops torchrun. When the run is over, or
-the control plane has been unreachable for UNREACHABLE_LIMIT_S while its trainer showed no
-progress as long, the agent ends its instance (the launch template's shutdown behaviour is
-terminate), so no instance outlives its run unwatched. A trainer that makes progress keeps its
-node through any outage (a regional DynamoDB outage would otherwise end every node of every run
-a quarter of an hour in); an instance its run left behind is the reaper's to end.
+and tried again at a later look with backoff; it never stops torchrun. When the run is over, when
+the stack's table, bus or bucket has answered for UNREACHABLE_LIMIT_S that it no longer exists
+(a deleted stack: the retained bucket still serves the launch spec), or when no AWS service has
+answered for as long while its trainer showed no progress (the node is cut off), the agent ends
+its instance (the launch template's shutdown behaviour is terminate), so no instance outlives its
+run unwatched. An outage, a service that answers with errors, ends no instance however long it
+lasts: a regional DynamoDB outage of hours would otherwise end every node whose trainer waits on
+a lost peer, and the run that the state machine keeps through it would come back to no fleet; an
+instance its run left behind is the reaper's to end.
 """
 
 from __future__ import annotations
@@ -134,8 +137,11 @@ RETRY_MAX_S = 60.0
 """Longest wait before a failed control-plane call is tried again (backoff doubles up to it, or
 up to the run's longest look, if that is shorter)."""
 UNREACHABLE_LIMIT_S = 900.0
-"""Control plane unreachable this long, and the node's trainer silent as long: nothing can tell
-the agent its run is over, so it ends its instance rather than leave it running unwatched."""
+"""No AWS service answered for this long, and the node's trainer silent as long (the node is cut
+off), or the stack's resources gone as long: nothing can tell the agent its run is over, so it
+ends its instance rather than leave it running unwatched."""
+GONE_CODES = frozenset({"ResourceNotFoundException", "NoSuchBucket"})
+"""What AWS answers once the stack's table, bus or bucket is deleted: the run is gone, not out of reach."""
 CLIENT_RETRIES = {"max_attempts": 5, "mode": "standard"}
 """botocore's own quick retries of a throttled or failed call, before the agent's backoff."""
 TRANSIENT_ERRORS = (ClientError, BotoCoreError)
@@ -325,7 +331,7 @@ class MetadataClient(IMDSFetcher):
 # --- the control plane, as the agent reaches it -------------------------------------------
 
 class Unreachable(AgentError):
-    """The control plane did not answer for UNREACHABLE_LIMIT_S."""
+    """The control plane is gone or out of reach (UNREACHABLE_LIMIT_S)."""
 
 
 class ControlPlane:
@@ -356,7 +362,13 @@ class ControlPlane:
         self.next_spec_read = -math.inf
         """clock() when read_launch_spec_soon reads the launch spec next."""
         self.failures = 0
-        self.failing_since: float | None = None
+        self.answered_at = clock()
+        """clock() when an AWS service last answered, with a result or an error: throttling and
+        5xx answers (an outage) are answers, a connection that fails or times out is none."""
+        self.gone_since: float | None = None
+        """clock() of the first answer since the run record was last read that the stack's table,
+        bus or bucket no longer exists (GONE_CODES): whatever else still answers (the bucket is
+        retained), the run is over."""
         self.trainer_alive_at = -math.inf
         """clock() when this node's trainer last showed progress (the attempt's heartbeat thread
         sets it): while it does, no outage ends the instance."""
@@ -381,15 +393,19 @@ class ControlPlane:
             self.next_look = min(self.next_look, self.clock() + self.pace())
 
     def call(self, what: str, action: Callable[[], T]) -> T | None:
-        """`action()`, or None when it failed: the failure is logged, the next look backs off,
-        and one that outlasts UNREACHABLE_LIMIT_S, with the trainer silent as long, raises
-        Unreachable."""
+        """`action()`, or None when it failed: the failure is logged and the next look backs off.
+        Unreachable when the stack's resources have been gone, or no service has answered with
+        the trainer silent, for UNREACHABLE_LIMIT_S. An outage (throttling, 5xx answers) of any
+        length ends no instance: the control plane waits it out too, and then needs the fleet."""
+        now = self.clock()
         try:
             result = action()
         except TRANSIENT_ERRORS as exc:
-            now = self.clock()
             self.failures += 1
-            self.failing_since = self.failing_since if self.failing_since is not None else now
+            if isinstance(exc, ClientError):
+                self.answered_at = now
+                if exc.response.get("Error", {}).get("Code") in GONE_CODES and self.gone_since is None:
+                    self.gone_since = now
             # Never beyond the paced look: an agent silent for a few looks counts as lost
             # (lifecycle.liveness), and one look a pace is the load the pace allows anyway.
             longest = longest_look(self.run_nodes, self.hang_timeout_s)
@@ -397,11 +413,15 @@ class ControlPlane:
             self.next_look = max(self.next_look, now + wait)
             say("control plane call failed; trying again later", call=what, error=str(exc),
                 failures=self.failures, retry_in_s=round(wait, 1))
-            if min(now - self.failing_since, now - self.trainer_alive_at) > self.settings.unreachable_limit_s:
-                raise Unreachable(f"the control plane has not answered for {now - self.failing_since:.0f} s "
+            limit = self.settings.unreachable_limit_s
+            if self.gone_since is not None and now - self.gone_since > limit:
+                raise Unreachable(f"the stack's resources have been gone for {now - self.gone_since:.0f} s "
+                                  f"({exc})") from exc
+            if min(now - self.answered_at, now - self.trainer_alive_at) > limit:
+                raise Unreachable(f"no AWS service has answered for {now - self.answered_at:.0f} s "
                                   "and this node's trainer made no progress as long") from exc
             return None
-        self.failures, self.failing_since = 0, None
+        self.failures, self.answered_at = 0, now
         return result
 
     def look_at_run(self) -> RunRecord | None:
@@ -410,6 +430,7 @@ class ControlPlane:
             return None
         run = self.call("read the run record", lambda: self.store.run(self.settings.run_name, consistent=False))
         if run is not None:
+            self.gone_since = None
             self.run_nodes = run.spec.node_count + run.spec.spare_count
             self.hang_timeout_s = run.spec.recovery.hang_timeout_seconds
         return run

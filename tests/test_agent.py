@@ -847,36 +847,63 @@ def control_on_a_clock(local_cloud, tmp_path, monkeypatch) -> tuple[ControlPlane
     return control, clock
 
 
-def test_an_unreachable_control_plane_ends_the_instance_after_the_limit(local_cloud, metadata_service, tmp_path,
-                                                                       monkeypatch):
+def test_a_node_cut_off_from_every_service_ends_its_instance_after_the_limit(tmp_path):
+    """No answer at all (every connection fails) for the limit, with the trainer silent as long:
+    nothing can tell the agent its run is over. A trainer that makes progress keeps its node."""
+    from botocore.exceptions import EndpointConnectionError
+    clock = {"now": 0.0}
+    control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV), workdir=tmp_path), IDENTITY,
+                           clock=lambda: clock["now"])
+
+    def cut_off():
+        raise EndpointConnectionError(endpoint_url="https://dynamodb.us-east-1.amazonaws.com")
+
+    control.trainer_alive_at = 0.0
+    clock["now"] = agent.UNREACHABLE_LIMIT_S
+    assert control.call("read the run record", cut_off) is None
+    clock["now"] += 1
+    control.trainer_alive_at = clock["now"]  # still training: kept
+    assert control.call("read the run record", cut_off) is None
+    clock["now"] += agent.UNREACHABLE_LIMIT_S + 1
+    with pytest.raises(agent.Unreachable, match="no AWS service has answered for [0-9]+ s and this node's trainer made no progress"):
+        control.call("read the run record", cut_off)
+
+
+def test_an_outage_of_hours_ends_no_node_even_with_its_trainer_silent(local_cloud, tmp_path, monkeypatch):
+    """A regional DynamoDB outage of hours (us-east-1 had one): DynamoDB answers, with errors. A
+    node lost inside it leaves its peers' trainers waiting on it, silent; had their agents ended
+    their instances a quarter of an hour in, the run the state machine keeps through the outage
+    would have come back to no fleet."""
     control, clock = control_on_a_clock(local_cloud, tmp_path, monkeypatch)
-    local_cloud.throttle("dynamodb", 30.0)
-    assert control.look_at_run() is None  # failed: logged, tried again later
-    clock["now"] += agent.UNREACHABLE_LIMIT_S - 1
-    assert control.look_at_run() is None
-    clock["now"] += agent.RETRY_MAX_S  # the backoff is over; the limit too
-    with pytest.raises(agent.Unreachable, match="has not answered for 9[0-9][0-9] s and this node's trainer"):
-        control.look_at_run()
+    local_cloud.fail_requests("dynamodb", 600.0, "error")  # real seconds: far longer than the test
+    control.trainer_alive_at = 0.0  # the trainer fell silent as the outage began
+    while clock["now"] < 2 * 3600:
+        assert control.call("read the run record", lambda: control.store.run("run-a")) is None
+        clock["now"] += 300
     local_cloud.stop_failing_requests()
-    clock["now"] += agent.RETRY_MAX_S
     assert control.look_at_run().run_name == "run-a" and control.failures == 0
 
 
-def test_an_outage_never_ends_a_node_whose_trainer_makes_progress(local_cloud, tmp_path, monkeypatch):
-    """A DynamoDB outage of an hour (us-east-1 had one of hours): workers that train keep their
-    instances; a trainer that falls silent as long as the limit ends its node as before."""
+def test_an_idle_agent_ends_its_instance_once_its_stack_is_gone(local_cloud, tmp_path, monkeypatch):
+    """A deleted stack keeps its bucket (retained), so the launch spec still reads; the run table
+    and the bus answer that they are gone. Judged by what each service answers, not by whether
+    some call succeeded, the agent ends its instance after the limit."""
     control, clock = control_on_a_clock(local_cloud, tmp_path, monkeypatch)
-    local_cloud.throttle("dynamodb", 600.0)  # real seconds: far longer than the test
-    while clock["now"] < 3600:
-        control.trainer_alive_at = clock["now"]  # a sign of life every 5 minutes, say
+    bucket = f"agent-{uuid.uuid4().hex[:8]}"
+    s3 = local_cloud.client("s3")
+    s3.create_bucket(Bucket=bucket)
+    control.settings = replace(control.settings, bucket=bucket)
+    s3.put_object(Bucket=bucket, Key="runs/run-a/launch-spec.json", Body=b"{}")
+    assert control.look_at_run() is not None
+    local_cloud.client("dynamodb").delete_table(TableName=control.settings.run_table)
+    read_spec = lambda: s3.get_object(Bucket=bucket, Key="runs/run-a/launch-spec.json")  # noqa: E731
+    while clock["now"] <= agent.UNREACHABLE_LIMIT_S:
+        control.trainer_alive_at = clock["now"]  # even a trainer that steps: no one will read its work
+        assert control.call("read the launch spec", read_spec) is not None
         assert control.call("read the run record", lambda: control.store.run("run-a")) is None
-        clock["now"] += 300
-    clock["now"] += agent.UNREACHABLE_LIMIT_S - 300  # the trainer fell silent when the clock read 3300
-    assert control.call("read the run record", lambda: control.store.run("run-a")) is None
-    clock["now"] += 1
-    with pytest.raises(agent.Unreachable, match="has not answered for 4[0-9]{3} s"):
+        clock["now"] += 60
+    with pytest.raises(agent.Unreachable, match="the stack's resources have been gone for 9[0-9][0-9] s"):
         control.call("read the run record", lambda: control.store.run("run-a"))
-    local_cloud.stop_failing_requests()
 
 
 @pytest.mark.parametrize("nodes, hang_timeout_s, looks_per_s", [
