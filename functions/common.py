@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict
 from functions.errors import CapacityUnavailable, TransientError
 from trainfleet.adapters.ec2_fleet import CAPACITY_ERROR_CODES, Allocation
 from trainfleet.adapters.run_store import RunStore
+from trainfleet.core.events import instance_arn
 from trainfleet.core.lifecycle import may_start, new_node_records
 from trainfleet.core.records import (FAILURE_ERROR, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                      RunRecord, RunRef, TaskWait)
@@ -72,6 +73,18 @@ class Aws:
     s3 = _client("s3")
     iam = _client("iam")
     sfn = _client("stepfunctions")
+    sts = _client("sts")
+
+    @cached_property
+    def _instance_arn_parts(self) -> tuple[str, str, str]:
+        """(partition, region, account) of this function's instances: GetCallerIdentity needs no
+        permission and names the partition and account in the function's own ARN."""
+        _, partition, _, _, account = self.sts.get_caller_identity()["Arn"].split(":", 5)[:5]
+        return partition, self.ec2.meta.region_name, account
+
+    def instance_arn(self, instance_id: str) -> str:
+        """The ARN of an instance of this stack: ec2:SourceInstanceARN of its requests."""
+        return instance_arn(*self._instance_arn_parts, instance_id)
 
 
 # Throttling and 5xx answers of EC2, DynamoDB, S3 and Step Functions are retried in the client

@@ -498,7 +498,7 @@ class ControlPlane:
 
     def report_liveness(self, record: NodeLiveness) -> None:
         self.call("write the liveness record", lambda: write_liveness(
-            self.store.db, self.settings.liveness_table, self.settings.run_name, record))
+            self.store.db, self.settings.liveness_table, self.settings.run_name, self.identity.arn, record))
 
     def heartbeat(self, token: str) -> None:
         """SendTaskHeartbeat, from the attempt's heartbeat thread. A failure is logged and the next

@@ -701,7 +701,8 @@ def test_a_checkpoint_the_run_asks_for_is_requested_once_and_liveness_is_reporte
     attempt.files.checkpoint_request.unlink()  # the trainer consumed it
     attempt.look(asked)
     assert not attempt.files.checkpoint_request.exists(), "one request, one checkpoint"
-    (record,) = read_liveness(attempt.control.store.db, attempt.control.settings.liveness_table, "run-a")
+    (record,) = read_liveness(attempt.control.store.db, attempt.control.settings.liveness_table, "run-a",
+                              [IDENTITY.arn])
     assert (record.instance_id, record.attempt, record.step) == ("i-0aaa", 1, 12)
     assert record.alive_at is not None and record.alive_at <= record.reported_at  # the progress file's change
 

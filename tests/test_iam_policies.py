@@ -163,8 +163,14 @@ def test_node_role_lists_only_its_prefixes(rendered, context, expected):
     ("dynamodb:Query", f"{TABLE}/index/by-instance", {"dynamodb_LeadingKeys": ["i-0a"]}, IMPLICIT_DENY),
     ("dynamodb:Scan", TABLE, {}, IMPLICIT_DENY),
     ("dynamodb:PutItem", TABLE, {"dynamodb_LeadingKeys": ["RUN#r"]}, IMPLICIT_DENY),
-    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": ["r"]}, ALLOW),
-    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": ["other"]}, IMPLICIT_DENY),
+    # Its own liveness record alone: not a peer's of its run, which could get the peer terminated.
+    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": [f"r#{NODE}"], "ec2_SourceInstanceARN": NODE}, ALLOW),
+    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": [f"r#{PEER}"], "ec2_SourceInstanceARN": NODE},
+     IMPLICIT_DENY),
+    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": [f"other#{NODE}"], "ec2_SourceInstanceARN": NODE},
+     IMPLICIT_DENY),
+    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": ["r"], "ec2_SourceInstanceARN": NODE}, IMPLICIT_DENY),
+    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": [f"r#{NODE}"]}, IMPLICIT_DENY),  # no instance's session
     ("events:PutEvents", f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{STACK}-AgentEventBus-x",
      {"events_source": f"trainfleet/{NODE}", "ec2_SourceInstanceARN": NODE}, ALLOW),
     ("events:PutEvents", f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{STACK}-AgentEventBus-x",

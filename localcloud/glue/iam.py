@@ -297,6 +297,14 @@ def authorizations(request: IAMRequestBase,
                 item_action = "ConditionCheckItem" if operation == "ConditionCheck" else f"{operation}Item"
                 yield (f"dynamodb:{item_action}", _table_arn(detail["TableName"], region, account), context,
                        unevaluated)
+    elif (service, action) in (("dynamodb", "BatchGetItem"), ("dynamodb", "BatchWriteItem")):
+        # Authorized on each table the request names, with the partition keys it names there.
+        for table, requested in _json_body(request).get("RequestItems", {}).items():
+            entries = requested["Keys"] if action == "BatchGetItem" else [
+                entry.get("PutRequest", {}).get("Item") or entry.get("DeleteRequest", {}).get("Key") for entry in requested]
+            leading = sorted({value for key in entries for value in _leading_keys(request, {"Key": key}, table, None)})
+            yield (request._action, _table_arn(table, region, account),
+                   context | ({"dynamodb:LeadingKeys": leading} if leading else {}), unevaluated)
     elif service == "dynamodb":
         body = _json_body(request)
         table = body.get("TableName")

@@ -6,14 +6,10 @@ Every agent looks at the control plane once per `poll_interval` (5-10 s, drawn, 
 looks spread out; longer in runs above FULL_RATE_NODES nodes, so that a run's agents together
 make at most about FULL_RATE_NODES / 7.5 = 34 looks a second whatever the node count; shorter
 when the hang timeout is, so a frozen node's agent is known silent by the time its hang is
-declared). A look is one eventually consistent GetItem of the run record (0.5 RCU per 4 KB) and,
-while its trainer runs, one S3 PUT of its own liveness record (NodeLiveness). So a run's
-partition of the run table serves at most 34 reads a second (512 nodes: at most 2 RCU each for a
-run record under 16 KB: 68 RCU of the partition's 3,000), and the agents write nothing to it. The
-liveness records go to S3, one object per node: S3 takes 3,500 PUTs a second per prefix, the
-nodes' role already writes `runs/*`, and it needs no write access to the run table, where a node
-could otherwise overwrite the run's records. (The same records as items of the run's partition
-would be at most 34 WCU of its 1,000, fine for DynamoDB too.)
+declared). A look is one eventually consistent read of the run's state and, while its trainer
+runs, one write of its own liveness record (NodeLiveness) to the liveness table, keyed by its
+instance (trainfleet/adapters/liveness.py): the nodes' role needs no write access to the run
+table, where a node could otherwise overwrite the run's records.
 """
 
 from collections.abc import Mapping, Sequence
