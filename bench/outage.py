@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from localcloud.demo import DEMO_RUN_SPEC  # noqa: E402
 from localcloud.stack import LocalRun, LocalStack, local_stack, metrics_records  # noqa: E402
 from localcloud.waiting import until  # noqa: E402
-from trainfleet.adapters.run_store import RunStore  # noqa: E402
+from trainfleet.adapters.run_store import RunNotFound, RunStore  # noqa: E402
 from trainfleet.core.records import LaunchSpec, RunRecord, RunState  # noqa: E402
 
 SAMPLE_S = 10.0
@@ -81,7 +81,10 @@ def main() -> int:
             """Whether the run trains an attempt from `attempt` on and it took a step."""
             if stack.ended(run)():
                 raise RuntimeError(f"the run ended: {stack.status(run)}")
-            current = record()
+            try:
+                current = record()
+            except RunNotFound:  # not validated yet
+                return False
             return (current.attempt >= attempt and current.state is RunState.TRAINING
                     and current.first_step_at is not None)
 

@@ -20,8 +20,8 @@ instance's process. It speaks to the control plane only through AWS:
 4. at each look at the control plane (every 5-10 s, drawn; less often in very large runs, so a
    run's read rate stays bounded, and more often with a hang timeout under about 35 s, so a
    silent agent is known silent before a hang is declared: lifecycle.poll_interval) it reads the
-   run record: it confirms
-   its readiness (NodeReady) for each attempt the run moves to, and once the run trains an
+   run's control item (RunRecord.control: a few hundred bytes, however large the run record
+   grows): it confirms its readiness (NodeReady) for each attempt the run moves to, and once the run trains an
    attempt newer than its last it reads `s3://BUCKET/runs/RUN/launch-spec.json` and, if the spec
    names it, runs torchrun for it: nnodes = the plan's nodes, c10d rendezvous at node rank 0's
    private IP, the trainer config from the spec written to a YAML file, resume as the spec says,
@@ -123,7 +123,7 @@ from trainfleet.core.events import (PROGRESS_SAMPLES_MAX, AgentEvent, Checkpoint
 from trainfleet.core.lifecycle import checkpoint_request_answered, poll_interval
 from trainfleet.core.node_access import node_log_stream
 from trainfleet.core.pace import CADENCE_WINDOW, LAUNCH_SPEC_POLL_S, heartbeat_pace, hung_after, longest_look, stalled
-from trainfleet.core.records import (FleetCheckFigures, LaunchSpec, NodeLiveness, NodeRecord, RunRecord, RunState,
+from trainfleet.core.records import (FleetCheckFigures, LaunchSpec, NodeLiveness, NodeRecord, RunControl, RunState,
                                      ScalingCheckFigures, StateRestoredFigures, TrainerFailureKind)
 from trainfleet.core.runspec import HOST_MEMORY_DIR
 
@@ -353,7 +353,7 @@ class ControlPlane:
         self.run_nodes = 1
         """The run's node count (workers and spares): the pace of the looks depends on it."""
         self.hang_timeout_s = math.inf
-        """The run's hang timeout, and so the pace of the looks, once a look read the run record
+        """The run's hang timeout, and so the pace of the looks, once a look read the run
         (unknown before: the usual pace)."""
         self.stepping = False
         """Whether this node's trainer steps now (Attempt.follow): the looks are paced by the
@@ -366,7 +366,7 @@ class ControlPlane:
         """clock() when an AWS service last answered, with a result or an error: throttling and
         5xx answers (an outage) are answers, a connection that fails or times out is none."""
         self.gone_since: float | None = None
-        """clock() of the first answer since the run record was last read that the stack's table,
+        """clock() of the first answer since the run was last read that the stack's table,
         bus or bucket no longer exists (GONE_CODES): whatever else still answers (the bucket is
         retained), the run is over."""
         self.trainer_alive_at = -math.inf
@@ -424,16 +424,19 @@ class ControlPlane:
         self.failures, self.answered_at = 0, now
         return result
 
-    def look_at_run(self) -> RunRecord | None:
-        """The run record, when a look is due and it could be read; paces the next look."""
+    def look_at_run(self) -> RunControl | None:
+        """The run's control item, when a look is due and it could be read; paces the next look."""
         if not self.take_look():
             return None
-        run = self.call("read the run record", lambda: self.store.run(self.settings.run_name, consistent=False))
+        run = self.read_run()
         if run is not None:
             self.gone_since = None
-            self.run_nodes = run.spec.node_count + run.spec.spare_count
-            self.hang_timeout_s = run.spec.recovery.hang_timeout_seconds
+            self.run_nodes, self.hang_timeout_s = run.nodes, run.hang_timeout_seconds
         return run
+
+    def read_run(self) -> RunControl | None:
+        """The run as its agents see it (RunStore.run_control), or None when it could not be read."""
+        return self.call("read the run record", lambda: self.store.run_control(self.settings.run_name))
 
     # --- calls ---
 
@@ -856,8 +859,8 @@ class Attempt:
         """torchrun's process (the stand-in's: the agent's own)."""
         self.repair_pending: int | None = None
         """The attempt that repairs this node's world and keeps its trainer, until its launch spec is read."""
-        self.run_seen: RunRecord | None = None
-        """The run record at the last look."""
+        self.run_seen: RunControl | None = None
+        """The run at the last look."""
         self.node_rank = spec.node_ranks[self.identity.instance_id]
         self.files = AttemptFiles(control.settings.workdir / f"attempt-{spec.attempt}")
         self.metrics = MetricsFollower(self.files.metrics)
@@ -903,9 +906,9 @@ class Attempt:
         self.checks_reported: set[str] = set()
         """WORLD_CHECKS whose result the control plane took."""
 
-    def run(self) -> RunRecord | None:
-        """Run torchrun until it exits or the run leaves this attempt; the run record that showed
-        the run had left it, if that is what ended it."""
+    def run(self) -> RunControl | None:
+        """Run torchrun until it exits or the run leaves this attempt; the run as the look that
+        showed it had left it saw it, if that is what ended it."""
         self.files.folder.mkdir(parents=True, exist_ok=True)
         self.files.config.write_text(yaml.safe_dump(
             trainer_config(self.spec, self.files, self.control.settings.host_memory_dir), sort_keys=False))
@@ -957,18 +960,18 @@ class Attempt:
         self.report_exit(process.returncode)
         return None
 
-    def left_behind(self, run: RunRecord) -> bool:
+    def left_behind(self, run: RunControl) -> bool:
         """Whether the run has left this attempt (a failure moved it on, or it finished)."""
         return run.attempt > self.spec.attempt or run.state.is_final
 
-    def awaits_repair(self, run: RunRecord) -> bool:
-        """Whether the run, having left this attempt, repairs this node's world in place and keeps
-        its trainer (Recover's WorldRepair): the node confirms the new attempt and reads its
-        launch spec as soon as it is written (take_repaired_spec). False when the trainer is to stop."""
+    def awaits_repair(self, run: RunControl) -> bool:
+        """Whether the run, having left this attempt, repairs this node's world in place (Recover's
+        WorldRepair): the node confirms the new attempt and reads its launch spec as soon as it is
+        written (take_repaired_spec), which says whether its trainer is a survivor's and keeps
+        running. False when the trainer is to stop."""
         repair = run.repair
         if (run.state.is_final or repair is None or repair.launched_attempt != self.world
-                or repair.generation <= self.generation or self.identity.instance_id not in repair.survivor_ids
-                or not self.confirm(run.attempt)):
+                or repair.generation <= self.generation or not self.confirm(run.attempt)):
             return False
         self.repair_pending = run.attempt
         return True
@@ -1148,7 +1151,7 @@ class Attempt:
         return (self.finished is not None
                 and now - max(self.finished, self.alive_at) < self.spec.startup_timeout_seconds)
 
-    def look(self, run: RunRecord) -> None:
+    def look(self, run: RunControl) -> None:
         """At each look at the control plane: this node's liveness, a checkpoint the run asks for,
         and (the rank-0 node) the checkpoints committed since the last look."""
         self.report_liveness()
@@ -1240,8 +1243,7 @@ class Attempt:
         # order this node's ended trainer into a repaired world.
         self.report_liveness(trainer_running=False)
         time.sleep(PEER_LOSS_GRACE_S)
-        run = self.control.call("read the run record",
-                                lambda: self.control.store.run(self.spec.run_name, consistent=False))
+        run = self.control.read_run()
         if run is not None and self.left_behind(run):
             say("torchrun failed after the run moved on; not reported", attempt=self.spec.attempt,
                 exit_code=returncode)

@@ -198,6 +198,44 @@ def test_a_long_runs_failures_stay_within_one_dynamodb_item(store):
     assert len(run.model_dump_json()) < 100_000
 
 
+def test_agents_read_a_control_item_of_a_few_hundred_bytes_whatever_the_run_record_holds(store):
+    """Every agent look read the whole run record: 104 KB with its kept failures, 272 KB with 50
+    failures naming 128 nodes each: 13 to 34 read units a look, ~3,500 a second at 2,048 nodes,
+    past the 3,000 one partition serves. The agents read the CONTROL item instead, kept in step
+    with the record in the writes that change it."""
+    from datetime import datetime, timedelta, timezone
+
+    from trainfleet.core.lifecycle import apply_decision, decide_recovery
+    from trainfleet.core.records import CheckpointRef, FailureClass, FailureReport, WorldRepair
+
+    name = f"run-{uuid.uuid4().hex[:8]}"
+    nodes = [f"i-{n:017x}" for n in range(2048)]
+    run = RunRecord(run_name=name, spec=spec(name))
+    start = datetime(2026, 11, 1, tzinfo=timezone.utc)
+    for index in range(60):
+        now = start + timedelta(hours=3 * index)
+        failure = FailureReport(failure_class=FailureClass.CAPACITY_BLOCK_END if index % 2 else FailureClass.HANG,
+                                attempt=run.attempt, instance_ids=nodes[:128], message="x" * 3000)
+        run = run.model_copy(update={"latest_checkpoint": CheckpointRef(step=index, uri=f"s3://b/{index}")})
+        run = apply_decision(run, failure, decide_recovery(run, [], failure, jitter_draw=0.0, now=now), now)
+    run = run.model_copy(update={"repair": WorldRepair(generation=1, launched_attempt=0, survivor_ids=nodes[1:])})
+    assert max(len(failure.instance_ids) for failure in run.failures) == 16, "id lists clipped"
+    assert run.failures[-1].instances_blamed == 128
+    store.create_run(run)
+    record = store.db.get_item(TableName=store.table, Key={"pk": {"S": f"RUN#{name}"}, "sk": {"S": "RUN"}})["Item"]
+    control = store.db.get_item(TableName=store.table, Key={"pk": {"S": f"RUN#{name}"}, "sk": {"S": "CONTROL"}})["Item"]
+    assert len(record["doc"]["S"]) > 100_000 and len(control["doc"]["S"]) < 500  # half a read unit a look
+    assert store.run_control(name) == store.run(name).control()
+    asked = datetime.now(timezone.utc)
+    changes = [{"checkpoint_requested_at": asked}, {"state": RunState.ALLOCATING}, {"attempt": run.attempt + 1},
+               {"latest_checkpoint": CheckpointRef(step=99, uri="s3://b/99", committed_at=asked)}]
+    for change in changes:
+        store.modify_run(name, lambda current, change=change: current.model_copy(update=change))
+        assert store.run_control(name) == store.run(name).control(), change
+    store.modify_run(name, lambda current: current.model_copy(update={"last_step": 7}))  # the agents need not know
+    assert store.run_control(name).checkpoint_committed_at == asked and store.run(name).last_step == 7
+
+
 def _run_table(client) -> str:
     props = load_template(TEMPLATE)["Resources"]["RunTable"]["Properties"]
     name = f"runs-{uuid.uuid4().hex[:8]}"

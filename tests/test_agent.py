@@ -322,15 +322,15 @@ def test_the_rank_0_node_announces_each_new_commit_once_with_progress(watched_at
     run = run_record()
     commit(store, 20)
     attempt.follow()
-    attempt.look(run)
+    attempt.look(run.control())
     assert sent() == [], "no metrics yet: this node does not hold global rank 0 (so far)"
     attempt.files.metrics.write_text(json.dumps({"step": 21, "loss": 3.5, "tokens_per_s": 900.0,
                                                  "step_time_s": 0.1, "time": time.time()}) + "\n")
     attempt.follow()
-    attempt.look(run)
+    attempt.look(run.control())
     commit(store, 30, reason=catalog.SaveReason.REQUESTED)
     attempt.follow()
-    attempt.look(run)
+    attempt.look(run.control())
     events = sorted(sent(), key=lambda event: (event["detail-type"], event["detail"].get("step", 0)))
     assert [(event["detail-type"], event["detail"]["step"], event["detail"].get("reason")) for event in events] == [
         ("CheckpointCommitted", 20, "interval"), ("CheckpointCommitted", 30, "requested"),
@@ -349,7 +349,7 @@ def test_a_commit_pruned_between_listing_and_reading_is_skipped_not_the_end_of_t
     attempt.files.metrics.write_text(json.dumps({"step": 31, "loss": 3.5, "tokens_per_s": 900.0,
                                                  "step_time_s": 0.1, "time": time.time()}) + "\n")
     attempt.follow()
-    attempt.look(run_record())
+    attempt.look(run_record().control())
     assert sorted(event["detail"]["step"] for event in sent() if event["detail-type"] == "CheckpointCommitted") == [30]
 
 
@@ -693,13 +693,13 @@ def test_a_checkpoint_the_run_asks_for_is_requested_once_and_liveness_is_reporte
     attempt, store, _ = watched_attempt
     attempt.files.progress.write_text("12")  # what local rank 0 of this node's trainer wrote
     attempt.follow()
-    attempt.look(run_record())
+    attempt.look(run_record().control())
     assert not attempt.files.checkpoint_request.exists()
     asked = run_record(checkpoint_requested_at=datetime(2026, 1, 1, tzinfo=timezone.utc))
-    attempt.look(asked)
+    attempt.look(asked.control())
     assert attempt.files.checkpoint_request.exists()
     attempt.files.checkpoint_request.unlink()  # the trainer consumed it
-    attempt.look(asked)
+    attempt.look(asked.control())
     assert not attempt.files.checkpoint_request.exists(), "one request, one checkpoint"
     (record,) = read_liveness(attempt.control.store.db, attempt.control.settings.liveness_table, "run-a",
                               [IDENTITY.arn])
@@ -713,10 +713,11 @@ def test_a_checkpoint_request_already_answered_starts_no_second_save(watched_att
     committed = CheckpointRef(step=330, uri="s3://b/runs/run-a/checkpoints/step-000000330",
                               committed_at=asked_at + timedelta(seconds=5))
     # The leaving node's own notice was served before this look saw the run's request.
-    attempt.look(run_record(checkpoint_requested_at=asked_at, latest_checkpoint=committed))
+    attempt.look(run_record(checkpoint_requested_at=asked_at, latest_checkpoint=committed).control())
     assert not attempt.files.checkpoint_request.exists()
     failed = FailureReport(failure_class=FailureClass.SPOT_INTERRUPTION, attempt=1, instance_ids=["i-0bbb"])
-    attempt.look(run_record(checkpoint_requested_at=asked_at + timedelta(seconds=1), attempt_failure=failed))
+    attempt.look(run_record(checkpoint_requested_at=asked_at + timedelta(seconds=1),
+                            attempt_failure=failed).control())
     assert not attempt.files.checkpoint_request.exists(), "the attempt is over: no save to wait for"
 
 
@@ -812,7 +813,7 @@ def test_the_looks_quicken_with_the_run_hang_timeout_once_the_run_record_is_read
     clock = {"now": 0.0}
     control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_RUN_TABLE": table}),
                                    workdir=tmp_path), IDENTITY, clock=lambda: clock["now"], draw=lambda: 0.999)
-    assert control.look_at_run().run_name == "run-a"
+    assert control.look_at_run().attempt == 1
     assert control.next_look == pytest.approx(10.0, abs=0.01), "the run's pace was not known at the first look"
     clock["now"] = control.next_look
     assert control.look_at_run() is not None
@@ -882,7 +883,7 @@ def test_an_outage_of_hours_ends_no_node_even_with_its_trainer_silent(local_clou
         assert control.call("read the run record", lambda: control.store.run("run-a")) is None
         clock["now"] += 300
     local_cloud.stop_failing_requests()
-    assert control.look_at_run().run_name == "run-a" and control.failures == 0
+    assert control.look_at_run().attempt == 1 and control.failures == 0
 
 
 def test_an_idle_agent_ends_its_instance_once_its_stack_is_gone(local_cloud, tmp_path, monkeypatch):

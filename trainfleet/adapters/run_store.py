@@ -1,15 +1,18 @@
 """DynamoDB run store: run and node records, every change a conditional write, task tokens.
 
-Table (template.yaml RunTable): pk = "RUN#<run>", sk = "RUN" for the run, "NODE#<instance id>" for
-each node, "WORLD#<attempt>" for the count of workers ready for that attempt,
-"PROGRESS#<attempt>#<step>" for the steps one TrainingProgress reported (the run's history: the
-report's curves); GSI "by-instance" on instance_id finds a node from an EC2 or Health event. The record itself is the item's `doc` (the
-contracts model as JSON); `state` and `version` sit beside it so that conditions can name them.
+Table (template.yaml RunTable): pk = "RUN#<run>", sk = "RUN" for the run, "CONTROL" for what the
+agents read of it at their looks (RunRecord.control, written in one transaction with the run record
+whenever it changes), "NODE#<instance id>" for each node, "WORLD#<attempt>" for the count of workers
+ready for that attempt, "PROGRESS#<attempt>#<step>" for the steps one TrainingProgress reported (the
+run's history: the report's curves); GSI "by-instance" on instance_id finds a node from an EC2 or
+Health event. The record itself is the item's `doc` (the contracts model as JSON); `state` and
+`version` sit beside it so that conditions can name them.
 
     store = RunStore(boto3.client("dynamodb"), settings.run_table)
     store.create_run(RunRecord(...))                         fails if the run exists
     store.transition_run(name, RunState.TRAINING, attempt=2)  checked against the diagram
     store.modify_run(name, lambda run: ...)                   any other change, retried on conflict
+    store.run_control(name)                                    what the agents read at a look
     store.add_node(NodeRecord(...)), store.transition_node(name, instance_id, NodeState.READY)
     store.nodes(name), store.node(name, instance_id), store.node_by_instance(instance_id)
     store.ready_workers(name, attempt)                         workers ready for it: one item, any fleet size
@@ -52,14 +55,15 @@ from pydantic import TypeAdapter
 
 from trainfleet.core.events import ProgressSample
 from trainfleet.core.lifecycle import world_attempt
-from trainfleet.core.records import (NodeRecord, NodeState, RunRecord, RunState, TaskWait, check_node_transition,
-                                     check_run_transition)
+from trainfleet.core.records import (NodeRecord, NodeState, RunControl, RunRecord, RunState, TaskWait,
+                                     check_node_transition, check_run_transition)
 
 __all__ = ["RunStore", "RunNotFound", "NodeNotFound", "RunExists", "StaleRecord", "StaleAttempt",
            "INSTANCE_INDEX"]
 
 INSTANCE_INDEX = "by-instance"
 _RUN_SK = "RUN"
+_CONTROL_SK = "CONTROL"
 _MODIFY_ATTEMPTS = 5
 _RETRY_PAUSE_S = 0.01
 """First pause before writing again after a lost race; it doubles, drawn with full jitter."""
@@ -93,6 +97,10 @@ def _node_key(run_name: str, instance_id: str) -> dict[str, Any]:
     return {"pk": {"S": f"RUN#{run_name}"}, "sk": {"S": f"NODE#{instance_id}"}}
 
 
+def _control_key(run_name: str) -> dict[str, Any]:
+    return {"pk": {"S": f"RUN#{run_name}"}, "sk": {"S": _CONTROL_SK}}
+
+
 def _world_key(run_name: str, attempt: int) -> dict[str, Any]:
     return {"pk": {"S": f"RUN#{run_name}"}, "sk": {"S": f"WORLD#{attempt}"}}
 
@@ -122,13 +130,12 @@ class RunStore:
     # --- runs -------------------------------------------------------------------------------
 
     def create_run(self, record: RunRecord) -> RunRecord:
-        """Record a new run (version 1); RunExists if the name is taken."""
+        """Record a new run (version 1) and its control item; RunExists if the name is taken."""
         now = _now()
         record = record.model_copy(update={"version": 1, "created_at": now, "updated_at": now})
         try:
-            self.db.put_item(TableName=self.table, Item=self._item(_run_key(record.run_name), record),
-                             ConditionExpression="attribute_not_exists(pk)")
-        except self.db.exceptions.ConditionalCheckFailedException:
+            self._put(_run_key(record.run_name), record, [], "attribute_not_exists(pk)", {}, record.control())
+        except StaleRecord:
             raise RunExists(f"run {record.run_name!r} already exists") from None
         return record
 
@@ -140,6 +147,14 @@ class RunStore:
         if item is None:
             raise RunNotFound(f"no run {run_name!r}")
         return RunRecord.model_validate_json(item["doc"]["S"])
+
+    def run_control(self, run_name: str) -> RunControl:
+        """What the agents read at their looks (RunRecord.control), eventually consistent: half a
+        read unit whatever the run record holds; a write may take about a second to show."""
+        item = self.db.get_item(TableName=self.table, Key=_control_key(run_name)).get("Item")
+        if item is None:
+            raise RunNotFound(f"no run {run_name!r}")
+        return RunControl.model_validate_json(item["doc"]["S"])
 
     def modify_run(self, run_name: str, change: Callable[[RunRecord], RunRecord]) -> RunRecord:
         """Read, apply `change` (a pure function of the record), write; retried on a race.
@@ -276,18 +291,28 @@ class RunStore:
         return item
 
     def _put(self, key: dict[str, Any], record: RunRecord | NodeRecord, owed: list[_CountChange],
-             condition: str, values: dict[str, Any]) -> None:
-        """A conditional PutItem of the record (and the count changes it owes); StaleRecord when
-        the condition failed."""
+             condition: str, values: dict[str, Any], control: RunControl | None = None) -> None:
+        """A conditional PutItem of the record (and the count changes it owes), in one transaction
+        with the run's control item when that changes (a few writes an attempt: no agent looks at
+        a state the run record has not reached); StaleRecord when the condition failed or the
+        write met a transaction on the item."""
         item = self._item(key, record)
         if owed:
             item["counts_owed"] = {"L": [{"M": {"world": {"N": str(world)}, "change": {"N": str(change)},
                                                 "op": {"S": op}}} for world, change, op in owed]}
+        put = {"TableName": self.table, "Item": item, "ConditionExpression": condition,
+               **({"ExpressionAttributeValues": values} if values else {})}
+        errors = self.db.exceptions
         try:
-            self.db.put_item(TableName=self.table, Item=item, ConditionExpression=condition,
-                             **({"ExpressionAttributeValues": values} if values else {}))
-        except self.db.exceptions.ConditionalCheckFailedException:
-            raise StaleRecord(f"{key['pk']['S']} {key['sk']['S']} changed since version {record.version - 1}") from None
+            if control is None:
+                self.db.put_item(**put)
+            else:
+                self.db.transact_write_items(TransactItems=[{"Put": put}, {"Put": {"TableName": self.table, "Item": {
+                    **_control_key(record.run_name), "doc": {"S": control.model_dump_json()}}}}])
+        except (errors.ConditionalCheckFailedException, errors.TransactionCanceledException,
+                errors.TransactionConflictException) as exc:
+            raise StaleRecord(f"{key['pk']['S']} {key['sk']['S']} changed since version {record.version - 1} "
+                              f"({exc.response['Error']['Code']})") from None
 
     def _count_changes(self, old: NodeRecord | None, new: NodeRecord) -> list[_CountChange]:
         """The count changes of a node write: one from the world it leaves, one to the world it
@@ -338,8 +363,10 @@ class RunStore:
                 check_transition(old.state, new.state)
             updated = new.model_copy(update={"version": old.version + 1, "updated_at": _now()})
             changes = self._count_changes(old, updated) if isinstance(updated, NodeRecord) else []
+            control = (updated.control() if isinstance(updated, RunRecord) and updated.control() != old.control()
+                       else None)
             try:
-                self._put(key, updated, changes, "version = :seen", {":seen": {"N": str(old.version)}})
+                self._put(key, updated, changes, "version = :seen", {":seen": {"N": str(old.version)}}, control)
             except StaleRecord:
                 time.sleep(random.uniform(0, _RETRY_PAUSE_S * 2 ** tries))
                 continue

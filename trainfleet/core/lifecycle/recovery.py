@@ -35,6 +35,9 @@ FAILURES_KEPT = 50
 """The newest failures a run record keeps beside those the recovery rules count (kept_failures)."""
 MESSAGE_KEPT_CHARS = 600
 """How much of a failure's message its record keeps: its start (what was raised) and its end."""
+IDS_KEPT = 16
+"""How many of the nodes a failure blamed its record keeps (the count is kept whole): 50 failures
+naming 128 nodes each made a run record of 272 KB. The crash-loop rule compares the kept ones."""
 
 # AWS announces these; they say nothing about the job.
 ANNOUNCED_BY_AWS = frozenset({FailureClass.SPOT_INTERRUPTION, FailureClass.SPOT_REBALANCE,
@@ -296,7 +299,8 @@ def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDec
         failure_class=failure.failure_class, at=now,
         resume_step=run.latest_checkpoint.step if run.latest_checkpoint else None, attempt=failure.attempt,
         onset_at=failure.observed_at, last_step=run.last_step if run.first_step_at else None,
-        instance_ids=failure.instance_ids, first_silent=failure.first_silent, message=clipped(failure.message),
+        instance_ids=failure.instance_ids[:IDS_KEPT], instances_blamed=len(failure.instance_ids),
+        first_silent=failure.first_silent, message=clipped(failure.message),
         kept_on_memory_seconds=kept_on_memory_seconds, decision=clipped(decision.reason),
         recovery=RecoveryKind.GAVE_UP if decision.action is RecoveryAction.GIVE_UP else
         RecoveryKind.REPAIRED if decision.repair else RecoveryKind.RESTARTED)]
