@@ -17,6 +17,7 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from functools import cache, cached_property
 from typing import Any, Literal, TypeVar
 
@@ -240,7 +241,8 @@ def confirm_ready(run_name: str, instance_id: str, attempt: int) -> NodeRecord:
         if current.state.is_retired:
             return current
         newest = max(attempt, current.ready_attempt if current.ready_attempt is not None else -1)
-        return current.model_copy(update={"state": NodeState.READY, "ready_attempt": newest})
+        return current.model_copy(update={"state": NodeState.READY, "ready_attempt": newest,
+                                          "ready_at": current.ready_at or datetime.now(timezone.utc)})
 
     return aws().store.modify_node(run_name, instance_id, confirm)
 

@@ -991,6 +991,11 @@ class Attempt:
         for check in WORLD_CHECKS:  # the repaired world writes its own (its restore)
             self.files.check_result(check).unlink(missing_ok=True)
         self.checks_reported.clear()
+        # The repaired world forms anew (its ranks meet, restore, rebuild their stages), silent as
+        # long as a start-up at scale, far past five of the failed world's steps: its cadence is
+        # learnt again from its own steps, the start-up timeout bounding the silence meanwhile.
+        self.step_seconds.clear()
+        self.progress_changes, self.hang_declared = 0, False
         self.spec, self.generation = spec, spec.repair.generation
         self.announced |= announced_before(spec, self.control.call(
             "list the committed checkpoints", lambda: catalog.committed_steps(self.checkpoints)) or ())

@@ -31,7 +31,8 @@ from trainfleet.adapters.liveness import read_liveness
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.core.events import PROGRESS_SAMPLES_MAX, CheckpointReason
 from trainfleet.core.records import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointRef, FailureClass, FailureReport,
-                                     LaunchSpec, NodeRecord, RunRecord, RunState, TrainerFailureKind, rendezvous_port)
+                                     LaunchSpec, NodeRecord, RunRecord, RunState, TrainerFailureKind, WorldRepair,
+                                     rendezvous_port)
 from trainfleet.core.runspec import RunSpec
 
 from localcloud_helpers import table_from_template
@@ -621,6 +622,28 @@ def test_a_hang_is_judged_by_the_watch_loop_whatever_the_heartbeat_thread_waits_
         clock["now"] += 2.0
         attempt.follow()
     assert hung_events(sent) == []
+
+
+def test_a_world_repaired_in_place_learns_its_cadence_anew(heartbeats, watched_attempt):
+    """Forming a repaired world (its ranks meet, restore and rebuild their stages; minutes for
+    thousands of ranks) is silent far past five of the failed world's steps: judged by them, its
+    agents declared it hung as it formed."""
+    attempt, clock, _ = heartbeats
+    _, store, sent = watched_attempt
+    sign_of_life(attempt, 10, 0)
+    steps_every(attempt, clock, 11, 20, seconds=2.0)  # the failed world's cadence: 2 s
+    repaired = attempt.spec.model_copy(update={
+        "attempt": 2, "repair": WorldRepair(generation=1, launched_attempt=1, survivor_ids=[IDENTITY.instance_id])})
+    attempt.control.s3.put_object(Bucket=attempt.control.settings.bucket, Key="runs/run-a/launch-spec.json",
+                                  Body=repaired.model_dump_json().encode())
+    attempt.repair_pending = 2
+    assert attempt.take_repaired_spec() and attempt.spec.attempt == 2
+    follow_until(attempt, clock, clock["now"] + 45.0)  # the repaired world forms
+    assert hung_events(sent) == []
+    sign_of_life(attempt, 20, 1)  # it restored step 20
+    steps_every(attempt, clock, 21, 25, seconds=2.0)
+    follow_until(attempt, clock, clock["now"] + 30.0)
+    assert [hung["attempt"] for hung in hung_events(sent)] == [2], "its own cadence, known again, tells a hang"
 
 
 def test_a_slow_step_that_shows_life_is_not_declared_hung(heartbeats, watched_attempt):

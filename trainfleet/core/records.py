@@ -759,6 +759,9 @@ class NodeRecord(Strict):
     recommendation."""
     launched_at: datetime | None = None
     """Set by the run store when first recorded."""
+    ready_at: datetime | None = None
+    """When its agent first confirmed it READY: from launched_at, how long this run's nodes take
+    to boot and pass preflight (lifecycle.predicted_boot_seconds)."""
     updated_at: datetime | None = None
     """Set by the run store on every write."""
     version: int = Field(default=0, ge=0)
