@@ -103,8 +103,12 @@ def scale_template(nodes: int, spares: int, step_s: float, steady_s: float) -> d
     # stall floor is the same: each of hundreds of stand-in nodes judges its own thread's cadence,
     # and a thread the machine starves for a minute is no hang of the world.
     hang_timeout = max(TIMEOUT_FLOORS_S["recovery.hang_timeout_seconds"], pace.least_hang_timeout(nodes + spares))
+    # The timeouts grow from the hang detection to the collectives to the repair wait (the start-up
+    # timeout): runspec.collective_timeout_order.
+    collective = max(template["trainer"]["parallel"]["timeout_s"], hang_timeout + 60)
+    template["trainer"]["parallel"]["timeout_s"] = collective
     template["recovery"] |= {"max_restarts": len(FAILURES) + 1, "hang_timeout_seconds": hang_timeout,
-                             "stall_floor_seconds": hang_timeout, "startup_timeout_seconds": 300,
+                             "stall_floor_seconds": hang_timeout, "startup_timeout_seconds": max(300, collective + 60),
                              "boot_timeout_seconds": 900}
     return template
 
@@ -257,9 +261,9 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, stead
         time.sleep(window_s)
         view.until("steady training to go on", lambda record: record.state is RunState.TRAINING)
         steady = meter.stop("steady_training")
-        view.until("the end of training", lambda record: record.state in (RunState.TEARING_DOWN, *_FINAL))
+        view.until("the end of training", lambda record: record.state is RunState.TEARING_DOWN or record.state.is_final)
         meter.stop("training_to_end")
-        end = view.until("the end", lambda record: record.state in _FINAL)
+        end = view.until("the end", lambda record: record.state.is_final)
         until(lambda: all(instance.state == "terminated" for instance in stack.instances(run)), stack.cloud.activity,
               what="every instance to terminate")
         teardown = meter.stop("teardown")
@@ -273,9 +277,6 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, stead
                                   for name, value in steady.items() if name != "seconds"},
             "largest_payloads": payloads,
         }
-
-
-_FINAL = (RunState.SUCCEEDED, RunState.FAILED)
 
 
 def main(argv: list[str] | None = None) -> int:

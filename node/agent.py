@@ -25,8 +25,8 @@ instance's process. It speaks to the control plane only through AWS:
    attempt newer than its last it reads `s3://BUCKET/runs/RUN/launch-spec.json` and, if the spec
    names it, runs torchrun for it: nnodes = the plan's nodes, c10d rendezvous at node rank 0's
    private IP, the trainer config from the spec written to a YAML file, resume as the spec says,
-   and in its environment what NCCL needs to use EFA on this node's type (catalogue.nccl_environment,
-   the environment preflight proved NCCL selects EFA in);
+   and in its environment what NCCL needs on this node's type (catalogue.nccl_environment: its error
+   handling, and EFA as preflight proved NCCL selects it);
 5. while torchrun runs it looks at the trainer's files twice a second (no AWS call), for a Spot
    notice in the metadata service every 5 s (TRAINFLEET_METADATA_LOOK_S), and at the control
    plane at the paced rate: it writes its liveness record (its
@@ -82,6 +82,7 @@ instance its run left behind is the reaper's to end.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -754,10 +755,10 @@ def start_process(command: list[str], folder: Path, env: dict[str, str], output:
 
 
 def torchrun_env(files: AttemptFiles, identity: Identity, node_rank: int) -> dict[str, str]:
-    """The agent's environment, plus what NCCL needs to use EFA on this node's type (the
-    environment preflight proved NCCL selects EFA in, but for NCCL's log: warnings only), the
-    attempt's files, the node's name and its rank in the launch spec (where its in-memory
-    checkpoints' buddy is: trainer/memory_checkpoint.py)."""
+    """The agent's environment, plus what NCCL needs on this node's type (its error handling; EFA
+    as preflight proved NCCL selects it, but for NCCL's log: warnings only), the attempt's files,
+    the node's name and its rank in the launch spec (where its in-memory checkpoints' buddy is:
+    trainer/memory_checkpoint.py)."""
     return {**os.environ,
             **nccl_environment(instance_facts(identity.instance_type), os.environ),
             # The rendezvous store is not shared with the ranks' process group: with gloo, a
@@ -876,7 +877,9 @@ class Attempt:
         self.final_step = spec.trainer_config.get("training", {}).get("steps")
         self.finished: float | None = None  # control.clock() when the metrics showed the final step
         self.last_heartbeat = self.last_progress = -math.inf
-        self.unsent_steps: list[dict[str, Any]] = []  # metrics records of steps no TrainingProgress carried yet
+        self.unsent_steps: list[tuple[int, dict[str, Any]]] = []
+        """Metrics records of steps no TrainingProgress carried yet, each with the attempt that
+        trained it: a world repaired in place goes on writing the same file in the next attempt."""
         self.beaten = Life()
         """What the trainer's files showed at the last heartbeat."""
         self.seen = Life()
@@ -991,6 +994,7 @@ class Attempt:
         for check in WORLD_CHECKS:  # the repaired world writes its own (its restore)
             self.files.check_result(check).unlink(missing_ok=True)
         self.checks_reported.clear()
+        self.send_progress()  # the failed attempt's last steps, ahead of the new one's
         # The repaired world forms anew (its ranks meet, restore, rebuild their stages), silent as
         # long as a start-up at scale, far past five of the failed world's steps: its cadence is
         # learnt again from its own steps, the start-up timeout bounding the silence meanwhile.
@@ -1081,7 +1085,7 @@ class Attempt:
             self.last_step = records[-1]["step"]
             if self.finished is None and self.last_step == self.final_step:
                 self.finished = now
-        self.unsent_steps += steps
+        self.unsent_steps += [(self.spec.attempt, step) for step in steps]
         # The final step goes out at once: the history and the run record end where training did.
         if self.unsent_steps and (now - self.last_progress >= PROGRESS_EVERY_S or self.finished is not None):
             self.send_progress()
@@ -1194,15 +1198,18 @@ class Attempt:
             self.checks_reported.add(check)
 
     def send_progress(self) -> None:
-        """Every step since the last TrainingProgress, PROGRESS_SAMPLES_MAX an event: the run's
-        history holds each one. What could not be sent goes at the next try."""
+        """Every step since the last TrainingProgress, PROGRESS_SAMPLES_MAX an event, each in an
+        event of the attempt that trained it: the run's history holds each one. What could not be
+        sent goes at the next try."""
         while self.unsent_steps:
-            records = self.unsent_steps[:PROGRESS_SAMPLES_MAX]
-            latest = records[-1]
+            attempt = self.unsent_steps[0][0]
+            records = list(itertools.takewhile(lambda unsent: unsent[0] == attempt,
+                                               self.unsent_steps[:PROGRESS_SAMPLES_MAX]))
+            latest = records[-1][1]
             if not self.control.send(TrainingProgress(
-                    run_name=self.spec.run_name, attempt=self.spec.attempt, instance_id=self.identity.instance_id,
+                    run_name=self.spec.run_name, attempt=attempt, instance_id=self.identity.instance_id,
                     step=latest["step"], loss=latest["loss"], tokens_per_second=latest["tokens_per_s"],
-                    step_seconds=latest["step_time_s"], samples=progress_samples(records))):
+                    step_seconds=latest["step_time_s"], samples=progress_samples([record for _, record in records]))):
                 return
             del self.unsent_steps[:len(records)]
 

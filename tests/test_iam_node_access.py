@@ -52,7 +52,8 @@ def test_data_shards_the_nodes_cannot_read_are_refused_naming_the_field(shards):
     document = example()
     document["trainer"]["data"]["shards"] = shards
     with pytest.raises(InvalidRunSpec, match=r"^trainer\.data\.shards: the nodes read only under "
-                                             rf"s3://{BUCKET}/runs/, s3://{BUCKET}/data/, s3://{BUCKET}/artifacts/"):
+                                             rf"s3://{BUCKET}/runs/, s3://{BUCKET}/data/, s3://{BUCKET}/models/, "
+                                             rf"s3://{BUCKET}/artifacts/"):
         parse(document)
 
 
@@ -78,7 +79,7 @@ def test_shards_in_another_runs_folder_are_refused_naming_the_field():
     "resolve:ssm:/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id",
     f"resolve:ssm:/trainfleet/{STACK}/ami-id", f"resolve:ssm:/trainfleet/{STACK}/ami-id:3", "ami-0123456789abcdef0"])
 def test_an_image_from_aws_public_parameters_the_stacks_own_or_an_ami_id_is_accepted(image):
-    assert parse({**example(), "image_id": image}).image_id == image
+    assert parse(with_local_shards({**example(), "image_id": image})).image_id == image
 
 
 @pytest.mark.parametrize("image", ["resolve:ssm:/team/database-password", "resolve:ssm:/trainfleet/other-stack/ami",
@@ -88,4 +89,26 @@ def test_an_image_parameter_the_functions_may_not_read_is_refused_naming_the_fie
 
     with pytest.raises(InvalidRunSpec, match=rf"^image_id: the functions resolve image parameters only under "
                                              rf"/aws/service/ or /trainfleet/{STACK}/ \(got '{image}'\)"):
-        parse({**example(), "image_id": image})
+        parse(with_local_shards({**example(), "image_id": image}))
+
+
+def with_local_shards(document: dict) -> dict:
+    """The document with its shards on the nodes' disks: Validate reads no shard index from S3."""
+    document["trainer"]["data"]["shards"] = "runs/data/stdlib-bytes"
+    return document
+
+
+def test_an_imported_model_the_nodes_cannot_read_is_refused_naming_the_field():
+    """training.init_from: where `trainfleet checkpoint import` put a model for runs to start from."""
+    from functions.errors import InvalidRunSpec
+
+    for readable in (f"s3://{BUCKET}/models/llama3-8b", f"s3://{BUCKET}/runs/gpt-1b-p5-demo/imported"):
+        document = example()
+        document["trainer"]["training"]["init_from"] = readable
+        assert parse(document).trainer.training.model_extra["init_from"] == readable
+    for unreadable, problem in ((f"s3://{BUCKET}/imports/llama", "the nodes read only under"),
+                                (f"s3://{BUCKET}/runs/another/checkpoints", "under runs/ a run's nodes read")):
+        document = example()
+        document["trainer"]["training"]["init_from"] = unreadable
+        with pytest.raises(InvalidRunSpec, match=rf"^trainer\.training\.init_from: {problem}"):
+            parse(document)

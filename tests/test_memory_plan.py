@@ -173,11 +173,13 @@ def test_memory_problem_gives_the_figures_and_a_proposal():
     assert mp.memory_problem(_workload(), "p5.48xlarge", 8, 80) is None
 
 
-def test_the_in_memory_checkpoints_take_four_copies_of_a_nodes_share_of_the_state():
+def test_the_checkpoints_take_four_copies_of_a_nodes_share_in_its_tmpfs_and_two_staged_in_its_processes():
+    """The in-memory copies' staged state and the S3 saves' (pinned on a GPU node) stay from one
+    copy or save to the next; a copy streams from file to file and holds no buffer of its size."""
     w = _workload(shape=J1, pp=8, dp=1, tp=8, batch_size=64, microbatches=32, activation_checkpoint="full")
     share = max(mp.state_bytes(w, r) for r in range(8)) * 8
     assert mp.state_bytes(w, 0) == sum(mp.rank_memory(w, 0).components[c] for c in ("parameters", "optimizer"))
-    assert mp.host_memory_per_node(w, 8) == (4 * share, 3 * share)
+    assert mp.host_memory_per_node(w, 8) == (4 * share, 2 * share)
     # J1 on 8 p4de: 72 GiB of its 79 GiB GPUs, but 1,026 GiB of copies against a 576 GiB tmpfs.
     assert mp.fits(w, 79.35)
     problem = mp.host_memory_problem(w, "p4de.24xlarge", 8, 1152)
@@ -200,14 +202,56 @@ def test_plan_accepts_a_layout_that_fits(capsys):
                          "p5.48xlarge", "--nodes", "64")
     assert code == 0
     assert "layout (as configured): pp=8 dp=8 tp=8" in out and "fits:" in out and "GiB" in out
+    assert "not yet measured on a GPU" in out, "what the figures rest on, where they are read"
 
 
 def test_plan_refuses_a_layout_that_does_not_fit_and_proposes_the_smallest_fleet(capsys):
-    code, out, _ = _plan(capsys, "--model", J1_CONFIG, "--instance-type",
-                         "p4d.24xlarge", "--nodes", "64", "--activation-checkpoint", "none", "--tp", "8", "--pp", "8")
+    code, out, _ = _plan(capsys, "--model", J1_CONFIG, "--instance-type", "p4d.24xlarge", "--nodes", "64",
+                         "--activation-checkpoint", "none", "--tp", "8", "--pp", "8", "--schedule", "1f1b")
     assert code == 1
     assert "DOES NOT FIT" in out and "activations" in out
     assert "smallest fleet that fits:" in out and "activation_checkpoint=none" in out
+
+
+GPT_70B_CONFIG = str(REPO / "trainer" / "configs" / "gpt-70b.toml")
+
+
+def test_plan_predicts_the_configured_layout_and_ranks_it_with_the_fastest(capsys):
+    code, out, _ = _plan(capsys, "--model", GPT_70B_CONFIG, "--instance-type", "p5.48xlarge", "--nodes", "16")
+    assert code == 0
+    configured, ranking = out.split("fastest layouts that fit on 16 x p5.48xlarge")
+    assert "layout (as configured): pp=4 dp=8 tp=4" in configured and "fits:" in configured
+    assert "predicted step on 16 x p5.48xlarge (8 x H100 SXM5 80GB, 3,200 Gb/s a node):" in configured
+    assert "tokens/s" in configured and "MFU" in configured and "pipeline bubble" in configured
+    # The shipped config is the planner's pick: first of the three, with each one's terms.
+    places = [line for line in ranking.splitlines() if line[:2] in ("1.", "2.", "3.")]
+    assert len(places) == 3 and places[0].startswith("1. pp=4 dp=8 tp=4")
+    assert ranking.count("  step ") == 3 and ranking.count("  compute ") == 3
+
+
+def test_plan_predicts_a_layout_given_in_full_as_given(capsys):
+    code, out, _ = _plan(capsys, "--model", GPT_70B_CONFIG, "--instance-type", "p5.48xlarge", "--nodes", "16",
+                         "--pp", "1", "--tp", "8", "--dp", "16", "--dp-shard", "16", "--microbatches", "64",
+                         "--activation-checkpoint", "none", "--schedule", "1f1b")
+    assert code == 0
+    assert "layout (as given): pp=1 dp=16 tp=8 dp_shard=16 schedule=1f1b microbatches=64" in out
+    assert "FSDP gathers" in out and "FSDP reductions" in out and "fastest layouts" not in out
+
+
+def test_plan_ranks_the_fastest_layouts_keeping_what_is_given(capsys):
+    code, out, _ = _plan(capsys, "--model", J1_CONFIG, "--instance-type", "p5.48xlarge", "--nodes", "16",
+                         "--tp", "8")
+    assert code == 0 and "fastest layouts that fit on 16 x p5.48xlarge" in out
+    places = [line for line in out.splitlines() if line[:2] in ("1.", "2.", "3.")]
+    assert len(places) == 3 and all(" tp=8 " in line for line in places)
+    assert "the fastest, on its fullest GPU:" in out and "device memory" in out
+
+
+def test_plan_on_a_type_the_step_time_model_does_not_describe_plans_by_memory(capsys):
+    code, out, _ = _plan(capsys, "--model", str(REPO / "trainer" / "configs" / "gpt-7b.toml"), "--instance-type",
+                         "trn1.32xlarge", "--nodes", "4")
+    assert "the step-time model describes no accelerator of trn1.32xlarge" in out
+    assert "layout (planned)" in out and "predicted step" not in out
 
 
 def test_plan_on_a_cpu_type_says_it_does_not_check(capsys):
@@ -239,3 +283,17 @@ def test_plan_bad_arguments_are_usage_errors(capsys, args, message):
     with pytest.raises(SystemExit) as exited:
         cli.main(["plan", "--model", J1_CONFIG, "--instance-type", "p5.48xlarge", *args])
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, nodes, billions, hidden", [
+    ("llama3-8b", 4, 8.03, 14336), ("llama3-70b", 16, 70.55, 28672), ("llama3-405b", 128, 405.85, 53248)])
+def test_the_llama_3_configs_have_their_published_shapes_and_fit_their_fleets(capsys, name, nodes, billions, hidden):
+    from trainer.config import load_config
+
+    model = load_config(["--config", str(REPO / "trainer" / "configs" / f"{name}.toml")]).model
+    shape = mp.ModelShape.of(model)
+    assert (shape.architecture, shape.n_kv_heads, shape.hidden, shape.vocab_size) == ("llama", 8, hidden, 128256)
+    assert round(mp.parameter_count(shape) / 1e9, 2) == billions
+    code, out, _ = _plan(capsys, "--model", str(REPO / "trainer" / "configs" / f"{name}.toml"),
+                         "--instance-type", "p5.48xlarge", "--nodes", str(nodes))
+    assert code == 0 and "layout (as configured)" in out and "sharing 8 key/value heads" in out

@@ -4,11 +4,15 @@ Applied in torchtitan's order, each to the part a pipeline rank holds (or to the
 
     tensor_parallel(part, mesh["tp"])        split the matrices over tp, on the meta device
     parallelize(part, cfg, mesh, device)     checkpoint, compile and shard over data parallel
-    materialize(part, device, seed, layers)  allocate this rank's shards and fill them
+    allocate(part, device)                   this rank's shards, on its device, unfilled
+    initialise(part, seed, layers)           fill them, unless a restore follows
 
-Everything before `materialize` happens on the meta device, so a rank only ever allocates its own
-shard of each parameter: sharded after materializing, every rank would first hold its whole
-tensor-parallel part in fp32 (35 GB per GPU for a 70B model at tp=8).
+Everything before `allocate` happens on the meta device, so a rank only ever allocates its own
+shard of each parameter: sharded after allocating, every rank would first hold its whole
+tensor-parallel part in fp32 (35 GB per GPU for a 70B model at tp=8). And each rank draws only
+its shards' initial values, on its device (trainer/model.py initial_values): drawing each
+parameter whole and keeping a shard cost Jurassic-1's second pipeline rank about two minutes of
+CPU, for values a restore then overwrote.
 
 The mesh is (pp, dp_replicate, dp_shard, tp), outermost first (trainer/train.py builds it):
 tensor parallel talks twice per layer and stays inside a node; FSDP's all-gathers and
@@ -31,39 +35,43 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from trainer.config import JobConfig
-from trainer.model import GPT, initial_values
+from trainer.model import Decoder, initial_values
 
-__all__ = ["tensor_parallel", "materialize", "parallelize", "loss_context"]
+__all__ = ["tensor_parallel", "allocate", "initialise", "parallelize", "loss_context"]
 
 
-def tensor_parallel(part: GPT, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style tensor parallel with sequence parallel, in place.
+def tensor_parallel(part: Decoder, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallel with sequence parallel, in place, for either family.
 
-    Inside each block q, k, v and fc are split by output columns (heads, hidden units) and the
-    two output projections by input rows, so each half of a block needs one all-gather in and
-    one reduce-scatter out. Between those regions the residual stream, the norms and the
-    pipeline hand-offs hold T/tp of the sequence (Shard(1)). Embedding tables are split by rows
-    (vocabulary, positions), the head by vocabulary; its logits stay split by vocabulary (a
-    DTensor), for the loss to be computed under `loss_parallel` without gathering them.
+    Inside each block q, k, v and the MLP's input matrices (gpt's fc, llama's gate and up) are
+    split by output columns (heads, key/value heads, hidden units) and the two output projections
+    by input rows, so each half of a block needs one all-gather in and one reduce-scatter out.
+    Between those regions the residual stream, the norms and the pipeline hand-offs hold T/tp of
+    the sequence (Shard(1)); llama's rotary table goes to the attention whole. Embedding tables
+    are split by rows (vocabulary, positions), the head by vocabulary; its logits stay split by
+    vocabulary (a DTensor), for the loss to be computed under `loss_parallel` without gathering
+    them.
     """
     seq_sharded = (Shard(1),)
+    mlp_inputs = ("gate", "up") if part.cfg.architecture == "llama" else ("fc",)
     for block in part.layers.values():
         parallelize_module(block, tp_mesh, {
             "attn_norm": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=seq_sharded, desired_input_layouts=(Replicate(),)),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
             "attn.q": ColwiseParallel(),
             "attn.k": ColwiseParallel(),
             "attn.v": ColwiseParallel(),
             "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
             "mlp_norm": SequenceParallel(),
             "mlp": PrepareModuleInput(input_layouts=seq_sharded, desired_input_layouts=(Replicate(),)),
-            "mlp.fc": ColwiseParallel(),
+            **{f"mlp.{name}": ColwiseParallel() for name in mlp_inputs},
             "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
         })
     plan = {}
     if part.tok_emb is not None:
-        # Positions come in as (1, T), so Shard(1) splits the sequence of both embeddings alike.
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if getattr(part, "pos_emb", None) is not None:
+        # Positions come in as (1, T), so Shard(1) splits the sequence of both embeddings alike.
         plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if part.norm is not None:
         plan["norm"] = SequenceParallel()
@@ -78,23 +86,22 @@ def loss_context(cfg: JobConfig):
     return loss_parallel() if cfg.parallel.tp > 1 else contextlib.nullcontext()
 
 
-def materialize(part: nn.Module, device: torch.device, seed: int, n_layers: int) -> None:
-    """Allocate the part's parameters on `device` (from the meta device) and fill them.
-
-    Every rank computes a parameter's full initial value from its name on the host and copies
-    only its own shard to `device`, without communication, so any layout starts from exactly the
-    single-process weights, and no full parameter is ever on the GPU (a 178B model's vocabulary
-    head is 14 GB in fp32).
-    """
+def allocate(part: nn.Module, device: torch.device) -> None:
+    """Give the part's parameters (on the meta device) storage on `device`, unfilled."""
     part.to_empty(device=device)
+
+
+def initialise(part: nn.Module, seed: int, n_layers: int) -> None:
+    """Fill the part's parameters, where they are, with their initial values: each rank draws its
+    own shard of each (trainer/model.py initial_values), without communication, so any layout
+    starts from exactly the single-process weights."""
     with torch.no_grad():
         for name, param in part.named_parameters():
-            full = initial_values(_model_name(name), param.shape, seed, n_layers)
+            local, region = param, None
             if isinstance(param, DTensor):
-                shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
-                param.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
-            else:
-                param.copy_(full)
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+                local, region = param.to_local(), (tuple(offset), tuple(shape))
+            local.copy_(initial_values(_model_name(name), param.shape, seed, n_layers, region, local.device))
 
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -106,7 +113,7 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _model_name(name: str) -> str:
-    """A parameter's name in trainer/model.py's GPT, without the wrappers' module levels."""
+    """A parameter's name in trainer/model.py's models, without the wrappers' module levels."""
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
@@ -118,7 +125,7 @@ def _uses_fsdp(cfg: JobConfig, device: torch.device) -> bool:
     return cfg.parallel.dp > 1 or device.type == "cuda"
 
 
-def parallelize(part: GPT, cfg: JobConfig, mesh: DeviceMesh | None, device: torch.device) -> None:
+def parallelize(part: Decoder, cfg: JobConfig, mesh: DeviceMesh | None, device: torch.device) -> None:
     """Activation checkpointing, torch.compile and FSDP2 on a part still on the meta device, in place."""
     mode = cfg.training.activation_checkpoint
     for name, block in list(part.layers.items()):
@@ -167,7 +174,7 @@ def _checkpointed(block: nn.Module, mode: str) -> nn.Module:
                               context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls))
 
 
-def _fully_shard(part: GPT, cfg: JobConfig, mesh: DeviceMesh, device: torch.device) -> None:
+def _fully_shard(part: Decoder, cfg: JobConfig, mesh: DeviceMesh, device: torch.device) -> None:
     """ZeRO-3 (or ZeRO-2) over dp_shard, replicated over dp_replicate.
 
     Each block is an FSDP unit, and so are the embeddings and the final norm with the head, so
@@ -193,7 +200,7 @@ def _fully_shard(part: GPT, cfg: JobConfig, mesh: DeviceMesh, device: torch.devi
     if p.reshard_after_forward == "auto" and blocks:
         units[-1] = (blocks[-1], False)
     if part.head is not None:
-        units += [([module for module in (part.tok_emb, part.pos_emb) if module is not None], reshard),
+        units += [([module for module in (part.tok_emb, getattr(part, "pos_emb", None)) if module is not None], reshard),
                   ([part.norm, part.head], reshard and p.reshard_after_forward != "auto")]
     for unit, reshard_unit in units:
         if unit:
