@@ -504,6 +504,8 @@ def test_the_stack_deletes_every_runs_node_role_before_its_node_policy(cloud):
     iam, policy = cloud.client("iam"), stack.outputs["NodePolicyArn"]
     for run in ("left-behind", "still-going"):
         ensure_node_profile(iam, run, stack.stack_name, policy)
+    # Another stack's profile, outside the path, which the cleanup's role may not touch.
+    iam.create_instance_profile(InstanceProfileName=f"{STACKS}elsewhere", Path="/elsewhere/")
     with pytest.raises(iam.exceptions.DeleteConflictException, match="attached to entities"):
         iam.delete_policy(PolicyArn=policy)
     assert load_template(PROJECT_TEMPLATE)["Resources"]["NodeRoles"]["DependsOn"] == "NodePolicy"
@@ -514,6 +516,8 @@ def test_the_stack_deletes_every_runs_node_role_before_its_node_policy(cloud):
     assert answer["Status"] == "SUCCESS", answer
     path = node_role_path(stack.stack_name)
     assert iam.list_roles(PathPrefix=path)["Roles"] == iam.list_instance_profiles(PathPrefix=path)["InstanceProfiles"] == []
+    assert [profile["InstanceProfileName"] for profile in iam.list_instance_profiles(
+        PathPrefix="/elsewhere/")["InstanceProfiles"]] == [f"{STACKS}elsewhere"]
     iam.delete_policy(PolicyArn=policy)  # what CloudFormation deletes next
 
 

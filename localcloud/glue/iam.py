@@ -9,6 +9,7 @@ condition keys, and a denial names the caller, the action and the resource.
   (AccessDenied; UnauthorizedOperation for EC2; AccessDeniedException for the JSON-protocol
   services: DynamoDB, EventBridge, Step Functions, CloudWatch Logs).
 - DeletePolicy refuses a managed policy still attached (DeleteConflict), as IAM does.
+- ListInstanceProfiles lists those under its PathPrefix alone, as IAM does (moto listed all).
 - A pre-signed URL's request is its signer's (moto's authorization wanted an Authorization header).
 - Replaces `FakeBucket.get_permission`, which checks the bucket policy with moto's evaluator
   (its TLS-only Deny then refused everything, because moto treats the Bool condition as met),
@@ -35,7 +36,9 @@ from xml.etree import ElementTree
 from moto.core.exceptions import JsonRESTError, _RESTError
 from moto.iam.exceptions import DeleteConflictException, NotFoundException
 from moto.iam.access_control import IAMPolicy, IAMRequestBase, S3IAMRequest
-from moto.iam.models import IAMBackend
+from moto.core.responses import ActionResult
+from moto.iam.models import IAMBackend, filter_items_with_path_prefix
+from moto.iam.responses import IamResponse
 from moto.s3.exceptions import S3ClientError
 from moto.s3.models import FakeBucket
 
@@ -463,6 +466,13 @@ def _delete_policy(self: IAMBackend, policy_arn: str) -> None:
     _moto_delete_policy(self, policy_arn)
 
 
+def _list_instance_profiles(self: IamResponse) -> ActionResult:
+    # moto ignored PathPrefix and listed every profile of the account: a stack's cleanup of its
+    # own path reached other stacks' profiles, which its role may not touch.
+    prefix = self._get_param("PathPrefix") or "/"
+    return ActionResult({"InstanceProfiles": filter_items_with_path_prefix(prefix, self.backend.get_instance_profiles())})
+
+
 def _presigned_init(self: IAMRequestBase, *, headers: Any, path: str, **request: Any) -> None:
     # A pre-signed URL (CloudFormation's ResponseURL to a custom resource, a shared download)
     # carries its signer's credentials in the query, where moto's authorization looked only for
@@ -483,6 +493,7 @@ def _presigned_init(self: IAMRequestBase, *, headers: Any, path: str, **request:
 def apply() -> None:
     IAMRequestBase.__init__ = _presigned_init
     IAMBackend.delete_policy = _delete_policy
+    IamResponse.list_instance_profiles = _list_instance_profiles
     IAMRequestBase.check_signature = _check_signature
     IAMRequestBase.check_action_permitted = _check_action_permitted
     FakeBucket.get_permission = _get_permission
