@@ -22,8 +22,8 @@ pace.looks_per_second(nodes). Every size is measured `--repeats` times, and each
 fit is printed beside the pooled one: the spread says how far to trust the figure. A recovery costs a few dozen calls once (bench/recovery.py
 counts them); at the Llama 3 failure rate of a 64-node fleet (a failure every ~4 days) it is
 left out. Units: a DynamoDB request counts as one read or write unit (an upper bound: the agents'
-reads are eventually consistent, half a unit for an item under 4 KB), a transaction as two
-per item written.
+looks are eventually consistent reads of the run's control item, a few hundred bytes at any size,
+half a unit; bench/control_plane_load.py sizes the items), a transaction as two per item written.
 
 The last line is `usd_per_training_day=<64 nodes>`.
 """
@@ -262,7 +262,7 @@ def main() -> int:
     print(f"{'nodes':>6}" + "".join(f"{part:>14}" for part in parts)
           + f"{'control plane':>15}{'repeats':>16}{'fleet':>14}{'share':>10}")
     day = {}
-    for nodes in (*sizes, 64, 512):
+    for nodes in (*sizes, 64, 512, 2048):
         usd = {part: 24 * value for part, value in priced(per_run, per_look, nodes, hang).items()}
         fleet = 24 * nodes * facts.on_demand_usd_per_hour
         day[nodes] = sum(usd.values())

@@ -278,7 +278,8 @@ class Fleet:
         for instance_id, ready in list(self.ready_at.items()):
             if ready <= now:
                 node = self.nodes[instance_id]
-                self.nodes[instance_id] = node.model_copy(update={"state": NodeState.READY, "ready_attempt": node.attempt})
+                self.nodes[instance_id] = node.model_copy(update={"state": NodeState.READY, "ready_attempt": node.attempt,
+                                                                  "ready_at": ready})
                 del self.ready_at[instance_id]
 
     def workers(self) -> list[NodeRecord]:

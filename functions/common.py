@@ -17,6 +17,7 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from functools import cache, cached_property
 from typing import Any, Literal, TypeVar
 
@@ -30,6 +31,7 @@ from pydantic import BaseModel, ConfigDict
 from functions.errors import CapacityUnavailable, TransientError
 from trainfleet.adapters.ec2_fleet import CAPACITY_ERROR_CODES, Allocation
 from trainfleet.adapters.run_store import RunStore
+from trainfleet.core.events import instance_arn
 from trainfleet.core.lifecycle import may_start, new_node_records
 from trainfleet.core.records import (FAILURE_ERROR, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                      RunRecord, RunRef, TaskWait)
@@ -72,6 +74,18 @@ class Aws:
     s3 = _client("s3")
     iam = _client("iam")
     sfn = _client("stepfunctions")
+    sts = _client("sts")
+
+    @cached_property
+    def _instance_arn_parts(self) -> tuple[str, str, str]:
+        """(partition, region, account) of this function's instances: GetCallerIdentity needs no
+        permission and names the partition and account in the function's own ARN."""
+        _, partition, _, _, account = self.sts.get_caller_identity()["Arn"].split(":", 5)[:5]
+        return partition, self.ec2.meta.region_name, account
+
+    def instance_arn(self, instance_id: str) -> str:
+        """The ARN of an instance of this stack: ec2:SourceInstanceARN of its requests."""
+        return instance_arn(*self._instance_arn_parts, instance_id)
 
 
 # Throttling and 5xx answers of EC2, DynamoDB, S3 and Step Functions are retried in the client
@@ -227,7 +241,8 @@ def confirm_ready(run_name: str, instance_id: str, attempt: int) -> NodeRecord:
         if current.state.is_retired:
             return current
         newest = max(attempt, current.ready_attempt if current.ready_attempt is not None else -1)
-        return current.model_copy(update={"state": NodeState.READY, "ready_attempt": newest})
+        return current.model_copy(update={"state": NodeState.READY, "ready_attempt": newest,
+                                          "ready_at": current.ready_at or datetime.now(timezone.utc)})
 
     return aws().store.modify_node(run_name, instance_id, confirm)
 

@@ -6,7 +6,8 @@
    retry classifies the same failure of the same attempt, whatever the first try recorded.
    A crash or hang that names no node is checked against the nodes' liveness records and
    EC2's instance status first: the workers that failed silently are named, and replaced; a
-   hang's first sign is the world's last step there.
+   hang's first sign is the world's last step there, and a node named the first to fall silent
+   in an earlier hang too is replaced.
 2. Decide, and record the decision before acting on it: the ended attempt's time on the goodput
    ledger, a new attempt, the failure on the books, the blamed nodes TERMINATING, promoted spares
    made workers. Giving up raises RecoveryGaveUp, which the state machine sends to Teardown.
@@ -45,12 +46,19 @@ from trainfleet.adapters.metrics import detection_metrics, emit
 from trainfleet.core.lifecycle import (agents_alive, apply_decision, blame_silent_workers, book_attempt,
                                        classify_task_error, decide_recovery, hang_onset, needs_liveness_look,
                                        trainers_alive, unready_workers)
-from trainfleet.core.records import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
-                                     RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
+from trainfleet.core.records import (FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole, NodeState,
+                                     RecoveryAction, RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
 
 QUOTA_HELD_CODES = frozenset({"VcpuLimitExceeded"})
 """EC2 refusals of a replacement that instances still shutting down may cause: retried, as a
 shortfall of capacity (at Allocate, nothing is shutting down: there it is the account's quota)."""
+
+
+def liveness(run_name: str, nodes: list[NodeRecord]) -> list[NodeLiveness]:
+    """The nodes' newest liveness records (each keyed by its instance's ARN)."""
+    cloud = aws()
+    return read_liveness(cloud.dynamodb, cloud.settings.liveness_table, run_name,
+                         [cloud.instance_arn(node.instance_id) for node in nodes])
 
 
 def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError, attempt: int) -> FailureReport:
@@ -73,10 +81,10 @@ def name_silent_workers(run: RunRecord, nodes: list[NodeRecord], failure: Failur
     cloud = aws()
     workers = [node.instance_id for node in nodes if node.role is NodeRole.WORKER and not node.state.is_retired]
     troubles = instance_troubles(cloud.ec2, workers) if workers else {}
-    records = read_liveness(cloud.dynamodb, cloud.settings.liveness_table, run.run_name)
+    records = liveness(run.run_name, nodes)
     named = blame_silent_workers(failure, nodes, records, datetime.now(timezone.utc),
                                  run.spec.recovery.hang_timeout_seconds, troubles)
-    return hang_onset(named, records, nodes, run.plan.ranks_per_node if run.plan else 1)
+    return hang_onset(named, records, nodes, run.plan.ranks_per_node if run.plan else 1, run.failures)
 
 
 def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport) -> RecoveryDecision:
@@ -91,8 +99,8 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
     # The cost ceiling is judged with the ended attempt on the books (its cost does not depend on
     # where the next attempt resumes from; which of its time is kept does).
     booked = run.model_copy(update={"ledger": book_attempt(run, nodes, now, False, failure.failure_class)})
-    alive = trainers_alive(nodes, read_liveness(cloud.dynamodb, cloud.settings.liveness_table, name), run.attempt,
-                           now, run.spec.recovery.hang_timeout_seconds) if run.spec.repairable else frozenset()
+    alive = trainers_alive(nodes, liveness(name, nodes), run.attempt, now,
+                           run.spec.recovery.hang_timeout_seconds) if run.spec.repairable else frozenset()
     decision = decide_recovery(booked, nodes, failure, jitter_draw=random.random(), now=now, trainers_alive=alive)
     # The attempt is booked in the same write as the decision, so a retry books it once. A give-up
     # starts the books afresh too, so Teardown adds only the time after it.
@@ -129,8 +137,8 @@ def act(run: RunRecord) -> int:
         # The survivors' trainers were seen alive (the repair's condition) and keep running, and a
         # READY spare stepping in whose agent reported lately reads the launch spec every second
         # (node/agent.py): the new attempt waits on none of their looks.
-        alive = agents_alive(nodes, read_liveness(cloud.dynamodb, cloud.settings.liveness_table, name),
-                             datetime.now(timezone.utc), spec.recovery.hang_timeout_seconds)
+        alive = agents_alive(nodes, liveness(name, nodes), datetime.now(timezone.utc),
+                             spec.recovery.hang_timeout_seconds)
         spares_in = [node.instance_id for node in nodes
                      if node.role is NodeRole.WORKER and node.state is NodeState.READY
                      and node.instance_id in alive and node.instance_id not in run.repair.survivor_ids]

@@ -22,7 +22,7 @@ from trainer.tokenizer import TokenizerError
 from trainfleet.adapters.ec2_fleet import NoDefaultNetwork, default_network
 from trainfleet.adapters.run_store import RunExists
 from trainfleet.core import memory_plan
-from trainfleet.core.node_access import node_access_problems
+from trainfleet.core.node_access import image_parameter_problem, node_access_problems
 from trainfleet.core.records import RunRecord, RunRef
 from trainfleet.core.runspec import TRAINER_FIELDS, RunSpec, TrainerConfig, with_stack_defaults
 from trainfleet.core.shapes import validation_message
@@ -34,15 +34,17 @@ class ValidateInput(BaseModel):
     execution_arn: str
 
 
-def parse_run_spec(raw: Any, bucket: str) -> RunSpec:
+def parse_run_spec(raw: Any, bucket: str, stack_name: str) -> RunSpec:
     """The RunSpec, or InvalidRunSpec with one `field: problem` line per problem: what can be
     decided from the document alone (the shard set it names is read by check_shard_set)."""
     try:
         spec = RunSpec.model_validate(raw)
     except ValidationError as exc:
         raise InvalidRunSpec(validation_message(exc)) from exc
-    # The nodes may only touch what their role grants in the stack's own bucket.
-    if problems := node_access_problems(spec, bucket):
+    # The nodes may only touch what their role grants in the stack's own bucket, and the
+    # functions resolve the image from the parameters theirs grants.
+    problems = [*node_access_problems(spec, bucket), image_parameter_problem(spec, stack_name)]
+    if problems := [problem for problem in problems if problem]:
         raise InvalidRunSpec("\n".join(problems))
     config = check_trainer_config(spec)
     check_memory(spec, config)
@@ -118,7 +120,7 @@ def handler(event: ValidateInput, context: LambdaContext) -> dict[str, Any]:
         document = with_stack_defaults(event.run_spec, bucket, lambda: default_network(aws().ec2))
     except NoDefaultNetwork as error:
         raise InvalidRunSpec(str(error)) from error
-    spec = parse_run_spec(document, bucket)
+    spec = parse_run_spec(document, bucket, aws().settings.stack_name)
     check_shard_set(check_trainer_config(spec))
     record = RunRecord(run_name=spec.run_name, spec=spec, execution_arn=event.execution_arn)
     try:

@@ -168,6 +168,9 @@ class LocalCloud:
         """State machine name -> states entered by its executions (the *StateEntered events of
         their histories: what Step Functions bills Standard workflows for; a Task's retries
         are not counted here, AWS bills each as one more transition)."""
+        self.sqs_redelivered: Counter[str] = Counter()
+        """Queue name -> records a Lambda event source mapping handed to its function again (a
+        batch had returned them, or they outlasted a visibility timeout): each a retry's wait."""
         self.lambda_invocations: Counter[str] = Counter()
         """Function name -> handler runs, however invoked: Invoke over HTTP (also counted in
         `requests`), asynchronous retries, and EventBridge targets, which do not come over HTTP."""

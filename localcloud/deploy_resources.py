@@ -10,6 +10,7 @@ documents them).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import re
@@ -22,7 +23,7 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
-__all__ = ["Created", "ResourceType", "RESOURCE_TYPES", "physical_name"]
+__all__ = ["Created", "ResourceType", "RESOURCE_TYPES", "physical_name", "custom_resource_request"]
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,43 @@ def _function(ctx: Context, props: dict[str, Any]) -> Created:
         lam.put_function_concurrency(FunctionName=name,
                                      ReservedConcurrentExecutions=int(props["ReservedConcurrentExecutions"]))
     return Created(name, function["FunctionArn"], {"Arn": function["FunctionArn"]})
+
+
+def custom_resource_request(client: Callable[[str], Any], service_token: str, request_type: str, stack_id: str,
+                            logical_id: str, properties: Mapping[str, Any], physical_id: str | None = None,
+                            responses_bucket: str | None = None) -> dict[str, Any]:
+    """What CloudFormation does with a custom resource: invoke its function with the request,
+    which answers by a PUT to the pre-signed ResponseURL; the answer (Status, Reason, ...). A
+    function that answers nothing fails the request (CloudFormation waits an hour, then fails)."""
+    s3, lam = client("s3"), client("lambda")
+    bucket = responses_bucket or f"cfn-responses-{hashlib.sha256(stack_id.encode()).hexdigest()[:16]}"
+    try:
+        s3.create_bucket(Bucket=bucket)
+    except (s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
+        pass
+    request_id = secrets.token_hex(16)
+    key = f"{logical_id}/{request_id}"
+    event = {"RequestType": request_type, "ServiceToken": service_token, "StackId": stack_id, "RequestId": request_id,
+             "LogicalResourceId": logical_id, "ResourceType": "AWS::CloudFormation::CustomResource",
+             "ResourceProperties": dict(properties), "ResponseURL": s3.generate_presigned_url(
+                 "put_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=7200)}
+    if physical_id is not None:
+        event["PhysicalResourceId"] = physical_id
+    invoked = lam.invoke(FunctionName=service_token, Payload=json.dumps(event).encode())
+    try:
+        return json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    except s3.exceptions.NoSuchKey:
+        raise RuntimeError(f"the custom resource's function answered no {request_type} request: "
+                           f"{invoked['Payload'].read().decode(errors='replace')[:500]}") from None
+
+
+@_resource("AWS::CloudFormation::CustomResource", "ServiceToken", required=("ServiceToken",))
+def _custom_resource(ctx: Context, props: dict[str, Any]) -> Created:
+    stack_id = ctx.arn("cloudformation", f"stack/{ctx.stack_name}")
+    answer = custom_resource_request(ctx.client, props["ServiceToken"], "Create", stack_id, ctx.logical_id, props)
+    if answer.get("Status") != "SUCCESS":
+        raise RuntimeError(f"its function answered {answer.get('Status')}: {answer.get('Reason')}")
+    return Created(answer.get("PhysicalResourceId") or ctx.name(64), None, dict(answer.get("Data") or {}))
 
 
 def _inline_zip(source: str, runtime: str) -> bytes:

@@ -1,6 +1,7 @@
 """A run of hundreds of nodes through the real control plane, on the local cloud.
 
     .venv/bin/python -m localcloud.scale --nodes 512            # one run, its figures as JSON
+    .venv/bin/python -m localcloud.scale --nodes 512 --start-only   # its start alone
     .venv/bin/python bench/scale.py                              # 8, 64 and 512 side by side
 
 The deployed template's state machine, handlers and EventBridge rules drive `nodes` p5.48xlarge
@@ -118,15 +119,19 @@ class Meter:
 
     cloud: Any
     phases: dict[str, dict[str, Any]] = field(default_factory=dict)
-    _mark: tuple[float, Counter, Counter, Counter] | None = None
+    _mark: tuple[float, Counter, Counter, Counter, int] | None = None
 
     def start(self) -> None:
-        self._mark = (time.monotonic(), *self.cloud.counters())
+        self._mark = (time.monotonic(), *self.cloud.counters(), self.redelivered())
+
+    def redelivered(self) -> int:
+        return sum(self.cloud.sqs_redelivered.values())
 
     def stop(self, phase: str) -> dict[str, Any]:
         """The phase since `start`: its seconds and counts; starts the next phase."""
-        started, requests0, transitions0, invocations0 = self._mark
+        started, requests0, transitions0, invocations0, redelivered0 = self._mark
         now, requests, transitions, invocations = time.monotonic(), *self.cloud.counters()
+        redelivered = self.redelivered()
         requests.subtract(requests0)
         counts = {
             "seconds": round(now - started, 2),
@@ -137,9 +142,10 @@ class Meter:
             "events_put": requests[("events", "PutEvents")],
             "s3_requests": sum(n for (service, _), n in requests.items() if service == S3_CALLS),
             "sqs_requests": sum(n for (service, _), n in requests.items() if service == "sqs"),
+            "sqs_records_redelivered": redelivered - redelivered0,
         }
         self.phases[phase] = counts
-        self._mark = (now, requests0 + requests, transitions, invocations)
+        self._mark = (now, requests0 + requests, transitions, invocations, redelivered)
         return counts
 
 
@@ -202,9 +208,11 @@ def step_seconds(nodes: int) -> float:
 
 
 def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, steady_s: float = STEADY_S,
-              boot_s: float = BOOT_S, narrate: Callable[[str], None] = print) -> dict[str, Any]:
+              boot_s: float = BOOT_S, start_only: bool = False,
+              narrate: Callable[[str], None] = print) -> dict[str, Any]:
     """One run of `nodes` nodes (and `spares`) through every failure of FAILURES; its figures.
-    `boot_s`: seconds an instance stays pending before it boots (LocalCloudConfig.boot_seconds)."""
+    `boot_s`: seconds an instance stays pending before it boots (LocalCloudConfig.boot_seconds);
+    `start_only`: the figures of the start alone, up to the whole fleet training."""
     step_s = step_s or step_seconds(nodes)
     template = scale_template(nodes, spares, step_s, steady_s)
     interval = template["checkpoint"]["interval_steps"]
@@ -217,7 +225,11 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, stead
         view = RunView(stack, run)
         view.until("training", lambda record: record.state is RunState.TRAINING)
         startup = meter.stop("allocate_to_ready")
-        narrate(f"{nodes} nodes ready and training after {startup['seconds']:.1f} s")
+        narrate(f"{nodes} nodes ready and training after {startup['seconds']:.1f} s, "
+                f"{startup['sqs_records_redelivered']} agent event(s) delivered again")
+        if start_only:
+            return {"nodes": nodes, "spares": spares, "boot_s": boot_s, "allocate_to_ready_s": startup["seconds"],
+                    "phases": meter.phases}
         recoveries, resumed_from = [], 0
         for attempt, how in enumerate(FAILURES):
             view.until(f"a checkpoint of attempt {attempt}", lambda record: bool(
@@ -274,13 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-s", type=float, help="seconds a stand-in step takes (default: step_seconds)")
     parser.add_argument("--steady-s", type=float, default=STEADY_S, help="seconds of steady training measured")
     parser.add_argument("--boot-s", type=float, default=BOOT_S, help="seconds an instance is pending before it boots")
+    parser.add_argument("--start-only", action="store_true", help="measure the start alone, up to the fleet training")
     args = parser.parse_args(argv)
     started = time.monotonic()
     figures = scale_run(args.nodes, args.spares, step_s=args.step_s, steady_s=args.steady_s, boot_s=args.boot_s,
+                        start_only=args.start_only,
                         narrate=lambda message: print(f"[{time.monotonic() - started:7.1f}s] {message}",
                                                       file=sys.stderr, flush=True))
     print(json.dumps(figures | {"duration_s": round(time.monotonic() - started, 1)}))
-    return 0 if figures["state"] == RunState.SUCCEEDED.value else 1
+    return 0 if args.start_only or figures["state"] == RunState.SUCCEEDED.value else 1
 
 
 if __name__ == "__main__":

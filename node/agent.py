@@ -20,8 +20,8 @@ instance's process. It speaks to the control plane only through AWS:
 4. at each look at the control plane (every 5-10 s, drawn; less often in very large runs, so a
    run's read rate stays bounded, and more often with a hang timeout under about 35 s, so a
    silent agent is known silent before a hang is declared: lifecycle.poll_interval) it reads the
-   run record: it confirms
-   its readiness (NodeReady) for each attempt the run moves to, and once the run trains an
+   run's control item (RunRecord.control: a few hundred bytes, however large the run record
+   grows): it confirms its readiness (NodeReady) for each attempt the run moves to, and once the run trains an
    attempt newer than its last it reads `s3://BUCKET/runs/RUN/launch-spec.json` and, if the spec
    names it, runs torchrun for it: nnodes = the plan's nodes, c10d rendezvous at node rank 0's
    private IP, the trainer config from the spec written to a YAML file, resume as the spec says,
@@ -69,12 +69,15 @@ instance's process. It speaks to the control plane only through AWS:
    replacement, or one whose trainer ended) starts `torchrun --standalone` with the order.
 
 A failed control-plane call (throttling, a 5xx answer, a connection error, a timeout) is logged
-and tried again at a later look with backoff; it never stops torchrun. When the run is over, or
-the control plane has been unreachable for UNREACHABLE_LIMIT_S while its trainer showed no
-progress as long, the agent ends its instance (the launch template's shutdown behaviour is
-terminate), so no instance outlives its run unwatched. A trainer that makes progress keeps its
-node through any outage (a regional DynamoDB outage would otherwise end every node of every run
-a quarter of an hour in); an instance its run left behind is the reaper's to end.
+and tried again at a later look with backoff; it never stops torchrun. When the run is over, when
+the stack's table, bus or bucket has answered for UNREACHABLE_LIMIT_S that it no longer exists
+(a deleted stack: the retained bucket still serves the launch spec), or when no AWS service has
+answered for as long while its trainer showed no progress (the node is cut off), the agent ends
+its instance (the launch template's shutdown behaviour is terminate), so no instance outlives its
+run unwatched. An outage, a service that answers with errors, ends no instance however long it
+lasts: a regional DynamoDB outage of hours would otherwise end every node whose trainer waits on
+a lost peer, and the run that the state machine keeps through it would come back to no fleet; an
+instance its run left behind is the reaper's to end.
 """
 
 from __future__ import annotations
@@ -121,7 +124,7 @@ from trainfleet.core.events import (PROGRESS_SAMPLES_MAX, AgentEvent, Checkpoint
 from trainfleet.core.lifecycle import checkpoint_request_answered, poll_interval
 from trainfleet.core.node_access import node_log_stream
 from trainfleet.core.pace import CADENCE_WINDOW, LAUNCH_SPEC_POLL_S, heartbeat_pace, hung_after, longest_look, stalled
-from trainfleet.core.records import (FleetCheckFigures, LaunchSpec, NodeLiveness, NodeRecord, RunRecord, RunState,
+from trainfleet.core.records import (FleetCheckFigures, LaunchSpec, NodeLiveness, NodeRecord, RunControl, RunState,
                                      ScalingCheckFigures, StateRestoredFigures, TrainerFailureKind)
 from trainfleet.core.runspec import HOST_MEMORY_DIR
 
@@ -135,8 +138,11 @@ RETRY_MAX_S = 60.0
 """Longest wait before a failed control-plane call is tried again (backoff doubles up to it, or
 up to the run's longest look, if that is shorter)."""
 UNREACHABLE_LIMIT_S = 900.0
-"""Control plane unreachable this long, and the node's trainer silent as long: nothing can tell
-the agent its run is over, so it ends its instance rather than leave it running unwatched."""
+"""No AWS service answered for this long, and the node's trainer silent as long (the node is cut
+off), or the stack's resources gone as long: nothing can tell the agent its run is over, so it
+ends its instance rather than leave it running unwatched."""
+GONE_CODES = frozenset({"ResourceNotFoundException", "NoSuchBucket"})
+"""What AWS answers once the stack's table, bus or bucket is deleted: the run is gone, not out of reach."""
 CLIENT_RETRIES = {"max_attempts": 5, "mode": "standard"}
 """botocore's own quick retries of a throttled or failed call, before the agent's backoff."""
 TRANSIENT_ERRORS = (ClientError, BotoCoreError)
@@ -326,7 +332,7 @@ class MetadataClient(IMDSFetcher):
 # --- the control plane, as the agent reaches it -------------------------------------------
 
 class Unreachable(AgentError):
-    """The control plane did not answer for UNREACHABLE_LIMIT_S."""
+    """The control plane is gone or out of reach (UNREACHABLE_LIMIT_S)."""
 
 
 class ControlPlane:
@@ -348,7 +354,7 @@ class ControlPlane:
         self.run_nodes = 1
         """The run's node count (workers and spares): the pace of the looks depends on it."""
         self.hang_timeout_s = math.inf
-        """The run's hang timeout, and so the pace of the looks, once a look read the run record
+        """The run's hang timeout, and so the pace of the looks, once a look read the run
         (unknown before: the usual pace)."""
         self.stepping = False
         """Whether this node's trainer steps now (Attempt.follow): the looks are paced by the
@@ -357,7 +363,13 @@ class ControlPlane:
         self.next_spec_read = -math.inf
         """clock() when read_launch_spec_soon reads the launch spec next."""
         self.failures = 0
-        self.failing_since: float | None = None
+        self.answered_at = clock()
+        """clock() when an AWS service last answered, with a result or an error: throttling and
+        5xx answers (an outage) are answers, a connection that fails or times out is none."""
+        self.gone_since: float | None = None
+        """clock() of the first answer since the run was last read that the stack's table,
+        bus or bucket no longer exists (GONE_CODES): whatever else still answers (the bucket is
+        retained), the run is over."""
         self.trainer_alive_at = -math.inf
         """clock() when this node's trainer last showed progress (the attempt's heartbeat thread
         sets it): while it does, no outage ends the instance."""
@@ -382,15 +394,19 @@ class ControlPlane:
             self.next_look = min(self.next_look, self.clock() + self.pace())
 
     def call(self, what: str, action: Callable[[], T]) -> T | None:
-        """`action()`, or None when it failed: the failure is logged, the next look backs off,
-        and one that outlasts UNREACHABLE_LIMIT_S, with the trainer silent as long, raises
-        Unreachable."""
+        """`action()`, or None when it failed: the failure is logged and the next look backs off.
+        Unreachable when the stack's resources have been gone, or no service has answered with
+        the trainer silent, for UNREACHABLE_LIMIT_S. An outage (throttling, 5xx answers) of any
+        length ends no instance: the control plane waits it out too, and then needs the fleet."""
+        now = self.clock()
         try:
             result = action()
         except TRANSIENT_ERRORS as exc:
-            now = self.clock()
             self.failures += 1
-            self.failing_since = self.failing_since if self.failing_since is not None else now
+            if isinstance(exc, ClientError):
+                self.answered_at = now
+                if exc.response.get("Error", {}).get("Code") in GONE_CODES and self.gone_since is None:
+                    self.gone_since = now
             # Never beyond the paced look: an agent silent for a few looks counts as lost
             # (lifecycle.liveness), and one look a pace is the load the pace allows anyway.
             longest = longest_look(self.run_nodes, self.hang_timeout_s)
@@ -398,22 +414,30 @@ class ControlPlane:
             self.next_look = max(self.next_look, now + wait)
             say("control plane call failed; trying again later", call=what, error=str(exc),
                 failures=self.failures, retry_in_s=round(wait, 1))
-            if min(now - self.failing_since, now - self.trainer_alive_at) > self.settings.unreachable_limit_s:
-                raise Unreachable(f"the control plane has not answered for {now - self.failing_since:.0f} s "
+            limit = self.settings.unreachable_limit_s
+            if self.gone_since is not None and now - self.gone_since > limit:
+                raise Unreachable(f"the stack's resources have been gone for {now - self.gone_since:.0f} s "
+                                  f"({exc})") from exc
+            if min(now - self.answered_at, now - self.trainer_alive_at) > limit:
+                raise Unreachable(f"no AWS service has answered for {now - self.answered_at:.0f} s "
                                   "and this node's trainer made no progress as long") from exc
             return None
-        self.failures, self.failing_since = 0, None
+        self.failures, self.answered_at = 0, now
         return result
 
-    def look_at_run(self) -> RunRecord | None:
-        """The run record, when a look is due and it could be read; paces the next look."""
+    def look_at_run(self) -> RunControl | None:
+        """The run's control item, when a look is due and it could be read; paces the next look."""
         if not self.take_look():
             return None
-        run = self.call("read the run record", lambda: self.store.run(self.settings.run_name, consistent=False))
+        run = self.read_run()
         if run is not None:
-            self.run_nodes = run.spec.node_count + run.spec.spare_count
-            self.hang_timeout_s = run.spec.recovery.hang_timeout_seconds
+            self.gone_since = None
+            self.run_nodes, self.hang_timeout_s = run.nodes, run.hang_timeout_seconds
         return run
+
+    def read_run(self) -> RunControl | None:
+        """The run as its agents see it (RunStore.run_control), or None when it could not be read."""
+        return self.call("read the run record", lambda: self.store.run_control(self.settings.run_name))
 
     # --- calls ---
 
@@ -478,7 +502,7 @@ class ControlPlane:
 
     def report_liveness(self, record: NodeLiveness) -> None:
         self.call("write the liveness record", lambda: write_liveness(
-            self.store.db, self.settings.liveness_table, self.settings.run_name, record))
+            self.store.db, self.settings.liveness_table, self.settings.run_name, self.identity.arn, record))
 
     def heartbeat(self, token: str) -> None:
         """SendTaskHeartbeat, from the attempt's heartbeat thread. A failure is logged and the next
@@ -838,8 +862,8 @@ class Attempt:
         """torchrun's exit status, once it ended."""
         self.repair_pending: int | None = None
         """The attempt that repairs this node's world and keeps its trainer, until its launch spec is read."""
-        self.run_seen: RunRecord | None = None
-        """The run record at the last look."""
+        self.run_seen: RunControl | None = None
+        """The run at the last look."""
         self.node_rank = spec.node_ranks[self.identity.instance_id]
         self.files = AttemptFiles(control.settings.workdir / f"attempt-{spec.attempt}")
         self.metrics = MetricsFollower(self.files.metrics)
@@ -887,9 +911,9 @@ class Attempt:
         self.checks_reported: set[str] = set()
         """WORLD_CHECKS whose result the control plane took."""
 
-    def run(self) -> RunRecord | None:
-        """Run torchrun until it exits or the run leaves this attempt; the run record that showed
-        the run had left it, if that is what ended it."""
+    def run(self) -> RunControl | None:
+        """Run torchrun until it exits or the run leaves this attempt; the run as the look that
+        showed it had left it saw it, if that is what ended it."""
         self.files.folder.mkdir(parents=True, exist_ok=True)
         self.files.config.write_text(yaml.safe_dump(
             trainer_config(self.spec, self.files, self.control.settings.host_memory_dir), sort_keys=False))
@@ -942,18 +966,18 @@ class Attempt:
         self.report_exit(process.returncode)
         return None
 
-    def left_behind(self, run: RunRecord) -> bool:
+    def left_behind(self, run: RunControl) -> bool:
         """Whether the run has left this attempt (a failure moved it on, or it finished)."""
         return run.attempt > self.spec.attempt or run.state.is_final
 
-    def awaits_repair(self, run: RunRecord) -> bool:
-        """Whether the run, having left this attempt, repairs this node's world in place and keeps
-        its trainer (Recover's WorldRepair): the node confirms the new attempt and reads its
-        launch spec as soon as it is written (take_repaired_spec). False when the trainer is to stop."""
+    def awaits_repair(self, run: RunControl) -> bool:
+        """Whether the run, having left this attempt, repairs this node's world in place (Recover's
+        WorldRepair): the node confirms the new attempt and reads its launch spec as soon as it is
+        written (take_repaired_spec), which says whether its trainer is a survivor's and keeps
+        running. False when the trainer is to stop."""
         repair = run.repair
         if (run.state.is_final or repair is None or repair.launched_attempt != self.world
-                or repair.generation <= self.generation or self.identity.instance_id not in repair.survivor_ids
-                or not self.confirm(run.attempt)):
+                or repair.generation <= self.generation or not self.confirm(run.attempt)):
             return False
         self.repair_pending = run.attempt
         return True
@@ -974,6 +998,11 @@ class Attempt:
             self.files.check_result(check).unlink(missing_ok=True)
         self.checks_reported.clear()
         self.send_progress()  # the failed attempt's last steps, ahead of the new one's
+        # The repaired world forms anew (its ranks meet, restore, rebuild their stages), silent as
+        # long as a start-up at scale, far past five of the failed world's steps: its cadence is
+        # learnt again from its own steps, the start-up timeout bounding the silence meanwhile.
+        self.step_seconds.clear()
+        self.progress_changes, self.hang_declared = 0, False
         self.spec, self.generation = spec, spec.repair.generation
         self.announce_from(spec)
         write_order(self.files.repair_order,
@@ -1160,7 +1189,7 @@ class Attempt:
         return (self.finished is not None
                 and now - max(self.finished, self.alive_at) < self.spec.startup_timeout_seconds)
 
-    def look(self, run: RunRecord) -> None:
+    def look(self, run: RunControl) -> None:
         """At each look at the control plane: this node's liveness, a checkpoint the run asks for,
         and (the rank-0 node) the checkpoints committed since the last look."""
         self.report_liveness()
@@ -1255,8 +1284,7 @@ class Attempt:
         # order this node's ended trainer into a repaired world.
         self.report_liveness(trainer_running=False)
         time.sleep(PEER_LOSS_GRACE_S)
-        run = self.control.call("read the run record",
-                                lambda: self.control.store.run(self.spec.run_name, consistent=False))
+        run = self.control.read_run()
         if run is not None and self.left_behind(run):
             say("torchrun failed after the run moved on; not reported", attempt=self.spec.attempt,
                 exit_code=returncode)

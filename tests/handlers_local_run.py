@@ -46,6 +46,7 @@ from localcloud.stack import states_entered  # noqa: E402
 from localcloud.waiting import until  # noqa: E402
 from trainer.checkpoint_catalog import committed_steps, open_store  # noqa: E402
 from trainfleet.adapters.ec2_fleet import TAG_RUN  # noqa: E402
+from trainfleet.adapters.liveness import liveness_key  # noqa: E402
 from trainfleet.adapters.run_store import RunNotFound, RunStore  # noqa: E402
 from trainfleet.core.events import NodeUnhealthy, TrainingCompleted, instance_arn, put_events_entry
 from trainfleet.core.node_access import node_log_stream
@@ -288,7 +289,7 @@ def hostile_node(cloud, outputs: dict[str, str], store: RunStore, attacker: str,
         "list its nodes": lambda run: dynamodb.query(
             TableName=table, KeyConditionExpression="pk = :pk", ExpressionAttributeValues={":pk": {"S": f"RUN#{run}"}}),
         "write a liveness record": lambda run: dynamodb.put_item(TableName=liveness, Item={
-            "run": {"S": run}, "instance": {"S": mine}, "record": {"S": "{}"}}),
+            **liveness_key(run, sender), "record": {"S": "{}"}}),
         "write into its node log": write_node_log,
     }
     outcomes = {}
@@ -312,6 +313,14 @@ def hostile_node(cloud, outputs: dict[str, str], store: RunStore, attacker: str,
             outcomes[f"other: {what}"] = "accepted" if answer["FailedEntryCount"] == 0 else "failed"
         except ClientError as refused:
             outcomes[f"other: {what}"] = refused.response["Error"]["Code"]
+    # A peer of its own run: its liveness record, forged, could get the peer blamed and terminated.
+    peer = max(node.instance_id for node in store.nodes(attacker))
+    try:
+        dynamodb.put_item(TableName=liveness, Item={
+            **liveness_key(attacker, instance_arn("aws", cloud.region, cloud.account_id, peer)), "record": {"S": "{}"}})
+        outcomes["peer: write a liveness record"] = "accepted"
+    except ClientError as refused:
+        outcomes["peer: write a liveness record"] = refused.response["Error"]["Code"]
     outcomes["sender"] = sender
     return outcomes
 

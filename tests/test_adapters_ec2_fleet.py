@@ -289,6 +289,21 @@ def test_a_fleet_above_ec2s_per_fleet_target_is_launched_in_several_requests(clo
     assert sorted(again.instance_ids) == sorted(allocation.instance_ids)  # a retry launches nothing new
 
 
+def test_two_stacks_of_one_account_launch_runs_of_the_same_name(cloud, network):
+    # EC2 keeps ClientTokens per account and region: a token of run name and attempt alone made
+    # the second stack's request (its own launch template) IdempotentParameterMismatch.
+    ec2 = cloud.client("ec2")
+    subnets, group = network
+    spec = make_spec(run_name="twin", subnet_ids=subnets, security_group_ids=[group])
+    launched = []
+    for stack in ("stack-a", "stack-b"):
+        settings = SETTINGS.model_copy(update={"stack_name": stack})
+        template_id = fleet.ensure_launch_template(ec2, spec, settings, PROFILE)
+        launched.append(fleet.allocate(ec2, spec, stack, template_id, subnets, target=2, minimum=2,
+                                       token_prefix="twin/0/0").instance_ids)
+    assert all(len(ids) == 2 for ids in launched) and not set(launched[0]) & set(launched[1])
+
+
 def test_the_local_cloud_refuses_a_fleet_above_ec2s_per_fleet_target(cloud, network):
     ec2 = cloud.client("ec2")
     subnets, group = network

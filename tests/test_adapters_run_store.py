@@ -1,5 +1,6 @@
 """DynamoDB run store on moto, with the table exactly as template.yaml declares it."""
 
+import threading
 import uuid
 from pathlib import Path
 
@@ -195,3 +196,106 @@ def test_a_long_runs_failures_stay_within_one_dynamodb_item(store):
     assert len(run.failures) <= 60 and all(len(failure.message) <= 605 for failure in run.failures)
     assert run.failures[-1].message.startswith("raised above: RuntimeError")
     assert len(run.model_dump_json()) < 100_000
+
+
+def test_agents_read_a_control_item_of_a_few_hundred_bytes_whatever_the_run_record_holds(store):
+    """Every agent look read the whole run record: 104 KB with its kept failures, 272 KB with 50
+    failures naming 128 nodes each: 13 to 34 read units a look, ~3,500 a second at 2,048 nodes,
+    past the 3,000 one partition serves. The agents read the CONTROL item instead, kept in step
+    with the record in the writes that change it."""
+    from datetime import datetime, timedelta, timezone
+
+    from trainfleet.core.lifecycle import apply_decision, decide_recovery
+    from trainfleet.core.records import CheckpointRef, FailureClass, FailureReport, WorldRepair
+
+    name = f"run-{uuid.uuid4().hex[:8]}"
+    nodes = [f"i-{n:017x}" for n in range(2048)]
+    run = RunRecord(run_name=name, spec=spec(name))
+    start = datetime(2026, 11, 1, tzinfo=timezone.utc)
+    for index in range(60):
+        now = start + timedelta(hours=3 * index)
+        failure = FailureReport(failure_class=FailureClass.CAPACITY_BLOCK_END if index % 2 else FailureClass.HANG,
+                                attempt=run.attempt, instance_ids=nodes[:128], message="x" * 3000)
+        run = run.model_copy(update={"latest_checkpoint": CheckpointRef(step=index, uri=f"s3://b/{index}")})
+        run = apply_decision(run, failure, decide_recovery(run, [], failure, jitter_draw=0.0, now=now), now)
+    run = run.model_copy(update={"repair": WorldRepair(generation=1, launched_attempt=0, survivor_ids=nodes[1:])})
+    assert max(len(failure.instance_ids) for failure in run.failures) == 16, "id lists clipped"
+    assert run.failures[-1].instances_blamed == 128
+    store.create_run(run)
+    record = store.db.get_item(TableName=store.table, Key={"pk": {"S": f"RUN#{name}"}, "sk": {"S": "RUN"}})["Item"]
+    control = store.db.get_item(TableName=store.table, Key={"pk": {"S": f"RUN#{name}"}, "sk": {"S": "CONTROL"}})["Item"]
+    assert len(record["doc"]["S"]) > 100_000 and len(control["doc"]["S"]) < 500  # half a read unit a look
+    assert store.run_control(name) == store.run(name).control()
+    asked = datetime.now(timezone.utc)
+    changes = [{"checkpoint_requested_at": asked}, {"state": RunState.ALLOCATING}, {"attempt": run.attempt + 1},
+               {"latest_checkpoint": CheckpointRef(step=99, uri="s3://b/99", committed_at=asked)}]
+    for change in changes:
+        store.modify_run(name, lambda current, change=change: current.model_copy(update=change))
+        assert store.run_control(name) == store.run(name).control(), change
+    store.modify_run(name, lambda current: current.model_copy(update={"last_step": 7}))  # the agents need not know
+    assert store.run_control(name).checkpoint_committed_at == asked and store.run(name).last_step == 7
+
+
+def _run_table(client) -> str:
+    props = load_template(TEMPLATE)["Resources"]["RunTable"]["Properties"]
+    name = f"runs-{uuid.uuid4().hex[:8]}"
+    client.create_table(TableName=name, BillingMode=props["BillingMode"], KeySchema=props["KeySchema"],
+                        AttributeDefinitions=props["AttributeDefinitions"],
+                        GlobalSecondaryIndexes=props["GlobalSecondaryIndexes"])
+    return name
+
+
+def test_workers_confirming_at_once_never_conflict_and_are_counted_exactly(local_cloud):
+    """Hundreds of NodeReady at a (re)start, in concurrent batches: DynamoDB (and the local cloud)
+    cancels concurrent transactions on one item, and a count kept in the node write's transaction
+    made every confirmation meet on the WORLD item until some lost all their tries."""
+    client = local_cloud.client("dynamodb")
+    store = RunStore(client, _run_table(client))
+    name = new_run(store)
+    ids = [f"i-{n:03d}" for n in range(192)]
+    for instance_id in ids:
+        store.add_node(NodeRecord(run_name=name, instance_id=instance_id, role=NodeRole.WORKER,
+                                  state=NodeState.REGISTERED, private_ip="10.0.0.1"))
+    lost, barrier = [], threading.Barrier(32)
+
+    def confirm_some(share: list[str]) -> None:
+        own = RunStore(local_cloud.client("dynamodb"), store.table)  # a handler of its own
+        barrier.wait(timeout=60)
+        for instance_id in share:
+            try:
+                own.transition_node(name, instance_id, NodeState.READY, ready_attempt=0)
+            except StaleRecord as exc:
+                lost.append(str(exc))
+
+    threads = [threading.Thread(target=confirm_some, args=(ids[n::32],)) for n in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert lost == [] and store.ready_workers(name, 0) == len(ids)
+
+
+def test_a_count_change_its_write_left_unsettled_is_made_once_by_the_next_write(store, monkeypatch):
+    """The node write records what the count owes: an invocation that fails after it (DynamoDB
+    down, a timeout) leaves the count to the event's retry, which finds nothing to change."""
+    name = new_run(store)
+    instance_id = f"i-1-{name}"
+    store.add_node(NodeRecord(run_name=name, instance_id=instance_id, role=NodeRole.WORKER,
+                              state=NodeState.REGISTERED, private_ip="10.0.0.1"))
+    update_item = store.db.update_item
+
+    def down(**request):
+        raise store.db.exceptions.InternalServerError({"Error": {"Code": "InternalServerError"}}, "UpdateItem")
+
+    monkeypatch.setattr(store.db, "update_item", down)
+    with pytest.raises(store.db.exceptions.InternalServerError):
+        store.transition_node(name, instance_id, NodeState.READY, ready_attempt=0)
+    assert store.ready_workers(name, 0) == 0 and store.node(name, instance_id).state is NodeState.READY
+    monkeypatch.setattr(store.db, "update_item", update_item)
+    store.transition_node(name, instance_id, NodeState.READY, ready_attempt=0)  # the event's retry: no change
+    assert store.ready_workers(name, 0) == 1
+    store.transition_node(name, instance_id, NodeState.READY, ready_attempt=0)
+    store.modify_node(name, instance_id, lambda node: node.model_copy(update={"reason": "again"}))
+    assert store.ready_workers(name, 0) == 1, "counted once"
+    store.transition_node(name, instance_id, NodeState.UNHEALTHY)
+    assert store.ready_workers(name, 0) == 0

@@ -364,15 +364,15 @@ def test_the_rank_0_node_announces_each_new_commit_once_with_progress(watched_at
     run = run_record()
     commit(store, 20)
     attempt.follow()
-    attempt.look(run)
+    attempt.look(run.control())
     assert sent() == [], "no metrics yet: this node does not hold global rank 0 (so far)"
     attempt.files.metrics.write_text(json.dumps({"step": 21, "loss": 3.5, "tokens_per_s": 900.0,
                                                  "step_time_s": 0.1, "time": time.time()}) + "\n")
     attempt.follow()
-    attempt.look(run)
+    attempt.look(run.control())
     commit(store, 30, reason=catalog.SaveReason.REQUESTED)
     attempt.follow()
-    attempt.look(run)
+    attempt.look(run.control())
     events = sorted(sent(), key=lambda event: (event["detail-type"], event["detail"].get("step", 0)))
     assert [(event["detail-type"], event["detail"]["step"], event["detail"].get("reason")) for event in events] == [
         ("CheckpointCommitted", 20, "interval"), ("CheckpointCommitted", 30, "requested"),
@@ -450,7 +450,7 @@ def test_a_commit_pruned_between_listing_and_reading_is_skipped_not_the_end_of_t
     attempt.files.metrics.write_text(json.dumps({"step": 31, "loss": 3.5, "tokens_per_s": 900.0,
                                                  "step_time_s": 0.1, "time": time.time()}) + "\n")
     attempt.follow()
-    attempt.look(run_record())
+    attempt.look(run_record().control())
     assert sorted(event["detail"]["step"] for event in sent() if event["detail-type"] == "CheckpointCommitted") == [30]
 
 
@@ -724,6 +724,28 @@ def test_a_hang_is_judged_by_the_watch_loop_whatever_the_heartbeat_thread_waits_
     assert hung_events(sent) == []
 
 
+def test_a_world_repaired_in_place_learns_its_cadence_anew(heartbeats, watched_attempt):
+    """Forming a repaired world (its ranks meet, restore and rebuild their stages; minutes for
+    thousands of ranks) is silent far past five of the failed world's steps: judged by them, its
+    agents declared it hung as it formed."""
+    attempt, clock, _ = heartbeats
+    _, store, sent = watched_attempt
+    sign_of_life(attempt, 10, 0)
+    steps_every(attempt, clock, 11, 20, seconds=2.0)  # the failed world's cadence: 2 s
+    repaired = attempt.spec.model_copy(update={
+        "attempt": 2, "repair": WorldRepair(generation=1, launched_attempt=1, survivor_ids=[IDENTITY.instance_id])})
+    attempt.control.s3.put_object(Bucket=attempt.control.settings.bucket, Key="runs/run-a/launch-spec.json",
+                                  Body=repaired.model_dump_json().encode())
+    attempt.repair_pending = 2
+    assert attempt.take_repaired_spec() and attempt.spec.attempt == 2
+    follow_until(attempt, clock, clock["now"] + 45.0)  # the repaired world forms
+    assert hung_events(sent) == []
+    sign_of_life(attempt, 20, 1)  # it restored step 20
+    steps_every(attempt, clock, 21, 25, seconds=2.0)
+    follow_until(attempt, clock, clock["now"] + 30.0)
+    assert [hung["attempt"] for hung in hung_events(sent)] == [2], "its own cadence, known again, tells a hang"
+
+
 def test_a_slow_step_that_shows_life_is_not_declared_hung(heartbeats, watched_attempt):
     attempt, clock, _ = heartbeats
     _, _, sent = watched_attempt
@@ -794,15 +816,16 @@ def test_a_checkpoint_the_run_asks_for_is_requested_once_and_liveness_is_reporte
     attempt, store, _ = watched_attempt
     attempt.files.progress.write_text("12")  # what local rank 0 of this node's trainer wrote
     attempt.follow()
-    attempt.look(run_record())
+    attempt.look(run_record().control())
     assert not attempt.files.checkpoint_request.exists()
     asked = run_record(checkpoint_requested_at=datetime(2026, 1, 1, tzinfo=timezone.utc))
-    attempt.look(asked)
+    attempt.look(asked.control())
     assert attempt.files.checkpoint_request.exists()
     attempt.files.checkpoint_request.unlink()  # the trainer consumed it
-    attempt.look(asked)
+    attempt.look(asked.control())
     assert not attempt.files.checkpoint_request.exists(), "one request, one checkpoint"
-    (record,) = read_liveness(attempt.control.store.db, attempt.control.settings.liveness_table, "run-a")
+    (record,) = read_liveness(attempt.control.store.db, attempt.control.settings.liveness_table, "run-a",
+                              [IDENTITY.arn])
     assert (record.instance_id, record.attempt, record.step) == ("i-0aaa", 1, 12)
     assert record.alive_at is not None and record.alive_at <= record.reported_at  # the progress file's change
 
@@ -813,10 +836,11 @@ def test_a_checkpoint_request_already_answered_starts_no_second_save(watched_att
     committed = CheckpointRef(step=330, uri="s3://b/runs/run-a/checkpoints/step-000000330",
                               committed_at=asked_at + timedelta(seconds=5))
     # The leaving node's own notice was served before this look saw the run's request.
-    attempt.look(run_record(checkpoint_requested_at=asked_at, latest_checkpoint=committed))
+    attempt.look(run_record(checkpoint_requested_at=asked_at, latest_checkpoint=committed).control())
     assert not attempt.files.checkpoint_request.exists()
     failed = FailureReport(failure_class=FailureClass.SPOT_INTERRUPTION, attempt=1, instance_ids=["i-0bbb"])
-    attempt.look(run_record(checkpoint_requested_at=asked_at + timedelta(seconds=1), attempt_failure=failed))
+    attempt.look(run_record(checkpoint_requested_at=asked_at + timedelta(seconds=1),
+                            attempt_failure=failed).control())
     assert not attempt.files.checkpoint_request.exists(), "the attempt is over: no save to wait for"
 
 
@@ -947,7 +971,7 @@ def test_the_looks_quicken_with_the_run_hang_timeout_once_the_run_record_is_read
     clock = {"now": 0.0}
     control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_RUN_TABLE": table}),
                                    workdir=tmp_path), IDENTITY, clock=lambda: clock["now"], draw=lambda: 0.999)
-    assert control.look_at_run().run_name == "run-a"
+    assert control.look_at_run().attempt == 1
     assert control.next_look == pytest.approx(10.0, abs=0.01), "the run's pace was not known at the first look"
     clock["now"] = control.next_look
     assert control.look_at_run() is not None
@@ -983,36 +1007,63 @@ def control_on_a_clock(local_cloud, tmp_path, monkeypatch) -> tuple[ControlPlane
     return control, clock
 
 
-def test_an_unreachable_control_plane_ends_the_instance_after_the_limit(local_cloud, metadata_service, tmp_path,
-                                                                       monkeypatch):
-    control, clock = control_on_a_clock(local_cloud, tmp_path, monkeypatch)
-    local_cloud.throttle("dynamodb", 30.0)
-    assert control.look_at_run() is None  # failed: logged, tried again later
-    clock["now"] += agent.UNREACHABLE_LIMIT_S - 1
-    assert control.look_at_run() is None
-    clock["now"] += agent.RETRY_MAX_S  # the backoff is over; the limit too
-    with pytest.raises(agent.Unreachable, match="has not answered for 9[0-9][0-9] s and this node's trainer"):
-        control.look_at_run()
-    local_cloud.stop_failing_requests()
-    clock["now"] += agent.RETRY_MAX_S
-    assert control.look_at_run().run_name == "run-a" and control.failures == 0
+def test_a_node_cut_off_from_every_service_ends_its_instance_after_the_limit(tmp_path):
+    """No answer at all (every connection fails) for the limit, with the trainer silent as long:
+    nothing can tell the agent its run is over. A trainer that makes progress keeps its node."""
+    from botocore.exceptions import EndpointConnectionError
+    clock = {"now": 0.0}
+    control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV), workdir=tmp_path), IDENTITY,
+                           clock=lambda: clock["now"])
+
+    def cut_off():
+        raise EndpointConnectionError(endpoint_url="https://dynamodb.us-east-1.amazonaws.com")
+
+    control.trainer_alive_at = 0.0
+    clock["now"] = agent.UNREACHABLE_LIMIT_S
+    assert control.call("read the run record", cut_off) is None
+    clock["now"] += 1
+    control.trainer_alive_at = clock["now"]  # still training: kept
+    assert control.call("read the run record", cut_off) is None
+    clock["now"] += agent.UNREACHABLE_LIMIT_S + 1
+    with pytest.raises(agent.Unreachable, match="no AWS service has answered for [0-9]+ s and this node's trainer made no progress"):
+        control.call("read the run record", cut_off)
 
 
-def test_an_outage_never_ends_a_node_whose_trainer_makes_progress(local_cloud, tmp_path, monkeypatch):
-    """A DynamoDB outage of an hour (us-east-1 had one of hours): workers that train keep their
-    instances; a trainer that falls silent as long as the limit ends its node as before."""
+def test_an_outage_of_hours_ends_no_node_even_with_its_trainer_silent(local_cloud, tmp_path, monkeypatch):
+    """A regional DynamoDB outage of hours (us-east-1 had one): DynamoDB answers, with errors. A
+    node lost inside it leaves its peers' trainers waiting on it, silent; had their agents ended
+    their instances a quarter of an hour in, the run the state machine keeps through the outage
+    would have come back to no fleet."""
     control, clock = control_on_a_clock(local_cloud, tmp_path, monkeypatch)
-    local_cloud.throttle("dynamodb", 600.0)  # real seconds: far longer than the test
-    while clock["now"] < 3600:
-        control.trainer_alive_at = clock["now"]  # a sign of life every 5 minutes, say
+    local_cloud.fail_requests("dynamodb", 600.0, "error")  # real seconds: far longer than the test
+    control.trainer_alive_at = 0.0  # the trainer fell silent as the outage began
+    while clock["now"] < 2 * 3600:
         assert control.call("read the run record", lambda: control.store.run("run-a")) is None
         clock["now"] += 300
-    clock["now"] += agent.UNREACHABLE_LIMIT_S - 300  # the trainer fell silent when the clock read 3300
-    assert control.call("read the run record", lambda: control.store.run("run-a")) is None
-    clock["now"] += 1
-    with pytest.raises(agent.Unreachable, match="has not answered for 4[0-9]{3} s"):
-        control.call("read the run record", lambda: control.store.run("run-a"))
     local_cloud.stop_failing_requests()
+    assert control.look_at_run().attempt == 1 and control.failures == 0
+
+
+def test_an_idle_agent_ends_its_instance_once_its_stack_is_gone(local_cloud, tmp_path, monkeypatch):
+    """A deleted stack keeps its bucket (retained), so the launch spec still reads; the run table
+    and the bus answer that they are gone. Judged by what each service answers, not by whether
+    some call succeeded, the agent ends its instance after the limit."""
+    control, clock = control_on_a_clock(local_cloud, tmp_path, monkeypatch)
+    bucket = f"agent-{uuid.uuid4().hex[:8]}"
+    s3 = local_cloud.client("s3")
+    s3.create_bucket(Bucket=bucket)
+    control.settings = replace(control.settings, bucket=bucket)
+    s3.put_object(Bucket=bucket, Key="runs/run-a/launch-spec.json", Body=b"{}")
+    assert control.look_at_run() is not None
+    local_cloud.client("dynamodb").delete_table(TableName=control.settings.run_table)
+    read_spec = lambda: s3.get_object(Bucket=bucket, Key="runs/run-a/launch-spec.json")  # noqa: E731
+    while clock["now"] <= agent.UNREACHABLE_LIMIT_S:
+        control.trainer_alive_at = clock["now"]  # even a trainer that steps: no one will read its work
+        assert control.call("read the launch spec", read_spec) is not None
+        assert control.call("read the run record", lambda: control.store.run("run-a")) is None
+        clock["now"] += 60
+    with pytest.raises(agent.Unreachable, match="the stack's resources have been gone for 9[0-9][0-9] s"):
+        control.call("read the run record", lambda: control.store.run("run-a"))
 
 
 @pytest.mark.parametrize("nodes, hang_timeout_s, looks_per_s", [

@@ -160,6 +160,11 @@ def agent_event(detail_type: str, detail: dict, sender: str | None = None) -> di
             "resources": [], "detail": detail}
 
 
+def arn(cloud, instance_id: str) -> str:
+    """An instance's ARN: the key of its liveness record."""
+    return instance_arn("aws", cloud.region, cloud.account_id, instance_id)
+
+
 def state_change(instance_id: str, state: str) -> dict:
     event = json.loads((REPO / "events" / "aws" / "ec2-instance-state-change-terminated.json").read_text())
     event.update(id=str(uuid.uuid4()))
@@ -1062,8 +1067,9 @@ def test_recover_names_the_workers_that_failed_silently(handlers, cloud, resourc
     answering, silent, frozen = ids
     now = datetime.now(timezone.utc)
     for instance_id, seconds_ago in ((answering, 2), (silent, 300), (frozen, 3)):
-        write_liveness(cloud.client("dynamodb"), resources["liveness_table"], run.run_name, NodeLiveness(
-            instance_id=instance_id, attempt=0, step=40, reported_at=now - timedelta(seconds=seconds_ago)))
+        write_liveness(cloud.client("dynamodb"), resources["liveness_table"], run.run_name, arn(cloud, instance_id),
+                       NodeLiveness(instance_id=instance_id, attempt=0, step=40,
+                                    reported_at=now - timedelta(seconds=seconds_ago)))
     cloud.wait_until(lambda: cloud.fleet.get(frozen).process is not None, "the frozen node to boot")
     cloud.fleet.hang(frozen)
     crash = FailureReport(failure_class=FailureClass.PROCESS_CRASH, attempt=0, message="peer gone")
@@ -1091,10 +1097,11 @@ def test_recover_repairs_the_world_in_place_and_confirms_the_survivors_whose_tra
         cloud.fleet.wait_for_state(instance_id, "running")
     now = datetime.now(timezone.utc)
     store.modify_run(run.run_name, lambda current: current.model_copy(update={"first_step_at": now, "last_step": 12}))
-    write_liveness(cloud.client("dynamodb"), resources["liveness_table"], run.run_name, NodeLiveness(
-        instance_id=survivor, attempt=0, step=12, reported_at=now - timedelta(seconds=survivor_reported_s)))
-    write_liveness(cloud.client("dynamodb"), resources["liveness_table"], run.run_name, NodeLiveness(
-        instance_id=spare, attempt=0, trainer_running=False, reported_at=now))
+    write_liveness(cloud.client("dynamodb"), resources["liveness_table"], run.run_name, arn(cloud, survivor),
+                   NodeLiveness(instance_id=survivor, attempt=0, step=12,
+                                reported_at=now - timedelta(seconds=survivor_reported_s)))
+    write_liveness(cloud.client("dynamodb"), resources["liveness_table"], run.run_name, arn(cloud, spare),
+                   NodeLiveness(instance_id=spare, attempt=0, trainer_running=False, reported_at=now))
 
     handlers.recover.handler(lost(run, victim), Context())
     after, nodes = store.run(run.run_name), {node.instance_id: node for node in store.nodes(run.run_name)}

@@ -95,6 +95,7 @@ def test_a_node_of_one_run_can_read_write_or_end_nothing_of_another(outcome):
         assert hostile[f"own: {attempt}"] == "accepted", attempt
         assert hostile[f"other: {attempt}"] in ("AccessDenied", "AccessDeniedException"), attempt
     assert hostile["other: send as the other run's node"] == "AccessDeniedException"
+    assert hostile["peer: write a liveness record"] == "AccessDeniedException", "only its own record"
     assert hostile["attacker_status"] == "SUCCEEDED"
     assert hostile["other: end the other run"] == hostile["other: blame the other run's node"] == "accepted"
     run = outcome["recovered"]

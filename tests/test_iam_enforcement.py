@@ -3,6 +3,8 @@ names the role, the action and the resource, as AWS's does."""
 
 import json
 import uuid
+from datetime import datetime, timezone
+from pathlib import Path
 
 import boto3
 import pytest
@@ -10,6 +12,7 @@ from botocore.exceptions import ClientError
 
 from localcloud.glue import iam as iam_glue
 
+REPO = Path(__file__).resolve().parent.parent
 TRUST_EC2 = {"Version": "2012-10-17", "Statement": [
     {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]}
 
@@ -211,3 +214,32 @@ def test_an_instance_profiles_requests_carry_the_instance_so_a_policy_can_name_i
     not_an_instance = client_as(cloud, role, "events", session="operator")
     with pytest.raises(ClientError, match="not authorized to perform: events:PutEvents"):
         not_an_instance.put_events(Entries=[{"Source": f"trainfleet/{mine}", "DetailType": "NodeReady", "Detail": "{}"}])
+
+
+def test_a_node_writes_its_own_liveness_record_and_no_peers(enforced):
+    """NodePolicy's liveness statement, as template.yaml has it, on a table keyed as the template's:
+    a node's record is keyed by its own instance's ARN, so a node of the run cannot overwrite a
+    peer's (a forged record could get the peer blamed and terminated)."""
+    from localcloud.deploy import load_template
+    from localcloud_helpers import table_from_template
+    from trainfleet.adapters.liveness import read_liveness, write_liveness
+    from trainfleet.core.records import NodeLiveness
+
+    cloud = enforced
+    table = table_from_template(cloud.client("dynamodb"), "LivenessTable")
+    table_arn = f"arn:aws:dynamodb:{cloud.region}:{cloud.account_id}:table/{table}"
+    document = load_template(REPO / "template.yaml")["Resources"]["NodePolicy"]["Properties"]["PolicyDocument"]
+    (statement,) = [dict(statement, Resource=table_arn) for statement in document["Statement"]
+                    if statement["Resource"] == {"Fn::GetAtt": ["LivenessTable", "Arn"]}]
+    role = role_with(cloud, [statement])
+    cloud.client("iam").tag_role(RoleName=role.rsplit("/", 1)[1], Tags=[{"Key": "trainfleet:run", "Value": "r"}])
+    mine, peer = (f"arn:aws:ec2:{cloud.region}:{cloud.account_id}:instance/i-0{n}" for n in "ab")
+    node = client_as(cloud, role, "dynamodb", session="i-0a", instance_arn=mine)
+    record = NodeLiveness(instance_id="i-0a", attempt=0, reported_at=datetime.now(timezone.utc))
+    write_liveness(node, table, "r", mine, record)
+    for run, instance in (("r", peer), ("other", mine)):
+        with pytest.raises(ClientError, match="not authorized to perform: dynamodb:PutItem"):
+            write_liveness(node, table, run, instance, record.model_copy(update={"instance_id": "i-0b"}))
+    assert read_liveness(cloud.client("dynamodb"), table, "r", [mine, peer]) == [record]
+    with pytest.raises(ClientError, match="not authorized to perform: dynamodb:BatchGetItem"):
+        read_liveness(node, table, "r", [mine])  # reading is Recover's

@@ -10,6 +10,7 @@ from trainfleet.core.runspec import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
 BUCKET = "stack-checkpointbucket-abc"
+STACK = "stack"
 
 
 def example(**changes) -> dict:
@@ -23,7 +24,7 @@ def example(**changes) -> dict:
 def parse(document: dict) -> RunSpec:
     from functions.validate import parse_run_spec
 
-    return parse_run_spec(document, BUCKET)
+    return parse_run_spec(document, BUCKET, STACK)
 
 
 def test_the_example_run_spec_names_only_what_the_nodes_may_read_and_write():
@@ -72,6 +73,29 @@ def test_shards_in_another_runs_folder_are_refused_naming_the_field():
     with pytest.raises(InvalidRunSpec, match=r"^trainer\.data\.shards: under runs/ a run's nodes read their own "
                                              rf"run's folder alone, s3://{BUCKET}/runs/gpt-1b-p5-demo/ "):
         parse(document)
+
+
+@pytest.mark.parametrize("image", [
+    "resolve:ssm:/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id",
+    f"resolve:ssm:/trainfleet/{STACK}/ami-id", f"resolve:ssm:/trainfleet/{STACK}/ami-id:3", "ami-0123456789abcdef0"])
+def test_an_image_from_aws_public_parameters_the_stacks_own_or_an_ami_id_is_accepted(image):
+    assert parse(with_local_shards({**example(), "image_id": image})).image_id == image
+
+
+@pytest.mark.parametrize("image", ["resolve:ssm:/team/database-password", "resolve:ssm:/trainfleet/other-stack/ami",
+                                   "resolve:ssm:trainfleet/stackx/ami", "resolve:ssm:/aws/servicex/ami"])
+def test_an_image_parameter_the_functions_may_not_read_is_refused_naming_the_field(image):
+    from functions.errors import InvalidRunSpec
+
+    with pytest.raises(InvalidRunSpec, match=rf"^image_id: the functions resolve image parameters only under "
+                                             rf"/aws/service/ or /trainfleet/{STACK}/ \(got '{image}'\)"):
+        parse(with_local_shards({**example(), "image_id": image}))
+
+
+def with_local_shards(document: dict) -> dict:
+    """The document with its shards on the nodes' disks: Validate reads no shard index from S3."""
+    document["trainer"]["data"]["shards"] = "runs/data/stdlib-bytes"
+    return document
 
 
 def test_an_imported_model_the_nodes_cannot_read_is_refused_naming_the_field():

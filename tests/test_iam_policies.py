@@ -163,8 +163,14 @@ def test_node_role_lists_only_its_prefixes(rendered, context, expected):
     ("dynamodb:Query", f"{TABLE}/index/by-instance", {"dynamodb_LeadingKeys": ["i-0a"]}, IMPLICIT_DENY),
     ("dynamodb:Scan", TABLE, {}, IMPLICIT_DENY),
     ("dynamodb:PutItem", TABLE, {"dynamodb_LeadingKeys": ["RUN#r"]}, IMPLICIT_DENY),
-    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": ["r"]}, ALLOW),
-    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": ["other"]}, IMPLICIT_DENY),
+    # Its own liveness record alone: not a peer's of its run, which could get the peer terminated.
+    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": [f"r#{NODE}"], "ec2_SourceInstanceARN": NODE}, ALLOW),
+    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": [f"r#{PEER}"], "ec2_SourceInstanceARN": NODE},
+     IMPLICIT_DENY),
+    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": [f"other#{NODE}"], "ec2_SourceInstanceARN": NODE},
+     IMPLICIT_DENY),
+    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": ["r"], "ec2_SourceInstanceARN": NODE}, IMPLICIT_DENY),
+    ("dynamodb:PutItem", LIVENESS, {"dynamodb_LeadingKeys": [f"r#{NODE}"]}, IMPLICIT_DENY),  # no instance's session
     ("events:PutEvents", f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{STACK}-AgentEventBus-x",
      {"events_source": f"trainfleet/{NODE}", "ec2_SourceInstanceARN": NODE}, ALLOW),
     ("events:PutEvents", f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{STACK}-AgentEventBus-x",
@@ -217,7 +223,10 @@ def test_node_role_control_plane_calls(rendered, action, resource, context, expe
     ("iam:PassRole", f"arn:aws:iam::{ACCOUNT}:role/admin", {"iam_PassedToService": "ec2.amazonaws.com"}, IMPLICIT_DENY),
     ("ssm:GetParameters", f"arn:aws:ssm:{REGION}::parameter/aws/service/deeplearning/ami/x86_64/"
                           "base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id", {}, ALLOW),
-    ("ssm:GetParameters", f"arn:aws:ssm:{REGION}:{ACCOUNT}:parameter/team/ami", {}, ALLOW),
+    ("ssm:GetParameters", f"arn:aws:ssm:{REGION}:{ACCOUNT}:parameter/trainfleet/{STACK}/ami", {}, ALLOW),
+    # The account's other parameters (its secrets among them) and another stack's.
+    ("ssm:GetParameters", f"arn:aws:ssm:{REGION}:{ACCOUNT}:parameter/team/ami", {}, IMPLICIT_DENY),
+    ("ssm:GetParameters", f"arn:aws:ssm:{REGION}:{ACCOUNT}:parameter/trainfleet/other/ami", {}, IMPLICIT_DENY),
     ("iam:CreateServiceLinkedRole", "*", {"iam_AWSServiceName": "spot.amazonaws.com"}, ALLOW),
     ("iam:CreateServiceLinkedRole", "*", {"iam_AWSServiceName": "rds.amazonaws.com"}, IMPLICIT_DENY),
     ("ec2:DescribeInstances", "*", {}, ALLOW),
@@ -229,6 +238,16 @@ def test_node_role_control_plane_calls(rendered, action, resource, context, expe
 ])
 def test_fleet_statements(rendered, role, action, resource, context, expected):
     assert decide(rendered, role, action, resource, **context) == expected
+
+
+@pytest.mark.parametrize("role", ["AllocateFunctionRole", "RecoverFunctionRole", "AgentEventsFunctionRole"])
+def test_functions_that_launch_read_only_public_and_the_stacks_own_image_parameters(rendered, role):
+    parameter = f"arn:aws:ssm:{REGION}:{ACCOUNT}:parameter"
+    assert decide(rendered, role, "ssm:GetParameters", f"{parameter}/trainfleet/{STACK}/ami") == ALLOW
+    assert decide(rendered, role, "ssm:GetParameters", f"arn:aws:ssm:{REGION}::parameter/aws/service/x") == ALLOW
+    for other in ("team/database-password", "trainfleet/other/ami", "aws/service/x"):
+        assert decide(rendered, role, "ssm:GetParameters", f"{parameter}/{other}") == IMPLICIT_DENY
+    assert decide(rendered, role, "ssm:GetParameter", f"{parameter}/trainfleet/{STACK}/ami") == IMPLICIT_DENY
 
 
 NODE_ROLES = f"arn:aws:iam::{ACCOUNT}:role/trainfleet/{STACK}"

@@ -438,7 +438,8 @@ def test_apply_decision_opens_a_new_attempt():
     assert after.attempt_failure is None  # the failure of the attempt before never fails the new one's waits
     assert after.failures[-1] == FailureRecord(
         failure_class=FailureClass.INSTANCE_LOST, resume_step=30, at=T0, attempt=1, onset_at=T0 - timedelta(seconds=4),
-        last_step=34, instance_ids=["i-3"], message="test", recovery=RecoveryKind.RESTARTED, decision=decision.reason)
+        last_step=34, instance_ids=["i-3"], instances_blamed=1, message="test", recovery=RecoveryKind.RESTARTED,
+        decision=decision.reason)
     assert after.failures[-1].detection_seconds == 4.0
     gave_up = lc.apply_decision(run, report(FailureClass.CONFIG_ERROR),
                                 lc.decide_recovery(run, WORKERS, report(FailureClass.CONFIG_ERROR), 0.0, now=T0), T0)
@@ -887,7 +888,9 @@ def test_a_survivor_keeps_its_rank_and_a_newcomer_takes_the_one_left_free():
     assert lc.assign_ranks(nodes[1:3], small, attempt=1) == {"i-3": 0, "i-4": 1}
 
 
-RANKED = [node(f"i-{n}", node_rank=n - 1) for n in range(1, 5)]
+RANKED = [node(f"i-{n}", node_rank=n - 1, launched_at=T0 - timedelta(hours=2),
+               ready_at=T0 - timedelta(hours=2) + timedelta(seconds=300)) for n in range(1, 5)]
+"""Four workers at node ranks 0-3, each booted and through preflight in 300 s."""
 
 
 def trained_run(spec: RunSpec | None = None) -> RunRecord:
@@ -971,6 +974,47 @@ def test_a_lost_node_is_repaired_in_place_around_a_spare_when_every_survivor_liv
                                  report(FailureClass.HANG, attempt=2), 0.0, now=T0, trainers_alive=ALIVE)
     assert restart.action is RecoveryAction.RESTART and lc.apply_decision(repaired, report(
         FailureClass.HANG, attempt=2), restart, T0).repair is None
+
+
+def test_a_world_is_repaired_only_where_the_order_reaches_its_survivors_within_their_repair_wait():
+    """The survivors' trainers wait for the order as long as the start-up timeout (1800 s), then
+    end: a repair chosen seconds after a loss with no READY spare sent the order after a
+    replacement's boot, to survivors gone by then, and was booked as a repair of a world that
+    restarted. A READY spare steps in at once; a new instance takes as long as this run's nodes
+    took to boot (300 s here, 1,500 s slow), or the boot timeout where none was measured."""
+    lost = report(FailureClass.INSTANCE_LOST, "i-3").model_copy(update={"observed_at": T0 - timedelta(seconds=20)})
+    run = training_run()
+    assert lc.decide_recovery(run, RANKED, lost, 0.0, now=T0, trainers_alive=ALIVE).repair is not None
+    slow = [worker.model_copy(update={"ready_at": worker.launched_at + timedelta(seconds=1500)}) for worker in RANKED]
+    late = lc.decide_recovery(run, slow, lost, 0.0, now=T0, trainers_alive=ALIVE)
+    assert late.action is RecoveryAction.REPLACE and late.repair is None
+    assert ("restart every trainer: the order would reach the survivors about 1520 s after the failure (20 s so far, "
+            "1500 s to come), past 75% of the 1800 s their trainers wait for it") in late.reason
+    unmeasured = [worker.model_copy(update={"ready_at": None}) for worker in RANKED]
+    assert lc.decide_recovery(run, unmeasured, lost, 0.0, now=T0, trainers_alive=ALIVE).repair is None
+    assert lc.decide_recovery(run, [*slow, SPARE], lost, 0.0, now=T0, trainers_alive=ALIVE).repair is not None
+    # The failure began long ago (a control plane that could not act: an outage of its stores).
+    old = lost.model_copy(update={"observed_at": T0 - timedelta(seconds=1400)})
+    assert lc.decide_recovery(run, [*RANKED, SPARE], old, 0.0, now=T0, trainers_alive=ALIVE).repair is None
+
+
+def test_a_repair_that_did_not_take_is_booked_as_the_restart_it_became():
+    """The survivors' trainers had ended when the order came (they reported no trainer to repair
+    with), so the repaired world failed before its first step and every trainer restarted."""
+    lost = report(FailureClass.INSTANCE_LOST, "i-3")
+    decision = lc.decide_recovery(training_run(), [*RANKED, SPARE], lost, 0.0, now=T0, trainers_alive=ALIVE)
+    repaired = lc.apply_decision(training_run(), lost, decision, T0)
+    assert repaired.failures[-1].recovery is RecoveryKind.REPAIRED
+    crash = report(FailureClass.PROCESS_CRASH, "i-1", attempt=2)
+    restart = lc.decide_recovery(repaired, RANKED, crash, 0.0, now=T0 + timedelta(minutes=5), trainers_alive=ALIVE)
+    after = lc.apply_decision(repaired, crash, restart, T0 + timedelta(minutes=5))
+    assert [failure.recovery for failure in after.failures] == [RecoveryKind.RESTARTED, RecoveryKind.RESTARTED]
+    assert "the repair did not take: the repaired world failed before its first step (PROCESS_CRASH)" in \
+        after.failures[0].decision
+    # A repaired world that trained kept its repair: the next failure is its own.
+    trained = repaired.model_copy(update={"first_step_at": T0 + timedelta(minutes=1)})
+    assert lc.apply_decision(trained, crash, restart, T0 + timedelta(minutes=5)).failures[0].recovery is \
+        RecoveryKind.REPAIRED
 
 
 def test_a_repaired_world_whose_trainers_ended_with_nothing_to_restore_is_restarted():
@@ -1322,6 +1366,32 @@ def test_a_hang_names_the_node_whose_trainer_fell_silent_first():
                 for index, record in enumerate(records)]
     assert lc.first_silent(together, 1) is None and lc.hang_onset(hang, together) == hang
     assert lc.first_silent(records, 0) is None and lc.first_silent(records[:1], 1) is None
+
+
+def test_a_node_named_the_first_to_fall_silent_in_a_second_hang_is_replaced():
+    silent = {"i-1": 3.0, "i-2": 7.5, "i-3": 3.4, "i-4": 3.2}  # seconds ago each trainer last gave a sign of life
+    records = [live(node_id, 41, 1).model_copy(update={"alive_at": T0 - timedelta(seconds=ago)})
+               for node_id, ago in silent.items()]
+    first = lc.hang_onset(report(FailureClass.HANG), records, RANKED, 8)
+    assert (first.first_silent, first.instance_ids) == ("i-2", []), "named once: not blamed"
+    run = make_run(latest_checkpoint=CheckpointRef(step=40, uri="s3://b/runs/r1/step-40"))
+    run = lc.apply_decision(run, first, lc.decide_recovery(run, RANKED, first, 0.0, T0), T0)
+    assert run.failures[-1].first_silent == "i-2" and run.failures[-1].instance_ids == []
+
+    # The next attempt hangs again with i-2's trainer silent first (after a commit: no loop).
+    again = [record.model_copy(update={"attempt": 2}) for record in records]
+    second = lc.hang_onset(report(FailureClass.HANG, attempt=2), again, RANKED, 8, run.failures)
+    assert second.instance_ids == ["i-2"] and "named so in attempt 1's hang too: replaced" in second.message
+    run = run.model_copy(update={"latest_checkpoint": CheckpointRef(step=50, uri="s3://b/runs/r1/step-50")})
+    decision = lc.decide_recovery(run, [*RANKED, SPARE], second, 0.0, T0 + timedelta(hours=1))
+    assert decision.action is RecoveryAction.REPLACE and decision.terminate_instance_ids == ["i-2"]
+    assert decision.promote_spare_ids == ["i-9"]
+    # Another node falling silent first is named, not blamed; a hang already blaming a node keeps it.
+    other = [record.model_copy(update={"alive_at": T0 - timedelta(seconds=9)}) if record.instance_id == "i-3"
+             else record for record in again]
+    assert lc.hang_onset(report(FailureClass.HANG, attempt=2), other, RANKED, 8, run.failures).instance_ids == []
+    blamed = report(FailureClass.HANG, "i-4", attempt=2)
+    assert lc.hang_onset(blamed, again, RANKED, 8, run.failures).instance_ids == ["i-4"]
 
 
 def test_a_capacity_block_stops_the_run_before_ec2_ends_its_instances():

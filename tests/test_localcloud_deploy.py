@@ -25,7 +25,8 @@ from localcloud.deploy_intrinsics import (
     evaluate_conditions,
     parameter_values,
 )
-from localcloud.deploy_resources import ip_permission, lifecycle_rule, physical_name, substitute_definition
+from localcloud.deploy_resources import (custom_resource_request, ip_permission, lifecycle_rule, physical_name,
+                                        substitute_definition)
 from localcloud_helpers import remove_rules
 
 REPO = Path(__file__).resolve().parents[1]
@@ -224,6 +225,7 @@ def _read_back(cloud, resource):
         "AWS::SQS::QueuePolicy": lambda: pid,  # checked through its queue in the template test
         "AWS::Events::EventBus": lambda: cloud.client("events").describe_event_bus(Name=pid),
         "AWS::SNS::Topic": lambda: cloud.client("sns").get_topic_attributes(TopicArn=pid)["Attributes"],
+        "AWS::CloudFormation::CustomResource": lambda: pid,  # its function answered SUCCESS, or the deploy failed
     }
     return readers[resource.resource_type]()
 
@@ -488,6 +490,35 @@ def test_project_template_deploys_and_every_resource_is_accounted_for(cloud):
     reply = cloud.client("lambda").invoke(FunctionName=stack.resources["ValidateFunction"].physical_id, Payload=b"{}")
     error = json.loads(reply["Payload"].read())
     assert not error.get("errorType", "").startswith("Runtime."), error
+
+
+@pytest.mark.slow
+def test_the_stack_deletes_every_runs_node_role_before_its_node_policy(cloud):
+    """Runs leave node roles (a teardown that never finished, a run still going) with NodePolicy
+    attached, and IAM refuses to delete an attached policy: the stack's deletion failed on it.
+    The NodeRoles custom resource depends on NodePolicy, so CloudFormation deletes it first, and
+    its Delete request deletes the roles."""
+    from trainfleet.adapters.node_roles import ensure_node_profile, node_role_path
+
+    stack = deploy(DeployRequest(PROJECT_TEMPLATE, cloud.endpoint, stack_name=f"{STACKS}roles"))
+    iam, policy = cloud.client("iam"), stack.outputs["NodePolicyArn"]
+    for run in ("left-behind", "still-going"):
+        ensure_node_profile(iam, run, stack.stack_name, policy)
+    # Another stack's profile, outside the path, which the cleanup's role may not touch.
+    iam.create_instance_profile(InstanceProfileName=f"{STACKS}elsewhere", Path="/elsewhere/")
+    with pytest.raises(iam.exceptions.DeleteConflictException, match="attached to entities"):
+        iam.delete_policy(PolicyArn=policy)
+    assert load_template(PROJECT_TEMPLATE)["Resources"]["NodeRoles"]["DependsOn"] == "NodePolicy"
+    cleanup = stack.resources["NodeRoles"]
+    answer = custom_resource_request(cloud.client, stack.resources["StackCleanupFunction"].arn, "Delete",
+                                     f"arn:aws:cloudformation:{cloud.region}:{cloud.account_id}:stack/{stack.stack_name}/x",
+                                     "NodeRoles", {}, physical_id=cleanup.physical_id)
+    assert answer["Status"] == "SUCCESS", answer
+    path = node_role_path(stack.stack_name)
+    assert iam.list_roles(PathPrefix=path)["Roles"] == iam.list_instance_profiles(PathPrefix=path)["InstanceProfiles"] == []
+    assert [profile["InstanceProfileName"] for profile in iam.list_instance_profiles(
+        PathPrefix="/elsewhere/")["InstanceProfiles"]] == [f"{STACKS}elsewhere"]
+    iam.delete_policy(PolicyArn=policy)  # what CloudFormation deletes next
 
 
 # --- the command ----------------------------------------------------------------------------

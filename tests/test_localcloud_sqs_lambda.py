@@ -92,6 +92,7 @@ def test_a_record_the_function_reports_failed_is_retried_then_dead_lettered(loca
                                                                                  batch["receive_counts"])]
     assert ("ok", "1") in seen and [body for body, _ in seen].count("ok") == 1  # deleted after its batch
     assert [count for body, count in seen if body == "fail"] == ["1", "2"]
+    assert local_cloud.sqs_redelivered[url.rsplit("/", 1)[1]] == 1, "the failed record, handed over again once"
     assert visible(local_cloud, url) == 0
     [dead] = local_cloud.client("sqs").receive_message(QueueUrl=dead_url)["Messages"]
     assert dead["Body"] == "fail"

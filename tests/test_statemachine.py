@@ -4,6 +4,7 @@ driven by task tokens, and the local cloud's ASL parser (moto's) accepts both st
 import importlib
 import inspect
 import json
+import math
 import pkgutil
 import sys
 from pathlib import Path
@@ -33,9 +34,11 @@ AWS_LAMBDA_ERRORS = {
     "Lambda.TooManyRequestsException", "Lambda.ClientExecutionTimeoutException", "Lambda.Unknown",
     "Sandbox.Timedout",
 }
-# What may go away by itself: Lambda's service errors and a function timeout, and the one name
-# the handlers give an AWS call that was throttled, answered 5xx or could not connect.
-TRANSIENT = AWS_LAMBDA_ERRORS | {"TransientError"}
+# What may go away by itself within minutes: Lambda's service errors and a function timeout.
+TRANSIENT = AWS_LAMBDA_ERRORS
+OUTAGE = "TransientError"
+"""The one name the handlers give an AWS call that was throttled, answered 5xx or could not
+connect: a regional outage of a store (DynamoDB's of hours in us-east-1) is waited out."""
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +107,28 @@ def test_every_task_retries_transient_errors_with_backoff_before_anything_catche
         assert rule["BackoffRate"] >= 2 and rule["MaxAttempts"] >= 6 and rule["MaxDelaySeconds"] >= 60, name
         if name not in ("Validate", "Report"):
             assert "StaleRecord" in rule["ErrorEquals"] or rule["ErrorEquals"] == ["States.ALL"], name
+
+
+def _mean_wait_hours(rule: dict) -> float:
+    """A retrier's mean total wait: full jitter waits a uniform share of each capped interval."""
+    waits = [min(rule["IntervalSeconds"] * rule["BackoffRate"] ** attempt, rule.get("MaxDelaySeconds", math.inf))
+             for attempt in range(rule["MaxAttempts"])]
+    return sum(waits) * (0.5 if rule.get("JitterStrategy") == "FULL" else 1.0) / 3600
+
+
+def test_an_outage_of_the_control_planes_stores_is_waited_out_for_hours_never_sent_to_teardown(asl):
+    """Recover, Launch and AwaitNodes gave up on TransientError after about 510 s, and the Catch
+    tore a fleet down that a DynamoDB outage had not touched; at about two failures a day on 512
+    p5, a failure inside a three-hour outage is likely. Every task after Validate waits about
+    12 hours (bounded: a run that cannot reach its stores for longer ends)."""
+    for name, state in asl["States"].items():
+        if state["Type"] != "Task" or name == "Validate":
+            continue
+        matching = next(rule for rule in state["Retry"] if OUTAGE in rule["ErrorEquals"]
+                        or rule["ErrorEquals"] == ["States.ALL"])
+        assert matching["ErrorEquals"] == [OUTAGE], f"{name}: {matching['ErrorEquals']} comes first"
+        assert 11 <= _mean_wait_hours(matching) <= 13 and matching["MaxDelaySeconds"] <= 300, name
+        assert matching["JitterStrategy"] == "FULL", f"{name}: runs hit by one outage must not retry in lockstep"
 
 
 def test_the_event_handler_reports_failures_under_the_name_the_asl_catches(asl):

@@ -116,6 +116,19 @@ def test_every_agent_event_type_reaches_the_agents_queue_on_the_stacks_own_bus(t
         assert _matching(rules, event) == ["AgentEventRule"], detail_type
 
 
+def test_an_agents_report_outlives_an_outage_the_state_machine_waits_out(template):
+    """A record that fails (the run table down) comes back each visibility timeout; five receives
+    sent an hour-long outage's reports, a lost node's TrainerFailed among them, to the
+    undelivered events after 27 minutes."""
+    asl = json.loads((REPO / "statemachine" / "training_run.asl.json").read_text())
+    outage = next(rule for rule in asl["States"]["Recover"]["Retry"] if rule["ErrorEquals"] == ["TransientError"])
+    waited_s = sum(min(outage["IntervalSeconds"] * outage["BackoffRate"] ** attempt, outage["MaxDelaySeconds"])
+                   for attempt in range(outage["MaxAttempts"])) / 2  # full jitter: half on average
+    queue = template["Resources"]["AgentEventQueue"]["Properties"]
+    kept_s = queue["VisibilityTimeout"] * queue["RedrivePolicy"]["maxReceiveCount"]
+    assert kept_s >= waited_s and kept_s <= queue["MessageRetentionPeriod"]
+
+
 def _statements(template) -> list[tuple[str, dict]]:
     found = []
     for name, resource in template["Resources"].items():

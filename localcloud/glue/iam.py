@@ -8,6 +8,9 @@ condition keys, and a denial names the caller, the action and the resource.
   ACTION on resource: RESOURCE because no identity-based policy allows the ACTION action`
   (AccessDenied; UnauthorizedOperation for EC2; AccessDeniedException for the JSON-protocol
   services: DynamoDB, EventBridge, Step Functions, CloudWatch Logs).
+- DeletePolicy refuses a managed policy still attached (DeleteConflict), as IAM does.
+- ListInstanceProfiles lists those under its PathPrefix alone, as IAM does (moto listed all).
+- A pre-signed URL's request is its signer's (moto's authorization wanted an Authorization header).
 - Replaces `FakeBucket.get_permission`, which checks the bucket policy with moto's evaluator
   (its TLS-only Deny then refused everything, because moto treats the Bool condition as met),
   with the same evaluation; aws:SecureTransport is "true" (see SECURE_TRANSPORT).
@@ -31,8 +34,11 @@ from urllib.parse import parse_qs, unquote, urlparse
 from xml.etree import ElementTree
 
 from moto.core.exceptions import JsonRESTError, _RESTError
-from moto.iam.exceptions import NotFoundException
+from moto.iam.exceptions import DeleteConflictException, NotFoundException
 from moto.iam.access_control import IAMPolicy, IAMRequestBase, S3IAMRequest
+from moto.core.responses import ActionResult
+from moto.iam.models import IAMBackend, filter_items_with_path_prefix
+from moto.iam.responses import IamResponse
 from moto.s3.exceptions import S3ClientError
 from moto.s3.models import FakeBucket
 
@@ -43,6 +49,8 @@ from localcloud.iam_policy import ALLOW, EXPLICIT_DENY, IMPLICIT_DENY, evaluate
 _moto_check_action_permitted = IAMRequestBase.check_action_permitted
 _moto_check_signature = IAMRequestBase.check_signature
 _moto_get_permission = FakeBucket.get_permission
+_moto_delete_policy = IAMBackend.delete_policy
+_moto_iam_request_init = IAMRequestBase.__init__
 
 FAKE_KEY = FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"]
 """Access key id of the deployer's and the harness's credentials (cloud.FAKE_CREDENTIALS)."""
@@ -297,6 +305,14 @@ def authorizations(request: IAMRequestBase,
                 item_action = "ConditionCheckItem" if operation == "ConditionCheck" else f"{operation}Item"
                 yield (f"dynamodb:{item_action}", _table_arn(detail["TableName"], region, account), context,
                        unevaluated)
+    elif (service, action) in (("dynamodb", "BatchGetItem"), ("dynamodb", "BatchWriteItem")):
+        # Authorized on each table the request names, with the partition keys it names there.
+        for table, requested in _json_body(request).get("RequestItems", {}).items():
+            entries = requested["Keys"] if action == "BatchGetItem" else [
+                entry.get("PutRequest", {}).get("Item") or entry.get("DeleteRequest", {}).get("Key") for entry in requested]
+            leading = sorted({value for key in entries for value in _leading_keys(request, {"Key": key}, table, None)})
+            yield (request._action, _table_arn(table, region, account),
+                   context | ({"dynamodb:LeadingKeys": leading} if leading else {}), unevaluated)
     elif service == "dynamodb":
         body = _json_body(request)
         table = body.get("TableName")
@@ -441,7 +457,43 @@ def _check_signature(self: IAMRequestBase) -> None:
         _moto_check_signature(self)
 
 
+def _delete_policy(self: IAMBackend, policy_arn: str) -> None:
+    # IAM refuses to delete a managed policy attached to a user, group or role (DeleteConflict);
+    # moto deleted it, and a stack whose deletion failed on it on AWS deleted cleanly here.
+    policy = self.get_policy(policy_arn)
+    if policy.attachment_count:
+        raise DeleteConflictException("Cannot delete a policy attached to entities.")
+    _moto_delete_policy(self, policy_arn)
+
+
+def _list_instance_profiles(self: IamResponse) -> ActionResult:
+    # moto ignored PathPrefix and listed every profile of the account: a stack's cleanup of its
+    # own path reached other stacks' profiles, which its role may not touch.
+    prefix = self._get_param("PathPrefix") or "/"
+    return ActionResult({"InstanceProfiles": filter_items_with_path_prefix(prefix, self.backend.get_instance_profiles())})
+
+
+def _presigned_init(self: IAMRequestBase, *, headers: Any, path: str, **request: Any) -> None:
+    # A pre-signed URL (CloudFormation's ResponseURL to a custom resource, a shared download)
+    # carries its signer's credentials in the query, where moto's authorization looked only for
+    # an Authorization header and failed the request (500). The caller is its signer, as on AWS.
+    query = parse_qs(urlparse(path).query)
+    if "Authorization" not in headers and ("X-Amz-Credential" in query or "AWSAccessKeyId" in query):
+        cloud = active_cloud()
+        credential = (query["X-Amz-Credential"][0] if "X-Amz-Credential" in query else
+                      f"{query['AWSAccessKeyId'][0]}/00000000/{cloud.region if cloud else 'us-east-1'}/s3/aws4_request")
+        headers = {**dict(headers), "Authorization": f"AWS4-HMAC-SHA256 Credential={credential}, "
+                                                     f"SignedHeaders=host, Signature=presigned"}
+        token = query.get("X-Amz-Security-Token") or query.get("x-amz-security-token")
+        if token:
+            headers["X-Amz-Security-Token"] = token[0]
+    _moto_iam_request_init(self, headers=headers, path=path, **request)
+
+
 def apply() -> None:
+    IAMRequestBase.__init__ = _presigned_init
+    IAMBackend.delete_policy = _delete_policy
+    IamResponse.list_instance_profiles = _list_instance_profiles
     IAMRequestBase.check_signature = _check_signature
     IAMRequestBase.check_action_permitted = _check_action_permitted
     FakeBucket.get_permission = _get_permission

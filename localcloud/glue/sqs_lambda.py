@@ -23,7 +23,7 @@ answer. Now, as the Lambda developer guide documents for Amazon SQS:
   message to its dead-letter queue after maxReceiveCount receives (moto's SQS does that).
 - The poller's ReceiveMessage calls (at most ten messages each, as SQS returns) and
   DeleteMessageBatch calls are counted in `LocalCloud.requests`, as AWS bills a mapping's SQS
-  requests to the account.
+  requests to the account; records handed over again in `LocalCloud.sqs_redelivered`.
 """
 
 from __future__ import annotations
@@ -210,6 +210,9 @@ class QueuePoller(threading.Thread):
     def invoke(self, batch: list[Any]) -> None:
         from localcloud.glue.awslambda import invoke_function
 
+        for message in batch:
+            if message.approximate_receive_count > 1:
+                self.cloud.count(self.cloud.sqs_redelivered, self.queue.name)
         try:
             result = invoke_function(self.function, {"Records": [sqs_record(message, self.queue) for message in batch]})
             ids = [message.id for message in batch]

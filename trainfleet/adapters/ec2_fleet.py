@@ -506,7 +506,7 @@ def allocate(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, 
     Capacity Blocks, what it gave is terminated; then the next subnet is tried. The result may hold
     fewer than `target` (partial fulfilment) or none (shortfall == target); the caller decides.
     Raises FleetError on errors no zone can cure, and when no subnet's zone offers the instance
-    type (no retry will change that). `token_prefix` makes the call idempotent per
+    type (no retry will change that). `token_prefix` makes the call idempotent per stack and
     subnet (EC2 answers a repeated ClientToken with the first answer): the same prefix for a
     retry of a launch, so it never launches a second fleet, a new one for a retry after a
     shortfall, which would otherwise only be told the shortfall again.
@@ -532,8 +532,9 @@ def allocate(ec2: Any, spec: RunSpec, stack_name: str, launch_template_id: str, 
         else:
             group = placement_group_name(spec.run_name, stack_name, zone)
             ensure_placement_group(ec2, group, spec.run_name, stack_name)
-        # ClientToken takes at most 64 characters; a digest keeps it unique and short.
-        token = hashlib.sha256(f"{token_prefix}/{subnet_id}".encode()).hexdigest()[:40]
+        # ClientToken takes at most 64 characters; a digest keeps it unique and short. EC2 keeps
+        # tokens per account and region: the stack's name keeps two stacks' runs of one name apart.
+        token = hashlib.sha256(f"{stack_name}/{token_prefix}/{subnet_id}".encode()).hexdigest()[:40]
         outcome = _launch_in_zone(ec2, spec, stack_name, launch_template_id, subnet_id, group, target, minimum,
                                   token)
         errors += [f"{zone}: {line}" for line in outcome.capacity_errors + outcome.zone_errors]

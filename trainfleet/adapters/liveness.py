@@ -2,14 +2,18 @@
 looks at before it decides about a crash or a hang that no event pinned on a node
 (lifecycle.liveness).
 
-    write_liveness(dynamodb, table, run_name, record)    the agent, at each look at the control plane
-    read_liveness(dynamodb, table, run_name) -> [NodeLiveness]
+    write_liveness(dynamodb, table, run_name, instance_arn, record)    the agent, at each look
+    read_liveness(dynamodb, table, run_name, instance_arns) -> [NodeLiveness]
     instance_troubles(ec2, instance_ids) -> {id: trouble}  leaving (its state) or status check "impaired"
 
-One item a node in the liveness table (pk `run`, sk `instance`), overwritten in place: a node's
-agent is its only writer, and only the newest record matters. A write is one WCU (the record is
-far under 1 KB); Recover reads a run's records with one Query (512 nodes: about 100 KB, one page
-of DynamoDB's 1 MB). Items expire LIVENESS_TTL_S after their last write (DynamoDB's TTL).
+One item a node in the liveness table, keyed `RUN#INSTANCE-ARN` and overwritten in place: a
+node's agent is its only writer, and only the newest record matters. The key is the node's own
+identity because IAM can bind only a partition key (dynamodb:LeadingKeys) to the caller: the node
+role allows PutItem on `${aws:PrincipalTag/trainfleet:run}#${ec2:SourceInstanceARN}` alone, so a
+node can write no peer's record (a forged one could get the peer blamed and terminated). A write
+is one WCU (the record is far under 1 KB); Recover reads the records of the run's nodes it knows
+with BatchGetItem, strongly consistent (512 nodes: 6 calls, 512 RCU, a few times a day). Items
+expire LIVENESS_TTL_S after their last write (DynamoDB's TTL).
 """
 
 import time
@@ -18,28 +22,45 @@ from typing import Any
 from trainfleet.core.lifecycle import IMPAIRED
 from trainfleet.core.records import NodeLiveness
 
-__all__ = ["write_liveness", "read_liveness", "instance_troubles", "LIVENESS_TTL_S"]
+__all__ = ["liveness_key", "write_liveness", "read_liveness", "instance_troubles", "LIVENESS_TTL_S"]
 
 LIVENESS_TTL_S = 86_400
 """How long a liveness record outlives its last write: a day, far past any run's use of it."""
+_BATCH_KEYS = 100
+"""Keys per BatchGetItem (DynamoDB takes at most 100)."""
+_UNPROCESSED_PAUSE_S = 0.05
+"""First pause before asking again for keys DynamoDB left unprocessed (it doubles)."""
 _FILTER_VALUES = 200
 """Instance ids per DescribeInstances filter (EC2 takes up to 200 values per filter)."""
 _STATUS_IDS = 100
 """Instance ids per DescribeInstanceStatus call (at most 100 named ids)."""
 
 
-def write_liveness(dynamodb: Any, table: str, run_name: str, record: NodeLiveness) -> None:
+def liveness_key(run_name: str, instance_arn: str) -> dict[str, Any]:
+    """The item key of a node's record: what the node role's PutItem condition names."""
+    return {"node": {"S": f"{run_name}#{instance_arn}"}}
+
+
+def write_liveness(dynamodb: Any, table: str, run_name: str, instance_arn: str, record: NodeLiveness) -> None:
     dynamodb.put_item(TableName=table, Item={
-        "run": {"S": run_name}, "instance": {"S": record.instance_id},
-        "record": {"S": record.model_dump_json()}, "expires_at": {"N": str(int(time.time()) + LIVENESS_TTL_S)}})
+        **liveness_key(run_name, instance_arn), "record": {"S": record.model_dump_json()},
+        "expires_at": {"N": str(int(time.time()) + LIVENESS_TTL_S)}})
 
 
-def read_liveness(dynamodb: Any, table: str, run_name: str) -> list[NodeLiveness]:
-    """Every node's newest record (nodes that never reported have none)."""
-    pages = dynamodb.get_paginator("query").paginate(
-        TableName=table, ConsistentRead=True, KeyConditionExpression="#run = :run",
-        ExpressionAttributeNames={"#run": "run"}, ExpressionAttributeValues={":run": {"S": run_name}})
-    return [NodeLiveness.model_validate_json(item["record"]["S"]) for page in pages for item in page["Items"]]
+def read_liveness(dynamodb: Any, table: str, run_name: str, instance_arns: list[str]) -> list[NodeLiveness]:
+    """The newest record of each of the nodes (nodes that never reported have none)."""
+    keys = [liveness_key(run_name, arn) for arn in dict.fromkeys(instance_arns)]
+    found: list[NodeLiveness] = []
+    for start in range(0, len(keys), _BATCH_KEYS):
+        wanted, pause = {table: {"Keys": keys[start:start + _BATCH_KEYS], "ConsistentRead": True}}, _UNPROCESSED_PAUSE_S
+        while wanted:
+            answer = dynamodb.batch_get_item(RequestItems=wanted)
+            found += [NodeLiveness.model_validate_json(item["record"]["S"]) for item in answer["Responses"].get(table, [])]
+            wanted = answer.get("UnprocessedKeys") or {}
+            if wanted:  # throttled in part: DynamoDB asks for the rest again, after a pause
+                time.sleep(pause)
+                pause *= 2
+    return found
 
 
 def instance_troubles(ec2: Any, instance_ids: list[str]) -> dict[str, str]:

@@ -3,6 +3,7 @@ resources (Teardown, the reaper).
 
     ensure_node_profile(iam, run_name, stack_name, policy_arn) -> the instance profile's ARN
     delete_node_profile(iam, run_name, stack_name)
+    delete_stack_node_profiles(iam, stack_name) -> the names deleted: every run's, as the stack goes
 
 The role is /trainfleet/STACK/tf-DIGEST-RUN, tagged trainfleet:run=RUN and trainfleet:stack,
 with the stack's NodePolicy attached and nothing else. The policy names the run through the
@@ -16,7 +17,8 @@ from typing import Any
 
 from trainfleet.adapters.ec2_fleet import TAG_RUN, TAG_STACK
 
-__all__ = ["node_role_path", "node_role_name", "ensure_node_profile", "delete_node_profile", "NodeRoleTaken"]
+__all__ = ["node_role_path", "node_role_name", "ensure_node_profile", "delete_node_profile",
+           "delete_stack_node_profiles", "NodeRoleTaken"]
 
 EC2_TRUST = {"Version": "2012-10-17", "Statement": [
     {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]}
@@ -68,17 +70,37 @@ def delete_node_profile(iam: Any, run_name: str, stack_name: str) -> None:
     """Delete the run's instance profile and role, whatever is left of them. Found by listing
     the stack's path: IAM refuses a Get of a name that does not exist (a run that never
     allocated) as if it were outside the path, where it answers NoSuchEntity to no one."""
-    name, path = node_role_name(run_name, stack_name), node_role_path(stack_name)
-    for profile in _listed(iam, "list_instance_profiles", "InstanceProfiles", path, "InstanceProfileName", name):
+    _delete(iam, node_role_path(stack_name), {node_role_name(run_name, stack_name)})
+
+
+def delete_stack_node_profiles(iam: Any, stack_name: str) -> list[str]:
+    """Delete every run's instance profile and role under the stack's path (runs whose teardown
+    never finished, runs still going); the names deleted. The stack's NodePolicy cannot be
+    deleted while a role has it attached (IAM's DeleteConflict), nor can the stack then."""
+    path = node_role_path(stack_name)
+    names = {role["RoleName"] for page in iam.get_paginator("list_roles").paginate(PathPrefix=path)
+             for role in page["Roles"]}
+    names |= {profile["InstanceProfileName"] for page in iam.get_paginator("list_instance_profiles").paginate(
+        PathPrefix=path) for profile in page["InstanceProfiles"]}
+    _delete(iam, path, names)
+    return sorted(names)
+
+
+def _delete(iam: Any, path: str, names: set[str]) -> None:
+    """Delete the instance profiles and roles of `names` under `path` (a profile first: a role in
+    one cannot be deleted)."""
+    for profile in _listed(iam, "list_instance_profiles", "InstanceProfiles", path, "InstanceProfileName", names):
         for role in profile.get("Roles", []):
-            iam.remove_role_from_instance_profile(InstanceProfileName=name, RoleName=role["RoleName"])
-        iam.delete_instance_profile(InstanceProfileName=name)
-    for _ in _listed(iam, "list_roles", "Roles", path, "RoleName", name):
+            iam.remove_role_from_instance_profile(InstanceProfileName=profile["InstanceProfileName"],
+                                                  RoleName=role["RoleName"])
+        iam.delete_instance_profile(InstanceProfileName=profile["InstanceProfileName"])
+    for role in _listed(iam, "list_roles", "Roles", path, "RoleName", names):
+        name = role["RoleName"]
         for policy in iam.list_attached_role_policies(RoleName=name)["AttachedPolicies"]:
             iam.detach_role_policy(RoleName=name, PolicyArn=policy["PolicyArn"])
         iam.delete_role(RoleName=name)
 
 
-def _listed(iam: Any, operation: str, key: str, path: str, name_key: str, name: str) -> list[dict[str, Any]]:
+def _listed(iam: Any, operation: str, key: str, path: str, name_key: str, names: set[str]) -> list[dict[str, Any]]:
     pages = iam.get_paginator(operation).paginate(PathPrefix=path)
-    return [entity for page in pages for entity in page[key] if entity[name_key] == name]
+    return [entity for page in pages for entity in page[key] if entity[name_key] in names]

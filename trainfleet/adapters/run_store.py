@@ -1,15 +1,18 @@
 """DynamoDB run store: run and node records, every change a conditional write, task tokens.
 
-Table (template.yaml RunTable): pk = "RUN#<run>", sk = "RUN" for the run, "NODE#<instance id>" for
-each node, "WORLD#<attempt>" for the count of workers ready for that attempt,
-"PROGRESS#<attempt>#<step>" for the steps one TrainingProgress reported (the run's history: the
-report's curves); GSI "by-instance" on instance_id finds a node from an EC2 or Health event. The record itself is the item's `doc` (the
-contracts model as JSON); `state` and `version` sit beside it so that conditions can name them.
+Table (template.yaml RunTable): pk = "RUN#<run>", sk = "RUN" for the run, "CONTROL" for what the
+agents read of it at their looks (RunRecord.control, written in one transaction with the run record
+whenever it changes), "NODE#<instance id>" for each node, "WORLD#<attempt>" for the count of workers
+ready for that attempt, "PROGRESS#<attempt>#<step>" for the steps one TrainingProgress reported (the
+run's history: the report's curves); GSI "by-instance" on instance_id finds a node from an EC2 or
+Health event. The record itself is the item's `doc` (the contracts model as JSON); `state` and
+`version` sit beside it so that conditions can name them.
 
     store = RunStore(boto3.client("dynamodb"), settings.run_table)
     store.create_run(RunRecord(...))                         fails if the run exists
     store.transition_run(name, RunState.TRAINING, attempt=2)  checked against the diagram
     store.modify_run(name, lambda run: ...)                   any other change, retried on conflict
+    store.run_control(name)                                    what the agents read at a look
     store.add_node(NodeRecord(...)), store.transition_node(name, instance_id, NodeState.READY)
     store.nodes(name), store.node(name, instance_id), store.node_by_instance(instance_id)
     store.ready_workers(name, attempt)                         workers ready for it: one item, any fleet size
@@ -25,12 +28,20 @@ before the action it announces, so a handler that dies half way is resumed from 
 
 The world counts: a node write that moves the node into or out of an attempt's world
 (lifecycle.world_attempt: an addressed READY worker, by the attempt it confirmed) adds or takes
-one from that attempt's WORLD item in the same transaction (TransactWriteItems), so the count is
-exact under redelivered, reordered and concurrent events, and the handler that asks whether a
-world is complete reads one item instead of every node. Only those writes are transactions
-(a few per node per attempt); the run record is never in one, so the agents' reads and the
-run's own writes do not contend with them. A transaction that meets another on the same item
-is cancelled (TransactionConflict) and retried like a lost race, after a jittered pause.
+one from that attempt's WORLD item, so the handler that asks whether a world is complete reads one
+item instead of every node. Not in a transaction with the node write: DynamoDB cancels concurrent
+transactions on one item (TransactionConflict), and every node's confirmation would meet on the
+WORLD item, hundreds at a (re)start. Instead each count change is an operation the node write
+records on the node's item (`counts_owed`: world, change, an id unique to that node version), then
+applies as a conditional UpdateItem ADD (`NOT contains(counted, :op)`, adding the op id to the
+item's `counted` set), then settles: it clears the node's list (a node write like any, so a
+writer that read the list before it fails its condition) and only then forgets the op ids. Plain
+UpdateItems on one item never conflict; they queue. Every write of a node, and every retry that
+finds nothing to change, first settles what the node still owes, so a count change lost with a
+failed invocation is made by the next one: the count stays exact under redelivered, reordered,
+concurrent and failed writes, and no op is counted twice. The WORLD item holds only the op ids
+of changes being settled, a few bytes. The run record is never counted on, so the agents' reads
+and the run's own writes do not meet these writes.
 """
 
 from __future__ import annotations
@@ -45,15 +56,16 @@ from pydantic import TypeAdapter
 
 from trainfleet.core.events import ProgressSample
 from trainfleet.core.lifecycle import world_attempt
+from trainfleet.core.records import (NodeRecord, NodeState, RunControl, RunRecord, RunState, TaskWait,
+                                     check_node_transition, check_run_transition)
 from trainfleet.core.run_history import ProgressReport
-from trainfleet.core.records import (NodeRecord, NodeState, RunRecord, RunState, TaskWait, check_node_transition,
-                                     check_run_transition)
 
 __all__ = ["RunStore", "RunNotFound", "NodeNotFound", "RunExists", "StaleRecord", "StaleAttempt",
            "INSTANCE_INDEX"]
 
 INSTANCE_INDEX = "by-instance"
 _RUN_SK = "RUN"
+_CONTROL_SK = "CONTROL"
 _MODIFY_ATTEMPTS = 5
 _RETRY_PAUSE_S = 0.01
 """First pause before writing again after a lost race; it doubles, drawn with full jitter."""
@@ -87,6 +99,10 @@ def _node_key(run_name: str, instance_id: str) -> dict[str, Any]:
     return {"pk": {"S": f"RUN#{run_name}"}, "sk": {"S": f"NODE#{instance_id}"}}
 
 
+def _control_key(run_name: str) -> dict[str, Any]:
+    return {"pk": {"S": f"RUN#{run_name}"}, "sk": {"S": _CONTROL_SK}}
+
+
 def _world_key(run_name: str, attempt: int) -> dict[str, Any]:
     return {"pk": {"S": f"RUN#{run_name}"}, "sk": {"S": f"WORLD#{attempt}"}}
 
@@ -97,6 +113,8 @@ def _progress_key(run_name: str, attempt: int, step: int) -> dict[str, Any]:
 
 
 _PROGRESS = "PROGRESS#"
+_CountChange = tuple[int, int, str]
+"""A count change a node write owes: (world attempt, +1 or -1, op id)."""
 _SAMPLES = TypeAdapter(list[ProgressSample])
 
 
@@ -114,13 +132,12 @@ class RunStore:
     # --- runs -------------------------------------------------------------------------------
 
     def create_run(self, record: RunRecord) -> RunRecord:
-        """Record a new run (version 1); RunExists if the name is taken."""
+        """Record a new run (version 1) and its control item; RunExists if the name is taken."""
         now = _now()
         record = record.model_copy(update={"version": 1, "created_at": now, "updated_at": now})
         try:
-            self.db.put_item(TableName=self.table, Item=self._item(_run_key(record.run_name), record),
-                             ConditionExpression="attribute_not_exists(pk)")
-        except self.db.exceptions.ConditionalCheckFailedException:
+            self._put(_run_key(record.run_name), record, [], "attribute_not_exists(pk)", {}, record.control())
+        except StaleRecord:
             raise RunExists(f"run {record.run_name!r} already exists") from None
         return record
 
@@ -133,11 +150,19 @@ class RunStore:
             raise RunNotFound(f"no run {run_name!r}")
         return RunRecord.model_validate_json(item["doc"]["S"])
 
+    def run_control(self, run_name: str) -> RunControl:
+        """What the agents read at their looks (RunRecord.control), eventually consistent: half a
+        read unit whatever the run record holds; a write may take about a second to show."""
+        item = self.db.get_item(TableName=self.table, Key=_control_key(run_name)).get("Item")
+        if item is None:
+            raise RunNotFound(f"no run {run_name!r}")
+        return RunControl.model_validate_json(item["doc"]["S"])
+
     def modify_run(self, run_name: str, change: Callable[[RunRecord], RunRecord]) -> RunRecord:
         """Read, apply `change` (a pure function of the record), write; retried on a race.
 
         A state change in it is checked against the diagram (InvalidTransition)."""
-        return self._modify(lambda: self.run(run_name), change, check_run_transition, _run_key(run_name))
+        return self._modify(_run_key(run_name), lambda: (self.run(run_name), []), change, check_run_transition)
 
     def transition_run(self, run_name: str, new_state: RunState, **changes: Any) -> RunRecord:
         """Move the run to `new_state` (InvalidTransition if the diagram forbids it) with changes."""
@@ -174,20 +199,25 @@ class RunStore:
         now = _now()
         record = record.model_copy(update={"version": 1, "launched_at": record.launched_at or now,
                                            "updated_at": now})
-        put = {"TableName": self.table, "Item": self._item(_node_key(record.run_name, record.instance_id), record),
-               "ConditionExpression": "attribute_not_exists(pk)"}
+        key = _node_key(record.run_name, record.instance_id)
+        owed = self._count_changes(None, record)
         try:
-            self._write(put, self._world_counts(None, record))
+            self._put(key, record, owed, "attribute_not_exists(pk)", {})
         except StaleRecord:
             return self.node(record.run_name, record.instance_id)
+        self._settle(key, record, owed)
         return record
 
     def node(self, run_name: str, instance_id: str) -> NodeRecord:
+        return self._node_item(run_name, instance_id)[0]
+
+    def _node_item(self, run_name: str, instance_id: str) -> tuple[NodeRecord, list[_CountChange]]:
+        """The node's record and the count changes its item still owes."""
         item = self.db.get_item(TableName=self.table, Key=_node_key(run_name, instance_id),
                                 ConsistentRead=True).get("Item")
         if item is None:
             raise NodeNotFound(f"no node {instance_id} in run {run_name!r}")
-        return NodeRecord.model_validate_json(item["doc"]["S"])
+        return NodeRecord.model_validate_json(item["doc"]["S"]), _owed(item)
 
     def node_by_instance(self, instance_id: str) -> NodeRecord | None:
         """The node record of an instance, whatever its run (None for instances of no run).
@@ -219,9 +249,9 @@ class RunStore:
 
     def modify_node(self, run_name: str, instance_id: str,
                     change: Callable[[NodeRecord], NodeRecord]) -> NodeRecord:
-        """Like modify_run, for one node."""
-        return self._modify(lambda: self.node(run_name, instance_id), change, check_node_transition,
-                            _node_key(run_name, instance_id))
+        """Like modify_run, for one node; the world counts follow (see the module's docstring)."""
+        return self._modify(_node_key(run_name, instance_id), lambda: self._node_item(run_name, instance_id), change,
+                            check_node_transition)
 
     def transition_node(self, run_name: str, instance_id: str, new_state: NodeState, **changes: Any) -> NodeRecord:
         """Move a node to `new_state` (InvalidTransition if the diagram forbids it) with changes."""
@@ -272,55 +302,93 @@ class RunStore:
             item["instance_id"] = {"S": record.instance_id}
         return item
 
-    def _replace(self, key: dict[str, Any], old: Any, new: Any) -> Any:
-        """Write `new` over the item at `old.version`, as version + 1, with the world counts it moves."""
-        updated = new.model_copy(update={"version": old.version + 1, "updated_at": _now()})
-        put = {"TableName": self.table, "Item": self._item(key, updated), "ConditionExpression": "version = :seen",
-               "ExpressionAttributeValues": {":seen": {"N": str(old.version)}}}
-        try:
-            self._write(put, self._world_counts(old, updated) if isinstance(updated, NodeRecord) else [])
-        except StaleRecord as exc:
-            raise StaleRecord(f"{key['pk']['S']} {key['sk']['S']} changed since version {old.version} ({exc})") from None
-        return updated
-
-    def _write(self, put: dict[str, Any], counts: list[dict[str, Any]]) -> None:
-        """A conditional PutItem, in one transaction with the count updates when there are any;
-        StaleRecord when its condition failed or it met another transaction."""
+    def _put(self, key: dict[str, Any], record: RunRecord | NodeRecord, owed: list[_CountChange],
+             condition: str, values: dict[str, Any], control: RunControl | None = None) -> None:
+        """A conditional PutItem of the record (and the count changes it owes), in one transaction
+        with the run's control item when that changes (a few writes an attempt: no agent looks at
+        a state the run record has not reached); StaleRecord when the condition failed or the
+        write met a transaction on the item."""
+        item = self._item(key, record)
+        if owed:
+            item["counts_owed"] = {"L": [{"M": {"world": {"N": str(world)}, "change": {"N": str(change)},
+                                                "op": {"S": op}}} for world, change, op in owed]}
+        put = {"TableName": self.table, "Item": item, "ConditionExpression": condition,
+               **({"ExpressionAttributeValues": values} if values else {})}
         errors = self.db.exceptions
         try:
-            if counts:
-                self.db.transact_write_items(TransactItems=[{"Put": put}, *counts])
-            else:
+            if control is None:
                 self.db.put_item(**put)
+            else:
+                self.db.transact_write_items(TransactItems=[{"Put": put}, {"Put": {"TableName": self.table, "Item": {
+                    **_control_key(record.run_name), "doc": {"S": control.model_dump_json()}}}}])
         except (errors.ConditionalCheckFailedException, errors.TransactionCanceledException,
                 errors.TransactionConflictException) as exc:
-            raise StaleRecord(exc.response["Error"]["Code"]) from None
+            raise StaleRecord(f"{key['pk']['S']} {key['sk']['S']} changed since version {record.version - 1} "
+                              f"({exc.response['Error']['Code']})") from None
 
-    def _world_counts(self, old: NodeRecord | None, new: NodeRecord) -> list[dict[str, Any]]:
-        """The count updates of a node write: one from the world it leaves, one to the world it joins."""
+    def _count_changes(self, old: NodeRecord | None, new: NodeRecord) -> list[_CountChange]:
+        """The count changes of a node write: one from the world it leaves, one to the world it
+        joins; each op id names the node version that makes it, so it is applied once."""
         left, joined = world_attempt(old) if old else None, world_attempt(new)
         if left == joined:
             return []
-        return [{"Update": {"TableName": self.table, "Key": _world_key(new.run_name, attempt),
-                            "UpdateExpression": "ADD ready_workers :change",
-                            "ExpressionAttributeValues": {":change": {"N": str(change)}}}}
+        return [(attempt, change, f"{new.instance_id}#{new.version}#{attempt}")
                 for attempt, change in ((left, -1), (joined, 1)) if attempt is not None]
 
-    def _modify(self, read: Callable[[], Any], change: Callable[[Any], Any],
-                check_transition: Callable[[Any, Any], None], key: dict[str, Any]) -> Any:
+    def _settle(self, key: dict[str, Any], node: NodeRecord, owed: list[_CountChange]) -> NodeRecord:
+        """Apply the node's owed count changes (each once), clear them from its item and forget
+        their op ids; the node as it now stands. A node that changed meanwhile carries the changes
+        on: its writer settles them."""
+        if not owed:
+            return node
+        for world, change, op in owed:
+            try:
+                self.db.update_item(TableName=self.table, Key=_world_key(node.run_name, world),
+                                    UpdateExpression="ADD ready_workers :change, counted :op",
+                                    ConditionExpression="NOT contains(counted, :id)",
+                                    ExpressionAttributeValues={":change": {"N": str(change)}, ":op": {"SS": [op]},
+                                                               ":id": {"S": op}})
+            except self.db.exceptions.ConditionalCheckFailedException:
+                pass  # applied before, by this write's earlier try or another writer
+        settled = node.model_copy(update={"version": node.version + 1, "updated_at": _now()})
+        try:
+            self._put(key, settled, [], "version = :seen", {":seen": {"N": str(node.version)}})
+        except StaleRecord:
+            return node
+        for world in sorted({world for world, _, _ in owed}):
+            self.db.update_item(TableName=self.table, Key=_world_key(node.run_name, world),
+                                UpdateExpression="DELETE counted :ops",
+                                ExpressionAttributeValues={":ops": {"SS": [op for w, _, op in owed if w == world]}})
+        return settled
+
+    def _modify(self, key: dict[str, Any], read: Callable[[], tuple[Any, list[_CountChange]]],
+                change: Callable[[Any], Any], check_transition: Callable[[Any, Any], None]) -> Any:
         for tries in range(_MODIFY_ATTEMPTS):
-            old = read()
+            old, owed = read()
+            # What an earlier write of a node left unsettled (its invocation failed) comes first.
+            old = self._settle(key, old, owed)
             new = change(old).model_copy(update={"version": old.version})
             if new == old:
                 # Nothing to write: a no-op change must not race the writers that do change it.
                 return old
             if new.state is not old.state:
                 check_transition(old.state, new.state)
+            updated = new.model_copy(update={"version": old.version + 1, "updated_at": _now()})
+            changes = self._count_changes(old, updated) if isinstance(updated, NodeRecord) else []
+            control = (updated.control() if isinstance(updated, RunRecord) and updated.control() != old.control()
+                       else None)
             try:
-                return self._replace(key, old, new)
+                self._put(key, updated, changes, "version = :seen", {":seen": {"N": str(old.version)}}, control)
             except StaleRecord:
                 time.sleep(random.uniform(0, _RETRY_PAUSE_S * 2 ** tries))
+                continue
+            return self._settle(key, updated, changes)
         raise StaleRecord(f"{key['pk']['S']} {key['sk']['S']}: {_MODIFY_ATTEMPTS} writes in a row lost a race")
+
+
+def _owed(item: dict[str, Any]) -> list[_CountChange]:
+    return [(int(entry["M"]["world"]["N"]), int(entry["M"]["change"]["N"]), entry["M"]["op"]["S"])
+            for entry in item.get("counts_owed", {}).get("L", [])]
 
 
 def _report(item: dict[str, Any]) -> ProgressReport:

@@ -5,6 +5,8 @@ grants exactly these, tests/test_iam_policies.py checks both agree) and their lo
     node_access_problems(spec, bucket)        the RunSpec's S3 URIs that fall outside them: a
                                               RunSpec naming one would fail on the nodes with
                                               AccessDenied after the fleet was paid for
+    image_parameter_problem(spec, stack_name)  an image id read from an SSM parameter the
+                                              functions may not read (IMAGE_PARAMETER_PREFIXES)
     node_log_group, node_log_stream           where a node's log goes in CloudWatch Logs
 """
 
@@ -50,6 +52,26 @@ def node_access_problems(spec: RunSpec, bucket: str) -> list[str]:
             problems.append(f"trainer.{section}.{name}: under runs/ a run's nodes read their own run's folder alone, "
                             f"{own} (got {uri!r})")
     return problems
+
+
+IMAGE_PARAMETER_PREFIXES = ("/aws/service/", "/trainfleet/{stack}/")
+"""The SSM parameters an image id may be resolved from (`resolve:ssm:PARAMETER`): AWS's public
+ones (the Deep Learning AMIs) and the stack's own. EC2 resolves the parameter with the launching
+function's permissions, which template.yaml grants on these alone: not every parameter of the
+account, where secrets live too."""
+
+
+def image_parameter_problem(spec: RunSpec, stack_name: str) -> str | None:
+    """`image_id: problem` when the RunSpec's image is an SSM parameter outside
+    IMAGE_PARAMETER_PREFIXES: EC2 would refuse the launch after Allocate made the run's roles."""
+    if not spec.image_id.startswith("resolve:ssm:"):
+        return None
+    parameter = "/" + spec.image_id.removeprefix("resolve:ssm:").lstrip("/").rsplit(":", 1)[0]
+    allowed = [prefix.format(stack=stack_name) for prefix in IMAGE_PARAMETER_PREFIXES]
+    if any(parameter.startswith(prefix) for prefix in allowed):
+        return None
+    return (f"image_id: the functions resolve image parameters only under {' or '.join(allowed)} "
+            f"(got {spec.image_id!r}): put the image id in a parameter under {allowed[1]}")
 
 
 def node_log_group(stack_name: str) -> str:

@@ -230,6 +230,8 @@ class FailureReport(Strict):
     observed_at: datetime | None = None
     """The failure's first sign: when AWS or an agent observed it (the event's time); None when
     only its consequence was seen (a task timeout)."""
+    first_silent: str | None = None
+    """A hang's node whose trainer fell silent clearly first (lifecycle.first_silent), if one did."""
 
 
 class ParallelPlan(Strict):
@@ -391,7 +393,13 @@ class FailureRecord(Strict):
     """Training after the last commit that Recover booked productive because the next attempt was
     to resume from the nodes' memory; taken back (booked redone) if it resumed from S3 after all."""
     instance_ids: list[str] = Field(default_factory=list)
-    """The nodes blamed."""
+    """The nodes blamed: the first IDS_KEPT of them (lifecycle.recovery), so a record of many
+    failures naming many nodes stays within DynamoDB's item (a Capacity Block's end names every
+    worker)."""
+    instances_blamed: int | None = Field(default=None, ge=0)
+    """How many nodes it blamed, kept or not (None on records from before it was kept)."""
+    first_silent: str | None = None
+    """A hang's node whose trainer fell silent clearly first: named a second time, it is blamed."""
     message: str = ""
     """For people: what was seen."""
     recovery: RecoveryKind | None = None
@@ -670,6 +678,50 @@ class RunRecord(Strict):
         return self.model_copy(update={"latest_checkpoint": checkpoint,
                                        "last_step": max(self.last_step or 0, checkpoint.step)})
 
+    def control(self) -> "RunControl":
+        """What the agents read of the run at their looks."""
+        return RunControl(
+            state=self.state, attempt=self.attempt, nodes=self.spec.node_count + self.spec.spare_count,
+            hang_timeout_seconds=self.spec.recovery.hang_timeout_seconds,
+            checkpoint_requested_at=self.checkpoint_requested_at,
+            checkpoint_committed_at=self.latest_checkpoint.committed_at if self.latest_checkpoint else None,
+            failed_attempt=self.attempt_failure.attempt if self.attempt_failure else None,
+            repair=RepairNotice(generation=self.repair.generation, launched_attempt=self.repair.launched_attempt)
+            if self.repair else None)
+
+
+class RepairNotice(Strict):
+    """What an agent reads of a world repaired in place (WorldRepair) at its looks: whether its
+    own world is the one repaired. The launch spec, which it then reads, names the survivors."""
+
+    generation: int = Field(ge=1)
+    """WorldRepair.generation."""
+    launched_attempt: int = Field(ge=0)
+    """WorldRepair.launched_attempt."""
+
+
+class RunControl(Strict):
+    """The run as its agents read it at every look (RunRecord.control): a few hundred bytes in an
+    item of its own, however many failures, nodes and survivors the run record holds (2,048
+    agents read it about 273 times a second while a run starts or recovers)."""
+
+    state: RunState
+    """RunRecord.state."""
+    attempt: int = Field(ge=0)
+    """RunRecord.attempt."""
+    nodes: int = Field(ge=1)
+    """The RunSpec's workers and spares: the pace of the looks."""
+    hang_timeout_seconds: int = Field(ge=1)
+    """The RunSpec's hang timeout: the pace of the looks too."""
+    checkpoint_requested_at: datetime | None = None
+    """RunRecord.checkpoint_requested_at."""
+    checkpoint_committed_at: datetime | None = None
+    """When the latest checkpoint the run knows committed."""
+    failed_attempt: int | None = None
+    """The attempt whose failure the run recorded (RunRecord.attempt_failure), if any."""
+    repair: RepairNotice | None = None
+    """RunRecord.repair, without its survivors (thousands of ids in a large world)."""
+
 
 class NodeRecord(Strict):
     """One instance of a run, a DynamoDB item beside the run's."""
@@ -714,6 +766,9 @@ class NodeRecord(Strict):
     recommendation."""
     launched_at: datetime | None = None
     """Set by the run store when first recorded."""
+    ready_at: datetime | None = None
+    """When its agent first confirmed it READY: from launched_at, how long this run's nodes take
+    to boot and pass preflight (lifecycle.predicted_boot_seconds)."""
     updated_at: datetime | None = None
     """Set by the run store on every write."""
     version: int = Field(default=0, ge=0)

@@ -123,12 +123,19 @@ class FailureMark(_Shape):
     steps_lost: int = Field(ge=0)
     """Steps trained after that state, to be trained again (at least)."""
     instance_ids: list[str]
-    """The nodes blamed (replaced)."""
+    """The nodes blamed (replaced): the first the run record keeps (FailureRecord.instance_ids)."""
+    instances_blamed: int = Field(default=0, ge=0)
+    """How many nodes it blamed in all, where the record says (0: as many as `instance_ids`)."""
     message: str
     recovery: RecoveryKind | None = None
     """How the world came back: repaired in place or restarted, or the run gave up (None: not recorded)."""
     decision: str = ""
     """Recover's decision, and why."""
+
+    @property
+    def blamed(self) -> int:
+        """How many nodes it blamed."""
+        return max(self.instances_blamed, len(self.instance_ids))
 
 
 class RunHistory(_Shape):
@@ -257,6 +264,7 @@ def build_history(run: RunRecord, nodes: list[NodeRecord], reports: Iterable[Pro
             committed_step=failure.resume_step,
             steps_lost=last_step - (resume or 0) if last_step is not None else 0,
             instance_ids=failure.instance_ids, message=failure.message, recovery=failure.recovery,
+            instances_blamed=failure.instances_blamed or 0,
             decision=failure.decision))
     unknown, lost = {}, set()
     for mark in marks:

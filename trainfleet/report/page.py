@@ -144,7 +144,7 @@ def _timeline_chart(history: RunHistory) -> Chart:
                             "detect", "detection (onset to decision)"))
         ended_at, resumed = _recovery_end(history, failure)
         if ended_at is not None:
-            replaced = len(failure.instance_ids)
+            replaced = failure.blamed
             bars.append(Bar("recovery", since(failure.decided_at), since(ended_at), _REPLACEMENT,
                             f"replace {replaced} node{'s' if replaced != 1 else ''}" if replaced else "restart",
                             "replacement and restart (decision to training)"))
@@ -314,7 +314,9 @@ def _failures_table(history: RunHistory) -> str:
                         if failure.resume_step is not None else "scratch")),
             ("number", f"{failure.steps_lost:,}"),
             # An instance id breaks only between ids, never at its hyphen.
-            ("text", ", ".join(f'<span class="id">{escape(node)}</span>' for node in failure.instance_ids) or "none"),
+            ("text", ", ".join(f'<span class="id">{escape(node)}</span>' for node in failure.instance_ids) + (
+                f" and {failure.blamed - len(failure.instance_ids)} more"
+                if failure.blamed > len(failure.instance_ids) else "") or "none"),
             ("message", escape(failure.message)),
         ]
         rows.append("<tr>" + "".join(f'<td class="{kind}">{html}</td>' for kind, html in cells) + "</tr>")

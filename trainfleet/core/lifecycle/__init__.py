@@ -38,7 +38,8 @@ Offers:
                trainers_alive(nodes, liveness, attempt, now, hang_timeout_s),
                agents_alive(nodes, liveness, now, hang_timeout_s),
                blame_silent_workers(failure, ...) -> FailureReport, needs_liveness_look(failure), IMPAIRED,
-               first_silent(liveness, attempt), hang_onset(failure, liveness, nodes, ranks_per_node) -> FailureReport
+               first_silent(liveness, attempt),
+               hang_onset(failure, liveness, nodes, ranks_per_node, history) -> FailureReport
 
 Randomness (backoff jitter) and time come in as arguments, so every decision is reproducible.
 """

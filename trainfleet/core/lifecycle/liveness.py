@@ -6,24 +6,21 @@ Every agent looks at the control plane once per `poll_interval` (5-10 s, drawn, 
 looks spread out; longer in runs above FULL_RATE_NODES nodes, so that a run's agents together
 make at most about FULL_RATE_NODES / 7.5 = 34 looks a second whatever the node count; shorter
 when the hang timeout is, so a frozen node's agent is known silent by the time its hang is
-declared). A look is one eventually consistent GetItem of the run record (0.5 RCU per 4 KB) and,
-while its trainer runs, one S3 PUT of its own liveness record (NodeLiveness). So a run's
-partition of the run table serves at most 34 reads a second (512 nodes: at most 2 RCU each for a
-run record under 16 KB: 68 RCU of the partition's 3,000), and the agents write nothing to it. The
-liveness records go to S3, one object per node: S3 takes 3,500 PUTs a second per prefix, the
-nodes' role already writes `runs/*`, and it needs no write access to the run table, where a node
-could otherwise overwrite the run's records. (The same records as items of the run's partition
-would be at most 34 WCU of its 1,000, fine for DynamoDB too.)
+declared). A look is one eventually consistent read of the run's state and, while its trainer
+runs, one write of its own liveness record (NodeLiveness) to the liveness table, keyed by its
+instance (trainfleet/adapters/liveness.py): the nodes' role needs no write access to the run
+table, where a node could otherwise overwrite the run's records.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from types import MappingProxyType
+from typing import Any
 
 from trainfleet.core.events import LOST_STATES
 from trainfleet.core.pace import (FULL_RATE_NODES, POLL_MAX_S, POLL_MIN_S, SILENT_LOOKS, looks_per_second,
                                   poll_interval, silent_after)
-from trainfleet.core.records import FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole
+from trainfleet.core.records import FailureClass, FailureRecord, FailureReport, NodeLiveness, NodeRecord, NodeRole
 
 __all__ = ["FULL_RATE_NODES", "POLL_MAX_S", "POLL_MIN_S", "SILENT_LOOKS", "looks_per_second", "poll_interval",
            "silent_after", "IMPAIRED", "silent_workers", "trainers_alive", "agents_alive", "blame_silent_workers",
@@ -155,15 +152,18 @@ def first_silent(liveness: list[NodeLiveness], attempt: int) -> tuple[str, float
 
 
 def hang_onset(failure: FailureReport, liveness: list[NodeLiveness], nodes: list[NodeRecord] = (),
-               ranks_per_node: int = 1) -> FailureReport:
+               ranks_per_node: int = 1, history: Sequence[FailureRecord] = ()) -> FailureReport:
     """A hang with its first sign and, where one node's trainer fell silent clearly first, that
-    node named in its message with its ranks (`nodes`' node ranks, `ranks_per_node` each); not
-    blamed: a hang on healthy hardware would follow it nowhere. The first sign, when the hang has
-    none (a heartbeat timed out: no event observed it), is the world's last step, the newest step
-    a worker of the attempt reported."""
+    node named (`first_silent`, and in its message with its ranks: `nodes`' node ranks,
+    `ranks_per_node` each). Named once, it is not blamed: a hang on healthy hardware would follow
+    it nowhere, and a node is not replaced for one stall. Named the first to fall silent in an
+    earlier hang of the run too (`history`), it is blamed and so replaced: a GPU that hangs again
+    and again would otherwise restart the world on it until the crash-loop rule ends the run.
+    The first sign, when the hang has none (a heartbeat timed out: no event observed it), is the
+    world's last step, the newest step a worker of the attempt reported."""
     if failure.failure_class is not FailureClass.HANG:
         return failure
-    update = {}
+    update: dict[str, Any] = {}
     if failure.observed_at is None:
         update["observed_at"] = max((record.step_at for record in liveness
                                      if record.attempt == failure.attempt and record.step_at), default=None)
@@ -173,6 +173,11 @@ def hang_onset(failure: FailureReport, liveness: list[NodeLiveness], nodes: list
         rank = next((node.node_rank for node in nodes if node.instance_id == instance_id), None)
         ranks = (f" (node rank {rank}: ranks {rank * ranks_per_node}-{(rank + 1) * ranks_per_node - 1})"
                  if rank is not None else "")
+        update["first_silent"] = instance_id
         update["message"] = (f"{failure.message} [the trainer of {instance_id}{ranks} fell silent first, "
                              f"{lead:.1f} s before any other]")
+        before = [past for past in history if past.failure_class is FailureClass.HANG and past.first_silent == instance_id]
+        if before and not failure.instance_ids:
+            update["instance_ids"] = [instance_id]
+            update["message"] += (f" [named so in attempt {before[-1].attempt}'s hang too: replaced]")
     return failure.model_copy(update=update)

@@ -29,12 +29,15 @@ from trainfleet.core.lifecycle.replan import plan_layout
 from trainfleet.core.records import (FailureClass, FailureRecord, FailureReport, NodeRecord, NodeRole, NodeState,
                                      ParallelPlan, RecoveryAction, RecoveryDecision, RecoveryKind, RunRecord,
                                      WorldRepair)
-from trainfleet.core.runspec import RecoveryPolicy
+from trainfleet.core.runspec import RecoveryPolicy, RunSpec
 
 FAILURES_KEPT = 50
 """The newest failures a run record keeps beside those the recovery rules count (kept_failures)."""
 MESSAGE_KEPT_CHARS = 600
 """How much of a failure's message its record keeps: its start (what was raised) and its end."""
+IDS_KEPT = 16
+"""How many of the nodes a failure blamed its record keeps (the count is kept whole): 50 failures
+naming 128 nodes each made a run record of 272 KB. The crash-loop rule compares the kept ones."""
 
 # AWS announces these; they say nothing about the job.
 ANNOUNCED_BY_AWS = frozenset({FailureClass.SPOT_INTERRUPTION, FailureClass.SPOT_REBALANCE,
@@ -119,19 +122,37 @@ def memory_restore(run: RunRecord, survivors: list[NodeRecord], plan: ParallelPl
     return True, "every node resumes from its own memory"
 
 
-def repair_in_place(run: RunRecord, survivors: list[NodeRecord],
-                    trainers_alive: frozenset[str]) -> tuple[WorldRepair | None, str]:
+REPAIR_WAIT_SHARE = 0.75
+"""The share of the survivors' repair wait the order may be predicted to take: boots vary."""
+
+
+def predicted_boot_seconds(nodes: list[NodeRecord], spec: RunSpec) -> float:
+    """How long a new instance of this run takes to boot and pass preflight: the slowest its nodes
+    took so far (launch to first READY), else the boot timeout (nothing measured: the worst)."""
+    booted = [(node.ready_at - node.launched_at).total_seconds() for node in nodes
+              if node.ready_at is not None and node.launched_at is not None]
+    return max(booted, default=float(spec.recovery.boot_timeout_seconds))
+
+
+def repair_in_place(run: RunRecord, survivors: list[NodeRecord], trainers_alive: frozenset[str],
+                    waited_s: float = 0.0, order_in_s: float = 0.0) -> tuple[WorldRepair | None, str]:
     """Whether the next world may be the failed one repaired in place (trainer/repair.py), and
     why not; given the workers that stay in the world (the lost ones' places are taken, their
-    shards come from their buddies' memory: memory_restore said yes) and the workers whose
-    trainers were seen alive in the failed attempt (their agents' liveness reports).
+    shards come from their buddies' memory: memory_restore said yes), the workers whose trainers
+    were seen alive in the failed attempt (their agents' liveness reports), how long ago the
+    failure began (`waited_s`) and in how long the order is predicted to reach the survivors
+    (`order_in_s`: the backoff, and a replacement's boot where no READY spare steps in).
 
     The nodes replaced leave with their instances, which Recover terminates before the new world
     forms (a node lost, sick or announced leaving alike); after a crash on nodes that stay, the
     nodes whose trainers ended start new ones into the repaired world. The survivors' trainers
-    keep their processes only where each one is alive to receive the order, and node rank 0
-    survives: it hosts torchrun's rendezvous, which every survivor's torchrun holds on to, and
-    the next generation's store."""
+    keep their processes only where each one is alive to receive the order, node rank 0
+    survives (it hosts torchrun's rendezvous, which every survivor's torchrun holds on to, and
+    the next generation's store), and the order comes well within the time a survivor waits for
+    it once its step failed: the trainer's repair wait, the run's start-up timeout, longer than
+    its collective timeout (runspec.collective_timeout_order), so a rank held in a collective on
+    the lost peer still waits. Past it, the survivors' trainers have ended and the world would
+    restart anyway, late."""
     if not run.spec.repairable:
         return None, ""
     if run.first_step_at is None:
@@ -141,6 +162,11 @@ def repair_in_place(run: RunRecord, survivors: list[NodeRecord],
     silent = sorted(node.instance_id for node in survivors if node.instance_id not in trainers_alive)
     if silent:
         return None, f"restart every trainer: no sign of life from the trainers of {', '.join(silent)}"
+    repair_wait = run.spec.recovery.startup_timeout_seconds
+    if waited_s + order_in_s > REPAIR_WAIT_SHARE * repair_wait:
+        return None, (f"restart every trainer: the order would reach the survivors about {waited_s + order_in_s:.0f} s "
+                      f"after the failure ({waited_s:.0f} s so far, {order_in_s:.0f} s to come), past "
+                      f"{REPAIR_WAIT_SHARE:.0%} of the {repair_wait} s their trainers wait for it")
     repaired = run.repair
     repair = WorldRepair(generation=repaired.generation + 1 if repaired else 1,
                          launched_attempt=repaired.launched_attempt if repaired else run.attempt,
@@ -220,11 +246,16 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
     from_memory, restore = memory_restore(run, workers, plan)
     common["restore_from_memory"] = from_memory
 
+    # How long the survivors of a repair have waited for its order, and how long it will take:
+    # the backoff, and the boot of a new instance where no READY spare steps in.
+    waited = max(0.0, (now - (failure.observed_at or now)).total_seconds())
+    order_in = common["backoff_seconds"]
+
     # 5: nothing to swap. After a crash, the nodes whose trainers live keep them: those whose
     # trainers ended start new ones into the repaired world.
     if not terminate and missing == 0:
         repair, how = (repair_in_place(run, [node for node in workers if node.instance_id in trainers_alive],
-                                       trainers_alive)
+                                       trainers_alive, waited, order_in)
                        if from_memory and failure.failure_class is FailureClass.PROCESS_CRASH else (None, ""))
         return RecoveryDecision(action=RecoveryAction.RESTART, plan=plan, repair=repair, **common,
                                 reason=f"{failure.failure_class.value} on healthy nodes: restart them, {restore}"
@@ -258,7 +289,8 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
     refill = 0 if failure.failure_class is FailureClass.CAPACITY else max(0, spec.spare_count - spares_left)
     if streak == 1:
         common["backoff_seconds"] = 0.0
-    repair, how = repair_in_place(run, workers, trainers_alive) if from_memory else (None, "")
+    order_in = common["backoff_seconds"] + (predicted_boot_seconds(nodes, spec) if uncovered else 0.0)
+    repair, how = repair_in_place(run, workers, trainers_alive, waited, order_in) if from_memory else (None, "")
     return RecoveryDecision(action=RecoveryAction.REPLACE, plan=plan, allocate_workers=uncovered,
                             allocate_spares=refill, repair=repair, **common,
                             reason=f"{failure.failure_class.value}: replace {len(terminate)} node(s), "
@@ -291,15 +323,26 @@ def clipped(message: str) -> str:
 def apply_decision(run: RunRecord, failure: FailureReport, decision: RecoveryDecision,
                    now: datetime, kept_on_memory_seconds: float = 0.0) -> RunRecord:
     """The run record after acting on a decision: a new attempt, the failure on the books
-    (`kept_on_memory_seconds`: FailureRecord's)."""
-    history = [*run.failures, FailureRecord(
+    (`kept_on_memory_seconds`: FailureRecord's). A world repaired in place that fails before its
+    first step did not come back by the repair: the failure it was to repair is booked as the
+    restart it became (the survivors' trainers had ended, or the world did not form): it came back
+    as this decision brings it back."""
+    kind = (RecoveryKind.GAVE_UP if decision.action is RecoveryAction.GIVE_UP else
+            RecoveryKind.REPAIRED if decision.repair else RecoveryKind.RESTARTED)
+    earlier = run.failures
+    if (run.repair is not None and run.first_step_at is None and earlier
+            and earlier[-1].recovery is RecoveryKind.REPAIRED and earlier[-1].attempt == run.attempt - 1):
+        undone = earlier[-1].model_copy(update={"recovery": kind, "decision": clipped(
+            f"{earlier[-1].decision}; the repair did not take: the repaired world failed before its first "
+            f"step ({failure.failure_class.value})")})
+        earlier = [*earlier[:-1], undone]
+    history = [*earlier, FailureRecord(
         failure_class=failure.failure_class, at=now,
         resume_step=run.latest_checkpoint.step if run.latest_checkpoint else None, attempt=failure.attempt,
         onset_at=failure.observed_at, last_step=run.last_step if run.first_step_at else None,
-        instance_ids=failure.instance_ids, message=clipped(failure.message),
-        kept_on_memory_seconds=kept_on_memory_seconds, decision=clipped(decision.reason),
-        recovery=RecoveryKind.GAVE_UP if decision.action is RecoveryAction.GIVE_UP else
-        RecoveryKind.REPAIRED if decision.repair else RecoveryKind.RESTARTED)]
+        instance_ids=failure.instance_ids[:IDS_KEPT], instances_blamed=len(failure.instance_ids),
+        first_silent=failure.first_silent, message=clipped(failure.message),
+        kept_on_memory_seconds=kept_on_memory_seconds, decision=clipped(decision.reason), recovery=kind)]
     kept = kept_failures(history, now, timedelta(hours=run.spec.recovery.restart_window_hours))
     books = {"failures": kept, "earlier_failures": run.earlier_failures + len(history) - len(kept)}
     if decision.action is RecoveryAction.GIVE_UP:

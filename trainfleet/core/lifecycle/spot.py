@@ -30,7 +30,7 @@ from datetime import datetime, timedelta
 
 from trainfleet.core.events import (AnyDetail, CheckpointCommitted, CheckpointReason, Ec2RebalanceRecommendation,
                                     Ec2SpotInterruptionWarning, HealthEvent)
-from trainfleet.core.records import FailureClass, FailureReport, NodeRecord, NodeRole, RunRecord
+from trainfleet.core.records import FailureClass, FailureReport, NodeRecord, NodeRole, RunControl, RunRecord
 
 SPOT_NOTICE = timedelta(minutes=2)
 """How long EC2 gives between a Spot warning and the interruption; the longest any announced
@@ -81,19 +81,18 @@ def waits_for_emergency_checkpoint(run: RunRecord, node: NodeRecord) -> bool:
     return training and node.role is NodeRole.WORKER and not node.state.is_retired
 
 
-def checkpoint_request_answered(run: RunRecord, attempt: int) -> bool:
+def checkpoint_request_answered(run: RunControl, attempt: int) -> bool:
     """Whether the run's request for a checkpoint needs no new save from an agent of `attempt`: a
     checkpoint committed after the run asked, or the wait for it is over (the attempt failed).
 
     One departure reaches a world along several paths - the leaving node's own notice, then the
-    run record at each agent's next look - and each would otherwise start another save. One
-    arriving after the requested checkpoint committed would train on and save again, so the next
-    attempt would resume from a later step than the one the failure recorded.
+    run's control item at each agent's next look - and each would otherwise start another save.
+    One arriving after the requested checkpoint committed would train on and save again, so the
+    next attempt would resume from a later step than the one the failure recorded.
     """
-    latest = run.latest_checkpoint
-    committed_since = (latest is not None and latest.committed_at is not None
-                       and run.checkpoint_requested_at is not None and latest.committed_at >= run.checkpoint_requested_at)
-    return committed_since or _failed(run, attempt)
+    committed_since = (run.checkpoint_committed_at is not None and run.checkpoint_requested_at is not None
+                       and run.checkpoint_committed_at >= run.checkpoint_requested_at)
+    return committed_since or run.failed_attempt == attempt
 
 
 def departure_wait_may_end(run: RunRecord, now: datetime, *, committed: CheckpointCommitted | None = None,
