@@ -1,9 +1,11 @@
 """Validate: complete the RunSpec with the stack's defaults, parse it, record the run. What its
 author may leave out is filled in first (runspec.with_stack_defaults: the checkpoint location
-in the stack's bucket, the default VPC's network). A bad RunSpec fails here, before any allocation,
+in the stack's bucket, the stack's node network). A bad RunSpec fails here, before any allocation,
 and so does a trainer section the trainer itself would refuse: its own checks
-(trainer/config.py, torch-free) run here on the config the nodes would be given, and so does a
-layout that would run out of GPU memory (trainfleet/core/memory_plan.py)."""
+(trainer/config.py, torch-free) run here on the config the nodes would be given, a layout that
+would run out of GPU memory (trainfleet/core/memory_plan.py), and a subnet from which the nodes
+could not reach the AWS services they call (trainfleet/core/network.py): on AWS such a fleet is
+billed silent until its boot timeout."""
 
 from dataclasses import asdict
 from typing import Any
@@ -15,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from functions.common import RunPayload, Timeouts, aws, logger, tracer, transient_errors_named
 from functions.errors import InvalidRunSpec
 from trainer.config import ConfigError, JobConfig, config_from_sections
-from trainfleet.adapters.ec2_fleet import NoDefaultNetwork, default_network
+from trainfleet.adapters.network import NetworkNotFound, network_problems, node_network
 from trainfleet.adapters.run_store import RunExists
 from trainfleet.core import memory_plan
 from trainfleet.core.node_access import node_access_problems
@@ -42,6 +44,16 @@ def parse_run_spec(raw: Any, bucket: str) -> RunSpec:
     config = check_trainer_config(spec)
     check_memory(spec, config)
     return resolved(spec, config)
+
+
+def check_network(spec: RunSpec) -> None:
+    """InvalidRunSpec naming each subnet and the services its nodes could not reach from it."""
+    try:
+        problems = network_problems(aws().ec2, spec)
+    except NetworkNotFound as error:
+        raise InvalidRunSpec(str(error)) from error
+    if problems:
+        raise InvalidRunSpec("\n".join(problems))
 
 
 def resolved(spec: RunSpec, config: JobConfig) -> RunSpec:
@@ -86,12 +98,14 @@ def check_memory(spec: RunSpec, config: JobConfig) -> None:
 @tracer.capture_lambda_handler
 @event_parser(model=ValidateInput)
 def handler(event: ValidateInput, context: LambdaContext) -> dict[str, Any]:
-    bucket = aws().settings.bucket
+    settings = aws().settings
     try:
-        document = with_stack_defaults(event.run_spec, bucket, lambda: default_network(aws().ec2))
-    except NoDefaultNetwork as error:
+        document = with_stack_defaults(event.run_spec, settings.bucket, lambda instance_type: node_network(
+            aws().ec2, list(settings.node_subnet_ids), list(settings.node_security_group_ids), instance_type))
+    except NetworkNotFound as error:
         raise InvalidRunSpec(str(error)) from error
-    spec = parse_run_spec(document, bucket)
+    spec = parse_run_spec(document, settings.bucket)
+    check_network(spec)
     record = RunRecord(run_name=spec.run_name, spec=spec, execution_arn=event.execution_arn)
     try:
         aws().store.create_run(record)

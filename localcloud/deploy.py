@@ -56,6 +56,7 @@ from botocore.parsers import ResponseParserError
 from localcloud.deploy_intrinsics import (
     Resolver,
     TemplateError,
+    check_rules,
     creation_order,
     evaluate_conditions,
     parameter_values,
@@ -229,6 +230,7 @@ def deploy(request: DeployRequest) -> DeployedStack:
     template = transform_sam(template, parameters, request.region)
     resolver = Resolver(parameters, mappings=template.get("Mappings", {}),
                         availability_zones=lambda region: _availability_zones(session, request.endpoint, region))
+    check_rules(template.get("Rules", {}), resolver)
     resolver.conditions = evaluate_conditions(template.get("Conditions", {}), resolver)
 
     resources = template["Resources"]

@@ -262,9 +262,11 @@ def test_run_node_roles_are_made_and_deleted_under_the_stacks_path_alone(rendere
     assert decide(rendered, role, action, resource, **context) == expected
 
 
-def test_validate_may_only_record_runs_and_look_up_the_default_network(rendered):
+def test_validate_may_only_record_runs_and_look_at_the_network(rendered):
     assert decide(rendered, "ValidateFunctionRole", "dynamodb:PutItem", TABLE) == ALLOW
-    for action in ("ec2:DescribeVpcs", "ec2:DescribeSubnets", "ec2:DescribeSecurityGroups"):
+    for action in ("ec2:DescribeSubnets", "ec2:DescribeInstanceTypeOfferings", "ec2:DescribeVpcs",
+                   "ec2:DescribeVpcAttribute", "ec2:DescribeRouteTables", "ec2:DescribeVpcEndpoints",
+                   "ec2:DescribeNatGateways", "ec2:DescribeSecurityGroups"):
         assert decide(rendered, "ValidateFunctionRole", action, "*") == ALLOW
     assert decide(rendered, "ValidateFunctionRole", "ec2:RunInstances", f"{EC2}:instance/*") == IMPLICIT_DENY
     assert decide(rendered, "ValidateFunctionRole", "ssm:GetParameters", f"arn:aws:ssm:{REGION}::parameter/aws/x") == IMPLICIT_DENY

@@ -10,6 +10,10 @@ ThrottlingException) or in an outage ("error": its documented 500), over real HT
 botocore's retries and the caller's own handling see what they would see on AWS. moto never
 fails so, so this wraps its WSGI application (`DomainDispatcherApplication.__call__`).
 
+A request from an instance whose subnet's network has no way to the service never reaches it
+(glue/routes.py): it is answered as unreachable, counted in `failed_requests` under
+(service, "unreachable").
+
 The wrapper also serves the chaos control route (`localcloud.chaos_route`), through which
 `trainfleet chaos` injects faults from another process.
 
@@ -35,6 +39,7 @@ from localcloud.api_requests import request_action, signing_service
 from localcloud.chaos_route import CHAOS_PATH, ChaosError, inject
 from localcloud.cloud import INTERNAL_HEADER
 from localcloud.glue import active_cloud
+from localcloud.glue.routes import UNREACHABLE_HEADER, UNREACHABLE_STATUS, blocked
 
 INTERNAL_ENVIRON = "HTTP_" + INTERNAL_HEADER.upper().replace("-", "_")
 """The WSGI name of the header LocalCloud.internal_client sets: such requests pass untouched."""
@@ -172,6 +177,13 @@ def _call(self: DomainDispatcherApplication, environ: dict[str, Any], start_resp
     service = signing_service(environ.get("HTTP_AUTHORIZATION", "")) if cloud is not None else None
     if service is None or environ.get(INTERNAL_ENVIRON):
         return _moto_call(self, environ, start_response)
+    why = blocked(cloud, environ.get("REMOTE_ADDR"), service)
+    if why is not None:  # never reaches the service: a packet its sender's network drops
+        cloud.count(cloud.failed_requests, (service, "unreachable"))
+        body = f"no route to {service} from this instance: {why}".encode()
+        start_response(UNREACHABLE_STATUS, [(UNREACHABLE_HEADER, why.encode("ascii", "replace").decode()),
+                                            ("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+        return [body]
     _count(cloud, service, environ)
     fault = cloud.request_faults.get(service)
     if fault is None or time.monotonic() >= fault.until:

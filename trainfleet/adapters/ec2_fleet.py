@@ -40,11 +40,10 @@ from trainfleet.core.catalogue import InstanceFacts
 from trainfleet.core.events import BOOT_CHECK, EVENT_SOURCE
 from trainfleet.core.lifecycle.reservation import Reservation, reservation_problem
 from trainfleet.core.node_access import node_log_group
-from trainfleet.core.runspec import CapacityKind, DefaultNetwork, RunSpec
+from trainfleet.core.runspec import CapacityKind, RunSpec
 from trainfleet.core.settings import Settings
 
 __all__ = [
-    "default_network", "NoDefaultNetwork",
     "TAG_RUN", "TAG_STACK", "AGENT_MODULE", "CAPACITY_ERROR_CODES", "ZONE_ERROR_CODES", "FleetError",
     "FleetOutcome", "Allocation", "Teardown", "efa_network_interfaces", "launch_template_data", "node_user_data",
     "user_data_settings",
@@ -102,29 +101,6 @@ class FleetError(RuntimeError):
 
 PROFILE_REFUSED = "Invalid IAM Instance Profile"
 """What EC2's InvalidParameterValue says of a launch's instance profile it does not know."""
-
-
-class NoDefaultNetwork(ValueError):
-    """A RunSpec names no network and the account has no default VPC to take."""
-
-
-def default_network(ec2: Any) -> DefaultNetwork:
-    """The region's default VPC: its default subnets (one per zone, in zone order) and its default
-    security group; NoDefaultNetwork where the account has none (deleted, or never had one)."""
-    vpcs = ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"]
-    if not vpcs:
-        raise NoDefaultNetwork("capacity: no subnet_ids and security_group_ids given, and the account has no "
-                               "default VPC in this region to take them from: name them")
-    vpc = vpcs[0]["VpcId"]
-    subnets = ec2.describe_subnets(Filters=[{"Name": "vpc-id", "Values": [vpc]},
-                                            {"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
-    groups = ec2.describe_security_groups(Filters=[{"Name": "vpc-id", "Values": [vpc]},
-                                                   {"Name": "group-name", "Values": ["default"]}])["SecurityGroups"]
-    if not subnets or not groups:
-        raise NoDefaultNetwork(f"capacity: no subnet_ids and security_group_ids given, and the default VPC {vpc} "
-                               "has no default subnet or no default security group: name them")
-    return DefaultNetwork([subnet["SubnetId"] for subnet in sorted(subnets, key=lambda found: found["AvailabilityZone"])],
-                          [groups[0]["GroupId"]])
 
 
 def run_resource_name(run_name: str, stack_name: str) -> str:

@@ -8,7 +8,7 @@
     layout_problem, pipeline_layout_problem   why the trainer cannot run a layout (torch-free,
                                  the rules of trainer/config.py; the schedules' own rules are
                                  trainer/schedules.py's)
-    DefaultNetwork, with_stack_defaults   what a RunSpec may leave to the stack it runs in
+    NodeNetwork, with_stack_defaults   what a RunSpec may leave to the stack it runs in
 
 Bad input raises pydantic.ValidationError; every message names the field (`loc`) and the value.
 """
@@ -520,20 +520,21 @@ class RunSpec(Strict):
 
 
 
-class DefaultNetwork(NamedTuple):
-    """The account's default VPC in the region: its default subnet of each zone and its default
-    security group (which allows all traffic among its members: what EFA needs)."""
+class NodeNetwork(NamedTuple):
+    """The stack's network for nodes (template.yaml: the VPC it makes, or the subnets it was
+    deployed with): its subnets in the zones that offer the run's instance type, in order, and its
+    security groups (one lets all traffic pass among its members: what EFA needs)."""
 
     subnet_ids: list[str]
     security_group_ids: list[str]
 
 
-def with_stack_defaults(document: Any, bucket: str, default_network: Callable[[], DefaultNetwork]) -> Any:
+def with_stack_defaults(document: Any, bucket: str, node_network: Callable[[str], NodeNetwork]) -> Any:
     """The RunSpec document with what its author may leave to the stack filled in, as given
     otherwise: `checkpoint.s3_uri`, the stack's bucket under runs/RUN/checkpoints; the capacity's
-    subnets and security groups when it names neither, the account's default VPC's
-    (`default_network()`, asked only then), as EC2 launches into them when a request names none.
-    A document that is not a RunSpec is returned as it is: validation names its problems."""
+    subnets and security groups when it names neither, the stack's node network for its instance
+    type (`node_network(instance_type)`, asked only then). A document that is not a RunSpec is
+    returned as it is: validation names its problems."""
     if not isinstance(document, dict) or not isinstance(document.get("run_name"), str):
         return document
     filled = dict(document)
@@ -542,9 +543,7 @@ def with_stack_defaults(document: Any, bucket: str, default_network: Callable[[]
         filled["checkpoint"] = {**checkpoint, "s3_uri": f"s3://{bucket}/runs/{document['run_name']}/checkpoints"}
     capacity = filled.get("capacity", {})
     if isinstance(capacity, dict) and "subnet_ids" not in capacity and "security_group_ids" not in capacity:
-        network = default_network()
+        network = node_network(str(document.get("instance_type", "")))
         filled["capacity"] = {"subnet_ids": network.subnet_ids, "security_group_ids": network.security_group_ids,
                               **capacity}
     return filled
-
-

@@ -1,0 +1,142 @@
+"""The local cloud's network as EC2 has it: VPC endpoints refused where EC2 refuses them, and an
+instance's calls carried only where its subnet's network leads (glue/routes.py): from a subnet
+with no endpoint, no NAT route and no public address a call fails as a dropped packet fails it on
+EC2, with a connect timeout."""
+
+import ast
+import json
+import sys
+
+import botocore.exceptions
+import pytest
+
+from localcloud.fleet import INSTANCE_SITE
+from localcloud.glue.routes import UNREACHABLE_HEADER
+
+PROBE = """
+import json, time, boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+config = Config(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=20)
+calls = {"s3": lambda c: c.list_buckets(), "dynamodb": lambda c: c.list_tables(),
+         "events": lambda c: c.list_event_buses(), "states": lambda c: c.list_state_machines()}
+results = {}
+for service, call in calls.items():
+    client = boto3.client("stepfunctions" if service == "states" else service, config=config,
+                          aws_access_key_id="instance", aws_secret_access_key="instance")
+    started = time.monotonic()
+    try:
+        call(client)
+        results[service] = ["reached", 0]
+    except ClientError:  # the service's own answer: it was reached
+        results[service] = ["reached", 0]
+    except BotoCoreError as error:
+        results[service] = [type(error).__name__, time.monotonic() - started]
+print("PROBE " + json.dumps(results), flush=True)
+time.sleep(60)
+"""
+
+
+def vpc_with_dns(ec2) -> str:
+    vpc = ec2.create_vpc(CidrBlock="10.9.0.0/16")["Vpc"]["VpcId"]
+    ec2.modify_vpc_attribute(VpcId=vpc, EnableDnsHostnames={"Value": True})
+    return vpc
+
+
+def subnet_with_table(ec2, vpc: str, cidr: str, zone: str = "us-east-1a") -> tuple[str, str]:
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock=cidr, AvailabilityZone=zone)["Subnet"]["SubnetId"]
+    table = ec2.create_route_table(VpcId=vpc)["RouteTable"]["RouteTableId"]
+    ec2.associate_route_table(SubnetId=subnet, RouteTableId=table)
+    return subnet, table
+
+
+def default_group(ec2, vpc: str) -> str:
+    return ec2.describe_security_groups(Filters=[{"Name": "vpc-id", "Values": [vpc]},
+                                                 {"Name": "group-name", "Values": ["default"]}])[
+        "SecurityGroups"][0]["GroupId"]
+
+
+def refused(call, code: str, message: str) -> None:
+    with pytest.raises(botocore.exceptions.ClientError) as caught:
+        call()
+    assert caught.value.response["Error"]["Code"] == code
+    assert message in caught.value.response["Error"]["Message"]
+
+
+def test_ec2_refuses_endpoints_as_aws_does(local_cloud):
+    ec2 = local_cloud.client("ec2")
+    vpc = ec2.create_vpc(CidrBlock="10.8.0.0/16")["Vpc"]["VpcId"]  # DNS hostnames off, as EC2 creates a VPC
+    (a, table), (b, _) = subnet_with_table(ec2, vpc, "10.8.0.0/24"), subnet_with_table(ec2, vpc, "10.8.1.0/24")
+    region = local_cloud.region
+    refused(lambda: ec2.create_vpc_endpoint(VpcId=vpc, ServiceName=f"com.amazonaws.{region}.nothing"),
+            "InvalidServiceName", f"The Vpc Endpoint Service 'com.amazonaws.{region}.nothing' does not exist")
+    refused(lambda: ec2.create_vpc_endpoint(VpcId=vpc, ServiceName=f"com.amazonaws.{region}.events",
+                                            RouteTableIds=[table]),
+            "InvalidParameter", "Endpoint type (Gateway) does not match available service types (['Interface'])")
+    refused(lambda: ec2.create_vpc_endpoint(VpcId=vpc, VpcEndpointType="Interface", SubnetIds=[a],
+                                            ServiceName=f"com.amazonaws.{region}.states"),
+            "InvalidParameter", "Enabling private DNS requires both enableDnsSupport and enableDnsHostnames")
+    ec2.modify_vpc_attribute(VpcId=vpc, EnableDnsHostnames={"Value": True})
+    same_zone = ec2.create_subnet(VpcId=vpc, CidrBlock="10.8.2.0/24", AvailabilityZone="us-east-1a")["Subnet"]
+    refused(lambda: ec2.create_vpc_endpoint(VpcId=vpc, VpcEndpointType="Interface", SubnetIds=[a, same_zone["SubnetId"]],
+                                            ServiceName=f"com.amazonaws.{region}.states"),
+            "DuplicateSubnetsInSameZone", f"Found another VPC endpoint subnet in the availability zone of")
+    interface = ec2.create_vpc_endpoint(VpcId=vpc, VpcEndpointType="Interface", SubnetIds=[a],
+                                        ServiceName=f"com.amazonaws.{region}.states")["VpcEndpoint"]
+    gateway = ec2.create_vpc_endpoint(VpcId=vpc, ServiceName=f"com.amazonaws.{region}.s3",
+                                      RouteTableIds=[table])["VpcEndpoint"]
+    assert (interface["VpcEndpointType"], interface["PrivateDnsEnabled"]) == ("Interface", True)
+    assert (gateway["VpcEndpointType"], gateway["PrivateDnsEnabled"]) == ("Gateway", False)
+    assert b  # a second zone's subnet took an interface endpoint's place without complaint above
+
+
+def probe_from(cloud, subnet: str, group: str) -> dict:
+    ec2 = cloud.client("ec2")
+    cloud.fleet.boot = lambda instance: [sys.executable, "-c", PROBE]
+    instance_id = ec2.run_instances(ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=1, MaxCount=1,
+                                    SubnetId=subnet, SecurityGroupIds=[group])["Instances"][0]["InstanceId"]
+    console = cloud.fleet.get(instance_id).workdir / "console.log"
+
+    def answered() -> str | None:
+        lines = console.read_text().splitlines() if console.exists() else []
+        return next((line for line in lines if line.startswith("PROBE ")), None)
+
+    cloud.wait_until(answered, f"the probe on {instance_id}")
+    return json.loads(answered().removeprefix("PROBE "))
+
+
+def test_an_instance_reaches_only_what_its_subnets_routes_and_endpoints_lead_to(local_cloud):
+    ec2, region = local_cloud.client("ec2"), local_cloud.region
+    vpc = vpc_with_dns(ec2)
+    group = default_group(ec2, vpc)  # in from its members, out anywhere
+    routed, table = subnet_with_table(ec2, vpc, "10.9.0.0/24")
+    bare, _ = subnet_with_table(ec2, vpc, "10.9.1.0/24", zone="us-east-1b")
+    ec2.create_vpc_endpoint(VpcId=vpc, ServiceName=f"com.amazonaws.{region}.s3", RouteTableIds=[table])
+    ec2.create_vpc_endpoint(VpcId=vpc, VpcEndpointType="Interface", ServiceName=f"com.amazonaws.{region}.events",
+                            SubnetIds=[bare], SecurityGroupIds=[group])
+
+    from_routed = probe_from(local_cloud, routed, group)
+    assert from_routed["s3"] == ["reached", 0]  # its route table has the gateway endpoint
+    assert from_routed["events"] == ["reached", 0]  # an interface endpoint serves the whole VPC
+    for service in ("dynamodb", "states"):
+        error, seconds = from_routed[service]
+        assert error == "ConnectTimeoutError" and seconds >= 1.0, (service, from_routed)
+
+    from_bare = probe_from(local_cloud, bare, group)
+    assert from_bare["s3"][0] == "ConnectTimeoutError"  # not on its route table
+    assert from_bare["events"] == ["reached", 0]
+    assert local_cloud.failed_requests[("dynamodb", "unreachable")] >= 2
+
+
+def test_a_new_vpcs_default_group_lets_its_members_in(local_cloud):
+    ec2 = local_cloud.client("ec2")
+    (group,) = ec2.describe_security_groups(GroupIds=[default_group(ec2, vpc_with_dns(ec2))])["SecurityGroups"]
+    assert [(rule["IpProtocol"], [pair["GroupId"] for pair in rule["UserIdGroupPairs"]])
+            for rule in group["IpPermissions"]] == [("-1", [group["GroupId"]])]
+
+
+def test_the_instance_site_and_the_cloud_name_one_header():
+    site = ast.parse((INSTANCE_SITE / "sitecustomize.py").read_text())
+    assigned = {node.targets[0].id: node.value.value for node in site.body
+                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
+    assert assigned["UNREACHABLE_HEADER"] == UNREACHABLE_HEADER
