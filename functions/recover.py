@@ -4,6 +4,8 @@
    (boot or heartbeat, told apart by what the run was waiting for), as a failure of the attempt
    the state's input names. The input is the same for every retry of an invocation, so the
    retry classifies the same failure of the same attempt, whatever the first try recorded.
+   A boot timeout after which not one node of the attempt ever reported is the run's set-up
+   failing (its network, its image: SETUP_FAILED), given up at once in step 2.
    A crash or hang that names no node is checked against the nodes' liveness records and
    EC2's instance status first: the workers that failed silently are named, and replaced; a
    hang's first sign is the world's last step there.
@@ -44,7 +46,7 @@ from trainfleet.adapters.liveness import instance_troubles, read_liveness
 from trainfleet.adapters.metrics import detection_metrics, emit
 from trainfleet.core.lifecycle import (agents_alive, apply_decision, blame_silent_workers, book_attempt,
                                        classify_task_error, decide_recovery, hang_onset, needs_liveness_look,
-                                       trainers_alive, unready_workers)
+                                       trainers_alive)
 from trainfleet.core.records import (FailureClass, FailureReport, NodeRecord, NodeRole, NodeState, RecoveryAction,
                                      RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
 
@@ -59,7 +61,7 @@ def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError, attem
     what stands in for the wait no longer matters."""
     waiting = run.waiting if run.waiting and run.waiting.attempt == attempt else TaskWait(
         purpose="train" if run.state is RunState.TRAINING else "await_nodes", attempt=attempt, token="(answered)")
-    return classify_task_error(caught.Error, caught.Cause, waiting, unready_workers(nodes, attempt))
+    return classify_task_error(caught.Error, caught.Cause, waiting, nodes)
 
 
 def name_silent_workers(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport) -> FailureReport:

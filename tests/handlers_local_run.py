@@ -53,11 +53,9 @@ from trainfleet.core.node_access import node_log_stream
 AGENT = REPO / "tests" / "handlers_sim_agent.py"
 
 
-def network(ec2, zone: str = "us-east-1a") -> tuple[str, str]:
-    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
-    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.1.0/24", AvailabilityZone=zone)
-    group = ec2.create_security_group(GroupName=f"efa-{uuid.uuid4().hex[:6]}", Description="run", VpcId=vpc)
-    return subnet["Subnet"]["SubnetId"], group["GroupId"]
+def network(outputs: dict[str, str]) -> tuple[str, str]:
+    """The stack's first node subnet and its group: the nodes reach AWS from there (its endpoints)."""
+    return outputs["NodeSubnetIds"].split(",")[0], outputs["NodeSecurityGroupIds"]
 
 
 def run_spec(run_name: str, bucket: str, subnet: str, group: str) -> dict:
@@ -161,7 +159,7 @@ def scenarios(cloud, stack_name: str) -> None:
     ec2, sfn, s3 = clients["ec2"], clients["stepfunctions"], clients["s3"]
     outputs = deploy_with_agents(cloud, stack_name)
     store = RunStore(clients["dynamodb"], outputs["RunTableName"])
-    subnet, group = network(ec2)
+    subnet, group = network(outputs)
     machine = outputs["StateMachineArn"]
 
     # 1. A run with one node lost mid-training; a node of another run tries to end it, read it

@@ -542,30 +542,3 @@ def test_a_reservation_the_run_cannot_use_is_refused_before_anything_launches(cl
     with pytest.raises(fleet.FleetError, match=re.escape(problem)):
         allocated(ec2, network, "refused", **{"kind": "capacity-block", "reservation_id": block, **capacity})
     assert cloud.requests[("ec2", "CreateFleet")] == before, "nothing launched, nothing to undo"
-
-
-def test_the_default_network_is_the_default_vpcs_subnets_in_zone_order_and_its_default_group(cloud):
-    ec2 = cloud.client("ec2")
-    vpc = ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"][0]["VpcId"]
-    network = fleet.default_network(ec2)
-    subnets = {subnet["SubnetId"]: subnet for subnet in ec2.describe_subnets(SubnetIds=network.subnet_ids)["Subnets"]}
-    assert len(network.subnet_ids) > 1
-    assert {subnet["VpcId"] for subnet in subnets.values()} == {vpc}
-    assert all(subnet["DefaultForAz"] for subnet in subnets.values())
-    zones = [subnets[subnet_id]["AvailabilityZone"] for subnet_id in network.subnet_ids]
-    assert zones == sorted(zones)
-    (group,) = ec2.describe_security_groups(GroupIds=network.security_group_ids)["SecurityGroups"]
-    assert (group["GroupName"], group["VpcId"]) == ("default", vpc)
-
-
-def test_an_account_without_a_default_vpc_is_told_to_name_its_network(cloud):
-    ec2 = cloud.client("ec2", region_name="eu-north-1")
-    for vpc in ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"]:
-        for subnet in ec2.describe_subnets(Filters=[{"Name": "vpc-id", "Values": [vpc["VpcId"]]}])["Subnets"]:
-            ec2.delete_subnet(SubnetId=subnet["SubnetId"])
-        for gateway in ec2.describe_internet_gateways(
-                Filters=[{"Name": "attachment.vpc-id", "Values": [vpc["VpcId"]]}])["InternetGateways"]:
-            ec2.detach_internet_gateway(InternetGatewayId=gateway["InternetGatewayId"], VpcId=vpc["VpcId"])
-        ec2.delete_vpc(VpcId=vpc["VpcId"])
-    with pytest.raises(fleet.NoDefaultNetwork, match="no default VPC in this region to take them from: name them"):
-        fleet.default_network(ec2)

@@ -16,7 +16,7 @@ import pytest
 from moto.iam.aws_managed_policies import aws_managed_policies_data
 
 from localcloud.deploy import load_template, transform_sam
-from localcloud.deploy_intrinsics import Resolver, parameter_values
+from localcloud.deploy_intrinsics import Resolver, evaluate_conditions, parameter_values
 from localcloud.iam_policy import ALLOW, EXPLICIT_DENY, IMPLICIT_DENY, evaluate
 from trainfleet.adapters.ec2_fleet import TAG_STACK
 from trainfleet.core.node_access import NODE_READ_PREFIXES, NODE_WRITE_PREFIXES
@@ -56,8 +56,10 @@ def rendered() -> dict[str, Any]:
     parameters = {"AWS::Region": REGION, "AWS::AccountId": ACCOUNT, "AWS::StackName": STACK,
                   "AWS::Partition": "aws", "AWS::URLSuffix": "amazonaws.com",
                   **parameter_values(template["Parameters"], {})}
-    resources = transform_sam(template, parameters, REGION)["Resources"]
+    transformed = transform_sam(template, parameters, REGION)
+    resources = transformed["Resources"]
     resolver = Resolver(parameters)
+    resolver.conditions = evaluate_conditions(transformed.get("Conditions", {}), resolver)
     for logical_id, resource in resources.items():
         name = BUCKET if logical_id == "CheckpointBucket" else f"{STACK}-{logical_id}-x"
         arn = _ARNS.get(resource["Type"], lambda name: name)(name)

@@ -46,8 +46,8 @@ def make_run(spec: RunSpec | None = None, **fields) -> RunRecord:
 def node(instance_id: str, role=NodeRole.WORKER, state=NodeState.READY, **fields) -> NodeRecord:
     if state is NodeState.READY:
         fields.setdefault("ready_attempt", 1)  # confirmed for make_run's attempt
-    return NodeRecord(run_name="r1", instance_id=instance_id, role=role, state=state,
-                      private_ip=f"10.0.0.{instance_id[-1]}", **fields)
+    fields.setdefault("private_ip", f"10.0.0.{instance_id[-1]}")
+    return NodeRecord(run_name="r1", instance_id=instance_id, role=role, state=state, **fields)
 
 
 WORKERS = [node(f"i-{n}") for n in range(1, 5)]
@@ -113,13 +113,46 @@ def test_task_errors_are_classified():
     assert lc.classify_task_error(FAILURE_ERROR, sent.model_dump_json(), train) == sent
     for error in ("States.HeartbeatTimeout", "States.Timeout"):
         assert lc.classify_task_error(error, None, train).failure_class is FailureClass.HANG
-    timed_out = lc.classify_task_error("States.Timeout", None, boot, not_ready_instance_ids=["i-2"])
+    booting = [node("i-1", ready_attempt=2), node("i-2", state=NodeState.LAUNCHED, private_ip=None)]
+    timed_out = lc.classify_task_error("States.Timeout", None, boot, booting)
     assert (timed_out.failure_class, timed_out.instance_ids) == (FailureClass.NODE_UNHEALTHY, ["i-2"])
     short = lc.classify_task_error("CapacityUnavailable", "us-east-1a: InsufficientInstanceCapacity", boot)
     assert (short.failure_class, short.instance_ids) == (FailureClass.CAPACITY, [])
     unknown = lc.classify_task_error("Lambda.ServiceException", "boom", train)
     assert (unknown.failure_class, unknown.attempt) == (FailureClass.UNKNOWN, 2)
     assert "boom" in unknown.message
+
+
+def silent(instance_id: str, **fields) -> NodeRecord:
+    """A node whose agent never reported: launched, no address."""
+    return node(instance_id, state=NodeState.LAUNCHED, private_ip=None, subnet_id="subnet-0a", **fields)
+
+
+def test_a_boot_timeout_no_node_ever_reported_in_is_the_runs_set_up_failing_and_ends_the_run():
+    """A fleet that cannot reach AWS stays silent: replacing it would bill it again and again until
+    the restart budget is spent; one boot timeout says what no node did, and the run gives up."""
+    boot = TaskWait(purpose="await_nodes", attempt=0, token="t")
+    fleet = [silent("i-1"), silent("i-2"), silent("i-9", role=NodeRole.SPARE)]
+    failure = lc.classify_task_error("States.Timeout", None, boot, fleet)
+    assert (failure.failure_class, failure.instance_ids) == (FailureClass.SETUP_FAILED, [])
+    assert "not one of the 3 nodes of attempt 0 reported within the boot timeout" in failure.message
+    assert "from subnet-0a" in failure.message
+    decision = lc.decide_recovery(make_run(attempt=0), fleet, failure, jitter_draw=0.0, now=T0)
+    assert decision.action is RecoveryAction.GIVE_UP
+    assert decision.reason.startswith("the run's set-up failed: States.Timeout: not one of the 3 nodes")
+
+
+@pytest.mark.parametrize("fleet", [
+    [node("i-1"), silent("i-2")],  # a survivor reported: the silent one is a sick replacement
+    [node("i-1", state=NodeState.REGISTERED, ready_attempt=None), silent("i-2")],  # one registered, not ready
+    [silent("i-1"), node("i-9", role=NodeRole.SPARE)],  # a spare reported: the network works
+])
+def test_a_boot_timeout_with_any_node_heard_from_blames_the_silent_workers(fleet):
+    boot = TaskWait(purpose="await_nodes", attempt=1, token="t")
+    failure = lc.classify_task_error("States.Timeout", None, boot, fleet)
+    assert failure.failure_class is FailureClass.NODE_UNHEALTHY
+    assert set(failure.instance_ids) == {node.instance_id for node in fleet
+                                         if node.role is NodeRole.WORKER and node.state is not NodeState.READY}
 
 
 def test_the_capacity_error_name_is_the_one_the_handlers_raise():

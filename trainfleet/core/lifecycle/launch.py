@@ -27,6 +27,13 @@ def unready_workers(nodes: list[NodeRecord], attempt: int) -> list[str]:
         or (node.state is NodeState.READY and not confirmed(node, attempt))))
 
 
+def silent_fleet(nodes: list[NodeRecord]) -> list[NodeRecord]:
+    """The nodes the run holds (workers and spares, not retired), when not one of them has ever
+    reported (no agent registered: it would have given its address); empty when any did."""
+    live = [node for node in nodes if not node.state.is_retired]
+    return live if all(node.state is NodeState.LAUNCHED and node.private_ip is None for node in live) else []
+
+
 def rank_order(node: NodeRecord) -> tuple[bool, int, str]:
     """Sort key: nodes with a rank from an earlier attempt first, in rank order, then by id.
 

@@ -1,8 +1,9 @@
 """The recovery decision: restart, replace, shrink or give up; the budget, the crash loop, backoff.
 
 decide_recovery() works in numbered steps, each a rule a person can check:
-    1. a config error never heals, nor does a node software that does not install, nor a world
-       that does not scale; a Capacity Block that ends has nothing left to run on: give up;
+    1. a config error never heals, nor does a node software that does not install, nor a fleet
+       of which no node ever reported (its network, its image), nor a world that does not scale;
+       a Capacity Block that ends has nothing left to run on: give up;
     2. the cost ceiling is reached: give up;
     3. the restart budget of the window is spent, or capacity has been short longer than the
        run waits for it: give up;
@@ -165,6 +166,8 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
         return give_up(f"the trainer refused its config: {failure.message}")
     if failure.failure_class is FailureClass.BOOT_FAILED:
         return give_up(f"the node software did not install: {failure.message}")
+    if failure.failure_class is FailureClass.SETUP_FAILED:
+        return give_up(f"the run's set-up failed: {failure.message}")
     if failure.failure_class is FailureClass.POOR_SCALING and not failure.instance_ids:
         # Uniformly poor: no replacement can help. A slow node named is replaced as a sick one is.
         return give_up(f"the fleet does not scale: {failure.message}")
