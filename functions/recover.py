@@ -40,7 +40,7 @@ from functions.common import (CaughtError, RecoveryStep, RunPayload, aws, capaci
                               fleet_token_prefix, logger, mark_terminating, metrics, record_nodes, swap_roles,
                               tracer, transient_errors_named)
 from functions.errors import RecoveryGaveUp
-from trainfleet.adapters.checkpoints import latest_checkpoint
+from trainfleet.adapters.checkpoints import resume_checkpoint
 from trainfleet.adapters.ec2_fleet import FleetError, allocate, terminate
 from trainfleet.adapters.liveness import instance_troubles, read_liveness
 from trainfleet.adapters.metrics import detection_metrics, emit
@@ -88,7 +88,7 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
     # The newest commit in S3 is where the next attempt resumes (Launch reads it again): a node
     # lost before its agent announced a commit leaves the run record a checkpoint behind, and the
     # failure, the crash-loop rule and the time lost would be judged against an older one.
-    newest = latest_checkpoint(cloud.s3, run.spec.checkpoint.s3_uri)
+    newest = resume_checkpoint(cloud.s3, run.spec)
     run = run.knowing(newest)
     # The cost ceiling is judged with the ended attempt on the books (its cost does not depend on
     # where the next attempt resumes from; which of its time is kept does).

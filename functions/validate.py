@@ -3,7 +3,8 @@ author may leave out is filled in first (runspec.with_stack_defaults: the checkp
 in the stack's bucket, the stack's node network). A bad RunSpec fails here, before any allocation,
 and so does a trainer section the trainer itself would refuse: its own checks
 (trainer/config.py, torch-free) run here on the config the nodes would be given, a layout that
-would run out of GPU memory (trainfleet/core/memory_plan.py), and a subnet from which the nodes
+would run out of GPU memory (trainfleet/core/memory_plan.py), a run to resume from that cannot be
+(RunSpec.resume_from: not ended, no checkpoint, another model), and a subnet from which the nodes
 could not reach the AWS services they call (trainfleet/core/network.py): on AWS such a fleet is
 billed silent until its boot timeout."""
 
@@ -17,8 +18,9 @@ from pydantic import BaseModel, ValidationError
 from functions.common import RunPayload, Timeouts, aws, logger, tracer, transient_errors_named
 from functions.errors import InvalidRunSpec
 from trainer.config import ConfigError, JobConfig, config_from_sections
+from trainfleet.adapters.checkpoints import latest_checkpoint
 from trainfleet.adapters.network import NetworkNotFound, network_problems, node_network
-from trainfleet.adapters.run_store import RunExists
+from trainfleet.adapters.run_store import RunExists, RunNotFound
 from trainfleet.core import memory_plan
 from trainfleet.core.node_access import node_access_problems
 from trainfleet.core.records import RunRecord, RunRef
@@ -44,6 +46,33 @@ def parse_run_spec(raw: Any, bucket: str) -> RunSpec:
     config = check_trainer_config(spec)
     check_memory(spec, config)
     return resolved(spec, config)
+
+
+def check_resume_from(spec: RunSpec) -> None:
+    """InvalidRunSpec unless the run the RunSpec resumes is one of this stack's that has ended, kept
+    its checkpoints where a resumed run's nodes may read them (RunSpec.resume_from_uri), committed
+    one, and trained this very model (a checkpoint loads into the model it was saved from)."""
+    if spec.resume_from is None:
+        return
+    name = spec.resume_from
+    try:
+        old = aws().store.run(name)
+    except RunNotFound:
+        raise InvalidRunSpec(f"resume_from: this stack has no run named {name!r}") from None
+    if not old.state.is_final:
+        raise InvalidRunSpec(f"resume_from: run {name!r} is {old.state.value}: a run resumes one that has ended "
+                             f"(`trainfleet run stop {name}` ends it)")
+    if old.spec.checkpoint.s3_uri != spec.resume_from_uri:
+        raise InvalidRunSpec(f"resume_from: run {name!r} kept its checkpoints at {old.spec.checkpoint.s3_uri}; a "
+                             f"resumed run's nodes may read only {spec.resume_from_uri}")
+    theirs, ours = old.spec.trainer.model.model_dump(), spec.trainer.model.model_dump()
+    if differing := sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key)):
+        raise InvalidRunSpec("resume_from: " + "; ".join(
+            f"trainer.model.{key} is {ours.get(key)!r} here and was {theirs.get(key)!r} in run {name!r}"
+            for key in differing) + ": a checkpoint loads only into the model it was saved from")
+    if latest_checkpoint(aws().s3, spec.resume_from_uri) is None:
+        raise InvalidRunSpec(f"resume_from: run {name!r} committed no checkpoint under {spec.resume_from_uri}: "
+                             "nothing to resume from")
 
 
 def check_network(spec: RunSpec) -> None:
@@ -105,6 +134,7 @@ def handler(event: ValidateInput, context: LambdaContext) -> dict[str, Any]:
     except NetworkNotFound as error:
         raise InvalidRunSpec(str(error)) from error
     spec = parse_run_spec(document, settings.bucket)
+    check_resume_from(spec)
     check_network(spec)
     record = RunRecord(run_name=spec.run_name, spec=spec, execution_arn=event.execution_arn)
     try:

@@ -310,6 +310,40 @@ def test_validate_refuses_a_subnet_the_nodes_could_not_reach_aws_from_naming_it_
     assert not [item for item in items if item["pk"]["S"] == "RUN#no-way-out"]
 
 
+def test_validate_resumes_only_an_ended_run_of_this_model_that_committed_a_checkpoint(handlers, resources, cloud):
+    from test_adapters_checkpoints import save
+
+    bucket, store = resources["bucket"], RunStore(cloud.client("dynamodb"), resources["run_table"])
+    handlers.validate.handler({"run_spec": spec_document(bucket, "ended-run", **ON_THE_STACKS_NETWORK),
+                               "execution_arn": "arn:ended-run"}, Context())
+
+    def validate(name: str, **changes) -> None:
+        handlers.validate.handler({"run_spec": spec_document(bucket, name, **ON_THE_STACKS_NETWORK, **changes),
+                                   "execution_arn": f"arn:{name}"}, Context())
+
+    def refused(problem: str, **changes) -> None:
+        with pytest.raises(handlers.errors.InvalidRunSpec, match=problem):
+            validate("resumed-run", **changes)
+
+    refused("resume_from: this stack has no run named 'never-ran'", resume_from="never-ran")
+    refused("resume_from: a run resumes another run, not itself", resume_from="resumed-run")
+    refused(r"resume_from: run 'ended-run' is REQUESTED: a run resumes one that has ended \(`trainfleet run stop "
+            "ended-run` ends it\)", resume_from="ended-run")
+    for state in (RunState.TEARING_DOWN, RunState.FAILED):
+        store.transition_run("ended-run", state)
+    refused("resume_from: run 'ended-run' committed no checkpoint under "
+            f"s3://{bucket}/runs/ended-run/checkpoints: nothing to resume from", resume_from="ended-run")
+    save(cloud.client("s3"), f"s3://{bucket}/runs/ended-run/checkpoints", 40)
+    example = spec_document(bucket, "x")["trainer"]
+    other = {**example, "model": {**example["model"], "n_heads": example["model"]["n_heads"] * 2}}
+    refused(f"resume_from: trainer.model.n_heads is {other['model']['n_heads']} here and was "
+            f"{example['model']['n_heads']} in run 'ended-run': a checkpoint loads only into the model it was "
+            "saved from", resume_from="ended-run", trainer=other)
+    validate("resumed-run", resume_from="ended-run")
+    spec = store.run("resumed-run").spec
+    assert (spec.resume_from, spec.resume_from_uri) == ("ended-run", f"s3://{bucket}/runs/ended-run/checkpoints")
+
+
 # --- Allocate -------------------------------------------------------------------------------
 
 ZONE, INSTANCE_TYPE = "us-east-1c", "c5.large"

@@ -47,6 +47,10 @@ _REF_IS_ARN = {"AWS::IAM::ManagedPolicy"}
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, Any]:
+    return rendered_template()
+
+
+def rendered_template() -> dict[str, Any]:
     """Resources of the deployed template, intrinsics resolved; physical names `st-Logical-x`."""
     template = load_template(REPO / "template.yaml")
     for resource in template["Resources"].values():
@@ -113,9 +117,11 @@ def node_s3_prefixes(rendered, actions: set[str]) -> set[str]:
             listed = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
             if actions & set(listed):
                 for resource in statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]:
-                    # Under runs/, the run's own folder (the role's tag names the run).
+                    # Under runs/, the run's own folder (the role's tag names the run), and the
+                    # checkpoints of the run it resumes (another tag).
                     found.add(re.sub(rf"^arn:aws:s3:::{BUCKET}/(.*)\*$", r"\1", resource)
-                              .replace("${aws:PrincipalTag/trainfleet:run}/", ""))
+                              .replace("${aws:PrincipalTag/trainfleet:run}/", "")
+                              .replace("${aws:PrincipalTag/trainfleet:resume-from}/checkpoints/", ""))
     return found
 
 
@@ -155,6 +161,35 @@ def test_node_role_objects(rendered, action, key, expected):
 ])
 def test_node_role_lists_only_its_prefixes(rendered, context, expected):
     assert node(rendered, "s3:ListBucket", f"arn:aws:s3:::{BUCKET}", **context) == expected
+
+
+RESUMED = {**RUN, "aws_PrincipalTag__trainfleet:resume-from": "old"}
+"""A run resumed from run "old" (RunSpec.resume_from): its role's tag (trainfleet.adapters.node_roles)."""
+
+
+@pytest.mark.parametrize("action, key, resumed, not_resumed", [
+    ("s3:GetObject", "runs/old/checkpoints/step-000000100/commit.json", ALLOW, IMPLICIT_DENY),
+    ("s3:GetObject", "runs/old/checkpoints/shards-3/step-000000100/__3_0.distcp", ALLOW, IMPLICIT_DENY),
+    ("s3:PutObject", "runs/old/checkpoints/step-000000200/__0_0.distcp", IMPLICIT_DENY, IMPLICIT_DENY),
+    ("s3:DeleteObject", "runs/old/checkpoints/step-000000100/commit.json", IMPLICIT_DENY, IMPLICIT_DENY),
+    ("s3:GetObject", "runs/old/launch-spec.json", IMPLICIT_DENY, IMPLICIT_DENY),  # its task token
+    ("s3:GetObject", "runs/other/checkpoints/step-000000100/commit.json", IMPLICIT_DENY, IMPLICIT_DENY),
+    ("s3:PutObject", "runs/r/checkpoints/step-000000200/__0_0.distcp", ALLOW, ALLOW),  # its own, as ever
+])
+def test_a_resumed_runs_nodes_read_the_old_runs_checkpoints_and_never_write_or_prune_them(
+        rendered, action, key, resumed, not_resumed):
+    assert decide(rendered, "NodePolicy", action, s3(key), **RESUMED) == resumed
+    assert node(rendered, action, s3(key)) == not_resumed
+
+
+@pytest.mark.parametrize("prefix, resumed, not_resumed", [
+    ("runs/old/checkpoints/", ALLOW, IMPLICIT_DENY), ("runs/old/checkpoints/shards-3/", ALLOW, IMPLICIT_DENY),
+    ("runs/old/", IMPLICIT_DENY, IMPLICIT_DENY), ("runs/r/checkpoints/", ALLOW, ALLOW),
+])
+def test_a_resumed_runs_nodes_list_the_old_runs_checkpoints_alone(rendered, prefix, resumed, not_resumed):
+    bucket = f"arn:aws:s3:::{BUCKET}"
+    assert decide(rendered, "NodePolicy", "s3:ListBucket", bucket, s3_prefix=prefix, **RESUMED) == resumed
+    assert node(rendered, "s3:ListBucket", bucket, s3_prefix=prefix) == not_resumed
 
 
 @pytest.mark.parametrize("action, resource, context, expected", [

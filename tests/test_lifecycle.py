@@ -1137,6 +1137,18 @@ def test_launch_spec_carries_layout_resume_point_and_token():
     assert lc.build_launch_spec(make_run(), WORKERS, None).trainer_config["checkpoint"]["resume"] == "none"
 
 
+def test_a_run_resumed_from_another_starts_from_its_newest_commit_then_from_its_own():
+    spec = make_spec().model_copy(update={"resume_from": "ended-run"})
+    assert spec.resume_from_uri == "s3://bucket/runs/ended-run/checkpoints"
+    theirs = CheckpointRef(step=40, uri="s3://bucket/runs/ended-run/checkpoints/step-000000040")
+    first = lc.build_launch_spec(make_run(spec, latest_checkpoint=theirs), WORKERS, None).trainer_config["checkpoint"]
+    assert (first["uri"], first["resume"], first["resume_uri"]) == (
+        "s3://bucket/runs/r1/checkpoints", "40", "s3://bucket/runs/ended-run/checkpoints")
+    ours = CheckpointRef(step=50, uri="s3://bucket/runs/r1/checkpoints/step-000000050")
+    later = lc.build_launch_spec(make_run(spec, latest_checkpoint=ours), WORKERS, None).trainer_config["checkpoint"]
+    assert later["resume"] == "50" and "resume_uri" not in later
+
+
 def test_launch_spec_refuses_what_it_cannot_build():
     with pytest.raises(ValueError, match="no parallel plan"):
         lc.build_launch_spec(make_run(plan=None), WORKERS, None)
@@ -1355,10 +1367,14 @@ def test_a_capacity_block_stops_the_run_before_ec2_ends_its_instances():
     assert lc.block_end_due(run.model_copy(update={"departure_noticed_at": T0}), stop_by)
     report = lc.block_end_report(run, ["i-2", "i-1"])
     assert (report.failure_class, report.instance_ids) == (FailureClass.CAPACITY_BLOCK_END, ["i-1", "i-2"])
-    # Nothing replaces the block: the run ends, naming the step to resume from.
+    # Nothing replaces the block: the run ends, naming the step to resume from and the command that does.
     decision = lc.decide_recovery(run, WORKERS, report, 0.5, now=stop_by)
     assert decision.action is RecoveryAction.GIVE_UP
-    assert "stopped with checkpoint step 40: start it again on a new block to resume" in decision.reason
+    assert ("stopped with checkpoint step 40: go on from it on a new block with `trainfleet run start RUNSPEC "
+            f"--run-name NEW_NAME --resume-from {run.run_name}`") in decision.reason
+    nothing_saved = lc.decide_recovery(run.model_copy(update={"latest_checkpoint": None}), WORKERS, report, 0.5,
+                                       now=stop_by)
+    assert nothing_saved.reason.endswith("stopped with no checkpoint: start it again on a new block")
     # The block's end names the failure whatever was announced first.
     nodes = [node("i-1", departure_noticed_at=T0, departure_class=FailureClass.SPOT_REBALANCE),
              node("i-2", departure_noticed_at=T0 + timedelta(seconds=1), departure_class=FailureClass.CAPACITY_BLOCK_END)]

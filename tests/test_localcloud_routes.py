@@ -140,3 +140,29 @@ def test_the_instance_site_and_the_cloud_name_one_header():
     assigned = {node.targets[0].id: node.value.value for node in site.body
                 if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
     assert assigned["UNREACHABLE_HEADER"] == UNREACHABLE_HEADER
+
+
+def test_the_default_vpc_routes_to_an_internet_gateway_and_only_a_one_interface_launch_gets_an_address(local_cloud):
+    """As EC2's: a single-interface instance in a default subnet reaches AWS; an EFA one there
+    gets no public IPv4 address, and so no way out."""
+    ec2 = local_cloud.client("ec2")
+    vpc = ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"][0]["VpcId"]
+    (main,) = ec2.describe_route_tables(Filters=[{"Name": "vpc-id", "Values": [vpc]},
+                                                 {"Name": "association.main", "Values": ["true"]}])["RouteTables"]
+    (gateway,) = ec2.describe_internet_gateways(Filters=[{"Name": "attachment.vpc-id", "Values": [vpc]}])[
+        "InternetGateways"]
+    assert {"DestinationCidrBlock": "0.0.0.0/0", "GatewayId": gateway["InternetGatewayId"]}.items() <= next(
+        route for route in main["Routes"] if route.get("DestinationCidrBlock") == "0.0.0.0/0").items()
+    local_cloud.fleet.boot = lambda instance: None
+    subnet = ec2.describe_subnets(Filters=[{"Name": "vpc-id", "Values": [vpc]},
+                                           {"Name": "availability-zone", "Values": ["us-east-1a"]}])["Subnets"][0]
+    one = ec2.run_instances(ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=1, MaxCount=1,
+                            SubnetId=subnet["SubnetId"])["Instances"][0]
+    efa = ec2.run_instances(ImageId="ami-12c6146b", InstanceType="p4d.24xlarge", MinCount=1, MaxCount=1,
+                            NetworkInterfaces=[{"NetworkCardIndex": card, "DeviceIndex": 0 if card == 0 else 1,
+                                                "InterfaceType": "efa", "SubnetId": subnet["SubnetId"]}
+                                               for card in range(4)])["Instances"][0]
+    described = {instance["InstanceId"]: instance for reservation in ec2.describe_instances(
+        InstanceIds=[one["InstanceId"], efa["InstanceId"]])["Reservations"] for instance in reservation["Instances"]}
+    assert described[one["InstanceId"]].get("PublicIpAddress")
+    assert not described[efa["InstanceId"]].get("PublicIpAddress")

@@ -278,6 +278,8 @@ class Checkpointer:
         """
         self.cfg = cfg
         self.store = catalog.open_store(cfg.uri)
+        self.resume_store = catalog.open_store(cfg.resume_uri) if cfg.resume_uri else self.store
+        """Where the resume point lies: the saves' own place, or another run's, which is only read."""
         self._resume_target = catalog.resume_target(cfg.resume)
         self.layout = dict(layout or {})
         self.config_hash = config_hash
@@ -304,20 +306,21 @@ class Checkpointer:
         """Load the checkpoint `cfg.resume` asks for into `state`; its step, or None if none.
 
         "latest" takes the newest committed checkpoint whose files match its manifest, skipping
-        (and logging) broken ones; a step number takes that step or fails. Step folders newer than
-        the one loaded belong to an abandoned timeline and are deleted, so that this run's saves
-        never mix with them.
+        (and logging) broken ones; a step number takes that step or fails; under `cfg.resume_uri`
+        where it names another run's checkpoints. Step folders newer than the one loaded belong to
+        an abandoned timeline and are deleted where this run saves, so that its saves never mix
+        with them; another run's are never touched.
         """
         decision = self._on_rank0_for_all(self._choose_resume_step)
         if decision is None:
             return None
         state_dict = state.state_dict()
         step_dir = catalog.step_dir_name(decision)
-        dcp.load(state_dict, storage_reader=storage_reader(self.store.uri, step_dir),
+        dcp.load(state_dict, storage_reader=storage_reader(self.resume_store.uri, step_dir),
                  process_group=self._dcp_group())
         state.load_state_dict(state_dict)
         self._last_saved_step = decision
-        log.info("resumed from checkpoint %s", self.store.step_uri(step_dir))
+        log.info("resumed from checkpoint %s", self.resume_store.step_uri(step_dir))
         return decision
 
     def adopt(self, step: int) -> list[int]:
@@ -334,7 +337,7 @@ class Checkpointer:
 
     def _choose_resume_step(self) -> int | None:
         try:
-            manifest = catalog.resume_point(self.store, self._resume_target)
+            manifest = catalog.resume_point(self.resume_store, self._resume_target, saves=self.store)
         except catalog.CheckpointInvalid as exc:
             raise CheckpointError(str(exc)) from exc
         if manifest and self.config_hash and manifest.config_hash != self.config_hash:

@@ -45,7 +45,8 @@ Patches to moto, each replacing something it lacks or drops:
 Instance types are checked against moto's catalogue (LocalCloud turns on moto's own
 validation), and network interfaces as EC2 checks them (`interface_requests`): each card's
 interface types and count, the type's EFA count, and AssociatePublicIpAddress on a launch with
-several interfaces (InvalidParameterCombination, even set to false). So is the instance profile:
+several interfaces (InvalidParameterCombination, even set to false); such a launch gets no public
+IPv4 address (moto gave its primary interface one in a subnet that maps them). So is the instance profile:
 one IAM does not have, or made under IAM_PROPAGATION_S ago (IAM is eventually consistent), is
 InvalidParameterValue. RunInstances fails with the error; an instant CreateFleet lists it under
 `Errors` and launches nothing, as EC2 answers.
@@ -211,6 +212,8 @@ def _attach_interfaces(backend: Any, instance: Any, requests: list[InterfaceRequ
             instance.nics[(request.network_card_index, request.device_index)] = eni
         eni.interface_type = request.interface_type
         eni.network_card_index = request.network_card_index
+    if len(requests) > 1:  # EC2 gives no public IPv4 address to a launch of several interfaces
+        instance.nics[0].public_ip = None
 
 
 _attachment_init = Attachment.__init__

@@ -1,7 +1,10 @@
 """EC2 glue: VPCs as EC2 makes them, and VPC endpoints refused as EC2 refuses them.
 
 moto 5.2.5 gives a new VPC's default security group no inbound rule; EC2's lets all traffic in from
-its own members (and all out, which moto has).
+its own members (and all out, which moto has). moto's default VPC has no internet gateway; EC2's
+has one, the main route table's default route (0.0.0.0/0) leading to it, so that an instance
+given a public address there reaches the internet and AWS's public endpoints
+(trainfleet.core.network, glue/routes.py).
 
 moto's CreateVpcEndpoint creates whatever it is asked for. EC2 refuses, and so does this:
 
@@ -24,6 +27,7 @@ from moto.ec2.exceptions import EC2ClientError
 from moto.ec2.models import EC2Backend
 
 _moto_create_vpc = EC2Backend.create_vpc
+_moto_create_default_vpc = EC2Backend.create_default_vpc
 _moto_create_vpc_endpoint = EC2Backend.create_vpc_endpoint
 
 
@@ -40,6 +44,15 @@ def _offered_types(backend: Any, service_name: str) -> list[str]:
     services = backend._collect_default_endpoint_services(backend.account_id, backend.region_name)
     return sorted({kind["ServiceType"] for service in services if service["ServiceName"] == service_name
                    for kind in service["ServiceType"]})
+
+
+def _create_default_vpc(self: Any) -> Any:
+    vpc = _moto_create_default_vpc(self)
+    gateway = self.create_internet_gateway()
+    self.attach_internet_gateway(gateway.id, vpc.id)
+    (main,) = self.describe_route_tables(filters={"vpc-id": [vpc.id], "association.main": ["true"]})
+    self.create_route(main.id, "0.0.0.0/0", gateway_id=gateway.id)
+    return vpc
 
 
 def _create_vpc_endpoint(self: Any, vpc_id: str, service_name: str, endpoint_type: str | None, *args: Any,
@@ -72,4 +85,5 @@ def _create_vpc_endpoint(self: Any, vpc_id: str, service_name: str, endpoint_typ
 
 def apply() -> None:
     EC2Backend.create_vpc = _create_vpc
+    EC2Backend.create_default_vpc = _create_default_vpc
     EC2Backend.create_vpc_endpoint = _create_vpc_endpoint

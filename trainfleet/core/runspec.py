@@ -419,6 +419,11 @@ class RunSpec(Strict):
     """The judgement of each attempt's first steps on the whole fleet."""
     cost_ceiling_usd: float | None = Field(default=None, gt=0)
     """Stop the run once its instance cost reaches this; None = no ceiling."""
+    resume_from: str | None = None
+    """An ended run of the stack whose newest committed checkpoint this run starts from (a run
+    that gave up: its Capacity Block ended, its budget or cost ceiling was reached): its nodes read
+    that run's checkpoints (resume_from_uri), never write or prune them, and save their own under
+    this run's. Its model must be this one's. None: start from scratch."""
     tags: dict[str, str] = Field(default_factory=dict)
     """Extra tags on every instance (besides the trainfleet ones)."""
 
@@ -428,6 +433,13 @@ class RunSpec(Strict):
         if not _RUN_NAME.match(value):
             raise ValueError(f"{value!r} must be 1-48 lower-case letters, digits or dashes, "
                              "starting with a letter or digit")
+        return value
+
+    @field_validator("resume_from")
+    @classmethod
+    def _resume_from(cls, value: str | None) -> str | None:
+        if value is not None and not _RUN_NAME.match(value):
+            raise ValueError(f"{value!r} is not a run name (1-48 lower-case letters, digits or dashes)")
         return value
 
     @field_validator("instance_type")
@@ -479,7 +491,19 @@ class RunSpec(Strict):
                 f"{self.instance_type} = {ranks}")
         if problem := hang_timeout_problem(self.node_count + self.spare_count, self.recovery.hang_timeout_seconds):
             raise ValueError(problem)
+        if self.resume_from == self.run_name:
+            raise ValueError(f"resume_from: a run resumes another run, not itself: give this one a run_name of its "
+                             f"own (trainfleet run start --run-name NAME --resume-from {self.run_name})")
         return self
+
+    @property
+    def resume_from_uri(self) -> str | None:
+        """Where the run it resumes keeps its checkpoints, in this run's bucket (a run's own place:
+        node_access), or None."""
+        if self.resume_from is None:
+            return None
+        bucket = self.checkpoint.s3_uri.removeprefix("s3://").split("/", 1)[0]
+        return f"s3://{bucket}/runs/{self.resume_from}/checkpoints"
 
     @property
     def facts(self) -> InstanceFacts:
@@ -497,15 +521,18 @@ class RunSpec(Strict):
         """Fewest nodes the run may continue with."""
         return self.min_nodes or self.node_count
 
-    def trainer_mapping(self, pp: int, dp: int, resume_step: int | None, scaling_check_due: bool = True) -> dict[str, Any]:
+    def trainer_mapping(self, pp: int, dp: int, resume_step: int | None, scaling_check_due: bool = True,
+                        resume_uri: str | None = None) -> dict[str, Any]:
         """The trainer's full config at pp x dp: the trainer section with the checkpoint section
-        made from `checkpoint`, resuming from `resume_step` (None: from scratch), and the world
+        made from `checkpoint`, resuming from `resume_step` (None: from scratch), found under
+        `resume_uri` where that is not the run's own place (the run it resumes), and the world
         checks; the scaling check only while it is due (no world of the run has passed it)."""
         policy, preflight, scaling = self.checkpoint, self.preflight, self.scaling_check
         nodes = pp * dp * self.trainer.parallel.tp // self.facts.ranks_per_node
         return self.trainer.as_trainer_mapping(pp, dp, {
             "checkpoint": {"uri": policy.s3_uri, "interval": policy.interval_steps, "keep_last": policy.keep_last,
                            "resume": "none" if resume_step is None else str(resume_step),
+                           **({"resume_uri": resume_uri} if resume_uri else {}),
                            "memory_interval": policy.memory_interval_steps,
                            # The node agent puts its own host-memory folder here.
                            "memory_dir": f"{HOST_MEMORY_DIR}/{self.run_name}"},

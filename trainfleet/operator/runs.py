@@ -71,9 +71,10 @@ def _listed(text: str) -> tuple[str, ...]:
     return tuple(item for item in text.split(",") if item)
 
 
-def load_run_spec(path: Path, stack: Stack) -> dict[str, Any]:
-    """A RunSpec file completed with the stack's defaults (runspec.with_stack_defaults, as
-    Validate completes it) and validated; OperatorError naming the file and the fields otherwise."""
+def load_run_spec(path: Path, stack: Stack, run_name: str | None = None, resume_from: str | None = None) -> dict[str, Any]:
+    """A RunSpec file, with `run_name` and `resume_from` (RunSpec.resume_from) given instead of its
+    own, completed with the stack's defaults (runspec.with_stack_defaults, as Validate completes
+    it) and validated; OperatorError naming the file and the fields otherwise."""
     from trainfleet.adapters.network import NetworkNotFound, node_network
 
     try:
@@ -82,6 +83,8 @@ def load_run_spec(path: Path, stack: Stack) -> dict[str, Any]:
         raise OperatorError(f"{path}: {error.strerror or error}") from None
     except json.JSONDecodeError as error:
         raise OperatorError(f"{path} is not JSON: {error}") from None
+    if isinstance(document, dict):
+        document |= {key: value for key, value in (("run_name", run_name), ("resume_from", resume_from)) if value}
     try:
         document = with_stack_defaults(document, stack.bucket, lambda instance_type: node_network(
             stack.client("ec2"), list(stack.node_subnet_ids), list(stack.node_security_group_ids), instance_type))

@@ -172,8 +172,11 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
         # Uniformly poor: no replacement can help. A slow node named is replaced as a sick one is.
         return give_up(f"the fleet does not scale: {failure.message}")
     if failure.failure_class is FailureClass.CAPACITY_BLOCK_END:
-        saved = f"checkpoint step {resume_step}" if resume_step is not None else "no checkpoint"
-        return give_up(f"{failure.message}; stopped with {saved}: start it again on a new block to resume")
+        if resume_step is None:
+            return give_up(f"{failure.message}; stopped with no checkpoint: start it again on a new block")
+        return give_up(f"{failure.message}; stopped with checkpoint step {resume_step}: go on from it on a new "
+                       f"block with `trainfleet run start RUNSPEC --run-name NEW_NAME --resume-from {run.run_name}` "
+                       "(the RunSpec naming the new block's reservation)")
     if over_cost_ceiling(spec, run.ledger):
         return give_up(f"cost ${run.ledger.cost_usd:,.2f} reached the ceiling ${spec.cost_ceiling_usd:,.2f}")
     window = timedelta(hours=policy.restart_window_hours)
