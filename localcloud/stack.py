@@ -299,6 +299,7 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
     from localcloud.imds import serve_fleet
     from localcloud.node_boot import boot_as_nodes, publish_artifacts
     from node.agent import LOOK_S, METADATA_LOOK_S
+    from trainfleet.adapters.ec2_fleet import BOOT_RETRY_S
 
     with LocalCloud(time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds,
                     boot_seconds=boot_seconds, boot_spread_seconds=boot_spread_seconds) as cloud:
@@ -316,8 +317,10 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
             def local_settings(instance: Any) -> dict[str, str]:
                 """Beside what the user data gives the agent: its paces and limits on this machine."""
                 return {"TRAINFLEET_AGENT_LIFETIME_S": str(int(AGENT_LIFETIME_S)),
-                        # The notices are as much shorter as time is scaled: so is the pace of the looks.
-                        "TRAINFLEET_METADATA_LOOK_S": str(max(LOOK_S, METADATA_LOOK_S * time_scale))} | (
+                        # The notices are as much shorter as time is scaled: so is the pace of the looks,
+                        # and the waits between a bootstrap step's tries.
+                        "TRAINFLEET_METADATA_LOOK_S": str(max(LOOK_S, METADATA_LOOK_S * time_scale)),
+                        "TRAINFLEET_BOOT_RETRY_S": str(BOOT_RETRY_S * time_scale)} | (
                     {"TRAINFLEET_UNREACHABLE_LIMIT_S": str(unreachable_limit_s)} if unreachable_limit_s else {}) | (
                     {"TRAINFLEET_STANDIN_STEP_S": str(standin_step_s)} if standin_step_s else {})
 

@@ -8,7 +8,8 @@ import pytest
 from trainfleet.core import lifecycle as lc
 from trainfleet.core import pace
 from trainfleet.core.events import (CheckpointCommitted, CheckpointReason, Ec2InstanceStateChange,
-                                    Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning, HealthEvent, NodeReady,
+                                    Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning, HealthCheckResult,
+                                    HealthEvent, NodeReady,
                                     NodeRegistered, NodeUnhealthy, ScalingChecked, TrainerFailed, TrainerHung,
                                     TrainingProgress)
 from trainfleet.core.records import (CAPACITY_ERROR, FAILURE_ERROR, CheckpointRef, FailureClass, FailureRecord,
@@ -246,20 +247,41 @@ def test_config_error_gives_up_at_once():
     assert decision.action is RecoveryAction.GIVE_UP and "config" in decision.reason
 
 
-def test_a_node_whose_software_did_not_install_ends_the_run_at_once():
-    """The user data's failed step (NodeUnhealthy, check "bootstrap"): the same software fails on
-    every node, so no node is replaced and no restart is spent; the run gives up with the step."""
-    from trainfleet.core.events import BOOT_CHECK, HealthCheckResult, NodeUnhealthy
+def boot_failure(instance_id: str, step: str = "copying the artifacts") -> FailureReport:
+    """What the event handler makes of a node's failed bootstrap step (NodeUnhealthy, check "bootstrap")."""
+    from trainfleet.core.events import BOOT_CHECK
 
-    detail = NodeUnhealthy(run_name="r1", attempt=0, instance_id="i-2",
-                           reason="bootstrap failed at: unpacking the node's Python (exit 2)",
-                           checks=[HealthCheckResult(name=BOOT_CHECK, passed=False, detail="tar: Cannot open")])
-    report = lc.classify_event(detail, 1, T0)
+    detail = NodeUnhealthy(run_name="r1", attempt=1, instance_id=instance_id,
+                           reason=f"bootstrap failed at: {step} (exit 1, 5 tries)",
+                           checks=[HealthCheckResult(name=BOOT_CHECK, passed=False, detail="SlowDown")])
+    return lc.classify_event(detail, 1, T0)
+
+
+def test_a_node_whose_bootstrap_step_failed_every_try_is_replaced_as_a_sick_node():
+    """One node's copy of the artifacts outlasted its retries (S3 answering SlowDown, a network
+    blip): that node is replaced, and the run goes on (it used to end the run of 512 nodes)."""
+    report = boot_failure("i-2")
     assert report.failure_class is FailureClass.BOOT_FAILED and report.instance_ids == ["i-2"]
     decision = lc.decide_recovery(make_run(), [*WORKERS, SPARE], report, 0.0, now=T0)
+    assert decision.action is RecoveryAction.REPLACE
+    assert decision.terminate_instance_ids == ["i-2"] and decision.promote_spare_ids == ["i-9"]
+
+
+def test_several_nodes_failing_at_the_same_bootstrap_step_end_the_run():
+    """Software that does not install fails alike on every node: the third node that failed at
+    one step within the restart window ends the run, naming them; other steps, or failures of
+    longer ago, are no such sign."""
+    failed = [node(f"i-{n}", state=NodeState.UNHEALTHY, failure_class=FailureClass.BOOT_FAILED,
+                   reason=boot_failure(f"i-{n}").message, updated_at=T0 - timedelta(minutes=5)) for n in (5, 6)]
+    other_step = node("i-7", state=NodeState.UNHEALTHY, failure_class=FailureClass.BOOT_FAILED,
+                      reason=boot_failure("i-7", "unpacking the artifacts").message, updated_at=T0)
+    decision = lc.decide_recovery(make_run(), [*WORKERS, *failed, other_step], boot_failure("i-2"), 0.0, now=T0)
     assert decision.action is RecoveryAction.GIVE_UP
-    assert decision.reason.startswith("the node software did not install: i-2: bootstrap failed at: unpacking")
-    assert "tar: Cannot open" in decision.reason
+    assert decision.reason.startswith("the node software did not install: 3 nodes failed at the same step "
+                                      "(i-2, i-5, i-6); last: i-2: bootstrap failed at: copying the artifacts")
+    long_ago = [failed_node.model_copy(update={"updated_at": T0 - timedelta(days=2)}) for failed_node in failed]
+    assert lc.decide_recovery(make_run(), [*WORKERS, *long_ago[:1], *failed[1:], other_step], boot_failure("i-2"),
+                              0.0, now=T0).action is RecoveryAction.REPLACE
     preflight = NodeUnhealthy(run_name="r1", attempt=1, instance_id="i-2", reason="gpu_count 7 of 8",
                               checks=[HealthCheckResult(name="gpu_count", passed=False)])
     assert lc.classify_event(preflight, 1, T0).failure_class is FailureClass.NODE_UNHEALTHY

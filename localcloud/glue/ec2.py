@@ -46,7 +46,8 @@ Instance types are checked against moto's catalogue (LocalCloud turns on moto's 
 validation), and network interfaces as EC2 checks them (`interface_requests`): each card's
 interface types and count, the type's EFA count, and AssociatePublicIpAddress on a launch with
 several interfaces (InvalidParameterCombination, even set to false); such a launch gets no public
-IPv4 address (moto gave its primary interface one in a subnet that maps them). So is the instance profile:
+IPv4 address (moto gave its primary interface one in a subnet that maps them), and one that names
+no security group gets its VPC's default group (moto gave it none). So is the instance profile:
 one IAM does not have, or made under IAM_PROPAGATION_S ago (IAM is eventually consistent), is
 InvalidParameterValue. RunInstances fails with the error; an instant CreateFleet lists it under
 `Errors` and launches nothing, as EC2 answers.
@@ -562,6 +563,10 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
     for instance in launched.instances:
         instance.localcloud_reservation = reservation.reservation_id if reservation else None
         _attach_interfaces(self, instance, requests)
+        primary = instance.nics[0]
+        if not instance.security_groups and primary.subnet is not None:  # its interface's, or the VPC's default
+            default = self.get_security_group_from_name("default", vpc_id=primary.subnet.vpc_id)
+            instance.security_groups = list(primary.group_set) or ([default] if default else [])
         instance.placement.group_name = group or ""
         profile = template.get("IamInstanceProfile") or {}
         if profile and not (kwargs.get("iam_instance_profile_name") or kwargs.get("iam_instance_profile_arn")):
