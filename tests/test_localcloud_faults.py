@@ -404,3 +404,35 @@ def process_cpu_s(pid: int) -> float:
 
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_s3_answers_slow_down_past_a_prefixs_rate_and_serves_other_prefixes():
+    """S3 serves at least 5,500 GET/HEAD and 3,500 PUT/DELETE a second per prefix, SlowDown beyond
+    (glue/s3_rates.py). Rates as low as a test can exceed, over a window of ten real seconds
+    (time_scale 10), so that no slow machine spreads the requests past it."""
+    from botocore.config import Config
+    from botocore.exceptions import ClientError
+
+    from localcloud import LocalCloud
+
+    with LocalCloud(time_scale=10.0, s3_prefix_rates=(6, 3)) as cloud:
+        s3 = cloud.client("s3", config=Config(retries={"total_max_attempts": 1}))  # every answer seen
+        bucket = unique("rates")
+        s3.create_bucket(Bucket=bucket)
+        for name in ("a", "b", "c"):
+            s3.put_object(Bucket=bucket, Key=f"hot/{name}", Body=b"x")
+        with pytest.raises(ClientError, match="SlowDown"):
+            s3.put_object(Bucket=bucket, Key="hot/d", Body=b"x")  # a fourth write to hot/ in the window
+        answers = []
+        for _ in range(8):
+            try:
+                s3.get_object(Bucket=bucket, Key="hot/a")
+                answers.append("served")
+            except ClientError as error:
+                answers.append(error.response["Error"]["Code"])
+        assert answers == ["served"] * 6 + ["SlowDown"] * 2
+        s3.put_object(Bucket=bucket, Key="other/a", Body=b"x")  # another prefix has its own rate
+        assert s3.get_object(Bucket=bucket, Key="other/a")["Body"].read() == b"x"
+        assert cloud.s3_rates.busiest[(f"{bucket}/hot/", "read")] == 6
+        assert cloud.s3_rates.refused[(f"{bucket}/hot/", "read")] == 2
+        assert cloud.failed_requests[("s3", "slowdown")] == 3

@@ -10,6 +10,9 @@ ThrottlingException) or in an outage ("error": its documented 500), over real HT
 botocore's retries and the caller's own handling see what they would see on AWS. moto never
 fails so, so this wraps its WSGI application (`DomainDispatcherApplication.__call__`).
 
+An S3 request past its prefix's documented rate is answered 503 SlowDown (glue/s3_rates.py),
+counted under ("s3", "slowdown").
+
 A request from an instance whose subnet's network has no way to the service never reaches it
 (glue/routes.py): it is answered as unreachable, counted in `failed_requests` under
 (service, "unreachable").
@@ -40,6 +43,7 @@ from localcloud.chaos_route import CHAOS_PATH, ChaosError, inject
 from localcloud.cloud import INTERNAL_HEADER
 from localcloud.glue import active_cloud
 from localcloud.glue.routes import UNREACHABLE_HEADER, UNREACHABLE_STATUS, blocked
+from localcloud.glue.s3_rates import request_prefix
 
 INTERNAL_ENVIRON = "HTTP_" + INTERNAL_HEADER.upper().replace("-", "_")
 """The WSGI name of the header LocalCloud.internal_client sets: such requests pass untouched."""
@@ -186,10 +190,14 @@ def _call(self: DomainDispatcherApplication, environ: dict[str, Any], start_resp
         return [body]
     _count(cloud, service, environ)
     fault = cloud.request_faults.get(service)
-    if fault is None or time.monotonic() >= fault.until:
+    if fault is not None and time.monotonic() < fault.until:
+        answer, counted = fault.answer, fault.answer
+    elif service == "s3" and (prefix := request_prefix(environ)) and not cloud.s3_rates.admit(*prefix):
+        answer, counted = "throttle", "slowdown"  # past the prefix's documented rate (glue/s3_rates.py)
+    else:
         return _moto_call(self, environ, start_response)
-    cloud.count(cloud.failed_requests, (service, fault.answer))
-    status, headers, body = ANSWERS[(service, fault.answer)]
+    cloud.count(cloud.failed_requests, (service, counted))
+    status, headers, body = ANSWERS[(service, answer)]
     # Every AWS answer carries its request id; callers report it (Step Functions reads it).
     request_id = ("x-amz-request-id" if service == "s3" else "x-amzn-RequestId", str(uuid.uuid4()))
     start_response(status, [*headers, request_id, ("Content-Length", str(len(body)))])
