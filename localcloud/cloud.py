@@ -197,6 +197,10 @@ class LocalCloud:
 
         self.s3_rates = PrefixRates(*self.config.s3_prefix_rates, window_s=self.scaled(1.0))
         """S3's per-prefix request rates, and the busiest prefixes so far (glue/s3_rates.py)."""
+        from localcloud.glue.routes import Routes
+
+        self.routes = Routes(self)
+        """Where each instance's calls may go (glue/routes.py)."""
         from localcloud.fleet import LocalFleet
 
         self.fleet = LocalFleet(self)

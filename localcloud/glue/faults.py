@@ -14,7 +14,7 @@ An S3 request past its prefix's documented rate is answered 503 SlowDown (glue/s
 counted under ("s3", "slowdown").
 
 A request from an instance whose subnet's network has no way to the service never reaches it
-(glue/routes.py): it is answered as unreachable, counted in `failed_requests` under
+(glue/routes.py, LocalCloud.routes): it is answered as unreachable, counted in `failed_requests` under
 (service, "unreachable").
 
 The wrapper also serves the chaos control route (`localcloud.chaos_route`), through which
@@ -42,7 +42,7 @@ from localcloud.api_requests import request_action, signing_service
 from localcloud.chaos_route import CHAOS_PATH, ChaosError, inject
 from localcloud.cloud import INTERNAL_HEADER
 from localcloud.glue import active_cloud
-from localcloud.glue.routes import UNREACHABLE_HEADER, UNREACHABLE_STATUS, blocked
+from localcloud.glue.routes import UNREACHABLE_HEADER, UNREACHABLE_STATUS
 from localcloud.glue.s3_rates import request_prefix
 
 INTERNAL_ENVIRON = "HTTP_" + INTERNAL_HEADER.upper().replace("-", "_")
@@ -181,7 +181,7 @@ def _call(self: DomainDispatcherApplication, environ: dict[str, Any], start_resp
     service = signing_service(environ.get("HTTP_AUTHORIZATION", "")) if cloud is not None else None
     if service is None or environ.get(INTERNAL_ENVIRON):
         return _moto_call(self, environ, start_response)
-    why = blocked(cloud, environ.get("REMOTE_ADDR"), service)
+    why = cloud.routes.blocked(environ.get("REMOTE_ADDR"), service)
     if why is not None:  # never reaches the service: a packet its sender's network drops
         cloud.count(cloud.failed_requests, (service, "unreachable"))
         body = f"no route to {service} from this instance: {why}".encode()

@@ -5,8 +5,8 @@ a gateway or interface endpoint, a NAT route, an internet route with a public ad
 one its packets go nowhere and its connection attempt times out. moto answers every caller. Here
 an instance's processes send from the instance's own address (localcloud/instance_site binds their
 sockets to it), so the front door (glue/faults.py) knows which instance a request comes from, and
-`blocked(cloud, address, service)` judges it by the rules Validate uses, over EC2's view of the
-network: read through an internal client, the instance's subnet and groups once, its network at
+`Routes.blocked(address, service)` (LocalCloud.routes) judges it by the rules Validate uses, over
+EC2's view of the network: read through an internal client, the instance's subnet and groups once, its network at
 most once every NETWORK_REREAD_S (a changed route table is felt within it, as AWS's routing takes
 seconds to change too). An unreachable request is answered UNREACHABLE_STATUS with the reason in
 UNREACHABLE_HEADER; the instance's SDK (instance_site) turns that into the connect timeout a
@@ -19,6 +19,7 @@ not the instance's: its requests are not routed.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from trainfleet.core.network import Blocked, SubnetNetwork, way_to
 if TYPE_CHECKING:
     from localcloud.cloud import LocalCloud
 
-__all__ = ["UNREACHABLE_STATUS", "UNREACHABLE_HEADER", "NETWORK_REREAD_S", "blocked"]
+__all__ = ["UNREACHABLE_STATUS", "UNREACHABLE_HEADER", "NETWORK_REREAD_S", "Routes"]
 
 UNREACHABLE_STATUS = "504 Gateway Timeout"
 UNREACHABLE_HEADER = "x-localcloud-unreachable"
@@ -47,52 +48,44 @@ class _Placement:
     public_ipv4: bool
 
 
-_lock = threading.Lock()
-_placements: dict[str, _Placement] = {}
-_networks: dict[tuple[str, tuple[str, ...]], tuple[float, SubnetNetwork]] = {}
-_clients: dict[int, Any] = {}
+class Routes:
+    """One cloud's instances, their networks as last read, and whether a call of theirs goes through."""
 
+    def __init__(self, cloud: LocalCloud):
+        self.cloud = cloud
+        self._lock = threading.Lock()
+        self._ec2: Any = None
+        self._placements: dict[str, _Placement | None] = {}
+        self._networks: dict[tuple[str, tuple[str, ...]], tuple[float, SubnetNetwork]] = {}
 
-def _ec2(cloud: LocalCloud) -> Any:
-    if id(cloud) not in _clients:
-        _clients.clear()
-        _placements.clear()
-        _networks.clear()
-        _clients[id(cloud)] = cloud.internal_client("ec2")
-    return _clients[id(cloud)]
-
-
-def _placement(ec2: Any, instance_id: str) -> _Placement | None:
-    if instance_id not in _placements:
-        reservations = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
-        instance = reservations[0]["Instances"][0] if reservations else None
-        if instance is None or not instance.get("SubnetId"):
-            return None  # EC2-Classic-like or forgotten: nothing to route by
-        _placements[instance_id] = _Placement(instance["SubnetId"],
-                                              tuple(group["GroupId"] for group in instance.get("SecurityGroups", [])),
-                                              bool(instance.get("PublicIpAddress")))
-    return _placements[instance_id]
-
-
-def _network(ec2: Any, placement: _Placement) -> SubnetNetwork:
-    key = (placement.subnet_id, placement.group_ids)
-    read_at, network = _networks.get(key, (-float("inf"), None))
-    if network is None or time.monotonic() - read_at > NETWORK_REREAD_S:
-        network = subnet_networks(ec2, [placement.subnet_id], list(placement.group_ids))[0]
-        _networks[key] = (time.monotonic(), network)
-    return network
-
-
-def blocked(cloud: LocalCloud, address: str | None, service: str) -> str | None:
-    """Why the instance at `address` cannot reach `service` (its SigV4 scope's name), or None when
-    it can, or when `address` is no instance's."""
-    instance = cloud.fleet.at_address(address) if address else None
-    if instance is None:
-        return None
-    with _lock:
-        ec2 = _ec2(cloud)
-        placement = _placement(ec2, instance.instance_id)
-        if placement is None:
+    def blocked(self, address: str | None, service: str) -> str | None:
+        """Why the instance at `address` cannot reach `service` (its SigV4 scope's name), or None
+        when it can, or when `address` is no instance's."""
+        instance = self.cloud.fleet.at_address(address) if address else None
+        if instance is None:
             return None
-        way = way_to(_network(ec2, placement), service, placement.group_ids, placement.public_ipv4)
-    return way.why if isinstance(way, Blocked) else None
+        with self._lock:
+            if self._ec2 is None:
+                self._ec2 = self.cloud.internal_client("ec2")
+            placement = self._placement(instance.instance_id)
+            if placement is None:
+                return None
+            way = way_to(self._network(placement), service, placement.group_ids, placement.public_ipv4)
+        return way.why if isinstance(way, Blocked) else None
+
+    def _placement(self, instance_id: str) -> _Placement | None:
+        if instance_id not in self._placements:
+            reservations = self._ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
+            instance = reservations[0]["Instances"][0] if reservations else {}
+            self._placements[instance_id] = _Placement(
+                instance["SubnetId"], tuple(group["GroupId"] for group in instance.get("SecurityGroups", [])),
+                bool(instance.get("PublicIpAddress"))) if instance.get("SubnetId") else None
+        return self._placements[instance_id]
+
+    def _network(self, placement: _Placement) -> SubnetNetwork:
+        key = (placement.subnet_id, placement.group_ids)
+        read_at, network = self._networks.get(key, (-math.inf, None))
+        if network is None or time.monotonic() - read_at > NETWORK_REREAD_S:
+            network = subnet_networks(self._ec2, [placement.subnet_id], list(placement.group_ids))[0]
+            self._networks[key] = (time.monotonic(), network)
+        return network
