@@ -2,8 +2,9 @@
 instances reach AWS only where their subnet's network leads (localcloud/glue/routes.py); the
 nodes run the real agent and the stand-in trainer (node/standin.py).
 
-1. refused: the RunSpec names a subnet of the stack's VPC whose route table has no endpoint and
-   no default route: Validate refuses it, naming the subnet and the services; nothing launches.
+1. refused: the RunSpec names a subnet of the stack's VPC whose route table has neither the
+   gateway endpoints nor a default route: Validate refuses it, naming the subnet and S3 and
+   DynamoDB (the VPC's interface endpoints serve every subnet of it); nothing launches.
 2. silent: the RunSpec is on the stack's network, which is broken while its instances are still
    pending (the subnets moved to that bare route table, the VPC's DNS hostnames turned off, so no
    endpoint leads anywhere): no node ever reports, and the run gives up after its one boot timeout,

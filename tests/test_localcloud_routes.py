@@ -166,3 +166,27 @@ def test_the_default_vpc_routes_to_an_internet_gateway_and_only_a_one_interface_
         InstanceIds=[one["InstanceId"], efa["InstanceId"]])["Reservations"] for instance in reservation["Instances"]}
     assert described[one["InstanceId"]].get("PublicIpAddress")
     assert not described[efa["InstanceId"]].get("PublicIpAddress")
+
+
+def test_an_instance_of_a_launch_template_is_in_its_interfaces_groups_and_else_in_its_vpcs_default(local_cloud):
+    """As EC2 has it: DescribeInstances names the groups the launch gave its primary interface (a
+    fleet's launch template's); a launch that names none is in its VPC's default group."""
+    ec2 = local_cloud.client("ec2")
+    local_cloud.fleet.boot = lambda instance: None
+    vpc = vpc_with_dns(ec2)
+    subnet, _ = subnet_with_table(ec2, vpc, "10.9.2.0/24")
+    group = ec2.create_security_group(GroupName="nodes", Description="nodes", VpcId=vpc)["GroupId"]
+    template = ec2.create_launch_template(LaunchTemplateName=f"nodes-{vpc}", LaunchTemplateData={
+        "ImageId": "ami-12c6146b", "InstanceType": "c5.large",
+        "NetworkInterfaces": [{"DeviceIndex": 0, "SubnetId": subnet, "Groups": [group]}]})["LaunchTemplate"]
+    fleet = ec2.create_fleet(Type="instant", TargetCapacitySpecification={
+        "TotalTargetCapacity": 1, "DefaultTargetCapacityType": "on-demand"}, LaunchTemplateConfigs=[{
+            "LaunchTemplateSpecification": {"LaunchTemplateId": template["LaunchTemplateId"], "Version": "$Latest"},
+            "Overrides": [{"SubnetId": subnet}]}])
+    (launched,) = fleet["Instances"][0]["InstanceIds"]
+    bare = ec2.run_instances(ImageId="ami-12c6146b", InstanceType="t3.micro", MinCount=1, MaxCount=1,
+                             SubnetId=subnet)["Instances"][0]["InstanceId"]
+    groups = {instance["InstanceId"]: [item["GroupId"] for item in instance["SecurityGroups"]]
+              for reservation in ec2.describe_instances(InstanceIds=[launched, bare])["Reservations"]
+              for instance in reservation["Instances"]}
+    assert groups == {launched: [group], bare: [default_group(ec2, vpc)]}

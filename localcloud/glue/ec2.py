@@ -563,10 +563,15 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
     for instance in launched.instances:
         instance.localcloud_reservation = reservation.reservation_id if reservation else None
         _attach_interfaces(self, instance, requests)
+        # The instance's groups are its primary interface's (moto left a template's out), else its VPC's default.
+        named = next((spec.get("Groups") for spec in specs if int(spec.get("NetworkCardIndex", 0)) == 0
+                      and int(spec.get("DeviceIndex", 0)) == 0 and spec.get("Groups")), None)
         primary = instance.nics[0]
-        if not instance.security_groups and primary.subnet is not None:  # its interface's, or the VPC's default
+        if named:
+            instance.security_groups = [self.get_security_group_from_id(group_id) for group_id in named]
+        elif not instance.security_groups and primary.subnet is not None:
             default = self.get_security_group_from_name("default", vpc_id=primary.subnet.vpc_id)
-            instance.security_groups = list(primary.group_set) or ([default] if default else [])
+            instance.security_groups = [default] if default else []
         instance.placement.group_name = group or ""
         profile = template.get("IamInstanceProfile") or {}
         if profile and not (kwargs.get("iam_instance_profile_name") or kwargs.get("iam_instance_profile_arn")):
