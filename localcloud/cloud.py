@@ -232,9 +232,10 @@ class LocalCloud:
             self._server = ThreadedMotoServer(ip_address=self.config.host,
                                               port=self.config.port, verbose=False)
             self._server.start()
-            from localcloud.glue import cloudwatch, iam
+            from localcloud.glue import cloudwatch, iam, vpc
 
             iam.admin_identity(self.account_id, self.region)
+            vpc.prepare_default_vpc(self)
             cloudwatch.evaluate_every_minute(self)
         except BaseException:
             self.stop()

@@ -4,7 +4,7 @@ moto 5.2.5 gives a new VPC's default security group no inbound rule; EC2's lets 
 its own members (and all out, which moto has). moto's default VPC has no internet gateway; EC2's
 has one, the main route table's default route (0.0.0.0/0) leading to it, so that an instance
 given a public address there reaches the internet and AWS's public endpoints
-(trainfleet.core.network, glue/routes.py).
+(trainfleet.core.network, glue/routes.py): `prepare_default_vpc` makes them as a cloud starts.
 
 moto's CreateVpcEndpoint creates whatever it is asked for. EC2 refuses, and so does this:
 
@@ -21,23 +21,49 @@ one is Gateway (the API's default), and a gateway endpoint has no private DNS.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moto.ec2.exceptions import EC2ClientError
 from moto.ec2.models import EC2Backend
 
+from localcloud.glue import active_cloud
+from localcloud.glue.ec2 import ec2_backend
+
+if TYPE_CHECKING:
+    from localcloud.cloud import LocalCloud
+
 _moto_create_vpc = EC2Backend.create_vpc
-_moto_create_default_vpc = EC2Backend.create_default_vpc
 _moto_create_vpc_endpoint = EC2Backend.create_vpc_endpoint
 
 
 def _create_vpc(self: Any, *args: Any, **kwargs: Any) -> Any:
     vpc = _moto_create_vpc(self, *args, **kwargs)
-    group = self.get_security_group_from_name("default", vpc_id=vpc.id)
-    if group is not None and not group.ingress_rules:
-        self.authorize_security_group_ingress(group.id, "-1", None, None, [],
-                                              source_groups=[{"GroupId": group.id}], vpc_id=vpc.id)
+    if active_cloud() is not None:
+        _let_members_in(self, vpc.id)
     return vpc
+
+
+def _let_members_in(backend: Any, vpc_id: str) -> None:
+    group = backend.get_security_group_from_name("default", vpc_id=vpc_id)
+    if group is not None and not group.ingress_rules:
+        backend.authorize_security_group_ingress(group.id, "-1", None, None, [],
+                                                 source_groups=[{"GroupId": group.id}], vpc_id=vpc_id)
+
+
+def prepare_default_vpc(cloud: LocalCloud) -> None:
+    """The cloud's region's default VPC as EC2 makes it (moto may have made it before the cloud
+    started, in this process): its internet gateway and default route, its default group's rule."""
+    backend = ec2_backend(cloud)
+    vpc = backend.get_default_vpc()
+    if vpc is None:
+        return
+    _let_members_in(backend, vpc.id)
+    if backend.describe_internet_gateways(filters={"attachment.vpc-id": [vpc.id]}):
+        return
+    gateway = backend.create_internet_gateway()
+    backend.attach_internet_gateway(gateway.id, vpc.id)
+    (main,) = backend.describe_route_tables(filters={"vpc-id": [vpc.id], "association.main": ["true"]})
+    backend.create_route(main.id, "0.0.0.0/0", gateway_id=gateway.id)
 
 
 def _offered_types(backend: Any, service_name: str) -> list[str]:
@@ -46,17 +72,10 @@ def _offered_types(backend: Any, service_name: str) -> list[str]:
                    for kind in service["ServiceType"]})
 
 
-def _create_default_vpc(self: Any) -> Any:
-    vpc = _moto_create_default_vpc(self)
-    gateway = self.create_internet_gateway()
-    self.attach_internet_gateway(gateway.id, vpc.id)
-    (main,) = self.describe_route_tables(filters={"vpc-id": [vpc.id], "association.main": ["true"]})
-    self.create_route(main.id, "0.0.0.0/0", gateway_id=gateway.id)
-    return vpc
-
-
 def _create_vpc_endpoint(self: Any, vpc_id: str, service_name: str, endpoint_type: str | None, *args: Any,
                          **kwargs: Any) -> Any:
+    if active_cloud() is None:
+        return _moto_create_vpc_endpoint(self, vpc_id, service_name, endpoint_type, *args, **kwargs)
     kind = endpoint_type or "Gateway"
     offered = _offered_types(self, service_name)
     if not offered:
@@ -85,5 +104,4 @@ def _create_vpc_endpoint(self: Any, vpc_id: str, service_name: str, endpoint_typ
 
 def apply() -> None:
     EC2Backend.create_vpc = _create_vpc
-    EC2Backend.create_default_vpc = _create_default_vpc
     EC2Backend.create_vpc_endpoint = _create_vpc_endpoint
