@@ -51,7 +51,7 @@ def save_model(folder: Path, layers: int, width: int) -> int:
 
     args = [f"--model.n_layers={layers}", f"--model.d_model={width}", "--model.n_heads=16", "--model.seq_len=64",
             "--training.batch_size=4", "--training.steps=1", "--optim.warmup_steps=0", f"--data.shards={folder / 'shards'}",
-            "--data.corpus_bytes=20000", f"--checkpoint.uri={folder / 'checkpoints'}", "--checkpoint.async_save=false"]
+            "--data.corpus=stdlib", "--data.corpus_bytes=20000", f"--checkpoint.uri={folder / 'checkpoints'}", "--checkpoint.async_save=false"]
     cfg = load_config(args)
     run = build(cfg, environment(cfg, torch.device("cpu")))
     checkpointer = Checkpointer(cfg.checkpoint, model={"n_layers": layers, "d_model": width, "n_heads": 16,

@@ -86,7 +86,7 @@ MODEL_1B = ["--model.n_layers=16", "--model.d_model=2048", "--model.n_heads=16",
             "--model.vocab_size=32768", "--training.batch_size=8", "--parallel.microbatches=4",
             "--optim.lr=3e-4"]  # GPT-3 XL's order of magnitude (2e-4): a fresh 1B model survives it
 MODEL_TINY = ["--model.n_layers=2", "--model.d_model=64", "--model.n_heads=4", "--model.seq_len=64",
-              "--training.batch_size=4", "--parallel.microbatches=2", "--data.corpus_bytes=100000",
+              "--training.batch_size=4", "--parallel.microbatches=2", "--data.corpus=stdlib", "--data.corpus_bytes=100000",
               "--optim.lr=3e-3"]
 
 MEMORY_TOLERANCE = 0.15

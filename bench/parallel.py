@@ -43,7 +43,7 @@ LAYOUTS = {
 def bench_config(workdir: str, layout: list[str]):
     # 258 rows: the vocabulary splits over tp=2.
     return load_config([*MODEL, "--model.vocab_size=258", "--parallel.microbatches=4", f"--data.shards={workdir}/shards",
-                        "--data.corpus_bytes=300000", f"--training.metrics_file={workdir}/metrics.jsonl", *layout])
+                        "--data.corpus=stdlib", "--data.corpus_bytes=300000", f"--training.metrics_file={workdir}/metrics.jsonl", *layout])
 
 
 def _rank_main(rank: int, port: int, workdir: str, warmup: int, steps: int, results_path: str) -> None:

@@ -42,7 +42,7 @@ MODEL = ["--model.n_layers=8", "--model.d_model=128", "--model.n_heads=4", "--mo
 
 def bench_config(workdir: str, pp: int, schedule: str, microbatches: int):
     """The benchmark model at this layout."""
-    return load_config([*MODEL, f"--data.shards={workdir}/shards", "--data.corpus_bytes=300000",
+    return load_config([*MODEL, f"--data.shards={workdir}/shards", "--data.corpus=stdlib", "--data.corpus_bytes=300000",
                         f"--training.metrics_file={workdir}/metrics.jsonl", f"--parallel.pp={pp}",
                         f"--parallel.schedule={schedule}",
                         f"--parallel.microbatches={microbatches}"])

@@ -93,6 +93,12 @@ def checkpoint_committed(run: RunRecord, detail: CheckpointCommitted) -> str:
         # An agent's claim is checked against S3 (marker and every file) before it counts.
         checkpoint = verify_checkpoint(cloud.s3, run.spec.checkpoint.s3_uri, detail.step)
     except CheckpointInvalid as exc:
+        newest = run.latest_checkpoint.step if run.latest_checkpoint else None
+        if newest is not None and newest > detail.step:
+            # Pruned by keep_last since the agent listed it: the newer commit is recorded, nothing is wrong.
+            logger.info("checkpoint claim of a step pruned since", run_name=run.run_name, step=detail.step,
+                        recorded=newest)
+            return f"ignored: step {detail.step} pruned since, step {newest} recorded"
         logger.warning("checkpoint claim rejected", run_name=run.run_name, step=detail.step, error=str(exc))
         return "ignored: checkpoint not whole"
     cloud.store.modify_run(run.run_name, lambda current: current.knowing(checkpoint))
@@ -134,10 +140,12 @@ def grow_back(run: RunRecord, step: int) -> str | None:
 def training_progress(run: RunRecord, detail: TrainingProgress) -> str:
     cloud, now = aws(), _now()
     if detail.samples:
-        cloud.store.record_progress(run.run_name, detail.attempt, detail.samples)
+        cloud.store.record_progress(run.run_name, detail.attempt, detail.samples, detail.instance_id)
+    # A commit may have been announced since the steps this event carries (commits go out at
+    # the agent's look, progress every PROGRESS_EVERY_S): the last step is never below it.
     cloud.store.modify_run(run.run_name, lambda current: current.model_copy(update={
-        "last_step": detail.step, "last_progress_at": now,
-        "first_step_at": current.first_step_at or now}))
+        "last_step": max(detail.step, current.latest_checkpoint.step if current.latest_checkpoint else 0),
+        "last_progress_at": now, "first_step_at": current.first_step_at or now}))
     emit(progress_metrics(detail, cloud.settings.metrics_namespace))
     # Progress comes every few seconds while training: the tick that asks for a departure's
     # checkpoint when its time comes, and ends a notice run out.
@@ -353,7 +361,7 @@ def handle_agent_event(detail: AgentEvent, observed_at: datetime, sender: str | 
     if is_stale(detail, run.attempt):
         if isinstance(detail, TrainingProgress) and detail.samples:
             # Its steps stay in the run's history (the report's curves); nothing else of it counts.
-            aws().store.record_progress(run.run_name, detail.attempt, detail.samples)
+            aws().store.record_progress(run.run_name, detail.attempt, detail.samples, detail.instance_id)
             return f"steps of attempt {detail.attempt} recorded; it was replaced by {run.attempt}"
         return f"ignored: attempt {detail.attempt} was replaced by {run.attempt}"
     step = _AGENT_STEPS.get(type(detail))

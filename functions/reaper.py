@@ -32,6 +32,7 @@ from functions.teardown import remove_run_resources, tear_down
 from trainfleet.adapters.ec2_fleet import runs_with_resources
 from trainfleet.adapters.metrics import emit, stall_metrics
 from trainfleet.adapters.run_store import RunNotFound
+from trainfleet.core.records import RunState
 
 STATUS_CHANGE = "Step Functions Execution Status Change"
 
@@ -64,7 +65,10 @@ def reap(run_name: str, execution_arn: str | None = None, execution_status: str 
     if execution_status == "RUNNING":
         emit(stall_metrics(run, cloud.settings.stack_name, datetime.now(timezone.utc), cloud.settings.metrics_namespace))
         return False
-    tear_down(run_name, f"ExecutionEnded: the execution is {execution_status}")
+    if execution_status == "ABORTED":  # stopped on purpose (StopExecution): nothing failed
+        tear_down(run_name, None, RunState.STOPPED)
+    else:
+        tear_down(run_name, f"ExecutionEnded: the execution is {execution_status}")
     write_report(run_name)  # the execution that would have written it has ended
     return True
 

@@ -34,11 +34,12 @@ def remove_run_resources(run_name: str) -> Teardown:
     return result
 
 
-def tear_down(run_name: str, failure: str | None) -> Teardown:
+def tear_down(run_name: str, failure: str | None, outcome: RunState | None = None) -> Teardown:
     """End the run: book its last attempt, retire its nodes, terminate its instances, delete
     its launch template (and its placement groups when already free), record the outcome
-    (FAILED when `failure` says why, else SUCCEEDED). Safe to repeat; a run already final
-    keeps its outcome and only has its leftovers removed."""
+    (`outcome` where given, else FAILED when `failure` says why, else SUCCEEDED). Safe to
+    repeat; a run already final keeps its outcome and only has its leftovers removed."""
+    outcome = outcome or (RunState.FAILED if failure else RunState.SUCCEEDED)
     cloud = aws()
     store = cloud.store
     try:
@@ -47,9 +48,9 @@ def tear_down(run_name: str, failure: str | None) -> Teardown:
             now, nodes = datetime.now(timezone.utc), store.nodes(run_name)
 
             def tearing_down(current: RunRecord) -> RunRecord:
-                if current.state in (RunState.TEARING_DOWN, RunState.SUCCEEDED, RunState.FAILED):
+                if current.state is RunState.TEARING_DOWN or current.state.is_final:
                     return current  # a retry, or another teardown got here first: booked already
-                booked = book_attempt(current, nodes, now, completed=failure is None)
+                booked = book_attempt(current, nodes, now, completed=outcome is RunState.SUCCEEDED)
                 return current.model_copy(update={"state": RunState.TEARING_DOWN,
                                                   "error": current.error or failure, "ledger": booked})
             store.modify_run(run_name, tearing_down)
@@ -61,7 +62,6 @@ def tear_down(run_name: str, failure: str | None) -> Teardown:
         # outage, an item at DynamoDB's size limit) must not leave the instances running. The
         # error still fails the teardown, whose retry records what this one could not.
         result = remove_run_resources(run_name)
-    outcome = RunState.FAILED if failure else RunState.SUCCEEDED
     store.modify_run(run_name, lambda current: current if current.state.is_final
                      else current.model_copy(update={"state": outcome}))
     logger.info("run torn down", run_name=run_name, terminated=len(result.terminated),

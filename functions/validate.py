@@ -3,10 +3,11 @@ author may leave out is filled in first (runspec.with_stack_defaults: the checkp
 in the stack's bucket, the stack's node network). A bad RunSpec fails here, before any allocation,
 and so does a trainer section the trainer itself would refuse: its own checks
 (trainer/config.py, torch-free) run here on the config the nodes would be given, a layout that
-would run out of GPU memory (trainfleet/core/memory_plan.py), a run to resume from that cannot be
-(RunSpec.resume_from: not ended, no checkpoint, another model), and a subnet from which the nodes
-could not reach the AWS services they call (trainfleet/core/network.py): on AWS such a fleet is
-billed silent until its boot timeout."""
+would run out of GPU memory (trainfleet/core/memory_plan.py), a shard set in S3 that is not there
+or that the model or tokenizer does not fit (trainer/shards.py), a run to resume from that cannot
+be (RunSpec.resume_from: not ended, no checkpoint, another model), and a subnet from which the
+nodes could not reach the AWS services they call (trainfleet/core/network.py): on AWS such a fleet
+is billed silent until its boot timeout."""
 
 from dataclasses import asdict
 from typing import Any
@@ -17,7 +18,10 @@ from pydantic import BaseModel, ValidationError
 
 from functions.common import RunPayload, Timeouts, aws, logger, tracer, transient_errors_named
 from functions.errors import InvalidRunSpec
+from trainer import tokenizer
 from trainer.config import ConfigError, JobConfig, config_from_sections
+from trainer.shards import INDEX_NAME, ShardStore, index_problems
+from trainer.tokenizer import TokenizerError
 from trainfleet.adapters.checkpoints import latest_checkpoint
 from trainfleet.adapters.network import NetworkNotFound, network_problems, node_network
 from trainfleet.adapters.run_store import RunExists, RunNotFound
@@ -45,6 +49,7 @@ def parse_run_spec(raw: Any, bucket: str) -> RunSpec:
         raise InvalidRunSpec("\n".join(problems))
     config = check_trainer_config(spec)
     check_memory(spec, config)
+    check_shard_set(config)
     return resolved(spec, config)
 
 
@@ -120,6 +125,28 @@ def check_memory(spec: RunSpec, config: JobConfig) -> None:
         problem = memory_plan.host_memory_problem(workload, facts.name, facts.ranks_per_node, facts.host_memory_gib)
         if problem:
             raise InvalidRunSpec(f"checkpoint: {problem}")
+
+
+def check_shard_set(config: JobConfig) -> None:
+    """InvalidRunSpec when the S3 shard set is not there (a typo'd location, no index), or a model
+    smaller than its vocabulary or another tokenizer than its would train on it: each names both
+    sides. Shards on the nodes' own disks are the trainer's to check, at its start."""
+    data = config.data
+    if not data.shards.startswith("s3://"):
+        return
+    index = ShardStore(data.shards).read_index()
+    if index is None:
+        if not data.corpus:
+            raise InvalidRunSpec(f"trainer.data.shards: {data.shards} holds no {INDEX_NAME}: no shard set is there "
+                                 "(write one with `trainfleet data prepare`)")
+        return
+    try:
+        problems = index_problems(index, data.shards, config.model.vocab_size, data.tokenizer,
+                                  tokenizer.sha256_of(data.tokenizer))
+    except TokenizerError as error:
+        raise InvalidRunSpec(f"trainer.data.tokenizer: {error}") from None
+    if problems:
+        raise InvalidRunSpec("trainer: " + "; ".join(problems))
 
 
 @transient_errors_named

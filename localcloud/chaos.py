@@ -609,8 +609,9 @@ def problems(cell: Cell, outcome: dict[str, Any], reference: dict[int, float], t
             found.append(f"expected the run to fail naming {cell.must_fail_with!r}; got {outcome['status']} "
                          f"{outcome['error']}: {outcome['cause']}")
     elif cell.name == "stop-execution":
-        if outcome["status"] != "ABORTED":
-            found.append(f"expected ABORTED, got {outcome['status']}")
+        if (outcome["status"], outcome["run"]["state"]) != ("ABORTED", "STOPPED"):
+            found.append(f"expected an ABORTED execution and a STOPPED run, got {outcome['status']} "
+                         f"and {outcome['run']['state']}")
     elif outcome["status"] != "SUCCEEDED":
         found.append(f"run {outcome['status']}: {outcome['error']}: {outcome['cause']}")
     elif outcome["run"]["latest_checkpoint"] != template["trainer"]["training"]["steps"]:

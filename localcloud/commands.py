@@ -27,6 +27,7 @@ def demo(argv: list[str]) -> int:
 
 
 def _local_up(args: argparse.Namespace) -> int:
+    import shlex
     import signal
 
     from localcloud import LocalCloud
@@ -51,10 +52,11 @@ def _local_up(args: argparse.Namespace) -> int:
     metadata = serve_fleet(cloud)  # instances booted here find their IMDSv2, as on EC2
     boot_as_nodes(cloud)  # a run's instances boot as its nodes, from their user data's settings
     try:
+        # The variables that point the AWS CLI and SDKs (and `trainfleet`) at it, as a shell takes them.
         print(f"local cloud running at {cloud.endpoint}", flush=True)
-        print("  " + " ".join(f"{name}={value}" for name, value in cloud.env().items()), flush=True)
-        print(f"  instance metadata on port {metadata.port}; instance folders in {cloud.workdir}",
-              flush=True)
+        for name, value in cloud.env().items():
+            print(f"export {name}={shlex.quote(value)}", flush=True)
+        print(f"# instance metadata on port {metadata.port}; instance folders in {cloud.workdir}", flush=True)
         _wait_for_a_signal()
     except KeyboardInterrupt:
         pass
@@ -90,7 +92,11 @@ def _wait_for_a_signal() -> None:
 
 
 def _add_local_up(local_commands: argparse._SubParsersAction) -> None:
-    up = local_commands.add_parser("up", help="run the local cloud in the foreground until Ctrl-C")
+    up = local_commands.add_parser(
+        "up", help="run the local cloud in the foreground until Ctrl-C",
+        description="Run the local cloud in the foreground until Ctrl-C. It prints its endpoint, then the "
+                    "`export` lines that point the AWS CLI, the SDKs and `trainfleet` at it: paste them into "
+                    "the shell you run the other commands in. A run's instances boot here as its nodes.")
     up.add_argument("--port", type=int, default=4566, help="0 picks a free port (default: 4566)")
     up.add_argument("--region", default=os.environ.get("AWS_REGION", "us-east-1"),
                     help="default: $AWS_REGION or us-east-1")
@@ -105,7 +111,7 @@ def _local_deploy(args: argparse.Namespace) -> int:
     if not args.endpoint:
         print("trainfleet local deploy: no endpoint: pass --endpoint URL or set AWS_ENDPOINT_URL", file=sys.stderr)
         return 2
-    request = DeployRequest(template=args.template, endpoint=args.endpoint, stack_name=args.stack_name,
+    request = DeployRequest(template=args.template, endpoint=args.endpoint, stack_name=args.stack,
                             region=args.region, parameters=dict(args.param))
     try:
         stack = deploy(request)
@@ -125,7 +131,7 @@ def _local_deploy(args: argparse.Namespace) -> int:
             print(f"trainfleet local deploy: deployed, but the nodes' artifacts were not published "
                   f"(the credentials `trainfleet local up` prints must be set): {error}", file=sys.stderr)
             return 1
-    print(format_stack(stack))
+    print(format_stack(stack, as_json=args.json))
     return 0
 
 
@@ -137,15 +143,20 @@ def _parameter(text: str) -> tuple[str, str]:
 
 
 def _add_local_deploy(local_commands: argparse._SubParsersAction) -> None:
-    deploy = local_commands.add_parser("deploy", help="deploy a SAM template into a running local cloud")
+    from trainfleet.operator.stack_option import stack_option
+
+    what = "deploy a SAM template into a running local cloud, as `sam deploy` would"
+    deploy = local_commands.add_parser("deploy", help=what, description=what,
+                                       parents=[stack_option("the stack to create")])
     deploy.add_argument("--template", type=Path, default=Path("template.yaml"), help="default: template.yaml")
     deploy.add_argument("--endpoint", default=os.environ.get("AWS_ENDPOINT_URL"),
                         help="the local cloud's URL (default: $AWS_ENDPOINT_URL)")
     deploy.add_argument("--param", type=_parameter, action="append", default=[], metavar="NAME=VALUE",
                         help="parameter override; repeat for several")
-    deploy.add_argument("--stack-name", default="trainfleet", help="default: trainfleet")
     deploy.add_argument("--region", default=os.environ.get("AWS_REGION", "us-east-1"),
                         help="default: $AWS_REGION or us-east-1")
+    deploy.add_argument("--json", action="store_true",
+                        help="every resource made, as JSON (default: a summary and the stack's outputs)")
     deploy.set_defaults(func=_local_deploy)
 
 

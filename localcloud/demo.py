@@ -196,11 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run report: {outcome['report_page']} (and its plots as PNGs beside it)", flush=True)
     print(f"the trained model: {outcome['model']} (safetensors; trainfleet sample --from {outcome['model']} "
           f"--prompt TEXT)", flush=True)
-    from trainer.export import load_exported
+    from trainer.export import exported_tokenizer, load_exported
     from trainer.sample import generate
 
     print(f"a sample, after {SAMPLE_PROMPT!r}:", flush=True)
-    print(SAMPLE_PROMPT + generate(load_exported(Path(outcome["model"])), SAMPLE_PROMPT, new_tokens=160), flush=True)
+    model = Path(outcome["model"])
+    print(SAMPLE_PROMPT + generate(load_exported(model), exported_tokenizer(model), SAMPLE_PROMPT, new_tokens=160),
+          flush=True)
     return 0 if outcome["status"] == "SUCCEEDED" else 1
 
 

@@ -42,6 +42,7 @@ import json
 import subprocess
 import uuid
 import zipfile
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -503,6 +504,24 @@ def _ensure_bucket(s3: Any, bucket: str, region: str) -> None:
             raise
 
 
-def format_stack(stack: DeployedStack) -> str:
-    """The deploy result as indented JSON, for the command line."""
-    return json.dumps(stack.as_dict(), indent=2, sort_keys=False, default=str)
+OUTPUT_CHARS = 100
+"""Most characters of an output's value in the summary (the JSON has it whole)."""
+
+
+def format_stack(stack: DeployedStack, as_json: bool = False) -> str:
+    """The deploy result for the command line: what was made, by type, and the stack's outputs,
+    one a line; or (`as_json`) every resource, skipped condition and output, as indented JSON."""
+    if as_json:
+        return json.dumps(stack.as_dict(), indent=2, sort_keys=False, default=str)
+    kinds = Counter(resource.resource_type.removeprefix("AWS::") for resource in stack.resources.values())
+    made = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
+    lines = [f"deployed stack {stack.stack_name} in {stack.region}: {len(stack.resources)} resources ({made})"]
+    if stack.skipped:
+        lines.append(f"skipped (condition false): {', '.join(sorted(stack.skipped))}")
+    width = max((len(name) for name in stack.outputs), default=0)
+    lines += [f"  {name:<{width}}  {_short(str(value))}" for name, value in stack.outputs.items()]
+    return "\n".join(lines)
+
+
+def _short(value: str) -> str:
+    return value if len(value) <= OUTPUT_CHARS else value[:OUTPUT_CHARS - 1] + "…"

@@ -31,12 +31,14 @@ import ctypes
 import io
 import logging
 import os
+import re
 import runpy
 import signal
 import subprocess
 import sys
 import threading
 import traceback
+import warnings
 from typing import Any, Callable, NoReturn
 
 __all__ = ["install", "runnable", "exec_in_place", "module_of", "NAME_LENGTH"]
@@ -67,6 +69,9 @@ def exec_in_place(argv: list[str]) -> NoReturn:
     if option == "-m":
         sys.argv = [target, *arguments]
         sys.path[0] = os.getcwd()
+        # runpy warns that the module was imported before it ran: here it was, by the warm image,
+        # on purpose; a new interpreter (a node's) has it not imported, and says nothing.
+        warnings.filterwarnings("ignore", message=f"'{re.escape(target)}' found in sys.modules", category=RuntimeWarning)
         main = lambda: runpy.run_module(target, run_name="__main__", alter_sys=True)  # noqa: E731
     else:
         sys.argv = ["-c", *arguments]

@@ -247,9 +247,9 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, stead
         time.sleep(window_s)
         view.until("steady training to go on", lambda record: record.state is RunState.TRAINING)
         steady = meter.stop("steady_training")
-        view.until("the end of training", lambda record: record.state in (RunState.TEARING_DOWN, *_FINAL))
+        view.until("the end of training", lambda record: record.state is RunState.TEARING_DOWN or record.state.is_final)
         meter.stop("training_to_end")
-        end = view.until("the end", lambda record: record.state in _FINAL)
+        end = view.until("the end", lambda record: record.state.is_final)
         until(lambda: all(instance.state == "terminated" for instance in stack.instances(run)), stack.cloud.activity,
               what="every instance to terminate")
         teardown = meter.stop("teardown")
@@ -279,9 +279,6 @@ def s3_prefix_figures(cloud: Any) -> dict[str, Any]:
     return {"busiest_read": busiest("read"), "busiest_write": busiest("write"),
             "busiest_artifacts_read": busiest("read", "/artifacts/"),
             "slowdowns": cloud.failed_requests[("s3", "slowdown")]}
-
-
-_FINAL = (RunState.SUCCEEDED, RunState.FAILED)
 
 
 def main(argv: list[str] | None = None) -> int:

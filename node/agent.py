@@ -79,6 +79,7 @@ a quarter of an hour in); an instance its run left behind is the reaper's to end
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -852,7 +853,9 @@ class Attempt:
         self.final_step = spec.trainer_config.get("training", {}).get("steps")
         self.finished: float | None = None  # control.clock() when the metrics showed the final step
         self.last_heartbeat = self.last_progress = -math.inf
-        self.unsent_steps: list[dict[str, Any]] = []  # metrics records of steps no TrainingProgress carried yet
+        self.unsent_steps: list[tuple[int, dict[str, Any]]] = []
+        """Metrics records of steps no TrainingProgress carried yet, each with the attempt that
+        trained it: a world repaired in place goes on writing the same file in the next attempt."""
         self.beaten = Life()
         """What the trainer's files showed at the last heartbeat."""
         self.seen = Life()
@@ -967,6 +970,7 @@ class Attempt:
         for check in WORLD_CHECKS:  # the repaired world writes its own (its restore)
             self.files.check_result(check).unlink(missing_ok=True)
         self.checks_reported.clear()
+        self.send_progress()  # the failed attempt's last steps, ahead of the new one's
         self.spec, self.generation = spec, spec.repair.generation
         self.announced |= announced_before(spec, self.control.call(
             "list the committed checkpoints", lambda: catalog.committed_steps(self.checkpoints)) or ())
@@ -1052,7 +1056,7 @@ class Attempt:
             self.last_step = records[-1]["step"]
             if self.finished is None and self.last_step == self.final_step:
                 self.finished = now
-        self.unsent_steps += steps
+        self.unsent_steps += [(self.spec.attempt, step) for step in steps]
         # The final step goes out at once: the history and the run record end where training did.
         if self.unsent_steps and (now - self.last_progress >= PROGRESS_EVERY_S or self.finished is not None):
             self.send_progress()
@@ -1165,15 +1169,18 @@ class Attempt:
             self.checks_reported.add(check)
 
     def send_progress(self) -> None:
-        """Every step since the last TrainingProgress, PROGRESS_SAMPLES_MAX an event: the run's
-        history holds each one. What could not be sent goes at the next try."""
+        """Every step since the last TrainingProgress, PROGRESS_SAMPLES_MAX an event, each in an
+        event of the attempt that trained it: the run's history holds each one. What could not be
+        sent goes at the next try."""
         while self.unsent_steps:
-            records = self.unsent_steps[:PROGRESS_SAMPLES_MAX]
-            latest = records[-1]
+            attempt = self.unsent_steps[0][0]
+            records = list(itertools.takewhile(lambda unsent: unsent[0] == attempt,
+                                               self.unsent_steps[:PROGRESS_SAMPLES_MAX]))
+            latest = records[-1][1]
             if not self.control.send(TrainingProgress(
-                    run_name=self.spec.run_name, attempt=self.spec.attempt, instance_id=self.identity.instance_id,
+                    run_name=self.spec.run_name, attempt=attempt, instance_id=self.identity.instance_id,
                     step=latest["step"], loss=latest["loss"], tokens_per_second=latest["tokens_per_s"],
-                    step_seconds=latest["step_time_s"], samples=progress_samples(records))):
+                    step_seconds=latest["step_time_s"], samples=progress_samples([record for _, record in records]))):
                 return
             del self.unsent_steps[:len(records)]
 

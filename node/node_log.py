@@ -8,8 +8,8 @@ RUN --node N` reads the stream's end. The node role may write only streams under
 name.
 
 Lines are gathered as they come (`add` from the agent, `follow` of the current attempt's
-torchrun output) and put every SHIP_INTERVAL_S by a thread of their own, in batches within
-PutLogEvents' limits. While CloudWatch Logs cannot be reached, lines wait, up to
+torchrun output, read every READ_INTERVAL_S: a trainer line carries its own time to within that)
+and put every SHIP_INTERVAL_S by a thread of their own, in batches within PutLogEvents' limits. While CloudWatch Logs cannot be reached, lines wait, up to
 BACKLOG_LIMIT_BYTES; beyond that the oldest are dropped and the next batch says how many:
 shipping must never hold up training nor fill the node's memory.
 """
@@ -27,6 +27,9 @@ from botocore.exceptions import BotoCoreError, ClientError
 SHIP_INTERVAL_S = 5.0
 """Seconds between two shipments: 512 nodes put about 100 batches a second, far inside the
 account's PutLogEvents quota."""
+READ_INTERVAL_S = 0.5
+"""Seconds between two reads of the followed files: a line is stamped when it is read (torchrun's
+output has no times of its own), so within this of when it was written."""
 EVENT_OVERHEAD_BYTES = 26
 """What CloudWatch Logs counts per event on top of its message."""
 MAX_EVENT_BYTES = 256 * 1024 - EVENT_OVERHEAD_BYTES
@@ -70,7 +73,7 @@ class NodeLog:
     def ship(self) -> int:
         """Read the followed files' new lines and put every line gathered; the events put. A
         failed put keeps its lines for the next shipment."""
-        self._read_followed()
+        self.read()
         sent = 0
         while batch := self._next_batch():
             try:
@@ -84,9 +87,14 @@ class NodeLog:
         return sent
 
     def run(self, stop: threading.Event) -> None:
-        """Ship every SHIP_INTERVAL_S until `stop`, then once more."""
-        while not stop.wait(SHIP_INTERVAL_S):
+        """Read every READ_INTERVAL_S and ship every SHIP_INTERVAL_S until `stop`, then ship once more."""
+        next_shipment = time.monotonic() + SHIP_INTERVAL_S
+        while not stop.wait(READ_INTERVAL_S):
+            if time.monotonic() < next_shipment:
+                self.read()
+                continue
             self.ship()
+            next_shipment = time.monotonic() + SHIP_INTERVAL_S
         self.ship()
 
     def _append(self, timestamp: int, message: str, oldest: bool = False) -> None:
@@ -98,7 +106,8 @@ class NodeLog:
         self._bytes -= _cost(message)
         return timestamp, message
 
-    def _read_followed(self) -> None:
+    def read(self) -> None:
+        """Gather the followed files' new complete lines, each stamped now."""
         with self._lock:
             followed = dict(self._followed)
         for source, (path, offset) in followed.items():

@@ -47,12 +47,12 @@ def node_loss(template: dict) -> dict:
 
 def exported_summary(folder: Path) -> dict:
     """The exported model's config, files, and a sample from it (the demo prints one)."""
-    from trainer.export import load_exported
+    from trainer.export import exported_tokenizer, load_exported
     from trainer.sample import generate
 
     return {"config": json.loads((folder / "config.json").read_text()),
             "files": sorted(path.name for path in folder.iterdir()),
-            "sample": generate(load_exported(folder), SAMPLE_PROMPT, new_tokens=40, seed=0)}
+            "sample": generate(load_exported(folder), exported_tokenizer(folder), SAMPLE_PROMPT, new_tokens=40, seed=0)}
 
 
 SLOW_DELAY_S = 0.5

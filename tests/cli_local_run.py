@@ -111,6 +111,7 @@ def main() -> dict:
         cli("status_done", "status", "cli-run")
         cli("list", "list")
         cli("logs", "logs", "cli-run")
+        cli("logs_json", "logs", "cli-run", "--json")
         cli("node_log", "logs", "cli-run", "--node", "0")
         cli("node_log_unknown", "logs", "cli-run", "--node", "i-0000000000000dead")
         cli("report", "report", "cli-run", "--out", str(folder / "report"))
@@ -119,14 +120,18 @@ def main() -> dict:
         cli("stop_finished", "stop", "cli-run")
         cli("status_unknown", "status", "no-such-run")
         cli("report_unknown", "report", "no-such-run")
-        cli("list_unknown_stack", "--stack", "no-such-stack", "list")
+        cli("list_unknown_stack", "list", "--stack", "no-such-stack")
         two_nodes = json.loads(json.dumps(template))
         two_nodes["node_count"], two_nodes["trainer"]["parallel"]["dp"] = 2, 1
         cli("start_second", "start", spec_file("cli-stopped", two_nodes))
         first("cli-stopped", "commit")
         cli("stop", "stop", "cli-stopped", "--timeout", "120")
-        results["stopped_instances"] = sorted({instance.state for instance in stack.cloud.fleet.instances()
-                                               if instance.tags.get("trainfleet:run") == "cli-stopped"})
+        # As EC2 describes them the moment `stop` returned: every one terminated.
+        results["stopped_instances"] = sorted({
+            instance["State"]["Name"] for reservation in stack.cloud.client("ec2").describe_instances(
+                Filters=[{"Name": "tag:trainfleet:run", "Values": ["cli-stopped"]}])["Reservations"]
+            for instance in reservation["Instances"]})
+        cli("status_stopped", "status", "cli-stopped")
         # The stopped run goes on in a run of its own from its newest commit, which it keeps as it was.
         stopped_uri = f"s3://{stack.bucket}/runs/cli-stopped/checkpoints"
         results["resumed"] = {"stopped_commit": latest_committed(stopped_uri, stack.client("s3")).step,

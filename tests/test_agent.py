@@ -31,7 +31,8 @@ from trainfleet.adapters.liveness import read_liveness
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.core.events import PROGRESS_SAMPLES_MAX, CheckpointReason
 from trainfleet.core.records import (RENDEZVOUS_PORT, RENDEZVOUS_PORTS, CheckpointRef, FailureClass, FailureReport,
-                                     LaunchSpec, NodeRecord, RunRecord, RunState, TrainerFailureKind, rendezvous_port)
+                                     LaunchSpec, NodeRecord, RunRecord, RunState, TrainerFailureKind, WorldRepair,
+                                     rendezvous_port)
 from trainfleet.core.runspec import RunSpec
 
 from localcloud_helpers import table_from_template
@@ -315,6 +316,35 @@ def watched_attempt(moto_endpoint, metadata_service, tmp_path):
         return [json.loads(message["Body"]) for message in messages]
 
     yield attempt, store, sent
+
+
+def test_steps_trained_before_a_repair_in_place_go_out_as_the_failed_attempts(watched_attempt):
+    """A world repaired in place writes on into the same metrics file: each step is reported in
+    an event of the attempt that trained it, the failed attempt's last ones before the new one's."""
+    attempt, store, sent = watched_attempt
+    bucket = store.bucket
+
+    def trained(*steps: int) -> None:
+        with attempt.files.metrics.open("a") as metrics:
+            for step in steps:
+                metrics.write(json.dumps({"step": step, "loss": 3.0, "tokens_per_s": 900.0, "step_time_s": 0.1,
+                                          "time": time.time()}) + "\n")
+        attempt.follow()
+
+    trained(11)  # the first report goes at once
+    trained(12, 13, 14)  # then every PROGRESS_EVERY_S: these wait
+    repaired = launch_spec(attempt=2, resume_step=None).model_copy(update={
+        "repairable": True, "repair": WorldRepair(generation=1, launched_attempt=1, survivor_ids=[IDENTITY.instance_id])})
+    boto3.client("s3", region_name="us-east-1").put_object(
+        Bucket=bucket, Key="runs/run-a/launch-spec.json", Body=repaired.model_dump_json().encode())
+    attempt.repair_pending = 2
+    assert attempt.take_repaired_spec() and attempt.spec.attempt == 2
+    trained(15, 16)
+    attempt.send_progress()
+    events = sorted((event for event in sent() if event["detail-type"] == "TrainingProgress"),
+                    key=lambda event: event["detail"]["step"])
+    assert [(event["detail"]["attempt"], [sample["step"] for sample in event["detail"]["samples"]])
+            for event in events] == [(1, [11]), (1, [12, 13, 14]), (2, [15, 16])]
 
 
 def test_the_rank_0_node_announces_each_new_commit_once_with_progress(watched_attempt):

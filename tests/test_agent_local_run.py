@@ -3,6 +3,8 @@
 nodes at pp=2, node rank 1's instance killed after the first committed checkpoint; and a trainer
 config the trainer refuses."""
 
+from datetime import datetime
+
 import pytest
 from localcloud_helpers import run_scenario
 
@@ -144,12 +146,23 @@ def test_the_demo_writes_the_report_and_it_shows_the_kill_and_the_resume(run):
     assert run["disrupted"]["victim"] in page, "the node replaced"
     assert failure["detection_seconds"] is not None and 0 <= failure["detection_seconds"] < 30
     assert run["report"]["steps_lost"] >= 0
+    # Each step with the attempt that trained it (the survivor kept its trainer, and its agent
+    # reported attempt 0's last steps as attempt 0's), nothing unknown: every step was reported.
+    first, second = run["report"]["progress"]
+    assert (first["attempt"], first["steps"], first["unknown_steps"]) == (0, [1, failure["last_step"]], None)
+    assert (second["attempt"], second["steps"], second["unknown_steps"]) == (
+        1, [failure["resume_step"] + 1, FINAL_STEP], None)
+    assert datetime.fromisoformat(second["from"]) > datetime.fromisoformat(failure["decided_at"]), (
+        "attempt 1's steps after it began")
+    assert first["reporter"] == second["reporter"] == run["disrupted"]["survivor"]
 
 
 @pytest.mark.slow
 def test_the_demo_exports_its_final_model_and_it_writes_text(run):
     exported = run["exported"]
-    assert exported["config"]["architectures"] == ["TrainfleetGPT"] and exported["config"]["step"] == FINAL_STEP
-    assert exported["config"]["saved_layout"]["pp"] == 2
-    assert {"config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"} == set(exported["files"])
+    config = exported["config"]
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["trainfleet"]["step"] == FINAL_STEP
+    assert config["trainfleet"]["saved_layout"]["pp"] == 2
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors",
+            "tokenizer.json", "tokenizer_config.json"} == set(exported["files"])
     assert exported["sample"], "the model writes after the prompt"

@@ -91,6 +91,16 @@ def test_a_label_goes_on_its_bar_after_it_or_nowhere_as_room_allows():
     assert [text.get_text() for text in legend.get_texts()] == ["train", "allocate"], "one entry per key"
 
 
+def test_a_bar_that_starts_before_the_axis_is_labelled_by_its_part_within_it():
+    """A state entered before the run was created (Validate records the run) starts left of 0."""
+    chart = Chart("rows", Axis("time", seconds=True, limits=(0, 100)), bars=[
+        Bar("a", -30, 1, BLUE, "validate"), Bar("a", 1, 100, GREEN, "train")])
+    assert [text.get_text() for text in plot(chart).texts] == ["train"], "no label outside the axes"
+    chart = Chart("rows", Axis("time", seconds=True, limits=(0, 100)), bars=[Bar("a", -30, 40, BLUE, "validate")])
+    (label,) = plot(chart).texts
+    assert label.get_position()[0] == pytest.approx(20), "centred on what is drawn"
+
+
 def test_marks_and_spans_are_named_in_the_legend_and_carry_their_ids():
     chart = line_chart(Series("loss", [(0, 3), (60, 1)], BLUE), marks=[Mark(26, "INSTANCE_LOST after step 26", VERMILLION)],
                        spans=[Span(20, 26, tint(VERMILLION, 0.2), "steps trained again")])

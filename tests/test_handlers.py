@@ -7,6 +7,7 @@ test reads the token from the queue, so success and failure are seen by Step Fun
 """
 
 import json
+import logging
 import math
 import os
 import sys
@@ -49,6 +50,7 @@ def resources(cloud):
              for logical_id in ("RunTable", "LivenessTable", "IdempotencyTable")}
     bucket = f"checkpoints-{uuid.uuid4().hex[:8]}"
     cloud.client("s3").create_bucket(Bucket=bucket)
+    write_shard_set(cloud, bucket, "data/tokens", vocab_size=257)  # where the RunSpecs here train: Validate reads it
     node_policy = cloud.client("iam").create_policy(PolicyName=f"nodes-{uuid.uuid4().hex[:6]}", PolicyDocument=json.dumps(
         {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:GetObject", "Resource": "*"}]}))
     return {"run_table": names["RunTable"], "liveness_table": names["LivenessTable"], "idempotency_table": names["IdempotencyTable"], "bucket": bucket,
@@ -249,6 +251,46 @@ def test_in_memory_checkpoints_that_do_not_fit_host_memory_are_refused(handlers,
     handlers.validate.handler({"run_spec": document, "execution_arn": "arn:y"}, Context())
 
 
+def write_shard_set(cloud, bucket: str, prefix: str, vocab_size: int, tokenizer_spec: str = "bytes") -> None:
+    """An index at s3://bucket/prefix as `trainfleet data prepare` writes one (its shards need not be there:
+    Validate reads the index alone)."""
+    from trainer import tokenizer
+    from trainer.shards import index_of
+
+    index = index_of([], "tokenizer.json", tokenizer.sha256_of(tokenizer_spec), vocab_size)
+    cloud.client("s3").put_object(Bucket=bucket, Key=f"{prefix}/index.json", Body=json.dumps(index).encode())
+
+
+def test_a_shard_location_without_an_index_is_refused_before_anything_is_allocated(handlers, resources, cloud):
+    document = spec_document(resources["bucket"], "typo")
+    document["trainer"]["data"] = {"shards": f"s3://{resources['bucket']}/data/tokns"}
+    with pytest.raises(handlers.errors.InvalidRunSpec, match=(
+            rf"^trainer.data.shards: s3://{resources['bucket']}/data/tokns holds no index.json: no shard set is there")):
+        handlers.validate.handler({"run_spec": document, "execution_arn": "arn:typo"}, Context())
+    items = cloud.client("dynamodb").scan(TableName=resources["run_table"])["Items"]
+    assert not [item for item in items if item["pk"]["S"] == "RUN#typo"]
+
+
+def test_a_vocabulary_or_tokenizer_that_does_not_fit_the_shards_is_refused_naming_both(handlers, resources, cloud):
+    write_shard_set(cloud, resources["bucket"], "data/llama", vocab_size=128_256)
+    document = spec_document(resources["bucket"], "small-vocab")
+    document["trainer"]["model"].pop("vocab_size", None)  # the default: the byte tokenizer's 257
+    document["trainer"]["data"] = {"shards": f"s3://{resources['bucket']}/data/llama"}
+    with pytest.raises(handlers.errors.InvalidRunSpec) as refused:
+        handlers.validate.handler({"run_spec": document, "execution_arn": "arn:small"}, Context())
+    assert str(refused.value).startswith(
+        f"trainer: model.vocab_size=257 is smaller than the vocabulary of the shards at s3://{resources['bucket']}"
+        "/data/llama (128256, tokenizer tokenizer.json)"), str(refused.value)
+    write_shard_set(cloud, resources["bucket"], "data/other", vocab_size=257, tokenizer_spec="bytes")
+    cloud.client("s3").put_object(Bucket=resources["bucket"], Key="data/tok/tokenizer.json", Body=b"{}")
+    document["trainer"]["data"] = {"shards": f"s3://{resources['bucket']}/data/other",
+                                   "tokenizer": f"s3://{resources['bucket']}/data/tok/tokenizer.json"}
+    with pytest.raises(handlers.errors.InvalidRunSpec, match=(
+            rf"^trainer: data.tokenizer=s3://{resources['bucket']}/data/tok/tokenizer.json \(sha256 44136fa355b3\) "
+            r"is not the tokenizer the shards at .*/data/other were made with \(tokenizer.json, sha256 ")):
+        handlers.validate.handler({"run_spec": document, "execution_arn": "arn:tok"}, Context())
+
+
 def test_validate_records_the_run_and_passes_on_a_reference_of_constant_size(handlers, resources):
     small = spec_document(resources["bucket"], "small-run", **ON_THE_STACKS_NETWORK)
     large = spec_document(resources["bucket"], "large-run", node_count=512, spare_count=16, **ON_THE_STACKS_NETWORK,
@@ -327,6 +369,11 @@ def test_validate_resumes_only_an_ended_run_of_this_model_that_committed_a_check
 
     refused("resume_from: this stack has no run named 'never-ran'", resume_from="never-ran")
     refused("resume_from: a run resumes another run, not itself", resume_from="resumed-run")
+    example = spec_document(bucket, "x")["trainer"]
+    initialised = {**example, "training": {**example["training"], "init_from": f"s3://{bucket}/models/base"}}
+    refused("resume_from: a resumed run starts from the other run's newest checkpoint, whole; "
+            r"trainer.training.init_from \(weights to start from\) cannot be given with it",
+            resume_from="ended-run", trainer=initialised)
     refused(r"resume_from: run 'ended-run' is REQUESTED: a run resumes one that has ended \(`trainfleet run stop "
             "ended-run` ends it\)", resume_from="ended-run")
     for state in (RunState.TEARING_DOWN, RunState.FAILED):
@@ -334,7 +381,6 @@ def test_validate_resumes_only_an_ended_run_of_this_model_that_committed_a_check
     refused("resume_from: run 'ended-run' committed no checkpoint under "
             f"s3://{bucket}/runs/ended-run/checkpoints: nothing to resume from", resume_from="ended-run")
     save(cloud.client("s3"), f"s3://{bucket}/runs/ended-run/checkpoints", 40)
-    example = spec_document(bucket, "x")["trainer"]
     other = {**example, "model": {**example["model"], "n_heads": example["model"]["n_heads"] * 2}}
     refused(f"resume_from: trainer.model.n_heads is {other['model']['n_heads']} here and was "
             f"{example['model']['n_heads']} in run 'ended-run': a checkpoint loads only into the model it was "
@@ -751,6 +797,7 @@ def test_the_steps_a_progress_event_carries_are_kept_for_the_report(handlers, cl
     assert [(attempt, sample.step) for attempt, sample in kept] == [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 7)]
     assert math.isnan(kept[2][1].loss) and kept[4][1].tokens_per_second == 905.0
     assert store.latest_progress(run.run_name)[1].step == 7
+    assert {report.reporter for report in store.progress_reports(run.run_name)} == {host}, "who reported them"
 
 
 def test_a_lost_spare_is_recorded_without_failing_training(handlers, cloud, resources):
@@ -831,6 +878,48 @@ def test_a_checkpoint_claim_is_checked_against_s3(handlers, cloud, resources):
         "uri": f"{run.spec.checkpoint.s3_uri}/step-000000100"})
     assert handlers.events.handler(claim, Context())["outcome"] == "ignored: checkpoint not whole"
     assert store.run(run.run_name).latest_checkpoint is None
+
+
+def test_the_last_step_is_never_below_the_newest_commit_and_a_claim_of_a_pruned_step_is_no_warning(
+        handlers, cloud, resources):
+    """Progress goes out every few seconds, commits as soon as an agent looks: `run status` must
+    not say step 10 beside checkpoint step 60. A step keep_last pruned after the agent listed it
+    is no failed save."""
+    from test_adapters_checkpoints import save
+    store, run, (worker, _) = recorded_run(cloud, resources)
+    every, uri = run.spec.checkpoint.interval_steps, run.spec.checkpoint.s3_uri
+    save(cloud.client("s3"), uri, 2 * every)
+
+    def claim(step: int) -> dict:
+        return agent_event("CheckpointCommitted", {"run_name": run.run_name, "attempt": 0, "instance_id": worker,
+                                                   "step": step, "uri": f"{uri}/step-{step:09d}"})
+
+    assert handlers.events.handler(claim(2 * every), Context())["outcome"].startswith(f"checkpoint step {2 * every}")
+    assert store.run(run.run_name).last_step == 2 * every
+    sample = {"step": 3, "loss": 4.0, "tokens_per_second": 900.0, "step_seconds": 0.5, "at": "2026-01-01T00:00:03Z"}
+    progress = agent_event("TrainingProgress", {"run_name": run.run_name, "attempt": 0, "instance_id": worker,
+                                                "step": 3, "loss": 4.0, "tokens_per_second": 900.0,
+                                                "step_seconds": 0.5, "samples": [sample]})
+    handlers.events.handler(progress, Context())
+    assert store.run(run.run_name).last_step == 2 * every
+    heard = Heard()
+    functions_log = logging.getLogger(handlers.common.logger.service)  # Powertools' logger, by its service
+    functions_log.addHandler(heard)
+    try:
+        outcome = handlers.events.handler(claim(every), Context())["outcome"]
+    finally:
+        functions_log.removeHandler(heard)
+    assert outcome == f"ignored: step {every} pruned since, step {2 * every} recorded"
+    assert heard.levels == ["INFO", "INFO"], heard.levels  # the claim's line and the event's
+
+
+class Heard(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.levels: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.levels.append(record.levelname)
 
 
 @pytest.mark.parametrize("sample, failure_class", [
@@ -931,6 +1020,8 @@ def test_a_replacement_refused_for_the_vcpu_quota_is_waited_for_as_capacity(hand
     store = RunStore(cloud.client("dynamodb"), resources["run_table"])
     handlers.allocate.handler(payload, Context())
     handlers.await_nodes.handler({"run": payload, "task_token": "token-of-await-nodes"}, Context())
+    # One node registered, so the boot timeout is a slow node's, not the set-up's (SETUP_FAILED).
+    store.transition_node(name, sorted(node.instance_id for node in store.nodes(name))[0], NodeState.REGISTERED)
     caught = {**payload, "failure": {"Error": "States.Timeout", "Cause": "AwaitNodes timed out"}}
     cloud.set_vcpu_quota(0)
     try:

@@ -79,7 +79,7 @@ def test_a_stopped_execution_leaves_no_instance_running(outcome):
           f"({stopped['launched']} instances, local cloud at time_scale 0.02)")
     assert stopped["status"] == "ABORTED"
     assert stopped["launched"] == 2 and set(stopped["instances"].values()) == {"terminated"}
-    assert stopped["run"] == {"state": "FAILED", "error": "ExecutionEnded: the execution is ABORTED"}
+    assert stopped["run"] == {"state": "STOPPED", "error": None}
     assert stopped["report"] == [f"runs/{stopped['name']}/report.json"]
 
 

@@ -169,10 +169,10 @@ def test_a_stopped_execution_has_its_run_torn_down_by_its_status_event(handlers,
 
     assert functions.reaper.handler(status_change(execution, name, "ABORTED"), Context())["reaped"] == [name]
     run = store.run(name)
-    assert run.state is RunState.FAILED and run.error == "ExecutionEnded: the execution is ABORTED"
+    assert run.state is RunState.STOPPED and run.error is None, "stopped on purpose: nothing failed"
     report = json.loads(cloud.client("s3").get_object(Bucket=resources["bucket"],
                                                       Key=f"runs/{name}/report.json")["Body"].read())
-    assert (report["state"], report["error"]) == ("FAILED", "ExecutionEnded: the execution is ABORTED")
+    assert (report["state"], report["error"]) == ("STOPPED", None)
     assert run_instance_ids(cloud.client("ec2"), name, STACK) == []
     assert {node.state for node in store.nodes(name)} == {NodeState.TERMINATING}
     # Never reached a step: all of it start-up, from its creation to the reaper's booking.

@@ -51,7 +51,8 @@ def test_data_shards_the_nodes_cannot_read_are_refused_naming_the_field(shards):
     document = example()
     document["trainer"]["data"]["shards"] = shards
     with pytest.raises(InvalidRunSpec, match=r"^trainer\.data\.shards: the nodes read only under "
-                                             rf"s3://{BUCKET}/runs/, s3://{BUCKET}/data/, s3://{BUCKET}/artifacts/"):
+                                             rf"s3://{BUCKET}/runs/, s3://{BUCKET}/data/, s3://{BUCKET}/models/, "
+                                             rf"s3://{BUCKET}/artifacts/"):
         parse(document)
 
 
@@ -71,3 +72,19 @@ def test_shards_in_another_runs_folder_are_refused_naming_the_field():
     with pytest.raises(InvalidRunSpec, match=r"^trainer\.data\.shards: under runs/ a run's nodes read their own "
                                              rf"run's folder alone, s3://{BUCKET}/runs/gpt-1b-p5-demo/ "):
         parse(document)
+
+
+def test_an_imported_model_the_nodes_cannot_read_is_refused_naming_the_field():
+    """training.init_from: where `trainfleet checkpoint import` put a model for runs to start from."""
+    from functions.errors import InvalidRunSpec
+
+    for readable in (f"s3://{BUCKET}/models/llama3-8b", f"s3://{BUCKET}/runs/gpt-1b-p5-demo/imported"):
+        document = example()
+        document["trainer"]["training"]["init_from"] = readable
+        assert parse(document).trainer.training.model_extra["init_from"] == readable
+    for unreadable, problem in ((f"s3://{BUCKET}/imports/llama", "the nodes read only under"),
+                                (f"s3://{BUCKET}/runs/another/checkpoints", "under runs/ a run's nodes read")):
+        document = example()
+        document["trainer"]["training"]["init_from"] = unreadable
+        with pytest.raises(InvalidRunSpec, match=rf"^trainer\.training\.init_from: {problem}"):
+            parse(document)

@@ -1,4 +1,4 @@
-"""The layout's arrows (README's Layout): every import of the project's code, at the top of a
+"""The layout's arrows (docs/ARCHITECTURE.md's Layout): every import of the project's code, at the top of a
 module or inside a function, points the way the map allows. A wrong one fails here, named with
 its file and line, before it can make the trainer depend on the control plane, a Lambda on the
 operator's side, or the core on anything above it.
@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("trainer", "node", "trainfleet", "functions", "localcloud")
 
 TRAINER_TORCH_FREE = frozenset({"trainer", "trainer.config", "trainer.schedules", "trainer.checkpoint_catalog",
-                                "trainer.tokenizer", "trainer.progress"})
+                                "trainer.tokenizer", "trainer.progress", "trainer.shards", "trainer.prepare"})
 """The trainer's modules the control plane reads (the Lambda build copies them): no torch."""
 
 PARTS = {  # a module's part: the longest of these prefixes its name starts with

@@ -29,6 +29,14 @@ def test_local_up_serves_until_interrupted():
         first_line = process.stdout.readline()
         assert first_line.startswith("local cloud running at http://127.0.0.1:"), first_line
         endpoint = first_line.split(" at ")[1].strip()
+        # What it prints next is pasted into a shell as it is: it points the AWS SDKs at it.
+        exports = []
+        while (line := process.stdout.readline()).startswith("export "):
+            exports.append(line)
+        assert len(exports) == 6 and line.startswith("# instance metadata on port "), (exports, line)
+        pasted = subprocess.run(["sh", "-c", "".join(exports) + 'echo "$AWS_ENDPOINT_URL $AWS_REGION"'],
+                                capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+        assert pasted.stdout.split() == [endpoint, "us-east-1"], pasted
         sqs = boto3.client("sqs", endpoint_url=endpoint, region_name="us-east-1")
         sqs.create_queue(QueueName="from-another-process")
         assert any(url.endswith("/from-another-process") for url in sqs.list_queues()["QueueUrls"])

@@ -3,10 +3,7 @@ read back through boto3, then the project's own template.yaml."""
 
 import io
 import json
-import os
 import re
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -30,7 +27,6 @@ from localcloud.deploy_intrinsics import (
     parameter_values,
 )
 from localcloud.deploy_resources import ip_permission, lifecycle_rule, physical_name, substitute_definition
-from localcloud.waiting import run_captured, until
 from localcloud_helpers import remove_rules
 
 REPO = Path(__file__).resolve().parents[1]
@@ -533,17 +529,25 @@ def test_project_template_deploys_and_every_resource_is_accounted_for(cloud):
 # --- the command ----------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_local_deploy_command_prints_resources_and_outputs(cloud, capsys):
+def test_local_deploy_command_prints_a_summary_and_the_outputs_or_every_resource_as_json(cloud, capsys):
     from trainfleet.cli import main
 
     code = main(["local", "deploy", "--template", str(TEST_TEMPLATE), "--endpoint", cloud.endpoint,
-                 "--stack-name", f"{STACKS}cli", "--param", "Stage=prod"])
+                 "--stack", f"{STACKS}cli", "--param", "Stage=prod", "--json"])
     printed = json.loads(capsys.readouterr().out)
     assert code == 0
     assert printed["stack_name"] == f"{STACKS}cli"
     assert printed["resources"]["TrainingRun"]["resource_type"] == "AWS::StepFunctions::StateMachine"
     assert printed["outputs"]["StateMachineArn"] == printed["resources"]["TrainingRun"]["arn"]
     assert printed["skipped"] == {}
+
+    assert main(["local", "deploy", "--template", str(TEST_TEMPLATE), "--endpoint", cloud.endpoint,
+                 "--stack", f"{STACKS}cli-summary", "--param", "Stage=prod"]) == 0
+    summary = capsys.readouterr().out.splitlines()
+    assert summary[0].startswith(f"deployed stack {STACKS}cli-summary in us-east-1: {len(printed['resources'])} "
+                                 "resources (") and "StepFunctions::StateMachine" in summary[0]
+    assert len(summary) == 1 + len(printed["outputs"]) and all(len(line) < 200 for line in summary[1:])
+    assert summary[1:] and all(line.split()[0] in printed["outputs"] for line in summary[1:])
 
 
 def test_local_deploy_command_names_a_bad_parameter(cloud, capsys):
@@ -553,50 +557,3 @@ def test_local_deploy_command_names_a_bad_parameter(cloud, capsys):
                  "--param", "Stage=staging"])
     assert code == 1
     assert "'Stage'='staging' is not one of AllowedValues ['dev', 'prod']" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_the_readmes_local_flow_trains(capsys, monkeypatch, tmp_path):
-    """`trainfleet local up` in a process of its own, `trainfleet local deploy`, then `trainfleet
-    run start RUNSPEC --watch` with the README's local RunSpec (fewer steps): the run's instances
-    boot as its nodes from their user data, and the run trains to its end."""
-    # The server process gets no help from this test's environment: `local up` alone must make
-    # the local IAM know the AWS managed policies that SAM's roles attach.
-    environment = {name: value for name, value in os.environ.items() if name != "MOTO_IAM_LOAD_MANAGED_POLICIES"}
-    output = tmp_path / "local-up.log"
-    with output.open("w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "trainfleet.cli", "local", "up", "--port", "0"],
-                                  stdout=log, stderr=subprocess.STDOUT, text=True, env=environment)
-    try:
-        lines = until(lambda: len(output.read_text().splitlines()) >= 2 and output.read_text().splitlines(),
-                      lambda: (server.poll(), output.stat().st_size), what="`local up` to say where it runs")
-        assert lines[0].startswith("local cloud running at "), lines
-        endpoint = lines[0].split(" at ")[1].strip()
-        from trainfleet.cli import main
-
-        # The variables `local up` prints, as the README has the reader set them.
-        printed_environment = dict(pair.split("=", 1) for pair in lines[1].split())
-        for name, value in printed_environment.items():
-            monkeypatch.setenv(name, value)
-        stack = f"{STACKS}from-cli"
-        code = main(["local", "deploy", "--template", str(PROJECT_TEMPLATE), "--endpoint", endpoint,
-                     "--stack-name", stack])
-        printed = capsys.readouterr()
-        assert code == 0, printed.err
-        assert json.loads(printed.out)["outputs"]["StateMachineArn"].endswith(f":{stack}-training-run")
-
-        spec = json.loads((REPO / "events" / "local-demo-run.json").read_text())
-        spec["run_name"], spec["trainer"]["training"]["steps"] = "readme-flow", 20
-        (tmp_path / "run.json").write_text(json.dumps(spec))
-        watched = run_captured([sys.executable, "-m", "trainfleet.cli", "run", "--stack", stack, "start",
-                                str(tmp_path / "run.json"), "--watch"], what="the README's run", cwd=REPO,
-                               env=os.environ | {"COLUMNS": "80"})
-        assert watched.returncode == 0, watched.stdout[-3000:] + watched.stderr[-3000:]
-        assert "execution SUCCEEDED" in watched.stdout and "step 20 of 20" in watched.stdout, watched.stdout[-3000:]
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=10)

@@ -41,6 +41,7 @@ signal.signal(signal.SIGTERM, lambda *_: None)
 done = subprocess.run([python, "-m", "probe", "report", "5"], capture_output=True, text=True, cwd="work",
                       env={"WHO": "rank", "PYTHONPATH": os.getcwd()}, start_new_session=True)
 out["report"] = {"status": done.returncode, "facts": json.loads(done.stdout), "starter": os.getpid()}
+out["imported_before"] = subprocess.run([python, "-m", "json.tool", "--help"], capture_output=True, text=True).stderr
 for action in ("raise", "exit-message"):
     done = subprocess.run([python, "-m", "probe", action], capture_output=True, text=True)
     out[action] = {"status": done.returncode, "stderr": done.stderr}
@@ -70,7 +71,7 @@ def results(tmp_path_factory):
     (folder / "probe.py").write_text(PROBE)
     (folder / "driver.py").write_text(DRIVER)
     (folder / "work").mkdir()
-    image = WarmImage.start(["json", "subprocess"])
+    image = WarmImage.start(["json", "json.tool", "subprocess"])
     try:
         driver = image.fork([sys.executable, "-m", "driver"], folder, {"PYTHONPATH": str(folder)},
                             folder / "console.log")
@@ -93,6 +94,12 @@ def test_it_ends_as_the_interpreter_would_on_an_error_or_an_exit_message(results
     _, out = results
     assert out["raise"]["status"] == 1 and "RuntimeError: probe failed" in out["raise"]["stderr"]
     assert out["exit-message"] == {"status": 1, "stderr": "probe says bye\n"}
+
+
+def test_a_module_the_image_imported_runs_without_runpys_warning_as_in_a_new_interpreter(results):
+    """A node's `python -m node.torchrun` says nothing of it: nor does the same command in place."""
+    _, out = results
+    assert out["imported_before"] == ""
 
 
 def test_it_holds_none_of_its_starters_descriptors_and_none_of_its_signal_handlers(results):

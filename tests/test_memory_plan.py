@@ -200,14 +200,56 @@ def test_plan_accepts_a_layout_that_fits(capsys):
                          "p5.48xlarge", "--nodes", "64")
     assert code == 0
     assert "layout (as configured): pp=8 dp=8 tp=8" in out and "fits:" in out and "GiB" in out
+    assert "not yet measured on a GPU" in out, "what the figures rest on, where they are read"
 
 
 def test_plan_refuses_a_layout_that_does_not_fit_and_proposes_the_smallest_fleet(capsys):
-    code, out, _ = _plan(capsys, "--model", J1_CONFIG, "--instance-type",
-                         "p4d.24xlarge", "--nodes", "64", "--activation-checkpoint", "none", "--tp", "8", "--pp", "8")
+    code, out, _ = _plan(capsys, "--model", J1_CONFIG, "--instance-type", "p4d.24xlarge", "--nodes", "64",
+                         "--activation-checkpoint", "none", "--tp", "8", "--pp", "8", "--schedule", "1f1b")
     assert code == 1
     assert "DOES NOT FIT" in out and "activations" in out
     assert "smallest fleet that fits:" in out and "activation_checkpoint=none" in out
+
+
+GPT_70B_CONFIG = str(REPO / "trainer" / "configs" / "gpt-70b.toml")
+
+
+def test_plan_predicts_the_configured_layout_and_ranks_it_with_the_fastest(capsys):
+    code, out, _ = _plan(capsys, "--model", GPT_70B_CONFIG, "--instance-type", "p5.48xlarge", "--nodes", "16")
+    assert code == 0
+    configured, ranking = out.split("fastest layouts that fit on 16 x p5.48xlarge")
+    assert "layout (as configured): pp=4 dp=8 tp=4" in configured and "fits:" in configured
+    assert "predicted step on 16 x p5.48xlarge (8 x H100 SXM5 80GB, 3,200 Gb/s a node):" in configured
+    assert "tokens/s" in configured and "MFU" in configured and "pipeline bubble" in configured
+    # The shipped config is the planner's pick: first of the three, with each one's terms.
+    places = [line for line in ranking.splitlines() if line[:2] in ("1.", "2.", "3.")]
+    assert len(places) == 3 and places[0].startswith("1. pp=4 dp=8 tp=4")
+    assert ranking.count("  step ") == 3 and ranking.count("  compute ") == 3
+
+
+def test_plan_predicts_a_layout_given_in_full_as_given(capsys):
+    code, out, _ = _plan(capsys, "--model", GPT_70B_CONFIG, "--instance-type", "p5.48xlarge", "--nodes", "16",
+                         "--pp", "1", "--tp", "8", "--dp", "16", "--dp-shard", "16", "--microbatches", "64",
+                         "--activation-checkpoint", "none", "--schedule", "1f1b")
+    assert code == 0
+    assert "layout (as given): pp=1 dp=16 tp=8 dp_shard=16 schedule=1f1b microbatches=64" in out
+    assert "FSDP gathers" in out and "FSDP reductions" in out and "fastest layouts" not in out
+
+
+def test_plan_ranks_the_fastest_layouts_keeping_what_is_given(capsys):
+    code, out, _ = _plan(capsys, "--model", J1_CONFIG, "--instance-type", "p5.48xlarge", "--nodes", "16",
+                         "--tp", "8")
+    assert code == 0 and "fastest layouts that fit on 16 x p5.48xlarge" in out
+    places = [line for line in out.splitlines() if line[:2] in ("1.", "2.", "3.")]
+    assert len(places) == 3 and all(" tp=8 " in line for line in places)
+    assert "the fastest, on its fullest GPU:" in out and "device memory" in out
+
+
+def test_plan_on_a_type_the_step_time_model_does_not_describe_plans_by_memory(capsys):
+    code, out, _ = _plan(capsys, "--model", str(REPO / "trainer" / "configs" / "gpt-7b.toml"), "--instance-type",
+                         "trn1.32xlarge", "--nodes", "4")
+    assert "the step-time model describes no accelerator of trn1.32xlarge" in out
+    assert "layout (planned)" in out and "predicted step" not in out
 
 
 def test_plan_on_a_cpu_type_says_it_does_not_check(capsys):
@@ -239,3 +281,17 @@ def test_plan_bad_arguments_are_usage_errors(capsys, args, message):
     with pytest.raises(SystemExit) as exited:
         cli.main(["plan", "--model", J1_CONFIG, "--instance-type", "p5.48xlarge", *args])
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, nodes, billions, hidden", [
+    ("llama3-8b", 4, 8.03, 14336), ("llama3-70b", 16, 70.55, 28672), ("llama3-405b", 128, 405.85, 53248)])
+def test_the_llama_3_configs_have_their_published_shapes_and_fit_their_fleets(capsys, name, nodes, billions, hidden):
+    from trainer.config import load_config
+
+    model = load_config(["--config", str(REPO / "trainer" / "configs" / f"{name}.toml")]).model
+    shape = mp.ModelShape.of(model)
+    assert (shape.architecture, shape.n_kv_heads, shape.hidden, shape.vocab_size) == ("llama", 8, hidden, 128256)
+    assert round(mp.parameter_count(shape) / 1e9, 2) == billions
+    code, out, _ = _plan(capsys, "--model", str(REPO / "trainer" / "configs" / f"{name}.toml"),
+                         "--instance-type", "p5.48xlarge", "--nodes", str(nodes))
+    assert code == 0 and "layout (as configured)" in out and "sharing 8 key/value heads" in out

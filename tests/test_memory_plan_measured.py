@@ -1,5 +1,5 @@
-"""The memory plan against the real thing: trainer/model.py's parameters, torch's pipeline orders
-and the peak tensor memory of training steps measured on CPU (fp32).
+"""The memory plan against the real thing: trainer/model.py's parameters (both families), torch's
+pipeline orders and the peak tensor memory of training steps measured on CPU (fp32).
 
 Peak memory on CPU: torch.profiler with profile_memory=True records every allocation and free of
 tensor storage with its size and time; replaying them in time order gives the live bytes at every
@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from conftest import free_port, spawn_ranks
 from trainer.config import load_config
-from trainer.model import GPT
+from trainer.model import build
 from trainer.pipeline_parallel import build_pipeline
 from trainer.schedules import SCHEDULE_CLASSES
 from trainer.schedules import SCHEDULES, schedule_problem
@@ -34,21 +34,20 @@ from trainfleet.core import memory_plan
 TOLERANCE = 0.15
 
 
-def _shape(**model) -> memory_plan.ModelShape:
-    return memory_plan.ModelShape(**{"vocab_size": 257, "seq_len": 64, **model})
-
-
 @pytest.mark.parametrize("model", [
     dict(n_layers=2, d_model=32, n_heads=2),
     dict(n_layers=3, d_model=48, n_heads=4, mlp_ratio=3, vocab_size=1000, seq_len=17),
     dict(n_layers=2, d_model=32, n_heads=2, tie_embeddings=True),
+    dict(architecture="llama", n_layers=2, d_model=64, n_heads=8, n_kv_heads=2, multiple_of=32),
+    dict(architecture="llama", n_layers=3, d_model=48, n_heads=4, ffn_hidden=100, tie_embeddings=True),
 ])
 def test_parameter_count_is_the_modules(model):
-    shape = _shape(**model)
-    config = load_config([f"--model.{key}={value}" for key, value in asdict(shape).items()])
+    config = load_config([f"--model.{key}={value}" for key, value in {"vocab_size": 257, "seq_len": 64,
+                                                                      **model}.items()])
     with torch.device("meta"):
-        gpt = GPT(config.model)
-    assert memory_plan.parameter_count(shape) == sum(p.numel() for p in gpt.parameters())
+        built = build(config.model)
+    assert memory_plan.parameter_count(memory_plan.ModelShape.of(config.model)) == sum(
+        p.numel() for p in built.parameters())
 
 
 class _StageFacts:
@@ -161,12 +160,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-MEASURED = [  # activations dominate; the parameters dominate
-    ["--model.n_layers=4", "--model.d_model=256", "--model.n_heads=4", "--model.seq_len=256",
-     "--training.batch_size=16", "--parallel.microbatches=2"],
-    ["--model.n_layers=4", "--model.d_model=512", "--model.n_heads=8", "--model.seq_len=32",
-     "--training.batch_size=8", "--parallel.microbatches=4"],
-]
+LLAMA = ["--model.architecture=llama", "--model.n_kv_heads=2", "--model.multiple_of=64"]
+"""Four query heads to two key/value heads, the MLP by Llama's rule."""
+
+MEASURED = {  # activations dominate; the parameters dominate
+    "activations": ["--model.n_layers=4", "--model.d_model=256", "--model.n_heads=4", "--model.seq_len=256",
+                    "--training.batch_size=16", "--parallel.microbatches=2"],
+    "parameters": ["--model.n_layers=4", "--model.d_model=512", "--model.n_heads=8", "--model.seq_len=32",
+                   "--training.batch_size=8", "--parallel.microbatches=4"],
+}
+MEASURED |= {f"llama {name}": [*overrides, *LLAMA] for name, overrides in MEASURED.items()}
 
 
 def _config(overrides: list[str], *layout: str):
@@ -184,7 +187,7 @@ def _batch(config):
     return (torch.randint(0, 257, shape, generator=generator), torch.randint(0, 257, shape, generator=generator))
 
 
-@pytest.mark.parametrize("overrides", MEASURED, ids=["activations", "parameters"])
+@pytest.mark.parametrize("overrides", MEASURED.values(), ids=MEASURED.keys())
 def test_one_process_peak_within_15_percent(overrides):
     torch.set_num_threads(1)
     config = _config(overrides)
@@ -200,16 +203,17 @@ MATRIX_MODEL = ["--model.n_layers=4", "--model.d_model=64", "--model.n_heads=4",
 
 
 def _matrix_cases(world: int) -> list[tuple[str, list[str]]]:
-    """Every layout of the matrix that runs on `world` ranks: pp, tp and dp_shard in {1, 2},
-    activation checkpointing none, selective or full, one or four microbatches."""
+    """Every layout of the matrix that runs on `world` ranks: both families, pp, tp and dp_shard in
+    {1, 2}, activation checkpointing none, selective or full, one or four microbatches."""
     cases = []
     for pp, tp, dp in itertools.product((1, 2), repeat=3):
         if pp * tp * dp != world:
             continue
-        for mode, microbatches in itertools.product(("none", "selective", "full"), (1, 4)):
+        for family, mode, microbatches in itertools.product(("gpt", "llama"), ("none", "selective", "full"), (1, 4)):
             schedule = "1f1b" if microbatches >= pp else "gpipe"
-            name = f"pp={pp} tp={tp} dp_shard={dp} {mode} microbatches={microbatches}"
-            cases.append((name, [*MATRIX_MODEL, f"--parallel.pp={pp}", f"--parallel.tp={tp}", f"--parallel.dp={dp}",
+            name = f"{family} pp={pp} tp={tp} dp_shard={dp} {mode} microbatches={microbatches}"
+            model = [*MATRIX_MODEL, *(LLAMA if family == "llama" else [])]
+            cases.append((name, [*model, f"--parallel.pp={pp}", f"--parallel.tp={tp}", f"--parallel.dp={dp}",
                                  f"--parallel.schedule={schedule}", f"--parallel.microbatches={microbatches}",
                                  f"--training.activation_checkpoint={mode}",
                                  f"--training.batch_size={2 * dp * microbatches}"]))

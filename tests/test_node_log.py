@@ -2,6 +2,7 @@
 agent says and what its trainer prints reach the node's stream in order, in batches within
 PutLogEvents' limits, and survive CloudWatch Logs being out of reach without filling memory."""
 
+import time
 import uuid
 
 import pytest
@@ -49,6 +50,29 @@ def test_the_agents_lines_and_the_trainers_output_reach_the_nodes_stream_in_orde
     assert stream(logs, log) == ['agent {"agent": "starting torchrun"}', "trainer [rank0] step 1 loss 5.1",
                                  'agent {"agent": "checkpoint committed"}', "trainer [rank0] step 2 loss 4.9",
                                  "trainer [rank0] resumed at step 2"]
+
+
+def test_a_trainer_line_carries_the_time_it_was_read_not_the_time_it_was_shipped(local_cloud, tmp_path):
+    logs = local_cloud.client("logs")
+    group = f"/trainfleet/test-{uuid.uuid4().hex[:6]}/nodes"
+    logs.create_log_group(logGroupName=group)
+    start = int(time.time())  # CloudWatch Logs takes events of the last 14 days, up to 2 h ahead
+    now = [float(start)]
+    log = NodeLog(logs, group, "run-1/i-0123456789abcdef0", clock=lambda: now[0])
+    output = tmp_path / "torchrun.log"
+    log.follow("trainer", output)
+    output.write_text("step 1\n")
+    log.read()
+    now[0] += node_log.SHIP_INTERVAL_S - node_log.READ_INTERVAL_S
+    with output.open("a") as file:
+        file.write("step 2\n")
+    log.read()
+    now[0] += node_log.READ_INTERVAL_S
+    assert log.ship() == 2
+    events = logs.get_log_events(logGroupName=group, logStreamName=log.stream, startFromHead=True)["events"]
+    assert [(event["message"], event["timestamp"]) for event in events] == [
+        ("trainer step 1", start * 1000),
+        ("trainer step 2", int((start + node_log.SHIP_INTERVAL_S - node_log.READ_INTERVAL_S) * 1000))]
 
 
 def test_a_flood_of_lines_goes_in_batches_within_the_limits_of_a_put(shipper, local_cloud, monkeypatch):

@@ -159,13 +159,43 @@ def test_the_loss_chart_marks_the_failure_and_the_resume_where_they_happened(pag
     assert len(parts(loss, "mark")) == 2 and len(parts(loss, "span")) == 1 and len(parts(loss, "series")) == 2
 
 
-def test_steps_whose_losses_died_with_rank_0s_node_are_shaded_as_unknown(example):
+def test_steps_trained_and_never_reported_are_shaded_saying_which_and_why(example):
     first, *rest = example.attempts
-    cut = first.model_copy(update={"samples": first.samples[:10], "unknown_steps": (11, first.samples[-1].step)})
+    (failure,) = example.failures
+    lost = failure.instance_ids[0]
+    cut = first.model_copy(update={"samples": first.samples[:10], "unknown_steps": (11, first.samples[-1].step),
+                                   "reporter": lost, "reporter_lost": True})
     loss = figure(ET.fromstring(render_html(example.model_copy(update={"attempts": [cut, *rest]}))), "loss")
-    assert "losses unknown: global rank 0's node lost before reporting them" in texts(loss)
-    assert "losses unknown: global rank 0's node lost before reporting them" not in texts(figure(
-        ET.fromstring(render_html(example)), "loss"))
+    assert f"losses of steps 11-26: lost with {lost}, which reports them" in texts(loss)
+    survived = cut.model_copy(update={"reporter": "i-0fffffffffffffff0", "reporter_lost": False})
+    loss = figure(ET.fromstring(render_html(example.model_copy(update={"attempts": [survived, *rest]}))), "loss")
+    assert "losses of steps 11-26: never reported by i-0fffffffffffffff0" in texts(loss)
+    assert not [text for text in texts(figure(ET.fromstring(render_html(example)), "loss")) if "losses of" in text]
+
+
+def test_a_pause_in_an_attempts_training_breaks_its_throughput_line(example):
+    """No line drawn across time in which nothing trained: here 12 s of a 76 s run inside attempt 1."""
+    first, second = example.attempts
+    paused = [sample.model_copy(update={"at": sample.at + timedelta(seconds=12)}) if sample.step > 40 else sample
+              for sample in second.samples]
+    history = example.model_copy(update={"attempts": [first, second.model_copy(update={"samples": paused})]})
+    _, line = report_charts(history)["throughput"].series
+    gaps = [index for index, (_, tokens) in enumerate(line.points) if math.isnan(tokens)]
+    assert len(gaps) == 1 and line.points[gaps[0] - 1][0] < line.points[gaps[0]][0] < line.points[gaps[0] + 1][0]
+    assert all(not math.isnan(tokens) for _, tokens in report_charts(example)["throughput"].series[1].points)
+
+
+def test_marks_at_one_place_take_turns_so_none_hides_another(example):
+    """A repair from memory resumes from the step the failure came after: both marks at one x."""
+    (failure,) = example.failures
+    second = example.attempts[1].model_copy(update={"resume_step": failure.last_step})
+    loss = figure(ET.fromstring(render_html(example.model_copy(update={"attempts": [example.attempts[0], second]}))),
+                  "loss")
+    marks = [ET.tostring(mark, encoding="unicode") for mark in parts(loss, "mark")]
+    dashes = [(re.search(r"stroke-dasharray: ([\d.,]+)", mark)[1], re.search(r"stroke-dashoffset: ([\d.]+)", mark)[1])
+              for mark in marks]
+    (dash, gap), = {tuple(map(float, pattern.split(","))) for pattern, _ in dashes}
+    assert len(marks) == 2 and dash == gap and sorted(float(offset) for _, offset in dashes) == [0, dash], dashes
 
 
 def test_the_throughput_chart_runs_on_the_runs_clock_with_a_gap_between_attempts(page, example):

@@ -5,9 +5,9 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from trainfleet.core.events import ProgressSample
-from trainfleet.core.records import (CheckpointRef, FailureClass, FailureRecord, GoodputLedger, NodeRecord, RunRecord,
-                                     RunState, StateRestoredFigures)
-from trainfleet.core.run_history import StateEntry, build_history, phases_of
+from trainfleet.core.records import (CheckpointRef, FailureClass, FailureRecord, GoodputLedger, NodeRecord,
+                                     RecoveryKind, RunRecord, RunState, StateRestoredFigures)
+from trainfleet.core.run_history import ProgressReport, StateEntry, build_history, phases_of
 from trainfleet.core.runspec import RunSpec
 
 T0 = datetime(2026, 12, 1, 9, 0, tzinfo=timezone.utc)
@@ -29,6 +29,11 @@ def spec() -> RunSpec:
 
 def sample(step: int, seconds: float) -> ProgressSample:
     return ProgressSample(step=step, loss=5.0 - step / 20, tokens_per_second=1000.0, step_seconds=0.5, at=at(seconds))
+
+
+def reports(samples, reporter: str | None = "i-1") -> list[ProgressReport]:
+    """(attempt, sample) pairs as kept reports of one step each, all by `reporter`'s agent."""
+    return [ProgressReport(attempt, reporter, [one]) for attempt, one in samples]
 
 
 STATES = [StateEntry("Validate", at(0), None), StateEntry("Allocate", at(1), 0), StateEntry("AwaitNodes", at(2), 0),
@@ -72,7 +77,7 @@ def test_a_finished_run_with_a_failure_and_a_resume():
     samples = [(0, sample(step, 10 + step)) for step in range(1, 27)]
     samples += [(1, sample(step, 42 + step - 20)) for step in range(21, 61)]
     samples += [(1, sample(30, 52))]  # a redelivered event's steps count once
-    history = build_history(finished_run(), [], samples, STATES, now=at(500))
+    history = build_history(finished_run(), [], reports(samples), STATES, now=at(500))
     assert [(a.attempt, a.resume_step, a.samples[0].step, a.samples[-1].step, len(a.samples))
             for a in history.attempts] == [(0, None, 1, 26, 26), (1, 20, 21, 60, 40)]
     (failure,) = history.failures
@@ -92,7 +97,7 @@ def test_an_attempt_restored_from_memory_resumed_where_its_trainer_said():
     run = run.model_copy(update={"failures": [run.failures[0].model_copy(update={"restored": restored})]})
     samples = [(0, sample(step, 10 + step)) for step in range(1, 27)]
     samples += [(1, sample(step, 42 + step - 25)) for step in range(26, 61)]
-    history = build_history(run, [], samples, STATES, now=at(500))
+    history = build_history(run, [], reports(samples), STATES, now=at(500))
     (failure,) = history.failures
     assert (failure.resume_step, failure.from_memory, failure.steps_lost) == (25, True, 1)
     assert [(a.attempt, a.resume_step) for a in history.attempts] == [(0, None), (1, 25)]
@@ -103,7 +108,7 @@ def test_a_live_run_is_booked_up_to_now():
                     attempt_started_at=T0, first_step_at=at(10), last_progress_at=at(22), created_at=T0,
                     updated_at=at(22))
     nodes = [NodeRecord(run_name="r1", instance_id=f"i-{n}", launched_at=T0) for n in (1, 2)]
-    history = build_history(run, nodes, [(0, sample(12, 22))], STATES[:4], now=at(30))
+    history = build_history(run, nodes, reports([(0, sample(12, 22))]), STATES[:4], now=at(30))
     assert history.until == at(30) and history.phases[-1].ended_at == at(30)
     assert history.productive_seconds == pytest.approx(12.0) and history.lost_by_cause == {"startup": 10.0,
                                                                                           "finishing": 8.0}
@@ -113,23 +118,53 @@ def test_a_live_run_is_booked_up_to_now():
 
 
 def test_an_attempt_reached_at_least_the_checkpoint_it_is_resumed_from():
-    """Global rank 0's node died: its steps since the last report went with it."""
-    history = build_history(finished_run(), [], [(0, sample(step, 10 + step)) for step in range(1, 14)], STATES,
-                            now=at(500))
+    """Global rank 0's node (i-2, the one lost) died: its steps since the last report went with it."""
+    history = build_history(finished_run(), [], reports(((0, sample(step, 10 + step)) for step in range(1, 14)),
+                                                        reporter="i-2"), STATES, now=at(500))
     (failure,) = history.failures
     assert (failure.last_step, failure.resume_step, failure.steps_lost) == (25, 20, 5)
-    assert [(a.attempt, a.unknown_steps) for a in history.attempts] == [(0, (14, 25))], (
-        "steps 14 to 25 were trained: their losses are unknown, not missing without a reason")
+    assert [(a.attempt, a.unknown_steps, a.reporter, a.reporter_lost) for a in history.attempts] == [
+        (0, (14, 25), "i-2", True)], "steps 14 to 25 were trained: their losses died with the node that reports them"
     unreported = finished_run().model_copy(update={"failures": [finished_run().failures[0].model_copy(
         update={"last_step": None})]})
-    history = build_history(unreported, [], [(0, sample(step, 10 + step)) for step in range(1, 14)], STATES,
-                            now=at(500))
+    history = build_history(unreported, [], reports((0, sample(step, 10 + step)) for step in range(1, 14)),
+                            STATES, now=at(500))
     (failure,) = history.failures
     assert (failure.last_step, failure.steps_lost) == (20, 0)
     assert history.attempts[0].unknown_steps == (14, 20)
     silent = build_history(unreported, [], [], STATES, now=at(500))
     assert [(a.attempt, a.samples, a.unknown_steps) for a in silent.attempts] == [(0, [], (1, 20))], (
         "an attempt that reported nothing still trained up to the checkpoint it saved")
+
+
+def test_a_world_repaired_in_place_keeps_each_step_with_the_attempt_that_trained_it():
+    """Node rank 1 (i-2) lost after step 19; the world repaired in place around its replacement,
+    from the nodes' memory at step 19. The survivor i-1 reports the steps, attempt 0's up to 19
+    and attempt 1's from 20 (the kill demo)."""
+    restored = StateRestoredFigures(attempt=1, step=19, source="memory", shards=2, own_memory=1, peers=1,
+                                    peer_bytes=1000, seconds=0.2)
+    failure = FailureRecord(failure_class=FailureClass.INSTANCE_LOST, resume_step=10, at=at(30), attempt=0,
+                            onset_at=at(29.5), last_step=19, instance_ids=["i-2"], recovery=RecoveryKind.REPAIRED,
+                            restored=restored, message="EC2 reports i-2 terminated")
+    run = finished_run().model_copy(update={"failures": [failure]})
+    trained = [(0, sample(step, 10 + step)) for step in range(1, 20)]
+    trained += [(1, sample(step, 42 + step - 19)) for step in range(20, 61)]
+    history = build_history(run, [], reports(trained, reporter="i-1"), STATES, now=at(500))
+    assert [(a.attempt, a.resume_step, a.samples[0].step, a.samples[-1].step, a.unknown_steps, a.reporter)
+            for a in history.attempts] == [(0, None, 1, 19, None, "i-1"), (1, 19, 20, 60, None, "i-1")]
+    (mark,) = history.failures
+    assert (mark.last_step, mark.resume_step, mark.from_memory, mark.steps_lost, mark.recovery) == (
+        19, 19, True, 0, RecoveryKind.REPAIRED)
+    assert min(one.at for one in history.attempts[1].samples) > mark.decided_at, "attempt 1 trains after it began"
+
+    # Had the survivor's agent not reported steps 15-19, they were trained all the same (the
+    # failure's report says so): never reported, by a node that was not lost.
+    unreported = [(attempt, one) for attempt, one in trained if not 15 <= one.step <= 19]
+    first = build_history(run, [], reports(unreported, reporter="i-1"), STATES, now=at(500)).attempts[0]
+    assert (first.unknown_steps, first.reporter, first.reporter_lost) == ((15, 19), "i-1", False)
+    # Had the lost node been the one that reports them, they died with it.
+    first = build_history(run, [], reports(unreported, reporter="i-2"), STATES, now=at(500)).attempts[0]
+    assert (first.unknown_steps, first.reporter, first.reporter_lost) == ((15, 19), "i-2", True)
 
 
 def test_a_long_attempts_samples_are_thinned_as_they_come_and_keep_the_newest():
@@ -143,7 +178,7 @@ def test_a_long_attempts_samples_are_thinned_as_they_come_and_keep_the_newest():
         return ProgressSample(step=step, loss=1.0, tokens_per_second=1.0, step_seconds=1.0, at=T0)
 
     steps = [*range(1, 200_001), 200_000, 199_999]  # two redelivered at the end
-    history = build_history(finished_run(), [], ((0, sample(step)) for step in steps), [], T0)
+    history = build_history(finished_run(), [], (ProgressReport(0, None, [sample(step)]) for step in steps), [], T0)
     (kept,) = [attempt.samples for attempt in history.attempts]
     kept_steps = [one.step for one in kept]
     assert len(kept_steps) <= 2 * HISTORY_POINTS + 2 and kept_steps == sorted(set(kept_steps))

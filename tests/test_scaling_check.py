@@ -13,7 +13,8 @@ import torch
 from localcloud.waiting import run_captured
 
 from test_lifecycle import SPARE, T0, WORKERS, make_run, make_spec, scaling_figures
-from trainer.scaling_check import ComputeClock, RankTiming, bubble_factor, slow_ranks, verdict
+from trainer import scaling_check
+from trainer.scaling_check import ComputeClock, Pipeline, RankTiming, slow_ranks, verdict
 from trainfleet.core import lifecycle as lc
 from trainfleet.core.events import ScalingChecked
 from trainfleet.core.records import FailureClass, RecoveryAction
@@ -22,24 +23,33 @@ TOKENS_PER_STEP = 1000
 FACTOR = 1.25
 
 
+NO_PIPELINE = Pipeline("1f1b", 1, 4, 1)
+TWO_STAGES = Pipeline("1f1b", 2, 4, 1)  # a bubble of 1/4 of a stage's compute
+
+
 def timing(rank: int, stages: tuple[int, ...], compute: float, step: float = 1.0, finish: float = 0.0) -> RankTiming:
-    return RankTiming(rank, f"node-{rank}", stages, compute, finish, step)
+    """A rank whose compute is a third forward and two thirds backward, as a transformer's is."""
+    return RankTiming(rank, f"node-{rank}", stages, compute / 3, 2 * compute / 3, 0.0, finish, step)
 
 
-def judge(timings: list[RankTiming], bubble: float = 1.0, floor: float = 0.7, steps: int = 5):
-    return verdict(timings, bubble, floor, FACTOR, TOKENS_PER_STEP, steps)
+def judge(timings: list[RankTiming], pipeline: Pipeline = NO_PIPELINE, floor: float = 0.7, steps: int = 5):
+    return verdict(timings, pipeline, floor, FACTOR, TOKENS_PER_STEP, steps)
 
 
-def test_the_bubble_of_gpipe_and_1f1b():
-    assert bubble_factor(1, 8, 1) == 1.0
-    assert bubble_factor(4, 8, 1) == pytest.approx(1 + 3 / 8)
-    assert bubble_factor(4, 8, 2) == pytest.approx(1 + 3 / 16), "interleaving shrinks the bubble"
+def test_the_bubble_is_the_schedules_from_the_slowest_stages_forward_backward_and_weight_times():
+    stage = RankTiming(0, "node-0", (0,), 0.8, 1.2, 0.8, 0.0, 1.0)   # over 8 microbatches: F 0.1, B 0.15, W 0.1
+    assert NO_PIPELINE.bubble(stage) == 0.0
+    assert Pipeline("1f1b", 4, 8, 1).bubble(stage) == pytest.approx(3 * 0.35), "3 hops of a whole microbatch"
+    assert Pipeline("interleaved-1f1b", 4, 4, 2).bubble(stage) == pytest.approx(3 * 0.35), "each chunk is half"
+    # A zero-bubble schedule fills with the longer of forward and input gradient, the weight
+    # gradients filling the rest: (pp - 1) max(F, B, F + B - W).
+    assert Pipeline("interleaved-zero-bubble", 4, 4, 2).bubble(stage) == pytest.approx(3 * 0.15)
 
 
 def test_the_slowest_stage_sets_the_expected_step():
     # pp=2 x dp=2: stage 1 (the head) computes more; the step is what its pace allows.
     timings = [timing(0, (0,), 0.4), timing(1, (0,), 0.41), timing(2, (1,), 0.6), timing(3, (1,), 0.62)]
-    result = judge(timings, bubble=1.25)
+    result = judge(timings, TWO_STAGES)
     assert result.slowest_stages == [1] and result.slowest_stage_seconds == 0.6
     assert result.expected_step_seconds == pytest.approx(0.75)
     assert result.efficiency == pytest.approx(0.75) and result.passed
@@ -62,10 +72,10 @@ def test_the_end_of_the_step_is_expected_as_the_rank_that_waits_least_measures_i
     # Rank 1 reached the step's all-reduce last: its 0.1 s is the reduction and optimizer alone;
     # rank 0 waited for it besides.
     timings = [timing(0, (0,), 0.4, step=1.0, finish=0.5), timing(1, (1,), 0.6, step=1.0, finish=0.1)]
-    result = judge(timings, bubble=1.25, floor=0.8)
+    result = judge(timings, TWO_STAGES, floor=0.8)
     assert result.finish_seconds == 0.1
     assert result.expected_step_seconds == pytest.approx(0.6 * 1.25 + 0.1) and result.passed
-    assert not judge([timing(0, (0,), 0.4, finish=0.0), timing(1, (1,), 0.6, finish=0.0)], 1.25, 0.8).passed
+    assert not judge([timing(0, (0,), 0.4, finish=0.0), timing(1, (1,), 0.6, finish=0.0)], TWO_STAGES, 0.8).passed
 
 
 def test_a_rank_far_slower_than_its_peers_is_slow_and_a_rank_without_peers_never_is():
@@ -96,15 +106,25 @@ def test_a_world_that_passed_names_no_node_even_with_a_slow_rank():
     assert result.passed and result.slow_nodes == [] and result.slowest_rank == 1
 
 
-def test_the_clock_times_compute_and_the_end_of_the_step_apart():
+def test_the_clock_times_each_kind_of_compute_and_the_end_of_the_step_apart(monkeypatch):
+    now = [100.0]  # the host's clock, moved by hand: a loaded machine cannot stretch the figures
+
+    def spend(seconds: float) -> None:
+        now[0] += seconds
+
+    monkeypatch.setattr(scaling_check.time, "perf_counter", lambda: now[0])
     clock = ComputeClock(torch.device("cpu"))
-    with clock.timed():
-        time.sleep(0.05)
-    time.sleep(0.03)  # gradient reduction, optimizer
+    with clock.timed("forward"):
+        spend(0.05)
+    with clock.timed("backward"):
+        spend(0.02)
+    spend(0.03)  # gradient reduction, optimizer
     clock.end_step()
     compute, finish = clock.take()
-    assert 0.05 <= compute < 0.5 and 0.03 <= finish < compute
-    assert clock.take() == (0.0, 0.0), "taken: the next step starts from nothing"
+    assert compute == pytest.approx({"forward": 0.05, "backward": 0.02, "weight": 0.0})
+    assert finish == pytest.approx(0.03)
+    assert clock.take() == ({"forward": 0.0, "backward": 0.0, "weight": 0.0}, 0.0), \
+        "taken: the next step starts from nothing"
 
 
 def slow_node_figures(slow: list[str]):
@@ -133,7 +153,7 @@ def test_a_uniformly_poor_world_still_ends_the_run():
 
 def test_a_world_waiting_on_its_hand_offs_fails_and_names_its_slowest_stage():
     timings = [timing(0, (0, 3), 0.1, step=2.0), timing(1, (1, 2), 0.12, step=2.0)]
-    result = judge(timings, bubble=bubble_factor(2, 4, 2), floor=0.5, steps=3)
+    result = judge(timings, Pipeline("interleaved-1f1b", 2, 4, 2), floor=0.5, steps=3)
     assert not result.passed and result.efficiency == pytest.approx(0.12 * 1.125 / 2.0)
     assert result.slowest_stages == [1, 2]
     assert "slowest stage 1, 2" in result.describe()
@@ -154,7 +174,7 @@ def test_a_two_rank_pipeline_judges_its_first_steps_and_trains_on(tmp_path: Path
          "--config", "trainer/configs/small.toml", "--model.n_layers=2", "--model.d_model=32", "--model.seq_len=32",
          "--parallel.microbatches=2", "--training.batch_size=4", "--training.steps=8", "--optim.warmup_steps=1",
          f"--training.metrics_file={tmp_path / 'metrics.jsonl'}", f"--data.shards={tmp_path / 'data'}",
-         "--data.corpus_bytes=50000", "--scaling_check.enabled=true", "--scaling_check.warmup_steps=2",
+         "--data.corpus=stdlib", "--data.corpus_bytes=50000", "--scaling_check.enabled=true", "--scaling_check.warmup_steps=2",
          "--scaling_check.steps=3", "--scaling_check.efficiency_floor=0.01",
          f"--scaling_check.result_file={result_file}"],
         what="a two-rank pipeline", cwd=Path(__file__).resolve().parent.parent)

@@ -8,6 +8,7 @@ balanced and nothing left running. The commands, each a process of its own point
 cloud by the environment: start, status, watch, list, logs, a node's console, report, stop; and a
 one-line error, exit 1 and no change for every bad input."""
 
+import json
 import re
 
 import pytest
@@ -88,6 +89,9 @@ def test_a_run_is_started_looked_at_while_it_trains_and_followed_to_its_end(comm
     assert "loss" in training and "tokens/s" in training and "goodput" in training
     assert re.search(r"cost\s+\$", training)
     assert f"workers {NODES} READY" in training
+    # The step shown is never behind the checkpoint beside it: a committed step was trained.
+    shown, committed = re.search(r"step (\d+) of", training), re.search(r"checkpoint\s+step (\d+)", training)
+    assert shown and (committed is None or int(shown[1]) >= int(committed[1])), training
     watched = ok(commands["watch"])
     assert "SUCCEEDED" in watched and "execution SUCCEEDED" in watched and f"step {FINAL_STEP} of {FINAL_STEP}" in watched
     assert f"replaced {run['disrupted']['victim']} (INSTANCE_LOST)" in watched
@@ -100,14 +104,25 @@ def test_a_run_is_started_looked_at_while_it_trains_and_followed_to_its_end(comm
 def test_list_logs_and_a_nodes_log(commands):
     listed = ok(commands["list"])
     assert "cli-run" in listed and "SUCCEEDED" in listed and "cli-stopped" not in listed
+    # One line each, as a person reads it: time, function, level, message. Nothing of a run that
+    # succeeded is an error (what the state machine retried and then got past is a warning).
     logs = ok(commands["logs"]).splitlines()
-    assert logs and all("cli-run" in line for line in logs)
-    assert any("recovery decided" in line for line in logs) and any("launch spec written" in line for line in logs)
-    # The node's log is its stream in CloudWatch Logs: its agent's lines and its trainer's output.
+    line = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [A-Za-z]+ (INFO|WARNING|ERROR) \S")
+    assert logs and all(line.match(text) and len(text) < 1000 for text in logs), logs[:5]
+    assert any(" Recover INFO recovery decided" in text for text in logs)
+    assert any(" Launch INFO launch spec written" in text for text in logs)
+    assert not [text for text in logs if " ERROR " in text]
+    assert not [text for text in logs if "TransientError" in text and "(retried, then succeeded)" not in text]
+    raw = [json.loads(text) for text in ok(commands["logs_json"]).splitlines()]
+    assert raw and all("cli-run" in event["message"] for event in raw)
+    assert any(event["message"].startswith('{"_aws"') for event in raw), "--json: every record, metrics too"
+    # The node's log is its stream in CloudWatch Logs: its agent's lines and its trainer's output,
+    # and no warning the user cannot act on.
     node_log = ok(commands["node_log"]).splitlines()
-    assert not any("shipped no log" in line for line in node_log)
-    assert any(' agent {"agent": "starting torchrun"' in line for line in node_log)
-    assert any(" trainer " in line for line in node_log)
+    assert not any("shipped no log" in text for text in node_log)
+    assert any(" agent INFO starting torchrun attempt=" in text for text in node_log)
+    assert any(" trainer INFO " in text for text in node_log)
+    assert not [text for text in node_log if "RuntimeWarning" in text]
     refused(commands["node_log_unknown"], "has no node", "i-0000000000000dead", "rank 0")
 
 
@@ -125,8 +140,12 @@ def test_the_report_is_written_to_a_folder_and_shows_the_kill(commands, run):
 def test_stop_stops_a_running_run_and_its_teardown_follows(commands):
     assert "started run cli-stopped" in ok(commands["start_second"])
     stopped = ok(commands["stop"])
-    assert "stopped run cli-stopped" in stopped and "execution ABORTED" in stopped and "FAILED" in stopped
+    assert "stopped run cli-stopped" in stopped and "execution ABORTED" in stopped
+    assert "STOPPED" in stopped and "FAILED" not in stopped and "error" not in stopped
+    assert "run cli-stopped torn down: every instance terminated" in stopped
     assert commands["stopped_instances"] == ["terminated"]
+    status = ok(commands["status_stopped"])
+    assert "STOPPED" in status and "TERMINATING" not in status and "error" not in status
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ def test_demo_trains_with_two_pipeline_ranks(tmp_path, capsys):
     metrics = tmp_path / "metrics.jsonl"
     assert demo.main(["--", "--training.steps=12", "--optim.warmup_steps=2", "--model.n_layers=4",
                       "--model.d_model=48", "--model.seq_len=64", f"--data.shards={tmp_path}/shards",
-                      "--data.corpus_bytes=100000", f"--training.metrics_file={metrics}"]) == 0
+                      "--data.corpus=stdlib", "--data.corpus_bytes=100000", f"--training.metrics_file={metrics}"]) == 0
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 13))
     assert records[-1]["loss"] < records[0]["loss"] - 0.5

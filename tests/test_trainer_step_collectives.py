@@ -26,7 +26,7 @@ def tiny_config(tmp_path: str, checkpoints: str):
         "--model.n_layers=2", "--model.d_model=32", "--model.n_heads=2", "--model.seq_len=16",
         "--training.batch_size=4", "--parallel.microbatches=2", "--parallel.dp=2", f"--training.steps={STEPS}",
         "--optim.warmup_steps=2", "--training.threads=1", "--training.device=cpu", f"--training.metrics_file={tmp_path}/metrics.jsonl",
-        f"--data.shards={tmp_path}/shards", "--data.corpus_bytes=20000",
+        f"--data.shards={tmp_path}/shards", "--data.corpus=stdlib", "--data.corpus_bytes=20000",
         f"--checkpoint.uri={checkpoints}", "--checkpoint.interval=100"])
 
 

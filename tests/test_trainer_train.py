@@ -19,7 +19,7 @@ from trainer.train import NonFiniteLossError, build, environment, lr_factor, mai
 def tiny_args(tmp_path) -> list[str]:
     return ["--model.n_layers=2", "--model.d_model=32", "--model.n_heads=2", "--model.seq_len=16",
             "--training.batch_size=4", "--parallel.microbatches=2", "--training.steps=4", "--optim.warmup_steps=2",
-            f"--data.shards={tmp_path}/shards", "--data.corpus_bytes=20000",
+            f"--data.shards={tmp_path}/shards", "--data.corpus=stdlib", "--data.corpus_bytes=20000",
             f"--training.metrics_file={tmp_path}/metrics.jsonl"]
 
 
@@ -171,26 +171,35 @@ def _ops_in_one_step(run) -> collections.Counter:
     return counter.counts
 
 
-def test_activation_checkpointing_recomputes_what_its_mode_says_and_trains_the_same(tmp_path):
+LLAMA = ["--model.architecture=llama", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.multiple_of=16",
+         "--model.rope_scaling_factor=8", "--model.rope_original_seq_len=8"]
+"""The tiny model in the llama family: grouped-query attention, SwiGLU, Llama 3's rotary scaling."""
+
+
+@pytest.mark.parametrize("family, matmul, activation", [([], "addmm", "gelu"), (LLAMA, "mm", "silu")],
+                         ids=["gpt", "llama"])  # llama's matrices have no bias: mm, not addmm
+def test_activation_checkpointing_recomputes_what_its_mode_says_and_trains_the_same(tmp_path, family, matmul,
+                                                                                    activation):
     curves, ops = {}, {}
     for mode in ("none", "selective", "full"):
-        cfg = load_config([*tiny_args(tmp_path), f"--training.activation_checkpoint={mode}"])
+        cfg = load_config([*tiny_args(tmp_path), *family, f"--training.activation_checkpoint={mode}"])
         run = build(cfg, environment(cfg, torch.device("cpu")))
         ops[mode] = _ops_in_one_step(run)
         run = build(cfg, environment(cfg, torch.device("cpu")))
         curves[mode] = [value for m in (train_step(run) for _ in range(3)) for value in (m["loss"], m["grad_norm"])]
     # Selective keeps the matmul outputs and recomputes the elementwise work; full recomputes both.
-    assert ops["selective"]["addmm"] == ops["none"]["addmm"] < ops["full"]["addmm"]
-    assert ops["none"]["gelu"] < ops["selective"]["gelu"] == ops["full"]["gelu"]
+    assert ops["selective"][matmul] == ops["none"][matmul] < ops["full"][matmul]
+    assert ops["none"][activation] < ops["selective"][activation] == ops["full"][activation]
     for mode in ("selective", "full"):
         assert curves[mode] == pytest.approx(curves["none"], rel=1e-6)
 
 
 @pytest.mark.slow
-def test_compiled_blocks_train_the_same(tmp_path):
+@pytest.mark.parametrize("family", [[], LLAMA], ids=["gpt", "llama"])
+def test_compiled_blocks_train_the_same(tmp_path, family):
     histories = {}
     for compiled in (False, True):
-        cfg = load_config([*tiny_args(tmp_path), f"--training.compile={compiled}"])
+        cfg = load_config([*tiny_args(tmp_path), *family, f"--training.compile={compiled}"])
         run = build(cfg, environment(cfg, torch.device("cpu")))
         histories[compiled] = [value for m in (train_step(run) for _ in range(2)) for value in (m["loss"], m["grad_norm"])]
     assert histories[True] == pytest.approx(histories[False], rel=1e-4)

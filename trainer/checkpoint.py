@@ -182,6 +182,15 @@ def storage_reader(location: str, step_dir: str) -> dcp.StorageReader:
     return _LocalStepReader(location, step_dir)
 
 
+def _model_difference(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> str | None:
+    """The first model field whose value differs between a checkpoint's model section and the
+    run's, as a sentence; None when they agree on every field both name."""
+    for name in sorted(set(saved) & set(ours)):
+        if saved[name] != ours[name]:
+            return f"model.{name} is {saved[name]!r} there, {ours[name]!r} in the run's config"
+    return None
+
+
 def manifest_files(
     metadata: Metadata, step_dir: str, present: Mapping[str, catalog.StoredFile], where: str
 ) -> tuple[catalog.StoredFile, ...]:
@@ -262,6 +271,8 @@ class Checkpointer:
         layout: Mapping[str, int] | None = None,
         config_hash: str = "",
         model: Mapping[str, Any] | None = None,
+        tokenizer: str = "",
+        init_from: str = "",
         request_file: str | os.PathLike | None = None,
         request_signal: int | None = signal.SIGUSR1,
         timeout: timedelta = timedelta(minutes=10),
@@ -272,6 +283,9 @@ class Checkpointer:
         config_hash: fingerprint of the trainer config (checkpoint_catalog.config_hash); a resume
             from a checkpoint with another one is allowed and logged.
         model: the trainer config's model section, recorded in the manifest (what an export names).
+        tokenizer: the trainer config's data.tokenizer, recorded in the manifest (what an export writes).
+        init_from: a checkpoint location whose newest commit's weights `resume` loads when `cfg.uri`
+            holds nothing to resume (the trainer config's training.init_from).
         request_file: a path whose creation or touch asks for a checkpoint now.
         request_signal: a signal that asks for a checkpoint now (None: none).
         timeout: how long a checkpoint collective waits for a peer before failing.
@@ -284,6 +298,8 @@ class Checkpointer:
         self.layout = dict(layout or {})
         self.config_hash = config_hash
         self.model = dict(model or {})
+        self.tokenizer = tokenizer
+        self.init_from = init_from
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
         self._timeout = timeout
@@ -307,21 +323,33 @@ class Checkpointer:
 
         "latest" takes the newest committed checkpoint whose files match its manifest, skipping
         (and logging) broken ones; a step number takes that step or fails; under `cfg.resume_uri`
-        where it names another run's checkpoints. Step folders newer than the one loaded belong to
-        an abandoned timeline and are deleted where this run saves, so that its saves never mix
-        with them; another run's are never touched.
+        where it names another run's checkpoints (a run resumed from another: its whole state).
+        Step folders newer than the one loaded belong to an abandoned timeline and are deleted
+        where this run saves, so that its saves never mix with them; another run's are never
+        touched. With nothing to resume, the newest commit at `init_from` gives the weights. An
+        imported step (and init_from's) loads the weights alone, through `state`'s
+        model_state_dict and load_model_state_dict (trainer/train.py TrainState): everything else
+        starts afresh.
         """
         decision = self._on_rank0_for_all(self._choose_resume_step)
         if decision is None:
             return None
-        state_dict = state.state_dict()
-        step_dir = catalog.step_dir_name(decision)
-        dcp.load(state_dict, storage_reader=storage_reader(self.resume_store.uri, step_dir),
-                 process_group=self._dcp_group())
-        state.load_state_dict(state_dict)
-        self._last_saved_step = decision
-        log.info("resumed from checkpoint %s", self.resume_store.step_uri(step_dir))
-        return decision
+        location, step, weights_only = decision
+        step_dir = catalog.step_dir_name(step)
+        reader = storage_reader(location, step_dir)
+        if weights_only:
+            state_dict = {"model": state.model_state_dict()}
+            dcp.load(state_dict, storage_reader=reader, process_group=self._dcp_group())
+            state.load_model_state_dict(state_dict["model"])
+        else:
+            state_dict = state.state_dict()
+            dcp.load(state_dict, storage_reader=reader, process_group=self._dcp_group())
+            state.load_state_dict(state_dict)
+        if location == self.store.uri:
+            self._last_saved_step = step
+        log.info("resumed from checkpoint %s%s", catalog.open_store(location).step_uri(step_dir),
+                 " (its weights)" if weights_only else "")
+        return step
 
     def adopt(self, step: int) -> list[int]:
         """Take `step`, restored from elsewhere (host memory), as the resume point: the committed
@@ -335,15 +363,28 @@ class Checkpointer:
             catalog.forget_after(self.store, step)
         return newer
 
-    def _choose_resume_step(self) -> int | None:
+    def _choose_resume_step(self) -> tuple[str, int, bool] | None:
+        """(location, step, whether its weights alone load), or None to start from scratch."""
         try:
             manifest = catalog.resume_point(self.resume_store, self._resume_target, saves=self.store)
+            location, initial = self.resume_store.uri, False
+            if manifest is None and self.init_from:
+                manifest, location, initial = catalog.latest_committed(self.init_from), self.init_from, True
+                if manifest is None:
+                    raise CheckpointError(f"training.init_from={self.init_from}: no committed checkpoint there")
         except catalog.CheckpointInvalid as exc:
             raise CheckpointError(str(exc)) from exc
-        if manifest and self.config_hash and manifest.config_hash != self.config_hash:
+        if manifest is None:
+            return None
+        weights_only = initial or manifest.reason is catalog.SaveReason.IMPORTED
+        if weights_only:
+            problem = _model_difference(manifest.model, self.model)
+            if problem:
+                raise CheckpointError(f"{location} step {manifest.step} holds another model than the run's: {problem}")
+        elif self.config_hash and manifest.config_hash != self.config_hash:
             log.warning("resuming step %d saved with another trainer config (hash %s, now %s)",
                         manifest.step, manifest.config_hash, self.config_hash)
-        return manifest.step if manifest else None
+        return location, manifest.step, weights_only
 
     def _on_rank0_for_all(self, decide: Callable[[], Any]) -> Any:
         """Run `decide` on rank 0 and give every rank its result, or its error as CheckpointError."""
@@ -437,7 +478,7 @@ class Checkpointer:
         where = f"{self.store.uri}/{step_dir}"
         files = manifest_files(metadata, step_dir, catalog.step_files(self.store, step), where)
         manifest = catalog.Manifest(step=step, layout=self.layout, files=files, config_hash=self.config_hash,
-                                    reason=reason, model=self.model)
+                                    reason=reason, model=self.model, tokenizer=self.tokenizer)
         self.store.create(step_dir, catalog.MARKER_NAME, manifest.to_json())
         log.info("checkpoint committed: %s (%s, %d files, %d bytes)", where, reason, len(files),
                  sum(f.size for f in files))

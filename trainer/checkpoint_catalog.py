@@ -146,6 +146,9 @@ class SaveReason(StrEnum):
     """Asked for: the request file, the request signal or a forced save (a Spot notice)."""
     FINAL = "final"
     """The last step of the run."""
+    IMPORTED = "imported"
+    """A model brought in from elsewhere (`trainfleet checkpoint import`): step 0, the weights
+    alone; a run resumed from it starts its optimizer, schedule and data afresh."""
     UNKNOWN = "unknown"
     """A marker written before the reason was recorded."""
 
@@ -181,6 +184,9 @@ class Manifest:
     model: dict[str, Any] = field(default_factory=dict)
     """The model section of the trainer config that saved it (trainer/config.py ModelConfig): the
     architecture an export names. Empty on markers written before it was kept."""
+    tokenizer: str = ""
+    """The tokenizer the model was trained or imported with (a trainer/tokenizer.py spec: bytes,
+    or where its tokenizer.json is): what an export and sampling use. Empty: bytes."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
@@ -200,6 +206,7 @@ class Manifest:
                 format_version=FORMAT_VERSION,
                 reason=SaveReason(doc.get("reason", SaveReason.UNKNOWN)),
                 model=dict(doc.get("model", {})),
+                tokenizer=str(doc.get("tokenizer", "")),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointInvalid(f"{where}: unreadable commit marker: {exc!r}") from exc

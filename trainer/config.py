@@ -25,22 +25,75 @@ class ConfigError(ValueError):
     """A config value or combination that cannot run; the message names the field."""
 
 
+ARCHITECTURES = ("gpt", "llama")
+GPT_ACTIVATIONS = ("gelu", "gelu_tanh")
+
+
 @dataclass
 class ModelConfig:
+    architecture: str = "gpt"
+    """The family: gpt (GPT-2's shape: learned positions, LayerNorm, a GELU MLP, biases) or llama
+    (rotary positions, RMSNorm, a SwiGLU MLP, grouped-query attention, no biases)."""
     n_layers: int = 8
     """Transformer blocks."""
     d_model: int = 128
     """Width of the residual stream."""
     n_heads: int = 4
-    """Attention heads; must divide d_model."""
-    vocab_size: int = tokenizer.VOCAB_SIZE
-    """Embedding rows; at least the tokenizer's vocabulary (257 for bytes + end of document)."""
+    """Attention (query) heads; must divide d_model."""
+    vocab_size: int = tokenizer.ByteTokenizer.vocab_size
+    """Embedding rows; at least the tokenizer's vocabulary (257 for bytes + end of document), and at
+    least the vocabulary the shards were tokenised with (their index says)."""
     seq_len: int = 128
-    """Tokens per training sequence (and rows of the position embedding)."""
-    mlp_ratio: int = 4
-    """Hidden width of the MLP as a multiple of d_model."""
+    """Tokens per training sequence (the rows of gpt's position embedding, of llama's rotary table)."""
     tie_embeddings: bool = False
     """Use the token embedding as the output head. Needs the embedding and the head in one process (pp=1)."""
+    norm_eps: float = 1e-5
+    """The epsilon of every norm (gpt's LayerNorm, llama's RMSNorm)."""
+    mlp_ratio: int = 4
+    """gpt: hidden width of the MLP as a multiple of d_model."""
+    activation: str = "gelu"
+    """gpt: the MLP's activation, gelu (exact, erf) or gelu_tanh (its tanh approximation, GPT-2's gelu_new)."""
+    n_kv_heads: int = 0
+    """llama: key/value heads, each shared by n_heads / n_kv_heads query heads (grouped-query
+    attention); 0 = n_heads."""
+    ffn_hidden: int = 0
+    """llama: hidden width of the SwiGLU MLP; 0 = Llama's rule: 2/3 of 4 d_model, times
+    ffn_dim_multiplier, rounded up to a multiple of multiple_of (Llama 3 8B: 14,336)."""
+    ffn_dim_multiplier: float = 1.0
+    """llama: the rule's multiplier of the hidden width (Llama 3 8B and 70B: 1.3, 405B: 1.2)."""
+    multiple_of: int = 256
+    """llama: the rule rounds the hidden width up to a multiple of this (Llama 3: 1,024 for 8B, 4,096 above)."""
+    rope_theta: float = 10000.0
+    """llama: the rotary embedding's base (Llama 3: 500,000)."""
+    rope_scaling_factor: float = 0.0
+    """llama: Llama 3's (3.1's) frequency scaling of the rotary embedding: low frequencies divided by
+    this, high ones kept, those between blended; 0 = none. Llama 3.1: 8."""
+    rope_low_freq_factor: float = 1.0
+    """llama: wavelengths above rope_original_seq_len / this are scaled whole (Llama 3.1: 1)."""
+    rope_high_freq_factor: float = 4.0
+    """llama: wavelengths below rope_original_seq_len / this are kept (Llama 3.1: 4)."""
+    rope_original_seq_len: int = 8192
+    """llama: the context the scaled frequencies were first trained at (Llama 3.1: 8,192)."""
+
+    def resolved_kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def resolved_ffn_hidden(self) -> int:
+        """The MLP's hidden width: gpt's mlp_ratio x d_model; llama's given width or Llama's rule."""
+        if self.architecture != "llama":
+            return self.mlp_ratio * self.d_model
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.d_model / 3))
+        return -(-hidden // self.multiple_of) * self.multiple_of
+
+
+_FAMILY_FIELDS = {"gpt": ("mlp_ratio", "activation"),
+                  "llama": ("n_kv_heads", "ffn_hidden", "ffn_dim_multiplier", "multiple_of", "rope_theta",
+                            "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                            "rope_original_seq_len")}
+"""The model fields one family reads and the other ignores: set away from their defaults for the
+other family, they would be silently dropped, so they are refused."""
 
 
 @dataclass
@@ -94,17 +147,26 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     shards: str = "runs/data/stdlib-bytes"
-    """Where the token shards live: a local directory or s3://bucket/prefix. Built there from the corpus if absent."""
+    """Where the token shards live: a local directory or s3://bucket/prefix holding a shard set (its
+    index.json), as `trainfleet data prepare` writes one. A location without one is refused, unless
+    data.corpus names the corpus to build it from."""
+    tokenizer: str = "bytes"
+    """The tokenizer: bytes (every UTF-8 byte a token, plus an end of document; no file) or a Hugging Face
+    tokenizer.json, a path or s3:// URI (trainer/tokenizer.py). The shards must have been tokenised with it."""
     cache_dir: str = "runs/data/cache"
     """Local directory that S3 shards' blocks are cached in (shared by the ranks of a node), and where shards that
     matched their index are stamped (size, mtime, inode) so that a restart does not hash them again."""
     cache_bytes: int = 64 * 2**30
     """Bound on the blocks of S3 shards cached in cache_dir; the least recently opened are deleted past it. Shard
     sets whose index has no block digests are fetched whole, outside this bound."""
+    corpus: str = ""
+    """The built-in corpus to build data.shards from when they hold no shard set: stdlib (the Python
+    standard library's own source, in a fixed order), tokenised with data.tokenizer. Empty: none,
+    data.shards must hold a prepared set."""
     corpus_bytes: int = 4_000_000
-    """Bytes of text taken from the corpus (the Python standard library's own source, in a fixed order)."""
+    """Bytes of text taken from the corpus."""
     shard_tokens: int = 1_000_000
-    """Tokens per shard file (little-endian uint32 each) when the shards are built from the corpus."""
+    """Tokens per shard file when the shards are built from the corpus."""
 
 
 @dataclass
@@ -144,6 +206,11 @@ class TrainingConfig:
     """Recompute activations in backward instead of keeping them: none, selective (the attention
     and MLP internals of each block; keeps the block inputs and the matmul outputs cheap to store)
     or full (everything but each block's input)."""
+    init_from: str = ""
+    """A checkpoint location (a folder or s3://bucket/prefix) whose newest committed step gives the
+    model's initial weights when checkpoint.uri holds no step to resume: an imported model
+    (`trainfleet checkpoint import`) or another run's. Its model section must be this run's; the
+    optimizer, schedule and data start afresh. Needs checkpoint.uri. Empty: initialised by seed."""
     compile: bool = False
     """torch.compile each transformer block (CUDA; slow to start, faster per step)."""
     threads: int = 0
@@ -247,8 +314,10 @@ class JobConfig:
         return self
 
 
+CORPORA = ("stdlib",)
+"""What data.corpus may name (trainer/data.py builds it)."""
 # Integer fields where 0 means something (a seed, "torch's default", "what the schedule needs").
-_ZERO_ALLOWED = {"seed", "threads", "stages_per_rank", "dp_shard"}
+_ZERO_ALLOWED = {"seed", "threads", "stages_per_rank", "dp_shard", "n_kv_heads", "ffn_hidden"}
 ACTIVATION_CHECKPOINT_MODES = ("none", "selective", "full")
 RESHARD_AFTER_FORWARD = ("auto", "always", "never")
 
@@ -269,11 +338,13 @@ def _problems(c: JobConfig):
     if s.warmup_steps < 0 or s.steps < 1 or not 0 < s.efficiency_floor <= 1 or s.slow_rank_factor <= 1:
         yield (f"scaling_check needs warmup_steps >= 0, steps >= 1, 0 < efficiency_floor <= 1 and "
                f"slow_rank_factor > 1, got {s.warmup_steps}, {s.steps}, {s.efficiency_floor}, {s.slow_rank_factor}")
-    if m.d_model % m.n_heads:
-        yield f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}"
+    yield from _model_problems(m)
     if m.n_heads % p.tp or m.vocab_size % p.tp or m.seq_len % p.tp:
         yield (f"parallel.tp={p.tp} must divide model.n_heads={m.n_heads}, model.vocab_size={m.vocab_size} "
                f"and model.seq_len={m.seq_len} (heads, vocabulary rows and sequence positions are split over it)")
+    if m.resolved_kv_heads() % p.tp:
+        yield (f"parallel.tp={p.tp} must divide the model's {m.resolved_kv_heads()} key/value heads "
+               f"(model.n_kv_heads): each tensor-parallel rank holds whole key/value heads of its own")
     if p.tp > 1 and m.tie_embeddings:
         yield "model.tie_embeddings=true needs parallel.tp=1"
     if p.dp % p.resolved_dp_shard():
@@ -283,8 +354,13 @@ def _problems(c: JobConfig):
     if t.activation_checkpoint not in ACTIVATION_CHECKPOINT_MODES:
         yield (f"training.activation_checkpoint={t.activation_checkpoint!r} must be one of "
                f"{', '.join(ACTIVATION_CHECKPOINT_MODES)}")
-    if m.vocab_size < tokenizer.VOCAB_SIZE:
-        yield f"model.vocab_size={m.vocab_size} is below the tokenizer's vocabulary ({tokenizer.VOCAB_SIZE})"
+    if c.data.tokenizer == tokenizer.BYTES and m.vocab_size < tokenizer.ByteTokenizer.vocab_size:
+        yield (f"model.vocab_size={m.vocab_size} is below the byte tokenizer's vocabulary "
+               f"({tokenizer.ByteTokenizer.vocab_size})")
+    if not c.data.tokenizer:
+        yield "data.tokenizer is empty: bytes, or a tokenizer.json path or s3:// URI"
+    if c.data.corpus not in ("", *CORPORA):
+        yield f"data.corpus={c.data.corpus!r} is not a built-in corpus: {', '.join(CORPORA)}, or empty for none"
     if p.schedule not in SCHEDULES:
         yield f"parallel.schedule={p.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}"
         return
@@ -337,6 +413,10 @@ def _problems(c: JobConfig):
         yield f"checkpoint.resume={k.resume!r} must be none, latest or a step number"
     if k.uri.startswith("s3://") and not k.uri[len("s3://"):].split("/")[0]:
         yield f"checkpoint.uri={k.uri!r} names no bucket"
+    if t.init_from and not k.uri:
+        yield "training.init_from needs checkpoint.uri, where the run's own steps go"
+    if t.init_from.startswith("s3://") and not t.init_from[len("s3://"):].split("/")[0]:
+        yield f"training.init_from={t.init_from!r} names no bucket"
     if k.resume != "none" and not k.uri:
         yield f"checkpoint.resume={k.resume!r} needs checkpoint.uri"
     if k.resume_uri and k.resume == "none":
@@ -346,6 +426,37 @@ def _problems(c: JobConfig):
     if k.async_save and k.keep_last == 1:
         # The only committed checkpoint would be pruned while the next one may still be saving.
         yield "checkpoint.keep_last=1 with checkpoint.async_save=true could leave no complete checkpoint; keep 2+"
+
+
+def _model_problems(m: ModelConfig):
+    """Yield one message per model field that cannot build a model."""
+    if m.architecture not in ARCHITECTURES:
+        yield f"model.architecture={m.architecture!r} must be one of {', '.join(ARCHITECTURES)}"
+        return
+    defaults = ModelConfig()
+    for family, names in _FAMILY_FIELDS.items():
+        for name in names:
+            if family != m.architecture and getattr(m, name) != getattr(defaults, name):
+                yield (f"model.{name}={getattr(m, name)!r} applies to the {family} family only, "
+                       f"not model.architecture={m.architecture!r}")
+    if m.d_model % m.n_heads:
+        yield f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}"
+    elif m.architecture == "llama" and (m.d_model // m.n_heads) % 2:
+        yield (f"model.d_model / model.n_heads = {m.d_model // m.n_heads} must be even: rotary embeddings "
+               f"turn pairs of each head's dimensions")
+    if m.n_heads % m.resolved_kv_heads():
+        yield f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}"
+    if m.activation not in GPT_ACTIVATIONS:
+        yield f"model.activation={m.activation!r} must be one of {', '.join(GPT_ACTIVATIONS)}"
+    positive = {"norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "ffn_dim_multiplier": m.ffn_dim_multiplier}
+    for name, value in positive.items():
+        if not value > 0:
+            yield f"model.{name} must be > 0, got {value}"
+    bands = 0 < m.rope_low_freq_factor < m.rope_high_freq_factor
+    if m.rope_scaling_factor and not (m.rope_scaling_factor >= 1 and bands):
+        yield (f"model.rope_scaling_factor={m.rope_scaling_factor} (0: none) must be >= 1, with "
+               f"0 < model.rope_low_freq_factor={m.rope_low_freq_factor} < model.rope_high_freq_factor="
+               f"{m.rope_high_freq_factor}")
 
 
 def check_world_size(config: JobConfig, world_size: int) -> None:

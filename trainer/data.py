@@ -1,12 +1,13 @@
 """Training data: a corpus that ships with Python, byte tokens in uint32 shards, a resumable sampler.
 
-Corpus: the standard library's own `*.py` sources in name order, one document each, so every
-machine with the same Python version builds the same tokens without a download.
+Corpus (data.corpus=stdlib): the standard library's own `*.py` sources in name order, one document
+each, so every machine with the same Python version builds the same tokens without a download.
 
-Shards: `shard-00000.bin` ... (little-endian uint32 tokens, so any vocabulary up to 2**32) and
-`index.json` written last, in a local directory or under s3://bucket/prefix. The index holds the
-dtype, each shard's token count and sha256, and the sha256 of each `block_bytes` block of each
-shard. Shard sets written before the index recorded a dtype hold uint16 tokens; they are still
+Shards: the format of trainer/shards.py (little-endian uint16 or uint32 tokens, `index.json`
+written last with the tokenizer, the dtype, each shard's sha256 and the sha256 of each block), in
+a local directory or under s3://bucket/prefix, written by `trainfleet data prepare` or, where
+data.corpus names it, built here from the corpus. A location without an index is refused, never
+filled. Shard sets written before the index recorded a dtype hold uint16 tokens; they are still
 read as such, and need no rewrite.
 
 Token source: no rank holds the corpus; the shards read as one sequence, and a window is copied
@@ -55,16 +56,12 @@ import torch
 
 from trainer import tokenizer
 from trainer.config import DataConfig
+from trainer.shards import (BLOCK_BYTES, INDEX_NAME, ShardSetError, ShardStore, index_of, index_problems,
+                            shard_entry, token_type)
 
-INDEX_NAME = "index.json"
-SHARD_DTYPE = "uint32"
 # Index dtype -> file layout. An index without a dtype was written when tokens were uint16.
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 LEGACY_DTYPE = "uint16"
-BLOCK_BYTES = 4 * 1024 * 1024
-"""Bytes of shard under one sha256 of the index, and what one read fetches from S3. Smaller blocks
-fetch fewer unused bytes around a window (a 4 MiB block holds 128 windows of 8K uint32 tokens) but
-lengthen the index by about 70 bytes a block: 4 MiB keeps a 1.2 TB corpus's index near 20 MB."""
 PART_BYTES = 8 * 1024 * 1024
 """Size of one ranged GET of a shard fetched whole: S3 serves each connection at tens of MB/s, so a shard
 comes as parts in parallel."""
@@ -96,88 +93,58 @@ def corpus_documents(max_bytes: int) -> list[str]:
     return documents
 
 
-def tokenize_corpus(max_bytes: int) -> np.ndarray:
-    tokens: list[int] = []
-    for document in corpus_documents(max_bytes):
-        tokens.extend(tokenizer.encode(document))
-        tokens.append(tokenizer.END_OF_DOCUMENT)
-    return np.array(tokens, dtype=np.int64)
-
-
-class ShardStore:
-    """Shard files in a local directory or under an S3 prefix: list, read, write by name."""
-
-    def __init__(self, location: str):
-        self.location = location
-        if location.startswith("s3://"):
-            self.bucket, _, prefix = location[len("s3://"):].partition("/")
-            self.prefix = prefix.strip("/")
-            self.s3 = boto3.client("s3")
-        else:
-            self.s3 = None
-            self.root = Path(location)
-
-    def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
-
-    def read(self, name: str) -> bytes | None:
-        if self.s3 is None:
-            path = self.root / name
-            return path.read_bytes() if path.exists() else None
-        try:
-            return self.s3.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
-        except self.s3.exceptions.NoSuchKey:
-            return None
-
-    def read_range(self, name: str, start: int, end: int) -> bytes:
-        """Bytes start..end (inclusive, as HTTP ranges count) of an S3 object."""
-        body = self.s3.get_object(Bucket=self.bucket, Key=self._key(name), Range=f"bytes={start}-{end}")["Body"]
-        return body.read()
-
-    def write(self, name: str, data: bytes) -> None:
-        if self.s3 is not None:
-            self.s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
-            return
-        self.root.mkdir(parents=True, exist_ok=True)
-        # Write then rename: several ranks may build the same shard at once, none sees half a file.
-        with tempfile.NamedTemporaryFile(dir=self.root, delete=False) as tmp:
-            tmp.write(data)
-        os.chmod(tmp.name, 0o644)
-        os.replace(tmp.name, self.root / name)
+def tokenize_corpus(max_bytes: int, tok: tokenizer.Tokenizer) -> tuple[np.ndarray, int]:
+    """The corpus's tokens, each document begun and ended as the tokenizer defines; and the documents' count."""
+    documents = tok.encode_documents(corpus_documents(max_bytes))
+    return np.array([token for document in documents for token in document], dtype=np.int64), len(documents)
 
 
 def write_shards(store: ShardStore, tokens: np.ndarray, shard_tokens: int, vocab_size: int,
-                 tokenizer_name: str, block_bytes: int = BLOCK_BYTES) -> dict:
-    """Store tokens as uint32 shards of shard_tokens each, then the index that marks the set complete."""
-    dtype = DTYPES[SHARD_DTYPE]
+                 tokenizer_name: str, tokenizer_sha256: str = "", block_bytes: int = BLOCK_BYTES,
+                 documents: int = 0) -> dict:
+    """Store tokens (of `documents` documents) as shards of shard_tokens each, then the index that marks the
+    set complete."""
+    dtype = DTYPES[token_type(vocab_size)]
     if block_bytes <= 0 or block_bytes % dtype.itemsize:
         raise ValueError(f"block_bytes={block_bytes} is not a positive multiple of {dtype.itemsize}, "
-                         f"the size of a {SHARD_DTYPE} token")
+                         f"the size of a {dtype.name} token")
     unfit = tokens[(tokens < 0) | (tokens > np.iinfo(dtype).max)]
     if len(unfit):
-        raise ValueError(f"token {unfit[0]} does not fit in {SHARD_DTYPE}, the shards' token type")
+        raise ValueError(f"token {unfit[0]} does not fit in {dtype.name}, the shards' token type")
     shards = []
     for number, start in enumerate(range(0, len(tokens), shard_tokens)):
         data = tokens[start:start + shard_tokens].astype(dtype).tobytes()
         name = f"shard-{number:05d}.bin"
         store.write(name, data)
-        shards.append({"name": name, "tokens": len(data) // dtype.itemsize, "sha256": hashlib.sha256(data).hexdigest(),
-                       "block_sha256": [hashlib.sha256(data[at:at + block_bytes]).hexdigest()
-                                        for at in range(0, len(data), block_bytes)]})
-    index = {"tokenizer": tokenizer_name, "vocab_size": vocab_size, "dtype": SHARD_DTYPE, "block_bytes": block_bytes,
-             "shards": shards}
+        shards.append(shard_entry(name, data, dtype.itemsize, block_bytes))
+    index = index_of(shards, tokenizer_name, tokenizer_sha256, vocab_size, block_bytes, documents=documents)
     store.write(INDEX_NAME, json.dumps(index, indent=1).encode())  # last: the index marks the set complete
     return index
 
 
 def ensure_shards(cfg: DataConfig) -> dict:
-    """Build the shards from the corpus unless an index is already there; return the index."""
+    """The shard set's index, the set built from the corpus first where data.corpus names one and no
+    index is there. ShardSetError names a location that holds no shard set."""
     store = ShardStore(cfg.shards)
-    existing = store.read(INDEX_NAME)
-    if existing is not None:
-        return json.loads(existing)
-    return write_shards(store, tokenize_corpus(cfg.corpus_bytes), cfg.shard_tokens, tokenizer.VOCAB_SIZE,
-                        "bytes+eod")
+    index = store.read_index()
+    if index is not None:
+        return index
+    if not cfg.corpus:
+        raise ShardSetError(f"data.shards={cfg.shards} holds no {INDEX_NAME}: no shard set is there (write one with "
+                            f"`trainfleet data prepare`, or set data.corpus=stdlib to build one from the built-in corpus)")
+    tok = tokenizer.load(cfg.tokenizer)
+    tokens, documents = tokenize_corpus(cfg.corpus_bytes, tok)
+    return write_shards(store, tokens, cfg.shard_tokens, tok.vocab_size, tok.label, tok.sha256, documents=documents)
+
+
+def checked_index(cfg: DataConfig, vocab_size: int) -> dict:
+    """The shard set's index (ensure_shards), once the model's vocabulary and data.tokenizer fit it;
+    ShardSetError names what does not, before anything is allocated."""
+    index = ensure_shards(cfg)
+    problems = index_problems(index, cfg.shards, vocab_size, cfg.tokenizer, tokenizer.sha256_of(cfg.tokenizer))
+    if problems:
+        raise ShardSetError("; ".join(problems))
+    return index
 
 
 def sha256_of_file(path: Path) -> str:
@@ -467,10 +434,11 @@ def _locked(path: Path):
         yield
 
 
-def load_tokens(cfg: DataConfig) -> TokenShards:
-    """The shard set as one token sequence: S3 shards read by block as windows need them, local shards (and S3
-    shards whose index has no block digests, fetched whole first) memory-mapped once checked against the index."""
-    index = ensure_shards(cfg)
+def load_tokens(cfg: DataConfig, index: dict | None = None) -> TokenShards:
+    """The shard set of `index` (read here if not given) as one token sequence: S3 shards read by block as windows
+    need them, local shards (and S3 shards whose index has no block digests, fetched whole first) memory-mapped
+    once checked against the index."""
+    index = index or ensure_shards(cfg)
     dtype_name = index.get("dtype", LEGACY_DTYPE)
     if dtype_name not in DTYPES:
         raise ValueError(f"{cfg.shards}/{INDEX_NAME}: token dtype {dtype_name!r} is not one of {sorted(DTYPES)}; "

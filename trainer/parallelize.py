@@ -31,39 +31,43 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from trainer.config import JobConfig
-from trainer.model import GPT, initial_values
+from trainer.model import Decoder, initial_values
 
 __all__ = ["tensor_parallel", "materialize", "parallelize", "loss_context"]
 
 
-def tensor_parallel(part: GPT, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style tensor parallel with sequence parallel, in place.
+def tensor_parallel(part: Decoder, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallel with sequence parallel, in place, for either family.
 
-    Inside each block q, k, v and fc are split by output columns (heads, hidden units) and the
-    two output projections by input rows, so each half of a block needs one all-gather in and
-    one reduce-scatter out. Between those regions the residual stream, the norms and the
-    pipeline hand-offs hold T/tp of the sequence (Shard(1)). Embedding tables are split by rows
-    (vocabulary, positions), the head by vocabulary; its logits stay split by vocabulary (a
-    DTensor), for the loss to be computed under `loss_parallel` without gathering them.
+    Inside each block q, k, v and the MLP's input matrices (gpt's fc, llama's gate and up) are
+    split by output columns (heads, key/value heads, hidden units) and the two output projections
+    by input rows, so each half of a block needs one all-gather in and one reduce-scatter out.
+    Between those regions the residual stream, the norms and the pipeline hand-offs hold T/tp of
+    the sequence (Shard(1)); llama's rotary table goes to the attention whole. Embedding tables
+    are split by rows (vocabulary, positions), the head by vocabulary; its logits stay split by
+    vocabulary (a DTensor), for the loss to be computed under `loss_parallel` without gathering
+    them.
     """
     seq_sharded = (Shard(1),)
+    mlp_inputs = ("gate", "up") if part.cfg.architecture == "llama" else ("fc",)
     for block in part.layers.values():
         parallelize_module(block, tp_mesh, {
             "attn_norm": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=seq_sharded, desired_input_layouts=(Replicate(),)),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
             "attn.q": ColwiseParallel(),
             "attn.k": ColwiseParallel(),
             "attn.v": ColwiseParallel(),
             "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
             "mlp_norm": SequenceParallel(),
             "mlp": PrepareModuleInput(input_layouts=seq_sharded, desired_input_layouts=(Replicate(),)),
-            "mlp.fc": ColwiseParallel(),
+            **{f"mlp.{name}": ColwiseParallel() for name in mlp_inputs},
             "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
         })
     plan = {}
     if part.tok_emb is not None:
-        # Positions come in as (1, T), so Shard(1) splits the sequence of both embeddings alike.
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if getattr(part, "pos_emb", None) is not None:
+        # Positions come in as (1, T), so Shard(1) splits the sequence of both embeddings alike.
         plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if part.norm is not None:
         plan["norm"] = SequenceParallel()
@@ -106,7 +110,7 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _model_name(name: str) -> str:
-    """A parameter's name in trainer/model.py's GPT, without the wrappers' module levels."""
+    """A parameter's name in trainer/model.py's models, without the wrappers' module levels."""
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
@@ -118,7 +122,7 @@ def _uses_fsdp(cfg: JobConfig, device: torch.device) -> bool:
     return cfg.parallel.dp > 1 or device.type == "cuda"
 
 
-def parallelize(part: GPT, cfg: JobConfig, mesh: DeviceMesh | None, device: torch.device) -> None:
+def parallelize(part: Decoder, cfg: JobConfig, mesh: DeviceMesh | None, device: torch.device) -> None:
     """Activation checkpointing, torch.compile and FSDP2 on a part still on the meta device, in place."""
     mode = cfg.training.activation_checkpoint
     for name, block in list(part.layers.items()):
@@ -167,7 +171,7 @@ def _checkpointed(block: nn.Module, mode: str) -> nn.Module:
                               context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls))
 
 
-def _fully_shard(part: GPT, cfg: JobConfig, mesh: DeviceMesh, device: torch.device) -> None:
+def _fully_shard(part: Decoder, cfg: JobConfig, mesh: DeviceMesh, device: torch.device) -> None:
     """ZeRO-3 (or ZeRO-2) over dp_shard, replicated over dp_replicate.
 
     Each block is an FSDP unit, and so are the embeddings and the final norm with the head, so
@@ -193,7 +197,7 @@ def _fully_shard(part: GPT, cfg: JobConfig, mesh: DeviceMesh, device: torch.devi
     if p.reshard_after_forward == "auto" and blocks:
         units[-1] = (blocks[-1], False)
     if part.head is not None:
-        units += [([module for module in (part.tok_emb, part.pos_emb) if module is not None], reshard),
+        units += [([module for module in (part.tok_emb, getattr(part, "pos_emb", None)) if module is not None], reshard),
                   ([part.norm, part.head], reshard and p.reshard_after_forward != "auto")]
     for unit, reshard_unit in units:
         if unit:

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: this rank's stages of the GPT and the schedule that drives them.
+"""Pipeline parallelism: this rank's stages of the model and the schedule that drives them.
 
 Each rank builds only its own stages (a contiguous layer range each; the embedding on stage 0,
 norm + head + loss on the last) straight from the config, parallelizes each
@@ -23,7 +23,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from torch.distributed.tensor import DTensor
 
 from trainer.config import JobConfig, ModelConfig
-from trainer.model import GPT, cross_entropy_loss
+from trainer.model import build, cross_entropy_loss
 from trainer.parallel_dims import SCHEDULES, layer_ranges, schedule_class, split_layers, stage_ids
 from trainer.parallelize import loss_context, materialize, parallelize, tensor_parallel
 from trainer.scaling_check import ComputeClock
@@ -98,7 +98,8 @@ class Pipeline:
         """
         with self.loss_context():
             if self.schedule is None:
-                with self.clock.timed() if self.clock else contextlib.nullcontext():
+                # One stage: no bubble, so its compute need not be told apart by kind.
+                with self.clock.timed("forward") if self.clock else contextlib.nullcontext():
                     return self._accumulate_locally(inputs, targets)
             losses: list[torch.Tensor] = []
             # A stage checks each microbatch against the strides it inferred (torch 2.11 does): the
@@ -134,39 +135,40 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
 
 
 class _TimedStage(PipelineStage):
-    """A PipelineStage whose forward and backward compute is timed on `clock` when one is
-    attached, and reported to `on_work` when set. The schedule waits for a microbatch's data
-    before it calls these, so what is timed is this rank's own work."""
+    """A PipelineStage whose forward, backward and weight-gradient compute is timed, each kind
+    apart, on `clock` when one is attached, and reported to `on_work` when set. The schedule waits
+    for a microbatch's data before it calls these, so what is timed is this rank's own work."""
 
     clock: ComputeClock | None = None
     on_work: Callable[[], None] | None = None
 
     @contextlib.contextmanager
-    def _timed(self):
-        with self.clock.timed() if self.clock else contextlib.nullcontext():
+    def _timed(self, kind: str):
+        with self.clock.timed(kind) if self.clock else contextlib.nullcontext():
             yield
         if self.on_work:
             self.on_work()
 
     def forward_one_chunk(self, *args, **kwargs):
-        with self._timed():
+        with self._timed("forward"):
             return super().forward_one_chunk(*args, **kwargs)
 
     def backward_one_chunk(self, *args, **kwargs):
-        with self._timed():
+        with self._timed("backward"):
             return super().backward_one_chunk(*args, **kwargs)
 
     def backward_weight_one_chunk(self, *args, **kwargs):
-        with self._timed():
+        with self._timed("weight"):
             return super().backward_weight_one_chunk(*args, **kwargs)
 
 
 def _layers_per_stage(cfg: ModelConfig, n_stages: int, override: list[int]) -> list[int]:
     if override:
         return override
-    block_params = sum(p.numel() for p in GPT(cfg, range(1), first=False, last=False).parameters())
-    embed_params = (cfg.vocab_size + cfg.seq_len) * cfg.d_model
-    head_params = 2 * cfg.d_model + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    with torch.device("meta"):
+        block_params, embed_params, head_params = (
+            sum(p.numel() for p in build(cfg, layers, first=first, last=last).parameters())
+            for layers, first, last in ((range(1), False, False), (range(0), True, False), (range(0), False, True)))
     return split_layers(block_params, cfg.n_layers, embed_params, head_params, n_stages)
 
 
@@ -175,7 +177,7 @@ def _build_part(cfg: JobConfig, layers: range, first: bool, last: bool, device: 
     # Built on the meta device and split before it is materialised, so no rank ever allocates
     # layers it does not own, nor more of a matrix than its tensor-parallel and FSDP shard.
     with torch.device("meta"):
-        part = GPT(cfg.model, layers, first=first, last=last)
+        part = build(cfg.model, layers, first=first, last=last)
     if cfg.parallel.tp > 1:
         tensor_parallel(part, mesh["tp"])
     parallelize(part, cfg, mesh, device)

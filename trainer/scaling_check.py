@@ -7,21 +7,23 @@ control plane turns it on for a run's worlds until one has passed (RunSpec.scali
 
 - the step, as the training loop does (wall clock; the same on every rank, since a step ends in
   collectives);
-- its own compute: the forward and backward calls of its pipeline stages (`ComputeClock`; CUDA
-  events on a GPU). The schedule waits for a microbatch's activations or gradients before it
-  calls them, so the pipeline's hand-offs and bubble are not in it; collectives inside a stage
-  (FSDP's gathers, tensor parallel) are, as that stage's own work;
+- its own compute: the forward, backward and weight-gradient calls of its pipeline stages, each
+  kind apart (`ComputeClock`; CUDA events on a GPU). The schedule waits for a microbatch's
+  activations or gradients before it calls them, so the pipeline's hand-offs and bubble are not
+  in it; collectives inside a stage (FSDP's gathers, tensor parallel) are, as that stage's own
+  work;
 - the end of its step: from the end of its last compute to the end of its last optimizer step
   (an optimizer hook), what follows the schedule: the stage's gradient reduction, the gradient
   norm's all-reduce, clipping, the optimizer step (trainer/train.py).
 
 What one rank computes is what it would achieve alone. Ranks that hold the same stages (data and
 tensor parallel peers) do the same work, so a stage needs what the fastest rank holding it
-computes; the slowest stage sets the pace of the pipeline, stretched by its fill and drain, the
-bubble factor 1 + (pp - 1) / (microbatches x stages per rank) of GPipe and 1F1B (zero-bubble
-schedules do better, so they are judged leniently). The end of the step follows, as the rank that
-reaches its all-reduce last measures it (it waits on no one: the least of the ranks' figures).
-The efficiency is that expected step over the measured one.
+computes; the slowest stage sets the pace of the pipeline, stretched by its fill and drain: the
+schedule's bubble from one microbatch's forward, backward and weight-gradient time on that stage
+(trainer/schedules.py's bubble_seconds, the same that the planner's step-time model uses,
+trainfleet/core/step_time.py). The end of the step follows, as the rank that reaches its
+all-reduce last measures it (it waits on no one: the least of the ranks' figures). The
+efficiency is that expected step over the measured one.
 
 Below `efficiency_floor` the world does not train on, and the result says why:
 - a rank computes far longer than the others that hold its stages (`slow_rank_factor` times the
@@ -49,6 +51,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -56,9 +59,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from trainer.config import JobConfig, ScalingCheckConfig
 from trainer.progress import NODE_NAME_ENV, write_whole
+from trainer.schedules import bubble_seconds
 
-__all__ = ["ComputeClock", "RankTiming", "ScalingCheckResult", "bubble_factor", "slow_ranks", "verdict",
-           "ScalingCheck"]
+__all__ = ["ComputeClock", "Pipeline", "RankTiming", "ScalingCheckResult", "slow_ranks", "verdict", "ScalingCheck"]
+
+KINDS = ("forward", "backward", "weight")
+"""What a stage computes: a microbatch's forward, its backward for the inputs' gradients (the whole
+backward where the schedule does not split it) and for the weights' gradients."""
 
 
 Instant = float | torch.cuda.Event
@@ -66,13 +73,13 @@ Instant = float | torch.cuda.Event
 
 
 class ComputeClock:
-    """Adds up the time this rank spends in `timed()` blocks until the next `take()`, and times
-    the end of the step: from the end of the last block to `end_step()`."""
+    """Adds up the time this rank spends in `timed(kind)` blocks, by kind, until the next `take()`,
+    and times the end of the step: from the end of the last block to `end_step()`."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.seconds = 0.0
-        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.seconds = dict.fromkeys(KINDS, 0.0)
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.compute_ended: Instant | None = None
         self.step_ended: Instant | None = None
 
@@ -85,24 +92,24 @@ class ComputeClock:
         return event
 
     @contextlib.contextmanager
-    def timed(self) -> Iterator[None]:
+    def timed(self, kind: str) -> Iterator[None]:
         started = self._now()
         yield
         self.compute_ended = self._now()
         if isinstance(started, float):
-            self.seconds += self.compute_ended - started
+            self.seconds[kind] += self.compute_ended - started
         else:
-            self.events.append((started, self.compute_ended))
+            self.events.append((kind, started, self.compute_ended))
 
     def end_step(self) -> None:
         """The step's last work was issued (its last optimizer step)."""
         self.step_ended = self._now()
 
-    def take(self) -> tuple[float, float]:
-        """The compute timed since the last take, and the end of the last step (0 when unseen)."""
-        for start, end in self.events:
+    def take(self) -> tuple[dict[str, float], float]:
+        """The compute timed since the last take, by kind, and the end of the last step (0 when unseen)."""
+        for kind, start, end in self.events:
             end.synchronize()
-            self.seconds += start.elapsed_time(end) / 1000
+            self.seconds[kind] += start.elapsed_time(end) / 1000
         finish = 0.0
         if self.compute_ended is not None and self.step_ended is not None:
             if isinstance(self.step_ended, float):
@@ -110,7 +117,7 @@ class ComputeClock:
             else:
                 self.step_ended.synchronize()
                 finish = self.compute_ended.elapsed_time(self.step_ended) / 1000
-        taken, self.seconds, self.events = self.seconds, 0.0, []
+        taken, self.seconds, self.events = self.seconds, dict.fromkeys(KINDS, 0.0), []
         self.compute_ended = self.step_ended = None
         return taken, max(0.0, finish)
 
@@ -122,10 +129,16 @@ class RankTiming:
     rank: int
     node: str
     stages: tuple[int, ...]
-    compute_seconds: float
+    forward_seconds: float
+    backward_seconds: float
+    weight_seconds: float
     finish_seconds: float
     """The end of its step, after the schedule (waits on slower ranks included)."""
     step_seconds: float
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.forward_seconds + self.backward_seconds + self.weight_seconds
 
 
 @dataclass(frozen=True)
@@ -167,9 +180,21 @@ class ScalingCheckResult:
                 + (f"; slow: {', '.join(self.slow_nodes)}" if self.slow_nodes else ""))
 
 
-def bubble_factor(pp: int, microbatches: int, stages_per_rank: int) -> float:
-    """Step time over compute time of a pipeline with no communication cost (GPipe, 1F1B)."""
-    return 1.0 if pp == 1 else 1 + (pp - 1) / (microbatches * stages_per_rank)
+class Pipeline(NamedTuple):
+    """The pipeline a world runs: its schedule over pp ranks, microbatches a step, stages a rank."""
+
+    schedule: str
+    pp: int
+    microbatches: int
+    stages_per_rank: int
+
+    def bubble(self, timing: RankTiming) -> float:
+        """The fill and drain of a step whose slowest stage computes as `timing` (its rank's
+        totals over a step, spread over microbatches x stages)."""
+        chunks = self.microbatches * self.stages_per_rank
+        return bubble_seconds(self.schedule, self.pp, self.stages_per_rank, self.microbatches,
+                              timing.forward_seconds / chunks, timing.backward_seconds / chunks,
+                              timing.weight_seconds / chunks)
 
 
 def _by_stages(timings: list[RankTiming]) -> dict[tuple[int, ...], list[RankTiming]]:
@@ -191,15 +216,16 @@ def slow_ranks(timings: list[RankTiming], factor: float) -> list[RankTiming]:
     return sorted(slow, key=lambda t: t.rank)
 
 
-def verdict(timings: list[RankTiming], bubble: float, floor: float, slow_rank_factor: float, tokens_per_step: int,
-            steps: int) -> ScalingCheckResult:
+def verdict(timings: list[RankTiming], pipeline: Pipeline, floor: float, slow_rank_factor: float,
+            tokens_per_step: int, steps: int) -> ScalingCheckResult:
     """Pass or fail, the nodes to replace, and the slowest stage and rank (see the module docstring)."""
     peers = _by_stages(timings)
-    needs = {stages: min(t.compute_seconds for t in group) for stages, group in peers.items()}
+    fastest = {stages: min(group, key=lambda t: t.compute_seconds) for stages, group in peers.items()}
+    needs = {stages: t.compute_seconds for stages, t in fastest.items()}
     slowest_stages = max(needs, key=needs.__getitem__)
     step = statistics.median(t.step_seconds for t in timings)
     finish = min(t.finish_seconds for t in timings)
-    expected = needs[slowest_stages] * bubble + finish
+    expected = needs[slowest_stages] + pipeline.bubble(fastest[slowest_stages]) + finish
     efficiency = expected / step if step > 0 else 1.0
     passed = efficiency >= floor
     slowest_rank = max(timings, key=lambda t: t.compute_seconds)
@@ -224,7 +250,7 @@ class ScalingCheck:
     """Times the forward and backward compute of this rank's stages (attached to its pipeline)."""
     stages: list[int]
     observed: int = 0
-    compute: list[float] = field(default_factory=list)
+    compute: list[dict[str, float]] = field(default_factory=list)
     finish: list[float] = field(default_factory=list)
     step: list[float] = field(default_factory=list)
 
@@ -254,12 +280,14 @@ class ScalingCheck:
     def gate(self) -> None:
         """Gather every rank's timings, judge on rank 0, act alike on every rank."""
         rank = dist.get_rank()
+        compute = {kind: statistics.median(step[kind] for step in self.compute) for kind in KINDS}
         mine = RankTiming(rank, os.environ.get(NODE_NAME_ENV) or socket.gethostname(), tuple(self.stages),
-                          statistics.median(self.compute), statistics.median(self.finish), statistics.median(self.step))
+                          compute["forward"], compute["backward"], compute["weight"], statistics.median(self.finish),
+                          statistics.median(self.step))
         timings: list[RankTiming | None] = [None] * dist.get_world_size()
         dist.all_gather_object(timings, mine)
         p, c = self.config.parallel, self.config
-        judged = [verdict(timings, bubble_factor(p.pp, p.microbatches, p.resolved_stages_per_rank()),
+        judged = [verdict(timings, Pipeline(p.schedule, p.pp, p.microbatches, p.resolved_stages_per_rank()),
                           self.check.efficiency_floor, self.check.slow_rank_factor,
                           c.training.batch_size * c.model.seq_len, len(self.step))]
         dist.broadcast_object_list(judged, src=0)  # rank 0's verdict, so every rank acts alike

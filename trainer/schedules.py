@@ -6,8 +6,10 @@ Validate, re-planning and memory plan (trainfleet/core) refuse and plan exactly 
     SCHEDULES, ScheduleRule, Placement, schedule_problem   each schedule's placement and rules
     SCHEDULE_CLASSES                     the torch class that runs each
     split_layers, stage_ids              the layers of each stage and the stages of each rank
+    bubble_seconds                       the idle time of each schedule's fill and drain
 """
 
+import functools
 from typing import Literal, NamedTuple
 
 Placement = Literal["single", "loop", "v"]
@@ -69,6 +71,14 @@ SCHEDULE_CLASSES: dict[str, str] = {
 
 def split_layers(layer_params: int, n_layers: int, first_extra: int, last_extra: int,
                  n_stages: int) -> list[int]:
+    """Layers per stage so that each stage holds about the same number of parameters (see
+    _split_layers; remembered, as the planners ask for the same splits of thousands of layouts)."""
+    return list(_split_layers(layer_params, n_layers, first_extra, last_extra, n_stages))
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_layers(layer_params: int, n_layers: int, first_extra: int, last_extra: int,
+                  n_stages: int) -> tuple[int, ...]:
     """Layers per stage so that each stage holds about the same number of parameters.
 
     Every layer has `layer_params` parameters; the first stage also holds `first_extra` (embeddings)
@@ -87,7 +97,7 @@ def split_layers(layer_params: int, n_layers: int, first_extra: int, last_extra:
         boundaries.append(end)
         start = end
     edges = [0, *boundaries, n_layers]
-    return [edges[i + 1] - edges[i] for i in range(n_stages)]
+    return tuple(edges[i + 1] - edges[i] for i in range(n_stages))
 
 
 def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, placement: Placement) -> list[int]:
@@ -95,3 +105,45 @@ def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, placement: Placement)
     if placement == "v":
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+def bubble_seconds(name: str, pp: int, stages_per_rank: int, microbatches: int, forward: float, backward: float,
+                   weight: float) -> float:
+    """Seconds a pipeline rank of schedule `name` idles in a step (fill and drain), for `pp` ranks
+    holding `stages_per_rank` stages each and `microbatches` a step.
+
+    `forward`, `backward` and `weight` are one microbatch's times on one stage: its forward, its
+    backward for the inputs' gradients (recomputation included) and its backward for the weights'
+    gradients. The zero-bubble schedules run the last apart; for the others only the sum of the two
+    backwards matters. A rank's step is its own microbatches' work plus this. Each formula replays
+    torch's own pipeline order with these times (tests/test_schedule_bubbles.py), F + B + W = S:
+
+    gpipe, 1f1b                 (pp - 1) S
+    interleaved-1f1b,           (pp - 1) S, and (v - 1)(pp - m) S more with fewer microbatches m than
+    looped-bfs                  ranks (each round of v stages then runs with pp - m ranks idle): a
+                                stage is 1/v of a rank's layers, which is how interleaving helps
+    interleaved-zero-bubble     (pp - 1) max(F, B, F + B - W) from pp microbatches on; with fewer,
+                                at most interleaved-1f1b's
+    zbv-zero-bubble             (pp - 1) max(F, B, 2(B - W))
+    dualpipev                   (pp - 1)(2F + B - W) + (pp - 2) min(B - F, F), within 3 % of the
+                                step: torch runs a forward and a backward it pairs one after the
+                                other unless the model overlaps them itself
+
+    The zero-bubble and V formulas hold where a backward takes at least its forward (B >= F), as
+    a transformer's does.
+    """
+    if pp == 1:
+        return 0.0
+    whole = forward + backward + weight
+    few = max(0, pp - microbatches) * (stages_per_rank - 1) * whole   # rounds of loop schedules left part idle
+    if name in ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"):
+        return (pp - 1) * whole + few
+    if name == "interleaved-zero-bubble":
+        if microbatches < pp:
+            return (pp - 1) * whole + few
+        return (pp - 1) * max(forward, backward, forward + backward - weight)
+    if name == "zbv-zero-bubble":
+        return (pp - 1) * max(forward, backward, 2 * (backward - weight))
+    if name == "dualpipev":
+        return (pp - 1) * (2 * forward + backward - weight) + (pp - 2) * min(max(backward - forward, 0.0), forward)
+    raise ValueError(f"schedule {name!r} is unknown; choose one of {sorted(SCHEDULES)}")

@@ -37,12 +37,14 @@ from trainer import checkpoint_catalog, fleet_check, repair, repair_order
 from trainer.scaling_check import ComputeClock, ScalingCheck
 from trainer.checkpoint import Checkpointer
 from trainer.config import ConfigError, JobConfig, OptimConfig, check_world_size, load_config
-from trainer.data import DataLoader, load_tokens
+from trainer.data import DataLoader, checked_index, load_tokens
 from trainer.memory_checkpoint import MemoryCheckpoints
 from trainer.parallel_dims import RankPosition, schedule_class
 from trainer.parallelize import local_part
 from trainer.pipeline_parallel import Pipeline, build_pipeline
 from trainer.progress import NODE_RANK_ENV, Progress
+from trainer.shards import ShardSetError
+from trainer.tokenizer import TokenizerError
 
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -97,10 +99,19 @@ class TrainState(Stateful):
         return {"model": model, "optimizer": optimizer, "lr_scheduler": self.lr_schedulers[0].state_dict(),
                 "sampler": self.loader.sampler.state_dict(), "rng": rng, "step": self.step}
 
-    def load_state_dict(self, state: dict) -> None:
-        for part, opt in zip(self.pipeline.model_parts, self.optimizers):
+    def model_state_dict(self) -> dict:
+        """The weights alone (what an imported step holds: trainer/hf_import.py)."""
+        return {key: value for part in self.pipeline.model_parts
+                for key, value in get_model_state_dict(part, options=_STATE_DICT_OPTIONS).items()}
+
+    def load_model_state_dict(self, model: dict) -> None:
+        for part in self.pipeline.model_parts:
             own_keys = get_model_state_dict(part).keys()
-            set_model_state_dict(part, {k: state["model"][k] for k in own_keys}, options=_STATE_DICT_OPTIONS)
+            set_model_state_dict(part, {k: model[k] for k in own_keys}, options=_STATE_DICT_OPTIONS)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load_model_state_dict(state["model"])
+        for part, opt in zip(self.pipeline.model_parts, self.optimizers):
             # Entries of other parts are ignored: the optimizer looks up its own parameters by name.
             set_optimizer_state_dict(part, opt, state["optimizer"], options=_STATE_DICT_OPTIONS)
         for scheduler in self.lr_schedulers:
@@ -264,14 +275,15 @@ class Run:
             out.write(json.dumps(record | {"time": time.time()}) + "\n")
 
 
-def build(cfg: JobConfig, env: DistributedEnv) -> Run:
+def build(cfg: JobConfig, env: DistributedEnv, index: dict | None = None) -> Run:
+    """The run's parts; `index`: the shard set's, where the caller has read it already."""
     torch.manual_seed(cfg.training.seed)
     if cfg.training.threads:
         torch.set_num_threads(cfg.training.threads)
     pipeline = build_pipeline(cfg, env.device, env.position.pp_index, env.mesh)
     optimizers = [build_optimizer(part, cfg.optim) for part in pipeline.model_parts]
     schedulers = [LambdaLR(opt, lambda step: lr_factor(step, cfg.optim, cfg.training.steps)) for opt in optimizers]
-    loader = DataLoader(load_tokens(cfg.data), cfg.model.seq_len, cfg.training.batch_size, cfg.parallel.dp,
+    loader = DataLoader(load_tokens(cfg.data, index), cfg.model.seq_len, cfg.training.batch_size, cfg.parallel.dp,
                         env.position.dp_index, cfg.training.seed, device=env.device)
     return Run(cfg, env, pipeline, TrainState(pipeline, optimizers, schedulers, loader))
 
@@ -368,12 +380,13 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
 
 
-def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None) -> list[dict]:
+def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None,
+          index: dict | None = None) -> list[dict]:
     """Build, train cfg.training.steps steps, return each step's metrics (a step redone after a
     repair in place twice); `progress` hears of every phase, microbatch and step
-    (trainer/progress.py)."""
+    (trainer/progress.py); `index`: the shard set's, read already."""
     progress = progress or Progress(None)
-    run = build(cfg, env)
+    run = build(cfg, env, index)
     run.pipeline.report_work(progress.beat)
     progress.beat()
     history: list[dict] = []
@@ -497,12 +510,13 @@ def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | No
             fallback = f"S3 holds step {newer[0]}, newer than every in-memory copy"
         else:
             restored = memory.restore(state, found)
+    resumed = None
     if restored is None:
-        checkpointer.resume(state)
+        resumed = checkpointer.resume(state)
     if memory:  # copies of another timeline than the one resumed must never be loaded
         memory.forget_after(restored.step if restored else None)
     if run.env.rank == 0 and cfg.result_file:
-        source = "memory" if restored else "s3" if state.step else "none"
+        source = "memory" if restored else "s3" if resumed is not None else "none"
         result = {"step": state.step, "source": source, "seconds": time.perf_counter() - started,
                   "shards": run.env.world_size, "fallback": fallback}
         if restored:
@@ -524,6 +538,7 @@ def _checkpointer(cfg: JobConfig) -> Checkpointer:
     p = cfg.parallel
     return Checkpointer(cfg.checkpoint, layout={"pp": p.pp, "dp": p.dp, "dp_shard": p.resolved_dp_shard(), "tp": p.tp},
                         config_hash=checkpoint_catalog.config_hash(asdict(cfg)), model=asdict(cfg.model),
+                        tokenizer=cfg.data.tokenizer, init_from=cfg.training.init_from,
                         request_file=os.environ.get(checkpoint_catalog.REQUEST_FILE_ENV),
                         timeout=timedelta(seconds=cfg.checkpoint.timeout_s))
 
@@ -546,6 +561,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    try:
+        # Before the world forms and anything is allocated: a missing shard set, a model smaller than
+        # the shards' vocabulary or another tokenizer than theirs would fail deep in the first step.
+        index = checked_index(cfg.data, cfg.model.vocab_size)
+    except (ShardSetError, TokenizerError) as exc:
+        print(f"data error: {exc}", file=sys.stderr)
+        return 2
     progress = Progress.of_this_process()
     progress.beat()  # the trainer is up (its imports took seconds); the world forms next
     with distributed(cfg) as env:
@@ -554,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.fleet_check.enabled and env.world_size > 1 and env.generation == 0:
             fleet_check.gate(cfg.fleet_check, env.device, progress.beat)
             progress.beat()
-        train(cfg, env, progress)
+        train(cfg, env, progress, index)
     return 0
 
 

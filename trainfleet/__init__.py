@@ -1,6 +1,6 @@
 """trainfleet: serverless-managed pipeline-parallel training on an EC2 GPU fleet.
 
-The control plane, by audience (README's Layout says what each may import):
+The control plane, by audience (docs/ARCHITECTURE.md's Layout says what each may import):
 
     core/       the shapes and decisions every side shares: the contracts (runspec, records,
                 events, node_access), lifecycle decisions, instance catalogue, memory plan, pace

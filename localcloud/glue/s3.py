@@ -1,10 +1,15 @@
-"""S3 glue: the requests that reach the local S3, heard as they come.
+"""S3 glue: listings as S3 gives them, and the requests that reach the local S3, heard as they come.
 
-moto serves S3 without telling anyone what it was asked. `listen(listener)` calls `listener(kind,
-key, body)` on every PutObject ("write", with the body written) and GetObject ("read", body None)
-as it reaches the local S3, before it is served: the chaos cells see a checkpoint being written or
-read from it, and the demo a checkpoint's commit the moment its marker is written. The backend is
-wrapped when the first listener comes, and is inert while none listens.
+- A listing with a delimiter: moto gave the common prefix of every key, also of a key whose
+  current version is a delete marker (in a versioned bucket, an object deleted). S3 lists such a
+  key nowhere, neither in Contents nor under a common prefix: a checkpoint step that retention
+  pruned is gone from a listing, on S3 and here.
+- moto serves S3 without telling anyone what it was asked. `listen(listener)` calls
+  `listener(kind, key, body)` on every PutObject ("write", with the body written) and GetObject
+  ("read", body None) as it reaches the local S3, before it is served: the chaos cells see a
+  checkpoint being written or read from it, and the demo a checkpoint's commit the moment its
+  marker is written. The backend is wrapped when the first listener comes, and is inert while
+  none listens.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["listen"]
+__all__ = ["listen", "apply"]
 
 Listener = Callable[[str, str, "bytes | None"], None]
 _listeners: list[Listener] = []
@@ -60,3 +65,22 @@ def _heard(kind: str, key: str, body: bytes | None) -> None:
         listeners = list(_listeners)
     for listener in listeners:
         listener(kind, key, body)
+
+
+def apply() -> None:
+    from moto.s3.models import FakeDeleteMarker, S3Backend
+
+    list_objects = S3Backend.list_objects
+
+    def without_deleted_prefixes(self: Any, bucket: Any, prefix: str | None, delimiter: str | None, *args: Any,
+                                 **kwargs: Any) -> Any:
+        keys, folders, truncated, marker = list_objects(self, bucket, prefix, delimiter, *args, **kwargs)
+        if delimiter and folders:
+            listed = {f"{prefix or ''}{name[len(prefix or ''):].split(delimiter)[0]}{delimiter}"
+                      for name, key in bucket.keys.items()
+                      if not isinstance(key, FakeDeleteMarker) and name.startswith(prefix or "")
+                      and delimiter in name[len(prefix or ""):]}
+            folders = [folder for folder in folders if folder in listed]
+        return keys, folders, truncated, marker
+
+    S3Backend.list_objects = without_deleted_prefixes

@@ -40,10 +40,13 @@ that. These patches fill the gaps:
   bus each time a Standard workflow's execution starts or ends (RUNNING, SUCCEEDED, FAILED,
   TIMED_OUT, ABORTED); the glue now does, so a rule on them (the reaper's, which tears down
   what a stopped execution left) runs locally as on AWS.
-- Log noise: a Choice rule `IsPresent: false` is evaluated by reading the path and catching
-  the miss, and the interpreter logs that expected miss at ERROR level
-  ("Exception=NoSuchJsonPathError"). Those records are dropped; a path that is really missing
-  still fails the execution with States.Runtime, which the history shows.
+- Log noise: the interpreter logs every state's failure at ERROR level, with its own internals
+  (`Exception=FailureEventException, Error=States.Timeout ... at '(StateTaskServiceLambda| {...`,
+  kilobytes on one line in the terminal of `trainfleet local up`), also the failures a Retry or
+  Catch handles, and a Choice rule `IsPresent: false`'s expected miss
+  ("Exception=NoSuchJsonPathError"). Step Functions writes a state's failure into the
+  execution's history, where the glue's history has it too, and prints nothing: those records
+  are dropped. Any other exception of the interpreter's own is one line, its type and message.
 - Default TimeoutSeconds: a Task with HeartbeatSeconds(Path) and no TimeoutSeconds(Path) got a
   TimeoutSeconds of 60, so any task kept alive by heartbeats failed with States.Timeout after a
   minute. AWS's default is 99999999 with or without a heartbeat; it now is here too.
@@ -647,12 +650,23 @@ class _ScaledSleepTime:
         time.sleep(seconds * time_scale())
 
 
-def _not_a_missing_path(record: logging.LogRecord) -> bool:
-    return not str(record.msg % record.args if record.args else record.msg).startswith("Exception=NoSuchJsonPathError")
+_INTERPRETER_LINE_CHARS = 300
+
+
+def _interpreters_line(record: logging.LogRecord) -> bool:
+    """Drop a state's failure (the execution's history has it) and a missing path's expected
+    miss; make any other error of the interpreter one short line, without the component it
+    was in (`... at '<repr of the ASL program>'`)."""
+    text = record.getMessage()
+    if text.startswith(("Exception=FailureEventException", "Exception=NoSuchJsonPathError")):
+        return False
+    first = text.split(" at '", 1)[0].splitlines()[0] if text else text
+    record.msg, record.args = f"Step Functions interpreter: {first[:_INTERPRETER_LINE_CHARS]}", None
+    return True
 
 
 def apply() -> None:
-    logging.getLogger("moto.stepfunctions.parser.asl.component.eval_component").addFilter(_not_a_missing_path)
+    logging.getLogger("moto.stepfunctions.parser.asl.component.eval_component").addFilter(_interpreters_line)
     moto_jsonata._eval_jsonata = evaluate_jsonata
     eval_states.encode_jsonata_variable_declarations = encode_variable_declarations
     variable_store.encode_jsonata_variable_declarations = encode_variable_declarations

@@ -34,7 +34,7 @@ def trainer_args(tmp_path: Path, uri: str, metrics: str, *overrides: str) -> lis
         "--training.batch_size=8", "--parallel.microbatches=4", f"--training.steps={STEPS}",
         "--optim.warmup_steps=2", "--training.threads=1", "--training.device=cpu",
         "--parallel.timeout_s=30", f"--training.metrics_file={tmp_path / metrics}",
-        f"--data.shards={tmp_path / 'shards'}", "--data.corpus_bytes=40000",
+        f"--data.shards={tmp_path / 'shards'}", "--data.corpus=stdlib", "--data.corpus_bytes=40000",
         f"--checkpoint.uri={uri}", "--checkpoint.interval=5", "--checkpoint.keep_last=2", *overrides,
     ]
 

@@ -29,7 +29,7 @@ def config(tmp_path):
         "--model.n_layers=2", "--model.d_model=16", "--model.n_heads=2", "--model.seq_len=16",
         "--training.batch_size=4", "--parallel.microbatches=1", "--training.steps=12",
         "--optim.warmup_steps=2", "--training.device=cpu", f"--training.metrics_file={tmp_path}/metrics.jsonl",
-        f"--data.shards={tmp_path}/shards", "--data.corpus_bytes=20000",
+        f"--data.shards={tmp_path}/shards", "--data.corpus=stdlib", "--data.corpus_bytes=20000",
         "--checkpoint.interval=4", "--checkpoint.keep_last=2",
     ])
 

@@ -51,11 +51,24 @@ def launch(tmp_path, processes, uri, metrics, *overrides, hooks=(), node_args=la
     return procs, log_dir
 
 
+LLAMA = ["--model.architecture=llama", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.multiple_of=16",
+         "--model.rope_scaling_factor=8", "--model.rope_original_seq_len=16"]
+"""The model in the llama family: grouped-query attention, SwiGLU, Llama 3's rotary scaling."""
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, moto_endpoint, rank_image):
     """The uninterrupted run of the same layout: the losses every resumed run must repeat."""
     tmp_path, _ = uninterrupted(tmp_path_factory, rank_image, lambda tmp_path, ranks, uri: launch(
         tmp_path, ranks, uri, "straight.jsonl"))
+    return Straight(losses(tmp_path, "straight.jsonl"), tmp_path)
+
+
+@pytest.fixture(scope="module")
+def straight_llama(tmp_path_factory, moto_endpoint, rank_image):
+    """`straight` of the llama family."""
+    tmp_path, _ = uninterrupted(tmp_path_factory, rank_image, lambda tmp_path, ranks, uri: launch(
+        tmp_path, ranks, uri, "straight.jsonl", *LLAMA))
     return Straight(losses(tmp_path, "straight.jsonl"), tmp_path)
 
 
@@ -194,9 +207,17 @@ def test_a_lost_node_is_repaired_in_place_around_its_replacement(tmp_path, proce
     its replacement starts with the order of generation 1, the ranks of the other nodes receive it
     in their processes. They keep those processes, the world resumes from host memory without
     reading S3, and every loss is the uninterrupted run's."""
+    repaired_in_place(tmp_path, processes, bucket, straight)
+
+
+def test_a_llama_world_is_repaired_in_place_too(tmp_path, processes, bucket, straight_llama):
+    repaired_in_place(tmp_path, processes, bucket, straight_llama, *LLAMA)
+
+
+def repaired_in_place(tmp_path, processes, bucket, straight, *model: str) -> None:
     uri = f"s3://{bucket}/runs/repaired/checkpoints"
     repair_args = lambda node: [f"--parallel.repair_file={repair_file(tmp_path, node)}"]  # noqa: E731
-    procs, log_dir = launch(tmp_path, processes, uri, "repaired.jsonl", "--checkpoint.interval=18",
+    procs, log_dir = launch(tmp_path, processes, uri, "repaired.jsonl", "--checkpoint.interval=18", *model,
                             hooks=["--mark-copy", "13"], node_args=repair_args)
     wait_for(lambda: all((log_dir / f"reached.{rank}").exists() for rank in range(WORLD)), "step 13 copied", procs,
              log_dir)
@@ -210,7 +231,7 @@ def test_a_lost_node_is_repaired_in_place_around_its_replacement(tmp_path, proce
         for node in range(NODES):
             repair_file(tmp_path, node).write_text(order)
         replacement, replacement_logs = launch(tmp_path, processes, uri, "repaired.jsonl", "--checkpoint.interval=18",
-                                               "--checkpoint.resume=latest", "--checkpoint.memory_resume=true",
+                                               "--checkpoint.resume=latest", "--checkpoint.memory_resume=true", *model,
                                                node_args=repair_args, nodes=[1], logs="replacement")
         wait_for(lambda: "source" in restored(log_dir) and restored(log_dir)["step"] > 10, "the repaired world restored",
                  survivors + replacement, replacement_logs)

@@ -25,7 +25,7 @@ _EXECUTION_ENDS = frozenset({"ExecutionSucceeded", "ExecutionFailed", "Execution
 def read_history(store: RunStore, sfn: Any, run: RunRecord, nodes: list[NodeRecord], now: datetime) -> RunHistory:
     """The run's history up to `now` (its records already read: the caller uses them too)."""
     states = execution_states(sfn, run.execution_arn) if run.execution_arn else []
-    return build_history(run, nodes, store.progress(run.run_name), states, now)
+    return build_history(run, nodes, store.progress_reports(run.run_name), states, now)
 
 
 def execution_states(sfn: Any, execution_arn: str) -> list[StateEntry]:

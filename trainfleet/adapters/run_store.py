@@ -13,7 +13,8 @@ contracts model as JSON); `state` and `version` sit beside it so that conditions
     store.add_node(NodeRecord(...)), store.transition_node(name, instance_id, NodeState.READY)
     store.nodes(name), store.node(name, instance_id), store.node_by_instance(instance_id)
     store.ready_workers(name, attempt)                         workers ready for it: one item, any fleet size
-    store.record_progress(name, attempt, samples), store.progress(name), store.latest_progress(name)
+    store.record_progress(name, attempt, samples, reporter), store.progress_reports(name),
+    store.progress(name), store.latest_progress(name)
     store.park_task(name, TaskWait(...))                       remember the token (StaleAttempt if old)
     store.parked_token(name, "train", attempt)                 the token, still parked
     store.clear_task_token(name, token)                        once its answer was sent
@@ -44,6 +45,7 @@ from pydantic import TypeAdapter
 
 from trainfleet.core.events import ProgressSample
 from trainfleet.core.lifecycle import world_attempt
+from trainfleet.core.run_history import ProgressReport
 from trainfleet.core.records import (NodeRecord, NodeState, RunRecord, RunState, TaskWait, check_node_transition,
                                      check_run_transition)
 
@@ -228,24 +230,34 @@ class RunStore:
 
     # --- progress ---------------------------------------------------------------------------
 
-    def record_progress(self, run_name: str, attempt: int, samples: list[ProgressSample]) -> None:
-        """Keep the steps one TrainingProgress reported, as one item keyed by its last step: a
-        redelivered event writes the same item again."""
+    def record_progress(self, run_name: str, attempt: int, samples: list[ProgressSample],
+                        reporter: str | None = None) -> None:
+        """Keep the steps one TrainingProgress reported, as one item keyed by its last step, with
+        the instance whose agent reported them: a redelivered event writes the same item again."""
         if samples:
             self.db.put_item(TableName=self.table, Item={
-                **_progress_key(run_name, attempt, samples[-1].step), "doc": {"S": _SAMPLES.dump_json(samples).decode()}})
+                **_progress_key(run_name, attempt, samples[-1].step), "doc": {"S": _SAMPLES.dump_json(samples).decode()},
+                **({"reporter": {"S": reporter}} if reporter else {})})
 
-    def progress(self, run_name: str) -> Iterator[tuple[int, ProgressSample]]:
-        """Every step recorded, as (attempt, sample), by attempt, then step: read a page at a
-        time as they are taken (a run of weeks has hundreds of thousands)."""
+    def progress_reports(self, run_name: str) -> Iterator[ProgressReport]:
+        """Every report of steps recorded, by attempt, then step: read a page at a time as they
+        are taken (a run of weeks has hundreds of thousands of steps)."""
         for page in self.db.get_paginator("query").paginate(**self._progress_query(run_name)):
             for item in page["Items"]:
-                yield from _samples(item)
+                yield _report(item)
+
+    def progress(self, run_name: str) -> Iterator[tuple[int, ProgressSample]]:
+        """Every step recorded, as (attempt, sample), by attempt, then step."""
+        for report in self.progress_reports(run_name):
+            yield from ((report.attempt, sample) for sample in report.samples)
 
     def latest_progress(self, run_name: str) -> tuple[int, ProgressSample] | None:
         """The newest step recorded, as (attempt, sample)."""
         items = self.db.query(**self._progress_query(run_name), ScanIndexForward=False, Limit=1)["Items"]
-        return _samples(items[0])[-1] if items else None
+        if not items:
+            return None
+        report = _report(items[0])
+        return report.attempt, report.samples[-1]
 
     def _progress_query(self, run_name: str) -> dict[str, Any]:
         return {"TableName": self.table, "KeyConditionExpression": "pk = :pk AND begins_with(sk, :progress)",
@@ -311,6 +323,7 @@ class RunStore:
         raise StaleRecord(f"{key['pk']['S']} {key['sk']['S']}: {_MODIFY_ATTEMPTS} writes in a row lost a race")
 
 
-def _samples(item: dict[str, Any]) -> list[tuple[int, ProgressSample]]:
-    attempt = int(item["sk"]["S"].removeprefix(_PROGRESS).split("#")[0])
-    return [(attempt, sample) for sample in _SAMPLES.validate_json(item["doc"]["S"])]
+def _report(item: dict[str, Any]) -> ProgressReport:
+    return ProgressReport(attempt=int(item["sk"]["S"].removeprefix(_PROGRESS).split("#")[0]),
+                          reporter=item.get("reporter", {}).get("S"),
+                          samples=_SAMPLES.validate_json(item["doc"]["S"]))

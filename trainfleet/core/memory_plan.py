@@ -4,14 +4,18 @@ Pure functions over plain numbers (no torch, no boto3): `trainfleet plan` prints
 control plane's Validate refuses a RunSpec whose layout would run out of accelerator memory before
 anything is allocated. What is modelled is how the trainer holds memory:
 
-- The GPT of trainer/model.py: token + position embeddings, pre-norm blocks (LayerNorm, qkv
-  Linear(d, 3d), proj Linear(d, d), fc Linear(d, r d), GELU, proj Linear(r d, d), all with biases),
-  a final LayerNorm, an untied head Linear(d, vocab) without bias.
+- The two families of trainer/model.py, d wide with an MLP h wide and key/value projections kv
+  wide (n_kv_heads heads). gpt: token + position embeddings, pre-norm blocks (LayerNorm, q, k, v,
+  proj, fc Linear(d, h), GELU, proj Linear(h, d), all with biases), a final LayerNorm. llama: a
+  token embedding, blocks of RMSNorm, q Linear(d, d), k and v Linear(d, kv), proj, three MLP
+  matrices (gate and up Linear(d, h), SiLU, down Linear(h, d)), no biases, a final RMSNorm, and
+  its rotary table. Both: an untied head Linear(d, vocab) without bias, unless tied.
 - Pipeline stages split by `split_layers` (embeddings on the first stage, norm + head on the last)
   and placed on ranks by `stage_ids`; the fullest rank decides.
-- Tensor parallel over tp: qkv and fc column-wise (weights and biases split), both projections
-  row-wise (weights split, biases replicated), token embedding and head split over vocabulary
-  rows, position embedding and norms replicated; sequence parallel between the matmul regions.
+- Tensor parallel over tp: q, k, v and the MLP's input matrices column-wise (weights and biases
+  split), both projections row-wise (weights split, biases replicated), token embedding and head
+  split over vocabulary rows, position embedding and norms replicated; sequence parallel between
+  the matmul regions.
 - FSDP2 over dp_shard: fp32 parameters, gradients and AdamW's two moments sharded, 16 bytes per
   parameter over dp_shard. On CUDA, bf16 unsharded copies of the parameters being computed
   (mixed precision) and fp32 unsharded gradients until their reduce-scatter. Without a pipeline
@@ -55,6 +59,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from trainer.config import ModelConfig
 from trainer.schedules import SCHEDULES, split_layers, stage_ids
 from trainfleet.core.runspec import pipeline_layout_problem
 
@@ -87,7 +92,7 @@ FP32, BF16 = 4, 2
 
 @dataclass(frozen=True)
 class ModelShape:
-    """trainer/config.py's model section."""
+    """trainer/config.py's model section, with the widths it resolves."""
 
     n_layers: int
     d_model: int
@@ -96,6 +101,34 @@ class ModelShape:
     seq_len: int
     mlp_ratio: int = 4
     tie_embeddings: bool = False
+    architecture: str = "gpt"
+    """gpt or llama (trainer/config.py ARCHITECTURES)."""
+    n_kv_heads: int = 0
+    """Key/value heads; 0 = n_heads."""
+    ffn_hidden: int = 0
+    """The MLP's hidden width; 0 = mlp_ratio x d_model."""
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> ModelShape:
+        """The shape of a trainer model section, its widths resolved as the trainer resolves them."""
+        return cls(model.n_layers, model.d_model, model.n_heads, model.vocab_size, model.seq_len, model.mlp_ratio,
+                   model.tie_embeddings, model.architecture, model.resolved_kv_heads(), model.resolved_ffn_hidden())
+
+    @property
+    def llama(self) -> bool:
+        return self.architecture == "llama"
+
+    @property
+    def hidden(self) -> int:
+        return self.ffn_hidden or self.mlp_ratio * self.d_model
+
+    @property
+    def kv_width(self) -> int:
+        return (self.n_kv_heads or self.n_heads) * (self.d_model // self.n_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
 
 
 @dataclass(frozen=True)
@@ -171,7 +204,7 @@ class Workload:
         """From a trainer config as plain sections ({"model": {...}, "parallel": {...}, "training":
         {...}}, e.g. dataclasses.asdict of trainer/config.py's JobConfig); other fields are ignored."""
         model, par, training = sections["model"], sections["parallel"], sections["training"]
-        shape = ModelShape(**{f: model[f] for f in ModelShape.__dataclass_fields__ if f in model})
+        shape = ModelShape.of(ModelConfig(**{f: model[f] for f in ModelConfig.__dataclass_fields__ if f in model}))
         layout = Layout(**{f: par[f] for f in Layout.__dataclass_fields__ if f in par},
                         activation_checkpoint=training.get("activation_checkpoint", "none"),
                         batch_size=training["batch_size"])
@@ -185,25 +218,27 @@ class Workload:
 
 def _block_params(m: ModelShape, tp: int) -> int:
     """One transformer block's parameters on one tensor-parallel rank."""
-    d, hidden = m.d_model, m.mlp_ratio * m.d_model
-    norms = 2 * 2 * d                                  # two LayerNorms, weight + bias, replicated
-    qkv = (3 * d * d + 3 * d) // tp                    # column-wise: weight and bias split
-    attn_proj = d * d // tp + d                        # row-wise: weight split, bias replicated
-    fc = (d * hidden + hidden) // tp
-    mlp_proj = hidden * d // tp + d
-    return norms + qkv + attn_proj + fc + mlp_proj
+    d, hidden, kv = m.d_model, m.hidden, m.kv_width
+    bias = 0 if m.llama else 1
+    norms = 2 * (1 + bias) * d                         # two norms (LayerNorm's bias too), replicated
+    qkv = (d * (d + 2 * kv) + bias * (d + 2 * kv)) // tp  # column-wise: weights and biases split
+    attn_proj = d * d // tp + bias * d                 # row-wise: weight split, bias replicated
+    mlp_in = (2 if m.llama else 1) * (d * hidden + bias * hidden) // tp  # llama: gate and up
+    mlp_proj = hidden * d // tp + bias * d
+    return norms + qkv + attn_proj + mlp_in + mlp_proj
 
 
 def _embedding_params(m: ModelShape, tp: int) -> int:
-    return m.vocab_size * m.d_model // tp + m.seq_len * m.d_model
+    return m.vocab_size * m.d_model // tp + (0 if m.llama else m.seq_len * m.d_model)
 
 
 def _head_params(m: ModelShape, tp: int) -> int:
-    return 2 * m.d_model + (0 if m.tie_embeddings else m.vocab_size * m.d_model // tp)
+    norm = m.d_model * (1 if m.llama else 2)
+    return norm + (0 if m.tie_embeddings else m.vocab_size * m.d_model // tp)
 
 
 def parameter_count(m: ModelShape) -> int:
-    """Every parameter of the whole model (trainer/model.py's GPT), exactly."""
+    """Every parameter of the whole model (trainer/model.py's families), exactly."""
     return _embedding_params(m, 1) + m.n_layers * _block_params(m, 1) + _head_params(m, 1)
 
 
@@ -267,28 +302,33 @@ def last_stage_in_flight(schedule: str, pp: int, microbatches: int) -> int:
 
 
 def activation_bytes(m: ModelShape, microbatch: int, tp: int, mode: str, mixed_precision: bool) -> int:
-    """Bytes one layer keeps for backward per microbatch (u = microbatch x seq x d_model elements).
+    """Bytes one layer keeps for backward per microbatch (u = microbatch x seq x d_model elements;
+    u_kv and u_h the same with the key/value and the MLP's hidden widths).
 
     Derived for this block the way Korthikanti et al. 2022 derive sbh(34 + 5as/h) for Megatron's
     GPT, with three differences: no dropout (no masks), SDPA's flash / memory-efficient kernels keep
-    no seq x seq scores (only a logsumexp per head and position), and under CUDA autocast LayerNorm
-    runs in fp32, so each norm keeps an fp32 copy of its input. e = bytes of a compute activation
-    (bf16 2, fp32 4), r = mlp_ratio, tp splits all but the two matmul inputs, which torch's
+    no seq x seq scores (only a logsumexp per head and position), and each norm keeps an fp32 copy
+    of its input (LayerNorm under CUDA autocast; llama's RMSNorm computes in fp32). e = bytes of a
+    compute activation (bf16 2, fp32 4); tp splits all but the two matmul inputs, which torch's
     sequence-parallel Colwise plans all-gather to the full sequence before the matmul saves them:
 
-    none:      2 norms' inputs 4u/tp each; qkv and fc inputs e u each; qkv output 3e u/tp; attention
-               output e u/tp (also the proj input); fc output and GELU output r e u/tp each
-    selective: what torchtitan's op policy saves: the block input and the outputs of the four
-               matmuls and of attention, (7 + r) e u/tp; norms and GELU are recomputed
+    none:      2 norms' inputs 4u/tp each; the attention's and the MLP's inputs e u each; q (after
+               the rotation, for llama), k and v e (u + 2 u_kv)/tp; attention output e u/tp (also
+               the proj input); the MLP's hidden tensors: gpt fc output and GELU output 2 e u_h/tp,
+               llama gate, SiLU, up and their product 4 e u_h/tp
+    selective: what torchtitan's op policy saves: the block input, the outputs of the matmuls and
+               of attention, e (5u + 2u_kv)/tp and e u_h/tp per MLP input matrix (gpt's fc,
+               llama's gate and up); norms, rotations and activations are recomputed
     full:      the block input only, e u/tp
     """
     u = microbatch * m.seq_len * m.d_model
+    u_kv = microbatch * m.seq_len * m.kv_width
+    u_h = microbatch * m.seq_len * m.hidden
     e = BF16 if mixed_precision else FP32
-    r = m.mlp_ratio
     if mode == "none":
-        return 2 * FP32 * u // tp + 2 * e * u + (4 + 2 * r) * e * u // tp
+        return 2 * FP32 * u // tp + 2 * e * u + e * (2 * u + 2 * u_kv + (4 if m.llama else 2) * u_h) // tp
     if mode == "selective":
-        return (7 + r) * e * u // tp
+        return e * (5 * u + 2 * u_kv + (2 if m.llama else 1) * u_h) // tp
     if mode == "full":
         return e * u // tp
     raise ValueError(f"activation_checkpoint {mode!r} must be one of {', '.join(ACTIVATION_CHECKPOINT_MODES)}")
@@ -296,13 +336,25 @@ def activation_bytes(m: ModelShape, microbatch: int, tp: int, mode: str, mixed_p
 
 def _backward_working_bytes(m: ModelShape, microbatch: int, tp: int, mode: str, mixed_precision: bool) -> int:
     """Transient in one layer's backward: what recompute rebuilds (checkpointed modes), plus the
-    gradient of the residual stream and of the MLP's hidden activation, (1 + r) e u/tp (the MLP's
-    saved output is freed as its gradient is made)."""
+    gradient of the residual stream and of the MLP's hidden activations, e (u + u_h)/tp for gpt
+    and e (u + 2u_h)/tp for llama, whose gate and up gradients live together (the MLP's saved
+    outputs are freed as their gradients are made)."""
     u = microbatch * m.seq_len * m.d_model
+    u_h = microbatch * m.seq_len * m.hidden
     e = BF16 if mixed_precision else FP32
     recomputed = 0 if mode == "none" else (activation_bytes(m, microbatch, tp, "none", mixed_precision)
                                            - activation_bytes(m, microbatch, tp, mode, mixed_precision))
-    return recomputed + (1 + m.mlp_ratio) * e * u // tp
+    return recomputed + e * (u + (2 if m.llama else 1) * u_h) // tp
+
+
+def rotary_bytes(m: ModelShape, microbatch_in_flight: int, stages: int, mixed_precision: bool) -> int:
+    """llama's rotary tables: each stage's fp32 cos and sin of every position (2 x seq x head width),
+    and on CUDA its bf16 copy for each microbatch whose backward is pending (every layer's
+    rotation keeps it); none for gpt."""
+    if not m.llama:
+        return 0
+    table = 2 * m.seq_len * m.head_dim
+    return stages * table * FP32 + (microbatch_in_flight * table * BF16 if mixed_precision else 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -397,7 +449,8 @@ def rank_memory(w: Workload, pp_rank: int) -> RankMemory:
     hidden = b * m.seq_len * m.d_model * e // tp               # one microbatch of the residual stream
     held = in_flight(lay.schedule, lay.pp, lay.resolved_stages_per_rank, lay.microbatches, pp_rank)
     per_layer = activation_bytes(m, b, tp, lay.activation_checkpoint, w.mixed_precision)
-    held_activations = held * max(layers[s] for s in mine) * per_layer
+    held_activations = held * max(layers[s] for s in mine) * per_layer + rotary_bytes(m, held, len(mine),
+                                                                                    w.mixed_precision)
 
     buffers = 0
     if lay.pp > 1:

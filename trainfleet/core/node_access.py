@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from trainfleet.core.runspec import RunSpec
 
-NODE_READ_PREFIXES = ("runs/", "data/", "artifacts/")
+NODE_READ_PREFIXES = ("runs/", "data/", "models/", "artifacts/")
 """Readable by the nodes: their run's folder under runs/ (launch spec, checkpoints), token
-shards, and the wheelhouse the user data installs."""
+shards, models imported for runs to start from (`trainfleet checkpoint import`), and the
+wheelhouse the user data installs."""
 NODE_WRITE_PREFIXES = ("runs/",)
 """Writable (and deletable) by the nodes: their run's folder under runs/ (checkpoints and what
 else a run writes)."""
@@ -39,13 +40,15 @@ def node_access_problems(spec: RunSpec, bucket: str) -> list[str]:
         # A RunSpec copied under a new name must not resume, prune or retain another run's steps.
         problems.append(f"checkpoint.s3_uri: a run's checkpoints are its own, under {own} "
                         f"(got {spec.checkpoint.s3_uri!r})")
-    shards = (spec.trainer.model_extra or {}).get("data", {}).get("shards", "")
-    if str(shards).startswith("s3://") and outside(str(shards).rstrip("/") + "/", NODE_READ_PREFIXES):
-        problems.append(f"trainer.data.shards: the nodes read only under "
-                        f"{allowed(NODE_READ_PREFIXES)} (this stack's bucket, NodePolicy) (got {shards!r})")
-    elif str(shards).startswith(f"s3://{bucket}/runs/") and not (str(shards).rstrip("/") + "/").startswith(own):
-        problems.append(f"trainer.data.shards: under runs/ a run's nodes read their own run's folder alone, "
-                        f"{own} (got {shards!r})")
+    sections = spec.trainer.model_dump()
+    for section, name in (("data", "shards"), ("training", "init_from")):
+        uri = str(sections.get(section, {}).get(name, ""))
+        if uri.startswith("s3://") and outside(uri.rstrip("/") + "/", NODE_READ_PREFIXES):
+            problems.append(f"trainer.{section}.{name}: the nodes read only under "
+                            f"{allowed(NODE_READ_PREFIXES)} (this stack's bucket, NodePolicy) (got {uri!r})")
+        elif uri.startswith(f"s3://{bucket}/runs/") and not (uri.rstrip("/") + "/").startswith(own):
+            problems.append(f"trainer.{section}.{name}: under runs/ a run's nodes read their own run's folder alone, "
+                            f"{own} (got {uri!r})")
     return problems
 
 

@@ -52,13 +52,14 @@ class RunState(StrEnum):
     """Where a run is. Every change is a conditional write on the previous state.
 
         REQUESTED ─▶ ALLOCATING ─▶ AWAITING_NODES ─▶ TRAINING ─▶ TEARING_DOWN ─▶ SUCCEEDED
-                         ▲               │              │             ▲        └─▶ FAILED
-                         │               ▼              ▼             │
+                         ▲               │              │             ▲        ├─▶ FAILED
+                         │               ▼              ▼             │        └─▶ STOPPED
                          └────────── RECOVERING ◀───────┘             │
            (any state that is not final) ─────────────────────────────┘
 
     RECOVERING goes back to ALLOCATING (replacements) or straight to AWAITING_NODES (spares
     or a shrink cover it). TEARING_DOWN is on every path: no instance outlives its run.
+    STOPPED: someone stopped its execution (StopExecution, `trainfleet run stop`); nothing failed.
     """
 
     REQUESTED = "REQUESTED"
@@ -69,10 +70,11 @@ class RunState(StrEnum):
     TEARING_DOWN = "TEARING_DOWN"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
+    STOPPED = "STOPPED"
 
     @property
     def is_final(self) -> bool:
-        return self in (RunState.SUCCEEDED, RunState.FAILED)
+        return self in (RunState.SUCCEEDED, RunState.FAILED, RunState.STOPPED)
 
 
 _R = RunState
@@ -83,9 +85,10 @@ RUN_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     _R.AWAITING_NODES: frozenset({_R.TRAINING, _R.RECOVERING, _R.TEARING_DOWN}),
     _R.TRAINING: frozenset({_R.RECOVERING, _R.TEARING_DOWN}),
     _R.RECOVERING: frozenset({_R.ALLOCATING, _R.AWAITING_NODES, _R.TEARING_DOWN}),
-    _R.TEARING_DOWN: frozenset({_R.SUCCEEDED, _R.FAILED}),
+    _R.TEARING_DOWN: frozenset({_R.SUCCEEDED, _R.FAILED, _R.STOPPED}),
     _R.SUCCEEDED: frozenset(),
     _R.FAILED: frozenset(),
+    _R.STOPPED: frozenset(),
 }
 
 
@@ -635,7 +638,8 @@ class RunRecord(Strict):
     nodes' departure_due_at); the emergency checkpoint is asked for DEFERRED_LEAD before it
     (lifecycle.emergency_checkpoint_now). A new attempt clears it."""
     last_step: int | None = None
-    """Latest step reported by progress events."""
+    """Latest step trained, as the control plane knows it: reported by progress events, never
+    below the latest checkpoint (a committed step was trained)."""
     restore_from_memory: bool = False
     """Whether the current attempt resumes from the nodes' in-memory checkpoints (Recover's
     RecoveryDecision.restore_from_memory): the launch spec's restore_from_memory."""
@@ -663,10 +667,13 @@ class RunRecord(Strict):
     """Optimistic lock: every write is conditioned on the version it read."""
 
     def knowing(self, checkpoint: CheckpointRef | None) -> "RunRecord":
-        """The record with `checkpoint` as its latest, unless it knows one as new already."""
+        """The record with `checkpoint` as its latest, unless it knows one as new already. A
+        committed step was trained: the last step is at least it (progress is reported every few
+        seconds, a commit as soon as an agent looks)."""
         if checkpoint is None or (self.latest_checkpoint and self.latest_checkpoint.step >= checkpoint.step):
             return self
-        return self.model_copy(update={"latest_checkpoint": checkpoint})
+        return self.model_copy(update={"latest_checkpoint": checkpoint,
+                                       "last_step": max(self.last_step or 0, checkpoint.step)})
 
 
 class NodeRecord(Strict):

@@ -4,8 +4,9 @@ The run report (trainfleet/report/page.py: an HTML page and PNG plots) and `trai
 status` / `watch` show it. `build_history` is pure, over what the control plane keeps:
 
     run, nodes        the run and node records (DynamoDB)
-    samples           the steps the agents reported (TrainingProgress.samples), by attempt,
-                      thinned as they are read (HISTORY_POINTS): its memory is bounded
+    reports           the steps the agents reported (TrainingProgress.samples), by attempt, with
+                      the node whose agent reported them (ProgressReport), thinned as they are
+                      read (HISTORY_POINTS): its memory is bounded
     states            the states the execution entered, in order (Step Functions' history)
     now               the end of the history: the run's end, or the present for a live run
 
@@ -25,8 +26,8 @@ from trainfleet.core.lifecycle import book_attempt
 from trainfleet.core.records import (FailureClass, FailureRecord, FleetCheckFigures, NodeRecord, RecoveryKind,
                                      RunRecord, RunState, ScalingCheckFigures)
 
-__all__ = ["StateEntry", "AttemptProgress", "Phase", "PhaseName", "FailureMark", "RunHistory", "build_history",
-           "phases_of", "PHASE_OF_STATE"]
+__all__ = ["StateEntry", "ProgressReport", "AttemptProgress", "Phase", "PhaseName", "FailureMark", "RunHistory",
+           "build_history", "phases_of", "PHASE_OF_STATE"]
 
 
 class _Shape(BaseModel):
@@ -59,6 +60,15 @@ class StateEntry(NamedTuple):
     """The attempt of the state's input (`run.attempt`), None where the input carries none."""
 
 
+class ProgressReport(NamedTuple):
+    """The steps one TrainingProgress reported, as kept: in step order."""
+
+    attempt: int
+    reporter: str | None
+    """The instance whose agent reported them (global rank 0's node); None where not kept."""
+    samples: list[ProgressSample]
+
+
 class AttemptProgress(_Shape):
     """The steps one attempt trained, as reported."""
 
@@ -67,10 +77,15 @@ class AttemptProgress(_Shape):
     """The committed step it resumed from; None: it started from scratch."""
     samples: list[ProgressSample]
     """In step order."""
+    reporter: str | None = None
+    """The node whose agent reported its steps last (global rank 0 writes them); None: none did."""
     unknown_steps: tuple[int, int] | None = None
-    """First and last of the steps it is known to have trained past its last reported one: their
-    losses died with the node of global rank 0 (the only rank that writes them) before its agent
-    reported them. None when every step it trained was reported."""
+    """First and last of the steps it is known to have trained past its last reported one (the
+    failure that ended it says so, or the checkpoint resumed from): trained, their losses never
+    reported. None when every step it trained was reported."""
+    reporter_lost: bool = False
+    """Whether the failure that ended it took the reporter's node (the unknown steps' losses
+    died with it, before its agent reported them)."""
 
 
 class Phase(_Shape):
@@ -212,14 +227,19 @@ def resumed_step(failure: FailureRecord) -> int | None:
     return failure.resume_step
 
 
-def build_history(run: RunRecord, nodes: list[NodeRecord], samples: Iterable[tuple[int, ProgressSample]],
+def build_history(run: RunRecord, nodes: list[NodeRecord], reports: Iterable[ProgressReport],
                   states: Iterable[StateEntry], now: datetime) -> RunHistory:
     """The run's history up to `now` (see the module docstring)."""
     if run.created_at is None:
         raise ValueError(f"run {run.run_name!r} has no creation time")
     by_attempt: dict[int, _Thinned] = {}
-    for attempt, sample in samples:
-        by_attempt.setdefault(attempt, _Thinned()).add(sample)
+    reporters: dict[int, tuple[int, str]] = {}  # attempt -> (newest step, its reporter)
+    for report in reports:
+        steps = by_attempt.setdefault(report.attempt, _Thinned())
+        for sample in report.samples:
+            steps.add(sample)
+        if report.reporter and report.samples and report.samples[-1].step >= reporters.get(report.attempt, (-1,))[0]:
+            reporters[report.attempt] = (report.samples[-1].step, report.reporter)
     failures = sorted(run.failures, key=lambda failure: failure.at)
     resumed_from = {attempt: resumed_step(failure) for attempt, failure in enumerate(failures, start=1)}
     reported = {attempt: steps.samples() for attempt, steps in by_attempt.items()}
@@ -240,13 +260,16 @@ def build_history(run: RunRecord, nodes: list[NodeRecord], samples: Iterable[tup
             steps_lost=last_step - (resume or 0) if last_step is not None else 0,
             instance_ids=failure.instance_ids, message=failure.message, recovery=failure.recovery,
             decision=failure.decision))
-    unknown = {}
+    unknown, lost = {}, set()
     for mark in marks:
         first = last_steps.get(mark.attempt, resumed_from.get(mark.attempt) or 0) + 1
         if mark.last_step is not None and mark.last_step >= first:
             unknown[mark.attempt] = (first, mark.last_step)
+            if mark.attempt in reporters and reporters[mark.attempt][1] in mark.instance_ids:
+                lost.add(mark.attempt)
     attempts = [AttemptProgress(attempt=attempt, resume_step=resumed_from.get(attempt),
-                                samples=reported.get(attempt, []), unknown_steps=unknown.get(attempt))
+                                samples=reported.get(attempt, []), reporter=reporters.get(attempt, (0, None))[1],
+                                unknown_steps=unknown.get(attempt), reporter_lost=attempt in lost)
                 for attempt in sorted(reported.keys() | unknown.keys())]
     # A run still going has its current attempt booked up to now, as if it ended here; `now`, a
     # reader's clock, is never taken before the record's last write (AWS's clock).

@@ -293,16 +293,18 @@ class TrainerTraining(Open):
 FILLED_SECTIONS = {"checkpoint": "checkpoint", "fleet_check": "preflight", "scaling_check": "scaling_check"}
 """Trainer config sections the control plane fills from the RunSpec's own sections."""
 TRAINER_FIELDS: dict[str, frozenset[str]] = {
-    "model": frozenset({"n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "mlp_ratio",
-                        "tie_embeddings"}),
+    "model": frozenset({"architecture", "n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "tie_embeddings",
+                        "norm_eps", "mlp_ratio", "activation", "n_kv_heads", "ffn_hidden", "ffn_dim_multiplier",
+                        "multiple_of", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
+                        "rope_high_freq_factor", "rope_original_seq_len"}),
     "parallel": frozenset({"pp", "dp", "dp_shard", "tp", "reshard_after_forward", "schedule", "microbatches",
                            "stages_per_rank", "layers_per_stage", "timeout_s", "repair_file",
                            "repair_wait_s"}),
-    "data": frozenset({"shards", "cache_dir", "cache_bytes", "corpus_bytes", "shard_tokens"}),
+    "data": frozenset({"shards", "tokenizer", "corpus", "cache_dir", "cache_bytes", "corpus_bytes", "shard_tokens"}),
     "optim": frozenset({"lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "beta1", "beta2",
                         "eps", "grad_clip"}),
-    "training": frozenset({"steps", "batch_size", "seed", "device", "activation_checkpoint", "compile", "threads",
-                           "metrics_file"}),
+    "training": frozenset({"steps", "batch_size", "seed", "device", "activation_checkpoint", "init_from", "compile",
+                           "threads", "metrics_file"}),
 }
 
 
@@ -418,7 +420,9 @@ class RunSpec(Strict):
     scaling_check: ScalingCheckPolicy = Field(default_factory=ScalingCheckPolicy)
     """The judgement of each attempt's first steps on the whole fleet."""
     cost_ceiling_usd: float | None = Field(default=None, gt=0)
-    """Stop the run once its instance cost reaches this; None = no ceiling."""
+    """Give the run up once its instance cost (at on-demand prices) has reached this, when a
+    failure brings it to Recover; a world that trains without failing is not stopped by it (its
+    training.steps bound it). None = no ceiling."""
     resume_from: str | None = None
     """An ended run of the stack whose newest committed checkpoint this run starts from (a run
     that gave up: its Capacity Block ended, its budget or cost ceiling was reached): its nodes read
@@ -494,6 +498,9 @@ class RunSpec(Strict):
         if self.resume_from == self.run_name:
             raise ValueError(f"resume_from: a run resumes another run, not itself: give this one a run_name of its "
                              f"own (trainfleet run start --run-name NAME --resume-from {self.run_name})")
+        if self.resume_from is not None and self.trainer.model_dump()["training"].get("init_from"):
+            raise ValueError("resume_from: a resumed run starts from the other run's newest checkpoint, whole; "
+                             "trainer.training.init_from (weights to start from) cannot be given with it")
         return self
 
     @property
@@ -554,6 +561,16 @@ class NodeNetwork(NamedTuple):
 
     subnet_ids: list[str]
     security_group_ids: list[str]
+
+
+STACK_DEFAULTS = {
+    "checkpoint.s3_uri": "the stack's bucket, under runs/RUN/checkpoints",
+    "capacity.subnet_ids": "with security_group_ids left out too: the stack's node network's subnets in the "
+                           "zones that offer the instance type (docs/NETWORK.md)",
+    "capacity.security_group_ids": "with subnet_ids left out too: the stack's node network's security group",
+}
+"""The fields a RunSpec may leave to the stack it runs in (with_stack_defaults), and what they
+then are: docs/RUNSPEC.md shows them."""
 
 
 def with_stack_defaults(document: Any, bucket: str, node_network: Callable[[str], NodeNetwork]) -> Any:

@@ -19,7 +19,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from trainfleet.core.records import FailureRecord
+from trainfleet.core.records import FailureRecord, RunState
 from trainfleet.core.run_history import resumed_step
 from trainfleet.operator.runs import RunStatus, Stack
 
@@ -28,7 +28,7 @@ __all__ = ["view", "watch", "Parts", "REFRESH_S"]
 REFRESH_S = 2.0
 """How often `watch` reads the run: a few reads of DynamoDB and Step Functions each time."""
 
-_STATE_STYLE = {"SUCCEEDED": "bold green", "FAILED": "bold red", "RECOVERING": "bold yellow",
+_STATE_STYLE = {"SUCCEEDED": "bold green", "FAILED": "bold red", "STOPPED": "bold yellow", "RECOVERING": "bold yellow",
                 "TEARING_DOWN": "yellow", "TRAINING": "bold cyan"}
 
 
@@ -103,7 +103,9 @@ def _fields(status: RunStatus) -> Iterator[tuple[str, RenderableType]]:
     if status.recent_states:
         yield "states", Parts(*(f"{entry.name} {_clock(entry.at)}" for entry in status.recent_states[-5:]),
                               separator=" → ")
-    if status.error:
+    if status.error and status.state is RunState.STOPPED:  # on purpose: the stop's cause, not an error
+        yield "stopped", Text(status.error)
+    elif status.error:
         yield "error", Text(status.error, style="red")
 
 

@@ -4,20 +4,19 @@
     trainfleet run list
     trainfleet run status RUN          the live view, once
     trainfleet run watch RUN           the live view until the run ends
-    trainfleet run logs RUN [--node INSTANCE_ID|NODE_RANK]
-    trainfleet run stop RUN            StopExecution; waits for the teardown
+    trainfleet run logs RUN [--node INSTANCE_ID|NODE_RANK] [--json]
+    trainfleet run stop RUN            StopExecution; returns once every instance is terminated
     trainfleet run report RUN [--out DIR]
 
 AWS or the local cloud, one code path: the endpoint, region and credentials come from the
-environment as the AWS CLI takes them (AWS_ENDPOINT_URL=http://127.0.0.1:4566 for `trainfleet
-local up`); --stack (or TRAINFLEET_STACK) names the deployed stack. A command that cannot be
-done says why in one line and exits 1, having changed nothing.
+environment as the AWS CLI takes them (`trainfleet local up` prints the lines that point them at
+it); --stack after the command (or TRAINFLEET_STACK) names the deployed stack. A command that
+cannot be done says why in one line and exits 1, having changed nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -65,7 +64,8 @@ def _watch(stack, args: argparse.Namespace, console) -> int:
 
 
 def _logs(stack, args: argparse.Namespace, console) -> int:
-    text = stack.node_log(args.run, args.node) if args.node is not None else "\n".join(stack.logs(args.run))
+    text = (stack.node_log(args.run, args.node, raw=args.json) if args.node is not None
+            else "\n".join(stack.logs(args.run, raw=args.json)))
     sys.stdout.write(text + ("" if text.endswith("\n") or not text else "\n"))
     return 0
 
@@ -75,7 +75,15 @@ def _stop(stack, args: argparse.Namespace, console) -> int:
 
     stack.stop(args.run)
     console.print(f"stopped run {args.run}" + ("" if args.no_wait else "; waiting for its teardown"))
-    console.print(view(stack.wait_for_teardown(args.run, 0.0 if args.no_wait else args.timeout)))
+    status, left = stack.wait_for_teardown(args.run, 0.0 if args.no_wait else args.timeout)
+    console.print(view(status))
+    if args.no_wait:
+        return 0
+    if left:
+        console.print(f"not torn down after {args.timeout:.0f} s: {len(left)} instance(s) not terminated yet "
+                      f"({', '.join(left)}); `trainfleet run status {args.run}` follows it")
+        return 1
+    console.print(f"run {args.run} torn down: every instance terminated")
     return 0
 
 
@@ -105,16 +113,17 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_run_commands(commands: argparse._SubParsersAction) -> None:
+    from trainfleet.operator.stack_option import stack_option
+
     run = commands.add_parser(
         "run", help="start, follow and inspect training runs (AWS, or the local cloud with AWS_ENDPOINT_URL)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("--stack", default=os.environ.get("TRAINFLEET_STACK", "trainfleet"),
-                     help="the deployed stack's name (default: $TRAINFLEET_STACK or trainfleet)")
     run.set_defaults(func=_run)
     sub = run.add_subparsers(dest="run_command", required=True)
+    stack = stack_option()
 
     def command(name: str, func, help: str, with_run: bool = True) -> argparse.ArgumentParser:
-        parser = sub.add_parser(name, help=help)
+        parser = sub.add_parser(name, help=help, description=help, parents=[stack])
         if with_run:
             parser.add_argument("run", help="the run's name")
         parser.set_defaults(run_func=func)
@@ -130,9 +139,12 @@ def add_run_commands(commands: argparse._SubParsersAction) -> None:
     command("list", _list, "the stack's runs, newest first", with_run=False)
     command("status", _status, "where a run is: state, attempt, nodes, step, loss, goodput, cost")
     command("watch", _watch, "the live view, until the run ends (Ctrl-C stops watching, not the run)")
-    logs = command("logs", _logs, "the control plane's log lines about the run, or a node's console")
-    logs.add_argument("--node", help="an instance id, or a node rank of the current world: its console output")
-    stop = command("stop", _stop, "stop a running run; its teardown follows")
+    logs = command("logs", _logs, "the control plane's log lines about the run (time, source, level, message), "
+                                  "or a node's: its agent's and its trainer's")
+    logs.add_argument("--node", help="an instance id, or a node rank of the current world: that node's log")
+    logs.add_argument("--json", action="store_true",
+                      help="the log events as CloudWatch Logs holds them, one JSON object a line")
+    stop = command("stop", _stop, "stop a running run; returns once every instance of it is terminated")
     stop.add_argument("--no-wait", action="store_true", help="return at once, without waiting for the teardown")
     stop.add_argument("--timeout", type=float, default=STOP_WAIT_S,
                       help=f"seconds to wait for the teardown (default: {STOP_WAIT_S:.0f})")

@@ -5,7 +5,7 @@
     stack.runs()                              # the executions, newest first, with their records
     stack.status("my-run")                    # RunStatus: state, attempt, nodes, step, loss, ...
     stack.stop("my-run")                      # StopExecution; the reaper tears the run down
-    stack.wait_for_teardown("my-run", 600)
+    stack.wait_for_teardown("my-run", 600)    # its status once every instance is terminated
     stack.report("my-run", folder)            # the run report's files, written to a folder
     stack.logs("my-run"), stack.node_log("my-run", "i-..." or node rank)
 
@@ -35,10 +35,11 @@ from trainfleet.adapters.run_store import RunNotFound, RunStore
 from trainfleet.core.events import ProgressSample
 from trainfleet.core.lifecycle import book_attempt
 from trainfleet.core.node_access import node_access_problems, node_log_stream
-from trainfleet.core.records import (FailureRecord, FleetCheckFigures, NodeRecord, NodeRole, RunRecord, RunState,
-                                     ScalingCheckFigures)
+from trainfleet.core.records import (FailureRecord, FleetCheckFigures, NodeRecord, NodeRole, NodeState, RunRecord,
+                                     RunState, ScalingCheckFigures)
 from trainfleet.core.run_history import StateEntry
 from trainfleet.core.runspec import RunSpec, with_stack_defaults
+from trainfleet.operator.log_lines import function_line, node_line, recovered_failures, retried
 from trainfleet.report.files import REPORT_HTML, report_files
 
 __all__ = ["Stack", "RunStatus", "RunSummary", "OperatorError", "load_run_spec", "STACK_OUTPUTS"]
@@ -317,16 +318,37 @@ class Stack:
         if execution["status"] != "RUNNING":
             raise OperatorError(f"run {run_name} is not running: its execution {execution['status']}")
         self.client("stepfunctions").stop_execution(executionArn=execution["executionArn"],
-                                                    cause="stopped with trainfleet run stop")
+                                                    cause="by trainfleet run stop")
 
-    def wait_for_teardown(self, run_name: str, wait_s: float) -> RunStatus:
-        """The run's status once its record is final (torn down), or after `wait_s`."""
+    def wait_for_teardown(self, run_name: str, wait_s: float) -> tuple[RunStatus, list[str]]:
+        """The run's status once it is torn down (its record final, every instance it launched
+        terminated), or after `wait_s`; with the instances not terminated yet (none when it is)."""
         deadline = time.monotonic() + wait_s
         while True:
             status = self.status(run_name)
-            if status.record is None or status.state.is_final or time.monotonic() >= deadline:
-                return status
+            ended = status.record is None or status.state.is_final
+            left = (self.not_terminated(status.nodes) if ended else
+                    [node.instance_id for node in status.nodes if node.state is not NodeState.TERMINATED])
+            if (ended and not left) or time.monotonic() >= deadline:
+                return status, left
             time.sleep(1.0)
+
+    def not_terminated(self, nodes: list[NodeRecord]) -> list[str]:
+        """The nodes' instances EC2 does not report terminated: the records say so once EC2's
+        state-change event reached the control plane; EC2 is asked about the others."""
+        asked = sorted(node.instance_id for node in nodes if node.state is not NodeState.TERMINATED)
+        if not asked:
+            return []
+        ec2 = self.client("ec2")
+        try:
+            pages = ec2.get_paginator("describe_instances").paginate(InstanceIds=asked)
+            found = {instance["InstanceId"]: instance["State"]["Name"]
+                     for page in pages for reservation in page["Reservations"] for instance in reservation["Instances"]}
+        except ClientError as error:
+            if error.response["Error"].get("Code") != "InvalidInstanceID.NotFound":
+                raise
+            found = {}  # an instance terminated long ago is no longer described: gone
+        return [instance for instance in asked if found.get(instance, "terminated") != "terminated"]
 
     def report(self, run_name: str, folder: Path) -> Path:
         """Write the run's report (trainfleet/report/files.py) into `folder`; the page's path."""
@@ -344,11 +366,15 @@ class Stack:
             (folder / name).write_bytes(file.body)
         return folder / REPORT_HTML
 
-    def logs(self, run_name: str, limit: int = 1000) -> list[str]:
-        """The control plane's log lines about the run (its functions' logs that name it): the
-        last `limit`, oldest first. FilterLogEvents reads forward only, five requests a second,
-        and a run of weeks logs millions of lines: they are read from the run's end backwards, in
-        windows each LOG_WINDOW_GROWTH times the one before, until `limit` are found."""
+    def logs(self, run_name: str, limit: int = 1000, raw: bool = False) -> list[str]:
+        """The control plane's log lines about the run (its functions' lines that name it), the
+        last `limit`, oldest first: for people (log_lines.function_line: time, function, level,
+        message; an error the state machine retried and then succeeded past is a WARNING), or
+        with `raw` the events as CloudWatch Logs holds them, one JSON object a line.
+
+        FilterLogEvents reads forward only, five requests a second, and a run of weeks logs
+        millions of lines: they are read from the run's end backwards, in windows each
+        LOG_WINDOW_GROWTH times the one before, until `limit` are found."""
         execution = self._execution(run_name)
         logs = self.client("logs")
         since = int(execution["startDate"].timestamp() * 1000)
@@ -356,13 +382,23 @@ class Stack:
         window, lines = LOG_FIRST_WINDOW_MS, []
         while len(lines) < limit and upper > since:
             lower = max(since, upper - window)
-            lines = self._log_lines(logs, run_name, lower, upper) + lines
+            events = self._log_events(logs, run_name, lower, upper)
+            lines = ([json.dumps({"timestamp": at, "logGroupName": group, "message": message})
+                      for at, group, message in events] if raw else
+                     [line for at, group, message in events if (line := function_line(at, group, message))]) + lines
             upper, window = lower, window * LOG_WINDOW_GROWTH
-        return [f"{_clock(timestamp)} {group.rsplit('/', 1)[-1]} {message.rstrip()}"
-                for timestamp, group, message in lines[-limit:]]
+        lines = lines[-limit:]
+        if raw:
+            return lines
+        if any(line.error for line in lines):
+            pages = self.client("stepfunctions").get_paginator("get_execution_history").paginate(
+                executionArn=execution["executionArn"], maxResults=1000)
+            recovered = recovered_failures(event for page in pages for event in page["events"])
+            lines = [retried(line, recovered) for line in lines]
+        return [str(line) for line in lines]
 
-    def _log_lines(self, logs: Any, run_name: str, start_ms: int, end_ms: int) -> list[tuple[int, str, str]]:
-        """(time, group, message) of the lines naming the run in [start_ms, end_ms), oldest first."""
+    def _log_events(self, logs: Any, run_name: str, start_ms: int, end_ms: int) -> list[tuple[int, str, str]]:
+        """(time, group, message) of the events naming the run in [start_ms, end_ms), oldest first."""
         lines = []
         for group in self.log_groups:
             try:
@@ -373,11 +409,12 @@ class Stack:
                 continue  # a function never invoked has no log group yet
         return sorted(lines)
 
-    def node_log(self, run_name: str, node: str, limit: int = NODE_LOG_LINES) -> str:
+    def node_log(self, run_name: str, node: str, limit: int = NODE_LOG_LINES, raw: bool = False) -> str:
         """A node's log, its last `limit` lines: what its agent said and its trainers printed,
-        from its stream in the nodes' log group; `node` is an instance id or the node rank of
-        the run's current world. A node that shipped nothing (one whose software did not
-        install) has its console output instead, where its bootstrap writes."""
+        from its stream in the nodes' log group, for people (log_lines.node_line) or with `raw`
+        as CloudWatch Logs holds them; `node` is an instance id or the node rank of the run's
+        current world. A node that shipped nothing (one whose software did not install) has its
+        console output instead, where its bootstrap writes."""
         self._execution(run_name)
         try:
             nodes = self.store.nodes(run_name)
@@ -399,7 +436,8 @@ class Stack:
                 events = logs.get_log_events(logGroupName=self.node_log_group,
                                              logStreamName=node_log_stream(run_name, instance_id),
                                              startFromHead=False, limit=min(limit, 10_000))["events"]
-                return "\n".join(f"{_clock(event['timestamp'])} {event['message']}" for event in events)
+                return "\n".join(json.dumps({"timestamp": event["timestamp"], "message": event["message"]}) if raw
+                                 else str(node_line(event["timestamp"], event["message"])) for event in events)
             except logs.exceptions.ResourceNotFoundException:
                 pass
         # The SDKs decode the console's base64 themselves (botocore does for GetConsoleOutput).
@@ -449,6 +487,3 @@ def _execution_error(execution: dict[str, Any]) -> str | None:
         return None
     return ": ".join(part for part in (execution.get("error"), execution.get("cause")) if part) or None
 
-
-def _clock(timestamp_ms: int) -> str:
-    return datetime.fromtimestamp(timestamp_ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")

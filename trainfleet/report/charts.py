@@ -221,9 +221,10 @@ def figure(chart: Chart, ids: str = "chart") -> Figure:
     else:
         _draw_bars(ax, chart, rows, size, ids, legend)
     for index, mark in enumerate(chart.marks):
-        ax.axvline(mark.x / size, color=mark.colour, linewidth=1.3, linestyle=(0, (5, 3)), zorder=3,
+        dashes = _dashes(mark, chart.marks)
+        ax.axvline(mark.x / size, color=mark.colour, linewidth=1.3, linestyle=dashes, zorder=3,
                    gid=f"{ids}-mark-{index}")
-        legend.setdefault(mark.label, Line2D([], [], color=mark.colour, linewidth=1.3, linestyle=(0, (5, 3)),
+        legend.setdefault(mark.label, Line2D([], [], color=mark.colour, linewidth=1.3, linestyle=dashes,
                                              label=mark.label))
     if not chart.series and not chart.bars:
         ax.text(0.5, 0.5, chart.empty_note, transform=ax.transAxes, ha="center", va="center", fontsize=11,
@@ -233,6 +234,18 @@ def figure(chart: Chart, ids: str = "chart") -> Figure:
                            frameon=False, handlelength=2.4)
         drawn.set_gid(f"{ids}-legend")
     return fig
+
+
+_DASH, _GAP = 5, 3
+
+
+def _dashes(mark: Mark, marks: Sequence[Mark]) -> tuple[int, tuple[int, int]]:
+    """A mark's dash pattern. Marks at one x (a failure after step 19 and the resume from step 19)
+    take turns along the line, each dash in the others' gaps, so that none hides another."""
+    colours = sorted({other.colour for other in marks if other.x == mark.x})
+    if len(colours) == 1:
+        return 0, (_DASH, _GAP)
+    return colours.index(mark.colour) * _DASH, (_DASH, _DASH * (len(colours) - 1))
 
 
 def _draw_series(ax, chart: Chart, size: float, ids: str, legend: dict[str, Line2D | Patch]) -> None:
@@ -290,12 +303,15 @@ def _draw_bars(ax, chart: Chart, rows: list[str], size: float, ids: str,
             ax.set_xlim(left=min(0.0, ax.get_xlim()[0]))
     renderer = ax.figure.canvas.get_renderer()
     ax.figure.draw_without_rendering()  # the final scales, to measure labels against the bars
-    to_pixels = ax.transData.transform
-    right_edge = ax.get_window_extent(renderer).x1
+    to_pixels, from_pixels = ax.transData.transform, ax.transData.inverted().transform
+    left_edge, right_edge = ax.get_window_extent(renderer).x0, ax.get_window_extent(renderer).x1
     for bar, row in placed:
-        left, right = (to_pixels((x / size, row))[0] for x in (bar.start, bar.end))
-        text = ax.text((bar.start + bar.end) / 2 / size, row, bar.label, ha="center", va="center", fontsize=8.5,
-                       color=_ink_on(bar.colour))
+        # Only the part of a bar within the axes is drawn (a state entered before the x range began).
+        left, right = (min(max(to_pixels((x / size, row))[0], left_edge), right_edge) for x in (bar.start, bar.end))
+        if right <= left:
+            continue
+        middle = from_pixels(((left + right) / 2, 0))[0]
+        text = ax.text(middle, row, bar.label, ha="center", va="center", fontsize=8.5, color=_ink_on(bar.colour))
         width = text.get_window_extent(renderer).width
         if width + 6 <= right - left:
             continue

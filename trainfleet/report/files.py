@@ -4,8 +4,8 @@
 
 The Report function writes them under s3://BUCKET/runs/RUN/ at the end of a run (the reaper too,
 for an execution that ended without it); `trainfleet run report RUN` writes them to a folder at
-any time. report.json is the document for tooling (outcome, attempts, failures, checkpoint,
-goodput, lost time by cause, nodes, the world checks); report.html the page for people, with the
+any time. report.json is the document for tooling (outcome, attempts, failures, each attempt's
+steps, checkpoint, goodput, lost time by cause, nodes, the world checks); report.html the page for people, with the
 plots (trainfleet/report/page.py), which are also PNG files of their own (report-loss.png, ...).
 """
 
@@ -44,6 +44,13 @@ def build_report(run: RunRecord, nodes: list[NodeRecord], history: RunHistory) -
         "failures": [failure.model_dump(mode="json") for failure in history.failures],
         "earlier_failures": run.earlier_failures,  # no longer kept in the record (Recover logged each)
         "steps_lost": history.steps_lost,
+        # Each attempt's reported steps, as the loss chart draws them.
+        "progress": [{"attempt": progress.attempt, "resume_step": progress.resume_step,
+                      "steps": [progress.samples[0].step, progress.samples[-1].step] if progress.samples else None,
+                      "from": progress.samples[0].at.isoformat() if progress.samples else None,
+                      "to": progress.samples[-1].at.isoformat() if progress.samples else None,
+                      "unknown_steps": progress.unknown_steps, "reporter": progress.reporter,
+                      "reporter_lost": progress.reporter_lost} for progress in history.attempts],
         "plan": run.plan.model_dump() if run.plan else None,
         "latest_checkpoint": run.latest_checkpoint.model_dump(mode="json") if run.latest_checkpoint else None,
         "last_step": run.last_step,

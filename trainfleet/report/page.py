@@ -6,8 +6,9 @@
 
 What the reader sees, without reading a log: a summary (state, fleet, attempts, steps, goodput,
 cost); the loss by step, one line per attempt, each failure and resume marked, the steps that
-were trained again shaded, and those whose losses died with global rank 0's node shaded apart;
-tokens/s over the run's time; the lifecycle, phase by phase for each attempt, with each
+were trained again shaded, and those known trained but never reported shaded apart, saying why
+(lost with the node that reports them, or not reported); tokens/s over the run's time, each
+attempt's line broken where it did not train; the lifecycle, phase by phase for each attempt, with each
 failure's detection (onset to decision) and the replacement up to the resumed training; goodput
 by cause; a table of the failures; the world checks' figures. Times are UTC.
 """
@@ -18,7 +19,8 @@ import math
 from datetime import datetime, timezone
 from html import escape
 
-from trainfleet.core.run_history import FailureMark, PhaseName, RunHistory
+from trainfleet.core.events import ProgressSample
+from trainfleet.core.run_history import AttemptProgress, FailureMark, PhaseName, RunHistory
 from trainfleet.report.charts import (BLUE, GREEN, GREY, LIGHT_GREY, ORANGE, PURPLE, SERIES_COLOURS, SKY_BLUE,
                                       VERMILLION, YELLOW, Axis, Bar, Chart, Mark, Series, Span, tint, to_png, to_svg)
 
@@ -68,22 +70,46 @@ def _loss_chart(history: RunHistory) -> Chart:
               for progress in trained if progress.attempt > 0]
     redone = [Span(failure.last_step - failure.steps_lost, failure.last_step, tint(VERMILLION, 0.18),
                    "steps trained again after a failure") for failure in failed if failure.steps_lost]
-    unknown = [Span(first - 1, last, tint(GREY, 0.35), "losses unknown: global rank 0's node lost before reporting them")
-               for first, last in (progress.unknown_steps for progress in history.attempts if progress.unknown_steps)]
+    unknown = [Span(progress.unknown_steps[0] - 1, progress.unknown_steps[1], tint(GREY, 0.35), _unknown(progress))
+               for progress in history.attempts if progress.unknown_steps]
     return Chart("Loss by step", Axis("step"), Axis("training loss"), series=series, marks=marks,
                  spans=unknown + redone, empty_note="no steps reported")
 
 
+def _unknown(progress: AttemptProgress) -> str:
+    """What the band of an attempt's unreported steps says: which steps, and why their losses are unknown."""
+    first, last = progress.unknown_steps
+    steps = f"losses of steps {first:,}-{last:,}"
+    if progress.reporter_lost:
+        return f"{steps}: lost with {progress.reporter}, which reports them"
+    return f"{steps}: never reported by {progress.reporter}" if progress.reporter else f"{steps}: none reported"
+
+
 def _throughput_chart(history: RunHistory) -> Chart:
-    series = [Series(f"attempt {progress.attempt}",
-                     [(_since_creation(history, sample.at), sample.tokens_per_second) for sample in progress.samples],
+    extent = max(_since_creation(history, history.until), 1.0)
+    series = [Series(f"attempt {progress.attempt}", _with_gaps(history, progress.samples, extent),
                      _attempt_colour(progress.attempt)) for progress in history.attempts if progress.samples]
     marks = [Mark(_since_creation(history, failure.onset_at or failure.decided_at), str(failure.failure_class),
                   VERMILLION) for failure in history.failures]
-    end = max(_since_creation(history, history.until), 1.0)
-    return Chart("Throughput over the run", Axis("time since the run's creation", seconds=True, limits=(0.0, end)),
+    return Chart("Throughput over the run", Axis("time since the run's creation", seconds=True, limits=(0.0, extent)),
                  Axis("tokens/s (whole world)", from_zero=True), series=series, marks=marks,
                  empty_note="no steps reported")
+
+
+def _with_gaps(history: RunHistory, samples: list[ProgressSample], extent: float) -> list[tuple[float, float]]:
+    """An attempt's tokens/s over the run's time, the line broken where it did not train: where
+    the time between two samples exceeds what the steps between them took (by their own step
+    times) by more than a hundredth of the chart (a shorter pause would not show)."""
+    points: list[tuple[float, float]] = []
+    for before, sample in zip([None, *samples], samples):
+        at = _since_creation(history, sample.at)
+        if before is not None:
+            idle = (sample.at - before.at).total_seconds() - (sample.step - before.step) * max(
+                before.step_seconds, sample.step_seconds)
+            if idle > extent / 100:
+                points.append(((points[-1][0] + at) / 2, math.nan))
+        points.append((at, sample.tokens_per_second))
+    return points
 
 
 def _recovery_end(history: RunHistory, failure: FailureMark) -> tuple[datetime | None, bool]:
@@ -195,6 +221,7 @@ h2 { font-size: 1.1rem; margin: 32px 0 8px; }
          background: #0072B2; }
 .state.SUCCEEDED { background: #007A5A; }
 .state.FAILED { background: #B34E00; }
+.state.STOPPED { background: #555555; }
 .error { border-left: 4px solid #D55E00; background: #FBEEE6; padding: 8px 12px; white-space: pre-wrap;
          overflow-wrap: anywhere; }
 dl.summary { display: grid; grid-template-columns: repeat(auto-fill, minmax(210px, 1fr)); gap: 10px 24px;
