@@ -6,7 +6,8 @@
 #                                     and torch's own requirements, into build/gpu-carry/
 #   bench/gpu_run.sh run [ARGS...]    there, in the repository root with build/gpu-carry/ beside it:
 #                                     installs the wheels into build/gpu-site/ and runs
-#                                     bench/gpu.py --time-limit $TIME_LIMIT ARGS under a timeout
+#                                     bench/gpu.py --time-limit $TIME_LIMIT ARGS under a timeout;
+#                                     a death by signal ends with `gpu_check=failed: killed by signal N`
 #
 # The wheels are for CPython $PY_VERSION (3.12) on manylinux x86_64, at the versions this
 # repository's virtualenv has (the tested ones). A package published only as source is built here
@@ -69,13 +70,30 @@ run() {
       "$PYTHON" -m zipfile -e "$wheel" "$SITE_DIR" || { echo "gpu_check=failed: $wheel did not unpack"; exit 1; }
     done
   fi
-  local status=0
+  local status=0 limit=$((TIME_LIMIT + 60)) started=$SECONDS
+  # -X faulthandler from the first line: a crash in native code (SIGSEGV, SIGABRT from NCCL's
+  # watchdog) prints every thread's Python stack before the process dies.
   PYTHONPATH="$SITE_DIR${PYTHONPATH:+:$PYTHONPATH}" \
-    timeout --kill-after=30 $((TIME_LIMIT + 60)) "$PYTHON" bench/gpu.py --time-limit "$TIME_LIMIT" "$@" || status=$?
-  if ((status == 124 || status == 137)); then
-    echo "gpu_check=failed: killed by timeout after $((TIME_LIMIT + 60)) s; its own time limit did not end it"
-  fi
+    timeout --kill-after=30 "$limit" "$PYTHON" -X faulthandler bench/gpu.py --time-limit "$TIME_LIMIT" "$@" \
+    || status=$?
+  verdict "$status" $((SECONDS - started)) "$limit"
   exit "$status"
+}
+
+# The last line when bench/gpu.py could not print its own: a process that died by a signal prints
+# nothing. timeout exits 124 when it ended the check with TERM, 137 (128 + KILL) when it had to
+# kill it 30 s later; 137 before the limit is a SIGKILL from elsewhere (the host's OOM killer), and
+# any other status above 128 is the signal 128 less (134 SIGABRT, NCCL's watchdog; 139 SIGSEGV).
+verdict() {
+  local status=$1 elapsed=$2 limit=$3
+  if ((status == 124 || (status == 137 && elapsed >= limit))); then
+    echo "gpu_check=failed: killed by timeout after $limit s; its own time limit did not end it"
+  elif ((status > 128)); then
+    local signal=$((status - 128)) why=""
+    ((signal == 9)) && why=" (SIGKILL before the time limit: the host's OOM killer, or another process)"
+    echo "gpu_check=failed: killed by signal $signal$why"
+  fi
+  return 0
 }
 
 case "${1:-}" in

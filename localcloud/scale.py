@@ -104,8 +104,12 @@ def scale_template(nodes: int, spares: int, step_s: float, steady_s: float) -> d
     # stall floor is the same: each of hundreds of stand-in nodes judges its own thread's cadence,
     # and a thread the machine starves for a minute is no hang of the world.
     hang_timeout = max(TIMEOUT_FLOORS_S["recovery.hang_timeout_seconds"], pace.least_hang_timeout(nodes + spares))
+    # The timeouts grow from the hang detection to the collectives to the repair wait (the start-up
+    # timeout): runspec.collective_timeout_order.
+    collective = max(template["trainer"]["parallel"]["timeout_s"], hang_timeout + 60)
+    template["trainer"]["parallel"]["timeout_s"] = collective
     template["recovery"] |= {"max_restarts": len(FAILURES) + 1, "hang_timeout_seconds": hang_timeout,
-                             "stall_floor_seconds": hang_timeout, "startup_timeout_seconds": 300,
+                             "stall_floor_seconds": hang_timeout, "startup_timeout_seconds": max(300, collective + 60),
                              "boot_timeout_seconds": 900}
     return template
 

@@ -25,8 +25,8 @@ instance's process. It speaks to the control plane only through AWS:
    attempt newer than its last it reads `s3://BUCKET/runs/RUN/launch-spec.json` and, if the spec
    names it, runs torchrun for it: nnodes = the plan's nodes, c10d rendezvous at node rank 0's
    private IP, the trainer config from the spec written to a YAML file, resume as the spec says,
-   and in its environment what NCCL needs to use EFA on this node's type (catalogue.nccl_environment,
-   the environment preflight proved NCCL selects EFA in);
+   and in its environment what NCCL needs on this node's type (catalogue.nccl_environment: its error
+   handling, and EFA as preflight proved NCCL selects it);
 5. while torchrun runs it looks at the trainer's files twice a second (no AWS call), for a Spot
    notice in the metadata service every 5 s (TRAINFLEET_METADATA_LOOK_S), and at the control
    plane at the paced rate: it writes its liveness record (its
@@ -731,10 +731,10 @@ def start_process(command: list[str], folder: Path, env: dict[str, str], output:
 
 
 def torchrun_env(files: AttemptFiles, identity: Identity, node_rank: int) -> dict[str, str]:
-    """The agent's environment, plus what NCCL needs to use EFA on this node's type (the
-    environment preflight proved NCCL selects EFA in, but for NCCL's log: warnings only), the
-    attempt's files, the node's name and its rank in the launch spec (where its in-memory
-    checkpoints' buddy is: trainer/memory_checkpoint.py)."""
+    """The agent's environment, plus what NCCL needs on this node's type (its error handling; EFA
+    as preflight proved NCCL selects it, but for NCCL's log: warnings only), the attempt's files,
+    the node's name and its rank in the launch spec (where its in-memory checkpoints' buddy is:
+    trainer/memory_checkpoint.py)."""
     return {**os.environ,
             **nccl_environment(instance_facts(identity.instance_type), os.environ),
             # The rendezvous store is not shared with the ranks' process group: with gloo, a

@@ -12,6 +12,7 @@ import pytest
 
 from nccl_rules import ENABLE_VARIABLE as NCCL_RULES_VARIABLE
 from nccl_rules import SITE as NCCL_SITE
+from trainfleet.core.catalogue import NCCL_ERROR_HANDLING
 
 # No test may reach a real AWS endpoint or pick up a developer's credentials.
 os.environ.update(
@@ -24,11 +25,13 @@ os.environ.update(
 # Real IAM knows AWS's managed policies (SAM roles attach them); moto only when asked, and it
 # reads this when its IAM first starts, so it must be set before any test touches IAM.
 os.environ.setdefault("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")
-# Every process the session starts that imports torch follows NCCL's rules of point-to-point
-# progress (nccl_rules.py): spawn_ranks' ranks, and torchrun's on local-cloud instances, whose
-# environment (PYTHONPATH included) is the session's.
+# Every process the session starts that imports torch follows NCCL's rules of progress and of
+# failure (nccl_rules.py): spawn_ranks' ranks, and torchrun's on local-cloud instances, whose
+# environment (PYTHONPATH included) is the session's. Its ranks handle NCCL's errors as the node
+# agent has every rank handle them (catalogue.NCCL_ERROR_HANDLING).
 os.environ[NCCL_RULES_VARIABLE] = "1"
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(NCCL_SITE), os.environ.get("PYTHONPATH")]))
+os.environ.update(NCCL_ERROR_HANDLING)
 
 
 LONGEST_FIRST = (

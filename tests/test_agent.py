@@ -125,6 +125,9 @@ def test_torchrun_gets_what_nccl_needs_for_efa_on_this_node_type_and_keeps_the_l
     assert p4d[NODE_RANK_ENV] == "1"  # where its in-memory checkpoints' buddy is
     cpu = torchrun_env(files, IDENTITY, node_rank=1)  # c5.large: gloo, no EFA
     assert "FI_PROVIDER" not in cpu and "NCCL_DEBUG" not in cpu
+    # On every type: a failed collective aborts its group and the rank lives on to be repaired
+    # (torchrun would set 1 for its workers, which ends them).
+    assert p4d["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == cpu["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     assert cpu["LD_LIBRARY_PATH"] == "/usr/local/cuda/lib64"
 
 

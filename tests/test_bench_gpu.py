@@ -199,3 +199,61 @@ def test_the_gpu_run_carries_every_package_the_check_imports_beyond_torch():
     assert {"pydantic", "s3torchconnector", "boto3"} <= needed  # the probe sees the trainer's imports
     beyond_torch = needed - _requirements_of("torch", set()) - {"trainfleet"}
     assert beyond_torch <= carried, beyond_torch - carried
+
+
+FAKE_PYTHON = """#!/bin/sh
+# An interpreter without pip whose bench/gpu.py run dies as $FAKE_DEATH says.
+echo "$@" >> "$FAKE_CALLS"
+case "$1 $2" in
+  "-m pip") exit 1 ;;
+  "-m zipfile") exit 0 ;;
+esac
+case "$FAKE_DEATH" in
+  sleep) exec sleep 30 ;;
+  ok) echo "gpu_check=ok"; exit 0 ;;
+  *) kill -"$FAKE_DEATH" $$ ;;
+esac
+"""
+
+
+def gpu_run_with(tmp_path, death: str, time_limit: int = 480) -> tuple[subprocess.CompletedProcess, str]:
+    """bench/gpu_run.sh run over a fake interpreter whose check dies as `death` says (a signal's
+    name, `sleep` past the time limit, or `ok`); its output and the interpreter's calls."""
+    python = tmp_path / "python"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    carry = tmp_path / "carry"
+    carry.mkdir()
+    (carry / "fake-1.0-py3-none-any.whl").write_bytes(b"")
+    calls = tmp_path / "calls"
+    env = {**__import__("os").environ, "PYTHON": str(python), "CARRY_DIR": str(carry),
+           "SITE_DIR": str(tmp_path / "site"), "TIME_LIMIT": str(time_limit), "FAKE_DEATH": death,
+           "FAKE_CALLS": str(calls)}
+    done = run_captured(["bench/gpu_run.sh", "run"], what="bench/gpu_run.sh run", cwd=REPO, env=env)
+    return done, calls.read_text()
+
+
+@pytest.mark.parametrize("signal_name, number", [("ABRT", 6), ("SEGV", 11), ("TERM", 15)])
+def test_a_check_killed_by_a_signal_says_which(tmp_path, signal_name, number):
+    done, calls = gpu_run_with(tmp_path, signal_name)
+    assert done.returncode == 128 + number
+    assert done.stdout.splitlines()[-1] == f"gpu_check=failed: killed by signal {number}", done.stdout
+    assert "-X faulthandler bench/gpu.py --time-limit 480" in calls  # stacks printed from the first line on
+
+
+def test_a_kill_before_the_time_limit_is_not_called_a_timeout(tmp_path):
+    done, _ = gpu_run_with(tmp_path, "KILL")  # as the host's OOM killer ends a process
+    assert done.returncode == 137
+    assert done.stdout.splitlines()[-1] == ("gpu_check=failed: killed by signal 9 (SIGKILL before the time limit: the "
+                                            "host's OOM killer, or another process)")
+
+
+def test_a_check_past_its_time_limit_is_killed_by_the_timeout(tmp_path):
+    done, _ = gpu_run_with(tmp_path, "sleep", time_limit=-59)  # the timeout, 60 s past it: 1 s
+    assert done.returncode == 124
+    assert done.stdout.splitlines()[-1] == "gpu_check=failed: killed by timeout after 1 s; its own time limit did not end it"
+
+
+def test_a_check_that_ends_itself_keeps_its_own_last_line(tmp_path):
+    done, _ = gpu_run_with(tmp_path, "ok")
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "gpu_check=ok"

@@ -3,7 +3,8 @@
 import pytest
 from moto.ec2.models.instance_types import INSTANCE_TYPES
 
-from trainfleet.core.catalogue import CATALOGUE, UnknownInstanceType, instance_facts, nccl_environment
+from trainfleet.core.catalogue import (CATALOGUE, NCCL_ERROR_HANDLING, NCCL_WATCHDOG_PAUSE_S, UnknownInstanceType,
+                                       instance_facts, nccl_environment)
 
 ISSUE_TYPES = ["p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge", "trn1.32xlarge"]
 
@@ -83,8 +84,20 @@ def test_training_ranks_log_nccl_warnings_and_the_preflight_probe_every_info_lin
 
 
 @pytest.mark.parametrize("name", ["c5.large", "c5.xlarge", "c5.2xlarge", "trn1.32xlarge"])
-def test_types_whose_collectives_do_not_go_through_nccl_over_efa_get_nothing(name):
-    assert nccl_environment(CATALOGUE[name], {"LD_LIBRARY_PATH": "/usr/lib"}) == {}
+def test_types_whose_collectives_do_not_go_through_nccl_over_efa_get_its_error_handling_alone(name):
+    assert nccl_environment(CATALOGUE[name], {"LD_LIBRARY_PATH": "/usr/lib"}) == NCCL_ERROR_HANDLING
+
+
+@pytest.mark.parametrize("name", sorted(CATALOGUE))
+@pytest.mark.parametrize("probe", [False, True])
+def test_every_rank_aborts_a_failed_collective_and_lives_on_to_be_repaired(name, probe):
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING=2: the watchdog aborts the failed group's communicators and
+    leaves the process (1, torchrun's, and 3, ProcessGroupNCCL's default, end it with SIGABRT);
+    its pause before the abort, 4 x the dump timeout, is 4 s instead of a minute; no dump on
+    timeout, whose heartbeat monitor would end the process 8 minutes after a peer's failure."""
+    env = nccl_environment(CATALOGUE[name], {}, probe=probe)
+    assert (env["TORCH_NCCL_ASYNC_ERROR_HANDLING"], env["TORCH_NCCL_DUMP_ON_TIMEOUT"]) == ("2", "0")
+    assert 4 * int(env["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"]) / 1000 == NCCL_WATCHDOG_PAUSE_S == 4.0
 
 
 def test_no_empty_library_path_entry_when_the_node_had_none():

@@ -72,12 +72,21 @@ def test_a_run_spec_leaves_its_checkpoints_and_network_to_the_stack():
 
 def test_short_hang_timeouts_are_accepted_where_the_read_rate_allows():
     spec = runspec.RunSpec.model_validate(spec_with(**{"recovery.hang_timeout_seconds": 5,
-                                                 "recovery.startup_timeout_seconds": 5}))
-    assert (spec.recovery.hang_timeout_seconds, spec.recovery.startup_timeout_seconds) == (5, 5)
+                                                       "recovery.startup_timeout_seconds": 15,
+                                                       "trainer.parallel.timeout_s": 10}))
+    assert (spec.recovery.hang_timeout_seconds, spec.recovery.startup_timeout_seconds) == (5, 15)
     defaults = runspec.RecoveryPolicy()
     assert (defaults.hang_timeout_seconds, defaults.startup_timeout_seconds) == (600, 1800)
     big = {"node_count": 256, "spare_count": 0, "trainer.parallel.dp": 512, "trainer.training.batch_size": 4096}
     assert runspec.RunSpec.model_validate(spec_with(**big, **{"recovery.hang_timeout_seconds": 35})).node_count == 256
+
+
+def test_the_timeouts_grow_from_hang_detection_to_the_collectives_to_the_repair_wait():
+    """The defaults: a hang declared at 600 s, collectives failing at 900 s (the trainer's), the
+    repair order awaited for 1800 s (the start-up timeout, which the agent makes the repair wait)."""
+    spec = runspec.RunSpec.model_validate(spec_with())
+    assert (spec.recovery.hang_timeout_seconds, spec.trainer.parallel.collective_timeout_s,
+            spec.recovery.startup_timeout_seconds) == (600, 900, 1800)
 
 
 @pytest.mark.parametrize("changes, field, words", [
@@ -101,6 +110,14 @@ def test_short_hang_timeouts_are_accepted_where_the_read_rate_allows():
     ({"recovery.hang_timeout_seconds": 4}, "recovery.hang_timeout_seconds", "greater than or equal to 5"),
     ({"recovery.hang_timeout_seconds": 600, "recovery.startup_timeout_seconds": 300}, "recovery",
      "recovery.startup_timeout_seconds=300 is below recovery.hang_timeout_seconds=600"),
+    ({"trainer.parallel.timeout_s": 300}, "(input)",
+     "trainer.parallel.timeout_s=300 must lie between recovery.hang_timeout_seconds=600 and "
+     "recovery.startup_timeout_seconds=1800: a silent world is declared hung (naming the node that fell silent "
+     "first) before its collectives time out"),
+    ({"trainer.parallel.timeout_s": 1800}, "(input)", "must lie between"),
+    ({"recovery.startup_timeout_seconds": 900}, "(input)",
+     "trainer.parallel.timeout_s=900 must lie between recovery.hang_timeout_seconds=600 and "
+     "recovery.startup_timeout_seconds=900"),
     ({"recovery.boot_timeout_seconds": 300, "recovery.late_worker_seconds": 600}, "recovery",
      "recovery.late_worker_seconds=600 exceeds recovery.boot_timeout_seconds=300"),
     # 4 workers and a spare may look every 0.6 s (a 5 s hang timeout); 256 nodes may not.

@@ -1028,6 +1028,20 @@ def test_a_lost_node_is_repaired_in_place_around_a_spare_when_every_survivor_liv
         FailureClass.HANG, attempt=2), restart, T0).repair is None
 
 
+def test_a_repaired_world_whose_trainers_ended_with_nothing_to_restore_is_restarted():
+    """A repaired world that finds neither a whole copy in memory nor an S3 commit raises in every
+    trainer (trainer/train.py restore), which ends: their agents report it, none is alive, and the
+    next attempt restarts every trainer instead of repairing again."""
+    lost = report(FailureClass.INSTANCE_LOST, "i-3")
+    repaired = lc.apply_decision(training_run(), lost, lc.decide_recovery(
+        training_run(), [*RANKED, SPARE], lost, 0.0, now=T0, trainers_alive=ALIVE), T0)
+    workers = [*RANKED[:2], SPARE.model_copy(update={"role": NodeRole.WORKER, "node_rank": 2}), RANKED[3]]
+    ended = lc.decide_recovery(repaired, workers, report(FailureClass.PROCESS_CRASH, attempt=2), 0.0, now=T0,
+                               trainers_alive=frozenset())
+    assert ended.action is RecoveryAction.RESTART and ended.repair is None, ended.reason
+    assert lc.apply_decision(repaired, report(FailureClass.PROCESS_CRASH, attempt=2), ended, T0).repair is None
+
+
 @pytest.mark.parametrize("run, lost, alive, why", [
     (training_run(), "i-1", ALIVE, "node rank 0, which hosts the rendezvous, is not among the survivors"),
     (training_run(), "i-3", ALIVE - {"i-4"}, "no sign of life from the trainers of i-4"),

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conftest import free_port, spawn_ranks
+from torch.multiprocessing import ProcessExitedException
 from localcloud.fleet import INSTANCE_SITE
 from localcloud.waiting import run_captured, wait_for_exit
 from localcloud.warm_image import WarmImage
@@ -148,8 +149,206 @@ def test_ops_matched_by_tag_out_of_order_are_refused(tmp_path):
 
 def test_a_wait_on_a_peer_that_never_answers_ends_when_the_groups_are_aborted(tmp_path):
     waiting, _ = run_exchange("unanswered", 2, tmp_path)
-    assert waiting["error"] == ("NcclAborted: rank 0's irecv<-1 on the communicator of ranks 0 and 1 (process group 0): "
-                                "its communicators were aborted"), waiting
+    assert waiting["error"] == ("NcclAborted: rank 0's irecv<-1: creating the communicator of ranks 0 and 1 (process "
+                                "group 0) was ended by an abort"), waiting
+
+
+# --- collectives ----------------------------------------------------------------------------------
+
+def collectives(rank: int, world: int) -> torch.Tensor:
+    """A sum, an object gather, an object broadcast and a tensor gather."""
+    summed = torch.full((4,), float(rank + 1))
+    dist.all_reduce(summed)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {"rank": rank})
+    sent = [100.0 if rank == 0 else None]
+    dist.broadcast_object_list(sent, src=0)
+    joined = torch.empty(2 * world)
+    dist.all_gather_into_tensor(joined, torch.full((2,), float(rank)))
+    return torch.cat([summed, torch.tensor([float(g["rank"]) for g in gathered]), torch.tensor(sent), joined])
+
+
+def collective_behind_a_batch(rank: int, world: int) -> torch.Tensor:
+    """Rank 0 posts a send to rank 1 in a batch, then an all-reduce; rank 1 the all-reduce, then
+    the batch's receive: gloo runs all four, NCCL's one stream per communicator none."""
+    buffer = torch.ones(8)
+    if rank == 0:
+        sending = dist.batch_isend_irecv([dist.P2POp(dist.isend, buffer, 1)])
+        dist.all_reduce(buffer)
+        for work in sending:
+            work.wait()
+    else:
+        dist.all_reduce(buffer)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, 0)]):
+            work.wait()
+    return buffer
+
+
+def collectives_out_of_order(rank: int, world: int) -> torch.Tensor:
+    """An all-reduce and a broadcast, issued in one order on rank 0 and the other on rank 1."""
+    reduced, broadcast = torch.ones(4), torch.ones(8)
+    if rank == 0:
+        dist.all_reduce(reduced)
+        dist.broadcast(broadcast, src=0)
+    else:
+        dist.broadcast(broadcast, src=0)
+        dist.all_reduce(reduced)
+    return reduced
+
+
+EXCHANGES.update(collectives=collectives, collective_behind_a_batch=collective_behind_a_batch,
+                 collectives_out_of_order=collectives_out_of_order)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_complete_with_every_ranks_data(tmp_path, world):
+    reports = run_exchange("collectives", world, tmp_path)
+    total = float(sum(range(1, world + 1)))
+    expected = [total] * 4 + [float(r) for r in range(world)] + [100.0] + [float(r) for r in range(world) for _ in "ab"]
+    assert [report["received"] for report in reports] == [expected] * world, reports
+
+
+def test_a_collective_queued_behind_a_batch_its_peer_waits_for_is_a_deadlock(tmp_path):
+    reports = run_exchange("collective_behind_a_batch", 2, tmp_path)
+    for report in reports:
+        assert report["error"].startswith("NcclDeadlock: NCCL would deadlock"), report
+        assert ("rank 1's all_reduce waits for rank 0 to post its all_reduce, queued behind its own isend->1 in a "
+                "batch on the communicator of process group 0 (ops on one NCCL communicator start in issue order)"
+                in report["error"]), report
+
+
+def test_collectives_issued_in_another_order_are_refused(tmp_path):
+    errors = [report.get("error") or "" for report in run_exchange("collectives_out_of_order", 2, tmp_path)]
+    assert any(error.startswith("NcclMismatch: on the communicator of process group 0 NCCL pairs rank 0's all_reduce "
+                                "(16 bytes) with rank 1's broadcast (32 bytes): a group's collectives are paired by "
+                                "their order alone") or
+               error.startswith("NcclMismatch: on the communicator of process group 0 NCCL pairs rank 1's broadcast "
+                                "(32 bytes) with rank 0's all_reduce (16 bytes)") for error in errors), errors
+
+
+# --- a lost peer, as NCCL's watchdog takes it -----------------------------------------------------
+
+WATCHDOG = {"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "250"}
+"""A watchdog that pauses a second (4 x 250 ms) between finding a failure and acting on it."""
+
+
+def _lost_peer_rank(rank: int, port: int, environment: dict, scenario: str, out: str) -> None:
+    """Rank 1's process ends before it joins (a node lost); rank 0 waits on it as `scenario` says
+    and reports what it saw: whether its wait returned, with what, the world's failure as the
+    trainer checks it, what its next op did. A rank the watchdog ends reports nothing."""
+    from trainer.world_failure import current_world, failure
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for name, value in environment.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    world = current_world()
+    if rank == 1:
+        os._exit(0)
+    value = torch.full((4,), 1.0)
+    report: dict = {}
+    started = time.monotonic()
+    try:
+        if scenario == "all_reduce":
+            dist.all_reduce(value)
+        elif scenario == "all_reduce, the program aborting":
+            threading.Timer(2.0, dist.distributed_c10d._abort_process_group).start()
+            dist.all_reduce(value)
+        elif scenario == "batch":
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, value, 1)]):
+                work.wait()
+        elif scenario == "wait after the failure was found":
+            work = dist.all_reduce(value, async_op=True)
+            while failure(world) is None:
+                time.sleep(0.05)
+            work.wait()
+        report["returned_after_s"] = time.monotonic() - started
+    except Exception as error:  # noqa: BLE001 (reported to the test)
+        report["error"] = f"{type(error).__name__}: {error}"
+    report |= {"value": value.tolist(), "failure": failure(world)}
+    try:
+        dist.all_reduce(value)
+        report["next"] = "ran"
+    except Exception as error:  # noqa: BLE001
+        report["next"] = f"{type(error).__name__}: {error}"
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(report))
+    os._exit(0)  # its world is broken: nothing to close
+
+
+def lost_peer(tmp_path, scenario: str, **environment: str | None) -> dict:
+    """What rank 0 reported, or the signal that ended its process; `environment` over the
+    session's (None: unset)."""
+    try:
+        spawn_ranks(_lost_peer_rank, (free_port(), WATCHDOG | environment, scenario, str(tmp_path)), 2)
+    except ProcessExitedException as ended:
+        assert ended.error_index == 0, ended
+        return {"ended_by": ended.signal_name}
+    return json.loads((tmp_path / "rank-0.json").read_text())
+
+
+@pytest.mark.parametrize("scenario", ["all_reduce", "batch"])
+def test_under_clean_up_only_the_watchdog_aborts_the_failed_group_and_the_wait_returns_with_what_it_had(
+        tmp_path, scenario):
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (the trainer's): no error where the rank waits; a second
+    later (the watchdog's pause) it returns with its buffer as it was, nothing reduced or received;
+    the group reports the error; an op issued on it afterwards raises."""
+    report = lost_peer(tmp_path, scenario, TORCH_NCCL_ASYNC_ERROR_HANDLING="2")
+    assert "error" not in report and report["returned_after_s"] >= 1.0, report
+    assert report["value"] == [1.0] * 4
+    assert report["failure"] == "process group 0 reports COMM_ERROR (NCCL's watchdog found an op of it failed)"
+    assert report["next"].startswith("NcclAborted: all_reduce on process group 0, whose communicators NCCL's watchdog "
+                                     "aborted after an op failed (COMM_ERROR)"), report
+
+
+@pytest.mark.parametrize("setting", ["1", "3", None])
+def test_under_tear_down_and_skip_clean_up_the_watchdog_ends_the_process(tmp_path, setting):
+    """1 (torchrun's for its workers) and 3 (ProcessGroupNCCL's default): the watchdog's rethrow
+    ends the process with SIGABRT; the rank never returns from its wait."""
+    assert lost_peer(tmp_path, "all_reduce", TORCH_NCCL_ASYNC_ERROR_HANDLING=setting) == {"ended_by": "SIGABRT"}
+
+
+def test_under_no_handling_the_wait_goes_on_until_the_program_aborts_the_groups(tmp_path):
+    """0: the watchdog finds the failure and does nothing; only the program's abort (a repair
+    order's) ends the wait, which returns normally with its partial values."""
+    report = lost_peer(tmp_path, "all_reduce, the program aborting", TORCH_NCCL_ASYNC_ERROR_HANDLING="0")
+    assert "error" not in report and report["returned_after_s"] >= 2.0, report
+    assert report["value"] == [1.0] * 4
+    assert report["failure"] == "its process groups were aborted (a repair was ordered) or destroyed"
+    assert report["next"].startswith("ValueError: Default process group has not been initialized"), report
+
+
+def test_a_wait_begun_after_the_watchdog_found_its_op_failed_raises(tmp_path):
+    report = lost_peer(tmp_path, "wait after the failure was found", TORCH_NCCL_ASYNC_ERROR_HANDLING="0")
+    assert report["error"].startswith("DistBackendError: NCCL error in all_reduce on process group 0 (COMM_ERROR): "
+                                      ), report
+
+
+def _monitored_rank(rank: int, port: int, out: str) -> None:
+    """Ranks 0 and 2 share a group; rank 2's process ends; rank 0's all-reduce on the group
+    fails, and rank 0 leaves its world (as a repair does). Rank 1 takes part in nothing."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCH_NCCL_ASYNC_ERROR_HANDLING="2",
+                      TORCH_NCCL_DUMP_ON_TIMEOUT="1", TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC="1",
+                      TORCH_NCCL_COORD_CHECK_MILSEC="100", **WATCHDOG)
+    dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=120))
+    pair = dist.new_group([0, 2])
+    if rank == 2:
+        os._exit(0)
+    if rank == 0:
+        dist.all_reduce(torch.ones(4), group=pair)
+        dist.distributed_c10d._abort_process_group()
+    time.sleep(30)  # rank 0 hosts the store while rank 1's monitor counts down
+    os._exit(0)
+
+
+def test_with_dump_on_timeout_every_rank_still_in_the_failed_world_is_ended_by_its_monitor(tmp_path):
+    """TORCH_NCCL_DUMP_ON_TIMEOUT (on by default): one rank's failure has every rank's heartbeat
+    monitor end its process TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC later, unless it left the world."""
+    with pytest.raises(ProcessExitedException) as ended:
+        spawn_ranks(_monitored_rank, (free_port(), str(tmp_path)), 3)
+    assert (ended.value.error_index, ended.value.signal_name) == (1, "SIGABRT")
 
 
 # --- torch's own pipeline schedules ---------------------------------------------------------------

@@ -82,6 +82,11 @@ def test_file_overrides_defaults_and_command_line_overrides_file(tmp_path, suffi
     (["--model.architecture=llama", "--model.rope_scaling_factor=0.5"], "model.rope_scaling_factor=0.5 (0: none)"),
     (["--model.activation=relu"], "model.activation='relu' must be one of gelu, gelu_tanh"),
     (["--training.init_from=s3://bucket/models/x"], "training.init_from needs checkpoint.uri"),
+    (["--checkpoint.memory_interval=1", "--checkpoint.memory_dir=/dev/shm/x"], "checkpoint.memory_interval needs "
+                                                                                  "checkpoint.uri"),
+    (["--parallel.repair_file=/tmp/order.json", "--checkpoint.memory_interval=1", "--parallel.timeout_s=600",
+      "--parallel.repair_wait_s=600"], "parallel.repair_wait_s=600 must exceed parallel.timeout_s=600: a rank that "
+                                       "left a failed world waits for the repair order longer"),
     (["--model.width=3"], "unknown field model.width"),
     (["--modle.n_layers=3"], "unknown config section 'modle'"),
     (["stray"], "unexpected argument 'stray'"),

@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import os
 import signal
+import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,6 +55,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainer import checkpoint_catalog as catalog
+from trainer.world_failure import current_world, raise_if_failed
 
 __all__ = ["Checkpointer", "CheckpointError", "ComputeOrderedStager", "host_stager", "storage_writer", "storage_reader"]
 
@@ -301,6 +303,7 @@ class Checkpointer:
         self.tokenizer = tokenizer
         self.init_from = init_from
         self._distributed = dist.is_available() and dist.is_initialized()
+        self._world = current_world()
         self.rank = dist.get_rank() if self._distributed else 0
         self._timeout = timeout
         self._dcp_process_group: dist.ProcessGroup | None = None
@@ -399,6 +402,7 @@ class Checkpointer:
         if self._distributed:
             # On the default group: before training starts nothing else runs on it.
             dist.broadcast_object_list(outcome, src=0)
+            raise_if_failed(self._world, "the checkpoint decision's broadcast")
         kind, value = outcome[0]
         if kind == "error":
             raise CheckpointError(value) from error
@@ -557,7 +561,10 @@ class Checkpointer:
     def abandon(self) -> None:
         """Stop without waiting: the world failed and is being repaired. What the threads started
         finishes on its own (a save whose upload is whole still commits; one the failure cut short
-        fails on the dead groups)."""
+        fails on the dead groups). The staged state is released once a staging in progress ends
+        (the stager closes off the repair's path): the next world's saves stage their own."""
         self._staging_hook.remove()
         self._requests.close()
         self._committer.shutdown(wait=False)
+        self._staging = None
+        threading.Thread(target=self._stager.close, name="checkpoint-release", daemon=True).start()

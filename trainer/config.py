@@ -122,17 +122,23 @@ class ParallelConfig:
     """Stages (virtual stages) each pipeline rank holds; 0 = what the schedule needs (1 or 2)."""
     layers_per_stage: list[int] = field(default_factory=list)
     """Layers of each stage in order, overriding the split balanced by parameter count; empty = balanced."""
-    timeout_s: float = 300.0
-    """Process-group timeout: a hung peer fails the job after this long instead of the 30-minute default."""
+    timeout_s: float = 900.0
+    """The collective timeout: how long a process group's operation waits on a peer before it fails
+    (NCCL's watchdog aborts it; the 30-minute default otherwise). Longer than the control plane's
+    hang detection (RunSpec recovery.hang_timeout_seconds, 600 s by default), which names the node
+    that fell silent first: shorter, every rank's collectives would fail first and the hang would
+    pass for a crash of all. Shorter than repair_wait_s."""
     repair_file: str = ""
     """Where the node agent writes the order to repair the world in place when a node is lost
     (trainer/repair.py). A rank whose step fails says so beside it (for the agent to report) and
     waits for the order. Empty: a failed step ends the process, and the control plane restarts
     the world."""
     repair_wait_s: float = 1800.0
-    """How long a rank whose step failed waits for the repair order before it exits. The agent
-    ends the trainer sooner when the control plane restarts the world instead; it sets this to
-    the run's start-up timeout, the time the control plane gives a world to form."""
+    """The repair wait: how long a rank whose step failed waits for the repair order before it
+    exits. The agent ends the trainer sooner when the control plane restarts the world instead; it
+    sets this to the run's start-up timeout, the time the control plane gives a world to form.
+    Longer than timeout_s: a peer may be held in one of the failed world's collectives that long
+    before it comes to the repair."""
 
     def resolved_dp_shard(self) -> int:
         return self.dp_shard or self.dp
@@ -368,6 +374,10 @@ def _problems(c: JobConfig):
         yield f"parallel.timeout_s must be > 0, got {p.timeout_s}"
     if p.repair_wait_s <= 0:
         yield f"parallel.repair_wait_s must be > 0, got {p.repair_wait_s}"
+    elif p.repair_file and p.repair_wait_s <= p.timeout_s:
+        yield (f"parallel.repair_wait_s={p.repair_wait_s:g} must exceed parallel.timeout_s={p.timeout_s:g}: a rank "
+               "that left a failed world waits for the repair order longer than a peer may be held in one of its "
+               "collectives")
     n_stages = p.n_stages()
     if n_stages > m.n_layers:
         yield (f"{n_stages} pipeline stages (parallel.pp={p.pp} x {p.resolved_stages_per_rank()} per rank) "
@@ -403,6 +413,9 @@ def _problems(c: JobConfig):
         yield f"checkpoint.memory_interval must be >= 0 (0: no in-memory checkpoints), got {k.memory_interval}"
     if k.memory_interval and not k.memory_dir:
         yield "checkpoint.memory_interval needs checkpoint.memory_dir, the node's host-memory folder"
+    if k.memory_interval and not k.uri:
+        # Without it the copies would be silently off, and a repaired world would have nothing to restore.
+        yield "checkpoint.memory_interval needs checkpoint.uri: the in-memory copies come beside the S3 checkpoints"
     if k.memory_resume and not k.memory_interval:
         yield "checkpoint.memory_resume needs checkpoint.memory_interval > 0"
     if p.repair_file and not k.memory_interval:

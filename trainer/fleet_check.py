@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from trainer.config import FleetCheckConfig
 from trainer.progress import NODE_NAME_ENV, write_whole
+from trainer.world_failure import current_world, raise_if_failed
 
 __all__ = ["Link", "FleetCheckResult", "verdict", "run_fleet_check", "bus_bandwidth", "allreduce_floor", "pairings",
            "gate"]
@@ -187,7 +188,7 @@ def run_fleet_check(cfg: FleetCheckConfig, device: torch.device,
     is called after each transfer: a slow node makes the check slow, never silent
     (trainer/progress.py)."""
     started = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, formed = dist.get_rank(), dist.get_world_size(), current_world()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     nodes = world // per_node
     size = int(cfg.size_mib * 2**20) // 4 * 4
@@ -207,6 +208,7 @@ def run_fleet_check(cfg: FleetCheckConfig, device: torch.device,
             timed.append((min(node, partner), max(node, partner), statistics.median(seconds)))
     gathered: list[tuple[str, list[tuple[int, int, float]]] | None] = [None] * world
     dist.all_gather_object(gathered, (os.environ.get(NODE_NAME_ENV) or socket.gethostname(), timed))
+    raise_if_failed(formed, "the fleet check's gather")
     names = [gathered[index * per_node][0] for index in range(nodes)]
     slowest_time: dict[tuple[int, int], float] = {}
     for a, b, seconds in (entry for _, entries in gathered for entry in entries):
@@ -218,6 +220,7 @@ def run_fleet_check(cfg: FleetCheckConfig, device: torch.device,
     # Rank 0's timing of the all-reduce judges, so that every rank acts on the same verdict.
     judged = [verdict(busbw, cfg.busbw_floor_gbytes_per_s, links, names, time.perf_counter() - started)]
     dist.broadcast_object_list(judged, src=0)
+    raise_if_failed(formed, "the fleet check's verdict")
     return judged[0]
 
 

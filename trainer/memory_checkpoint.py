@@ -25,9 +25,14 @@ whose copies all exist.
     memory.close()
 
 The copies go over a gloo group of their own (host memory to host memory, also on GPU nodes),
-one pair of messages per rank and copy, from the copying thread. At most one copy is in flight,
-and every rank copies the same steps in the same order, which is what pairs each send with its
-receive.
+from the copying thread, its connections made lazily: a rank talks to its buddy and its ward (and
+its neighbours in the group's ring collectives), and an eager group would connect each rank to
+every other, 4,095 connections a rank at 4,096 ranks, anew in every repaired world. A rank's copy
+is serialised straight into its node's tmpfs and streamed from there to its buddy, which writes it
+into its own tmpfs as it arrives, CHUNK_BYTES at a time: the copy needs no buffer of a shard's size
+beside the staged state, and a copy a repair abandons holds two chunks until its exchange ends.
+At most one copy is in flight, and every rank copies the same steps in the same order, which is
+what pairs each send with its receive.
 
 `newest_whole` and `restore` are collective: every rank says which copies its node holds of its own shard, of its
 ward's (the rank whose buddy it is) and of any other shard its node held last time, all agree on the newest step that every shard of the world
@@ -37,15 +42,16 @@ rank holding it. A world with some shard at no step gets None and resumes from S
 
 from __future__ import annotations
 
-import io
+import contextlib
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -119,7 +125,7 @@ class MemoryCheckpoints:
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
         self.ranks_per_node = ranks_per_node
-        self._group = dist.new_group(backend="gloo", timeout=timeout) if self.world_size > 1 else None
+        self._group = _lazy_gloo_group(timeout) if self.world_size > 1 else None
         node_ranks = [node_rank]
         if self._group is not None:
             node_ranks = [0] * self.world_size
@@ -170,29 +176,29 @@ class MemoryCheckpoints:
             self._drop(lambda saved: saved < last)
         staged = self._stager.stage(state.state_dict())
         self._staging = staged
-        self._in_flight = self._copier.submit(self._copy, step, staged, self._group)
+        # In a box the thread empties: once serialised, nothing of the thread's holds the staged state.
+        self._in_flight = self._copier.submit(self._copy, step, [staged], self._group)
         self._last_copied = step
         self.blocked_seconds += time.perf_counter() - started
         return True
 
-    def _copy(self, step: int, staged: Future, group: dist.ProcessGroup | None) -> None:
+    def _copy(self, step: int, staged_box: list[Future], group: dist.ProcessGroup | None) -> None:
         started = time.perf_counter()
-        payload = io.BytesIO()
-        torch.save(dict(_leaves(staged.result())), payload)
-        view = payload.getbuffer()
-        self._write(self.rank, step, view)
+        staged = staged_box.pop()
+        own = self._copy_file(self.rank, step)
+        with _written_whole(own) as out:
+            torch.save(dict(_leaves(staged.result())), out)
+        del staged
         if self.buddy != self.rank:
-            self._write(self.ward, step, _exchange(view, self.buddy, self.ward, group))
+            _exchange_files({self.buddy: own}, {self.ward: self._copy_file(self.ward, step)}, group)
         self.copy_seconds += time.perf_counter() - started
         self.copies += 1
 
-    def _write(self, shard: int, step: int, data: memoryview) -> None:
-        """Put `shard`'s copy of `step` in this node's memory (renamed into place whole)."""
+    def _copy_file(self, shard: int, step: int) -> Path:
+        """Where this node keeps `shard`'s copy of `step`."""
         folder = self._shard_folder(shard)
         folder.mkdir(parents=True, exist_ok=True)
-        partial = folder / f".{_file_name(step)}.{os.getpid()}"
-        partial.write_bytes(data)
-        partial.replace(folder / _file_name(step))
+        return folder / _file_name(step)
 
     def _drop(self, unwanted: Callable[[int], bool]) -> None:
         """Delete this rank's share of the node's copies of the steps `unwanted` says."""
@@ -257,16 +263,17 @@ class MemoryCheckpoints:
                             for shard in range(self.world_size)})
 
     def restore(self, state: Stateful, found: Found) -> Restored:
-        """Load `found`'s step into `state`: this rank's shard from its node's memory or from the
-        rank `found` names, while it sends the shards it gives (collective)."""
+        """Load `found`'s step into `state`: this rank's shard from its node's memory, or received
+        from the rank `found` names into its node's memory first (its own copy again), while it
+        sends the shards it gives (collective)."""
         step, source = found.step, found.sources
-        sends = [shard for shard, rank in source.items() if rank == self.rank and shard != self.rank]
-        own = self._receive_or_read(step, source[self.rank], sends, self._group)
-        self._apply(state, own)
+        sends = {shard: self._copy_file(shard, step) for shard, rank in source.items()
+                 if rank == self.rank and shard != self.rank}
+        own = self._copy_file(self.rank, step)
         received = source[self.rank] != self.rank
-        if received:
-            self._write(self.rank, step, own.getbuffer())
-        figures = torch.tensor([0 if received else 1, int(received), own.getbuffer().nbytes if received else 0])
+        peer_bytes = _exchange_files(sends, {source[self.rank]: own} if received else {}, self._group)
+        self._apply(state, own)
+        figures = torch.tensor([0 if received else 1, int(received), peer_bytes])
         if self._group is not None:
             dist.all_reduce(figures, group=self._group)
         own_memory, peers, peer_bytes = figures.tolist()
@@ -274,20 +281,8 @@ class MemoryCheckpoints:
                  step, own_memory, peers, peer_bytes)
         return Restored(step, own_memory, peers, peer_bytes)
 
-    def _receive_or_read(self, step: int, source: int, sends: list[int], group: dist.ProcessGroup | None
-                         ) -> io.BytesIO:
-        """This rank's copy of `step`: read from its node's memory, or received from `source`,
-        while this rank sends the copies `sends` of other shards to their ranks."""
-        outgoing = {shard: torch.frombuffer(bytearray((self._shard_folder(shard) / _file_name(step)).read_bytes()),
-                                            dtype=torch.uint8) for shard in sends}
-        receives = {} if source == self.rank else {source: None}
-        incoming = _transfer(outgoing, receives, group)
-        if source != self.rank:
-            return io.BytesIO(incoming[source].numpy().tobytes())
-        return io.BytesIO((self._shard_folder(self.rank) / _file_name(step)).read_bytes())
-
-    def _apply(self, state: Stateful, copy: io.BytesIO) -> None:
-        saved = torch.load(copy, weights_only=True)
+    def _apply(self, state: Stateful, copy: Path) -> None:
+        saved = torch.load(copy, weights_only=True, mmap=True)  # the tmpfs's pages, not a second copy
         current = state.state_dict()
         for path, value in _leaves(current):
             if path not in saved:
@@ -340,9 +335,13 @@ class MemoryCheckpoints:
     def abandon(self) -> None:
         """Stop without waiting: the world failed and is being repaired. A copy in flight finishes
         on its own or fails on the dead group; one it completes is of the failed world's timeline,
-        which the repaired world repeats exactly from its restored step."""
+        which the repaired world repeats exactly from its restored step. The staged state is
+        released as soon as a staging in progress ends (its stager closes off the repair's path),
+        and a copy's exchange holds two chunks until it ends."""
         self._staging_hook.remove()
+        self._staging = None
         self._copier.shutdown(wait=False)
+        threading.Thread(target=self._stager.close, name="memory-checkpoint-release", daemon=True).start()
 
 
 def _file_name(step: int) -> str:
@@ -364,25 +363,63 @@ def _set(tree: dict, path: tuple, value: Any) -> None:
     tree[path[-1]] = value
 
 
-def _exchange(payload: memoryview, to: int, source: int, group: dist.ProcessGroup | None) -> memoryview:
-    """Send `payload` to rank `to` while receiving a payload from rank `source`."""
-    received = _transfer({to: torch.frombuffer(payload, dtype=torch.uint8)}, {source: None}, group)
-    return memoryview(received[source].numpy())
+CHUNK_BYTES = 64 * 2**20
+"""What a copy moves between nodes at once: a shard's file is streamed this much at a time."""
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
 
 
-def _transfer(sends: dict[int, torch.Tensor], receives: dict[int, None], group: dist.ProcessGroup | None
-              ) -> dict[int, torch.Tensor]:
-    """Send each byte tensor of `sends` to its rank while receiving one from each rank of
-    `receives`: the sizes first, then the bytes, each as one batch (all its sends and receives
-    started together, which needs no order among the peers; under NCCL's rules, single sends
-    around a ring of buddies would each wait for the next)."""
+@contextlib.contextmanager
+def _written_whole(path: Path) -> Iterator[BinaryIO]:
+    """A file to write `path` into, renamed into place once whole: a rank never reads half of it."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    with partial.open("wb") as out:
+        yield out
+    partial.replace(path)
+
+
+def _exchange_files(sends: dict[int, Path], receives: dict[int, Path], group: dist.ProcessGroup | None) -> int:
+    """Send each file of `sends` to its rank while receiving one file from each rank of `receives`
+    into the path given: the sizes first, then CHUNK_BYTES of each file at a time, each round one
+    batch (its sends and receives started together, in no order among the peers). The bytes received."""
     sizes = {rank: torch.zeros(1, dtype=torch.int64) for rank in receives}
-    _batch([(dist.isend, torch.tensor([data.numel()]), rank) for rank, data in sends.items()]
+    _batch([(dist.isend, torch.tensor([path.stat().st_size]), rank) for rank, path in sends.items()]
            + [(dist.irecv, size, rank) for rank, size in sizes.items()], group)
-    received = {rank: torch.empty(int(size.item()), dtype=torch.uint8) for rank, size in sizes.items()}
-    _batch([(dist.isend, data, rank) for rank, data in sends.items()]
-           + [(dist.irecv, data, rank) for rank, data in received.items()], group)
-    return received
+    incoming = {rank: int(size.item()) for rank, size in sizes.items()}
+    outgoing = {rank: path.stat().st_size for rank, path in sends.items()}
+    rounds = -(-max([*incoming.values(), *outgoing.values()], default=0) // CHUNK_BYTES)
+    with contextlib.ExitStack() as files:
+        readers = {rank: files.enter_context(path.open("rb")) for rank, path in sends.items()}
+        writers = {rank: files.enter_context(_written_whole(path)) for rank, path in receives.items()}
+        for index in range(rounds):
+            leaving = {rank: _chunk(size, index) for rank, size in outgoing.items() if index * CHUNK_BYTES < size}
+            for rank, chunk in leaving.items():
+                readers[rank].readinto(memoryview(chunk.numpy()))
+            arriving = {rank: _chunk(size, index) for rank, size in incoming.items() if index * CHUNK_BYTES < size}
+            _batch([(dist.isend, chunk, rank) for rank, chunk in leaving.items()]
+                   + [(dist.irecv, chunk, rank) for rank, chunk in arriving.items()], group)
+            for rank, chunk in arriving.items():
+                writers[rank].write(memoryview(chunk.numpy()))
+    return sum(incoming.values())
+
+
+def _chunk(size: int, index: int) -> torch.Tensor:
+    """A buffer for chunk `index` of a file of `size` bytes."""
+    return torch.empty(min(CHUNK_BYTES, size - index * CHUNK_BYTES), dtype=torch.uint8)
+
+
+def _lazy_gloo_group(timeout: timedelta) -> dist.ProcessGroup:
+    """A gloo group of the whole world whose pairs connect at their first message. torch makes a
+    gloo group's device as it makes the group, lazily connecting where TORCH_GLOO_LAZY_INIT is
+    set then (new_group takes no options for gloo): set for that call alone."""
+    previous = os.environ.get(GLOO_LAZY_INIT)
+    os.environ[GLOO_LAZY_INIT] = "1"
+    try:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    finally:
+        if previous is None:
+            del os.environ[GLOO_LAZY_INIT]
+        else:
+            os.environ[GLOO_LAZY_INIT] = previous
 
 
 def _batch(ops: list[tuple], group: dist.ProcessGroup | None) -> None:

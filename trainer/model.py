@@ -15,6 +15,7 @@ residual stream between blocks, H/tp heads inside attention. Dtypes come from FS
 precision policy (bf16 compute on CUDA), not from autocast.
 """
 
+import math
 import zlib
 
 import torch
@@ -171,20 +172,67 @@ def build(cfg: ModelConfig, layers: range | None = None, first: bool = True, las
     return GPT(cfg, layers, first, last)
 
 
-def initial_values(name: str, shape: torch.Size, seed: int, n_layers: int) -> torch.Tensor:
-    """A parameter's full initial value, from a generator seeded by (seed, its full name).
+INIT_BLOCK = 1 << 16
+"""A parameter's initial values are drawn in blocks of this many of its elements (row-major),
+each block from a generator of its own: any shard is drawn without the rest (`normal_at`)."""
+INIT_CHUNK = 1 << 22
+"""At most this many values are drawn at once while a shard is filled (16 MiB in fp32)."""
 
-    A parameter gets the same values whichever stage, rank or split it lands in, so a parallel
-    run starts from exactly the single-process model. Output projections (attention's and the
-    MLP's, `proj` in both families) are scaled down by depth (GPT-2's residual scaling).
+
+def initial_values(name: str, shape: torch.Size, seed: int, n_layers: int,
+                   region: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """The region (offset, size; the whole by default) of a parameter's initial value, drawn on
+    `device` from generators seeded by (seed, its full name, the position of its values).
+
+    A parameter gets the same values whichever stage, rank or split holds it, so a parallel run
+    starts from exactly the single-process model, and each rank draws only its shard. Output
+    projections (attention's and the MLP's, `proj` in both families) are scaled down by depth
+    (GPT-2's residual scaling). Both families name their parameters alike where they are alike, so
+    one set of rules by name serves both; the drawing by position is the same for all.
     """
+    offset, size = region or ((0,) * len(shape), tuple(shape))
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return torch.ones(size, device=device)
     if name.endswith("bias"):
-        return torch.zeros(shape)
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.zeros(size, device=device)
     std = INIT_STD / (2 * n_layers) ** 0.5 if name.endswith("proj.weight") else INIT_STD
-    return torch.randn(shape, generator=generator) * std
+    return normal_at(seed * 1_000_003 + zlib.crc32(name.encode()), tuple(shape), offset, size, device).mul_(std)
+
+
+def normal_at(key: int, shape: tuple[int, ...], offset: tuple[int, ...], size: tuple[int, ...],
+              device: torch.device | str) -> torch.Tensor:
+    """The region (offset, size) of a standard normal tensor of `shape` whose flat elements are
+    drawn in blocks of INIT_BLOCK, block b by a generator seeded by (key, b). Whole rows (all but
+    the first dimension) are drawn, INIT_CHUNK values at a time: a shard split by rows costs
+    its own values, one split by columns its rows' (tensor parallel's row-parallel weights)."""
+    out = torch.empty(size, device=device)
+    if out.numel() == 0:
+        return out
+    row = math.prod(shape[1:])
+    rows_at_once = max(1, INIT_CHUNK // row)
+    inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], size[1:]))
+    generator = torch.Generator(device=device)
+    drawn = torch.empty((rows_at_once * row // INIT_BLOCK + 2) * INIT_BLOCK, device=device)
+    for start in range(0, size[0], rows_at_once):
+        rows = min(rows_at_once, size[0] - start)
+        begin = (offset[0] + start) * row
+        first, last = begin // INIT_BLOCK, (begin + rows * row - 1) // INIT_BLOCK
+        for index, block in enumerate(range(first, last + 1)):
+            generator.manual_seed(_block_seed(key, block))
+            torch.randn(INIT_BLOCK, generator=generator, out=drawn[index * INIT_BLOCK:(index + 1) * INIT_BLOCK])
+        skipped = begin - first * INIT_BLOCK
+        out[start:start + rows] = drawn[skipped:skipped + rows * row].view(rows, *shape[1:])[(slice(None), *inner)]
+    return out
+
+
+def _block_seed(key: int, block: int) -> int:
+    """A generator's seed for one block, its bits mixed (splitmix64's finaliser): CPU generators
+    keep only a seed's low 32 bits, which (key, block) must spread over."""
+    mixed = (key * 0x9E3779B97F4A7C15 + block) & 0xFFFFFFFFFFFFFFFF
+    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (mixed ^ (mixed >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

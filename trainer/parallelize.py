@@ -4,11 +4,15 @@ Applied in torchtitan's order, each to the part a pipeline rank holds (or to the
 
     tensor_parallel(part, mesh["tp"])        split the matrices over tp, on the meta device
     parallelize(part, cfg, mesh, device)     checkpoint, compile and shard over data parallel
-    materialize(part, device, seed, layers)  allocate this rank's shards and fill them
+    allocate(part, device)                   this rank's shards, on its device, unfilled
+    initialise(part, seed, layers)           fill them, unless a restore follows
 
-Everything before `materialize` happens on the meta device, so a rank only ever allocates its own
-shard of each parameter: sharded after materializing, every rank would first hold its whole
-tensor-parallel part in fp32 (35 GB per GPU for a 70B model at tp=8).
+Everything before `allocate` happens on the meta device, so a rank only ever allocates its own
+shard of each parameter: sharded after allocating, every rank would first hold its whole
+tensor-parallel part in fp32 (35 GB per GPU for a 70B model at tp=8). And each rank draws only
+its shards' initial values, on its device (trainer/model.py initial_values): drawing each
+parameter whole and keeping a shard cost Jurassic-1's second pipeline rank about two minutes of
+CPU, for values a restore then overwrote.
 
 The mesh is (pp, dp_replicate, dp_shard, tp), outermost first (trainer/train.py builds it):
 tensor parallel talks twice per layer and stays inside a node; FSDP's all-gathers and
@@ -33,7 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from trainer.config import JobConfig
 from trainer.model import Decoder, initial_values
 
-__all__ = ["tensor_parallel", "materialize", "parallelize", "loss_context"]
+__all__ = ["tensor_parallel", "allocate", "initialise", "parallelize", "loss_context"]
 
 
 def tensor_parallel(part: Decoder, tp_mesh: DeviceMesh) -> None:
@@ -82,23 +86,22 @@ def loss_context(cfg: JobConfig):
     return loss_parallel() if cfg.parallel.tp > 1 else contextlib.nullcontext()
 
 
-def materialize(part: nn.Module, device: torch.device, seed: int, n_layers: int) -> None:
-    """Allocate the part's parameters on `device` (from the meta device) and fill them.
-
-    Every rank computes a parameter's full initial value from its name on the host and copies
-    only its own shard to `device`, without communication, so any layout starts from exactly the
-    single-process weights, and no full parameter is ever on the GPU (a 178B model's vocabulary
-    head is 14 GB in fp32).
-    """
+def allocate(part: nn.Module, device: torch.device) -> None:
+    """Give the part's parameters (on the meta device) storage on `device`, unfilled."""
     part.to_empty(device=device)
+
+
+def initialise(part: nn.Module, seed: int, n_layers: int) -> None:
+    """Fill the part's parameters, where they are, with their initial values: each rank draws its
+    own shard of each (trainer/model.py initial_values), without communication, so any layout
+    starts from exactly the single-process weights."""
     with torch.no_grad():
         for name, param in part.named_parameters():
-            full = initial_values(_model_name(name), param.shape, seed, n_layers)
+            local, region = param, None
             if isinstance(param, DTensor):
-                shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
-                param.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
-            else:
-                param.copy_(full)
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+                local, region = param.to_local(), (tuple(offset), tuple(shape))
+            local.copy_(initial_values(_model_name(name), param.shape, seed, n_layers, region, local.device))
 
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from trainer.config import JobConfig, ModelConfig
 from trainer.model import build, cross_entropy_loss
 from trainer.parallel_dims import SCHEDULES, layer_ranges, schedule_class, split_layers, stage_ids
-from trainer.parallelize import loss_context, materialize, parallelize, tensor_parallel
+from trainer.parallelize import allocate, initialise, loss_context, parallelize, tensor_parallel
 from trainer.scaling_check import ComputeClock
 
 __all__ = ["Pipeline", "build_pipeline", "v_schedule_problem"]
@@ -72,6 +72,11 @@ class Pipeline:
         self.attach(self.clock)
         if self.on_work:
             self.report_work(self.on_work)
+
+    def initialise(self, seed: int, n_layers: int) -> None:
+        """Fill this rank's parameters with the model's initial values (trainer/parallelize.py)."""
+        for part in self.model_parts:
+            initialise(part, seed, n_layers)
 
     def unstage(self) -> None:
         """Drop the stages and the schedule (a failed world's: they hold its pipeline group)."""
@@ -174,14 +179,14 @@ def _layers_per_stage(cfg: ModelConfig, n_stages: int, override: list[int]) -> l
 
 def _build_part(cfg: JobConfig, layers: range, first: bool, last: bool, device: torch.device,
                 mesh: DeviceMesh | None) -> nn.Module:
-    # Built on the meta device and split before it is materialised, so no rank ever allocates
+    # Built on the meta device and split before it is allocated, so no rank ever allocates
     # layers it does not own, nor more of a matrix than its tensor-parallel and FSDP shard.
     with torch.device("meta"):
         part = build(cfg.model, layers, first=first, last=last)
     if cfg.parallel.tp > 1:
         tensor_parallel(part, mesh["tp"])
     parallelize(part, cfg, mesh, device)
-    materialize(part, device, cfg.training.seed, cfg.model.n_layers)
+    allocate(part, device)
     return part
 
 
@@ -201,11 +206,21 @@ def v_schedule_problem(torch_version: str, backend: str, placement: str, schedul
     return None
 
 
-def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0, mesh: DeviceMesh | None = None) -> Pipeline:
-    """This rank's stages and schedule for cfg.parallel (the whole model, unscheduled, when pp=1).
+def build_pipeline(cfg: JobConfig, device: torch.device, pp_rank: int = 0, mesh: DeviceMesh | None = None,
+                   initialised: bool = True) -> Pipeline:
+    """This rank's stages and schedule for cfg.parallel (the whole model, unscheduled, when pp=1),
+    its parameters filled with their initial values unless not `initialised` (a restore follows:
+    Pipeline.initialise if none did).
 
     `mesh` is the (pp, dp_replicate, dp_shard, tp) device mesh; None in a process of its own.
     """
+    pipeline = _build(cfg, device, pp_rank, mesh)
+    if initialised:
+        pipeline.initialise(cfg.training.seed, cfg.model.n_layers)
+    return pipeline
+
+
+def _build(cfg: JobConfig, device: torch.device, pp_rank: int, mesh: DeviceMesh | None) -> Pipeline:
     p = cfg.parallel
     if p.pp == 1:
         model = _build_part(cfg, range(cfg.model.n_layers), True, True, device, mesh)

@@ -7,10 +7,13 @@ names where the order comes). On a rank whose process lives through the loss:
 
 1. The step fails. Under gloo a collective with a lost peer raises once the peer's connection
    closes, and a rank that leaves its groups closes its own, so the error reaches every rank.
-   Under NCCL a collective with a lost peer never returns: the watcher thread, seeing the order
-   arrive, aborts every group, which makes what the main thread waits on raise.
+   Under NCCL (TORCH_NCCL_ASYNC_ERROR_HANDLING=2) the group's watchdog aborts a collective whose
+   peer is lost, a few seconds after NCCL reports it, or past the collective timeout; the watcher
+   thread, seeing the order arrive, aborts every group. Either way what the main thread waits on
+   returns with partial values, which the check after every host synchronisation refuses
+   (trainer/world_failure.py), and the next call on an aborted group raises.
 2. The rank abandons the step: FSDP's state of the iteration is reset (FSDPModule.reset_iter_state)
-   and every process group destroyed. Copies and saves still in flight are abandoned by their
+   and every process group aborted. Copies and saves still in flight are abandoned by their
    owners (train.py): they end on the dead groups' errors.
 3. It says that the step failed (trainer/repair_order.py: the agent reports it to the control
    plane) and waits for the order (a generation newer than its own), then forms the world the order names:
@@ -114,7 +117,9 @@ def abandon_step(model_parts: list[torch.nn.Module], mesh: DeviceMesh, failure: 
     log.warning("step failed (%s: %s): leaving the world to repair it", type(failure).__name__, failure)
     _reset_fsdp(model_parts)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        # Aborted, not destroyed: destroying a group waits for its communicators' kernels to end
+        # (ProcessGroupNCCL::shutdown), and those waiting on a lost peer never do.
+        dist.distributed_c10d._abort_process_group()
     mesh._pg_registry = {}
     for info in _fsdp_mesh_infos(model_parts):
         for name in _FSDP_GROUPS:
@@ -131,12 +136,16 @@ def _reset_fsdp(model_parts: list[torch.nn.Module]) -> None:
     """FSDP's state as a new model has it, wherever each rank was in the failed step: the next
     step must issue the same collectives on every rank (the new stages' metadata inference runs a
     backward before it)."""
+    _settle_all_gathers(model_parts)
     for part in model_parts:
-        if isinstance(part, FSDPModule):
+        # A part that never ran forward in this process (a replacement's) has no iteration to reset.
+        if isinstance(part, FSDPModule) and part._get_fsdp_state()._is_root is not None:
             try:
                 part.reset_iter_state()
-            except Exception as exc:  # waiting on a collective of the dead world: it failed too
-                log.info("reset of the failed iteration: %s", exc)
+            except Exception as exc:
+                raise RepairError(f"FSDP's state of the failed step could not be reset ({type(exc).__name__}: "
+                                  f"{exc}): the ranks of a stage could issue different collectives in the next "
+                                  "world, so it restarts instead") from exc
             # The pipeline turns these off for every microbatch's backward but the last.
             part.set_is_last_backward(True)
             part.set_reshard_after_backward(True)
@@ -151,6 +160,21 @@ def _reset_fsdp(model_parts: list[torch.nn.Module]) -> None:
             fsdp_param.unsharded_accumulated_grad = None
             if hasattr(fsdp_param, "_unsharded_param"):
                 fsdp_param._unsharded_param.grad = None
+
+
+def _settle_all_gathers(model_parts: list[torch.nn.Module]) -> None:
+    """Wait out the all-gathers the failed step left in flight, which FSDP's reset waits on too: a
+    collective of the world being left fails with it (its error is that world's failure, already
+    known), and the reset must not stop at it halfway."""
+    for group in _fsdp_param_groups(model_parts):
+        result = group._all_gather_result
+        if result is None or not isinstance(result.all_gather_work, dist.distributed_c10d.Work):
+            continue
+        try:
+            result.all_gather_work.wait()
+        except Exception as exc:  # noqa: BLE001 (the failed world's own error)
+            log.info("an all-gather of the failed step failed with it: %s", exc)
+        group._all_gather_result = result._replace(all_gather_work=None)
 
 
 _FSDP_GROUPS = ("shard_process_group", "replicate_process_group", "reduce_scatter_process_group")

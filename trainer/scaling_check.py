@@ -60,6 +60,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from trainer.config import JobConfig, ScalingCheckConfig
 from trainer.progress import NODE_NAME_ENV, write_whole
 from trainer.schedules import bubble_seconds
+from trainer.world_failure import current_world, raise_if_failed
 
 __all__ = ["ComputeClock", "Pipeline", "RankTiming", "ScalingCheckResult", "slow_ranks", "verdict", "ScalingCheck"]
 
@@ -286,11 +287,13 @@ class ScalingCheck:
                           statistics.median(self.step))
         timings: list[RankTiming | None] = [None] * dist.get_world_size()
         dist.all_gather_object(timings, mine)
+        raise_if_failed(current_world(), "the scaling check's gather")
         p, c = self.config.parallel, self.config
         judged = [verdict(timings, Pipeline(p.schedule, p.pp, p.microbatches, p.resolved_stages_per_rank()),
                           self.check.efficiency_floor, self.check.slow_rank_factor,
                           c.training.batch_size * c.model.seq_len, len(self.step))]
         dist.broadcast_object_list(judged, src=0)  # rank 0's verdict, so every rank acts alike
+        raise_if_failed(current_world(), "the scaling check's verdict")
         result = judged[0]
         if rank == 0:
             if self.check.result_file:

@@ -45,6 +45,7 @@ from trainer.pipeline_parallel import Pipeline, build_pipeline
 from trainer.progress import NODE_RANK_ENV, Progress
 from trainer.shards import ShardSetError
 from trainer.tokenizer import TokenizerError
+from trainer.world_failure import current_world, raise_if_failed
 
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -54,6 +55,11 @@ log = logging.getLogger(__name__)
 class NonFiniteLossError(RuntimeError):
     """The loss or the gradient norm became NaN or infinite; training stops before the optimizer
     would write it into the weights."""
+
+
+class StepsDisagree(RuntimeError):
+    """The world's ranks hold different steps after a restore: they would train different batches
+    and stop at different steps, the first to finish waiting for the others for ever."""
 
 
 @dataclass
@@ -68,6 +74,9 @@ class DistributedEnv:
     """Dimensions pp, dp_replicate, dp_shard, tp, outermost first."""
     generation: int = 0
     """Repairs in place of this launch's world so far (trainer/repair.py)."""
+    world: dist.ProcessGroup | None = None
+    """The default group this world formed with: a collective's values are used only while it
+    has not failed (trainer/world_failure.py)."""
 
 
 class TrainState(Stateful):
@@ -234,7 +243,7 @@ def environment(cfg: JobConfig, device: torch.device) -> DistributedEnv:
     shard = p.resolved_dp_shard()
     mesh = init_device_mesh(device.type, (p.pp, p.dp // shard, shard, p.tp),
                             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-    return DistributedEnv(rank, world_size, device, RankPosition.of(rank, p.dp, p.tp), mesh)
+    return DistributedEnv(rank, world_size, device, RankPosition.of(rank, p.dp, p.tp), mesh, world=current_world())
 
 
 def clip_gradients(parts: list[torch.nn.Module], max_norm: float, norm: float) -> None:
@@ -275,12 +284,13 @@ class Run:
             out.write(json.dumps(record | {"time": time.time()}) + "\n")
 
 
-def build(cfg: JobConfig, env: DistributedEnv, index: dict | None = None) -> Run:
-    """The run's parts; `index`: the shard set's, where the caller has read it already."""
+def build(cfg: JobConfig, env: DistributedEnv, index: dict | None = None, initialised: bool = True) -> Run:
+    """What this rank trains with; its weights unfilled unless `initialised` (a restore follows);
+    `index`: the shard set's, where the caller has read it already."""
     torch.manual_seed(cfg.training.seed)
     if cfg.training.threads:
         torch.set_num_threads(cfg.training.threads)
-    pipeline = build_pipeline(cfg, env.device, env.position.pp_index, env.mesh)
+    pipeline = build_pipeline(cfg, env.device, env.position.pp_index, env.mesh, initialised)
     optimizers = [build_optimizer(part, cfg.optim) for part in pipeline.model_parts]
     schedulers = [LambdaLR(opt, lambda step: lr_factor(step, cfg.optim, cfg.training.steps)) for opt in optimizers]
     loader = DataLoader(load_tokens(cfg.data, index), cfg.model.seq_len, cfg.training.batch_size, cfg.parallel.dp,
@@ -360,6 +370,7 @@ def _loss_and_grad_norm(loss: torch.Tensor | None, parts: list[torch.nn.Module],
     if env.world_size > 1:
         dist.all_reduce(scalars)
     mean_loss, squared_norm, *vote_sums = scalars.tolist()
+    raise_if_failed(env.world, "the step's all-reduce")  # else a lost peer's partial sums would be used
     if votes is not None:
         votes.sums = torch.tensor(vote_sums)
     return mean_loss, squared_norm ** 0.5
@@ -386,7 +397,7 @@ def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None,
     repair in place twice); `progress` hears of every phase, microbatch and step
     (trainer/progress.py); `index`: the shard set's, read already."""
     progress = progress or Progress(None)
-    run = build(cfg, env, index)
+    run = build(cfg, env, index, initialised=False)  # filled only if no restore does (_train_generation)
     run.pipeline.report_work(progress.beat)
     progress.beat()
     history: list[dict] = []
@@ -396,8 +407,8 @@ def train(cfg: JobConfig, env: DistributedEnv, progress: Progress | None = None,
         try:
             _train_generation(run, progress, history)
             break
-        except NonFiniteLossError:
-            raise
+        except (NonFiniteLossError, repair.RepairError, StepsDisagree):
+            raise  # no repair in place can help: the process ends, and the control plane restarts the world
         except Exception as exc:
             if watcher is None:
                 raise
@@ -417,9 +428,12 @@ def _train_generation(run: Run, progress: Progress, history: list[dict]) -> None
     checkpointer = _checkpointer(cfg) if cfg.checkpoint.uri else None
     memory = _memory_checkpoints(cfg, run.env) if checkpointer and cfg.checkpoint.memory_interval else None
     try:
+        loaded = False
         if checkpointer:
             with progress.alive_during():
-                restore(run, checkpointer, memory)
+                loaded = restore(run, checkpointer, memory)
+        if not loaded and run.env.generation == 0:  # a repaired world restores, or raises
+            run.pipeline.initialise(cfg.training.seed, cfg.model.n_layers)
         progress.reached(run.state.step)  # this node joined the world
         if run.state.step >= cfg.training.steps:
             run.log_nothing_left()
@@ -494,13 +508,14 @@ def _scaling_check(run: Run) -> ScalingCheck | None:
     return ScalingCheck(cfg, clock, run.pipeline.stage_ids)
 
 
-def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | None) -> None:
+def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | None) -> bool:
     """Resume the state from host memory when the launch asks for it and every shard has a copy
     newer than S3's newest commit, else from S3 as `checkpoint.resume` says; rank 0 writes where
-    it came from to `checkpoint.result_file`."""
+    it came from to `checkpoint.result_file`. The world then agrees on the step (StepsDisagree);
+    a repaired world that found nothing to restore raises RepairError. Whether a state was loaded."""
     cfg, state = run.config.checkpoint, run.state
     started = time.perf_counter()
-    restored, fallback = None, None
+    restored, resumed, fallback = None, None, None
     if memory and cfg.memory_resume:
         found = memory.newest_whole()
         newer = checkpointer.adopt(found.step) if found else []
@@ -515,6 +530,12 @@ def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | No
         resumed = checkpointer.resume(state)
     if memory:  # copies of another timeline than the one resumed must never be loaded
         memory.forget_after(restored.step if restored else None)
+    if run.env.generation and restored is None and resumed is None:
+        # The survivors would keep their step and weights, the replacement start from step 0.
+        raise repair.RepairError(f"the repaired world (generation {run.env.generation}) has nothing to restore: "
+                                 f"{fallback or 'no in-memory copy was asked for'}, and S3 holds no commit; it "
+                                 "cannot train on, and the world restarts")
+    _agree_on_step(run)
     if run.env.rank == 0 and cfg.result_file:
         source = "memory" if restored else "s3" if resumed is not None else "none"
         result = {"step": state.step, "source": source, "seconds": time.perf_counter() - started,
@@ -522,6 +543,22 @@ def restore(run: Run, checkpointer: Checkpointer, memory: MemoryCheckpoints | No
         if restored:
             result |= {"own_memory": restored.own_memory, "peers": restored.peers, "peer_bytes": restored.peer_bytes}
         Path(cfg.result_file).write_text(json.dumps(result))
+    return restored is not None or resumed is not None
+
+
+def _agree_on_step(run: Run) -> None:
+    """StepsDisagree unless every rank holds the same step (the highest and the lowest, from one
+    all-reduce)."""
+    if run.env.world_size == 1:
+        return
+    extremes = torch.tensor([run.state.step, -run.state.step], device=run.env.device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    highest, negated_lowest = extremes.tolist()
+    lowest = -negated_lowest
+    raise_if_failed(run.env.world, "the restored step's all-reduce")
+    if highest != lowest:
+        raise StepsDisagree(f"after the restore the world's ranks hold steps {lowest} to {highest} (this rank "
+                            f"{run.state.step}): they would train different batches; the world restarts")
 
 
 def _memory_checkpoints(cfg: JobConfig, env: DistributedEnv) -> MemoryCheckpoints:
@@ -549,6 +586,7 @@ def _report_peak_memory(run: Run) -> None:
     if run.env.world_size > 1:
         peaks = [None] * run.env.world_size
         dist.all_gather_object(peaks, peak)
+        raise_if_failed(run.env.world, "the peak memory's gather")
     if run.env.rank == 0:
         print("peak memory per rank (MiB): " + ", ".join(f"{r}: {m:.0f}" for r, m in enumerate(peaks)), flush=True)
 

@@ -7,17 +7,21 @@ follows their addresses): the processes torchrun would number 0-1 run on node ra
 trainer numbers its ranks by node rank (train.rank_by_node), so they are ranks 4-5."""
 
 import json
+import os
 import shutil
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from checkpoint_fixtures import bucket, processes, rank_image, s3  # noqa: F401 (fixtures)
 from test_checkpoint_trainer import kill, losses, run_to_end, trainer_args, uninterrupted, wait_for
+from trainer_rank import LOST_IN_ALL_REDUCE_ENV
 
-from conftest import free_port
+from conftest import free_port, spawn_ranks
 from localcloud.glue import s3 as s3_glue
+from localcloud.waiting import until
 from trainer import checkpoint_catalog as catalog
 from trainer.config import load_config
 from trainer.memory_checkpoint import buddy_of
@@ -37,7 +41,7 @@ def memory_of(tmp_path: Path, node: int) -> Path:
 
 
 def launch(tmp_path, processes, uri, metrics, *overrides, hooks=(), node_args=lambda node: [], nodes=None,
-           logs: str | None = None):
+           logs: str | None = None, node_env=lambda node: {}):
     """Start the world's ranks (`nodes`: only these launch folders'), logging to tmp_path/`logs`
     (the metrics file's name by default)."""
     log_dir = tmp_path / (logs or metrics.removesuffix(".jsonl"))
@@ -47,7 +51,8 @@ def launch(tmp_path, processes, uri, metrics, *overrides, hooks=(), node_args=la
     procs = processes.launch(WORLD, free_port(), args, log_dir, list(hooks), ranks_per_node=PER_NODE,
                              node_args=lambda node: [f"--checkpoint.memory_dir={memory_of(tmp_path, node)}",
                                                      *node_args(node)],
-                             node_env=lambda node: {NODE_RANK_ENV: str(NODES - 1 - node)}, nodes=nodes)
+                             node_env=lambda node: {NODE_RANK_ENV: str(NODES - 1 - node), **node_env(node)},
+                             nodes=nodes)
     return procs, log_dir
 
 
@@ -201,38 +206,38 @@ def repair_file(tmp_path: Path, node: int) -> Path:
     return tmp_path / f"node{node}-repair.json"
 
 
-def test_a_lost_node_is_repaired_in_place_around_its_replacement(tmp_path, processes, bucket, straight):
-    """Node rank 1 (launch folder 1) is killed once step 13 is copied, before the first S3
-    checkpoint (step 18: no save of the failed world may still be reading S3 when the node dies);
-    its replacement starts with the order of generation 1, the ranks of the other nodes receive it
-    in their processes. They keep those processes, the world resumes from host memory without
-    reading S3, and every loss is the uninterrupted run's."""
-    repaired_in_place(tmp_path, processes, bucket, straight)
+@pytest.mark.parametrize("lost_folder", [1, 0])
+def test_a_lost_node_is_repaired_in_place_around_its_replacement(tmp_path, processes, bucket, straight, lost_folder):
+    """A node is killed once step 13 is copied, before the first S3 checkpoint (step 18: no save
+    of the failed world may still be reading S3 when the node dies): node rank 1 (launch folder 1),
+    or node rank 2 (launch folder 0), whose first rank hosts the world's store, as torchrun's rank 0
+    does on whichever node has the lowest address. Its replacement starts with the order of
+    generation 1, the ranks of the other nodes receive it in their processes. They keep those
+    processes, the world resumes from host memory without reading S3, and every loss is the
+    uninterrupted run's."""
+    repaired_in_place(tmp_path, processes, bucket, straight, lost_folder)
 
 
 def test_a_llama_world_is_repaired_in_place_too(tmp_path, processes, bucket, straight_llama):
-    repaired_in_place(tmp_path, processes, bucket, straight_llama, *LLAMA)
+    repaired_in_place(tmp_path, processes, bucket, straight_llama, LOST, *LLAMA)
 
 
-def repaired_in_place(tmp_path, processes, bucket, straight, *model: str) -> None:
+def repaired_in_place(tmp_path, processes, bucket, straight, lost_folder: int, *model: str) -> None:
     uri = f"s3://{bucket}/runs/repaired/checkpoints"
-    repair_args = lambda node: [f"--parallel.repair_file={repair_file(tmp_path, node)}"]  # noqa: E731
     procs, log_dir = launch(tmp_path, processes, uri, "repaired.jsonl", "--checkpoint.interval=18", *model,
-                            hooks=["--mark-copy", "13"], node_args=repair_args)
+                            hooks=["--mark-copy", "13"], node_args=repair_args(tmp_path))
     wait_for(lambda: all((log_dir / f"reached.{rank}").exists() for rank in range(WORLD)), "step 13 copied", procs,
              log_dir)
-    lost, survivors = procs[2:4], procs[:2] + procs[4:]
+    lost = procs[PER_NODE * lost_folder:PER_NODE * (lost_folder + 1)]
+    survivors = [proc for proc in procs if proc not in lost]
     heard = []
     with s3_glue.listen(lambda kind, key, body: heard.append(key) if kind == "read" else None):
         kill(lost)
-        shutil.rmtree(memory_of(tmp_path, 1))  # the replacement's memory is empty
-        order = json.dumps({"generation": 1, "store_host": "127.0.0.1", "store_port": free_port(),
-                            "host_node_rank": 0, "nodes": NODES})
-        for node in range(NODES):
-            repair_file(tmp_path, node).write_text(order)
+        shutil.rmtree(memory_of(tmp_path, lost_folder))  # the replacement's memory is empty
+        order_the_repair(tmp_path)
         replacement, replacement_logs = launch(tmp_path, processes, uri, "repaired.jsonl", "--checkpoint.interval=18",
                                                "--checkpoint.resume=latest", "--checkpoint.memory_resume=true", *model,
-                                               node_args=repair_args, nodes=[1], logs="replacement")
+                                               node_args=repair_args(tmp_path), nodes=[lost_folder], logs="replacement")
         wait_for(lambda: "source" in restored(log_dir) and restored(log_dir)["step"] > 10, "the repaired world restored",
                  survivors + replacement, replacement_logs)
         read_on_the_way = list(heard)
@@ -250,9 +255,108 @@ def repaired_in_place(tmp_path, processes, bucket, straight, *model: str) -> Non
     trained_before = len(logged) - len(after)
     assert logged == list(range(1, trained_before + 1)) + after
     assert 13 <= result["step"] <= trained_before <= result["step"] + 1 < 18, (trained_before, result)
-    assert losses(tmp_path, "repaired.jsonl") == straight.losses
+    assert all(line["loss"] == straight.losses[line["step"]] for line in metric_lines(tmp_path))  # none of a failed step
     assert all(proc.returncode == 0 for proc in survivors)  # the processes they started with trained to the end
     assert "joined generation 1" in (log_dir / "rank4.log").read_text()  # global rank 0
+
+
+LOST = 1
+"""The launch folder whose node is lost in the repair tests: node rank 1, ranks 2-3 (pipeline stage 1)."""
+
+
+def repair_args(tmp_path: Path):
+    return lambda node: [f"--parallel.repair_file={repair_file(tmp_path, node)}"]
+
+
+def order_the_repair(tmp_path: Path) -> None:
+    """Write generation 1's order where every node's ranks look, as each node's agent does."""
+    order = json.dumps({"generation": 1, "store_host": "127.0.0.1", "store_port": free_port(), "host_node_rank": 0,
+                        "nodes": NODES})
+    for node in range(NODES):
+        repair_file(tmp_path, node).write_text(order)
+
+
+def repair_lost_in_all_reduce(tmp_path, processes, uri, at_step: int, *model: str,
+                              hooks=()) -> tuple[list, Path, list, Path]:
+    """Node LOST's ranks end where step `at_step` all-reduces its loss, the others waiting in it;
+    its memory is emptied, the repair ordered and its replacement started (`model`: its
+    overrides). The survivors and the replacement, and their log folders."""
+    procs, log_dir = launch(tmp_path, processes, uri, "repaired.jsonl", "--checkpoint.interval=18", *model,
+                            hooks=hooks,
+                            node_args=repair_args(tmp_path),
+                            node_env=lambda node: {LOST_IN_ALL_REDUCE_ENV: str(at_step)} if node == LOST else {})
+    lost, survivors = procs[2 * LOST:2 * LOST + 2], procs[:2 * LOST] + procs[2 * LOST + 2:]
+    wait_for(lambda: all((log_dir / f"lost.{rank}").exists() for rank in (2, 3)), f"node {LOST} lost in step "
+             f"{at_step}'s all-reduce", survivors, log_dir)
+    for proc in lost:
+        proc.wait()
+    shutil.rmtree(memory_of(tmp_path, LOST), ignore_errors=True)  # the replacement's memory is empty
+    order_the_repair(tmp_path)
+    replacement, replacement_logs = launch(tmp_path, processes, uri, "repaired.jsonl", "--checkpoint.interval=18",
+                                           "--checkpoint.resume=latest", "--checkpoint.memory_resume=true", *model,
+                                           hooks=hooks, node_args=repair_args(tmp_path), nodes=[LOST],
+                                           logs="replacement")
+    return survivors, log_dir, replacement, replacement_logs
+
+
+def metric_lines(tmp_path: Path) -> list[dict]:
+    """Every line of the repaired run's metrics, in order (a step redone after the repair twice)."""
+    return [json.loads(line) for line in (tmp_path / "repaired.jsonl").read_text().splitlines()]
+
+
+LOST_AT = 14
+"""The step in whose all-reduce node LOST is lost."""
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_a_node_lost_in_the_steps_all_reduce_is_repaired_and_no_partial_value_is_used(tmp_path, processes, bucket,
+                                                                                      request, family):
+    """Under NCCL the survivors' all-reduce returns with partial sums (after the watchdog's abort,
+    or the order's): the step checks its world and raises, so no loss but the uninterrupted run's
+    is ever logged, and the world resumes from host memory. Either family: the check is the step's."""
+    straight = request.getfixturevalue({"gpt": "straight", "llama": "straight_llama"}[family])
+    survivors, log_dir, replacement, replacement_logs = repair_lost_in_all_reduce(
+        tmp_path, processes, f"s3://{bucket}/runs/lost-in-all-reduce/checkpoints", LOST_AT,
+        *(LLAMA if family == "llama" else []))
+    run_to_end(survivors, log_dir)
+    run_to_end(replacement, replacement_logs)
+
+    result = restored(log_dir)
+    assert result["source"] == "memory" and LOST_AT - 2 <= result["step"] < LOST_AT, result
+    lines = metric_lines(tmp_path)
+    assert [line["step"] for line in lines] == list(range(1, LOST_AT)) + list(range(result["step"] + 1, 21))
+    assert all(line["loss"] == straight.losses[line["step"]] for line in lines), lines
+    assert "WorldFailed: the world failed by the end of the step's all-reduce" in (log_dir / "rank4.log").read_text()
+
+
+def test_a_planted_use_of_the_partial_all_reduce_logs_a_loss_no_step_had(tmp_path, processes, bucket, straight):
+    """The same loss with the check after the all-reduce taken out: the step goes on with partial
+    sums, and step 14 is logged (and would be reported to the agent) with a loss of no run's."""
+    survivors, log_dir, replacement, replacement_logs = repair_lost_in_all_reduce(
+        tmp_path, processes, f"s3://{bucket}/runs/partial-use/checkpoints", LOST_AT, hooks=["--use-partial-values"])
+    run_to_end(survivors, log_dir)
+    run_to_end(replacement, replacement_logs)
+
+    wrong = [line for line in metric_lines(tmp_path) if line["loss"] != straight.losses[line["step"]]]
+    assert [line["step"] for line in wrong] == [LOST_AT], wrong
+
+
+def test_a_repaired_world_with_nothing_to_restore_raises_and_leaves_it_to_a_restart(tmp_path, processes, bucket):
+    """Node LOST is lost in step 1, before any in-memory copy or S3 commit: the survivors hold
+    their weights at step 0 and the replacement fresh ones. Every rank of the repaired world
+    raises RepairError and its process ends, for the control plane to restart the world."""
+    survivors, log_dir, replacement, replacement_logs = repair_lost_in_all_reduce(
+        tmp_path, processes, f"s3://{bucket}/runs/nothing-to-restore/checkpoints", 1)
+    for procs, logs in ((survivors, log_dir), (replacement, replacement_logs)):
+        for proc in procs:
+            assert proc.wait() != 0
+    for rank, logs in ((0, log_dir), (1, log_dir), (4, log_dir), (5, log_dir), (2, replacement_logs),
+                       (3, replacement_logs)):
+        assert ("RepairError: the repaired world (generation 1) has nothing to restore: no node holds an in-memory "
+                "copy, and S3 holds no commit" in (logs / f"rank{rank}.log").read_text()), rank
+    assert not (tmp_path / "repaired.jsonl").exists()  # no step was trained
+    assert restored(log_dir) | {"seconds": 0} == {"step": 0, "source": "none", "shards": 6, "seconds": 0,
+                                                  "fallback": None}, "the first world's start; the repaired one said nothing"
 
 
 def restored(log_dir: Path) -> dict:
@@ -261,3 +365,77 @@ def restored(log_dir: Path) -> dict:
         return json.loads((log_dir / "restore.json").read_text())
     except (FileNotFoundError, ValueError):
         return {}
+
+
+# --- the copies' own group and their memory --------------------------------------------------------
+
+def _connections(store_port: int) -> int:
+    """This process's TCP sockets but the store's: gloo's. The store's connections come and go
+    with threads of their own (the test world's NCCL rules, tests/nccl_rules.py, connect its
+    heartbeat monitor when it first looks; rank 0 also accepts the other ranks')."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            inodes.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # closed meanwhile
+            pass
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            ports = {int(address.rsplit(":", 1)[1], 16) for address in fields[1:3]}
+            count += f"socket:[{fields[9]}]" in inodes and store_port not in ports
+    return count
+
+
+def _grouped_rank(rank: int, world: int, port: int, memory_dir: str, out: str) -> None:
+    """Make the in-memory copies' group (and gather the node ranks on it), counting the sockets
+    that opened: the connections the group made."""
+    import torch.distributed as dist
+
+    from trainer.config import CheckpointConfig
+    from trainer.memory_checkpoint import MemoryCheckpoints
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    before = _connections(port)
+    MemoryCheckpoints(CheckpointConfig(memory_interval=1, memory_dir=memory_dir), key="k", ranks_per_node=1,
+                      node_rank=rank)
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(_connections(port) - before))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_the_copies_group_connects_a_rank_to_its_neighbours_alone(tmp_path):
+    """Eager, gloo would connect each of 6 ranks to the 5 others in every world the copies make;
+    the copies' group connects the peers a rank talks to (its neighbours in the ring its gathers
+    take, and its buddy and ward: here the same)."""
+    spawn_ranks(_grouped_rank, (6, free_port(), str(tmp_path / "memory"), str(tmp_path)), 6)
+    opened = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(6)]
+    assert max(opened) <= 3, opened
+
+
+def test_an_abandoned_copy_releases_the_staged_state(tmp_path):
+    """The copies' stager keeps the staged state from one copy to the next; a repair that abandons
+    the copies releases it (off the repair's path), the copy in flight finishing with what it holds."""
+    import torch
+
+    from trainer.config import CheckpointConfig
+    from trainer.memory_checkpoint import MemoryCheckpoints
+
+    class State:
+        def __init__(self):
+            self.weights = torch.ones(1024, 1024)
+
+        def state_dict(self):
+            return {"weights": self.weights}
+
+    memory = MemoryCheckpoints(CheckpointConfig(memory_interval=1, memory_dir=str(tmp_path)), key="k",
+                               ranks_per_node=1, node_rank=0)
+    state = State()  # the stager keeps a staged copy of each storage while the storage lives
+    assert memory.maybe_copy(1, state, agreed=torch.tensor([1.0, 0.0]))
+    memory._wait()
+    cache = memory._stager._state_dict_stager._cached_storage_mapping
+    assert len(cache) == 1  # the staged state, kept for the next copy
+    memory.abandon()
+    until(lambda: len(cache) == 0, lambda: len(cache), what="the staged state released", poll_s=0.05)

@@ -11,6 +11,11 @@
 --stop-after-copy STEP: finish the first in-memory copy at STEP or after (a copy still going at STEP
     skips it), write its step to <signals>/reached.<rank>, then wait to be killed.
 --mark-copy STEP: the same, and train on.
+--use-partial-values: a planted fault: the step uses what its all-reduce returned even when the
+    world failed (the check after it is gone).
+With LOST_IN_ALL_REDUCE_ENV=STEP in its environment a rank's process ends (as its node is lost)
+where its step STEP would all-reduce the loss, once it touched <signals>/lost.<rank>: its peers,
+their pipeline work done, are waiting in that all-reduce.
 
 A rank prints every thread's stack on SIGUSR2 (`pkill -USR2 -f trainer_rank`: where a stuck world waits).
 """
@@ -81,6 +86,26 @@ def after_copy(step: int, signals: Path, stop: bool) -> None:
     memory_checkpoint.MemoryCheckpoints.maybe_copy = maybe_copy
 
 
+LOST_IN_ALL_REDUCE_ENV = "TRAINFLEET_TEST_LOST_IN_ALL_REDUCE"
+
+
+def lost_in_all_reduce(step: int, signals: Path) -> None:
+    real = train._loss_and_grad_norm
+    steps = iter(range(1, step + 1))
+
+    def loss_and_grad_norm(*args, **kwargs):
+        if next(steps, None) == step:
+            (signals / f"lost.{os.environ['RANK']}").touch()
+            os._exit(1)
+        return real(*args, **kwargs)
+
+    train._loss_and_grad_norm = loss_and_grad_norm
+
+
+def use_partial_values() -> None:
+    train.raise_if_failed = lambda world, after: None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--signals", type=Path, required=True)
@@ -88,6 +113,7 @@ def main() -> int:
     parser.add_argument("--block-write", type=int, nargs=2, metavar=("STEP", "RANK"))
     parser.add_argument("--stop-after-copy", type=int)
     parser.add_argument("--mark-copy", type=int)
+    parser.add_argument("--use-partial-values", action="store_true")
     parser.add_argument("trainer_args", nargs="*")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR2, all_threads=True)
@@ -100,6 +126,10 @@ def main() -> int:
         after_copy(args.stop_after_copy, args.signals, stop=True)
     if args.mark_copy:
         after_copy(args.mark_copy, args.signals, stop=False)
+    if LOST_IN_ALL_REDUCE_ENV in os.environ:
+        lost_in_all_reduce(int(os.environ[LOST_IN_ALL_REDUCE_ENV]), args.signals)
+    if args.use_partial_values:
+        use_partial_values()
     return train.main(args.trainer_args)
 
 

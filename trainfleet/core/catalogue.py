@@ -6,7 +6,8 @@ Offers:
     instance_facts(name)     look one up; an unknown name raises UnknownInstanceType naming it
     UnknownInstanceType      ValueError subclass, lists the supported names
     nccl_environment(facts, inherited, probe=False)
-                             what NCCL's processes need in their environment to use EFA on that type
+                             what NCCL's processes need in their environment: EFA on that type, and
+                             error handling that leaves a failed world's ranks alive to repair it
 
 Sources: the Amazon EC2 accelerated computing instance specifications and the EFA user guide
 ("Maximize network bandwidth on instances with multiple network cards"); the hardware figures
@@ -52,6 +53,27 @@ ranks. FI_EFA_FORK_SAFE=1 keeps libfabric from aborting a process that forks (da
 with an old kernel or rdma-core; on current ones libfabric ignores it. NCCL_PROTO=simple, which
 older guides set, is left out: the plugin sets it itself on the platforms that need it, and it
 would slow the platforms that do not.
+
+NCCL's error handling (`NCCL_ERROR_HANDLING`, torch 2.13's ProcessGroupNCCL). Its watchdog thread
+finds a collective that failed (a peer's process gone: NCCL reports it within seconds; a node gone:
+after the network's retries) or outlived the group's timeout, sets the group's error
+(Backend.get_error) and sleeps 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (15 s by default: a minute)
+for other ranks to dump their flight recorders. Then TORCH_NCCL_ASYNC_ERROR_HANDLING decides: 0
+does nothing (a wait on the lost peer never ends unless the program aborts the group); 1 aborts the
+group's communicators and rethrows from the watchdog thread, which ends the process (SIGABRT); 3,
+ProcessGroupNCCL's default, rethrows without aborting; 2 aborts the communicators and leaves the
+process. torchrun sets 1 for its workers unless the variable is set. Only 2 keeps a rank alive to
+leave the failed world and form the next one (trainer/repair.py): the abort lets the collective's
+kernels exit, the host's next synchronisation returns normally with whatever had been reduced, and
+the next call on the group raises; the trainer checks the group's error after each such
+synchronisation (trainer/world_failure.py). The dump timeout is 1 s, so the abort comes 4 s after
+the error rather than a minute. TORCH_NCCL_DUMP_ON_TIMEOUT=0: with it on, the first error anywhere
+has every rank's heartbeat monitor dump its flight recorder and end its process (SIGABRT)
+TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (8 minutes) later unless it left the failed world by then, which
+a rank held by a peer that is stuck rather than gone may not have; nothing collects the dumps (a
+file in /tmp of the instance). The variables are set on every type: only NCCL's process groups
+read them, and the CPU types' local runs hold gloo to NCCL's rules in the same mode
+(tests/nccl_rules.py).
 """
 
 from collections.abc import Mapping
@@ -60,7 +82,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["InstanceFacts", "CATALOGUE", "instance_facts", "UnknownInstanceType", "nccl_environment"]
+__all__ = ["InstanceFacts", "CATALOGUE", "instance_facts", "UnknownInstanceType", "nccl_environment",
+           "NCCL_ERROR_HANDLING", "NCCL_WATCHDOG_PAUSE_S"]
 
 CUDA_GPUS = ("A100", "H100", "H200")
 """Accelerators the trainer drives through CUDA, and so whose collectives NCCL carries."""
@@ -72,6 +95,16 @@ NCCL_PROBE_LOG = {"NCCL_DEBUG": "INFO"}
 """The preflight probe's NCCL log: every INFO line of every subsystem (it reads the network's)."""
 NCCL_TRAINING_LOG = {"NCCL_DEBUG": "WARN", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
 """A training rank's NCCL log: warnings only (see the module docstring)."""
+NCCL_WATCHDOG_PAUSE_S = 4.0
+"""How long NCCL's watchdog waits between finding a collective failed and aborting its group's
+communicators: 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (see the module docstring)."""
+NCCL_ERROR_HANDLING = MappingProxyType({
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": str(int(NCCL_WATCHDOG_PAUSE_S / 4 * 1000)),
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+})
+"""NCCL's error handling in a world that may be repaired in place: a failed collective's group is
+aborted and its ranks live on (see the module docstring)."""
 
 
 class InstanceFacts(BaseModel):
@@ -214,16 +247,16 @@ def instance_facts(name: str) -> InstanceFacts:
 
 
 def nccl_environment(facts: InstanceFacts, inherited: Mapping[str, str], *, probe: bool = False) -> dict[str, str]:
-    """The variables to set, over the `inherited` environment, in every process whose NCCL must
-    reach other nodes over EFA on a node of type `facts`: torchrun's ranks, or with `probe` the
-    preflight probe, whose NCCL logs at INFO (see the module docstring); none on types whose
-    collectives do not go through NCCL on EFA. The node's own LD_LIBRARY_PATH is kept after the
-    plugin's folders, without empty entries (an empty one means the working directory)."""
+    """The variables to set, over the `inherited` environment, in torchrun's ranks on a node of
+    type `facts`, or with `probe` in the preflight probe: NCCL's error handling on every type, and
+    where NCCL reaches other nodes over EFA what it needs for that, its log at INFO in the probe
+    (see the module docstring). The node's own LD_LIBRARY_PATH is kept after the plugin's folders,
+    without empty entries (an empty one means the working directory)."""
     if not facts.nccl_over_efa:
-        return {}
+        return dict(NCCL_ERROR_HANDLING)
     kept = [folder for folder in inherited.get("LD_LIBRARY_PATH", "").split(":")
             if folder and folder not in NCCL_EFA_LIBRARY_DIRS]
-    environment = {"FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1",
+    environment = {**NCCL_ERROR_HANDLING, "FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1",
                    "LD_LIBRARY_PATH": ":".join([*NCCL_EFA_LIBRARY_DIRS, *kept]),
                    **(NCCL_PROBE_LOG if probe else NCCL_TRAINING_LOG)}
     if facts.efa_rdma_read:

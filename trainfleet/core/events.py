@@ -257,6 +257,9 @@ class CheckpointReason(StrEnum):
     """Asked for: the agent's answer to a Spot interruption notice."""
     FINAL = "final"
     """The run's last step."""
+    IMPORTED = "imported"
+    """A model brought in by `trainfleet checkpoint import` (step 0, its weights alone), found
+    where the run saves."""
     UNKNOWN = "unknown"
     """Not known: a marker or an agent from before the reason was recorded."""
 

@@ -590,9 +590,11 @@ def smallest_fleet(w: Workload, ranks_per_node: int, memory_gib: float, max_node
 HOST_COPIES = 4
 """Copies of a node's share of the training state in its tmpfs: its own ranks' shards and its
 previous node's, each at two steps (the last copy whole everywhere and the one being written)."""
-HOST_BUFFERS = 3
-"""And while a copy is made, in its trainer processes: the staged state, its serialised bytes, and
-the buddy's bytes being received."""
+HOST_BUFFERS = 2
+"""And in its trainer processes, kept from one copy or save to the next: the state staged for the
+in-memory copies and the state staged for the S3 saves (pinned on GPU nodes), each stager's own.
+A copy is serialised straight into the tmpfs and streamed from file to file in 64 MiB chunks
+(trainer/memory_checkpoint.py), so it adds no buffer of a shard's size."""
 TMPFS_SHARE = 0.5
 """Of the host's memory, what /dev/shm may hold: a tmpfs's default size."""
 
@@ -605,9 +607,9 @@ def state_bytes(w: Workload, pp_rank: int) -> int:
 
 
 def host_memory_per_node(w: Workload, ranks_per_node: int) -> tuple[int, int]:
-    """Bytes of the fullest node's host memory that the in-memory checkpoints take: in its tmpfs,
-    and in its processes while a copy is made (a node runs ranks_per_node ranks of one pipeline
-    rank, the fullest pipeline rank's shards decide)."""
+    """Bytes of the fullest node's host memory that the checkpoints take: the in-memory copies in
+    its tmpfs, and the staged states in its processes (a node runs ranks_per_node ranks of one
+    pipeline rank, the fullest pipeline rank's shards decide)."""
     share = max(state_bytes(w, r) for r in range(w.layout.pp)) * ranks_per_node
     return HOST_COPIES * share, HOST_BUFFERS * share
 
@@ -620,9 +622,10 @@ def host_memory_problem(w: Workload, instance_name: str, ranks_per_node: int, ho
     if copies <= tmpfs and copies + buffers <= host_memory_gib * GIB:
         return None
     return (f"the in-memory checkpoints need {copies / GIB:.1f} GiB of a node's tmpfs (/dev/shm: {tmpfs / GIB:.0f} "
-            f"GiB, half of {instance_name}'s {host_memory_gib:g} GiB) and {buffers / GIB:.1f} GiB more while a copy "
-            f"is made: {HOST_COPIES} copies of the node's {copies / HOST_COPIES / GIB:.1f} GiB share of the state. "
-            f"Spread the state over more nodes, or set checkpoint.memory_interval_steps to 0 (S3 only)")
+            f"GiB, half of {instance_name}'s {host_memory_gib:g} GiB) and {buffers / GIB:.1f} GiB more in its "
+            f"processes: {HOST_COPIES} copies of the node's {copies / HOST_COPIES / GIB:.1f} GiB share of the state, "
+            f"and the {HOST_BUFFERS} the copies and the S3 saves stage. Spread the state over more nodes, or set "
+            "checkpoint.memory_interval_steps to 0 (S3 only)")
 
 
 MAX_PROPOSED_NODES = 512

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 from pydantic import Field, field_validator, model_validator
 
+from trainer.config import ParallelConfig
 from trainer.schedules import SCHEDULES, schedule_problem
 from trainfleet.core.catalogue import InstanceFacts, UnknownInstanceType, instance_facts
 from trainfleet.core.pace import HANG_TIMEOUT_MIN_S, hang_timeout_problem
@@ -195,14 +196,15 @@ class RecoveryPolicy(Strict):
     backoff_jitter: float = Field(default=0.2, ge=0, le=1)
     """Fraction of the wait drawn at random, so that many runs do not retry in lockstep."""
     hang_timeout_seconds: int = Field(default=600, ge=HANG_TIMEOUT_MIN_S)
-    """No training progress for this long means hung (the Train task's HeartbeatSeconds). The
-    default is NCCL's own collective timeout: a world that waits longer on a peer has lost it.
+    """No training progress for this long means hung (the Train task's HeartbeatSeconds): the
+    control plane's hang detection, the first of the three timeouts (collective_timeout_order).
     The agents look at the control plane often enough to tell a silent node within it, so a
     large run's read rate bounds it from below (trainfleet.core.pace)."""
     startup_timeout_seconds: int = Field(default=1800, ge=HANG_TIMEOUT_MIN_S)
     """Longest time from torchrun's start to the attempt's first step (rendezvous, NCCL set-up,
     checkpoint load): rank 0's agent heartbeats the Train task that long before a step, then a
-    hang is declared hang_timeout_seconds later. At least hang_timeout_seconds."""
+    hang is declared hang_timeout_seconds later. At least hang_timeout_seconds. It is also the
+    trainer's repair wait (parallel.repair_wait_s, which the agent sets to it)."""
     stall_floor_seconds: int = Field(default=30, ge=HANG_TIMEOUT_MIN_S)
     """Least silence of a world that was stepping for its agents to declare it hung from its own
     cadence (HANG_STEPS of its recent median step time, trainfleet.core.pace.hung_after), long
@@ -261,6 +263,12 @@ class TrainerParallel(Open):
     """Stages per pipeline rank; 0 = what the schedule needs."""
     layers_per_stage: list[int] = Field(default_factory=list)
     """Explicit layer split; pins the number of stages, so a re-plan keeps pp."""
+
+    @property
+    def collective_timeout_s(self) -> float:
+        """The collective timeout the trainer runs with: `timeout_s` where given (it passes through
+        untyped), else the trainer's default."""
+        return float((self.model_extra or {}).get("timeout_s", ParallelConfig.timeout_s))
 
     @field_validator("schedule")
     @classmethod
@@ -357,6 +365,21 @@ class TrainerConfig(Open):
         doc = self.model_dump(mode="json")
         doc["parallel"].update(pp=pp, dp=dp)
         return doc | filled
+
+
+def collective_timeout_order(recovery: RecoveryPolicy, collective_s: float) -> str | None:
+    """Why the run's timeouts are out of order, else None. They must grow:
+    recovery.hang_timeout_seconds (the control plane declares a silent world hung and names the
+    node that fell silent first) < trainer.parallel.timeout_s (a collective fails on a peer that
+    does not answer) < recovery.startup_timeout_seconds (the repair wait: how long a rank that
+    left a failed world waits for the order to form the next one)."""
+    hang, repair_wait = recovery.hang_timeout_seconds, recovery.startup_timeout_seconds
+    if hang < collective_s < repair_wait:
+        return None
+    return (f"trainer.parallel.timeout_s={collective_s:g} must lie between recovery.hang_timeout_seconds={hang} and "
+            f"recovery.startup_timeout_seconds={repair_wait}: a silent world is declared hung (naming the node that "
+            "fell silent first) before its collectives time out, and a rank that left a failed world waits for the "
+            "repair order (as long as the start-up timeout) longer than a collective waits on a peer")
 
 
 def layout_problem(config: TrainerConfig, pp: int, dp: int) -> str | None:
@@ -494,6 +517,8 @@ class RunSpec(Strict):
                 f"ranks, but node_count={self.node_count} x {ranks_per_node} ranks per "
                 f"{self.instance_type} = {ranks}")
         if problem := hang_timeout_problem(self.node_count + self.spare_count, self.recovery.hang_timeout_seconds):
+            raise ValueError(problem)
+        if problem := collective_timeout_order(self.recovery, self.trainer.parallel.collective_timeout_s):
             raise ValueError(problem)
         if self.resume_from == self.run_name:
             raise ValueError(f"resume_from: a run resumes another run, not itself: give this one a run_name of its "
