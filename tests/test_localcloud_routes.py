@@ -19,7 +19,8 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 config = Config(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=20)
 calls = {"s3": lambda c: c.list_buckets(), "dynamodb": lambda c: c.list_tables(),
-         "events": lambda c: c.list_event_buses(), "states": lambda c: c.list_state_machines()}
+         "events": lambda c: c.list_event_buses(), "states": lambda c: c.list_state_machines(),
+         "ec2": lambda c: c.describe_availability_zones(), "ssm": lambda c: c.describe_parameters()}
 results = {}
 for service, call in calls.items():
     client = boto3.client("stepfunctions" if service == "states" else service, config=config,
@@ -118,14 +119,29 @@ def test_an_instance_reaches_only_what_its_subnets_routes_and_endpoints_lead_to(
     from_routed = probe_from(local_cloud, routed, group)
     assert from_routed["s3"] == ["reached", 0]  # its route table has the gateway endpoint
     assert from_routed["events"] == ["reached", 0]  # an interface endpoint serves the whole VPC
-    for service in ("dynamodb", "states"):
+    for service in ("dynamodb", "states", "ec2", "ssm"):  # no endpoint, no NAT route
         error, seconds = from_routed[service]
         assert error == "ConnectTimeoutError" and seconds >= 1.0, (service, from_routed)
 
     from_bare = probe_from(local_cloud, bare, group)
     assert from_bare["s3"][0] == "ConnectTimeoutError"  # not on its route table
     assert from_bare["events"] == ["reached", 0]
+    assert from_bare["ec2"][0] == from_bare["ssm"][0] == "ConnectTimeoutError"
     assert local_cloud.failed_requests[("dynamodb", "unreachable")] >= 2
+    assert local_cloud.failed_requests[("ec2", "unreachable")] >= 2
+
+    # A NAT gateway (in a public subnet, itself routed to the internet) carries every service.
+    public, public_table = subnet_with_table(ec2, vpc, "10.9.2.0/24", zone="us-east-1c")
+    internet = ec2.create_internet_gateway()["InternetGateway"]["InternetGatewayId"]
+    ec2.attach_internet_gateway(InternetGatewayId=internet, VpcId=vpc)
+    ec2.create_route(RouteTableId=public_table, DestinationCidrBlock="0.0.0.0/0", GatewayId=internet)
+    nat = ec2.create_nat_gateway(SubnetId=public, AllocationId=ec2.allocate_address(Domain="vpc")["AllocationId"])
+    nat_id = nat["NatGateway"]["NatGatewayId"]
+    local_cloud.wait_until(lambda: ec2.describe_nat_gateways(NatGatewayIds=[nat_id])["NatGateways"][0]["State"]
+                           == "available", f"NAT gateway {nat_id}")
+    ec2.create_route(RouteTableId=table, DestinationCidrBlock="0.0.0.0/0", NatGatewayId=nat_id)
+    through_nat = probe_from(local_cloud, routed, group)
+    assert all(result == ["reached", 0] for result in through_nat.values()), through_nat
 
 
 def test_a_new_vpcs_default_group_lets_its_members_in(local_cloud):
