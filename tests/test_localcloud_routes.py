@@ -130,17 +130,24 @@ def test_an_instance_reaches_only_what_its_subnets_routes_and_endpoints_lead_to(
     assert local_cloud.failed_requests[("dynamodb", "unreachable")] >= 2
     assert local_cloud.failed_requests[("ec2", "unreachable")] >= 2
 
-    # A NAT gateway (in a public subnet, itself routed to the internet) carries every service.
-    public, public_table = subnet_with_table(ec2, vpc, "10.9.2.0/24", zone="us-east-1c")
-    internet = ec2.create_internet_gateway()["InternetGateway"]["InternetGatewayId"]
-    ec2.attach_internet_gateway(InternetGatewayId=internet, VpcId=vpc)
-    ec2.create_route(RouteTableId=public_table, DestinationCidrBlock="0.0.0.0/0", GatewayId=internet)
-    nat = ec2.create_nat_gateway(SubnetId=public, AllocationId=ec2.allocate_address(Domain="vpc")["AllocationId"])
+    # A NAT gateway carries every service once its own subnet routes to an internet gateway. (Each
+    # probe from a new subnet: a network is read afresh at most every NETWORK_REREAD_S.)
+    nat_home, nat_home_table = subnet_with_table(ec2, vpc, "10.9.2.0/24", zone="us-east-1c")
+    nat = ec2.create_nat_gateway(SubnetId=nat_home, AllocationId=ec2.allocate_address(Domain="vpc")["AllocationId"])
     nat_id = nat["NatGateway"]["NatGatewayId"]
     local_cloud.wait_until(lambda: ec2.describe_nat_gateways(NatGatewayIds=[nat_id])["NatGateways"][0]["State"]
                            == "available", f"NAT gateway {nat_id}")
-    ec2.create_route(RouteTableId=table, DestinationCidrBlock="0.0.0.0/0", NatGatewayId=nat_id)
-    through_nat = probe_from(local_cloud, routed, group)
+    behind_nat, nat_table = subnet_with_table(ec2, vpc, "10.9.3.0/24")
+    ec2.create_route(RouteTableId=nat_table, DestinationCidrBlock="0.0.0.0/0", NatGatewayId=nat_id)
+    nat_without_internet = probe_from(local_cloud, behind_nat, group)
+    assert nat_without_internet["dynamodb"][0] == nat_without_internet["ec2"][0] == "ConnectTimeoutError"
+
+    internet = ec2.create_internet_gateway()["InternetGateway"]["InternetGatewayId"]
+    ec2.attach_internet_gateway(InternetGatewayId=internet, VpcId=vpc)
+    ec2.create_route(RouteTableId=nat_home_table, DestinationCidrBlock="0.0.0.0/0", GatewayId=internet)
+    also_behind_nat = ec2.create_subnet(VpcId=vpc, CidrBlock="10.9.4.0/24", AvailabilityZone="us-east-1a")["Subnet"]
+    ec2.associate_route_table(SubnetId=also_behind_nat["SubnetId"], RouteTableId=nat_table)
+    through_nat = probe_from(local_cloud, also_behind_nat["SubnetId"], group)
     assert all(result == ["reached", 0] for result in through_nat.values()), through_nat
 
 

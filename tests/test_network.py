@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from trainfleet.core.network import (NODE_SERVICES, Blocked, Endpoint, Route, Rule, SecurityGroup, SubnetNetwork,
-                                     public_ipv4, subnet_problems, unreachable_services, way_to)
+from trainfleet.core.network import (NODE_SERVICES, Blocked, Endpoint, NatGateway, Route, Rule, SecurityGroup,
+                                     SubnetNetwork, public_ipv4, subnet_problems, unreachable_services, way_to)
 
 NODES = "sg-0000000000000000a"
 ENDPOINTS = "sg-0000000000000000b"
@@ -84,12 +84,17 @@ def test_the_nodes_groups_must_let_https_out():
     assert "let no HTTPS out" in blocked["s3"]
 
 
-def test_a_nat_route_reaches_every_service_when_its_gateway_is_available():
+def test_a_nat_route_reaches_every_service_when_its_gateway_leads_to_the_internet():
     routes = network().routes + (Route("0.0.0.0/0", "nat-0a"),)
-    assert unreachable_services(network(routes=routes, available_nat_gateways=frozenset({"nat-0a"})),
-                                [NODES], public=False) == {}
-    pending = unreachable_services(network(routes=routes), [NODES], public=False)
-    assert "NAT gateway nat-0a, which is not available" in pending["dynamodb"]
+    nat = NatGateway("nat-0a", "subnet-0000000000000000p")
+    assert unreachable_services(network(routes=routes, nat_gateways={"nat-0a": nat}), [NODES], public=False) == {}
+    for gateway, why in ((None, "which is not available"), (replace(nat, available=False), "which is not available"),
+                         (replace(nat, public=False), "a private NAT gateway, which leads to no internet"),
+                         (replace(nat, internet_route=False), "whose subnet subnet-0000000000000000p has no "
+                                                              "default route to an internet gateway")):
+        blocked = unreachable_services(network(routes=routes, nat_gateways={"nat-0a": gateway} if gateway else {}),
+                                       [NODES], public=False)
+        assert set(blocked) == set(NODE_SERVICES) and f"NAT gateway nat-0a, {why}" in blocked["dynamodb"], gateway
 
 
 def test_an_internet_route_serves_only_a_node_with_a_public_address():

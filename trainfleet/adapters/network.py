@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from trainfleet.adapters.ec2_fleet import efa_network_interfaces
-from trainfleet.core.network import (Endpoint, Route, Rule, SecurityGroup, SubnetNetwork, service_of_endpoint,
-                                     subnet_problems)
+from trainfleet.core.network import (Endpoint, NatGateway, Route, Rule, SecurityGroup, SubnetNetwork,
+                                     service_of_endpoint, subnet_problems)
 from trainfleet.core.runspec import NodeNetwork, RunSpec
 
 __all__ = ["NetworkNotFound", "node_network", "subnet_networks", "network_problems"]
@@ -91,6 +91,15 @@ def _endpoint(endpoint: dict[str, Any]) -> Endpoint:
                     group_ids=tuple(group["GroupId"] for group in endpoint.get("Groups", [])))
 
 
+def _nat_gateway(gateway: dict[str, Any], table: dict[str, Any]) -> NatGateway:
+    """A NAT gateway as EC2 describes it, with its own subnet's route table."""
+    routes = [_route(route) for route in table.get("Routes", [])]
+    return NatGateway(gateway["NatGatewayId"], gateway["SubnetId"], available=gateway["State"] == "available",
+                      public=gateway.get("ConnectivityType", "public") == "public",
+                      internet_route=any(route.active and route.destination == "0.0.0.0/0"
+                                         and route.target.startswith("igw-") for route in routes))
+
+
 def subnet_networks(ec2: Any, subnet_ids: list[str], node_group_ids: list[str]) -> list[SubnetNetwork]:
     """Each subnet's network, in the order given."""
     subnets = {subnet["SubnetId"]: subnet for subnet in _described(
@@ -133,8 +142,8 @@ def subnet_networks(ec2: Any, subnet_ids: list[str], node_group_ids: list[str]) 
             dns_support=dns[vpc_id][0], dns_hostnames=dns[vpc_id][1],
             map_public_ip_on_launch=bool(subnet.get("MapPublicIpOnLaunch")),
             endpoints=tuple(_endpoint(endpoint) for endpoint in endpoints if endpoint["VpcId"] == vpc_id),
-            available_nat_gateways=frozenset(gateway["NatGatewayId"] for gateway in nat_gateways
-                                             if gateway["VpcId"] == vpc_id and gateway["State"] == "available"),
+            nat_gateways={gateway["NatGatewayId"]: _nat_gateway(gateway, table_of(gateway))
+                          for gateway in nat_gateways if gateway["VpcId"] == vpc_id},
             groups=groups))
     return networks
 

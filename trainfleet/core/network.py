@@ -6,7 +6,7 @@ network without a way out fails there as it fails on AWS.
 
     NODE_SERVICES                         the services a node calls, by endpoint name
     GATEWAY_SERVICES                      those AWS offers gateway endpoints for
-    Rule, SecurityGroup, Route, Endpoint, SubnetNetwork    what EC2 says of a subnet's network
+    Rule, SecurityGroup, Route, Endpoint, NatGateway, SubnetNetwork    what EC2 says of a subnet's network
     public_ipv4(interfaces, associate, map_on_launch)      whether a launch gets a public address
     way_to(network, service, node_groups, public)          how a node gets there, or Blocked(why)
     unreachable_services(network, node_groups, public)     {service: why} for the node's services
@@ -17,7 +17,9 @@ A node reaches a service's regional endpoint by the first of these that works:
 2. an interface endpoint of the service in its VPC with private DNS, so that the service's own
    name resolves to the endpoint (AWS requires the VPC's DNS support and DNS hostnames for it), whose
    security groups let HTTPS in from the node;
-3. a default route (0.0.0.0/0) to a NAT gateway that is available;
+3. a default route (0.0.0.0/0) to a NAT gateway that leads to the internet: available, public (a
+   private NAT gateway reaches only other networks), in a subnet whose own default route leads to
+   an internet gateway;
 4. a default route to an internet gateway, with a public IPv4 address on the node. EC2 gives one only
    to a launch with a single network interface: an EFA launch has one per network card (4 on p4d,
    32 on p5), so it has none.
@@ -32,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["NODE_SERVICES", "GATEWAY_SERVICES", "HTTPS_PORT", "Rule", "SecurityGroup", "Route", "Endpoint",
-           "SubnetNetwork", "Blocked", "public_ipv4", "way_to", "unreachable_services", "subnet_problems",
+           "NatGateway", "SubnetNetwork", "Blocked", "public_ipv4", "way_to", "unreachable_services", "subnet_problems",
            "endpoint_service_name", "service_of_endpoint"]
 
 NODE_SERVICES = {
@@ -133,6 +135,19 @@ class Endpoint:
 
 
 @dataclass(frozen=True)
+class NatGateway:
+    """A NAT gateway of the subnet's VPC."""
+
+    nat_gateway_id: str
+    subnet_id: str
+    available: bool = True
+    public: bool = True
+    """ConnectivityType public; a private NAT gateway has no way to the internet."""
+    internet_route: bool = True
+    """Its own subnet's route table has a default route (0.0.0.0/0) to an internet gateway."""
+
+
+@dataclass(frozen=True)
 class SubnetNetwork:
     """What decides where a subnet's traffic goes."""
 
@@ -149,7 +164,8 @@ class SubnetNetwork:
     map_public_ip_on_launch: bool = False
     endpoints: tuple[Endpoint, ...] = ()
     """Every endpoint of the VPC."""
-    available_nat_gateways: frozenset[str] = frozenset()
+    nat_gateways: Mapping[str, NatGateway] = field(default_factory=dict)
+    """The VPC's NAT gateways, by id."""
     groups: Mapping[str, SecurityGroup] = field(default_factory=dict)
     """The security groups that matter, by id: the nodes' and the interface endpoints'."""
 
@@ -195,6 +211,17 @@ def _default_route(network: SubnetNetwork) -> Route | None:
     return next((route for route in network.routes if route.active and route.destination == str(_ANYWHERE)), None)
 
 
+def _nat_problem(nat: NatGateway | None) -> str | None:
+    """Why a NAT gateway does not lead to the internet, else None."""
+    if nat is None or not nat.available:
+        return "which is not available"
+    if not nat.public:
+        return "a private NAT gateway, which leads to no internet"
+    if not nat.internet_route:
+        return f"whose subnet {nat.subnet_id} has no default route to an internet gateway"
+    return None
+
+
 def way_to(network: SubnetNetwork, service: str, node_groups: Iterable[str], public: bool) -> str | Blocked:
     """How a node of the subnet, in `node_groups`, with a public IPv4 address or not, reaches
     `service`: a few words naming the way, or Blocked saying what was looked for and not found."""
@@ -231,8 +258,8 @@ def way_to(network: SubnetNetwork, service: str, node_groups: Iterable[str], pub
     default = _default_route(network)
     out_anywhere = _lets_https_out(network, node_groups, to_cidr=str(_ANYWHERE))
     if default is not None and default.target.startswith("nat-"):
-        if default.target not in network.available_nat_gateways:
-            tried.append(f"its default route leads to NAT gateway {default.target}, which is not available")
+        if problem := _nat_problem(network.nat_gateways.get(default.target)):
+            tried.append(f"its default route leads to NAT gateway {default.target}, {problem}")
         elif not out_anywhere:
             tried.append("the nodes' security groups let no HTTPS out through its NAT route")
         else:
