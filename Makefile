@@ -79,21 +79,29 @@ test-loaded:
 	$(PYTHON) .ci/repeat.py 1 --loaded
 
 # What a node installs (trainfleet/adapters/ec2_fleet.py node_user_data), into build/artifacts/,
-# and with BUCKET=... to s3://BUCKET/artifacts/: a relocatable CPython 3.11 (python.tar.gz, its
-# top folder python/), never the image's, and a wheelhouse of trainfleet with its `trainer` extra
-# for x86_64 Linux (torch 2.13.0's wheel: its CUDA runtime and NCCL). Needs the package index and
-# uv's Python downloads.
+# and with BUCKET=... to s3://BUCKET/artifacts/00/ .. /15/ (ARTIFACT_COPIES: each node copies from
+# the one its instance id picks, so a large launch shares 16 prefixes' request rates): a
+# relocatable CPython 3.11 (python.tar.gz, its top folder python/), never the image's, and a
+# wheelhouse of trainfleet with its `trainer` extra for x86_64 Linux (torch 2.13.0's wheel: its
+# CUDA runtime and NCCL) in one tar (wheelhouse.tar): two named objects a node copies, no listing.
+# The first copy is uploaded, the others are copied inside S3. Needs the package index and uv's
+# Python downloads.
 NODE_PLATFORM := manylinux_2_28_x86_64
 artifacts: install
-	rm -rf build/artifacts build/node-python && mkdir -p build/artifacts
-	$(PY) -m pip wheel -q --no-deps --wheel-dir build/artifacts .
-	$(PY) -m pip download -q --dest build/artifacts --only-binary=:all: --platform $(NODE_PLATFORM) \
-	    --python-version 3.11 "$$(ls build/artifacts/trainfleet-*.whl)[trainer]"
+	rm -rf build/artifacts build/wheelhouse build/node-python && mkdir -p build/artifacts build/wheelhouse
+	$(PY) -m pip wheel -q --no-deps --wheel-dir build/wheelhouse .
+	$(PY) -m pip download -q --dest build/wheelhouse --only-binary=:all: --platform $(NODE_PLATFORM) \
+	    --python-version 3.11 "$$(ls build/wheelhouse/trainfleet-*.whl)[trainer]"
+	tar -cf build/artifacts/wheelhouse.tar -C build/wheelhouse .
 	$(PY) -m pip install -q uv
 	$(PY) -m uv python install 3.11 --install-dir build/node-python
 	found=$$(cd build/node-python && ls -d cpython-3.11*-linux-x86_64-gnu | head -1) && \
 	    tar -czf build/artifacts/python.tar.gz -C build/node-python --transform "s,^$$found,python," "$$found"
-	test -z "$(BUCKET)" || aws s3 sync --delete build/artifacts s3://$(BUCKET)/artifacts/
+	test -z "$(BUCKET)" || { \
+	    copies=$$($(PY) -c "from trainfleet.adapters.ec2_fleet import ARTIFACT_COPIES as n; print(n)") && \
+	    aws s3 sync --delete build/artifacts s3://$(BUCKET)/artifacts/00/ && \
+	    for copy in $$(seq -f %02g 1 $$((copies - 1))); do \
+	        aws s3 sync --delete s3://$(BUCKET)/artifacts/00/ s3://$(BUCKET)/artifacts/$$copy/ || exit 1; done; }
 
 # Every fault at every phase of a real local run (tests/chaos, localcloud/chaos.py). Two workers:
 # every cell is a real run whose timeouts are seconds, and its modules are split for two.

@@ -32,7 +32,8 @@ def handler(event: RunPayload, context: LambdaContext) -> dict[str, Any]:
     cloud, name = aws(), event.run.run_name
     run = cloud.store.transition_run(name, RunState.ALLOCATING)
     spec = run.spec
-    profile = ensure_node_profile(cloud.iam, name, cloud.settings.stack_name, cloud.settings.node_policy_arn)
+    profile = ensure_node_profile(cloud.iam, name, cloud.settings.stack_name, cloud.settings.node_policy_arn,
+                                  spec.resume_from)
     template_id = ensure_launch_template(cloud.ec2, spec, cloud.settings, profile)
     try:
         allocation = allocate(cloud.ec2, spec, cloud.settings.stack_name, template_id, spec.capacity.subnet_ids,

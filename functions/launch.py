@@ -1,7 +1,8 @@
 """Train: park the task token, write the launch spec (world layout, rendezvous, resume point).
 
 The resume point is read from S3 by the trainer's commit protocol, not taken from events: the
-newest step with a commit marker whose files are all there. A failure of the attempt reported
+newest step with a commit marker whose files are all there; before the run has one, the newest
+of the run it resumes (RunSpec.resume_from), whose checkpoints its nodes only read. A failure of the attempt reported
 before the token was parked (a worker lost after AwaitNodes succeeded) fails the task at once.
 """
 
@@ -12,7 +13,7 @@ from aws_lambda_powertools.utilities.typing import LambdaContext
 
 from functions.common import (TaskPayload, addressed, aws, launch_spec_key, logger, park_task, tracer,
                               transient_errors_named)
-from trainfleet.adapters.checkpoints import latest_checkpoint
+from trainfleet.adapters.checkpoints import resume_checkpoint
 from trainfleet.core.lifecycle import build_launch_spec, world_complete
 from trainfleet.core.records import RunState, TaskWait
 
@@ -25,7 +26,7 @@ def handler(event: TaskPayload, context: LambdaContext) -> dict[str, Any]:
     cloud, ref = aws(), event.run.run
     store = cloud.store
     run = store.run(ref.run_name)
-    resume_from = latest_checkpoint(cloud.s3, run.spec.checkpoint.s3_uri)
+    resume_from = resume_checkpoint(cloud.s3, run.spec)
     run = store.transition_run(ref.run_name, RunState.TRAINING, latest_checkpoint=resume_from)
     # Park before the spec lands: an agent may finish (and the event handler answer) right after.
     if park_task(ref.run_name, TaskWait(purpose="train", attempt=ref.attempt, token=event.task_token)):

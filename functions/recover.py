@@ -4,6 +4,8 @@
    (boot or heartbeat, told apart by what the run was waiting for), as a failure of the attempt
    the state's input names. The input is the same for every retry of an invocation, so the
    retry classifies the same failure of the same attempt, whatever the first try recorded.
+   A boot timeout after which not one node of the attempt ever reported is the run's set-up
+   failing (its network, its image: SETUP_FAILED), given up at once in step 2.
    A crash or hang that names no node is checked against the nodes' liveness records and
    EC2's instance status first: the workers that failed silently are named, and replaced; a
    hang's first sign is the world's last step there, and a node named the first to fall silent
@@ -39,7 +41,7 @@ from functions.common import (CaughtError, RecoveryStep, RunPayload, aws, capaci
                               fleet_token_prefix, logger, mark_terminating, metrics, record_nodes, swap_roles,
                               tracer, transient_errors_named)
 from functions.errors import RecoveryGaveUp
-from trainfleet.adapters.checkpoints import latest_checkpoint
+from trainfleet.adapters.checkpoints import resume_checkpoint
 from trainfleet.adapters.ec2_fleet import FleetError, allocate, terminate
 from trainfleet.adapters.liveness import instance_troubles, read_liveness
 from trainfleet.adapters.metrics import detection_metrics, emit
@@ -67,7 +69,7 @@ def classify(run: RunRecord, nodes: list[NodeRecord], caught: CaughtError, attem
     what stands in for the wait no longer matters."""
     waiting = run.waiting if run.waiting and run.waiting.attempt == attempt else TaskWait(
         purpose="train" if run.state is RunState.TRAINING else "await_nodes", attempt=attempt, token="(answered)")
-    return classify_task_error(caught.Error, caught.Cause, waiting, unready_workers(nodes, attempt))
+    return classify_task_error(caught.Error, caught.Cause, waiting, nodes)
 
 
 def name_silent_workers(run: RunRecord, nodes: list[NodeRecord], failure: FailureReport) -> FailureReport:
@@ -94,7 +96,7 @@ def decide_and_record(run: RunRecord, nodes: list[NodeRecord], failure: FailureR
     # The newest commit in S3 is where the next attempt resumes (Launch reads it again): a node
     # lost before its agent announced a commit leaves the run record a checkpoint behind, and the
     # failure, the crash-loop rule and the time lost would be judged against an older one.
-    newest = latest_checkpoint(cloud.s3, run.spec.checkpoint.s3_uri)
+    newest = resume_checkpoint(cloud.s3, run.spec)
     run = run.knowing(newest)
     # The cost ceiling is judged with the ended attempt on the books (its cost does not depend on
     # where the next attempt resumes from; which of its time is kept does).

@@ -1,10 +1,13 @@
 """Validate: complete the RunSpec with the stack's defaults, parse it, record the run. What its
 author may leave out is filled in first (runspec.with_stack_defaults: the checkpoint location
-in the stack's bucket, the default VPC's network). A bad RunSpec fails here, before any allocation,
+in the stack's bucket, the stack's node network). A bad RunSpec fails here, before any allocation,
 and so does a trainer section the trainer itself would refuse: its own checks
-(trainer/config.py, torch-free) run here on the config the nodes would be given, and so does a
-layout that would run out of GPU memory (trainfleet/core/memory_plan.py), and a shard set in S3
-that is not there or that the model or tokenizer does not fit (trainer/shards.py)."""
+(trainer/config.py, torch-free) run here on the config the nodes would be given, a layout that
+would run out of GPU memory (trainfleet/core/memory_plan.py), a shard set in S3 that is not there
+or that the model or tokenizer does not fit (trainer/shards.py), a run to resume from that cannot
+be (RunSpec.resume_from: not ended, no checkpoint, another model), and a subnet from which the
+nodes could not reach the AWS services they call (trainfleet/core/network.py): on AWS such a fleet
+is billed silent until its boot timeout."""
 
 from dataclasses import asdict
 from typing import Any
@@ -19,8 +22,9 @@ from trainer import tokenizer
 from trainer.config import ConfigError, JobConfig, config_from_sections
 from trainer.shards import INDEX_NAME, ShardStore, index_problems
 from trainer.tokenizer import TokenizerError
-from trainfleet.adapters.ec2_fleet import NoDefaultNetwork, default_network
-from trainfleet.adapters.run_store import RunExists
+from trainfleet.adapters.checkpoints import latest_checkpoint
+from trainfleet.adapters.network import NetworkNotFound, network_problems, node_network
+from trainfleet.adapters.run_store import RunExists, RunNotFound
 from trainfleet.core import memory_plan
 from trainfleet.core.node_access import image_parameter_problem, node_access_problems
 from trainfleet.core.records import RunRecord, RunRef
@@ -49,6 +53,43 @@ def parse_run_spec(raw: Any, bucket: str, stack_name: str) -> RunSpec:
     config = check_trainer_config(spec)
     check_memory(spec, config)
     return resolved(spec, config)
+
+
+def check_resume_from(spec: RunSpec) -> None:
+    """InvalidRunSpec unless the run the RunSpec resumes is one of this stack's that has ended, kept
+    its checkpoints where a resumed run's nodes may read them (RunSpec.resume_from_uri), committed
+    one, and trained this very model (a checkpoint loads into the model it was saved from)."""
+    if spec.resume_from is None:
+        return
+    name = spec.resume_from
+    try:
+        old = aws().store.run(name)
+    except RunNotFound:
+        raise InvalidRunSpec(f"resume_from: this stack has no run named {name!r}") from None
+    if not old.state.is_final:
+        raise InvalidRunSpec(f"resume_from: run {name!r} is {old.state.value}: a run resumes one that has ended "
+                             f"(`trainfleet run stop {name}` ends it)")
+    if old.spec.checkpoint.s3_uri != spec.resume_from_uri:
+        raise InvalidRunSpec(f"resume_from: run {name!r} kept its checkpoints at {old.spec.checkpoint.s3_uri}; a "
+                             f"resumed run's nodes may read only {spec.resume_from_uri}")
+    theirs, ours = old.spec.trainer.model.model_dump(), spec.trainer.model.model_dump()
+    if differing := sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key)):
+        raise InvalidRunSpec("resume_from: " + "; ".join(
+            f"trainer.model.{key} is {ours.get(key)!r} here and was {theirs.get(key)!r} in run {name!r}"
+            for key in differing) + ": a checkpoint loads only into the model it was saved from")
+    if latest_checkpoint(aws().s3, spec.resume_from_uri) is None:
+        raise InvalidRunSpec(f"resume_from: run {name!r} committed no checkpoint under {spec.resume_from_uri}: "
+                             "nothing to resume from")
+
+
+def check_network(spec: RunSpec) -> None:
+    """InvalidRunSpec naming each subnet and the services its nodes could not reach from it."""
+    try:
+        problems = network_problems(aws().ec2, spec)
+    except NetworkNotFound as error:
+        raise InvalidRunSpec(str(error)) from error
+    if problems:
+        raise InvalidRunSpec("\n".join(problems))
 
 
 def resolved(spec: RunSpec, config: JobConfig) -> RunSpec:
@@ -115,13 +156,16 @@ def check_shard_set(config: JobConfig) -> None:
 @tracer.capture_lambda_handler
 @event_parser(model=ValidateInput)
 def handler(event: ValidateInput, context: LambdaContext) -> dict[str, Any]:
-    bucket = aws().settings.bucket
+    settings = aws().settings
     try:
-        document = with_stack_defaults(event.run_spec, bucket, lambda: default_network(aws().ec2))
-    except NoDefaultNetwork as error:
+        document = with_stack_defaults(event.run_spec, settings.bucket, lambda instance_type: node_network(
+            aws().ec2, list(settings.node_subnet_ids), list(settings.node_security_group_ids), instance_type))
+    except NetworkNotFound as error:
         raise InvalidRunSpec(str(error)) from error
-    spec = parse_run_spec(document, bucket, aws().settings.stack_name)
+    spec = parse_run_spec(document, settings.bucket, settings.stack_name)
     check_shard_set(check_trainer_config(spec))
+    check_resume_from(spec)
+    check_network(spec)
     record = RunRecord(run_name=spec.run_name, spec=spec, execution_arn=event.execution_arn)
     try:
         aws().store.create_run(record)

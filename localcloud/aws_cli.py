@@ -2,7 +2,7 @@
 local cloud, with the instance's own credentials (its instance profile's role, from the metadata
 service) as the CLI on EC2 has them.
 
-    aws s3 cp --recursive s3://BUCKET/PREFIX/ DIR
+    aws s3 cp s3://BUCKET/KEY DIR/
     aws events put-events [--region R] --entries file://ENTRIES.json
 
 A local instance finds `aws` on its PATH (localcloud/image_tools/aws runs this module). Errors
@@ -21,17 +21,20 @@ from pathlib import Path
 import boto3
 from botocore.exceptions import BotoCoreError, ClientError
 
-from localcloud.node_boot import copy_objects
-
-
 def s3_cp(source: str, into: str) -> int:
-    bucket, _, prefix = source.removeprefix("s3://").partition("/")
+    """One object into a folder, as the CLI asks for an object below its part size: HEAD, GET."""
+    bucket, _, key = source.removeprefix("s3://").partition("/")
+    target = Path(into) / key.rsplit("/", 1)[-1] if into.endswith("/") or Path(into).is_dir() else Path(into)
     try:
-        for key in copy_objects(boto3.client("s3"), bucket, prefix, Path(into)):
-            print(f"download: s3://{bucket}/{key} to {into.rstrip('/')}/{key[len(prefix):]}")
+        s3 = boto3.client("s3")
+        s3.head_object(Bucket=bucket, Key=key)
+        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
     except (BotoCoreError, ClientError) as error:
         print(f"fatal error: {error}", file=sys.stderr)
         return 1
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(body)
+    print(f"download: s3://{bucket}/{key} to {target}")
     return 0
 
 
@@ -51,7 +54,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--region")
     services = parser.add_subparsers(dest="service", required=True)
     s3 = services.add_parser("s3").add_subparsers(dest="command", required=True).add_parser("cp")
-    s3.add_argument("--recursive", action="store_true", required=True)
     s3.add_argument("source")
     s3.add_argument("into")
     events = services.add_parser("events").add_subparsers(dest="command", required=True).add_parser("put-events")

@@ -76,6 +76,9 @@ class LocalCloudConfig:
     (AWS gives two minutes)."""
     delivery_workers: int = 8
     """Threads that deliver EventBridge events to targets and run the fleet's transitions."""
+    s3_prefix_rates: tuple[int, int] = (5500, 3500)
+    """GET/HEAD and PUT/COPY/POST/DELETE requests S3 serves a second (of this cloud's time) per
+    prefix, as it documents; it answers 503 SlowDown beyond (glue/s3_rates.py)."""
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -87,6 +90,8 @@ class LocalCloudConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.delivery_workers < 1:
             raise ValueError(f"delivery_workers must be >= 1, got {self.delivery_workers}")
+        if min(self.s3_prefix_rates) < 1:
+            raise ValueError(f"s3_prefix_rates must be >= 1 a second, got {self.s3_prefix_rates}")
         if self.host not in {"127.0.0.1", "localhost", "::1"}:
             raise ValueError(f"host must be a loopback address, got {self.host!r}")
 
@@ -191,6 +196,14 @@ class LocalCloud:
         """(instance type, zone) -> instances of that type that may be alive there (set_capacity)."""
         self.vcpu_quota: int | None = None
         """The account's On-Demand vCPU quota in the region (set_vcpu_quota); None: none."""
+        from localcloud.glue.s3_rates import PrefixRates
+
+        self.s3_rates = PrefixRates(*self.config.s3_prefix_rates, window_s=self.scaled(1.0))
+        """S3's per-prefix request rates, and the busiest prefixes so far (glue/s3_rates.py)."""
+        from localcloud.glue.routes import Routes
+
+        self.routes = Routes(self)
+        """Where each instance's calls may go (glue/routes.py)."""
         from localcloud.fleet import LocalFleet
 
         self.fleet = LocalFleet(self)
@@ -222,9 +235,10 @@ class LocalCloud:
             self._server = ThreadedMotoServer(ip_address=self.config.host,
                                               port=self.config.port, verbose=False)
             self._server.start()
-            from localcloud.glue import cloudwatch, iam
+            from localcloud.glue import cloudwatch, iam, vpc
 
             iam.admin_identity(self.account_id, self.region)
+            vpc.prepare_default_vpc(self)
             cloudwatch.evaluate_every_minute(self)
         except BaseException:
             self.stop()

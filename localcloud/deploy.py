@@ -57,6 +57,7 @@ from botocore.parsers import ResponseParserError
 from localcloud.deploy_intrinsics import (
     Resolver,
     TemplateError,
+    check_rules,
     creation_order,
     evaluate_conditions,
     parameter_values,
@@ -116,6 +117,9 @@ class DeployRequest:
     artifact_bucket: str | None = None
     """Local S3 bucket for packaged code and definitions; by default one named after the account
     and region, created on first use."""
+    enforce_iam: bool = True
+    """Authorize every call from then on, as on AWS (`_enforce_iam`); off for a part of a template
+    deployed beside code that is tested without its roles."""
 
 
 @dataclass(frozen=True)
@@ -230,6 +234,7 @@ def deploy(request: DeployRequest) -> DeployedStack:
     template = transform_sam(template, parameters, request.region)
     resolver = Resolver(parameters, mappings=template.get("Mappings", {}),
                         availability_zones=lambda region: _availability_zones(session, request.endpoint, region))
+    check_rules(template.get("Rules", {}), resolver)
     resolver.conditions = evaluate_conditions(template.get("Conditions", {}), resolver)
 
     resources = template["Resources"]
@@ -249,7 +254,8 @@ def deploy(request: DeployRequest) -> DeployedStack:
                for name, output in template.get("Outputs", {}).items()
                if "Condition" not in output or _condition(resolver, output["Condition"], f"Outputs.{name}")}
     _record_stack(cloudformation, request.stack_name, template, outputs)
-    _enforce_iam(request.endpoint)
+    if request.enforce_iam:
+        _enforce_iam(request.endpoint)
     return DeployedStack(request.stack_name, request.region, account_id, created, skipped, outputs, packaged)
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "TemplateError",
     "Resolver",
     "creation_order",
+    "check_rules",
     "evaluate_conditions",
     "parameter_values",
     "references",
@@ -61,6 +62,9 @@ def parameter_values(declared: Mapping[str, Any], overrides: Mapping[str, str]) 
         allowed = [str(v) for v in spec.get("AllowedValues", [])]
         if allowed and raw not in allowed:
             raise TemplateError(f"parameter {name!r}={raw!r} is not one of AllowedValues {allowed}")
+        pattern = spec.get("AllowedPattern")
+        if pattern is not None and not re.fullmatch(pattern, raw):
+            raise TemplateError(f"parameter {name!r}={raw!r} does not match AllowedPattern {pattern!r}")
         is_list = str(spec.get("Type", "String")).startswith(_LIST_PARAMETER_TYPES)
         values[name] = [item.strip() for item in raw.split(",")] if is_list else raw
     return values
@@ -103,6 +107,24 @@ def evaluate_conditions(conditions: Mapping[str, Any], resolver: Resolver) -> di
     for name in conditions:
         condition(name)
     return results
+
+
+def check_rules(rules: Mapping[str, Any], resolver: Resolver) -> None:
+    """TemplateError with each failed assertion's AssertDescription, for the template's Rules whose
+    RuleCondition holds (or that have none), as CloudFormation checks them before creating anything.
+    Rules use the condition functions here."""
+    failed = []
+    for name, rule in rules.items():
+        expressions = {"condition": rule.get("RuleCondition", {"Fn::Equals": ["", ""]})}
+        expressions |= {f"assertion {index}": assertion["Assert"]
+                        for index, assertion in enumerate(rule.get("Assertions", []))}
+        truth = evaluate_conditions(expressions, resolver)
+        if truth["condition"]:
+            failed += [f"Rules.{name}: {assertion.get('AssertDescription', 'assertion failed')}"
+                       for index, assertion in enumerate(rule.get("Assertions", []))
+                       if not truth[f"assertion {index}"]]
+    if failed:
+        raise TemplateError("; ".join(failed))
 
 
 def references(value: Any) -> set[str]:

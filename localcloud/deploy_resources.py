@@ -625,6 +625,79 @@ def _placement_group(ctx: Context, props: dict[str, Any]) -> Created:
     return Created(name, ctx.arn("ec2", f"placement-group/{name}"), {"GroupName": name})
 
 
+@_resource("AWS::EC2::VPC", "CidrBlock", "EnableDnsSupport", "EnableDnsHostnames", "InstanceTenancy", "Tags",
+           required=("CidrBlock",))
+def _vpc(ctx: Context, props: dict[str, Any]) -> Created:
+    ec2 = ctx.client("ec2")
+    tags = [{"ResourceType": "vpc", "Tags": _tag_list(props["Tags"])}] if props.get("Tags") else []
+    vpc = ec2.create_vpc(CidrBlock=props["CidrBlock"], TagSpecifications=tags,
+                         **_pick(props, "InstanceTenancy"))["Vpc"]
+    vpc_id = vpc["VpcId"]
+    # EC2 sets one attribute a call, and DNS hostnames only where DNS support is on: support first.
+    for attribute, default in (("EnableDnsSupport", True), ("EnableDnsHostnames", False)):
+        if _true(props.get(attribute, default)) != default:
+            ec2.modify_vpc_attribute(VpcId=vpc_id, **{attribute: {"Value": _true(props[attribute])}})
+    group = ec2.describe_security_groups(Filters=[{"Name": "vpc-id", "Values": [vpc_id]},
+                                                  {"Name": "group-name", "Values": ["default"]}])["SecurityGroups"]
+    return Created(vpc_id, ctx.arn("ec2", f"vpc/{vpc_id}"), {
+        "VpcId": vpc_id, "CidrBlock": vpc["CidrBlock"], "DefaultSecurityGroup": group[0]["GroupId"] if group else ""})
+
+
+def _true(value: Any) -> bool:
+    """A CloudFormation boolean: true or "true"."""
+    return str(value).lower() == "true"
+
+
+@_resource("AWS::EC2::Subnet", "VpcId", "CidrBlock", "AvailabilityZone", "MapPublicIpOnLaunch", "Tags",
+           required=("VpcId", "CidrBlock"))
+def _subnet(ctx: Context, props: dict[str, Any]) -> Created:
+    ec2 = ctx.client("ec2")
+    tags = [{"ResourceType": "subnet", "Tags": _tag_list(props["Tags"])}] if props.get("Tags") else []
+    subnet = ec2.create_subnet(VpcId=props["VpcId"], CidrBlock=props["CidrBlock"], TagSpecifications=tags,
+                               **_pick(props, "AvailabilityZone"))["Subnet"]
+    subnet_id = subnet["SubnetId"]
+    if _true(props.get("MapPublicIpOnLaunch", False)):
+        ec2.modify_subnet_attribute(SubnetId=subnet_id, MapPublicIpOnLaunch={"Value": True})
+    return Created(subnet_id, ctx.arn("ec2", f"subnet/{subnet_id}"), {
+        "SubnetId": subnet_id, "VpcId": subnet["VpcId"], "AvailabilityZone": subnet["AvailabilityZone"],
+        "CidrBlock": subnet["CidrBlock"]})
+
+
+@_resource("AWS::EC2::RouteTable", "VpcId", "Tags", required=("VpcId",))
+def _route_table(ctx: Context, props: dict[str, Any]) -> Created:
+    tags = [{"ResourceType": "route-table", "Tags": _tag_list(props["Tags"])}] if props.get("Tags") else []
+    table_id = ctx.client("ec2").create_route_table(VpcId=props["VpcId"],
+                                                    TagSpecifications=tags)["RouteTable"]["RouteTableId"]
+    return Created(table_id, ctx.arn("ec2", f"route-table/{table_id}"), {"RouteTableId": table_id})
+
+
+@_resource("AWS::EC2::SubnetRouteTableAssociation", "SubnetId", "RouteTableId",
+           required=("SubnetId", "RouteTableId"))
+def _subnet_route_table_association(ctx: Context, props: dict[str, Any]) -> Created:
+    association = ctx.client("ec2").associate_route_table(SubnetId=props["SubnetId"],
+                                                          RouteTableId=props["RouteTableId"])["AssociationId"]
+    return Created(association, None, {"Id": association})
+
+
+@_resource("AWS::EC2::VPCEndpoint", "VpcId", "ServiceName", "VpcEndpointType", "RouteTableIds", "SubnetIds",
+           "SecurityGroupIds", "PrivateDnsEnabled", "PolicyDocument", "Tags", required=("VpcId", "ServiceName"))
+def _vpc_endpoint(ctx: Context, props: dict[str, Any]) -> Created:
+    request = _pick(props, "VpcId", "ServiceName", "RouteTableIds", "SubnetIds", "SecurityGroupIds")
+    if "PolicyDocument" in props:
+        request["PolicyDocument"] = _as_json(props["PolicyDocument"])
+    if props.get("Tags"):
+        request["TagSpecifications"] = [{"ResourceType": "vpc-endpoint", "Tags": _tag_list(props["Tags"])}]
+    kind = props.get("VpcEndpointType", "Gateway")
+    if kind == "Interface":  # CloudFormation's default, not the API's: private DNS off
+        request["PrivateDnsEnabled"] = _true(props.get("PrivateDnsEnabled", False))
+    endpoint = ctx.client("ec2").create_vpc_endpoint(VpcEndpointType=kind, **request)["VpcEndpoint"]
+    endpoint_id = endpoint["VpcEndpointId"]
+    return Created(endpoint_id, ctx.arn("ec2", f"vpc-endpoint/{endpoint_id}"), {
+        "Id": endpoint_id, "NetworkInterfaceIds": endpoint.get("NetworkInterfaceIds", []),
+        "DnsEntries": [f"{entry.get('HostedZoneId', '')}:{entry.get('DnsName', '')}"
+                       for entry in endpoint.get("DnsEntries", [])]})
+
+
 @_resource("AWS::EC2::SecurityGroup", "GroupName", "GroupDescription", "VpcId", "SecurityGroupIngress",
            "SecurityGroupEgress", "Tags", required=("GroupDescription",))
 def _security_group(ctx: Context, props: dict[str, Any]) -> Created:

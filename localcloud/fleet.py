@@ -279,6 +279,7 @@ class LocalFleet:
         """The share of CPU time an instance's processes get when it boots (below 1: starved,
         _Starvation): a machine whose cores its instances share with others."""
         self._instances: dict[str, LocalInstance] = {}
+        self._by_address: dict[str, LocalInstance] = {}
         self._lock = threading.RLock()
         self._next_address = int(LOOPBACK_POOL.network_address) + 10
 
@@ -295,6 +296,11 @@ class LocalFleet:
     def instances(self) -> list[LocalInstance]:
         with self._lock:
             return list(self._instances.values())
+
+    def at_address(self, address: str) -> LocalInstance | None:
+        """The instance whose private address this is (never given to another), or None."""
+        with self._lock:
+            return self._by_address.get(address)
 
     def use_warm_image(self, modules: list[str]) -> None:
         """Boot instances from now on from a warm image with `modules` imported."""
@@ -413,6 +419,7 @@ class LocalFleet:
             launch_template_id=tags.get("aws:ec2launchtemplate:id"), tags=tags)
         with self._lock:
             self._instances[instance.instance_id] = instance
+            self._by_address[private_ip] = instance
         self._report(instance, "pending")
         self._start_booting(instance)
 

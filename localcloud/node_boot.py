@@ -1,23 +1,26 @@
 """How a local instance of a trainfleet run boots: what the node user data does that touches AWS,
 before it starts the agent. The agent's settings are those the user data writes
-(trainfleet/adapters/ec2_fleet.py node_user_data); the wheelhouse is copied from
-s3://BUCKET/artifacts/ with the instance's own role (the user data's `aws s3 cp --recursive`,
-with as many tries). There is no Python unpacked and no pip install here: the local instance
-runs the agent from this tree.
+(trainfleet/adapters/ec2_fleet.py node_user_data); the artifacts are copied from the instance's
+copy of them, s3://BUCKET/artifacts/NN/ (ec2_fleet.artifact_copy), with the instance's own role,
+two named objects, each asked for as the AWS CLI asks (a HEAD, then its GET), each request tried
+as often, and the step tried as often with as long waits (TRAINFLEET_BOOT_RETRY_S sets the first,
+as on EC2). There is no Python unpacked and no pip install here: the local instance runs the agent
+from this tree.
 
     boot_as_nodes(cloud, local_settings)     # the fleet boots trainfleet's instances so
     python -m localcloud.node_boot AGENT_ARGV...     (what each such instance runs)
 
-A copy that fails is reported as the user data reports a failed step: to the console, and to
-the control plane as NodeUnhealthy with a failed BOOT_CHECK naming the step and the error (the
-run ends with that reason, not with a node lost). The instance stays up without an agent, as
-after a failed user data script on EC2. Instances whose user data is not a trainfleet node's run
+A copy that fails every try is reported as the user data reports a failed step: to the console,
+and to the control plane as NodeUnhealthy with a failed BOOT_CHECK, the reason naming the step
+(the node is replaced as a sick one). The instance stays up without an agent, as after a failed
+user data script on EC2. Instances whose user data is not a trainfleet node's run
 it as cloud-init would (localcloud.fleet.boot_user_data).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -28,8 +31,6 @@ if TYPE_CHECKING:
     from localcloud.cloud import LocalCloud
     from localcloud.fleet import LocalInstance
 
-ARTIFACTS = "artifacts/"
-MARKER = "artifacts/README.txt"
 REPO = Path(__file__).resolve().parent.parent
 NODE_MODULES = ["localcloud.node_boot", "node.agent", "node.standin"]
 """What a node's warm image imports: the boot, the agent and the stand-in trainer (a thread of it)."""
@@ -38,9 +39,14 @@ TRAINER_MODULES = ["node.health", "node.torchrun", "trainer.worker", "trainer.tr
 
 
 def publish_artifacts(s3: Any, bucket: str) -> None:
-    """What the deployment publishes for the nodes to install (locally a marker: the agent runs
-    from this tree), as `make artifacts BUCKET=...` does on AWS."""
-    s3.put_object(Bucket=bucket, Key=MARKER, Body=b"trainfleet wheelhouse (local cloud: the agent runs from the tree)\n")
+    """What `make artifacts BUCKET=...` publishes for the nodes to install, in each of its copies
+    (locally placeholders: the agent runs from this tree)."""
+    from trainfleet.adapters.ec2_fleet import ARTIFACT_COPIES, NODE_PYTHON_ARTIFACT, NODE_WHEELHOUSE_ARTIFACT
+
+    for copy in range(ARTIFACT_COPIES):
+        for name in (NODE_PYTHON_ARTIFACT, NODE_WHEELHOUSE_ARTIFACT):
+            s3.put_object(Bucket=bucket, Key=f"artifacts/{copy:02d}/{name}",
+                          Body=b"trainfleet artifact (local cloud: the agent runs from the tree)\n")
 
 
 def boot_as_nodes(cloud: LocalCloud, local_settings: Callable[[LocalInstance], dict[str, str]] = lambda _: {},
@@ -68,16 +74,45 @@ def boot_as_nodes(cloud: LocalCloud, local_settings: Callable[[LocalInstance], d
     cloud.fleet.use_warm_image(NODE_MODULES + (TRAINER_MODULES if real_trainer else []))
 
 
-def copy_objects(s3: Any, bucket: str, prefix: str, into: Path) -> list[str]:
-    """`aws s3 cp --recursive s3://BUCKET/PREFIX INTO`: list the prefix, get each object; the keys."""
-    copied = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        for item in page.get("Contents", []):
-            target = into / item["Key"][len(prefix):]
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(s3.get_object(Bucket=bucket, Key=item["Key"])["Body"].read())
-            copied.append(item["Key"])
-    return copied
+def copy_artifacts(s3: Any, bucket: str, instance_id: str, into: Path) -> list[str]:
+    """The user data's copy: the instance's copy of the two artifacts, each a HEAD and a GET (an
+    object below the CLI's part size is one GET); the keys copied."""
+    from trainfleet.adapters.ec2_fleet import NODE_PYTHON_ARTIFACT, NODE_WHEELHOUSE_ARTIFACT, artifact_copy
+
+    into.mkdir(parents=True, exist_ok=True)
+    keys = [f"{artifact_copy(instance_id)}{name}" for name in (NODE_PYTHON_ARTIFACT, NODE_WHEELHOUSE_ARTIFACT)]
+    for key in keys:
+        s3.head_object(Bucket=bucket, Key=key)
+        (into / key.rsplit("/", 1)[1]).write_bytes(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    return keys
+
+
+class BootStepFailed(Exception):
+    """A bootstrap step that failed every try."""
+
+    def __init__(self, tries: int, error: Exception):
+        super().__init__(str(error))
+        self.tries = tries
+
+
+def retried(step: Callable[[], Any], tries: int, first_wait_s: float) -> tuple[Any, int]:
+    """`step()` until it returns, `tries` times at most, with the user data's waits between (double
+    each time, at most BOOT_RETRY_MAX_S, drawn from their upper half); its result and the tries
+    taken, or BootStepFailed with the last try's AWS error."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from trainfleet.adapters.ec2_fleet import BOOT_RETRY_MAX_S
+
+    attempt, wait = 1, first_wait_s
+    while True:
+        try:
+            return step(), attempt
+        except (BotoCoreError, ClientError) as error:
+            if attempt == tries:
+                raise BootStepFailed(attempt, error) from error
+            print(f"node boot: try {attempt} of {tries} failed: {error}", flush=True)
+            time.sleep(wait * (0.5 + random.random() / 2))
+            attempt, wait = attempt + 1, min(wait * 2, BOOT_RETRY_MAX_S)
 
 
 def report_boot_failure(reason: str, detail: str) -> None:
@@ -87,13 +122,13 @@ def report_boot_failure(reason: str, detail: str) -> None:
     from botocore.config import Config
 
     from node.agent import MetadataClient
-    from trainfleet.adapters.ec2_fleet import BOOT_COPY_ATTEMPTS
+    from trainfleet.adapters.ec2_fleet import BOOT_REQUEST_ATTEMPTS
     from trainfleet.core.events import BOOT_CHECK, HealthCheckResult, NodeUnhealthy, put_events_entry
 
     try:
         identity = MetadataClient().identity()
         events = boto3.client("events", config=Config(region_name=identity.region, retries={
-            "mode": "standard", "max_attempts": BOOT_COPY_ATTEMPTS}))
+            "mode": "standard", "max_attempts": BOOT_REQUEST_ATTEMPTS}))
         report = NodeUnhealthy(run_name=os.environ["TRAINFLEET_RUN_NAME"], attempt=0,
                                instance_id=identity.instance_id, reason=reason,
                                checks=[HealthCheckResult(name=BOOT_CHECK, passed=False, detail=detail)])
@@ -105,23 +140,25 @@ def report_boot_failure(reason: str, detail: str) -> None:
 def main(agent_argv: list[str]) -> None:
     import boto3
     from botocore.config import Config
-    from botocore.exceptions import BotoCoreError, ClientError
 
     from localcloud.in_place import exec_in_place, runnable
     from localcloud.warm_image import forked_from_image
-    from trainfleet.adapters.ec2_fleet import BOOT_COPY_ATTEMPTS
+    from trainfleet.adapters.ec2_fleet import BOOT_REQUEST_ATTEMPTS, BOOT_RETRY_S, BOOT_STEP_TRIES
+    from trainfleet.core.events import BOOT_FAILED_AT, BOOT_STEPS
 
     bucket = os.environ["TRAINFLEET_BUCKET"]
-    s3 = boto3.client("s3", config=Config(retries={"mode": "standard", "max_attempts": BOOT_COPY_ATTEMPTS}))
+    s3 = boto3.client("s3", config=Config(retries={"mode": "standard", "max_attempts": BOOT_REQUEST_ATTEMPTS}))
+    step = BOOT_STEPS[2]  # copying the artifacts: the one step of the user data that calls AWS before the agent
     try:
-        copied = copy_objects(s3, bucket, ARTIFACTS, Path("wheels"))
-    except (BotoCoreError, ClientError) as error:
-        step = f"copying s3://{bucket}/{ARTIFACTS}"
-        print(f"node boot failed: {step} failed: {error}; the agent is not started", flush=True)
-        report_boot_failure(f"bootstrap failed at: {step}", str(error))
+        copied, tries = retried(lambda: copy_artifacts(s3, bucket, os.environ["LOCALCLOUD_INSTANCE_ID"], Path("wheels")),
+                                BOOT_STEP_TRIES, float(os.environ.get("TRAINFLEET_BOOT_RETRY_S", BOOT_RETRY_S)))
+    except BootStepFailed as error:
+        reason = f"{BOOT_FAILED_AT}{step} (exit 1, {error.tries} tries)"
+        print(f"node boot failed: {reason}: {error}; the agent is not started", flush=True)
+        report_boot_failure(reason, str(error))
         while True:  # the instance stays up without an agent, as after a failed user data script
             time.sleep(3600)
-    print(f"node boot: copied {len(copied)} artifacts from s3://{bucket}/{ARTIFACTS}; starting the agent", flush=True)
+    print(f"node boot: copied {', '.join(copied)} in {tries} tries; starting the agent", flush=True)
     if forked_from_image() and runnable(agent_argv):
         exec_in_place(agent_argv)  # the image has the agent loaded
     os.execvp(agent_argv[0], agent_argv)

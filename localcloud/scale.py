@@ -21,7 +21,9 @@ lead, which in a real world cannot happen (node/standin.py). The chaos matrix pr
 freeze with the real trainer.
 
 What it measures, from the cloud's own counters (harness reads go through internal clients and
-are not counted): time allocate -> all nodes ready (the run trains); per phase (start-up, steady
+are not counted): time allocate -> all nodes ready (the run trains); the busiest S3 prefixes
+against S3's per-prefix rates, and the SlowDowns answered (the nodes copy their artifacts as the
+user data does, each from its copy of them); per phase (start-up, steady
 training, each recovery, teardown) the Lambda invocations, state transitions, DynamoDB reads and
 writes, EventBridge events put, S3 and SQS requests; each recovery's time from the fault to the
 replacement attempt training and to its first step; the largest Step Functions payload, DynamoDB
@@ -275,8 +277,24 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, stead
             "recoveries": recoveries, "phases": meter.phases,
             "per_training_hour": {name: round(value * 3600 / steady["seconds"])
                                   for name, value in steady.items() if name != "seconds"},
-            "largest_payloads": payloads,
+            "largest_payloads": payloads, "s3_prefixes": s3_prefix_figures(stack.cloud),
         }
+
+
+def s3_prefix_figures(cloud: Any) -> dict[str, Any]:
+    """How near the run came to S3's per-prefix rates (glue/s3_rates.py): the busiest prefix of each
+    kind, the busiest copy of the artifacts, and the requests answered SlowDown."""
+    rates = cloud.s3_rates
+
+    def busiest(kind: str, within: str = "") -> dict[str, Any]:
+        found = [(count, where) for (where, what), count in rates.busiest.items()
+                 if what == kind and within in where]
+        count, where = max(found, default=(0, None))
+        return {"prefix": where, "requests_in_a_second": count, "limit": rates.limits[kind]}
+
+    return {"busiest_read": busiest("read"), "busiest_write": busiest("write"),
+            "busiest_artifacts_read": busiest("read", "/artifacts/"),
+            "slowdowns": cloud.failed_requests[("s3", "slowdown")]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from localcloud.waiting import sizes, until
 from trainfleet.adapters.ec2_fleet import TAG_RUN
 from trainfleet.adapters.run_store import RunNotFound, RunStore
 from trainfleet.core.records import RunRecord
-from trainfleet.core.runspec import RunSpec
+from trainfleet.core.runspec import NodeNetwork, RecoveryPolicy, RunSpec, with_stack_defaults
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -99,14 +99,6 @@ def attempt_losses(instances: list[Any]) -> dict[int, dict[int, float]]:
     return {attempt: steps for attempt, steps in losses.items() if steps}
 
 
-def _network(ec2: Any) -> tuple[str, str]:
-    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
-    # Room for the largest local runs: 512 instances of 32 EFA interfaces, an address each.
-    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.0.0/17", AvailabilityZone="us-east-1a")
-    group = ec2.create_security_group(GroupName=f"efa-{uuid.uuid4().hex[:6]}", Description="run", VpcId=vpc)
-    return subnet["Subnet"]["SubnetId"], group["GroupId"]
-
-
 TIMEOUT_FLOORS_S = {"recovery.hang_timeout_seconds": 60, "recovery.stall_floor_seconds": 60,
                     "recovery.startup_timeout_seconds": 300, "recovery.boot_timeout_seconds": 300,
                     "trainer.parallel.timeout_s": 60}
@@ -126,7 +118,7 @@ holds them."""
 
 def timeout_floor_problems(spec: dict[str, Any]) -> list[str]:
     """The RunSpec's timeouts below TIMEOUT_FLOORS_S, each named (the defaults are far above)."""
-    recovery = RunSpec.model_validate(spec).recovery
+    recovery = RecoveryPolicy.model_validate(spec.get("recovery", {}))
     given = {"recovery.hang_timeout_seconds": recovery.hang_timeout_seconds,
              "recovery.stall_floor_seconds": recovery.stall_floor_seconds,
              "recovery.startup_timeout_seconds": recovery.startup_timeout_seconds,
@@ -139,16 +131,17 @@ def timeout_floor_problems(spec: dict[str, Any]) -> list[str]:
 def check_template(template: dict[str, Any]) -> None:
     """ValidationError (or ValueError) for a template RunSpec that local_run_spec cannot make a
     valid RunSpec of, whatever stack it runs in: found before anything is deployed."""
-    RunSpec.model_validate(local_run_spec(template, str(template.get("run_name", "")), "any-bucket",
-                                          "subnet-00000000000000000", "sg-00000000000000000"))
+    RunSpec.model_validate(with_stack_defaults(
+        local_run_spec(template, str(template.get("run_name", "")), "any-bucket"), "any-bucket",
+        lambda instance_type: NodeNetwork(["subnet-00000000000000000"], ["sg-00000000000000000"])))
 
 
-def local_run_spec(template: dict[str, Any], run_name: str, bucket: str, subnet: str, group: str) -> dict[str, Any]:
-    """The template RunSpec made concrete for one local stack: names, bucket, network. A template
-    whose timeouts a starved machine could reach is refused (TIMEOUT_FLOORS_S)."""
+def local_run_spec(template: dict[str, Any], run_name: str, bucket: str) -> dict[str, Any]:
+    """The template RunSpec made concrete for one local stack: names and bucket; its network is the
+    stack's, which Validate fills in as on AWS. A template whose timeouts a starved machine could
+    reach is refused (TIMEOUT_FLOORS_S)."""
     spec = json.loads(json.dumps(template))
     spec["run_name"] = run_name
-    spec["capacity"] |= {"subnet_ids": [subnet], "security_group_ids": [group]}
     spec["checkpoint"]["s3_uri"] = f"s3://{bucket}/runs/{run_name}/checkpoints"
     problems = timeout_floor_problems(spec)
     if problems:
@@ -164,7 +157,6 @@ class LocalStack:
     stack_name: str
     outputs: dict[str, str]
     narrate: Callable[[str], None]
-    network: tuple[str, str] = ("", "")
     clients: dict[str, Any] = field(default_factory=dict)
     cpu_shares: dict[str, float] = field(default_factory=dict)
     """Run name -> the share of CPU time its instances get (LocalFleet.cpu_share; 1 if absent)."""
@@ -203,7 +195,7 @@ class LocalStack:
     def run_spec(self, template: dict[str, Any], run_name: str) -> dict[str, Any]:
         """`template` as a RunSpec named `run_name` for this stack (local_run_spec), its repairs off
         where the agents run the stand-in trainer."""
-        spec = local_run_spec(template, run_name, self.bucket, *self.network)
+        spec = local_run_spec(template, run_name, self.bucket)
         if self.standin:
             spec["recovery"] = spec.get("recovery", {}) | {"repair_in_place": False}
         return spec
@@ -315,6 +307,7 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
     from localcloud.imds import serve_fleet
     from localcloud.node_boot import boot_as_nodes, publish_artifacts
     from node.agent import LOOK_S, METADATA_LOOK_S
+    from trainfleet.adapters.ec2_fleet import BOOT_RETRY_S
 
     with LocalCloud(time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds,
                     boot_seconds=boot_seconds, boot_spread_seconds=boot_spread_seconds) as cloud:
@@ -332,8 +325,10 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
             def local_settings(instance: Any) -> dict[str, str]:
                 """Beside what the user data gives the agent: its paces and limits on this machine."""
                 return {"TRAINFLEET_AGENT_LIFETIME_S": str(int(AGENT_LIFETIME_S)),
-                        # The notices are as much shorter as time is scaled: so is the pace of the looks.
-                        "TRAINFLEET_METADATA_LOOK_S": str(max(LOOK_S, METADATA_LOOK_S * time_scale))} | (
+                        # The notices are as much shorter as time is scaled: so is the pace of the looks,
+                        # and the waits between a bootstrap step's tries.
+                        "TRAINFLEET_METADATA_LOOK_S": str(max(LOOK_S, METADATA_LOOK_S * time_scale)),
+                        "TRAINFLEET_BOOT_RETRY_S": str(BOOT_RETRY_S * time_scale)} | (
                     {"TRAINFLEET_UNREACHABLE_LIMIT_S": str(unreachable_limit_s)} if unreachable_limit_s else {}) | (
                     {"TRAINFLEET_STANDIN_STEP_S": str(standin_step_s)} if standin_step_s else {})
 
@@ -342,7 +337,6 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
             # import torch again (localcloud/warm_image.py, localcloud/in_place.py).
             boot_as_nodes(cloud, local_settings, real_trainer=not standin_step_s)
             cloud.fleet.cpu_share = lambda instance: stack.cpu_shares.get(instance.tags.get(TAG_RUN, ""), 1.0)
-            stack.network = _network(stack.client("ec2"))
             yield stack
         finally:
             metadata.stop()

@@ -23,7 +23,8 @@ writes for the real trainer and gives what the agent and the control plane read 
   word; a world still incomplete after the join timeout ends each node that waited with exit 1,
   as torchrun's RendezvousTimeoutError does;
 - resume: node rank 0 chooses the resume point as the real trainer does
-  (checkpoint_catalog.resume_point); the other nodes take the step the config names;
+  (checkpoint_catalog.resume_point), under checkpoint.resume_uri where the config names the run it
+  resumes; the other nodes take the step the config names;
 - exits: 0 after the final step; 2 with `config error:` for a config it cannot run; on SIGTERM
   it stops within a step and exits 1, as torchrun does (its SignalException ends it with 1).
 
@@ -166,6 +167,7 @@ class StandIn:
             self.batch_tokens = int(training.get("batch_size", 1)) * int(config.get("model", {}).get("seq_len", 1))
             self.target = catalog.resume_target(checkpoint.get("resume", "none"))
             self.uri, self.interval = checkpoint.get("uri", ""), int(checkpoint.get("interval", 0))
+            self.resume_uri = checkpoint.get("resume_uri", "")
             self.keep_last = int(checkpoint.get("keep_last", 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{type(exc).__name__}: {exc}") from exc
@@ -211,12 +213,13 @@ class StandIn:
 
     def resume_step(self) -> int:
         if self.store is not None:
-            manifest = catalog.resume_point(self.store, self.target)
+            resumed = catalog.open_store(self.resume_uri) if self.resume_uri else self.store
+            manifest = catalog.resume_point(resumed, self.target, saves=self.store)
             return manifest.step if manifest else 0
         if isinstance(self.target, int):
             return self.target
         if self.target == "latest" and self.uri:  # a later attempt whose resume point was not named
-            manifest = catalog.latest_committed(self.uri)
+            manifest = catalog.latest_committed(self.resume_uri or self.uri)
             return manifest.step if manifest else 0
         return 0
 

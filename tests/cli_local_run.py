@@ -7,7 +7,8 @@ template.yaml is deployed into a local cloud whose instances run the stand-in tr
 (pp=2 x dp=2), look at the run while it trains, and follow it with `watch` while the harness
 kills node rank 1's instance as the next commit after that reaches S3 (the control plane must
 replace that node alone and resume from the newest commit); then they list, read logs and a node's console, write
-the report, stop a second run, and are given bad input. The last line of stdout is one JSON
+the report, stop a second run after its first commit, go on from that commit in a third run
+(`start --resume-from`), and are given bad input. The last line of stdout is one JSON
 document: each command with its exit code and output, and the run's outcome as
 localcloud.stack gathers it.
 
@@ -32,7 +33,7 @@ from localcloud.demo import DEMO_RUN_SPEC, Narrator  # noqa: E402
 from localcloud.glue import s3 as s3_requests  # noqa: E402
 from localcloud.stack import LocalRun, local_stack  # noqa: E402
 from localcloud.waiting import sizes, until  # noqa: E402
-from trainer.checkpoint_catalog import marker_step  # noqa: E402
+from trainer.checkpoint_catalog import latest_committed, marker_step  # noqa: E402
 from trainfleet.adapters.run_store import RunNotFound  # noqa: E402
 
 NODES, STEP_S = 4, 0.4
@@ -47,6 +48,13 @@ def recorded(stack, run_name: str, what: str) -> bool:
     except RunNotFound:
         return False
     return bool(record.last_step) if what == "step" else record.state.is_final
+
+
+def checkpoint_files(stack, run_name: str) -> dict[str, str]:
+    """Every object under the run's checkpoints, with its ETag."""
+    pages = stack.client("s3").get_paginator("list_objects_v2").paginate(
+        Bucket=stack.bucket, Prefix=f"runs/{run_name}/checkpoints/")
+    return {item["Key"]: item["ETag"] for page in pages for item in page.get("Contents", [])}
 
 
 def main() -> dict:
@@ -135,7 +143,7 @@ def main() -> dict:
         two_nodes = json.loads(json.dumps(template))
         two_nodes["node_count"], two_nodes["trainer"]["parallel"]["dp"] = 2, 1
         cli("start_second", "start", spec_file("cli-stopped", two_nodes))
-        first("cli-stopped", "step")
+        first("cli-stopped", "commit")
         cli("stop", "stop", "cli-stopped", "--timeout", "120")
         # As EC2 describes them the moment `stop` returned: every one terminated.
         results["stopped_instances"] = sorted({
@@ -143,6 +151,20 @@ def main() -> dict:
                 Filters=[{"Name": "tag:trainfleet:run", "Values": ["cli-stopped"]}])["Reservations"]
             for instance in reservation["Instances"]})
         cli("status_stopped", "status", "cli-stopped")
+        # The stopped run goes on in a run of its own from its newest commit, which it keeps as it was.
+        stopped_uri = f"s3://{stack.bucket}/runs/cli-stopped/checkpoints"
+        results["resumed"] = {"stopped_commit": latest_committed(stopped_uri, stack.client("s3")).step,
+                              "stopped_files_before": checkpoint_files(stack, "cli-stopped")}
+        resumable = folder / "resumable.json"  # the RunSpec a person wrote: its checkpoints are the stack's
+        spec = stack.run_spec(two_nodes, "cli-stopped")
+        del spec["checkpoint"]["s3_uri"]
+        resumable.write_text(json.dumps(spec))
+        cli("start_resume_itself", "start", str(resumable), "--resume-from", "cli-stopped")
+        cli("start_resumed", "start", str(resumable), "--run-name", "cli-resumed", "--resume-from", "cli-stopped",
+            "--watch")
+        results["resumed"] |= {
+            "stopped_files_after": checkpoint_files(stack, "cli-stopped"),
+            "outcome": stack.outcome(LocalRun("cli-resumed", stack.operations().execution_arn("cli-resumed"), {}))}
         until(lambda: all(instance.state == "terminated" for instance in stack.cloud.fleet.instances()
                           if instance.tags.get("trainfleet:run") == "cli-run"), stack.cloud.activity,
               what="every instance of cli-run terminated")

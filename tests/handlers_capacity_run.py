@@ -36,7 +36,7 @@ def lose_a_node_without_capacity(cloud, outputs: dict[str, str], zone: str, node
     kill node rank 1, wait for the end; what happened."""
     ec2, sfn = cloud.client("ec2"), cloud.client("stepfunctions")
     store = RunStore(cloud.client("dynamodb"), outputs["RunTableName"])
-    subnet, group = network(ec2, zone)
+    subnet, group = network(ec2, outputs, zone)
     run_name = f"cap-{uuid.uuid4().hex[:6]}"
     spec = run_spec(run_name, outputs["CheckpointBucketName"], subnet, group) | {"node_count": nodes}
     for key, value in changes.items():  # sections are merged, other fields replaced

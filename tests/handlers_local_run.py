@@ -54,11 +54,11 @@ from trainfleet.core.node_access import node_log_stream
 AGENT = REPO / "tests" / "handlers_sim_agent.py"
 
 
-def network(ec2, zone: str = "us-east-1a") -> tuple[str, str]:
-    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
-    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.1.0/24", AvailabilityZone=zone)
-    group = ec2.create_security_group(GroupName=f"efa-{uuid.uuid4().hex[:6]}", Description="run", VpcId=vpc)
-    return subnet["Subnet"]["SubnetId"], group["GroupId"]
+def network(ec2, outputs: dict[str, str], zone: str = "us-east-1a") -> tuple[str, str]:
+    """The stack's node subnet in `zone` and the nodes' group: the nodes reach AWS from there (its endpoints)."""
+    subnets = ec2.describe_subnets(SubnetIds=outputs["NodeSubnetIds"].split(","))["Subnets"]
+    return next(subnet["SubnetId"] for subnet in subnets if subnet["AvailabilityZone"] == zone), \
+        outputs["NodeSecurityGroupIds"]
 
 
 def run_spec(run_name: str, bucket: str, subnet: str, group: str) -> dict:
@@ -162,7 +162,7 @@ def scenarios(cloud, stack_name: str) -> None:
     ec2, sfn, s3 = clients["ec2"], clients["stepfunctions"], clients["s3"]
     outputs = deploy_with_agents(cloud, stack_name)
     store = RunStore(clients["dynamodb"], outputs["RunTableName"])
-    subnet, group = network(ec2)
+    subnet, group = network(ec2, outputs)
     machine = outputs["StateMachineArn"]
 
     # 1. A run with one node lost mid-training; a node of another run tries to end it, read it

@@ -57,6 +57,23 @@ def table_from_template(dynamodb, logical_id: str) -> str:
     return name
 
 
+def node_network_from_template(cloud, folder: Path) -> tuple[list[str], list[str]]:
+    """The nodes' network as template.yaml makes it (its StackNetwork resources deployed alone,
+    IAM left as it is): its subnets, one a zone, and its security group."""
+    from localcloud.deploy import DeployRequest, deploy, load_template
+
+    template = load_template(TESTS.parent / "template.yaml")
+    network = {key: template[key] for key in ("AWSTemplateFormatVersion", "Parameters", "Rules", "Conditions")}
+    network["Resources"] = {logical_id: resource for logical_id, resource in template["Resources"].items()
+                            if resource.get("Condition") == "StackNetwork"}
+    network["Outputs"] = {name: template["Outputs"][name] for name in ("NodeSubnetIds", "NodeSecurityGroupIds")}
+    path = folder / "network.json"
+    path.write_text(json.dumps(network))
+    outputs = deploy(DeployRequest(template=path, endpoint=cloud.endpoint, stack_name=unique("network"),
+                                   enforce_iam=False)).outputs
+    return outputs["NodeSubnetIds"].split(","), outputs["NodeSecurityGroupIds"].split(",")
+
+
 def handlers_zip() -> bytes:
     return zip_of({f"{HANDLERS_MODULE}.py": HANDLERS_FILE.read_text()})
 

@@ -91,8 +91,37 @@ def test_user_data_installs_and_starts_the_agent():
     assert "TRAINFLEET_RUN_NAME=r1" in script and "TRAINFLEET_EVENT_BUS=agents" in script
     assert "TRAINFLEET_SHUTDOWN_COMMAND='shutdown -h now'" in script
     assert '-H "X-aws-ec2-metadata-token: $token"' in script  # IMDSv2 only, like the template
-    assert f"AWS_RETRY_MODE=standard AWS_MAX_ATTEMPTS={fleet.BOOT_COPY_ATTEMPTS} aws s3 cp --recursive s3://bucket/artifacts/" in script
+    assert f"export AWS_RETRY_MODE=standard AWS_MAX_ATTEMPTS={fleet.BOOT_REQUEST_ATTEMPTS}" in script
     assert "systemd-run --unit trainfleet-agent" in script and f"-m {fleet.AGENT_MODULE}" in script
+
+
+def test_every_bootstrap_step_is_tried_again_with_jittered_backoff_and_named_when_it_fails():
+    from trainfleet.core.events import BOOT_FAILED_AT, BOOT_STEPS
+
+    script = fleet.node_user_data("r1", SETTINGS)
+    steps = [line.split('"')[1] for line in script.splitlines() if line.startswith('step="')]
+    assert steps == list(BOOT_STEPS)
+    calls = [line for line in script.splitlines() if line.startswith("retried ")]
+    assert len(calls) == len(BOOT_STEPS), "each step, and nothing else, is retried"
+    assert f"retry_s=${{TRAINFLEET_BOOT_RETRY_S:-{fleet.BOOT_RETRY_S}}}" in script
+    assert f'[ "$tries" -lt {fleet.BOOT_STEP_TRIES} ] || return "$status"' in script
+    assert "sleep $(( wait / 2 + RANDOM % (wait / 2 + 1) ))" in script  # jitter: nodes that failed together part
+    assert f'reason="{BOOT_FAILED_AT}$step (exit $status, $tries tries)"' in script
+
+
+def test_a_node_copies_two_named_artifacts_from_the_prefix_its_instance_id_picks_at_a_capped_rate():
+    """S3 serves at least 5,500 GET/HEAD a second per prefix: the artifacts are published under
+    ARTIFACT_COPIES prefixes, each node asks one, in parts of ARTIFACT_PART_BYTES at most
+    ARTIFACT_BANDWIDTH: 512 nodes stay far below it."""
+    script = fleet.node_user_data("r1", SETTINGS)
+    assert 'artifacts="s3://bucket/artifacts/$(printf \'%02d\' $(( 16#${instance_id: -2} % 16 )))/"' in script
+    assert f'aws s3 cp "${{artifacts}}{fleet.NODE_PYTHON_ARTIFACT}"' in script
+    assert f'aws s3 cp "${{artifacts}}{fleet.NODE_WHEELHOUSE_ARTIFACT}"' in script and "--recursive" not in script
+    assert f"multipart_chunksize = {fleet.ARTIFACT_PART_BYTES}" in script and "max_bandwidth = 2GB/s" in script
+    assert [fleet.artifact_copy(f"i-0123456789abcde{end}") for end in ("00", "0f", "10", "ff")] == [
+        "artifacts/00/", "artifacts/15/", "artifacts/00/", "artifacts/15/"]
+    gets_per_node_per_s = 2 * 10**9 / fleet.ARTIFACT_PART_BYTES
+    assert 512 / fleet.ARTIFACT_COPIES * gets_per_node_per_s < 5500 / 10, "a tenth of a prefix's rate at most"
 
 
 def test_the_agents_settings_are_read_back_from_the_user_data_and_only_from_a_nodes():
@@ -124,6 +153,7 @@ def test_user_data_installs_the_projects_python_and_torch_never_the_images():
         "optional-dependencies"]
     script = fleet.node_user_data("r1", SETTINGS)
     assert f'tar -xzf "$home/artifacts/{fleet.NODE_PYTHON_ARTIFACT}"' in script
+    assert f'tar -xf "$home/artifacts/{fleet.NODE_WHEELHOUSE_ARTIFACT}" -C "$home/wheels"' in script
     assert '"$home/python/bin/python3" -m venv "$home/venv"' in script and "--system-site-packages" not in script
     assert not any(line.lstrip().startswith(("python3", "pip")) for line in script.splitlines())
     assert "'trainfleet[trainer]'" in script and "torch==2.13.0" in extras["trainer"]
@@ -557,30 +587,3 @@ def test_a_reservation_the_run_cannot_use_is_refused_before_anything_launches(cl
     with pytest.raises(fleet.FleetError, match=re.escape(problem)):
         allocated(ec2, network, "refused", **{"kind": "capacity-block", "reservation_id": block, **capacity})
     assert cloud.requests[("ec2", "CreateFleet")] == before, "nothing launched, nothing to undo"
-
-
-def test_the_default_network_is_the_default_vpcs_subnets_in_zone_order_and_its_default_group(cloud):
-    ec2 = cloud.client("ec2")
-    vpc = ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"][0]["VpcId"]
-    network = fleet.default_network(ec2)
-    subnets = {subnet["SubnetId"]: subnet for subnet in ec2.describe_subnets(SubnetIds=network.subnet_ids)["Subnets"]}
-    assert len(network.subnet_ids) > 1
-    assert {subnet["VpcId"] for subnet in subnets.values()} == {vpc}
-    assert all(subnet["DefaultForAz"] for subnet in subnets.values())
-    zones = [subnets[subnet_id]["AvailabilityZone"] for subnet_id in network.subnet_ids]
-    assert zones == sorted(zones)
-    (group,) = ec2.describe_security_groups(GroupIds=network.security_group_ids)["SecurityGroups"]
-    assert (group["GroupName"], group["VpcId"]) == ("default", vpc)
-
-
-def test_an_account_without_a_default_vpc_is_told_to_name_its_network(cloud):
-    ec2 = cloud.client("ec2", region_name="eu-north-1")
-    for vpc in ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"]:
-        for subnet in ec2.describe_subnets(Filters=[{"Name": "vpc-id", "Values": [vpc["VpcId"]]}])["Subnets"]:
-            ec2.delete_subnet(SubnetId=subnet["SubnetId"])
-        for gateway in ec2.describe_internet_gateways(
-                Filters=[{"Name": "attachment.vpc-id", "Values": [vpc["VpcId"]]}])["InternetGateways"]:
-            ec2.detach_internet_gateway(InternetGatewayId=gateway["InternetGatewayId"], VpcId=vpc["VpcId"])
-        ec2.delete_vpc(VpcId=vpc["VpcId"])
-    with pytest.raises(fleet.NoDefaultNetwork, match="no default VPC in this region to take them from: name them"):
-        fleet.default_network(ec2)

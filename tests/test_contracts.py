@@ -47,9 +47,9 @@ def test_example_run_spec_is_valid_and_round_trips():
 def test_a_run_spec_leaves_its_checkpoints_and_network_to_the_stack():
     asked = []
 
-    def network() -> runspec.DefaultNetwork:
-        asked.append(True)
-        return runspec.DefaultNetwork(["subnet-0a1b2c3d4e5f60718"], ["sg-0123456789abcdef0"])
+    def network(instance_type: str) -> runspec.NodeNetwork:
+        asked.append(instance_type)
+        return runspec.NodeNetwork(["subnet-0a1b2c3d4e5f60718"], ["sg-0123456789abcdef0"])
 
     bare = spec_with(**{"checkpoint.s3_uri": _DELETE, "capacity.subnet_ids": _DELETE,
                         "capacity.security_group_ids": _DELETE})
@@ -57,6 +57,7 @@ def test_a_run_spec_leaves_its_checkpoints_and_network_to_the_stack():
     assert spec.checkpoint.s3_uri == "s3://stack-bucket/runs/gpt-1b-p5-demo/checkpoints"
     assert (spec.capacity.subnet_ids, spec.capacity.security_group_ids) == (["subnet-0a1b2c3d4e5f60718"],
                                                                            ["sg-0123456789abcdef0"])
+    assert asked == [EXAMPLE["instance_type"]], "the stack's subnets in the zones that offer the run's type"
     assert spec.checkpoint.interval_steps == EXAMPLE["checkpoint"]["interval_steps"], "what is given stays"
     assert not [problem for problem in node_access.node_access_problems(spec, "stack-bucket")
                 if problem.startswith("checkpoint")]
@@ -65,7 +66,7 @@ def test_a_run_spec_leaves_its_checkpoints_and_network_to_the_stack():
         "a RunSpec that names them keeps its own, and the network is not looked up")
     half = runspec.with_stack_defaults(spec_with(**{"capacity.security_group_ids": _DELETE}), "stack-bucket", network)
     with pytest.raises(ValidationError, match="capacity.security_group_ids"):
-        runspec.RunSpec.model_validate(half)  # subnets of another VPC than the default's: its groups are the user's
+        runspec.RunSpec.model_validate(half)  # subnets of the user's own: so are their groups
     assert runspec.with_stack_defaults(["not", "a", "spec"], "stack-bucket", network) == ["not", "a", "spec"]
 
 

@@ -9,6 +9,7 @@ test reads the token from the queue, so success and failure are seen by Step Fun
 import json
 import logging
 import math
+import os
 import sys
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -27,7 +28,7 @@ from trainfleet.core.records import (FAILURE_ERROR, CheckpointRef, FailureClass,
 from trainfleet.core.runspec import RunSpec
 
 from localcloud.glue import ec2 as ec2_glue
-from localcloud_helpers import table_from_template
+from localcloud_helpers import node_network_from_template, table_from_template
 
 REPO = Path(__file__).resolve().parent.parent
 STACK = "handlers-test"
@@ -56,8 +57,14 @@ def resources(cloud):
             "node_policy_arn": node_policy["Policy"]["Arn"]}
 
 
+@pytest.fixture(scope="module")
+def node_network(cloud, tmp_path_factory) -> tuple[list[str], list[str]]:
+    """The nodes' subnets (one a zone) and security group, as template.yaml makes them."""
+    return node_network_from_template(cloud, tmp_path_factory.mktemp("network"))
+
+
 @pytest.fixture
-def handlers(cloud, resources, monkeypatch):
+def handlers(cloud, resources, node_network, monkeypatch):
     """The functions package with the settings template.yaml gives every function; dropped from
     sys.modules afterwards, so that the local cloud can later import the deployed copy."""
     for name, value in {**cloud.env(), "TRAINFLEET_STACK": STACK, "TRAINFLEET_RUN_TABLE": resources["run_table"],
@@ -65,6 +72,8 @@ def handlers(cloud, resources, monkeypatch):
                         "TRAINFLEET_IDEMPOTENCY_TABLE": resources["idempotency_table"],
                         "TRAINFLEET_BUCKET": resources["bucket"], "TRAINFLEET_EVENT_BUS": f"{STACK}-agents",
                         "TRAINFLEET_NODE_POLICY_ARN": resources["node_policy_arn"],
+                        "TRAINFLEET_NODE_SUBNETS": ",".join(node_network[0]),
+                        "TRAINFLEET_NODE_SECURITY_GROUPS": ",".join(node_network[1]),
                         "POWERTOOLS_TRACE_DISABLED": "true", "POWERTOOLS_METRICS_NAMESPACE": "Trainfleet"}.items():
         monkeypatch.setenv(name, value)
     # A copy imported before these settings (by another test in this process) would keep its
@@ -99,6 +108,10 @@ class Context:
     @staticmethod
     def get_remaining_time_in_millis() -> int:
         return 60_000
+
+
+ON_THE_STACKS_NETWORK = {"capacity": {"kind": "on-demand"}}
+"""A RunSpec's capacity that names no network: Validate fills in the stack's node network."""
 
 
 def spec_document(bucket: str, run_name: str, **changes) -> dict:
@@ -235,7 +248,7 @@ def test_in_memory_checkpoints_that_do_not_fit_host_memory_are_refused(handlers,
                "training": {"batch_size": 64, "activation_checkpoint": "full"},
                "data": {"shards": f"s3://{resources['bucket']}/data/tokens"}}
     document = spec_document(resources["bucket"], "copies-too-big", instance_type="p4de.24xlarge", node_count=8,
-                             spare_count=0, min_nodes=None, trainer=trainer)
+                             spare_count=0, min_nodes=None, trainer=trainer, **ON_THE_STACKS_NETWORK)
     with pytest.raises(handlers.errors.InvalidRunSpec) as refused:
         handlers.validate.handler({"run_spec": document, "execution_arn": "arn:x"}, Context())
     assert str(refused.value).startswith("checkpoint: the in-memory checkpoints need 1025.5 GiB"), str(refused.value)
@@ -284,8 +297,8 @@ def test_a_vocabulary_or_tokenizer_that_does_not_fit_the_shards_is_refused_namin
 
 
 def test_validate_records_the_run_and_passes_on_a_reference_of_constant_size(handlers, resources):
-    small = spec_document(resources["bucket"], "small-run")
-    large = spec_document(resources["bucket"], "large-run", node_count=512, spare_count=16,
+    small = spec_document(resources["bucket"], "small-run", **ON_THE_STACKS_NETWORK)
+    large = spec_document(resources["bucket"], "large-run", node_count=512, spare_count=16, **ON_THE_STACKS_NETWORK,
                           trainer={**small["trainer"], "parallel": {**small["trainer"]["parallel"], "dp": 1024},
                                    "training": {**small["trainer"]["training"], "batch_size": 8192}})
     outputs = [handlers.validate.handler({"run_spec": document, "execution_arn": f"arn:{document['run_name']}"},
@@ -301,7 +314,7 @@ def test_validate_records_the_run_and_passes_on_a_reference_of_constant_size(han
 
 
 def test_validate_records_the_trainer_section_with_the_trainers_defaults(handlers, resources, cloud):
-    document = spec_document(resources["bucket"], "defaults-run")
+    document = spec_document(resources["bucket"], "defaults-run", **ON_THE_STACKS_NETWORK)
     assert "vocab_size" not in document["trainer"]["model"] and "tp" not in document["trainer"]["parallel"]
     handlers.validate.handler({"run_spec": document, "execution_arn": "arn:defaults-run"}, Context())
     trainer = RunStore(cloud.client("dynamodb"), resources["run_table"]).run("defaults-run").spec.trainer
@@ -310,18 +323,76 @@ def test_validate_records_the_trainer_section_with_the_trainers_defaults(handler
     assert model["d_model"] == document["trainer"]["model"]["d_model"]  # what was given stays
 
 
-def test_validate_fills_in_the_stacks_checkpoint_location_and_the_default_vpc(handlers, resources, cloud):
-    document = spec_document(resources["bucket"], "bare-run")
-    del document["checkpoint"]["s3_uri"], document["capacity"]["subnet_ids"], document["capacity"]["security_group_ids"]
+def test_validate_fills_in_the_stacks_checkpoint_location_and_node_network(handlers, resources, cloud, node_network):
+    document = spec_document(resources["bucket"], "bare-run", **ON_THE_STACKS_NETWORK)
+    del document["checkpoint"]["s3_uri"]
     handlers.validate.handler({"run_spec": document, "execution_arn": "arn:bare-run"}, Context())
     spec = RunStore(cloud.client("dynamodb"), resources["run_table"]).run("bare-run").spec
     assert spec.checkpoint.s3_uri == f"s3://{resources['bucket']}/runs/bare-run/checkpoints"
+    # moto offers p5.48xlarge in every zone of the region: every node subnet, in order
+    assert (spec.capacity.subnet_ids, spec.capacity.security_group_ids) == node_network
+
+
+def test_validate_refuses_a_subnet_the_nodes_could_not_reach_aws_from_naming_it_and_the_services(
+        handlers, resources, cloud):
+    """The default VPC's subnets (what a RunSpec without a network got before): an EFA node there
+    gets no public IPv4 address, and no endpoint leads anywhere. Nothing is recorded."""
     ec2 = cloud.client("ec2")
-    vpc = ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"][0]["VpcId"]
-    subnets = ec2.describe_subnets(SubnetIds=spec.capacity.subnet_ids)["Subnets"]
-    assert {subnet["VpcId"] for subnet in subnets} == {vpc} and all(subnet["DefaultForAz"] for subnet in subnets)
-    (group,) = ec2.describe_security_groups(GroupIds=spec.capacity.security_group_ids)["SecurityGroups"]
-    assert group["GroupName"] == "default"
+    default = ec2.describe_subnets(Filters=[{"Name": "availability-zone", "Values": ["us-east-1a"]},
+                                            {"Name": "default-for-az", "Values": ["true"]}])["Subnets"][0]
+    group = ec2.describe_security_groups(Filters=[{"Name": "vpc-id", "Values": [default["VpcId"]]},
+                                                  {"Name": "group-name", "Values": ["default"]}])["SecurityGroups"][0]
+    document = spec_document(resources["bucket"], "no-way-out", capacity={
+        "kind": "on-demand", "subnet_ids": [default["SubnetId"]], "security_group_ids": [group["GroupId"]]})
+    with pytest.raises(handlers.errors.InvalidRunSpec) as refused:
+        handlers.validate.handler({"run_spec": document, "execution_arn": "arn:no-way-out"}, Context())
+    lines = str(refused.value).splitlines()
+    services = ", ".join(line.split("could not reach ")[1].split(" from ")[0] for line in lines)
+    for service in ("S3 (s3)", "DynamoDB (dynamodb)", "EventBridge (events)", "Step Functions (states)",
+                    "CloudWatch Logs (logs)"):
+        assert service in services
+    assert all(f"from {default['SubnetId']} (us-east-1a)" in line and
+               line.endswith("EC2 gives none to a launch of 32 network interfaces)") for line in lines)
+    items = cloud.client("dynamodb").scan(TableName=resources["run_table"])["Items"]
+    assert not [item for item in items if item["pk"]["S"] == "RUN#no-way-out"]
+
+
+def test_validate_resumes_only_an_ended_run_of_this_model_that_committed_a_checkpoint(handlers, resources, cloud):
+    from test_adapters_checkpoints import save
+
+    bucket, store = resources["bucket"], RunStore(cloud.client("dynamodb"), resources["run_table"])
+    handlers.validate.handler({"run_spec": spec_document(bucket, "ended-run", **ON_THE_STACKS_NETWORK),
+                               "execution_arn": "arn:ended-run"}, Context())
+
+    def validate(name: str, **changes) -> None:
+        handlers.validate.handler({"run_spec": spec_document(bucket, name, **ON_THE_STACKS_NETWORK, **changes),
+                                   "execution_arn": f"arn:{name}"}, Context())
+
+    def refused(problem: str, **changes) -> None:
+        with pytest.raises(handlers.errors.InvalidRunSpec, match=problem):
+            validate("resumed-run", **changes)
+
+    refused("resume_from: this stack has no run named 'never-ran'", resume_from="never-ran")
+    refused("resume_from: a run resumes another run, not itself", resume_from="resumed-run")
+    example = spec_document(bucket, "x")["trainer"]
+    initialised = {**example, "training": {**example["training"], "init_from": f"s3://{bucket}/models/base"}}
+    refused("resume_from: a resumed run starts from the other run's newest checkpoint, whole; "
+            r"trainer.training.init_from \(weights to start from\) cannot be given with it",
+            resume_from="ended-run", trainer=initialised)
+    refused(r"resume_from: run 'ended-run' is REQUESTED: a run resumes one that has ended \(`trainfleet run stop "
+            "ended-run` ends it\)", resume_from="ended-run")
+    for state in (RunState.TEARING_DOWN, RunState.FAILED):
+        store.transition_run("ended-run", state)
+    refused("resume_from: run 'ended-run' committed no checkpoint under "
+            f"s3://{bucket}/runs/ended-run/checkpoints: nothing to resume from", resume_from="ended-run")
+    save(cloud.client("s3"), f"s3://{bucket}/runs/ended-run/checkpoints", 40)
+    other = {**example, "model": {**example["model"], "n_heads": example["model"]["n_heads"] * 2}}
+    refused(f"resume_from: trainer.model.n_heads is {other['model']['n_heads']} here and was "
+            f"{example['model']['n_heads']} in run 'ended-run': a checkpoint loads only into the model it was "
+            "saved from", resume_from="ended-run", trainer=other)
+    validate("resumed-run", resume_from="ended-run")
+    spec = store.run("resumed-run").spec
+    assert (spec.resume_from, spec.resume_from_uri) == ("ended-run", f"s3://{bucket}/runs/ended-run/checkpoints")
 
 
 # --- Allocate -------------------------------------------------------------------------------
@@ -332,23 +403,23 @@ ZONE, INSTANCE_TYPE = "us-east-1c", "c5.large"
 def validated_run(handlers, cloud, resources, monkeypatch, nodes: int = 2, parallel: dict | None = None,
                   **changes) -> dict:
     """Validate's output for a run of `nodes` c5.large workers (one rank each, pp = nodes, with
-    `parallel` settings besides) in ZONE's default subnet; instances boot no agent (EC2 semantics
+    `parallel` settings besides) in ZONE's node subnet; instances boot no agent (EC2 semantics
     only)."""
     monkeypatch.setattr(cloud.fleet, "boot", lambda instance: None)
     # The handlers are called one by one here: no state machine retries an Allocate that met its
     # new node profile before IAM showed it to EC2 (test_a_runs_nodes_get_a_role_of_their_own...).
     monkeypatch.setattr(ec2_glue, "IAM_PROPAGATION_S", 0.0)
+    # The stack's node network, as the handlers fixture gives it to the functions.
+    subnets, groups = (os.environ[variable].split(",") for variable in ("TRAINFLEET_NODE_SUBNETS",
+                                                                       "TRAINFLEET_NODE_SECURITY_GROUPS"))
     ec2 = cloud.client("ec2")
-    subnet = ec2.describe_subnets(Filters=[{"Name": "availability-zone", "Values": [ZONE]},
-                                           {"Name": "default-for-az", "Values": ["true"]}])["Subnets"][0]
-    group = ec2.describe_security_groups(Filters=[{"Name": "vpc-id", "Values": [subnet["VpcId"]]},
-                                                  {"Name": "group-name", "Values": ["default"]}])
+    (subnet,) = [subnet for subnet in ec2.describe_subnets(SubnetIds=subnets)["Subnets"]
+                 if subnet["AvailabilityZone"] == ZONE]
     name = f"run-{uuid.uuid4().hex[:6]}"
     document = spec_document(resources["bucket"], name, **{
         "instance_type": INSTANCE_TYPE, "node_count": nodes, "spare_count": 0, "min_nodes": None,
         "image_id": "ami-0123456789abcdef0",
-        "capacity": {"kind": "on-demand", "subnet_ids": [subnet["SubnetId"]],
-                     "security_group_ids": [group["SecurityGroups"][0]["GroupId"]]},
+        "capacity": {"kind": "on-demand", "subnet_ids": [subnet["SubnetId"]], "security_group_ids": groups},
         "trainer": {"model": {"n_layers": nodes}, "training": {"batch_size": nodes},
                     "parallel": {"pp": nodes, "dp": 1, "schedule": "gpipe", "microbatches": nodes,
                                  **(parallel or {})}},
@@ -954,6 +1025,8 @@ def test_a_replacement_refused_for_the_vcpu_quota_is_waited_for_as_capacity(hand
     store = RunStore(cloud.client("dynamodb"), resources["run_table"])
     handlers.allocate.handler(payload, Context())
     handlers.await_nodes.handler({"run": payload, "task_token": "token-of-await-nodes"}, Context())
+    # One node registered, so the boot timeout is a slow node's, not the set-up's (SETUP_FAILED).
+    store.transition_node(name, sorted(node.instance_id for node in store.nodes(name))[0], NodeState.REGISTERED)
     caught = {**payload, "failure": {"Error": "States.Timeout", "Cause": "AwaitNodes timed out"}}
     cloud.set_vcpu_quota(0)
     try:

@@ -5,7 +5,7 @@ there, and Recover promotes them and re-plans for the planned size."""
 
 from test_adapters_checkpoints import save
 from test_handlers import (Context, INSTANCE_TYPE, STACK, ZONE, agent_event, cloud, finished,  # noqa: F401
-                           handlers, parked_token, resources, validated_run)
+                           handlers, node_network, parked_token, resources, validated_run)
 from trainfleet.adapters.ec2_fleet import run_instance_ids
 from trainfleet.adapters.run_store import RunStore
 from trainfleet.core.records import FAILURE_ERROR, FailureClass, NodeRole, NodeState, RecoveryAction, RunState, TaskWait

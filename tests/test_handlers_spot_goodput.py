@@ -12,7 +12,7 @@ import pytest
 
 from test_adapters_checkpoints import save
 from test_handlers import (REPO, Context, agent_event, cloud, finished, handlers, parked_token,  # noqa: F401
-                           recorded_run, resources, state_change)
+                           node_network, recorded_run, resources, state_change)
 from trainfleet.core.lifecycle import DEFERRED_LEAD, SPOT_NOTICE, unaccounted_seconds
 from trainfleet.core.records import (FAILURE_ERROR, CheckpointRef, FailureClass, FailureReport, NodeState, RunRecord,
                                      TaskWait)

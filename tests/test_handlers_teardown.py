@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from test_handlers import (REPO, STACK, Context, cloud, finished, handlers, parked_token,  # noqa: F401
-                           recorded_run, resources)
+                           node_network, recorded_run, resources)
 from trainfleet.adapters.ec2_fleet import (TAG_RUN, TAG_STACK, ensure_placement_group, placement_group_name,
                                            run_instance_ids)
 from trainfleet.core.lifecycle import unaccounted_seconds

@@ -243,3 +243,38 @@ def test_a_node_writes_its_own_liveness_record_and_no_peers(enforced):
     assert read_liveness(cloud.client("dynamodb"), table, "r", [mine, peer]) == [record]
     with pytest.raises(ClientError, match="not authorized to perform: dynamodb:BatchGetItem"):
         read_liveness(node, table, "r", [mine])  # reading is Recover's
+
+
+def test_a_resumed_runs_nodes_read_the_old_runs_checkpoints_and_cannot_write_or_delete_them(enforced):
+    """The template's NodePolicy on a run's node role (trainfleet.adapters.node_roles): tagged with
+    the run it resumes, its nodes read that run's checkpoints and change nothing of them; a node
+    of a run that resumes none reads nothing of it."""
+    from test_iam_policies import BUCKET, STACK, rendered_template
+    from trainfleet.adapters.node_roles import ensure_node_profile, node_role_name
+
+    cloud = enforced
+    admin, iam = cloud.client("s3"), cloud.client("iam")
+    admin.create_bucket(Bucket=BUCKET)
+    step = "runs/old-run/checkpoints/step-000000040"
+    for key in (f"{step}/commit.json", "runs/old-run/checkpoints/shards-3/step-000000040/__3_0.distcp",
+                "runs/old-run/launch-spec.json"):
+        admin.put_object(Bucket=BUCKET, Key=key, Body=b"{}")
+    document = rendered_template()["NodePolicy"]["Properties"]["PolicyDocument"]
+    policy = iam.create_policy(PolicyName=f"nodes-{uuid.uuid4().hex[:6]}", PolicyDocument=json.dumps(document))
+    run = f"new-{uuid.uuid4().hex[:6]}"
+    ensure_node_profile(iam, run, STACK, policy["Policy"]["Arn"], resume_from="old-run")
+    ensure_node_profile(iam, f"{run}-x", STACK, policy["Policy"]["Arn"])
+    resumed, unrelated = (client_as(cloud, f"arn:aws:iam::{cloud.account_id}:role/trainfleet/{STACK}/"
+                                           f"{node_role_name(name, STACK)}", "s3") for name in (run, f"{run}-x"))
+
+    listed = resumed.list_objects_v2(Bucket=BUCKET, Prefix="runs/old-run/checkpoints/")["Contents"]
+    assert len(listed) == 2
+    assert resumed.get_object(Bucket=BUCKET, Key=f"{step}/commit.json")["Body"].read() == b"{}"
+    for denied in (lambda: resumed.put_object(Bucket=BUCKET, Key=f"{step}/commit.json", Body=b"x"),
+                   lambda: resumed.delete_object(Bucket=BUCKET, Key=f"{step}/commit.json"),
+                   lambda: resumed.get_object(Bucket=BUCKET, Key="runs/old-run/launch-spec.json"),
+                   lambda: unrelated.get_object(Bucket=BUCKET, Key=f"{step}/commit.json"),
+                   lambda: unrelated.list_objects_v2(Bucket=BUCKET, Prefix="runs/old-run/checkpoints/")):
+        with pytest.raises(ClientError, match="AccessDenied"):
+            denied()
+    resumed.put_object(Bucket=BUCKET, Key=f"runs/{run}/checkpoints/step-000000050/commit.json", Body=b"{}")

@@ -16,7 +16,7 @@ import pytest
 from moto.iam.aws_managed_policies import aws_managed_policies_data
 
 from localcloud.deploy import load_template, transform_sam
-from localcloud.deploy_intrinsics import Resolver, parameter_values
+from localcloud.deploy_intrinsics import Resolver, evaluate_conditions, parameter_values
 from localcloud.iam_policy import ALLOW, EXPLICIT_DENY, IMPLICIT_DENY, evaluate
 from trainfleet.adapters.ec2_fleet import TAG_STACK
 from trainfleet.core.node_access import NODE_READ_PREFIXES, NODE_WRITE_PREFIXES
@@ -47,6 +47,10 @@ _REF_IS_ARN = {"AWS::IAM::ManagedPolicy"}
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, Any]:
+    return rendered_template()
+
+
+def rendered_template() -> dict[str, Any]:
     """Resources of the deployed template, intrinsics resolved; physical names `st-Logical-x`."""
     template = load_template(REPO / "template.yaml")
     for resource in template["Resources"].values():
@@ -56,8 +60,10 @@ def rendered() -> dict[str, Any]:
     parameters = {"AWS::Region": REGION, "AWS::AccountId": ACCOUNT, "AWS::StackName": STACK,
                   "AWS::Partition": "aws", "AWS::URLSuffix": "amazonaws.com",
                   **parameter_values(template["Parameters"], {})}
-    resources = transform_sam(template, parameters, REGION)["Resources"]
+    transformed = transform_sam(template, parameters, REGION)
+    resources = transformed["Resources"]
     resolver = Resolver(parameters)
+    resolver.conditions = evaluate_conditions(transformed.get("Conditions", {}), resolver)
     for logical_id, resource in resources.items():
         name = BUCKET if logical_id == "CheckpointBucket" else f"{STACK}-{logical_id}-x"
         arn = _ARNS.get(resource["Type"], lambda name: name)(name)
@@ -111,9 +117,11 @@ def node_s3_prefixes(rendered, actions: set[str]) -> set[str]:
             listed = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
             if actions & set(listed):
                 for resource in statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]:
-                    # Under runs/, the run's own folder (the role's tag names the run).
+                    # Under runs/, the run's own folder (the role's tag names the run), and the
+                    # checkpoints of the run it resumes (another tag).
                     found.add(re.sub(rf"^arn:aws:s3:::{BUCKET}/(.*)\*$", r"\1", resource)
-                              .replace("${aws:PrincipalTag/trainfleet:run}/", ""))
+                              .replace("${aws:PrincipalTag/trainfleet:run}/", "")
+                              .replace("${aws:PrincipalTag/trainfleet:resume-from}/checkpoints/", ""))
     return found
 
 
@@ -153,6 +161,35 @@ def test_node_role_objects(rendered, action, key, expected):
 ])
 def test_node_role_lists_only_its_prefixes(rendered, context, expected):
     assert node(rendered, "s3:ListBucket", f"arn:aws:s3:::{BUCKET}", **context) == expected
+
+
+RESUMED = {**RUN, "aws_PrincipalTag__trainfleet:resume-from": "old"}
+"""A run resumed from run "old" (RunSpec.resume_from): its role's tag (trainfleet.adapters.node_roles)."""
+
+
+@pytest.mark.parametrize("action, key, resumed, not_resumed", [
+    ("s3:GetObject", "runs/old/checkpoints/step-000000100/commit.json", ALLOW, IMPLICIT_DENY),
+    ("s3:GetObject", "runs/old/checkpoints/shards-3/step-000000100/__3_0.distcp", ALLOW, IMPLICIT_DENY),
+    ("s3:PutObject", "runs/old/checkpoints/step-000000200/__0_0.distcp", IMPLICIT_DENY, IMPLICIT_DENY),
+    ("s3:DeleteObject", "runs/old/checkpoints/step-000000100/commit.json", IMPLICIT_DENY, IMPLICIT_DENY),
+    ("s3:GetObject", "runs/old/launch-spec.json", IMPLICIT_DENY, IMPLICIT_DENY),  # its task token
+    ("s3:GetObject", "runs/other/checkpoints/step-000000100/commit.json", IMPLICIT_DENY, IMPLICIT_DENY),
+    ("s3:PutObject", "runs/r/checkpoints/step-000000200/__0_0.distcp", ALLOW, ALLOW),  # its own, as ever
+])
+def test_a_resumed_runs_nodes_read_the_old_runs_checkpoints_and_never_write_or_prune_them(
+        rendered, action, key, resumed, not_resumed):
+    assert decide(rendered, "NodePolicy", action, s3(key), **RESUMED) == resumed
+    assert node(rendered, action, s3(key)) == not_resumed
+
+
+@pytest.mark.parametrize("prefix, resumed, not_resumed", [
+    ("runs/old/checkpoints/", ALLOW, IMPLICIT_DENY), ("runs/old/checkpoints/shards-3/", ALLOW, IMPLICIT_DENY),
+    ("runs/old/", IMPLICIT_DENY, IMPLICIT_DENY), ("runs/r/checkpoints/", ALLOW, ALLOW),
+])
+def test_a_resumed_runs_nodes_list_the_old_runs_checkpoints_alone(rendered, prefix, resumed, not_resumed):
+    bucket = f"arn:aws:s3:::{BUCKET}"
+    assert decide(rendered, "NodePolicy", "s3:ListBucket", bucket, s3_prefix=prefix, **RESUMED) == resumed
+    assert node(rendered, "s3:ListBucket", bucket, s3_prefix=prefix) == not_resumed
 
 
 @pytest.mark.parametrize("action, resource, context, expected", [
@@ -281,9 +318,11 @@ def test_run_node_roles_are_made_and_deleted_under_the_stacks_path_alone(rendere
     assert decide(rendered, role, action, resource, **context) == expected
 
 
-def test_validate_may_only_record_runs_and_look_up_the_default_network(rendered):
+def test_validate_may_only_record_runs_and_look_at_the_network(rendered):
     assert decide(rendered, "ValidateFunctionRole", "dynamodb:PutItem", TABLE) == ALLOW
-    for action in ("ec2:DescribeVpcs", "ec2:DescribeSubnets", "ec2:DescribeSecurityGroups"):
+    for action in ("ec2:DescribeSubnets", "ec2:DescribeInstanceTypeOfferings", "ec2:DescribeVpcs",
+                   "ec2:DescribeVpcAttribute", "ec2:DescribeRouteTables", "ec2:DescribeVpcEndpoints",
+                   "ec2:DescribeNatGateways", "ec2:DescribeSecurityGroups"):
         assert decide(rendered, "ValidateFunctionRole", action, "*") == ALLOW
     assert decide(rendered, "ValidateFunctionRole", "ec2:RunInstances", f"{EC2}:instance/*") == IMPLICIT_DENY
     assert decide(rendered, "ValidateFunctionRole", "ssm:GetParameters", f"arn:aws:ssm:{REGION}::parameter/aws/x") == IMPLICIT_DENY

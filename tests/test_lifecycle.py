@@ -8,7 +8,8 @@ import pytest
 from trainfleet.core import lifecycle as lc
 from trainfleet.core import pace
 from trainfleet.core.events import (CheckpointCommitted, CheckpointReason, Ec2InstanceStateChange,
-                                    Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning, HealthEvent, NodeReady,
+                                    Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning, HealthCheckResult,
+                                    HealthEvent, NodeReady,
                                     NodeRegistered, NodeUnhealthy, ScalingChecked, TrainerFailed, TrainerHung,
                                     TrainingProgress)
 from trainfleet.core.records import (CAPACITY_ERROR, FAILURE_ERROR, CheckpointRef, FailureClass, FailureRecord,
@@ -46,8 +47,8 @@ def make_run(spec: RunSpec | None = None, **fields) -> RunRecord:
 def node(instance_id: str, role=NodeRole.WORKER, state=NodeState.READY, **fields) -> NodeRecord:
     if state is NodeState.READY:
         fields.setdefault("ready_attempt", 1)  # confirmed for make_run's attempt
-    return NodeRecord(run_name="r1", instance_id=instance_id, role=role, state=state,
-                      private_ip=f"10.0.0.{instance_id[-1]}", **fields)
+    fields.setdefault("private_ip", f"10.0.0.{instance_id[-1]}")
+    return NodeRecord(run_name="r1", instance_id=instance_id, role=role, state=state, **fields)
 
 
 WORKERS = [node(f"i-{n}") for n in range(1, 5)]
@@ -113,13 +114,46 @@ def test_task_errors_are_classified():
     assert lc.classify_task_error(FAILURE_ERROR, sent.model_dump_json(), train) == sent
     for error in ("States.HeartbeatTimeout", "States.Timeout"):
         assert lc.classify_task_error(error, None, train).failure_class is FailureClass.HANG
-    timed_out = lc.classify_task_error("States.Timeout", None, boot, not_ready_instance_ids=["i-2"])
+    booting = [node("i-1", ready_attempt=2), node("i-2", state=NodeState.LAUNCHED, private_ip=None)]
+    timed_out = lc.classify_task_error("States.Timeout", None, boot, booting)
     assert (timed_out.failure_class, timed_out.instance_ids) == (FailureClass.NODE_UNHEALTHY, ["i-2"])
     short = lc.classify_task_error("CapacityUnavailable", "us-east-1a: InsufficientInstanceCapacity", boot)
     assert (short.failure_class, short.instance_ids) == (FailureClass.CAPACITY, [])
     unknown = lc.classify_task_error("Lambda.ServiceException", "boom", train)
     assert (unknown.failure_class, unknown.attempt) == (FailureClass.UNKNOWN, 2)
     assert "boom" in unknown.message
+
+
+def silent(instance_id: str, **fields) -> NodeRecord:
+    """A node whose agent never reported: launched, no address."""
+    return node(instance_id, state=NodeState.LAUNCHED, private_ip=None, subnet_id="subnet-0a", **fields)
+
+
+def test_a_boot_timeout_no_node_ever_reported_in_is_the_runs_set_up_failing_and_ends_the_run():
+    """A fleet that cannot reach AWS stays silent: replacing it would bill it again and again until
+    the restart budget is spent; one boot timeout says what no node did, and the run gives up."""
+    boot = TaskWait(purpose="await_nodes", attempt=0, token="t")
+    fleet = [silent("i-1"), silent("i-2"), silent("i-9", role=NodeRole.SPARE)]
+    failure = lc.classify_task_error("States.Timeout", None, boot, fleet)
+    assert (failure.failure_class, failure.instance_ids) == (FailureClass.SETUP_FAILED, [])
+    assert "not one of the 3 nodes of attempt 0 reported within the boot timeout" in failure.message
+    assert "from subnet-0a" in failure.message
+    decision = lc.decide_recovery(make_run(attempt=0), fleet, failure, jitter_draw=0.0, now=T0)
+    assert decision.action is RecoveryAction.GIVE_UP
+    assert decision.reason.startswith("the run's set-up failed: States.Timeout: not one of the 3 nodes")
+
+
+@pytest.mark.parametrize("fleet", [
+    [node("i-1"), silent("i-2")],  # a survivor reported: the silent one is a sick replacement
+    [node("i-1", state=NodeState.REGISTERED, ready_attempt=None), silent("i-2")],  # one registered, not ready
+    [silent("i-1"), node("i-9", role=NodeRole.SPARE)],  # a spare reported: the network works
+])
+def test_a_boot_timeout_with_any_node_heard_from_blames_the_silent_workers(fleet):
+    boot = TaskWait(purpose="await_nodes", attempt=1, token="t")
+    failure = lc.classify_task_error("States.Timeout", None, boot, fleet)
+    assert failure.failure_class is FailureClass.NODE_UNHEALTHY
+    assert set(failure.instance_ids) == {node.instance_id for node in fleet
+                                         if node.role is NodeRole.WORKER and node.state is not NodeState.READY}
 
 
 def test_the_capacity_error_name_is_the_one_the_handlers_raise():
@@ -213,20 +247,41 @@ def test_config_error_gives_up_at_once():
     assert decision.action is RecoveryAction.GIVE_UP and "config" in decision.reason
 
 
-def test_a_node_whose_software_did_not_install_ends_the_run_at_once():
-    """The user data's failed step (NodeUnhealthy, check "bootstrap"): the same software fails on
-    every node, so no node is replaced and no restart is spent; the run gives up with the step."""
-    from trainfleet.core.events import BOOT_CHECK, HealthCheckResult, NodeUnhealthy
+def boot_failure(instance_id: str, step: str = "copying the artifacts") -> FailureReport:
+    """What the event handler makes of a node's failed bootstrap step (NodeUnhealthy, check "bootstrap")."""
+    from trainfleet.core.events import BOOT_CHECK
 
-    detail = NodeUnhealthy(run_name="r1", attempt=0, instance_id="i-2",
-                           reason="bootstrap failed at: unpacking the node's Python (exit 2)",
-                           checks=[HealthCheckResult(name=BOOT_CHECK, passed=False, detail="tar: Cannot open")])
-    report = lc.classify_event(detail, 1, T0)
+    detail = NodeUnhealthy(run_name="r1", attempt=1, instance_id=instance_id,
+                           reason=f"bootstrap failed at: {step} (exit 1, 5 tries)",
+                           checks=[HealthCheckResult(name=BOOT_CHECK, passed=False, detail="SlowDown")])
+    return lc.classify_event(detail, 1, T0)
+
+
+def test_a_node_whose_bootstrap_step_failed_every_try_is_replaced_as_a_sick_node():
+    """One node's copy of the artifacts outlasted its retries (S3 answering SlowDown, a network
+    blip): that node is replaced, and the run goes on (it used to end the run of 512 nodes)."""
+    report = boot_failure("i-2")
     assert report.failure_class is FailureClass.BOOT_FAILED and report.instance_ids == ["i-2"]
     decision = lc.decide_recovery(make_run(), [*WORKERS, SPARE], report, 0.0, now=T0)
+    assert decision.action is RecoveryAction.REPLACE
+    assert decision.terminate_instance_ids == ["i-2"] and decision.promote_spare_ids == ["i-9"]
+
+
+def test_several_nodes_failing_at_the_same_bootstrap_step_end_the_run():
+    """Software that does not install fails alike on every node: the third node that failed at
+    one step within the restart window ends the run, naming them; other steps, or failures of
+    longer ago, are no such sign."""
+    failed = [node(f"i-{n}", state=NodeState.UNHEALTHY, failure_class=FailureClass.BOOT_FAILED,
+                   reason=boot_failure(f"i-{n}").message, updated_at=T0 - timedelta(minutes=5)) for n in (5, 6)]
+    other_step = node("i-7", state=NodeState.UNHEALTHY, failure_class=FailureClass.BOOT_FAILED,
+                      reason=boot_failure("i-7", "unpacking the artifacts").message, updated_at=T0)
+    decision = lc.decide_recovery(make_run(), [*WORKERS, *failed, other_step], boot_failure("i-2"), 0.0, now=T0)
     assert decision.action is RecoveryAction.GIVE_UP
-    assert decision.reason.startswith("the node software did not install: i-2: bootstrap failed at: unpacking")
-    assert "tar: Cannot open" in decision.reason
+    assert decision.reason.startswith("the node software did not install: 3 nodes failed at the same step "
+                                      "(i-2, i-5, i-6); last: i-2: bootstrap failed at: copying the artifacts")
+    long_ago = [failed_node.model_copy(update={"updated_at": T0 - timedelta(days=2)}) for failed_node in failed]
+    assert lc.decide_recovery(make_run(), [*WORKERS, *long_ago[:1], *failed[1:], other_step], boot_failure("i-2"),
+                              0.0, now=T0).action is RecoveryAction.REPLACE
     preflight = NodeUnhealthy(run_name="r1", attempt=1, instance_id="i-2", reason="gpu_count 7 of 8",
                               checks=[HealthCheckResult(name="gpu_count", passed=False)])
     assert lc.classify_event(preflight, 1, T0).failure_class is FailureClass.NODE_UNHEALTHY
@@ -1162,6 +1217,18 @@ def test_launch_spec_carries_layout_resume_point_and_token():
     assert lc.build_launch_spec(make_run(), WORKERS, None).trainer_config["checkpoint"]["resume"] == "none"
 
 
+def test_a_run_resumed_from_another_starts_from_its_newest_commit_then_from_its_own():
+    spec = make_spec().model_copy(update={"resume_from": "ended-run"})
+    assert spec.resume_from_uri == "s3://bucket/runs/ended-run/checkpoints"
+    theirs = CheckpointRef(step=40, uri="s3://bucket/runs/ended-run/checkpoints/step-000000040")
+    first = lc.build_launch_spec(make_run(spec, latest_checkpoint=theirs), WORKERS, None).trainer_config["checkpoint"]
+    assert (first["uri"], first["resume"], first["resume_uri"]) == (
+        "s3://bucket/runs/r1/checkpoints", "40", "s3://bucket/runs/ended-run/checkpoints")
+    ours = CheckpointRef(step=50, uri="s3://bucket/runs/r1/checkpoints/step-000000050")
+    later = lc.build_launch_spec(make_run(spec, latest_checkpoint=ours), WORKERS, None).trainer_config["checkpoint"]
+    assert later["resume"] == "50" and "resume_uri" not in later
+
+
 def test_launch_spec_refuses_what_it_cannot_build():
     with pytest.raises(ValueError, match="no parallel plan"):
         lc.build_launch_spec(make_run(plan=None), WORKERS, None)
@@ -1406,10 +1473,14 @@ def test_a_capacity_block_stops_the_run_before_ec2_ends_its_instances():
     assert lc.block_end_due(run.model_copy(update={"departure_noticed_at": T0}), stop_by)
     report = lc.block_end_report(run, ["i-2", "i-1"])
     assert (report.failure_class, report.instance_ids) == (FailureClass.CAPACITY_BLOCK_END, ["i-1", "i-2"])
-    # Nothing replaces the block: the run ends, naming the step to resume from.
+    # Nothing replaces the block: the run ends, naming the step to resume from and the command that does.
     decision = lc.decide_recovery(run, WORKERS, report, 0.5, now=stop_by)
     assert decision.action is RecoveryAction.GIVE_UP
-    assert "stopped with checkpoint step 40: start it again on a new block to resume" in decision.reason
+    assert ("stopped with checkpoint step 40: go on from it on a new block with `trainfleet run start RUNSPEC "
+            f"--run-name NEW_NAME --resume-from {run.run_name}`") in decision.reason
+    nothing_saved = lc.decide_recovery(run.model_copy(update={"latest_checkpoint": None}), WORKERS, report, 0.5,
+                                       now=stop_by)
+    assert nothing_saved.reason.endswith("stopped with no checkpoint: start it again on a new block")
     # The block's end names the failure whatever was announced first.
     nodes = [node("i-1", departure_noticed_at=T0, departure_class=FailureClass.SPOT_REBALANCE),
              node("i-2", departure_noticed_at=T0 + timedelta(seconds=1), departure_class=FailureClass.CAPACITY_BLOCK_END)]

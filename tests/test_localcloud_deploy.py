@@ -21,6 +21,7 @@ from localcloud.deploy import (
 from localcloud.deploy_intrinsics import (
     Resolver,
     TemplateError,
+    check_rules,
     creation_order,
     evaluate_conditions,
     parameter_values,
@@ -47,11 +48,24 @@ def test_parameters_take_overrides_then_defaults_and_split_lists():
     ({"Size": "1", "Colour": "red"}, "'Colour'"),
     ({}, "'Size' has no Default"),
     ({"Size": "1", "Stage": "qa"}, "'Stage'='qa' is not one of AllowedValues"),
+    ({"Size": "1", "Subnets": "subnet-1,vpc-2"}, "'Subnets'='subnet-1,vpc-2' does not match AllowedPattern"),
 ])
 def test_bad_parameters_are_named(overrides, message):
-    declared = {"Stage": {"Default": "dev", "AllowedValues": ["dev", "prod"]}, "Size": {"Type": "Number"}}
+    declared = {"Stage": {"Default": "dev", "AllowedValues": ["dev", "prod"]}, "Size": {"Type": "Number"},
+                "Subnets": {"Default": "", "AllowedPattern": "^(subnet-[0-9]+(,subnet-[0-9]+)*)?$"}}
     with pytest.raises(TemplateError, match=message):
         parameter_values(declared, overrides)
+
+
+def test_rules_refuse_the_parameters_their_assertions_fail_on():
+    rules = {"SubnetsNeedGroups": {
+        "RuleCondition": {"Fn::Not": [{"Fn::Equals": [{"Ref": "Subnets"}, ""]}]},
+        "Assertions": [{"Assert": {"Fn::Not": [{"Fn::Equals": [{"Ref": "Groups"}, ""]}]},
+                        "AssertDescription": "Subnets needs Groups"}]}}
+    check_rules(rules, Resolver({"Subnets": "", "Groups": ""}))  # the rule's condition is false
+    check_rules(rules, Resolver({"Subnets": "subnet-1", "Groups": "sg-1"}))
+    with pytest.raises(TemplateError, match="Rules.SubnetsNeedGroups: Subnets needs Groups"):
+        check_rules(rules, Resolver({"Subnets": "subnet-1", "Groups": ""}))
 
 
 def _resolver(**created_attributes):
@@ -226,6 +240,15 @@ def _read_back(cloud, resource):
         "AWS::Events::EventBus": lambda: cloud.client("events").describe_event_bus(Name=pid),
         "AWS::SNS::Topic": lambda: cloud.client("sns").get_topic_attributes(TopicArn=pid)["Attributes"],
         "AWS::CloudFormation::CustomResource": lambda: pid,  # its function answered SUCCESS, or the deploy failed
+        "AWS::EC2::VPC": lambda: cloud.client("ec2").describe_vpc_attribute(VpcId=pid, Attribute="enableDnsHostnames"),
+        "AWS::EC2::Subnet": lambda: cloud.client("ec2").describe_subnets(SubnetIds=[pid])["Subnets"][0],
+        "AWS::EC2::RouteTable": lambda: cloud.client("ec2").describe_route_tables(RouteTableIds=[pid])["RouteTables"][0],
+        "AWS::EC2::SubnetRouteTableAssociation": lambda: cloud.client("ec2").describe_route_tables(Filters=[
+            {"Name": "association.route-table-association-id", "Values": [pid]}])["RouteTables"][0],
+        "AWS::EC2::VPCEndpoint": lambda: cloud.client("ec2").describe_vpc_endpoints(
+            VpcEndpointIds=[pid])["VpcEndpoints"][0],
+        "AWS::EC2::SecurityGroupEgress": lambda: cloud.client("ec2").describe_security_group_rules(
+            SecurityGroupRuleIds=[pid])["SecurityGroupRules"][0],
     }
     return readers[resource.resource_type]()
 
@@ -470,6 +493,19 @@ def test_project_template_deploys_and_every_resource_is_accounted_for(cloud):
         name: str(value) for name, value in stack.outputs.items()}
     with pytest.raises(DeployError, match=f"stack {stack.stack_name} exists already"):
         deploy(DeployRequest(PROJECT_TEMPLATE, cloud.endpoint, stack_name=stack.stack_name))
+    # The nodes' network: a private subnet a zone, endpoints for what nodes call, DNS for their names.
+    ec2 = cloud.client("ec2")
+    subnets = stack.outputs["NodeSubnetIds"].split(",")
+    assert [subnet["AvailabilityZone"] for subnet in ec2.describe_subnets(SubnetIds=subnets)["Subnets"]] == [
+        "us-east-1a", "us-east-1b", "us-east-1c"]
+    endpoints = {endpoint["ServiceName"].rsplit(".", 1)[1]: endpoint for endpoint in ec2.describe_vpc_endpoints(
+        Filters=[{"Name": "vpc-id", "Values": [stack.resources["NodeVpc"].physical_id]}])["VpcEndpoints"]}
+    assert {service: (endpoint["VpcEndpointType"], endpoint["PrivateDnsEnabled"])
+            for service, endpoint in endpoints.items()} == {
+        "s3": ("Gateway", False), "dynamodb": ("Gateway", False), "events": ("Interface", True),
+        "states": ("Interface", True), "logs": ("Interface", True), "ssm": ("Interface", True),
+        "ssmmessages": ("Interface", True)}
+    assert stack.outputs["NodeSecurityGroupIds"] == stack.resources["NodeSecurityGroup"].physical_id
     machine = cloud.client("stepfunctions").describe_state_machine(stateMachineArn=stack.outputs["StateMachineArn"])
     assert "${" not in machine["definition"]
     # An event the handler fails on every try is kept with those EventBridge could not deliver.

@@ -346,33 +346,36 @@ def test_event_faults_are_checked(local_cloud):
         local_cloud.reorder_events(1.0, detail_types="Step")
 
 
-def test_a_node_boot_rides_out_seconds_of_s3_throttling(local_cloud, tmp_path):
-    """The wheelhouse copy at boot retries as the user data's does (standard mode, many tries):
-    a few seconds of S3 throttling must not leave a node without its agent."""
+def test_a_node_boot_rides_out_s3_throttling_longer_than_its_requests_retries(local_cloud, tmp_path):
+    """S3 answering SlowDown past one try of the artifacts copy (its requests' own retries): the
+    user data's step is tried again after a jittered wait, so the node boots; before, the node
+    reported a failed boot, which ended a run of 512 nodes."""
     import os
     from pathlib import Path
 
     from localcloud.node_boot import publish_artifacts
     from localcloud.waiting import run_captured
+    from trainfleet.adapters.ec2_fleet import BOOT_REQUEST_ATTEMPTS
 
     bucket = unique("artifacts")
     local_cloud.client("s3").create_bucket(Bucket=bucket)
     publish_artifacts(local_cloud.client("s3"), bucket)
-    # S3 throttles until the boot has been refused three times (a window of seconds would run out
-    # before a boot on a loaded machine asks anything).
+    refusals = BOOT_REQUEST_ATTEMPTS + 1  # a whole try of the step refused, and one more request
     local_cloud.fail_requests("s3", 3600.0, "throttle")
     ender = threading.Thread(target=lambda: (
-        local_cloud.wait_until(lambda: local_cloud.failed_requests[("s3", "throttle")] >= 3, "three refused requests"),
+        local_cloud.wait_until(lambda: local_cloud.failed_requests[("s3", "throttle")] >= refusals,
+                               f"{refusals} refused requests"),
         local_cloud.stop_failing_requests("s3")))
     ender.start()
     booted = run_captured(
         [sys.executable, "-m", "localcloud.node_boot", sys.executable, "-c", "print('agent started')"],
         what="the node boot", cwd=tmp_path,
-        env={**os.environ, **local_cloud.env(), "TRAINFLEET_BUCKET": bucket,
-             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+        env={**os.environ, **local_cloud.env(), "TRAINFLEET_BUCKET": bucket, "TRAINFLEET_BOOT_RETRY_S": "0.1",
+             "LOCALCLOUD_INSTANCE_ID": "i-0123456789abcdef0", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     ender.join()
     assert "agent started" in booted.stdout, booted.stdout + booted.stderr
-    assert local_cloud.failed_requests[("s3", "throttle")] >= 3
+    assert "node boot: try 1 of 5 failed" in booted.stdout and "in 1 tries" not in booted.stdout
+    assert local_cloud.failed_requests[("s3", "throttle")] >= refusals
 
 
 def test_a_starved_machine_runs_its_instances_their_share_of_the_time_never_none(local_cloud):
@@ -402,3 +405,35 @@ def process_cpu_s(pid: int) -> float:
 
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_s3_answers_slow_down_past_a_prefixs_rate_and_serves_other_prefixes():
+    """S3 serves at least 5,500 GET/HEAD and 3,500 PUT/DELETE a second per prefix, SlowDown beyond
+    (glue/s3_rates.py). Rates as low as a test can exceed, over a window of ten real seconds
+    (time_scale 10), so that no slow machine spreads the requests past it."""
+    from botocore.config import Config
+    from botocore.exceptions import ClientError
+
+    from localcloud import LocalCloud
+
+    with LocalCloud(time_scale=10.0, s3_prefix_rates=(6, 3)) as cloud:
+        s3 = cloud.client("s3", config=Config(retries={"total_max_attempts": 1}))  # every answer seen
+        bucket = unique("rates")
+        s3.create_bucket(Bucket=bucket)
+        for name in ("a", "b", "c"):
+            s3.put_object(Bucket=bucket, Key=f"hot/{name}", Body=b"x")
+        with pytest.raises(ClientError, match="SlowDown"):
+            s3.put_object(Bucket=bucket, Key="hot/d", Body=b"x")  # a fourth write to hot/ in the window
+        answers = []
+        for _ in range(8):
+            try:
+                s3.get_object(Bucket=bucket, Key="hot/a")
+                answers.append("served")
+            except ClientError as error:
+                answers.append(error.response["Error"]["Code"])
+        assert answers == ["served"] * 6 + ["SlowDown"] * 2
+        s3.put_object(Bucket=bucket, Key="other/a", Body=b"x")  # another prefix has its own rate
+        assert s3.get_object(Bucket=bucket, Key="other/a")["Body"].read() == b"x"
+        assert cloud.s3_rates.busiest[(f"{bucket}/hot/", "read")] == 6
+        assert cloud.s3_rates.refused[(f"{bucket}/hot/", "read")] == 2
+        assert cloud.failed_requests[("s3", "slowdown")] == 3

@@ -42,3 +42,11 @@ def test_every_phase_is_counted_and_no_payload_nears_its_limit(figures):
     assert steady["state_transitions"] == 0, "steady training moves no state"
     for kind, payload in figures["largest_payloads"].items():
         assert payload["size_bytes"] < LIMITS[kind] / 8, (kind, payload)
+
+
+@pytest.mark.slow
+def test_the_nodes_copied_their_artifacts_from_their_copies_within_s3s_prefix_rates(figures):
+    s3 = figures["s3_prefixes"]
+    assert s3["slowdowns"] == 0
+    artifacts = s3["busiest_artifacts_read"]
+    assert artifacts["prefix"] and 0 < artifacts["requests_in_a_second"] <= artifacts["limit"] == 5500

@@ -34,7 +34,7 @@ def demo_template() -> dict:
 
 
 def test_the_demo_run_spec_keeps_the_local_floors():
-    spec = local_run_spec(demo_template(), "demo-1", "bucket", "subnet-0123abcd", "sg-0123abcd")
+    spec = local_run_spec(demo_template(), "demo-1", "bucket")
     assert spec["recovery"]["startup_timeout_seconds"] >= TIMEOUT_FLOORS_S["recovery.startup_timeout_seconds"]
 
 
@@ -42,7 +42,7 @@ def test_a_local_run_spec_below_the_floors_a_starved_machine_can_reach_is_refuse
     template = demo_template()
     template["recovery"] |= {"startup_timeout_seconds": 200, "boot_timeout_seconds": 180}
     with pytest.raises(ValueError) as refused:
-        local_run_spec(template, "demo-1", "bucket", "subnet-0123abcd", "sg-0123abcd")
+        local_run_spec(template, "demo-1", "bucket")
     assert "recovery.startup_timeout_seconds=200 is below the local floor of 300 s" in str(refused.value)
     assert "recovery.boot_timeout_seconds=180 is below the local floor of 300 s" in str(refused.value)
     assert "hang_timeout" not in str(refused.value)

@@ -1,13 +1,15 @@
 """The node user data as EC2 runs it, run by a local instance: bash, the same script, the image's
-AWS CLI, the instance's own role. A step that fails is reported as NodeUnhealthy with the step
-and its output (and printed to the console), which ends the run at once (test_lifecycle)."""
+AWS CLI, the instance's own role. A step that fails every try is reported as NodeUnhealthy with
+the step and its output (and printed to the console); the node is replaced, and several failing
+at one step end the run (test_lifecycle)."""
 
 import json
 
 from localcloud.glue import ec2 as ec2_glue
 from localcloud.imds import serve_fleet
+from localcloud.node_boot import publish_artifacts
 from localcloud_helpers import event_sink, receive, unique
-from trainfleet.adapters.ec2_fleet import NODE_PYTHON_ARTIFACT, node_user_data
+from trainfleet.adapters.ec2_fleet import BOOT_STEP_TRIES, node_user_data
 from trainfleet.core.events import BOOT_CHECK, NodeUnhealthy, event_sender
 from trainfleet.core.settings import Settings
 
@@ -27,12 +29,15 @@ def node_profile(cloud) -> str:
     return profile
 
 
-def test_a_bootstrap_step_that_fails_is_reported_with_its_output(local_cloud, monkeypatch):
-    """Artifacts without the node's Python: the unpacking step fails; its output, the step's
-    name and the instance reach the control plane's bus within the boot, and the console."""
+def test_a_bootstrap_step_that_fails_every_try_is_reported_with_its_output(local_cloud, monkeypatch):
+    """Artifacts that are no archives: the unpacking step fails every try (each after a wait);
+    its output, the step's name, its tries and the instance reach the control plane's bus within
+    the boot, and the console."""
     s3, bucket = local_cloud.client("s3"), unique("bucket")
     s3.create_bucket(Bucket=bucket)
-    s3.put_object(Bucket=bucket, Key="artifacts/trainfleet-0.1.0-py3-none-any.whl", Body=b"wheel")
+    publish_artifacts(s3, bucket)  # placeholders, in every copy
+    # The waits between tries as short as the script allows: a second, doubling.
+    local_cloud.fleet.env_hooks.append(lambda instance: {"TRAINFLEET_BOOT_RETRY_S": "1"})
     sink = event_sink(local_cloud, {"source": [{"prefix": "trainfleet/"}], "detail-type": ["NodeUnhealthy"]})
     settings = Settings(run_table="runs", liveness_table="liveness", bucket=bucket, event_bus="default",
                         stack_name="trainfleet", node_policy_arn="arn:aws:iam::123456789012:policy/unused")
@@ -50,9 +55,11 @@ def test_a_bootstrap_step_that_fails_is_reported_with_its_output(local_cloud, mo
     report = NodeUnhealthy.model_validate(event["detail"])
     assert (report.run_name, report.instance_id) == ("boot-run", instance_id)
     assert event_sender(event["source"]) == instance_id, "sent as the instance itself"
-    assert report.reason.startswith(f"bootstrap failed at: unpacking the node's Python (artifacts/{NODE_PYTHON_ARTIFACT})")
+    assert report.reason == f"bootstrap failed at: unpacking the artifacts (exit 2, {BOOT_STEP_TRIES} tries)"
     (check,) = report.checks
     assert check.name == BOOT_CHECK and not check.passed
-    assert "download: s3://" in check.detail and f"{NODE_PYTHON_ARTIFACT}: Cannot open" in check.detail, check.detail
+    assert "download: s3://" in check.detail and "gzip: stdin: not in gzip format" in check.detail, check.detail
     console = local_cloud.fleet.get(instance_id).console_log.read_text()
-    assert "trainfleet: bootstrap failed at: unpacking the node's Python" in console
+    assert [f"trainfleet: unpacking the artifacts failed (exit 2), try {n} of {BOOT_STEP_TRIES}" in console
+            for n in range(1, BOOT_STEP_TRIES)] == [True] * (BOOT_STEP_TRIES - 1)
+    assert f"trainfleet: bootstrap failed at: unpacking the artifacts (exit 2, {BOOT_STEP_TRIES} tries)" in console

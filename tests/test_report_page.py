@@ -119,10 +119,24 @@ def test_the_page_fetches_nothing(example):
     for element in page.iter():
         for name, value in element.attrib.items():
             assert not re.search(r"https?:|//|url\((?!#[\w-]+\))", value, re.IGNORECASE), f"<{element.tag} {name}={value!r}>"
-            assert not name.lower().endswith(("src", "href")) or FRAGMENT.fullmatch(value), f"<{element.tag} {name}>"
+            # A link is followed by a reader, never fetched: only to a page beside this one.
+            followed = element.tag == "a" and name == "href" and value.startswith("../")
+            assert not name.lower().endswith(("src", "href")) or FRAGMENT.fullmatch(value) or followed, (
+                f"<{element.tag} {name}>")
     styles = " ".join(" ".join(style.itertext()) for style in page.iter("style"))
     assert "url(" not in styles and "@import" not in styles and "@font-face" not in styles
     assert not re.search(r"https?:", html), "nothing on the page names a network address"
+
+
+def test_a_resumed_run_links_the_report_of_the_run_it_resumed_and_names_the_step(example):
+    first = example.attempts[0].model_copy(update={"resume_step": 1200})
+    page = ET.fromstring(render_html(example.model_copy(update={"resumed_from": "ended-run",
+                                                                "attempts": [first, *example.attempts[1:]]})))
+    (resumed,) = [element for element in page.iter("p") if element.get("class") == "resumed"]
+    assert all_text(resumed) == "Resumed from run ended-run at its step 1,200."
+    assert resumed.find("a").get("href") == "../ended-run/report.html"
+    assert not [element for element in ET.fromstring(render_html(example)).iter("p")
+                if element.get("class") == "resumed"]
 
 
 def test_text_from_the_run_is_escaped(example):

@@ -149,7 +149,25 @@ def test_stop_stops_a_running_run_and_its_teardown_follows(commands):
 
 
 @pytest.mark.slow
+def test_a_run_resumed_from_a_stopped_one_starts_at_its_newest_commit_and_leaves_its_checkpoints_alone(commands):
+    """`trainfleet run start --resume-from`: the new run's nodes read the stopped run's newest commit
+    with their own role (tagged with it), train to the end, save under their own run, and neither
+    write nor prune a file of the stopped run's; the report names and links the run it resumed."""
+    resumed = commands["resumed"]
+    assert "started run cli-resumed" in ok(commands["start_resumed"])
+    outcome = resumed["outcome"]
+    assert outcome["status"] == "SUCCEEDED", outcome
+    report = outcome["report"]
+    assert report["resumed_from"] == "cli-stopped"
+    started_at = {launch["resume_step"] for launches in outcome["launches"].values() for launch in launches}
+    assert started_at == {resumed["stopped_commit"]} and resumed["stopped_commit"] > 0, started_at
+    assert resumed["stopped_files_after"] == resumed["stopped_files_before"]
+    assert outcome["commits"] and min(step for _, step in outcome["commits"]) > resumed["stopped_commit"]
+
+
+@pytest.mark.slow
 def test_bad_input_is_refused_in_one_line_and_changes_nothing(commands):
+    refused(commands["start_resume_itself"], "resume_from: a run resumes another run, not itself")
     refused(commands["start_again"], "cli-run", "was started before", "its execution RUNNING")
     refused(commands["start_missing"], "missing.json")
     refused(commands["start_broken"], "broken.json is not JSON")

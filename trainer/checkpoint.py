@@ -294,6 +294,8 @@ class Checkpointer:
         """
         self.cfg = cfg
         self.store = catalog.open_store(cfg.uri)
+        self.resume_store = catalog.open_store(cfg.resume_uri) if cfg.resume_uri else self.store
+        """Where the resume point lies: the saves' own place, or another run's, which is only read."""
         self._resume_target = catalog.resume_target(cfg.resume)
         self.layout = dict(layout or {})
         self.config_hash = config_hash
@@ -323,10 +325,12 @@ class Checkpointer:
         """Load the checkpoint `cfg.resume` asks for into `state`; its step, or None if none.
 
         "latest" takes the newest committed checkpoint whose files match its manifest, skipping
-        (and logging) broken ones; a step number takes that step or fails. Step folders newer than
-        the one loaded belong to an abandoned timeline and are deleted, so that this run's saves
-        never mix with them. With nothing to resume, the newest commit at `init_from` gives the
-        weights. An imported step (and init_from's) loads the weights alone, through `state`'s
+        (and logging) broken ones; a step number takes that step or fails; under `cfg.resume_uri`
+        where it names another run's checkpoints (a run resumed from another: its whole state).
+        Step folders newer than the one loaded belong to an abandoned timeline and are deleted
+        where this run saves, so that its saves never mix with them; another run's are never
+        touched. With nothing to resume, the newest commit at `init_from` gives the weights. An
+        imported step (and init_from's) loads the weights alone, through `state`'s
         model_state_dict and load_model_state_dict (trainer/train.py TrainState): everything else
         starts afresh.
         """
@@ -365,17 +369,17 @@ class Checkpointer:
     def _choose_resume_step(self) -> tuple[str, int, bool] | None:
         """(location, step, whether its weights alone load), or None to start from scratch."""
         try:
-            manifest = catalog.resume_point(self.store, self._resume_target)
-            location = self.store.uri
+            manifest = catalog.resume_point(self.resume_store, self._resume_target, saves=self.store)
+            location, initial = self.resume_store.uri, False
             if manifest is None and self.init_from:
-                manifest, location = catalog.latest_committed(self.init_from), self.init_from
+                manifest, location, initial = catalog.latest_committed(self.init_from), self.init_from, True
                 if manifest is None:
                     raise CheckpointError(f"training.init_from={self.init_from}: no committed checkpoint there")
         except catalog.CheckpointInvalid as exc:
             raise CheckpointError(str(exc)) from exc
         if manifest is None:
             return None
-        weights_only = location != self.store.uri or manifest.reason is catalog.SaveReason.IMPORTED
+        weights_only = initial or manifest.reason is catalog.SaveReason.IMPORTED
         if weights_only:
             problem = _model_difference(manifest.model, self.model)
             if problem:

@@ -523,13 +523,14 @@ def resume_target(resume: str) -> str | int:
     raise ValueError(f"checkpoint resume={resume!r}: expected 'none', 'latest' or a step number")
 
 
-def resume_point(store: Store, target: str | int) -> Manifest | None:
+def resume_point(store: Store, target: str | int, saves: Store | None = None) -> Manifest | None:
     """The checkpoint to resume from (None: start afresh), else CheckpointInvalid.
 
     "none" refuses a location that already holds a committed step; "latest" takes the newest
     committed checkpoint whose files match its manifest, skipping (and logging) broken ones; a
     step number takes that step or fails. Step folders newer than the one chosen belong to an
-    abandoned timeline and are deleted, so that this run's saves never mix with them.
+    abandoned timeline and are deleted from where the saves go (`saves`: `store` when None; another
+    run's checkpoints are read, never changed), so that this run's saves never mix with them.
     """
     if target == "none":
         committed = committed_steps(store)
@@ -544,7 +545,7 @@ def resume_point(store: Store, target: str | int) -> Manifest | None:
             manifest = verified_manifest(store, int(target))
         except CheckpointInvalid as exc:
             raise CheckpointInvalid(f"cannot resume from step {target}: {exc}") from exc
-    forget_after(store, manifest.step if manifest else None)
+    forget_after(saves or store, manifest.step if manifest else None)
     return manifest
 
 

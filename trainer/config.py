@@ -235,6 +235,9 @@ class CheckpointConfig:
     """Committed checkpoints kept; older ones are deleted."""
     resume: str = "none"
     """none, latest, or a step number to resume from."""
+    resume_uri: str = ""
+    """Where the step `resume` names lies when not under `uri`: another run's checkpoints, read and
+    never written, pruned or cleaned up; saves and retention stay under `uri`. Empty: `uri`."""
     async_save: bool = True
     """Save in the background so training is not stalled by storage."""
     timeout_s: float = 1800.0
@@ -429,6 +432,10 @@ def _problems(c: JobConfig):
         yield f"training.init_from={t.init_from!r} names no bucket"
     if k.resume != "none" and not k.uri:
         yield f"checkpoint.resume={k.resume!r} needs checkpoint.uri"
+    if k.resume_uri and k.resume == "none":
+        yield "checkpoint.resume_uri needs checkpoint.resume (latest or a step): it names where to resume from"
+    if k.resume_uri and k.resume_uri.rstrip("/") == k.uri.rstrip("/"):
+        yield "checkpoint.resume_uri is checkpoint.uri: leave it empty"
     if k.async_save and k.keep_last == 1:
         # The only committed checkpoint would be pruned while the next one may still be saving.
         yield "checkpoint.keep_last=1 with checkpoint.async_save=true could leave no complete checkpoint; keep 2+"

@@ -27,10 +27,10 @@ def apply_all() -> None:
         if _applied:
             return
         from localcloud.glue import (awslambda, capacity_reservations, cloudwatch, dispatch, dynamodb, ec2, events,
-                                     faults, iam, s3, sqs_lambda, stepfunctions, stepfunctions_map)
+                                     faults, iam, s3, sqs_lambda, stepfunctions, stepfunctions_map, vpc)
 
         for service in (awslambda, sqs_lambda, stepfunctions, stepfunctions_map, events, ec2, capacity_reservations,
-                        dynamodb, iam, s3, cloudwatch, faults, dispatch):
+                        vpc, dynamodb, iam, s3, cloudwatch, faults, dispatch):
             service.apply()
         _applied = True
 

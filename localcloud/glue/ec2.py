@@ -45,7 +45,9 @@ Patches to moto, each replacing something it lacks or drops:
 Instance types are checked against moto's catalogue (LocalCloud turns on moto's own
 validation), and network interfaces as EC2 checks them (`interface_requests`): each card's
 interface types and count, the type's EFA count, and AssociatePublicIpAddress on a launch with
-several interfaces (InvalidParameterCombination, even set to false). So is the instance profile:
+several interfaces (InvalidParameterCombination, even set to false); such a launch gets no public
+IPv4 address (moto gave its primary interface one in a subnet that maps them), and one that names
+no security group gets its VPC's default group (moto gave it none). So is the instance profile:
 one IAM does not have, or made under IAM_PROPAGATION_S ago (IAM is eventually consistent), is
 InvalidParameterValue. RunInstances fails with the error; an instant CreateFleet lists it under
 `Errors` and launches nothing, as EC2 answers.
@@ -211,6 +213,8 @@ def _attach_interfaces(backend: Any, instance: Any, requests: list[InterfaceRequ
             instance.nics[(request.network_card_index, request.device_index)] = eni
         eni.interface_type = request.interface_type
         eni.network_card_index = request.network_card_index
+    if len(requests) > 1:  # EC2 gives no public IPv4 address to a launch of several interfaces
+        instance.nics[0].public_ip = None
 
 
 _attachment_init = Attachment.__init__
@@ -559,6 +563,15 @@ def _run_instances(self: Any, image_id: str, count: int, user_data: Any,
     for instance in launched.instances:
         instance.localcloud_reservation = reservation.reservation_id if reservation else None
         _attach_interfaces(self, instance, requests)
+        # The instance's groups are its primary interface's (moto left a template's out), else its VPC's default.
+        named = next((spec.get("Groups") for spec in specs if int(spec.get("NetworkCardIndex", 0)) == 0
+                      and int(spec.get("DeviceIndex", 0)) == 0 and spec.get("Groups")), None)
+        primary = instance.nics[0]
+        if named:
+            instance.security_groups = [self.get_security_group_from_id(group_id) for group_id in named]
+        elif not instance.security_groups and primary.subnet is not None:
+            default = self.get_security_group_from_name("default", vpc_id=primary.subnet.vpc_id)
+            instance.security_groups = [default] if default else []
         instance.placement.group_name = group or ""
         profile = template.get("IamInstanceProfile") or {}
         if profile and not (kwargs.get("iam_instance_profile_name") or kwargs.get("iam_instance_profile_arn")):

@@ -10,6 +10,13 @@ ThrottlingException) or in an outage ("error": its documented 500), over real HT
 botocore's retries and the caller's own handling see what they would see on AWS. moto never
 fails so, so this wraps its WSGI application (`DomainDispatcherApplication.__call__`).
 
+An S3 request past its prefix's documented rate is answered 503 SlowDown (glue/s3_rates.py),
+counted under ("s3", "slowdown").
+
+A request from an instance whose subnet's network has no way to the service never reaches it
+(glue/routes.py, LocalCloud.routes): it is answered as unreachable, counted in `failed_requests` under
+(service, "unreachable").
+
 The wrapper also serves the chaos control route (`localcloud.chaos_route`), through which
 `trainfleet chaos` injects faults from another process.
 
@@ -35,6 +42,8 @@ from localcloud.api_requests import request_action, signing_service
 from localcloud.chaos_route import CHAOS_PATH, ChaosError, inject
 from localcloud.cloud import INTERNAL_HEADER
 from localcloud.glue import active_cloud
+from localcloud.glue.routes import UNREACHABLE_HEADER, UNREACHABLE_STATUS
+from localcloud.glue.s3_rates import request_prefix
 
 INTERNAL_ENVIRON = "HTTP_" + INTERNAL_HEADER.upper().replace("-", "_")
 """The WSGI name of the header LocalCloud.internal_client sets: such requests pass untouched."""
@@ -172,12 +181,23 @@ def _call(self: DomainDispatcherApplication, environ: dict[str, Any], start_resp
     service = signing_service(environ.get("HTTP_AUTHORIZATION", "")) if cloud is not None else None
     if service is None or environ.get(INTERNAL_ENVIRON):
         return _moto_call(self, environ, start_response)
+    why = cloud.routes.blocked(environ.get("REMOTE_ADDR"), service)
+    if why is not None:  # never reaches the service: a packet its sender's network drops
+        cloud.count(cloud.failed_requests, (service, "unreachable"))
+        body = f"no route to {service} from this instance: {why}".encode()
+        start_response(UNREACHABLE_STATUS, [(UNREACHABLE_HEADER, why.encode("ascii", "replace").decode()),
+                                            ("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+        return [body]
     _count(cloud, service, environ)
     fault = cloud.request_faults.get(service)
-    if fault is None or time.monotonic() >= fault.until:
+    if fault is not None and time.monotonic() < fault.until:
+        answer, counted = fault.answer, fault.answer
+    elif service == "s3" and (prefix := request_prefix(environ)) and not cloud.s3_rates.admit(*prefix):
+        answer, counted = "throttle", "slowdown"  # past the prefix's documented rate (glue/s3_rates.py)
+    else:
         return _moto_call(self, environ, start_response)
-    cloud.count(cloud.failed_requests, (service, fault.answer))
-    status, headers, body = ANSWERS[(service, fault.answer)]
+    cloud.count(cloud.failed_requests, (service, counted))
+    status, headers, body = ANSWERS[(service, answer)]
     # Every AWS answer carries its request id; callers report it (Step Functions reads it).
     request_id = ("x-amz-request-id" if service == "s3" else "x-amzn-RequestId", str(uuid.uuid4()))
     start_response(status, [*headers, request_id, ("Content-Length", str(len(body)))])

@@ -1,9 +1,9 @@
-"""What the local cloud does to an instance's network, as its trainer feels it.
+"""What the local cloud does to an instance's network, as its processes feel it.
 
 The local fleet puts this folder on the PYTHONPATH of every instance, so Python imports this
-module at the start of each of the instance's processes. It does two things, each read from the
+module at the start of each of the instance's processes. It does four things, each read from the
 environment at the moment it acts (a warm image's processes imported torch before they were an
-instance's); a process without the variables runs torch unchanged.
+instance's); a process without the variables runs unchanged.
 
 - A slow network. Instances talk over loopback, where no link is slower than another;
   `LocalFleet.slow_network` writes a delay into the file named by LOCALCLOUD_NETWORK_DELAY_FILE,
@@ -16,6 +16,13 @@ instance's); a process without the variables runs torch unchanged.
   in RENDEZVOUS_PORTS' 500) failed to host its rendezvous (EADDRINUSE, torchrun's "connection to
   the C10d store has failed") where EC2 would have run both. The c10d rendezvous store an
   instance hosts at its own address (LOCALCLOUD_PRIVATE_IP) listens on that address alone.
+- Its own address. A host's packets carry its address; here every instance's processes share the
+  machine's, so a TCP connection an instance's process opens to a loopback address is sent from
+  the instance's (bound to it before connecting), and the local cloud knows which instance a
+  request comes from (localcloud/glue/routes.py).
+- Routes. A request the instance's network cannot carry is answered UNREACHABLE_HEADER by the
+  local cloud; the AWS SDK (botocore's HTTP session) then fails it as a dropped packet fails it on
+  EC2: a connect timeout (ConnectTimeoutError), after the client's connect timeout.
 """
 
 import functools
@@ -32,6 +39,8 @@ ADDRESS_VARIABLE = "LOCALCLOUD_PRIVATE_IP"
 TRANSFERS = ("send", "recv", "isend", "irecv", "all_reduce", "all_gather", "all_gather_object", "broadcast",
              "broadcast_object_list", "reduce_scatter_tensor", "all_gather_into_tensor", "barrier")
 LISTEN_BACKLOG = 4096
+UNREACHABLE_HEADER = "x-localcloud-unreachable"
+"""localcloud.glue.routes.UNREACHABLE_HEADER (this module imports nothing of the local cloud)."""
 
 
 def delay_s() -> float:
@@ -85,14 +94,51 @@ def own_ports(module) -> None:
     module.TCPStore = listening_on_own_address(module.TCPStore)
 
 
+def from_own_address(connect):
+    """`connect` of a socket that, being an instance's TCP socket to a loopback address not yet
+    bound, is bound to the instance's address first."""
+    @functools.wraps(connect)
+    def connect_from_own_address(sock, address):
+        own = os.environ.get(ADDRESS_VARIABLE)
+        if (own and sock.family == socket.AF_INET and sock.type == socket.SOCK_STREAM and isinstance(address, tuple)
+                and str(address[0]).startswith("127.") and sock.getsockname() == ("0.0.0.0", 0)):
+            sock.bind((own, 0))
+        return connect(sock, address)
+    return connect_from_own_address
+
+
+def unreachable_times_out(module):
+    """botocore's HTTP session: an answer saying no route leads there becomes the connect timeout
+    a dropped packet gives, after the session's connect timeout."""
+    send = module.URLLib3Session.send
+
+    @functools.wraps(send)
+    def send_or_time_out(self, request):
+        response = send(self, request)
+        why = response.headers.get(UNREACHABLE_HEADER)
+        if why is None:
+            return response
+        timeout = self._timeout
+        time.sleep(getattr(timeout, "connect_timeout", timeout))
+        from botocore.exceptions import ConnectTimeoutError
+        raise ConnectTimeoutError(endpoint_url=request.url, error=f"no route from this instance: {why}")
+
+    module.URLLib3Session.send = send_or_time_out
+
+
+socket.socket.connect = from_own_address(socket.socket.connect)
+socket.socket.connect_ex = from_own_address(socket.socket.connect_ex)
+
+
 class InstanceNetworkFinder(importlib.abc.MetaPathFinder):
-    """Changes torch.distributed's modules as they are imported, before anything imports names
-    from them: c10d's transfers (torch.distributed re-exports them, so every caller, and torch's
+    """Changes modules as they are imported, before anything imports names from them: botocore's
+    HTTP session; c10d's transfers (torch.distributed re-exports them, so every caller, and torch's
     own checks of which function an operation names (P2POp's), see the same wrapped function), and
     the store the c10d rendezvous backend creates."""
 
     CHANGES = {"torch.distributed.distributed_c10d": slow_transfers,
-               "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend": own_ports}
+               "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend": own_ports,
+               "botocore.httpsession": unreachable_times_out}
 
     def find_spec(self, fullname, path, target=None):
         change = self.CHANGES.get(fullname)

@@ -73,6 +73,41 @@ def test_resume_from_a_step_continues_bit_for_bit(config, uri):
     assert catalog.latest_committed(uri).step == 12
 
 
+def test_a_run_resumed_from_another_reads_its_steps_and_saves_prunes_and_cleans_only_its_own(config, uri, tmp_path):
+    """resume_uri: another run's checkpoints (a run that gave up), read and never changed; the new
+    run goes on as one run would have, in its own place."""
+    uninterrupted = train(new_run(config), Checkpointer(settings(config, str(tmp_path / "straight")),
+                                                        request_signal=None), 20)
+    first = Checkpointer(settings(config, uri), request_signal=None)
+    train(new_run(config), first, 12)
+    first.close()
+    old = catalog.open_store(uri)
+    old_files = {step: catalog.step_files(old, step) for step in catalog.saved_steps(old)}
+    own_uri = uri.replace("test-run", "resumed-run") if uri.startswith("s3://") else uri + "-resumed"
+    own = catalog.open_store(own_uri)
+    # An earlier attempt of the new run that saved, uncommitted, past the step it resumes from.
+    own.create(f"{catalog.shard_folder(0)}/{catalog.step_dir_name(13)}", "__0_0.distcp", b"half")
+
+    resumed = Checkpointer(settings(config, own_uri, resume="latest", resume_uri=uri), request_signal=None)
+    run = new_run(config)
+    assert resumed.resume(run.state) == 12
+    assert catalog.saved_steps(own) == []  # its abandoned save went
+    losses = train(run, resumed, 20)
+    resumed.close()
+    assert losses == {step: uninterrupted[step] for step in range(13, 21)}
+    assert catalog.committed_steps(own) == [20, 16]  # keep_last=2, in its own place
+    assert {step: catalog.step_files(old, step) for step in catalog.saved_steps(old)} == old_files
+
+
+def test_resume_uri_needs_a_resume_and_another_place():
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match="checkpoint.resume_uri needs checkpoint.resume"):
+        load_config(["--checkpoint.uri=/tmp/a", "--checkpoint.resume_uri=/tmp/b"])
+    with pytest.raises(ConfigError, match="checkpoint.resume_uri is checkpoint.uri"):
+        load_config(["--checkpoint.uri=/tmp/a", "--checkpoint.resume=latest", "--checkpoint.resume_uri=/tmp/a/"])
+
+
 def test_the_last_step_is_always_saved_and_a_run_resumed_there_trains_nothing(config, uri, tmp_path, capsys):
     config = replace(config, training=replace(config.training, steps=6), checkpoint=settings(config, uri))
     env = environment(config, torch.device("cpu"))

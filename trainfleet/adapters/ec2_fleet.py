@@ -37,17 +37,16 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from trainfleet.core.catalogue import InstanceFacts
-from trainfleet.core.events import BOOT_CHECK, EVENT_SOURCE
+from trainfleet.core.events import BOOT_CHECK, BOOT_FAILED_AT, BOOT_STEPS, EVENT_SOURCE
 from trainfleet.core.lifecycle.reservation import Reservation, reservation_problem
 from trainfleet.core.node_access import node_log_group
-from trainfleet.core.runspec import CapacityKind, DefaultNetwork, RunSpec
+from trainfleet.core.runspec import CapacityKind, RunSpec
 from trainfleet.core.settings import Settings
 
 __all__ = [
-    "default_network", "NoDefaultNetwork",
     "TAG_RUN", "TAG_STACK", "AGENT_MODULE", "CAPACITY_ERROR_CODES", "ZONE_ERROR_CODES", "FleetError",
     "FleetOutcome", "Allocation", "Teardown", "efa_network_interfaces", "launch_template_data", "node_user_data",
-    "user_data_settings",
+    "user_data_settings", "artifact_copy", "ARTIFACT_COPIES", "NODE_PYTHON_ARTIFACT", "NODE_WHEELHOUSE_ARTIFACT",
     "create_fleet_request", "interpret_fleet_response", "zone_verdict", "placement_group_name", "run_resource_name",
     "ensure_launch_template", "ensure_placement_group", "allocate", "describe_reservation", "run_instance_ids",
     "runs_with_resources",
@@ -104,29 +103,6 @@ PROFILE_REFUSED = "Invalid IAM Instance Profile"
 """What EC2's InvalidParameterValue says of a launch's instance profile it does not know."""
 
 
-class NoDefaultNetwork(ValueError):
-    """A RunSpec names no network and the account has no default VPC to take."""
-
-
-def default_network(ec2: Any) -> DefaultNetwork:
-    """The region's default VPC: its default subnets (one per zone, in zone order) and its default
-    security group; NoDefaultNetwork where the account has none (deleted, or never had one)."""
-    vpcs = ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"]
-    if not vpcs:
-        raise NoDefaultNetwork("capacity: no subnet_ids and security_group_ids given, and the account has no "
-                               "default VPC in this region to take them from: name them")
-    vpc = vpcs[0]["VpcId"]
-    subnets = ec2.describe_subnets(Filters=[{"Name": "vpc-id", "Values": [vpc]},
-                                            {"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
-    groups = ec2.describe_security_groups(Filters=[{"Name": "vpc-id", "Values": [vpc]},
-                                                   {"Name": "group-name", "Values": ["default"]}])["SecurityGroups"]
-    if not subnets or not groups:
-        raise NoDefaultNetwork(f"capacity: no subnet_ids and security_group_ids given, and the default VPC {vpc} "
-                               "has no default subnet or no default security group: name them")
-    return DefaultNetwork([subnet["SubnetId"] for subnet in sorted(subnets, key=lambda found: found["AvailabilityZone"])],
-                          [groups[0]["GroupId"]])
-
-
 def run_resource_name(run_name: str, stack_name: str) -> str:
     """The name of a run's launch template: the run's, and the stack's in a short digest (EC2
     finds these by name, and the same run name in two stacks must not share them)."""
@@ -161,12 +137,37 @@ def efa_network_interfaces(facts: InstanceFacts, security_group_ids: list[str]) 
     return interfaces
 
 
-BOOT_COPY_ATTEMPTS = 10
-"""Tries of each request of the artifacts copy at boot (standard retry mode: capped exponential
-backoff, about a minute in all): a node must not be lost to S3 throttling for a few seconds."""
+BOOT_REQUEST_ATTEMPTS = 10
+"""Tries of each AWS request of the bootstrap (the CLI's standard retry mode: capped exponential
+backoff with jitter, about a minute in all): a node must not be lost to S3 throttling for seconds."""
+BOOT_STEP_TRIES = 5
+"""Tries of each bootstrap step, whose requests have had their own retries: a node rides out a
+network blip or minutes of S3 answering SlowDown before it is reported sick."""
+BOOT_RETRY_S = 30
+"""The wait after a step's first failed try, doubling after each (at most BOOT_RETRY_MAX_S), each
+drawn from its upper half so that nodes that failed together try again apart: about 7 minutes at
+most over the five tries. TRAINFLEET_BOOT_RETRY_S sets another (a local run's waits)."""
+BOOT_RETRY_MAX_S = 240
 NODE_PYTHON_ARTIFACT = "python.tar.gz"
-"""The node's own Python in artifacts/ (`make artifacts`): a relocatable CPython 3.11 whose
-top folder is `python/`."""
+"""The node's own Python (`make artifacts`): a relocatable CPython 3.11 whose top folder is `python/`."""
+NODE_WHEELHOUSE_ARTIFACT = "wheelhouse.tar"
+"""trainfleet, its `trainer` extra and torch with its CUDA runtime and NCCL, as wheels in one tar."""
+ARTIFACT_COPIES = 16
+"""`make artifacts` publishes the artifacts under artifacts/00/ .. artifacts/15/, and a node copies
+them from the one its instance id picks: S3 serves at least 5,500 GET/HEAD a second per prefix,
+answering 503 SlowDown beyond, so the nodes of a large launch share 16 prefixes' rates, not one."""
+ARTIFACT_PART_BYTES = 256 * 2**20
+ARTIFACT_BANDWIDTH = "2GB/s"
+"""The AWS CLI's part size (multipart_chunksize) and bandwidth cap (max_bandwidth) for the copy:
+a node then sends at most 2 GB/s / 256 MiB, about 8 ranged GETs a second (two archives, a HEAD
+each besides), so 512 nodes over 16 prefixes ask at most about 260 a second of any one (4,100 of
+one prefix, below its 5,500, were the artifacts in one); 2 GB/s copies a 4 GB wheelhouse in
+seconds, against minutes of boot."""
+
+
+def artifact_copy(instance_id: str) -> str:
+    """The artifacts/NN/ prefix an instance copies from (the user data's arithmetic)."""
+    return f"artifacts/{int(instance_id[-2:], 16) % ARTIFACT_COPIES:02d}/"
 
 
 def node_user_data(run_name: str, settings: Settings) -> str:
@@ -174,18 +175,21 @@ def node_user_data(run_name: str, settings: Settings) -> str:
     agent's settings, the agent under systemd.
 
     The node's software is the project's, never the image's: `make artifacts` publishes to
-    s3://BUCKET/artifacts/ a relocatable CPython 3.11 (NODE_PYTHON_ARTIFACT) and a wheelhouse
-    with trainfleet, its `trainer` extra and torch 2.13.0 (its CUDA runtime and NCCL). The image
-    brings the NVIDIA driver, the EFA software with aws-ofi-nccl, curl and the AWS CLI; the Deep
-    Learning AMIs' python3 (3.10 on Ubuntu 22.04, 3.9 on Amazon Linux 2023) cannot run
-    trainfleet, and their torch is not the pinned one.
+    s3://BUCKET/artifacts/NN/ (ARTIFACT_COPIES of them) a relocatable CPython 3.11
+    (NODE_PYTHON_ARTIFACT) and a wheelhouse with trainfleet, its `trainer` extra and torch 2.13.0
+    (its CUDA runtime and NCCL) in one tar (NODE_WHEELHOUSE_ARTIFACT): two named objects, no
+    listing. The image brings the NVIDIA driver, the EFA software with aws-ofi-nccl, curl and the
+    AWS CLI; the Deep Learning AMIs' python3 (3.10 on Ubuntu 22.04, 3.9 on Amazon Linux 2023)
+    cannot run trainfleet, and their torch is not the pinned one.
 
-    A step that fails is reported to the control plane as NodeUnhealthy with a failed BOOT_CHECK
-    naming the step and the end of its output, which ends the run at once (a software fault is
-    the same on every node, not a node to replace), and its output goes to the console.
-    TRAINFLEET_ROOT (unset on EC2) is the filesystem root the script writes under, and
-    AWS_EC2_METADATA_SERVICE_ENDPOINT the metadata service, as the SDKs read it: a local
-    instance runs this same script in its own folder.
+    Each step (trainfleet.core.events.BOOT_STEPS) is tried BOOT_STEP_TRIES times, with jittered
+    backoff between tries. A step that fails every try is reported to the control plane as
+    NodeUnhealthy with a failed BOOT_CHECK naming the step and the end of its output, and its
+    output goes to the console: the node is replaced as a sick one, and the run gives up when
+    several nodes fail at the same step (lifecycle.decide_recovery: software that fails on one
+    node fails on all). TRAINFLEET_ROOT (unset on EC2) is the filesystem root the script writes
+    under, AWS_EC2_METADATA_SERVICE_ENDPOINT the metadata service, as the SDKs read it, and
+    TRAINFLEET_BOOT_RETRY_S the first wait: a local instance runs this same script in its own folder.
     """
     env = {
         "TRAINFLEET_RUN_NAME": run_name,
@@ -199,19 +203,21 @@ def node_user_data(run_name: str, settings: Settings) -> str:
         "TRAINFLEET_SHUTDOWN_COMMAND": "shutdown -h now",
     }
     env_lines = "\n".join(f"{key}={shlex.quote(value)}" for key, value in env.items())
-    artifacts = shlex.quote(f"s3://{settings.bucket}/artifacts/")
+    metadata, settings_step, copying, unpacking, installing, starting = BOOT_STEPS
     return f"""#!/bin/bash
 # trainfleet node bootstrap: the node's own Python and packages, the agent's settings, the agent.
 set -eEuo pipefail
 root=${{TRAINFLEET_ROOT:-}}
 imds=${{AWS_EC2_METADATA_SERVICE_ENDPOINT:-http://169.254.169.254}}
+retry_s=${{TRAINFLEET_BOOT_RETRY_S:-{BOOT_RETRY_S}}}
 home=$root/opt/trainfleet
 log=$root/var/log/trainfleet-bootstrap.log
 run_name={shlex.quote(run_name)}
 bus={shlex.quote(settings.event_bus)}
-step=starting region= instance_id= instance_arn=
+step=starting tries=0 region= instance_id= instance_arn=
 mkdir -p "$home" "$(dirname "$log")"
 exec 3>&1 >>"$log" 2>&1
+export AWS_RETRY_MODE=standard AWS_MAX_ATTEMPTS={BOOT_REQUEST_ATTEMPTS}
 
 json() {{  # standard input as a JSON string
   printf '"'
@@ -223,55 +229,97 @@ report_failure() {{  # the failed step and its output: to the console, and as No
   status=$?
   trap - ERR
   tail -c 4000 "$log" >&3
-  reason="bootstrap failed at: $step (exit $status)"
+  reason="{BOOT_FAILED_AT}$step (exit $status, $tries tries)"
   echo "trainfleet: $reason" >&3
   if [ -n "$instance_arn" ]; then
     output=$(tail -c 1500 "$log" | json)
     detail="{{\\"run_name\\": \\"$run_name\\", \\"attempt\\": 0, \\"instance_id\\": \\"$instance_id\\", \\"reason\\": \\"$reason\\", \\"checks\\": [{{\\"name\\": \\"{BOOT_CHECK}\\", \\"passed\\": false, \\"detail\\": $output}}]}}"
     printf '[{{"Source": "{EVENT_SOURCE}/%s", "DetailType": "NodeUnhealthy", "EventBusName": "%s", "Resources": ["%s"], "Detail": %s}}]' \\
       "$instance_arn" "$bus" "$instance_id" "$(printf '%s' "$detail" | json)" > "$home/bootstrap-failure.json"
-    AWS_RETRY_MODE=standard AWS_MAX_ATTEMPTS={BOOT_COPY_ATTEMPTS} \\
-      aws events put-events --region "$region" --entries "file://$home/bootstrap-failure.json" >&3 2>&1 || true
+    aws events put-events --region "$region" --entries "file://$home/bootstrap-failure.json" >&3 2>&1 || true
   fi
   exit "$status"
 }}
 trap report_failure ERR
 
-step="reading the instance metadata"
-token=$(curl -sf -X PUT "$imds/latest/api/token" -H "X-aws-ec2-metadata-token-ttl-seconds: 300")
-region=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/latest/meta-data/placement/region")
-instance_id=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/latest/meta-data/instance-id")
-partition=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/latest/meta-data/services/partition")
-account=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/latest/dynamic/instance-identity/document" |
-  sed -n 's/.*"accountId"[^"]*"\\([0-9]*\\)".*/\\1/p')
-instance_arn="arn:$partition:ec2:$region:$account:instance/$instance_id"  # the sender its events name
-export AWS_DEFAULT_REGION=$region
+retried() {{  # the step's command until it succeeds, {BOOT_STEP_TRIES} tries, jittered waits doubling
+  local wait=$retry_s status
+  tries=1
+  until "$@"; do
+    status=$?
+    [ "$tries" -lt {BOOT_STEP_TRIES} ] || return "$status"
+    echo "trainfleet: $step failed (exit $status), try $tries of {BOOT_STEP_TRIES}" >&3
+    sleep $(( wait / 2 + RANDOM % (wait / 2 + 1) ))
+    tries=$((tries + 1))
+    wait=$(( wait * 2 < {BOOT_RETRY_MAX_S} ? wait * 2 : {BOOT_RETRY_MAX_S} ))
+  done
+}}
 
-step="writing the agent's settings"
-mkdir -p "$root/etc"
-cat > "$root/etc/trainfleet.env" <<'ENV'
+read_metadata() {{  # in a function called as a condition bash stops on no error: every command is checked
+  token=$(curl -sf -X PUT "$imds/latest/api/token" -H "X-aws-ec2-metadata-token-ttl-seconds: 300") &&
+  region=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/latest/meta-data/placement/region") &&
+  instance_id=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/latest/meta-data/instance-id") &&
+  partition=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/latest/meta-data/services/partition") &&
+  account=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/latest/dynamic/instance-identity/document" |
+    sed -n 's/.*"accountId"[^"]*"\\([0-9]*\\)".*/\\1/p')
+}}
+
+write_settings() {{
+  mkdir -p "$root/etc" &&
+  cat > "$root/etc/trainfleet.env" <<'ENV' &&
 {env_lines}
 ENV
-echo "AWS_DEFAULT_REGION=$region" >> "$root/etc/trainfleet.env"
+  echo "AWS_DEFAULT_REGION=$region" >> "$root/etc/trainfleet.env"
+}}
 
-step="copying {artifacts}"
-AWS_RETRY_MODE=standard AWS_MAX_ATTEMPTS={BOOT_COPY_ATTEMPTS} aws s3 cp --recursive {artifacts} "$home/artifacts/"
+copy_artifacts() {{  # the instance's copy of the artifacts, two named objects, in parts at a capped rate
+  mkdir -p "$home/artifacts" &&
+  printf '[default]\\ns3 =\\n  multipart_chunksize = {ARTIFACT_PART_BYTES}\\n  max_bandwidth = {ARTIFACT_BANDWIDTH}\\n' \\
+    > "$home/aws-config" &&
+  AWS_CONFIG_FILE=$home/aws-config aws s3 cp "${{artifacts}}{NODE_PYTHON_ARTIFACT}" "$home/artifacts/" &&
+  AWS_CONFIG_FILE=$home/aws-config aws s3 cp "${{artifacts}}{NODE_WHEELHOUSE_ARTIFACT}" "$home/artifacts/"
+}}
 
-step="unpacking the node's Python (artifacts/{NODE_PYTHON_ARTIFACT})"
-tar -xzf "$home/artifacts/{NODE_PYTHON_ARTIFACT}" -C "$home"
+unpack_python() {{
+  tar -xzf "$home/artifacts/{NODE_PYTHON_ARTIFACT}" -C "$home" &&
+  mkdir -p "$home/wheels" && tar -xf "$home/artifacts/{NODE_WHEELHOUSE_ARTIFACT}" -C "$home/wheels"
+}}
 
-step="installing trainfleet and torch from the artifacts"
-"$home/python/bin/python3" -m venv "$home/venv"
-"$home/venv/bin/pip" install --quiet --no-index --find-links "$home/artifacts" 'trainfleet[trainer]'
+install() {{
+  "$home/python/bin/python3" -m venv "$home/venv" &&
+  "$home/venv/bin/pip" install --quiet --no-index --find-links "$home/wheels" 'trainfleet[trainer]'
+}}
 
-step="starting the agent"
-systemd-run --unit trainfleet-agent --property=EnvironmentFile="$root/etc/trainfleet.env" \\
+start_agent() {{
+  systemd-run --unit trainfleet-agent --property=EnvironmentFile="$root/etc/trainfleet.env" \\
     --property=LimitNOFILE={AGENT_OPEN_FILES_LIMIT} --property=Restart=on-failure \\
     "$home/venv/bin/python" -m {AGENT_MODULE}
+}}
+
+step="{metadata}"
+retried read_metadata
+instance_arn="arn:$partition:ec2:$region:$account:instance/$instance_id"  # the sender its events name
+export AWS_DEFAULT_REGION=$region
+artifacts="s3://{settings.bucket}/artifacts/$(printf '%02d' $(( 16#${{instance_id: -2}} % {ARTIFACT_COPIES} )))/"
+
+step="{settings_step}"
+retried write_settings
+
+step="{copying}"
+retried copy_artifacts
+
+step="{unpacking}"
+retried unpack_python
+
+step="{installing}"
+retried install
+
+step="{starting}"
+retried start_agent
 """
 
 
-_SETTINGS_BLOCK = re.compile(r"""cat > "\$root/etc/trainfleet\.env" <<'ENV'\n(.*?)\nENV\n""", re.DOTALL)
+_SETTINGS_BLOCK = re.compile(r"""cat > "\$root/etc/trainfleet\.env" <<'ENV' &&\n(.*?)\nENV\n""", re.DOTALL)
 
 
 def user_data_settings(user_data: str) -> dict[str, str] | None:

@@ -8,7 +8,9 @@ resources (Teardown, the reaper).
 The role is /trainfleet/STACK/tf-DIGEST-RUN, tagged trainfleet:run=RUN and trainfleet:stack,
 with the stack's NodePolicy attached and nothing else. The policy names the run through the
 role's tag (`${aws:PrincipalTag/trainfleet:run}`), so the nodes of one run can read and write
-that run's objects and records alone. Both calls are safe to repeat.
+that run's objects and records alone; a run resumed from another (RunSpec.resume_from) is tagged
+trainfleet:resume-from=THAT-RUN as well, which lets its nodes read that run's checkpoints. Both
+calls are safe to repeat.
 """
 
 import hashlib
@@ -18,7 +20,10 @@ from typing import Any
 from trainfleet.adapters.ec2_fleet import TAG_RUN, TAG_STACK
 
 __all__ = ["node_role_path", "node_role_name", "ensure_node_profile", "delete_node_profile",
-           "delete_stack_node_profiles", "NodeRoleTaken"]
+           "delete_stack_node_profiles", "NodeRoleTaken", "TAG_RESUME_FROM"]
+
+TAG_RESUME_FROM = "trainfleet:resume-from"
+"""The role's tag naming the run whose checkpoints its nodes may read (NodePolicy)."""
 
 EC2_TRUST = {"Version": "2012-10-17", "Statement": [
     {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]}
@@ -45,12 +50,15 @@ def _tags(run_name: str, stack_name: str) -> list[dict[str, str]]:
     return [{"Key": TAG_RUN, "Value": run_name}, {"Key": TAG_STACK, "Value": stack_name}]
 
 
-def ensure_node_profile(iam: Any, run_name: str, stack_name: str, policy_arn: str) -> str:
-    """The run's instance profile, with its role, made if missing; its ARN."""
+def ensure_node_profile(iam: Any, run_name: str, stack_name: str, policy_arn: str,
+                        resume_from: str | None = None) -> str:
+    """The run's instance profile, with its role, made if missing; its ARN. `resume_from`: the run
+    whose checkpoints its nodes may read."""
     name, path, tags = node_role_name(run_name, stack_name), node_role_path(stack_name), _tags(run_name, stack_name)
+    resumed = [{"Key": TAG_RESUME_FROM, "Value": resume_from}] if resume_from else []
     try:
-        iam.create_role(RoleName=name, Path=path, AssumeRolePolicyDocument=json.dumps(EC2_TRUST), Tags=tags,
-                        Description=f"the nodes of run {run_name} of stack {stack_name}")
+        iam.create_role(RoleName=name, Path=path, AssumeRolePolicyDocument=json.dumps(EC2_TRUST),
+                        Tags=tags + resumed, Description=f"the nodes of run {run_name} of stack {stack_name}")
     except iam.exceptions.EntityAlreadyExistsException:
         found = {tag["Key"]: tag["Value"] for tag in iam.get_role(RoleName=name)["Role"].get("Tags", [])}
         if (found.get(TAG_RUN), found.get(TAG_STACK)) != (run_name, stack_name):

@@ -3,7 +3,8 @@ rebalance notices, AWS Health) and the node agents' (source "trainfleet/SENDER-I
 
     Ec2InstanceStateChange (LOST_STATES: its states of an instance leaving),
       Ec2SpotInterruptionWarning, Ec2RebalanceRecommendation, HealthEvent   AWS's shapes
-    AgentEvent: NodeRegistered, NodeReady, NodeUnhealthy (HealthCheckResult, BOOT_CHECK),
+    AgentEvent: NodeRegistered, NodeReady, NodeUnhealthy (HealthCheckResult, BOOT_CHECK, BOOT_STEPS,
+      failed_boot_step),
       CheckpointCommitted (CheckpointReason), TrainerFailed, TrainerHung, TrainingCompleted,
       TrainingProgress (its ProgressSample steps, at most PROGRESS_SAMPLES_MAX), FleetChecked,
       ScalingChecked, StateRestored             the agents'
@@ -233,8 +234,18 @@ class NodeUnhealthy(AgentEvent):
 
 
 BOOT_CHECK = "bootstrap"
-"""The check a node's user data reports failed (NodeUnhealthy) when a step of its bootstrap fails:
-its detail names the step and ends with its output."""
+"""The check a node's user data reports failed (NodeUnhealthy) when a step of its bootstrap fails
+every try: its detail is the end of the step's output; the reason names the step (BOOT_FAILED_AT)."""
+BOOT_STEPS = ("reading the instance metadata", "writing the agent's settings", "copying the artifacts",
+              "unpacking the artifacts", "installing trainfleet and torch", "starting the agent")
+"""A node bootstrap's steps, in order (trainfleet.adapters.ec2_fleet.node_user_data)."""
+BOOT_FAILED_AT = "bootstrap failed at: "
+"""How a boot failure's reason names its step: `bootstrap failed at: STEP (exit N, T tries)`."""
+
+
+def failed_boot_step(text: str) -> str | None:
+    """The bootstrap step a boot failure's reason, or a message quoting it, names; None if none."""
+    return next((step for step in BOOT_STEPS if f"{BOOT_FAILED_AT}{step}" in text), None)
 
 
 class CheckpointReason(StrEnum):

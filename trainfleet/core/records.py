@@ -180,8 +180,13 @@ class FailureClass(StrEnum):
     CONFIG_ERROR = "CONFIG_ERROR"
     """The trainer refused its config: retrying cannot help."""
     BOOT_FAILED = "BOOT_FAILED"
-    """A node's software did not install (its user data failed a step, BOOT_CHECK): the same on
-    every node, so no replacement can help."""
+    """A node's software did not install: its user data failed a step every try (BOOT_CHECK). The
+    node is replaced as a sick one; several failing at the same step end the run (software that
+    does not install fails alike on all)."""
+    SETUP_FAILED = "SETUP_FAILED"
+    """Not one node the attempt waited for reported in its boot timeout (no agent registered, no
+    bootstrap step failed): they could not reach AWS, or never ran their user data. That is the
+    run's set-up (its network, its image), not its nodes: no replacement can help."""
     SLOW_NETWORK = "SLOW_NETWORK"
     """The fleet-wide check measured the world's network below the floor (trainer/fleet_check.py)."""
     POOR_SCALING = "POOR_SCALING"

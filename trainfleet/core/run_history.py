@@ -166,6 +166,8 @@ class RunHistory(_Shape):
     last_step: int | None
     fleet_check: FleetCheckFigures | None
     scaling_check: ScalingCheckFigures | None
+    resumed_from: str | None = None
+    """The run this one resumed (RunSpec.resume_from), whose report is beside this one's."""
 
     @property
     def samples(self) -> list[ProgressSample]:
@@ -291,4 +293,4 @@ def build_history(run: RunRecord, nodes: list[NodeRecord], reports: Iterable[Pro
         failures=marks, productive_seconds=ledger.productive_seconds, lost_by_cause=dict(ledger.lost_by_cause),
         goodput=ledger.goodput, cost_usd=ledger.cost_usd, node_seconds=ledger.node_seconds,
         steps_lost=sum(mark.steps_lost for mark in marks), last_step=run.last_step,
-        fleet_check=run.fleet_check, scaling_check=run.scaling_check)
+        fleet_check=run.fleet_check, scaling_check=run.scaling_check, resumed_from=spec.resume_from)

@@ -8,7 +8,7 @@
     layout_problem, pipeline_layout_problem   why the trainer cannot run a layout (torch-free,
                                  the rules of trainer/config.py; the schedules' own rules are
                                  trainer/schedules.py's)
-    DefaultNetwork, with_stack_defaults   what a RunSpec may leave to the stack it runs in
+    NodeNetwork, with_stack_defaults   what a RunSpec may leave to the stack it runs in
 
 Bad input raises pydantic.ValidationError; every message names the field (`loc`) and the value.
 """
@@ -446,6 +446,11 @@ class RunSpec(Strict):
     """Give the run up once its instance cost (at on-demand prices) has reached this, when a
     failure brings it to Recover; a world that trains without failing is not stopped by it (its
     training.steps bound it). None = no ceiling."""
+    resume_from: str | None = None
+    """An ended run of the stack whose newest committed checkpoint this run starts from (a run
+    that gave up: its Capacity Block ended, its budget or cost ceiling was reached): its nodes read
+    that run's checkpoints (resume_from_uri), never write or prune them, and save their own under
+    this run's. Its model must be this one's. None: start from scratch."""
     tags: dict[str, str] = Field(default_factory=dict)
     """Extra tags on every instance (besides the trainfleet ones)."""
 
@@ -455,6 +460,13 @@ class RunSpec(Strict):
         if not _RUN_NAME.match(value):
             raise ValueError(f"{value!r} must be 1-48 lower-case letters, digits or dashes, "
                              "starting with a letter or digit")
+        return value
+
+    @field_validator("resume_from")
+    @classmethod
+    def _resume_from(cls, value: str | None) -> str | None:
+        if value is not None and not _RUN_NAME.match(value):
+            raise ValueError(f"{value!r} is not a run name (1-48 lower-case letters, digits or dashes)")
         return value
 
     @field_validator("instance_type")
@@ -508,7 +520,22 @@ class RunSpec(Strict):
             raise ValueError(problem)
         if problem := collective_timeout_order(self.recovery, self.trainer.parallel.collective_timeout_s):
             raise ValueError(problem)
+        if self.resume_from == self.run_name:
+            raise ValueError(f"resume_from: a run resumes another run, not itself: give this one a run_name of its "
+                             f"own (trainfleet run start --run-name NAME --resume-from {self.run_name})")
+        if self.resume_from is not None and self.trainer.model_dump()["training"].get("init_from"):
+            raise ValueError("resume_from: a resumed run starts from the other run's newest checkpoint, whole; "
+                             "trainer.training.init_from (weights to start from) cannot be given with it")
         return self
+
+    @property
+    def resume_from_uri(self) -> str | None:
+        """Where the run it resumes keeps its checkpoints, in this run's bucket (a run's own place:
+        node_access), or None."""
+        if self.resume_from is None:
+            return None
+        bucket = self.checkpoint.s3_uri.removeprefix("s3://").split("/", 1)[0]
+        return f"s3://{bucket}/runs/{self.resume_from}/checkpoints"
 
     @property
     def facts(self) -> InstanceFacts:
@@ -526,15 +553,18 @@ class RunSpec(Strict):
         """Fewest nodes the run may continue with."""
         return self.min_nodes or self.node_count
 
-    def trainer_mapping(self, pp: int, dp: int, resume_step: int | None, scaling_check_due: bool = True) -> dict[str, Any]:
+    def trainer_mapping(self, pp: int, dp: int, resume_step: int | None, scaling_check_due: bool = True,
+                        resume_uri: str | None = None) -> dict[str, Any]:
         """The trainer's full config at pp x dp: the trainer section with the checkpoint section
-        made from `checkpoint`, resuming from `resume_step` (None: from scratch), and the world
+        made from `checkpoint`, resuming from `resume_step` (None: from scratch), found under
+        `resume_uri` where that is not the run's own place (the run it resumes), and the world
         checks; the scaling check only while it is due (no world of the run has passed it)."""
         policy, preflight, scaling = self.checkpoint, self.preflight, self.scaling_check
         nodes = pp * dp * self.trainer.parallel.tp // self.facts.ranks_per_node
         return self.trainer.as_trainer_mapping(pp, dp, {
             "checkpoint": {"uri": policy.s3_uri, "interval": policy.interval_steps, "keep_last": policy.keep_last,
                            "resume": "none" if resume_step is None else str(resume_step),
+                           **({"resume_uri": resume_uri} if resume_uri else {}),
                            "memory_interval": policy.memory_interval_steps,
                            # The node agent puts its own host-memory folder here.
                            "memory_dir": f"{HOST_MEMORY_DIR}/{self.run_name}"},
@@ -549,9 +579,10 @@ class RunSpec(Strict):
 
 
 
-class DefaultNetwork(NamedTuple):
-    """The account's default VPC in the region: its default subnet of each zone and its default
-    security group (which allows all traffic among its members: what EFA needs)."""
+class NodeNetwork(NamedTuple):
+    """The stack's network for nodes (template.yaml: the VPC it makes, or the subnets it was
+    deployed with): its subnets in the zones that offer the run's instance type, in order, and its
+    security groups (one lets all traffic pass among its members: what EFA needs)."""
 
     subnet_ids: list[str]
     security_group_ids: list[str]
@@ -559,19 +590,20 @@ class DefaultNetwork(NamedTuple):
 
 STACK_DEFAULTS = {
     "checkpoint.s3_uri": "the stack's bucket, under runs/RUN/checkpoints",
-    "capacity.subnet_ids": "with security_group_ids left out too: the default VPC's default subnets",
-    "capacity.security_group_ids": "with subnet_ids left out too: the default VPC's default security group",
+    "capacity.subnet_ids": "with security_group_ids left out too: the stack's node network's subnets in the "
+                           "zones that offer the instance type (docs/NETWORK.md)",
+    "capacity.security_group_ids": "with subnet_ids left out too: the stack's node network's security group",
 }
 """The fields a RunSpec may leave to the stack it runs in (with_stack_defaults), and what they
 then are: docs/RUNSPEC.md shows them."""
 
 
-def with_stack_defaults(document: Any, bucket: str, default_network: Callable[[], DefaultNetwork]) -> Any:
+def with_stack_defaults(document: Any, bucket: str, node_network: Callable[[str], NodeNetwork]) -> Any:
     """The RunSpec document with what its author may leave to the stack filled in, as given
     otherwise: `checkpoint.s3_uri`, the stack's bucket under runs/RUN/checkpoints; the capacity's
-    subnets and security groups when it names neither, the account's default VPC's
-    (`default_network()`, asked only then), as EC2 launches into them when a request names none.
-    A document that is not a RunSpec is returned as it is: validation names its problems."""
+    subnets and security groups when it names neither, the stack's node network for its instance
+    type (`node_network(instance_type)`, asked only then). A document that is not a RunSpec is
+    returned as it is: validation names its problems."""
     if not isinstance(document, dict) or not isinstance(document.get("run_name"), str):
         return document
     filled = dict(document)
@@ -580,9 +612,7 @@ def with_stack_defaults(document: Any, bucket: str, default_network: Callable[[]
         filled["checkpoint"] = {**checkpoint, "s3_uri": f"s3://{bucket}/runs/{document['run_name']}/checkpoints"}
     capacity = filled.get("capacity", {})
     if isinstance(capacity, dict) and "subnet_ids" not in capacity and "security_group_ids" not in capacity:
-        network = default_network()
+        network = node_network(str(document.get("instance_type", "")))
         filled["capacity"] = {"subnet_ids": network.subnet_ids, "security_group_ids": network.security_group_ids,
                               **capacity}
     return filled
-
-

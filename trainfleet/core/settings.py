@@ -36,6 +36,11 @@ class Settings(BaseModel):
     tag names the run it grants)."""
     stack_name: str
     """The stack, prefix of resource names (TRAINFLEET_STACK)."""
+    node_subnet_ids: tuple[str, ...] = ()
+    """The subnets nodes launch into when a RunSpec names none, in order of preference
+    (TRAINFLEET_NODE_SUBNETS, comma-separated): the stack's own, or those it was deployed with."""
+    node_security_group_ids: tuple[str, ...] = ()
+    """Their security groups (TRAINFLEET_NODE_SECURITY_GROUPS, comma-separated)."""
     metrics_namespace: str = "Trainfleet"
     """CloudWatch namespace of the run metrics (POWERTOOLS_METRICS_NAMESPACE)."""
 
@@ -46,7 +51,7 @@ class Settings(BaseModel):
             value = environ.get(variable, "").strip()
             if not value:
                 raise MissingSetting(f"environment variable {variable} ({field}) is not set")
-            values[field] = value
+            values[field] = tuple(value.split(",")) if field in _LISTS else value
         namespace = environ.get("POWERTOOLS_METRICS_NAMESPACE", "").strip()
         if namespace:
             values["metrics_namespace"] = namespace
@@ -60,4 +65,7 @@ _REQUIRED = {
     "event_bus": "TRAINFLEET_EVENT_BUS",
     "node_policy_arn": "TRAINFLEET_NODE_POLICY_ARN",
     "stack_name": "TRAINFLEET_STACK",
+    "node_subnet_ids": "TRAINFLEET_NODE_SUBNETS",
+    "node_security_group_ids": "TRAINFLEET_NODE_SECURITY_GROUPS",
 }
+_LISTS = {"node_subnet_ids", "node_security_group_ids"}

@@ -1,6 +1,6 @@
 """`trainfleet run`: start, follow and inspect the training runs of a deployed stack.
 
-    trainfleet run start events/example-run.json [--watch]
+    trainfleet run start events/example-run.json [--watch] [--run-name NAME] [--resume-from RUN]
     trainfleet run list
     trainfleet run status RUN          the live view, once
     trainfleet run watch RUN           the live view until the run ends
@@ -31,7 +31,7 @@ STOP_WAIT_S = 600.0
 def _start(stack, args: argparse.Namespace, console) -> int:
     from trainfleet.operator.runs import load_run_spec
 
-    spec = load_run_spec(args.run_spec, stack)
+    spec = load_run_spec(args.run_spec, stack, run_name=args.run_name, resume_from=args.resume_from)
     arn = stack.start(spec)
     console.print(f"started run {spec['run_name']}: {arn}")
     return _watch(stack, argparse.Namespace(run=spec["run_name"]), console) if args.watch else 0
@@ -132,6 +132,10 @@ def add_run_commands(commands: argparse._SubParsersAction) -> None:
     start = command("start", _start, "start a run from a RunSpec file", with_run=False)
     start.add_argument("run_spec", type=Path, help="a RunSpec JSON file (events/example-run.json is one)")
     start.add_argument("--watch", action="store_true", help="follow it with the live view")
+    start.add_argument("--run-name", help="the run's name, instead of the RunSpec's run_name")
+    start.add_argument("--resume-from", metavar="RUN",
+                       help="an ended run of the stack to start from: its newest checkpoint, read, never changed "
+                            "(RunSpec resume_from)")
     command("list", _list, "the stack's runs, newest first", with_run=False)
     command("status", _status, "where a run is: state, attempt, nodes, step, loss, goodput, cost")
     command("watch", _watch, "the live view, until the run ends (Ctrl-C stops watching, not the run)")

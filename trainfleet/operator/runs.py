@@ -68,10 +68,15 @@ def failure_line(error: Exception) -> str:
     return str(error)
 
 
-def load_run_spec(path: Path, stack: Stack) -> dict[str, Any]:
-    """A RunSpec file completed with the stack's defaults (runspec.with_stack_defaults, as
-    Validate completes it) and validated; OperatorError naming the file and the fields otherwise."""
-    from trainfleet.adapters.ec2_fleet import NoDefaultNetwork, default_network
+def _listed(text: str) -> tuple[str, ...]:
+    return tuple(item for item in text.split(",") if item)
+
+
+def load_run_spec(path: Path, stack: Stack, run_name: str | None = None, resume_from: str | None = None) -> dict[str, Any]:
+    """A RunSpec file, with `run_name` and `resume_from` (RunSpec.resume_from) given instead of its
+    own, completed with the stack's defaults (runspec.with_stack_defaults, as Validate completes
+    it) and validated; OperatorError naming the file and the fields otherwise."""
+    from trainfleet.adapters.network import NetworkNotFound, node_network
 
     try:
         document = json.loads(path.read_text())
@@ -79,9 +84,12 @@ def load_run_spec(path: Path, stack: Stack) -> dict[str, Any]:
         raise OperatorError(f"{path}: {error.strerror or error}") from None
     except json.JSONDecodeError as error:
         raise OperatorError(f"{path} is not JSON: {error}") from None
+    if isinstance(document, dict):
+        document |= {key: value for key, value in (("run_name", run_name), ("resume_from", resume_from)) if value}
     try:
-        document = with_stack_defaults(document, stack.bucket, lambda: default_network(stack.client("ec2")))
-    except NoDefaultNetwork as error:
+        document = with_stack_defaults(document, stack.bucket, lambda instance_type: node_network(
+            stack.client("ec2"), list(stack.node_subnet_ids), list(stack.node_security_group_ids), instance_type))
+    except NetworkNotFound as error:
         raise OperatorError(f"{path}: {error}") from None
     try:
         RunSpec.model_validate(document)
@@ -194,6 +202,10 @@ class Stack:
     local cloud of its own names it (the demo)."""
     node_log_group: str | None = None
     """Where the nodes ship their logs (output NodeLogGroupName; node/node_log.py)."""
+    node_subnet_ids: tuple[str, ...] = ()
+    """Where nodes launch when a RunSpec names no subnets (output NodeSubnetIds)."""
+    node_security_group_ids: tuple[str, ...] = ()
+    """Their security groups (output NodeSecurityGroupIds)."""
     _clients: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     """One client per service, made at first use: a live view asks several a second, and making
     a client (its service model read and parsed) costs more than the call."""
@@ -218,7 +230,8 @@ class Stack:
                                 f"{', '.join(missing)}")
         return cls(stack_name, outputs["StateMachineArn"], outputs["RunTableName"], outputs["CheckpointBucketName"],
                    tuple(group for group in outputs["FunctionLogGroups"].split(",") if group), session, endpoint_url,
-                   outputs.get("NodeLogGroupName"))
+                   outputs.get("NodeLogGroupName"), _listed(outputs.get("NodeSubnetIds", "")),
+                   _listed(outputs.get("NodeSecurityGroupIds", "")))
 
     def client(self, service: str) -> Any:
         if service not in self._clients:

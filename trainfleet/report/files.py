@@ -40,6 +40,7 @@ def build_report(run: RunRecord, nodes: list[NodeRecord], history: RunHistory) -
         "error": run.error,
         "attempts": run.attempt + 1,
         "restarts": run.restarts,
+        "resumed_from": history.resumed_from,  # the ended run whose newest commit attempt 0 started from
         # As the history has them: each with its first sign, detection, last step and steps lost.
         "failures": [failure.model_dump(mode="json") for failure in history.failures],
         "earlier_failures": run.earlier_failures,  # no longer kept in the record (Recover logged each)

@@ -261,7 +261,7 @@ def render_html(history: RunHistory) -> str:
 <body>
 <header>
 <h1>{escape(history.run_name)} <span class="state {state}">{state}</span></h1>
-{error}{_summary(history)}
+{_resumed(history)}{error}{_summary(history)}
 </header>
 {figures}
 <h2>Failures</h2>
@@ -273,6 +273,17 @@ def render_html(history: RunHistory) -> str:
 </body>
 </html>
 """
+
+
+def _resumed(history: RunHistory) -> str:
+    """Where the run started from, when it resumed another: that run's report, beside this one
+    (runs/RUN/report.html in the bucket, reports/RUN/ where `trainfleet run report` writes)."""
+    if history.resumed_from is None:
+        return ""
+    name = escape(history.resumed_from)
+    first = history.attempts[0].resume_step if history.attempts else None
+    at = f" at its step {first:,}" if first is not None else ""
+    return f'<p class="resumed">Resumed from run <a href="../{name}/report.html">{name}</a>{at}.</p>\n'
 
 
 def _summary(history: RunHistory) -> str:

@@ -3,7 +3,7 @@
 Offers:
     classify:  sender_problem(detail, sender, sender_is_runs_node), is_stale(detail, attempt),
                classify_event(detail, attempt, observed_at) -> FailureReport | None,
-               classify_task_error(error, cause, waiting, not_ready_instance_ids) -> FailureReport
+               classify_task_error(error, cause, waiting, nodes) -> FailureReport
     replan:    plan_layout(trainer_config, ranks_per_node, available_nodes, min_nodes, preferred_pp, memory_gib),
                initial_plan(spec, allocated_nodes)
     recovery:  decide_recovery(run, nodes, failure, jitter_draw, now, trainers_alive) -> RecoveryDecision,
@@ -29,6 +29,7 @@ Offers:
     spares:    swap_late_workers(nodes, attempt) -> LateWorkerSwap
     launch:    new_node_records(spec, attempt, instance_ids, workers_wanted, zone, subnet_id),
                confirmed(node, attempt), ready_workers(nodes, attempt), unready_workers(nodes, attempt),
+               silent_fleet(nodes),
                world_complete(nodes, plan, attempt), world_attempt(node), may_start(run, ready_workers),
                assign_ranks(nodes, plan, attempt),
                build_launch_spec(run, nodes, heartbeat_task_token) -> LaunchSpec
@@ -50,7 +51,8 @@ from trainfleet.core.lifecycle.goodput import (accrue_cost, book_attempt, over_c
 from trainfleet.core.lifecycle.growth import (GROW_RETRY, grown_plan, growth_report, may_grow, missing_nodes,
                                               spares_to_launch)
 from trainfleet.core.lifecycle.launch import (assign_ranks, build_launch_spec, confirmed, may_start, new_node_records,
-                                              ready_workers, unready_workers, world_attempt, world_complete)
+                                              ready_workers, silent_fleet, unready_workers, world_attempt,
+                                              world_complete)
 from trainfleet.core.lifecycle.liveness import (IMPAIRED, agents_alive, blame_silent_workers, first_silent,
                                                 hang_onset, looks_per_second, needs_liveness_look, poll_interval,
                                                 silent_after, silent_workers, trainers_alive)
@@ -78,7 +80,8 @@ __all__ = [
     "checkpoint_request_answered",
     "missing_nodes", "spares_to_launch", "may_grow", "growth_report", "grown_plan", "GROW_RETRY",
     "Reservation", "reservation_problem", "block_end_due", "block_end_report", "BLOCK_TERMINATION_LEAD",
-    "new_node_records", "confirmed", "ready_workers", "unready_workers", "world_complete", "world_attempt",
+    "new_node_records", "confirmed", "ready_workers", "unready_workers", "silent_fleet", "world_complete",
+    "world_attempt",
     "may_start", "assign_ranks",
     "build_launch_spec", "swap_late_workers",
     "poll_interval", "looks_per_second", "silent_after", "silent_workers", "trainers_alive", "agents_alive",

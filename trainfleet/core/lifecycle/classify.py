@@ -8,7 +8,8 @@ from trainfleet.core.events import (BOOT_CHECK, LOST_STATES, AgentEvent, AnyDeta
                                     Ec2RebalanceRecommendation, Ec2SpotInterruptionWarning, FleetChecked, HealthEvent,
                                     NodeReady, NodeRegistered, NodeUnhealthy, ScalingChecked, TrainerFailed,
                                     TrainerHung)
-from trainfleet.core.records import (CAPACITY_ERROR, FAILURE_ERROR, FailureClass, FailureReport, TaskWait,
+from trainfleet.core.lifecycle.launch import silent_fleet, unready_workers
+from trainfleet.core.records import (CAPACITY_ERROR, FAILURE_ERROR, FailureClass, FailureReport, NodeRecord, TaskWait,
                                      TrainerFailureKind)
 
 # Health categories that announce trouble for the instance itself (accountNotification does not).
@@ -102,10 +103,13 @@ def _event_report(detail: AnyDetail, attempt: int) -> FailureReport | None:
 
 
 def classify_task_error(error: str, cause: str | None, waiting: TaskWait,
-                        not_ready_instance_ids: list[str] = ()) -> FailureReport:
-    """The failure behind a failed task (its Catch gives error and cause).
+                        nodes: list[NodeRecord] = ()) -> FailureReport:
+    """The failure behind a failed task (its Catch gives error and cause); `nodes`: the run's
+    node records, which a boot timeout blames.
 
-    not_ready_instance_ids: nodes that had not passed preflight when AwaitNodes timed out.
+    A boot timeout blames the workers not ready for the attempt; one after which not a node the
+    attempt waited for ever reported (lifecycle.silent_fleet) is the run's set-up failing, which no
+    replacement can cure: a fleet that cannot reach AWS is billed silent until every timeout.
     """
     if error == FAILURE_ERROR and cause:
         return FailureReport.model_validate_json(cause)
@@ -114,8 +118,16 @@ def classify_task_error(error: str, cause: str | None, waiting: TaskWait,
                 or _report(FailureClass.CAPACITY, waiting.attempt, [], cause or "not enough instances"))
     if error in _TIMEOUT_ERRORS and waiting.purpose == "train":
         return _report(FailureClass.HANG, waiting.attempt, [], f"{error}: no heartbeat from training")
+    if error in _TIMEOUT_ERRORS and (silent := silent_fleet(nodes)):
+        subnets = sorted({node.subnet_id for node in silent if node.subnet_id})
+        return _report(FailureClass.SETUP_FAILED, waiting.attempt, [],
+                       f"{error}: not one of the {len(silent)} nodes of attempt {waiting.attempt} reported within "
+                       f"the boot timeout (no agent registered, no bootstrap step failed): they could not reach "
+                       f"the control plane (EventBridge, S3, DynamoDB, Step Functions, CloudWatch Logs) from "
+                       f"{', '.join(subnets) or 'their subnets'}, or never ran their user data. The run's network "
+                       "or image is at fault, not its nodes (their console output shows how far they got)")
     if error in _TIMEOUT_ERRORS:
-        return _report(FailureClass.NODE_UNHEALTHY, waiting.attempt, list(not_ready_instance_ids),
+        return _report(FailureClass.NODE_UNHEALTHY, waiting.attempt, unready_workers(nodes, waiting.attempt),
                        f"{error}: nodes not ready within the boot timeout")
     return _report(FailureClass.UNKNOWN, waiting.attempt, [], f"{error}: {cause or 'no cause given'}")
 

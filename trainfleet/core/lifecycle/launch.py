@@ -27,6 +27,13 @@ def unready_workers(nodes: list[NodeRecord], attempt: int) -> list[str]:
         or (node.state is NodeState.READY and not confirmed(node, attempt))))
 
 
+def silent_fleet(nodes: list[NodeRecord]) -> list[NodeRecord]:
+    """The nodes the run holds (workers and spares, not retired), when not one of them has ever
+    reported (no agent registered: it would have given its address); empty when any did."""
+    live = [node for node in nodes if not node.state.is_retired]
+    return live if all(node.state is NodeState.LAUNCHED and node.private_ip is None for node in live) else []
+
+
 def rank_order(node: NodeRecord) -> tuple[bool, int, str]:
     """Sort key: nodes with a rank from an earlier attempt first, in rank order, then by id.
 
@@ -104,7 +111,8 @@ def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_to
         rendezvous_port=rendezvous_port(rendezvous_id),
         rendezvous_id=rendezvous_id,
         trainer_config=run.spec.trainer_mapping(run.plan.pp, run.plan.dp, resume_step,
-                                                scaling_check_due=not (run.scaling_check and run.scaling_check.passed)),
+                                                scaling_check_due=not (run.scaling_check and run.scaling_check.passed),
+                                                resume_uri=resumed_elsewhere(run)),
         resume_step=resume_step,
         restore_from_memory=run.restore_from_memory,
         repairable=run.spec.repairable,
@@ -114,6 +122,14 @@ def build_launch_spec(run: RunRecord, nodes: list[NodeRecord], heartbeat_task_to
         startup_timeout_seconds=run.spec.recovery.startup_timeout_seconds,
         stall_floor_seconds=run.spec.recovery.stall_floor_seconds,
     )
+
+
+def resumed_elsewhere(run: RunRecord) -> str | None:
+    """Where the run's resume point lies when it is not the run's own: the checkpoints of the run
+    it resumes (RunSpec.resume_from_uri), before it committed one of its own; else None."""
+    uri = run.spec.resume_from_uri
+    latest = run.latest_checkpoint
+    return uri if uri and latest and latest.uri.startswith(uri.rstrip("/") + "/") else None
 
 
 def _repair_rendezvous_id(run_name: str, repair: WorldRepair, attempt: int) -> str:

@@ -1,8 +1,10 @@
 """The recovery decision: restart, replace, shrink or give up; the budget, the crash loop, backoff.
 
 decide_recovery() works in numbered steps, each a rule a person can check:
-    1. a config error never heals, nor does a node software that does not install, nor a world
-       that does not scale; a Capacity Block that ends has nothing left to run on: give up;
+    1. a config error never heals, nor does node software that does not install (several nodes
+       failing at the same bootstrap step; one is a sick node, replaced in 6), nor a fleet of which
+       no node ever reported (its network, its image), nor a world that does not scale; a
+       Capacity Block that ends has nothing left to run on: give up;
     2. the cost ceiling is reached: give up;
     3. the restart budget of the window is spent, or capacity has been short longer than the
        run waits for it: give up;
@@ -22,6 +24,7 @@ decide_recovery() works in numbered steps, each a rule a person can check:
 
 from datetime import datetime, timedelta
 
+from trainfleet.core.events import failed_boot_step
 from trainfleet.core.lifecycle.goodput import over_cost_ceiling
 from trainfleet.core.lifecycle.growth import grown_plan
 from trainfleet.core.lifecycle.launch import rank_order
@@ -44,6 +47,24 @@ ANNOUNCED_BY_AWS = frozenset({FailureClass.SPOT_INTERRUPTION, FailureClass.SPOT_
                               FailureClass.HEALTH_EVENT})
 # Nor do these: they never spend the restart budget nor make a crash loop.
 NOT_THE_JOBS = ANNOUNCED_BY_AWS | {FailureClass.CAPACITY, FailureClass.CAPACITY_RETURNED}
+
+
+BOOT_FAILURES_TO_GIVE_UP = 3
+"""Nodes that failed at the same bootstrap step (every try) within the restart window before the
+run gives up: one is a sick node (a disk, a network blip longer than its retries) and is
+replaced; software that does not install fails alike on all, so three say that, whatever the
+fleet's size."""
+
+
+def failed_at_boot_step(nodes: list[NodeRecord], failure: FailureReport, since: datetime) -> list[str]:
+    """The nodes that failed at the bootstrap step `failure` names (its own and those recorded so,
+    since `since`), sorted; none when it names no step."""
+    step = failed_boot_step(failure.message)
+    if step is None:
+        return []
+    failed = {node.instance_id for node in nodes if node.failure_class is FailureClass.BOOT_FAILED
+              and failed_boot_step(node.reason or "") == step and (node.updated_at is None or node.updated_at >= since)}
+    return sorted(failed | set(failure.instance_ids))
 
 
 def failure_streak(history: list[FailureRecord], failure_class: FailureClass, resume_step: int | None,
@@ -190,13 +211,21 @@ def decide_recovery(run: RunRecord, nodes: list[NodeRecord], failure: FailureRep
     if failure.failure_class is FailureClass.CONFIG_ERROR:
         return give_up(f"the trainer refused its config: {failure.message}")
     if failure.failure_class is FailureClass.BOOT_FAILED:
-        return give_up(f"the node software did not install: {failure.message}")
+        failed = failed_at_boot_step(nodes, failure, now - timedelta(hours=policy.restart_window_hours))
+        if len(failed) >= BOOT_FAILURES_TO_GIVE_UP:
+            return give_up(f"the node software did not install: {len(failed)} nodes failed at the same step "
+                           f"({', '.join(failed)}); last: {failure.message}")
+    if failure.failure_class is FailureClass.SETUP_FAILED:
+        return give_up(f"the run's set-up failed: {failure.message}")
     if failure.failure_class is FailureClass.POOR_SCALING and not failure.instance_ids:
         # Uniformly poor: no replacement can help. A slow node named is replaced as a sick one is.
         return give_up(f"the fleet does not scale: {failure.message}")
     if failure.failure_class is FailureClass.CAPACITY_BLOCK_END:
-        saved = f"checkpoint step {resume_step}" if resume_step is not None else "no checkpoint"
-        return give_up(f"{failure.message}; stopped with {saved}: start it again on a new block to resume")
+        if resume_step is None:
+            return give_up(f"{failure.message}; stopped with no checkpoint: start it again on a new block")
+        return give_up(f"{failure.message}; stopped with checkpoint step {resume_step}: go on from it on a new "
+                       f"block with `trainfleet run start RUNSPEC --run-name NEW_NAME --resume-from {run.run_name}` "
+                       "(the RunSpec naming the new block's reservation)")
     if over_cost_ceiling(spec, run.ledger):
         return give_up(f"cost ${run.ledger.cost_usd:,.2f} reached the ceiling ${spec.cost_ceiling_usd:,.2f}")
     window = timedelta(hours=policy.restart_window_hours)
