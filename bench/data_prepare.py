@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from trainer import prepare, tokenizer  # noqa: E402
-from trainer.data import corpus_documents  # noqa: E402
+from trainer.data import corpus_documents, corpus_pieces  # noqa: E402
 
 LAMBDA_GB_SECOND_USD = 0.0000166667
 """x86 Lambda, us-east-1, first tier."""
@@ -55,14 +55,7 @@ ITEM_TRANSITIONS = 3
 
 
 def make_corpus(folder: Path, gigabytes: float) -> tuple[Path, int]:
-    documents = []
-    for text in corpus_documents(40_000_000):
-        lines, piece = text.splitlines(keepends=True), ""
-        for line in lines:
-            piece += line
-            if len(piece) > 3_000:
-                documents.append(piece)
-                piece = ""
+    documents = corpus_pieces(40_000_000, 3_000)
     random.Random(0).shuffle(documents)
     target, written, count = gigabytes * 1e9, 0, 0
     path = folder / "corpus.jsonl"

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from localcloud.waiting import until
 from trainer import tokenizer
-from trainer.data import corpus_documents, load_tokens
+from trainer.data import corpus_documents, corpus_pieces, load_tokens
 from trainer.config import DataConfig
 from trainer.prepare import BadRecord, PrepareError
 from trainfleet.operator.data_command import prepare_here
@@ -32,17 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def documents(max_bytes: int) -> list[str]:
     """The corpus cut into documents of about 2,000 characters at line ends, a few with other scripts."""
-    cut = []
-    for text in corpus_documents(max_bytes):
-        lines, piece = text.splitlines(keepends=True), ""
-        for line in lines:
-            piece += line
-            if len(piece) > 2_000:
-                cut.append(piece)
-                piece = ""
-        cut.append(piece)
+    cut = corpus_pieces(max_bytes, 2_000)
     cut[3::50] = [f"déjà vu — 日本語 {n} 🙂\n" + doc for n, doc in enumerate(cut[3::50])]
-    return [doc for doc in cut if doc]
+    return cut
 
 
 @pytest.fixture(scope="module")

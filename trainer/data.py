@@ -93,6 +93,21 @@ def corpus_documents(max_bytes: int) -> list[str]:
     return documents
 
 
+def corpus_pieces(max_bytes: int, piece_chars: int) -> list[str]:
+    """The corpus cut at line ends into documents a little over piece_chars each (each file's last
+    piece shorter): documents of the size a user's JSON Lines records have, for tests and benches."""
+    pieces = []
+    for text in corpus_documents(max_bytes):
+        piece = ""
+        for line in text.splitlines(keepends=True):
+            piece += line
+            if len(piece) > piece_chars:
+                pieces.append(piece)
+                piece = ""
+        pieces.append(piece)
+    return [piece for piece in pieces if piece]
+
+
 def tokenize_corpus(max_bytes: int, tok: tokenizer.Tokenizer) -> tuple[np.ndarray, int]:
     """The corpus's tokens, each document begun and ended as the tokenizer defines; and the documents' count."""
     documents = tok.encode_documents(corpus_documents(max_bytes))
