@@ -1259,9 +1259,9 @@ def test_a_lost_instance_is_the_failure_whichever_came_first_its_ec2_event_or_it
     after EC2's `terminated`). Recover decides the same whichever came first: the instance's loss,
     that node alone replaced. A node lost in an earlier attempt is no part of this one's world."""
     replaced_before = node("i-5", state=NodeState.TERMINATED, ready_attempt=0, failure_class=FailureClass.INSTANCE_LOST)
-    nodes = [*[lost if lost.instance_id != "i-2" else lost.model_copy(update={
+    lost = WORKERS[1].model_copy(update={
         "state": recorded, "failure_class": None if recorded is NodeState.READY else FailureClass.INSTANCE_LOST})
-        for lost in WORKERS], replaced_before]
+    nodes = [WORKERS[0], lost, *WORKERS[2:], replaced_before]
     answering = [live(f"i-{n}", 40, 1) for n in range(1, 5)]  # the lost node's agent died a moment ago
     troubles = {"i-2": "shutting-down" if recorded is NodeState.READY else "terminated", "i-5": "terminated"}
     event = lc.classify_event(Ec2InstanceStateChange(instance_id="i-2", state="shutting-down"), 1, T0)
@@ -1272,7 +1272,7 @@ def test_a_lost_instance_is_the_failure_whichever_came_first_its_ec2_event_or_it
         decision = lc.decide_recovery(make_run(), nodes, failure, 0.0, now=T0)
         assert (decision.action, decision.failure_class) == (RecoveryAction.REPLACE, FailureClass.INSTANCE_LOST)
         assert (decision.allocate_workers, decision.promote_spare_ids) == (1, [])
-        assert decision.terminate_instance_ids == ([] if NodeState(recorded).is_retired else ["i-2"])
+        assert decision.terminate_instance_ids == ([] if recorded.is_retired else ["i-2"])
     assert [worker.instance_id for worker in lc.world_workers(nodes, 1)] == ["i-1", "i-2", "i-3", "i-4"]
 
 

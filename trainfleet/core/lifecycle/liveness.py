@@ -26,8 +26,8 @@ from trainfleet.core.pace import (FULL_RATE_NODES, POLL_MAX_S, POLL_MIN_S, SILEN
 from trainfleet.core.records import FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole
 
 __all__ = ["FULL_RATE_NODES", "POLL_MAX_S", "POLL_MIN_S", "SILENT_LOOKS", "looks_per_second", "poll_interval",
-           "silent_after", "IMPAIRED", "world_workers", "silent_workers", "trainers_alive", "agents_alive", "blame_silent_workers",
-           "needs_liveness_look", "first_silent", "hang_onset"]
+           "silent_after", "IMPAIRED", "world_workers", "silent_workers", "trainers_alive", "agents_alive",
+           "blame_silent_workers", "needs_liveness_look", "first_silent", "hang_onset"]
 
 IMPAIRED = "impaired"
 """What EC2's troubles name an instance whose instance or system status check failed."""
