@@ -47,7 +47,7 @@ from trainfleet.adapters.liveness import instance_troubles, read_liveness
 from trainfleet.adapters.metrics import detection_metrics, emit
 from trainfleet.core.lifecycle import (agents_alive, apply_decision, blame_silent_workers, book_attempt,
                                        classify_task_error, decide_recovery, hang_onset, needs_liveness_look,
-                                       trainers_alive, unready_workers)
+                                       trainers_alive, unready_workers, world_workers)
 from trainfleet.core.records import (FailureClass, FailureReport, NodeLiveness, NodeRecord, NodeRole, NodeState,
                                      RecoveryAction, RecoveryDecision, RunRecord, RunRef, RunState, TaskWait)
 
@@ -77,11 +77,12 @@ def name_silent_workers(run: RunRecord, nodes: list[NodeRecord], failure: Failur
     went silent or left (EC2 reports the instance leaving or its status checks impaired, an agent
     that stopped reporting, a trainer that never joined or fell behind), so they are replaced now
     rather than failing every restart. A peer's crash reaches the survivors' agents, which report
-    it at once; the lost instance's state tells Recover whose loss it was."""
+    it at once; the lost instance's state tells Recover whose loss it was, also where EC2's event
+    came after the crash and retired the node before this look (lifecycle.world_workers)."""
     if not needs_liveness_look(failure):
         return failure
     cloud = aws()
-    workers = [node.instance_id for node in nodes if node.role is NodeRole.WORKER and not node.state.is_retired]
+    workers = [node.instance_id for node in world_workers(nodes, failure.attempt)]
     troubles = instance_troubles(cloud.ec2, workers) if workers else {}
     records = liveness(run.run_name, nodes)
     named = blame_silent_workers(failure, nodes, records, datetime.now(timezone.utc),

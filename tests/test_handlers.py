@@ -1154,6 +1154,30 @@ def test_recover_names_the_workers_that_failed_silently(handlers, cloud, resourc
     ec2.terminate_instances(InstanceIds=ids)
 
 
+def test_recover_books_a_crash_as_the_loss_of_the_instance_ec2_retired_before_it_looked(
+        handlers, cloud, resources, monkeypatch):
+    """The survivors' crash report answered the attempt's wait first; EC2's state-change event came
+    next and retired the lost node before Recover looked. EC2 still shows the instance leaving:
+    the failure is its loss, not a crash of the world."""
+    ec2, (answering, lost), store, run = run_on_real_instances(cloud, resources, monkeypatch, 2)
+    now = datetime.now(timezone.utc)
+    for index, instance_id in enumerate((answering, lost)):
+        store.add_node(NodeRecord(run_name=run.run_name, instance_id=instance_id, state=NodeState.READY,
+                                  ready_attempt=0, private_ip=f"10.0.1.{index}"))
+        cloud.fleet.wait_for_state(instance_id, "running")
+        write_liveness(cloud.client("dynamodb"), resources["liveness_table"], run.run_name, NodeLiveness(
+            instance_id=instance_id, attempt=0, step=40, reported_at=now))
+    ec2.terminate_instances(InstanceIds=[lost])
+    store.modify_node(run.run_name, lost, lambda node: node.model_copy(update={
+        "state": NodeState.UNHEALTHY, "failure_class": FailureClass.INSTANCE_LOST,
+        "reason": f"EC2 reports instance {lost} shutting-down"}))
+    crash = FailureReport(failure_class=FailureClass.PROCESS_CRASH, attempt=0, message="peer gone")
+    named = handlers.recover.name_silent_workers(store.run(run.run_name), store.nodes(run.run_name), crash)
+    assert (named.failure_class, named.instance_ids) == (FailureClass.INSTANCE_LOST, [lost]), named.message
+    assert f"{lost}: EC2 reports the instance " in named.message
+    ec2.terminate_instances(InstanceIds=[answering])
+
+
 @pytest.mark.parametrize("survivor_reported_s", [2, 3600])
 def test_recover_repairs_the_world_in_place_and_confirms_the_survivors_whose_trainers_live(
         handlers, cloud, resources, monkeypatch, survivor_reported_s):

@@ -1362,6 +1362,31 @@ def test_a_crash_of_a_world_that_lost_an_instance_is_that_instance_loss(state):
     assert lc.blame_silent_workers(crash, WORKERS, answering, T0, HANG_S, {"i-3": "running"}) == crash
 
 
+@pytest.mark.parametrize("recorded", [NodeState.READY, NodeState.UNHEALTHY, NodeState.TERMINATED])
+def test_a_lost_instance_is_the_failure_whichever_came_first_its_ec2_event_or_its_peers_crash(recorded):
+    """EC2's state-change event comes seconds to a minute after an instance stopped, its peers'
+    crash reports often before it: the first to arrive answers the attempt's wait. The event, once
+    it arrives, retires the node (`recorded`: READY before it arrived, UNHEALTHY after, TERMINATED
+    after EC2's `terminated`). Recover decides the same whichever came first: the instance's loss,
+    that node alone replaced. A node lost in an earlier attempt is no part of this one's world."""
+    replaced_before = node("i-5", state=NodeState.TERMINATED, ready_attempt=0, failure_class=FailureClass.INSTANCE_LOST)
+    lost = WORKERS[1].model_copy(update={
+        "state": recorded, "failure_class": None if recorded is NodeState.READY else FailureClass.INSTANCE_LOST})
+    nodes = [WORKERS[0], lost, *WORKERS[2:], replaced_before]
+    answering = [live(f"i-{n}", 40, 1) for n in range(1, 5)]  # the lost node's agent died a moment ago
+    troubles = {"i-2": "shutting-down" if recorded is NodeState.READY else "terminated", "i-5": "terminated"}
+    event = lc.classify_event(Ec2InstanceStateChange(instance_id="i-2", state="shutting-down"), 1, T0)
+    crash = lc.classify_event(TrainerFailed(run_name="r1", attempt=1, instance_id="i-1", kind="crash"), 1, T0)
+    for first in (event, crash):
+        failure = lc.blame_silent_workers(first, nodes, answering, T0, HANG_S, troubles)
+        assert (failure.failure_class, failure.instance_ids) == (FailureClass.INSTANCE_LOST, ["i-2"]), first.message
+        decision = lc.decide_recovery(make_run(), nodes, failure, 0.0, now=T0)
+        assert (decision.action, decision.failure_class) == (RecoveryAction.REPLACE, FailureClass.INSTANCE_LOST)
+        assert (decision.allocate_workers, decision.promote_spare_ids) == (1, [])
+        assert decision.terminate_instance_ids == ([] if recorded.is_retired else ["i-2"])
+    assert [worker.instance_id for worker in lc.world_workers(nodes, 1)] == ["i-1", "i-2", "i-3", "i-4"]
+
+
 def test_failures_that_name_a_node_or_cannot_hide_one_are_left_alone():
     records = [live("i-1", 40, 2), live("i-2", 40, 300)]
     for failure in (report(FailureClass.INSTANCE_LOST, "i-1"), report(FailureClass.NUMERICAL),

@@ -35,6 +35,7 @@ Offers:
                build_launch_spec(run, nodes, heartbeat_task_token) -> LaunchSpec
     liveness:  poll_interval(nodes, draw, hang_timeout_s), looks_per_second(nodes, hang_timeout_s),
                silent_after(nodes, hang_timeout_s) (trainfleet.core.pace's rules),
+               world_workers(nodes, attempt),
                silent_workers(nodes, liveness, attempt, now, hang_timeout_s, ec2_troubles),
                trainers_alive(nodes, liveness, attempt, now, hang_timeout_s),
                agents_alive(nodes, liveness, now, hang_timeout_s),
@@ -55,7 +56,7 @@ from trainfleet.core.lifecycle.launch import (assign_ranks, build_launch_spec, c
                                               world_complete)
 from trainfleet.core.lifecycle.liveness import (IMPAIRED, agents_alive, blame_silent_workers, first_silent,
                                                 hang_onset, looks_per_second, needs_liveness_look, poll_interval,
-                                                silent_after, silent_workers, trainers_alive)
+                                                silent_after, silent_workers, trainers_alive, world_workers)
 from trainfleet.core.lifecycle.recovery import (ANNOUNCED_BY_AWS, apply_decision, backoff_seconds, decide_recovery,
                                                 failure_streak, memory_restore, repair_in_place)
 from trainfleet.core.lifecycle.replan import initial_plan, plan_layout
@@ -85,6 +86,6 @@ __all__ = [
     "may_start", "assign_ranks",
     "build_launch_spec", "swap_late_workers",
     "poll_interval", "looks_per_second", "silent_after", "silent_workers", "trainers_alive", "agents_alive",
-    "blame_silent_workers", "first_silent", "hang_onset",
+    "blame_silent_workers", "first_silent", "hang_onset", "world_workers",
     "needs_liveness_look", "IMPAIRED",
 ]

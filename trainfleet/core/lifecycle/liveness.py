@@ -23,14 +23,25 @@ from trainfleet.core.pace import (FULL_RATE_NODES, POLL_MAX_S, POLL_MIN_S, SILEN
 from trainfleet.core.records import FailureClass, FailureRecord, FailureReport, NodeLiveness, NodeRecord, NodeRole
 
 __all__ = ["FULL_RATE_NODES", "POLL_MAX_S", "POLL_MIN_S", "SILENT_LOOKS", "looks_per_second", "poll_interval",
-           "silent_after", "IMPAIRED", "silent_workers", "trainers_alive", "agents_alive", "blame_silent_workers",
-           "needs_liveness_look", "first_silent", "hang_onset"]
+           "silent_after", "IMPAIRED", "world_workers", "silent_workers", "trainers_alive", "agents_alive",
+           "blame_silent_workers", "needs_liveness_look", "first_silent", "hang_onset"]
 
 IMPAIRED = "impaired"
 """What EC2's troubles name an instance whose instance or system status check failed."""
 
 # Failures that name no node but may hide one: a silent node takes the world down with it.
 _MAY_HIDE_A_NODE = frozenset({FailureClass.PROCESS_CRASH, FailureClass.HANG, FailureClass.UNKNOWN})
+
+
+def world_workers(nodes: list[NodeRecord], attempt: int) -> list[NodeRecord]:
+    """The workers of `attempt`'s world, whose instances' EC2 state may name a crash's cause: those
+    not retired, and those retired while the attempt ran (its agent confirmed them for it). EC2's
+    state-change event of a lost instance comes seconds to a minute after the instance stopped,
+    after or before its peers' crash reports: when the crash answered the attempt's wait first,
+    the event that followed retired the node before Recover looked, and the node is still the
+    one the world lost."""
+    return [node for node in nodes if node.role is NodeRole.WORKER and (
+        not node.state.is_retired or (node.ready_attempt is not None and node.ready_attempt >= attempt))]
 
 
 def silent_workers(nodes: list[NodeRecord], liveness: list[NodeLiveness], attempt: int, now: datetime,
@@ -47,7 +58,8 @@ def silent_workers(nodes: list[NodeRecord], liveness: list[NodeLiveness], attemp
     that is only older (its agent's writes failed for a while, as they do while S3 throttles) is
     no sign of a node behind. The liveness rules blame no one when every worker looks
     silent: that says more about the reports' path than about the nodes, and replacing the whole
-    world would not help. What EC2 reports blames its worker all the same.
+    world would not help. What EC2 reports blames its worker all the same, a worker of the
+    attempt's world an event retired already too (world_workers).
     """
     live = [node for node in nodes if not node.state.is_retired]
     workers = [node for node in live if node.role is NodeRole.WORKER]
@@ -73,7 +85,7 @@ def silent_workers(nodes: list[NodeRecord], liveness: list[NodeLiveness], attemp
             why[node.instance_id] = f"stopped advancing at step {report.step} while its peers reached {lead}"
     if len(why) == len(workers):
         why = {}
-    for node in workers:
+    for node in world_workers(nodes, attempt):
         trouble = ec2_troubles.get(node.instance_id)
         if trouble == IMPAIRED:
             why[node.instance_id] = "EC2 instance status impaired"
