@@ -1165,8 +1165,8 @@ def test_recover_books_a_crash_as_the_loss_of_the_instance_ec2_retired_before_it
         store.add_node(NodeRecord(run_name=run.run_name, instance_id=instance_id, state=NodeState.READY,
                                   ready_attempt=0, private_ip=f"10.0.1.{index}"))
         cloud.fleet.wait_for_state(instance_id, "running")
-        write_liveness(cloud.client("dynamodb"), resources["liveness_table"], run.run_name, NodeLiveness(
-            instance_id=instance_id, attempt=0, step=40, reported_at=now))
+        write_liveness(cloud.client("dynamodb"), resources["liveness_table"], run.run_name, arn(cloud, instance_id),
+                       NodeLiveness(instance_id=instance_id, attempt=0, step=40, reported_at=now))
     ec2.terminate_instances(InstanceIds=[lost])
     store.modify_node(run.run_name, lost, lambda node: node.model_copy(update={
         "state": NodeState.UNHEALTHY, "failure_class": FailureClass.INSTANCE_LOST,
