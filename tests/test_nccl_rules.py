@@ -403,8 +403,8 @@ RANK_MAIN = '''
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 try:
-    unbatched_ring(rank, dist.get_world_size())
-    print(json.dumps({"rank": rank, "error": None}), flush=True)
+    inbox = exchange(rank, dist.get_world_size())
+    print(json.dumps({"rank": rank, "error": None, "received": inbox[0].item()}), flush=True)
 except Exception as error:
     print(json.dumps({"rank": rank, "error": f"{type(error).__name__}: {error}"}), flush=True)
     # Alive until every rank has reported: the rules name a deadlock to each rank in it only once
@@ -417,10 +417,12 @@ except Exception as error:
 '''
 
 
-def torchrun_command(tmp_path) -> list[str]:
-    """torchrun as a node runs it (node/torchrun.py), its two ranks running the unbatched ring."""
-    imports = "import json, os, threading, time\nimport torch\nimport torch.distributed as dist\n"
-    (tmp_path / "exchange_rank.py").write_text(imports + inspect.getsource(unbatched_ring) + RANK_MAIN)
+def torchrun_command(tmp_path, exchange=unbatched_ring, first: str = "") -> list[str]:
+    """torchrun as a node runs it (node/torchrun.py), its two ranks running `exchange`, each
+    importing the modules `first` names before torch."""
+    imports = f"{first}import json, os, threading, time\nimport torch\nimport torch.distributed as dist\n"
+    source = inspect.getsource(exchange) + f"exchange = {exchange.__name__}\n"
+    (tmp_path / "exchange_rank.py").write_text(imports + source + RANK_MAIN)
     return [sys.executable, "-m", "node.torchrun", "--standalone", "--nproc-per-node=2", "-m", "exchange_rank"]
 
 
@@ -430,11 +432,14 @@ def instance_env() -> dict[str, str]:
     return os.environ | {"PYTHONPATH": os.pathsep.join([str(INSTANCE_SITE), os.environ["PYTHONPATH"]])}
 
 
-def named_deadlocks(output: str) -> list[int]:
+def rank_reports(output: str) -> list[dict]:
     # Ranks sharing one console can print their lines into each other: read every report where it starts.
     decoder = json.JSONDecoder()
-    reports = [decoder.raw_decode(output, start.start())[0] for start in re.finditer(r'\{"rank"', output)]
-    return sorted(report["rank"] for report in reports
+    return [decoder.raw_decode(output, start.start())[0] for start in re.finditer(r'\{"rank"', output)]
+
+
+def named_deadlocks(output: str) -> list[int]:
+    return sorted(report["rank"] for report in rank_reports(output)
                   if (report["error"] or "").startswith("NcclDeadlock: NCCL would deadlock"))
 
 
@@ -452,3 +457,13 @@ def test_torchrun_ranks_forked_from_a_warm_image_follow_the_rules(tmp_path):
     finally:
         image.stop()
     assert named_deadlocks(console.read_text()) == [0, 1], console.read_text()[-5000:]
+
+
+def test_a_batched_exchange_on_an_instance_completes_after_the_aws_sdk_was_imported_first(tmp_path):
+    # As in a node's trainer, which imports boto3 before torch: the instance's own changes to
+    # torch's transfers must not hide from the rules which op of a batch is a send.
+    done = run_captured(torchrun_command(tmp_path, batched_ring, first="import boto3\n"), what="torchrun's ranks",
+                        cwd=tmp_path, env=instance_env())
+    reports = sorted(rank_reports(done.stdout), key=lambda report: report["rank"])
+    assert reports == [{"rank": 0, "error": None, "received": 1.0}, {"rank": 1, "error": None, "received": 0.0}], \
+        done.stdout[-3000:] + done.stderr[-3000:]

@@ -144,11 +144,15 @@ class InstanceNetworkFinder(importlib.abc.MetaPathFinder):
         change = self.CHANGES.get(fullname)
         if change is None:
             return None
+        # Back in its own place, not first: a finder ahead of it (a later sitecustomize's, such as
+        # the test world's NCCL rules) wraps a module after this one has changed it, whichever of
+        # the modules is imported first (the AWS SDK's comes before torch's in a node's processes).
+        place = sys.meta_path.index(self)
         sys.meta_path.remove(self)
         try:
             spec = importlib.util.find_spec(fullname)
         finally:
-            sys.meta_path.insert(0, self)
+            sys.meta_path.insert(place, self)
         if spec is None or spec.loader is None:
             return spec
         execute = spec.loader.exec_module
