@@ -855,6 +855,18 @@ def _unbatched(kind: str, name: str, tensor, peer, group, tag, group_peer):
     return _RuledWork(real(tensor, peer, group, tag, group_peer), world, comm, unit, op.name)
 
 
+def _p2p_kind(op) -> str:
+    """SEND or RECV for a P2POp's function: these rules' own or torch's. Another function means
+    something wrapped torch's after these rules did (an import hook out of order): named, not
+    guessed, since a send read as a receive shows as a deadlock that is not there."""
+    if op in (isend, _real["isend"]):
+        return SEND
+    if op in (irecv, _real["irecv"]):
+        return RECV
+    raise TypeError(f"a P2POp of {getattr(op, '__qualname__', op)!r}, neither isend nor irecv as these rules or "
+                    "torch define them: something wrapped them after the rules were installed")
+
+
 def batch_isend_irecv(p2p_op_list):
     _c10d._check_p2p_op_list(p2p_op_list)
     group = _c10d._group_or_default_group(p2p_op_list[0].group)
@@ -863,7 +875,7 @@ def batch_isend_irecv(p2p_op_list):
         return _real["batch_isend_irecv"](p2p_op_list)
     ops = []
     for p2p in p2p_op_list:
-        kind = SEND if p2p.op in (isend, _real["isend"]) else RECV
+        kind = _p2p_kind(p2p.op)
         if p2p.peer != world.rank:
             arrow = f"isend->{p2p.peer}" if kind == SEND else f"irecv<-{p2p.peer}"
             ops.append(Op(kind, p2p.peer, p2p.tag, _nbytes(p2p.tensor), f"{arrow} in a batch"))
@@ -872,7 +884,7 @@ def batch_isend_irecv(p2p_op_list):
     what = "batch of " + ", ".join(op.name.removesuffix(" in a batch") for op in ops)
     works = []
     for p2p in p2p_op_list:
-        real = _real["isend" if p2p.op in (isend, _real["isend"]) else "irecv"]
+        real = _real["isend" if _p2p_kind(p2p.op) == SEND else "irecv"]
         peer_kwarg = {"group_dst" if real is _real["isend"] else "group_src": p2p.group_peer}
         work = real(p2p.tensor, group=p2p.group, tag=p2p.tag, **peer_kwarg)
         works.append(work if unit is None else _RuledWork(work, world, comm, unit, what))
