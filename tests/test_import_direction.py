@@ -41,6 +41,17 @@ MAY_IMPORT = {
 LOCAL_CLOUD_SEAM = "localcloud.commands"
 """The one module of the local cloud that the `trainfleet` command imports."""
 
+NODE_LAYERS = (
+    {"node.settings", "node.node_log", "node.trainer_files", "node.gpu_health", "node.nccl_log", "node.torchrun",
+     "node.standin"},
+    {"node.metadata", "node.health"},
+    {"node.control_plane", "node.trainer_process"},
+    {"node.preflight", "node.spare", "node.attempt"},
+    {"node.agent"},
+)
+"""The node's modules, bottom up (docs/ARCHITECTURE.md, the agent): each imports only those of the
+layers below its own, so the serve loop (node.agent) is the top and nothing reaches back to it."""
+
 TORCH_FREE_PARTS = frozenset({"trainer-torch-free", "core", "adapters", "report", "functions"})
 """Parts that Lambda runs, or that the control plane reads: torch is not there."""
 
@@ -94,7 +105,23 @@ def import_violations(root: Path) -> list[str]:
             elif part == "cli" and top == "localcloud" and target != LOCAL_CLOUD_SEAM:
                 problems.append(f"{where}: {module} reaches the local cloud only through {LOCAL_CLOUD_SEAM}, "
                                 f"not {target}")
+            elif part == top == "node" and not node_below(target, module):
+                problems.append(f"{where}: {module} may not import {target}: a node module imports only the "
+                                "layers below its own (NODE_LAYERS)")
+        if part == "node" and module != "node" and node_layer(module) is None:
+            problems.append(f"{path.relative_to(root)}: {module} is in no layer of NODE_LAYERS")
     return problems
+
+
+def node_layer(module: str) -> int | None:
+    """The layer of NODE_LAYERS a node module is in."""
+    return next((layer for layer, modules in enumerate(NODE_LAYERS) if module in modules), None)
+
+
+def node_below(target: str, module: str) -> bool:
+    """Whether node module `target` is in a layer below `module`'s (a module in no layer is named apart)."""
+    layers = node_layer(target), node_layer(module)
+    return None in layers or layers[0] < layers[1]
 
 
 def test_every_import_follows_the_map():
@@ -125,10 +152,18 @@ def write(root: Path, module: str, source: str) -> None:
     ("trainfleet.report.page", "from ..operator import live_view\n",
      "trainfleet/report/page.py:1: trainfleet.report.page (report) may not import trainfleet.operator.live_view "
      "(operator)"),
+    ("node.control_plane", "from node.attempt import Attempt\n",
+     "node/control_plane.py:1: node.control_plane may not import node.attempt: a node module imports only the "
+     "layers below its own (NODE_LAYERS)"),
+    ("node.spare", "def later():\n    from node import agent\n",
+     "node/spare.py:2: node.spare may not import node.agent: a node module imports only the layers below its own "
+     "(NODE_LAYERS)"),
+    ("node.helpers", "", "node/helpers.py: node.helpers is in no layer of NODE_LAYERS"),
 ])
 def test_a_planted_wrong_import_is_named(tmp_path, module, source, problem):
     for allowed in ("trainfleet.core.records", "trainfleet.adapters.run_store", "trainfleet.operator.runs",
-                    "trainfleet.operator.live_view", "localcloud.cloud", "localcloud.commands"):
+                    "trainfleet.operator.live_view", "localcloud.cloud", "localcloud.commands", "node.agent",
+                    "node.attempt"):
         write(tmp_path, allowed, "")
     write(tmp_path, "trainfleet.cli", "from localcloud.commands import add_local_commands\n")
     assert import_violations(tmp_path) == []
