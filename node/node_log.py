@@ -11,7 +11,8 @@ Lines are gathered as they come (`add` from the agent, `follow` of the current a
 torchrun output, read every READ_INTERVAL_S: a trainer line carries its own time to within that)
 and put every SHIP_INTERVAL_S by a thread of their own, in batches within PutLogEvents' limits. While CloudWatch Logs cannot be reached, lines wait, up to
 BACKLOG_LIMIT_BYTES; beyond that the oldest are dropped and the next batch says how many:
-shipping must never hold up training nor fill the node's memory.
+shipping must never hold up training nor fill the node's memory. What the agent does it says with
+`say`: one JSON line on the console, and in this log once the agent ships it (`ship`).
 """
 
 from __future__ import annotations
