@@ -8,7 +8,7 @@ Items: measured. A run record of each size is built as Recover leaves one after 
 a world repaired in place around all but one node), and sized as DynamoDB sizes an item (its
 attribute names and values); beside it the control item the agents read (RunRecord.control).
 
-Agents: measured. One agent's ControlPlane (node/agent.py) runs its own pacing against a
+Agents: measured. One agent's ControlPlane (node/control_plane.py) runs its own pacing against a
 simulated clock for the given time, with the run's node count and hang timeout (a short one
 quickens the looks, down to the least hang timeout the node count allows): what a stepping
 world reads. While a run starts, stalls or recovers every agent looks at the full rate, nodes /
@@ -82,7 +82,9 @@ def long_run(nodes: int):
 
 def agent_looks_per_second(nodes: int, hang_timeout_s: float, seconds: float, seed: int = 7) -> float:
     """The looks a second of a stepping run's `nodes` agents, from one agent's pacing over `seconds`."""
-    from node.agent import LOOK_S, AgentSettings, ControlPlane, Identity
+    from node.control_plane import ControlPlane
+    from node.metadata import Identity
+    from node.settings import LOOK_S, AgentSettings
 
     clock = {"now": 0.0}
     settings = AgentSettings(run_name="bench", run_table="t", liveness_table="l", bucket="b", event_bus="e",
@@ -105,7 +107,7 @@ def main() -> int:
     parser.add_argument("--hang-timeout", type=float, default=600.0,
                         help="the runs' recovery.hang_timeout_seconds (raised to the least a node count allows)")
     args = parser.parse_args()
-    from node.agent import PROGRESS_EVERY_S
+    from node.attempt import PROGRESS_EVERY_S
     from trainfleet.core.pace import POLL_MAX_S, POLL_MIN_S, least_hang_timeout
 
     summary = []

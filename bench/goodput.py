@@ -156,7 +156,7 @@ NODE_PEER_BYTES_PER_S = 5e9
 """A replaced node receiving its share of the state from its buddy's host memory, over gloo's TCP
 on the instance's primary network interface: an assumption (half of 100 Gbit/s), not measured here."""
 PROGRESS_EVERY_S = 10.0
-"""How often node rank 0's agent reports steps (node/agent.py PROGRESS_EVERY_S): an attempt
+"""How often node rank 0's agent reports steps (node/attempt.py PROGRESS_EVERY_S): an attempt
 resumed from memory keeps its training up to the last report (lifecycle.settle_run_attempt)."""
 
 

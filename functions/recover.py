@@ -139,7 +139,7 @@ def act(run: RunRecord) -> int:
     if run.repair:
         # The survivors' trainers were seen alive (the repair's condition) and keep running, and a
         # READY spare stepping in whose agent reported lately reads the launch spec every second
-        # (node/agent.py): the new attempt waits on none of their looks.
+        # (node/spare.py): the new attempt waits on none of their looks.
         alive = agents_alive(nodes, liveness(name, nodes), datetime.now(timezone.utc),
                              spec.recovery.hang_timeout_seconds)
         spares_in = [node.instance_id for node in nodes

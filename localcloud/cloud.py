@@ -25,6 +25,8 @@ from aws_xray_sdk import global_sdk_config
 from botocore.config import Config
 
 from localcloud import aws_events, glue
+from localcloud.account import ACCOUNT_ID, FAKE_CREDENTIALS, INTERNAL_HEADER
+from localcloud.event_delivery import DeliveryFailure
 from localcloud.waiting import DUMP_SIGNAL, sizes
 from localcloud.lambda_runtime import close_environments
 
@@ -32,17 +34,6 @@ if TYPE_CHECKING:
     from localcloud.glue.faults import RequestFault
 
 log = logging.getLogger(__name__)
-
-ACCOUNT_ID = "123456789012"
-"""moto's default account: every request with the fake credentials lands in it."""
-
-FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                    "AWS_SESSION_TOKEN": "testing"}
-"""The deployer's and the harness's credentials: a session of the local administrator role
-(glue/iam.py), valid also once IAM is enforced. Lambda functions and instances never get them."""
-ADMIN_ROLE = "localcloud-admin"
-"""The local administrator: its role sessions and its user's key are the identities that are
-not a deployed role's (glue/iam.py)."""
 
 
 @dataclass(frozen=True)
@@ -127,13 +118,24 @@ PAYLOAD_KINDS = ("states", "dynamodb", "events")
 """The kinds `LocalCloud.largest_payloads` keeps."""
 
 
-@dataclass
-class DeliveryFailure:
-    """A target that could not be reached, kept so tests can assert none happened."""
+_glue_lock = threading.Lock()
+_glue_applied = False
 
-    target_arn: str
-    error: str
-    event: Any = field(repr=False)
+
+def apply_glue() -> None:
+    """Apply every service's glue to moto, once per process: its patches are process-wide, and
+    each serves the LocalCloud activated (glue.activate) while one runs."""
+    global _glue_applied
+    with _glue_lock:
+        if _glue_applied:
+            return
+        from localcloud.glue import (awslambda, capacity_reservations, cloudwatch, dispatch, dynamodb, ec2, events,
+                                     faults, iam, s3, sqs_lambda, stepfunctions, stepfunctions_map, vpc)
+
+        for service in (awslambda, sqs_lambda, stepfunctions, stepfunctions_map, events, ec2, capacity_reservations,
+                        vpc, dynamodb, iam, s3, cloudwatch, faults, dispatch):
+            service.apply()
+        _glue_applied = True
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -217,7 +219,7 @@ class LocalCloud:
             raise RuntimeError(f"LocalCloud already running at {self.endpoint}")
         # moto's server thread dies silently on a taken port and start() then waits for ever.
         _check_port_free(self.config.host, self.config.port)
-        glue.apply_all()
+        apply_glue()
         glue.activate(self)
         # One line per request on stderr drowns everything else out.
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
@@ -616,9 +618,6 @@ class LocalCloud:
 EVENT_WAIT_S = 120.0
 """How long `wait_until` waits for one event: an idle machine shows any of them within seconds, a
 starved one within tens; one that has not come after this will not come."""
-
-INTERNAL_HEADER = "X-Localcloud-Internal"
-"""Marks a request of the local cloud's own plumbing (LocalCloud.internal_client)."""
 
 
 def _mark_internal(request: Any, **_: Any) -> None:

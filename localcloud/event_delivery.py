@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -98,3 +99,12 @@ def render_input_template(template: str, values: dict[str, Any]) -> str:
         out.append(char)
         index += 1
     return "".join(out)
+
+
+@dataclass
+class DeliveryFailure:
+    """A target that could not be reached, kept so tests can assert none happened."""
+
+    target_arn: str
+    error: str
+    event: Any = field(repr=False)

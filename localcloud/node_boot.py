@@ -121,7 +121,7 @@ def report_boot_failure(reason: str, detail: str) -> None:
     import boto3
     from botocore.config import Config
 
-    from node.agent import MetadataClient
+    from node.metadata import MetadataClient
     from trainfleet.adapters.ec2_fleet import BOOT_REQUEST_ATTEMPTS
     from trainfleet.core.events import BOOT_CHECK, HealthCheckResult, NodeUnhealthy, put_events_entry
 

@@ -306,7 +306,7 @@ def local_stack(narrate: Callable[[str], None], *, time_scale: float = 0.02, wor
     from localcloud.deploy import DeployRequest, deploy
     from localcloud.imds import serve_fleet
     from localcloud.node_boot import boot_as_nodes, publish_artifacts
-    from node.agent import LOOK_S, METADATA_LOOK_S
+    from node.settings import LOOK_S, METADATA_LOOK_S
     from trainfleet.adapters.ec2_fleet import BOOT_RETRY_S
 
     with LocalCloud(time_scale=time_scale, workdir=workdir, spot_notice_seconds=spot_notice_seconds,

@@ -11,14 +11,17 @@ Lines are gathered as they come (`add` from the agent, `follow` of the current a
 torchrun output, read every READ_INTERVAL_S: a trainer line carries its own time to within that)
 and put every SHIP_INTERVAL_S by a thread of their own, in batches within PutLogEvents' limits. While CloudWatch Logs cannot be reached, lines wait, up to
 BACKLOG_LIMIT_BYTES; beyond that the oldest are dropped and the next batch says how many:
-shipping must never hold up training nor fill the node's memory.
+shipping must never hold up training nor fill the node's memory. What the agent does it says with
+`say`: one JSON line on the console, and in this log once the agent ships it (`ship`).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -155,3 +158,47 @@ class NodeLog:
 def _cost(message: str) -> int:
     """What CloudWatch Logs counts of an event toward a batch's size."""
     return len(message.encode()) + EVENT_OVERHEAD_BYTES
+
+
+def say(message: str, /, **fields: Any) -> None:
+    """One JSON line on stdout (the instance's console) and in the node's log: what the agent did."""
+    line = json.dumps({"agent": message, **fields}, default=str)
+    print(line, flush=True)
+    if _shipping is not None:
+        _shipping.log.add("agent", line)
+
+
+@dataclass(frozen=True)
+class Shipping:
+    """The node's log and the thread that ships it."""
+
+    log: NodeLog
+    stop: threading.Event
+    thread: threading.Thread
+
+
+_shipping: Shipping | None = None
+
+
+def ship(log: NodeLog) -> None:
+    """Ship what the agent says and its trainers print to `log`, on a thread of its own."""
+    global _shipping
+    stop = threading.Event()
+    thread = threading.Thread(target=log.run, args=(stop,), name="node-log", daemon=True)
+    _shipping = Shipping(log, stop, thread)
+    thread.start()
+
+
+def follow(source: str, path: Path) -> None:
+    """Ship the lines a trainer writes to `path` too, while the node's log is shipped."""
+    if _shipping is not None:
+        _shipping.log.follow(source, path)
+
+
+def stop_node_log() -> None:
+    """Ship what is left, once: before the instance ends."""
+    global _shipping
+    shipping, _shipping = _shipping, None
+    if shipping is not None:
+        shipping.stop.set()
+        shipping.thread.join(timeout=30.0)

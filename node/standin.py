@@ -4,7 +4,7 @@
         --rendezvous 127.77.0.1:29500 --join-timeout-s 300
 
 The node agent runs it in place of torchrun and the trainer when TRAINFLEET_STANDIN_STEP_S is set
-(node/agent.py), so that the control plane can be driven by fleets this machine could never
+(node/attempt.py), so that the control plane can be driven by fleets this machine could never
 train (the local cloud's 512-node runs: localcloud/scale.py). The agent runs it as a thread of its
 own (`start_thread`, a handle like subprocess.Popen's), so a node is one process, not two. It reads the config file the agent
 writes for the real trainer and gives what the agent and the control plane read of the real one:
@@ -327,7 +327,7 @@ class StandInThread:
 
 
 def start_thread(command: list[str], folder: Path, env: dict[str, str], output: BinaryIO) -> StandInThread:
-    """The agent's launch for `python -m node.standin ARGS` (node/agent.py standin_command):
+    """The agent's launch for `python -m node.standin ARGS` (node/trainer_process.py standin_command):
     the stand-in on a thread. `folder` is unused: every path the stand-in reads is absolute."""
     if command[1:3] != ["-m", "node.standin"]:
         raise ValueError(f"not a stand-in command: {command[:3]}")

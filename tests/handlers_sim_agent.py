@@ -19,9 +19,10 @@ import time
 
 import boto3
 
+from node.metadata import MetadataClient
 from trainer.checkpoint_catalog import MARKER_NAME, Manifest, StoredFile, open_store, shard_folder, step_dir_name
 from trainfleet.adapters.run_store import NodeNotFound, RunStore
-from trainfleet.core.events import (CheckpointCommitted, NodeReady, NodeRegistered, TrainingCompleted, instance_arn,
+from trainfleet.core.events import (CheckpointCommitted, NodeReady, NodeRegistered, TrainingCompleted,
                                     put_events_entry)
 from trainfleet.core.records import LaunchSpec
 
@@ -38,7 +39,8 @@ INSTANCE_ID = os.environ["LOCALCLOUD_INSTANCE_ID"]
 PRIVATE_IP = os.environ["LOCALCLOUD_PRIVATE_IP"]
 
 events = boto3.client("events")
-SENDER = instance_arn("aws", events.meta.region_name, boto3.client("sts").get_caller_identity()["Account"], INSTANCE_ID)
+# From the instance metadata, as the real agent's: the node subnets have no STS endpoint.
+SENDER = MetadataClient().identity().arn
 s3 = boto3.client("s3")
 sfn = boto3.client("stepfunctions")
 store = RunStore(boto3.client("dynamodb"), os.environ["TRAINFLEET_RUN_TABLE"])

@@ -26,10 +26,16 @@ from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN, _NUM_MEM
 
 from localcloud.imds import InstanceMetadata, InstanceMetadataServer
 from localcloud.waiting import until
-from node import agent
-from node.agent import (OUTPUT_TAIL_CHARS, AgentError, AgentSettings, Attempt, AttemptFiles, ControlPlane, Identity,
-                        MetadataClient, MetricsFollower, failure_kind, failure_message, torchrun_command, torchrun_env,
-                        trainer_config)
+from node import agent, attempt as attempt_module, control_plane, metadata, node_log, preflight
+from node import settings as node_settings
+from node import trainer_files, trainer_process
+from node.attempt import Attempt
+from node.control_plane import ControlPlane
+from node.metadata import Identity, MetadataClient
+from node.settings import AgentError, AgentSettings
+from node.trainer_files import AttemptFiles, MetricsFollower
+from node.trainer_process import (OUTPUT_TAIL_CHARS, failure_kind, failure_message, torchrun_command, torchrun_env,
+                                  trainer_config)
 from trainer import checkpoint_catalog as catalog
 from trainer.progress import NODE_RANK_ENV, PROGRESS_FILE_ENV, Progress, read_progress, write_whole
 from trainer.repair_order import REPAIR_ORDER_ENV, RepairOrder, write_order
@@ -80,9 +86,9 @@ def test_settings_name_every_missing_variable():
     with pytest.raises(AgentError, match="TRAINFLEET_STANDIN_STEP_S must be a positive number of seconds"):
         AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_STANDIN_STEP_S": "0"})
     assert AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_STANDIN_STEP_S": "0.5"}).standin_step_s == 0.5
-    assert AgentSettings.from_env(SETTINGS_ENV).metadata_look_s == agent.METADATA_LOOK_S == 5.0
+    assert AgentSettings.from_env(SETTINGS_ENV).metadata_look_s == node_settings.METADATA_LOOK_S == 5.0
     assert AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_METADATA_LOOK_S": "0.5"}).metadata_look_s == 0.5
-    assert AgentSettings.from_env(SETTINGS_ENV).unreachable_limit_s == agent.UNREACHABLE_LIMIT_S == 900.0
+    assert AgentSettings.from_env(SETTINGS_ENV).unreachable_limit_s == node_settings.UNREACHABLE_LIMIT_S == 900.0
     assert AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_UNREACHABLE_LIMIT_S": "60"}).unreachable_limit_s == 60.0
     assert AgentSettings.from_env(SETTINGS_ENV).log_group is None
     assert AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_NODE_LOG_GROUP": "/trainfleet/s/nodes"}).log_group == (
@@ -145,7 +151,7 @@ def test_torchrun_and_its_ranks_may_open_as_many_files_as_the_hard_limit_allows(
     lowered = min(soft, hard // 2)  # a service's default soft limit sits far below its hard one
     resource.setrlimit(resource.RLIMIT_NOFILE, (lowered, hard))
     try:
-        assert agent.raise_open_files_limit() == hard
+        assert trainer_process.raise_open_files_limit() == hard
         child = subprocess.run([sys.executable, "-c", "import resource; print(*resource.getrlimit(resource.RLIMIT_NOFILE))"],
                                capture_output=True, text=True, check=True, timeout=30)
         assert child.stdout.split() == [str(hard), str(hard)], "torchrun inherits it"
@@ -239,22 +245,22 @@ class _LateMetadata:
 
 
 def test_boot_asks_a_slow_metadata_service_again_and_gives_up_only_after_its_patience(monkeypatch):
-    monkeypatch.setattr(agent.time, "sleep", lambda seconds: None)
-    assert agent.boot_identity(_LateMetadata(failures=3)) == IDENTITY
+    monkeypatch.setattr(metadata.time, "sleep", lambda seconds: None)
+    assert metadata.boot_identity(_LateMetadata(failures=3)) == IDENTITY
     now = iter(range(0, 10_000, 50))
     with pytest.raises(AgentError, match="no IMDSv2 token"):
-        agent.boot_identity(_LateMetadata(failures=10_000), clock=lambda: next(now))
+        metadata.boot_identity(_LateMetadata(failures=10_000), clock=lambda: next(now))
 
 
 def test_stop_ends_torchrun_and_kills_one_that_ignores_sigterm(monkeypatch):
-    monkeypatch.setattr(agent, "STOP_GRACE_S", 1.0)
+    monkeypatch.setattr(trainer_process, "STOP_GRACE_S", 1.0)
     polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     stubborn = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
                                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True)\n"
                                  "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     assert stubborn.stdout.readline() == "ready\n"
-    agent.stop(polite)
-    agent.stop(stubborn)
+    trainer_process.stop(polite)
+    trainer_process.stop(stubborn)
     stubborn.stdout.close()
     assert polite.returncode == -signal.SIGTERM and stubborn.returncode == -signal.SIGKILL
 
@@ -540,7 +546,7 @@ def follow_until(attempt: Attempt, clock: dict, until: float) -> None:
     while clock["now"] < until:
         attempt.follow()
         attempt.beat_if_due()
-        clock["now"] += agent.LOOK_S
+        clock["now"] += node_settings.LOOK_S
 
 
 def step(attempt: Attempt, number: int) -> None:
@@ -561,7 +567,7 @@ def test_node_rank_0_heartbeats_the_start_up_until_the_startup_timeout_then_lets
     beats.clear()
     for number in range(11, 31):  # a late first step, then a step every LOOK_S: steady heartbeats
         step(attempt, number)
-        follow_until(attempt, clock, clock["now"] + agent.LOOK_S)
+        follow_until(attempt, clock, clock["now"] + node_settings.LOOK_S)
     assert beats == [80.0, 82.5, 85.0, 87.5]
 
 
@@ -573,11 +579,11 @@ def test_the_heartbeat_follows_the_trainer_while_the_watch_loop_waits_on_the_con
     for number in range(11, 21):
         step(attempt, number)
         attempt.beat_if_due()
-        clock["now"] += agent.LOOK_S
+        clock["now"] += node_settings.LOOK_S
     assert beats == [100.0, 102.5]
     for _ in range(20):  # the trainer hangs: one beat for the last steps, then silence
         attempt.beat_if_due()
-        clock["now"] += agent.LOOK_S
+        clock["now"] += node_settings.LOOK_S
     assert beats == [100.0, 102.5, 105.0]
 
 
@@ -593,7 +599,7 @@ def test_the_start_up_heartbeats_end_at_this_node_first_step(heartbeats):
 def test_only_node_rank_0_heartbeats_the_start_up(heartbeats):
     attempt, clock, beats = heartbeats
     spec = attempt.spec.model_copy(update={"node_ranks": {"i-0bbb": 0, "i-0aaa": 1}})
-    peer = Attempt(attempt.control, attempt.metadata, spec, confirm=lambda attempt: False)
+    peer = Attempt(attempt.control, attempt.spot.metadata, spec, confirm=lambda attempt: False)
     peer.files.folder.mkdir(parents=True, exist_ok=True)
     peer.torchrun_started = clock["now"]
     for beat in range(8):  # its trainer's signs of life speak for this node alone
@@ -636,7 +642,7 @@ def test_a_slow_step_that_shows_life_is_no_hang_and_a_silent_one_is(heartbeats):
         sign_of_life(attempt, 12, microbatch)
         follow_until(attempt, clock, clock["now"] + 2.0)
     follow_until(attempt, clock, 200.0)
-    assert all(0 < later - earlier <= 2.5 + agent.LOOK_S for earlier, later in zip(beats, beats[1:]))
+    assert all(0 < later - earlier <= 2.5 + node_settings.LOOK_S for earlier, later in zip(beats, beats[1:]))
     assert beats[0] == 100.0 and 140.0 <= beats[-1] <= 143.0, beats
 
 
@@ -680,7 +686,7 @@ def test_a_world_silent_past_its_cadence_is_declared_hung_once(heartbeats, watch
     follow_until(attempt, clock, silent_since + 30.0)
     (hung,) = hung_events(sent)
     assert hung["instance_id"] == IDENTITY.instance_id and hung["attempt"] == 1 and hung["last_step"] == 20
-    assert 10.0 < hung["seconds_since_progress"] <= 10.0 + 2 * agent.LOOK_S
+    assert 10.0 < hung["seconds_since_progress"] <= 10.0 + 2 * node_settings.LOOK_S
 
 
 def test_the_stall_floor_bounds_a_fast_worlds_silence(heartbeats, watched_attempt):
@@ -688,7 +694,7 @@ def test_the_stall_floor_bounds_a_fast_worlds_silence(heartbeats, watched_attemp
     _, _, sent = watched_attempt
     clock["now"] = 100.0
     sign_of_life(attempt, 10, 0)
-    steps_every(attempt, clock, 11, 29, seconds=agent.LOOK_S)  # steps far faster than the 8 s floor allows
+    steps_every(attempt, clock, 11, 29, seconds=node_settings.LOOK_S)  # steps far faster than the 8 s floor allows
     silent_since = clock["now"]
     follow_until(attempt, clock, silent_since + 7.5)
     assert hung_events(sent) == []
@@ -791,10 +797,10 @@ def test_a_spot_notice_asks_the_trainer_for_a_checkpoint_now(watched_attempt, me
     attempt.follow()
     assert not attempt.files.checkpoint_request.exists()
     record["value"] = replace(record["value"], spot_action={"action": "terminate", "time": "2026-11-29T22:00:00Z"})
-    clock["now"] += agent.LOOK_S
+    clock["now"] += node_settings.LOOK_S
     attempt.follow()
     assert not attempt.files.checkpoint_request.exists(), "not asked again yet"
-    clock["now"] += agent.METADATA_LOOK_S
+    clock["now"] += node_settings.METADATA_LOOK_S
     attempt.follow()
     assert attempt.files.checkpoint_request.exists()
 
@@ -806,7 +812,7 @@ def test_a_metadata_service_that_fails_is_asked_again_and_never_ends_the_agent(w
     record["value"] = object()  # the service fails every request for this instance
     for _ in range(2):
         attempt.follow()
-        clock["now"] += agent.METADATA_LOOK_S
+        clock["now"] += node_settings.METADATA_LOOK_S
     record["value"] = replace(IMDS_RECORD, spot_action={"action": "terminate", "time": "2026-11-29T22:00:00Z"})
     attempt.follow()
     assert attempt.files.checkpoint_request.exists()
@@ -845,13 +851,13 @@ def test_a_checkpoint_request_already_answered_starts_no_second_save(watched_att
 
 
 def test_an_event_with_a_message_field_is_logged_whole(capsys):
-    agent.say("sent TrainerFailed", kind="config", message="config error: model.n_heads=3 ...")
+    node_log.say("sent TrainerFailed", kind="config", message="config error: model.n_heads=3 ...")
     assert json.loads(capsys.readouterr().out) == {"agent": "sent TrainerFailed", "kind": "config",
                                                    "message": "config error: model.n_heads=3 ..."}
 
 
 def test_a_preflight_that_cannot_run_makes_the_node_unhealthy_saying_why():
-    checks, problem = agent.run_preflight("p9.huge")
+    checks, problem = preflight.run_preflight("p9.huge")
     assert checks == [] and "preflight failed with exit code 2" in problem and "'p9.huge'" in problem
 
 
@@ -886,24 +892,24 @@ def test_a_throttled_control_plane_never_stops_training(local_cloud, metadata_se
                                                               "TRAINFLEET_RUN_TABLE": table,
                                                               "TRAINFLEET_LIVENESS_TABLE": liveness}), workdir=tmp_path)
     # botocore's own quick retries out of the way: every throttled answer reaches the agent.
-    monkeypatch.setattr(agent, "CLIENT_RETRIES", {"max_attempts": 1, "mode": "standard"})
+    monkeypatch.setattr(control_plane, "CLIENT_RETRIES", {"max_attempts": 1, "mode": "standard"})
     control = ControlPlane(settings, IDENTITY, draw=lambda: 0.0)  # the shortest backoff: 1, 2, 4 ... s
     spec = launch_spec(attempt=1)
     spec = spec.model_copy(update={"trainer_config": {**spec.trainer_config, "checkpoint": {
         "uri": f"s3://{name}/runs/run-a/checkpoints", "resume": "none"}}})
     attempt = Attempt(control, MetadataClient(), spec, confirm=lambda attempt: False)
-    monkeypatch.setattr(agent, "poll_interval", lambda nodes, draw, hang_timeout_s, stepping: 0.2)  # many looks
+    monkeypatch.setattr(control_plane, "poll_interval", lambda nodes, draw, hang_timeout_s, stepping: 0.2)  # many looks
     logged: list[dict] = []
-    say = agent.say
-    monkeypatch.setattr(agent, "say", lambda message, /, **fields: (logged.append({"agent": message, **fields}),
-                                                                    say(message, **fields)))
+    for speaker in (control_plane, attempt_module):  # the modules whose lines the test reads
+        monkeypatch.setattr(speaker, "say", lambda message, /, **fields: (logged.append({"agent": message, **fields}),
+                                                                          node_log.say(message, **fields)))
     # A trainer that writes one metrics record (so this node heartbeats and sends progress) and
     # trains on until told to end.
     end = tmp_path / "end"
     trainer = ("import json, os, sys, time; open(sys.argv[1], 'w').write(json.dumps({'step': 1, 'loss': 1.0, "
                "'tokens_per_s': 1.0, 'step_time_s': 0.1, 'time': time.time()}) + '\\n')\n"
                "while not os.path.exists(sys.argv[2]): time.sleep(0.1)")
-    monkeypatch.setattr(agent, "torchrun_command", lambda spec, rank, identity, files: [
+    monkeypatch.setattr(attempt_module, "torchrun_command", lambda spec, rank, identity, files: [
         sys.executable, "-c", trainer, str(files.metrics), str(end)])
     # S3 outlasts DynamoDB: the listing of the commits comes at a look that read the run record.
     for service in THROTTLED_CALLS:
@@ -1000,7 +1006,7 @@ def control_on_a_clock(local_cloud, tmp_path, monkeypatch) -> tuple[ControlPlane
     """A control plane over a recorded run (botocore tries each call once), its clock to set."""
     table = run_table(local_cloud)
     RunStore(local_cloud.client("dynamodb"), table).create_run(run_record())
-    monkeypatch.setattr(agent, "CLIENT_RETRIES", {"max_attempts": 1, "mode": "standard"})
+    monkeypatch.setattr(control_plane, "CLIENT_RETRIES", {"max_attempts": 1, "mode": "standard"})
     clock = {"now": 0.0}
     control = ControlPlane(replace(AgentSettings.from_env(SETTINGS_ENV | {"TRAINFLEET_RUN_TABLE": table}),
                                    workdir=tmp_path), IDENTITY, clock=lambda: clock["now"])
@@ -1019,13 +1025,13 @@ def test_a_node_cut_off_from_every_service_ends_its_instance_after_the_limit(tmp
         raise EndpointConnectionError(endpoint_url="https://dynamodb.us-east-1.amazonaws.com")
 
     control.trainer_alive_at = 0.0
-    clock["now"] = agent.UNREACHABLE_LIMIT_S
+    clock["now"] = node_settings.UNREACHABLE_LIMIT_S
     assert control.call("read the run record", cut_off) is None
     clock["now"] += 1
     control.trainer_alive_at = clock["now"]  # still training: kept
     assert control.call("read the run record", cut_off) is None
-    clock["now"] += agent.UNREACHABLE_LIMIT_S + 1
-    with pytest.raises(agent.Unreachable, match="no AWS service has answered for [0-9]+ s and this node's trainer made no progress"):
+    clock["now"] += node_settings.UNREACHABLE_LIMIT_S + 1
+    with pytest.raises(control_plane.Unreachable, match="no AWS service has answered for [0-9]+ s and this node's trainer made no progress"):
         control.call("read the run record", cut_off)
 
 
@@ -1057,12 +1063,12 @@ def test_an_idle_agent_ends_its_instance_once_its_stack_is_gone(local_cloud, tmp
     assert control.look_at_run() is not None
     local_cloud.client("dynamodb").delete_table(TableName=control.settings.run_table)
     read_spec = lambda: s3.get_object(Bucket=bucket, Key="runs/run-a/launch-spec.json")  # noqa: E731
-    while clock["now"] <= agent.UNREACHABLE_LIMIT_S:
+    while clock["now"] <= node_settings.UNREACHABLE_LIMIT_S:
         control.trainer_alive_at = clock["now"]  # even a trainer that steps: no one will read its work
         assert control.call("read the launch spec", read_spec) is not None
         assert control.call("read the run record", lambda: control.store.run("run-a")) is None
         clock["now"] += 60
-    with pytest.raises(agent.Unreachable, match="the stack's resources have been gone for 9[0-9][0-9] s"):
+    with pytest.raises(control_plane.Unreachable, match="the stack's resources have been gone for 9[0-9][0-9] s"):
         control.call("read the run record", lambda: control.store.run("run-a"))
 
 
@@ -1080,7 +1086,7 @@ def test_a_runs_agents_read_at_a_bounded_rate_whatever_its_node_count(nodes, han
     looks, seconds = 0, 3600 * max(1, nodes // 256)  # about the same number of looks each time
     while clock["now"] < seconds:
         looks += control.take_look()
-        clock["now"] += agent.LOOK_S
+        clock["now"] += node_settings.LOOK_S
     assert nodes * looks / seconds == pytest.approx(looks_per_s, rel=0.05)
 
 
@@ -1090,7 +1096,7 @@ def metrics_record(step: int, seconds: float) -> dict:
 
 
 def test_progress_carries_every_step_since_the_last():
-    few = agent.progress_samples([metrics_record(step, step / 4) for step in range(1, 11)])
+    few = trainer_files.progress_samples([metrics_record(step, step / 4) for step in range(1, 11)])
     assert [sample.step for sample in few] == list(range(1, 11))
     assert few[0].at == datetime.fromtimestamp(1_800_000_000.25, timezone.utc) and few[0].tokens_per_second == 1001
 
@@ -1102,7 +1108,7 @@ def test_a_world_checks_result_file_becomes_its_event():
               "expected_step_seconds": 0.2, "tokens_per_second": 10.0, "expected_tokens_per_second": 50.0, "steps": 5,
               "slowest_stages": [1], "slowest_stage_seconds": 0.2, "slowest_stage_nodes": ["i-2"], "slowest_rank": 1,
               "slowest_rank_node": "i-2", "slowest_rank_seconds": 0.21, "slow_nodes": ["i-2"]}
-    figures_of, event = agent.WORLD_CHECKS["scaling_check"]
+    figures_of, event = trainer_files.WORLD_CHECKS["scaling_check"]
     figures = figures_of(result, 3)
     assert (figures.attempt, figures.slowest_stage_instance_ids, figures.slowest_rank_instance_id) == (3, ["i-2"], "i-2")
     assert figures.slow_instance_ids == ["i-2"]

@@ -15,8 +15,9 @@ from node.gpu_health import (GEMM_FLOOR_FRACTION, REPLACE_NODE_XIDS, check_clock
                              check_kernel_xids, check_nvlink_allreduce, check_nvlink_links, check_pcie_link,
                              check_remapped_rows, measure_allreduce_busbw, measure_gemm_tflops, parse_kernel_xids,
                              parse_nvidia_smi_query, parse_nvlink_status)
-from node.health import (GPU_DEVICE_CHECKS, NCCL_MINIMUM, TORCH_MINIMUM, ProbeError, Probes, check_nccl_network_log,
-                         parse_fi_info, parse_nccl_log, preflight, system_probes)
+from node.health import (GPU_DEVICE_CHECKS, NCCL_MINIMUM, TORCH_MINIMUM, ProbeError, Probes, parse_fi_info, preflight,
+                         system_probes)
+from node.nccl_log import check_nccl_network_log, parse_nccl_log
 from trainfleet.core.catalogue import InstanceFacts, instance_facts
 from trainfleet.core.events import HealthCheckResult
 

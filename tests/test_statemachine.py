@@ -243,9 +243,9 @@ def test_payloads_are_references_not_fleets(asl):
 def test_moto_parses_the_definition():
     from moto.stepfunctions.parser.asl.parse.asl_parser import AmazonStateLanguageParser
 
-    from localcloud.glue import apply_all
+    from localcloud.cloud import apply_glue
 
-    apply_all()  # the parser as the local cloud runs it: its grammar took ToleratedFailurePercentage 5 only as 5.0
+    apply_glue()  # the parser as the local cloud runs it: its grammar took ToleratedFailurePercentage 5 only as 5.0
     definitions = substituted_definitions(REPO / "template.yaml")
     assert set(definitions) == {"TrainingRunStateMachine", "DataPrepStateMachine"}
     for definition in definitions.values():

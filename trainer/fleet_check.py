@@ -30,7 +30,7 @@ all-reduce is slower than a pair's, and no replacement can make it faster.
 
 Nodes are named by TRAINFLEET_NODE_NAME (the node agent gives its instance id; the host name
 otherwise). Rank 0 writes the result to `result_file` and its node's agent reports it
-(FleetChecked, node/agent.py). A world that failed does not train: its ranks wait to be
+(FleetChecked, node/attempt.py). A world that failed does not train: its ranks wait to be
 stopped, while the control plane replaces the slow nodes (spares first) for a new attempt.
 """
 

@@ -11,7 +11,7 @@ writes to the file named by TRAINFLEET_PROGRESS_FILE, replacing it whole, two th
   that blocks it (alive_during). A step of a large model
   takes seconds to minutes, and on a starved machine any step can: the agent that speaks for
   the world takes any change of this file as the world being alive, so that a hang is declared
-  only when the world is silent, not when it is slow (node/agent.py, beat_if_due).
+  only when the world is silent, not when it is slow (node/attempt.py, beat_if_due).
 The agent also names its node to the trainer (TRAINFLEET_NODE_NAME, its instance id): the
 fleet check reports slow nodes by that name. Torch-free: the agent imports it.
 """

@@ -36,7 +36,7 @@ Below `efficiency_floor` the world does not train on, and the result says why:
 A world that passed trains on without the clocks.
 
 Global rank 0 writes the result to `result_file`; its node's agent reports it (ScalingChecked,
-node/agent.py).
+node/attempt.py).
 """
 
 from __future__ import annotations

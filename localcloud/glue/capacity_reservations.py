@@ -28,7 +28,7 @@ from moto.core.responses import ActionResult
 from moto.ec2.exceptions import EC2ClientError
 from moto.ec2.responses import EC2Response
 
-from localcloud.glue.ec2 import InterfaceError, placement_groups
+from localcloud.glue.ec2_state import InterfaceError, placement_groups
 
 
 @dataclass

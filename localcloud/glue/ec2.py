@@ -58,7 +58,7 @@ from __future__ import annotations
 import base64
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moto.ec2.exceptions import EC2ClientError, InvalidInstanceTypeError
@@ -78,6 +78,7 @@ from moto.ec2.responses.general import General
 from moto.ec2.utils import Base64EncodedString
 
 from localcloud.glue import active_cloud
+from localcloud.glue.ec2_state import InterfaceError, PlacementGroup, placement_groups
 
 if TYPE_CHECKING:
     from localcloud.cloud import LocalCloud
@@ -135,15 +136,6 @@ class InterfaceRequest:
     """Its device index on the instance; 0 is the primary interface."""
     interface_type: str
     """"interface" (ENA), "efa" or "efa-only"."""
-
-
-class InterfaceError(ValueError):
-    """A launch EC2 refuses (its NetworkInterfaces, its instance profile), with the error code
-    it answers."""
-
-    def __init__(self, message: str, code: str = "InvalidParameterValue"):
-        super().__init__(message)
-        self.code = code
 
 
 def interface_requests(instance_type: str, specs: list[dict[str, Any]]) -> list[InterfaceRequest]:
@@ -225,41 +217,7 @@ def _attachment_init_with_card(self: Attachment, eni: Any) -> None:
     self.network_card_index = getattr(eni, "network_card_index", 0)
 
 
-# --- placement groups --------------------------------------------------------------------
-
-@dataclass
-class PlacementGroup:
-    """A placement group as DescribePlacementGroups reports it."""
-
-    group_name: str
-    strategy: str
-    partition_count: int | None
-    spread_level: str | None
-    region: str
-    account_id: str
-    tags: dict[str, str] = field(default_factory=dict)
-    group_id: str = field(default_factory=lambda: "pg-" + uuid.uuid4().hex[:17])
-    state: str = "available"
-
-    def describe(self) -> dict[str, Any]:
-        described = {
-            "GroupName": self.group_name, "GroupId": self.group_id, "State": self.state,
-            "Strategy": self.strategy,
-            "GroupArn": f"arn:aws:ec2:{self.region}:{self.account_id}:placement-group/{self.group_name}",
-            "Tags": [{"Key": key, "Value": value} for key, value in self.tags.items()],
-        }
-        if self.partition_count is not None:
-            described["PartitionCount"] = self.partition_count
-        if self.spread_level is not None:
-            described["SpreadLevel"] = self.spread_level
-        return described
-
-
-def placement_groups(backend: Any) -> dict[str, PlacementGroup]:
-    if not hasattr(backend, "localcloud_placement_groups"):
-        backend.localcloud_placement_groups = {}
-    return backend.localcloud_placement_groups
-
+# --- placement groups (kept in ec2_state.py) -----------------------------------------------
 
 def _unknown_group(name: str) -> EC2ClientError:
     return EC2ClientError("InvalidPlacementGroup.Unknown", f"The Placement Group '{name}' is unknown.")

@@ -45,7 +45,7 @@ from typing import Any
 
 from moto.events.models import EventsBackend, Rule
 
-from localcloud.event_delivery import bus_event, target_input
+from localcloud.event_delivery import DeliveryFailure, bus_event, target_input
 from localcloud.glue import active_cloud
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,6 @@ def _deliver(rule: Rule, target: dict[str, Any], event: dict[str, Any]) -> None:
     except Exception as exc:
         log.warning("EventBridge rule %s could not deliver to %s: %s", rule.name, arn, exc)
         if cloud is not None:
-            from localcloud.cloud import DeliveryFailure
 
             cloud.delivery_failures.append(DeliveryFailure(arn, f"{type(exc).__name__}: {exc}", event))
 

@@ -40,7 +40,7 @@ from moto.moto_server.werkzeug_app import DomainDispatcherApplication
 
 from localcloud.api_requests import request_action, signing_service
 from localcloud.chaos_route import CHAOS_PATH, ChaosError, inject
-from localcloud.cloud import INTERNAL_HEADER
+from localcloud.account import INTERNAL_HEADER
 from localcloud.glue import active_cloud
 from localcloud.glue.routes import UNREACHABLE_HEADER, UNREACHABLE_STATUS
 from localcloud.glue.s3_rates import request_prefix

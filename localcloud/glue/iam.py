@@ -42,7 +42,7 @@ from moto.iam.responses import IamResponse
 from moto.s3.exceptions import S3ClientError
 from moto.s3.models import FakeBucket
 
-from localcloud.cloud import ADMIN_ROLE, FAKE_CREDENTIALS
+from localcloud.account import ADMIN_ROLE, FAKE_CREDENTIALS
 from localcloud.glue import active_cloud
 from localcloud.iam_policy import ALLOW, EXPLICIT_DENY, IMPLICIT_DENY, evaluate
 
@@ -53,7 +53,7 @@ _moto_delete_policy = IAMBackend.delete_policy
 _moto_iam_request_init = IAMRequestBase.__init__
 
 FAKE_KEY = FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"]
-"""Access key id of the deployer's and the harness's credentials (cloud.FAKE_CREDENTIALS)."""
+"""Access key id of the deployer's and the harness's credentials (account.FAKE_CREDENTIALS)."""
 INTERPRETER_KEY = ("ak", "sk")
 """The key moto's Step Functions interpreter signs every integration call with (it ignores the
 state machine's role)."""
@@ -202,7 +202,7 @@ def _ec2_resource_tags(request: IAMRequestBase, query: dict[str, list[str]]) -> 
     (instances, launch templates, placement groups), from EC2's own records."""
     from moto.ec2.models import ec2_backends
 
-    from localcloud.glue.ec2 import placement_groups
+    from localcloud.glue.ec2_state import placement_groups
 
     backend = ec2_backends[request.account_id][request._region]
     resource_ids: list[str] = []
