@@ -44,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from localcloud.demo import DEMO_RUN_SPEC  # noqa: E402
 from localcloud.stack import LocalRun, LocalStack, local_stack, metrics_records  # noqa: E402
 from trainfleet.core import pace  # noqa: E402
+from trainer.config import ParallelConfig  # noqa: E402
 from trainfleet.core.catalogue import instance_facts  # noqa: E402
-from trainfleet.core.runspec import RecoveryPolicy
+from trainfleet.core.runspec import RecoveryPolicy  # noqa: E402
 
 # us-east-1 list prices (USD), as AWS publishes them.
 STEP_FUNCTIONS_PER_TRANSITION = 0.025 / 1000
@@ -188,13 +189,20 @@ def measure(stack: LocalStack, nodes: int, window_s: float, repeat: int, say) ->
     training["batch_size"] = max(training["batch_size"], parallel["microbatches"] * parallel["dp"])
     template["trainer"]["training"]["steps"] = 1_000_000
     template["checkpoint"]["interval_steps"] = CHECKPOINT_EVERY_STEPS
+    # The agents look at the pace of the default hang timeout; the RunSpec wants the collective
+    # timeout between it and the start-up timeout, so all three are the defaults.
     defaults = RecoveryPolicy()
     template["recovery"] |= {"hang_timeout_seconds": defaults.hang_timeout_seconds,
                              "startup_timeout_seconds": defaults.startup_timeout_seconds}
+    parallel["timeout_s"] = ParallelConfig.timeout_s
     run = stack.start_run(template)
     try:
         deadline = time.monotonic() + 300
         while not metrics_records(stack.instances(run), 0):
+            execution = stack.client("stepfunctions").describe_execution(executionArn=run.arn)
+            if execution["status"] != "RUNNING":
+                raise RuntimeError(f"{nodes} nodes: the run ended {execution['status']} before its first step: "
+                                   f"{execution.get('error')}: {execution.get('cause')}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{nodes} nodes: no step within 300 s")
             time.sleep(1.0)

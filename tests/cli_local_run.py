@@ -42,12 +42,14 @@ one, about 20 s for the commands that look at the run while it trains to start."
 
 
 def recorded(stack, run_name: str, what: str) -> bool:
-    """Whether the run record shows `what` yet: a first step, its end."""
+    """Whether the run record shows `what` yet: a first step, a first commit, its end."""
     try:
         record = stack.store.run(run_name)
     except RunNotFound:
         return False
-    return bool(record.last_step) if what == "step" else record.state.is_final
+    shown = {"step": lambda: bool(record.last_step), "commit": lambda: record.latest_checkpoint is not None,
+             "end": lambda: record.state.is_final}
+    return shown[what]()
 
 
 def checkpoint_files(stack, run_name: str) -> dict[str, str]:

@@ -81,7 +81,7 @@ def main() -> None:
                 trainer={"model": {"n_layers": 2}, "parallel": {"pp": 2, "dp": 2, "schedule": "gpipe",
                                                                 "microbatches": 2},
                          "training": {"batch_size": 4}})
-            gave_up = lose_a_node_without_capacity(cloud, outputs, "us-east-1d", nodes=2,
+            gave_up = lose_a_node_without_capacity(cloud, outputs, "us-east-1b", nodes=2,
                                                    recovery={"capacity_wait_hours": CAPACITY_WAIT_S / 3600})
         except Exception:
             report_failure(cloud, cloud.client("stepfunctions"))
