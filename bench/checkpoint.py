@@ -18,7 +18,6 @@ The last two lines are `async_stall_ratio=<stall / sync save time>` and
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer import checkpoint_catalog as catalog  # noqa: E402
+from trainer.local_ports import free_port  # noqa: E402
 from trainer.checkpoint import S3_PART_BYTES, Checkpointer  # noqa: E402
 from trainer.config import CheckpointConfig  # noqa: E402
 
@@ -155,12 +155,6 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(timeout=30)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def median(values: list[float]) -> float:

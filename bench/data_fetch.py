@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import trainer.data  # noqa: E402
 from trainer.config import DataConfig  # noqa: E402
 from trainer.data import PREFETCH_BATCHES, DataLoader, ShardStore, load_tokens, write_shards  # noqa: E402
+from trainer.local_ports import free_port  # noqa: E402
 
 
 class Fetched:
@@ -86,9 +86,7 @@ def main() -> None:
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the server's line per request
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:

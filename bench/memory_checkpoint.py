@@ -21,7 +21,6 @@ The last two lines are `copy_step_ratio=<step with copies / step without>` and
 
 import argparse
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.checkpoint import State, train_step  # noqa: E402
+from trainer.local_ports import free_port  # noqa: E402
 from trainer.memory_checkpoint import MemoryCheckpoints  # noqa: E402
 from trainfleet.core.memory_plan import HOST_COPIES  # noqa: E402
 
@@ -72,12 +72,6 @@ def timed_steps(state: State, steps: int, memory: MemoryCheckpoints | None) -> f
             memory.maybe_copy(state.step, state, agreed=votes)
         times.append(time.perf_counter() - started)
     return sum(times[1:]) / steps
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> int:

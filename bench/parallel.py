@@ -29,7 +29,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline import MODEL, _free_port, time_steps  # noqa: E402
+from pipeline import MODEL, time_steps  # noqa: E402
+from trainer.local_ports import free_port  # noqa: E402
 
 from trainer.config import load_config  # noqa: E402
 
@@ -73,7 +74,7 @@ def main() -> int:
     for round_number in range(args.rounds):
         singles.append(time_steps(single_cfg, args.warmup, args.steps)[0])
         results_path = os.path.join(workdir, f"round-{round_number}.json")
-        mp.start_processes(_rank_main, args=(_free_port(), workdir, args.warmup, args.steps, results_path),
+        mp.start_processes(_rank_main, args=(free_port(), workdir, args.warmup, args.steps, results_path),
                            nprocs=2, join=True, start_method="spawn")
         rounds.append(json.loads(Path(results_path).read_text()))
     singles.append(time_steps(single_cfg, args.warmup, args.steps)[0])

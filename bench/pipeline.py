@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import ConfigError, load_config  # noqa: E402
+from trainer.local_ports import free_port  # noqa: E402
 from trainer.parallel_dims import SCHEDULES  # noqa: E402
 from trainer.train import build, environment, peak_memory_mib, train_step  # noqa: E402
 
@@ -85,14 +86,6 @@ def _rank_main(rank: int, pp: int, port: int, workdir: str, plan: list, warmup: 
             Path(results_path).write_text(json.dumps({"times": results, "peak_mib": peaks}))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def runnable(workdir: str, pp: int, schedule: str, microbatches: int) -> str | None:
@@ -175,7 +168,7 @@ def sweep(workdir: str, pp: int, args) -> tuple[dict, dict]:
             else:
                 plan.append((schedule, m))
     results_path = os.path.join(workdir, f"pp{pp}.json")
-    mp.start_processes(_rank_main, args=(pp, _free_port(), workdir, plan, args.warmup, args.steps, results_path),
+    mp.start_processes(_rank_main, args=(pp, free_port(), workdir, plan, args.warmup, args.steps, results_path),
                        nprocs=pp, join=True, start_method="spawn")
     return json.loads(Path(results_path).read_text()), skipped
 

@@ -1,5 +1,5 @@
 """torchrun (torch.distributed.run) as the node runs it: `python -m node.torchrun ARGS`, the
-same arguments, the same launcher, with two changes.
+same arguments, the same launcher, with three changes.
 
 torch's c10d rendezvous names the method behind each of its events with `get_method_name`, which
 calls `inspect.stack()` twice. That resolves the source file of every frame on the stack, and for
@@ -20,6 +20,12 @@ can come while a node already waits there: a world that trained its last step wh
 plane repaired it (a Spot notice near the end: the world trains on until the leaving node is
 terminated) reached the barrier before its agent wrote the order, and waited out the 300 s for
 the node that had left. So the barrier reads the order again every EXIT_BARRIER_LOOK_S.
+
+The workers' own store (the rendezvous store is not shared with them: node.trainer_process) listens
+on a port node rank 0's torchrun picks. torch picks it by binding port 0 and closing the socket, so
+the port goes back to the kernel's ephemeral range, and any process's outgoing connection may be
+given it before rank 0 binds it (EADDRINUSE, and the attempt fails). `trainer.local_ports` draws it
+below that range instead, where the kernel hands out no port.
 """
 
 import logging
@@ -31,10 +37,12 @@ from pathlib import Path
 
 from torch.distributed import DistError, DistStoreError
 from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID, SimpleElasticAgent
+from torch.distributed.elastic.rendezvous import api as rendezvous_api
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN, _NUM_MEMBERS
 from torch.distributed.run import main
 
+from trainer.local_ports import free_port
 from trainer.repair_order import REPAIR_ORDER_ENV, read_order
 
 log = logging.getLogger(__name__)
@@ -88,4 +96,5 @@ def exit_barrier(agent: SimpleElasticAgent) -> None:
 if __name__ == "__main__":
     dynamic_rendezvous.get_method_name = caller_name
     SimpleElasticAgent._exit_barrier = exit_barrier
+    rendezvous_api.get_free_port = free_port
     main()

@@ -2,7 +2,6 @@
 
 import multiprocessing
 import os
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 
 from nccl_rules import ENABLE_VARIABLE as NCCL_RULES_VARIABLE
 from nccl_rules import SITE as NCCL_SITE
+from trainer.local_ports import free_port  # noqa: F401 (the tests import it from here)
 from trainfleet.core.catalogue import NCCL_ERROR_HANDLING
 
 # No test may reach a real AWS endpoint or pick up a developer's credentials.
@@ -127,12 +127,6 @@ def pytest_runtest_protocol(item, nextitem):
     with open(path, "a") as timeline:
         timeline.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {item.nodeid.split('::')[0]} "
                        f"{started:.1f} {time.time():.1f} {tree_cpu_seconds(os.getpid()) - cpu_before:.1f}\n")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 RANK_PRELOAD = ["trainer.train", "trainer.fleet_check"]

@@ -4,7 +4,6 @@ starts with the instance's environment, and torch itself sees one function where
 one an operation names; and its ports are its own, as a node's on EC2 are."""
 
 import json
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -13,6 +12,7 @@ from torch.distributed import TCPStore
 
 from localcloud.fleet import INSTANCE_SITE
 from localcloud.waiting import run_captured
+from trainer.local_ports import free_port
 
 PROBE = """
 import json, os, time
@@ -68,9 +68,7 @@ sys.stdin.read()  # until the test is done
 def test_two_instances_host_their_rendezvous_on_the_same_port():
     """Two runs whose attempts drew the same port, their hosts on two instances: on EC2 each node
     has its own network stack and both rendezvous start; here too, each at its own address."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     addresses = ["127.77.250.1", "127.77.250.2"]
     hosts = []
     try:

@@ -3,7 +3,6 @@ subprocess.Popen the agent uses, and the real trainer's signals."""
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,13 +11,8 @@ import pytest
 import yaml
 
 from node.standin import EXIT_CONFIG, EXIT_KILLED, EXIT_RENDEZVOUS, EXIT_SIGNALLED, start_thread
+from trainer.local_ports import free_port
 from trainer.progress import PROGRESS_FILE_ENV, read_progress
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def launch(tmp_path, steps: int, step_s: float = 0.01, config: dict | None = None, node_rank: int = 0,

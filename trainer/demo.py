@@ -11,22 +11,17 @@ would, streams the per-step log, then summarises the loss curve from the metrics
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from trainer.local_ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "trainer" / "configs" / "small.toml"
 DEFAULT_METRICS = REPO / "runs" / "demo" / "metrics.jsonl"
 TIMEOUT_S = 900
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def metrics_path(overrides: list[str]) -> Path:
@@ -61,7 +56,7 @@ def main(argv: list[str]) -> int:
     overrides = argv[1:] if argv[:1] == ["--"] else argv
     metrics = metrics_path(overrides)
     metrics.unlink(missing_ok=True)
-    command = torchrun_command(overrides, metrics, _free_port())
+    command = torchrun_command(overrides, metrics, free_port())
     what = "the config given" if config_given(overrides) else "the small GPT with pp=2"
     print(f"training {what} on two processes (gloo):\n  " + " ".join(command[1:]), flush=True)
     # The rendezvous store is not shared with the ranks' process group: restarts with gloo then work.
