@@ -41,36 +41,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.aws_prices import (DYNAMODB_PER_READ_UNIT, DYNAMODB_PER_WRITE_UNIT, EVENTBRIDGE_PER_EVENT,  # noqa: E402
+                               LAMBDA_PER_GB_SECOND, LAMBDA_PER_REQUEST, LOGS_PER_GB, METRIC_PER_MONTH,
+                               S3_PER_READ_REQUEST, S3_PER_WRITE_REQUEST, SQS_PER_REQUEST,
+                               STEP_FUNCTIONS_PER_TRANSITION)
 from localcloud.demo import DEMO_RUN_SPEC  # noqa: E402
 from localcloud.stack import LocalRun, LocalStack, local_stack, metrics_records  # noqa: E402
-from trainfleet.core import pace  # noqa: E402
 from trainer.config import ParallelConfig  # noqa: E402
+from trainfleet.core import pace  # noqa: E402
 from trainfleet.core.catalogue import instance_facts  # noqa: E402
 from trainfleet.core.runspec import RecoveryPolicy  # noqa: E402
 
-# us-east-1 list prices (USD), as AWS publishes them.
-STEP_FUNCTIONS_PER_TRANSITION = 0.025 / 1000
-"""Standard workflows: $0.025 per 1,000 state transitions."""
-LAMBDA_PER_REQUEST = 0.20 / 1e6
-LAMBDA_PER_GB_SECOND = 0.0000166667
-"""x86, the first pricing tier."""
-DYNAMODB_PER_READ_UNIT = 0.125 / 1e6
-DYNAMODB_PER_WRITE_UNIT = 0.625 / 1e6
-"""On-demand capacity, since AWS halved its prices in November 2024."""
-EVENTBRIDGE_PER_EVENT = 1.00 / 1e6
-"""Custom events put on a bus (a PutEvents entry up to 64 KB); AWS service events are free."""
-S3_PER_WRITE_REQUEST = 0.005 / 1000
-"""PUT, COPY, POST, LIST."""
-S3_PER_READ_REQUEST = 0.0004 / 1000
-"""GET and the rest."""
-SQS_PER_REQUEST = 0.40 / 1e6
-"""Standard queues, per request (up to 64 KB): EventBridge's sends of the agents' events and
-Lambda's receives and deletes of them. Lambda keeps five pollers on a queue, the local cloud one,
-so an idle queue's long polls here are a fifth of AWS's (5 x 4,320 a day, under a cent)."""
-LOGS_PER_GB = 0.50
-"""CloudWatch Logs ingestion (the functions' logs and the EMF metric lines in them)."""
-METRIC_PER_MONTH = 0.30
-"""A custom metric (each name and dimension set EMF creates), prorated by the hour."""
 HARNESS_ACTIONS = {("states", "StartExecution"), ("states", "StopExecution"), ("states", "DescribeExecution")}
 """Requests of the harness, not of the run."""
 

@@ -34,15 +34,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.aws_prices import (LAMBDA_PER_GB_SECOND, LAMBDA_PER_REQUEST, S3_PER_READ_REQUEST,  # noqa: E402
+                              S3_PER_WRITE_REQUEST, STEP_FUNCTIONS_PER_TRANSITION)
 from trainer import prepare, tokenizer  # noqa: E402
 from trainer.data import corpus_documents, corpus_pieces  # noqa: E402
 
-LAMBDA_GB_SECOND_USD = 0.0000166667
-"""x86 Lambda, us-east-1, first tier."""
-LAMBDA_REQUEST_USD = 0.20 / 1e6
-S3_PUT_USD = 0.005 / 1000
-S3_GET_USD = 0.0004 / 1000
-STEP_FUNCTIONS_TRANSITION_USD = 0.025 / 1000
 TOKENISE_MEMORY_GB = 3538 / 1024
 """template.yaml DataTokeniseFunction MemorySize: 2 vCPUs."""
 LAMBDA_VCPUS = 2
@@ -158,9 +154,10 @@ def main() -> int:
         per_vcpu = prepared / cores
         lambda_s = 1e9 / (per_vcpu * LAMBDA_VCPUS)
         items = 1e9 / (done.index["tokens"] / len(done.index["shards"]))
-        requests = items * (ITEM_S3_REQUESTS["GET"] * S3_GET_USD + ITEM_S3_REQUESTS["PUT"] * S3_PUT_USD)
-        lambda_usd = lambda_s * TOKENISE_MEMORY_GB * LAMBDA_GB_SECOND_USD
-        other = items * (LAMBDA_REQUEST_USD + ITEM_TRANSITIONS * STEP_FUNCTIONS_TRANSITION_USD)
+        requests = items * (ITEM_S3_REQUESTS["GET"] * S3_PER_READ_REQUEST
+                            + ITEM_S3_REQUESTS["PUT"] * S3_PER_WRITE_REQUEST)
+        lambda_usd = lambda_s * TOKENISE_MEMORY_GB * LAMBDA_PER_GB_SECOND
+        other = items * (LAMBDA_PER_REQUEST + ITEM_TRANSITIONS * STEP_FUNCTIONS_PER_TRANSITION)
         print(f"cost of 1e9 tokens on Lambda ({LAMBDA_VCPUS} vCPUs, {TOKENISE_MEMORY_GB:.2f} GB, "
               f"{per_vcpu:,.0f} tokens/s a vCPU): {lambda_s * TOKENISE_MEMORY_GB:,.0f} GB-s = ${lambda_usd:.3f}, "
               f"{items:,.0f} items: S3 ${requests:.4f}, invocations and transitions ${other:.4f}; "
