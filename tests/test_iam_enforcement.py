@@ -278,3 +278,42 @@ def test_a_resumed_runs_nodes_read_the_old_runs_checkpoints_and_cannot_write_or_
         with pytest.raises(ClientError, match="AccessDenied"):
             denied()
     resumed.put_object(Bucket=BUCKET, Key=f"runs/{run}/checkpoints/step-000000050/commit.json", Body=b"{}")
+
+
+def test_a_teardown_that_meets_another_finds_what_it_deletes_gone_and_is_done(enforced):
+    """The reaper's schedule and an execution's status event may reap one run at once. Under the
+    stack's policies (deletion allowed on the resource's stack tag), EC2 answers the second
+    deletion of a launch template or placement group UnauthorizedOperation: there is no tag left
+    to read. The teardown that comes second is done all the same."""
+    from test_iam_policies import STACK, policies, rendered_template
+
+    from trainfleet.adapters.ec2_fleet import (TAG_RUN, TAG_STACK, Teardown, ensure_placement_group,
+                                               placement_group_name, teardown)
+
+    cloud = enforced
+    reaper = role_with(cloud, [statement for policy in policies(rendered_template(), "ReaperFunctionRole")
+                               for statement in policy["Statement"] if statement["Action"] != "sts:AssumeRole"])
+    admin, run = cloud.client("ec2"), f"run-{uuid.uuid4().hex[:8]}"
+    group = placement_group_name(run, STACK, "us-east-1a")
+    ensure_placement_group(admin, group, run, STACK)
+    admin.create_launch_template(LaunchTemplateName=f"{run}-nodes", LaunchTemplateData={"InstanceType": "p5.48xlarge"},
+                                 TagSpecifications=[{"ResourceType": "launch-template", "Tags": [
+                                     {"Key": TAG_RUN, "Value": run}, {"Key": TAG_STACK, "Value": STACK}]}])
+    ec2 = client_as(cloud, reaper, "ec2", session="reaper")
+    # The other teardown deletes each just before this one's request reaches EC2 (a handler of
+    # before-call that returned something would answer the call in EC2's place).
+    def other_teardown_first(delete):
+        def before_call(**_) -> None:
+            delete()
+        return before_call
+
+    ec2.meta.events.register("before-call.ec2.DeleteLaunchTemplate", other_teardown_first(
+        lambda: admin.delete_launch_template(LaunchTemplateName=f"{run}-nodes")))
+    ec2.meta.events.register("before-call.ec2.DeletePlacementGroup", other_teardown_first(
+        lambda: admin.delete_placement_group(GroupName=group)), unique_id="other")
+
+    assert teardown(ec2, run, STACK) == Teardown(terminated=[], placement_groups_in_use=[])
+    ec2.meta.events.unregister("before-call.ec2.DeletePlacementGroup", unique_id="other")
+    with pytest.raises(ClientError) as gone:
+        ec2.delete_placement_group(GroupName=group)
+    assert gone.value.response["Error"]["Code"] == "UnauthorizedOperation", "as AWS answers it"

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
+from botocore.exceptions import ClientError
+
 from trainfleet.core.catalogue import InstanceFacts
 from trainfleet.core.events import BOOT_CHECK, BOOT_FAILED_AT, BOOT_STEPS, EVENT_SOURCE
 from trainfleet.core.lifecycle.reservation import Reservation, reservation_problem
@@ -667,6 +669,33 @@ class Teardown:
     minutes); a later teardown of the run (the reaper's) deletes them."""
 
 
+# Two teardowns of one run may meet (the reaper's schedule and an execution's status event reap
+# it at once): a resource the other deleted first is done. EC2 answers its deletion with a
+# NotFound code or, under the stack's policies (a deletion allowed on the resource's stack tag),
+# UnauthorizedOperation, there being no tag left to read; either error stands only while the
+# resource is still there.
+
+def _delete_launch_template(ec2: Any, template: dict[str, Any]) -> None:
+    try:
+        ec2.delete_launch_template(LaunchTemplateId=template["LaunchTemplateId"])
+    except ClientError:
+        if ec2.describe_launch_templates(Filters=[
+                {"Name": "launch-template-name", "Values": [template["LaunchTemplateName"]]}])["LaunchTemplates"]:
+            raise
+
+
+def _delete_placement_group(ec2: Any, name: str) -> bool:
+    """Delete the group; False while its instances still hold it."""
+    try:
+        ec2.delete_placement_group(GroupName=name)
+    except ClientError as exc:
+        if exc.response["Error"]["Code"] == "InvalidPlacementGroup.InUse":
+            return False
+        if ec2.describe_placement_groups(Filters=[{"Name": "group-name", "Values": [name]}])["PlacementGroups"]:
+            raise
+    return True
+
+
 def teardown(ec2: Any, run_name: str, stack_name: str) -> Teardown:
     """Terminate every instance of the run, delete its launch template and placement groups.
 
@@ -680,15 +709,8 @@ def teardown(ec2: Any, run_name: str, stack_name: str) -> Teardown:
         Filters=[{"Name": f"tag:{TAG_RUN}", "Values": [run_name]}])["LaunchTemplates"]
     for template in templates:
         if _owned(template, run_name, stack_name):
-            ec2.delete_launch_template(LaunchTemplateId=template["LaunchTemplateId"])
-    groups = [group for group in ec2.describe_placement_groups()["PlacementGroups"]
+            _delete_launch_template(ec2, template)
+    groups = [group["GroupName"] for group in ec2.describe_placement_groups()["PlacementGroups"]
               if _owned(group, run_name, stack_name)]
-    in_use = []
-    for group in groups:
-        try:
-            ec2.delete_placement_group(GroupName=group["GroupName"])
-        except ec2.exceptions.ClientError as exc:
-            if exc.response["Error"]["Code"] != "InvalidPlacementGroup.InUse":
-                raise
-            in_use.append(group["GroupName"])
+    in_use = [group for group in groups if not _delete_placement_group(ec2, group)]
     return Teardown(terminated=instance_ids, placement_groups_in_use=in_use)
