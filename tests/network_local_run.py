@@ -32,6 +32,8 @@ from trainfleet.adapters.run_store import RunNotFound  # noqa: E402
 STEP_S, BOOT_NOMINAL_S, TIME_SCALE = 0.2, 1500.0, 0.02
 """Instances stay pending 30 real seconds (1,500 nominal, scaled), time for the harness to break
 the network under a run Validate has accepted."""
+SILENT_BOOT_TIMEOUT_S = 60
+"""The least boot timeout a RunSpec may give (RecoveryPolicy)."""
 
 
 def launched(stack, run_name: str) -> bool:
@@ -75,7 +77,10 @@ def main() -> dict:
         results["refused"] = outcome(stack, refused) | {"subnet": bare["SubnetId"]}
 
         # 2. Accepted, then its network broken while its instances are pending: silent nodes.
-        silent = stack.start_run(template | {"run_name": "silent"})
+        # No node of it ever reports: the least boot timeout a RunSpec may give, below the local
+        # floor that keeps a healthy boot on a starved machine from being taken for a silent one.
+        silent = stack.start_run(template | {"run_name": "silent", "recovery": template["recovery"] | {
+            "boot_timeout_seconds": SILENT_BOOT_TIMEOUT_S}}, silent_nodes=True)
         stack.watch(silent).until(lambda: launched(stack, silent.run_name), "the silent run's instances")
         associations = {association["SubnetId"]: association["RouteTableAssociationId"]
                         for table in ec2.describe_route_tables(Filters=[{"Name": "vpc-id", "Values": [vpc]}])[
