@@ -185,6 +185,18 @@ class RunView:
             return reached, self.stack.cloud.activity()[0]  # and the states the execution entered
         return until(settled, progress, what=f"{what} ({self.run.run_name})", poll_s=LOOK_S)
 
+    def in_attempt(self, record: RunRecord, attempt: int) -> bool:
+        """True while the run is in `attempt`; an error naming the failure and its nodes' reasons
+        once a recovery the harness did not strike has begun another."""
+        if record.attempt == attempt:
+            return True
+        failures = "; ".join(f"attempt {failure.attempt}: {failure.failure_class.value} of {failure.instance_ids}"
+                             for failure in record.failures)
+        reasons = "; ".join(f"{node.instance_id}: {node.reason}" for node in self.store.nodes(record.run_name)
+                            if node.reason)
+        raise RuntimeError(f"run {record.run_name} is in attempt {record.attempt}, not {attempt}: {failures} "
+                           f"(nodes: {reasons})")
+
     def node_of_rank(self, attempt: int, rank: int) -> str:
         """The instance the attempt's launch spec gives `rank`."""
         s3 = self.stack.cloud.internal_client("s3")
@@ -234,7 +246,7 @@ def scale_run(nodes: int, spares: int = 0, *, step_s: float | None = None, stead
                     "phases": meter.phases}
         recoveries, resumed_from = [], 0
         for attempt, how in enumerate(FAILURES):
-            view.until(f"a checkpoint of attempt {attempt}", lambda record: bool(
+            view.until(f"a checkpoint of attempt {attempt}", lambda record: view.in_attempt(record, attempt) and bool(
                 record.latest_checkpoint) and record.latest_checkpoint.step > resumed_from)
             meter.stop("training" if attempt == 0 else f"training_{attempt}")
             victim = view.node_of_rank(attempt, VICTIM_RANK[how])
