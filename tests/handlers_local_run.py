@@ -42,7 +42,7 @@ from localcloud.deploy import DeployRequest, deploy  # noqa: E402
 from localcloud.glue import active_cloud  # noqa: E402
 from localcloud.imds import serve_fleet  # noqa: E402
 from localcloud.node_boot import publish_artifacts  # noqa: E402
-from localcloud.stack import states_entered  # noqa: E402
+from localcloud.stack import TIMEOUT_FLOORS_S, states_entered  # noqa: E402
 from localcloud.waiting import until  # noqa: E402
 from trainer.checkpoint_catalog import committed_steps, open_store  # noqa: E402
 from trainfleet.adapters.ec2_fleet import TAG_RUN  # noqa: E402
@@ -72,8 +72,11 @@ def run_spec(run_name: str, bucket: str, subnet: str, group: str) -> dict:
                     "parallel": {"pp": 2, "dp": 1, "schedule": "gpipe", "microbatches": 2},
                     "training": {"batch_size": 2}},
         "checkpoint": {"s3_uri": f"s3://{bucket}/runs/{run_name}/checkpoints", "interval_steps": 10},
+        # The local floors: a node of a starved machine boots and falls silent for longer than
+        # AWS's would, and these runs are all meant to be healthy.
         "recovery": {"backoff_base_seconds": 0, "backoff_max_seconds": 0,
-                     "hang_timeout_seconds": 60, "boot_timeout_seconds": 60},
+                     "hang_timeout_seconds": TIMEOUT_FLOORS_S["recovery.hang_timeout_seconds"],
+                     "boot_timeout_seconds": TIMEOUT_FLOORS_S["recovery.boot_timeout_seconds"]},
     }
 
 
@@ -85,6 +88,15 @@ def wait(what: str, probe):
 def in_state(store: RunStore, run_name: str, state: str) -> bool:
     try:
         return store.run(run_name).state.value == state
+    except RunNotFound:
+        return False
+
+
+def stepped(store: RunStore, run_name: str) -> bool:
+    """Whether the run's world took its first step: its launch spec is written by then (Launch
+    records the run TRAINING before it writes the spec)."""
+    try:
+        return store.run(run_name).first_step_at is not None
     except RunNotFound:
         return False
 
@@ -170,7 +182,7 @@ def scenarios(cloud, stack_name: str) -> None:
     run_name, attacker = f"run-{uuid.uuid4().hex[:6]}", f"other-{uuid.uuid4().hex[:6]}"
     arn, attacker_arn = (sfn.start_execution(stateMachineArn=machine, name=name, input=json.dumps(
         run_spec(name, outputs["CheckpointBucketName"], subnet, group)))["executionArn"] for name in (run_name, attacker))
-    wait("both runs to train", lambda: in_state(store, run_name, "TRAINING") and in_state(store, attacker, "TRAINING"))
+    wait("both runs' first steps", lambda: stepped(store, run_name) and stepped(store, attacker))
     hostile = hostile_node(cloud, outputs, store, attacker=attacker, victim=run_name)
     wait("the first committed checkpoint", lambda: checkpointed(store, run_name))
     first_nodes = {node.instance_id: node.node_rank for node in store.nodes(run_name)}
