@@ -16,9 +16,9 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import boto3
 from aws_xray_sdk import global_sdk_config
@@ -28,30 +28,11 @@ from localcloud import aws_events, glue
 from localcloud.account import ACCOUNT_ID, FAKE_CREDENTIALS, INTERNAL_HEADER
 from localcloud.config import LocalCloudConfig
 from localcloud.event_delivery import DeliveryFailure
+from localcloud.parts import EventFault, RequestFault
 from localcloud.waiting import DUMP_SIGNAL, sizes
 from localcloud.lambda_runtime import close_environments
 
-if TYPE_CHECKING:
-    from localcloud.glue.faults import RequestFault
-
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EventFault:
-    """How the next `remaining` events of some detail types are delivered (glue/events.py)."""
-
-    kind: str
-    """duplicate, delay or reorder."""
-    seconds: float
-    """Nominal seconds: the delay, or the window events are held for before going reversed."""
-    detail_types: frozenset[str] | None
-    """The detail types it applies to; None for all."""
-    remaining: int
-    """Events it still applies to."""
-    held: list[tuple[Any, dict[str, Any]]] = field(default_factory=list, repr=False)
-    """(rule, event) pairs a reorder fault holds, oldest first."""
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 class Payload(NamedTuple):
@@ -152,13 +133,13 @@ class LocalCloud:
 
         self.s3_rates = PrefixRates(*self.config.s3_prefix_rates, window_s=self.scaled(1.0))
         """S3's per-prefix request rates, and the busiest prefixes so far (glue/s3_rates.py)."""
-        from localcloud.glue.routes import Routes
-
-        self.routes = Routes(self)
-        """Where each instance's calls may go (glue/routes.py)."""
         from localcloud.fleet import LocalFleet
 
         self.fleet = LocalFleet(self)
+        from localcloud.glue.routes import Routes
+
+        self.routes = Routes(self.fleet.at_address, self.internal_client)
+        """Where each instance's calls may go (glue/routes.py)."""
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -393,7 +374,7 @@ class LocalCloud:
         over HTTP for the next `seconds` real seconds with its throttling error (answer
         "throttle") or its internal error ("error"), as AWS does under load or in an outage
         (glue/faults.py)."""
-        from localcloud.glue.faults import FAULT_ANSWERS, SERVICES, RequestFault
+        from localcloud.glue.faults import FAULT_ANSWERS, SERVICES
 
         if service not in SERVICES:
             raise ValueError(f"service must be one of {SERVICES}, got {service!r}")
