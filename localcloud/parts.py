@@ -53,7 +53,7 @@ class EventFault:
 # --- what several parts use -----------------------------------------------------------------
 
 class Place(Protocol):
-    """The account and region whose state is the cloud's: moto keeps each service's per both."""
+    """The account and region whose state is the cloud's: moto keeps each service's state per both."""
 
     @property
     def account_id(self) -> str: ...
@@ -84,7 +84,7 @@ class Counting(Protocol):
 
 
 class Instance(Protocol):
-    """One instance of the fleet, as the glue reads it (LocalInstance)."""
+    """One instance of the fleet, as the glue and the routes read it (LocalInstance)."""
 
     @property
     def instance_id(self) -> str: ...
@@ -97,12 +97,10 @@ class Instance(Protocol):
 
 
 class Fleet(Protocol):
-    """The fleet as the EC2 glue drives it (an instance's life follows moto's) and the routes and the
-    chaos route find and strike its instances (LocalFleet)."""
+    """The fleet as the EC2 glue drives it (an instance's life follows moto's) and the chaos route
+    strikes its instances (LocalFleet)."""
 
     def get(self, instance_id: str) -> Instance: ...
-
-    def at_address(self, address: str) -> Instance | None: ...
 
     def launched(self, moto_instance: Any) -> None: ...
 
