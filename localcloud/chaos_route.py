@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from localcloud.cloud import LocalCloud
+    from localcloud.parts import ChaosTarget
 
 __all__ = ["CHAOS_PATH", "INSTANCE_FAULTS", "SERVICE_FAULTS", "ChaosError", "inject", "on_instance"]
 
@@ -40,7 +40,7 @@ class ChaosError(ValueError):
     """A fault that cannot be injected as asked; the message says why."""
 
 
-def inject(cloud: LocalCloud, request: dict[str, Any]) -> dict[str, Any]:
+def inject(cloud: ChaosTarget, request: dict[str, Any]) -> dict[str, Any]:
     """Carry out one fault request; what was done, as JSON-ready data."""
     fault, run, target = (request.get(name) for name in ("fault", "run", "target"))
     if not isinstance(run, str) or not run or not isinstance(target, str) or not target:
@@ -65,7 +65,7 @@ def inject(cloud: LocalCloud, request: dict[str, Any]) -> dict[str, Any]:
     return {"fault": fault, "run": run, "instance": target, **done}
 
 
-def _check_instance_of_run(cloud: LocalCloud, run: str, instance_id: str) -> None:
+def _check_instance_of_run(cloud: ChaosTarget, run: str, instance_id: str) -> None:
     from moto.ec2.exceptions import InvalidInstanceIdError
 
     from localcloud.glue.ec2 import ec2_backend
@@ -83,7 +83,7 @@ def _check_instance_of_run(cloud: LocalCloud, run: str, instance_id: str) -> Non
                          f"{tags.get(TAG_RUN)!r}")
 
 
-def on_instance(cloud: LocalCloud, fault: str, instance_id: str, role: str = "trainer") -> dict[str, Any]:
+def on_instance(cloud: ChaosTarget, fault: str, instance_id: str, role: str = "trainer") -> dict[str, Any]:
     """Inject an instance fault; `role` is the process hang and crash hit: a trainer rank, or the
     node agent alone (before a trainer exists)."""
     fleet = cloud.fleet

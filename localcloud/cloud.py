@@ -16,9 +16,9 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import boto3
 from aws_xray_sdk import global_sdk_config
@@ -26,82 +26,13 @@ from botocore.config import Config
 
 from localcloud import aws_events, glue
 from localcloud.account import ACCOUNT_ID, FAKE_CREDENTIALS, INTERNAL_HEADER
+from localcloud.config import LocalCloudConfig
 from localcloud.event_delivery import DeliveryFailure
+from localcloud.parts import EventFault, RequestFault
 from localcloud.waiting import DUMP_SIGNAL, sizes
 from localcloud.lambda_runtime import close_environments
 
-if TYPE_CHECKING:
-    from localcloud.glue.faults import RequestFault
-
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LocalCloudConfig:
-    """How a LocalCloud runs. Every field has a default that suits tests and the demo."""
-
-    region: str = "us-east-1"
-    """The one region served (clients of other regions work too, with separate state)."""
-    host: str = "127.0.0.1"
-    """Address the HTTP endpoint binds; loopback only, never a public interface."""
-    port: int = 0
-    """Port of the endpoint; 0 picks a free one."""
-    time_scale: float = 1.0
-    """Real seconds per nominal second for Wait states, Retry intervals, instance boot and the
-    Spot notice period: 0.01 makes a 120 s notice last 1.2 s. Timeouts and heartbeats of
-    tasks stay real: they bound real work."""
-    workdir: Path | None = None
-    """Where instances get their working folders; a temporary folder that
-    is removed on stop when None."""
-    boot_seconds: float = 2.0
-    """Nominal seconds an instance stays `pending` before it is `running` and boots."""
-    boot_spread_seconds: float = 0.0
-    """Nominal seconds over which the boots of instances launched together spread: each waits
-    boot_seconds plus a uniform draw up to this. EC2's instances of one launch reach `running`
-    over tens of seconds, not in the same instant (hundreds of agents asking the one local
-    metadata service at once overwhelm it)."""
-    shutdown_grace_seconds: float = 5.0
-    """Real seconds a terminated instance's processes get after SIGTERM before SIGKILL."""
-    spot_notice_seconds: float = 120.0
-    """Nominal seconds between an injected Spot interruption warning and the interruption
-    (AWS gives two minutes)."""
-    delivery_workers: int = 8
-    """Threads that deliver EventBridge events to targets and run the fleet's transitions."""
-    s3_prefix_rates: tuple[int, int] = (5500, 3500)
-    """GET/HEAD and PUT/COPY/POST/DELETE requests S3 serves a second (of this cloud's time) per
-    prefix, as it documents; it answers 503 SlowDown beyond (glue/s3_rates.py)."""
-
-    def __post_init__(self) -> None:
-        if self.time_scale <= 0:
-            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be 0..65535, got {self.port}")
-        for name in ("boot_seconds", "boot_spread_seconds", "shutdown_grace_seconds", "spot_notice_seconds"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.delivery_workers < 1:
-            raise ValueError(f"delivery_workers must be >= 1, got {self.delivery_workers}")
-        if min(self.s3_prefix_rates) < 1:
-            raise ValueError(f"s3_prefix_rates must be >= 1 a second, got {self.s3_prefix_rates}")
-        if self.host not in {"127.0.0.1", "localhost", "::1"}:
-            raise ValueError(f"host must be a loopback address, got {self.host!r}")
-
-
-@dataclass
-class EventFault:
-    """How the next `remaining` events of some detail types are delivered (glue/events.py)."""
-
-    kind: str
-    """duplicate, delay or reorder."""
-    seconds: float
-    """Nominal seconds: the delay, or the window events are held for before going reversed."""
-    detail_types: frozenset[str] | None
-    """The detail types it applies to; None for all."""
-    remaining: int
-    """Events it still applies to."""
-    held: list[tuple[Any, dict[str, Any]]] = field(default_factory=list, repr=False)
-    """(rule, event) pairs a reorder fault holds, oldest first."""
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 class Payload(NamedTuple):
@@ -202,13 +133,13 @@ class LocalCloud:
 
         self.s3_rates = PrefixRates(*self.config.s3_prefix_rates, window_s=self.scaled(1.0))
         """S3's per-prefix request rates, and the busiest prefixes so far (glue/s3_rates.py)."""
-        from localcloud.glue.routes import Routes
-
-        self.routes = Routes(self)
-        """Where each instance's calls may go (glue/routes.py)."""
         from localcloud.fleet import LocalFleet
 
         self.fleet = LocalFleet(self)
+        from localcloud.glue.routes import Routes
+
+        self.routes = Routes(self.fleet.at_address, self.internal_client)
+        """Where each instance's calls may go (glue/routes.py)."""
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -443,7 +374,7 @@ class LocalCloud:
         over HTTP for the next `seconds` real seconds with its throttling error (answer
         "throttle") or its internal error ("error"), as AWS does under load or in an outage
         (glue/faults.py)."""
-        from localcloud.glue.faults import FAULT_ANSWERS, SERVICES, RequestFault
+        from localcloud.glue.faults import FAULT_ANSWERS, SERVICES
 
         if service not in SERVICES:
             raise ValueError(f"service must be one of {SERVICES}, got {service!r}")

@@ -73,7 +73,7 @@ from localcloud.warm_image import ForkedProcess, WarmImage
 from trainfleet.core.runspec import HOST_MEMORY_DIR
 
 if TYPE_CHECKING:
-    from localcloud.cloud import LocalCloud
+    from localcloud.parts import FleetHost
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ class _Starvation(threading.Thread):
 
 
 class LocalFleet:
-    def __init__(self, cloud: LocalCloud):
+    def __init__(self, cloud: FleetHost):
         self.cloud = cloud
         self.boot: BootCommand = boot_user_data
         self.env_hooks: list[Callable[[LocalInstance], dict[str, str]]] = []

@@ -52,17 +52,6 @@ NODE_LAYERS = (
 """The node's modules, bottom up (docs/ARCHITECTURE.md, the agent): each imports only those of the
 layers below its own, so the serve loop (node.agent) is the top and nothing reaches back to it."""
 
-LOCAL_CLOUD_KNOT = frozenset({
-    "localcloud.cloud", "localcloud.fleet", "localcloud.chaos_route", "localcloud.glue", "localcloud.glue.awslambda",
-    "localcloud.glue.cloudwatch", "localcloud.glue.dynamodb", "localcloud.glue.ec2", "localcloud.glue.events",
-    "localcloud.glue.faults", "localcloud.glue.iam", "localcloud.glue.routes", "localcloud.glue.sqs_lambda",
-    "localcloud.glue.stepfunctions", "localcloud.glue.stepfunctions_map", "localcloud.glue.vpc",
-})
-"""The local cloud's modules still in a circle, through type annotations alone: the fleet, the
-chaos route and some glue (through glue.active_cloud, all of it) name LocalCloud for the cloud
-cloud.py hands them. The imports that run point one way; this knot may only shrink
-(test_the_local_cloud_knot_is_no_larger_than_it_is)."""
-
 TORCH_FREE_PARTS = frozenset({"trainer-torch-free", "core", "adapters", "report", "functions"})
 """Parts that Lambda runs, or that the control plane reads: torch is not there."""
 
@@ -79,20 +68,14 @@ def part_of(module: str) -> str:
     return PARTS[max(prefixes, key=len)]
 
 
-def imports_of(path: Path, module: str, known: set[str], typing_too: bool = True) -> list[tuple[int, str]]:
-    """(line, module imported) for every import in the file (but those under `if TYPE_CHECKING:`
-    unless `typing_too`): `from pkg import name` counts as pkg.name where that is a module of the
-    project."""
+def imports_of(path: Path, module: str, known: set[str]) -> list[tuple[int, str]]:
+    """(line, module imported) for every import in the file, those for type annotations alone
+    (under `if TYPE_CHECKING:`) too: `from pkg import name` counts as pkg.name where that is a
+    module of the project."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
-    typing_only = set() if typing_too else {
-        id(inner) for node in ast.walk(tree)
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-        for inner in ast.walk(node)}
     found = []
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -109,11 +92,10 @@ def project_modules(root: Path) -> dict[str, Path]:
     return {module_name(path, root): path for package in PACKAGES for path in sorted((root / package).rglob("*.py"))}
 
 
-def import_circles(files: dict[str, Path], package: str, typing_too: bool = True) -> list[list[str]]:
+def import_circles(files: dict[str, Path], package: str) -> list[list[str]]:
     """The groups of `package`'s modules that import one another in a circle (each group of two or
-    more sorted): the strongly connected parts of its import graph (with the imports for type
-    annotations alone, or without)."""
-    graph = {module: sorted({target for _, target in imports_of(path, module, set(files), typing_too)
+    more sorted): the strongly connected parts of its import graph."""
+    graph = {module: sorted({target for _, target in imports_of(path, module, set(files))
                              if target in files and target != package and target.split(".")[0] == package})
              for module, path in files.items() if module.split(".")[0] == package}
     order: dict[str, int] = {}
@@ -145,13 +127,10 @@ def import_circles(files: dict[str, Path], package: str, typing_too: bool = True
 def import_violations(root: Path) -> list[str]:
     """`file:line: what is wrong` for each import under `root` that the map forbids."""
     files = project_modules(root)
-    running = import_circles(files, "localcloud", typing_too=False)
-    problems = [f"localcloud: {', '.join(circle)} import one another as they run: the local cloud's imports point "
-                "one way, cloud.py assembling the parts" for circle in running]
-    named = LOCAL_CLOUD_KNOT.union(*running)
-    problems += [f"localcloud: {', '.join(sorted(set(circle) - named))} in an import circle: the local cloud's "
-                 "imports point one way (LOCAL_CLOUD_KNOT aside)"
-                 for circle in import_circles(files, "localcloud") if not set(circle) <= named]
+    # Type annotations count: a part that names the cloud it is handed cannot be read without it
+    # (localcloud/parts.py says what each part needs instead).
+    problems = [f"localcloud: {', '.join(circle)} import one another: the local cloud's imports point one way, "
+                "cloud.py assembling the parts" for circle in import_circles(files, "localcloud")]
     for module, path in files.items():
         part = part_of(module)
         for line, target in imports_of(path, module, set(files)):
@@ -190,12 +169,6 @@ def test_every_import_follows_the_map():
     assert import_violations(REPO) == []
 
 
-def test_the_local_cloud_knot_is_no_larger_than_it_is():
-    """A module that leaves the knot leaves LOCAL_CLOUD_KNOT too, so none can join it unseen."""
-    assert sorted(module for circle in import_circles(project_modules(REPO), "localcloud") for module in circle) \
-        == sorted(LOCAL_CLOUD_KNOT)
-
-
 def write(root: Path, module: str, source: str) -> None:
     path = root / (module.replace(".", "/") + ".py")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -228,14 +201,15 @@ def write(root: Path, module: str, source: str) -> None:
      "(NODE_LAYERS)"),
     ("node.helpers", "", "node/helpers.py: node.helpers is in no layer of NODE_LAYERS"),
     ("localcloud.deploy", "def later():\n    from localcloud import stack\n",
-     "localcloud: localcloud.deploy, localcloud.stack import one another as they run: the local cloud's imports "
-     "point one way, cloud.py assembling the parts"),
-    ("localcloud.deploy", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from localcloud.stack import Stack\n",
-     "localcloud: localcloud.deploy, localcloud.stack in an import circle: the local cloud's imports point one way "
-     "(LOCAL_CLOUD_KNOT aside)"),
+     "localcloud: localcloud.deploy, localcloud.stack import one another: the local cloud's imports point one way, "
+     "cloud.py assembling the parts"),
     ("localcloud.glue.ec2", "def later():\n    from localcloud.cloud import LocalCloud\n",
-     "localcloud: localcloud.cloud, localcloud.glue.ec2 import one another as they run: the local cloud's imports "
-     "point one way, cloud.py assembling the parts"),
+     "localcloud: localcloud.cloud, localcloud.glue.ec2 import one another: the local cloud's imports point one way, "
+     "cloud.py assembling the parts"),
+    ("localcloud.fleet",
+     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from localcloud.cloud import LocalCloud\n",
+     "localcloud: localcloud.cloud, localcloud.fleet import one another: the local cloud's imports point one way, "
+     "cloud.py assembling the parts"),
 ])
 def test_a_planted_wrong_import_is_named(tmp_path, module, source, problem):
     for allowed in ("trainfleet.core.records", "trainfleet.adapters.run_store", "trainfleet.operator.runs",
@@ -244,7 +218,8 @@ def test_a_planted_wrong_import_is_named(tmp_path, module, source, problem):
         write(tmp_path, allowed, "")
     write(tmp_path, "trainfleet.cli", "from localcloud.commands import add_local_commands\n")
     write(tmp_path, "localcloud.stack", "from localcloud.deploy import deploy\n")
-    write(tmp_path, "localcloud.cloud", "def assemble():\n    from localcloud.glue import ec2\n")
+    write(tmp_path, "localcloud.cloud",
+          "def assemble():\n    from localcloud.glue import ec2\n    from localcloud.fleet import LocalFleet\n")
     assert import_violations(tmp_path) == []
     write(tmp_path, module, source)
     assert import_violations(tmp_path) == [problem]

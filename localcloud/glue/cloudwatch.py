@@ -59,7 +59,7 @@ from moto.sns.exceptions import SNSNotFoundError
 from localcloud.glue import active_cloud
 
 if TYPE_CHECKING:
-    from localcloud.cloud import LocalCloud
+    from localcloud.parts import Workers
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +314,7 @@ def _evaluate(backend: CloudWatchBackend, alarm: Alarm, metric_data: list[Metric
         pass
 
 
-def evaluate_every_minute(cloud: LocalCloud) -> None:
+def evaluate_every_minute(cloud: Workers) -> None:
     """Evaluate every alarm once a nominal minute for as long as `cloud` is the running one."""
     def tick() -> None:
         if active_cloud() is not cloud:

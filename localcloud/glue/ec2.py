@@ -81,7 +81,7 @@ from localcloud.glue import active_cloud
 from localcloud.glue.ec2_state import InterfaceError, PlacementGroup, placement_groups
 
 if TYPE_CHECKING:
-    from localcloud.cloud import LocalCloud
+    from localcloud.parts import Ec2Cloud, Place
     from localcloud.glue.capacity_reservations import CapacityReservation
 
 STATE_CODES = {"pending": 0, "running": 16, "shutting-down": 32, "terminated": 48,
@@ -91,17 +91,17 @@ STATE_CODES = {"pending": 0, "running": 16, "shutting-down": 32, "terminated": 4
 PLACEMENT_STRATEGIES = ("cluster", "spread", "partition")
 
 
-def ec2_backend(cloud: LocalCloud) -> Any:
+def ec2_backend(cloud: Place) -> Any:
     return ec2_backends[cloud.account_id][cloud.region]
 
 
-def set_moto_state(cloud: LocalCloud, instance_id: str, state: str) -> None:
+def set_moto_state(cloud: Place, instance_id: str, state: str) -> None:
     instance = ec2_backend(cloud).get_instance(instance_id)
     instance._state.name = state
     instance._state.code = STATE_CODES[state]
 
 
-def forget_terminated(cloud: LocalCloud) -> list[str]:
+def forget_terminated(cloud: Place) -> list[str]:
     """Drop every terminated instance from EC2's view, as EC2 does about an hour after an
     instance terminates: DescribeInstances no longer lists it, and naming it (TerminateInstances,
     DescribeInstances with InstanceIds) fails with InvalidInstanceID.NotFound. The ids dropped."""
@@ -117,7 +117,7 @@ def forget_terminated(cloud: LocalCloud) -> list[str]:
     return dropped
 
 
-def set_private_ip(cloud: LocalCloud, instance_id: str, address: str) -> None:
+def set_private_ip(cloud: Place, instance_id: str, address: str) -> None:
     """Make `address` the primary private IPv4 address of the instance's primary interface."""
     primary = ec2_backend(cloud).get_instance(instance_id).nics[0]
     primary.private_ip_address = address
@@ -308,7 +308,7 @@ def _request_zone(backend: Any, kwargs: dict[str, Any]) -> str:
     return kwargs.get("placement") or backend.region_name + "a"
 
 
-def free_capacity(cloud: LocalCloud, backend: Any, instance_type: str, zone: str) -> int | None:
+def free_capacity(cloud: Ec2Cloud, backend: Any, instance_type: str, zone: str) -> int | None:
     """Instances of the type that may still launch in the zone; None when it is not capped."""
     limit = cloud.capacity_limits.get((instance_type, zone))
     if limit is None:
@@ -319,7 +319,7 @@ def free_capacity(cloud: LocalCloud, backend: Any, instance_type: str, zone: str
     return max(0, limit - alive)
 
 
-def free_vcpu_instances(cloud: LocalCloud, backend: Any, instance_type: str) -> int | None:
+def free_vcpu_instances(cloud: Ec2Cloud, backend: Any, instance_type: str) -> int | None:
     """Instances of the type the account's On-Demand vCPU quota still admits; None when unset."""
     if cloud.vcpu_quota is None:
         return None
@@ -329,7 +329,7 @@ def free_vcpu_instances(cloud: LocalCloud, backend: Any, instance_type: str) -> 
     return max(0, cloud.vcpu_quota - used) // INSTANCE_TYPES[instance_type]["VCpuInfo"]["DefaultVCpus"]
 
 
-def _vcpu_message(cloud: LocalCloud) -> str:
+def _vcpu_message(cloud: Ec2Cloud) -> str:
     return (f"You have requested more vCPU capacity than your current vCPU limit of {cloud.vcpu_quota} allows for "
             "the instance bucket that the specified instance type belongs to. Please visit "
             "the Service Quotas console to request an adjustment to this limit.")
@@ -549,7 +549,7 @@ changes as eventually consistent, taking seconds to reach other services: a laun
 profile made just before is refused as invalid, and must be tried again."""
 
 
-def check_instance_profile(cloud: LocalCloud, profile: str | None) -> None:
+def check_instance_profile(cloud: Ec2Cloud, profile: str | None) -> None:
     """Raise InterfaceError (InvalidParameterValue, EC2's words) for a launch's instance profile
     (an ARN or a name) that IAM does not have, or made under IAM_PROPAGATION_S ago."""
     if not profile:
@@ -602,7 +602,7 @@ def _fleet_error(template_spec: dict[str, Any], lifecycle: str, code: str, messa
                                   "Lifecycle": lifecycle, "ErrorCode": code, "ErrorMessage": message})
 
 
-def _launch_within_capacity(backend: Any, cloud: LocalCloud, instance_type: str, template_spec: dict[str, Any],
+def _launch_within_capacity(backend: Any, cloud: Ec2Cloud, instance_type: str, template_spec: dict[str, Any],
                             image_id: str, count: int, user_data: Any, security_group_names: list[str],
                             kwargs: dict[str, Any], reservation: CapacityReservation | None) -> Any:
     """moto's launch, held to the zone's capacity (a reservation's free instances instead, for a
@@ -633,7 +633,7 @@ def _launch_within_capacity(backend: Any, cloud: LocalCloud, instance_type: str,
     return _moto_run_instances(backend, image_id, granted, user_data, security_group_names, **kwargs)
 
 
-def _known(cloud: LocalCloud, instance_id: str) -> bool:
+def _known(cloud: Ec2Cloud, instance_id: str) -> bool:
     try:
         cloud.fleet.get(instance_id)
     except KeyError:

@@ -41,12 +41,15 @@ import logging
 import re
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moto.events.models import EventsBackend, Rule
 
 from localcloud.event_delivery import DeliveryFailure, bus_event, target_input
 from localcloud.glue import active_cloud
+
+if TYPE_CHECKING:
+    from localcloud.parts import EventFault, EventsCloud
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +170,7 @@ def _deliver_to_rule_targets(rule: Rule, event: dict[str, Any]) -> None:
             _deliver(rule, target, event)
 
 
-def _deliver_with_fault(cloud: Any, fault: Any, rule: Rule, event: dict[str, Any]) -> None:
+def _deliver_with_fault(cloud: EventsCloud, fault: EventFault, rule: Rule, event: dict[str, Any]) -> None:
     """Deliver an event as the fault says: twice, late, or held and released in reverse."""
     what = f"{fault.kind} {event.get('detail-type')} of rule {rule.name}"
     if fault.kind == "duplicate":

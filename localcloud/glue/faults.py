@@ -33,8 +33,7 @@ import io
 import json
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication
 
@@ -44,6 +43,9 @@ from localcloud.account import INTERNAL_HEADER
 from localcloud.glue import active_cloud
 from localcloud.glue.routes import UNREACHABLE_HEADER, UNREACHABLE_STATUS
 from localcloud.glue.s3_rates import request_prefix
+
+if TYPE_CHECKING:
+    from localcloud.parts import FrontDoorCloud
 
 INTERNAL_ENVIRON = "HTTP_" + INTERNAL_HEADER.upper().replace("-", "_")
 """The WSGI name of the header LocalCloud.internal_client sets: such requests pass untouched."""
@@ -116,14 +118,6 @@ SERVICES = sorted({service for service, _ in ANSWERS})
 FAULT_ANSWERS = ("throttle", "error")
 
 
-@dataclass(frozen=True)
-class RequestFault:
-    """Requests to a service fail with `answer` until the monotonic time `until`."""
-
-    answer: str
-    until: float
-
-
 _moto_call = DomainDispatcherApplication.__call__
 
 
@@ -150,13 +144,13 @@ def _form_body(environ: dict[str, Any]) -> str | None:
     return body.decode("utf-8", errors="replace")
 
 
-def _count(cloud: Any, service: str, environ: dict[str, Any]) -> None:
+def _count(cloud: FrontDoorCloud, service: str, environ: dict[str, Any]) -> None:
     action = request_action(service, environ.get("REQUEST_METHOD", "GET"), environ.get("PATH_INFO", ""),
                             environ.get("QUERY_STRING", ""), _headers(environ), _form_body(environ))
     cloud.count(cloud.requests, (service, action))
 
 
-def _chaos(cloud: Any, environ: dict[str, Any], start_response: Any) -> list[bytes]:
+def _chaos(cloud: FrontDoorCloud, environ: dict[str, Any], start_response: Any) -> list[bytes]:
     """The control route: a fault request in, what was done (200) or why not (400) out."""
     if environ.get("REQUEST_METHOD") != "POST":
         status, answer = "405 Method Not Allowed", {"error": f"POST a fault request to {CHAOS_PATH}"}

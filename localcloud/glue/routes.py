@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ from trainfleet.adapters.network import subnet_networks
 from trainfleet.core.network import Blocked, SubnetNetwork, way_to
 
 if TYPE_CHECKING:
-    from localcloud.cloud import LocalCloud
+    from localcloud.parts import Instance
 
 __all__ = ["UNREACHABLE_STATUS", "UNREACHABLE_HEADER", "NETWORK_REREAD_S", "Routes"]
 
@@ -51,8 +52,11 @@ class _Placement:
 class Routes:
     """One cloud's instances, their networks as last read, and whether a call of theirs goes through."""
 
-    def __init__(self, cloud: LocalCloud):
-        self.cloud = cloud
+    def __init__(self, at_address: Callable[[str], Instance | None], internal_client: Callable[[str], Any]):
+        """`at_address`: the fleet's instance at a private address, if any; `internal_client`: a client
+        whose calls are the cloud's own plumbing (read the instances' placements with it)."""
+        self._at_address = at_address
+        self._internal_client = internal_client
         self._lock = threading.Lock()
         self._ec2: Any = None
         self._placements: dict[str, _Placement | None] = {}
@@ -61,12 +65,12 @@ class Routes:
     def blocked(self, address: str | None, service: str) -> str | None:
         """Why the instance at `address` cannot reach `service` (its SigV4 scope's name), or None
         when it can, or when `address` is no instance's."""
-        instance = self.cloud.fleet.at_address(address) if address else None
+        instance = self._at_address(address) if address else None
         if instance is None:
             return None
         with self._lock:
             if self._ec2 is None:
-                self._ec2 = self.cloud.internal_client("ec2")
+                self._ec2 = self._internal_client("ec2")
             placement = self._placement(instance.instance_id)
             if placement is None:
                 return None

@@ -34,12 +34,15 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moto.awslambda.exceptions import InvalidParameterValueException
 from moto.awslambda.models import EventSourceMapping, LambdaBackend
 
 from localcloud.glue import active_cloud
+
+if TYPE_CHECKING:
+    from localcloud.parts import QueueCloud
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +140,7 @@ def failed_message_ids(answer: str, batch_ids: list[str], reports_failures: bool
 class QueuePoller(threading.Thread):
     """Gathers batches from one queue for one mapping and invokes its function with them."""
 
-    def __init__(self, cloud: Any, backend: LambdaBackend, mapping: EventSourceMapping, queue: Any,
+    def __init__(self, cloud: QueueCloud, backend: LambdaBackend, mapping: EventSourceMapping, queue: Any,
                  function: Any) -> None:
         super().__init__(name=f"sqs-poller-{queue.name}", daemon=True)
         from moto.sqs.models import sqs_backends

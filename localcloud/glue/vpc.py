@@ -30,7 +30,7 @@ from localcloud.glue import active_cloud
 from localcloud.glue.ec2 import ec2_backend
 
 if TYPE_CHECKING:
-    from localcloud.cloud import LocalCloud
+    from localcloud.parts import Place
 
 _moto_create_vpc = EC2Backend.create_vpc
 _moto_create_vpc_endpoint = EC2Backend.create_vpc_endpoint
@@ -50,7 +50,7 @@ def _let_members_in(backend: Any, vpc_id: str) -> None:
                                                  source_groups=[{"GroupId": group.id}], vpc_id=vpc_id)
 
 
-def prepare_default_vpc(cloud: LocalCloud) -> None:
+def prepare_default_vpc(cloud: Place) -> None:
     """The cloud's region's default VPC as EC2 makes it (moto may have made it before the cloud
     started, in this process): its internet gateway and default route, its default group's rule."""
     backend = ec2_backend(cloud)
