@@ -92,13 +92,9 @@ def in_state(store: RunStore, run_name: str, state: str) -> bool:
         return False
 
 
-def stepped(store: RunStore, run_name: str) -> bool:
-    """Whether the run's world took its first step: its launch spec is written by then (Launch
-    records the run TRAINING before it writes the spec)."""
-    try:
-        return store.run(run_name).first_step_at is not None
-    except RunNotFound:
-        return False
+def launch_spec_written(s3, bucket: str, run_name: str) -> bool:
+    """Whether Launch wrote the run's launch spec: it records the run TRAINING first."""
+    return bool(s3.list_objects_v2(Bucket=bucket, Prefix=f"runs/{run_name}/launch-spec.json").get("Contents"))
 
 
 def checkpointed(store: RunStore, run_name: str) -> bool:
@@ -182,7 +178,8 @@ def scenarios(cloud, stack_name: str) -> None:
     run_name, attacker = f"run-{uuid.uuid4().hex[:6]}", f"other-{uuid.uuid4().hex[:6]}"
     arn, attacker_arn = (sfn.start_execution(stateMachineArn=machine, name=name, input=json.dumps(
         run_spec(name, outputs["CheckpointBucketName"], subnet, group)))["executionArn"] for name in (run_name, attacker))
-    wait("both runs' first steps", lambda: stepped(store, run_name) and stepped(store, attacker))
+    wait("both runs' launch specs", lambda: all(launch_spec_written(s3, outputs["CheckpointBucketName"], name)
+                                                for name in (run_name, attacker)))
     hostile = hostile_node(cloud, outputs, store, attacker=attacker, victim=run_name)
     wait("the first committed checkpoint", lambda: checkpointed(store, run_name))
     first_nodes = {node.instance_id: node.node_rank for node in store.nodes(run_name)}
