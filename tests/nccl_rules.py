@@ -35,8 +35,8 @@ TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC later (8 minutes) unless that world was aborted
 then (its flight recorder's dump is left out here).
 
 `install(distributed_c10d)` wraps c10d's point-to-point ops, its collectives (all_reduce,
-broadcast, all_gather, all_gather_single, reduce_scatter_single, barrier: the object collectives
-and the deprecated names call these), new_group, init_process_group and _abort_process_group, so
+broadcast, all_gather, barrier, and the tensor gather and reduce-scatter under the names that do
+the work in the torch installed: the object collectives and the deprecated names call these), new_group, init_process_group and _abort_process_group, so
 that every op on a group standing for NCCL follows these rules while the real gloo op underneath
 moves the data. A group stands for NCCL unless it was made with the backend "gloo" by name (the
 checkpoints' and the in-memory copies' own groups, gloo on a GPU node too): the world
@@ -101,9 +101,17 @@ _real: dict[str, object] = {}
 """c10d's own functions, which move the data."""
 _RuledWork = None
 """_RuledWorkMixin over c10d's Work, once installed."""
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_single", "reduce_scatter_single", "barrier")
-"""c10d's collectives that the rules wrap; the others of c10d (object collectives, deprecated
-names) call these."""
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "barrier")
+"""c10d's collectives that the rules wrap, with those of _TENSOR_COLLECTIVES; the others of c10d
+(object collectives, deprecated names) call these."""
+_TENSOR_COLLECTIVES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
+"""The tensor gather and reduce-scatter by their names since torch 2.13, and by the names that did
+the work before it (the trainer supports torch 2.11; since 2.13 the old names call the new)."""
+
+
+def _collectives(c10d) -> list[str]:
+    """The names of c10d's collectives that move the data in the torch installed."""
+    return [*_COLLECTIVES, *(new if hasattr(c10d, new) else old for new, old in _TENSOR_COLLECTIVES.items())]
 
 
 def installed() -> bool:
@@ -120,7 +128,7 @@ def install(c10d) -> None:
     wrappers = {"isend": isend, "irecv": irecv, "batch_isend_irecv": batch_isend_irecv,
                 "init_process_group": init_process_group, "new_group": new_group,
                 "_abort_process_group": _abort_process_group,
-                **{name: _ruled_collective(name) for name in _COLLECTIVES}}
+                **{name: _ruled_collective(name) for name in _collectives(c10d)}}
     for name, wrapper in wrappers.items():
         _real[name] = getattr(c10d, name)
         wrapper.__wrapped__ = _real[name]
@@ -891,8 +899,9 @@ def batch_isend_irecv(p2p_op_list):
     return works
 
 
-_SIZED = {"all_reduce": "tensor", "broadcast": "tensor", "all_gather": "tensor", "all_gather_single": "input_tensor",
-          "reduce_scatter_single": "output", "barrier": None}
+_SIZED = {"all_reduce": "tensor", "broadcast": "tensor", "all_gather": "tensor", "barrier": None,
+          **dict.fromkeys(("all_gather_single", "all_gather_into_tensor"), "input_tensor"),
+          **dict.fromkeys(("reduce_scatter_single", "reduce_scatter_tensor"), "output")}
 """Which argument's bytes each collective's ranks must agree on: the tensor reduced, broadcast or
 given, or the shard received (a barrier moves nothing of the caller's)."""
 
