@@ -204,7 +204,9 @@ FAKE_NODE = {
         "                            start_new_session=True)\n"
         "open('torchrun', 'w').write(str(torchrun.pid))\n"
         "time.sleep(300)\n"),
-    "trainer/worker.py": "import time\ntime.sleep(300)\n",
+    # A rank says it runs once it is one: a rank run in place takes its name a moment after its
+    # parent learnt its pid.
+    "trainer/worker.py": "import os, pathlib, time\npathlib.Path(f'running-{os.getpid()}').touch()\ntime.sleep(300)\n",
 }
 
 
@@ -235,8 +237,11 @@ def start_fake_node(cloud, tags: dict[str, str] | None = None) -> tuple[str, dic
     instance_id = cloud.client("ec2").run_instances(**request)["Instances"][0]["InstanceId"]
     cloud.fleet.wait_for_state(instance_id, "running")
     workdir = cloud.fleet.get(instance_id).workdir
-    cloud.wait_until(lambda: (workdir / "ranks").exists() and (workdir / "ranks").read_text(),
-                     "the ranks to start")
+
+    def ranks() -> list[int]:
+        return sorted(int(pid) for pid in (workdir / "ranks").read_text().split()) if (workdir / "ranks").exists() else []
+
+    cloud.wait_until(lambda: ranks() and all((workdir / f"running-{pid}").exists() for pid in ranks()),
+                     "the ranks to run")
     return instance_id, {"agent": [cloud.fleet.get(instance_id).process.pid],
-                         "torchrun": [int((workdir / "torchrun").read_text())],
-                         "trainer": sorted(int(pid) for pid in (workdir / "ranks").read_text().split())}
+                         "torchrun": [int((workdir / "torchrun").read_text())], "trainer": ranks()}
