@@ -29,6 +29,14 @@ def run_scenario(script: str, *args: str) -> dict[str, Any]:
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
+def forget_functions() -> None:
+    """Drop every module of the `functions` package this process imported, so that the next
+    import (a test's, or a local cloud's of its deployed copy) executes it afresh. sys.modules is
+    copied first: the local cloud's threads may be importing meanwhile."""
+    for name in [name for name in list(sys.modules) if name == "functions" or name.startswith("functions.")]:
+        sys.modules.pop(name, None)
+
+
 def remove_rules(events, name_prefix: str) -> None:
     """Delete the EventBridge rules (and their targets) whose names start with `name_prefix`, on
     every bus: a schedule left behind would go on firing into the next local cloud of the process."""

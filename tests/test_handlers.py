@@ -10,7 +10,6 @@ import json
 import logging
 import math
 import os
-import sys
 import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -28,7 +27,7 @@ from trainfleet.core.records import (FAILURE_ERROR, CheckpointRef, FailureClass,
 from trainfleet.core.runspec import RunSpec
 
 from localcloud.glue import ec2 as ec2_glue
-from localcloud_helpers import node_network_from_template, table_from_template
+from localcloud_helpers import forget_functions, node_network_from_template, table_from_template
 
 REPO = Path(__file__).resolve().parent.parent
 STACK = "handlers-test"
@@ -78,7 +77,7 @@ def handlers(cloud, resources, node_network, monkeypatch):
         monkeypatch.setenv(name, value)
     # A copy imported before these settings (by another test in this process) would keep its
     # module-level clients and its Metrics without a namespace.
-    _forget_functions()
+    forget_functions()
     import functions.agent_events
     import functions.allocate
     import functions.await_nodes
@@ -89,12 +88,7 @@ def handlers(cloud, resources, node_network, monkeypatch):
     import functions.validate
 
     yield functions
-    _forget_functions()
-
-
-def _forget_functions() -> None:
-    for module in [name for name in sys.modules if name == "functions" or name.startswith("functions.")]:
-        del sys.modules[module]
+    forget_functions()
 
 
 class Context:
@@ -380,7 +374,7 @@ def test_validate_resumes_only_an_ended_run_of_this_model_that_committed_a_check
             r"trainer.training.init_from \(weights to start from\) cannot be given with it",
             resume_from="ended-run", trainer=initialised)
     refused(r"resume_from: run 'ended-run' is REQUESTED: a run resumes one that has ended \(`trainfleet run stop "
-            "ended-run` ends it\)", resume_from="ended-run")
+            r"ended-run` ends it\)", resume_from="ended-run")
     for state in (RunState.TEARING_DOWN, RunState.FAILED):
         store.transition_run("ended-run", state)
     refused("resume_from: run 'ended-run' committed no checkpoint under "

@@ -14,7 +14,7 @@ from botocore.exceptions import ClientError
 from localcloud.deploy import DeployRequest, deploy
 from localcloud.imds import serve_fleet
 from localcloud.node_boot import publish_artifacts
-from localcloud_helpers import event_sink, receive
+from localcloud_helpers import event_sink, forget_functions, receive
 from trainfleet.adapters.ec2_fleet import BOOT_STEP_TRIES, node_user_data, user_data_settings
 from trainfleet.adapters.node_roles import ensure_node_profile
 from trainfleet.core.events import BOOT_CHECK, NodeUnhealthy
@@ -29,8 +29,7 @@ def deployed_functions_dropped():
     """The instances' state changes reach the deployed EventsFunction, which imports the
     deployed copy of `functions` in this process; later tests import the working tree's."""
     yield
-    for module in [name for name in sys.modules if name == "functions" or name.startswith("functions.")]:
-        del sys.modules[module]
+    forget_functions()
 
 
 def boot_one_node(cloud, outputs, stack_name: str, profile_arn: str) -> str:

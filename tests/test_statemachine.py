@@ -6,12 +6,12 @@ import inspect
 import json
 import math
 import pkgutil
-import sys
 from pathlib import Path
 
 import pytest
 
 import trainfleet
+from localcloud_helpers import forget_functions
 from trainfleet.core.records import FAILURE_ERROR
 from trainfleet.operator.validate import substituted_definitions
 
@@ -62,8 +62,7 @@ def exception_classes() -> dict[str, type]:
                         and value.__module__ == module.__name__):
                     found[name] = value
     yield found
-    for module in [name for name in sys.modules if name == "functions" or name.startswith("functions.")]:
-        del sys.modules[module]
+    forget_functions()
 
 
 def _error_names(asl: dict) -> set[str]:
