@@ -247,7 +247,8 @@ def start_fake_node(cloud, tags: dict[str, str] | None = None) -> tuple[str, dic
     workdir = cloud.fleet.get(instance_id).workdir
 
     def ranks() -> list[int]:
-        return sorted(int(pid) for pid in (workdir / "ranks").read_text().split()) if (workdir / "ranks").exists() else []
+        listed = workdir / "ranks"
+        return sorted(int(pid) for pid in listed.read_text().split()) if listed.exists() else []
 
     cloud.wait_until(lambda: ranks() and all((workdir / f"running-{pid}").exists() for pid in ranks()),
                      "the ranks to run")

@@ -36,9 +36,9 @@ then (its flight recorder's dump is left out here).
 
 `install(distributed_c10d)` wraps c10d's point-to-point ops, its collectives (all_reduce,
 broadcast, all_gather, barrier, and the tensor gather and reduce-scatter under the names that do
-the work in the torch installed: the object collectives and the deprecated names call these), new_group, init_process_group and _abort_process_group, so
-that every op on a group standing for NCCL follows these rules while the real gloo op underneath
-moves the data. A group stands for NCCL unless it was made with the backend "gloo" by name (the
+the work in the torch installed: the object collectives and the deprecated names call these),
+new_group, init_process_group and _abort_process_group, so that every op on a group standing for
+NCCL follows these rules while the real gloo op underneath moves the data. A group stands for NCCL unless it was made with the backend "gloo" by name (the
 checkpoints' and the in-memory copies' own groups, gloo on a GPU node too): the world
 init_process_group starts, and the groups made without a backend (DeviceMesh's). Each rank
 publishes in the default group's store what it has issued on each communicator and what its
